@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Builds the extension, runs every test (CUDA ones included), the KernelBench-style check and the
+# benchmark on a GPU machine, in one go.  Logs and results go to the folder given.
+#   usage: scripts/gpu_check.sh OUTDIR [extra args for `flashopm bench`]
+set -uo pipefail
+out=${1:?usage: scripts/gpu_check.sh OUTDIR [bench args]}
+shift
+mkdir -p "$out"
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 MAX_JOBS="${MAX_JOBS:-16}"
+export FLASHOPM_CACHE_DIR="${FLASHOPM_CACHE_DIR:-/tmp/flashopm-cache}"
+py=${PYTHON:-python3}
+
+{ nvidia-smi; $py -m flashopm info; } >"$out/env.txt" 2>&1
+status=0
+( time $py -c "import flashopm._build as b; print(b.load())" ) >"$out/build.log" 2>&1 || status=1
+tail -n 3 "$out/build.log"
+if [ $status -eq 0 ]; then
+  $py -m pytest -q -rs tests 2>&1 | tee "$out/tests.log" | tail -n 25 || status=1
+  $py -m flashopm check 2>&1 | tee "$out/check.log" | tail -n 4 || status=1
+  $py -m flashopm bench --out "$out" "$@" 2>&1 | tee "$out/bench.log" | tail -n 20 || status=1
+fi
+exit $status

@@ -1,0 +1,19 @@
+"""flashopm: a fused, exact Outer-Product Mean for PyTorch.
+
+Importing never compiles anything; the CUDA extension is built on the first CUDA call.
+"""
+from . import ops  # noqa: F401  (registers the op schemas)
+from .functional import outer_product_mean
+from .modules import ModelNew
+from .reference import Model, get_init_inputs, get_inputs, outer_product_mean_reference
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Model",
+    "ModelNew",
+    "get_init_inputs",
+    "get_inputs",
+    "outer_product_mean",
+    "outer_product_mean_reference",
+]

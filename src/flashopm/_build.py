@@ -1,0 +1,178 @@
+"""Just-in-time build of the CUDA extension with `torch.utils.cpp_extension.load_inline`.
+
+The build is lazy (first CUDA call), cached on disk under a name that hashes the sources, the
+torch and CUDA versions and the target architectures, and safe when several processes build at
+once (an exclusive file lock around the build).  Loading the library registers the CUDA kernel of
+`torch.ops.flashopm.outer_product_mean` with the dispatcher; the schema itself lives in `ops.py`.
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import re
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+CSRC_DIR = Path(__file__).resolve().parent / "csrc"
+SOURCES = ("opm_kernels.cuh", "opm_forward.cu")
+NVCC_FLAGS = ("-O3", "-lineinfo", "--expt-relaxed-constexpr")
+
+_lock = threading.Lock()
+_library_path: str | None = None  # set once the extension is loaded
+
+
+class BuildError(RuntimeError):
+    """The CUDA extension could not be built or loaded."""
+
+
+def is_loaded() -> bool:
+    return _library_path is not None
+
+
+def cache_root() -> Path:
+    """Where built extensions live: $FLASHOPM_CACHE_DIR, else ~/.cache/flashopm."""
+    env = os.environ.get("FLASHOPM_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "flashopm"
+
+
+def arch_list() -> list[str]:
+    """Target architectures: $TORCH_CUDA_ARCH_LIST if set, else the current device's capability."""
+    env = os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip()
+    if env:
+        return [a for a in re.split(r"[;\s]+", env) if a]
+    if not torch.cuda.is_available():
+        raise BuildError(
+            "flashopm: no CUDA device is visible and TORCH_CUDA_ARCH_LIST is not set; "
+            "set it (e.g. TORCH_CUDA_ARCH_LIST=9.0) to build without a GPU"
+        )
+    major, minor = torch.cuda.get_device_capability()
+    return [f"{major}.{minor}"]
+
+
+def gencode_flags(archs: list[str]) -> list[str]:
+    """'9.0' -> sm_90 machine code; '9.0+PTX' adds PTX; '9.0a' targets sm_90a."""
+    flags = []
+    for arch in archs:
+        ptx = arch.endswith("+PTX")
+        num = arch.replace("+PTX", "")
+        m = re.fullmatch(r"(\d+)\.(\d+)([af]?)", num)
+        if not m:
+            raise BuildError(f"flashopm: cannot read architecture {arch!r} in TORCH_CUDA_ARCH_LIST")
+        cc = f"{m.group(1)}{m.group(2)}{m.group(3)}"
+        flags.append(f"-gencode=arch=compute_{cc},code=sm_{cc}")
+        if ptx:
+            flags.append(f"-gencode=arch=compute_{cc},code=compute_{cc}")
+    return flags
+
+
+def cuda_home() -> str:
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    if CUDA_HOME is None or not Path(CUDA_HOME, "bin", "nvcc").exists():
+        raise BuildError(
+            "flashopm: the CUDA toolkit was not found; set CUDA_HOME to its folder "
+            "(the one holding bin/nvcc, e.g. /usr/local/cuda)"
+        )
+    return CUDA_HOME
+
+
+def nvcc_version(home: str) -> tuple[int, int]:
+    out = subprocess.run(
+        [str(Path(home, "bin", "nvcc")), "--version"], capture_output=True, text=True, check=False
+    ).stdout
+    m = re.search(r"release (\d+)\.(\d+)", out)
+    if not m:
+        raise BuildError(f"flashopm: could not read the version of {home}/bin/nvcc:\n{out}")
+    return int(m.group(1)), int(m.group(2))
+
+
+def check_toolchain() -> str:
+    """Returns CUDA_HOME after checking that nvcc's major version matches torch's CUDA."""
+    if torch.version.cuda is None:
+        raise BuildError(
+            f"flashopm: this torch ({torch.__version__}) is a CPU-only build; "
+            "the CUDA kernels need a CUDA build of torch"
+        )
+    home = cuda_home()
+    nv_major, nv_minor = nvcc_version(home)
+    torch_major = int(torch.version.cuda.split(".")[0])
+    if nv_major != torch_major:
+        raise BuildError(
+            f"flashopm: nvcc at {home} is CUDA {nv_major}.{nv_minor} but torch {torch.__version__} "
+            f"was built with CUDA {torch.version.cuda}; the major versions must match "
+            "(point CUDA_HOME at a matching toolkit)"
+        )
+    return home
+
+
+def read_sources() -> dict[str, str]:
+    return {name: (CSRC_DIR / name).read_text() for name in SOURCES}
+
+
+def extension_name(sources: dict[str, str], archs: list[str]) -> str:
+    h = hashlib.sha256()
+    for name, text in sorted(sources.items()):
+        h.update(name.encode())
+        h.update(text.encode())
+    for part in (torch.__version__, str(torch.version.cuda), ";".join(archs), " ".join(NVCC_FLAGS)):
+        h.update(part.encode())
+    return f"flashopm_ext_{h.hexdigest()[:16]}"
+
+
+def load(verbose: bool = False) -> str:
+    """Builds (if needed) and loads the extension; returns the path of the shared library."""
+    global _library_path
+    with _lock:
+        if _library_path is not None:
+            return _library_path
+        check_toolchain()
+        archs = arch_list()
+        sources = read_sources()
+        name = extension_name(sources, archs)
+        build_dir = cache_root() / name
+        build_dir.mkdir(parents=True, exist_ok=True)
+        library = build_dir / f"{name}.so"
+        with open(build_dir / "flashopm.lock", "w") as lock_file:
+            fcntl.flock(lock_file, fcntl.LOCK_EX)
+            try:
+                if not library.exists():
+                    print(
+                        f"flashopm: compiling the CUDA extension for sm {','.join(archs)} "
+                        f"into {build_dir} (once; about a minute)",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    # torch's own build lock: under ours nobody else is building, so a leftover
+                    # one is stale (its process died) and would block forever.
+                    (build_dir / "lock").unlink(missing_ok=True)
+                path = _load_inline(name, sources, archs, build_dir, verbose)
+            except BuildError:
+                raise
+            except Exception as exc:  # the compiler's message is in exc
+                raise BuildError(f"flashopm: building the CUDA extension failed:\n{exc}") from exc
+            finally:
+                fcntl.flock(lock_file, fcntl.LOCK_UN)
+        _library_path = path
+        return path
+
+
+def _load_inline(name: str, sources: dict[str, str], archs: list[str], build_dir: Path, verbose: bool) -> str:
+    from torch.utils.cpp_extension import load_inline
+
+    return load_inline(
+        name=name,
+        cpp_sources=[""],
+        cuda_sources=[sources["opm_forward.cu"]],
+        extra_include_paths=[str(CSRC_DIR)],
+        extra_cflags=["-O3"],
+        extra_cuda_cflags=[*NVCC_FLAGS, *gencode_flags(archs)],
+        build_directory=str(build_dir),
+        is_python_module=False,
+        no_implicit_headers=True,
+        verbose=verbose,
+    )

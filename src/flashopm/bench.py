@@ -1,0 +1,116 @@
+"""Timing and memory measurement on the GPU, shared by the benchmark CLI and the tests."""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+
+@dataclass
+class Timing:
+    median_us: float
+    p10_us: float
+    p90_us: float
+    n: int
+
+    def __str__(self) -> str:
+        return f"{self.median_us:9.1f} us [{self.p10_us:.1f}, {self.p90_us:.1f}]"
+
+
+def _quantiles(samples: list[float]) -> Timing:
+    s = sorted(samples)
+    q = lambda f: s[min(len(s) - 1, int(f * len(s)))]  # noqa: E731
+    return Timing(statistics.median(s), q(0.1), q(0.9), len(s))
+
+
+class L2Flusher:
+    """Writes a buffer larger than the L2 cache, so that each timed call starts cold."""
+
+    def __init__(self, device=None):
+        props = torch.cuda.get_device_properties(device)
+        size = max(2 * int(getattr(props, "L2_cache_size", 64 << 20)), 64 << 20)
+        self.buf = torch.empty(size // 4, dtype=torch.float32, device=device)
+
+    def __call__(self):
+        self.buf.fill_(1.0)
+
+
+def time_wall(fn: Callable[[], object], n: int = 100, warmup: int = 10, flush_l2: bool = True) -> Timing:
+    """Wall time per call the way KernelBench measures it: CUDA events around each call, with a
+    synchronize (and an L2 flush) between calls.  Median and 10th/90th percentiles in µs."""
+    flusher = L2Flusher() if flush_l2 else None
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    samples = []
+    for _ in range(n):
+        if flusher is not None:
+            flusher()
+        torch.cuda.synchronize()
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3)
+    return _quantiles(samples)
+
+
+def time_graph(fn: Callable[[], object], n: int = 100, warmup: int = 3, repeats: int = 5) -> Timing | None:
+    """GPU time per call from CUDA-graph replay (launch gaps and host time removed): a graph of
+    `n` calls is replayed `repeats` times; per-call time of each replay.  None if not capturable."""
+    try:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(warmup):
+                fn()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(n):
+                fn()
+    except RuntimeError:
+        torch.cuda.synchronize()
+        return None
+    g.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    samples = []
+    for _ in range(repeats):
+        start.record()
+        g.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3 / n)
+    del g
+    return _quantiles(samples)
+
+
+def peak_extra_bytes(fn: Callable[[], object]) -> tuple[int, object]:
+    """Peak memory allocated during fn() above what was allocated before it (the result included)."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base, out
+
+
+def is_oom(exc: BaseException) -> bool:
+    return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc)
+
+
+def gemm_tflops(dtype: torch.dtype, n: int = 8192, tf32: bool = False) -> float:
+    """The GPU's GEMM rate for `dtype` through PyTorch (cuBLAS), measured now: the ceiling."""
+    a = torch.randn(n, n, device="cuda", dtype=dtype)
+    b = torch.randn(n, n, device="cuda", dtype=dtype)
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    try:
+        t = time_wall(lambda: a @ b, n=10, warmup=3, flush_l2=False)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev
+    return 2 * n**3 / (t.median_us * 1e-6) / 1e12

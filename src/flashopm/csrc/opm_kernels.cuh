@@ -1,0 +1,581 @@
+// Device kernels of the fused Outer-Product Mean forward.
+//
+// Notation: x (B, S, N, C) MSA features, m (B, S, N) mask, H hidden width, D pair width.
+//   a[b,s,n,:] = (LayerNorm(x[b,s,n,:]) · Wa^T + ba) * m[b,s,n]          (likewise b with Wb, bb)
+//   out[b,i,j,d] = (sum_{h1,h2} W[d, h1*H+h2] * sum_s a[b,s,i,h1] b[b,s,j,h2]) / den[b,i] + bias[d]
+//   den[b,i] = max(sum_s m[b,s,i], 1)
+//
+// Two orders of contraction are implemented; the host picks the cheaper one (see opm_forward.cu):
+//   outer-first   : O = sum_s a (x) b per tile of (i, j) pairs, kept on chip, then O · W^T.
+//                   2·B·N²·H²·(S + D) FLOPs, workspace O(B·S·N·H).
+//   project-first : c[b,s,j,h1,:] = sum_h2 W[:, h1*H+h2] b[b,s,j,h2] first, then one GEMM over
+//                   K = (s, h1).  2·B·S·N·H·D·(H + N) FLOPs, workspace O(B·S·N·H·D); wins when S is small.
+#pragma once
+
+#include <cstdint>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+namespace flashopm {
+
+// ---------------------------------------------------------------------------------------------
+// Small helpers
+// ---------------------------------------------------------------------------------------------
+
+enum MaskKind : int { kMaskFloat = 0, kMaskBool = 1, kMaskHalf = 2, kMaskBFloat16 = 3 };
+
+__device__ __forceinline__ float load_mask(const void* base, int64_t idx, int kind) {
+  switch (kind) {
+    case kMaskBool: return static_cast<const bool*>(base)[idx] ? 1.f : 0.f;
+    case kMaskHalf: return __half2float(static_cast<const __half*>(base)[idx]);
+    case kMaskBFloat16: return __bfloat162float(static_cast<const __nv_bfloat16*>(base)[idx]);
+    default: return static_cast<const float*>(base)[idx];
+  }
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+  return v;
+}
+
+// 4-byte asynchronous global->shared copy; when `valid` is false the destination is zero-filled
+// and the source is not read.
+__device__ __forceinline__ void cp_async4(float* dst, const float* src, bool valid) {
+  const unsigned dst_addr = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  const int src_bytes = valid ? 4 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst_addr), "l"(src),
+               "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::); }
+
+// ---------------------------------------------------------------------------------------------
+// Kernel 1: LayerNorm + both projections + mask (+ the W-projection of b, project-first only)
+// ---------------------------------------------------------------------------------------------
+
+struct PrepArgs {
+  const float* x;  // (B, S, N, C), unit stride along C
+  int64_t x_sb, x_ss, x_sn;
+  const void* mask;  // (B, S, N), any strides
+  int64_t m_sb, m_ss, m_sn;
+  int mask_kind;
+  const float* ln_w;
+  const float* ln_b;
+  float ln_eps;
+  const float* wa;  // (H, C)
+  const float* ba;  // (H) or null
+  const float* wb;
+  const float* bb;
+  const float* w_out;  // (D, H*H), project-first only
+  float* a_out;        // strides below, unit stride along H
+  int64_t a_sb, a_ss, a_sn;
+  float* b_out;  // outer-first only, same strides convention
+  int64_t b_sb, b_ss, b_sn;
+  float* c_out;  // project-first only: (B, S, H, N, D)
+  float* den;    // (B, N)
+  int B, S, N, C, H, D;
+  int o_chunks;  // project-first: columns (h1, d) handled in chunks of kPrepThreads per block
+};
+
+constexpr int kPrepWarps = 8;
+constexpr int kPrepThreads = kPrepWarps * 32;
+constexpr int kPrepKC = 32;            // features of C staged per step
+constexpr int kPrepWStride = 257;      // odd stride: conflict-free transposed stores
+constexpr int kMaxHidden = 64;
+
+__host__ __device__ inline int round_up4(int v) { return (v + 3) & ~3; }
+
+// Shared memory (floats) used by opm_prep_kernel.
+__host__ __device__ inline int64_t prep_smem_floats(int H, int rows_per_warp, bool project_w) {
+  const int Q = (2 * H + 31) / 32;
+  int64_t proj = int64_t(kPrepKC) * (2 * H + 1) + 32 * Q            // weight chunk (+ slack)
+                 + int64_t(kPrepWarps) * rows_per_warp * kPrepKC;   // normalised rows
+  int64_t total = proj;
+  if (project_w) {
+    const int64_t wsm = int64_t(round_up4(H)) * kPrepWStride;
+    total = (proj > wsm ? proj : wsm) + int64_t(kPrepWarps) * rows_per_warp * round_up4(H);
+  }
+  return total;
+}
+
+// One block: one (b, s), kPrepWarps*RW consecutive positions n; in project-first mode also one
+// chunk of kPrepThreads output columns (h1, d) of c.
+// Q = ceil(2H/32) projection outputs per lane, RW rows per warp.
+template <int Q, int RW, bool kProjectW>
+__global__ void __launch_bounds__(kPrepThreads, 2) opm_prep_kernel(const PrepArgs p) {
+  extern __shared__ float4 smem_f4[];
+  float* smem = reinterpret_cast<float*>(smem_f4);
+  constexpr int R = kPrepWarps * RW;
+  const int H = p.H, H2 = 2 * p.H, C = p.C;
+  const int ws_stride = H2 + 1;
+  float* ws = smem;                                     // [KC][2H+1]
+  float* xs = ws + kPrepKC * ws_stride + 32 * Q;        // [R][KC]
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int b = blockIdx.z, s = blockIdx.y;
+  const int nblk = kProjectW ? blockIdx.x / p.o_chunks : blockIdx.x;
+  const int ochunk = kProjectW ? blockIdx.x % p.o_chunks : 0;
+  const int n_base = nblk * R;
+
+  // LayerNorm statistics, two passes over the row (the second pass hits L1).
+  const float* xrow[RW];
+  float mean[RW], rstd[RW];
+#pragma unroll
+  for (int r = 0; r < RW; ++r) {
+    const int n = min(n_base + warp * RW + r, p.N - 1);
+    xrow[r] = p.x + int64_t(b) * p.x_sb + int64_t(s) * p.x_ss + int64_t(n) * p.x_sn;
+    float sum = 0.f;
+    for (int c = lane; c < C; c += 32) sum += xrow[r][c];
+    mean[r] = warp_sum(sum) / C;
+    float sq = 0.f;
+    for (int c = lane; c < C; c += 32) {
+      const float d = xrow[r][c] - mean[r];
+      sq += d * d;
+    }
+    rstd[r] = rsqrtf(warp_sum(sq) / C + p.ln_eps);
+  }
+
+  float acc[RW][Q];
+#pragma unroll
+  for (int r = 0; r < RW; ++r)
+#pragma unroll
+    for (int q = 0; q < Q; ++q) acc[r][q] = 0.f;
+
+  for (int c0 = 0; c0 < C; c0 += kPrepKC) {
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < H2 * kPrepKC; idx += kPrepThreads) {
+      const int o = idx / kPrepKC, k = idx - o * kPrepKC, c = c0 + k;
+      float w = 0.f;
+      if (c < C) w = o < H ? p.wa[int64_t(o) * C + c] : p.wb[int64_t(o - H) * C + c];
+      ws[k * ws_stride + o] = w;
+    }
+#pragma unroll
+    for (int r = 0; r < RW; ++r) {
+      const int c = c0 + lane;
+      float v = 0.f;
+      if (c < C) v = (xrow[r][c] - mean[r]) * rstd[r] * p.ln_w[c] + p.ln_b[c];
+      xs[(warp * RW + r) * kPrepKC + lane] = v;
+    }
+    __syncthreads();
+#pragma unroll 8
+    for (int k = 0; k < kPrepKC; ++k) {
+      float xv[RW];
+#pragma unroll
+      for (int r = 0; r < RW; ++r) xv[r] = xs[(warp * RW + r) * kPrepKC + k];
+#pragma unroll
+      for (int q = 0; q < Q; ++q) {
+        const float w = ws[k * ws_stride + lane + 32 * q];
+#pragma unroll
+        for (int r = 0; r < RW; ++r) acc[r][q] = fmaf(xv[r], w, acc[r][q]);
+      }
+    }
+  }
+
+  // Bias, mask, store.  In project-first mode b stays in shared memory (zero rows past N).
+  const int Hp = round_up4(H);
+  float* bs = smem + (prep_smem_floats(H, RW, kProjectW) - int64_t(R) * Hp);  // [R][Hp]
+#pragma unroll
+  for (int r = 0; r < RW; ++r) {
+    const int row = warp * RW + r;
+    const int n = n_base + row;
+    const bool valid = n < p.N;
+    const float mv =
+        valid ? load_mask(p.mask, int64_t(b) * p.m_sb + int64_t(s) * p.m_ss + int64_t(n) * p.m_sn,
+                          p.mask_kind)
+              : 0.f;
+#pragma unroll
+    for (int q = 0; q < Q; ++q) {
+      const int o = lane + 32 * q;
+      if (o < H) {
+        if (valid && ochunk == 0) {
+          const float v = (acc[r][q] + (p.ba ? p.ba[o] : 0.f)) * mv;
+          p.a_out[int64_t(b) * p.a_sb + int64_t(s) * p.a_ss + int64_t(n) * p.a_sn + o] = v;
+        }
+      } else if (o < H2) {
+        const int h = o - H;
+        const float v = valid ? (acc[r][q] + (p.bb ? p.bb[h] : 0.f)) * mv : 0.f;
+        if (kProjectW) {
+          bs[row * Hp + h] = v;
+        } else if (valid) {
+          p.b_out[int64_t(b) * p.b_sb + int64_t(s) * p.b_ss + int64_t(n) * p.b_sn + h] = v;
+        }
+      } else if (kProjectW && o < H + Hp) {
+        bs[row * Hp + (o - H)] = 0.f;  // padding read by the float4 loop below
+      }
+    }
+  }
+
+  // Denominators: one block per (b, position block) does the reduction over S.
+  if (s == 0 && ochunk == 0) {
+#pragma unroll
+    for (int r = 0; r < RW; ++r) {
+      const int n = n_base + warp * RW + r;
+      if (n >= p.N) continue;
+      float sum = 0.f;
+      for (int ss = lane; ss < p.S; ss += 32)
+        sum += load_mask(p.mask, int64_t(b) * p.m_sb + int64_t(ss) * p.m_ss + int64_t(n) * p.m_sn,
+                         p.mask_kind);
+      sum = warp_sum(sum);
+      if (lane == 0) p.den[int64_t(b) * p.N + n] = fmaxf(sum, 1.f);
+    }
+  }
+
+  if constexpr (kProjectW) {
+    // c[b, s, h1, n, d] = sum_h2 W[d, h1*H + h2] * b[n, h2], for the columns o = h1*D + d of
+    // this block's chunk.  One thread per column; W^T staged in shared memory.
+    float* wsm = smem;  // [Hp][kPrepWStride], aliases ws/xs (no longer needed)
+    const int HD = H * p.D;
+    const int o = ochunk * kPrepThreads + threadIdx.x;
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < kPrepThreads * Hp; idx += kPrepThreads) {
+      const int ol = idx / Hp, h2 = idx - ol * Hp;
+      const int oo = ochunk * kPrepThreads + ol;
+      float w = 0.f;
+      if (oo < HD && h2 < H) {
+        const int h1 = oo / p.D, d = oo - h1 * p.D;
+        w = p.w_out[int64_t(d) * H * H + h1 * H + h2];
+      }
+      wsm[h2 * kPrepWStride + ol] = w;
+    }
+    __syncthreads();
+    float cacc[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) cacc[r] = 0.f;
+    for (int h2 = 0; h2 < Hp; h2 += 4) {
+      float w[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) w[u] = wsm[(h2 + u) * kPrepWStride + threadIdx.x];
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const float4 bv = *reinterpret_cast<const float4*>(&bs[r * Hp + h2]);
+        cacc[r] = fmaf(bv.x, w[0], cacc[r]);
+        cacc[r] = fmaf(bv.y, w[1], cacc[r]);
+        cacc[r] = fmaf(bv.z, w[2], cacc[r]);
+        cacc[r] = fmaf(bv.w, w[3], cacc[r]);
+      }
+    }
+    if (o < HD) {
+      const int h1 = o / p.D, d = o - h1 * p.D;
+      float* dst = p.c_out + ((int64_t(b) * p.S + s) * H + h1) * int64_t(p.N) * p.D + d;
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const int n = n_base + r;
+        if (n < p.N) dst[int64_t(n) * p.D] = cacc[r];
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Kernel 2a (outer-first): per block a tile of Ti x Tj pairs (i, j).
+//   phase 1: O[(i,h1), (j,h2)] = sum_s a[s,i,h1] b[s,j,h2], a (Ti·H <= 128) x (Tj·H <= 256) GEMM
+//            with K = S, accumulators in registers, then parked in shared memory;
+//   phase 2: out[(i,j), d] = sum_k O[(i,j), k] W[d, k] over k = (h1, h2), W streamed through
+//            shared memory; epilogue divides by den[i] and adds the bias.
+// Nothing of O leaves the chip.
+// ---------------------------------------------------------------------------------------------
+
+struct OuterArgs {
+  const float* a;  // (B, S, N, H) contiguous
+  const float* b;  // (B, S, N, H) contiguous
+  const float* den;
+  const float* w_out;  // (D, H*H)
+  const float* bias;   // (D) or null
+  float* out;          // (B, N, N, D)
+  int B, S, N, H, D;
+  int Ti, Tj;  // pairs per tile along i and j
+};
+
+constexpr int kOuterThreads = 256;
+constexpr int kOuterMT = 128;          // phase-1 tile rows (i, h1)
+constexpr int kOuterNT = 256;          // phase-1 tile cols (j, h2)
+constexpr int kOuterBK = 8;            // S steps per stage
+constexpr int kOuterOStride = kOuterNT + 4;
+constexpr int kOuterKC = 32;           // k = (h1, h2) steps per W stage
+constexpr int kOuterWStride = 128 + 1;
+constexpr int kOuterStageFloats = 2 * kOuterBK * (kOuterMT + kOuterNT);
+constexpr int kOuterWFloats = 2 * kOuterKC * kOuterWStride;
+constexpr int kOuterSmemBytes =
+    (kOuterMT * kOuterOStride +
+     (kOuterStageFloats > kOuterWFloats ? kOuterStageFloats : kOuterWFloats)) *
+    4;
+
+template <bool kVec4>  // kVec4: H % 4 == 0, so 4 consecutive k share h1
+__global__ void __launch_bounds__(kOuterThreads, 1) opm_outer_fused_kernel(const OuterArgs p) {
+  extern __shared__ float4 smem_f4[];
+  float* Os = reinterpret_cast<float*>(smem_f4);      // [MT][OStride]
+  float* stage = Os + kOuterMT * kOuterOStride;        // phase 1: A/B stages; phase 2: W stages
+  const int H = p.H, N = p.N, S = p.S, D = p.D;
+  const int b = blockIdx.z;
+  const int i0 = blockIdx.y * p.Ti, j0 = blockIdx.x * p.Tj;
+  const int MT = p.Ti * H, NT = p.Tj * H;
+  const int tid = threadIdx.x;
+  const int64_t NH = int64_t(N) * H;
+
+  // ---------------- phase 1 ----------------
+  const int tx = tid & 15, ty = tid >> 4;
+  float acc[8][16];
+#pragma unroll
+  for (int r = 0; r < 8; ++r)
+#pragma unroll
+    for (int c = 0; c < 16; ++c) acc[r][c] = 0.f;
+
+  const int a_lim = min(MT, int((N - i0) * H));  // valid rows of this tile
+  const int b_lim = min(NT, int((N - j0) * H));
+  const float* a_base = p.a + int64_t(b) * S * NH + int64_t(i0) * H;
+  const float* b_base = p.b + int64_t(b) * S * NH + int64_t(j0) * H;
+
+  auto load_stage = [&](int buf, int s0) {
+    float* As = stage + buf * kOuterBK * (kOuterMT + kOuterNT);
+    float* Bs = As + kOuterBK * kOuterMT;
+#pragma unroll
+    for (int u = 0; u < kOuterBK * kOuterMT / kOuterThreads; ++u) {
+      const int idx = tid + u * kOuterThreads;
+      const int k = idx / kOuterMT, m = idx % kOuterMT;
+      const bool ok = (s0 + k < S) && (m < a_lim);
+      cp_async4(&As[idx], a_base + (ok ? int64_t(s0 + k) * NH + m : 0), ok);
+    }
+#pragma unroll
+    for (int u = 0; u < kOuterBK * kOuterNT / kOuterThreads; ++u) {
+      const int idx = tid + u * kOuterThreads;
+      const int k = idx / kOuterNT, n = idx % kOuterNT;
+      const bool ok = (s0 + k < S) && (n < b_lim);
+      cp_async4(&Bs[idx], b_base + (ok ? int64_t(s0 + k) * NH + n : 0), ok);
+    }
+    cp_async_commit();
+  };
+
+  const int n_stages = (S + kOuterBK - 1) / kOuterBK;
+  if (n_stages > 0) load_stage(0, 0);
+  for (int st = 0; st < n_stages; ++st) {
+    cp_async_wait_all();
+    __syncthreads();
+    if (st + 1 < n_stages) load_stage((st + 1) & 1, (st + 1) * kOuterBK);
+    const float* As = stage + (st & 1) * kOuterBK * (kOuterMT + kOuterNT);
+    const float* Bs = As + kOuterBK * kOuterMT;
+#pragma unroll
+    for (int k = 0; k < kOuterBK; ++k) {
+      float av[8], bv[16];
+      *reinterpret_cast<float4*>(&av[0]) = *reinterpret_cast<const float4*>(&As[k * kOuterMT + ty * 4]);
+      *reinterpret_cast<float4*>(&av[4]) =
+          *reinterpret_cast<const float4*>(&As[k * kOuterMT + 64 + ty * 4]);
+#pragma unroll
+      for (int q = 0; q < 4; ++q)
+        *reinterpret_cast<float4*>(&bv[4 * q]) =
+            *reinterpret_cast<const float4*>(&Bs[k * kOuterNT + 64 * q + tx * 4]);
+#pragma unroll
+      for (int r = 0; r < 8; ++r)
+#pragma unroll
+        for (int c = 0; c < 16; ++c) acc[r][c] = fmaf(av[r], bv[c], acc[r][c]);
+    }
+  }
+  __syncthreads();  // all reads of the last stage done before W stages reuse the space
+#pragma unroll
+  for (int r = 0; r < 8; ++r) {
+    const int m = (r < 4) ? ty * 4 + r : 64 + ty * 4 + (r - 4);
+#pragma unroll
+    for (int q = 0; q < 4; ++q)
+      *reinterpret_cast<float4*>(&Os[m * kOuterOStride + 64 * q + tx * 4]) =
+          *reinterpret_cast<const float4*>(&acc[r][4 * q]);
+  }
+  (void)MT;
+  (void)NT;
+
+  // ---------------- phase 2 ----------------
+  const int K2 = H * H;
+  const int warp = tid >> 5, lane = tid & 31;
+  const bool two_halves = D > 64;
+  const int dgw = two_halves ? (warp & 1) : 0;        // which 64-wide half of the d group
+  const int pw = two_halves ? (warp >> 1) : warp;     // pair slot of this warp
+  const int pairs_per_pass = (two_halves ? 4 : 8) * 8;
+  const int DG = two_halves ? 128 : 64;
+  const int P = p.Ti * p.Tj;
+  const int n_kc = (K2 + kOuterKC - 1) / kOuterKC;
+
+  auto load_w = [&](int buf, int dg, int kc0) {
+    float* Ws = stage + buf * kOuterKC * kOuterWStride;
+    for (int idx = tid; idx < kOuterKC * DG; idx += kOuterThreads) {
+      const int dl = idx / kOuterKC, k = idx - dl * kOuterKC;
+      const bool ok = (dg + dl < D) && (kc0 + k < K2);
+      cp_async4(&Ws[k * kOuterWStride + dl], p.w_out + (ok ? int64_t(dg + dl) * K2 + kc0 + k : 0),
+                ok);
+    }
+    cp_async_commit();
+  };
+
+  for (int dg = 0; dg < D; dg += DG) {
+    for (int p0 = 0; p0 < P; p0 += pairs_per_pass) {
+      int obase[8];
+      bool pvalid[8];
+#pragma unroll
+      for (int pp = 0; pp < 8; ++pp) {
+        const int pr = p0 + pw * 8 + pp;
+        pvalid[pp] = pr < P;
+        const int il = pvalid[pp] ? pr / p.Tj : 0, jl = pvalid[pp] ? pr % p.Tj : 0;
+        obase[pp] = il * H * kOuterOStride + jl * H;
+      }
+      float acc2[8][2];
+#pragma unroll
+      for (int pp = 0; pp < 8; ++pp) acc2[pp][0] = acc2[pp][1] = 0.f;
+
+      __syncthreads();  // Os written / previous W stages consumed
+      load_w(0, dg, 0);
+      int h1 = 0, h2 = 0;  // (h1, h2) of the first k of the current chunk
+      for (int kc = 0; kc < n_kc; ++kc) {
+        cp_async_wait_all();
+        __syncthreads();
+        if (kc + 1 < n_kc) load_w((kc + 1) & 1, dg, (kc + 1) * kOuterKC);
+        const float* Ws = stage + (kc & 1) * kOuterKC * kOuterWStride + dgw * 64 + lane;
+        const int kmax = min(kOuterKC, K2 - kc * kOuterKC);
+        if (kVec4) {
+          // kmax is a multiple of 4 here (K2 = H*H with 4 | H)
+          for (int k = 0; k < kmax; k += 4) {
+            const int off = h1 * kOuterOStride + h2;
+            float w[4][2];
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+              w[u][0] = Ws[(k + u) * kOuterWStride];
+              w[u][1] = Ws[(k + u) * kOuterWStride + 32];
+            }
+#pragma unroll
+            for (int pp = 0; pp < 8; ++pp) {
+              const float4 o = *reinterpret_cast<const float4*>(&Os[obase[pp] + off]);
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {
+                acc2[pp][e] = fmaf(o.x, w[0][e], acc2[pp][e]);
+                acc2[pp][e] = fmaf(o.y, w[1][e], acc2[pp][e]);
+                acc2[pp][e] = fmaf(o.z, w[2][e], acc2[pp][e]);
+                acc2[pp][e] = fmaf(o.w, w[3][e], acc2[pp][e]);
+              }
+            }
+            h2 += 4;
+            if (h2 >= H) { h2 = 0; ++h1; }
+          }
+        } else {
+          for (int k = 0; k < kmax; ++k) {
+            const int off = h1 * kOuterOStride + h2;
+            const float w0 = Ws[k * kOuterWStride], w1 = Ws[k * kOuterWStride + 32];
+#pragma unroll
+            for (int pp = 0; pp < 8; ++pp) {
+              const float o = Os[obase[pp] + off];
+              acc2[pp][0] = fmaf(o, w0, acc2[pp][0]);
+              acc2[pp][1] = fmaf(o, w1, acc2[pp][1]);
+            }
+            if (++h2 == H) { h2 = 0; ++h1; }
+          }
+        }
+      }
+
+#pragma unroll
+      for (int pp = 0; pp < 8; ++pp) {
+        if (!pvalid[pp]) continue;
+        const int pr = p0 + pw * 8 + pp;
+        const int i = i0 + pr / p.Tj, j = j0 + pr % p.Tj;
+        if (i >= N || j >= N) continue;
+        const float den = p.den[int64_t(b) * N + i];
+        float* dst = p.out + ((int64_t(b) * N + i) * N + j) * D;
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int d = dg + dgw * 64 + lane + 32 * e;
+          if (d < D) dst[d] = acc2[pp][e] / den + (p.bias ? p.bias[d] : 0.f);
+        }
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Kernel 2b (project-first): out[b] = (A[b] · Cm[b]) / den[b, row] + bias[col % D]
+//   A  (B, N, K)     row-major, K = S·H, A[b, i, (s, h1)] = a[b, s, i, h1]
+//   Cm (B, K, N·D)   row-major, Cm[b, (s, h1), (j, d)] = c[b, s, h1, j, d]
+// A plain tiled SGEMM with a fused epilogue; TMxTN outputs per thread.
+// ---------------------------------------------------------------------------------------------
+
+struct ProjectArgs {
+  const float* A;
+  const float* Cm;
+  const float* den;
+  const float* bias;
+  float* out;
+  int B, M, K, NC, D;
+};
+
+template <int BM, int BN, int BK, int TM, int TN>
+__global__ void __launch_bounds__((BM / TM) * (BN / TN)) opm_project_gemm_kernel(const ProjectArgs p) {
+  constexpr int kThreads = (BM / TM) * (BN / TN);
+  constexpr int kAStride = BM + 4;
+  __shared__ __align__(16) float As[2][BK][kAStride];
+  __shared__ __align__(16) float Bs[2][BK][BN];
+  const int b = blockIdx.z;
+  const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
+  const int tid = threadIdx.x;
+  const int tx = tid % (BN / TN), ty = tid / (BN / TN);
+  const float* A = p.A + int64_t(b) * p.M * p.K;
+  const float* Cm = p.Cm + int64_t(b) * p.K * p.NC;
+
+  auto load_stage = [&](int buf, int k0) {
+#pragma unroll
+    for (int u = 0; u < (BM * BK + kThreads - 1) / kThreads; ++u) {
+      const int idx = tid + u * kThreads;
+      if (idx < BM * BK) {
+        const int m = idx / BK, k = idx % BK;  // consecutive threads walk K: coalesced
+        const bool ok = (m0 + m < p.M) && (k0 + k < p.K);
+        cp_async4(&As[buf][k][m], A + (ok ? int64_t(m0 + m) * p.K + k0 + k : 0), ok);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < (BN * BK + kThreads - 1) / kThreads; ++u) {
+      const int idx = tid + u * kThreads;
+      if (idx < BN * BK) {
+        const int k = idx / BN, n = idx % BN;
+        const bool ok = (n0 + n < p.NC) && (k0 + k < p.K);
+        cp_async4(&Bs[buf][k][n], Cm + (ok ? int64_t(k0 + k) * p.NC + n0 + n : 0), ok);
+      }
+    }
+    cp_async_commit();
+  };
+
+  float acc[TM][TN];
+#pragma unroll
+  for (int r = 0; r < TM; ++r)
+#pragma unroll
+    for (int c = 0; c < TN; ++c) acc[r][c] = 0.f;
+
+  const int n_stages = (p.K + BK - 1) / BK;
+  if (n_stages > 0) load_stage(0, 0);
+  for (int st = 0; st < n_stages; ++st) {
+    cp_async_wait_all();
+    __syncthreads();
+    if (st + 1 < n_stages) load_stage((st + 1) & 1, (st + 1) * BK);
+    const int buf = st & 1;
+#pragma unroll
+    for (int k = 0; k < BK; ++k) {
+      float av[TM], bv[TN];
+#pragma unroll
+      for (int r = 0; r < TM; ++r) av[r] = As[buf][k][ty * TM + r];
+#pragma unroll
+      for (int c = 0; c < TN; ++c) bv[c] = Bs[buf][k][tx * TN + c];
+#pragma unroll
+      for (int r = 0; r < TM; ++r)
+#pragma unroll
+        for (int c = 0; c < TN; ++c) acc[r][c] = fmaf(av[r], bv[c], acc[r][c]);
+    }
+    __syncthreads();
+  }
+
+#pragma unroll
+  for (int r = 0; r < TM; ++r) {
+    const int m = m0 + ty * TM + r;
+    if (m >= p.M) continue;
+    const float den = p.den[int64_t(b) * p.M + m];
+    float* dst = p.out + (int64_t(b) * p.M + m) * p.NC;
+#pragma unroll
+    for (int c = 0; c < TN; ++c) {
+      const int n = n0 + tx * TN + c;
+      if (n < p.NC) dst[n] = acc[r][c] / den + (p.bias ? p.bias[n % p.D] : 0.f);
+    }
+  }
+}
+
+}  // namespace flashopm

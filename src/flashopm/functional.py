@@ -1,0 +1,49 @@
+"""Functional API of flashopm."""
+from __future__ import annotations
+
+import torch
+
+from . import _build
+from .ops import ALGORITHMS, outer_product_mean_op
+
+
+def outer_product_mean(
+    msa_repr: torch.Tensor,
+    msa_mask: torch.Tensor,
+    ln_weight: torch.Tensor,
+    ln_bias: torch.Tensor,
+    w_a: torch.Tensor,
+    b_a: torch.Tensor | None,
+    w_b: torch.Tensor,
+    b_b: torch.Tensor | None,
+    w_out: torch.Tensor,
+    b_out: torch.Tensor | None,
+    *,
+    ln_eps: float = 1e-5,
+    algorithm: str = "auto",
+) -> torch.Tensor:
+    """Fused outer-product mean.
+
+    Args:
+        msa_repr: (B, S, N, C) MSA features.
+        msa_mask: (B, S, N) float or bool mask.
+        ln_weight, ln_bias: (C,) LayerNorm affine parameters, eps `ln_eps`.
+        w_a, w_b: (H, C) projection weights; b_a, b_b: (H,) biases or None.
+        w_out: (D, H*H) output projection; b_out: (D,) or None.
+        algorithm: "auto" (fewest FLOPs within a bounded workspace), "outer" (outer product over S
+            first, per tile on chip) or "project" (b projected through w_out first; best for small S).
+
+    Returns:
+        (B, N, N, D): W_out vec(sum_s a_si (x) b_sj) / max(sum_s m_si, 1) + b_out, with
+        a = (LayerNorm(x) W_a^T + b_a) * m and b likewise.
+
+    On CUDA float32 inputs this is one call of the fused CUDA kernels (compiled on first use); on
+    the CPU it is the PyTorch reference.
+    """
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"flashopm: algorithm must be one of {sorted(ALGORITHMS)}, got {algorithm!r}")
+    if msa_repr.is_cuda and not _build.is_loaded():
+        _build.load()
+    return outer_product_mean_op(
+        msa_repr, msa_mask, ln_weight, ln_bias, ln_eps, w_a, b_a, w_b, b_b, w_out, b_out, ALGORITHMS[algorithm]
+    )

@@ -1,0 +1,100 @@
+"""Every op of flashopm: schema, CPU implementation, fake (meta) implementation, in one place.
+
+The schemas are defined here, at import, so that the CPU path, fake tensors and `torch.compile`
+tracing work with no GPU and no build.  The CUDA implementations are registered from C++
+(`csrc/opm_forward.cu`, `TORCH_LIBRARY_IMPL(flashopm, CUDA, ...)`) when `_build.load()` loads the
+extension, which keeps the eager call free of Python-side dispatch overhead.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import _build
+from .reference import outer_product_mean_reference
+
+ALGORITHMS = {"auto": 0, "outer": 1, "project": 2}
+
+_lib = torch.library.Library("flashopm", "DEF")
+_lib.define(
+    "outer_product_mean(Tensor msa_repr, Tensor msa_mask, Tensor ln_weight, Tensor ln_bias, "
+    "float ln_eps, Tensor w_a, Tensor? b_a, Tensor w_b, Tensor? b_b, Tensor w_out, Tensor? b_out, "
+    "int algorithm=0) -> Tensor"
+)
+
+# A call that does nothing, through the same dispatcher path: the floor of any op's host time.
+_lib.define("_noop(Tensor x) -> ()")
+
+_MASK_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.bool)
+
+
+def check_inputs(msa_repr, msa_mask, ln_weight, ln_bias, w_a, b_a, w_b, b_b, w_out, b_out, algorithm=0):
+    """Shape/device/dtype checks of the CPU and fake paths (the CUDA path checks in C++, alike)."""
+    if msa_repr.dim() != 4:
+        raise ValueError(
+            f"flashopm: msa_repr must have shape (B, S, N, msa_dim), got {msa_repr.dim()} dims {tuple(msa_repr.shape)}"
+        )
+    if msa_mask.dim() != 3:
+        raise ValueError(
+            f"flashopm: msa_mask must have shape (B, S, N), got {msa_mask.dim()} dims {tuple(msa_mask.shape)}"
+        )
+    if msa_mask.device != msa_repr.device:
+        raise ValueError(f"flashopm: msa_mask is on {msa_mask.device} but msa_repr is on {msa_repr.device}")
+    if not msa_repr.dtype.is_floating_point:
+        raise ValueError(f"flashopm: msa_repr must be a floating-point tensor, got {msa_repr.dtype}")
+    B, S, N, C = msa_repr.shape
+    if tuple(msa_mask.shape) != (B, S, N):
+        raise ValueError(
+            f"flashopm: msa_mask must have shape (B, S, N) = {(B, S, N)} to match msa_repr, got {tuple(msa_mask.shape)}"
+        )
+    if msa_mask.dtype not in _MASK_DTYPES:
+        raise ValueError(f"flashopm: msa_mask must be a floating-point or bool tensor, got {msa_mask.dtype}")
+    if C < 1:
+        raise ValueError(f"flashopm: msa_dim must be >= 1, got {C}")
+    if w_a.dim() != 2:
+        raise ValueError(f"flashopm: proj_a weight must be 2-D (hidden, msa_dim), got {tuple(w_a.shape)}")
+    H = w_a.shape[0]
+    if w_out.dim() != 2:
+        raise ValueError(f"flashopm: out_proj weight must be 2-D (pair_dim, hidden^2), got {tuple(w_out.shape)}")
+    D = w_out.shape[0]
+    params = [
+        ("layer_norm weight", ln_weight, (C,)),
+        ("layer_norm bias", ln_bias, (C,)),
+        ("proj_a weight", w_a, (H, C)),
+        ("proj_b weight", w_b, (H, C)),
+        ("out_proj weight", w_out, (D, H * H)),
+        ("proj_a bias", b_a, (H,)),
+        ("proj_b bias", b_b, (H,)),
+        ("out_proj bias", b_out, (D,)),
+    ]
+    for name, t, shape in params:
+        if t is None:
+            continue
+        if tuple(t.shape) != shape:
+            raise ValueError(f"flashopm: {name} must have shape {list(shape)}, got {list(t.shape)}")
+        if t.device != msa_repr.device:
+            raise ValueError(f"flashopm: {name} is on {t.device} but msa_repr is on {msa_repr.device}")
+        if t.dtype != msa_repr.dtype:
+            raise ValueError(f"flashopm: {name} must have dtype {msa_repr.dtype} like msa_repr, got {t.dtype}")
+    if algorithm not in (0, 1, 2):
+        raise ValueError(f"flashopm: algorithm must be 0 (auto), 1 (outer-first) or 2 (project-first), got {algorithm}")
+    return B, S, N, C, H, D
+
+
+@torch.library.impl(_lib, "outer_product_mean", "CPU")
+def _outer_product_mean_cpu(msa_repr, msa_mask, ln_weight, ln_bias, ln_eps, w_a, b_a, w_b, b_b, w_out, b_out, algorithm=0):
+    check_inputs(msa_repr, msa_mask, ln_weight, ln_bias, w_a, b_a, w_b, b_b, w_out, b_out, algorithm)
+    out = outer_product_mean_reference(msa_repr, msa_mask, ln_weight, ln_bias, w_a, b_a, w_b, b_b, w_out, b_out, ln_eps)
+    # The einsum path can return a non-contiguous view for degenerate sizes; the op promises a
+    # fresh contiguous tensor like the CUDA kernel's.
+    return out.contiguous()
+
+
+@torch.library.register_fake("flashopm::outer_product_mean")
+def _outer_product_mean_fake(msa_repr, msa_mask, ln_weight, ln_bias, ln_eps, w_a, b_a, w_b, b_b, w_out, b_out, algorithm=0):
+    B, S, N, C, H, D = check_inputs(msa_repr, msa_mask, ln_weight, ln_bias, w_a, b_a, w_b, b_b, w_out, b_out, algorithm)
+    if msa_repr.device.type == "cuda":
+        _build.load()  # the compiled graph will call the CUDA kernel: have it registered by then
+    return msa_repr.new_empty((B, N, N, D))
+
+
+outer_product_mean_op = torch.ops.flashopm.outer_product_mean.default

@@ -1,0 +1,69 @@
+"""The CUDA source compiles with load_inline and registers the op's CUDA kernel.
+
+Runs wherever torch is a CUDA build and nvcc is found, GPU or not (CI builds it on a CPU machine
+with TORCH_CUDA_ARCH_LIST set).
+"""
+import os
+
+import pytest
+import torch
+
+from flashopm import _build
+
+
+def _toolchain_or_skip():
+    try:
+        _build.check_toolchain()
+    except _build.BuildError as exc:
+        if os.environ.get("FLASHOPM_REQUIRE_BUILD") == "1":
+            raise
+        pytest.skip(str(exc))
+    if not torch.cuda.is_available() and not os.environ.get("TORCH_CUDA_ARCH_LIST"):
+        pytest.skip("no GPU and no TORCH_CUDA_ARCH_LIST")
+
+
+def test_gencode_flags():
+    assert _build.gencode_flags(["9.0"]) == ["-gencode=arch=compute_90,code=sm_90"]
+    assert _build.gencode_flags(["8.0", "9.0a+PTX"]) == [
+        "-gencode=arch=compute_80,code=sm_80",
+        "-gencode=arch=compute_90a,code=sm_90a",
+        "-gencode=arch=compute_90a,code=compute_90a",
+    ]
+    with pytest.raises(_build.BuildError, match="cannot read architecture 'sm90'"):
+        _build.gencode_flags(["sm90"])
+
+
+def test_extension_name_hashes_sources_and_arch():
+    src = _build.read_sources()
+    base = _build.extension_name(src, ["9.0"])
+    assert base == _build.extension_name(dict(src), ["9.0"])
+    assert base != _build.extension_name(src, ["8.0"])
+    changed = dict(src)
+    changed["opm_forward.cu"] += "\n// changed\n"
+    assert base != _build.extension_name(changed, ["9.0"])
+
+
+def test_import_compiles_nothing():
+    import subprocess
+    import sys
+
+    code = "import flashopm, flashopm._build as b; assert not b.is_loaded(); print('ok')"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "ok" and "compiling" not in out.stderr
+
+
+def test_cuda_extension_builds_and_registers_the_op():
+    _toolchain_or_skip()
+    path = _build.load()
+    assert os.path.exists(path)
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("flashopm::outer_product_mean", "CUDA")
+    assert _build.is_loaded()
+
+
+def test_nvcc_major_mismatch_is_reported(monkeypatch):
+    if torch.version.cuda is None:
+        pytest.skip("needs a CUDA build of torch")
+    monkeypatch.setattr(_build, "cuda_home", lambda: "/opt/some-cuda")
+    monkeypatch.setattr(_build, "nvcc_version", lambda home: (1, 0))
+    with pytest.raises(_build.BuildError, match=r"nvcc at /opt/some-cuda is CUDA 1\.0 but torch .* CUDA"):
+        _build.check_toolchain()

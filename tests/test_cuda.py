@@ -1,0 +1,214 @@
+"""The fused CUDA kernels against the references, on a GPU.
+
+fp32 reference: allclose(atol=rtol=1e-4).  fp64 reference: our normwise relative error is at most
+twice that of eager fp32 PyTorch on the same inputs (floored at a few fp32 ulps, for cases where
+eager happens to be exact).
+"""
+import pytest
+import torch
+
+import flashopm
+from conftest import requires_cuda
+from flashopm.testing import MASK_KINDS, Shape, make_problem, reference, rel_error
+
+pytestmark = requires_cuda
+
+SPEC = Shape(2, 8, 32, 64, 32, 64)
+# Every value of N {1,7,32,33,97,256}, S {1,3,8,128}, C {1,17,64,256}, H {1,8,32,64},
+# D {1,64,128}, B {1,2,3} appears at least once; tile edges (33 = 32+1, 97, 256 = 2·128) included.
+SWEEP = [
+    SPEC,
+    Shape(1, 1, 1, 1, 1, 1),
+    Shape(3, 3, 7, 17, 8, 64),
+    Shape(1, 128, 33, 64, 32, 128),
+    Shape(2, 8, 97, 256, 64, 1),
+    Shape(1, 3, 256, 17, 32, 128),
+    Shape(1, 128, 97, 64, 8, 64),
+    Shape(3, 1, 33, 256, 1, 128),
+    Shape(2, 128, 7, 1, 64, 64),
+    Shape(1, 8, 256, 64, 64, 128),
+    Shape(1, 5, 65, 33, 5, 7),     # odd hidden (scalar phase-2 path), ragged everything
+    Shape(2, 9, 31, 48, 31, 65),   # D just above 64, H just below 32
+]
+ALGORITHMS = ["auto", "outer", "project"]
+FP64_FLOOR = 4 * torch.finfo(torch.float32).eps
+
+
+def _cuda_params(p):
+    return {k: v.cuda() for k, v in p.items()}
+
+
+def _run(x, m, p, algorithm="auto", poison=True):
+    """Calls the op with the output's memory poisoned with NaN beforehand (checked to be reused)."""
+    B, S, N, C = x.shape
+    D = p["w_out"].shape[0]
+    numel = B * N * N * D
+    poison_ptr = None
+    if poison and numel > 0:
+        t = torch.full((numel,), float("nan"), device="cuda")
+        poison_ptr = t.data_ptr()
+        del t
+    out = flashopm.outer_product_mean(
+        x, m, p["ln_weight"], p["ln_bias"], p["w_a"], p["b_a"], p["w_b"], p["b_b"], p["w_out"], p["b_out"],
+        algorithm=algorithm,
+    )
+    if poison_ptr is not None:
+        assert out.data_ptr() == poison_ptr, "the poisoned block was not reused; the check proves nothing"
+    return out
+
+
+def _check(shape, mask_kind, algorithm, seed=0, scale=1.0):
+    x, m, p = make_problem(shape, mask_kind, seed=seed, scale=scale)
+    xc, mc, pc = x.cuda(), m.cuda(), _cuda_params(p)
+    ref64 = reference(xc, mc, pc, dtype=torch.float64).cpu()
+    ref32 = reference(xc, mc, pc).cpu()
+    x_before, m_before = xc.clone(), mc.clone()
+    out = _run(xc, mc, pc, algorithm)
+    torch.cuda.synchronize()
+    assert out.shape == (shape.B, shape.N, shape.N, shape.D) and out.dtype == torch.float32
+    assert out.is_contiguous()
+    assert not out.isnan().any(), "NaN in the output: an element was not written"
+    assert torch.equal(xc, x_before) and torch.equal(mc, m_before), "inputs were modified"
+    out_cpu = out.cpu()
+    torch.testing.assert_close(out_cpu, ref32, atol=1e-4, rtol=1e-4)
+    err, err_eager = rel_error(out_cpu, ref64), rel_error(ref32, ref64)
+    assert err <= max(2 * err_eager, FP64_FLOOR), f"normwise error {err:.3g} vs eager fp32 {err_eager:.3g}"
+    again = _run(xc, mc, pc, algorithm)
+    assert torch.equal(out, again), "two identical calls differ: a race"
+    return err, err_eager
+
+
+@pytest.mark.parametrize("shape", SWEEP, ids=str)
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_sweep_mixed_masks(shape, algorithm):
+    _check(shape, "masked_positions", algorithm, seed=hash((str(shape), algorithm)) % 1000)
+
+
+@pytest.mark.parametrize("shape", SWEEP, ids=str)
+@pytest.mark.parametrize("mask_kind", MASK_KINDS)
+def test_sweep_mask_kinds(shape, mask_kind):
+    _check(shape, mask_kind, "auto", seed=7)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_spec_protocol_seeded_modules(seed):
+    """As a KernelBench-style harness does it: seeded construction on the CPU, then .to(cuda)."""
+    torch.manual_seed(seed)
+    ref = flashopm.Model(*flashopm.get_init_inputs()).to(device="cuda", dtype=torch.float32)
+    torch.manual_seed(seed)
+    new = flashopm.ModelNew(*flashopm.get_init_inputs()).to(device="cuda", dtype=torch.float32)
+    x, m = [t.cuda() for t in flashopm.get_inputs()]
+    expect = ref(x, m)
+    out = new(x, m)
+    assert out.shape == expect.shape
+    assert torch.allclose(out, expect, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_noncontiguous_inputs(algorithm):
+    shape = Shape(2, 5, 37, 24, 16, 40)
+    x, m, p = make_problem(shape, "masked_positions", seed=11)
+    ref32 = reference(x.cuda(), m.cuda(), _cuda_params(p))
+    # msa as a (B, N, S, C) tensor seen through transpose; mask as a strided slice; weight transposed twice
+    x_nc = x.transpose(1, 2).contiguous().cuda().transpose(1, 2)
+    m_big = torch.zeros(shape.B, shape.S, shape.N, 3)
+    m_big[..., 1] = m
+    m_nc = m_big.cuda()[..., 1]
+    pc = _cuda_params(p)
+    pc["w_out"] = pc["w_out"].t().contiguous().t()
+    assert not x_nc.is_contiguous() and not m_nc.is_contiguous() and not pc["w_out"].is_contiguous()
+    out = _run(x_nc, m_nc, pc, algorithm)
+    torch.testing.assert_close(out, ref32, atol=1e-4, rtol=1e-4)
+    # a msa view whose last dim is strided too
+    x_big = torch.zeros(shape.B, shape.S, shape.N, shape.C, 2)
+    x_big[..., 0] = x
+    out2 = _run(x_big.cuda()[..., 0], m.cuda(), _cuda_params(p), algorithm)
+    torch.testing.assert_close(out2, ref32, atol=1e-4, rtol=1e-4)
+
+
+def test_algorithms_agree_and_auto_picks_one_of_them():
+    shape = Shape(1, 16, 70, 32, 32, 64)
+    x, m, p = make_problem(shape, "fractional", seed=5)
+    xc, mc, pc = x.cuda(), m.cuda(), _cuda_params(p)
+    outs = {a: _run(xc, mc, pc, a) for a in ALGORITHMS}
+    torch.testing.assert_close(outs["outer"], outs["project"], atol=1e-4, rtol=1e-4)
+    assert torch.equal(outs["auto"], outs["outer"]) or torch.equal(outs["auto"], outs["project"])
+
+
+@pytest.mark.parametrize("B,S,N", [(0, 3, 4), (2, 0, 4), (2, 3, 0)])
+def test_empty_sizes(B, S, N):
+    torch.manual_seed(0)
+    model = flashopm.ModelNew(5, 4, 3).cuda()
+    ref = flashopm.Model(5, 4, 3).cuda()
+    ref.load_state_dict(model.state_dict())
+    x, m = torch.randn(B, S, N, 5, device="cuda"), torch.ones(B, S, N, device="cuda")
+    out, expect = model(x, m), ref(x, m)
+    assert out.shape == expect.shape
+    torch.testing.assert_close(out, expect)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_nan_inf_propagate_like_reference(algorithm):
+    shape = Shape(1, 4, 9, 16, 8, 8)
+    x, m, p = make_problem(shape, "binary", seed=3)
+    x[0, 1, 2, 3] = float("nan")
+    x[0, 2, 5, 0] = float("inf")
+    m[0, 2, 5] = 0.0  # masked Inf still poisons, as 0 * inf = nan in the reference
+    xc, mc, pc = x.cuda(), m.cuda(), _cuda_params(p)
+    expect = reference(xc, mc, pc)
+    out = _run(xc, mc, pc, algorithm, poison=False)
+    assert torch.equal(out.isnan(), expect.isnan())
+    fin = ~expect.isnan()
+    torch.testing.assert_close(out[fin], expect[fin], atol=1e-4, rtol=1e-4)
+
+
+def test_large_shape_correct_with_bounded_memory():
+    """(1,128,256,256,32,128): correct, and peak extra memory <= 1.25x the output."""
+    shape = Shape(1, 128, 256, 256, 32, 128)
+    x, m, p = make_problem(shape, "masked_positions", seed=9)
+    xc, mc, pc = x.cuda(), m.cuda(), _cuda_params(p)
+    ref32 = reference(xc, mc, pc)
+    del_ref = ref32.cpu()
+    del ref32
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = _run(xc, mc, pc, poison=False)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    assert extra <= 1.25 * shape.out_bytes, f"peak extra {extra} B vs output {shape.out_bytes} B"
+    torch.testing.assert_close(out.cpu(), del_ref, atol=1e-4, rtol=1e-4)
+
+
+def test_current_stream_is_used():
+    shape = SPEC
+    x, m, p = make_problem(shape, "fractional", seed=1)
+    xc, mc, pc = x.cuda(), m.cuda(), _cuda_params(p)
+    expect = _run(xc, mc, pc, poison=False)
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        torch.cuda._sleep(10_000_000)  # keep the side stream busy: a launch on another stream would race
+        out = _run(xc, mc, pc, poison=False)
+    s.synchronize()
+    assert torch.equal(out, expect)
+
+
+def test_cuda_graph_capture_and_replay():
+    torch.manual_seed(0)
+    model = flashopm.ModelNew(*flashopm.get_init_inputs()).cuda()
+    x, m = [t.cuda() for t in flashopm.get_inputs()]
+    m = torch.rand_like(m)
+    expect = model(x, m)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        model(x, m)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = model(x, m)
+    x.copy_(torch.randn_like(x))
+    g.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, model(x, m), atol=0, rtol=0)
+    assert not torch.equal(out, expect)

@@ -1,0 +1,77 @@
+"""Bad input gets a clear error naming the argument, expected vs got, on every device."""
+import pytest
+import torch
+
+import flashopm
+from conftest import requires_cuda
+
+DEVICES = ["cpu", pytest.param("cuda", marks=requires_cuda)]
+
+
+def _model(device):
+    torch.manual_seed(0)
+    return flashopm.ModelNew(8, 4, 3).to(device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "x_shape,m_shape,pattern",
+    [
+        ((2, 3, 5), (2, 3, 5), r"msa_repr must have shape \(B, S, N, msa_dim\), got 3 dims"),
+        ((2, 3, 5, 8), (2, 3), r"msa_mask must have shape \(B, S, N\), got 2 dims"),
+        ((2, 3, 5, 8), (2, 3, 6), r"msa_mask must have shape \(B, S, N\) = \(2, 3, 5\).*got .*6"),
+        ((2, 3, 5, 8), (1, 3, 5), r"msa_mask must have shape \(B, S, N\) = \(2, 3, 5\)"),
+        ((2, 3, 5, 7), (2, 3, 5), r"layer_norm weight must have shape \[7\], got \[8\]"),
+    ],
+)
+def test_shape_errors(device, x_shape, m_shape, pattern):
+    model = _model(device)
+    with pytest.raises((ValueError, RuntimeError), match=pattern):
+        model(torch.randn(*x_shape, device=device), torch.ones(*m_shape, device=device))
+
+
+@requires_cuda
+def test_device_mismatch():
+    model = _model("cuda")
+    with pytest.raises((ValueError, RuntimeError), match="msa_mask is on cpu but msa_repr is on cuda"):
+        model(torch.randn(1, 2, 3, 8, device="cuda"), torch.ones(1, 2, 3))
+    with pytest.raises((ValueError, RuntimeError), match="is on cpu but msa_repr is on cuda"):
+        _model("cpu")(torch.randn(1, 2, 3, 8, device="cuda"), torch.ones(1, 2, 3, device="cuda"))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_dtype_errors(device):
+    model = _model(device)
+    x = torch.randn(1, 2, 3, 8, device=device)
+    with pytest.raises((ValueError, RuntimeError), match="msa_mask must be .*got torch.int64|msa_mask must be .*got Long"):
+        model(x, torch.ones(1, 2, 3, dtype=torch.int64, device=device))
+    with pytest.raises((ValueError, RuntimeError), match="must have dtype .*like msa_repr|msa_repr must be"):
+        model(x.double(), torch.ones(1, 2, 3, device=device))
+
+
+@requires_cuda
+def test_cuda_rejects_unsupported_msa_dtype():
+    model = _model("cuda").half()
+    with pytest.raises(RuntimeError, match="msa_repr must be float32 on CUDA, got Half"):
+        model(torch.randn(1, 2, 3, 8, device="cuda", dtype=torch.half), torch.ones(1, 2, 3, device="cuda"))
+
+
+def test_hidden_dim_limit_is_explicit():
+    if not torch.cuda.is_available():
+        pytest.skip("the hidden-size limit is a CUDA-kernel limit")
+    model = flashopm.ModelNew(8, 4, 65).cuda()
+    with pytest.raises(RuntimeError, match=r"hidden_dim must be in \[1, 64\], got 65"):
+        model(torch.randn(1, 2, 3, 8, device="cuda"), torch.ones(1, 2, 3, device="cuda"))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_algorithm(device):
+    model = _model(device)
+    x = torch.randn(1, 2, 3, 8, device=device)
+    m = torch.ones(1, 2, 3, device=device)
+    with pytest.raises(ValueError, match="algorithm must be one of .*got 'fastest'"):
+        flashopm.outer_product_mean(x, m, *[None] * 8, algorithm="fastest")
+    p = [model.layer_norm.weight, model.layer_norm.bias, model.proj_a.weight, model.proj_a.bias,
+         model.proj_b.weight, model.proj_b.bias, model.out_proj.weight, model.out_proj.bias]
+    with pytest.raises((ValueError, RuntimeError), match="algorithm must be 0 .* got 7"):
+        torch.ops.flashopm.outer_product_mean(x, m, p[0], p[1], 1e-5, *p[2:], 7)
