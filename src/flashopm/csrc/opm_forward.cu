@@ -34,16 +34,19 @@ const DeviceInfo& device_info(int dev) {
   return infos[dev];
 }
 
-// Raises the dynamic shared-memory limit of `Kernel` once per device (one flag set per kernel).
+// Raises the dynamic shared-memory limit of `Kernel` to all the device allows, once per device.
 template <auto Kernel>
 void allow_smem(int dev, int bytes) {
+  static std::array<int, kMaxDevices> max_dynamic{};
   static std::array<std::once_flag, kMaxDevices> flags;
-  std::call_once(flags[dev], [&] {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        device_info(dev).smem_optin));
+  std::call_once(flags[dev], [dev] {
+    cudaFuncAttributes attr{};
+    C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, Kernel));
+    max_dynamic[dev] = device_info(dev).smem_optin - int(attr.sharedSizeBytes);
+    C10_CUDA_CHECK(cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, max_dynamic[dev]));
   });
-  TORCH_CHECK(bytes <= device_info(dev).smem_optin, "flashopm: kernel needs ", bytes,
-              " bytes of shared memory, the device allows ", device_info(dev).smem_optin);
+  TORCH_CHECK(bytes <= max_dynamic[dev], "flashopm: kernel needs ", bytes,
+              " bytes of shared memory, the device allows ", max_dynamic[dev]);
 }
 
 int mask_kind_of(const at::Tensor& mask) {
@@ -103,10 +106,13 @@ void dispatch_prep(const PrepArgs& args, int dev, cudaStream_t stream) {
   return dispatch_prep_q<1, kProjectW>(args, dev, stream);
 }
 
-template <int BM, int BN, int TM, int TN>
-void launch_project_gemm(const ProjectArgs& args, cudaStream_t stream) {
+template <int BM, int BN, int BK, int TM, int TN, int STAGES>
+void launch_project_gemm(const ProjectArgs& args, int dev, cudaStream_t stream) {
+  using Cfg = ProjectGemmConfig<BM, BN, BK, TM, TN, STAGES>;
+  constexpr auto kernel = opm_project_gemm_kernel<BM, BN, BK, TM, TN, STAGES>;
+  allow_smem<kernel>(dev, Cfg::kSmemBytes);
   const dim3 grid(unsigned((args.NC + BN - 1) / BN), unsigned((args.M + BM - 1) / BM), unsigned(args.B));
-  opm_project_gemm_kernel<BM, BN, 8, TM, TN><<<grid, (BM / TM) * (BN / TN), 0, stream>>>(args);
+  kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(args);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -172,30 +178,30 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
   const std::optional<at::Tensor> b_out =
       b_out_in ? std::optional<at::Tensor>(b_out_in->contiguous()) : std::nullopt;
 
-  // ---- contraction order: fewer FLOPs wins, project-first only with a bounded workspace ----
+  // ---- contraction order: fewer FLOPs wins, within the workspace budget ----
+  // Budget: a fifth of the output (so peak extra memory stays near 1.2x the output), or 64 MiB
+  // for small problems.
+  const int64_t budget_elems = std::max<int64_t>(out.numel() / 5, int64_t(16) << 20);
   const double fB = double(B), fS = double(S), fN = double(N), fH = double(H), fD = double(D), fC = double(C);
   const int o_chunks = int((H * D + kPrepThreads - 1) / kPrepThreads);
   const double flops_outer = fB * fN * fN * fH * fH * (fS + fD);
   const double flops_project = fB * fS * fN * fH * fD * (fH + fN) + fB * fS * fN * fC * 2 * fH * (o_chunks - 1);
+  const int64_t ab_elems = B * S * N * H;
   const int64_t c_elems = B * S * H * N * D;
-  const int64_t budget = std::max<int64_t>(out.numel(), int64_t(16) << 20);  // 64 MiB of float32
-  bool project_first = flops_project < 0.8 * flops_outer && c_elems <= budget;
+  bool project_first = flops_project < 0.8 * flops_outer && ab_elems + c_elems <= budget_elems;
   if (algorithm == kOuterFirst) project_first = false;
   if (algorithm == kProjectFirst) project_first = true;
 
   const int dev = msa.get_device();
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dev).stream();
+  const MaskView mask_view{mask.data_ptr(), mask.stride(0), mask.stride(1), mask.stride(2), mask_kind};
 
   PrepArgs pa{};
   pa.x = msa.data_ptr<float>();
   pa.x_sb = msa.stride(0);
   pa.x_ss = msa.stride(1);
   pa.x_sn = msa.stride(2);
-  pa.mask = mask.data_ptr();
-  pa.m_sb = mask.stride(0);
-  pa.m_ss = mask.stride(1);
-  pa.m_sn = mask.stride(2);
-  pa.mask_kind = mask_kind;
+  pa.mask = mask_view;
   pa.ln_w = ln_weight.data_ptr<float>();
   pa.ln_b = ln_bias.data_ptr<float>();
   pa.ln_eps = float(ln_eps);
@@ -206,31 +212,29 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
   pa.B = int(B);
   pa.S = int(S);
   pa.N = int(N);
+  pa.a_rows = int(N);
   pa.C = int(C);
   pa.H = int(H);
   pa.D = int(D);
   pa.o_chunks = o_chunks;
 
-  const int64_t ab_elems = B * S * N * H;
   if (project_first) {
-    // workspace: a as (B, N, S, H) | c as (B, S, H, N, D) | den (B, N)
-    at::Tensor ws = at::empty({ab_elems + c_elems + B * N}, msa.options());
+    // workspace: a as (B, N, S, H) | c as (B, S, H, N, D)
+    at::Tensor ws = at::empty({ab_elems + c_elems}, msa.options());
     float* a_buf = ws.data_ptr<float>();
     float* c_buf = a_buf + ab_elems;
-    float* den = c_buf + c_elems;
     pa.a_out = a_buf;
     pa.a_sb = N * S * H;
     pa.a_ss = H;
     pa.a_sn = S * H;
     pa.w_out = w_out.data_ptr<float>();
     pa.c_out = c_buf;
-    pa.den = den;
     dispatch_prep<true>(pa, dev, stream);
 
     ProjectArgs ga{};
     ga.A = a_buf;
     ga.Cm = c_buf;
-    ga.den = den;
+    ga.mask = mask_view;
     ga.bias = opt_ptr(b_out);
     ga.out = out.data_ptr<float>();
     ga.B = int(B);
@@ -238,27 +242,27 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     ga.K = int(S * H);
     ga.NC = int(N * D);
     ga.D = int(D);
+    ga.S = int(S);
     const int64_t big_tiles = B * ((N + 127) / 128) * ((N * D + 127) / 128);
-    if (big_tiles >= 2 * device_info(dev).sm_count) launch_project_gemm<128, 128, 8, 8>(ga, stream);
-    else launch_project_gemm<32, 64, 2, 4>(ga, stream);
+    if (big_tiles >= 2 * device_info(dev).sm_count) launch_project_gemm<128, 128, 8, 8, 8, 4>(ga, dev, stream);
+    else launch_project_gemm<32, 32, 32, 2, 2, 4>(ga, dev, stream);
   } else {
-    // workspace: a, b as (B, S, N, H) | den (B, N)
-    at::Tensor ws = at::empty({2 * ab_elems + B * N}, msa.options());
-    float* a_buf = ws.data_ptr<float>();
-    float* b_buf = a_buf + ab_elems;
-    float* den = b_buf + ab_elems;
-    pa.a_out = a_buf;
-    pa.b_out = b_buf;
-    pa.a_sb = pa.b_sb = S * N * H;
-    pa.a_ss = pa.b_ss = N * H;
-    pa.a_sn = pa.b_sn = H;
-    pa.den = den;
-    dispatch_prep<false>(pa, dev, stream);
+    // workspace: b as (B, S, N, H) | a as (B, S, Ni, H) for one block of Ni output rows.  Rows are
+    // blocked only when a and b for all rows would pass the budget; each further block recomputes
+    // LayerNorm and the projection of its rows (a few percent of the work).
+    const int64_t per_row = B * S * H;
+    int64_t rows = N;
+    if (2 * ab_elems > budget_elems) rows = std::max<int64_t>((budget_elems - ab_elems) / per_row, 1);
+    const int64_t ti_full = std::min<int64_t>(kOuterMT / H, N);
+    if (rows < N) rows = std::max<int64_t>(rows / ti_full * ti_full, ti_full);
+    at::Tensor ws = at::empty({ab_elems + per_row * rows}, msa.options());
+    float* b_buf = ws.data_ptr<float>();
+    float* a_buf = b_buf + ab_elems;
 
     OuterArgs oa{};
     oa.a = a_buf;
     oa.b = b_buf;
-    oa.den = den;
+    oa.mask = mask_view;
     oa.w_out = w_out.data_ptr<float>();
     oa.bias = opt_ptr(b_out);
     oa.out = out.data_ptr<float>();
@@ -267,19 +271,38 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     oa.N = int(N);
     oa.H = int(H);
     oa.D = int(D);
-    oa.Ti = int(std::min<int64_t>(kOuterMT / H, N));
     oa.Tj = int(std::min<int64_t>(kOuterNT / H, N));
-    const int64_t gy = (N + oa.Ti - 1) / oa.Ti;
-    TORCH_CHECK(gy <= 65535, "flashopm: N too large for one launch (N=", N, ")");
-    const dim3 grid(unsigned((N + oa.Tj - 1) / oa.Tj), unsigned(gy), unsigned(B));
-    if (H % 4 == 0) {
-      allow_smem<opm_outer_fused_kernel<true>>(dev, kOuterSmemBytes);
-      opm_outer_fused_kernel<true><<<grid, kOuterThreads, kOuterSmemBytes, stream>>>(oa);
-    } else {
-      allow_smem<opm_outer_fused_kernel<false>>(dev, kOuterSmemBytes);
-      opm_outer_fused_kernel<false><<<grid, kOuterThreads, kOuterSmemBytes, stream>>>(oa);
+    for (int64_t i_off = 0; i_off < N; i_off += rows) {
+      const int64_t ni = std::min<int64_t>(rows, N - i_off);
+      // First block: all N rows for b, its own rows for a.  Later blocks: their rows, a only.
+      pa.n_offset = int(i_off);
+      pa.N = int(i_off == 0 ? N : ni);
+      pa.a_rows = int(ni);
+      pa.a_out = a_buf;
+      pa.a_sb = S * ni * H;
+      pa.a_ss = ni * H;
+      pa.a_sn = H;
+      pa.b_out = i_off == 0 ? b_buf : nullptr;
+      pa.b_sb = S * N * H;
+      pa.b_ss = N * H;
+      pa.b_sn = H;
+      dispatch_prep<false>(pa, dev, stream);
+
+      oa.Na = int(ni);
+      oa.i_offset = int(i_off);
+      oa.Ti = int(std::min<int64_t>(kOuterMT / H, ni));
+      const int64_t gy = (ni + oa.Ti - 1) / oa.Ti;
+      TORCH_CHECK(gy <= 65535, "flashopm: N too large for one launch (N=", N, ")");
+      const dim3 grid(unsigned((N + oa.Tj - 1) / oa.Tj), unsigned(gy), unsigned(B));
+      if (H % 4 == 0) {
+        allow_smem<opm_outer_fused_kernel<true>>(dev, kOuterSmemBytes);
+        opm_outer_fused_kernel<true><<<grid, kOuterThreads, kOuterSmemBytes, stream>>>(oa);
+      } else {
+        allow_smem<opm_outer_fused_kernel<false>>(dev, kOuterSmemBytes);
+        opm_outer_fused_kernel<false><<<grid, kOuterThreads, kOuterSmemBytes, stream>>>(oa);
+      }
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   return out;
 }

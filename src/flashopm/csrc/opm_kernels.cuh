@@ -50,6 +50,25 @@ __device__ __forceinline__ void cp_async4(float* dst, const float* src, bool val
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::); }
+template <int kPending>  // wait until at most kPending committed groups are still in flight
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending)); }
+
+// The mask as given: any strides, any supported dtype.
+struct MaskView {
+  const void* ptr;
+  int64_t sb, ss, sn;
+  int kind;
+  __device__ __forceinline__ float at(int b, int s, int n) const {
+    return load_mask(ptr, int64_t(b) * sb + int64_t(s) * ss + int64_t(n) * sn, kind);
+  }
+};
+
+// den[b, n] = max(sum_s m[b, s, n], 1), reduced by one warp (same value in every lane).
+__device__ __forceinline__ float mask_denominator(const MaskView& m, int b, int n, int S, int lane) {
+  float sum = 0.f;
+  for (int s = lane; s < S; s += 32) sum += m.at(b, s, n);
+  return fmaxf(warp_sum(sum), 1.f);
+}
 
 // ---------------------------------------------------------------------------------------------
 // Kernel 1: LayerNorm + both projections + mask (+ the W-projection of b, project-first only)
@@ -58,9 +77,9 @@ __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wai
 struct PrepArgs {
   const float* x;  // (B, S, N, C), unit stride along C
   int64_t x_sb, x_ss, x_sn;
-  const void* mask;  // (B, S, N), any strides
-  int64_t m_sb, m_ss, m_sn;
-  int mask_kind;
+  MaskView mask;     // (B, S, N)
+  int n_offset;      // rows n of this launch are positions n_offset + n of x and mask
+  int a_rows;        // a is written for rows n < a_rows only
   const float* ln_w;
   const float* ln_b;
   float ln_eps;
@@ -74,8 +93,7 @@ struct PrepArgs {
   float* b_out;  // outer-first only, same strides convention
   int64_t b_sb, b_ss, b_sn;
   float* c_out;  // project-first only: (B, S, H, N, D)
-  float* den;    // (B, N)
-  int B, S, N, C, H, D;
+  int B, S, N, C, H, D;  // N: rows of this launch
   int o_chunks;  // project-first: columns (h1, d) handled in chunks of kPrepThreads per block
 };
 
@@ -123,7 +141,7 @@ __global__ void __launch_bounds__(kPrepThreads, 2) opm_prep_kernel(const PrepArg
   float mean[RW], rstd[RW];
 #pragma unroll
   for (int r = 0; r < RW; ++r) {
-    const int n = min(n_base + warp * RW + r, p.N - 1);
+    const int n = min(n_base + warp * RW + r, p.N - 1) + p.n_offset;
     xrow[r] = p.x + int64_t(b) * p.x_sb + int64_t(s) * p.x_ss + int64_t(n) * p.x_sn;
     float sum = 0.f;
     for (int c = lane; c < C; c += 32) sum += xrow[r][c];
@@ -180,15 +198,12 @@ __global__ void __launch_bounds__(kPrepThreads, 2) opm_prep_kernel(const PrepArg
     const int row = warp * RW + r;
     const int n = n_base + row;
     const bool valid = n < p.N;
-    const float mv =
-        valid ? load_mask(p.mask, int64_t(b) * p.m_sb + int64_t(s) * p.m_ss + int64_t(n) * p.m_sn,
-                          p.mask_kind)
-              : 0.f;
+    const float mv = valid ? p.mask.at(b, s, n + p.n_offset) : 0.f;
 #pragma unroll
     for (int q = 0; q < Q; ++q) {
       const int o = lane + 32 * q;
       if (o < H) {
-        if (valid && ochunk == 0) {
+        if (valid && ochunk == 0 && n < p.a_rows) {
           const float v = (acc[r][q] + (p.ba ? p.ba[o] : 0.f)) * mv;
           p.a_out[int64_t(b) * p.a_sb + int64_t(s) * p.a_ss + int64_t(n) * p.a_sn + o] = v;
         }
@@ -197,27 +212,12 @@ __global__ void __launch_bounds__(kPrepThreads, 2) opm_prep_kernel(const PrepArg
         const float v = valid ? (acc[r][q] + (p.bb ? p.bb[h] : 0.f)) * mv : 0.f;
         if (kProjectW) {
           bs[row * Hp + h] = v;
-        } else if (valid) {
+        } else if (valid && p.b_out) {
           p.b_out[int64_t(b) * p.b_sb + int64_t(s) * p.b_ss + int64_t(n) * p.b_sn + h] = v;
         }
       } else if (kProjectW && o < H + Hp) {
         bs[row * Hp + (o - H)] = 0.f;  // padding read by the float4 loop below
       }
-    }
-  }
-
-  // Denominators: one block per (b, position block) does the reduction over S.
-  if (s == 0 && ochunk == 0) {
-#pragma unroll
-    for (int r = 0; r < RW; ++r) {
-      const int n = n_base + warp * RW + r;
-      if (n >= p.N) continue;
-      float sum = 0.f;
-      for (int ss = lane; ss < p.S; ss += 32)
-        sum += load_mask(p.mask, int64_t(b) * p.m_sb + int64_t(ss) * p.m_ss + int64_t(n) * p.m_sn,
-                         p.mask_kind);
-      sum = warp_sum(sum);
-      if (lane == 0) p.den[int64_t(b) * p.N + n] = fmaxf(sum, 1.f);
     }
   }
 
@@ -277,13 +277,13 @@ __global__ void __launch_bounds__(kPrepThreads, 2) opm_prep_kernel(const PrepArg
 // ---------------------------------------------------------------------------------------------
 
 struct OuterArgs {
-  const float* a;  // (B, S, N, H) contiguous
+  const float* a;  // (B, S, Na, H) contiguous: rows i_offset .. i_offset + Na of the output
   const float* b;  // (B, S, N, H) contiguous
-  const float* den;
+  MaskView mask;
   const float* w_out;  // (D, H*H)
   const float* bias;   // (D) or null
   float* out;          // (B, N, N, D)
-  int B, S, N, H, D;
+  int B, S, N, Na, i_offset, H, D;
   int Ti, Tj;  // pairs per tile along i and j
 };
 
@@ -306,12 +306,18 @@ __global__ void __launch_bounds__(kOuterThreads, 1) opm_outer_fused_kernel(const
   extern __shared__ float4 smem_f4[];
   float* Os = reinterpret_cast<float*>(smem_f4);      // [MT][OStride]
   float* stage = Os + kOuterMT * kOuterOStride;        // phase 1: A/B stages; phase 2: W stages
+  __shared__ float den_s[kOuterMT];
   const int H = p.H, N = p.N, S = p.S, D = p.D;
   const int b = blockIdx.z;
-  const int i0 = blockIdx.y * p.Ti, j0 = blockIdx.x * p.Tj;
-  const int MT = p.Ti * H, NT = p.Tj * H;
+  const int i0 = blockIdx.y * p.Ti, j0 = blockIdx.x * p.Tj;  // i0 local to this row block
   const int tid = threadIdx.x;
-  const int64_t NH = int64_t(N) * H;
+  const int64_t NH = int64_t(N) * H, NaH = int64_t(p.Na) * H;
+
+  for (int il = tid >> 5; il < p.Ti; il += kOuterThreads / 32) {
+    const int i = min(i0 + il, p.Na - 1) + p.i_offset;
+    const float den = mask_denominator(p.mask, b, i, S, tid & 31);
+    if ((tid & 31) == 0) den_s[il] = den;
+  }
 
   // ---------------- phase 1 ----------------
   const int tx = tid & 15, ty = tid >> 4;
@@ -321,9 +327,9 @@ __global__ void __launch_bounds__(kOuterThreads, 1) opm_outer_fused_kernel(const
 #pragma unroll
     for (int c = 0; c < 16; ++c) acc[r][c] = 0.f;
 
-  const int a_lim = min(MT, int((N - i0) * H));  // valid rows of this tile
-  const int b_lim = min(NT, int((N - j0) * H));
-  const float* a_base = p.a + int64_t(b) * S * NH + int64_t(i0) * H;
+  const int a_lim = min(p.Ti * H, int((p.Na - i0) * H));  // valid rows of this tile
+  const int b_lim = min(p.Tj * H, int((N - j0) * H));
+  const float* a_base = p.a + int64_t(b) * S * NaH + int64_t(i0) * H;
   const float* b_base = p.b + int64_t(b) * S * NH + int64_t(j0) * H;
 
   auto load_stage = [&](int buf, int s0) {
@@ -334,7 +340,7 @@ __global__ void __launch_bounds__(kOuterThreads, 1) opm_outer_fused_kernel(const
       const int idx = tid + u * kOuterThreads;
       const int k = idx / kOuterMT, m = idx % kOuterMT;
       const bool ok = (s0 + k < S) && (m < a_lim);
-      cp_async4(&As[idx], a_base + (ok ? int64_t(s0 + k) * NH + m : 0), ok);
+      cp_async4(&As[idx], a_base + (ok ? int64_t(s0 + k) * NaH + m : 0), ok);
     }
 #pragma unroll
     for (int u = 0; u < kOuterBK * kOuterNT / kOuterThreads; ++u) {
@@ -379,8 +385,6 @@ __global__ void __launch_bounds__(kOuterThreads, 1) opm_outer_fused_kernel(const
       *reinterpret_cast<float4*>(&Os[m * kOuterOStride + 64 * q + tx * 4]) =
           *reinterpret_cast<const float4*>(&acc[r][4 * q]);
   }
-  (void)MT;
-  (void)NT;
 
   // ---------------- phase 2 ----------------
   const int K2 = H * H;
@@ -428,6 +432,11 @@ __global__ void __launch_bounds__(kOuterThreads, 1) opm_outer_fused_kernel(const
         if (kc + 1 < n_kc) load_w((kc + 1) & 1, dg, (kc + 1) * kOuterKC);
         const float* Ws = stage + (kc & 1) * kOuterKC * kOuterWStride + dgw * 64 + lane;
         const int kmax = min(kOuterKC, K2 - kc * kOuterKC);
+        // Two-level sum (per chunk, then across chunks) keeps the rounding error of K2 = H*H
+        // terms near that of a blocked GEMM rather than a long serial chain.
+        float part[8][2];
+#pragma unroll
+        for (int pp = 0; pp < 8; ++pp) part[pp][0] = part[pp][1] = 0.f;
         if (kVec4) {
           // kmax is a multiple of 4 here (K2 = H*H with 4 | H)
           for (int k = 0; k < kmax; k += 4) {
@@ -443,10 +452,10 @@ __global__ void __launch_bounds__(kOuterThreads, 1) opm_outer_fused_kernel(const
               const float4 o = *reinterpret_cast<const float4*>(&Os[obase[pp] + off]);
 #pragma unroll
               for (int e = 0; e < 2; ++e) {
-                acc2[pp][e] = fmaf(o.x, w[0][e], acc2[pp][e]);
-                acc2[pp][e] = fmaf(o.y, w[1][e], acc2[pp][e]);
-                acc2[pp][e] = fmaf(o.z, w[2][e], acc2[pp][e]);
-                acc2[pp][e] = fmaf(o.w, w[3][e], acc2[pp][e]);
+                part[pp][e] = fmaf(o.x, w[0][e], part[pp][e]);
+                part[pp][e] = fmaf(o.y, w[1][e], part[pp][e]);
+                part[pp][e] = fmaf(o.z, w[2][e], part[pp][e]);
+                part[pp][e] = fmaf(o.w, w[3][e], part[pp][e]);
               }
             }
             h2 += 4;
@@ -459,11 +468,16 @@ __global__ void __launch_bounds__(kOuterThreads, 1) opm_outer_fused_kernel(const
 #pragma unroll
             for (int pp = 0; pp < 8; ++pp) {
               const float o = Os[obase[pp] + off];
-              acc2[pp][0] = fmaf(o, w0, acc2[pp][0]);
-              acc2[pp][1] = fmaf(o, w1, acc2[pp][1]);
+              part[pp][0] = fmaf(o, w0, part[pp][0]);
+              part[pp][1] = fmaf(o, w1, part[pp][1]);
             }
             if (++h2 == H) { h2 = 0; ++h1; }
           }
+        }
+#pragma unroll
+        for (int pp = 0; pp < 8; ++pp) {
+          acc2[pp][0] += part[pp][0];
+          acc2[pp][1] += part[pp][1];
         }
       }
 
@@ -471,9 +485,10 @@ __global__ void __launch_bounds__(kOuterThreads, 1) opm_outer_fused_kernel(const
       for (int pp = 0; pp < 8; ++pp) {
         if (!pvalid[pp]) continue;
         const int pr = p0 + pw * 8 + pp;
-        const int i = i0 + pr / p.Tj, j = j0 + pr % p.Tj;
-        if (i >= N || j >= N) continue;
-        const float den = p.den[int64_t(b) * N + i];
+        const int il = pr / p.Tj, j = j0 + pr % p.Tj;
+        if (i0 + il >= p.Na || j >= N) continue;
+        const float den = den_s[il];
+        const int i = p.i_offset + i0 + il;
         float* dst = p.out + ((int64_t(b) * N + i) * N + j) * D;
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
@@ -495,18 +510,28 @@ __global__ void __launch_bounds__(kOuterThreads, 1) opm_outer_fused_kernel(const
 struct ProjectArgs {
   const float* A;
   const float* Cm;
-  const float* den;
+  MaskView mask;
   const float* bias;
   float* out;
-  int B, M, K, NC, D;
+  int B, M, K, NC, D, S;
 };
 
-template <int BM, int BN, int BK, int TM, int TN>
-__global__ void __launch_bounds__((BM / TM) * (BN / TN)) opm_project_gemm_kernel(const ProjectArgs p) {
-  constexpr int kThreads = (BM / TM) * (BN / TN);
-  constexpr int kAStride = BM + 4;
-  __shared__ __align__(16) float As[2][BK][kAStride];
-  __shared__ __align__(16) float Bs[2][BK][BN];
+template <int BM, int BN, int BK, int TM, int TN, int STAGES>
+struct ProjectGemmConfig {
+  static constexpr int kThreads = (BM / TM) * (BN / TN);
+  static constexpr int kAStride = BM + 4;
+  static constexpr int kStageFloats = BK * (kAStride + BN);
+  static constexpr int kSmemBytes = STAGES * kStageFloats * 4;
+};
+
+template <int BM, int BN, int BK, int TM, int TN, int STAGES>
+__global__ void __launch_bounds__((BM / TM) * (BN / TN))
+    opm_project_gemm_kernel(const ProjectArgs p) {
+  using Cfg = ProjectGemmConfig<BM, BN, BK, TM, TN, STAGES>;
+  constexpr int kThreads = Cfg::kThreads, kAStride = Cfg::kAStride;
+  extern __shared__ float4 smem_f4[];
+  float* smem = reinterpret_cast<float*>(smem_f4);
+  __shared__ float den_s[BM];
   const int b = blockIdx.z;
   const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
   const int tid = threadIdx.x;
@@ -514,14 +539,21 @@ __global__ void __launch_bounds__((BM / TM) * (BN / TN)) opm_project_gemm_kernel
   const float* A = p.A + int64_t(b) * p.M * p.K;
   const float* Cm = p.Cm + int64_t(b) * p.K * p.NC;
 
+  for (int r = tid >> 5; r < BM; r += kThreads / 32) {
+    const float den = mask_denominator(p.mask, b, min(m0 + r, p.M - 1), p.S, tid & 31);
+    if ((tid & 31) == 0) den_s[r] = den;
+  }
+
   auto load_stage = [&](int buf, int k0) {
+    float* As = smem + buf * Cfg::kStageFloats;  // [BK][kAStride], A transposed
+    float* Bs = As + BK * kAStride;               // [BK][BN]
 #pragma unroll
     for (int u = 0; u < (BM * BK + kThreads - 1) / kThreads; ++u) {
       const int idx = tid + u * kThreads;
       if (idx < BM * BK) {
         const int m = idx / BK, k = idx % BK;  // consecutive threads walk K: coalesced
         const bool ok = (m0 + m < p.M) && (k0 + k < p.K);
-        cp_async4(&As[buf][k][m], A + (ok ? int64_t(m0 + m) * p.K + k0 + k : 0), ok);
+        cp_async4(&As[k * kAStride + m], A + (ok ? int64_t(m0 + m) * p.K + k0 + k : 0), ok);
       }
     }
 #pragma unroll
@@ -530,10 +562,9 @@ __global__ void __launch_bounds__((BM / TM) * (BN / TN)) opm_project_gemm_kernel
       if (idx < BN * BK) {
         const int k = idx / BN, n = idx % BN;
         const bool ok = (n0 + n < p.NC) && (k0 + k < p.K);
-        cp_async4(&Bs[buf][k][n], Cm + (ok ? int64_t(k0 + k) * p.NC + n0 + n : 0), ok);
+        cp_async4(&Bs[k * BN + n], Cm + (ok ? int64_t(k0 + k) * p.NC + n0 + n : 0), ok);
       }
     }
-    cp_async_commit();
   };
 
   float acc[TM][TN];
@@ -542,33 +573,52 @@ __global__ void __launch_bounds__((BM / TM) * (BN / TN)) opm_project_gemm_kernel
 #pragma unroll
     for (int c = 0; c < TN; ++c) acc[r][c] = 0.f;
 
-  const int n_stages = (p.K + BK - 1) / BK;
-  if (n_stages > 0) load_stage(0, 0);
-  for (int st = 0; st < n_stages; ++st) {
-    cp_async_wait_all();
+  // STAGES-1 tiles in flight ahead of the one being multiplied.
+  const int n_k = (p.K + BK - 1) / BK;
+#pragma unroll
+  for (int st = 0; st < STAGES - 1; ++st) {
+    if (st < n_k) load_stage(st, st * BK);
+    cp_async_commit();
+  }
+  for (int kt = 0; kt < n_k; ++kt) {
+    cp_async_wait<STAGES - 2>();
     __syncthreads();
-    if (st + 1 < n_stages) load_stage((st + 1) & 1, (st + 1) * BK);
-    const int buf = st & 1;
+    const int next = kt + STAGES - 1;
+    if (next < n_k) load_stage(next % STAGES, next * BK);
+    cp_async_commit();
+    const float* As = smem + (kt % STAGES) * Cfg::kStageFloats;
+    const float* Bs = As + BK * kAStride;
+    // Two-level sum: one tile's BK terms, then across tiles (K = S*H can be long).
+    float part[TM][TN];
+#pragma unroll
+    for (int r = 0; r < TM; ++r)
+#pragma unroll
+      for (int c = 0; c < TN; ++c) part[r][c] = 0.f;
 #pragma unroll
     for (int k = 0; k < BK; ++k) {
       float av[TM], bv[TN];
 #pragma unroll
-      for (int r = 0; r < TM; ++r) av[r] = As[buf][k][ty * TM + r];
+      for (int r = 0; r < TM; ++r) av[r] = As[k * kAStride + ty * TM + r];
 #pragma unroll
-      for (int c = 0; c < TN; ++c) bv[c] = Bs[buf][k][tx * TN + c];
+      for (int c = 0; c < TN; ++c) bv[c] = Bs[k * BN + tx * TN + c];
 #pragma unroll
       for (int r = 0; r < TM; ++r)
 #pragma unroll
-        for (int c = 0; c < TN; ++c) acc[r][c] = fmaf(av[r], bv[c], acc[r][c]);
+        for (int c = 0; c < TN; ++c) part[r][c] = fmaf(av[r], bv[c], part[r][c]);
     }
-    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < TM; ++r)
+#pragma unroll
+      for (int c = 0; c < TN; ++c) acc[r][c] += part[r][c];
   }
+  cp_async_wait_all();
+  __syncthreads();
 
 #pragma unroll
   for (int r = 0; r < TM; ++r) {
     const int m = m0 + ty * TM + r;
     if (m >= p.M) continue;
-    const float den = p.den[int64_t(b) * p.M + m];
+    const float den = den_s[ty * TM + r];
     float* dst = p.out + (int64_t(b) * p.M + m) * p.NC;
 #pragma unroll
     for (int c = 0; c < TN; ++c) {
