@@ -39,7 +39,7 @@ def test_extension_name_hashes_sources_and_arch():
     assert base == _build.extension_name(dict(src), ["9.0"])
     assert base != _build.extension_name(src, ["8.0"])
     changed = dict(src)
-    changed["opm_forward.cu"] += "\n// changed\n"
+    changed["opm_launch.cu"] += "\n// changed\n"
     assert base != _build.extension_name(changed, ["9.0"])
 
 

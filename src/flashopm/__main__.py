@@ -79,8 +79,9 @@ def cmd_check(args) -> int:
     if device == "cuda":
         ref, new = _spec_pair(0, device)
         x, m = [t.to(device) for t in get_inputs()]
-        from .bench import time_graph, time_wall
+        from .bench import time_graph, time_wall, warm_gpu
 
+        warm_gpu()
         t_ref, t_new = time_wall(lambda: ref(x, m)), time_wall(lambda: new(x, m))
         g_ref, g_new = time_graph(lambda: ref(x, m)), time_graph(lambda: new(x, m))
         print(f"spec shape (2,8,32,64,32,64), wall per call: eager {t_ref}, flashopm {t_new} "
@@ -102,7 +103,7 @@ def _parse_shapes(text: str | None) -> list[Shape]:
 
 
 def bench_shape(shape: Shape, impls: list[str], n_calls: int, fp64_max_n: int) -> list[dict]:
-    from .bench import is_oom, peak_extra_bytes, time_graph, time_wall
+    from .bench import is_oom, peak_extra_bytes, time_graph, time_wall, warm_gpu
 
     x, m, p = make_problem(shape, "ones", seed=0)
     torch.manual_seed(0)
@@ -133,6 +134,7 @@ def bench_shape(shape: Shape, impls: list[str], n_calls: int, fp64_max_n: int) -
         try:
             with torch.no_grad():
                 extra, out = peak_extra_bytes(lambda: fn(x, m))
+                warm_gpu()
                 wall = time_wall(lambda: fn(x, m), n=n, warmup=2)
                 graph = time_graph(lambda: fn(x, m), n=min(n, 20)) if impl != "compile" else None
         except Exception as exc:  # report OOM as a result, re-raise anything else

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 CSRC_DIR = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("opm_kernels.cuh", "opm_forward.cu")
+SOURCES = ("opm_params.h", "opm_kernels.cuh", "opm_launch.cu", "opm_api.cpp")
 NVCC_FLAGS = ("-O3", "-lineinfo", "--expt-relaxed-constexpr")
 
 _lock = threading.Lock()
@@ -166,8 +166,8 @@ def _load_inline(name: str, sources: dict[str, str], archs: list[str], build_dir
 
     return load_inline(
         name=name,
-        cpp_sources=[""],
-        cuda_sources=[sources["opm_forward.cu"]],
+        cpp_sources=[sources["opm_api.cpp"]],
+        cuda_sources=[sources["opm_launch.cu"]],
         extra_include_paths=[str(CSRC_DIR)],
         extra_cflags=["-O3"],
         extra_cuda_cflags=[*NVCC_FLAGS, *gencode_flags(archs)],

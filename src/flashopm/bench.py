@@ -37,6 +37,19 @@ class L2Flusher:
         self.buf.fill_(1.0)
 
 
+def warm_gpu(seconds: float = 0.3) -> None:
+    """Keeps the GPU busy for a while so that its clocks have ramped up before timing starts."""
+    import time
+
+    a = torch.randn(4096, 4096, device="cuda")
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        for _ in range(10):
+            a @ a
+        torch.cuda.synchronize()
+
+
 def time_wall(fn: Callable[[], object], n: int = 100, warmup: int = 10, flush_l2: bool = True) -> Timing:
     """Wall time per call the way KernelBench measures it: CUDA events around each call, with a
     synchronize (and an L2 flush) between calls.  Median and 10th/90th percentiles in µs."""

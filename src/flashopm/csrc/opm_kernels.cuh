@@ -17,13 +17,13 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include "opm_params.h"
+
 namespace flashopm {
 
 // ---------------------------------------------------------------------------------------------
 // Small helpers
 // ---------------------------------------------------------------------------------------------
-
-enum MaskKind : int { kMaskFloat = 0, kMaskBool = 1, kMaskHalf = 2, kMaskBFloat16 = 3 };
 
 __device__ __forceinline__ float load_mask(const void* base, int64_t idx, int kind) {
   switch (kind) {
@@ -53,20 +53,15 @@ __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wai
 template <int kPending>  // wait until at most kPending committed groups are still in flight
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending)); }
 
-// The mask as given: any strides, any supported dtype.
-struct MaskView {
-  const void* ptr;
-  int64_t sb, ss, sn;
-  int kind;
-  __device__ __forceinline__ float at(int b, int s, int n) const {
-    return load_mask(ptr, int64_t(b) * sb + int64_t(s) * ss + int64_t(n) * sn, kind);
-  }
-};
+
+__device__ __forceinline__ float mask_at(const MaskView& m, int b, int s, int n) {
+  return load_mask(m.ptr, int64_t(b) * m.sb + int64_t(s) * m.ss + int64_t(n) * m.sn, m.kind);
+}
 
 // den[b, n] = max(sum_s m[b, s, n], 1), reduced by one warp (same value in every lane).
 __device__ __forceinline__ float mask_denominator(const MaskView& m, int b, int n, int S, int lane) {
   float sum = 0.f;
-  for (int s = lane; s < S; s += 32) sum += m.at(b, s, n);
+  for (int s = lane; s < S; s += 32) sum += mask_at(m, b, s, n);
   return fmaxf(warp_sum(sum), 1.f);
 }
 
@@ -74,49 +69,6 @@ __device__ __forceinline__ float mask_denominator(const MaskView& m, int b, int 
 // Kernel 1: LayerNorm + both projections + mask (+ the W-projection of b, project-first only)
 // ---------------------------------------------------------------------------------------------
 
-struct PrepArgs {
-  const float* x;  // (B, S, N, C), unit stride along C
-  int64_t x_sb, x_ss, x_sn;
-  MaskView mask;     // (B, S, N)
-  int n_offset;      // rows n of this launch are positions n_offset + n of x and mask
-  int a_rows;        // a is written for rows n < a_rows only
-  const float* ln_w;
-  const float* ln_b;
-  float ln_eps;
-  const float* wa;  // (H, C)
-  const float* ba;  // (H) or null
-  const float* wb;
-  const float* bb;
-  const float* w_out;  // (D, H*H), project-first only
-  float* a_out;        // strides below, unit stride along H
-  int64_t a_sb, a_ss, a_sn;
-  float* b_out;  // outer-first only, same strides convention
-  int64_t b_sb, b_ss, b_sn;
-  float* c_out;  // project-first only: (B, S, H, N, D)
-  int B, S, N, C, H, D;  // N: rows of this launch
-  int o_chunks;  // project-first: columns (h1, d) handled in chunks of kPrepThreads per block
-};
-
-constexpr int kPrepWarps = 8;
-constexpr int kPrepThreads = kPrepWarps * 32;
-constexpr int kPrepKC = 32;            // features of C staged per step
-constexpr int kPrepWStride = 257;      // odd stride: conflict-free transposed stores
-constexpr int kMaxHidden = 64;
-
-__host__ __device__ inline int round_up4(int v) { return (v + 3) & ~3; }
-
-// Shared memory (floats) used by opm_prep_kernel.
-__host__ __device__ inline int64_t prep_smem_floats(int H, int rows_per_warp, bool project_w) {
-  const int Q = (2 * H + 31) / 32;
-  int64_t proj = int64_t(kPrepKC) * (2 * H + 1) + 32 * Q            // weight chunk (+ slack)
-                 + int64_t(kPrepWarps) * rows_per_warp * kPrepKC;   // normalised rows
-  int64_t total = proj;
-  if (project_w) {
-    const int64_t wsm = int64_t(round_up4(H)) * kPrepWStride;
-    total = (proj > wsm ? proj : wsm) + int64_t(kPrepWarps) * rows_per_warp * round_up4(H);
-  }
-  return total;
-}
 
 // One block: one (b, s), kPrepWarps*RW consecutive positions n; in project-first mode also one
 // chunk of kPrepThreads output columns (h1, d) of c.
@@ -198,7 +150,7 @@ __global__ void __launch_bounds__(kPrepThreads, 2) opm_prep_kernel(const PrepArg
     const int row = warp * RW + r;
     const int n = n_base + row;
     const bool valid = n < p.N;
-    const float mv = valid ? p.mask.at(b, s, n + p.n_offset) : 0.f;
+    const float mv = valid ? mask_at(p.mask, b, s, n + p.n_offset) : 0.f;
 #pragma unroll
     for (int q = 0; q < Q; ++q) {
       const int o = lane + 32 * q;
@@ -276,30 +228,6 @@ __global__ void __launch_bounds__(kPrepThreads, 2) opm_prep_kernel(const PrepArg
 // Nothing of O leaves the chip.
 // ---------------------------------------------------------------------------------------------
 
-struct OuterArgs {
-  const float* a;  // (B, S, Na, H) contiguous: rows i_offset .. i_offset + Na of the output
-  const float* b;  // (B, S, N, H) contiguous
-  MaskView mask;
-  const float* w_out;  // (D, H*H)
-  const float* bias;   // (D) or null
-  float* out;          // (B, N, N, D)
-  int B, S, N, Na, i_offset, H, D;
-  int Ti, Tj;  // pairs per tile along i and j
-};
-
-constexpr int kOuterThreads = 256;
-constexpr int kOuterMT = 128;          // phase-1 tile rows (i, h1)
-constexpr int kOuterNT = 256;          // phase-1 tile cols (j, h2)
-constexpr int kOuterBK = 8;            // S steps per stage
-constexpr int kOuterOStride = kOuterNT + 4;
-constexpr int kOuterKC = 32;           // k = (h1, h2) steps per W stage
-constexpr int kOuterWStride = 128 + 1;
-constexpr int kOuterStageFloats = 2 * kOuterBK * (kOuterMT + kOuterNT);
-constexpr int kOuterWFloats = 2 * kOuterKC * kOuterWStride;
-constexpr int kOuterSmemBytes =
-    (kOuterMT * kOuterOStride +
-     (kOuterStageFloats > kOuterWFloats ? kOuterStageFloats : kOuterWFloats)) *
-    4;
 
 template <bool kVec4>  // kVec4: H % 4 == 0, so 4 consecutive k share h1
 __global__ void __launch_bounds__(kOuterThreads, 1) opm_outer_fused_kernel(const OuterArgs p) {
@@ -507,14 +435,6 @@ __global__ void __launch_bounds__(kOuterThreads, 1) opm_outer_fused_kernel(const
 // A plain tiled SGEMM with a fused epilogue; TMxTN outputs per thread.
 // ---------------------------------------------------------------------------------------------
 
-struct ProjectArgs {
-  const float* A;
-  const float* Cm;
-  MaskView mask;
-  const float* bias;
-  float* out;
-  int B, M, K, NC, D, S;
-};
 
 template <int BM, int BN, int BK, int TM, int TN, int STAGES>
 struct ProjectGemmConfig {

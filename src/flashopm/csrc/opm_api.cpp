@@ -1,16 +1,19 @@
-// Host side of the fused Outer-Product Mean forward: argument checks, choice of contraction
-// order, workspace, launches, and the CUDA registration of flashopm::outer_product_mean.
+// Host side of the fused Outer-Product Mean forward, in the manner of flash-attention's API file:
+// argument checks (messages name the argument, expected vs got), choice of contraction order,
+// workspace, launches, and the CUDA registration of flashopm::outer_product_mean.
 // The op's schema, its CPU implementation and its fake are registered from Python (ops.py).
+// This file is compiled by the host C++ compiler; all message formatting happens here.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <array>
 #include <mutex>
 
-#include "opm_kernels.cuh"
+#include "opm_params.h"
 
 namespace flashopm {
 namespace {
@@ -34,19 +37,9 @@ const DeviceInfo& device_info(int dev) {
   return infos[dev];
 }
 
-// Raises the dynamic shared-memory limit of `Kernel` to all the device allows, once per device.
-template <auto Kernel>
-void allow_smem(int dev, int bytes) {
-  static std::array<int, kMaxDevices> max_dynamic{};
-  static std::array<std::once_flag, kMaxDevices> flags;
-  std::call_once(flags[dev], [dev] {
-    cudaFuncAttributes attr{};
-    C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, Kernel));
-    max_dynamic[dev] = device_info(dev).smem_optin - int(attr.sharedSizeBytes);
-    C10_CUDA_CHECK(cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, max_dynamic[dev]));
-  });
-  TORCH_CHECK(bytes <= max_dynamic[dev], "flashopm: kernel needs ", bytes,
-              " bytes of shared memory, the device allows ", max_dynamic[dev]);
+void check_smem(int bytes, int dev, const char* what) {
+  TORCH_CHECK(bytes <= device_info(dev).smem_optin, "flashopm: the ", what, " kernel needs ", bytes,
+              " bytes of shared memory per block, this GPU allows ", device_info(dev).smem_optin);
 }
 
 int mask_kind_of(const at::Tensor& mask) {
@@ -76,44 +69,13 @@ const float* opt_ptr(const std::optional<at::Tensor>& t) {
 
 enum Algorithm : int64_t { kAuto = 0, kOuterFirst = 1, kProjectFirst = 2 };
 
-template <int Q, int RW, bool kProjectW>
-void launch_prep(const PrepArgs& args, int dev, cudaStream_t stream) {
-  const int R = kPrepWarps * RW;
-  const dim3 grid(unsigned((args.N + R - 1) / R) * unsigned(kProjectW ? args.o_chunks : 1),
-                  unsigned(args.S), unsigned(args.B));
-  const int smem = int(prep_smem_floats(args.H, RW, kProjectW) * sizeof(float));
-  constexpr auto kernel = opm_prep_kernel<Q, RW, kProjectW>;
-  allow_smem<kernel>(dev, smem);
-  kernel<<<grid, kPrepThreads, smem, stream>>>(args);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
-template <int RW, bool kProjectW>
-void dispatch_prep_q(const PrepArgs& args, int dev, cudaStream_t stream) {
-  const int q = (2 * args.H + 31) / 32;
-  if (q <= 1) return launch_prep<1, RW, kProjectW>(args, dev, stream);
-  if (q <= 2) return launch_prep<2, RW, kProjectW>(args, dev, stream);
-  return launch_prep<4, RW, kProjectW>(args, dev, stream);
-}
-
-template <bool kProjectW>
-void dispatch_prep(const PrepArgs& args, int dev, cudaStream_t stream) {
-  // Four rows per warp amortise the weight reads; one row per warp when that leaves too few
-  // blocks to fill the GPU.
-  const int64_t blocks_rw4 = int64_t(args.B) * args.S * ((args.N + 31) / 32) *
-                             (kProjectW ? args.o_chunks : 1);
-  if (blocks_rw4 >= 2 * device_info(dev).sm_count) return dispatch_prep_q<4, kProjectW>(args, dev, stream);
-  return dispatch_prep_q<1, kProjectW>(args, dev, stream);
-}
-
-template <int BM, int BN, int BK, int TM, int TN, int STAGES>
-void launch_project_gemm(const ProjectArgs& args, int dev, cudaStream_t stream) {
-  using Cfg = ProjectGemmConfig<BM, BN, BK, TM, TN, STAGES>;
-  constexpr auto kernel = opm_project_gemm_kernel<BM, BN, BK, TM, TN, STAGES>;
-  allow_smem<kernel>(dev, Cfg::kSmemBytes);
-  const dim3 grid(unsigned((args.NC + BN - 1) / BN), unsigned((args.M + BM - 1) / BM), unsigned(args.B));
-  kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(args);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+// Four rows per warp amortise the weight reads; one row per warp when that leaves too few blocks
+// to fill the GPU.
+void run_prep(const PrepArgs& args, bool project_w, int dev, cudaStream_t stream) {
+  const int64_t blocks_rw4 = int64_t(args.B) * args.S * ((args.N + 31) / 32) * (project_w ? args.o_chunks : 1);
+  const int rw = blocks_rw4 >= 2 * device_info(dev).sm_count ? 4 : 1;
+  check_smem(prep_smem_bytes(args.H, rw, project_w), dev, "LayerNorm/projection");
+  launch_prep(args, project_w, rw, stream);
 }
 
 }  // namespace
@@ -229,7 +191,7 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     pa.a_sn = S * H;
     pa.w_out = w_out.data_ptr<float>();
     pa.c_out = c_buf;
-    dispatch_prep<true>(pa, dev, stream);
+    run_prep(pa, true, dev, stream);
 
     ProjectArgs ga{};
     ga.A = a_buf;
@@ -243,9 +205,9 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     ga.NC = int(N * D);
     ga.D = int(D);
     ga.S = int(S);
-    const int64_t big_tiles = B * ((N + 127) / 128) * ((N * D + 127) / 128);
-    if (big_tiles >= 2 * device_info(dev).sm_count) launch_project_gemm<128, 128, 8, 8, 8, 4>(ga, dev, stream);
-    else launch_project_gemm<32, 32, 32, 2, 2, 4>(ga, dev, stream);
+    const bool big_tiles = B * ((N + 127) / 128) * ((N * D + 127) / 128) >= 2 * device_info(dev).sm_count;
+    check_smem(project_gemm_smem_bytes(big_tiles), dev, "project-first GEMM");
+    launch_project_gemm(ga, big_tiles, stream);
   } else {
     // workspace: b as (B, S, N, H) | a as (B, S, Ni, H) for one block of Ni output rows.  Rows are
     // blocked only when a and b for all rows would pass the budget; each further block recomputes
@@ -286,22 +248,14 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
       pa.b_sb = S * N * H;
       pa.b_ss = N * H;
       pa.b_sn = H;
-      dispatch_prep<false>(pa, dev, stream);
+      run_prep(pa, false, dev, stream);
 
       oa.Na = int(ni);
       oa.i_offset = int(i_off);
       oa.Ti = int(std::min<int64_t>(kOuterMT / H, ni));
-      const int64_t gy = (ni + oa.Ti - 1) / oa.Ti;
-      TORCH_CHECK(gy <= 65535, "flashopm: N too large for one launch (N=", N, ")");
-      const dim3 grid(unsigned((N + oa.Tj - 1) / oa.Tj), unsigned(gy), unsigned(B));
-      if (H % 4 == 0) {
-        allow_smem<opm_outer_fused_kernel<true>>(dev, kOuterSmemBytes);
-        opm_outer_fused_kernel<true><<<grid, kOuterThreads, kOuterSmemBytes, stream>>>(oa);
-      } else {
-        allow_smem<opm_outer_fused_kernel<false>>(dev, kOuterSmemBytes);
-        opm_outer_fused_kernel<false><<<grid, kOuterThreads, kOuterSmemBytes, stream>>>(oa);
-      }
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      TORCH_CHECK((ni + oa.Ti - 1) / oa.Ti <= 65535, "flashopm: N too large for one launch (N=", N, ")");
+      check_smem(outer_smem_bytes(), dev, "outer-product");
+      launch_outer(oa, stream);
     }
   }
   return out;

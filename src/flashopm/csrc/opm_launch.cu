@@ -1,0 +1,102 @@
+// Launchers of the forward kernels: template dispatch, shared-memory opt-in, launch checks.
+// No argument checking here: opm_api.cpp validates everything before calling in.
+#include <c10/cuda/CUDAException.h>
+
+#include <array>
+#include <mutex>
+
+#include "opm_kernels.cuh"
+
+namespace flashopm {
+namespace {
+
+constexpr int kMaxDevices = 64;
+
+// Lets `Kernel` use all the dynamic shared memory the device allows (once per device).
+template <auto Kernel>
+void allow_smem() {
+  static std::array<std::once_flag, kMaxDevices> flags;
+  int dev = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  std::call_once(flags[dev % kMaxDevices], [dev] {
+    int optin = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+    cudaFuncAttributes attr{};
+    C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, Kernel));
+    C10_CUDA_CHECK(cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        optin - int(attr.sharedSizeBytes)));
+  });
+}
+
+template <int Q, int RW, bool kProjectW>
+void launch_prep_t(const PrepArgs& args, cudaStream_t stream) {
+  constexpr int R = kPrepWarps * RW;
+  const dim3 grid(unsigned((args.N + R - 1) / R) * unsigned(kProjectW ? args.o_chunks : 1), unsigned(args.S),
+                  unsigned(args.B));
+  constexpr auto kernel = opm_prep_kernel<Q, RW, kProjectW>;
+  allow_smem<kernel>();
+  kernel<<<grid, kPrepThreads, prep_smem_bytes(args.H, RW, kProjectW), stream>>>(args);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <int RW, bool kProjectW>
+void launch_prep_q(const PrepArgs& args, cudaStream_t stream) {
+  const int q = (2 * args.H + 31) / 32;
+  if (q <= 1) return launch_prep_t<1, RW, kProjectW>(args, stream);
+  if (q <= 2) return launch_prep_t<2, RW, kProjectW>(args, stream);
+  return launch_prep_t<4, RW, kProjectW>(args, stream);
+}
+
+// Tile configurations of the project-first GEMM: a large one, and a small one for problems that
+// would otherwise leave most of the GPU idle.
+using BigGemm = ProjectGemmConfig<128, 128, 8, 8, 8, 4>;
+using SmallGemm = ProjectGemmConfig<32, 32, 32, 2, 2, 4>;
+
+}  // namespace
+
+int prep_smem_bytes(int H, int rows_per_warp, bool project_w) {
+  return int(prep_smem_floats(H, rows_per_warp, project_w) * sizeof(float));
+}
+
+void launch_prep(const PrepArgs& args, bool project_w, int rows_per_warp, cudaStream_t stream) {
+  if (project_w) {
+    if (rows_per_warp == 4) return launch_prep_q<4, true>(args, stream);
+    return launch_prep_q<1, true>(args, stream);
+  }
+  if (rows_per_warp == 4) return launch_prep_q<4, false>(args, stream);
+  return launch_prep_q<1, false>(args, stream);
+}
+
+int outer_smem_bytes() { return kOuterSmemBytes; }
+
+void launch_outer(const OuterArgs& args, cudaStream_t stream) {
+  const dim3 grid(unsigned((args.N + args.Tj - 1) / args.Tj), unsigned((args.Na + args.Ti - 1) / args.Ti),
+                  unsigned(args.B));
+  if (args.H % 4 == 0) {
+    allow_smem<opm_outer_fused_kernel<true>>();
+    opm_outer_fused_kernel<true><<<grid, kOuterThreads, kOuterSmemBytes, stream>>>(args);
+  } else {
+    allow_smem<opm_outer_fused_kernel<false>>();
+    opm_outer_fused_kernel<false><<<grid, kOuterThreads, kOuterSmemBytes, stream>>>(args);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+int project_gemm_smem_bytes(bool big_tiles) { return big_tiles ? BigGemm::kSmemBytes : SmallGemm::kSmemBytes; }
+
+void launch_project_gemm(const ProjectArgs& args, bool big_tiles, cudaStream_t stream) {
+  if (big_tiles) {
+    constexpr auto kernel = opm_project_gemm_kernel<128, 128, 8, 8, 8, 4>;
+    allow_smem<kernel>();
+    const dim3 grid(unsigned((args.NC + 127) / 128), unsigned((args.M + 127) / 128), unsigned(args.B));
+    kernel<<<grid, BigGemm::kThreads, BigGemm::kSmemBytes, stream>>>(args);
+  } else {
+    constexpr auto kernel = opm_project_gemm_kernel<32, 32, 32, 2, 2, 4>;
+    allow_smem<kernel>();
+    const dim3 grid(unsigned((args.NC + 31) / 32), unsigned((args.M + 31) / 32), unsigned(args.B));
+    kernel<<<grid, SmallGemm::kThreads, SmallGemm::kSmemBytes, stream>>>(args);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace flashopm
