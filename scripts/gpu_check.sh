@@ -16,7 +16,9 @@ status=0
 ( time $py -c "import flashopm._build as b; print(b.load())" ) >"$out/build.log" 2>&1 || status=1
 tail -n 3 "$out/build.log"
 if [ $status -eq 0 ]; then
-  $py -m pytest -q -rs tests 2>&1 | tee "$out/tests.log" | tail -n 25 || status=1
+  # the GPU tests first, then the rest: a crash in one run leaves the other's report intact
+  { $py -m pytest -q -rfEs tests/test_cuda.py; $py -m pytest -q -rfEs tests --ignore tests/test_cuda.py; } 2>&1 \
+    | tee "$out/tests.log" | grep -E "passed|failed|FAILED|Error|error" | tail -n 30 || status=1
   $py -m flashopm check 2>&1 | tee "$out/check.log" | tail -n 4 || status=1
   $py -m flashopm bench --out "$out" "$@" 2>&1 | tee "$out/bench.log" | tail -n 20 || status=1
 fi

@@ -10,6 +10,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <string>
+#include <type_traits>
 #include <array>
 #include <mutex>
 
@@ -17,6 +19,28 @@
 
 namespace flashopm {
 namespace {
+
+// Error messages are assembled here with std::to_string rather than streamed through
+// c10::str: streaming integers from an extension crashed on a machine whose loaded libstdc++
+// did not match the compiler's headers.  TORCH_CHECK passes a ready std::string through as is.
+inline std::string fmt_part(const char* s) { return s; }
+inline std::string fmt_part(const std::string& s) { return s; }
+template <typename T, std::enable_if_t<std::is_integral_v<T>, int> = 0>
+std::string fmt_part(T v) { return std::to_string(v); }
+inline std::string fmt_part(c10::IntArrayRef a) {
+  std::string out = "[";
+  for (size_t i = 0; i < a.size(); ++i) out += (i ? ", " : "") + std::to_string(a[i]);
+  return out + "]";
+}
+inline std::string fmt_part(at::ScalarType t) { return c10::toString(t); }
+inline std::string fmt_part(const c10::Device& d) { return d.str(); }
+template <typename... Ts>
+std::string fmt(const Ts&... parts) {
+  std::string out;
+  (out += ... += fmt_part(parts));
+  return out;
+}
+#define FLASHOPM_CHECK(cond, ...) TORCH_CHECK(cond, ::flashopm::fmt(__VA_ARGS__))
 
 constexpr int kMaxDevices = 64;
 
@@ -28,7 +52,7 @@ struct DeviceInfo {
 const DeviceInfo& device_info(int dev) {
   static std::array<DeviceInfo, kMaxDevices> infos;
   static std::array<std::once_flag, kMaxDevices> flags;
-  TORCH_CHECK(dev >= 0 && dev < kMaxDevices, "flashopm: device index ", dev, " out of range");
+  FLASHOPM_CHECK(dev >= 0 && dev < kMaxDevices, "flashopm: device index ", dev, " out of range");
   std::call_once(flags[dev], [dev] {
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&infos[dev].sm_count, cudaDevAttrMultiProcessorCount, dev));
     C10_CUDA_CHECK(
@@ -38,7 +62,7 @@ const DeviceInfo& device_info(int dev) {
 }
 
 void check_smem(int bytes, int dev, const char* what) {
-  TORCH_CHECK(bytes <= device_info(dev).smem_optin, "flashopm: the ", what, " kernel needs ", bytes,
+  FLASHOPM_CHECK(bytes <= device_info(dev).smem_optin, "flashopm: the ", what, " kernel needs ", bytes,
               " bytes of shared memory per block, this GPU allows ", device_info(dev).smem_optin);
 }
 
@@ -49,17 +73,17 @@ int mask_kind_of(const at::Tensor& mask) {
     case at::kHalf: return kMaskHalf;
     case at::kBFloat16: return kMaskBFloat16;
     default:
-      TORCH_CHECK(false, "flashopm: msa_mask must be float32, float16, bfloat16 or bool on CUDA, got ",
+      FLASHOPM_CHECK(false, "flashopm: msa_mask must be float32, float16, bfloat16 or bool on CUDA, got ",
                   mask.scalar_type());
   }
   return 0;
 }
 
 void check_param(const at::Tensor& t, const char* name, at::IntArrayRef shape, const at::Tensor& msa) {
-  TORCH_CHECK(t.sizes() == shape, "flashopm: ", name, " must have shape ", shape, ", got ", t.sizes());
-  TORCH_CHECK(t.device() == msa.device(), "flashopm: ", name, " is on ", t.device(),
+  FLASHOPM_CHECK(t.sizes() == shape, "flashopm: ", name, " must have shape ", shape, ", got ", t.sizes());
+  FLASHOPM_CHECK(t.device() == msa.device(), "flashopm: ", name, " is on ", t.device(),
               " but msa_repr is on ", msa.device());
-  TORCH_CHECK(t.scalar_type() == msa.scalar_type(), "flashopm: ", name, " must have dtype ",
+  FLASHOPM_CHECK(t.scalar_type() == msa.scalar_type(), "flashopm: ", name, " must have dtype ",
               msa.scalar_type(), " like msa_repr, got ", t.scalar_type());
 }
 
@@ -87,29 +111,29 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
                                    const std::optional<at::Tensor>& b_b_in, const at::Tensor& w_out_in,
                                    const std::optional<at::Tensor>& b_out_in, int64_t algorithm) {
   // ---- argument checks (messages name the argument, expected vs got) ----
-  TORCH_CHECK(msa_in.dim() == 4, "flashopm: msa_repr must have shape (B, S, N, msa_dim), got ",
+  FLASHOPM_CHECK(msa_in.dim() == 4, "flashopm: msa_repr must have shape (B, S, N, msa_dim), got ",
               msa_in.dim(), " dims ", msa_in.sizes());
-  TORCH_CHECK(mask.dim() == 3, "flashopm: msa_mask must have shape (B, S, N), got ", mask.dim(),
+  FLASHOPM_CHECK(mask.dim() == 3, "flashopm: msa_mask must have shape (B, S, N), got ", mask.dim(),
               " dims ", mask.sizes());
-  TORCH_CHECK(msa_in.is_cuda(), "flashopm: msa_repr must be a CUDA tensor here, got ", msa_in.device());
-  TORCH_CHECK(mask.device() == msa_in.device(), "flashopm: msa_mask is on ", mask.device(),
+  FLASHOPM_CHECK(msa_in.is_cuda(), "flashopm: msa_repr must be a CUDA tensor here, got ", msa_in.device());
+  FLASHOPM_CHECK(mask.device() == msa_in.device(), "flashopm: msa_mask is on ", mask.device(),
               " but msa_repr is on ", msa_in.device());
-  TORCH_CHECK(msa_in.scalar_type() == at::kFloat, "flashopm: msa_repr must be float32 on CUDA, got ",
+  FLASHOPM_CHECK(msa_in.scalar_type() == at::kFloat, "flashopm: msa_repr must be float32 on CUDA, got ",
               msa_in.scalar_type());
   const int64_t B = msa_in.size(0), S = msa_in.size(1), N = msa_in.size(2), C = msa_in.size(3);
-  TORCH_CHECK(mask.size(0) == B && mask.size(1) == S && mask.size(2) == N,
+  FLASHOPM_CHECK(mask.size(0) == B && mask.size(1) == S && mask.size(2) == N,
               "flashopm: msa_mask must have shape (B, S, N) = (", B, ", ", S, ", ", N,
               ") to match msa_repr, got ", mask.sizes());
-  TORCH_CHECK(C >= 1, "flashopm: msa_dim must be >= 1, got ", C);
+  FLASHOPM_CHECK(C >= 1, "flashopm: msa_dim must be >= 1, got ", C);
   const int mask_kind = mask_kind_of(mask);
-  TORCH_CHECK(w_a_in.dim() == 2, "flashopm: proj_a weight must be 2-D (hidden, msa_dim), got ",
+  FLASHOPM_CHECK(w_a_in.dim() == 2, "flashopm: proj_a weight must be 2-D (hidden, msa_dim), got ",
               w_a_in.sizes());
   const int64_t H = w_a_in.size(0);
-  TORCH_CHECK(H >= 1 && H <= kMaxHidden, "flashopm: hidden_dim must be in [1, ", kMaxHidden, "], got ", H);
-  TORCH_CHECK(w_out_in.dim() == 2, "flashopm: out_proj weight must be 2-D (pair_dim, hidden^2), got ",
+  FLASHOPM_CHECK(H >= 1 && H <= kMaxHidden, "flashopm: hidden_dim must be in [1, ", kMaxHidden, "], got ", H);
+  FLASHOPM_CHECK(w_out_in.dim() == 2, "flashopm: out_proj weight must be 2-D (pair_dim, hidden^2), got ",
               w_out_in.sizes());
   const int64_t D = w_out_in.size(0);
-  TORCH_CHECK(D >= 1, "flashopm: pair_dim must be >= 1, got ", D);
+  FLASHOPM_CHECK(D >= 1, "flashopm: pair_dim must be >= 1, got ", D);
   check_param(ln_weight_in, "layer_norm weight", {C}, msa_in);
   check_param(ln_bias_in, "layer_norm bias", {C}, msa_in);
   check_param(w_a_in, "proj_a weight", {H, C}, msa_in);
@@ -118,9 +142,9 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
   if (b_a_in) check_param(*b_a_in, "proj_a bias", {H}, msa_in);
   if (b_b_in) check_param(*b_b_in, "proj_b bias", {H}, msa_in);
   if (b_out_in) check_param(*b_out_in, "out_proj bias", {D}, msa_in);
-  TORCH_CHECK(algorithm >= kAuto && algorithm <= kProjectFirst,
+  FLASHOPM_CHECK(algorithm >= kAuto && algorithm <= kProjectFirst,
               "flashopm: algorithm must be 0 (auto), 1 (outer-first) or 2 (project-first), got ", algorithm);
-  TORCH_CHECK(S <= 65535 && B <= 65535, "flashopm: B and S must be at most 65535, got B=", B, ", S=", S);
+  FLASHOPM_CHECK(S <= 65535 && B <= 65535, "flashopm: B and S must be at most 65535, got B=", B, ", S=", S);
 
   const c10::cuda::CUDAGuard guard(msa_in.device());
   at::Tensor out = at::empty({B, N, N, D}, msa_in.options());
@@ -253,7 +277,7 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
       oa.Na = int(ni);
       oa.i_offset = int(i_off);
       oa.Ti = int(std::min<int64_t>(kOuterMT / H, ni));
-      TORCH_CHECK((ni + oa.Ti - 1) / oa.Ti <= 65535, "flashopm: N too large for one launch (N=", N, ")");
+      FLASHOPM_CHECK((ni + oa.Ti - 1) / oa.Ti <= 65535, "flashopm: N too large for one launch (N=", N, ")");
       check_smem(outer_smem_bytes(), dev, "outer-product");
       launch_outer(oa, stream);
     }

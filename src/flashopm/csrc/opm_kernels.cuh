@@ -114,12 +114,13 @@ __global__ void __launch_bounds__(kPrepThreads, 2) opm_prep_kernel(const PrepArg
 
   for (int c0 = 0; c0 < C; c0 += kPrepKC) {
     __syncthreads();
+    // Asynchronous copies: all of a thread's loads are in flight at once.
     for (int idx = threadIdx.x; idx < H2 * kPrepKC; idx += kPrepThreads) {
       const int o = idx / kPrepKC, k = idx - o * kPrepKC, c = c0 + k;
-      float w = 0.f;
-      if (c < C) w = o < H ? p.wa[int64_t(o) * C + c] : p.wb[int64_t(o - H) * C + c];
-      ws[k * ws_stride + o] = w;
+      const float* src = o < H ? p.wa + int64_t(o) * C + c : p.wb + int64_t(o - H) * C + c;
+      cp_async4(&ws[k * ws_stride + o], c < C ? src : p.wa, c < C);
     }
+    cp_async_commit();
 #pragma unroll
     for (int r = 0; r < RW; ++r) {
       const int c = c0 + lane;
@@ -127,6 +128,7 @@ __global__ void __launch_bounds__(kPrepThreads, 2) opm_prep_kernel(const PrepArg
       if (c < C) v = (xrow[r][c] - mean[r]) * rstd[r] * p.ln_w[c] + p.ln_b[c];
       xs[(warp * RW + r) * kPrepKC + lane] = v;
     }
+    cp_async_wait_all();
     __syncthreads();
 #pragma unroll 8
     for (int k = 0; k < kPrepKC; ++k) {
@@ -183,13 +185,12 @@ __global__ void __launch_bounds__(kPrepThreads, 2) opm_prep_kernel(const PrepArg
     for (int idx = threadIdx.x; idx < kPrepThreads * Hp; idx += kPrepThreads) {
       const int ol = idx / Hp, h2 = idx - ol * Hp;
       const int oo = ochunk * kPrepThreads + ol;
-      float w = 0.f;
-      if (oo < HD && h2 < H) {
-        const int h1 = oo / p.D, d = oo - h1 * p.D;
-        w = p.w_out[int64_t(d) * H * H + h1 * H + h2];
-      }
-      wsm[h2 * kPrepWStride + ol] = w;
+      const bool ok = oo < HD && h2 < H;
+      const int h1 = ok ? oo / p.D : 0, d = ok ? oo - h1 * p.D : 0;
+      cp_async4(&wsm[h2 * kPrepWStride + ol], p.w_out + (ok ? int64_t(d) * H * H + h1 * H + h2 : 0), ok);
     }
+    cp_async_commit();
+    cp_async_wait_all();
     __syncthreads();
     float cacc[R];
 #pragma unroll
