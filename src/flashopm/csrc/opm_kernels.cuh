@@ -130,6 +130,12 @@ __global__ void __launch_bounds__(kPrepThreads, 2) opm_prep_kernel(const PrepArg
     }
     cp_async_wait_all();
     __syncthreads();
+    // Two-level sum over C (per chunk, then across chunks), for accuracy at large msa_dim.
+    float part[RW][Q];
+#pragma unroll
+    for (int r = 0; r < RW; ++r)
+#pragma unroll
+      for (int q = 0; q < Q; ++q) part[r][q] = 0.f;
 #pragma unroll 8
     for (int k = 0; k < kPrepKC; ++k) {
       float xv[RW];
@@ -139,9 +145,13 @@ __global__ void __launch_bounds__(kPrepThreads, 2) opm_prep_kernel(const PrepArg
       for (int q = 0; q < Q; ++q) {
         const float w = ws[k * ws_stride + lane + 32 * q];
 #pragma unroll
-        for (int r = 0; r < RW; ++r) acc[r][q] = fmaf(xv[r], w, acc[r][q]);
+        for (int r = 0; r < RW; ++r) part[r][q] = fmaf(xv[r], w, part[r][q]);
       }
     }
+#pragma unroll
+    for (int r = 0; r < RW; ++r)
+#pragma unroll
+      for (int q = 0; q < Q; ++q) acc[r][q] += part[r][q];
   }
 
   // Bias, mask, store.  In project-first mode b stays in shared memory (zero rows past N).
