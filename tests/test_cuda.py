@@ -170,7 +170,7 @@ def test_large_shape_correct_with_bounded_memory():
     x, m, p = make_problem(shape, "masked_positions", seed=9)
     xc, mc, pc = x.cuda(), m.cuda(), _cuda_params(p)
     ref32 = reference(xc, mc, pc)
-    del_ref = ref32.cpu()
+    ref_cpu = ref32.cpu()
     del ref32
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -179,7 +179,7 @@ def test_large_shape_correct_with_bounded_memory():
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - base
     assert extra <= 1.25 * shape.out_bytes, f"peak extra {extra} B vs output {shape.out_bytes} B"
-    torch.testing.assert_close(out.cpu(), del_ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out.cpu(), ref_cpu, atol=1e-4, rtol=1e-4)
 
 
 def test_current_stream_is_used():
