@@ -30,8 +30,10 @@ def outer_product_mean(
         ln_weight, ln_bias: (C,) LayerNorm affine parameters, eps `ln_eps`.
         w_a, w_b: (H, C) projection weights; b_a, b_b: (H,) biases or None.
         w_out: (D, H*H) output projection; b_out: (D,) or None.
-        algorithm: "auto" (fewest FLOPs within a bounded workspace), "outer" (outer product over S
-            first, per tile on chip) or "project" (b projected through w_out first; best for small S).
+        algorithm: "auto" (the single launch for small problems, else fewest FLOPs within a bounded
+            workspace), "outer" (outer product over S first, per tile on chip), "project" (b projected
+            through w_out first; best for small S) or "single" (one kernel, everything in shared
+            memory, for small problems only: an error where it does not fit).
 
     Returns:
         (B, N, N, D): W_out vec(sum_s a_si (x) b_sj) / max(sum_s m_si, 1) + b_out, with

@@ -12,7 +12,7 @@ import torch
 from . import _build
 from .reference import outer_product_mean_reference
 
-ALGORITHMS = {"auto": 0, "outer": 1, "project": 2}
+ALGORITHMS = {"auto": 0, "outer": 1, "project": 2, "single": 3}
 
 _lib = torch.library.Library("flashopm", "DEF")
 _lib.define(
@@ -23,6 +23,11 @@ _lib.define(
 
 # A call that does nothing, through the same dispatcher path: the floor of any op's host time.
 _lib.define("_noop(Tensor x) -> ()")
+
+# The single-launch kernel's tiling for a problem size (CUDA only; for tests and the benchmark):
+# [rows i per block, columns d per block, blocks per cluster, shared memory bytes, clusters
+# resident at once], or [] when the problem does not fit in shared memory.
+_lib.define("_single_launch_plan(Tensor like, int B, int S, int N, int C, int H, int D) -> int[]")
 
 _MASK_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.bool)
 
@@ -75,8 +80,11 @@ def check_inputs(msa_repr, msa_mask, ln_weight, ln_bias, w_a, b_a, w_b, b_b, w_o
             raise ValueError(f"flashopm: {name} is on {t.device} but msa_repr is on {msa_repr.device}")
         if t.dtype != msa_repr.dtype:
             raise ValueError(f"flashopm: {name} must have dtype {msa_repr.dtype} like msa_repr, got {t.dtype}")
-    if algorithm not in (0, 1, 2):
-        raise ValueError(f"flashopm: algorithm must be 0 (auto), 1 (outer-first) or 2 (project-first), got {algorithm}")
+    if algorithm not in (0, 1, 2, 3):
+        raise ValueError(
+            "flashopm: algorithm must be 0 (auto), 1 (outer-first), 2 (project-first) or 3 (single launch), "
+            f"got {algorithm}"
+        )
     return B, S, N, C, H, D
 
 

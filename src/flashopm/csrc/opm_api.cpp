@@ -14,6 +14,9 @@
 #include <type_traits>
 #include <array>
 #include <mutex>
+#include <unordered_map>
+#include <vector>
+#include <utility>
 
 #include "opm_params.h"
 
@@ -47,6 +50,8 @@ constexpr int kMaxDevices = 64;
 struct DeviceInfo {
   int sm_count = 0;
   int smem_optin = 0;
+  int smem_per_sm = 0;
+  int cc_major = 0;
 };
 
 const DeviceInfo& device_info(int dev) {
@@ -57,6 +62,9 @@ const DeviceInfo& device_info(int dev) {
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&infos[dev].sm_count, cudaDevAttrMultiProcessorCount, dev));
     C10_CUDA_CHECK(
         cudaDeviceGetAttribute(&infos[dev].smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+    C10_CUDA_CHECK(
+        cudaDeviceGetAttribute(&infos[dev].smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&infos[dev].cc_major, cudaDevAttrComputeCapabilityMajor, dev));
   });
   return infos[dev];
 }
@@ -91,7 +99,88 @@ const float* opt_ptr(const std::optional<at::Tensor>& t) {
   return t.has_value() ? t->data_ptr<float>() : nullptr;
 }
 
-enum Algorithm : int64_t { kAuto = 0, kOuterFirst = 1, kProjectFirst = 2 };
+enum Algorithm : int64_t { kAuto = 0, kOuterFirst = 1, kProjectFirst = 2, kSingleLaunch = 3 };
+
+// Tiling of the single-launch kernel: rows i per block (TI), columns d per block (Dc), blocks
+// per cluster (CL).  Chosen by a cost model in FMAs: the block's own work (its share of the b
+// projection, the a projection of its rows, P and the output tile) times the blocks one SM runs
+// in a wave, plus a fixed cost per wave for the latency of the loads; fewest-cost plan wins.
+struct SmallPlan {
+  int TI = 0, Dc = 0, CL = 0, smem_bytes = 0;
+  double cost = 0;
+};
+
+bool search_small_plan(int64_t B, int64_t S, int64_t N, int64_t C, int64_t H, int64_t D, int dev, SmallPlan& best) {
+  const DeviceInfo& info = device_info(dev);
+  if (info.cc_major < 9) return false;  // distributed shared memory: sm_90 and later
+  // Keeps every int in the kernel's index arithmetic far from overflow.
+  // (and rules out what cannot fit before any layout is computed).
+  if (S * H * ((N + 3) / 4 * 4) + 8 * C > info.smem_optin / 4 || D > (int64_t(1) << 24)) return false;
+  const int64_t D4 = (D + 3) / 4 * 4;
+  bool found = false;
+  for (int TI : {1, 2, 4, 8, 16}) {
+    if (TI > 1 && TI / 2 >= N) break;
+    const int64_t n_itiles = (N + TI - 1) / TI;
+    for (int Dc : {4, 8, 16, 32, 64}) {
+      if (Dc > 4 && Dc / 2 >= D4) break;
+      for (int CL : {8, 4, 2, 1}) {
+        if (CL > 1 && CL / 2 >= n_itiles) continue;
+        const SmallLayout L = small_layout(int(S), int(N), int(C), int(H), TI, Dc, CL);
+        const int64_t bytes = int64_t(L.total) * 4;
+        if (bytes > info.smem_optin) continue;
+        const int64_t clusters = B * ((n_itiles + CL - 1) / CL) * ((D + Dc - 1) / Dc);
+        if (clusters > 65535 * int64_t(65535)) continue;
+        const int active = small_max_active_clusters(CL, int(bytes));
+        if (active <= 0) continue;
+        const double per_block = double(L.Rb) * C * H + double(L.MP4) * C * H + double(L.MP4) * H * H * Dc +
+                                 double(TI) * L.N4 * S * H * Dc;
+        const int64_t per_wave = int64_t(active) * CL;
+        int64_t blocks = clusters * CL;
+        double cost = 0;
+        while (blocks > 0) {
+          const int64_t now = std::min(blocks, per_wave);
+          cost += per_block * double((now + info.sm_count - 1) / info.sm_count) + 2.0e5;
+          blocks -= now;
+        }
+        if (!found || cost < best.cost) {
+          best = SmallPlan{TI, Dc, CL, int(bytes), cost};
+          found = true;
+        }
+      }
+    }
+  }
+  return found;
+}
+
+// The search above costs ~100 layout evaluations: remember its answer per problem size.
+bool plan_small(int64_t B, int64_t S, int64_t N, int64_t C, int64_t H, int64_t D, int dev, SmallPlan& plan) {
+  using Key = std::array<int64_t, 7>;
+  struct KeyHash {
+    size_t operator()(const Key& k) const {
+      size_t h = 0;
+      for (int64_t v : k) h = h * 1000003u ^ std::hash<int64_t>()(v);
+      return h;
+    }
+  };
+  static std::mutex mu;
+  static std::unordered_map<Key, std::pair<bool, SmallPlan>, KeyHash> cache;
+  const Key key{B, S, N, C, H, D, dev};
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    const auto it = cache.find(key);
+    if (it != cache.end()) {
+      plan = it->second.second;
+      return it->second.first;
+    }
+  }
+  SmallPlan found_plan;
+  const bool ok = search_small_plan(B, S, N, C, H, D, dev, found_plan);
+  std::lock_guard<std::mutex> lock(mu);
+  if (cache.size() > 4096) cache.clear();
+  cache.emplace(key, std::make_pair(ok, found_plan));
+  plan = found_plan;
+  return ok;
+}
 
 // Four rows per warp amortise the weight reads; one row per warp when that leaves too few blocks
 // to fill the GPU.
@@ -142,8 +231,9 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
   if (b_a_in) check_param(*b_a_in, "proj_a bias", {H}, msa_in);
   if (b_b_in) check_param(*b_b_in, "proj_b bias", {H}, msa_in);
   if (b_out_in) check_param(*b_out_in, "out_proj bias", {D}, msa_in);
-  FLASHOPM_CHECK(algorithm >= kAuto && algorithm <= kProjectFirst,
-              "flashopm: algorithm must be 0 (auto), 1 (outer-first) or 2 (project-first), got ", algorithm);
+  FLASHOPM_CHECK(algorithm >= kAuto && algorithm <= kSingleLaunch,
+              "flashopm: algorithm must be 0 (auto), 1 (outer-first), 2 (project-first) or 3 (single launch), got ",
+              algorithm);
   FLASHOPM_CHECK(S <= 65535 && B <= 65535, "flashopm: B and S must be at most 65535, got B=", B, ", S=", S);
 
   const c10::cuda::CUDAGuard guard(msa_in.device());
@@ -179,8 +269,46 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
   if (algorithm == kProjectFirst) project_first = true;
 
   const int dev = msa.get_device();
+  // Small problems are latency-bound: one launch, no workspace.
+  SmallPlan small;
+  const double flops_small = fB * fS * fN * fH * fD * (fH + fN);
+  const bool small_ok = (algorithm == kAuto || algorithm == kSingleLaunch) && plan_small(B, S, N, C, H, D, dev, small);
+  FLASHOPM_CHECK(algorithm != kSingleLaunch || small_ok,
+                 "flashopm: algorithm 3 (single launch) does not fit this problem in shared memory (B=", B, ", S=", S,
+                 ", N=", N, ", msa_dim=", C, ", hidden=", H, ", pair_dim=", D, ")");
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dev).stream();
   const MaskView mask_view{mask.data_ptr(), mask.stride(0), mask.stride(1), mask.stride(2), mask_kind};
+
+  if (small_ok && (algorithm == kSingleLaunch || flops_small < 2.0e9)) {
+    SmallArgs sa{};
+    sa.x = msa.data_ptr<float>();
+    sa.x_sb = msa.stride(0);
+    sa.x_ss = msa.stride(1);
+    sa.x_sn = msa.stride(2);
+    sa.mask = mask_view;
+    sa.ln_w = ln_weight.data_ptr<float>();
+    sa.ln_b = ln_bias.data_ptr<float>();
+    sa.ln_eps = float(ln_eps);
+    sa.wa = w_a.data_ptr<float>();
+    sa.ba = opt_ptr(b_a);
+    sa.wb = w_b.data_ptr<float>();
+    sa.bb = opt_ptr(b_b);
+    sa.w_out = w_out.data_ptr<float>();
+    sa.bias = opt_ptr(b_out);
+    sa.out = out.data_ptr<float>();
+    sa.B = int(B);
+    sa.S = int(S);
+    sa.N = int(N);
+    sa.C = int(C);
+    sa.H = int(H);
+    sa.D = int(D);
+    sa.TI = small.TI;
+    sa.Dc = small.Dc;
+    sa.CL = small.CL;
+    sa.n_itiles = int((N + small.TI - 1) / small.TI);
+    launch_small(sa, small.smem_bytes, stream);
+    return out;
+  }
 
   PrepArgs pa{};
   pa.x = msa.data_ptr<float>();
@@ -285,6 +413,17 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
   return out;
 }
 
+// The single-launch kernel's tiling for a problem size: [rows i per block, columns d per block,
+// blocks per cluster, shared memory bytes, clusters resident at once], or [] when it does not fit.
+std::vector<int64_t> single_launch_plan_cuda(const at::Tensor& like, int64_t B, int64_t S, int64_t N, int64_t C,
+                                             int64_t H, int64_t D) {
+  const c10::cuda::CUDAGuard guard(like.device());
+  SmallPlan plan;
+  if (B < 1 || S < 1 || N < 1 || C < 1 || H < 1 || H > kMaxHidden || D < 1) return {};
+  if (!plan_small(B, S, N, C, H, D, like.get_device(), plan)) return {};
+  return {plan.TI, plan.Dc, plan.CL, plan.smem_bytes, small_max_active_clusters(plan.CL, plan.smem_bytes)};
+}
+
 // Does nothing: the benchmark's measure of one bare call into the extension.
 void noop_cuda(const at::Tensor&) {}
 
@@ -293,4 +432,5 @@ void noop_cuda(const at::Tensor&) {}
 TORCH_LIBRARY_IMPL(flashopm, CUDA, m) {
   m.impl("outer_product_mean", &flashopm::outer_product_mean_cuda);
   m.impl("_noop", &flashopm::noop_cuda);
+  m.impl("_single_launch_plan", &flashopm::single_launch_plan_cuda);
 }

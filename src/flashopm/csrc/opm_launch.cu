@@ -5,7 +5,11 @@
 #include <array>
 #include <mutex>
 
+#include <map>
+#include <utility>
+
 #include "opm_kernels.cuh"
+#include "opm_small_kernel.cuh"
 
 namespace flashopm {
 namespace {
@@ -97,6 +101,63 @@ void launch_project_gemm(const ProjectArgs& args, bool big_tiles, cudaStream_t s
     kernel<<<grid, SmallGemm::kThreads, SmallGemm::kSmemBytes, stream>>>(args);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+namespace {
+
+cudaLaunchConfig_t small_config(dim3 grid, int cluster_size, int smem_bytes, cudaStream_t stream,
+                                cudaLaunchAttribute* attr) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(kSmallThreads);
+  cfg.dynamicSmemBytes = size_t(smem_bytes);
+  cfg.stream = stream;
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = unsigned(cluster_size);
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cfg;
+}
+
+}  // namespace
+
+void launch_small(const SmallArgs& args, int smem_bytes, cudaStream_t stream) {
+  const unsigned gx = unsigned((args.n_itiles + args.CL - 1) / args.CL * args.CL);
+  const dim3 grid(gx, unsigned((args.D + args.Dc - 1) / args.Dc), unsigned(args.B));
+  cudaLaunchAttribute attr[1];
+  const cudaLaunchConfig_t cfg = small_config(grid, args.CL, smem_bytes, stream, attr);
+  if (args.N % 4 == 0) {
+    allow_smem<opm_small_kernel<true>>();
+    C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, opm_small_kernel<true>, args));
+  } else {
+    allow_smem<opm_small_kernel<false>>();
+    C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, opm_small_kernel<false>, args));
+  }
+}
+
+int small_max_active_clusters(int cluster_size, int smem_bytes) {
+  // Asked once per (device, cluster size, shared memory): the answer depends on the GPU's
+  // partition into GPCs, which no formula gives.
+  static std::mutex mu;
+  static std::map<std::pair<int, std::pair<int, int>>, int> cache;
+  int dev = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  const auto key = std::make_pair(dev, std::make_pair(cluster_size, smem_bytes));
+  std::lock_guard<std::mutex> lock(mu);
+  const auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  allow_smem<opm_small_kernel<true>>();
+  cudaLaunchAttribute attr[1];
+  const cudaLaunchConfig_t cfg = small_config(dim3(unsigned(cluster_size)), cluster_size, smem_bytes, nullptr, attr);
+  int n = 0;
+  if (cudaOccupancyMaxActiveClusters(&n, opm_small_kernel<true>, &cfg) != cudaSuccess) {
+    (void)cudaGetLastError();  // not runnable with this configuration: report none
+    n = 0;
+  }
+  cache.emplace(key, n);
+  return n;
 }
 
 }  // namespace flashopm

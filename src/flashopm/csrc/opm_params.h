@@ -108,4 +108,105 @@ int outer_smem_bytes();
 void launch_project_gemm(const ProjectArgs& args, bool big_tiles, cudaStream_t stream);
 int project_gemm_smem_bytes(bool big_tiles);
 
+// ---- single-launch path for small problems (opm_small_kernel.cuh) ----
+
+constexpr int kSmallWarps = 16;
+constexpr int kSmallThreads = kSmallWarps * 32;
+
+struct SmallArgs {
+  const float* x;  // (B, S, N, C), unit stride along C
+  int64_t x_sb, x_ss, x_sn;
+  MaskView mask;
+  const float* ln_w;
+  const float* ln_b;
+  float ln_eps;
+  const float* wa;  // (H, C) contiguous
+  const float* ba;  // (H) or null
+  const float* wb;
+  const float* bb;
+  const float* w_out;  // (D, H*H) contiguous
+  const float* bias;   // (D) or null
+  float* out;          // (B, N, N, D)
+  int B, S, N, C, H, D;
+  int TI, Dc, CL;  // rows i and columns d per block; blocks per cluster (along the i tiles)
+  int n_itiles;    // ceil(N / TI); the grid's x is this rounded up to a multiple of CL
+};
+
+// Split of K over otherwise idle threads in the block GEMM: a power of two, at most 8, keeping
+// at least 16 terms per part.
+FLASHOPM_HD inline int small_gemm_ksplit(int tiles, int K) {
+  int ks = 1;
+  while (ks < 8 && tiles * ks * 2 <= kSmallThreads && K / (ks * 2) >= 16) ks *= 2;
+  return ks;
+}
+FLASHOPM_HD inline int small_gemm_part_floats(int tiles, int K) {
+  const int ks = small_gemm_ksplit(tiles, K);
+  return ks > 1 ? (ks - 1) * tiles * 16 : 0;
+}
+
+// Shared-memory layout of opm_small_kernel, in floats; every region starts 16-byte aligned.
+struct SmallLayout {
+  int H4, N4, MP, MP4, Rb, ldx, ldxr, ldc;
+  int bT, aT, w, den, bias, mask_a;     // live for the whole kernel
+  int xt, wa, wb, gam, bet, ba, bb, mask_b, bloc, part_proj, xs;  // projection phase
+  int p, part_po;                       // contraction phase (aliases the projection phase)
+  int total;
+};
+
+FLASHOPM_HD inline SmallLayout small_layout(int S, int N, int C, int H, int TI, int Dc, int CL) {
+  SmallLayout L{};
+  L.H4 = round_up4(H);
+  L.N4 = round_up4(N);
+  L.MP = TI * S;
+  L.MP4 = round_up4(L.MP);
+  L.Rb = round_up4((S * N + CL - 1) / CL);
+  const int R = L.MP4 + L.Rb;
+  // Leading dimensions 4 and 8 (mod 32) make LayerNorm's row reads and transposed writes
+  // conflict-free (see the kernel).
+  L.ldx = R <= 4 ? 4 : (R - 4 + 31) / 32 * 32 + 4;
+  L.ldxr = C <= 8 ? 8 : (C - 8 + 31) / 32 * 32 + 8;
+  const int C4 = round_up4(C);
+  L.ldc = C4 % 8 == 0 ? C4 + 4 : C4;  // halves the bank conflicts of the gathered weight reads
+  int o = 0;
+  L.bT = o;     o += S * H * L.N4;
+  L.aT = o;     o += H * L.MP4;
+  L.w = o;      o += round_up4(H * H * Dc);
+  L.den = o;    o += round_up4(TI);
+  L.bias = o;   o += Dc;
+  L.mask_a = o; o += L.MP4;
+  const int phase = o;
+  L.xt = o;     o += C * L.ldx;
+  L.wa = o;     o += H * L.ldc;
+  L.wb = o;     o += H * L.ldc;
+  L.gam = o;    o += C4;
+  L.bet = o;    o += C4;
+  L.ba = o;     o += L.H4;
+  L.bb = o;     o += L.H4;
+  L.mask_b = o; o += L.Rb;
+  L.bloc = o;   o += H * L.Rb;
+  L.part_proj = o;
+  {
+    const int pa = small_gemm_part_floats((L.MP4 / 4) * (L.H4 / 4), C);
+    const int pb = small_gemm_part_floats((L.Rb / 4) * (L.H4 / 4), C);
+    o += pa > pb ? pa : pb;
+  }
+  L.xs = L.bloc;  // raw x rows: dead before bloc and part_proj are first written
+  if (L.xs + R * L.ldxr > o) o = L.xs + R * L.ldxr;
+  const int end_proj = o;
+  o = phase;
+  L.p = o;      o += TI * S * H * Dc;
+  L.part_po = o;
+  {
+    const int pp = small_gemm_part_floats((L.MP4 / 4) * (H * Dc / 4), H);
+    const int po = small_gemm_part_floats((L.N4 / 4) * (TI * Dc / 4), S * H);
+    o += pp > po ? pp : po;
+  }
+  L.total = o > end_proj ? o : end_proj;
+  return L;
+}
+
+void launch_small(const SmallArgs& args, int smem_bytes, cudaStream_t stream);
+// Clusters of `cluster_size` blocks with `smem_bytes` each that the device runs at once (0: none).
+int small_max_active_clusters(int cluster_size, int smem_bytes);
+
 }  // namespace flashopm
