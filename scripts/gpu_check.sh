@@ -8,7 +8,7 @@ shift
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 MAX_JOBS="${MAX_JOBS:-16}"
-export FLASHOPM_CACHE_DIR="${FLASHOPM_CACHE_DIR:-/tmp/flashopm-cache}"
+export FLASHOPM_CACHE_DIR="${FLASHOPM_CACHE_DIR:-$PWD/.cache/flashopm}"
 py=${PYTHON:-python3}
 
 { nvidia-smi; $py -m flashopm info; } >"$out/env.txt" 2>&1

@@ -84,3 +84,22 @@ def test_nan_and_inf_propagate_like_reference():
     out, expect = model(x, m), reference(x, m, _params_of(model))
     assert torch.equal(out.isnan(), expect.isnan())
     assert out.isnan().any()
+
+
+def test_parametrized_submodule_uses_its_effective_weight():
+    """Parameters that are not plain registry entries (a parametrization) are still honoured."""
+    from torch.nn.utils import parametrize
+
+    class Double(torch.nn.Module):
+        def forward(self, w):
+            return 2 * w
+
+    torch.manual_seed(0)
+    model = flashopm.ModelNew(6, 5, 3)
+    ref = flashopm.Model(6, 5, 3)
+    ref.load_state_dict(model.state_dict())
+    parametrize.register_parametrization(model.out_proj, "weight", Double())
+    with torch.no_grad():
+        ref.out_proj.weight.mul_(2)
+    x, m = torch.randn(2, 4, 7, 6), (torch.rand(2, 4, 7) > 0.3).float()
+    torch.testing.assert_close(model(x, m), ref(x, m))

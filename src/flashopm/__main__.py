@@ -1,10 +1,14 @@
-"""Command line: `python -m flashopm [check|bench|info]`.
+"""Command line: `python -m flashopm [check|bench|export-kernelbench|plot|info]` (or `flashopm ...`).
 
-check  the KernelBench protocol on the specification (seeded modules, several seeds, random masks),
-       then the spec shape's speed next to eager PyTorch; on a machine without a GPU, the CPU path.
-bench  flashopm next to eager PyTorch (and torch.compile) at the spec and AlphaFold-scale shapes;
-       writes results.json / results.csv to --out.
-info   GPU, versions, build cache.
+check              the KernelBench protocol on the specification (seeded modules, several seeds,
+                   random masks), then the spec shape's speed next to eager PyTorch; on a machine
+                   without a GPU, the CPU path.
+bench              flashopm next to eager PyTorch and torch.compile (default and reduce-overhead)
+                   at the spec and AlphaFold-scale shapes; writes results.json, results.csv and
+                   results.png to --out.
+export-kernelbench one self-contained file defining ModelNew for a KernelBench-style harness.
+plot               redraws results.png from a results.json.
+info               GPU, versions, build cache.
 """
 from __future__ import annotations
 
@@ -102,11 +106,12 @@ def _parse_shapes(text: str | None) -> list[Shape]:
     return shapes
 
 
-def bench_shape(shape: Shape, impls: list[str], n_calls: int, fp64_max_n: int) -> list[dict]:
-    from .bench import is_oom, peak_extra_bytes, time_graph, time_wall, warm_gpu
+IMPLS = ("flashopm", "eager", "compile", "compile-ro")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-    x, m, p = make_problem(shape, "ones", seed=0)
-    torch.manual_seed(0)
+
+def _models(shape: Shape, p: dict, dtype: torch.dtype):
+    """The reference Model with the problem's parameters, and ModelNew with the same state."""
     ref = Model(shape.C, shape.D, shape.H)
     with torch.no_grad():
         for mod, (w, b) in (
@@ -117,49 +122,79 @@ def bench_shape(shape: Shape, impls: list[str], n_calls: int, fp64_max_n: int) -
         ):
             mod.weight.copy_(p[w])
             mod.bias.copy_(p[b])
-    ref = ref.cuda()
-    new = ModelNew(shape.C, shape.D, shape.H).cuda()
+    ref = ref.to(device="cuda", dtype=dtype)
+    new = ModelNew(shape.C, shape.D, shape.H).to(device="cuda", dtype=dtype)
     new.load_state_dict(ref.state_dict())
-    x, m = x.cuda(), m.cuda()
+    return ref, new
+
+
+def _callable(impl: str, ref, new):
+    if impl == "flashopm":
+        return new
+    if impl == "eager":
+        return ref
+    if impl == "compile":
+        return torch.compile(ref)
+    if impl == "compile-ro":
+        return torch.compile(ref, mode="reduce-overhead")
+    raise SystemExit(f"--impls: unknown implementation {impl!r}; expected some of {', '.join(IMPLS)}")
+
+
+def bench_shape(shape: Shape, impls: list[str], n_calls: int, fp64_max_n: int, dtype: torch.dtype,
+                progress=None) -> list[dict]:
+    """One row per implementation: wall and graph time, memory, error, TFLOP/s (or a status)."""
+    from .bench import is_oom, peak_extra_bytes, time_graph, time_wall, warm_gpu
+
+    x, m, p = make_problem(shape, "masked_positions", seed=0)
+    ref, new = _models(shape, p, dtype)
+    x, m = x.to("cuda", dtype), m.to("cuda", dtype)
+    inputs_bytes = sum(t.numel() * t.element_size() for t in (x, m, *ref.parameters()))
     ref64 = None
     if shape.N <= fp64_max_n:
-        ref64 = reference(x, m, {k: v.cuda() for k, v in p.items()}, dtype=torch.float64)
-    n = max(5, min(n_calls, int(2e6 / max(1.0, shape.flops / 1e6))))  # fewer calls for big shapes
+        ref64 = reference(x.double(), m.double(), {k: v.cuda() for k, v in p.items()}, dtype=torch.float64)
     rows, eager_out = [], None
     for impl in impls:
-        fn = {"flashopm": new, "eager": ref}.get(impl)
-        if impl == "compile":
-            fn = torch.compile(ref)
-        row = {"shape": str(shape), **shape.__dict__, "impl": impl}
+        if progress:
+            progress(f"{shape} {impl}")
+        row = {"shape": str(shape), **shape.__dict__, "impl": impl, "dtype": str(dtype).replace("torch.", "")}
+        fn = _callable(impl, ref, new)
         try:
             with torch.no_grad():
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
                 extra, out = peak_extra_bytes(lambda: fn(x, m))
+                out = out.clone()  # reduce-overhead reuses its output buffer on the next call
                 warm_gpu()
-                wall = time_wall(lambda: fn(x, m), n=n, warmup=2)
-                graph = time_graph(lambda: fn(x, m), n=min(n, 20)) if impl != "compile" else None
-        except Exception as exc:  # report OOM as a result, re-raise anything else
-            if not is_oom(exc):
+                wall = time_wall(lambda: fn(x, m), n=n_calls, warmup=3)
+                graph = time_graph(lambda: fn(x, m), n=20) if impl in ("flashopm", "eager") else None
+        except Exception as exc:  # a peer's OOM or unsupported dtype is a result; anything else is a bug
+            if is_oom(exc):
+                row.update(status="OOM")
+            elif impl == "flashopm" and dtype != torch.float32 and "float32" in str(exc):
+                row.update(status="unsupported dtype")
+            else:
                 raise
             torch.cuda.empty_cache()
-            row.update(status="OOM")
             rows.append(row)
             continue
         if impl == "eager":
             eager_out = out
         row.update(
             status="ok",
+            calls=wall.n,
             wall_us=wall.median_us,
             wall_p10_us=wall.p10_us,
             wall_p90_us=wall.p90_us,
             graph_us=graph.median_us if graph else None,
+            peak_bytes=extra + inputs_bytes,  # what one call holds in a fresh process
             peak_extra_bytes=extra,
-            extra_over_output=extra / shape.out_bytes,
+            extra_over_output=extra / (shape.out_bytes * out.element_size() / 4),
             tflops=shape.flops / (wall.median_us * 1e-6) / 1e12,
         )
         if ref64 is not None:
             row.update(rel_err_fp64=rel_error(out, ref64), max_abs_err_fp64=max_abs_error(out, ref64))
         if eager_out is not None and impl != "eager":
-            row["allclose_eager_1e-4"] = bool(torch.allclose(out, eager_out, atol=1e-4, rtol=1e-4))
+            row["allclose_eager_1e-4"] = bool(torch.allclose(out.float(), eager_out.float(), atol=1e-4, rtol=1e-4))
         del out
         rows.append(row)
     del eager_out, ref64
@@ -171,45 +206,95 @@ def cmd_bench(args) -> int:
     if not torch.cuda.is_available():
         print("flashopm bench: needs a CUDA GPU")
         return 2
-    from .bench import time_wall
+    from .bench import gemm_tflops, time_wall
+    from .plot import render
 
+    dtype = DTYPES[args.dtype]
+    impls = args.impls.split(",")
+    for impl in impls:
+        if impl not in IMPLS:
+            raise SystemExit(f"--impls: unknown implementation {impl!r}; expected some of {', '.join(IMPLS)}")
+    shapes = _parse_shapes(args.shapes)
     env = environment()
+    env["dtype"] = args.dtype
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     _build.load()
     dummy = torch.empty(1, device="cuda")
-    env["empty_extension_call_us"] = time_wall(lambda: torch.ops.flashopm._noop(dummy), n=200).median_us
-    impls = args.impls.split(",")
+    env["empty_extension_call_us"] = time_wall(lambda: torch.ops.flashopm._noop.default(dummy), n=200).median_us
+    # The ceilings every rate below is read against, measured now on this GPU (cuBLAS, 8192^3).
+    env["gemm_tflops"] = {
+        "fp32": gemm_tflops(torch.float32),
+        "tf32": gemm_tflops(torch.float32, tf32=True),
+        "bf16": gemm_tflops(torch.bfloat16),
+    }
+    total, done = len(shapes) * len(impls), [0]
+
+    def progress(what: str) -> None:
+        done[0] += 1
+        width = 30
+        filled = width * done[0] // total
+        print(f"\r[{'#' * filled}{'.' * (width - filled)}] {done[0]}/{total} {what:48s}", end="", file=sys.stderr,
+              flush=True)
+
     rows = []
-    for shape in _parse_shapes(args.shapes):
-        rows += bench_shape(shape, impls, args.calls, args.fp64_max_n)
-        for r in rows[-len(impls):]:
-            print(_fmt_row(r), flush=True)
-    (out_dir / "results.json").write_text(json.dumps({"environment": env, "results": rows}, indent=1))
-    keys = sorted({k for r in rows for k in r})
+    results = {"environment": env, "results": rows}
+    for shape in shapes:
+        rows += bench_shape(shape, impls, args.calls, args.fp64_max_n, dtype, progress)
+        _write_results(results, out_dir)  # after every shape: a run cut short keeps what it measured
+    print(file=sys.stderr)
+    render(results, out_dir / "results.png")
+    g = env["gemm_tflops"]
+    print(f"{env['gpu']}, torch {env['torch']} (CUDA {env['cuda']}), {env['date']}, {args.dtype}; "
+          f"empty extension call {env['empty_extension_call_us']:.1f} us; GEMM ceilings (cuBLAS) "
+          f"fp32 {g['fp32']:.1f}, tf32 {g['tf32']:.1f}, bf16 {g['bf16']:.1f} TFLOP/s")
+    print(_table(rows))
+    print(f"wrote {out_dir / 'results.json'}, results.csv, results.png")
+    return 0
+
+
+def _write_results(results: dict, out_dir: Path) -> None:
+    rows = results["results"]
+    (out_dir / "results.json").write_text(json.dumps(results, indent=1))
+    keys = list(dict.fromkeys(k for r in rows for k in r))
     with open(out_dir / "results.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=keys)
         w.writeheader()
         w.writerows(rows)
-    print(f"\n{env['gpu']}, torch {env['torch']} (CUDA {env['cuda']}), {env['date']}; "
-          f"empty extension call {env['empty_extension_call_us']:.1f} us")
-    print(_table(rows))
+
+
+def cmd_export(args) -> int:
+    from .export import export_kernelbench
+
+    print(f"wrote {export_kernelbench(args.path)}")
     return 0
 
 
-def _fmt_row(r: dict) -> str:
+def cmd_plot(args) -> int:
+    from .plot import render
+
+    results = json.loads(Path(args.results).read_text())
+    out = args.out or str(Path(args.results).with_suffix(".png"))
+    print(f"wrote {render(results, out)}")
+    return 0
+
+
+def _fmt_row(r: dict, eager_us: float | None = None) -> str:
     if r.get("status") != "ok":
-        return f"{r['shape']:28s} {r['impl']:9s} {r.get('status')}"
+        return f"{r['shape']:28s} {r['impl']:10s} {r.get('status')}"
     g = f"{r['graph_us']:10.1f}" if r.get("graph_us") else f"{'-':>10s}"
     e = f"{r['rel_err_fp64']:.1e}" if "rel_err_fp64" in r else "-"
-    return (f"{r['shape']:28s} {r['impl']:9s} {r['wall_us']:11.1f} {g} {r['peak_extra_bytes'] / 2**20:10.1f} "
-            f"{r['extra_over_output']:6.2f} {r['tflops']:7.2f} {e:>8s}")
+    sp = f"{eager_us / r['wall_us']:6.2f}" if eager_us else f"{'-':>6s}"
+    ok = {True: "yes", False: "NO"}.get(r.get("allclose_eager_1e-4"), "-")
+    return (f"{r['shape']:28s} {r['impl']:10s} {r['wall_us']:11.1f} {sp} {g} {r['peak_bytes'] / 2**30:8.2f} "
+            f"{r['extra_over_output']:6.2f} {r['tflops']:7.2f} {e:>8s} {ok:>5s}")
 
 
 def _table(rows: list[dict]) -> str:
-    head = (f"{'shape':28s} {'impl':9s} {'wall us':>11s} {'graph us':>10s} {'extra MiB':>10s} {'x out':>6s} "
-            f"{'TFLOP/s':>7s} {'err64':>8s}")
-    return "\n".join([head] + [_fmt_row(r) for r in rows])
+    head = (f"{'shape':28s} {'impl':10s} {'wall us':>11s} {'x eag':>6s} {'graph us':>10s} {'peak GiB':>8s} "
+            f"{'x out':>6s} {'TFLOP/s':>7s} {'err64':>8s} {'1e-4':>5s}")
+    eager = {r["shape"]: r["wall_us"] for r in rows if r["impl"] == "eager" and r.get("status") == "ok"}
+    return "\n".join([head] + [_fmt_row(r, eager.get(r["shape"])) for r in rows])
 
 
 def cmd_info(args) -> int:
@@ -235,15 +320,23 @@ def main(argv=None) -> int:
     c.add_argument("--seeds", type=int, default=5)
     b = sub.add_parser("bench", help="benchmark next to eager PyTorch and torch.compile")
     b.add_argument("--shapes", help='"B,S,N,C,H,D;..." (default: spec and AlphaFold-scale shapes)')
-    b.add_argument("--impls", default="flashopm,eager,compile")
-    b.add_argument("--calls", type=int, default=100)
+    b.add_argument("--impls", default=",".join(IMPLS), help=f"some of {','.join(IMPLS)}")
+    b.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    b.add_argument("--calls", type=int, default=100, help="timed calls per implementation and shape")
     b.add_argument("--fp64-max-n", type=int, default=768, help="largest N checked against an fp64 reference")
     b.add_argument("--out", default="bench-results")
+    e = sub.add_parser("export-kernelbench", help="write a self-contained ModelNew file")
+    e.add_argument("path")
+    pl = sub.add_parser("plot", help="redraw the chart of a results.json")
+    pl.add_argument("results")
+    pl.add_argument("--out", help="PNG path (default: next to the JSON)")
     sub.add_parser("info", help="GPU, versions and build cache")
     args = parser.parse_args(argv)
     if args.cmd is None:
         args = parser.parse_args(["check", *(argv or sys.argv[1:])])
-    return {"check": cmd_check, "bench": cmd_bench, "info": cmd_info}[args.cmd](args)
+    commands = {"check": cmd_check, "bench": cmd_bench, "export-kernelbench": cmd_export, "plot": cmd_plot,
+                "info": cmd_info}
+    return commands[args.cmd](args)
 
 
 if __name__ == "__main__":

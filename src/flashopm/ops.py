@@ -14,20 +14,24 @@ from .reference import outer_product_mean_reference
 
 ALGORITHMS = {"auto": 0, "outer": 1, "project": 2, "single": 3}
 
+# Every schema of the library, by op name (also written into the KernelBench export).
+SCHEMAS = {
+    "outer_product_mean": (
+        "outer_product_mean(Tensor msa_repr, Tensor msa_mask, Tensor ln_weight, Tensor ln_bias, "
+        "float ln_eps, Tensor w_a, Tensor? b_a, Tensor w_b, Tensor? b_b, Tensor w_out, Tensor? b_out, "
+        "int algorithm=0) -> Tensor"
+    ),
+    # A call that does nothing, through the same dispatcher path: the floor of any op's host time.
+    "_noop": "_noop(Tensor x) -> ()",
+    # The single-launch kernel's tiling for a problem size (CUDA only; for tests and the
+    # benchmark): [rows i per block, columns d per block, blocks per cluster, shared memory bytes,
+    # clusters resident at once], or [] when the problem does not fit in shared memory.
+    "_single_launch_plan": "_single_launch_plan(Tensor like, int B, int S, int N, int C, int H, int D) -> int[]",
+}
+
 _lib = torch.library.Library("flashopm", "DEF")
-_lib.define(
-    "outer_product_mean(Tensor msa_repr, Tensor msa_mask, Tensor ln_weight, Tensor ln_bias, "
-    "float ln_eps, Tensor w_a, Tensor? b_a, Tensor w_b, Tensor? b_b, Tensor w_out, Tensor? b_out, "
-    "int algorithm=0) -> Tensor"
-)
-
-# A call that does nothing, through the same dispatcher path: the floor of any op's host time.
-_lib.define("_noop(Tensor x) -> ()")
-
-# The single-launch kernel's tiling for a problem size (CUDA only; for tests and the benchmark):
-# [rows i per block, columns d per block, blocks per cluster, shared memory bytes, clusters
-# resident at once], or [] when the problem does not fit in shared memory.
-_lib.define("_single_launch_plan(Tensor like, int B, int S, int N, int C, int H, int D) -> int[]")
+for _schema in SCHEMAS.values():
+    _lib.define(_schema)
 
 _MASK_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.bool)
 

@@ -331,7 +331,7 @@ __global__ void __launch_bounds__(kOuterThreads, 1) opm_outer_fused_kernel(const
   const bool two_halves = D > 64;
   const int dgw = two_halves ? (warp & 1) : 0;        // which 64-wide half of the d group
   const int pw = two_halves ? (warp >> 1) : warp;     // pair slot of this warp
-  const int pairs_per_pass = (two_halves ? 4 : 8) * 8;
+  const int pairs_per_round = (two_halves ? 4 : 8) * 8;
   const int DG = two_halves ? 128 : 64;
   const int P = p.Ti * p.Tj;
   const int n_kc = (K2 + kOuterKC - 1) / kOuterKC;
@@ -348,7 +348,7 @@ __global__ void __launch_bounds__(kOuterThreads, 1) opm_outer_fused_kernel(const
   };
 
   for (int dg = 0; dg < D; dg += DG) {
-    for (int p0 = 0; p0 < P; p0 += pairs_per_pass) {
+    for (int p0 = 0; p0 < P; p0 += pairs_per_round) {
       int obase[8];
       bool pvalid[8];
 #pragma unroll
