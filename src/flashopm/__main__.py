@@ -106,7 +106,7 @@ def _parse_shapes(text: str | None) -> list[Shape]:
     return shapes
 
 
-IMPLS = ("flashopm", "eager", "compile", "compile-ro")
+IMPLS = ("eager", "flashopm", "compile", "compile-ro")  # eager first: the others are checked against it
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
