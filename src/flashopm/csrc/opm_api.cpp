@@ -279,29 +279,34 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dev).stream();
   const MaskView mask_view{mask.data_ptr(), mask.stride(0), mask.stride(1), mask.stride(2), mask_kind};
 
+  // The fields the LayerNorm/projection stage of every path reads (same names in each args struct).
+  auto set_inputs = [&](auto& args) {
+    args.x = msa.data_ptr<float>();
+    args.x_sb = msa.stride(0);
+    args.x_ss = msa.stride(1);
+    args.x_sn = msa.stride(2);
+    args.mask = mask_view;
+    args.ln_w = ln_weight.data_ptr<float>();
+    args.ln_b = ln_bias.data_ptr<float>();
+    args.ln_eps = float(ln_eps);
+    args.wa = w_a.data_ptr<float>();
+    args.ba = opt_ptr(b_a);
+    args.wb = w_b.data_ptr<float>();
+    args.bb = opt_ptr(b_b);
+    args.B = int(B);
+    args.S = int(S);
+    args.N = int(N);
+    args.C = int(C);
+    args.H = int(H);
+    args.D = int(D);
+  };
+
   if (small_ok && (algorithm == kSingleLaunch || flops_small < 2.0e9)) {
     SmallArgs sa{};
-    sa.x = msa.data_ptr<float>();
-    sa.x_sb = msa.stride(0);
-    sa.x_ss = msa.stride(1);
-    sa.x_sn = msa.stride(2);
-    sa.mask = mask_view;
-    sa.ln_w = ln_weight.data_ptr<float>();
-    sa.ln_b = ln_bias.data_ptr<float>();
-    sa.ln_eps = float(ln_eps);
-    sa.wa = w_a.data_ptr<float>();
-    sa.ba = opt_ptr(b_a);
-    sa.wb = w_b.data_ptr<float>();
-    sa.bb = opt_ptr(b_b);
+    set_inputs(sa);
     sa.w_out = w_out.data_ptr<float>();
     sa.bias = opt_ptr(b_out);
     sa.out = out.data_ptr<float>();
-    sa.B = int(B);
-    sa.S = int(S);
-    sa.N = int(N);
-    sa.C = int(C);
-    sa.H = int(H);
-    sa.D = int(D);
     sa.TI = small.TI;
     sa.Dc = small.Dc;
     sa.CL = small.CL;
@@ -311,25 +316,8 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
   }
 
   PrepArgs pa{};
-  pa.x = msa.data_ptr<float>();
-  pa.x_sb = msa.stride(0);
-  pa.x_ss = msa.stride(1);
-  pa.x_sn = msa.stride(2);
-  pa.mask = mask_view;
-  pa.ln_w = ln_weight.data_ptr<float>();
-  pa.ln_b = ln_bias.data_ptr<float>();
-  pa.ln_eps = float(ln_eps);
-  pa.wa = w_a.data_ptr<float>();
-  pa.ba = opt_ptr(b_a);
-  pa.wb = w_b.data_ptr<float>();
-  pa.bb = opt_ptr(b_b);
-  pa.B = int(B);
-  pa.S = int(S);
-  pa.N = int(N);
+  set_inputs(pa);
   pa.a_rows = int(N);
-  pa.C = int(C);
-  pa.H = int(H);
-  pa.D = int(D);
   pa.o_chunks = o_chunks;
 
   if (project_first) {
