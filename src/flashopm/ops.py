@@ -1,4 +1,5 @@
-"""Every op of flashopm: schema, CPU implementation, fake (meta) implementation, in one place.
+"""Every op of flashopm: schema, CPU implementation, fake (meta) implementation and autograd, in
+one place.
 
 The schemas are defined here, at import, so that the CPU path, fake tensors and `torch.compile`
 tracing work with no GPU and no build.  The CUDA implementations are registered from C++
@@ -10,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from . import _build
-from .reference import outer_product_mean_reference
+from .reference import GRAD_INPUTS, outer_product_mean_backward_reference, outer_product_mean_reference
 
 ALGORITHMS = {"auto": 0, "outer": 1, "project": 2, "single": 3}
 
@@ -22,6 +23,13 @@ SCHEMAS = {
         "int algorithm=0) -> Tensor"
     ),
     # A call that does nothing, through the same dispatcher path: the floor of any op's host time.
+    # Gradients for (msa_repr, ln_weight, ln_bias, w_a, b_a, w_b, b_b, w_out, b_out); entries not
+    # asked for in output_mask (or for absent biases) are empty tensors.
+    "outer_product_mean_backward": (
+        "outer_product_mean_backward(Tensor grad_out, Tensor msa_repr, Tensor msa_mask, Tensor ln_weight, "
+        "Tensor ln_bias, float ln_eps, Tensor w_a, Tensor? b_a, Tensor w_b, Tensor? b_b, Tensor w_out, "
+        "Tensor? b_out, bool[] output_mask) -> Tensor[]"
+    ),
     "_noop": "_noop(Tensor x) -> ()",
     # The single-launch kernel's tiling for a problem size (CUDA only; for tests and the
     # benchmark): [rows i per block, columns d per block, blocks per cluster, shared memory bytes,
@@ -110,3 +118,64 @@ def _outer_product_mean_fake(msa_repr, msa_mask, ln_weight, ln_bias, ln_eps, w_a
 
 
 outer_product_mean_op = torch.ops.flashopm.outer_product_mean.default
+
+
+# ---- backward ----
+# One implementation for every device for now (PyTorch, blocks of output rows, memory near the
+# output's); a CUDA kernel registered from C++ for the CUDA key would take precedence over it.
+
+
+def _grads_as_tensors(grads, like):
+    return [g if g is not None else like[0].new_empty(0) for g in grads]
+
+
+@torch.library.impl(_lib, "outer_product_mean_backward", "CompositeExplicitAutograd")
+def _outer_product_mean_backward_impl(grad_out, msa_repr, msa_mask, ln_weight, ln_bias, ln_eps, w_a, b_a, w_b, b_b,
+                                      w_out, b_out, output_mask):
+    if len(output_mask) != len(GRAD_INPUTS):
+        raise ValueError(f"flashopm: output_mask must have {len(GRAD_INPUTS)} entries, got {len(output_mask)}")
+    grads = outer_product_mean_backward_reference(
+        grad_out, msa_repr, msa_mask, ln_weight, ln_bias, w_a, b_a, w_b, b_b, w_out, b_out, ln_eps, tuple(output_mask)
+    )
+    return _grads_as_tensors(grads, (msa_repr, ln_weight, ln_bias, w_a, b_a, w_b, b_b, w_out, b_out))
+
+
+@torch.library.register_fake("flashopm::outer_product_mean_backward")
+def _outer_product_mean_backward_fake(grad_out, msa_repr, msa_mask, ln_weight, ln_bias, ln_eps, w_a, b_a, w_b, b_b,
+                                      w_out, b_out, output_mask):
+    inputs = (msa_repr, ln_weight, ln_bias, w_a, b_a, w_b, b_b, w_out, b_out)
+    return [
+        t.new_empty(t.shape) if (need and t is not None) else msa_repr.new_empty(0)
+        for need, t in zip(output_mask, inputs)
+    ]
+
+
+def _setup_context(ctx, inputs, output):
+    msa_repr, msa_mask, ln_weight, ln_bias, ln_eps, w_a, b_a, w_b, b_b, w_out, b_out = inputs[:11]
+    ctx.ln_eps = ln_eps
+    ctx.has_bias = (b_a is not None, b_b is not None, b_out is not None)
+    ctx.save_for_backward(msa_repr, msa_mask, ln_weight, ln_bias, w_a, b_a, w_b, b_b, w_out, b_out)
+
+
+# positions of the differentiable inputs in the op's argument list
+_GRAD_POSITIONS = (0, 2, 3, 5, 6, 7, 8, 9, 10)
+
+
+def _backward(ctx, grad_out):
+    msa_repr, msa_mask, ln_weight, ln_bias, w_a, b_a, w_b, b_b, w_out, b_out = ctx.saved_tensors
+    needs = [bool(ctx.needs_input_grad[i]) for i in _GRAD_POSITIONS]
+    grads = [None] * 12
+    if not any(needs):
+        return tuple(grads)
+    computed = outer_product_mean_backward_op(
+        grad_out.contiguous(), msa_repr, msa_mask, ln_weight, ln_bias, ctx.ln_eps, w_a, b_a, w_b, b_b, w_out, b_out,
+        needs,
+    )
+    for pos, need, g in zip(_GRAD_POSITIONS, needs, computed):
+        grads[pos] = g if need else None
+    return tuple(grads)
+
+
+torch.library.register_autograd("flashopm::outer_product_mean", _backward, setup_context=_setup_context)
+
+outer_product_mean_backward_op = torch.ops.flashopm.outer_product_mean_backward.default

@@ -46,6 +46,101 @@ def outer_product_mean_reference(
     return F.linear(outer, w_out, b_out)
 
 
+GRAD_INPUTS = ("msa_repr", "ln_weight", "ln_bias", "w_a", "b_a", "w_b", "b_b", "w_out", "b_out")
+
+
+def outer_product_mean_backward_reference(
+    grad_out: torch.Tensor,
+    msa_repr: torch.Tensor,
+    msa_mask: torch.Tensor,
+    ln_weight: torch.Tensor,
+    ln_bias: torch.Tensor,
+    w_a: torch.Tensor,
+    b_a: torch.Tensor | None,
+    w_b: torch.Tensor,
+    b_b: torch.Tensor | None,
+    w_out: torch.Tensor,
+    b_out: torch.Tensor | None,
+    ln_eps: float = 1e-5,
+    needs: tuple[bool, ...] = (True,) * 9,
+    chunk_elems: int = 1 << 26,
+) -> list[torch.Tensor | None]:
+    """Gradients of `outer_product_mean_reference` for the inputs named in GRAD_INPUTS, written out
+    by hand, with the (B, n, N, H, H) intermediates formed for blocks of n output rows i only
+    (about `chunk_elems` elements each), so memory stays near that of the output.
+
+    With g = grad_out / den[i] (B, N, N, D) and W = w_out viewed (D, H, H):
+        dO[i,j]      = sum_d g[i,j,d] W[d]                       (per block of rows i)
+        grad_a[s,i]  = sum_j dO[i,j] b[s,j],   grad_b[s,j] = sum_i dO[i,j]^T a[s,i]
+        grad_W[d]    = sum_{i,j} g[i,j,d] sum_s a[s,i] (x) b[s,j],   grad_b_out = sum_{i,j} grad_out
+    then through the mask, both projections and LayerNorm.  Entries whose `needs` flag is False
+    (or whose bias is None) are None.  Sums run in float32 for half-precision inputs.
+    """
+    B, S, N, C = msa_repr.shape
+    H, D = w_a.shape[0], w_out.shape[0]
+    work = torch.float32 if msa_repr.dtype in (torch.float16, torch.bfloat16) else msa_repr.dtype
+    x, m = msa_repr.to(work), msa_mask.to(work)
+    lw, lb, wa, wb, wo = (t.to(work) for t in (ln_weight, ln_bias, w_a, w_b, w_out))
+    mu = x.mean(-1, keepdim=True)
+    rstd = torch.rsqrt(x.var(-1, unbiased=False, keepdim=True) + ln_eps)
+    xhat = (x - mu) * rstd
+    xn = xhat * lw + lb
+    a = F.linear(xn, wa, None if b_a is None else b_a.to(work)) * m[..., None]
+    b = F.linear(xn, wb, None if b_b is None else b_b.to(work)) * m[..., None]
+    den = m.sum(1).clamp(min=1)  # (B, N)
+    g = grad_out.to(work) / den[:, :, None, None]
+    W = wo.view(D, H, H)
+    need_x, need_lw, need_lb, need_wa, need_ba, need_wb, need_bb, need_wo, need_bo = needs
+    need_proj = need_x or need_lw or need_lb or need_wa or need_ba or need_wb or need_bb
+    grad_a = torch.zeros_like(a) if need_proj else None
+    grad_b = torch.zeros_like(b) if need_proj else None
+    grad_w = torch.zeros(D, H, H, dtype=work, device=x.device) if need_wo else None
+    rows = max(1, chunk_elems // max(1, B * N * H * H))
+    for i0 in range(0, N if (need_proj or need_wo) else 0, rows):
+        i1 = min(N, i0 + rows)
+        gi = g[:, i0:i1]
+        if need_proj:
+            d_outer = torch.einsum("bijd,dpq->bijpq", gi, W)
+            grad_a[:, :, i0:i1] = torch.einsum("bijpq,bsjq->bsip", d_outer, b)
+            grad_b += torch.einsum("bijpq,bsip->bsjq", d_outer, a[:, :, i0:i1])
+            del d_outer
+        if need_wo:
+            outer = torch.einsum("bsip,bsjq->bijpq", a[:, :, i0:i1], b)
+            grad_w += torch.einsum("bijd,bijpq->dpq", gi, outer)
+            del outer
+    grads: dict[str, torch.Tensor | None] = dict.fromkeys(GRAD_INPUTS)
+    if need_wo:
+        grads["w_out"] = grad_w.reshape(D, H * H)
+    if need_bo and b_out is not None:
+        grads["b_out"] = grad_out.to(work).sum((0, 1, 2))
+    if need_proj:
+        ga = (grad_a * m[..., None]).reshape(-1, H)
+        gb = (grad_b * m[..., None]).reshape(-1, H)
+        xn2 = xn.reshape(-1, C)
+        if need_wa:
+            grads["w_a"] = ga.t() @ xn2
+        if need_ba and b_a is not None:
+            grads["b_a"] = ga.sum(0)
+        if need_wb:
+            grads["w_b"] = gb.t() @ xn2
+        if need_bb and b_b is not None:
+            grads["b_b"] = gb.sum(0)
+        if need_x or need_lw or need_lb:
+            grad_xn = (ga @ wa + gb @ wb).reshape(B, S, N, C)
+            if need_lw:
+                grads["ln_weight"] = (grad_xn * xhat).sum((0, 1, 2))
+            if need_lb:
+                grads["ln_bias"] = grad_xn.sum((0, 1, 2))
+            if need_x:
+                gxhat = grad_xn * lw
+                grads["msa_repr"] = rstd * (
+                    gxhat - gxhat.mean(-1, keepdim=True) - xhat * (gxhat * xhat).mean(-1, keepdim=True)
+                )
+    like = {"msa_repr": msa_repr, "ln_weight": ln_weight, "ln_bias": ln_bias, "w_a": w_a, "b_a": b_a, "w_b": w_b,
+            "b_b": b_b, "w_out": w_out, "b_out": b_out}
+    return [None if grads[k] is None else grads[k].to(like[k].dtype) for k in GRAD_INPUTS]
+
+
 class Model(nn.Module):
     """The specification's Outer-Product Mean module (AlphaFold-style), in plain PyTorch."""
 

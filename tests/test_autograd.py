@@ -1,0 +1,164 @@
+"""Autograd through flashopm: the registered backward against the reference's autograd, opcheck,
+torch.compile tracing, and a few training steps next to the reference module."""
+import pytest
+import torch
+
+import flashopm
+from conftest import requires_cuda
+from flashopm.reference import GRAD_INPUTS
+from flashopm.testing import Shape, make_problem, rel_error
+
+PARAM_ORDER = ("ln_weight", "ln_bias", "w_a", "b_a", "w_b", "b_b", "w_out", "b_out")
+
+
+def _call(x, m, p):
+    return flashopm.outer_product_mean(x, m, *(p[k] for k in PARAM_ORDER))
+
+
+def _reference_grads(x, m, p, grad_out):
+    leaves = {"msa_repr": x.detach().clone().requires_grad_(), **{k: v.detach().clone().requires_grad_()
+                                                                  for k, v in p.items()}}
+    out = flashopm.outer_product_mean_reference(leaves["msa_repr"], m, *(leaves[k] for k in PARAM_ORDER))
+    return torch.autograd.grad(out, [leaves[k] for k in GRAD_INPUTS], grad_out)
+
+
+@pytest.mark.parametrize("shape", [Shape(2, 3, 5, 7, 4, 6), Shape(1, 1, 1, 1, 1, 1), Shape(2, 4, 9, 5, 3, 2)], ids=str)
+@pytest.mark.parametrize("mask_kind", ["masked_positions", "bool", "fractional"])
+def test_gradcheck_float64_cpu(shape, mask_kind):
+    x, m, p = make_problem(shape, mask_kind, seed=4)
+    x = x.double().requires_grad_()
+    p = {k: v.double().requires_grad_() for k, v in p.items()}
+    m = m if m.dtype == torch.bool else m.double()
+
+    def f(x, *params):
+        return _call(x, m, dict(zip(PARAM_ORDER, params)))
+
+    assert torch.autograd.gradcheck(f, (x, *(p[k] for k in PARAM_ORDER)))
+
+
+def test_gradcheck_without_biases():
+    x, m, p = make_problem(Shape(1, 3, 4, 5, 3, 4), "binary", seed=5)
+    x = x.double().requires_grad_()
+    p = {k: v.double().requires_grad_() for k, v in p.items()}
+    for k in ("b_a", "b_b", "b_out"):
+        p[k] = None
+
+    def f(x, lw, lb, wa, wb, wo):
+        q = dict(p, ln_weight=lw, ln_bias=lb, w_a=wa, w_b=wb, w_out=wo)
+        return _call(x, m.double(), q)
+
+    assert torch.autograd.gradcheck(f, (x, p["ln_weight"], p["ln_bias"], p["w_a"], p["w_b"], p["w_out"]))
+
+
+def test_only_requested_gradients_are_computed(monkeypatch):
+    from flashopm import ops
+
+    seen = []
+    real = ops.outer_product_mean_backward_reference
+
+    def spy(*args, **kwargs):
+        seen.append(args[12] if len(args) > 12 else kwargs["needs"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "outer_product_mean_backward_reference", spy)
+    x, m, p = make_problem(Shape(1, 2, 3, 4, 2, 3), "binary", seed=6)
+    p["w_out"].requires_grad_()
+    _call(x, m, p).sum().backward()
+    assert seen == [(False, False, False, False, False, False, False, True, False)]
+    assert p["w_out"].grad is not None and p["w_a"].grad is None
+
+
+def test_chunked_backward_matches_unchunked():
+    from flashopm.reference import outer_product_mean_backward_reference as bwd
+
+    x, m, p = make_problem(Shape(2, 3, 11, 6, 3, 5), "masked_positions", seed=7)
+    g = torch.randn(2, 11, 11, 5, generator=torch.Generator().manual_seed(1))
+    args = (g, x.double(), m.double(), *(p[k].double() for k in PARAM_ORDER))
+    whole = bwd(*args, chunk_elems=1 << 30)
+    rows = bwd(*args, chunk_elems=1)  # one row i per block
+    for a, b in zip(whole, rows):
+        torch.testing.assert_close(a, b)
+
+
+def test_opcheck_cpu():
+    x, m, p = make_problem(Shape(2, 3, 5, 6, 4, 3), "masked_positions", seed=8)
+    x.requires_grad_()
+    p["w_a"].requires_grad_()
+    p["w_out"].requires_grad_()
+    args = (x, m, p["ln_weight"], p["ln_bias"], 1e-5, p["w_a"], p["b_a"], p["w_b"], p["b_b"], p["w_out"], p["b_out"], 0)
+    torch.library.opcheck(torch.ops.flashopm.outer_product_mean.default, args)
+    g = torch.randn(2, 5, 5, 3)
+    bargs = (g, x.detach(), m, p["ln_weight"], p["ln_bias"], 1e-5, p["w_a"].detach(), p["b_a"], p["w_b"], p["b_b"],
+             p["w_out"].detach(), p["b_out"], [True, False, True, True, False, True, True, True, True])
+    torch.library.opcheck(torch.ops.flashopm.outer_product_mean_backward.default, bargs)
+
+
+def _train(model_cls, steps, device, compile_backend=None):
+    torch.manual_seed(0)
+    model = model_cls(16, 8, 4).to(device)
+    fn = torch.compile(model, backend=compile_backend, fullgraph=True) if compile_backend else model
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 5, 7, 16, generator=g).to(device)
+    m = (torch.rand(2, 5, 7, generator=g) > 0.2).float().to(device)
+    target = torch.randn(2, 7, 7, 8, generator=g).to(device)
+    losses = []
+    for _ in range(steps):
+        loss = ((fn(x, m) - target) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, model
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
+def test_training_follows_the_reference(device):
+    ref_losses, ref = _train(flashopm.Model, 6, device)
+    new_losses, new = _train(flashopm.ModelNew, 6, device)
+    assert new_losses[-1] < new_losses[0]
+    torch.testing.assert_close(torch.tensor(new_losses), torch.tensor(ref_losses), rtol=1e-4, atol=1e-5)
+    for (name, a), (_, b) in zip(ref.state_dict().items(), new.state_dict().items()):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
+def test_compile_fullgraph_forward_and_backward(device):
+    eager_losses, _ = _train(flashopm.ModelNew, 3, device)
+    compiled_losses, _ = _train(flashopm.ModelNew, 3, device, compile_backend="aot_eager")
+    torch.testing.assert_close(torch.tensor(compiled_losses), torch.tensor(eager_losses), rtol=1e-5, atol=1e-6)
+
+
+@requires_cuda
+@pytest.mark.parametrize("shape", [Shape(2, 8, 32, 64, 32, 64), Shape(1, 5, 37, 24, 16, 40), Shape(1, 16, 70, 32, 8, 16)],
+                         ids=str)
+@pytest.mark.parametrize("mask_kind", ["masked_positions", "bool"])
+def test_cuda_gradients_against_fp64(shape, mask_kind):
+    """Every gradient's error against a float64 reference is at most twice eager fp32's."""
+    x, m, p = make_problem(shape, mask_kind, seed=9)
+    g = torch.randn(shape.B, shape.N, shape.N, shape.D, generator=torch.Generator().manual_seed(2))
+    m64 = m if m.dtype == torch.bool else m.double()
+    ref64 = _reference_grads(x.double(), m64, {k: v.double() for k, v in p.items()}, g.double())
+    xc, mc, gc = x.cuda(), m.cuda(), g.cuda()
+    pc = {k: v.cuda() for k, v in p.items()}
+    eager32 = _reference_grads(xc, mc, pc, gc)
+    leaves = {"msa_repr": xc.clone().requires_grad_(), **{k: v.clone().requires_grad_() for k, v in pc.items()}}
+    out = _call(leaves["msa_repr"], mc, {k: leaves[k] for k in PARAM_ORDER})
+    ours = torch.autograd.grad(out, [leaves[k] for k in GRAD_INPUTS], gc)
+    for name, o, e, r in zip(GRAD_INPUTS, ours, eager32, ref64):
+        err, err_eager = rel_error(o.cpu(), r), rel_error(e.cpu(), r)
+        assert err <= max(2 * err_eager, 4 * torch.finfo(torch.float32).eps), f"{name}: {err:.3g} vs eager {err_eager:.3g}"
+
+
+@requires_cuda
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+def test_compile_modes_on_cuda(mode):
+    torch.manual_seed(0)
+    model = flashopm.ModelNew(*flashopm.get_init_inputs()).cuda()
+    x, m = [t.cuda() for t in flashopm.get_inputs()]
+    with torch.no_grad():
+        expect = model(x, m)
+        compiled = torch.compile(model, fullgraph=True, mode=mode)
+        for _ in range(3):
+            out = compiled(x, m).clone()
+    torch.testing.assert_close(out, expect)
