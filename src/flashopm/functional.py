@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from . import _build
-from .ops import ALGORITHMS, outer_product_mean_op
+from .ops import ALGORITHMS, NORMALIZATIONS, outer_product_mean_op
 
 
 def outer_product_mean(
@@ -21,6 +21,8 @@ def outer_product_mean(
     *,
     ln_eps: float = 1e-5,
     algorithm: str = "auto",
+    normalization: str = "row",
+    norm_eps: float = 1e-3,
 ) -> torch.Tensor:
     """Fused outer-product mean.
 
@@ -35,17 +37,24 @@ def outer_product_mean(
             through w_out first; best for small S) or "single" (one kernel, everything in shared
             memory, for small problems only: an error where it does not fit).
 
+        normalization: how the sum over S is normalised, with O_ij = W_out vec(sum_s a_si (x) b_sj):
+            "row" (the specification): O_ij / max(sum_s m_si, 1) + b_out;
+            "openfold" (OpenFold, AlphaFold2): (O_ij + b_out) / (norm_eps + sum_s m_si m_sj);
+            "boltz" (Boltz-1/2): O_ij / max(sum_s m_si m_sj, 1) + b_out.
+
     Returns:
-        (B, N, N, D): W_out vec(sum_s a_si (x) b_sj) / max(sum_s m_si, 1) + b_out, with
-        a = (LayerNorm(x) W_a^T + b_a) * m and b likewise.
+        (B, N, N, D), with a = (LayerNorm(x) W_a^T + b_a) * m and b likewise.
 
     On CUDA float32 inputs this is one call of the fused CUDA kernels (compiled on first use); on
     the CPU it is the PyTorch reference.
     """
     if algorithm not in ALGORITHMS:
         raise ValueError(f"flashopm: algorithm must be one of {sorted(ALGORITHMS)}, got {algorithm!r}")
+    if normalization not in NORMALIZATIONS:
+        raise ValueError(f"flashopm: normalization must be one of {sorted(NORMALIZATIONS)}, got {normalization!r}")
     if msa_repr.is_cuda and not _build.is_loaded():
         _build.load()
     return outer_product_mean_op(
-        msa_repr, msa_mask, ln_weight, ln_bias, ln_eps, w_a, b_a, w_b, b_b, w_out, b_out, ALGORITHMS[algorithm]
+        msa_repr, msa_mask, ln_weight, ln_bias, ln_eps, w_a, b_a, w_b, b_b, w_out, b_out, ALGORITHMS[algorithm],
+        NORMALIZATIONS[normalization], norm_eps,
     )

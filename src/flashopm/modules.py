@@ -1,11 +1,11 @@
-"""Thin nn.Modules over the functional API."""
+"""Thin nn.Modules over the op: the specification's ModelNew and the OpenFold and Boltz modules."""
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
 
 from . import _build
-from .ops import outer_product_mean_op
+from .ops import NORMALIZATIONS, outer_product_mean_op
 
 
 class ModelNew(nn.Module):
@@ -43,3 +43,84 @@ class ModelNew(nn.Module):
         if msa_repr.is_cuda and not _build.is_loaded():
             _build.load()
         return outer_product_mean_op(msa_repr, msa_mask, *self._parameters_in_op_order(), 0)
+
+
+def _lecun_normal_(weight: torch.Tensor) -> None:
+    """Truncated-normal fan-in initialisation (OpenFold's "default" init for its Linear layers)."""
+    fan_in = weight.shape[1]
+    std = (1.0 / max(1, fan_in)) ** 0.5 / 0.87962566103423978  # std of N(0,1) truncated at ±2
+    with torch.no_grad():
+        nn.init.trunc_normal_(weight, mean=0.0, std=std, a=-2 * std, b=2 * std)
+
+
+class OpenFoldOuterProductMean(nn.Module):
+    """OpenFold / AlphaFold2 Outer-Product Mean (Algorithm 10) on the fused kernel.
+
+    Same parameters as OpenFold's `OuterProductMean` (`layer_norm`, `linear_1`, `linear_2`,
+    `linear_out`), so a checkpoint's sub-dict loads unchanged; `projection_bias=False` gives the
+    bias-free projections of OpenFold3 and Protenix.  `linear_out` starts at zero ("final" init).
+
+    forward: m (*, S, N, c_m), mask (*, S, N) or None -> (*, N, N, c_z), with
+        out = (linear_out(vec(sum_s a_si (x) b_sj))) / (eps + sum_s mask_si mask_sj)
+    (the bias is divided too: a fully masked pair gives linear_out.bias / eps).  `chunk_size` and
+    `inplace_safe` are accepted for compatibility; the kernel never forms the chunks they bound.
+    """
+
+    def __init__(self, c_m: int, c_z: int, c_hidden: int, eps: float = 1e-3, *, projection_bias: bool = True):
+        super().__init__()
+        self.c_z, self.c_hidden, self.eps = c_z, c_hidden, eps
+        self.layer_norm = nn.LayerNorm(c_m)
+        self.linear_1 = nn.Linear(c_m, c_hidden, bias=projection_bias)
+        self.linear_2 = nn.Linear(c_m, c_hidden, bias=projection_bias)
+        self.linear_out = nn.Linear(c_hidden * c_hidden, c_z)
+        for lin in (self.linear_1, self.linear_2):
+            _lecun_normal_(lin.weight)
+            if lin.bias is not None:
+                nn.init.zeros_(lin.bias)
+        nn.init.zeros_(self.linear_out.weight)
+        nn.init.zeros_(self.linear_out.bias)
+
+    def forward(self, m: torch.Tensor, mask: torch.Tensor | None = None, chunk_size: int | None = None,
+                inplace_safe: bool = False) -> torch.Tensor:
+        if mask is None:
+            mask = m.new_ones(m.shape[:-1])
+        if m.is_cuda and not _build.is_loaded():
+            _build.load()
+        *batch, S, N, C = m.shape
+        ln, l1, l2, lo = self.layer_norm, self.linear_1, self.linear_2, self.linear_out
+        out = outer_product_mean_op(
+            m.reshape(-1, S, N, C), mask.reshape(-1, S, N), ln.weight, ln.bias, ln.eps, l1.weight, l1.bias,
+            l2.weight, l2.bias, lo.weight, lo.bias, 0, NORMALIZATIONS["openfold"], self.eps,
+        )
+        return out.reshape(*batch, N, N, self.c_z)
+
+
+class BoltzOuterProductMean(nn.Module):
+    """Boltz-1/2 Outer-Product Mean on the fused kernel.
+
+    Same parameters as Boltz's `OuterProductMean` (`norm`, `proj_a`, `proj_b` without bias,
+    `proj_o`), so a checkpoint's sub-dict loads unchanged; `proj_o` starts at zero.
+
+    forward: m (B, S, N, c_in), mask (B, S, N) -> (B, N, N, c_out), with
+        out = proj_o(vec(sum_s a_si (x) b_sj) / max(sum_s mask_si mask_sj, 1))
+    (the bias is added after the division).  `chunk_size` is accepted for compatibility.
+    """
+
+    def __init__(self, c_in: int, c_hidden: int, c_out: int):
+        super().__init__()
+        self.c_hidden = c_hidden
+        self.norm = nn.LayerNorm(c_in)
+        self.proj_a = nn.Linear(c_in, c_hidden, bias=False)
+        self.proj_b = nn.Linear(c_in, c_hidden, bias=False)
+        self.proj_o = nn.Linear(c_hidden * c_hidden, c_out)
+        nn.init.zeros_(self.proj_o.weight)
+        nn.init.zeros_(self.proj_o.bias)
+
+    def forward(self, m: torch.Tensor, mask: torch.Tensor, chunk_size: int | None = None) -> torch.Tensor:
+        if m.is_cuda and not _build.is_loaded():
+            _build.load()
+        n, pa, pb, po = self.norm, self.proj_a, self.proj_b, self.proj_o
+        return outer_product_mean_op(
+            m, mask, n.weight, n.bias, n.eps, pa.weight, None, pb.weight, None, po.weight, po.bias, 0,
+            NORMALIZATIONS["boltz"], 1e-3,
+        )

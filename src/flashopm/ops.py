@@ -14,13 +14,15 @@ from . import _build
 from .reference import GRAD_INPUTS, outer_product_mean_backward_reference, outer_product_mean_reference
 
 ALGORITHMS = {"auto": 0, "outer": 1, "project": 2, "single": 3}
+# Normalisations of the contracted sum, by the models that use them (see reference.py).
+NORMALIZATIONS = {"row": 0, "openfold": 1, "boltz": 2}
 
 # Every schema of the library, by op name (also written into the KernelBench export).
 SCHEMAS = {
     "outer_product_mean": (
         "outer_product_mean(Tensor msa_repr, Tensor msa_mask, Tensor ln_weight, Tensor ln_bias, "
         "float ln_eps, Tensor w_a, Tensor? b_a, Tensor w_b, Tensor? b_b, Tensor w_out, Tensor? b_out, "
-        "int algorithm=0) -> Tensor"
+        "int algorithm=0, int normalization=0, float norm_eps=0.001) -> Tensor"
     ),
     # A call that does nothing, through the same dispatcher path: the floor of any op's host time.
     # Gradients for (msa_repr, ln_weight, ln_bias, w_a, b_a, w_b, b_b, w_out, b_out); entries not
@@ -28,7 +30,7 @@ SCHEMAS = {
     "outer_product_mean_backward": (
         "outer_product_mean_backward(Tensor grad_out, Tensor msa_repr, Tensor msa_mask, Tensor ln_weight, "
         "Tensor ln_bias, float ln_eps, Tensor w_a, Tensor? b_a, Tensor w_b, Tensor? b_b, Tensor w_out, "
-        "Tensor? b_out, bool[] output_mask) -> Tensor[]"
+        "Tensor? b_out, int normalization, float norm_eps, bool[] output_mask) -> Tensor[]"
     ),
     "_noop": "_noop(Tensor x) -> ()",
     # The single-launch kernel's tiling for a problem size (CUDA only; for tests and the
@@ -44,7 +46,8 @@ for _schema in SCHEMAS.values():
 _MASK_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.bool)
 
 
-def check_inputs(msa_repr, msa_mask, ln_weight, ln_bias, w_a, b_a, w_b, b_b, w_out, b_out, algorithm=0):
+def check_inputs(msa_repr, msa_mask, ln_weight, ln_bias, w_a, b_a, w_b, b_b, w_out, b_out, algorithm=0,
+                 normalization=0):
     """Shape/device/dtype checks of the CPU and fake paths (the CUDA path checks in C++, alike)."""
     if msa_repr.dim() != 4:
         raise ValueError(
@@ -97,21 +100,27 @@ def check_inputs(msa_repr, msa_mask, ln_weight, ln_bias, w_a, b_a, w_b, b_b, w_o
             "flashopm: algorithm must be 0 (auto), 1 (outer-first), 2 (project-first) or 3 (single launch), "
             f"got {algorithm}"
         )
+    if normalization not in (0, 1, 2):
+        raise ValueError(f"flashopm: normalization must be 0 (row), 1 (openfold) or 2 (boltz), got {normalization}")
     return B, S, N, C, H, D
 
 
 @torch.library.impl(_lib, "outer_product_mean", "CPU")
-def _outer_product_mean_cpu(msa_repr, msa_mask, ln_weight, ln_bias, ln_eps, w_a, b_a, w_b, b_b, w_out, b_out, algorithm=0):
-    check_inputs(msa_repr, msa_mask, ln_weight, ln_bias, w_a, b_a, w_b, b_b, w_out, b_out, algorithm)
-    out = outer_product_mean_reference(msa_repr, msa_mask, ln_weight, ln_bias, w_a, b_a, w_b, b_b, w_out, b_out, ln_eps)
+def _outer_product_mean_cpu(msa_repr, msa_mask, ln_weight, ln_bias, ln_eps, w_a, b_a, w_b, b_b, w_out, b_out,
+                            algorithm=0, normalization=0, norm_eps=1e-3):
+    check_inputs(msa_repr, msa_mask, ln_weight, ln_bias, w_a, b_a, w_b, b_b, w_out, b_out, algorithm, normalization)
+    out = outer_product_mean_reference(msa_repr, msa_mask, ln_weight, ln_bias, w_a, b_a, w_b, b_b, w_out, b_out, ln_eps,
+                                       normalization, norm_eps)
     # The einsum path can return a non-contiguous view for degenerate sizes; the op promises a
     # fresh contiguous tensor like the CUDA kernel's.
     return out.contiguous()
 
 
 @torch.library.register_fake("flashopm::outer_product_mean")
-def _outer_product_mean_fake(msa_repr, msa_mask, ln_weight, ln_bias, ln_eps, w_a, b_a, w_b, b_b, w_out, b_out, algorithm=0):
-    B, S, N, C, H, D = check_inputs(msa_repr, msa_mask, ln_weight, ln_bias, w_a, b_a, w_b, b_b, w_out, b_out, algorithm)
+def _outer_product_mean_fake(msa_repr, msa_mask, ln_weight, ln_bias, ln_eps, w_a, b_a, w_b, b_b, w_out, b_out,
+                             algorithm=0, normalization=0, norm_eps=1e-3):
+    B, S, N, C, H, D = check_inputs(msa_repr, msa_mask, ln_weight, ln_bias, w_a, b_a, w_b, b_b, w_out, b_out, algorithm,
+                                    normalization)
     if msa_repr.device.type == "cuda":
         _build.load()  # the compiled graph will call the CUDA kernel: have it registered by then
     return msa_repr.new_empty((B, N, N, D))
@@ -131,18 +140,19 @@ def _grads_as_tensors(grads, like):
 
 @torch.library.impl(_lib, "outer_product_mean_backward", "CompositeExplicitAutograd")
 def _outer_product_mean_backward_impl(grad_out, msa_repr, msa_mask, ln_weight, ln_bias, ln_eps, w_a, b_a, w_b, b_b,
-                                      w_out, b_out, output_mask):
+                                      w_out, b_out, normalization, norm_eps, output_mask):
     if len(output_mask) != len(GRAD_INPUTS):
         raise ValueError(f"flashopm: output_mask must have {len(GRAD_INPUTS)} entries, got {len(output_mask)}")
     grads = outer_product_mean_backward_reference(
-        grad_out, msa_repr, msa_mask, ln_weight, ln_bias, w_a, b_a, w_b, b_b, w_out, b_out, ln_eps, tuple(output_mask)
+        grad_out, msa_repr, msa_mask, ln_weight, ln_bias, w_a, b_a, w_b, b_b, w_out, b_out, ln_eps,
+        normalization, norm_eps, tuple(output_mask),
     )
     return _grads_as_tensors(grads, (msa_repr, ln_weight, ln_bias, w_a, b_a, w_b, b_b, w_out, b_out))
 
 
 @torch.library.register_fake("flashopm::outer_product_mean_backward")
 def _outer_product_mean_backward_fake(grad_out, msa_repr, msa_mask, ln_weight, ln_bias, ln_eps, w_a, b_a, w_b, b_b,
-                                      w_out, b_out, output_mask):
+                                      w_out, b_out, normalization, norm_eps, output_mask):
     inputs = (msa_repr, ln_weight, ln_bias, w_a, b_a, w_b, b_b, w_out, b_out)
     return [
         t.new_empty(t.shape) if (need and t is not None) else msa_repr.new_empty(0)
@@ -153,6 +163,8 @@ def _outer_product_mean_backward_fake(grad_out, msa_repr, msa_mask, ln_weight, l
 def _setup_context(ctx, inputs, output):
     msa_repr, msa_mask, ln_weight, ln_bias, ln_eps, w_a, b_a, w_b, b_b, w_out, b_out = inputs[:11]
     ctx.ln_eps = ln_eps
+    ctx.normalization = inputs[12] if len(inputs) > 12 else 0
+    ctx.norm_eps = inputs[13] if len(inputs) > 13 else 1e-3
     ctx.has_bias = (b_a is not None, b_b is not None, b_out is not None)
     ctx.save_for_backward(msa_repr, msa_mask, ln_weight, ln_bias, w_a, b_a, w_b, b_b, w_out, b_out)
 
@@ -164,12 +176,12 @@ _GRAD_POSITIONS = (0, 2, 3, 5, 6, 7, 8, 9, 10)
 def _backward(ctx, grad_out):
     msa_repr, msa_mask, ln_weight, ln_bias, w_a, b_a, w_b, b_b, w_out, b_out = ctx.saved_tensors
     needs = [bool(ctx.needs_input_grad[i]) for i in _GRAD_POSITIONS]
-    grads = [None] * 12
+    grads = [None] * 14
     if not any(needs):
         return tuple(grads)
     computed = outer_product_mean_backward_op(
         grad_out.contiguous(), msa_repr, msa_mask, ln_weight, ln_bias, ctx.ln_eps, w_a, b_a, w_b, b_b, w_out, b_out,
-        needs,
+        ctx.normalization, ctx.norm_eps, needs,
     )
     for pos, need, g in zip(_GRAD_POSITIONS, needs, computed):
         grads[pos] = g if need else None

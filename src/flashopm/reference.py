@@ -23,14 +23,20 @@ def outer_product_mean_reference(
     w_out: torch.Tensor,
     b_out: torch.Tensor | None,
     ln_eps: float = 1e-5,
+    normalization: int = 0,
+    norm_eps: float = 1e-3,
 ) -> torch.Tensor:
     """Outer-product mean, materialising the (B, N, N, H*H) intermediate.
 
     Shapes: msa_repr (B, S, N, C), msa_mask (B, S, N), w_a/w_b (H, C), w_out (D, H*H).
-    Returns (B, N, N, D):
+    Returns (B, N, N, D), with a = (LayerNorm(x) W_a^T + b_a) * m, b likewise, and
+    O[b, i, j] = vec(sum_s a[b, s, i] (x) b[b, s, j]):
 
-        a = (LayerNorm(x) W_a^T + b_a) * m,   b = (LayerNorm(x) W_b^T + b_b) * m
-        out[b, i, j] = W_out vec(sum_s a[b, s, i] (x) b[b, s, j]) / max(sum_s m[b, s, i], 1) + b_out
+        normalization 0 (the specification): out = W_out O / max(sum_s m[s, i], 1) + b_out
+        normalization 1 (OpenFold, AF2):      out = (W_out O + b_out) / (norm_eps + sum_s m[s, i] m[s, j])
+        normalization 2 (Boltz-1/2):          out = W_out O / max(sum_s m[s, i] m[s, j], 1) + b_out
+
+    Each is written in its model's own order of operations.
     """
     x = F.layer_norm(msa_repr, (msa_repr.shape[-1],), ln_weight, ln_bias, ln_eps)
     a = F.linear(x, w_a, b_a)
@@ -39,11 +45,18 @@ def outer_product_mean_reference(
     a = a * mask
     b = b * mask
     outer = torch.einsum("bsih,bsjk->bijhk", a, b)
-    denom = msa_mask.sum(dim=1).unsqueeze(-1).unsqueeze(-1).unsqueeze(-1).clamp(min=1)
-    outer = outer / denom
     batch, n1, n2, h1, h2 = outer.shape
-    outer = outer.reshape(batch, n1, n2, h1 * h2)
-    return F.linear(outer, w_out, b_out)
+    if normalization == 0:
+        denom = msa_mask.sum(dim=1).unsqueeze(-1).unsqueeze(-1).unsqueeze(-1).clamp(min=1)
+        outer = outer / denom
+        return F.linear(outer.reshape(batch, n1, n2, h1 * h2), w_out, b_out)
+    m = msa_mask.to(a.dtype)
+    pair = torch.einsum("bsi,bsj->bij", m, m)[..., None]  # (B, N, N, 1)
+    if normalization == 1:
+        return F.linear(outer.reshape(batch, n1, n2, h1 * h2), w_out, b_out) / (norm_eps + pair)
+    if normalization == 2:
+        return F.linear(outer.reshape(batch, n1, n2, h1 * h2) / pair.clamp(min=1), w_out, b_out)
+    raise ValueError(f"flashopm: normalization must be 0, 1 or 2, got {normalization}")
 
 
 GRAD_INPUTS = ("msa_repr", "ln_weight", "ln_bias", "w_a", "b_a", "w_b", "b_b", "w_out", "b_out")
@@ -62,6 +75,8 @@ def outer_product_mean_backward_reference(
     w_out: torch.Tensor,
     b_out: torch.Tensor | None,
     ln_eps: float = 1e-5,
+    normalization: int = 0,
+    norm_eps: float = 1e-3,
     needs: tuple[bool, ...] = (True,) * 9,
     chunk_elems: int = 1 << 26,
 ) -> list[torch.Tensor | None]:
@@ -69,10 +84,12 @@ def outer_product_mean_backward_reference(
     by hand, with the (B, n, N, H, H) intermediates formed for blocks of n output rows i only
     (about `chunk_elems` elements each), so memory stays near that of the output.
 
-    With g = grad_out / den[i] (B, N, N, D) and W = w_out viewed (D, H, H):
+    With g = grad_out / den (B, N, N, D), den the normalisation's divisor of output (i, j) (see
+    outer_product_mean_reference), and W = w_out viewed (D, H, H):
         dO[i,j]      = sum_d g[i,j,d] W[d]                       (per block of rows i)
         grad_a[s,i]  = sum_j dO[i,j] b[s,j],   grad_b[s,j] = sum_i dO[i,j]^T a[s,i]
-        grad_W[d]    = sum_{i,j} g[i,j,d] sum_s a[s,i] (x) b[s,j],   grad_b_out = sum_{i,j} grad_out
+        grad_W[d]    = sum_{i,j} g[i,j,d] sum_s a[s,i] (x) b[s,j]
+        grad_b_out   = sum_{i,j} grad_out (sum_{i,j} g where the bias is divided too: OpenFold)
     then through the mask, both projections and LayerNorm.  Entries whose `needs` flag is False
     (or whose bias is None) are None.  Sums run in float32 for half-precision inputs.
     """
@@ -87,8 +104,12 @@ def outer_product_mean_backward_reference(
     xn = xhat * lw + lb
     a = F.linear(xn, wa, None if b_a is None else b_a.to(work)) * m[..., None]
     b = F.linear(xn, wb, None if b_b is None else b_b.to(work)) * m[..., None]
-    den = m.sum(1).clamp(min=1)  # (B, N)
-    g = grad_out.to(work) / den[:, :, None, None]
+    if normalization == 0:
+        den = m.sum(1).clamp(min=1)[:, :, None, None]  # (B, N, 1, 1)
+    else:
+        pair = torch.einsum("bsi,bsj->bij", m, m)[..., None]
+        den = norm_eps + pair if normalization == 1 else pair.clamp(min=1)
+    g = grad_out.to(work) / den
     W = wo.view(D, H, H)
     need_x, need_lw, need_lb, need_wa, need_ba, need_wb, need_bb, need_wo, need_bo = needs
     need_proj = need_x or need_lw or need_lb or need_wa or need_ba or need_wb or need_bb
@@ -112,7 +133,7 @@ def outer_product_mean_backward_reference(
     if need_wo:
         grads["w_out"] = grad_w.reshape(D, H * H)
     if need_bo and b_out is not None:
-        grads["b_out"] = grad_out.to(work).sum((0, 1, 2))
+        grads["b_out"] = (g if normalization == 1 else grad_out.to(work)).sum((0, 1, 2))
     if need_proj:
         ga = (grad_a * m[..., None]).reshape(-1, H)
         gb = (grad_b * m[..., None]).reshape(-1, H)

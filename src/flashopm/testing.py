@@ -85,7 +85,8 @@ def make_problem(shape: Shape, mask_kind: str = "ones", seed: int = 0, scale: fl
     return msa, mask, make_params(shape, g, scale)
 
 
-def reference(msa, mask, params, dtype=None, ln_eps: float = 1e-5) -> torch.Tensor:
+def reference(msa, mask, params, dtype=None, ln_eps: float = 1e-5, normalization: int = 0,
+              norm_eps: float = 1e-3) -> torch.Tensor:
     """The reference evaluated in `dtype` (float64 for ground truth); mask kept bool if bool."""
     if dtype is not None:
         msa = msa.to(dtype)
@@ -94,7 +95,8 @@ def reference(msa, mask, params, dtype=None, ln_eps: float = 1e-5) -> torch.Tens
         params = {k: v.to(dtype) for k, v in params.items()}
     p = params
     return outer_product_mean_reference(
-        msa, mask, p["ln_weight"], p["ln_bias"], p["w_a"], p["b_a"], p["w_b"], p["b_b"], p["w_out"], p["b_out"], ln_eps
+        msa, mask, p["ln_weight"], p["ln_bias"], p["w_a"], p["b_a"], p["w_b"], p["b_b"], p["w_out"], p["b_out"], ln_eps,
+        normalization, norm_eps,
     )
 
 

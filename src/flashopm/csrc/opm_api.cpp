@@ -198,7 +198,8 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
                                    double ln_eps, const at::Tensor& w_a_in,
                                    const std::optional<at::Tensor>& b_a_in, const at::Tensor& w_b_in,
                                    const std::optional<at::Tensor>& b_b_in, const at::Tensor& w_out_in,
-                                   const std::optional<at::Tensor>& b_out_in, int64_t algorithm) {
+                                   const std::optional<at::Tensor>& b_out_in, int64_t algorithm,
+                                   int64_t normalization, double norm_eps) {
   // ---- argument checks (messages name the argument, expected vs got) ----
   FLASHOPM_CHECK(msa_in.dim() == 4, "flashopm: msa_repr must have shape (B, S, N, msa_dim), got ",
               msa_in.dim(), " dims ", msa_in.sizes());
@@ -235,14 +236,19 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
               "flashopm: algorithm must be 0 (auto), 1 (outer-first), 2 (project-first) or 3 (single launch), got ",
               algorithm);
   FLASHOPM_CHECK(S <= 65535 && B <= 65535, "flashopm: B and S must be at most 65535, got B=", B, ", S=", S);
+  FLASHOPM_CHECK(normalization >= kNormRow && normalization <= kNormBoltz,
+                 "flashopm: normalization must be 0 (row), 1 (openfold) or 2 (boltz), got ", normalization);
+  const Normalizer norm{int(normalization), float(norm_eps)};
 
   const c10::cuda::CUDAGuard guard(msa_in.device());
   at::Tensor out = at::empty({B, N, N, D}, msa_in.options());
   if (B == 0 || N == 0) return out;
   if (S == 0) {
-    // Nothing to average: the mean is 0 and only the bias remains (as in the reference).
-    if (b_out_in) out.copy_(b_out_in->expand({B, N, N, D}));
-    else out.zero_();
+    // Nothing to average: the sum is 0 and only the bias remains (divided by eps for OpenFold's
+    // convention, where the bias is divided too), as in the reference.
+    if (!b_out_in) return out.zero_();
+    if (normalization == kNormOpenFold) out.copy_((*b_out_in / norm_eps).expand({B, N, N, D}));
+    else out.copy_(b_out_in->expand({B, N, N, D}));
     return out;
   }
 
@@ -311,6 +317,7 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     sa.Dc = small.Dc;
     sa.CL = small.CL;
     sa.n_itiles = int((N + small.TI - 1) / small.TI);
+    sa.norm = norm;
     launch_small(sa, small.smem_bytes, stream);
     return out;
   }
@@ -345,6 +352,7 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     ga.NC = int(N * D);
     ga.D = int(D);
     ga.S = int(S);
+    ga.norm = norm;
     const bool big_tiles = B * ((N + 127) / 128) * ((N * D + 127) / 128) >= 2 * device_info(dev).sm_count;
     check_smem(project_gemm_smem_bytes(big_tiles), dev, "project-first GEMM");
     launch_project_gemm(ga, big_tiles, stream);
@@ -373,6 +381,7 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     oa.N = int(N);
     oa.H = int(H);
     oa.D = int(D);
+    oa.norm = norm;
     oa.Tj = int(std::min<int64_t>(kOuterNT / H, N));
     for (int64_t i_off = 0; i_off < N; i_off += rows) {
       const int64_t ni = std::min<int64_t>(rows, N - i_off);

@@ -65,6 +65,31 @@ __device__ __forceinline__ float mask_denominator(const MaskView& m, int b, int 
   return fmaxf(warp_sum(sum), 1.f);
 }
 
+// sum_s m[b, s, i] m[b, s, j] by one warp (lanes split s; same value in every lane).
+__device__ __forceinline__ float pair_mask_sum_warp(const MaskView& m, int b, int i, int j, int S, int lane) {
+  float sum = 0.f;
+  for (int s = lane; s < S; s += 32) sum += mask_at(m, b, s, i) * mask_at(m, b, s, j);
+  return warp_sum(sum);
+}
+
+// sum_s m[b, s, i] m[b, s, j] by one thread, in order of s.
+__device__ __forceinline__ float pair_mask_sum(const MaskView& m, int b, int i, int j, int S) {
+  float sum = 0.f;
+  for (int s = 0; s < S; ++s) sum += mask_at(m, b, s, i) * mask_at(m, b, s, j);
+  return sum;
+}
+
+// The output value from the contracted sum (see NormKind): row_den = max(sum_s m[s,i], 1) is
+// used by kNormRow only, pair_sum = sum_s m[s,i] m[s,j] by the others.
+__device__ __forceinline__ float normalise(float acc, float bias, float row_den, float pair_sum,
+                                           const Normalizer& nz) {
+  switch (nz.kind) {
+    case kNormOpenFold: return (acc + bias) / (nz.eps + pair_sum);
+    case kNormBoltz: return acc / fmaxf(pair_sum, 1.f) + bias;
+    default: return acc / row_den + bias;
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Kernel 1: LayerNorm + both projections + mask (+ the W-projection of b, project-first only)
 // ---------------------------------------------------------------------------------------------
@@ -428,11 +453,13 @@ __global__ void __launch_bounds__(kOuterThreads, 1) opm_outer_fused_kernel(const
         if (i0 + il >= p.Na || j >= N) continue;
         const float den = den_s[il];
         const int i = p.i_offset + i0 + il;
+        // the warp's lanes share this pair (they split d)
+        const float pair = p.norm.kind == kNormRow ? 0.f : pair_mask_sum_warp(p.mask, b, i, j, S, lane);
         float* dst = p.out + ((int64_t(b) * N + i) * N + j) * D;
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int d = dg + dgw * 64 + lane + 32 * e;
-          if (d < D) dst[d] = acc2[pp][e] / den + (p.bias ? p.bias[d] : 0.f);
+          if (d < D) dst[d] = normalise(acc2[pp][e], p.bias ? p.bias[d] : 0.f, den, pair, p.norm);
         }
       }
     }
@@ -551,10 +578,18 @@ __global__ void __launch_bounds__((BM / TM) * (BN / TN))
     if (m >= p.M) continue;
     const float den = den_s[ty * TM + r];
     float* dst = p.out + (int64_t(b) * p.M + m) * p.NC;
+    int pair_j = -1;  // columns n = (j, d): consecutive columns mostly share j
+    float pair = 0.f;
 #pragma unroll
     for (int c = 0; c < TN; ++c) {
       const int n = n0 + tx * TN + c;
-      if (n < p.NC) dst[n] = acc[r][c] / den + (p.bias ? p.bias[n % p.D] : 0.f);
+      if (n >= p.NC) continue;
+      const int j = n / p.D;
+      if (p.norm.kind != kNormRow && j != pair_j) {
+        pair = pair_mask_sum(p.mask, b, m, j, p.S);
+        pair_j = j;
+      }
+      dst[n] = normalise(acc[r][c], p.bias ? p.bias[n % p.D] : 0.f, den, pair, p.norm);
     }
   }
 }

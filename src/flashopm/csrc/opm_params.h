@@ -15,6 +15,17 @@ namespace flashopm {
 
 enum MaskKind : int { kMaskFloat = 0, kMaskBool = 1, kMaskHalf = 2, kMaskBFloat16 = 3 };
 
+// How the contracted sum is normalised (the conventions of the models that use the op):
+//   kNormRow       (the specification)  out = acc / max(sum_s m[s,i], 1) + bias
+//   kNormOpenFold  (OpenFold, AF2)      out = (acc + bias) / (eps + sum_s m[s,i] m[s,j])
+//   kNormBoltz     (Boltz-1/2)          out = acc / max(sum_s m[s,i] m[s,j], 1) + bias
+enum NormKind : int { kNormRow = 0, kNormOpenFold = 1, kNormBoltz = 2 };
+
+struct Normalizer {
+  int kind;
+  float eps;  // kNormOpenFold only
+};
+
 // The mask as given: any strides, any supported dtype (MaskKind).
 struct MaskView {
   const void* ptr;
@@ -87,6 +98,7 @@ struct OuterArgs {
   const float* w_out;  // (D, H*H)
   const float* bias;   // (D) or null
   float* out;          // (B, N, N, D)
+  Normalizer norm;
   int B, S, N, Na, i_offset, H, D;
   int Ti, Tj;  // pairs per tile along i and j
 };
@@ -97,6 +109,7 @@ struct ProjectArgs {
   MaskView mask;
   const float* bias;
   float* out;
+  Normalizer norm;
   int B, M, K, NC, D, S;
 };
 
@@ -127,6 +140,7 @@ struct SmallArgs {
   const float* w_out;  // (D, H*H) contiguous
   const float* bias;   // (D) or null
   float* out;          // (B, N, N, D)
+  Normalizer norm;
   int B, S, N, C, H, D;
   int TI, Dc, CL;  // rows i and columns d per block; blocks per cluster (along the i tiles)
   int n_itiles;    // ceil(N / TI); the grid's x is this rounded up to a multiple of CL

@@ -422,7 +422,7 @@ __global__ void __launch_bounds__(kSmallThreads, 1) opm_small_kernel(const Small
                     make_float4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
             }
           } else {
-            // out[b, i, j, d] = acc / den[i] + bias[d]
+            // out[b, i, j, d] = acc / den[i] + bias[d] (or a pair normalisation, see NormKind)
             const int il = tn / dgroups, dg = tn - il * dgroups;
             const int i = i0 + il;
             const int dl = 4 * dg, d = d0 + dl;
@@ -434,8 +434,15 @@ __global__ void __launch_bounds__(kSmallThreads, 1) opm_small_kernel(const Small
               if (j >= N) break;
               float* dst = p.out + ((int64_t(b) * N + i) * N + j) * p.D + d;
               float v[4];
+              if (p.norm.kind == kNormRow) {
 #pragma unroll
-              for (int c = 0; c < 4; ++c) v[c] = acc[r][c] * inv_den + bias_o[dl + c];
+                for (int c = 0; c < 4; ++c) v[c] = acc[r][c] * inv_den + bias_o[dl + c];
+              } else {
+                float pair = 0.f;  // sum_s m[s,i] m[s,j], in order of s
+                for (int s = 0; s < S; ++s) pair += mask_a[il * S + s] * mask_at(p.mask, b, s, j);
+#pragma unroll
+                for (int c = 0; c < 4; ++c) v[c] = normalise(acc[r][c], bias_o[dl + c], 0.f, pair, p.norm);
+              }
               if (vec_out && d + 3 < p.D) {
                 *reinterpret_cast<float4*>(dst) = make_float4(v[0], v[1], v[2], v[3]);
               } else {
