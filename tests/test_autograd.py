@@ -162,3 +162,24 @@ def test_compile_modes_on_cuda(mode):
         for _ in range(3):
             out = compiled(x, m).clone()
     torch.testing.assert_close(out, expect)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
+def test_autocast_runs_in_float32(device):
+    """In an autocast region the op takes half-precision activations (cast up) and returns
+    float32, within float32 rounding of the reference on the float32 activations."""
+    torch.manual_seed(0)
+    model = flashopm.ModelNew(16, 8, 4).to(device)
+    ref = flashopm.Model(16, 8, 4).to(device)
+    ref.load_state_dict(model.state_dict())
+    x = torch.randn(2, 3, 5, 16, device=device)
+    m = (torch.rand(2, 3, 5, device=device) > 0.3).float()
+    low = torch.bfloat16
+    with torch.autocast(device_type=device, dtype=low):
+        x_low = torch.nn.functional.linear(x, torch.eye(16, device=device))  # a bf16 activation, as autocast makes them
+        assert x_low.dtype == low
+        out = model(x_low, m)
+        out.float().sum().backward()
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, ref(x_low.float(), m), rtol=1e-4, atol=1e-4)
+    assert model.out_proj.weight.grad is not None
