@@ -79,3 +79,21 @@ def test_parse_shapes():
 def test_info_runs_anywhere(capsys):
     assert main(["info"]) == 0
     assert "torch" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("module", ["spec", "openfold", "boltz"])
+def test_benchmark_builds_matching_implementations(module):
+    """The modules the benchmark times compute the same function (on the CPU here)."""
+    from flashopm.__main__ import _callable, _models
+    from flashopm.testing import make_problem
+
+    shape = Shape(1, 4, 9, 12, 3, 5)
+    x, m, p = make_problem(shape, "masked_positions", seed=0)
+    ref, new = _models(shape, p, torch.float32, module, device="cpu")
+    expect = ref(x, m)
+    for impl in ("flashopm", "chunked"):
+        fn = _callable(impl, ref, new)
+        if fn is None:
+            assert module == "spec" and impl == "chunked"
+            continue
+        torch.testing.assert_close(fn(x, m), expect, rtol=1e-4, atol=1e-4)

@@ -1,6 +1,6 @@
 """The OpenFold and Boltz normalisations and their modules: checkpoints' parameter names, the
-models' forward signatures, parity with forwards written from each model's math, autograd; and
-the CUDA kernels against float64 for every contraction order."""
+models' forward signatures, parity with the pure-PyTorch references of each model's math (and
+their chunked forms), autograd; and the CUDA kernels against float64 for every contraction order."""
 import pytest
 import torch
 
@@ -12,24 +12,16 @@ PARAM_ORDER = ("ln_weight", "ln_bias", "w_a", "b_a", "w_b", "b_b", "w_out", "b_o
 
 
 def openfold_forward(module, m, mask, eps):
-    """OpenFold's Algorithm 10 from its math: linear_out(outer) / (eps + pair mask count)."""
-    x = module.layer_norm(m)
-    a = module.linear_1(x) * mask[..., None]
-    b = module.linear_2(x) * mask[..., None]
-    outer = torch.einsum("...sic,...sjd->...ijcd", a, b).flatten(-2)
-    norm = torch.einsum("...si,...sj->...ij", mask, mask)[..., None]
-    return module.linear_out(outer) / (eps + norm)
+    ref = flashopm.OpenFoldOuterProductMeanReference(1, 1, 1, eps=eps, projection_bias=module.linear_1.bias is not None)
+    ref.layer_norm, ref.linear_1, ref.linear_2, ref.linear_out = (
+        module.layer_norm, module.linear_1, module.linear_2, module.linear_out)
+    return ref(m, mask)
 
 
 def boltz_forward(module, m, mask):
-    """Boltz's outer-product mean from its math: proj_o(outer / clamp(pair count, min=1))."""
-    mask = mask.to(m.dtype)
-    x = module.norm(m)
-    a = module.proj_a(x) * mask[..., None]
-    b = module.proj_b(x) * mask[..., None]
-    outer = torch.einsum("bsic,bsjd->bijcd", a, b).flatten(-2)
-    norm = torch.einsum("bsi,bsj->bij", mask, mask)[..., None].clamp(min=1)
-    return module.proj_o(outer / norm)
+    ref = flashopm.BoltzOuterProductMeanReference(1, module.c_hidden, 1)
+    ref.norm, ref.proj_a, ref.proj_b, ref.proj_o = module.norm, module.proj_a, module.proj_b, module.proj_o
+    return ref(m, mask)
 
 
 def _mask(shape, seed):
@@ -107,6 +99,24 @@ def test_gradcheck_float64_cpu(normalization, with_bias):
         return flashopm.outer_product_mean(x, m.double(), *(q[k] for k in PARAM_ORDER), normalization=normalization)
 
     assert torch.autograd.gradcheck(f, (x, *(p[k] for k in names)))
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 4])
+def test_chunked_references_match_unchunked(chunk):
+    torch.manual_seed(0)
+    of = flashopm.OpenFoldOuterProductMeanReference(12, 5, 6)
+    bz = flashopm.BoltzOuterProductMeanReference(12, 6, 5)
+    m = torch.randn(2, 4, 7, 12)
+    mask = _mask((2, 4, 7), seed=5)
+    torch.testing.assert_close(of(m, mask, chunk_size=chunk), of(m, mask))
+    torch.testing.assert_close(bz(m, mask, chunk_size=chunk), bz(m, mask))
+
+
+def test_reference_state_dicts_equal_the_modules():
+    assert set(flashopm.OpenFoldOuterProductMeanReference(8, 4, 3).state_dict()) == set(
+        flashopm.OpenFoldOuterProductMean(8, 4, 3).state_dict())
+    assert set(flashopm.BoltzOuterProductMeanReference(8, 3, 4).state_dict()) == set(
+        flashopm.BoltzOuterProductMean(8, 3, 4).state_dict())
 
 
 def test_bad_normalization():

@@ -5,15 +5,24 @@ Importing never compiles anything; the CUDA extension is built on the first CUDA
 from . import ops  # noqa: F401  (registers the op schemas)
 from .functional import outer_product_mean
 from .modules import BoltzOuterProductMean, ModelNew, OpenFoldOuterProductMean
-from .reference import Model, get_init_inputs, get_inputs, outer_product_mean_reference
+from .reference import (
+    BoltzOuterProductMeanReference,
+    Model,
+    OpenFoldOuterProductMeanReference,
+    get_init_inputs,
+    get_inputs,
+    outer_product_mean_reference,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BoltzOuterProductMean",
+    "BoltzOuterProductMeanReference",
     "Model",
     "ModelNew",
     "OpenFoldOuterProductMean",
+    "OpenFoldOuterProductMeanReference",
     "get_init_inputs",
     "get_inputs",
     "outer_product_mean",

@@ -106,26 +106,40 @@ def _parse_shapes(text: str | None) -> list[Shape]:
     return shapes
 
 
-IMPLS = ("eager", "flashopm", "compile", "compile-ro")  # eager first: the others are checked against it
+IMPLS = ("eager", "flashopm", "compile", "compile-ro", "chunked")  # eager first: the others are checked against it
+DEFAULT_IMPLS = ("eager", "flashopm", "compile", "compile-ro")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Which module is measured: the specification's, or the OpenFold / Boltz convention (flashopm's
+# module next to the pure-PyTorch einsum formulation of that model, and its chunked form).
+MODULES = ("spec", "openfold", "boltz")
+CHUNK_SIZE = 4  # OpenFold's default chunk size
 
 
-def _models(shape: Shape, p: dict, dtype: torch.dtype):
-    """The reference Model with the problem's parameters, and ModelNew with the same state."""
-    ref = Model(shape.C, shape.D, shape.H)
+def _models(shape: Shape, p: dict, dtype: torch.dtype, module: str = "spec", device: str = "cuda"):
+    """The reference module with the problem's parameters, and flashopm's with the same state."""
+    from .modules import BoltzOuterProductMean, OpenFoldOuterProductMean
+    from .reference import BoltzOuterProductMeanReference, OpenFoldOuterProductMeanReference
+
+    C, H, D = shape.C, shape.H, shape.D
+    if module == "spec":
+        ref, new = Model(C, D, H), ModelNew(C, D, H)
+        layers = (ref.layer_norm, ref.proj_a, ref.proj_b, ref.out_proj)
+    elif module == "openfold":
+        ref, new = OpenFoldOuterProductMeanReference(C, D, H), OpenFoldOuterProductMean(C, D, H)
+        layers = (ref.layer_norm, ref.linear_1, ref.linear_2, ref.linear_out)
+    elif module == "boltz":
+        ref, new = BoltzOuterProductMeanReference(C, H, D), BoltzOuterProductMean(C, H, D)
+        layers = (ref.norm, ref.proj_a, ref.proj_b, ref.proj_o)
+    else:
+        raise SystemExit(f"--module: expected one of {', '.join(MODULES)}, got {module!r}")
     with torch.no_grad():
-        for mod, (w, b) in (
-            (ref.layer_norm, ("ln_weight", "ln_bias")),
-            (ref.proj_a, ("w_a", "b_a")),
-            (ref.proj_b, ("w_b", "b_b")),
-            (ref.out_proj, ("w_out", "b_out")),
-        ):
+        for mod, (w, b) in zip(layers, (("ln_weight", "ln_bias"), ("w_a", "b_a"), ("w_b", "b_b"), ("w_out", "b_out"))):
             mod.weight.copy_(p[w])
-            mod.bias.copy_(p[b])
-    ref = ref.to(device="cuda", dtype=dtype)
-    new = ModelNew(shape.C, shape.D, shape.H).to(device="cuda", dtype=dtype)
+            if mod.bias is not None:
+                mod.bias.copy_(p[b])
+    ref = ref.to(device=device, dtype=dtype)
     new.load_state_dict(ref.state_dict())
-    return ref, new
+    return ref, new.to(device=device, dtype=dtype)
 
 
 def _callable(impl: str, ref, new):
@@ -133,6 +147,10 @@ def _callable(impl: str, ref, new):
         return new
     if impl == "eager":
         return ref
+    if impl == "chunked":
+        if isinstance(ref, Model):
+            return None  # the specification's module has no chunked form
+        return lambda x, m: ref(x, m, chunk_size=CHUNK_SIZE)
     if impl == "compile":
         return torch.compile(ref)
     if impl == "compile-ro":
@@ -141,23 +159,30 @@ def _callable(impl: str, ref, new):
 
 
 def bench_shape(shape: Shape, impls: list[str], n_calls: int, fp64_max_n: int, dtype: torch.dtype,
-                progress=None) -> list[dict]:
+                progress=None, module: str = "spec") -> list[dict]:
     """One row per implementation: wall and graph time, memory, error, TFLOP/s (or a status)."""
     from .bench import is_oom, peak_extra_bytes, time_graph, time_wall, warm_gpu
 
     x, m, p = make_problem(shape, "masked_positions", seed=0)
-    ref, new = _models(shape, p, dtype)
+    ref, new = _models(shape, p, dtype, module)
+    normalization = {"spec": 0, "openfold": 1, "boltz": 2}[module]
+    if module == "boltz":
+        p = dict(p, b_a=None, b_b=None)
     x, m = x.to("cuda", dtype), m.to("cuda", dtype)
     inputs_bytes = sum(t.numel() * t.element_size() for t in (x, m, *ref.parameters()))
     ref64 = None
     if shape.N <= fp64_max_n:
-        ref64 = reference(x.double(), m.double(), {k: v.cuda() for k, v in p.items()}, dtype=torch.float64)
+        ref64 = reference(x.double(), m.double(), {k: None if v is None else v.cuda() for k, v in p.items()},
+                          dtype=torch.float64, normalization=normalization)
     rows, eager_out = [], None
     for impl in impls:
         if progress:
             progress(f"{shape} {impl}")
-        row = {"shape": str(shape), **shape.__dict__, "impl": impl, "dtype": str(dtype).replace("torch.", "")}
+        row = {"shape": str(shape), **shape.__dict__, "impl": impl, "dtype": str(dtype).replace("torch.", ""),
+               "module": module}
         fn = _callable(impl, ref, new)
+        if fn is None:
+            continue
         try:
             with torch.no_grad():
                 torch.cuda.synchronize()
@@ -210,13 +235,14 @@ def cmd_bench(args) -> int:
     from .plot import render
 
     dtype = DTYPES[args.dtype]
-    impls = args.impls.split(",")
+    impls = args.impls.split(",") if args.impls else list(DEFAULT_IMPLS) + (["chunked"] if args.module != "spec" else [])
     for impl in impls:
         if impl not in IMPLS:
             raise SystemExit(f"--impls: unknown implementation {impl!r}; expected some of {', '.join(IMPLS)}")
     shapes = _parse_shapes(args.shapes)
     env = environment()
     env["dtype"] = args.dtype
+    env["module"] = args.module
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     _build.load()
@@ -240,7 +266,7 @@ def cmd_bench(args) -> int:
     rows = []
     results = {"environment": env, "results": rows}
     for shape in shapes:
-        rows += bench_shape(shape, impls, args.calls, args.fp64_max_n, dtype, progress)
+        rows += bench_shape(shape, impls, args.calls, args.fp64_max_n, dtype, progress, args.module)
         _write_results(results, out_dir)  # after every shape: a run cut short keeps what it measured
     print(file=sys.stderr)
     render(results, out_dir / "results.png")
@@ -320,7 +346,9 @@ def main(argv=None) -> int:
     c.add_argument("--seeds", type=int, default=5)
     b = sub.add_parser("bench", help="benchmark next to eager PyTorch and torch.compile")
     b.add_argument("--shapes", help='"B,S,N,C,H,D;..." (default: spec and AlphaFold-scale shapes)')
-    b.add_argument("--impls", default=",".join(IMPLS), help=f"some of {','.join(IMPLS)}")
+    b.add_argument("--impls", help=f"some of {','.join(IMPLS)} (default: all that apply)")
+    b.add_argument("--module", default="spec", choices=MODULES,
+                   help="the specification's module, or the OpenFold / Boltz convention")
     b.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     b.add_argument("--calls", type=int, default=100, help="timed calls per implementation and shape")
     b.add_argument("--fp64-max-n", type=int, default=768, help="largest N checked against an fp64 reference")

@@ -162,6 +162,76 @@ def outer_product_mean_backward_reference(
     return [None if grads[k] is None else grads[k].to(like[k].dtype) for k in GRAD_INPUTS]
 
 
+class OpenFoldOuterProductMeanReference(nn.Module):
+    """OpenFold / AlphaFold2's Outer-Product Mean in plain PyTorch, from its math:
+
+        out = linear_out(vec(sum_s a_si (x) b_sj)) / (eps + sum_s mask_si mask_sj)
+
+    m (*, S, N, c_m), mask (*, S, N) -> (*, N, N, c_z).  With `chunk_size`, the outer product is
+    formed for blocks of `chunk_size` residues i at a time (how OpenFold bounds its memory).
+    Parameter names are OpenFold's.
+    """
+
+    def __init__(self, c_m: int, c_z: int, c_hidden: int, eps: float = 1e-3, projection_bias: bool = True):
+        super().__init__()
+        self.eps = eps
+        self.layer_norm = nn.LayerNorm(c_m)
+        self.linear_1 = nn.Linear(c_m, c_hidden, bias=projection_bias)
+        self.linear_2 = nn.Linear(c_m, c_hidden, bias=projection_bias)
+        self.linear_out = nn.Linear(c_hidden * c_hidden, c_z)
+
+    def forward(self, m: torch.Tensor, mask: torch.Tensor | None = None, chunk_size: int | None = None):
+        if mask is None:
+            mask = m.new_ones(m.shape[:-1])
+        mask = mask.to(m.dtype)
+        x = self.layer_norm(m)
+        a = self.linear_1(x) * mask[..., None]
+        b = self.linear_2(x) * mask[..., None]
+        norm = torch.einsum("...si,...sj->...ij", mask, mask)[..., None]
+        n = a.shape[-2]
+        step = n if chunk_size is None else chunk_size
+        rows = [
+            self.linear_out(torch.einsum("...sic,...sjd->...ijcd", a[..., i0:i0 + step, :], b).flatten(-2))
+            for i0 in range(0, n, step)
+        ]
+        return torch.cat(rows, dim=-3) / (self.eps + norm)
+
+
+class BoltzOuterProductMeanReference(nn.Module):
+    """Boltz-1/2's Outer-Product Mean in plain PyTorch, from its math:
+
+        out = proj_o(vec(sum_s a_si (x) b_sj) / max(sum_s mask_si mask_sj, 1))
+
+    m (B, S, N, c_in), mask (B, S, N) -> (B, N, N, c_out).  With `chunk_size`, a's hidden channels
+    are taken `chunk_size` at a time against the matching columns of proj_o (how Boltz bounds its
+    memory at inference).  Parameter names are Boltz's.
+    """
+
+    def __init__(self, c_in: int, c_hidden: int, c_out: int):
+        super().__init__()
+        self.c_hidden = c_hidden
+        self.norm = nn.LayerNorm(c_in)
+        self.proj_a = nn.Linear(c_in, c_hidden, bias=False)
+        self.proj_b = nn.Linear(c_in, c_hidden, bias=False)
+        self.proj_o = nn.Linear(c_hidden * c_hidden, c_out)
+
+    def forward(self, m: torch.Tensor, mask: torch.Tensor, chunk_size: int | None = None):
+        mask = mask.to(m.dtype)
+        x = self.norm(m)
+        a = self.proj_a(x) * mask[..., None]
+        b = self.proj_b(x) * mask[..., None]
+        norm = torch.einsum("bsi,bsj->bij", mask, mask)[..., None].clamp(min=1)
+        if chunk_size is None:
+            return self.proj_o(torch.einsum("bsic,bsjd->bijcd", a, b).flatten(-2) / norm)
+        H = self.c_hidden
+        out = self.proj_o.bias
+        for c0 in range(0, H, chunk_size):
+            c1 = min(H, c0 + chunk_size)
+            part = torch.einsum("bsic,bsjd->bijcd", a[..., c0:c1], b).flatten(-2) / norm
+            out = out + part @ self.proj_o.weight[:, c0 * H:c1 * H].t()
+        return out
+
+
 class Model(nn.Module):
     """The specification's Outer-Product Mean module (AlphaFold-style), in plain PyTorch."""
 

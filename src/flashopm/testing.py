@@ -92,7 +92,7 @@ def reference(msa, mask, params, dtype=None, ln_eps: float = 1e-5, normalization
         msa = msa.to(dtype)
         if mask.dtype != torch.bool:
             mask = mask.to(dtype)
-        params = {k: v.to(dtype) for k, v in params.items()}
+        params = {k: None if v is None else v.to(dtype) for k, v in params.items()}
     p = params
     return outer_product_mean_reference(
         msa, mask, p["ln_weight"], p["ln_bias"], p["w_a"], p["b_a"], p["w_b"], p["b_b"], p["w_out"], p["b_out"], ln_eps,
