@@ -195,4 +195,4 @@ outer_product_mean_backward_op = torch.ops.flashopm.outer_product_mean_backward.
 # Under torch.autocast the op runs in float32, the precision its kernels compute in: inputs that
 # earlier autocast layers produced in half precision are cast up, and the output is float32.
 for _device in ("cuda", "cpu"):
-    torch.library.register_autocast("flashopm::outer_product_mean", _device, torch.float32, lib=_lib)
+    torch.library.register_autocast("flashopm::outer_product_mean", _device, torch.float32)
