@@ -6,6 +6,7 @@ import torch.nn as nn
 
 from . import _build
 from .ops import NORMALIZATIONS, outer_product_mean_op
+from .reference import BoltzOuterProductMeanReference, OpenFoldOuterProductMeanReference
 
 
 class ModelNew(nn.Module):
@@ -53,7 +54,7 @@ def _lecun_normal_(weight: torch.Tensor) -> None:
         nn.init.trunc_normal_(weight, mean=0.0, std=std, a=-2 * std, b=2 * std)
 
 
-class OpenFoldOuterProductMean(nn.Module):
+class OpenFoldOuterProductMean(OpenFoldOuterProductMeanReference):
     """OpenFold / AlphaFold2 Outer-Product Mean (Algorithm 10) on the fused kernel.
 
     Same parameters as OpenFold's `OuterProductMean` (`layer_norm`, `linear_1`, `linear_2`,
@@ -67,12 +68,8 @@ class OpenFoldOuterProductMean(nn.Module):
     """
 
     def __init__(self, c_m: int, c_z: int, c_hidden: int, eps: float = 1e-3, *, projection_bias: bool = True):
-        super().__init__()
-        self.c_z, self.c_hidden, self.eps = c_z, c_hidden, eps
-        self.layer_norm = nn.LayerNorm(c_m)
-        self.linear_1 = nn.Linear(c_m, c_hidden, bias=projection_bias)
-        self.linear_2 = nn.Linear(c_m, c_hidden, bias=projection_bias)
-        self.linear_out = nn.Linear(c_hidden * c_hidden, c_z)
+        super().__init__(c_m, c_z, c_hidden, eps, projection_bias)  # the parameters, as the reference lays them out
+        self.c_z, self.c_hidden = c_z, c_hidden
         for lin in (self.linear_1, self.linear_2):
             _lecun_normal_(lin.weight)
             if lin.bias is not None:
@@ -95,7 +92,7 @@ class OpenFoldOuterProductMean(nn.Module):
         return out.reshape(*batch, N, N, self.c_z)
 
 
-class BoltzOuterProductMean(nn.Module):
+class BoltzOuterProductMean(BoltzOuterProductMeanReference):
     """Boltz-1/2 Outer-Product Mean on the fused kernel.
 
     Same parameters as Boltz's `OuterProductMean` (`norm`, `proj_a`, `proj_b` without bias,
@@ -107,12 +104,7 @@ class BoltzOuterProductMean(nn.Module):
     """
 
     def __init__(self, c_in: int, c_hidden: int, c_out: int):
-        super().__init__()
-        self.c_hidden = c_hidden
-        self.norm = nn.LayerNorm(c_in)
-        self.proj_a = nn.Linear(c_in, c_hidden, bias=False)
-        self.proj_b = nn.Linear(c_in, c_hidden, bias=False)
-        self.proj_o = nn.Linear(c_hidden * c_hidden, c_out)
+        super().__init__(c_in, c_hidden, c_out)  # the parameters, as the reference lays them out
         nn.init.zeros_(self.proj_o.weight)
         nn.init.zeros_(self.proj_o.bias)
 
