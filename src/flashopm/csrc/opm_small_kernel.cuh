@@ -3,7 +3,8 @@
 // One kernel does everything, project-first:
 //   a, b   = (LayerNorm(x) · Wa^T + ba) * m, (likewise b)              per block, from x in smem
 //   P[i,s,h2,d] = sum_h1 a[s,i,h1] · W[d, h1*H + h2]                    (TI rows i, Dc columns d)
-//   out[i,j,d]  = (sum_{s,h2} b[s,j,h2] · P[i,s,h2,d]) / den[i] + bias[d]
+//   out[i,j,d]  = (sum_{s,h2} b[s,j,h2] · P[i,s,h2,d]) / den[i] + bias[d]   (or a pair
+//                 normalisation of OpenFold or Boltz: see NormKind)
 // Block (tile of TI rows i, chunk of Dc columns d, batch b) needs b for all (s, j).  Blocks of a
 // thread-block cluster (along the i tiles) split that projection: each computes S·N/CL rows and
 // pushes them into every peer's shared memory (distributed shared memory, sm_90), so the
