@@ -6,23 +6,27 @@ against a float64 reference next to eager float32's, on a few shapes.
 
     PYTHONPATH=src python scripts/tf32_emulation.py
 """
-import torch, sys
+import torch
+import torch.nn.functional as F
 
 from flashopm.testing import Shape, make_problem, reference, rel_error
-import torch.nn.functional as F
-torch.set_num_threads(2)
 
 def tf32(x):
+    """x rounded to TF32 (as cvt.rna.tf32.f32 does), kept in float32."""
     i = x.float().view(torch.int32)
     i = (i + 0x1000) & ~0x1FFF
     return i.view(torch.float32)
 
 def split(x):
-    hi = tf32(x); lo = tf32(x - hi); return hi, lo
+    hi = tf32(x)
+    return hi, tf32(x - hi)
 
-def mm3(A, B, terms=3):  # A (M,K) @ B (K,N) with 3xTF32 (or 1xTF32) emulation, fp32 accumulation
-    ah, al = split(A); bh, bl = split(B)
-    if terms == 1: return ah @ bh
+def mm3(A, B, terms=3):
+    """A (M, K) @ B (K, N) as 3xTF32 (small terms first) or 1xTF32, float32 accumulation."""
+    ah, al = split(A)
+    bh, bl = split(B)
+    if terms == 1:
+        return ah @ bh
     return (al @ bh + ah @ bl) + ah @ bh
 
 for shape in [Shape(1, 128, 48, 64, 32, 128), Shape(1, 8, 64, 64, 32, 64), Shape(2, 1, 16, 256, 8, 16)]:
