@@ -24,6 +24,7 @@ import torch
 
 from . import _build
 from .modules import ModelNew
+from .ops import NORMALIZATIONS
 from .reference import Model, get_init_inputs, get_inputs
 from .testing import Shape, make_problem, max_abs_error, reference, rel_error
 
@@ -165,7 +166,7 @@ def bench_shape(shape: Shape, impls: list[str], n_calls: int, fp64_max_n: int, d
 
     x, m, p = make_problem(shape, "masked_positions", seed=0)
     ref, new = _models(shape, p, dtype, module)
-    normalization = {"spec": 0, "openfold": 1, "boltz": 2}[module]
+    normalization = NORMALIZATIONS["row" if module == "spec" else module]
     if module == "boltz":
         p = dict(p, b_a=None, b_b=None)
     x, m = x.to("cuda", dtype), m.to("cuda", dtype)

@@ -23,6 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .ops import NORMALIZATIONS
+from . import reference
 
 
 def _gather_along_residues(t: torch.Tensor, group, sizes: list[int]) -> torch.Tensor:
@@ -73,14 +74,12 @@ def sharded_outer_product_mean(
     B, S, n_local, C = msa_local.shape
     H, D = w_a.shape[0], w_out.shape[0]
     mask = mask_local.to(msa_local.dtype)
-    x = F.layer_norm(msa_local, (C,), ln_weight, ln_bias, ln_eps)
-    a = F.linear(x, w_a, b_a) * mask[..., None]
-    b = F.linear(x, w_b, b_b) * mask[..., None]
+    a, b = reference.masked_projections(msa_local, mask, ln_weight, ln_bias, w_a, b_a, w_b, b_b, ln_eps)
     b_all = _gather_along_residues(b, group, sizes)                    # (B, S, N, H)
     mask_all = _gather_along_residues(mask, group, sizes).detach()   # (B, S, N)
     N = b_all.shape[2]
     W = w_out.view(D, H, H)
-    step = rows_per_block or max(1, (1 << 26) // max(1, B * N * H * H))
+    step = rows_per_block or reference.rows_per_block(B, N, H)
     blocks = []
     for i0 in range(0, n_local, step):
         outer = torch.einsum("bsip,bsjq->bijpq", a[:, :, i0:i0 + step], b_all)
@@ -88,13 +87,8 @@ def sharded_outer_product_mean(
     acc = torch.cat(blocks, dim=1) if blocks else a.new_zeros(B, 0, N, D)
     bias = 0.0 if b_out is None else b_out
     kind = NORMALIZATIONS[normalization]
-    if kind == 0:
-        den = mask.sum(1).clamp(min=1)[:, :, None, None]            # (B, N_r, 1, 1)
-        return acc / den + bias
-    pair = torch.einsum("bsi,bsj->bij", mask, mask_all)[..., None]  # (B, N_r, N, 1)
-    if kind == 1:
-        return (acc + bias) / (norm_eps + pair)
-    return acc / pair.clamp(min=1) + bias
+    den = reference.output_divisor(mask, mask_all, kind, norm_eps)
+    return (acc + bias) / den if kind == NORMALIZATIONS["openfold"] else acc / den + bias
 
 
 class ShardedOuterProductMean(nn.Module):

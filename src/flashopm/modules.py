@@ -84,12 +84,13 @@ class OpenFoldOuterProductMean(OpenFoldOuterProductMeanReference):
         if m.is_cuda and not _build.is_loaded():
             _build.load()
         *batch, S, N, C = m.shape
+        flat = len(batch) != 1  # the op wants exactly one batch dim; views cost host time, so only when needed
         ln, l1, l2, lo = self.layer_norm, self.linear_1, self.linear_2, self.linear_out
         out = outer_product_mean_op(
-            m.reshape(-1, S, N, C), mask.reshape(-1, S, N), ln.weight, ln.bias, ln.eps, l1.weight, l1.bias,
-            l2.weight, l2.bias, lo.weight, lo.bias, 0, NORMALIZATIONS["openfold"], self.eps,
+            m.reshape(-1, S, N, C) if flat else m, mask.reshape(-1, S, N) if flat else mask, ln.weight, ln.bias,
+            ln.eps, l1.weight, l1.bias, l2.weight, l2.bias, lo.weight, lo.bias, 0, NORMALIZATIONS["openfold"], self.eps,
         )
-        return out.reshape(*batch, N, N, self.c_z)
+        return out.reshape(*batch, N, N, self.c_z) if flat else out
 
 
 class BoltzOuterProductMean(BoltzOuterProductMeanReference):

@@ -11,6 +11,28 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
+def masked_projections(msa_repr, msa_mask, ln_weight, ln_bias, w_a, b_a, w_b, b_b, ln_eps=1e-5):
+    """a = (LayerNorm(x) W_a^T + b_a) * m and b likewise, (B, S, N, H) each."""
+    x = F.layer_norm(msa_repr, (msa_repr.shape[-1],), ln_weight, ln_bias, ln_eps)
+    mask = msa_mask.unsqueeze(-1)
+    return F.linear(x, w_a, b_a) * mask, F.linear(x, w_b, b_b) * mask
+
+
+def output_divisor(mask_rows: torch.Tensor, mask_cols: torch.Tensor, normalization: int, norm_eps: float):
+    """What output (i, j) is divided by, for rows i of mask_rows (B, S, Ni) and columns j of
+    mask_cols (B, S, Nj) (float masks): (B, Ni, 1, 1) for the row normalisation,
+    (B, Ni, Nj, 1) for the pair normalisations (see outer_product_mean_reference)."""
+    if normalization == 0:
+        return mask_rows.sum(1).clamp(min=1)[:, :, None, None]
+    pair = torch.einsum("bsi,bsj->bij", mask_rows, mask_cols)[..., None]
+    return norm_eps + pair if normalization == 1 else pair.clamp(min=1)
+
+
+def rows_per_block(B: int, N: int, H: int, elems: int = 1 << 26) -> int:
+    """Output rows i whose (B, rows, N, H, H) intermediate holds about `elems` elements."""
+    return max(1, elems // max(1, B * N * H * H))
+
+
 def outer_product_mean_reference(
     msa_repr: torch.Tensor,
     msa_mask: torch.Tensor,
@@ -38,12 +60,7 @@ def outer_product_mean_reference(
 
     Each is written in its model's own order of operations.
     """
-    x = F.layer_norm(msa_repr, (msa_repr.shape[-1],), ln_weight, ln_bias, ln_eps)
-    a = F.linear(x, w_a, b_a)
-    b = F.linear(x, w_b, b_b)
-    mask = msa_mask.unsqueeze(-1)
-    a = a * mask
-    b = b * mask
+    a, b = masked_projections(msa_repr, msa_mask, ln_weight, ln_bias, w_a, b_a, w_b, b_b, ln_eps)
     outer = torch.einsum("bsih,bsjk->bijhk", a, b)
     batch, n1, n2, h1, h2 = outer.shape
     if normalization == 0:
@@ -104,19 +121,14 @@ def outer_product_mean_backward_reference(
     xn = xhat * lw + lb
     a = F.linear(xn, wa, None if b_a is None else b_a.to(work)) * m[..., None]
     b = F.linear(xn, wb, None if b_b is None else b_b.to(work)) * m[..., None]
-    if normalization == 0:
-        den = m.sum(1).clamp(min=1)[:, :, None, None]  # (B, N, 1, 1)
-    else:
-        pair = torch.einsum("bsi,bsj->bij", m, m)[..., None]
-        den = norm_eps + pair if normalization == 1 else pair.clamp(min=1)
-    g = grad_out.to(work) / den
+    g = grad_out.to(work) / output_divisor(m, m, normalization, norm_eps)
     W = wo.view(D, H, H)
     need_x, need_lw, need_lb, need_wa, need_ba, need_wb, need_bb, need_wo, need_bo = needs
     need_proj = need_x or need_lw or need_lb or need_wa or need_ba or need_wb or need_bb
     grad_a = torch.zeros_like(a) if need_proj else None
     grad_b = torch.zeros_like(b) if need_proj else None
     grad_w = torch.zeros(D, H, H, dtype=work, device=x.device) if need_wo else None
-    rows = max(1, chunk_elems // max(1, B * N * H * H))
+    rows = rows_per_block(B, N, H, chunk_elems)
     for i0 in range(0, N if (need_proj or need_wo) else 0, rows):
         i1 = min(N, i0 + rows)
         gi = g[:, i0:i1]
