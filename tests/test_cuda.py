@@ -32,7 +32,7 @@ SWEEP = [
     Shape(1, 5, 65, 33, 5, 7),     # odd hidden (scalar phase-2 path), ragged everything
     Shape(2, 9, 31, 48, 31, 65),   # D just above 64, H just below 32
 ]
-ALGORITHMS = ["auto", "outer", "project", "single"]
+ALGORITHMS = ["auto", "outer", "project", "single", "outer-fma"]
 FP64_FLOOR = 4 * torch.finfo(torch.float32).eps
 
 
@@ -40,7 +40,7 @@ def _cuda_params(p):
     return {k: v.cuda() for k, v in p.items()}
 
 
-def _run(x, m, p, algorithm="auto", poison=True, may_not_fit=True):
+def _run(x, m, p, algorithm="auto", poison=True, may_not_fit=True, precision=None):
     """Calls the op with the output's memory poisoned with NaN beforehand (checked to be reused)."""
     B, S, N, C = x.shape
     D = p["w_out"].shape[0]
@@ -53,7 +53,7 @@ def _run(x, m, p, algorithm="auto", poison=True, may_not_fit=True):
     try:
         out = flashopm.outer_product_mean(
             x, m, p["ln_weight"], p["ln_bias"], p["w_a"], p["b_a"], p["w_b"], p["b_b"], p["w_out"], p["b_out"],
-            algorithm=algorithm,
+            algorithm=algorithm, precision=precision,
         )
     except RuntimeError as exc:
         if algorithm == "single" and "does not fit" in str(exc) and may_not_fit:
@@ -262,3 +262,81 @@ def test_spec_gpu_time_is_below_eager_with_the_benchmarks_timer():
         t_new, t_ref = time_graph(lambda: new(x, m), n=20), time_graph(lambda: ref(x, m), n=20)
     assert t_new is not None and t_ref is not None
     assert t_new.median_us < 0.75 * t_ref.median_us, f"flashopm {t_new} vs eager {t_ref}"
+
+
+# The tensor-core path (hidden_dim a multiple of 8): every hidden width it takes, tiles that do not
+# fill 128 rows (H = 24, 40, 48, 56), pair counts per tile from 8 (H = 64) to 512 (H = 8), N at
+# tile edges ±1, D past one group of 128 columns and odd D, S past one stage and ragged.
+TC_SHAPES = [
+    Shape(1, 33, 9, 20, 24, 130),
+    Shape(2, 40, 11, 16, 40, 17),
+    Shape(1, 65, 257, 32, 32, 128),
+    Shape(1, 31, 33, 8, 8, 3),
+    Shape(1, 97, 31, 24, 16, 64),
+    Shape(2, 7, 23, 12, 48, 33),
+    Shape(1, 64, 17, 40, 56, 8),
+    Shape(1, 1, 64, 8, 64, 256),
+]
+
+
+@pytest.mark.parametrize("shape", TC_SHAPES, ids=str)
+@pytest.mark.parametrize("normalization", ["row", "openfold", "boltz"])
+def test_tensor_core_path(shape, normalization):
+    """"highest" on tensor cores (3xTF32): the float32 bars, under every normalisation."""
+    x, m, p = make_problem(shape, "masked_positions", seed=zlib.crc32(str(shape).encode()) % 1000)
+    xc, mc, pc = x.cuda(), m.cuda(), _cuda_params(p)
+    norm = flashopm.ops.NORMALIZATIONS[normalization]
+    ref64 = reference(xc, mc, pc, dtype=torch.float64, normalization=norm).cpu()
+    ref32 = reference(xc, mc, pc, normalization=norm).cpu()
+    args = (xc, mc, pc["ln_weight"], pc["ln_bias"], pc["w_a"], pc["b_a"], pc["w_b"], pc["b_b"], pc["w_out"],
+            pc["b_out"])
+    outs = []
+    for _ in range(2):
+        torch.empty(shape.B * shape.N * shape.N * shape.D, device="cuda").fill_(float("nan"))
+        outs.append(flashopm.outer_product_mean(*args, algorithm="outer", normalization=normalization,
+                                                precision="highest"))
+    out = outs[0].cpu()
+    assert not out.isnan().any()
+    assert torch.equal(outs[0], outs[1]), "two identical calls differ: a race"
+    torch.testing.assert_close(out, ref32, atol=1e-4, rtol=1e-4)
+    err, err_eager = rel_error(out, ref64), rel_error(ref32, ref64)
+    assert err <= max(2 * err_eager, FP64_FLOOR), f"normwise error {err:.3g} vs eager fp32 {err_eager:.3g}"
+
+
+@pytest.mark.parametrize("scale", [1.0, 10.0])
+def test_precision_modes_follow_pytorch(scale):
+    """"highest" keeps float32 accuracy (weights x10 too); "high" is TF32, within 2x the error of
+    eager PyTorch with TF32 allowed, and measurably less exact than "highest" (so the TF32 path is
+    the one that ran); the global setting is followed when no precision is given."""
+    shape = Shape(1, 128, 64, 64, 32, 128)
+    x, m, p = make_problem(shape, "masked_positions", seed=21, scale=scale)
+    xc, mc, pc = x.cuda(), m.cuda(), _cuda_params(p)
+    ref64 = reference(xc, mc, pc, dtype=torch.float64).cpu()
+    ref32 = reference(xc, mc, pc).cpu()
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("high")
+        ref_tf32 = reference(xc, mc, pc).cpu()
+        out_global_high = _run(xc, mc, pc, "outer").cpu()
+    finally:
+        torch.set_float32_matmul_precision(before)
+    out_highest = _run(xc, mc, pc, "outer", precision="highest").cpu()
+    out_high = _run(xc, mc, pc, "outer", precision="high").cpu()
+    err_highest, err_eager = rel_error(out_highest, ref64), rel_error(ref32, ref64)
+    err_high, err_eager_tf32 = rel_error(out_high, ref64), rel_error(ref_tf32, ref64)
+    # the output scales as scale^3; eager float32 itself is off by ~2.5e-4 from float64 at scale 10
+    torch.testing.assert_close(out_highest, ref32, atol=1e-4 * scale**3, rtol=1e-4)
+    assert err_highest <= max(2 * err_eager, FP64_FLOOR), f"{err_highest:.3g} vs eager {err_eager:.3g}"
+    assert err_high <= 2 * err_eager_tf32, f"TF32: {err_high:.3g} vs eager TF32 {err_eager_tf32:.3g}"
+    assert err_high > 10 * err_highest, f"'high' ({err_high:.3g}) is not TF32 next to 'highest' ({err_highest:.3g})"
+    assert torch.equal(out_global_high, out_high)
+    if before == "highest":
+        assert torch.equal(_run(xc, mc, pc, "outer").cpu(), out_highest)
+
+
+def test_tensor_cores_and_cuda_cores_agree():
+    shape = Shape(2, 48, 40, 32, 32, 64)
+    x, m, p = make_problem(shape, "fractional", seed=4)
+    xc, mc, pc = x.cuda(), m.cuda(), _cuda_params(p)
+    tc, fma = _run(xc, mc, pc, "outer"), _run(xc, mc, pc, "outer-fma")
+    torch.testing.assert_close(tc, fma, atol=1e-4, rtol=1e-4)

@@ -107,7 +107,8 @@ def _parse_shapes(text: str | None) -> list[Shape]:
     return shapes
 
 
-IMPLS = ("eager", "flashopm", "compile", "compile-ro", "chunked")  # eager first: the others are checked against it
+# eager first: the others are checked against it.  "-tf32": under torch.set_float32_matmul_precision("high").
+IMPLS = ("eager", "flashopm", "compile", "compile-ro", "chunked", "eager-tf32", "flashopm-tf32")
 DEFAULT_IMPLS = ("eager", "flashopm", "compile", "compile-ro")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Which module is measured: the specification's, or the OpenFold / Boltz convention (flashopm's
@@ -143,7 +144,23 @@ def _models(shape: Shape, p: dict, dtype: torch.dtype, module: str = "spec", dev
     return ref, new.to(device=device, dtype=dtype)
 
 
-def _callable(impl: str, ref, new):
+def _with_matmul_precision(fn, precision: str):
+    def call(x, m):
+        before = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision(precision)
+        try:
+            return fn(x, m)
+        finally:
+            torch.set_float32_matmul_precision(before)
+
+    return call
+
+
+def _callable(impl: str, ref, new, dtype: torch.dtype = torch.float32):
+    if impl.endswith("-tf32"):
+        if dtype != torch.float32:
+            return None  # a float32 setting
+        return _with_matmul_precision(_callable(impl[: -len("-tf32")], ref, new), "high")
     if impl == "flashopm":
         return new
     if impl == "eager":
@@ -181,7 +198,7 @@ def bench_shape(shape: Shape, impls: list[str], n_calls: int, fp64_max_n: int, d
             progress(f"{shape} {impl}")
         row = {"shape": str(shape), **shape.__dict__, "impl": impl, "dtype": str(dtype).replace("torch.", ""),
                "module": module}
-        fn = _callable(impl, ref, new)
+        fn = _callable(impl, ref, new, dtype)
         if fn is None:
             continue
         try:
@@ -192,7 +209,7 @@ def bench_shape(shape: Shape, impls: list[str], n_calls: int, fp64_max_n: int, d
                 out = out.clone()  # reduce-overhead reuses its output buffer on the next call
                 warm_gpu()
                 wall = time_wall(lambda: fn(x, m), n=n_calls, warmup=3)
-                graph = time_graph(lambda: fn(x, m), n=20) if impl in ("flashopm", "eager") else None
+                graph = time_graph(lambda: fn(x, m), n=20) if impl.startswith(("flashopm", "eager")) else None
         except Exception as exc:  # a peer's OOM or unsupported dtype is a result; anything else is a bug
             if is_oom(exc):
                 row.update(status="OOM")
@@ -308,17 +325,17 @@ def cmd_plot(args) -> int:
 
 def _fmt_row(r: dict, eager_us: float | None = None) -> str:
     if r.get("status") != "ok":
-        return f"{r['shape']:28s} {r['impl']:10s} {r.get('status')}"
+        return f"{r['shape']:28s} {r['impl']:13s} {r.get('status')}"
     g = f"{r['graph_us']:10.1f}" if r.get("graph_us") else f"{'-':>10s}"
     e = f"{r['rel_err_fp64']:.1e}" if "rel_err_fp64" in r else "-"
     sp = f"{eager_us / r['wall_us']:6.2f}" if eager_us else f"{'-':>6s}"
     ok = {True: "yes", False: "NO"}.get(r.get("allclose_eager_1e-4"), "-")
-    return (f"{r['shape']:28s} {r['impl']:10s} {r['wall_us']:11.1f} {sp} {g} {r['peak_bytes'] / 2**30:8.2f} "
+    return (f"{r['shape']:28s} {r['impl']:13s} {r['wall_us']:11.1f} {sp} {g} {r['peak_bytes'] / 2**30:8.2f} "
             f"{r['extra_over_output']:6.2f} {r['tflops']:7.2f} {e:>8s} {ok:>5s}")
 
 
 def _table(rows: list[dict]) -> str:
-    head = (f"{'shape':28s} {'impl':10s} {'wall us':>11s} {'x eag':>6s} {'graph us':>10s} {'peak GiB':>8s} "
+    head = (f"{'shape':28s} {'impl':13s} {'wall us':>11s} {'x eag':>6s} {'graph us':>10s} {'peak GiB':>8s} "
             f"{'x out':>6s} {'TFLOP/s':>7s} {'err64':>8s} {'1e-4':>5s}")
     eager = {r["shape"]: r["wall_us"] for r in rows if r["impl"] == "eager" and r.get("status") == "ok"}
     return "\n".join([head] + [_fmt_row(r, eager.get(r["shape"])) for r in rows])

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from . import _build
-from .ops import ALGORITHMS, NORMALIZATIONS, outer_product_mean_op
+from .ops import ALGORITHMS, FOLLOW_PYTORCH, NORMALIZATIONS, PRECISIONS, outer_product_mean_op
 
 
 def outer_product_mean(
@@ -23,6 +23,7 @@ def outer_product_mean(
     algorithm: str = "auto",
     normalization: str = "row",
     norm_eps: float = 1e-3,
+    precision: str | None = None,
 ) -> torch.Tensor:
     """Fused outer-product mean.
 
@@ -35,12 +36,16 @@ def outer_product_mean(
         algorithm: "auto" (the single launch for small problems, else fewest FLOPs within a bounded
             workspace), "outer" (outer product over S first, per tile on chip), "project" (b projected
             through w_out first; best for small S) or "single" (one kernel, everything in shared
-            memory, for small problems only: an error where it does not fit).
+            memory, for small problems only: an error where it does not fit); "outer-fma" is "outer"
+            on CUDA cores only ("outer" uses tensor cores when hidden_dim is a multiple of 8).
 
         normalization: how the sum over S is normalised, with O_ij = W_out vec(sum_s a_si (x) b_sj):
             "row" (the specification): O_ij / max(sum_s m_si, 1) + b_out;
             "openfold" (OpenFold, AlphaFold2): (O_ij + b_out) / (norm_eps + sum_s m_si m_sj);
             "boltz" (Boltz-1/2): O_ij / max(sum_s m_si m_sj, 1) + b_out.
+        precision: float32 matmul precision of the contractions, as PyTorch names it ("highest":
+            float32 accuracy, 3xTF32 on tensor cores; "high": TF32 allowed; "medium": run as
+            "high"); None follows torch.get_float32_matmul_precision().
 
     Returns:
         (B, N, N, D), with a = (LayerNorm(x) W_a^T + b_a) * m and b likewise.
@@ -52,9 +57,11 @@ def outer_product_mean(
         raise ValueError(f"flashopm: algorithm must be one of {sorted(ALGORITHMS)}, got {algorithm!r}")
     if normalization not in NORMALIZATIONS:
         raise ValueError(f"flashopm: normalization must be one of {sorted(NORMALIZATIONS)}, got {normalization!r}")
+    if precision is not None and precision not in PRECISIONS:
+        raise ValueError(f"flashopm: precision must be one of {sorted(PRECISIONS)} or None, got {precision!r}")
     if msa_repr.is_cuda and not _build.is_loaded():
         _build.load()
     return outer_product_mean_op(
         msa_repr, msa_mask, ln_weight, ln_bias, ln_eps, w_a, b_a, w_b, b_b, w_out, b_out, ALGORITHMS[algorithm],
-        NORMALIZATIONS[normalization], norm_eps,
+        NORMALIZATIONS[normalization], norm_eps, FOLLOW_PYTORCH if precision is None else PRECISIONS[precision],
     )

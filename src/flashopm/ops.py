@@ -13,7 +13,15 @@ import torch
 from . import _build
 from .reference import GRAD_INPUTS, outer_product_mean_backward_reference, outer_product_mean_reference
 
-ALGORITHMS = {"auto": 0, "outer": 1, "project": 2, "single": 3}
+# "outer" runs on tensor cores where it can (hidden_dim a multiple of 8, sm_80+), "outer-fma" on CUDA
+# cores always.
+ALGORITHMS = {"auto": 0, "outer": 1, "project": 2, "single": 3, "outer-fma": 4}
+# Float32 matmul precision, as torch.get_float32_matmul_precision() names it: "highest" keeps
+# float32 accuracy (3xTF32 on tensor cores), "high" allows TF32, "medium" bfloat16 (run as TF32).
+# The op's default, -1, reads PyTorch's setting when the op runs (in C++: no cost in eager mode,
+# and nothing for torch.compile to trace).
+PRECISIONS = {"highest": 0, "high": 1, "medium": 2}
+FOLLOW_PYTORCH = -1
 # Normalisations of the contracted sum, by the models that use them (see reference.py).
 NORMALIZATIONS = {"row": 0, "openfold": 1, "boltz": 2}
 
@@ -22,7 +30,7 @@ SCHEMAS = {
     "outer_product_mean": (
         "outer_product_mean(Tensor msa_repr, Tensor msa_mask, Tensor ln_weight, Tensor ln_bias, "
         "float ln_eps, Tensor w_a, Tensor? b_a, Tensor w_b, Tensor? b_b, Tensor w_out, Tensor? b_out, "
-        "int algorithm=0, int normalization=0, float norm_eps=0.001) -> Tensor"
+        "int algorithm=0, int normalization=0, float norm_eps=0.001, int precision=-1) -> Tensor"
     ),
     # A call that does nothing, through the same dispatcher path: the floor of any op's host time.
     # Gradients for (msa_repr, ln_weight, ln_bias, w_a, b_a, w_b, b_b, w_out, b_out); entries not
@@ -47,7 +55,7 @@ _MASK_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, tor
 
 
 def check_inputs(msa_repr, msa_mask, ln_weight, ln_bias, w_a, b_a, w_b, b_b, w_out, b_out, algorithm=0,
-                 normalization=0):
+                 normalization=0, precision=FOLLOW_PYTORCH):
     """Shape/device/dtype checks of the CPU and fake paths (the CUDA path checks in C++, alike)."""
     if msa_repr.dim() != 4:
         raise ValueError(
@@ -95,10 +103,14 @@ def check_inputs(msa_repr, msa_mask, ln_weight, ln_bias, w_a, b_a, w_b, b_b, w_o
             raise ValueError(f"flashopm: {name} is on {t.device} but msa_repr is on {msa_repr.device}")
         if t.dtype != msa_repr.dtype:
             raise ValueError(f"flashopm: {name} must have dtype {msa_repr.dtype} like msa_repr, got {t.dtype}")
-    if algorithm not in (0, 1, 2, 3):
+    if algorithm not in (0, 1, 2, 3, 4):
         raise ValueError(
-            "flashopm: algorithm must be 0 (auto), 1 (outer-first), 2 (project-first) or 3 (single launch), "
-            f"got {algorithm}"
+            "flashopm: algorithm must be 0 (auto), 1 (outer-first), 2 (project-first), 3 (single launch) or "
+            f"4 (outer-first on CUDA cores), got {algorithm}"
+        )
+    if precision not in (FOLLOW_PYTORCH, 0, 1, 2):
+        raise ValueError(
+            f"flashopm: precision must be -1 (PyTorch's setting), 0 (highest), 1 (high) or 2 (medium), got {precision}"
         )
     if normalization not in (0, 1, 2):
         raise ValueError(f"flashopm: normalization must be 0 (row), 1 (openfold) or 2 (boltz), got {normalization}")
@@ -107,8 +119,9 @@ def check_inputs(msa_repr, msa_mask, ln_weight, ln_bias, w_a, b_a, w_b, b_b, w_o
 
 @torch.library.impl(_lib, "outer_product_mean", "CPU")
 def _outer_product_mean_cpu(msa_repr, msa_mask, ln_weight, ln_bias, ln_eps, w_a, b_a, w_b, b_b, w_out, b_out,
-                            algorithm=0, normalization=0, norm_eps=1e-3):
-    check_inputs(msa_repr, msa_mask, ln_weight, ln_bias, w_a, b_a, w_b, b_b, w_out, b_out, algorithm, normalization)
+                            algorithm=0, normalization=0, norm_eps=1e-3, precision=FOLLOW_PYTORCH):
+    check_inputs(msa_repr, msa_mask, ln_weight, ln_bias, w_a, b_a, w_b, b_b, w_out, b_out, algorithm, normalization,
+                 precision)
     out = outer_product_mean_reference(msa_repr, msa_mask, ln_weight, ln_bias, w_a, b_a, w_b, b_b, w_out, b_out, ln_eps,
                                        normalization, norm_eps)
     # The einsum path can return a non-contiguous view for degenerate sizes; the op promises a
@@ -118,9 +131,9 @@ def _outer_product_mean_cpu(msa_repr, msa_mask, ln_weight, ln_bias, ln_eps, w_a,
 
 @torch.library.register_fake("flashopm::outer_product_mean")
 def _outer_product_mean_fake(msa_repr, msa_mask, ln_weight, ln_bias, ln_eps, w_a, b_a, w_b, b_b, w_out, b_out,
-                             algorithm=0, normalization=0, norm_eps=1e-3):
+                             algorithm=0, normalization=0, norm_eps=1e-3, precision=FOLLOW_PYTORCH):
     B, S, N, C, H, D = check_inputs(msa_repr, msa_mask, ln_weight, ln_bias, w_a, b_a, w_b, b_b, w_out, b_out, algorithm,
-                                    normalization)
+                                    normalization, precision)
     if msa_repr.device.type == "cuda":
         _build.load()  # the compiled graph will call the CUDA kernel: have it registered by then
     return msa_repr.new_empty((B, N, N, D))
@@ -162,6 +175,7 @@ def _outer_product_mean_backward_fake(grad_out, msa_repr, msa_mask, ln_weight, l
 
 def _setup_context(ctx, inputs, output):
     msa_repr, msa_mask, ln_weight, ln_bias, ln_eps, w_a, b_a, w_b, b_b, w_out, b_out = inputs[:11]
+    ctx.num_inputs = len(inputs)
     ctx.ln_eps = ln_eps
     ctx.normalization = inputs[12] if len(inputs) > 12 else 0
     ctx.norm_eps = inputs[13] if len(inputs) > 13 else 1e-3
@@ -176,7 +190,7 @@ _GRAD_POSITIONS = (0, 2, 3, 5, 6, 7, 8, 9, 10)
 def _backward(ctx, grad_out):
     msa_repr, msa_mask, ln_weight, ln_bias, w_a, b_a, w_b, b_b, w_out, b_out = ctx.saved_tensors
     needs = [bool(ctx.needs_input_grad[i]) for i in _GRAD_POSITIONS]
-    grads = [None] * 14
+    grads = [None] * ctx.num_inputs
     if not any(needs):
         return tuple(grads)
     computed = outer_product_mean_backward_op(

@@ -99,7 +99,21 @@ const float* opt_ptr(const std::optional<at::Tensor>& t) {
   return t.has_value() ? t->data_ptr<float>() : nullptr;
 }
 
-enum Algorithm : int64_t { kAuto = 0, kOuterFirst = 1, kProjectFirst = 2, kSingleLaunch = 3 };
+enum Algorithm : int64_t { kAuto = 0, kOuterFirst = 1, kProjectFirst = 2, kSingleLaunch = 3, kOuterFirstFma = 4 };
+
+// PyTorch's float32 matmul precision: "highest" keeps float32 accuracy (3xTF32 on tensor cores),
+// "high" allows TF32, "medium" allows bfloat16 (run as TF32 here).  kFollowPyTorch reads the
+// setting (torch.set_float32_matmul_precision) when the op runs.
+enum Precision : int64_t { kFollowPyTorch = -1, kHighest = 0, kHigh = 1, kMedium = 2 };
+
+Precision resolve_precision(int64_t precision) {
+  if (precision != kFollowPyTorch) return Precision(precision);
+  switch (at::globalContext().float32MatmulPrecision()) {
+    case at::Float32MatmulPrecision::HIGH: return kHigh;
+    case at::Float32MatmulPrecision::MEDIUM: return kMedium;
+    default: return kHighest;
+  }
+}
 
 // Tiling of the single-launch kernel: rows i per block (TI), columns d per block (Dc), blocks
 // per cluster (CL).  Chosen by a cost model in FMAs: the block's own work (its share of the b
@@ -199,7 +213,7 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
                                    const std::optional<at::Tensor>& b_a_in, const at::Tensor& w_b_in,
                                    const std::optional<at::Tensor>& b_b_in, const at::Tensor& w_out_in,
                                    const std::optional<at::Tensor>& b_out_in, int64_t algorithm,
-                                   int64_t normalization, double norm_eps) {
+                                   int64_t normalization, double norm_eps, int64_t precision) {
   // ---- argument checks (messages name the argument, expected vs got) ----
   FLASHOPM_CHECK(msa_in.dim() == 4, "flashopm: msa_repr must have shape (B, S, N, msa_dim), got ",
               msa_in.dim(), " dims ", msa_in.sizes());
@@ -232,9 +246,13 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
   if (b_a_in) check_param(*b_a_in, "proj_a bias", {H}, msa_in);
   if (b_b_in) check_param(*b_b_in, "proj_b bias", {H}, msa_in);
   if (b_out_in) check_param(*b_out_in, "out_proj bias", {D}, msa_in);
-  FLASHOPM_CHECK(algorithm >= kAuto && algorithm <= kSingleLaunch,
-              "flashopm: algorithm must be 0 (auto), 1 (outer-first), 2 (project-first) or 3 (single launch), got ",
-              algorithm);
+  FLASHOPM_CHECK(algorithm >= kAuto && algorithm <= kOuterFirstFma,
+                 "flashopm: algorithm must be 0 (auto), 1 (outer-first), 2 (project-first), 3 (single launch) or "
+                 "4 (outer-first on CUDA cores), got ",
+                 algorithm);
+  FLASHOPM_CHECK(precision >= kFollowPyTorch && precision <= kMedium,
+                 "flashopm: precision must be -1 (PyTorch's setting), 0 (highest), 1 (high) or 2 (medium), got ",
+                 precision);
   FLASHOPM_CHECK(S <= 65535 && B <= 65535, "flashopm: B and S must be at most 65535, got B=", B, ", S=", S);
   FLASHOPM_CHECK(normalization >= kNormRow && normalization <= kNormBoltz,
                  "flashopm: normalization must be 0 (row), 1 (openfold) or 2 (boltz), got ", normalization);
@@ -270,11 +288,17 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
   const double flops_project = fB * fS * fN * fH * fD * (fH + fN) + fB * fS * fN * fC * 2 * fH * (o_chunks - 1);
   const int64_t ab_elems = B * S * N * H;
   const int64_t c_elems = B * S * H * N * D;
-  bool project_first = flops_project < 0.8 * flops_outer && ab_elems + c_elems <= budget_elems;
-  if (algorithm == kOuterFirst) project_first = false;
+  const int dev = msa.get_device();
+  // Tensor cores for the outer-first contraction: 3xTF32 costs about a third of the FMA path's
+  // time per FLOP, TF32 about a sixth (measured on the H200).
+  const bool tc_ok = H % 8 == 0 && device_info(dev).cc_major >= 8 && algorithm != kOuterFirstFma &&
+                     reinterpret_cast<uintptr_t>(w_out.data_ptr()) % 16 == 0;
+  const int tc_terms = resolve_precision(precision) == kHighest ? 3 : 1;
+  const double outer_cost = flops_outer / (tc_ok ? (tc_terms == 3 ? 2.5 : 6.0) : 1.0);
+  bool project_first = flops_project < 0.8 * outer_cost && ab_elems + c_elems <= budget_elems;
+  if (algorithm == kOuterFirst || algorithm == kOuterFirstFma) project_first = false;
   if (algorithm == kProjectFirst) project_first = true;
 
-  const int dev = msa.get_device();
   // Small problems are latency-bound: one launch, no workspace.
   SmallPlan small;
   const double flops_small = fB * fS * fN * fH * fD * (fH + fN);
@@ -403,8 +427,13 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
       oa.i_offset = int(i_off);
       oa.Ti = int(std::min<int64_t>(kOuterMT / H, ni));
       FLASHOPM_CHECK((ni + oa.Ti - 1) / oa.Ti <= 65535, "flashopm: N too large for one launch (N=", N, ")");
-      check_smem(outer_smem_bytes(), dev, "outer-product");
-      launch_outer(oa, stream);
+      if (tc_ok) {
+        check_smem(outer_tc_smem_bytes(oa.H, oa.Ti, oa.Tj), dev, "tensor-core outer-product");
+        launch_outer_tc(oa, tc_terms, stream);
+      } else {
+        check_smem(outer_smem_bytes(), dev, "outer-product");
+        launch_outer(oa, stream);
+      }
     }
   }
   return out;

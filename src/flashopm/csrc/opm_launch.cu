@@ -10,6 +10,7 @@
 
 #include "opm_kernels.cuh"
 #include "opm_small_kernel.cuh"
+#include "opm_tc_kernel.cuh"
 
 namespace flashopm {
 namespace {
@@ -82,6 +83,22 @@ void launch_outer(const OuterArgs& args, cudaStream_t stream) {
   } else {
     allow_smem<opm_outer_fused_kernel<false>>();
     opm_outer_fused_kernel<false><<<grid, kOuterThreads, kOuterSmemBytes, stream>>>(args);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+int outer_tc_smem_bytes(int H, int Ti, int Tj) { return tc_layout(H, Ti, Tj).total * int(sizeof(float)); }
+
+void launch_outer_tc(const OuterArgs& args, int terms, cudaStream_t stream) {
+  const dim3 grid(unsigned((args.N + args.Tj - 1) / args.Tj), unsigned((args.Na + args.Ti - 1) / args.Ti),
+                  unsigned(args.B));
+  const int smem = outer_tc_smem_bytes(args.H, args.Ti, args.Tj);
+  if (terms == 3) {
+    allow_smem<opm_outer_tc_kernel<3>>();
+    opm_outer_tc_kernel<3><<<grid, kTcThreads, smem, stream>>>(args);
+  } else {
+    allow_smem<opm_outer_tc_kernel<1>>();
+    opm_outer_tc_kernel<1><<<grid, kTcThreads, smem, stream>>>(args);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

@@ -66,7 +66,9 @@ FLASHOPM_HD inline int round_up4(int v) { return (v + 3) & ~3; }
 
 // Shared memory (floats) used by opm_prep_kernel.
 FLASHOPM_HD inline int64_t prep_smem_floats(int H, int rows_per_warp, bool project_w) {
-  const int Q = (2 * H + 31) / 32;
+  // Q as the launcher instantiates the kernel (1, 2 or 4 outputs per lane)
+  const int q = (2 * H + 31) / 32;
+  const int Q = q <= 2 ? q : 4;
   int64_t proj = int64_t(kPrepKC) * (2 * H + 1) + 32 * Q            // weight chunk (+ slack)
                  + int64_t(kPrepWarps) * rows_per_warp * kPrepKC;   // normalised rows
   int64_t total = proj;
@@ -103,6 +105,40 @@ struct OuterArgs {
   int Ti, Tj;  // pairs per tile along i and j
 };
 
+// Tensor-core outer-first kernel (opm_tc_kernel.cuh): the same tile as above, phase 1 staged
+// kTcStages deep, phase 2 per group of kTcDG output columns with W in chunks of kTcKC.
+constexpr int kTcThreads = 256;
+constexpr int kTcMT = 128;
+constexpr int kTcNT = 256;
+constexpr int kTcBK = 32;
+constexpr int kTcStages = 3;
+constexpr int kTcLdA = kTcMT + 8;  // leading dimensions = 8 (mod 32): conflict-free fragments
+constexpr int kTcLdB = kTcNT + 8;
+constexpr int kTcStageFloats = kTcBK * (kTcLdA + kTcLdB);
+constexpr int kTcDG = 128;
+constexpr int kTcKC = 32;
+constexpr int kTcLdW = kTcKC + 4;  // = 4 (mod 32)
+constexpr int kTcWFloats = 2 * kTcDG * kTcLdW;
+
+// Shared memory of the tensor-core kernel, in floats: phase 1's stages, or phase 2's O tile
+// ([Ti·Tj][H² + 4]) followed by the W stages; then the tile's normalisers.
+struct TcLayout {
+  int ldo, w, den, pair, total;
+};
+FLASHOPM_HD inline TcLayout tc_layout(int H, int Ti, int Tj) {
+  TcLayout L{};
+  L.ldo = H * H + 4;
+  L.w = Ti * Tj * L.ldo;
+  int o = L.w + kTcWFloats;
+  if (o < kTcStages * kTcStageFloats) o = kTcStages * kTcStageFloats;
+  L.den = o;
+  o += round_up4(Ti);
+  L.pair = o;
+  o += round_up4(Ti * Tj);
+  L.total = o;
+  return L;
+}
+
 struct ProjectArgs {
   const float* A;
   const float* Cm;
@@ -118,6 +154,9 @@ void launch_prep(const PrepArgs& args, bool project_w, int rows_per_warp, cudaSt
 int prep_smem_bytes(int H, int rows_per_warp, bool project_w);
 void launch_outer(const OuterArgs& args, cudaStream_t stream);
 int outer_smem_bytes();
+// terms: 3 (3xTF32, float32 accuracy) or 1 (TF32)
+void launch_outer_tc(const OuterArgs& args, int terms, cudaStream_t stream);
+int outer_tc_smem_bytes(int H, int Ti, int Tj);
 void launch_project_gemm(const ProjectArgs& args, bool big_tiles, cudaStream_t stream);
 int project_gemm_smem_bytes(bool big_tiles);
 

@@ -1,0 +1,335 @@
+// Outer-first contraction on tensor cores (sm_80+ mma.sync, TF32 with float32 accumulation).
+//
+// Same tile and math as opm_outer_fused_kernel (a tile of Ti x Tj pairs (i, j) per block):
+//   phase 1: O[(i,h1), (j,h2)] = sum_s a[s,i,h1] b[s,j,h2]      M = Ti·H <= 128, N = Tj·H <= 256, K = S
+//   phase 2: out[(i,j), d]     = sum_{h1,h2} O[(i,j),(h1,h2)] W[d, h1·H + h2]      K = H², per 128 d
+// O never leaves shared memory.  Float32 accuracy comes from 3xTF32: each operand is split as
+// x = hi + lo (hi = tf32(x), lo = tf32(x - hi)) and acc += lo·hi + hi·lo + hi·hi, which drops
+// only lo·lo (relative 2^-22) and keeps the error of a float32 GEMM.  kTerms = 1 is plain TF32
+// (hi·hi), PyTorch's "high" float32 matmul precision.
+//
+// Requires H % 8 == 0 (a k-step of 8 never crosses h1 in phase 2, and every row of a tile is
+// 16-byte aligned for cp.async) and 16-byte aligned a, b and W.
+#pragma once
+
+#include "opm_kernels.cuh"
+
+namespace flashopm {
+
+// 16-byte asynchronous copy that bypasses L1 (the operands are streamed); zero-fills when !valid.
+__device__ __forceinline__ void cp_async16_cg(float* dst, const float* src, bool valid) {
+  const unsigned dst_addr = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst_addr), "l"(src), "r"(valid ? 16 : 0));
+}
+
+__device__ __forceinline__ uint32_t to_tf32(float x) {
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
+  return r;
+}
+
+// x = hi + lo, both TF32; lo is only formed when the product needs it.
+template <int kTerms>
+__device__ __forceinline__ void split_tf32(float x, uint32_t& hi, uint32_t& lo) {
+  hi = to_tf32(x);
+  if constexpr (kTerms == 3) lo = to_tf32(x - __uint_as_float(hi));
+}
+
+__device__ __forceinline__ void mma_tf32(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// c += a·b with split operands; small terms first.
+template <int kTerms>
+__device__ __forceinline__ void mma_split(float (&c)[4], const uint32_t (&a_hi)[4], const uint32_t (&a_lo)[4],
+                                          uint32_t b_hi0, uint32_t b_hi1, uint32_t b_lo0, uint32_t b_lo1) {
+  if constexpr (kTerms == 3) {
+    mma_tf32(c, a_lo, b_hi0, b_hi1);
+    mma_tf32(c, a_hi, b_lo0, b_lo1);
+  }
+  mma_tf32(c, a_hi, b_hi0, b_hi1);
+}
+
+// acc += a·b for one k-step.  The tensor core's accumulation truncates (rounds toward zero)
+// relative to the accumulator's magnitude, a bias that grows with every MMA added into a long
+// sum; for float32 accuracy each k-step's products are formed in a zeroed fragment and added
+// to the running sum in float32 (round to nearest).
+template <int kTerms>
+__device__ __forceinline__ void mma_split_add(float (&acc)[4], const uint32_t (&a_hi)[4], const uint32_t (&a_lo)[4],
+                                              uint32_t b_hi0, uint32_t b_hi1, uint32_t b_lo0, uint32_t b_lo1) {
+  if constexpr (kTerms == 3) {
+    float c[4] = {0.f, 0.f, 0.f, 0.f};
+    mma_split<3>(c, a_hi, a_lo, b_hi0, b_hi1, b_lo0, b_lo1);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[e] += c[e];
+  } else {
+    mma_split<kTerms>(acc, a_hi, a_lo, b_hi0, b_hi1, b_lo0, b_lo1);
+  }
+}
+
+template <int kTerms>
+__global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const OuterArgs p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  extern __shared__ float4 smem_f4[];
+  float* smem = reinterpret_cast<float*>(smem_f4);
+  const TcLayout L = tc_layout(p.H, p.Ti, p.Tj);
+  float* den_s = smem + L.den;
+  float* pair_s = smem + L.pair;
+  const int H = p.H, N = p.N, S = p.S, D = p.D, Ti = p.Ti, Tj = p.Tj;
+  const int P = Ti * Tj;
+  const int b = blockIdx.z;
+  const int i0 = blockIdx.y * Ti, j0 = blockIdx.x * Tj;  // i0 local to this row block
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, t = lane & 3;  // fragment coordinates (PTX: groupID, threadID_in_group)
+  const int64_t NH = int64_t(N) * H, NaH = int64_t(p.Na) * H;
+
+  // Normalisers of the tile (read in the epilogue, after several barriers).
+  if (p.norm.kind == kNormRow) {
+    for (int il = warp; il < Ti; il += kTcThreads / 32) {
+      const float den = mask_denominator(p.mask, b, min(i0 + il, p.Na - 1) + p.i_offset, S, lane);
+      if (lane == 0) den_s[il] = den;
+    }
+  } else {
+    for (int pr = warp; pr < P; pr += kTcThreads / 32) {
+      const int i = min(i0 + pr / Tj, p.Na - 1) + p.i_offset, j = min(j0 + pr % Tj, N - 1);
+      const float sum = pair_mask_sum_warp(p.mask, b, i, j, S, lane);
+      if (lane == 0) pair_s[pr] = sum;
+    }
+  }
+
+  // ---------------- phase 1: warps 2 (m) x 4 (n), 64 x 64 each ----------------
+  const int wm = warp & 1, wn = warp >> 1;
+  float acc[4][8][4];
+#pragma unroll
+  for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.f;
+
+  const int a_lim = min(Ti * H, (p.Na - i0) * H);  // valid columns of the tile (multiples of 8)
+  const int b_lim = min(Tj * H, (N - j0) * H);
+  const float* a_base = p.a + int64_t(b) * S * NaH + int64_t(i0) * H;
+  const float* b_base = p.b + int64_t(b) * S * NH + int64_t(j0) * H;
+
+  auto load_stage = [&](int buf, int s0) {
+    float* As = smem + buf * kTcStageFloats;  // [BK][LdA]
+    float* Bs = As + kTcBK * kTcLdA;          // [BK][LdB]
+#pragma unroll
+    for (int u = 0; u < kTcBK * kTcMT / 4 / kTcThreads; ++u) {
+      const int idx = tid + u * kTcThreads;
+      const int k = idx / (kTcMT / 4), m = (idx % (kTcMT / 4)) * 4;
+      const bool ok = (s0 + k < S) && (m < a_lim);
+      cp_async16_cg(&As[k * kTcLdA + m], ok ? a_base + int64_t(s0 + k) * NaH + m : p.a, ok);
+    }
+#pragma unroll
+    for (int u = 0; u < kTcBK * kTcNT / 4 / kTcThreads; ++u) {
+      const int idx = tid + u * kTcThreads;
+      const int k = idx / (kTcNT / 4), n = (idx % (kTcNT / 4)) * 4;
+      const bool ok = (s0 + k < S) && (n < b_lim);
+      cp_async16_cg(&Bs[k * kTcLdB + n], ok ? b_base + int64_t(s0 + k) * NH + n : p.b, ok);
+    }
+  };
+
+  const int n_k = (S + kTcBK - 1) / kTcBK;
+#pragma unroll
+  for (int st = 0; st < kTcStages - 1; ++st) {
+    if (st < n_k) load_stage(st, st * kTcBK);
+    cp_async_commit();
+  }
+  for (int kt = 0; kt < n_k; ++kt) {
+    cp_async_wait<kTcStages - 2>();
+    __syncthreads();
+    const int next = kt + kTcStages - 1;
+    if (next < n_k) load_stage(next % kTcStages, next * kTcBK);
+    cp_async_commit();
+    const float* As = smem + (kt % kTcStages) * kTcStageFloats + wm * 64 + g;
+    const float* Bs = smem + (kt % kTcStages) * kTcStageFloats + kTcBK * kTcLdA + wn * 64 + g;
+#pragma unroll
+    for (int kk = 0; kk < kTcBK; kk += 8) {
+      uint32_t a_hi[4][4], a_lo[4][4];
+#pragma unroll
+      for (int mt = 0; mt < 4; ++mt) {
+        const float* ap = As + (kk + t) * kTcLdA + mt * 16;
+        split_tf32<kTerms>(ap[0], a_hi[mt][0], a_lo[mt][0]);
+        split_tf32<kTerms>(ap[8], a_hi[mt][1], a_lo[mt][1]);
+        split_tf32<kTerms>(ap[4 * kTcLdA], a_hi[mt][2], a_lo[mt][2]);
+        split_tf32<kTerms>(ap[4 * kTcLdA + 8], a_hi[mt][3], a_lo[mt][3]);
+      }
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+        const float* bp = Bs + (kk + t) * kTcLdB + nt * 8;
+        uint32_t bh0, bh1, bl0 = 0, bl1 = 0;
+        split_tf32<kTerms>(bp[0], bh0, bl0);
+        split_tf32<kTerms>(bp[4 * kTcLdB], bh1, bl1);
+#pragma unroll
+        for (int mt = 0; mt < 4; ++mt) mma_split_add<kTerms>(acc[mt][nt], a_hi[mt], a_lo[mt], bh0, bh1, bl0, bl1);
+      }
+    }
+  }
+  cp_async_wait_all();
+  __syncthreads();  // every warp done with the stages: O may overwrite them
+
+  // O as [pair][h1·H + h2], pair = il·Tj + jl: a k-step of phase 2 reads 8 consecutive floats
+  // of 16 pairs, conflict-free with the row stride H² + 4.
+  float* Os = smem;
+  {
+    int jl_of[8], h2_of[8];
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      const int n = wn * 64 + nt * 8 + 2 * t;
+      jl_of[nt] = n / H;
+      h2_of[nt] = n - jl_of[nt] * H;
+    }
+#pragma unroll
+    for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int m = wm * 64 + mt * 16 + g + 8 * half;
+        const int il = m / H, h1 = m - il * H;
+        if (il >= Ti) continue;
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+          if (jl_of[nt] >= Tj) continue;
+          float* dst = Os + (il * Tj + jl_of[nt]) * L.ldo + h1 * H + h2_of[nt];
+          *reinterpret_cast<float2*>(dst) = make_float2(acc[mt][nt][2 * half], acc[mt][nt][2 * half + 1]);
+        }
+      }
+  }
+
+  // ---------------- phase 2: warps 4 (32 d each) x 2 (halves of each k chunk) ----------------
+  const int K2 = H * H;
+  const int n_kc = K2 / kTcKC;
+  const int dw = warp & 3, kh = warp >> 2;
+  float* Wst = smem + L.w;  // [2][DG][LdW]; after the k loop, the partial sums [32][DG + 4]
+
+  auto load_w = [&](int buf, int dg, int kc0) {
+    float* Ws = Wst + buf * kTcDG * kTcLdW;
+#pragma unroll
+    for (int u = 0; u < kTcDG * kTcKC / 4 / kTcThreads; ++u) {
+      const int idx = tid + u * kTcThreads;
+      const int dl = idx / (kTcKC / 4), k = (idx % (kTcKC / 4)) * 4;
+      const bool ok = dg + dl < D;
+      cp_async16_cg(&Ws[dl * kTcLdW + k], ok ? p.w_out + int64_t(dg + dl) * K2 + kc0 + k : p.w_out, ok);
+    }
+    cp_async_commit();
+  };
+
+  for (int dg = 0; dg < D; dg += kTcDG) {
+    for (int r0 = 0; r0 < P; r0 += 32) {
+      float acc2[2][4][4];
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc2[mt][nt][e] = 0.f;
+      // A rows of this warp's fragments (pairs past P read row P-1: computed, never stored)
+      const float* orow[2][2];
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+          orow[mt][half] = Os + min(r0 + mt * 16 + g + 8 * half, P - 1) * L.ldo + t;
+
+      __syncthreads();  // O written / previous round's W and partial sums consumed
+      load_w(0, dg, 0);
+      for (int kc = 0; kc < n_kc; ++kc) {
+        cp_async_wait_all();
+        __syncthreads();
+        if (kc + 1 < n_kc) load_w((kc + 1) & 1, dg, (kc + 1) * kTcKC);
+        const float* Ws = Wst + (kc & 1) * kTcDG * kTcLdW + (dw * 32 + g) * kTcLdW + t;
+        // this chunk's sum in its own fragments (see mma_split_add), added in float32 below
+        float part[2][4][4];
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+          for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) part[mt][nt][e] = 0.f;
+#pragma unroll
+        for (int ks = 0; ks < 2; ++ks) {
+          const int kl = (2 * kh + ks) * 8;  // k within the chunk
+          const int k = kc * kTcKC + kl;
+          uint32_t a_hi[2][4], a_lo[2][4];
+#pragma unroll
+          for (int mt = 0; mt < 2; ++mt) {
+            split_tf32<kTerms>(orow[mt][0][k], a_hi[mt][0], a_lo[mt][0]);
+            split_tf32<kTerms>(orow[mt][1][k], a_hi[mt][1], a_lo[mt][1]);
+            split_tf32<kTerms>(orow[mt][0][k + 4], a_hi[mt][2], a_lo[mt][2]);
+            split_tf32<kTerms>(orow[mt][1][k + 4], a_hi[mt][3], a_lo[mt][3]);
+          }
+#pragma unroll
+          for (int nt = 0; nt < 4; ++nt) {
+            const float* wp = Ws + nt * 8 * kTcLdW + kl;
+            uint32_t bh0, bh1, bl0 = 0, bl1 = 0;
+            split_tf32<kTerms>(wp[0], bh0, bl0);
+            split_tf32<kTerms>(wp[4], bh1, bl1);
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt) mma_split<kTerms>(part[mt][nt], a_hi[mt], a_lo[mt], bh0, bh1, bl0, bl1);
+          }
+        }
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+          for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc2[mt][nt][e] += part[mt][nt][e];
+      }
+      __syncthreads();  // all W reads done: the stage area takes the partial sums
+      float* red = Wst;  // [32 pairs][kTcDG + 4]
+      constexpr int kRedLd = kTcDG + 4;
+      if (kh == 1) {
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+          for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+            for (int half = 0; half < 2; ++half)
+              *reinterpret_cast<float2*>(&red[(mt * 16 + g + 8 * half) * kRedLd + dw * 32 + nt * 8 + 2 * t]) =
+                  make_float2(acc2[mt][nt][2 * half], acc2[mt][nt][2 * half + 1]);
+      }
+      __syncthreads();
+      if (kh == 0) {
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int pl = mt * 16 + g + 8 * half, pr = r0 + pl;
+            if (pr >= P) continue;
+            const int il = pr / Tj, jl = pr - il * Tj;
+            if (i0 + il >= p.Na || j0 + jl >= N) continue;
+            const float den = p.norm.kind == kNormRow ? den_s[il] : 0.f;
+            const float pair = p.norm.kind == kNormRow ? 0.f : pair_s[pr];
+            float* dst = p.out + ((int64_t(b) * N + p.i_offset + i0 + il) * N + j0 + jl) * D;
+#pragma unroll
+            for (int nt = 0; nt < 4; ++nt) {
+              const int dl = dw * 32 + nt * 8 + 2 * t;
+              const float2 other = *reinterpret_cast<const float2*>(&red[pl * kRedLd + dl]);
+              const float v0 = acc2[mt][nt][2 * half] + other.x, v1 = acc2[mt][nt][2 * half + 1] + other.y;
+              const int d = dg + dl;
+              if (d + 1 < D) {
+                const float o0 = normalise(v0, p.bias ? p.bias[d] : 0.f, den, pair, p.norm);
+                const float o1 = normalise(v1, p.bias ? p.bias[d + 1] : 0.f, den, pair, p.norm);
+                if ((D & 1) == 0) {
+                  *reinterpret_cast<float2*>(dst + d) = make_float2(o0, o1);
+                } else {
+                  dst[d] = o0;
+                  dst[d + 1] = o1;
+                }
+              } else if (d < D) {
+                dst[d] = normalise(v0, p.bias ? p.bias[d] : 0.f, den, pair, p.norm);
+              }
+            }
+          }
+      }
+    }
+  }
+#endif
+}
+
+}  // namespace flashopm
