@@ -118,7 +118,8 @@ constexpr int kTcStageFloats = kTcBK * (kTcLdA + kTcLdB);
 constexpr int kTcDG = 128;
 constexpr int kTcKC = 32;
 constexpr int kTcLdW = kTcKC + 4;  // = 4 (mod 32)
-constexpr int kTcWFloats = 2 * kTcDG * kTcLdW;
+constexpr int kTcWStages = 3;
+constexpr int kTcWFloats = kTcWStages * kTcDG * kTcLdW;
 
 // Shared memory of the tensor-core kernel, in floats: phase 1's stages, or phase 2's O tile
 // ([Ti·Tj][H² + 4]) followed by the W stages; then the tile's normalisers.

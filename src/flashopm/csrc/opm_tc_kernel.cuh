@@ -28,11 +28,20 @@ __device__ __forceinline__ uint32_t to_tf32(float x) {
   return r;
 }
 
-// x = hi + lo, both TF32; lo is only formed when the product needs it.
+// x = hi + lo.  The MMA reads only the top 19 bits of a .tf32 operand (the low 13 are ignored,
+// i.e. truncated), so: hi = x rounded to nearest TF32 by adding half an ulp to the bit pattern
+// and clearing the low bits (two integer ops, where cvt.rna.tf32 costs four with its NaN/Inf
+// checks); lo = x - hi is exact in float32 and goes in as is (its truncation to TF32 costs at
+// most 2^-21 |x|, unbiased since lo takes either sign).  A NaN in x stays NaN in lo.
+// With one term (TF32 proper) cvt.rna keeps NaN and Inf intact.
 template <int kTerms>
 __device__ __forceinline__ void split_tf32(float x, uint32_t& hi, uint32_t& lo) {
-  hi = to_tf32(x);
-  if constexpr (kTerms == 3) lo = to_tf32(x - __uint_as_float(hi));
+  if constexpr (kTerms == 3) {
+    hi = (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
+    lo = __float_as_uint(x - __uint_as_float(hi));
+  } else {
+    hi = to_tf32(x);
+  }
 }
 
 __device__ __forceinline__ void mma_tf32(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
@@ -205,7 +214,7 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const Outer
   const int K2 = H * H;
   const int n_kc = K2 / kTcKC;
   const int dw = warp & 3, kh = warp >> 2;
-  float* Wst = smem + L.w;  // [2][DG][LdW]; after the k loop, the partial sums [32][DG + 4]
+  float* Wst = smem + L.w;  // [kTcWStages][DG][LdW]; after the k loop, the partial sums [32][DG + 4]
 
   auto load_w = [&](int buf, int dg, int kc0) {
     float* Ws = Wst + buf * kTcDG * kTcLdW;
@@ -216,7 +225,6 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const Outer
       const bool ok = dg + dl < D;
       cp_async16_cg(&Ws[dl * kTcLdW + k], ok ? p.w_out + int64_t(dg + dl) * K2 + kc0 + k : p.w_out, ok);
     }
-    cp_async_commit();
   };
 
   for (int dg = 0; dg < D; dg += kTcDG) {
@@ -237,12 +245,19 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const Outer
           orow[mt][half] = Os + min(r0 + mt * 16 + g + 8 * half, P - 1) * L.ldo + t;
 
       __syncthreads();  // O written / previous round's W and partial sums consumed
-      load_w(0, dg, 0);
+      // kTcWStages - 1 chunks of W in flight ahead of the one multiplied (W comes from L2)
+#pragma unroll
+      for (int st = 0; st < kTcWStages - 1; ++st) {
+        if (st < n_kc) load_w(st, dg, st * kTcKC);
+        cp_async_commit();
+      }
       for (int kc = 0; kc < n_kc; ++kc) {
-        cp_async_wait_all();
+        cp_async_wait<kTcWStages - 2>();
         __syncthreads();
-        if (kc + 1 < n_kc) load_w((kc + 1) & 1, dg, (kc + 1) * kTcKC);
-        const float* Ws = Wst + (kc & 1) * kTcDG * kTcLdW + (dw * 32 + g) * kTcLdW + t;
+        const int next = kc + kTcWStages - 1;
+        if (next < n_kc) load_w(next % kTcWStages, dg, next * kTcKC);
+        cp_async_commit();
+        const float* Ws = Wst + (kc % kTcWStages) * kTcDG * kTcLdW + (dw * 32 + g) * kTcLdW + t;
         // this chunk's sum in its own fragments (see mma_split_add), added in float32 below
         float part[2][4][4];
 #pragma unroll
@@ -280,6 +295,7 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const Outer
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc2[mt][nt][e] += part[mt][nt][e];
       }
+      cp_async_wait_all();
       __syncthreads();  // all W reads done: the stage area takes the partial sums
       float* red = Wst;  // [32 pairs][kTcDG + 4]
       constexpr int kRedLd = kTcDG + 4;
