@@ -123,8 +123,9 @@ constexpr int kTcWFloats = kTcWStages * kTcDG * kTcLdW;
 
 // Shared memory of the tensor-core kernel, in floats: phase 1's stages, or phase 2's O tile
 // ([Ti·Tj][H² + 4]) followed by the W stages; then the tile's normalisers.
+constexpr int kTcMaskChunk = 128;  // steps of s per pass of the pair-count sum
 struct TcLayout {
-  int ldo, w, den, pair, total;
+  int ldo, w, den, pair, mask, total;
 };
 FLASHOPM_HD inline TcLayout tc_layout(int H, int Ti, int Tj) {
   TcLayout L{};
@@ -136,6 +137,8 @@ FLASHOPM_HD inline TcLayout tc_layout(int H, int Ti, int Tj) {
   o += round_up4(Ti);
   L.pair = o;
   o += round_up4(Ti * Tj);
+  L.mask = o;  // mask columns for the pair counts (before phase 1 needs the space above)
+  o += kTcMaskChunk * (Ti + Tj);
   L.total = o;
   return L;
 }

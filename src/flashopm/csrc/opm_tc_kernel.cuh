@@ -96,20 +96,6 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const Outer
   const int g = lane >> 2, t = lane & 3;  // fragment coordinates (PTX: groupID, threadID_in_group)
   const int64_t NH = int64_t(N) * H, NaH = int64_t(p.Na) * H;
 
-  // Normalisers of the tile (read in the epilogue, after several barriers).
-  if (p.norm.kind == kNormRow) {
-    for (int il = warp; il < Ti; il += kTcThreads / 32) {
-      const float den = mask_denominator(p.mask, b, min(i0 + il, p.Na - 1) + p.i_offset, S, lane);
-      if (lane == 0) den_s[il] = den;
-    }
-  } else {
-    for (int pr = warp; pr < P; pr += kTcThreads / 32) {
-      const int i = min(i0 + pr / Tj, p.Na - 1) + p.i_offset, j = min(j0 + pr % Tj, N - 1);
-      const float sum = pair_mask_sum_warp(p.mask, b, i, j, S, lane);
-      if (lane == 0) pair_s[pr] = sum;
-    }
-  }
-
   // ---------------- phase 1: warps 2 (m) x 4 (n), 64 x 64 each ----------------
   const int wm = warp & 1, wn = warp >> 1;
   float acc[4][8][4];
@@ -150,6 +136,35 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const Outer
     if (st < n_k) load_stage(st, st * kTcBK);
     cp_async_commit();
   }
+  // Normalisers of the tile (read in the epilogue, after several barriers), computed while the
+  // first stages are in flight.  The pair counts sum_s m[s,i] m[s,j] go through shared memory:
+  // the tile's mask columns are loaded kTcMaskChunk steps of s at a time, all loads at once.
+  if (p.norm.kind == kNormRow) {
+    for (int il = warp; il < Ti; il += kTcThreads / 32) {
+      const float den = mask_denominator(p.mask, b, min(i0 + il, p.Na - 1) + p.i_offset, S, lane);
+      if (lane == 0) den_s[il] = den;
+    }
+  } else {
+    float* mcols = smem + L.mask;  // [kTcMaskChunk][Ti + Tj]: rows i, then columns j
+    const int TT = Ti + Tj;
+    for (int s0 = 0; s0 < S; s0 += kTcMaskChunk) {
+      for (int idx = tid; idx < kTcMaskChunk * TT; idx += kTcThreads) {
+        const int sl = idx / TT, c = idx - sl * TT;
+        const int n = c < Ti ? min(i0 + c, p.Na - 1) + p.i_offset : min(j0 + c - Ti, N - 1);
+        mcols[idx] = s0 + sl < S ? mask_at(p.mask, b, s0 + sl, n) : 0.f;
+      }
+      __syncthreads();
+      for (int pr = warp; pr < P; pr += kTcThreads / 32) {
+        const int il = pr / Tj, jl = pr - il * Tj;
+        float sum = 0.f;
+        for (int sl = lane; sl < kTcMaskChunk; sl += 32) sum += mcols[sl * TT + il] * mcols[sl * TT + Ti + jl];
+        sum = warp_sum(sum);
+        if (lane == 0) pair_s[pr] = (s0 == 0 ? 0.f : pair_s[pr]) + sum;
+      }
+      __syncthreads();
+    }
+  }
+
   for (int kt = 0; kt < n_k; ++kt) {
     cp_async_wait<kTcStages - 2>();
     __syncthreads();
