@@ -75,3 +75,19 @@ def test_bad_algorithm(device):
          model.proj_b.weight, model.proj_b.bias, model.out_proj.weight, model.out_proj.bias]
     with pytest.raises((ValueError, RuntimeError), match="algorithm must be 0 .* got 7"):
         torch.ops.flashopm.outer_product_mean(x, m, p[0], p[1], 1e-5, *p[2:], 7)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_precision(device):
+    model = _model(device)
+    x = torch.randn(1, 2, 3, 8, device=device)
+    m = torch.ones(1, 2, 3, device=device)
+    p = [model.layer_norm.weight, model.layer_norm.bias, model.proj_a.weight, model.proj_a.bias,
+         model.proj_b.weight, model.proj_b.bias, model.out_proj.weight, model.out_proj.bias]
+    with pytest.raises(ValueError, match="precision must be one of .*got 'exact'"):
+        flashopm.outer_product_mean(x, m, *p, precision="exact")
+    with pytest.raises((ValueError, RuntimeError), match=r"precision must be -1 \(PyTorch's setting\).* got 3"):
+        torch.ops.flashopm.outer_product_mean(x, m, p[0], p[1], 1e-5, *p[2:], 0, 0, 1e-3, 3)
+    for precision in ("highest", "high", "medium", None):  # every valid value is accepted
+        out = flashopm.outer_product_mean(x, m, *p, precision=precision)
+        assert out.shape == (1, 3, 3, 4)
