@@ -80,14 +80,18 @@ def test_chunked_backward_matches_unchunked():
         torch.testing.assert_close(a, b)
 
 
-def test_opcheck_cpu():
-    x, m, p = make_problem(Shape(2, 3, 5, 6, 4, 3), "masked_positions", seed=8)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
+@pytest.mark.parametrize("algorithm", [0, 1], ids=["auto", "outer"])  # on CUDA: single launch; tensor cores (H = 8)
+def test_opcheck(device, algorithm):
+    x, m, p = make_problem(Shape(2, 3, 5, 6, 8, 3), "masked_positions", seed=8)
+    x, m, p = x.to(device), m.to(device), {k: v.to(device) for k, v in p.items()}
     x.requires_grad_()
     p["w_a"].requires_grad_()
     p["w_out"].requires_grad_()
-    args = (x, m, p["ln_weight"], p["ln_bias"], 1e-5, p["w_a"], p["b_a"], p["w_b"], p["b_b"], p["w_out"], p["b_out"], 0)
+    args = (x, m, p["ln_weight"], p["ln_bias"], 1e-5, p["w_a"], p["b_a"], p["w_b"], p["b_b"], p["w_out"], p["b_out"],
+            algorithm)
     torch.library.opcheck(torch.ops.flashopm.outer_product_mean.default, args)
-    g = torch.randn(2, 5, 5, 3)
+    g = torch.randn(2, 5, 5, 3, device=device)
     bargs = (g, x.detach(), m, p["ln_weight"], p["ln_bias"], 1e-5, p["w_a"].detach(), p["b_a"], p["w_b"], p["b_b"],
              p["w_out"].detach(), p["b_out"], 1, 1e-3, [True, False, True, True, False, True, True, True, True])
     torch.library.opcheck(torch.ops.flashopm.outer_product_mean_backward.default, bargs)
