@@ -48,6 +48,13 @@ __device__ __forceinline__ void cp_async4(float* dst, const float* src, bool val
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst_addr), "l"(src),
                "r"(src_bytes));
 }
+// 16-byte asynchronous global->shared copy that bypasses L1 (both 16-byte aligned); zero-fills
+// when !valid.
+__device__ __forceinline__ void cp_async16z(float* dst, const float* src, bool valid) {
+  const unsigned dst_addr = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst_addr), "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async16(float* dst, const float* src) { cp_async16z(dst, src, true); }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::); }
 template <int kPending>  // wait until at most kPending committed groups are still in flight

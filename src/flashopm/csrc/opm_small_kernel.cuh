@@ -19,12 +19,6 @@
 
 namespace flashopm {
 
-// 16-byte asynchronous global->shared copy (both 16-byte aligned); zero-fills when !valid.
-__device__ __forceinline__ void cp_async16z(float* dst, const float* src, bool valid) {
-  const unsigned dst_addr = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst_addr), "l"(src), "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async16(float* dst, const float* src) { cp_async16z(dst, src, true); }
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 // Split cluster barrier: arrive early (nothing to publish), wait just before the first remote

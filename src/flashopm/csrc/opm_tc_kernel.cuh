@@ -16,12 +16,6 @@
 
 namespace flashopm {
 
-// 16-byte asynchronous copy that bypasses L1 (the operands are streamed); zero-fills when !valid.
-__device__ __forceinline__ void cp_async16_cg(float* dst, const float* src, bool valid) {
-  const unsigned dst_addr = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst_addr), "l"(src), "r"(valid ? 16 : 0));
-}
-
 __device__ __forceinline__ uint32_t to_tf32(float x) {
   uint32_t r;
   asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
@@ -119,14 +113,14 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const Outer
       const int idx = tid + u * kTcThreads;
       const int k = idx / (kTcMT / 4), m = (idx % (kTcMT / 4)) * 4;
       const bool ok = (s0 + k < S) && (m < a_lim);
-      cp_async16_cg(&As[k * kTcLdA + m], ok ? a_base + int64_t(s0 + k) * NaH + m : p.a, ok);
+      cp_async16z(&As[k * kTcLdA + m], ok ? a_base + int64_t(s0 + k) * NaH + m : p.a, ok);
     }
 #pragma unroll
     for (int u = 0; u < kTcBK * kTcNT / 4 / kTcThreads; ++u) {
       const int idx = tid + u * kTcThreads;
       const int k = idx / (kTcNT / 4), n = (idx % (kTcNT / 4)) * 4;
       const bool ok = (s0 + k < S) && (n < b_lim);
-      cp_async16_cg(&Bs[k * kTcLdB + n], ok ? b_base + int64_t(s0 + k) * NH + n : p.b, ok);
+      cp_async16z(&Bs[k * kTcLdB + n], ok ? b_base + int64_t(s0 + k) * NH + n : p.b, ok);
     }
   };
 
@@ -238,7 +232,7 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const Outer
       const int idx = tid + u * kTcThreads;
       const int dl = idx / (kTcKC / 4), k = (idx % (kTcKC / 4)) * 4;
       const bool ok = dg + dl < D;
-      cp_async16_cg(&Ws[dl * kTcLdW + k], ok ? p.w_out + int64_t(dg + dl) * K2 + kc0 + k : p.w_out, ok);
+      cp_async16z(&Ws[dl * kTcLdW + k], ok ? p.w_out + int64_t(dg + dl) * K2 + kc0 + k : p.w_out, ok);
     }
   };
 
