@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 
 CSRC_DIR = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("opm_params.h", "opm_kernels.cuh", "opm_small_kernel.cuh", "opm_tc_kernel.cuh", "opm_launch.cu", "opm_api.cpp")
+SOURCES = ("opm_params.h", "opm_kernels.cuh", "opm_small_kernel.cuh", "opm_tc_kernel.cuh", "opm_launch.cu", "opm_api.cpp",
+           "opm_autograd.cpp")
 NVCC_FLAGS = ("-O3", "-lineinfo", "--expt-relaxed-constexpr")
 
 _lock = threading.Lock()
@@ -166,7 +167,7 @@ def _load_inline(name: str, sources: dict[str, str], archs: list[str], build_dir
 
     return load_inline(
         name=name,
-        cpp_sources=[sources["opm_api.cpp"]],
+        cpp_sources=[sources["opm_api.cpp"], sources["opm_autograd.cpp"]],
         cuda_sources=[sources["opm_launch.cu"]],
         extra_include_paths=[str(CSRC_DIR)],
         extra_cflags=["-O3"],

@@ -3,7 +3,8 @@ one place.
 
 The schemas are defined here, at import, so that the CPU path, fake tensors and `torch.compile`
 tracing work with no GPU and no build.  The CUDA implementations are registered from C++
-(`csrc/opm_forward.cu`, `TORCH_LIBRARY_IMPL(flashopm, CUDA, ...)`) when `_build.load()` loads the
+(`csrc/opm_api.cpp`, `TORCH_LIBRARY_IMPL(flashopm, CUDA, ...)`; autograd on CUDA in
+`csrc/opm_autograd.cpp`) when `_build.load()` loads the
 extension, which keeps the eager call free of Python-side dispatch overhead.
 """
 from __future__ import annotations

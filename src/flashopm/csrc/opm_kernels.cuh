@@ -5,7 +5,7 @@
 //   out[b,i,j,d] = (sum_{h1,h2} W[d, h1*H+h2] * sum_s a[b,s,i,h1] b[b,s,j,h2]) / den[b,i] + bias[d]
 //   den[b,i] = max(sum_s m[b,s,i], 1)
 //
-// Two orders of contraction are implemented; the host picks the cheaper one (see opm_forward.cu):
+// Two orders of contraction are implemented; the host picks the cheaper one (see opm_api.cpp):
 //   outer-first   : O = sum_s a (x) b per tile of (i, j) pairs, kept on chip, then O · W^T.
 //                   2·B·N²·H²·(S + D) FLOPs, workspace O(B·S·N·H).
 //   project-first : c[b,s,j,h1,:] = sum_h2 W[:, h1*H+h2] b[b,s,j,h2] first, then one GEMM over

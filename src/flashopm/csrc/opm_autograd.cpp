@@ -1,0 +1,135 @@
+// Autograd of flashopm::outer_product_mean on CUDA, registered from C++.
+//
+// ops.py registers the op's autograd in Python for every device (the CPU path, and CUDA before
+// this extension is loaded).  A Python autograd kernel costs tens of microseconds on every call,
+// with or without gradients, which is more than the whole GPU time of the op at small sizes; this
+// AutogradCUDA kernel takes precedence over it.  Its backward calls the op
+// flashopm::outer_product_mean_backward through the dispatcher, so whichever implementation is
+// registered for it (and any tracing mode of torch.compile) sees the call.
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/autograd.h>
+#include <torch/library.h>
+
+#include <array>
+#include <optional>
+#include <vector>
+
+namespace flashopm {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+using OptTensor = std::optional<at::Tensor>;
+
+using ForwardSig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
+                              const at::Tensor&, const OptTensor&, const at::Tensor&, const OptTensor&,
+                              const at::Tensor&, const OptTensor&, int64_t, int64_t, double, int64_t);
+using BackwardSig = std::vector<at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                            const at::Tensor&, const at::Tensor&, double, const at::Tensor&,
+                                            const OptTensor&, const at::Tensor&, const OptTensor&,
+                                            const at::Tensor&, const OptTensor&, int64_t, double,
+                                            c10::ArrayRef<bool>);
+
+const c10::TypedOperatorHandle<ForwardSig>& forward_op() {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("flashopm::outer_product_mean", "").typed<ForwardSig>();
+  return op;
+}
+
+const c10::TypedOperatorHandle<BackwardSig>& backward_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("flashopm::outer_product_mean_backward", "")
+                             .typed<BackwardSig>();
+  return op;
+}
+
+at::Tensor forward_below_autograd(const at::Tensor& msa, const at::Tensor& mask, const at::Tensor& ln_w,
+                                  const at::Tensor& ln_b, double ln_eps, const at::Tensor& w_a, const OptTensor& b_a,
+                                  const at::Tensor& w_b, const OptTensor& b_b, const at::Tensor& w_out,
+                                  const OptTensor& b_out, int64_t algorithm, int64_t normalization, double norm_eps,
+                                  int64_t precision) {
+  at::AutoDispatchBelowADInplaceOrView guard;
+  return forward_op().call(msa, mask, ln_w, ln_b, ln_eps, w_a, b_a, w_b, b_b, w_out, b_out, algorithm, normalization,
+                           norm_eps, precision);
+}
+
+// The differentiable inputs, in the order of the backward op's gradients (reference.GRAD_INPUTS).
+constexpr int kGradInputs = 9;
+
+struct OuterProductMeanFunction : public torch::autograd::Function<OuterProductMeanFunction> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& msa, const at::Tensor& mask,
+                            const at::Tensor& ln_w, const at::Tensor& ln_b, double ln_eps, const at::Tensor& w_a,
+                            const OptTensor& b_a, const at::Tensor& w_b, const OptTensor& b_b,
+                            const at::Tensor& w_out, const OptTensor& b_out, int64_t algorithm,
+                            int64_t normalization, double norm_eps, int64_t precision) {
+    const at::Tensor undefined;
+    ctx->save_for_backward({msa, mask, ln_w, ln_b, w_a, b_a.value_or(undefined), w_b, b_b.value_or(undefined), w_out,
+                            b_out.value_or(undefined)});
+    ctx->saved_data["ln_eps"] = ln_eps;
+    ctx->saved_data["normalization"] = normalization;
+    ctx->saved_data["norm_eps"] = norm_eps;
+    return forward_below_autograd(msa, mask, ln_w, ln_b, ln_eps, w_a, b_a, w_b, b_b, w_out, b_out, algorithm,
+                                  normalization, norm_eps, precision);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    const variable_list saved = ctx->get_saved_variables();
+    const at::Tensor &msa = saved[0], &mask = saved[1], &ln_w = saved[2], &ln_b = saved[3], &w_a = saved[4];
+    const at::Tensor &w_b = saved[6], &w_out = saved[8];
+    const auto opt = [](const at::Tensor& t) { return t.defined() ? OptTensor(t) : OptTensor(); };
+    const OptTensor b_a = opt(saved[5]), b_b = opt(saved[7]), b_out = opt(saved[9]);
+
+    // Forward arguments that are tensors, in order; absent biases have no edge in the graph.
+    // Argument positions: msa 0, mask 1, ln_w 2, ln_b 3, w_a 5, b_a 6, w_b 7, b_b 8, w_out 9, b_out 10.
+    const std::array<int, kGradInputs> grad_arg = {0, 2, 3, 5, 6, 7, 8, 9, 10};
+    const std::array<bool, 11> present = {true, true, true, true, false, true, b_a.has_value(), true,
+                                          b_b.has_value(), true, b_out.has_value()};
+    std::array<int, 11> edge{};
+    for (int arg = 0, e = 0; arg < 11; ++arg) edge[arg] = present[arg] ? e++ : -1;
+
+    std::array<bool, kGradInputs> needs{};
+    bool any = false;
+    for (int g = 0; g < kGradInputs; ++g) {
+      const int e = edge[grad_arg[g]];
+      needs[g] = e >= 0 && ctx->needs_input_grad(e);
+      any = any || needs[g];
+    }
+    // One gradient per forward argument (15), undefined for non-tensors and what is not needed.
+    variable_list grads(15);
+    if (!any) return grads;
+    const at::Tensor grad_out = grad_outputs[0].contiguous();
+    const std::vector<at::Tensor> computed = backward_op().call(
+        grad_out, msa, mask, ln_w, ln_b, ctx->saved_data["ln_eps"].toDouble(), w_a, b_a, w_b, b_b, w_out, b_out,
+        ctx->saved_data["normalization"].toInt(), ctx->saved_data["norm_eps"].toDouble(),
+        c10::ArrayRef<bool>(needs.data(), needs.size()));
+    for (int g = 0; g < kGradInputs; ++g) {
+      if (needs[g]) grads[grad_arg[g]] = computed[g];
+    }
+    return grads;
+  }
+};
+
+at::Tensor outer_product_mean_autograd(const at::Tensor& msa, const at::Tensor& mask, const at::Tensor& ln_w,
+                                       const at::Tensor& ln_b, double ln_eps, const at::Tensor& w_a,
+                                       const OptTensor& b_a, const at::Tensor& w_b, const OptTensor& b_b,
+                                       const at::Tensor& w_out, const OptTensor& b_out, int64_t algorithm,
+                                       int64_t normalization, double norm_eps, int64_t precision) {
+  // Inference (no_grad, or nothing requires grad) skips building a graph node altogether.
+  if (!at::GradMode::is_enabled() ||
+      !(msa.requires_grad() || ln_w.requires_grad() || ln_b.requires_grad() || w_a.requires_grad() ||
+        w_b.requires_grad() || w_out.requires_grad() || (b_a && b_a->requires_grad()) ||
+        (b_b && b_b->requires_grad()) || (b_out && b_out->requires_grad()) || mask.requires_grad())) {
+    return forward_below_autograd(msa, mask, ln_w, ln_b, ln_eps, w_a, b_a, w_b, b_b, w_out, b_out, algorithm,
+                                  normalization, norm_eps, precision);
+  }
+  return OuterProductMeanFunction::apply(msa, mask, ln_w, ln_b, ln_eps, w_a, b_a, w_b, b_b, w_out, b_out, algorithm,
+                                         normalization, norm_eps, precision);
+}
+
+}  // namespace
+}  // namespace flashopm
+
+TORCH_LIBRARY_IMPL(flashopm, AutogradCUDA, m) {
+  m.impl("outer_product_mean", &flashopm::outer_product_mean_autograd);
+}
