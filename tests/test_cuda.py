@@ -154,6 +154,13 @@ SINGLE_SHAPES = [
     Shape(2, 4, 40, 8, 12, 4),
     Shape(1, 2, 100, 20, 8, 10),
     Shape(1, 6, 48, 40, 64, 16),
+    # tensor-core variant (hidden a multiple of 8): fragments across rows i (odd S), masked
+    # fragment rows (H = 8, 24, 40), pair widths below and across 8, N ragged and prime
+    Shape(2, 5, 23, 24, 8, 7),
+    Shape(1, 3, 45, 16, 24, 20),
+    Shape(3, 1, 9, 8, 40, 3),
+    Shape(1, 9, 64, 32, 16, 48),
+    Shape(2, 2, 37, 56, 32, 130),
 ]
 
 
