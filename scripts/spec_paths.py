@@ -11,6 +11,7 @@ import time
 import torch
 
 import flashopm
+import flashopm._build
 from flashopm.bench import time_graph, time_wall, warm_gpu
 from flashopm.reference import Model
 from flashopm.testing import Shape, make_problem
@@ -30,6 +31,7 @@ def host_us(fn, calls=200, repeats=15):
 
 
 def main(shapes):
+    flashopm._build.load()
     warm_gpu()
     dummy = torch.empty(1, device="cuda")
     noop = lambda: torch.ops.flashopm._noop.default(dummy)  # noqa: E731

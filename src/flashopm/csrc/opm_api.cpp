@@ -136,10 +136,7 @@ bool search_small_plan(int64_t B, int64_t S, int64_t N, int64_t C, int64_t H, in
     if (TI > 1 && TI / 2 >= N) break;
     const int64_t n_itiles = (N + TI - 1) / TI;
     for (int Dc : {4, 8, 16, 32, 64}) {
-      // the tensor-core variant's fragments hold 8 columns d
-      const int min_dc = small_uses_tensor_cores(int(H)) ? 8 : 4;
-      if (Dc < min_dc) continue;
-      if (Dc > min_dc && Dc / 2 >= D4) break;
+      if (Dc > 4 && Dc / 2 >= D4) break;
       for (int CL : {8, 4, 2, 1}) {
         if (CL > 1 && CL / 2 >= n_itiles) continue;
         const SmallLayout L = small_layout(int(S), int(N), int(C), int(H), TI, Dc, CL);
@@ -147,7 +144,7 @@ bool search_small_plan(int64_t B, int64_t S, int64_t N, int64_t C, int64_t H, in
         if (bytes > info.smem_optin) continue;
         const int64_t clusters = B * ((n_itiles + CL - 1) / CL) * ((D + Dc - 1) / Dc);
         if (clusters > 65535 * int64_t(65535)) continue;
-        const int active = small_max_active_clusters(CL, int(bytes), small_uses_tensor_cores(int(H)));
+        const int active = small_max_active_clusters(CL, int(bytes));
         if (active <= 0) continue;
         const double per_block = double(L.Rb) * C * H + double(L.MP4) * C * H + double(L.MP4) * H * H * Dc +
                                  double(TI) * L.N4 * S * H * Dc;
@@ -450,8 +447,7 @@ std::vector<int64_t> single_launch_plan_cuda(const at::Tensor& like, int64_t B, 
   SmallPlan plan;
   if (B < 1 || S < 1 || N < 1 || C < 1 || H < 1 || H > kMaxHidden || D < 1) return {};
   if (!plan_small(B, S, N, C, H, D, like.get_device(), plan)) return {};
-  return {plan.TI, plan.Dc, plan.CL, plan.smem_bytes,
-          small_max_active_clusters(plan.CL, plan.smem_bytes, small_uses_tensor_cores(int(H)))};
+  return {plan.TI, plan.Dc, plan.CL, plan.smem_bytes, small_max_active_clusters(plan.CL, plan.smem_bytes)};
 }
 
 // Does nothing: the benchmark's measure of one bare call into the extension.

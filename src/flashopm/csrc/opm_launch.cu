@@ -140,53 +140,39 @@ cudaLaunchConfig_t small_config(dim3 grid, int cluster_size, int smem_bytes, cud
 
 }  // namespace
 
-template <bool kTc>
-void launch_small_variant(const SmallArgs& args, const cudaLaunchConfig_t& cfg) {
-  if (args.N % 4 == 0) {
-    allow_smem<opm_small_kernel<true, kTc>>();
-    C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, opm_small_kernel<true, kTc>, args));
-  } else {
-    allow_smem<opm_small_kernel<false, kTc>>();
-    C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, opm_small_kernel<false, kTc>, args));
-  }
-}
-
 void launch_small(const SmallArgs& args, int smem_bytes, cudaStream_t stream) {
   const unsigned gx = unsigned((args.n_itiles + args.CL - 1) / args.CL * args.CL);
   const dim3 grid(gx, unsigned((args.D + args.Dc - 1) / args.Dc), unsigned(args.B));
   cudaLaunchAttribute attr[1];
   const cudaLaunchConfig_t cfg = small_config(grid, args.CL, smem_bytes, stream, attr);
-  if (small_uses_tensor_cores(args.H))
-    launch_small_variant<true>(args, cfg);
-  else
-    launch_small_variant<false>(args, cfg);
-}
-
-template <bool kTc>
-int max_active_clusters_of(const cudaLaunchConfig_t& cfg) {
-  allow_smem<opm_small_kernel<true, kTc>>();
-  int n = 0;
-  if (cudaOccupancyMaxActiveClusters(&n, opm_small_kernel<true, kTc>, &cfg) != cudaSuccess) {
-    (void)cudaGetLastError();  // not runnable with this configuration: report none
-    n = 0;
+  if (args.N % 4 == 0) {
+    allow_smem<opm_small_kernel<true>>();
+    C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, opm_small_kernel<true>, args));
+  } else {
+    allow_smem<opm_small_kernel<false>>();
+    C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, opm_small_kernel<false>, args));
   }
-  return n;
 }
 
-int small_max_active_clusters(int cluster_size, int smem_bytes, bool tensor_cores) {
-  // Asked once per (device, variant, cluster size, shared memory): the answer depends on the
-  // GPU's partition into GPCs, which no formula gives.
+int small_max_active_clusters(int cluster_size, int smem_bytes) {
+  // Asked once per (device, cluster size, shared memory): the answer depends on the GPU's
+  // partition into GPCs, which no formula gives.
   static std::mutex mu;
   static std::map<std::pair<int, std::pair<int, int>>, int> cache;
   int dev = 0;
   C10_CUDA_CHECK(cudaGetDevice(&dev));
-  const auto key = std::make_pair(2 * dev + int(tensor_cores), std::make_pair(cluster_size, smem_bytes));
+  const auto key = std::make_pair(dev, std::make_pair(cluster_size, smem_bytes));
   std::lock_guard<std::mutex> lock(mu);
   const auto it = cache.find(key);
   if (it != cache.end()) return it->second;
+  allow_smem<opm_small_kernel<true>>();
   cudaLaunchAttribute attr[1];
   const cudaLaunchConfig_t cfg = small_config(dim3(unsigned(cluster_size)), cluster_size, smem_bytes, nullptr, attr);
-  const int n = tensor_cores ? max_active_clusters_of<true>(cfg) : max_active_clusters_of<false>(cfg);
+  int n = 0;
+  if (cudaOccupancyMaxActiveClusters(&n, opm_small_kernel<true>, &cfg) != cudaSuccess) {
+    (void)cudaGetLastError();  // not runnable with this configuration: report none
+    n = 0;
+  }
   cache.emplace(key, n);
   return n;
 }

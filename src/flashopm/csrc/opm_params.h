@@ -201,30 +201,9 @@ FLASHOPM_HD inline int small_gemm_part_floats(int tiles, int K) {
   return ks > 1 ? (ks - 1) * tiles * 16 : 0;
 }
 
-// Tensor-core variant of the single-launch kernel (mma.sync, 3xTF32): used when hidden_dim is
-// a multiple of 8 (the plan then takes Dc a multiple of 8 too).  Its contractions read operands
-// in fragment order, so some leading dimensions are padded against bank conflicts: a fragment
-// row of 8 lanes (g) reads 8 consecutive floats while the 4 lanes of a column (t) step by the
-// leading dimension, which is conflict-free when that is 8 or 24 mod 32; a fragment read or
-// written across (g) with stride ld and along (t) contiguous is conflict-free when ld is an odd
-// multiple of 4.
-FLASHOPM_HD inline bool small_uses_tensor_cores(int H) { return H % 8 == 0; }
-FLASHOPM_HD inline int pad_8_mod_32(int v) {  // smallest x >= v with x = 8 or 24 (mod 32)
-  int x = (v + 7) & ~7;
-  while (x % 32 != 8 && x % 32 != 24) x += 8;
-  return x;
-}
-FLASHOPM_HD inline int pad_4_mod_8(int v) { return (round_up4(v) % 8 == 0) ? round_up4(v) + 4 : round_up4(v); }
-// Partial sums of split K in the tensor-core block GEMM (512 floats per warp's 32 x 16 block
-// and part of K beyond the first).
-constexpr int kSmallTcPartFloats = 4096;
-
 // Shared-memory layout of opm_small_kernel, in floats; every region starts 16-byte aligned.
 struct SmallLayout {
   int H4, N4, MP, MP4, Rb, ldx, ldxr, ldc;
-  int ld_at, ld_bt, ld_bloc;            // leading dimensions of aT, bT and bloc
-  int w_row;                            // tensor cores: W rows (d, h1) of w_row floats (h2)
-  int p_s, p_row;                       // tensor cores: P[il][d] rows of p_row, s-blocks of p_s
   int bT, aT, w, den, bias, mask_a;     // live for the whole kernel
   int xt, wa, wb, gam, bet, ba, bb, mask_b, bloc, part_proj, xs;  // projection phase
   int p, part_po;                       // contraction phase (aliases the projection phase)
@@ -233,7 +212,6 @@ struct SmallLayout {
 
 FLASHOPM_HD inline SmallLayout small_layout(int S, int N, int C, int H, int TI, int Dc, int CL) {
   SmallLayout L{};
-  const bool tc = small_uses_tensor_cores(H);
   L.H4 = round_up4(H);
   L.N4 = round_up4(N);
   L.MP = TI * S;
@@ -246,18 +224,12 @@ FLASHOPM_HD inline SmallLayout small_layout(int S, int N, int C, int H, int TI, 
   L.ldxr = C <= 8 ? 8 : (C - 8 + 31) / 32 * 32 + 8;
   const int C4 = round_up4(C);
   L.ldc = C4 % 8 == 0 ? C4 + 4 : C4;  // halves the bank conflicts of the gathered weight reads
-  L.ld_at = tc ? pad_8_mod_32(L.MP4) : L.MP4;
-  L.ld_bt = tc ? pad_8_mod_32(L.N4) : L.N4;
-  L.ld_bloc = tc ? pad_4_mod_8(L.Rb) : L.Rb;
-  L.w_row = tc ? ((H % 32 == 8 || H % 32 == 24) ? H : H + 8) : H;
-  L.p_s = H + 4;  // H % 8 == 0 under tensor cores: an odd multiple of 4
-  L.p_row = pad_4_mod_8(S * L.p_s);
   int o = 0;
-  L.bT = o;     o += S * H * L.ld_bt;
-  L.aT = o;     o += H * L.ld_at;
-  L.w = o;      o += round_up4(Dc * H * L.w_row);
+  L.bT = o;     o += S * H * L.N4;
+  L.aT = o;     o += H * L.MP4;
+  L.w = o;      o += round_up4(H * H * Dc);
   L.den = o;    o += round_up4(TI);
-  L.bias = o;   o += round_up4(Dc);
+  L.bias = o;   o += Dc;
   L.mask_a = o; o += L.MP4;
   const int phase = o;
   L.xt = o;     o += C * L.ldx;
@@ -268,24 +240,20 @@ FLASHOPM_HD inline SmallLayout small_layout(int S, int N, int C, int H, int TI, 
   L.ba = o;     o += L.H4;
   L.bb = o;     o += L.H4;
   L.mask_b = o; o += L.Rb;
-  L.bloc = o;   o += H * L.ld_bloc;
+  L.bloc = o;   o += H * L.Rb;
   L.part_proj = o;
   {
     const int pa = small_gemm_part_floats((L.MP4 / 4) * (L.H4 / 4), C);
     const int pb = small_gemm_part_floats((L.Rb / 4) * (L.H4 / 4), C);
-    int part = pa > pb ? pa : pb;
-    if (tc && part < kSmallTcPartFloats) part = kSmallTcPartFloats;
-    o += part;
+    o += pa > pb ? pa : pb;
   }
   L.xs = L.bloc;  // raw x rows: dead before bloc and part_proj are first written
   if (L.xs + R * L.ldxr > o) o = L.xs + R * L.ldxr;
   const int end_proj = o;
   o = phase;
-  L.p = o;      o += tc ? TI * Dc * L.p_row : TI * S * H * Dc;
+  L.p = o;      o += TI * S * H * Dc;
   L.part_po = o;
-  if (tc) {
-    o += kSmallTcPartFloats;
-  } else {
+  {
     const int pp = small_gemm_part_floats((L.MP4 / 4) * (H * Dc / 4), H);
     const int po = small_gemm_part_floats((L.N4 / 4) * (TI * Dc / 4), S * H);
     o += pp > po ? pp : po;
@@ -296,6 +264,6 @@ FLASHOPM_HD inline SmallLayout small_layout(int S, int N, int C, int H, int TI, 
 
 void launch_small(const SmallArgs& args, int smem_bytes, cudaStream_t stream);
 // Clusters of `cluster_size` blocks with `smem_bytes` each that the device runs at once (0: none).
-int small_max_active_clusters(int cluster_size, int smem_bytes, bool tensor_cores);
+int small_max_active_clusters(int cluster_size, int smem_bytes);
 
 }  // namespace flashopm

@@ -16,7 +16,6 @@
 #include <cooperative_groups.h>
 
 #include "opm_kernels.cuh"
-#include "opm_mma.cuh"
 
 namespace flashopm {
 
@@ -176,142 +175,7 @@ __device__ __forceinline__ void block_gemm_4x4(const GemmShape& g, PtrsFn ptrs_o
   }
 }
 
-// The same contractions on tensor cores (mma.sync m16n8k8, 3xTF32: float32 accuracy), for the
-// kernel's tensor-core variant.  C[M][N] = sum_k A(m, k) · B(k, n), batched over `batches`
-// independent problems, with
-//   A(m, k) = a[m·a_sm + k·a_sk]
-//   B(k, n) = b[(k / KI)·b_so + (k % KI)·b_sk + n·b_sn]     (K runs in groups of KI, KI % 8 == 0)
-// from the pointers ptrs_of(batch, m0, n0) of each block's origin.  A warp computes 32 × 16 of C
-// (2 × 2 fragments) per k-step; K is split over otherwise idle warps, partial sums added in a
-// fixed order (bitwise-repeatable).  Rows m >= M and columns n >= N read zeros (no access).
-// `epi(batch, m0, n0, frag)` gets the fragment of C at (m0, n0): frag[0..3] = C[m0 + g][n0 + 2t],
-// C[m0 + g][n0 + 2t + 1], C[m0 + g + 8][n0 + 2t], C[m0 + g + 8][n0 + 2t + 1] (g = lane / 4,
-// t = lane % 4), and must check m < M, n < N.  Every thread must call this.
-struct TcShape {
-  int batches, M, N, K, KI;
-  int a_sm, a_sk, b_sn, b_sk, b_so;
-  float* part;  // kSmallTcPartFloats floats when K is split
-};
-
-__device__ __forceinline__ void tc_block_mma(float (&acc)[2][2][4], const TilePtrs& p, const TcShape& g, int m_left,
-                                             int n_left, int k0, int k1) {
-  const int lane = threadIdx.x & 31, gr = lane >> 2, tq = lane & 3;
-#pragma unroll
-  for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.f;
-  if (k0 >= k1) return;
-  bool rv[4], cv[2];
-#pragma unroll
-  for (int r = 0; r < 4; ++r) rv[r] = gr + 8 * r < m_left;
-#pragma unroll
-  for (int c = 0; c < 2; ++c) cv[c] = gr + 8 * c < n_left;
-  const unsigned a_row8 = 32u * unsigned(g.a_sm), a_k4 = 16u * unsigned(g.a_sk), a_k8 = 2u * a_k4;
-  const unsigned b_n8 = 32u * unsigned(g.b_sn), b_k4 = 16u * unsigned(g.b_sk), b_k8 = 2u * b_k4;
-  const unsigned b_jump = 4u * unsigned(g.b_so - g.KI * g.b_sk);
-  unsigned a_addr = shared_addr(p.a) + 4u * unsigned(gr * g.a_sm + (k0 + tq) * g.a_sk);
-  int kin = k0 % g.KI;
-  unsigned b_addr = shared_addr(p.b) + 4u * unsigned((k0 / g.KI) * g.b_so + (kin + tq) * g.b_sk + gr * g.b_sn);
-  float av[4][2], bv[2][2];
-  auto load = [&]() {
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      av[r][0] = rv[r] ? ld_shared1(a_addr + r * a_row8) : 0.f;
-      av[r][1] = rv[r] ? ld_shared1(a_addr + r * a_row8 + a_k4) : 0.f;
-    }
-#pragma unroll
-    for (int c = 0; c < 2; ++c) {
-      bv[c][0] = cv[c] ? ld_shared1(b_addr + c * b_n8) : 0.f;
-      bv[c][1] = cv[c] ? ld_shared1(b_addr + c * b_n8 + b_k4) : 0.f;
-    }
-  };
-  load();
-#pragma unroll 1
-  for (int k = k0; k < k1; k += 8) {
-    uint32_t ah[2][4], al[2][4], bh[2][2], bl[2][2];
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt) {
-      split_tf32<3>(av[2 * mt][0], ah[mt][0], al[mt][0]);
-      split_tf32<3>(av[2 * mt + 1][0], ah[mt][1], al[mt][1]);
-      split_tf32<3>(av[2 * mt][1], ah[mt][2], al[mt][2]);
-      split_tf32<3>(av[2 * mt + 1][1], ah[mt][3], al[mt][3]);
-    }
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-      split_tf32<3>(bv[nt][0], bh[nt][0], bl[nt][0]);
-      split_tf32<3>(bv[nt][1], bh[nt][1], bl[nt][1]);
-    }
-    if (k + 8 < k1) {  // the next step's operands load while this one computes
-      a_addr += a_k8;
-      b_addr += b_k8;
-      kin += 8;
-      if (kin == g.KI) {
-        kin = 0;
-        b_addr += b_jump;
-      }
-      load();
-    }
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-        mma_split_add<3>(acc[mt][nt], ah[mt], al[mt], bh[nt][0], bh[nt][1], bl[nt][0], bl[nt][1]);
-  }
-}
-
-template <typename PtrsFn, typename Epilogue>
-__device__ __forceinline__ void block_gemm_tc(const TcShape& g, PtrsFn ptrs_of, Epilogue epi) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int bm = (g.M + 31) / 32, bn = (g.N + 15) / 16;
-  const int per_batch = bm * bn, blocks = g.batches * per_batch;
-  const int ksteps = g.K / 8;
-  int ks = 1;
-  while (blocks * ks * 2 <= kSmallWarps && (2 * ks - 1) * blocks * 512 <= kSmallTcPartFloats && ksteps >= 4 * ks)
-    ks *= 2;
-  const int items = blocks * ks;
-  float acc[2][2][4];
-  int own = -1, own_bt = 0, own_m0 = 0, own_n0 = 0;
-  for (int item = warp; item < items; item += kSmallWarps) {
-    const int kp = item / blocks, blk = item - kp * blocks;
-    const int bt = blk / per_batch, rem = blk - bt * per_batch;
-    const int mi = rem / bn, ni = rem - mi * bn;
-    const int m0 = 32 * mi, n0 = 16 * ni;
-    tc_block_mma(acc, ptrs_of(bt, m0, n0), g, g.M - m0, g.N - n0, 8 * (ksteps * kp / ks),
-                 8 * (ksteps * (kp + 1) / ks));
-    if (ks == 1) {
-#pragma unroll
-      for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt) epi(bt, m0 + 16 * mt, n0 + 8 * nt, acc[mt][nt]);
-    } else if (kp > 0) {
-      float* dst = g.part + ((kp - 1) * blocks + blk) * 512 + lane;
-#pragma unroll
-      for (int e = 0; e < 16; ++e) dst[32 * e] = acc[e / 8][(e / 4) % 2][e % 4];
-    } else {
-      own = blk, own_bt = bt, own_m0 = m0, own_n0 = n0;
-    }
-  }
-  if (ks > 1) {
-    __syncthreads();
-    if (own >= 0) {
-      for (int q = 1; q < ks; ++q) {
-        const float* src = g.part + ((q - 1) * blocks + own) * 512 + lane;
-#pragma unroll
-        for (int e = 0; e < 16; ++e) acc[e / 8][(e / 4) % 2][e % 4] += src[32 * e];
-      }
-#pragma unroll
-      for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt) epi(own_bt, own_m0 + 16 * mt, own_n0 + 8 * nt, acc[mt][nt]);
-    }
-  }
-}
-
-// kVecB: N % 4 == 0, so 4 consecutive rows of b are 4 consecutive j.  kTc: the tensor-core
-// variant (small_uses_tensor_cores(H); the plan's Dc is then a multiple of 8).
-template <bool kVecB, bool kTc>
+template <bool kVecB>  // kVecB: N % 4 == 0, so 4 consecutive rows of b are 4 consecutive j
 __global__ void __launch_bounds__(kSmallThreads, 1) opm_small_kernel(const SmallArgs p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   namespace cg = cooperative_groups;
@@ -330,9 +194,9 @@ __global__ void __launch_bounds__(kSmallThreads, 1) opm_small_kernel(const Small
 
   cluster_arrive_relaxed();
 
-  float* bT = smem + L.bT;       // [S*H][ld_bt]   b, transposed (k = s*H + h, then j)
-  float* aT = smem + L.aT;       // [H][ld_at]     a, transposed (rows m = i*S + s)
-  float* Ws = smem + L.w;        // [Dc*H][w_row]  W slice: rows (d, h1) of h2
+  float* bT = smem + L.bT;       // [S*H][N4]      b, transposed (k = s*H + h, then j)
+  float* aT = smem + L.aT;       // [H][MP4]       a, transposed (rows m = i*S + s)
+  float* Ws = smem + L.w;        // [Dc][H*H]      W slice, as in global memory
   float* den = smem + L.den;     // [TI]
   float* bias_o = smem + L.bias; // [Dc]
   float* mask_a = smem + L.mask_a;  // [MP4]
@@ -345,10 +209,9 @@ __global__ void __launch_bounds__(kSmallThreads, 1) opm_small_kernel(const Small
   float* ba = smem + L.ba;       // [H4]
   float* bb = smem + L.bb;       // [H4]
   float* mask_b = smem + L.mask_b;  // [Rb]
-  float* bloc = smem + L.bloc;   // [H][ld_bloc]   this block's rows of b, before the push
+  float* bloc = smem + L.bloc;   // [H][Rb]        this block's rows of b, before the push
   float* part_proj = smem + L.part_proj;
-  float* Pm = smem + L.p;        // P, aliasing the projection scratch: [TI*S*H][Dc]; tensor cores:
-                                 // [TI*Dc][p_row], row (il, d) holding s-blocks of p_s (h2)
+  float* Pm = smem + L.p;        // [TI*S*H][Dc]   P, aliasing the projection scratch
   float* part_po = smem + L.part_po;
 
   // ---- asynchronous loads: everything the block reads from global memory, in flight at once ----
@@ -411,22 +274,7 @@ __global__ void __launch_bounds__(kSmallThreads, 1) opm_small_kernel(const Small
     // W[d0 + dd, :] -> Ws[dd, :], one contiguous slab; rows past D are zero.
     const int HH = H * H;
     const float* w_src = p.w_out + int64_t(d0) * HH;
-    if (kTc && L.w_row != H) {
-      // rows (d, h1) padded to w_row; H % 8 == 0, so a row is whole 16-byte pieces
-      const int q = H / 4, rows = min(Dc, p.D - d0) * H;
-      const bool vec = (reinterpret_cast<uintptr_t>(p.w_out) & 15) == 0;
-      for (int f = tid; f < Dc * H * q; f += kSmallThreads) {
-        const int row = f / q, c = 4 * (f - row * q);
-        float* dst = &Ws[row * L.w_row + c];
-        const bool valid = row < rows;
-        if (vec) {
-          cp_async16z(dst, valid ? w_src + int64_t(row) * H + c : p.w_out, valid);
-        } else {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) cp_async4(dst + e, valid ? w_src + int64_t(row) * H + c + e : p.w_out, valid);
-        }
-      }
-    } else if ((HH % 4) == 0 && (reinterpret_cast<uintptr_t>(p.w_out) & 15) == 0) {
+    if ((HH % 4) == 0 && (reinterpret_cast<uintptr_t>(p.w_out) & 15) == 0) {
       const int valid4 = (min(Dc, p.D - d0) * HH) / 4;
       for (int f = tid; f < Dc * HH / 4; f += kSmallThreads)
         cp_async16z(&Ws[4 * f], f < valid4 ? w_src + 4 * f : p.w_out, f < valid4);
@@ -497,10 +345,10 @@ __global__ void __launch_bounds__(kSmallThreads, 1) opm_small_kernel(const Small
         const int h = idx / groups, rg = idx - h * groups;
         const int g0 = g_base + 4 * rg;
         if (g0 >= S * N) continue;
-        const float4 v = *reinterpret_cast<const float4*>(&bloc[h * L.ld_bloc + 4 * rg]);
+        const float4 v = *reinterpret_cast<const float4*>(&bloc[h * L.Rb + 4 * rg]);
         if (kVecB) {
           const int s = g0 / N, n = g0 - s * N;
-          const int off = (s * H + h) * L.ld_bt + n;
+          const int off = (s * H + h) * L.N4 + n;
           for (int q = 0; q < CL; ++q) *reinterpret_cast<float4*>(cluster.map_shared_rank(bT + off, q)) = v;
         } else {
           const float vals[4] = {v.x, v.y, v.z, v.w};
@@ -508,7 +356,7 @@ __global__ void __launch_bounds__(kSmallThreads, 1) opm_small_kernel(const Small
             const int g = g0 + e;
             if (g >= S * N) break;
             const int s = g / N, n = g - s * N;
-            const int off = (s * H + h) * L.ld_bt + n;
+            const int off = (s * H + h) * L.N4 + n;
             for (int q = 0; q < CL; ++q) *cluster.map_shared_rank(bT + off, q) = vals[e];
           }
         }
@@ -517,85 +365,12 @@ __global__ void __launch_bounds__(kSmallThreads, 1) opm_small_kernel(const Small
       cluster_sync();
       if (!has_rows) return;
     }
-    if (kTc && (job >= 2 || C % 8 == 0)) {
-      // ---- tensor cores ----
-      //   0, 1: C[row][h] = sum_c Xt[c][row] · W{a,b}[h][c]                 rows: a rows, b rows
-      //   2:    per d, C[h2][(il, s)] = sum_h1 Ws[(d, h1)][h2] · aT[h1][(il, s)]  -> P[(il, d)][s][h2]
-      //   3:    C[j][(il, d)] = sum_(s, h2) bT[(s, h2)][j] · P[(il, d)][s][h2]  -> out
-      TcShape g;
-      switch (job) {
-        case 0: g = {1, L.MP, H, C, C, 1, L.ldx, L.ldc, 1, 0, part_proj}; break;
-        case 1: g = {1, L.Rb, H, C, C, 1, L.ldx, L.ldc, 1, 0, part_proj}; break;
-        case 2: g = {Dc, H, L.MP, H, H, 1, L.w_row, 1, L.ld_at, 0, part_po}; break;
-        default: g = {1, N, TI * Dc, S * H, H, 1, L.ld_bt, L.p_row, 1, L.p_s, part_po}; break;
-      }
-      const int lane4 = (lane & 3) * 2, lane_g = lane >> 2;
-      block_gemm_tc(
-          g,
-          [&](int bt, int m0, int n0) -> TilePtrs {
-            switch (job) {
-              case 0: return {Xt + m0, Was + n0 * L.ldc};
-              case 1: return {Xt + L.MP4 + m0, Wbs + n0 * L.ldc};
-              case 2: return {Ws + (bt * H) * L.w_row + m0, aT + n0};
-              default: return {bT + m0, Pm + n0 * L.p_row};
-            }
-          },
-          [&](int bt, int m0, int n0, const float(&frag)[4]) {
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-              const int m = m0 + lane_g + 8 * half;
-              if (m >= g.M) continue;
-#pragma unroll
-              for (int c = 0; c < 2; ++c) {
-                const int n = n0 + lane4 + c;
-                if (n >= g.N) continue;
-                const float v = frag[2 * half + c];
-                if (job == 0) {
-                  aT[n * L.ld_at + m] = (v + ba[n]) * mask_a[m];
-                } else if (job == 1) {
-                  bloc[n * L.ld_bloc + m] = (v + bb[n]) * mask_b[m];
-                } else if (job == 2) {
-                  const int il = n / S, s = n - il * S;
-                  Pm[(il * Dc + bt) * L.p_row + s * L.p_s + m] = v;
-                }
-              }
-            }
-            if (job == 3) {
-              // out[b, i, j, d0 + d]: this fragment's columns (il, d) lie in one row i (Dc % 8 == 0)
-              const int il = n0 / Dc, i = i0 + il;
-              const int dl = n0 - il * Dc + lane4, d = d0 + dl;
-              if (i >= N || d >= p.D) return;
-              const bool pair_d = d + 1 < p.D;
-#pragma unroll
-              for (int half = 0; half < 2; ++half) {
-                const int j = m0 + lane_g + 8 * half;
-                if (j >= N) continue;
-                float pair = 0.f;  // sum_s m[s,i] m[s,j], in order of s
-                if (p.norm.kind != kNormRow)
-                  for (int s = 0; s < S; ++s) pair += mask_a[il * S + s] * mask_at(p.mask, b, s, j);
-                const float v0 = normalise(frag[2 * half], bias_o[dl], den[il], pair, p.norm);
-                float* dst = p.out + ((int64_t(b) * N + i) * N + j) * p.D + d;
-                if (pair_d) {
-                  const float v1 = normalise(frag[2 * half + 1], bias_o[dl + 1], den[il], pair, p.norm);
-                  if ((p.D % 2) == 0)
-                    *reinterpret_cast<float2*>(dst) = make_float2(v0, v1);
-                  else
-                    dst[0] = v0, dst[1] = v1;
-                } else {
-                  dst[0] = v0;
-                }
-              }
-            }
-          });
-      __syncthreads();
-      continue;
-    }
     GemmShape g;
     switch (job) {
       case 0: g = {L.MP4 / 4, L.H4 / 4, C, L.ldx, 1, L.ldc, true, part_proj}; break;
       case 1: g = {L.Rb / 4, L.H4 / 4, C, L.ldx, 1, L.ldc, true, part_proj}; break;
-      case 2: g = {L.MP4 / 4, H * dgroups, H, L.ld_at, H, HH, false, part_po}; break;
-      default: g = {L.N4 / 4, TI * dgroups, S * H, L.ld_bt, Dc, 0, true, part_po}; break;
+      case 2: g = {L.MP4 / 4, H * dgroups, H, L.MP4, H, HH, false, part_po}; break;
+      default: g = {L.N4 / 4, TI * dgroups, S * H, L.N4, Dc, 0, true, part_po}; break;
     }
     block_gemm_4x4(
         g,
@@ -619,7 +394,7 @@ __global__ void __launch_bounds__(kSmallThreads, 1) opm_small_kernel(const Small
             const float* bias = job == 0 ? ba : bb;
             const float* msk = job == 0 ? mask_a : mask_b;
             float* dst = job == 0 ? aT : bloc;
-            const int ld = job == 0 ? L.ld_at : L.ld_bloc;
+            const int ld = job == 0 ? L.MP4 : L.Rb;
 #pragma unroll
             for (int c = 0; c < 4; ++c) {
               const int h = 4 * tn + c;
