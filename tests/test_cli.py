@@ -97,3 +97,33 @@ def test_benchmark_builds_matching_implementations(module):
             assert module == "spec" and impl == "chunked"
             continue
         torch.testing.assert_close(fn(x, m), expect, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["backward", "training"])
+def test_benchmark_gradient_modes_match_the_reference(mode):
+    """The calls the benchmark times in its gradient modes give the reference's gradients (CPU)."""
+    from flashopm.__main__ import _callable, _models, _timed_call
+    from flashopm.testing import make_problem
+
+    shape = Shape(1, 3, 6, 5, 4, 3)
+    x, m, p = make_problem(shape, "masked_positions", seed=1)
+    x.requires_grad_()
+    ref, new = _models(shape, p, torch.float32, "spec", device="cpu")
+    grad_out = torch.randn(1, 6, 6, 3, generator=torch.Generator().manual_seed(2))
+    grads = {}
+    for impl, owner in (("eager", ref), ("flashopm", new)):
+        call = _timed_call(_callable(impl, ref, new), x, m, mode, [x, *owner.parameters()], grad_out)
+        grads[impl] = call()
+        assert len(grads[impl]) == 1 + len(list(owner.parameters()))
+    for a, b in zip(grads["eager"], grads["flashopm"]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@requires_cuda
+def test_benchmark_training_mode_on_gpu():
+    from flashopm.__main__ import bench_shape
+
+    rows = bench_shape(Shape(1, 4, 16, 8, 8, 8), ["eager", "flashopm"], 3, 64, torch.float32, mode="training")
+    assert [r["status"] for r in rows] == ["ok", "ok"]
+    eager, ours = rows
+    assert ours["allclose_eager_1e-4"] and ours["rel_err_fp64"] <= 2 * eager["rel_err_fp64"] + 1e-6

@@ -4,8 +4,8 @@ check              the KernelBench protocol on the specification (seeded modules
                    random masks), then the spec shape's speed next to eager PyTorch; on a machine
                    without a GPU, the CPU path.
 bench              flashopm next to eager PyTorch and torch.compile (default and reduce-overhead)
-                   at the spec and AlphaFold-scale shapes; writes results.json, results.csv and
-                   results.png to --out.
+                   at the spec and AlphaFold-scale shapes, forward, backward or both (--mode);
+                   writes results.json, results.csv and results.png to --out.
 export-kernelbench one self-contained file defining ModelNew for a KernelBench-style harness.
 plot               redraws results.png from a results.json.
 info               GPU, versions, build cache.
@@ -115,6 +115,11 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # module next to the pure-PyTorch einsum formulation of that model, and its chunked form).
 MODULES = ("spec", "openfold", "boltz")
 CHUNK_SIZE = 4  # OpenFold's default chunk size
+# What one timed call does: the forward; the backward alone (through one retained forward graph);
+# or a training step's forward and backward.  Gradients: msa_repr and every parameter.
+MODES = ("forward", "backward", "training")
+# FLOPs of a call relative to the forward's: the backward of each contraction is two of its size.
+MODE_FLOPS = {"forward": 1.0, "backward": 2.0, "training": 3.0}
 
 
 def _models(shape: Shape, p: dict, dtype: torch.dtype, module: str = "spec", device: str = "cuda"):
@@ -176,8 +181,37 @@ def _callable(impl: str, ref, new, dtype: torch.dtype = torch.float32):
     raise SystemExit(f"--impls: unknown implementation {impl!r}; expected some of {', '.join(IMPLS)}")
 
 
+def _grads_reference64(shape: Shape, x, m, p: dict, grad_out, normalization: int) -> list[torch.Tensor]:
+    """Float64 gradients of (msa_repr, then the parameters present) through the reference."""
+    from .reference import outer_product_mean_reference
+
+    leaves = {"x": x.detach().double().requires_grad_()}
+    leaves.update({k: v.detach().double().cuda().requires_grad_() for k, v in p.items() if v is not None})
+    get = lambda k: leaves.get(k)  # noqa: E731
+    out = outer_product_mean_reference(leaves["x"], m.double(), get("ln_weight"), get("ln_bias"), get("w_a"),
+                                       get("b_a"), get("w_b"), get("b_b"), get("w_out"), get("b_out"), 1e-5,
+                                       normalization, 1e-3)
+    return list(torch.autograd.grad(out, list(leaves.values()), grad_out.double()))
+
+
+def _grads_error(grads, ref64) -> float:
+    """Normwise relative error of all gradients together."""
+    num = sum(float((g.double() - r).norm() ** 2) for g, r in zip(grads, ref64))
+    den = sum(float(r.norm() ** 2) for r in ref64)
+    return (num / max(den, 1e-300)) ** 0.5
+
+
+def _timed_call(fn, x, m, mode: str, leaves: list, grad_out):
+    if mode == "forward":
+        return lambda: fn(x, m)
+    if mode == "training":
+        return lambda: torch.autograd.grad(fn(x, m), leaves, grad_out)
+    out = fn(x, m)  # the backward alone, through this graph each time
+    return lambda: torch.autograd.grad(out, leaves, grad_out, retain_graph=True)
+
+
 def bench_shape(shape: Shape, impls: list[str], n_calls: int, fp64_max_n: int, dtype: torch.dtype,
-                progress=None, module: str = "spec") -> list[dict]:
+                progress=None, module: str = "spec", mode: str = "forward") -> list[dict]:
     """One row per implementation: wall and graph time, memory, error, TFLOP/s (or a status)."""
     from .bench import is_oom, peak_extra_bytes, time_graph, time_wall, warm_gpu
 
@@ -188,28 +222,41 @@ def bench_shape(shape: Shape, impls: list[str], n_calls: int, fp64_max_n: int, d
         p = dict(p, b_a=None, b_b=None)
     x, m = x.to("cuda", dtype), m.to("cuda", dtype)
     inputs_bytes = sum(t.numel() * t.element_size() for t in (x, m, *ref.parameters()))
+    grad_out = None
+    if mode != "forward":
+        x.requires_grad_()
+        grad_out = torch.randn(shape.B, shape.N, shape.N, shape.D, device="cuda",
+                               generator=torch.Generator("cuda").manual_seed(1)).to(dtype)
     ref64 = None
     if shape.N <= fp64_max_n:
-        ref64 = reference(x.double(), m.double(), {k: None if v is None else v.cuda() for k, v in p.items()},
-                          dtype=torch.float64, normalization=normalization)
+        if mode == "forward":
+            ref64 = reference(x.double(), m.double(), {k: None if v is None else v.cuda() for k, v in p.items()},
+                              dtype=torch.float64, normalization=normalization)
+        else:
+            ref64 = _grads_reference64(shape, x, m, p, grad_out, normalization)
     rows, eager_out = [], None
     for impl in impls:
         if progress:
             progress(f"{shape} {impl}")
         row = {"shape": str(shape), **shape.__dict__, "impl": impl, "dtype": str(dtype).replace("torch.", ""),
-               "module": module}
+               "module": module, "mode": mode}
         fn = _callable(impl, ref, new, dtype)
-        if fn is None:
-            continue
+        if fn is None or (mode != "forward" and impl == "compile-ro"):
+            continue  # reduce-overhead: forward only here
+        owner = new if impl.startswith("flashopm") else ref
+        leaves = [x, *owner.parameters()]
         try:
-            with torch.no_grad():
+            with torch.set_grad_enabled(mode != "forward"):
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
-                extra, out = peak_extra_bytes(lambda: fn(x, m))
-                out = out.clone()  # reduce-overhead reuses its output buffer on the next call
+                extra, out = peak_extra_bytes(_timed_call(fn, x, m, mode, leaves, grad_out))
+                out = out.clone() if mode == "forward" else [g.detach().clone() for g in out]
+                call = _timed_call(fn, x, m, mode, leaves, grad_out)
                 warm_gpu()
-                wall = time_wall(lambda: fn(x, m), n=n_calls, warmup=3)
-                graph = time_graph(lambda: fn(x, m), n=20) if impl.startswith(("flashopm", "eager")) else None
+                wall = time_wall(call, n=n_calls, warmup=3)
+                graph = (time_graph(call, n=20) if mode == "forward" and impl.startswith(("flashopm", "eager"))
+                         else None)
+                del call
         except Exception as exc:  # a peer's OOM or unsupported dtype is a result; anything else is a bug
             if is_oom(exc):
                 row.update(status="OOM")
@@ -231,13 +278,18 @@ def bench_shape(shape: Shape, impls: list[str], n_calls: int, fp64_max_n: int, d
             graph_us=graph.median_us if graph else None,
             peak_bytes=extra + inputs_bytes,  # what one call holds in a fresh process
             peak_extra_bytes=extra,
-            extra_over_output=extra / (shape.out_bytes * out.element_size() / 4),
-            tflops=shape.flops / (wall.median_us * 1e-6) / 1e12,
+            extra_over_output=extra / (shape.out_bytes * x.element_size() / 4),
+            tflops=MODE_FLOPS[mode] * shape.flops / (wall.median_us * 1e-6) / 1e12,
         )
         if ref64 is not None:
-            row.update(rel_err_fp64=rel_error(out, ref64), max_abs_err_fp64=max_abs_error(out, ref64))
+            if mode == "forward":
+                row.update(rel_err_fp64=rel_error(out, ref64), max_abs_err_fp64=max_abs_error(out, ref64))
+            else:
+                row.update(rel_err_fp64=_grads_error(out, ref64))
         if eager_out is not None and impl != "eager":
-            row["allclose_eager_1e-4"] = bool(torch.allclose(out.float(), eager_out.float(), atol=1e-4, rtol=1e-4))
+            outs, refs = (out, eager_out) if mode != "forward" else ([out], [eager_out])
+            row["allclose_eager_1e-4"] = all(
+                bool(torch.allclose(a.float(), b.float(), atol=1e-4, rtol=1e-4)) for a, b in zip(outs, refs))
         del out
         rows.append(row)
     del eager_out, ref64
@@ -261,6 +313,7 @@ def cmd_bench(args) -> int:
     env = environment()
     env["dtype"] = args.dtype
     env["module"] = args.module
+    env["mode"] = args.mode
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     _build.load()
@@ -284,12 +337,12 @@ def cmd_bench(args) -> int:
     rows = []
     results = {"environment": env, "results": rows}
     for shape in shapes:
-        rows += bench_shape(shape, impls, args.calls, args.fp64_max_n, dtype, progress, args.module)
+        rows += bench_shape(shape, impls, args.calls, args.fp64_max_n, dtype, progress, args.module, args.mode)
         _write_results(results, out_dir)  # after every shape: a run cut short keeps what it measured
     print(file=sys.stderr)
     render(results, out_dir / "results.png")
     g = env["gemm_tflops"]
-    print(f"{env['gpu']}, torch {env['torch']} (CUDA {env['cuda']}), {env['date']}, {args.dtype}; "
+    print(f"{env['gpu']}, torch {env['torch']} (CUDA {env['cuda']}), {env['date']}, {args.dtype}, {args.mode}; "
           f"empty extension call {env['empty_extension_call_us']:.1f} us; GEMM ceilings (cuBLAS) "
           f"fp32 {g['fp32']:.1f}, tf32 {g['tf32']:.1f}, bf16 {g['bf16']:.1f} TFLOP/s")
     print(_table(rows))
@@ -368,6 +421,8 @@ def main(argv=None) -> int:
     b.add_argument("--module", default="spec", choices=MODULES,
                    help="the specification's module, or the OpenFold / Boltz convention")
     b.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    b.add_argument("--mode", default="forward", choices=MODES,
+                   help="time the forward, the backward alone, or forward and backward (a training step)")
     b.add_argument("--calls", type=int, default=100, help="timed calls per implementation and shape")
     b.add_argument("--fp64-max-n", type=int, default=768, help="largest N checked against an fp64 reference")
     b.add_argument("--out", default="bench-results")
