@@ -83,6 +83,8 @@ def test_chunked_backward_matches_unchunked():
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
 @pytest.mark.parametrize("algorithm", [0, 1], ids=["auto", "outer"])  # on CUDA: single launch; tensor cores (H = 8)
 def test_opcheck(device, algorithm):
+    if device == "cuda":
+        flashopm.load()  # the op is called directly here, not through the functional API
     x, m, p = make_problem(Shape(2, 3, 5, 6, 8, 3), "masked_positions", seed=8)
     x, m, p = x.to(device), m.to(device), {k: v.to(device) for k, v in p.items()}
     x.requires_grad_()

@@ -1,8 +1,11 @@
 """flashopm: a fused, exact Outer-Product Mean for PyTorch.
 
-Importing never compiles anything; the CUDA extension is built on the first CUDA call.
+Importing never compiles anything; the CUDA extension is built on the first CUDA call through the
+functional API or a module.  Calling `torch.ops.flashopm.*` on CUDA tensors directly needs
+`flashopm.load()` first (it builds once, then loads from the cache).
 """
 from . import ops  # noqa: F401  (registers the op schemas)
+from ._build import load
 from .functional import outer_product_mean
 from .modules import BoltzOuterProductMean, ModelNew, OpenFoldOuterProductMean
 from .reference import (
@@ -25,6 +28,7 @@ __all__ = [
     "OpenFoldOuterProductMeanReference",
     "get_init_inputs",
     "get_inputs",
+    "load",
     "outer_product_mean",
     "outer_product_mean_reference",
 ]
