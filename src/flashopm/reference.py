@@ -129,24 +129,17 @@ def outer_product_mean_backward_reference(
     grad_b = torch.zeros_like(b) if need_proj else None
     grad_w = torch.zeros(D, H, H, dtype=work, device=x.device) if need_wo else None
     rows = rows_per_block(B, N, H, chunk_elems)
-    # The (B, n, H, N, H) blocks are laid out [i][p][j][q] (rows (i, p), columns (j, q)), so that
-    # every contraction below is one batched GEMM on them as they are, with no permuted copy.
-    b_cols = b.reshape(B, S, N * H)
     for i0 in range(0, N if (need_proj or need_wo) else 0, rows):
         i1 = min(N, i0 + rows)
-        n = i1 - i0
         gi = g[:, i0:i1]
-        a_rows = a[:, :, i0:i1].reshape(B, S, n * H)
         if need_proj:
-            # dO[b,i,p,j,q] = sum_d g[b,i,j,d] W[d,p,q]: per (b, i, p), (N x D) @ (D x H)
-            d_outer = torch.matmul(gi.unsqueeze(2), W.transpose(0, 1)).reshape(B, n * H, N * H)
-            grad_a[:, :, i0:i1] = torch.matmul(d_outer, b_cols.transpose(1, 2)).view(B, n, H, S).permute(0, 3, 1, 2)
-            grad_b += torch.matmul(a_rows, d_outer).view(B, S, N, H)
+            d_outer = torch.einsum("bijd,dpq->bijpq", gi, W)
+            grad_a[:, :, i0:i1] = torch.einsum("bijpq,bsjq->bsip", d_outer, b)
+            grad_b += torch.einsum("bijpq,bsip->bsjq", d_outer, a[:, :, i0:i1])
             del d_outer
         if need_wo:
-            # O[b,i,p,j,q] = sum_s a[b,s,i,p] b[b,s,j,q]; grad_W[d,p,q] = sum_{b,i,j} g[b,i,j,d] O[b,i,p,j,q]
-            outer = torch.matmul(a_rows.transpose(1, 2), b_cols).view(B, n, H, N, H)
-            grad_w += torch.matmul(gi.transpose(2, 3).unsqueeze(2), outer).sum((0, 1)).transpose(0, 1)
+            outer = torch.einsum("bsip,bsjq->bijpq", a[:, :, i0:i1], b)
+            grad_w += torch.einsum("bijd,bijpq->dpq", gi, outer)
             del outer
     grads: dict[str, torch.Tensor | None] = dict.fromkeys(GRAD_INPUTS)
     if need_wo:
