@@ -39,7 +39,7 @@ def _worker(rank, world, port, shape, normalization, results):
         leaves = {k: v.clone().requires_grad_() for k, v in p.items()}
         x_local = x[:, :, n0:n1].clone().requires_grad_()
         out = sharded_outer_product_mean(x_local, m[:, :, n0:n1], *(leaves[k] for k in PARAM_ORDER),
-                                         normalization=normalization, rows_per_block=2)
+                                         normalization=normalization)
         g = torch.randn(shape.B, shape.N, shape.N, shape.D, generator=torch.Generator().manual_seed(5)).double()
         (out * g[:, n0:n1]).sum().backward()
         grads = {k: v.grad.clone() for k, v in leaves.items()}

@@ -12,8 +12,9 @@ sums each rank's share of the gradient back to its owner), so autograd works acr
 three normalisations of `flashopm.outer_product_mean` are supported; the pair normalisations
 use the gathered mask.
 
-The contraction on the local rows runs in PyTorch (blocks of rows, as the backward does) on every
-device today; the fused kernel for a row range is not there yet.
+The contraction on the local rows is the op `flashopm::outer_product_mean_rows`: on CUDA the fused
+outer-first kernel (without its LayerNorm/projection stage, which ran here), on the CPU the
+PyTorch reference; its backward is PyTorch (blocks of rows) on every device.
 """
 from __future__ import annotations
 
@@ -22,8 +23,9 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .ops import NORMALIZATIONS
 from . import reference
+from .functional import outer_product_mean_rows
+from .ops import NORMALIZATIONS
 
 
 def _gather_along_residues(t: torch.Tensor, group, sizes: list[int]) -> torch.Tensor:
@@ -61,7 +63,6 @@ def sharded_outer_product_mean(
     ln_eps: float = 1e-5,
     normalization: str = "row",
     norm_eps: float = 1e-3,
-    rows_per_block: int | None = None,
 ) -> torch.Tensor:
     """This rank's rows of the outer-product mean; see the module docstring.
 
@@ -71,24 +72,13 @@ def sharded_outer_product_mean(
     if normalization not in NORMALIZATIONS:
         raise ValueError(f"flashopm: normalization must be one of {sorted(NORMALIZATIONS)}, got {normalization!r}")
     sizes = shard_sizes(msa_local, group)
-    B, S, n_local, C = msa_local.shape
-    H, D = w_a.shape[0], w_out.shape[0]
     mask = mask_local.to(msa_local.dtype)
     a, b = reference.masked_projections(msa_local, mask, ln_weight, ln_bias, w_a, b_a, w_b, b_b, ln_eps)
     b_all = _gather_along_residues(b, group, sizes)                    # (B, S, N, H)
     mask_all = _gather_along_residues(mask, group, sizes).detach()   # (B, S, N)
-    N = b_all.shape[2]
-    W = w_out.view(D, H, H)
-    step = rows_per_block or reference.rows_per_block(B, N, H)
-    blocks = []
-    for i0 in range(0, n_local, step):
-        outer = torch.einsum("bsip,bsjq->bijpq", a[:, :, i0:i0 + step], b_all)
-        blocks.append(torch.einsum("bijpq,dpq->bijd", outer, W))
-    acc = torch.cat(blocks, dim=1) if blocks else a.new_zeros(B, 0, N, D)
-    bias = 0.0 if b_out is None else b_out
-    kind = NORMALIZATIONS[normalization]
-    den = reference.output_divisor(mask, mask_all, kind, norm_eps)
-    return (acc + bias) / den if kind == NORMALIZATIONS["openfold"] else acc / den + bias
+    row_offset = sum(sizes[:dist.get_rank(group)])
+    return outer_product_mean_rows(a, b_all, mask_all, row_offset, w_out, b_out, normalization=normalization,
+                                   norm_eps=norm_eps)
 
 
 class ShardedOuterProductMean(nn.Module):

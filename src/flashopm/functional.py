@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from . import _build
-from .ops import ALGORITHMS, FOLLOW_PYTORCH, NORMALIZATIONS, PRECISIONS, outer_product_mean_op
+from .ops import ALGORITHMS, FOLLOW_PYTORCH, NORMALIZATIONS, PRECISIONS, outer_product_mean_op, outer_product_mean_rows_op
 
 
 def outer_product_mean(
@@ -65,3 +65,38 @@ def outer_product_mean(
         msa_repr, msa_mask, ln_weight, ln_bias, ln_eps, w_a, b_a, w_b, b_b, w_out, b_out, ALGORITHMS[algorithm],
         NORMALIZATIONS[normalization], norm_eps, FOLLOW_PYTORCH if precision is None else PRECISIONS[precision],
     )
+
+
+def outer_product_mean_rows(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    mask: torch.Tensor,
+    row_offset: int,
+    w_out: torch.Tensor,
+    b_out: torch.Tensor | None,
+    *,
+    normalization: str = "row",
+    norm_eps: float = 1e-3,
+    precision: str | None = None,
+) -> torch.Tensor:
+    """Rows row_offset .. row_offset + N_rows of the outer-product mean, from the projections.
+
+    Args:
+        a: (B, S, N_rows, H) masked left projections of residues row_offset .. row_offset + N_rows.
+        b: (B, S, N, H) masked right projections of all residues.
+        mask: (B, S, N) mask of all residues (for the normalisers).
+        w_out, b_out, normalization, norm_eps, precision: as in `outer_product_mean`.
+
+    Returns:
+        (B, N_rows, N, D): out[:, r, j] = normalise(W_out vec(sum_s a[:, s, r] (x) b[:, s, j]))
+        for row i = row_offset + r.  The residue-sharded OPM runs this on each rank's rows; on
+        CUDA it is the fused outer-first kernel without its LayerNorm/projection stage.
+    """
+    if normalization not in NORMALIZATIONS:
+        raise ValueError(f"flashopm: normalization must be one of {sorted(NORMALIZATIONS)}, got {normalization!r}")
+    if precision is not None and precision not in PRECISIONS:
+        raise ValueError(f"flashopm: precision must be one of {sorted(PRECISIONS)} or None, got {precision!r}")
+    if a.is_cuda and not _build.is_loaded():
+        _build.load()
+    return outer_product_mean_rows_op(a, b, mask, row_offset, w_out, b_out, NORMALIZATIONS[normalization], norm_eps,
+                                      FOLLOW_PYTORCH if precision is None else PRECISIONS[precision])

@@ -12,7 +12,14 @@ from __future__ import annotations
 import torch
 
 from . import _build
-from .reference import GRAD_INPUTS, outer_product_mean_backward_reference, outer_product_mean_reference
+from .reference import (
+    GRAD_INPUTS,
+    ROWS_GRAD_INPUTS,
+    outer_product_mean_backward_reference,
+    outer_product_mean_reference,
+    outer_product_mean_rows_backward_reference,
+    outer_product_mean_rows_reference,
+)
 
 # "outer" runs on tensor cores where it can (hidden_dim a multiple of 8, sm_80+), "outer-fma" on CUDA
 # cores always.
@@ -40,6 +47,18 @@ SCHEMAS = {
         "outer_product_mean_backward(Tensor grad_out, Tensor msa_repr, Tensor msa_mask, Tensor ln_weight, "
         "Tensor ln_bias, float ln_eps, Tensor w_a, Tensor? b_a, Tensor w_b, Tensor? b_b, Tensor w_out, "
         "Tensor? b_out, int normalization, float norm_eps, bool[] output_mask) -> Tensor[]"
+    ),
+    # Rows row_offset .. row_offset + N_rows of the outer-product mean from projections already
+    # computed: a (B, S, N_rows, H) of those residues, b (B, S, N, H) and mask (B, S, N) of all
+    # residues -> (B, N_rows, N, D).  The residue-sharded OPM's local contraction.
+    "outer_product_mean_rows": (
+        "outer_product_mean_rows(Tensor a, Tensor b, Tensor mask, int row_offset, Tensor w_out, Tensor? b_out, "
+        "int normalization=0, float norm_eps=0.001, int precision=-1) -> Tensor"
+    ),
+    # Gradients for (a, b, w_out, b_out); entries not asked for (or an absent bias) are empty.
+    "outer_product_mean_rows_backward": (
+        "outer_product_mean_rows_backward(Tensor grad_out, Tensor a, Tensor b, Tensor mask, int row_offset, "
+        "Tensor w_out, Tensor? b_out, int normalization, float norm_eps, bool[] output_mask) -> Tensor[]"
     ),
     "_noop": "_noop(Tensor x) -> ()",
     # The single-launch kernel's tiling for a problem size (CUDA only; for tests and the
@@ -211,3 +230,113 @@ outer_product_mean_backward_op = torch.ops.flashopm.outer_product_mean_backward.
 # earlier autocast layers produced in half precision are cast up, and the output is float32.
 for _device in ("cuda", "cpu"):
     torch.library.register_autocast("flashopm::outer_product_mean", _device, torch.float32)
+
+
+# ---- rows of the outer-product mean from projections (the sharded OPM's local contraction) ----
+
+
+def check_rows_inputs(a, b, mask, row_offset, w_out, b_out, normalization=0, precision=FOLLOW_PYTORCH):
+    """Shape/device/dtype checks of the rows op's CPU and fake paths (the CUDA path checks in C++)."""
+    if a.dim() != 4:
+        raise ValueError(f"flashopm: a must have shape (B, S, N_rows, hidden), got {a.dim()} dims {tuple(a.shape)}")
+    if b.dim() != 4:
+        raise ValueError(f"flashopm: b must have shape (B, S, N, hidden), got {b.dim()} dims {tuple(b.shape)}")
+    B, S, N, H = b.shape
+    Nr = a.shape[2]
+    if (a.shape[0], a.shape[1], a.shape[3]) != (B, S, H):
+        raise ValueError(f"flashopm: a must have shape (B, S, N_rows, hidden) = ({B}, {S}, N_rows, {H}) to match b, "
+                         f"got {tuple(a.shape)}")
+    if tuple(mask.shape) != (B, S, N):
+        raise ValueError(f"flashopm: mask must have shape (B, S, N) = {(B, S, N)} to match b, got {tuple(mask.shape)}")
+    if mask.dtype not in _MASK_DTYPES:
+        raise ValueError(f"flashopm: mask must be a floating-point or bool tensor, got {mask.dtype}")
+    if not (0 <= row_offset and row_offset + Nr <= N):
+        raise ValueError(f"flashopm: rows [row_offset, row_offset + N_rows) = [{row_offset}, {row_offset + Nr}) "
+                         f"must lie in [0, N) with N = {N}")
+    if not a.dtype.is_floating_point:
+        raise ValueError(f"flashopm: a must be a floating-point tensor, got {a.dtype}")
+    if w_out.dim() != 2 or w_out.shape[1] != H * H:
+        raise ValueError(f"flashopm: out_proj weight must have shape [pair_dim, {H * H}], got {list(w_out.shape)}")
+    D = w_out.shape[0]
+    for name, t, shape in (("b", b, (B, S, N, H)), ("mask", mask, (B, S, N)), ("out_proj weight", w_out, (D, H * H)),
+                           ("out_proj bias", b_out, (D,))):
+        if t is None:
+            continue
+        if t.device != a.device:
+            raise ValueError(f"flashopm: {name} is on {t.device} but a is on {a.device}")
+        if name != "mask" and t.dtype != a.dtype:
+            raise ValueError(f"flashopm: {name} must have dtype {a.dtype} like a, got {t.dtype}")
+        if tuple(t.shape) != shape:
+            raise ValueError(f"flashopm: {name} must have shape {list(shape)}, got {list(t.shape)}")
+    if precision not in (FOLLOW_PYTORCH, 0, 1, 2):
+        raise ValueError(
+            f"flashopm: precision must be -1 (PyTorch's setting), 0 (highest), 1 (high) or 2 (medium), got {precision}"
+        )
+    if normalization not in (0, 1, 2):
+        raise ValueError(f"flashopm: normalization must be 0 (row), 1 (openfold) or 2 (boltz), got {normalization}")
+    return B, S, N, Nr, H, D
+
+
+@torch.library.impl(_lib, "outer_product_mean_rows", "CPU")
+def _outer_product_mean_rows_cpu(a, b, mask, row_offset, w_out, b_out, normalization=0, norm_eps=1e-3,
+                                 precision=FOLLOW_PYTORCH):
+    check_rows_inputs(a, b, mask, row_offset, w_out, b_out, normalization, precision)
+    return outer_product_mean_rows_reference(a, b, mask, row_offset, w_out, b_out, normalization,
+                                             norm_eps).contiguous()
+
+
+@torch.library.register_fake("flashopm::outer_product_mean_rows")
+def _outer_product_mean_rows_fake(a, b, mask, row_offset, w_out, b_out, normalization=0, norm_eps=1e-3,
+                                  precision=FOLLOW_PYTORCH):
+    B, S, N, Nr, H, D = check_rows_inputs(a, b, mask, row_offset, w_out, b_out, normalization, precision)
+    if a.device.type == "cuda":
+        _build.load()
+    return a.new_empty((B, Nr, N, D))
+
+
+@torch.library.impl(_lib, "outer_product_mean_rows_backward", "CompositeExplicitAutograd")
+def _outer_product_mean_rows_backward_impl(grad_out, a, b, mask, row_offset, w_out, b_out, normalization, norm_eps,
+                                           output_mask):
+    if len(output_mask) != len(ROWS_GRAD_INPUTS):
+        raise ValueError(f"flashopm: output_mask must have {len(ROWS_GRAD_INPUTS)} entries, got {len(output_mask)}")
+    grads = outer_product_mean_rows_backward_reference(grad_out, a, b, mask, row_offset, w_out, b_out, normalization,
+                                                       norm_eps, tuple(output_mask))
+    return _grads_as_tensors(grads, (a, b, w_out, b_out))
+
+
+@torch.library.register_fake("flashopm::outer_product_mean_rows_backward")
+def _outer_product_mean_rows_backward_fake(grad_out, a, b, mask, row_offset, w_out, b_out, normalization, norm_eps,
+                                           output_mask):
+    return [t.new_empty(t.shape) if (need and t is not None) else a.new_empty(0)
+            for need, t in zip(output_mask, (a, b, w_out, b_out))]
+
+
+def _rows_setup_context(ctx, inputs, output):
+    a, b, mask, row_offset, w_out, b_out = inputs[:6]
+    ctx.num_inputs = len(inputs)
+    ctx.row_offset = row_offset
+    ctx.normalization = inputs[6] if len(inputs) > 6 else 0
+    ctx.norm_eps = inputs[7] if len(inputs) > 7 else 1e-3
+    ctx.save_for_backward(a, b, mask, w_out, b_out)
+
+
+_ROWS_GRAD_POSITIONS = (0, 1, 4, 5)  # a, b, w_out, b_out in the op's arguments
+
+
+def _rows_backward(ctx, grad_out):
+    a, b, mask, w_out, b_out = ctx.saved_tensors
+    needs = [bool(ctx.needs_input_grad[i]) for i in _ROWS_GRAD_POSITIONS]
+    grads = [None] * ctx.num_inputs
+    if not any(needs):
+        return tuple(grads)
+    computed = outer_product_mean_rows_backward_op(grad_out.contiguous(), a, b, mask, ctx.row_offset, w_out, b_out,
+                                                   ctx.normalization, ctx.norm_eps, needs)
+    for pos, need, g in zip(_ROWS_GRAD_POSITIONS, needs, computed):
+        grads[pos] = g if need else None
+    return tuple(grads)
+
+
+torch.library.register_autograd("flashopm::outer_product_mean_rows", _rows_backward, setup_context=_rows_setup_context)
+
+outer_product_mean_rows_op = torch.ops.flashopm.outer_product_mean_rows.default
+outer_product_mean_rows_backward_op = torch.ops.flashopm.outer_product_mean_rows_backward.default

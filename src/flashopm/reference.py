@@ -33,6 +33,81 @@ def rows_per_block(B: int, N: int, H: int, elems: int = 1 << 26) -> int:
     return max(1, elems // max(1, B * N * H * H))
 
 
+def contract_outer_blocks(a: torch.Tensor, b: torch.Tensor, w_out: torch.Tensor,
+                          chunk_elems: int = 1 << 26) -> torch.Tensor:
+    """W_out vec(sum_s a[:, s, i] (x) b[:, s, j]) for a (B, S, Ni, H) and b (B, S, Nj, H), as
+    (B, Ni, Nj, D), forming the (B, n, Nj, H, H) intermediate for blocks of n rows i only."""
+    B, S, Ni, H = a.shape
+    Nj, D = b.shape[2], w_out.shape[0]
+    W = w_out.view(D, H, H)
+    step = rows_per_block(B, Nj, H, chunk_elems)
+    blocks = [torch.einsum("bijpq,dpq->bijd", torch.einsum("bsip,bsjq->bijpq", a[:, :, i0:i0 + step], b), W)
+              for i0 in range(0, Ni, step)]
+    return torch.cat(blocks, dim=1) if blocks else a.new_zeros(B, 0, Nj, D)
+
+
+def contract_outer_blocks_backward(g: torch.Tensor, a: torch.Tensor, b: torch.Tensor, w_out: torch.Tensor,
+                                   need_ab: bool, need_w: bool, chunk_elems: int = 1 << 26):
+    """Gradients of contract_outer_blocks for the output gradient g (B, Ni, Nj, D): (grad_a,
+    grad_b, grad_w_out), None where not needed, with the (B, n, Nj, H, H) intermediates formed
+    for blocks of n rows only:
+        dO[i,j] = sum_d g[i,j,d] W[d];  grad_a[s,i] = sum_j dO[i,j] b[s,j];  grad_b[s,j] = sum_i dO[i,j]^T a[s,i]
+        grad_W[d] = sum_{i,j} g[i,j,d] sum_s a[s,i] (x) b[s,j]"""
+    B, S, Ni, H = a.shape
+    Nj, D = b.shape[2], w_out.shape[0]
+    W = w_out.view(D, H, H)
+    grad_a = torch.zeros_like(a) if need_ab else None
+    grad_b = torch.zeros_like(b) if need_ab else None
+    grad_w = torch.zeros(D, H, H, dtype=a.dtype, device=a.device) if need_w else None
+    step = rows_per_block(B, Nj, H, chunk_elems)
+    for i0 in range(0, Ni if (need_ab or need_w) else 0, step):
+        i1 = min(Ni, i0 + step)
+        gi = g[:, i0:i1]
+        if need_ab:
+            d_outer = torch.einsum("bijd,dpq->bijpq", gi, W)
+            grad_a[:, :, i0:i1] = torch.einsum("bijpq,bsjq->bsip", d_outer, b)
+            grad_b += torch.einsum("bijpq,bsip->bsjq", d_outer, a[:, :, i0:i1])
+            del d_outer
+        if need_w:
+            outer = torch.einsum("bsip,bsjq->bijpq", a[:, :, i0:i1], b)
+            grad_w += torch.einsum("bijd,bijpq->dpq", gi, outer)
+            del outer
+    return grad_a, grad_b, None if grad_w is None else grad_w.reshape(D, H * H)
+
+
+def outer_product_mean_rows_reference(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor, row_offset: int,
+                                      w_out: torch.Tensor, b_out: torch.Tensor | None, normalization: int = 0,
+                                      norm_eps: float = 1e-3, chunk_elems: int = 1 << 26) -> torch.Tensor:
+    """Rows i = row_offset .. row_offset + Nr of the outer-product mean, from the projections:
+    a (B, S, Nr, H) of those residues, b (B, S, N, H) and mask (B, S, N) of all residues.
+    Returns (B, Nr, N, D), normalised as in outer_product_mean_reference (the sharded OPM's local
+    contraction)."""
+    Nr = a.shape[2]
+    m = mask.to(a.dtype)
+    den = output_divisor(m[:, :, row_offset:row_offset + Nr], m, normalization, norm_eps)
+    acc = contract_outer_blocks(a, b, w_out, chunk_elems)
+    bias = 0.0 if b_out is None else b_out
+    return (acc + bias) / den if normalization == 1 else acc / den + bias
+
+
+ROWS_GRAD_INPUTS = ("a", "b", "w_out", "b_out")
+
+
+def outer_product_mean_rows_backward_reference(grad_out, a, b, mask, row_offset, w_out, b_out, normalization=0,
+                                               norm_eps=1e-3, needs=(True,) * 4, chunk_elems=1 << 26):
+    """Gradients of outer_product_mean_rows_reference for ROWS_GRAD_INPUTS (None where not needed
+    or where the bias is None)."""
+    Nr = a.shape[2]
+    m = mask.to(a.dtype)
+    g = grad_out / output_divisor(m[:, :, row_offset:row_offset + Nr], m, normalization, norm_eps)
+    need_a, need_b, need_w, need_bo = needs
+    grad_a, grad_b, grad_w = contract_outer_blocks_backward(g, a, b, w_out, need_a or need_b, need_w, chunk_elems)
+    grad_bo = None
+    if need_bo and b_out is not None:
+        grad_bo = (g if normalization == 1 else grad_out).sum((0, 1, 2))
+    return [grad_a if need_a else None, grad_b if need_b else None, grad_w, grad_bo]
+
+
 def outer_product_mean_reference(
     msa_repr: torch.Tensor,
     msa_mask: torch.Tensor,
@@ -122,28 +197,12 @@ def outer_product_mean_backward_reference(
     a = F.linear(xn, wa, None if b_a is None else b_a.to(work)) * m[..., None]
     b = F.linear(xn, wb, None if b_b is None else b_b.to(work)) * m[..., None]
     g = grad_out.to(work) / output_divisor(m, m, normalization, norm_eps)
-    W = wo.view(D, H, H)
     need_x, need_lw, need_lb, need_wa, need_ba, need_wb, need_bb, need_wo, need_bo = needs
     need_proj = need_x or need_lw or need_lb or need_wa or need_ba or need_wb or need_bb
-    grad_a = torch.zeros_like(a) if need_proj else None
-    grad_b = torch.zeros_like(b) if need_proj else None
-    grad_w = torch.zeros(D, H, H, dtype=work, device=x.device) if need_wo else None
-    rows = rows_per_block(B, N, H, chunk_elems)
-    for i0 in range(0, N if (need_proj or need_wo) else 0, rows):
-        i1 = min(N, i0 + rows)
-        gi = g[:, i0:i1]
-        if need_proj:
-            d_outer = torch.einsum("bijd,dpq->bijpq", gi, W)
-            grad_a[:, :, i0:i1] = torch.einsum("bijpq,bsjq->bsip", d_outer, b)
-            grad_b += torch.einsum("bijpq,bsip->bsjq", d_outer, a[:, :, i0:i1])
-            del d_outer
-        if need_wo:
-            outer = torch.einsum("bsip,bsjq->bijpq", a[:, :, i0:i1], b)
-            grad_w += torch.einsum("bijd,bijpq->dpq", gi, outer)
-            del outer
+    grad_a, grad_b, grad_w = contract_outer_blocks_backward(g, a, b, wo, need_proj, need_wo, chunk_elems)
     grads: dict[str, torch.Tensor | None] = dict.fromkeys(GRAD_INPUTS)
     if need_wo:
-        grads["w_out"] = grad_w.reshape(D, H * H)
+        grads["w_out"] = grad_w
     if need_bo and b_out is not None:
         grads["b_out"] = (g if normalization == 1 else grad_out.to(work)).sum((0, 1, 2))
     if need_proj:

@@ -425,6 +425,8 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
 
       oa.Na = int(ni);
       oa.i_offset = int(i_off);
+      oa.out_rows = int(N);
+      oa.out_row0 = int(i_off);
       oa.Ti = int(std::min<int64_t>(kOuterMT / H, ni));
       FLASHOPM_CHECK((ni + oa.Ti - 1) / oa.Ti <= 65535, "flashopm: N too large for one launch (N=", N, ")");
       if (tc_ok) {
@@ -435,6 +437,99 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
         launch_outer(oa, stream);
       }
     }
+  }
+  return out;
+}
+
+// Rows i = row_offset .. row_offset + Nr of the outer-product mean from projections already
+// computed (the sharded OPM: this rank's a against every rank's b), out (B, Nr, N, D):
+//   out[b, r, j] = normalise(W_out vec(sum_s a[b, s, r] (x) b[b, s, j])), row i = row_offset + r,
+// with the mask of all residues for the normalisers.  The outer-first kernels run as they do for
+// a block of rows of the full op, without the LayerNorm/projection stage.
+at::Tensor outer_product_mean_rows_cuda(const at::Tensor& a_in, const at::Tensor& b_in, const at::Tensor& mask,
+                                        int64_t row_offset, const at::Tensor& w_out_in,
+                                        const std::optional<at::Tensor>& b_out_in, int64_t normalization,
+                                        double norm_eps, int64_t precision) {
+  FLASHOPM_CHECK(a_in.dim() == 4, "flashopm: a must have shape (B, S, N_rows, hidden), got ", a_in.dim(), " dims ",
+                 a_in.sizes());
+  FLASHOPM_CHECK(b_in.dim() == 4, "flashopm: b must have shape (B, S, N, hidden), got ", b_in.dim(), " dims ",
+                 b_in.sizes());
+  FLASHOPM_CHECK(a_in.is_cuda(), "flashopm: a must be a CUDA tensor here, got ", a_in.device());
+  FLASHOPM_CHECK(a_in.scalar_type() == at::kFloat, "flashopm: a must be float32 on CUDA, got ", a_in.scalar_type());
+  const int64_t B = b_in.size(0), S = b_in.size(1), N = b_in.size(2), H = b_in.size(3), Nr = a_in.size(2);
+  FLASHOPM_CHECK(a_in.size(0) == B && a_in.size(1) == S && a_in.size(3) == H,
+                 "flashopm: a must have shape (B, S, N_rows, hidden) = (", B, ", ", S, ", N_rows, ", H,
+                 ") to match b, got ", a_in.sizes());
+  FLASHOPM_CHECK(mask.dim() == 3 && mask.size(0) == B && mask.size(1) == S && mask.size(2) == N,
+                 "flashopm: mask must have shape (B, S, N) = (", B, ", ", S, ", ", N, ") to match b, got ",
+                 mask.sizes());
+  FLASHOPM_CHECK(mask.device() == a_in.device(), "flashopm: mask is on ", mask.device(), " but a is on ",
+                 a_in.device());
+  const int mask_kind = mask_kind_of(mask);
+  FLASHOPM_CHECK(row_offset >= 0 && row_offset + Nr <= N, "flashopm: rows [row_offset, row_offset + N_rows) = [",
+                 row_offset, ", ", row_offset + Nr, ") must lie in [0, N) with N = ", N);
+  FLASHOPM_CHECK(H >= 1 && H <= kMaxHidden, "flashopm: hidden_dim must be in [1, ", kMaxHidden, "], got ", H);
+  FLASHOPM_CHECK(w_out_in.dim() == 2, "flashopm: out_proj weight must be 2-D (pair_dim, hidden^2), got ",
+                 w_out_in.sizes());
+  const int64_t D = w_out_in.size(0);
+  FLASHOPM_CHECK(D >= 1, "flashopm: pair_dim must be >= 1, got ", D);
+  check_param(b_in, "b", {B, S, N, H}, a_in);
+  check_param(w_out_in, "out_proj weight", {D, H * H}, a_in);
+  if (b_out_in) check_param(*b_out_in, "out_proj bias", {D}, a_in);
+  FLASHOPM_CHECK(precision >= kFollowPyTorch && precision <= kMedium,
+                 "flashopm: precision must be -1 (PyTorch's setting), 0 (highest), 1 (high) or 2 (medium), got ",
+                 precision);
+  FLASHOPM_CHECK(S <= 65535 && B <= 65535, "flashopm: B and S must be at most 65535, got B=", B, ", S=", S);
+  FLASHOPM_CHECK(normalization >= kNormRow && normalization <= kNormBoltz,
+                 "flashopm: normalization must be 0 (row), 1 (openfold) or 2 (boltz), got ", normalization);
+
+  const c10::cuda::CUDAGuard guard(a_in.device());
+  at::Tensor out = at::empty({B, Nr, N, D}, a_in.options());
+  if (B == 0 || Nr == 0) return out;
+  if (S == 0) {
+    if (!b_out_in) return out.zero_();
+    if (normalization == kNormOpenFold) out.copy_((*b_out_in / norm_eps).expand({B, Nr, N, D}));
+    else out.copy_(b_out_in->expand({B, Nr, N, D}));
+    return out;
+  }
+  // Contiguous and 16-byte aligned (the kernels copy rows of a, b and W in 16-byte pieces).
+  auto aligned = [](const at::Tensor& t) {
+    const at::Tensor c = t.contiguous();
+    return reinterpret_cast<uintptr_t>(c.data_ptr()) % 16 == 0 ? c : c.clone();
+  };
+  const at::Tensor a = aligned(a_in), b = aligned(b_in), w_out = aligned(w_out_in);
+  const std::optional<at::Tensor> b_out =
+      b_out_in ? std::optional<at::Tensor>(b_out_in->contiguous()) : std::nullopt;
+  const int dev = a.get_device();
+  const bool tc_ok = H % 8 == 0 && device_info(dev).cc_major >= 8;
+
+  OuterArgs oa{};
+  oa.a = a.data_ptr<float>();
+  oa.b = b.data_ptr<float>();
+  oa.mask = MaskView{mask.data_ptr(), mask.stride(0), mask.stride(1), mask.stride(2), mask_kind};
+  oa.w_out = w_out.data_ptr<float>();
+  oa.bias = opt_ptr(b_out);
+  oa.out = out.data_ptr<float>();
+  oa.B = int(B);
+  oa.S = int(S);
+  oa.N = int(N);
+  oa.Na = int(Nr);
+  oa.i_offset = int(row_offset);
+  oa.out_rows = int(Nr);
+  oa.out_row0 = 0;
+  oa.H = int(H);
+  oa.D = int(D);
+  oa.norm = Normalizer{int(normalization), float(norm_eps)};
+  oa.Ti = int(std::min<int64_t>(kOuterMT / H, Nr));
+  oa.Tj = int(std::min<int64_t>(kOuterNT / H, N));
+  FLASHOPM_CHECK((Nr + oa.Ti - 1) / oa.Ti <= 65535, "flashopm: N_rows too large for one launch (N_rows=", Nr, ")");
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dev).stream();
+  if (tc_ok) {
+    check_smem(outer_tc_smem_bytes(oa.H, oa.Ti, oa.Tj), dev, "tensor-core outer-product");
+    launch_outer_tc(oa, resolve_precision(precision) == kHighest ? 3 : 1, stream);
+  } else {
+    check_smem(outer_smem_bytes(), dev, "outer-product");
+    launch_outer(oa, stream);
   }
   return out;
 }
@@ -457,6 +552,7 @@ void noop_cuda(const at::Tensor&) {}
 
 TORCH_LIBRARY_IMPL(flashopm, CUDA, m) {
   m.impl("outer_product_mean", &flashopm::outer_product_mean_cuda);
+  m.impl("outer_product_mean_rows", &flashopm::outer_product_mean_rows_cuda);
   m.impl("_noop", &flashopm::noop_cuda);
   m.impl("_single_launch_plan", &flashopm::single_launch_plan_cuda);
 }

@@ -462,7 +462,7 @@ __global__ void __launch_bounds__(kOuterThreads, 1) opm_outer_fused_kernel(const
         const int i = p.i_offset + i0 + il;
         // the warp's lanes share this pair (they split d)
         const float pair = p.norm.kind == kNormRow ? 0.f : pair_mask_sum_warp(p.mask, b, i, j, S, lane);
-        float* dst = p.out + ((int64_t(b) * N + i) * N + j) * D;
+        float* dst = p.out + ((int64_t(b) * p.out_rows + p.out_row0 + i0 + il) * N + j) * D;
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int d = dg + dgw * 64 + lane + 32 * e;

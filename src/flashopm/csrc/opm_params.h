@@ -94,14 +94,15 @@ constexpr int kOuterSmemBytes =
     4;
 
 struct OuterArgs {
-  const float* a;  // (B, S, Na, H) contiguous: rows i_offset .. i_offset + Na of the output
-  const float* b;  // (B, S, N, H) contiguous
-  MaskView mask;
+  const float* a;  // (B, S, Na, H) contiguous: residues i_offset .. i_offset + Na (rows i)
+  const float* b;  // (B, S, N, H) contiguous: all residues (columns j)
+  MaskView mask;       // (B, S, N): all residues
   const float* w_out;  // (D, H*H)
   const float* bias;   // (D) or null
-  float* out;          // (B, N, N, D)
+  float* out;          // (B, out_rows, N, D); row i_offset + r of the problem is row out_row0 + r
   Normalizer norm;
   int B, S, N, Na, i_offset, H, D;
+  int out_rows, out_row0;
   int Ti, Tj;  // pairs per tile along i and j
 };
 

@@ -273,7 +273,7 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const Outer
             if (i0 + il >= p.Na || j0 + jl >= N) continue;
             const float den = p.norm.kind == kNormRow ? den_s[il] : 0.f;
             const float pair = p.norm.kind == kNormRow ? 0.f : pair_s[pr];
-            float* dst = p.out + ((int64_t(b) * N + p.i_offset + i0 + il) * N + j0 + jl) * D;
+            float* dst = p.out + ((int64_t(b) * p.out_rows + p.out_row0 + i0 + il) * N + j0 + jl) * D;
 #pragma unroll
             for (int nt = 0; nt < 4; ++nt) {
               const int dl = dw * 32 + nt * 8 + 2 * t;
