@@ -6,14 +6,8 @@ set -uo pipefail
 out=${1:?usage: scripts/gpu_check.sh OUTDIR [bench args]}
 shift
 mkdir -p "$out"
-cd "$(dirname "$0")/.."
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 MAX_JOBS="${MAX_JOBS:-16}"
-export FLASHOPM_CACHE_DIR="${FLASHOPM_CACHE_DIR:-$PWD/.cache/flashopm}"
-py=${PYTHON:-python3}
-
-{ nvidia-smi; $py -m flashopm info; } >"$out/env.txt" 2>&1
 status=0
-( time $py -c "import flashopm._build as b; print(b.load())" ) >"$out/build.log" 2>&1 || status=1
+. "$(dirname "$0")/gpu_env.sh" "$out" || status=1
 tail -n 3 "$out/build.log"
 if [ $status -eq 0 ]; then
   # the GPU tests first, then the rest: a crash in one run leaves the other's report intact

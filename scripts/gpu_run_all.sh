@@ -5,12 +5,7 @@
 set -uo pipefail
 out=${1:?usage: scripts/gpu_run_all.sh OUTDIR}
 mkdir -p "$out/res"
-cd "$(dirname "$0")/.."
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 MAX_JOBS="${MAX_JOBS:-16}"
-export FLASHOPM_CACHE_DIR="${FLASHOPM_CACHE_DIR:-$PWD/.cache/flashopm}"
-py=${PYTHON:-python3}
-{ nvidia-smi; $py -m flashopm info; } >"$out/res/env.txt" 2>&1
-( time $py -c "import flashopm._build as b; print(b.load())" ) >"$out/res/build.log" 2>&1 || exit 1
+. "$(dirname "$0")/gpu_env.sh" "$out/res" || exit 1
 { $py -m pytest -q -rfEs tests/test_cuda.py; $py -m pytest -q -rfEs tests --ignore tests/test_cuda.py; } \
   >"$out/res/tests.log" 2>&1
 grep -E "passed|failed|FAILED" "$out/res/tests.log" | tail -n 20

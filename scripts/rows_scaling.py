@@ -6,27 +6,17 @@
 Prints, per N and P, the time of a rank's share and the compute-only parallel efficiency
 t(all rows) / (P · t(share)); communication (the all-gather of b) is not included.
 """
-import statistics
 import sys
 
 import torch
 
 import flashopm
+from flashopm.bench import time_wall
 from flashopm.functional import outer_product_mean_rows
 
 
 def time_ms(fn, calls=3):
-    fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(calls):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end))
-    return statistics.median(samples)
+    return time_wall(fn, n=calls, warmup=1, flush_l2=False).median_us / 1e3
 
 
 def main(sizes):

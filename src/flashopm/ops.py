@@ -74,6 +74,15 @@ for _schema in SCHEMAS.values():
 _MASK_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.bool)
 
 
+def _check_modes(precision, normalization):
+    if precision not in (FOLLOW_PYTORCH, 0, 1, 2):
+        raise ValueError(
+            f"flashopm: precision must be -1 (PyTorch's setting), 0 (highest), 1 (high) or 2 (medium), got {precision}"
+        )
+    if normalization not in (0, 1, 2):
+        raise ValueError(f"flashopm: normalization must be 0 (row), 1 (openfold) or 2 (boltz), got {normalization}")
+
+
 def check_inputs(msa_repr, msa_mask, ln_weight, ln_bias, w_a, b_a, w_b, b_b, w_out, b_out, algorithm=0,
                  normalization=0, precision=FOLLOW_PYTORCH):
     """Shape/device/dtype checks of the CPU and fake paths (the CUDA path checks in C++, alike)."""
@@ -128,12 +137,7 @@ def check_inputs(msa_repr, msa_mask, ln_weight, ln_bias, w_a, b_a, w_b, b_b, w_o
             "flashopm: algorithm must be 0 (auto), 1 (outer-first), 2 (project-first), 3 (single launch) or "
             f"4 (outer-first on CUDA cores), got {algorithm}"
         )
-    if precision not in (FOLLOW_PYTORCH, 0, 1, 2):
-        raise ValueError(
-            f"flashopm: precision must be -1 (PyTorch's setting), 0 (highest), 1 (high) or 2 (medium), got {precision}"
-        )
-    if normalization not in (0, 1, 2):
-        raise ValueError(f"flashopm: normalization must be 0 (row), 1 (openfold) or 2 (boltz), got {normalization}")
+    _check_modes(precision, normalization)
     return B, S, N, C, H, D
 
 
@@ -268,12 +272,7 @@ def check_rows_inputs(a, b, mask, row_offset, w_out, b_out, normalization=0, pre
             raise ValueError(f"flashopm: {name} must have dtype {a.dtype} like a, got {t.dtype}")
         if tuple(t.shape) != shape:
             raise ValueError(f"flashopm: {name} must have shape {list(shape)}, got {list(t.shape)}")
-    if precision not in (FOLLOW_PYTORCH, 0, 1, 2):
-        raise ValueError(
-            f"flashopm: precision must be -1 (PyTorch's setting), 0 (highest), 1 (high) or 2 (medium), got {precision}"
-        )
-    if normalization not in (0, 1, 2):
-        raise ValueError(f"flashopm: normalization must be 0 (row), 1 (openfold) or 2 (boltz), got {normalization}")
+    _check_modes(precision, normalization)
     return B, S, N, Nr, H, D
 
 

@@ -205,6 +205,36 @@ void run_prep(const PrepArgs& args, bool project_w, int dev, cudaStream_t stream
   launch_prep(args, project_w, rw, stream);
 }
 
+void check_modes(int64_t precision, int64_t normalization, int64_t B, int64_t S) {
+  FLASHOPM_CHECK(precision >= kFollowPyTorch && precision <= kMedium,
+                 "flashopm: precision must be -1 (PyTorch's setting), 0 (highest), 1 (high) or 2 (medium), got ",
+                 precision);
+  FLASHOPM_CHECK(S <= 65535 && B <= 65535, "flashopm: B and S must be at most 65535, got B=", B, ", S=", S);
+  FLASHOPM_CHECK(normalization >= kNormRow && normalization <= kNormBoltz,
+                 "flashopm: normalization must be 0 (row), 1 (openfold) or 2 (boltz), got ", normalization);
+}
+
+// S = 0: nothing to average, the sum is 0 and only the bias remains (divided by eps in OpenFold's
+// convention, where the bias is divided too), as in the reference.
+at::Tensor& fill_bias_only(at::Tensor& out, const std::optional<at::Tensor>& b_out, int64_t normalization,
+                           double norm_eps) {
+  if (!b_out) return out.zero_();
+  if (normalization == kNormOpenFold) out.copy_((*b_out / norm_eps).expand(out.sizes()));
+  else out.copy_(b_out->expand(out.sizes()));
+  return out;
+}
+
+// The outer-first contraction of one launch: tensor cores (terms 3: 3xTF32, 1: TF32) or CUDA cores.
+void run_outer(const OuterArgs& oa, bool tensor_cores, int terms, int dev, cudaStream_t stream) {
+  if (tensor_cores) {
+    check_smem(outer_tc_smem_bytes(oa.H, oa.Ti, oa.Tj), dev, "tensor-core outer-product");
+    launch_outer_tc(oa, terms, stream);
+  } else {
+    check_smem(outer_smem_bytes(), dev, "outer-product");
+    launch_outer(oa, stream);
+  }
+}
+
 }  // namespace
 
 at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& mask,
@@ -250,25 +280,13 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
                  "flashopm: algorithm must be 0 (auto), 1 (outer-first), 2 (project-first), 3 (single launch) or "
                  "4 (outer-first on CUDA cores), got ",
                  algorithm);
-  FLASHOPM_CHECK(precision >= kFollowPyTorch && precision <= kMedium,
-                 "flashopm: precision must be -1 (PyTorch's setting), 0 (highest), 1 (high) or 2 (medium), got ",
-                 precision);
-  FLASHOPM_CHECK(S <= 65535 && B <= 65535, "flashopm: B and S must be at most 65535, got B=", B, ", S=", S);
-  FLASHOPM_CHECK(normalization >= kNormRow && normalization <= kNormBoltz,
-                 "flashopm: normalization must be 0 (row), 1 (openfold) or 2 (boltz), got ", normalization);
+  check_modes(precision, normalization, B, S);
   const Normalizer norm{int(normalization), float(norm_eps)};
 
   const c10::cuda::CUDAGuard guard(msa_in.device());
   at::Tensor out = at::empty({B, N, N, D}, msa_in.options());
   if (B == 0 || N == 0) return out;
-  if (S == 0) {
-    // Nothing to average: the sum is 0 and only the bias remains (divided by eps for OpenFold's
-    // convention, where the bias is divided too), as in the reference.
-    if (!b_out_in) return out.zero_();
-    if (normalization == kNormOpenFold) out.copy_((*b_out_in / norm_eps).expand({B, N, N, D}));
-    else out.copy_(b_out_in->expand({B, N, N, D}));
-    return out;
-  }
+  if (S == 0) return fill_bias_only(out, b_out_in, normalization, norm_eps);
 
   const at::Tensor msa = msa_in.stride(3) == 1 ? msa_in : msa_in.contiguous();
   const at::Tensor ln_weight = ln_weight_in.contiguous(), ln_bias = ln_bias_in.contiguous();
@@ -429,13 +447,7 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
       oa.out_row0 = int(i_off);
       oa.Ti = int(std::min<int64_t>(kOuterMT / H, ni));
       FLASHOPM_CHECK((ni + oa.Ti - 1) / oa.Ti <= 65535, "flashopm: N too large for one launch (N=", N, ")");
-      if (tc_ok) {
-        check_smem(outer_tc_smem_bytes(oa.H, oa.Ti, oa.Tj), dev, "tensor-core outer-product");
-        launch_outer_tc(oa, tc_terms, stream);
-      } else {
-        check_smem(outer_smem_bytes(), dev, "outer-product");
-        launch_outer(oa, stream);
-      }
+      run_outer(oa, tc_ok, tc_terms, dev, stream);
     }
   }
   return out;
@@ -476,22 +488,12 @@ at::Tensor outer_product_mean_rows_cuda(const at::Tensor& a_in, const at::Tensor
   check_param(b_in, "b", {B, S, N, H}, a_in);
   check_param(w_out_in, "out_proj weight", {D, H * H}, a_in);
   if (b_out_in) check_param(*b_out_in, "out_proj bias", {D}, a_in);
-  FLASHOPM_CHECK(precision >= kFollowPyTorch && precision <= kMedium,
-                 "flashopm: precision must be -1 (PyTorch's setting), 0 (highest), 1 (high) or 2 (medium), got ",
-                 precision);
-  FLASHOPM_CHECK(S <= 65535 && B <= 65535, "flashopm: B and S must be at most 65535, got B=", B, ", S=", S);
-  FLASHOPM_CHECK(normalization >= kNormRow && normalization <= kNormBoltz,
-                 "flashopm: normalization must be 0 (row), 1 (openfold) or 2 (boltz), got ", normalization);
+  check_modes(precision, normalization, B, S);
 
   const c10::cuda::CUDAGuard guard(a_in.device());
   at::Tensor out = at::empty({B, Nr, N, D}, a_in.options());
   if (B == 0 || Nr == 0) return out;
-  if (S == 0) {
-    if (!b_out_in) return out.zero_();
-    if (normalization == kNormOpenFold) out.copy_((*b_out_in / norm_eps).expand({B, Nr, N, D}));
-    else out.copy_(b_out_in->expand({B, Nr, N, D}));
-    return out;
-  }
+  if (S == 0) return fill_bias_only(out, b_out_in, normalization, norm_eps);
   // Contiguous and 16-byte aligned (the kernels copy rows of a, b and W in 16-byte pieces).
   auto aligned = [](const at::Tensor& t) {
     const at::Tensor c = t.contiguous();
@@ -524,13 +526,7 @@ at::Tensor outer_product_mean_rows_cuda(const at::Tensor& a_in, const at::Tensor
   oa.Tj = int(std::min<int64_t>(kOuterNT / H, N));
   FLASHOPM_CHECK((Nr + oa.Ti - 1) / oa.Ti <= 65535, "flashopm: N_rows too large for one launch (N_rows=", Nr, ")");
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dev).stream();
-  if (tc_ok) {
-    check_smem(outer_tc_smem_bytes(oa.H, oa.Ti, oa.Tj), dev, "tensor-core outer-product");
-    launch_outer_tc(oa, resolve_precision(precision) == kHighest ? 3 : 1, stream);
-  } else {
-    check_smem(outer_smem_bytes(), dev, "outer-product");
-    launch_outer(oa, stream);
-  }
+  run_outer(oa, tc_ok, resolve_precision(precision) == kHighest ? 3 : 1, dev, stream);
   return out;
 }
 
