@@ -224,8 +224,19 @@ at::Tensor& fill_bias_only(at::Tensor& out, const std::optional<at::Tensor>& b_o
   return out;
 }
 
-// The outer-first contraction of one launch: tensor cores (terms 3: 3xTF32, 1: TF32) or CUDA cores.
-void run_outer(const OuterArgs& oa, bool tensor_cores, int terms, int dev, cudaStream_t stream) {
+// One launch of the outer-first contraction for rows i_offset .. i_offset + rows of the problem
+// (a holds those rows) against all N columns, written from row out_row0 of an output with
+// out_rows rows per batch: tensor cores (terms 3: 3xTF32, 1: TF32) or CUDA cores.
+void run_outer(OuterArgs oa, int64_t i_offset, int64_t rows, int64_t out_rows, int64_t out_row0, bool tensor_cores,
+               int terms, int dev, cudaStream_t stream) {
+  oa.Na = int(rows);
+  oa.i_offset = int(i_offset);
+  oa.out_rows = int(out_rows);
+  oa.out_row0 = int(out_row0);
+  oa.Ti = int(std::min<int64_t>(kOuterMT / oa.H, rows));
+  oa.Tj = std::min(kOuterNT / oa.H, oa.N);
+  FLASHOPM_CHECK((rows + oa.Ti - 1) / oa.Ti <= 65535, "flashopm: too many rows for one launch (", rows, " rows of ",
+                 oa.N, ")");
   if (tensor_cores) {
     check_smem(outer_tc_smem_bytes(oa.H, oa.Ti, oa.Tj), dev, "tensor-core outer-product");
     launch_outer_tc(oa, terms, stream);
@@ -424,7 +435,6 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     oa.H = int(H);
     oa.D = int(D);
     oa.norm = norm;
-    oa.Tj = int(std::min<int64_t>(kOuterNT / H, N));
     for (int64_t i_off = 0; i_off < N; i_off += rows) {
       const int64_t ni = std::min<int64_t>(rows, N - i_off);
       // First block: all N rows for b, its own rows for a.  Later blocks: their rows, a only.
@@ -441,13 +451,7 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
       pa.b_sn = H;
       run_prep(pa, false, dev, stream);
 
-      oa.Na = int(ni);
-      oa.i_offset = int(i_off);
-      oa.out_rows = int(N);
-      oa.out_row0 = int(i_off);
-      oa.Ti = int(std::min<int64_t>(kOuterMT / H, ni));
-      FLASHOPM_CHECK((ni + oa.Ti - 1) / oa.Ti <= 65535, "flashopm: N too large for one launch (N=", N, ")");
-      run_outer(oa, tc_ok, tc_terms, dev, stream);
+      run_outer(oa, i_off, ni, N, i_off, tc_ok, tc_terms, dev, stream);
     }
   }
   return out;
@@ -515,18 +519,11 @@ at::Tensor outer_product_mean_rows_cuda(const at::Tensor& a_in, const at::Tensor
   oa.B = int(B);
   oa.S = int(S);
   oa.N = int(N);
-  oa.Na = int(Nr);
-  oa.i_offset = int(row_offset);
-  oa.out_rows = int(Nr);
-  oa.out_row0 = 0;
   oa.H = int(H);
   oa.D = int(D);
   oa.norm = Normalizer{int(normalization), float(norm_eps)};
-  oa.Ti = int(std::min<int64_t>(kOuterMT / H, Nr));
-  oa.Tj = int(std::min<int64_t>(kOuterNT / H, N));
-  FLASHOPM_CHECK((Nr + oa.Ti - 1) / oa.Ti <= 65535, "flashopm: N_rows too large for one launch (N_rows=", Nr, ")");
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dev).stream();
-  run_outer(oa, tc_ok, resolve_precision(precision) == kHighest ? 3 : 1, dev, stream);
+  run_outer(oa, row_offset, Nr, Nr, 0, tc_ok, resolve_precision(precision) == kHighest ? 3 : 1, dev, stream);
   return out;
 }
 
