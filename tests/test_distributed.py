@@ -105,3 +105,15 @@ def test_module_wrapper_matches_each_module():
         full = mod(x, m)
         got = torch.cat([results[r][k] for r in range(world)], dim=1)
         torch.testing.assert_close(got, full, rtol=1e-5, atol=1e-5)
+
+
+def test_sharded_benchmark_runs_on_gloo():
+    """The multi-process benchmark's code path, on CPU processes (the GPU runs use NCCL)."""
+    from flashopm.bench_sharded import cases_for, run, table
+
+    rows = run(cases_for([1, 2], [12], S=3, C=8, H=4, D=4), backend="gloo", calls=1)
+    assert [(r["mode"], r["world"], r["N"]) for r in rows] == [
+        ("strong", 1, 12), ("weak", 1, 12), ("strong", 2, 12), ("weak", 2, 16)]  # 12·sqrt(2), a multiple of 2
+    for r in rows:
+        assert r["status"] == "ok" and r["time_ms"] > 0 and r["comm_ms"] > 0 and r["efficiency"] > 0
+    assert "strong" in table(rows)

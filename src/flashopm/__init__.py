@@ -6,7 +6,7 @@ functional API or a module.  Calling `torch.ops.flashopm.*` on CUDA tensors dire
 """
 from . import ops  # noqa: F401  (registers the op schemas)
 from ._build import load
-from .functional import outer_product_mean
+from .functional import outer_product_mean, outer_product_mean_rows
 from .modules import BoltzOuterProductMean, ModelNew, OpenFoldOuterProductMean
 from .reference import (
     BoltzOuterProductMeanReference,
@@ -30,5 +30,6 @@ __all__ = [
     "get_inputs",
     "load",
     "outer_product_mean",
+    "outer_product_mean_rows",
     "outer_product_mean_reference",
 ]

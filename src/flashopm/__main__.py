@@ -6,6 +6,9 @@ check              the KernelBench protocol on the specification (seeded modules
 bench              flashopm next to eager PyTorch and torch.compile (default and reduce-overhead)
                    at the spec and AlphaFold-scale shapes, forward, backward or both (--mode);
                    writes results.json, results.csv and results.png to --out.
+bench-sharded      the residue-sharded OPM over 1, 2, 4, 8 processes (one GPU each, NCCL; or CPU
+                   processes with gloo): strong and weak scaling, communication share and memory
+                   per process; writes sharded.json and sharded.csv to --out.
 export-kernelbench one self-contained file defining ModelNew for a KernelBench-style harness.
 plot               redraws results.png from a results.json.
 info               GPU, versions, build cache.
@@ -363,6 +366,31 @@ def _write_results(results: dict, out_dir: Path) -> None:
         w.writerows(rows)
 
 
+def cmd_bench_sharded(args) -> int:
+    from .bench_sharded import cases_for, run, table
+
+    if args.backend == "nccl" and not torch.cuda.is_available():
+        print("flashopm bench-sharded: the nccl backend needs CUDA GPUs (--backend gloo runs on CPU processes)")
+        return 2
+    worlds = [int(v) for v in args.worlds.split(",")]
+    sizes = [int(v) for v in args.sizes.split(",")]
+    rows = run(cases_for(worlds, sizes, args.S, args.C, args.H, args.D), args.backend, args.calls)
+    env = environment()
+    env.update(backend=args.backend, gpus=torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "sharded.json").write_text(json.dumps({"environment": env, "results": rows}, indent=1))
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    with open(out_dir / "sharded.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        w.writerows(rows)
+    print(f"{env['gpu']}, torch {env['torch']}, {env['date']}, backend {args.backend}, float32")
+    print(table(rows))
+    print(f"wrote {out_dir / 'sharded.json'}, sharded.csv")
+    return 0
+
+
 def cmd_export(args) -> int:
     from .export import export_kernelbench
 
@@ -429,6 +457,16 @@ def main(argv=None) -> int:
     b.add_argument("--calls", type=int, default=100, help="timed calls per implementation and shape")
     b.add_argument("--fp64-max-n", type=int, default=768, help="largest N checked against an fp64 reference")
     b.add_argument("--out", default="bench-results")
+    bs = sub.add_parser("bench-sharded", help="scaling of the residue-sharded OPM over processes")
+    bs.add_argument("--worlds", default="1,2,4,8", help="process counts (one GPU each with nccl)")
+    bs.add_argument("--sizes", default="4096,8192", help="N of the strong series and the start of the weak ones")
+    bs.add_argument("--S", type=int, default=512)
+    bs.add_argument("--C", type=int, default=256)
+    bs.add_argument("--H", type=int, default=32)
+    bs.add_argument("--D", type=int, default=128)
+    bs.add_argument("--backend", default="nccl", choices=["nccl", "gloo"])
+    bs.add_argument("--calls", type=int, default=3, help="timed calls per case")
+    bs.add_argument("--out", default="bench-sharded")
     e = sub.add_parser("export-kernelbench", help="write a self-contained ModelNew file")
     e.add_argument("path")
     pl = sub.add_parser("plot", help="redraw the chart of a results.json")
@@ -438,8 +476,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.cmd is None:
         args = parser.parse_args(["check", *(argv or sys.argv[1:])])
-    commands = {"check": cmd_check, "bench": cmd_bench, "export-kernelbench": cmd_export, "plot": cmd_plot,
-                "info": cmd_info}
+    commands = {"check": cmd_check, "bench": cmd_bench, "bench-sharded": cmd_bench_sharded,
+                "export-kernelbench": cmd_export, "plot": cmd_plot, "info": cmd_info}
     return commands[args.cmd](args)
 
 
