@@ -2,7 +2,6 @@
 outputs and gradients equal the unsharded op's on the gathered inputs, for every normalisation;
 on 2-4 GPUs with NCCL (the fused kernel on each rank's rows) where a machine has them."""
 import os
-import socket
 
 import pytest
 import torch
@@ -10,23 +9,27 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import flashopm
-from flashopm.distributed import ShardedOuterProductMean, sharded_outer_product_mean
-from flashopm.testing import Shape, make_problem
+from flashopm.distributed import ShardedOuterProductMean, shard_bounds, sharded_outer_product_mean
+from flashopm.testing import Shape, free_port, make_problem
 
 PARAM_ORDER = ("ln_weight", "ln_bias", "w_a", "b_a", "w_b", "b_b", "w_out", "b_out")
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _bounds(N, world):
-    # uneven, contiguous slices in rank order (the last rank gets the remainder)
-    base = [N // world + (1 if r < N % world else 0) for r in range(world)]
-    starts = [sum(base[:r]) for r in range(world)]
-    return [(s, s + n) for s, n in zip(starts, base)]
+def _check_against_unsharded(results, shape, normalization, world, **tol):
+    """Each rank's rows and gradients (parameters summed over ranks) against the unsharded op on
+    the gathered inputs, in float64; `tol` loosens the comparison for float32 ranks."""
+    x, m, p = make_problem(shape, "masked_positions", seed=3)
+    x = x.double().requires_grad_()
+    p = {k: v.double().requires_grad_() for k, v in p.items()}
+    expect = flashopm.outer_product_mean(x, m.double(), *(p[k] for k in PARAM_ORDER), normalization=normalization)
+    g = torch.randn(shape.B, shape.N, shape.N, shape.D, generator=torch.Generator().manual_seed(5)).double()
+    (expect * g).sum().backward()
+    for rank, (n0, n1) in enumerate(shard_bounds(shape.N, world)):
+        out, grad_x, grads = results[rank]
+        torch.testing.assert_close(out.double(), expect[:, n0:n1].detach(), **tol.get("out", {}))
+        torch.testing.assert_close(grad_x.double(), x.grad[:, :, n0:n1], **tol.get("out", {}))
+        for k in PARAM_ORDER:
+            torch.testing.assert_close(grads[k].double(), p[k].grad, msg=k, **tol.get("params", {}))
 
 
 def _worker(rank, world, port, shape, normalization, results):
@@ -36,7 +39,7 @@ def _worker(rank, world, port, shape, normalization, results):
         x, m, p = make_problem(shape, "masked_positions", seed=3)
         x, p = x.double(), {k: v.double() for k, v in p.items()}
         m = m.double()
-        n0, n1 = _bounds(shape.N, world)[rank]
+        n0, n1 = shard_bounds(shape.N, world)[rank]
         leaves = {k: v.clone().requires_grad_() for k, v in p.items()}
         x_local = x[:, :, n0:n1].clone().requires_grad_()
         out = sharded_outer_product_mean(x_local, m[:, :, n0:n1], *(leaves[k] for k in PARAM_ORDER),
@@ -56,19 +59,8 @@ def _worker(rank, world, port, shape, normalization, results):
 def test_sharded_matches_unsharded(world, normalization):
     shape = Shape(2, 3, 8, 6, 3, 4)
     results = mp.Manager().dict()
-    mp.spawn(_worker, args=(world, _free_port(), shape, normalization, results), nprocs=world, join=True)
-    x, m, p = make_problem(shape, "masked_positions", seed=3)
-    x = x.double().requires_grad_()
-    p = {k: v.double().requires_grad_() for k, v in p.items()}
-    expect = flashopm.outer_product_mean(x, m.double(), *(p[k] for k in PARAM_ORDER), normalization=normalization)
-    g = torch.randn(shape.B, shape.N, shape.N, shape.D, generator=torch.Generator().manual_seed(5)).double()
-    (expect * g).sum().backward()
-    for rank, (n0, n1) in enumerate(_bounds(shape.N, world)):
-        out, grad_x, grads = results[rank]
-        torch.testing.assert_close(out, expect[:, n0:n1].detach())
-        torch.testing.assert_close(grad_x, x.grad[:, :, n0:n1])
-        for k in PARAM_ORDER:
-            torch.testing.assert_close(grads[k], p[k].grad, msg=k)
+    mp.spawn(_worker, args=(world, free_port(), shape, normalization, results), nprocs=world, join=True)
+    _check_against_unsharded(results, shape, normalization, world)
 
 
 def _module_worker(rank, world, port, results):
@@ -84,7 +76,7 @@ def _module_worker(rank, world, port, results):
                     q.normal_(0.0, 0.4)
         x = torch.randn(1, 3, 7, 6, generator=torch.Generator().manual_seed(1))
         m = (torch.rand(1, 3, 7, generator=torch.Generator().manual_seed(2)) > 0.3).float()
-        n0, n1 = _bounds(7, world)[rank]
+        n0, n1 = shard_bounds(7, world)[rank]
         results[rank] = [ShardedOuterProductMean(mod)(x[:, :, n0:n1], m[:, :, n0:n1]).detach() for mod in mods]
     finally:
         dist.destroy_process_group()
@@ -93,7 +85,7 @@ def _module_worker(rank, world, port, results):
 def test_module_wrapper_matches_each_module():
     world = 2
     results = mp.Manager().dict()
-    mp.spawn(_module_worker, args=(world, _free_port(), results), nprocs=world, join=True)
+    mp.spawn(_module_worker, args=(world, free_port(), results), nprocs=world, join=True)
     torch.manual_seed(0)
     mods = [flashopm.ModelNew(6, 4, 3), flashopm.OpenFoldOuterProductMean(6, 4, 3), flashopm.BoltzOuterProductMean(6, 3, 4)]
     for mod in mods:
@@ -128,7 +120,7 @@ def _nccl_worker(rank, world, port, shape, normalization, results):
         x, m, p = make_problem(shape, "masked_positions", seed=3)
         dev = torch.device("cuda", rank)
         leaves = {k: v.to(dev).requires_grad_() for k, v in p.items()}
-        n0, n1 = _bounds(shape.N, world)[rank]
+        n0, n1 = shard_bounds(shape.N, world)[rank]
         x_local = x[:, :, n0:n1].to(dev).requires_grad_()
         out = sharded_outer_product_mean(x_local, m[:, :, n0:n1].to(dev), *(leaves[k] for k in PARAM_ORDER),
                                          normalization=normalization)
@@ -150,16 +142,6 @@ def test_sharded_matches_unsharded_on_gpus_with_nccl(normalization):
     shape = Shape(1, 16, 37, 24, 8, 16)
     flashopm.load()
     results = mp.Manager().dict()
-    mp.spawn(_nccl_worker, args=(world, _free_port(), shape, normalization, results), nprocs=world, join=True)
-    x, m, p = make_problem(shape, "masked_positions", seed=3)
-    x = x.double().requires_grad_()
-    p = {k: v.double().requires_grad_() for k, v in p.items()}
-    expect = flashopm.outer_product_mean(x, m.double(), *(p[k] for k in PARAM_ORDER), normalization=normalization)
-    g = torch.randn(shape.B, shape.N, shape.N, shape.D, generator=torch.Generator().manual_seed(5)).double()
-    (expect * g).sum().backward()
-    for rank, (n0, n1) in enumerate(_bounds(shape.N, world)):
-        out, grad_x, grads = results[rank]
-        torch.testing.assert_close(out.double(), expect[:, n0:n1].detach(), atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(grad_x.double(), x.grad[:, :, n0:n1], atol=1e-4, rtol=1e-4)
-        for k in PARAM_ORDER:
-            torch.testing.assert_close(grads[k].double(), p[k].grad, atol=1e-3, rtol=1e-4, msg=k)
+    mp.spawn(_nccl_worker, args=(world, free_port(), shape, normalization, results), nprocs=world, join=True)
+    _check_against_unsharded(results, shape, normalization, world, out=dict(atol=1e-4, rtol=1e-4),
+                             params=dict(atol=1e-3, rtol=1e-4))

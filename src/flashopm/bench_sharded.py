@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import time
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from .testing import free_port
 
 
 @dataclass
@@ -43,18 +44,6 @@ def cases_for(worlds: list[int], sizes: list[int], S: int, C: int, H: int, D: in
     return cases
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _bounds(N: int, world: int, rank: int) -> tuple[int, int]:
-    base = [N // world + (1 if r < N % world else 0) for r in range(world)]
-    start = sum(base[:rank])
-    return start, start + base[rank]
-
-
 def _max_over_ranks(value: float, device) -> float:
     t = torch.tensor([value], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -79,7 +68,7 @@ def _timed(fn, device, calls: int) -> float:
 
 def _worker(rank: int, world: int, port: int, backend: str, cases: list[ShardedCase], calls: int, out) -> None:
     from . import reference
-    from .distributed import _gather_along_residues, sharded_outer_product_mean
+    from .distributed import _gather_along_residues, shard_bounds, sharded_outer_product_mean
     from .testing import Shape, make_params
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -91,14 +80,15 @@ def _worker(rank: int, world: int, port: int, backend: str, cases: list[ShardedC
     dist.init_process_group(backend, rank=rank, world_size=world)
     try:
         for case in cases:
-            n0, n1 = _bounds(case.N, world, rank)
+            bounds = shard_bounds(case.N, world)
+            n0, n1 = bounds[rank]
             g = torch.Generator().manual_seed(1000 + rank)
             p = make_params(Shape(1, case.S, case.N, case.C, case.H, case.D), torch.Generator().manual_seed(0))
             p = {k: v.to(device) for k, v in p.items()}
             x = torch.randn(1, case.S, n1 - n0, case.C, generator=g).to(device)
             m = (torch.rand(1, case.S, n1 - n0, generator=g) > 0.1).float().to(device)
             args = (x, m, p["ln_weight"], p["ln_bias"], p["w_a"], p["b_a"], p["w_b"], p["b_b"], p["w_out"], p["b_out"])
-            sizes = [_bounds(case.N, world, r)[1] - _bounds(case.N, world, r)[0] for r in range(world)]
+            sizes = [e - s for s, e in bounds]
             with torch.no_grad():
                 sharded_outer_product_mean(*args)  # warm-up (and the build on the first CUDA call)
                 if device.type == "cuda":
@@ -147,7 +137,7 @@ def run(cases: list[ShardedCase], backend: str = "nccl", calls: int = 3) -> list
             continue
         with mp.Manager() as manager:
             out = manager.list()
-            mp.spawn(_worker, args=(world, _free_port(), backend, group, calls, out), nprocs=world, join=True)
+            mp.spawn(_worker, args=(world, free_port(), backend, group, calls, out), nprocs=world, join=True)
             rows += [dict(r, status="ok") for r in out]
     base = {(r["mode"], r["base_n"]): r["time_ms"] for r in rows if r["world"] == 1 and r["status"] == "ok"}
     for r in rows:

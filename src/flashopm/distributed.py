@@ -39,6 +39,14 @@ def _gather_along_residues(t: torch.Tensor, group, sizes: list[int]) -> torch.Te
     return torch.cat([p.narrow(2, 0, n) for p, n in zip(parts, sizes)], dim=2)
 
 
+def shard_bounds(N: int, world: int) -> list[tuple[int, int]]:
+    """Contiguous, near-equal slices [n0, n1) of N residues in rank order (the first N % world
+    ranks hold one more)."""
+    sizes = [N // world + (1 if r < N % world else 0) for r in range(world)]
+    starts = [sum(sizes[:r]) for r in range(world)]
+    return [(s, s + n) for s, n in zip(starts, sizes)]
+
+
 def shard_sizes(msa_local: torch.Tensor, group=None) -> list[int]:
     """Residues held by every rank of the group, in rank order."""
     n = torch.tensor([msa_local.shape[2]], dtype=torch.long, device=msa_local.device)

@@ -113,3 +113,12 @@ def max_abs_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     if ref.numel() == 0:
         return 0.0
     return (out.double() - ref.double()).abs().max().item()
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now, for a process group's rendezvous."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -224,6 +224,26 @@ at::Tensor& fill_bias_only(at::Tensor& out, const std::optional<at::Tensor>& b_o
   return out;
 }
 
+// The outer-first kernels' arguments but for the row range (set by run_outer).
+OuterArgs outer_args(const float* a, const float* b, const MaskView& mask, const at::Tensor& w_out,
+                     const std::optional<at::Tensor>& b_out, const at::Tensor& out, int64_t B, int64_t S, int64_t N,
+                     int64_t H, int64_t D, const Normalizer& norm) {
+  OuterArgs oa{};
+  oa.a = a;
+  oa.b = b;
+  oa.mask = mask;
+  oa.w_out = w_out.data_ptr<float>();
+  oa.bias = opt_ptr(b_out);
+  oa.out = out.data_ptr<float>();
+  oa.B = int(B);
+  oa.S = int(S);
+  oa.N = int(N);
+  oa.H = int(H);
+  oa.D = int(D);
+  oa.norm = norm;
+  return oa;
+}
+
 // One launch of the outer-first contraction for rows i_offset .. i_offset + rows of the problem
 // (a holds those rows) against all N columns, written from row out_row0 of an output with
 // out_rows rows per batch: tensor cores (terms 3: 3xTF32, 1: TF32) or CUDA cores.
@@ -422,19 +442,7 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     float* b_buf = ws.data_ptr<float>();
     float* a_buf = b_buf + ab_elems;
 
-    OuterArgs oa{};
-    oa.a = a_buf;
-    oa.b = b_buf;
-    oa.mask = mask_view;
-    oa.w_out = w_out.data_ptr<float>();
-    oa.bias = opt_ptr(b_out);
-    oa.out = out.data_ptr<float>();
-    oa.B = int(B);
-    oa.S = int(S);
-    oa.N = int(N);
-    oa.H = int(H);
-    oa.D = int(D);
-    oa.norm = norm;
+    const OuterArgs oa = outer_args(a_buf, b_buf, mask_view, w_out, b_out, out, B, S, N, H, D, norm);
     for (int64_t i_off = 0; i_off < N; i_off += rows) {
       const int64_t ni = std::min<int64_t>(rows, N - i_off);
       // First block: all N rows for b, its own rows for a.  Later blocks: their rows, a only.
@@ -509,19 +517,9 @@ at::Tensor outer_product_mean_rows_cuda(const at::Tensor& a_in, const at::Tensor
   const int dev = a.get_device();
   const bool tc_ok = H % 8 == 0 && device_info(dev).cc_major >= 8;
 
-  OuterArgs oa{};
-  oa.a = a.data_ptr<float>();
-  oa.b = b.data_ptr<float>();
-  oa.mask = MaskView{mask.data_ptr(), mask.stride(0), mask.stride(1), mask.stride(2), mask_kind};
-  oa.w_out = w_out.data_ptr<float>();
-  oa.bias = opt_ptr(b_out);
-  oa.out = out.data_ptr<float>();
-  oa.B = int(B);
-  oa.S = int(S);
-  oa.N = int(N);
-  oa.H = int(H);
-  oa.D = int(D);
-  oa.norm = Normalizer{int(normalization), float(norm_eps)};
+  const MaskView mask_view{mask.data_ptr(), mask.stride(0), mask.stride(1), mask.stride(2), mask_kind};
+  const OuterArgs oa = outer_args(a.data_ptr<float>(), b.data_ptr<float>(), mask_view, w_out, b_out, out, B, S, N,
+                                  H, D, Normalizer{int(normalization), float(norm_eps)});
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dev).stream();
   run_outer(oa, row_offset, Nr, Nr, 0, tc_ok, resolve_precision(precision) == kHighest ? 3 : 1, dev, stream);
   return out;
