@@ -79,8 +79,9 @@ __device__ __forceinline__ float pair_mask_sum_warp(const MaskView& m, int b, in
   return warp_sum(sum);
 }
 
-// sum_s m[b, s, i] m[b, s, j] by one thread, in order of s.
-__device__ __forceinline__ float pair_mask_sum(const MaskView& m, int b, int i, int j, int S) {
+// sum_s m[b, s, i] m[b, s, j] by one thread, in order of s.  Not inlined: the GEMM epilogue calls
+// it from TM x TN unrolled sites, and inlining all of them costs the compiler minutes.
+__device__ __noinline__ float pair_mask_sum(const MaskView& m, int b, int i, int j, int S) {
   float sum = 0.f;
   for (int s = 0; s < S; ++s) sum += mask_at(m, b, s, i) * mask_at(m, b, s, j);
   return sum;
