@@ -224,6 +224,20 @@ at::Tensor& fill_bias_only(at::Tensor& out, const std::optional<at::Tensor>& b_o
   return out;
 }
 
+// Pair mask counts sum_s m[b, s, row0 + r] m[b, s, j] as (B, rows, N) for the OpenFold and Boltz
+// conventions (an undefined tensor for the row convention, which needs none).  The tensor is
+// released when the caller returns; the caching allocator orders its reuse after the kernels
+// queued on the stream that read it.
+at::Tensor pair_counts(const MaskView& mask, int64_t normalization, int64_t B, int64_t S, int64_t N, int64_t rows,
+                       int64_t row0, const at::TensorOptions& options, cudaStream_t stream) {
+  if (normalization == kNormRow) return at::Tensor();
+  FLASHOPM_CHECK((rows + kPairTR - 1) / kPairTR <= 65535, "flashopm: too many rows for one launch (", rows, ")");
+  at::Tensor pair = at::empty({B, rows, N}, options.dtype(at::kFloat));
+  launch_pair_count(PairCountArgs{mask, pair.data_ptr<float>(), int(B), int(S), int(N), int(rows), int(row0)},
+                    stream);
+  return pair;
+}
+
 // The outer-first kernels' arguments but for the row range (set by run_outer).
 OuterArgs outer_args(const float* a, const float* b, const MaskView& mask, const at::Tensor& w_out,
                      const std::optional<at::Tensor>& b_out, const at::Tensor& out, int64_t B, int64_t S, int64_t N,
@@ -248,7 +262,9 @@ OuterArgs outer_args(const float* a, const float* b, const MaskView& mask, const
 // (a holds those rows) against all N columns, written from row out_row0 of an output with
 // out_rows rows per batch: tensor cores (terms 3: 3xTF32, 1: TF32) or CUDA cores.
 void run_outer(OuterArgs oa, int64_t i_offset, int64_t rows, int64_t out_rows, int64_t out_row0, bool tensor_cores,
-               int terms, int dev, cudaStream_t stream) {
+               int terms, const at::TensorOptions& options, int dev, cudaStream_t stream) {
+  const at::Tensor pair = pair_counts(oa.mask, oa.norm.kind, oa.B, oa.S, oa.N, rows, i_offset, options, stream);
+  oa.pair = pair.defined() ? pair.data_ptr<float>() : nullptr;
   oa.Na = int(rows);
   oa.i_offset = int(i_offset);
   oa.out_rows = int(out_rows);
@@ -426,6 +442,8 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     ga.D = int(D);
     ga.S = int(S);
     ga.norm = norm;
+    const at::Tensor pair = pair_counts(mask_view, normalization, B, S, N, N, 0, msa.options(), stream);
+    ga.pair = pair.defined() ? pair.data_ptr<float>() : nullptr;
     const bool big_tiles = B * ((N + 127) / 128) * ((N * D + 127) / 128) >= 2 * device_info(dev).sm_count;
     check_smem(project_gemm_smem_bytes(big_tiles), dev, "project-first GEMM");
     launch_project_gemm(ga, big_tiles, stream);
@@ -459,7 +477,7 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
       pa.b_sn = H;
       run_prep(pa, false, dev, stream);
 
-      run_outer(oa, i_off, ni, N, i_off, tc_ok, tc_terms, dev, stream);
+      run_outer(oa, i_off, ni, N, i_off, tc_ok, tc_terms, msa.options(), dev, stream);
     }
   }
   return out;
@@ -521,7 +539,8 @@ at::Tensor outer_product_mean_rows_cuda(const at::Tensor& a_in, const at::Tensor
   const OuterArgs oa = outer_args(a.data_ptr<float>(), b.data_ptr<float>(), mask_view, w_out, b_out, out, B, S, N,
                                   H, D, Normalizer{int(normalization), float(norm_eps)});
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dev).stream();
-  run_outer(oa, row_offset, Nr, Nr, 0, tc_ok, resolve_precision(precision) == kHighest ? 3 : 1, dev, stream);
+  run_outer(oa, row_offset, Nr, Nr, 0, tc_ok, resolve_precision(precision) == kHighest ? 3 : 1, a.options(), dev,
+            stream);
   return out;
 }
 

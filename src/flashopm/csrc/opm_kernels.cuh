@@ -72,20 +72,6 @@ __device__ __forceinline__ float mask_denominator(const MaskView& m, int b, int 
   return fmaxf(warp_sum(sum), 1.f);
 }
 
-// sum_s m[b, s, i] m[b, s, j] by one warp (lanes split s; same value in every lane).
-__device__ __forceinline__ float pair_mask_sum_warp(const MaskView& m, int b, int i, int j, int S, int lane) {
-  float sum = 0.f;
-  for (int s = lane; s < S; s += 32) sum += mask_at(m, b, s, i) * mask_at(m, b, s, j);
-  return warp_sum(sum);
-}
-
-// sum_s m[b, s, i] m[b, s, j] by one thread, in order of s.  Not inlined: the GEMM epilogue calls
-// it from TM x TN unrolled sites, and inlining all of them costs the compiler minutes.
-__device__ __noinline__ float pair_mask_sum(const MaskView& m, int b, int i, int j, int S) {
-  float sum = 0.f;
-  for (int s = 0; s < S; ++s) sum += mask_at(m, b, s, i) * mask_at(m, b, s, j);
-  return sum;
-}
 
 // The output value from the contracted sum (see NormKind): row_den = max(sum_s m[s,i], 1) is
 // used by kNormRow only, pair_sum = sum_s m[s,i] m[s,j] by the others.
@@ -460,9 +446,7 @@ __global__ void __launch_bounds__(kOuterThreads, 1) opm_outer_fused_kernel(const
         const int il = pr / p.Tj, j = j0 + pr % p.Tj;
         if (i0 + il >= p.Na || j >= N) continue;
         const float den = den_s[il];
-        const int i = p.i_offset + i0 + il;
-        // the warp's lanes share this pair (they split d)
-        const float pair = p.norm.kind == kNormRow ? 0.f : pair_mask_sum_warp(p.mask, b, i, j, S, lane);
+        const float pair = p.norm.kind == kNormRow ? 0.f : p.pair[(int64_t(b) * p.Na + i0 + il) * N + j];
         float* dst = p.out + ((int64_t(b) * p.out_rows + p.out_row0 + i0 + il) * N + j) * D;
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
@@ -586,19 +570,63 @@ __global__ void __launch_bounds__((BM / TM) * (BN / TN))
     if (m >= p.M) continue;
     const float den = den_s[ty * TM + r];
     float* dst = p.out + (int64_t(b) * p.M + m) * p.NC;
-    int pair_j = -1;  // columns n = (j, d): consecutive columns mostly share j
-    float pair = 0.f;
+    const float* pair_row = p.pair ? p.pair + (int64_t(b) * p.M + m) * (p.NC / p.D) : nullptr;
 #pragma unroll
     for (int c = 0; c < TN; ++c) {
       const int n = n0 + tx * TN + c;
       if (n >= p.NC) continue;
-      const int j = n / p.D;
-      if (p.norm.kind != kNormRow && j != pair_j) {
-        pair = pair_mask_sum(p.mask, b, m, j, p.S);
-        pair_j = j;
-      }
+      const float pair = p.norm.kind == kNormRow ? 0.f : pair_row[n / p.D];
       dst[n] = normalise(acc[r][c], p.bias ? p.bias[n % p.D] : 0.f, den, pair, p.norm);
     }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Pair mask counts (PairCountArgs): a 32 x 64 tile of (r, j) per block, the mask columns of the
+// tile staged through shared memory kPairSK steps of s at a time; sums in order of s.
+// ---------------------------------------------------------------------------------------------
+
+__global__ void __launch_bounds__(kPairThreads) opm_pair_count_kernel(const PairCountArgs p) {
+  __shared__ float mi[kPairSK][kPairTR];
+  __shared__ __align__(16) float mj[kPairSK][kPairTJ];
+  const int b = blockIdx.z, r0 = blockIdx.y * kPairTR, j0 = blockIdx.x * kPairTJ;
+  const int tid = threadIdx.x, tx = tid % (kPairTJ / 4), ty = tid / (kPairTJ / 4);
+  float acc[2][4] = {};
+  for (int s0 = 0; s0 < p.S; s0 += kPairSK) {
+    for (int idx = tid; idx < kPairSK * kPairTR; idx += kPairThreads) {
+      const int sl = idx / kPairTR, r = idx % kPairTR;
+      const bool ok = s0 + sl < p.S && r0 + r < p.rows;
+      mi[sl][r] = ok ? mask_at(p.mask, b, s0 + sl, p.row0 + r0 + r) : 0.f;
+    }
+    for (int idx = tid; idx < kPairSK * kPairTJ; idx += kPairThreads) {
+      const int sl = idx / kPairTJ, c = idx % kPairTJ;
+      const bool ok = s0 + sl < p.S && j0 + c < p.N;
+      mj[sl][c] = ok ? mask_at(p.mask, b, s0 + sl, j0 + c) : 0.f;
+    }
+    __syncthreads();
+#pragma unroll 8
+    for (int sl = 0; sl < kPairSK; ++sl) {
+      const float x0 = mi[sl][2 * ty], x1 = mi[sl][2 * ty + 1];
+      const float4 y = *reinterpret_cast<const float4*>(&mj[sl][4 * tx]);
+      acc[0][0] = fmaf(x0, y.x, acc[0][0]);
+      acc[0][1] = fmaf(x0, y.y, acc[0][1]);
+      acc[0][2] = fmaf(x0, y.z, acc[0][2]);
+      acc[0][3] = fmaf(x0, y.w, acc[0][3]);
+      acc[1][0] = fmaf(x1, y.x, acc[1][0]);
+      acc[1][1] = fmaf(x1, y.y, acc[1][1]);
+      acc[1][2] = fmaf(x1, y.z, acc[1][2]);
+      acc[1][3] = fmaf(x1, y.w, acc[1][3]);
+    }
+    __syncthreads();
+  }
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr) {
+    const int r = r0 + 2 * ty + rr;
+    if (r >= p.rows) continue;
+    float* dst = p.out + (int64_t(b) * p.rows + r) * p.N;
+#pragma unroll
+    for (int c = 0; c < 4; ++c)
+      if (j0 + 4 * tx + c < p.N) dst[j0 + 4 * tx + c] = acc[rr][c];
   }
 }
 

@@ -103,6 +103,13 @@ void launch_outer_tc(const OuterArgs& args, int terms, cudaStream_t stream) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+void launch_pair_count(const PairCountArgs& args, cudaStream_t stream) {
+  const dim3 grid(unsigned((args.N + kPairTJ - 1) / kPairTJ), unsigned((args.rows + kPairTR - 1) / kPairTR),
+                  unsigned(args.B));
+  opm_pair_count_kernel<<<grid, kPairThreads, 0, stream>>>(args);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 int project_gemm_smem_bytes(bool big_tiles) { return big_tiles ? BigGemm::kSmemBytes : SmallGemm::kSmemBytes; }
 
 void launch_project_gemm(const ProjectArgs& args, bool big_tiles, cudaStream_t stream) {

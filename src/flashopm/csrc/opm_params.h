@@ -100,6 +100,7 @@ struct OuterArgs {
   const float* w_out;  // (D, H*H)
   const float* bias;   // (D) or null
   float* out;          // (B, out_rows, N, D); row i_offset + r of the problem is row out_row0 + r
+  const float* pair;   // (B, Na, N): sum_s m[s, i_offset + r] m[s, j] (OpenFold/Boltz conventions), else null
   Normalizer norm;
   int B, S, N, Na, i_offset, H, D;
   int out_rows, out_row0;
@@ -123,10 +124,9 @@ constexpr int kTcWStages = 3;
 constexpr int kTcWFloats = kTcWStages * kTcDG * kTcLdW;
 
 // Shared memory of the tensor-core kernel, in floats: phase 1's stages, or phase 2's O tile
-// ([Ti·Tj][H² + 4]) followed by the W stages; then the tile's normalisers.
-constexpr int kTcMaskChunk = 128;  // steps of s per pass of the pair-count sum
+// ([Ti·Tj][H² + 4]) followed by the W stages; then the tile's row denominators.
 struct TcLayout {
-  int ldo, w, den, pair, mask, total;
+  int ldo, w, den, total;
 };
 FLASHOPM_HD inline TcLayout tc_layout(int H, int Ti, int Tj) {
   TcLayout L{};
@@ -136,10 +136,6 @@ FLASHOPM_HD inline TcLayout tc_layout(int H, int Ti, int Tj) {
   if (o < kTcStages * kTcStageFloats) o = kTcStages * kTcStageFloats;
   L.den = o;
   o += round_up4(Ti);
-  L.pair = o;
-  o += round_up4(Ti * Tj);
-  L.mask = o;  // mask columns for the pair counts (before phase 1 needs the space above)
-  o += kTcMaskChunk * (Ti + Tj);
   L.total = o;
   return L;
 }
@@ -150,9 +146,24 @@ struct ProjectArgs {
   MaskView mask;
   const float* bias;
   float* out;
+  const float* pair;  // (B, M, NC / D): pair mask counts (OpenFold/Boltz conventions), else null
   Normalizer norm;
   int B, M, K, NC, D, S;
 };
+
+// Pair mask counts of the OpenFold and Boltz conventions, for rows row0 .. row0 + rows:
+//   out[b, r, j] = sum_s m[b, s, row0 + r] m[b, s, j]         out (B, rows, N)
+// One small GEMM (2·B·rows·N·S FLOPs), computed once per launch of the contraction instead of in
+// every tile's epilogue, where its loads stalled the tile (~10% of the OpenFold path's time).
+struct PairCountArgs {
+  MaskView mask;  // (B, S, N)
+  float* out;
+  int B, S, N, rows, row0;
+};
+constexpr int kPairThreads = 256;
+constexpr int kPairTR = 32;  // rows r per block (2 per thread)
+constexpr int kPairTJ = 64;  // columns j per block (4 per thread)
+constexpr int kPairSK = 32;  // steps of s per stage
 
 // Launchers (opm_launch.cu).  Each launches one kernel on `stream` and checks the launch.
 void launch_prep(const PrepArgs& args, bool project_w, int rows_per_warp, cudaStream_t stream);
@@ -163,6 +174,7 @@ int outer_smem_bytes();
 void launch_outer_tc(const OuterArgs& args, int terms, cudaStream_t stream);
 int outer_tc_smem_bytes(int H, int Ti, int Tj);
 void launch_project_gemm(const ProjectArgs& args, bool big_tiles, cudaStream_t stream);
+void launch_pair_count(const PairCountArgs& args, cudaStream_t stream);
 int project_gemm_smem_bytes(bool big_tiles);
 
 // ---- single-launch path for small problems (opm_small_kernel.cuh) ----

@@ -24,7 +24,6 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const Outer
   float* smem = reinterpret_cast<float*>(smem_f4);
   const TcLayout L = tc_layout(p.H, p.Ti, p.Tj);
   float* den_s = smem + L.den;
-  float* pair_s = smem + L.pair;
   const int H = p.H, N = p.N, S = p.S, D = p.D, Ti = p.Ti, Tj = p.Tj;
   const int P = Ti * Tj;
   const int b = blockIdx.z;
@@ -73,32 +72,12 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const Outer
     if (st < n_k) load_stage(st, st * kTcBK);
     cp_async_commit();
   }
-  // Normalisers of the tile (read in the epilogue, after several barriers), computed while the
-  // first stages are in flight.  The pair counts sum_s m[s,i] m[s,j] go through shared memory:
-  // the tile's mask columns are loaded kTcMaskChunk steps of s at a time, all loads at once.
+  // Row denominators of the tile (read in the epilogue, after several barriers), computed while
+  // the first stages are in flight; the other conventions' pair counts come in p.pair.
   if (p.norm.kind == kNormRow) {
     for (int il = warp; il < Ti; il += kTcThreads / 32) {
       const float den = mask_denominator(p.mask, b, min(i0 + il, p.Na - 1) + p.i_offset, S, lane);
       if (lane == 0) den_s[il] = den;
-    }
-  } else {
-    float* mcols = smem + L.mask;  // [kTcMaskChunk][Ti + Tj]: rows i, then columns j
-    const int TT = Ti + Tj;
-    for (int s0 = 0; s0 < S; s0 += kTcMaskChunk) {
-      for (int idx = tid; idx < kTcMaskChunk * TT; idx += kTcThreads) {
-        const int sl = idx / TT, c = idx - sl * TT;
-        const int n = c < Ti ? min(i0 + c, p.Na - 1) + p.i_offset : min(j0 + c - Ti, N - 1);
-        mcols[idx] = s0 + sl < S ? mask_at(p.mask, b, s0 + sl, n) : 0.f;
-      }
-      __syncthreads();
-      for (int pr = warp; pr < P; pr += kTcThreads / 32) {
-        const int il = pr / Tj, jl = pr - il * Tj;
-        float sum = 0.f;
-        for (int sl = lane; sl < kTcMaskChunk; sl += 32) sum += mcols[sl * TT + il] * mcols[sl * TT + Ti + jl];
-        sum = warp_sum(sum);
-        if (lane == 0) pair_s[pr] = (s0 == 0 ? 0.f : pair_s[pr]) + sum;
-      }
-      __syncthreads();
     }
   }
 
@@ -272,7 +251,7 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const Outer
             const int il = pr / Tj, jl = pr - il * Tj;
             if (i0 + il >= p.Na || j0 + jl >= N) continue;
             const float den = p.norm.kind == kNormRow ? den_s[il] : 0.f;
-            const float pair = p.norm.kind == kNormRow ? 0.f : pair_s[pr];
+            const float pair = p.norm.kind == kNormRow ? 0.f : p.pair[(int64_t(b) * p.Na + i0 + il) * N + j0 + jl];
             float* dst = p.out + ((int64_t(b) * p.out_rows + p.out_row0 + i0 + il) * N + j0 + jl) * D;
 #pragma unroll
             for (int nt = 0; nt < 4; ++nt) {
