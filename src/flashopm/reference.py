@@ -33,6 +33,13 @@ def rows_per_block(B: int, N: int, H: int, elems: int = 1 << 26) -> int:
     return max(1, elems // max(1, B * N * H * H))
 
 
+def backward_block_elems(grad_out: torch.Tensor) -> int:
+    """Size of the backward's (B, n, N, H, H) blocks: a quarter of the output gradient, at least
+    4M elements (blocks that small still make GEMMs of a few GFLOP) and at most 64M.  Each block
+    lives twice at once (einsum lays it out again for its second contraction)."""
+    return min(1 << 26, max(1 << 22, grad_out.numel() // 4))
+
+
 def contract_outer_blocks(a: torch.Tensor, b: torch.Tensor, w_out: torch.Tensor,
                           chunk_elems: int = 1 << 26) -> torch.Tensor:
     """W_out vec(sum_s a[:, s, i] (x) b[:, s, j]) for a (B, S, Ni, H) and b (B, S, Nj, H), as
@@ -170,11 +177,12 @@ def outer_product_mean_backward_reference(
     normalization: int = 0,
     norm_eps: float = 1e-3,
     needs: tuple[bool, ...] = (True,) * 9,
-    chunk_elems: int = 1 << 26,
+    chunk_elems: int | None = None,
 ) -> list[torch.Tensor | None]:
     """Gradients of `outer_product_mean_reference` for the inputs named in GRAD_INPUTS, written out
     by hand, with the (B, n, N, H, H) intermediates formed for blocks of n output rows i only
-    (about `chunk_elems` elements each), so memory stays near that of the output.
+    (about `chunk_elems` elements each, by default `backward_block_elems`), so memory stays near
+    that of the output; the LayerNorm part works in place on its own temporaries.
 
     With g = grad_out / den (B, N, N, D), den the normalisation's divisor of output (i, j) (see
     outer_product_mean_reference), and W = w_out viewed (D, H, H):
@@ -199,12 +207,15 @@ def outer_product_mean_backward_reference(
     g = grad_out.to(work) / output_divisor(m, m, normalization, norm_eps)
     need_x, need_lw, need_lb, need_wa, need_ba, need_wb, need_bb, need_wo, need_bo = needs
     need_proj = need_x or need_lw or need_lb or need_wa or need_ba or need_wb or need_bb
-    grad_a, grad_b, grad_w = contract_outer_blocks_backward(g, a, b, wo, need_proj, need_wo, chunk_elems)
     grads: dict[str, torch.Tensor | None] = dict.fromkeys(GRAD_INPUTS)
-    if need_wo:
-        grads["w_out"] = grad_w
     if need_bo and b_out is not None:
         grads["b_out"] = (g if normalization == 1 else grad_out.to(work)).sum((0, 1, 2))
+    if chunk_elems is None:
+        chunk_elems = backward_block_elems(grad_out)
+    grad_a, grad_b, grad_w = contract_outer_blocks_backward(g, a, b, wo, need_proj, need_wo, chunk_elems)
+    del g, a, b  # (B, N, N, D) and (B, S, N, H): not needed below
+    if need_wo:
+        grads["w_out"] = grad_w
     if need_proj:
         ga = (grad_a * m[..., None]).reshape(-1, H)
         gb = (grad_b * m[..., None]).reshape(-1, H)
@@ -217,17 +228,19 @@ def outer_product_mean_backward_reference(
             grads["w_b"] = gb.t() @ xn2
         if need_bb and b_b is not None:
             grads["b_b"] = gb.sum(0)
+        del xn, xn2
         if need_x or need_lw or need_lb:
-            grad_xn = (ga @ wa + gb @ wb).reshape(B, S, N, C)
+            grad_xn = torch.addmm(ga @ wa, gb, wb).reshape(B, S, N, C)
             if need_lw:
                 grads["ln_weight"] = (grad_xn * xhat).sum((0, 1, 2))
             if need_lb:
                 grads["ln_bias"] = grad_xn.sum((0, 1, 2))
             if need_x:
-                gxhat = grad_xn * lw
-                grads["msa_repr"] = rstd * (
-                    gxhat - gxhat.mean(-1, keepdim=True) - xhat * (gxhat * xhat).mean(-1, keepdim=True)
-                )
+                # rstd (gxhat - mean(gxhat) - xhat mean(gxhat xhat)), built in grad_xn's storage
+                gxhat = grad_xn.mul_(lw)
+                proj = torch.einsum("bsnc,bsnc->bsn", gxhat, xhat).unsqueeze(-1).div_(C)
+                mean = gxhat.mean(-1, keepdim=True)
+                grads["msa_repr"] = gxhat.sub_(mean).addcmul_(xhat, proj, value=-1.0).mul_(rstd)
     like = {"msa_repr": msa_repr, "ln_weight": ln_weight, "ln_bias": ln_bias, "w_a": w_a, "b_a": b_a, "w_b": w_b,
             "b_b": b_b, "w_out": w_out, "b_out": b_out}
     return [None if grads[k] is None else grads[k].to(like[k].dtype) for k in GRAD_INPUTS]
