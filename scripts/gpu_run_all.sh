@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU run: build, every test, the sharded OPM's scaling over the machine's GPUs (when it has
 # several), the spec shape's paths and host overhead, and the benchmarks (forward at the spec shape,
-# training steps, N = 8192), the sharded contraction's compute scaling and the conventions' times;
+# training steps, backward) and the three conventions at N = 1536, the conventions' epilogue cost and
+# the op's host time by stage;
 # logs and results packed into OUTDIR/results.tgz.  Steps past the time budget (BUDGET_S, default
 # 540 s from the start) are skipped so that the results are always packed.
 #   usage: scripts/gpu_run_all.sh OUTDIR
@@ -34,7 +35,9 @@ step bench_training $py -m flashopm bench --mode training --shapes "2,8,32,64,32
   --impls eager,flashopm --calls 30 --out "$out/res/training"
 step bench_backward $py -m flashopm bench --mode backward --shapes "1,128,256,256,32,128" --impls eager,flashopm \
   --calls 30 --out "$out/res/backward"
-step bench_n8192 $py -m flashopm bench --shapes "1,512,8192,256,32,128" --impls eager,flashopm --calls 2 \
-  --fp64-max-n 0 --out "$out/res/n8192"
-step rows_scaling $py scripts/rows_scaling.py
-step convention_times $py scripts/convention_times.py row openfold boltz
+step convention_times $py scripts/convention_times.py 384 1536 row openfold boltz
+step host_breakdown $py scripts/host_breakdown.py
+for mod in spec openfold boltz; do
+  step bench_n1536_$mod $py -m flashopm bench --module $mod --shapes "1,512,1536,256,32,128" --impls eager,flashopm \
+    --calls 3 --fp64-max-n 0 --out "$out/res/n1536_$mod"
+done
