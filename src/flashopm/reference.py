@@ -35,9 +35,10 @@ def rows_per_block(B: int, N: int, H: int, elems: int = 1 << 26) -> int:
 
 def backward_block_elems(grad_out: torch.Tensor) -> int:
     """Size of the backward's (B, n, N, H, H) blocks: a quarter of the output gradient, at least
-    4M elements (blocks that small still make GEMMs of a few GFLOP) and at most 64M.  Each block
-    lives twice at once (einsum lays it out again for its second contraction)."""
-    return min(1 << 26, max(1 << 22, grad_out.numel() // 4))
+    16M elements and at most 64M.  Each block lives twice at once (einsum lays it out again for its
+    second contraction); below 16M elements the backward's time goes to launching its per-block
+    einsums (measured on the H200: 4M-element blocks made it 1.8x slower at N = 256)."""
+    return min(1 << 26, max(1 << 24, grad_out.numel() // 4))
 
 
 def contract_outer_blocks(a: torch.Tensor, b: torch.Tensor, w_out: torch.Tensor,

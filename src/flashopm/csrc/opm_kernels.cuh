@@ -271,11 +271,9 @@ __global__ void __launch_bounds__(kOuterThreads, 1) opm_outer_fused_kernel(const
   const int tid = threadIdx.x;
   const int64_t NH = int64_t(N) * H, NaH = int64_t(p.Na) * H;
 
-  for (int il = tid >> 5; il < p.Ti; il += kOuterThreads / 32) {
-    const int i = min(i0 + il, p.Na - 1) + p.i_offset;
-    const float den = mask_denominator(p.mask, b, i, S, tid & 31);
-    if ((tid & 31) == 0) den_s[il] = den;
-  }
+  // row denominators computed before the launch (RowDenArgs)
+  for (int il = tid; il < p.Ti; il += kOuterThreads)
+    den_s[il] = p.norm.kind == kNormRow ? p.den[int64_t(b) * p.Na + min(i0 + il, p.Na - 1)] : 1.f;
 
   // ---------------- phase 1 ----------------
   const int tx = tid & 15, ty = tid >> 4;
@@ -628,6 +626,13 @@ __global__ void __launch_bounds__(kPairThreads) opm_pair_count_kernel(const Pair
     for (int c = 0; c < 4; ++c)
       if (j0 + 4 * tx + c < p.N) dst[j0 + 4 * tx + c] = acc[rr][c];
   }
+}
+
+__global__ void __launch_bounds__(kRowDenWarps * 32) opm_row_den_kernel(const RowDenArgs p) {
+  const int r = blockIdx.x * kRowDenWarps + (threadIdx.x >> 5), b = blockIdx.y, lane = threadIdx.x & 31;
+  if (r >= p.rows) return;
+  const float den = mask_denominator(p.mask, b, p.row0 + r, p.S, lane);
+  if (lane == 0) p.out[int64_t(b) * p.rows + r] = den;
 }
 
 }  // namespace flashopm
