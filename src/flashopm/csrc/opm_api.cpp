@@ -238,14 +238,6 @@ at::Tensor pair_counts(const MaskView& mask, int64_t normalization, int64_t B, i
   return pair;
 }
 
-// Row denominators max(sum_s m[b, s, row0 + r], 1) as (B, rows) (same lifetime as pair_counts').
-at::Tensor row_denominators(const MaskView& mask, int64_t B, int64_t S, int64_t rows, int64_t row0,
-                            const at::TensorOptions& options, cudaStream_t stream) {
-  at::Tensor den = at::empty({B, rows}, options.dtype(at::kFloat));
-  launch_row_den(RowDenArgs{mask, den.data_ptr<float>(), int(B), int(S), int(rows), int(row0)}, stream);
-  return den;
-}
-
 // The outer-first kernels' arguments but for the row range (set by run_outer).
 OuterArgs outer_args(const float* a, const float* b, const MaskView& mask, const at::Tensor& w_out,
                      const std::optional<at::Tensor>& b_out, const at::Tensor& out, int64_t B, int64_t S, int64_t N,
@@ -271,13 +263,7 @@ OuterArgs outer_args(const float* a, const float* b, const MaskView& mask, const
 // out_rows rows per batch: tensor cores (terms 3: 3xTF32, 1: TF32) or CUDA cores.
 void run_outer(OuterArgs oa, int64_t i_offset, int64_t rows, int64_t out_rows, int64_t out_row0, bool tensor_cores,
                int terms, const at::TensorOptions& options, int dev, cudaStream_t stream) {
-  // The normalisers of these rows, computed once here rather than per tile (where their mask loads
-  // stalled each tile's start).
-  const at::Tensor den = oa.norm.kind == kNormRow
-                             ? row_denominators(oa.mask, oa.B, oa.S, rows, i_offset, options, stream)
-                             : at::Tensor();
   const at::Tensor pair = pair_counts(oa.mask, oa.norm.kind, oa.B, oa.S, oa.N, rows, i_offset, options, stream);
-  oa.den = den.defined() ? den.data_ptr<float>() : nullptr;
   oa.pair = pair.defined() ? pair.data_ptr<float>() : nullptr;
   oa.Na = int(rows);
   oa.i_offset = int(i_offset);

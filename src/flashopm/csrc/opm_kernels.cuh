@@ -34,6 +34,11 @@ __device__ __forceinline__ float load_mask(const void* base, int64_t idx, int ki
   }
 }
 
+__device__ __forceinline__ float to_float(float v) { return v; }
+__device__ __forceinline__ float to_float(bool v) { return v ? 1.f : 0.f; }
+__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
@@ -65,10 +70,34 @@ __device__ __forceinline__ float mask_at(const MaskView& m, int b, int s, int n)
   return load_mask(m.ptr, int64_t(b) * m.sb + int64_t(s) * m.ss + int64_t(n) * m.sn, m.kind);
 }
 
+template <typename T>
+__device__ __forceinline__ float mask_column_sum(const T* col, int64_t ss, int S, int lane) {
+  // 8 loads in flight per lane: one warp walks a strided column, so the loop is latency-bound
+  float sum = 0.f;
+  int s = lane;
+  for (; s + 7 * 32 < S; s += 8 * 32) {
+    float v[8];
+#pragma unroll
+    for (int u = 0; u < 8; ++u) v[u] = to_float(col[int64_t(s + 32 * u) * ss]);
+#pragma unroll
+    for (int u = 0; u < 8; ++u) sum += v[u];
+  }
+  for (; s < S; s += 32) sum += to_float(col[int64_t(s) * ss]);
+  return sum;
+}
+
 // den[b, n] = max(sum_s m[b, s, n], 1), reduced by one warp (same value in every lane).
 __device__ __forceinline__ float mask_denominator(const MaskView& m, int b, int n, int S, int lane) {
-  float sum = 0.f;
-  for (int s = lane; s < S; s += 32) sum += mask_at(m, b, s, n);
+  const int64_t off = int64_t(b) * m.sb + int64_t(n) * m.sn;
+  float sum;
+  switch (m.kind) {
+    case kMaskBool: sum = mask_column_sum(static_cast<const bool*>(m.ptr) + off, m.ss, S, lane); break;
+    case kMaskHalf: sum = mask_column_sum(static_cast<const __half*>(m.ptr) + off, m.ss, S, lane); break;
+    case kMaskBFloat16:
+      sum = mask_column_sum(static_cast<const __nv_bfloat16*>(m.ptr) + off, m.ss, S, lane);
+      break;
+    default: sum = mask_column_sum(static_cast<const float*>(m.ptr) + off, m.ss, S, lane);
+  }
   return fmaxf(warp_sum(sum), 1.f);
 }
 
@@ -271,9 +300,11 @@ __global__ void __launch_bounds__(kOuterThreads, 1) opm_outer_fused_kernel(const
   const int tid = threadIdx.x;
   const int64_t NH = int64_t(N) * H, NaH = int64_t(p.Na) * H;
 
-  // row denominators computed before the launch (RowDenArgs)
-  for (int il = tid; il < p.Ti; il += kOuterThreads)
-    den_s[il] = p.norm.kind == kNormRow ? p.den[int64_t(b) * p.Na + min(i0 + il, p.Na - 1)] : 1.f;
+  for (int il = tid >> 5; il < p.Ti; il += kOuterThreads / 32) {
+    const int i = min(i0 + il, p.Na - 1) + p.i_offset;
+    const float den = mask_denominator(p.mask, b, i, S, tid & 31);
+    if ((tid & 31) == 0) den_s[il] = den;
+  }
 
   // ---------------- phase 1 ----------------
   const int tx = tid & 15, ty = tid >> 4;
@@ -626,13 +657,6 @@ __global__ void __launch_bounds__(kPairThreads) opm_pair_count_kernel(const Pair
     for (int c = 0; c < 4; ++c)
       if (j0 + 4 * tx + c < p.N) dst[j0 + 4 * tx + c] = acc[rr][c];
   }
-}
-
-__global__ void __launch_bounds__(kRowDenWarps * 32) opm_row_den_kernel(const RowDenArgs p) {
-  const int r = blockIdx.x * kRowDenWarps + (threadIdx.x >> 5), b = blockIdx.y, lane = threadIdx.x & 31;
-  if (r >= p.rows) return;
-  const float den = mask_denominator(p.mask, b, p.row0 + r, p.S, lane);
-  if (lane == 0) p.out[int64_t(b) * p.rows + r] = den;
 }
 
 }  // namespace flashopm

@@ -110,12 +110,6 @@ void launch_pair_count(const PairCountArgs& args, cudaStream_t stream) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-void launch_row_den(const RowDenArgs& args, cudaStream_t stream) {
-  const dim3 grid(unsigned((args.rows + kRowDenWarps - 1) / kRowDenWarps), unsigned(args.B));
-  opm_row_den_kernel<<<grid, kRowDenWarps * 32, 0, stream>>>(args);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
 int project_gemm_smem_bytes(bool big_tiles) { return big_tiles ? BigGemm::kSmemBytes : SmallGemm::kSmemBytes; }
 
 void launch_project_gemm(const ProjectArgs& args, bool big_tiles, cudaStream_t stream) {

@@ -100,7 +100,6 @@ struct OuterArgs {
   const float* w_out;  // (D, H*H)
   const float* bias;   // (D) or null
   float* out;          // (B, out_rows, N, D); row i_offset + r of the problem is row out_row0 + r
-  const float* den;    // (B, Na): max(sum_s m[s, i_offset + r], 1) (row convention), else null
   const float* pair;   // (B, Na, N): sum_s m[s, i_offset + r] m[s, j] (OpenFold/Boltz conventions), else null
   Normalizer norm;
   int B, S, N, Na, i_offset, H, D;
@@ -125,9 +124,9 @@ constexpr int kTcWStages = 3;
 constexpr int kTcWFloats = kTcWStages * kTcDG * kTcLdW;
 
 // Shared memory of the tensor-core kernel, in floats: phase 1's stages, or phase 2's O tile
-// ([Ti·Tj][H² + 4]) followed by the W stages.
+// ([Ti·Tj][H² + 4]) followed by the W stages; then the tile's row denominators.
 struct TcLayout {
-  int ldo, w, total;
+  int ldo, w, den, total;
 };
 FLASHOPM_HD inline TcLayout tc_layout(int H, int Ti, int Tj) {
   TcLayout L{};
@@ -135,6 +134,8 @@ FLASHOPM_HD inline TcLayout tc_layout(int H, int Ti, int Tj) {
   L.w = Ti * Tj * L.ldo;
   int o = L.w + kTcWFloats;
   if (o < kTcStages * kTcStageFloats) o = kTcStages * kTcStageFloats;
+  L.den = o;
+  o += round_up4(Ti);
   L.total = o;
   return L;
 }
@@ -164,15 +165,6 @@ constexpr int kPairTR = 32;  // rows r per block (2 per thread)
 constexpr int kPairTJ = 64;  // columns j per block (4 per thread)
 constexpr int kPairSK = 32;  // steps of s per stage
 
-// Row denominators of the specification's convention, for rows row0 .. row0 + rows:
-//   out[b, r] = max(sum_s m[b, s, row0 + r], 1)                 out (B, rows)
-struct RowDenArgs {
-  MaskView mask;  // (B, S, N)
-  float* out;
-  int B, S, rows, row0;
-};
-constexpr int kRowDenWarps = 8;  // one row per warp
-
 // Launchers (opm_launch.cu).  Each launches one kernel on `stream` and checks the launch.
 void launch_prep(const PrepArgs& args, bool project_w, int rows_per_warp, cudaStream_t stream);
 int prep_smem_bytes(int H, int rows_per_warp, bool project_w);
@@ -183,7 +175,6 @@ void launch_outer_tc(const OuterArgs& args, int terms, cudaStream_t stream);
 int outer_tc_smem_bytes(int H, int Ti, int Tj);
 void launch_project_gemm(const ProjectArgs& args, bool big_tiles, cudaStream_t stream);
 void launch_pair_count(const PairCountArgs& args, cudaStream_t stream);
-void launch_row_den(const RowDenArgs& args, cudaStream_t stream);
 int project_gemm_smem_bytes(bool big_tiles);
 
 // ---- single-launch path for small problems (opm_small_kernel.cuh) ----

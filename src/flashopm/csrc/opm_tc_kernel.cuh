@@ -23,6 +23,7 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const Outer
   extern __shared__ float4 smem_f4[];
   float* smem = reinterpret_cast<float*>(smem_f4);
   const TcLayout L = tc_layout(p.H, p.Ti, p.Tj);
+  float* den_s = smem + L.den;
   const int H = p.H, N = p.N, S = p.S, D = p.D, Ti = p.Ti, Tj = p.Tj;
   const int P = Ti * Tj;
   const int b = blockIdx.z;
@@ -71,6 +72,15 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const Outer
     if (st < n_k) load_stage(st, st * kTcBK);
     cp_async_commit();
   }
+  // Row denominators of the tile (read in the epilogue, after several barriers), computed while
+  // the first stages are in flight; the other conventions' pair counts come in p.pair.
+  if (p.norm.kind == kNormRow) {
+    for (int il = warp; il < Ti; il += kTcThreads / 32) {
+      const float den = mask_denominator(p.mask, b, min(i0 + il, p.Na - 1) + p.i_offset, S, lane);
+      if (lane == 0) den_s[il] = den;
+    }
+  }
+
   for (int kt = 0; kt < n_k; ++kt) {
     cp_async_wait<kTcStages - 2>();
     __syncthreads();
@@ -240,8 +250,7 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const Outer
             if (pr >= P) continue;
             const int il = pr / Tj, jl = pr - il * Tj;
             if (i0 + il >= p.Na || j0 + jl >= N) continue;
-            // normalisers computed before the launch (RowDenArgs, PairCountArgs)
-            const float den = p.norm.kind == kNormRow ? p.den[int64_t(b) * p.Na + i0 + il] : 0.f;
+            const float den = p.norm.kind == kNormRow ? den_s[il] : 0.f;
             const float pair = p.norm.kind == kNormRow ? 0.f : p.pair[(int64_t(b) * p.Na + i0 + il) * N + j0 + jl];
             float* dst = p.out + ((int64_t(b) * p.out_rows + p.out_row0 + i0 + il) * N + j0 + jl) * D;
 #pragma unroll
