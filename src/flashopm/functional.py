@@ -7,6 +7,15 @@ from . import _build
 from .ops import ALGORITHMS, FOLLOW_PYTORCH, NORMALIZATIONS, PRECISIONS, outer_product_mean_op, outer_product_mean_rows_op
 
 
+def _mode_codes(normalization: str, precision: str | None) -> tuple[int, int]:
+    """The ops' integer codes for a normalization name and a precision name (None: PyTorch's setting)."""
+    if normalization not in NORMALIZATIONS:
+        raise ValueError(f"flashopm: normalization must be one of {sorted(NORMALIZATIONS)}, got {normalization!r}")
+    if precision is not None and precision not in PRECISIONS:
+        raise ValueError(f"flashopm: precision must be one of {sorted(PRECISIONS)} or None, got {precision!r}")
+    return NORMALIZATIONS[normalization], FOLLOW_PYTORCH if precision is None else PRECISIONS[precision]
+
+
 def outer_product_mean(
     msa_repr: torch.Tensor,
     msa_mask: torch.Tensor,
@@ -55,15 +64,12 @@ def outer_product_mean(
     """
     if algorithm not in ALGORITHMS:
         raise ValueError(f"flashopm: algorithm must be one of {sorted(ALGORITHMS)}, got {algorithm!r}")
-    if normalization not in NORMALIZATIONS:
-        raise ValueError(f"flashopm: normalization must be one of {sorted(NORMALIZATIONS)}, got {normalization!r}")
-    if precision is not None and precision not in PRECISIONS:
-        raise ValueError(f"flashopm: precision must be one of {sorted(PRECISIONS)} or None, got {precision!r}")
+    norm_code, precision_code = _mode_codes(normalization, precision)
     if msa_repr.is_cuda and not _build.is_loaded():
         _build.load()
     return outer_product_mean_op(
         msa_repr, msa_mask, ln_weight, ln_bias, ln_eps, w_a, b_a, w_b, b_b, w_out, b_out, ALGORITHMS[algorithm],
-        NORMALIZATIONS[normalization], norm_eps, FOLLOW_PYTORCH if precision is None else PRECISIONS[precision],
+        norm_code, norm_eps, precision_code,
     )
 
 
@@ -92,11 +98,7 @@ def outer_product_mean_rows(
         for row i = row_offset + r.  The residue-sharded OPM runs this on each rank's rows; on
         CUDA it is the fused outer-first kernel without its LayerNorm/projection stage.
     """
-    if normalization not in NORMALIZATIONS:
-        raise ValueError(f"flashopm: normalization must be one of {sorted(NORMALIZATIONS)}, got {normalization!r}")
-    if precision is not None and precision not in PRECISIONS:
-        raise ValueError(f"flashopm: precision must be one of {sorted(PRECISIONS)} or None, got {precision!r}")
+    norm_code, precision_code = _mode_codes(normalization, precision)
     if a.is_cuda and not _build.is_loaded():
         _build.load()
-    return outer_product_mean_rows_op(a, b, mask, row_offset, w_out, b_out, NORMALIZATIONS[normalization], norm_eps,
-                                      FOLLOW_PYTORCH if precision is None else PRECISIONS[precision])
+    return outer_product_mean_rows_op(a, b, mask, row_offset, w_out, b_out, norm_code, norm_eps, precision_code)

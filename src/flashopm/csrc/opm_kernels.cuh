@@ -25,19 +25,19 @@ namespace flashopm {
 // Small helpers
 // ---------------------------------------------------------------------------------------------
 
-__device__ __forceinline__ float load_mask(const void* base, int64_t idx, int kind) {
-  switch (kind) {
-    case kMaskBool: return static_cast<const bool*>(base)[idx] ? 1.f : 0.f;
-    case kMaskHalf: return __half2float(static_cast<const __half*>(base)[idx]);
-    case kMaskBFloat16: return __bfloat162float(static_cast<const __nv_bfloat16*>(base)[idx]);
-    default: return static_cast<const float*>(base)[idx];
-  }
-}
-
 __device__ __forceinline__ float to_float(float v) { return v; }
 __device__ __forceinline__ float to_float(bool v) { return v ? 1.f : 0.f; }
 __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
 __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+__device__ __forceinline__ float load_mask(const void* base, int64_t idx, int kind) {
+  switch (kind) {
+    case kMaskBool: return to_float(static_cast<const bool*>(base)[idx]);
+    case kMaskHalf: return to_float(static_cast<const __half*>(base)[idx]);
+    case kMaskBFloat16: return to_float(static_cast<const __nv_bfloat16*>(base)[idx]);
+    default: return static_cast<const float*>(base)[idx];
+  }
+}
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
