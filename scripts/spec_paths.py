@@ -41,7 +41,7 @@ def main(shapes):
         x, m, p = make_problem(shape, "masked_positions", seed=0)
         x, m, p = x.cuda(), m.cuda(), {k: v.cuda() for k, v in p.items()}
         print(f"--- {shape}")
-        for algorithm in ("auto", "single", "outer", "project", "outer-fma"):
+        for algorithm in ("auto", "small-tc", "single", "outer", "project", "outer-fma"):
             def call(a=algorithm):
                 return flashopm.outer_product_mean(x, m, p["ln_weight"], p["ln_bias"], p["w_a"], p["b_a"], p["w_b"],
                                                    p["b_b"], p["w_out"], p["b_out"], algorithm=a)

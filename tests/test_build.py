@@ -33,6 +33,12 @@ def test_gencode_flags():
         _build.gencode_flags(["sm90"])
 
 
+def test_every_source_file_is_hashed():
+    """A file of csrc/ left out of SOURCES would not change the cache name: stale builds."""
+    on_disk = {p.name for p in _build.CSRC_DIR.iterdir() if p.suffix in (".h", ".cuh", ".cu", ".cpp")}
+    assert on_disk == set(_build.SOURCES)
+
+
 def test_extension_name_hashes_sources_and_arch():
     src = _build.read_sources()
     base = _build.extension_name(src, ["9.0"])

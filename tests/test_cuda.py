@@ -32,7 +32,7 @@ SWEEP = [
     Shape(1, 5, 65, 33, 5, 7),     # odd hidden (scalar phase-2 path), ragged everything
     Shape(2, 9, 31, 48, 31, 65),   # D just above 64, H just below 32
 ]
-ALGORITHMS = ["auto", "outer", "project", "single", "outer-fma"]
+ALGORITHMS = ["auto", "outer", "project", "single", "outer-fma", "small-tc"]
 FP64_FLOOR = 4 * torch.finfo(torch.float32).eps
 
 
@@ -56,8 +56,8 @@ def _run(x, m, p, algorithm="auto", poison=True, may_not_fit=True, precision=Non
             algorithm=algorithm, precision=precision,
         )
     except RuntimeError as exc:
-        if algorithm.startswith("single") and "does not fit" in str(exc) and may_not_fit:
-            pytest.skip("the single-launch kernel does not fit this problem")
+        if algorithm in ("single", "small-tc") and "does not fit" in str(exc) and may_not_fit:
+            pytest.skip(f"algorithm {algorithm!r} does not fit this problem")
         raise
     if poison_ptr is not None:
         assert out.data_ptr() == poison_ptr, "the poisoned block was not reused; the check proves nothing"
@@ -140,7 +140,8 @@ def test_algorithms_agree_and_auto_picks_one_of_them():
     outs = {a: _run(xc, mc, pc, a) for a in ALGORITHMS}
     torch.testing.assert_close(outs["outer"], outs["project"], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(outs["single"], outs["project"], atol=1e-4, rtol=1e-4)
-    assert any(torch.equal(outs["auto"], outs[a]) for a in ("outer", "project", "single"))
+    torch.testing.assert_close(outs["small-tc"], outs["project"], atol=1e-4, rtol=1e-4)
+    assert any(torch.equal(outs["auto"], outs[a]) for a in ("outer", "project", "single", "small-tc"))
 
 
 # Awkward small problems for the single-launch kernel: every cluster size, partial tiles along
@@ -169,10 +170,38 @@ def test_single_launch_kernel(shape, mask_kind):
     _check(shape, mask_kind, "single", seed=zlib.crc32(f"{shape}-{mask_kind}".encode()) % 1000, may_not_fit=False)
 
 
-def test_auto_uses_single_launch_on_spec():
+# Awkward small problems for the two-launch tensor-core path (hidden a multiple of 8): one row
+# tile and many, N one past a tile of 16, S not a multiple of 8 (padded n tile in phase P), pair
+# widths below, at and across the chunk of d, K split over warps or not.
+SMALL_TC_SHAPES = [
+    Shape(1, 1, 1, 1, 8, 1),
+    Shape(2, 8, 32, 64, 32, 64),
+    Shape(1, 3, 17, 5, 8, 5),
+    Shape(3, 2, 5, 9, 16, 13),
+    Shape(1, 7, 17, 31, 24, 33),
+    Shape(2, 4, 40, 8, 40, 4),
+    Shape(1, 2, 100, 20, 8, 10),
+    Shape(1, 6, 48, 40, 64, 16),
+    Shape(2, 9, 23, 24, 8, 7),
+    Shape(1, 11, 33, 16, 32, 71),
+    Shape(1, 9, 64, 32, 16, 48),
+    Shape(2, 2, 37, 56, 32, 130),
+    Shape(1, 1, 129, 12, 8, 9),
+    Shape(1, 20, 20, 64, 56, 64),
+]
+
+
+@pytest.mark.parametrize("shape", SMALL_TC_SHAPES, ids=str)
+@pytest.mark.parametrize("mask_kind", ["masked_positions", "fractional", "bool"])
+def test_small_tc_path(shape, mask_kind):
+    _check(shape, mask_kind, "small-tc", seed=zlib.crc32(f"{shape}-{mask_kind}-tc".encode()) % 1000,
+           may_not_fit=False)
+
+
+def test_auto_uses_small_tc_on_spec():
     x, m, p = make_problem(SPEC, "masked_positions", seed=2)
     xc, mc, pc = x.cuda(), m.cuda(), _cuda_params(p)
-    assert torch.equal(_run(xc, mc, pc, "auto"), _run(xc, mc, pc, "single", may_not_fit=False))
+    assert torch.equal(_run(xc, mc, pc, "auto"), _run(xc, mc, pc, "small-tc", may_not_fit=False))
 
 
 @pytest.mark.parametrize("B,S,N", [(0, 3, 4), (2, 0, 4), (2, 3, 0)])
@@ -309,12 +338,13 @@ def test_tensor_core_path(shape, normalization):
     assert err <= max(2 * err_eager, FP64_FLOOR), f"normwise error {err:.3g} vs eager fp32 {err_eager:.3g}"
 
 
+@pytest.mark.parametrize("algorithm,shape", [("outer", Shape(1, 128, 64, 64, 32, 128)),
+                                             ("small-tc", Shape(1, 16, 64, 64, 32, 128))], ids=str)
 @pytest.mark.parametrize("scale", [1.0, 10.0])
-def test_precision_modes_follow_pytorch(scale):
+def test_precision_modes_follow_pytorch(scale, algorithm, shape):
     """"highest" keeps float32 accuracy (weights x10 too); "high" is TF32, within 2x the error of
     eager PyTorch with TF32 allowed, and measurably less exact than "highest" (so the TF32 path is
     the one that ran); the global setting is followed when no precision is given."""
-    shape = Shape(1, 128, 64, 64, 32, 128)
     x, m, p = make_problem(shape, "masked_positions", seed=21, scale=scale)
     xc, mc, pc = x.cuda(), m.cuda(), _cuda_params(p)
     ref64 = reference(xc, mc, pc, dtype=torch.float64).cpu()
@@ -323,11 +353,11 @@ def test_precision_modes_follow_pytorch(scale):
     try:
         torch.set_float32_matmul_precision("high")
         ref_tf32 = reference(xc, mc, pc).cpu()
-        out_global_high = _run(xc, mc, pc, "outer").cpu()
+        out_global_high = _run(xc, mc, pc, algorithm).cpu()
     finally:
         torch.set_float32_matmul_precision(before)
-    out_highest = _run(xc, mc, pc, "outer", precision="highest").cpu()
-    out_high = _run(xc, mc, pc, "outer", precision="high").cpu()
+    out_highest = _run(xc, mc, pc, algorithm, precision="highest").cpu()
+    out_high = _run(xc, mc, pc, algorithm, precision="high").cpu()
     err_highest, err_eager = rel_error(out_highest, ref64), rel_error(ref32, ref64)
     err_high, err_eager_tf32 = rel_error(out_high, ref64), rel_error(ref_tf32, ref64)
     # the output scales as scale^3; eager float32 itself is off by ~2.5e-4 from float64 at scale 10
@@ -337,7 +367,7 @@ def test_precision_modes_follow_pytorch(scale):
     assert err_high > 10 * err_highest, f"'high' ({err_high:.3g}) is not TF32 next to 'highest' ({err_highest:.3g})"
     assert torch.equal(out_global_high, out_high)
     if before == "highest":
-        assert torch.equal(_run(xc, mc, pc, "outer").cpu(), out_highest)
+        assert torch.equal(_run(xc, mc, pc, algorithm).cpu(), out_highest)
 
 
 def test_tensor_cores_and_cuda_cores_agree():

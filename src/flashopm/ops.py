@@ -23,7 +23,7 @@ from .reference import (
 
 # "outer" runs on tensor cores where it can (hidden_dim a multiple of 8, sm_80+), "outer-fma" on CUDA
 # cores always.
-ALGORITHMS = {"auto": 0, "outer": 1, "project": 2, "single": 3, "outer-fma": 4}
+ALGORITHMS = {"auto": 0, "outer": 1, "project": 2, "single": 3, "outer-fma": 4, "small-tc": 5}
 # Float32 matmul precision, as torch.get_float32_matmul_precision() names it: "highest" keeps
 # float32 accuracy (3xTF32 on tensor cores), "high" allows TF32, "medium" bfloat16 (run as TF32).
 # The op's default, -1, reads PyTorch's setting when the op runs (in C++: no cost in eager mode,

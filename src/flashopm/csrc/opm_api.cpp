@@ -99,7 +99,14 @@ const float* opt_ptr(const std::optional<at::Tensor>& t) {
   return t.has_value() ? t->data_ptr<float>() : nullptr;
 }
 
-enum Algorithm : int64_t { kAuto = 0, kOuterFirst = 1, kProjectFirst = 2, kSingleLaunch = 3, kOuterFirstFma = 4 };
+enum Algorithm : int64_t {
+  kAuto = 0,
+  kOuterFirst = 1,
+  kProjectFirst = 2,
+  kSingleLaunch = 3,
+  kOuterFirstFma = 4,
+  kSmallTc = 5,
+};
 
 // PyTorch's float32 matmul precision: "highest" keeps float32 accuracy (3xTF32 on tensor cores),
 // "high" allows TF32, "medium" allows bfloat16 (run as TF32 here).  kFollowPyTorch reads the
@@ -164,6 +171,43 @@ bool search_small_plan(int64_t B, int64_t S, int64_t N, int64_t C, int64_t H, in
     }
   }
   return found;
+}
+
+// Tiling of the two-launch tensor-core path for small problems: rows i (TI) and columns d (Dc)
+// per block, one block per SM.  Cost model: per wave, the block's FMAs plus a fixed cost; among
+// equal costs the fewest rows per block (wider chunks of d give phase O more n tiles per A
+// fragment; at the spec's shape TI = 4, Dc = 8 measured slower than TI = 1, Dc = 32 although it
+// reads a quarter of the W traffic).  {0, 0} when the path does not apply.
+struct SmallTcPlan {
+  int TI = 0, Dc = 0;
+};
+
+SmallTcPlan plan_small_tc(int64_t B, int64_t S, int64_t N, int64_t H, int64_t D, int dev) {
+  const DeviceInfo& info = device_info(dev);
+  SmallTcPlan best;
+  if (info.cc_major < 9 || H % 8 != 0) return best;
+  // Rules out what cannot fit before any int layout arithmetic (b alone is N·S·H floats).
+  if (S * H * (N + 16 + 8) > info.smem_optin / 4) return best;
+  double best_cost = 0;
+  for (int TI : {1, 2, 4, 8}) {
+    if (TI > 1 && TI / 2 >= N) break;
+    for (int Dc : {8, 16, 32, 64}) {
+      if (Dc > 8 && Dc / 2 >= D) break;
+      const int64_t bytes = small_tc_smem_bytes(int(S), int(N), int(H), TI, Dc);
+      if (bytes > info.smem_optin) continue;
+      const int64_t blocks = B * ((N + TI - 1) / TI) * ((D + Dc - 1) / Dc);
+      if ((N + TI - 1) / TI > 65535) continue;
+      const int64_t waves = (blocks + info.sm_count - 1) / info.sm_count;
+      const double n16 = double((N + 15) / 16 * 16);
+      const double fmas = double(TI) * Dc * double(S * H) * (double(H) + n16);
+      const double cost = double(waves) * (fmas + 2.0e5);
+      if (best.TI == 0 || cost < best_cost) {
+        best = SmallTcPlan{TI, Dc};
+        best_cost = cost;
+      }
+    }
+  }
+  return best;
 }
 
 // The search above costs ~100 layout evaluations: remember its answer per problem size.
@@ -323,9 +367,9 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
   if (b_a_in) check_param(*b_a_in, "proj_a bias", {H}, msa_in);
   if (b_b_in) check_param(*b_b_in, "proj_b bias", {H}, msa_in);
   if (b_out_in) check_param(*b_out_in, "out_proj bias", {D}, msa_in);
-  FLASHOPM_CHECK(algorithm >= kAuto && algorithm <= kOuterFirstFma,
-                 "flashopm: algorithm must be 0 (auto), 1 (outer-first), 2 (project-first), 3 (single launch) or "
-                 "4 (outer-first on CUDA cores), got ",
+  FLASHOPM_CHECK(algorithm >= kAuto && algorithm <= kSmallTc,
+                 "flashopm: algorithm must be 0 (auto), 1 (outer-first), 2 (project-first), 3 (single launch), "
+                 "4 (outer-first on CUDA cores) or 5 (two launches on tensor cores, small problems), got ",
                  algorithm);
   check_modes(precision, normalization, B, S);
   const Normalizer norm{int(normalization), float(norm_eps)};
@@ -395,6 +439,49 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     args.H = int(H);
     args.D = int(D);
   };
+
+  // Small problems on tensor cores: the projections, then one block per (row i, chunk of d)
+  // launched as the projections' programmatic dependent.  Workspace: a and b as (B, N, S, H).
+  const SmallTcPlan small_tc = (algorithm == kAuto && flops_small < 2.0e9) || algorithm == kSmallTc
+                                   ? plan_small_tc(B, S, N, H, D, dev)
+                                   : SmallTcPlan{};
+  const bool small_tc_ok = small_tc.TI > 0 && 2 * ab_elems <= budget_elems &&
+                           reinterpret_cast<uintptr_t>(w_out.data_ptr()) % 8 == 0;
+  FLASHOPM_CHECK(algorithm != kSmallTc || small_tc_ok,
+                 "flashopm: algorithm 5 (two launches on tensor cores) does not fit this problem (B=", B, ", S=", S,
+                 ", N=", N, ", hidden=", H, ", pair_dim=", D, "; it needs hidden % 8 == 0, sm_90, and a and b in "
+                 "shared memory)");
+  if (small_tc_ok) {
+    at::Tensor ws = at::empty({2 * ab_elems}, msa.options());
+    PrepArgs pa{};
+    set_inputs(pa);
+    pa.a_rows = int(N);
+    pa.o_chunks = 1;
+    pa.a_out = ws.data_ptr<float>();
+    pa.b_out = pa.a_out + ab_elems;
+    pa.a_sb = pa.b_sb = N * S * H;
+    pa.a_ss = pa.b_ss = H;
+    pa.a_sn = pa.b_sn = S * H;
+    run_prep(pa, false, dev, stream);
+
+    SmallTcArgs ta{};
+    ta.a = pa.a_out;
+    ta.b = pa.b_out;
+    ta.mask = mask_view;
+    ta.w_out = w_out.data_ptr<float>();
+    ta.bias = opt_ptr(b_out);
+    ta.out = out.data_ptr<float>();
+    ta.norm = norm;
+    ta.B = int(B);
+    ta.S = int(S);
+    ta.N = int(N);
+    ta.H = int(H);
+    ta.D = int(D);
+    ta.TI = small_tc.TI;
+    ta.Dc = small_tc.Dc;
+    launch_small_tc(ta, tc_terms, stream);
+    return out;
+  }
 
   if (small_ok && (algorithm == kSingleLaunch || flops_small < 2.0e9)) {
     SmallArgs sa{};

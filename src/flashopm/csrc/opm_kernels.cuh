@@ -123,6 +123,11 @@ __device__ __forceinline__ float normalise(float acc, float bias, float row_den,
 // Q = ceil(2H/32) projection outputs per lane, RW rows per warp.
 template <int Q, int RW, bool kProjectW>
 __global__ void __launch_bounds__(kPrepThreads, 2) opm_prep_kernel(const PrepArgs p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // A kernel launched as this one's programmatic dependent may start now: it waits for our
+  // results itself (griddepcontrol.wait) and meanwhile loads what does not depend on them.
+  asm volatile("griddepcontrol.launch_dependents;\n" ::);
+#endif
   extern __shared__ float4 smem_f4[];
   float* smem = reinterpret_cast<float*>(smem_f4);
   constexpr int R = kPrepWarps * RW;

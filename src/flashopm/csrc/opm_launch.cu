@@ -10,6 +10,7 @@
 
 #include "opm_kernels.cuh"
 #include "opm_small_kernel.cuh"
+#include "opm_small_tc_kernel.cuh"
 #include "opm_tc_kernel.cuh"
 
 namespace flashopm {
@@ -182,6 +183,31 @@ int small_max_active_clusters(int cluster_size, int smem_bytes) {
   }
   cache.emplace(key, n);
   return n;
+}
+
+int small_tc_smem_bytes(int S, int N, int H, int TI, int Dc) {
+  return small_tc_layout(S, N, H, TI, Dc).total * int(sizeof(float));
+}
+
+void launch_small_tc(const SmallTcArgs& args, int terms, cudaStream_t stream) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(unsigned((args.D + args.Dc - 1) / args.Dc), unsigned((args.N + args.TI - 1) / args.TI),
+                     unsigned(args.B));
+  cfg.blockDim = dim3(kSmallTcThreads);
+  cfg.dynamicSmemBytes = size_t(small_tc_smem_bytes(args.S, args.N, args.H, args.TI, args.Dc));
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  if (terms == 3) {
+    allow_smem<opm_small_tc_kernel<3>>();
+    C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, opm_small_tc_kernel<3>, args));
+  } else {
+    allow_smem<opm_small_tc_kernel<1>>();
+    C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, opm_small_tc_kernel<1>, args));
+  }
 }
 
 }  // namespace flashopm

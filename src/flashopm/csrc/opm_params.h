@@ -279,4 +279,79 @@ void launch_small(const SmallArgs& args, int smem_bytes, cudaStream_t stream);
 // Clusters of `cluster_size` blocks with `smem_bytes` each that the device runs at once (0: none).
 int small_max_active_clusters(int cluster_size, int smem_bytes);
 
+// ---- two-launch path for small problems on tensor cores (opm_small_tc_kernel.cuh) ----
+// The LayerNorm/projection kernel writes a and b as (B, N, S, H); this kernel, launched as its
+// programmatic dependent, then computes per block (batch b, TI rows i, chunk of Dc columns d):
+//   P[i, d, s, h2] = sum_h1 W[d, h1·H + h2] · a[i, s, h1]       (M = Dc·H, N = TI·S, K = H)
+//   out[i, j, d]   = normalise(sum_{s, h2} b[j, s, h2] · P[i, d, s, h2])   (per i: M = N, N = Dc, K = S·H)
+// Both are mma.sync loops (3xTF32 or TF32).  W goes from global memory straight into MMA
+// fragments (each element is used once per n tile of phase P), the first loads issued before the
+// wait for the projections so that they overlap the first kernel.  TI rows share each W fragment:
+// W's traffic, B·N·D·H² floats over all blocks when TI = 1, is what the tiling trades against
+// parallelism.
+constexpr int kSmallTcWarps = 16;
+constexpr int kSmallTcThreads = kSmallTcWarps * 32;
+constexpr int kSmallTcMaxDc = 64;
+constexpr int kSmallTcMaxTI = 8;
+constexpr int kSmallTcKBatch = 4;  // k-steps of W fragments loaded at once
+
+struct SmallTcArgs {
+  const float* a;  // (B, N, S, H) contiguous, masked projections
+  const float* b;  // (B, N, S, H) contiguous
+  MaskView mask;
+  const float* w_out;  // (D, H*H) contiguous, 8-byte aligned
+  const float* bias;   // (D) or null
+  float* out;          // (B, N, N, D)
+  Normalizer norm;
+  int B, S, N, H, D;
+  int TI;  // rows i per block: 1, 2, 4 or 8
+  int Dc;  // columns d per block: 8, 16, 32 or 64
+};
+
+// Shared-memory layout (floats; every region 16-byte aligned).  Leading dimensions of 4 (mod 32)
+// make the fragment reads (lanes: rows g, columns t) conflict-free.
+struct SmallTcLayout {
+  int R8, N16, lda, ldb, ldps, ldp, ldr, kparts;
+  int a, b, p, red, pair, bias, den;
+  int total;
+};
+
+// K split of phase O: enough (row i, tile of j, part of K) items for every warp, at most one
+// part per k-step.
+FLASHOPM_HD inline int small_tc_kparts(int TI, int N16, int K8) {
+  int kp = kSmallTcWarps / (TI * (N16 / 16));
+  if (kp < 1) kp = 1;
+  return kp < K8 ? kp : K8;
+}
+
+FLASHOPM_HD inline SmallTcLayout small_tc_layout(int S, int N, int H, int TI, int Dc) {
+  SmallTcLayout L{};
+  L.R8 = (TI * S + 7) / 8 * 8;  // rows (i, s) of a, padded to a tile of 8
+  L.N16 = (N + 15) / 16 * 16;
+  const int SH = S * H;
+  L.lda = H + 4;
+  L.ldb = (SH + 31) / 32 * 32 + 4;
+  // P as [i][d][s][h2]: rows of s padded to H + 4, so that phase P's 8-byte stores (lanes along
+  // h2 and s) and phase O's reads (lanes along d and h2) are both conflict-free.
+  L.ldps = H + 4;
+  L.ldp = (S * L.ldps + 31) / 32 * 32 + 4;
+  L.ldr = Dc % 16 == 0 ? Dc + 8 : Dc;
+  L.kparts = small_tc_kparts(TI, L.N16, SH / 8);
+  int o = 0;
+  L.a = o;    o += L.R8 * L.lda;
+  L.b = o;    o += L.N16 * L.ldb;
+  L.p = o;    o += TI * Dc * L.ldp;
+  L.red = o;  o += L.kparts * TI * L.N16 * L.ldr;
+  L.pair = o; o += TI * L.N16;
+  L.bias = o; o += round_up4(Dc);
+  L.den = o;  o += kSmallTcMaxTI;
+  L.total = o;
+  return L;
+}
+
+// Launches the second kernel of the pair (after launch_prep on the same stream) as a
+// programmatic dependent of the first; terms as for launch_outer_tc.
+void launch_small_tc(const SmallTcArgs& args, int terms, cudaStream_t stream);
+int small_tc_smem_bytes(int S, int N, int H, int TI, int Dc);
+
 }  // namespace flashopm

@@ -1,0 +1,151 @@
+"""Where the time of the two-launch tensor-core path goes, on a GPU.
+
+Builds an instrumented copy of the extension (separate cache directory).  Thread 0 of every block
+of the second kernel records clock64() after a barrier at each phase boundary and %globaltimer at
+entry, after the wait and at exit; every block of the first kernel records %globaltimer at entry
+and exit.  Prints the median cycles per phase, the kernels' overlap, and the CUDA-graph time of
+the pair, of the first kernel alone, of the second alone, and of the pair launched as two plain
+kernels.
+
+    PYTHONPATH=src python scripts/small_tc_phases.py [B,S,N,C,H,D [TI,Dc ...]]
+
+The anchors below are lines of opm_small_tc_kernel.cuh, opm_kernels.cuh and opm_api.cpp; when
+those change, they may need to follow.
+"""
+import os
+import pathlib
+import sys
+import tempfile
+
+os.environ["FLASHOPM_CACHE_DIR"] = os.path.join(os.environ.get("TMPDIR", "/tmp"), "flashopm-small-tc-phases")
+import torch
+
+import flashopm
+from flashopm import _build, ops
+
+
+def patch(text, anchor, add, before=False):
+    assert anchor in text, anchor
+    return text.replace(anchor, add + anchor if before else anchor + add, 1)
+
+
+src = _build.read_sources()
+k = src["opm_small_tc_kernel.cuh"]
+BLK = "((blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x)"
+CLK = lambda i: (f"\n  __syncthreads(); if (threadIdx.x == 0) g_tc_clk[{BLK} * 16 + {i}] = clock64();\n")  # noqa: E731
+GT = lambda i: (f"\n  if (threadIdx.x == 0) {{ unsigned long long t_; asm volatile(\"mov.u64 %0, %globaltimer;\" : \"=l\"(t_));"  # noqa: E731
+                f" g_tc_clk[{BLK} * 16 + {i}] = (long long)t_; }}\n")
+k = patch(k, "template <int kTerms>\n__global__", "__device__ long long g_tc_clk[1 << 18];\n", before=True)
+k = patch(k, "  float* den_s = smem + L.den;\n", GT(8) + CLK(0))
+k = patch(k, '  asm volatile("griddepcontrol.wait;\\n" ::: "memory");\n', GT(9) + CLK(1))
+# Phases P and O run twice each (rolled): a second run much faster than the first is the cost of
+# fetching the phase's instructions (and of its first global loads).
+k = patch(k, "  // ---- phase P ----\n", CLK(2) + "#pragma unroll 1\n  for (int rep_ = 0; rep_ < 2; ++rep_) {\n", before=True)
+k = patch(k, "  // ---- phase O ----\n", CLK("3 + rep_") + "  }\n", before=True)
+k = patch(k, "  // ---- phase O ----\n", "#pragma unroll 1\n  for (int rep_ = 0; rep_ < 2; ++rep_) {\n")
+k = patch(k, "  // ---- epilogue:", CLK("5 + rep_") + "  }\n", before=True)
+k = k.replace("  if (p.norm.kind == kNormRow) {\n    if (warp < ti) {", "  if (p.norm.kind == kNormRow) {\n    if (warp < ti && p.norm.eps != 1.f) {", 1)
+k = k.replace("  if (warp < items_p) load_w_batch(", "  if (warp < items_p && p.norm.eps != 2.f) load_w_batch(", 1)
+k = k.replace("    if (item != warp) load_w_batch(mt0, 0);", "    if (item != warp || p.norm.eps == 2.f) load_w_batch(mt0, 0);", 1)
+k = k.replace("      const float inv_den = 1.f / den_s[il];", "      const float inv_den = p.norm.eps == 1.f ? 1.f : 1.f / den_s[il];", 1)
+idx = k.rindex("#endif\n}")
+k = k[:idx] + CLK(7) + GT(10) + k[idx:]
+src["opm_small_tc_kernel.cuh"] = k
+kk = src["opm_kernels.cuh"]
+PB = "((blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x)"
+PGT = lambda i: (f"\n  if (threadIdx.x == 0) {{ unsigned long long t_; asm volatile(\"mov.u64 %0, %globaltimer;\" : \"=l\"(t_));"  # noqa: E731
+                 f" g_prep_t[{PB} * 2 + {i}] = (long long)t_; }}\n")
+kk = patch(kk, "template <int Q, int RW, bool kProjectW>\n__global__", "__device__ long long g_prep_t[1 << 16];\n", before=True)
+kk = patch(kk, "  const int n_base = nblk * R;\n", PGT(0))
+kk = patch(kk, "  if constexpr (kProjectW) {\n    // c[b, s, h1, n, d]", PGT(1), before=True)
+src["opm_kernels.cuh"] = kk
+lc = src["opm_launch.cu"]
+lc = patch(lc, "  cfg.numAttrs = 1;\n  if (terms == 3) {", "  cfg.numAttrs = std::getenv(\"DBG_NOPDL\") ? 0 : 1;\n")
+lc = lc.replace("  cfg.numAttrs = 1;\n  cfg.numAttrs = std::getenv", "  cfg.numAttrs = std::getenv", 1)
+lc = lc.replace("#include <array>", "#include <array>\n#include <cstdlib>", 1)
+lc = lc.replace("\n}  // namespace flashopm", """
+void dbg_copy_tc(void* dst, void* dst2) {
+  C10_CUDA_CHECK(cudaMemcpyFromSymbol(dst, g_tc_clk, sizeof(g_tc_clk), 0, cudaMemcpyDeviceToDevice));
+  C10_CUDA_CHECK(cudaMemcpyFromSymbol(dst2, g_prep_t, sizeof(g_prep_t), 0, cudaMemcpyDeviceToDevice));
+  void* a; C10_CUDA_CHECK(cudaGetSymbolAddress(&a, g_tc_clk)); C10_CUDA_CHECK(cudaMemset(a, 0, sizeof(g_tc_clk)));
+  C10_CUDA_CHECK(cudaGetSymbolAddress(&a, g_prep_t)); C10_CUDA_CHECK(cudaMemset(a, 0, sizeof(g_prep_t)));
+}
+}  // namespace flashopm""")
+src["opm_launch.cu"] = lc
+a = src["opm_api.cpp"]
+a = a.replace("namespace flashopm {\nnamespace {", "namespace flashopm {\nvoid dbg_copy_tc(void*, void*);\nnamespace {", 1)
+a = patch(a, "    run_prep(pa, false, dev, stream);\n\n    SmallTcArgs ta{};",
+          "    const char* skip_ = std::getenv(\"DBG_SKIP\");\n", before=True)
+a = a.replace("    run_prep(pa, false, dev, stream);\n\n    SmallTcArgs ta{};",
+              "    if (!skip_ || std::string(skip_) != \"k1\") run_prep(pa, false, dev, stream);\n\n    SmallTcArgs ta{};", 1)
+a = a.replace("    launch_small_tc(ta, tc_terms, stream);\n",
+              "    if (!skip_ || std::string(skip_) != \"k2\") launch_small_tc(ta, tc_terms, stream);\n", 1)
+# Knobs of this build: DBG_PLAN="TI,Dc" forces a tiling; DBG_KNOB=1 skips the row denominators
+# (den = 1), DBG_KNOB=2 issues no W loads before the wait (passed in norm.eps, unused by the row
+# convention).
+a = patch(a, "    ta.Dc = small_tc.Dc;\n", """    if (const char* e = std::getenv("DBG_PLAN")) std::sscanf(e, "%d,%d", &ta.TI, &ta.Dc);
+    if (const char* e = std::getenv("DBG_KNOB")) if (ta.norm.kind == kNormRow) ta.norm.eps = float(std::atoi(e));
+""")
+a = a.replace("#include <algorithm>", "#include <algorithm>\n#include <cstdio>", 1)
+a = a.replace('TORCH_LIBRARY_IMPL(flashopm, CUDA, m) {', '''at::Tensor dbg_tc(const at::Tensor& like) {
+  at::Tensor t = at::zeros({(1 << 18) + (1 << 16)}, like.options().dtype(at::kLong));
+  flashopm::dbg_copy_tc(t.data_ptr(), static_cast<long long*>(t.data_ptr()) + (1 << 18));
+  return t;
+}
+TORCH_LIBRARY_IMPL(flashopm, CUDA, m) {
+  m.impl("_dbg_tc", &dbg_tc);''')
+a = a.replace("#include <algorithm>", "#include <algorithm>\n#include <cstdlib>\n#include <string>")
+src["opm_api.cpp"] = a
+ops._lib.define("_dbg_tc(Tensor like) -> Tensor")
+# The patched headers go to a copy of csrc/, which becomes the build's include path.
+patched_dir = pathlib.Path(tempfile.mkdtemp(prefix="flashopm-csrc-"))
+for name, text in src.items():
+    (patched_dir / name).write_text(text)
+_build.CSRC_DIR = patched_dir
+_build.load()
+if not torch.cuda.is_available():
+    sys.exit(0)
+
+from flashopm.bench import time_graph  # noqa: E402
+
+shape = tuple(int(v) for v in sys.argv[1].split(",")) if len(sys.argv) > 1 else (2, 8, 32, 64, 32, 64)
+B, S, N, C, H, D = shape
+torch.manual_seed(0)
+model = flashopm.ModelNew(C, D, H).cuda()
+x = torch.randn(B, S, N, C, device="cuda")
+m = (torch.rand(B, S, N, device="cuda") > 0.2).float()
+with torch.no_grad():
+    for _ in range(5):
+        model(x, m)
+    torch.cuda.synchronize()
+    torch.ops.flashopm._dbg_tc(x)
+    model(x, m)
+    torch.cuda.synchronize()
+    raw = torch.ops.flashopm._dbg_tc(x).cpu()
+    tc = raw[: 1 << 18].view(-1, 16)
+    tc = tc[tc[:, 8] > 0].double()
+    if len(tc) == 0:
+        sys.exit(f"shape {shape}: the two-launch path did not run")
+    prep = raw[1 << 18:].view(-1, 2)
+    prep = prep[prep[:, 0] > 0].double()
+    names = ["prologue+wait", "load a,b", "phase P", "phase P again", "phase O", "phase O again", "epilogue",
+             "total"]
+    cyc = tc[:, 1:8] - tc[:, 0:7]
+    cyc = torch.cat([cyc, (tc[:, 7:8] - tc[:, 0:1])], 1)
+    print(f"shape {shape}: {len(tc)} blocks in the second kernel, {len(prep)} in the first")
+    print("cycles (median over blocks): " + "  ".join(f"{n}={cyc[:, i].median().item():.0f}" for i, n in enumerate(names)))
+    t0 = prep[:, 0].min()
+    print(f"ns from the first kernel's first block start: first kernel blocks start {prep[:, 0].min() - t0:.0f}.."
+          f"{prep[:, 0].max() - t0:.0f}, end {prep[:, 1].min() - t0:.0f}..{prep[:, 1].max() - t0:.0f}; "
+          f"second kernel entry {tc[:, 8].min() - t0:.0f}..{tc[:, 8].max() - t0:.0f}, past the wait "
+          f"{tc[:, 9].min() - t0:.0f}..{tc[:, 9].max() - t0:.0f}, exit {tc[:, 10].min() - t0:.0f}..{tc[:, 10].max() - t0:.0f}")
+    variants = [({}, "both kernels"), ({"DBG_SKIP": "k1"}, "without the first kernel"),
+                ({"DBG_SKIP": "k2"}, "without the second kernel"),
+                ({"DBG_NOPDL": "1"}, "second kernel launched without programmatic dependency"),
+                ({"DBG_KNOB": "1"}, "no row denominators"), ({"DBG_KNOB": "2"}, "no W loads before the wait")]
+    variants += [({"DBG_PLAN": plan}, f"tiling TI,Dc = {plan}") for plan in sys.argv[2:]]
+    for env, what in variants:
+        for var in ("DBG_SKIP", "DBG_NOPDL", "DBG_KNOB", "DBG_PLAN"):
+            os.environ.pop(var, None)
+        os.environ.update(env)
+        print(f"graph, {what}: {time_graph(lambda: model(x, m), n=50)}")

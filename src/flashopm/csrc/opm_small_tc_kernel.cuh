@@ -1,0 +1,244 @@
+// Second kernel of the two-launch path for small problems (see SmallTcArgs in opm_params.h).
+//
+// Block (d chunk, tile of TI rows i, batch b), 16 warps:
+//   prologue   W fragments of each warp's first k-steps, bias, row denominators or pair counts:
+//              nothing here depends on the first kernel, so it overlaps it;
+//   wait       griddepcontrol.wait (the projections are complete and visible);
+//   load       a[b, i0 : i0 + TI] (TI·S·H) and b[b, :] (N·S·H) into shared memory;
+//   phase P    P[(h2, d), (i, s)] = sum_h1 W[d, h1·H + h2] · a[i, s, h1]      A = W (global), B = a
+//              (stored as P[i][d][s][h2])
+//   phase O    out[i, j, d] = sum_k b[j, k] · P[i, d, k],  k = (s, h2)          A = b, B = P
+//              K split over warps when TI and N give too few row tiles; parts summed in a fixed
+//              order;
+//   epilogue   normalisation and bias, 16-byte stores along d.
+// Fragment rows of phase P are permuted (row g holds m = 2g, row g + 8 holds m = 2g + 1) so that
+// each thread's two A values per column are adjacent in W and load as one 8-byte word.
+#pragma once
+
+#include "opm_kernels.cuh"
+#include "opm_mma.cuh"
+
+namespace flashopm {
+
+// W fragments of one k-step for four 16-row tiles of phase P: w[u][0] = (row g, col t) and
+// (row g + 8, col t), w[u][1] the same at col t + 4.  Rows past the chunk's valid d are zero.
+__device__ __forceinline__ void small_tc_load_w(const SmallTcArgs& p, int d0, int mt0, int ks, int g, int t,
+                                                float2 (&w)[4][2]) {
+  const int H = p.H;
+#pragma unroll
+  for (int u = 0; u < 4; ++u) {
+    const int m = (mt0 + u) * 16 + 2 * g;
+    const int dl = m / H, h2 = m - dl * H;
+    const int d = d0 + dl;
+    if (d < p.D) {
+      const float* src = p.w_out + int64_t(d) * H * H + (ks * 8 + t) * H + h2;
+      w[u][0] = __ldg(reinterpret_cast<const float2*>(src));
+      w[u][1] = __ldg(reinterpret_cast<const float2*>(src + 4 * H));
+    } else {
+      w[u][0] = w[u][1] = make_float2(0.f, 0.f);
+    }
+  }
+}
+
+template <int kTerms>
+__device__ __forceinline__ void split4(const float (&v)[4], uint32_t (&hi)[4], uint32_t (&lo)[4]) {
+#pragma unroll
+  for (int e = 0; e < 4; ++e) split_tf32<kTerms>(v[e], hi[e], lo[e]);
+}
+
+template <int kTerms>
+__global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_tc_kernel(const SmallTcArgs p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  extern __shared__ float4 smem_f4[];
+  float* smem = reinterpret_cast<float*>(smem_f4);
+  const int S = p.S, N = p.N, H = p.H, TI = p.TI, Dc = p.Dc;
+  const SmallTcLayout L = small_tc_layout(S, N, H, TI, Dc);
+  const int SH = S * H;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int d0 = blockIdx.x * Dc, i0 = blockIdx.y * TI, b = blockIdx.z;
+  const int ti = min(TI, N - i0);  // rows i of this block
+  float* as = smem + L.a;      // [R8][lda]        a[b, i0 + r / S, r % S, h1], rows past ti·S zero
+  float* bs = smem + L.b;      // [N16][ldb]       b[b, j, s·H + h2], rows j >= N zero
+  float* ps = smem + L.p;      // [TI·Dc][ldp]     P[i][d][s·ldps + h2]
+  float* red = smem + L.red;   // [kparts][TI][N16][ldr]
+  float* pair_s = smem + L.pair;  // [TI][N16]
+  float* bias_s = smem + L.bias;
+  float* den_s = smem + L.den;
+
+  // ---- prologue: independent of the first kernel ----
+  const int groups_p = Dc * H / 64;  // four 16-row tiles of phase P per item
+  const int items_p = groups_p * (L.R8 / 8);
+  const int ksteps_p = H / 8;
+  // W fragments of up to kSmallTcKBatch k-steps in flight at once (the first batch of a warp's
+  // first item before the wait): phase P is otherwise bound by the latency of these loads.
+  float2 wf[kSmallTcKBatch][4][2];
+  auto load_w_batch = [&](int mt0, int ks0) {
+#pragma unroll
+    for (int kb = 0; kb < kSmallTcKBatch; ++kb)
+      if (ks0 + kb < ksteps_p) small_tc_load_w(p, d0, mt0, ks0 + kb, g, t, wf[kb]);
+  };
+  if (warp < items_p) load_w_batch((warp % groups_p) * 4, 0);
+  for (int dl = tid; dl < Dc; dl += kSmallTcThreads)
+    bias_s[dl] = (p.bias != nullptr && d0 + dl < p.D) ? p.bias[d0 + dl] : 0.f;
+  if (p.norm.kind == kNormRow) {
+    if (warp < ti) {
+      const float den = mask_denominator(p.mask, b, i0 + warp, S, lane);
+      if (lane == 0) den_s[warp] = den;
+    }
+  } else {
+    for (int idx = tid; idx < ti * L.N16; idx += kSmallTcThreads) {
+      const int il = idx / L.N16, j = idx - il * L.N16;
+      float sum = 0.f;  // sum_s m[s, i] m[s, j], in order of s
+      if (j < N)
+        for (int s = 0; s < S; ++s) sum += mask_at(p.mask, b, s, i0 + il) * mask_at(p.mask, b, s, j);
+      pair_s[idx] = sum;
+    }
+  }
+  // Zero padding rows (never written by the copies below).
+  for (int idx = tid; idx < (L.R8 - ti * S) * L.lda; idx += kSmallTcThreads) as[ti * S * L.lda + idx] = 0.f;
+  for (int idx = tid; idx < (L.N16 - N) * L.ldb; idx += kSmallTcThreads) bs[N * L.ldb + idx] = 0.f;
+
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+
+  // ---- a[b, i0 : i0 + ti] and b[b, :] into shared memory (rows of H and S·H floats) ----
+  {
+    const int h4 = H / 4, q_row = SH / 4;
+    const float* a_src = p.a + (int64_t(b) * N + i0) * SH;
+    for (int idx = tid; idx < ti * S * h4; idx += kSmallTcThreads) {
+      const int r = idx / h4, h = 4 * (idx - r * h4);
+      cp_async16(&as[r * L.lda + h], a_src + int64_t(r) * H + h);
+    }
+    const float* b_src = p.b + int64_t(b) * N * SH;
+    for (int idx = tid; idx < N * q_row; idx += kSmallTcThreads) {
+      const int j = idx / q_row, k = 4 * (idx - j * q_row);
+      cp_async16(&bs[j * L.ldb + k], b_src + int64_t(j) * SH + k);
+    }
+    cp_async_commit();
+    cp_async_wait_all();
+    __syncthreads();
+  }
+
+  // ---- phase P ----
+  for (int item = warp; item < items_p; item += kSmallTcWarps) {
+    const int nt = item / groups_p, mt0 = (item - nt * groups_p) * 4;
+    float acc[4][4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[u][e] = 0.f;
+    if (item != warp) load_w_batch(mt0, 0);
+    for (int ks0 = 0; ks0 < ksteps_p; ks0 += kSmallTcKBatch) {
+      if (ks0 > 0) load_w_batch(mt0, ks0);
+#pragma unroll
+      for (int kb = 0; kb < kSmallTcKBatch; ++kb) {
+        const int ks = ks0 + kb;
+        if (ks >= ksteps_p) break;
+        const float* arow = as + (nt * 8 + g) * L.lda + ks * 8 + t;
+        uint32_t bh0, bh1, bl0, bl1;
+        split_tf32<kTerms>(arow[0], bh0, bl0);
+        split_tf32<kTerms>(arow[4], bh1, bl1);
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          const float av[4] = {wf[kb][u][0].x, wf[kb][u][0].y, wf[kb][u][1].x, wf[kb][u][1].y};
+          uint32_t ah[4], al[4];
+          split4<kTerms>(av, ah, al);
+          mma_split_add<kTerms>(acc[u], ah, al, bh0, bh1, bl0, bl1);
+        }
+      }
+    }
+    // acc[u] = C[(row g | g + 8), (col 2t | 2t + 1)]: rows m = 2g, 2g + 1 (same d), cols r = (i, s).
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int m = (mt0 + u) * 16 + 2 * g;
+      const int dl = m / H, h2 = m - dl * H;
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const int r = nt * 8 + 2 * t + c;
+        if (r < ti * S) {
+          const int il = r / S, s = r - il * S;
+          *reinterpret_cast<float2*>(ps + (il * Dc + dl) * L.ldp + s * L.ldps + h2) =
+              make_float2(acc[u][c], acc[u][2 + c]);
+        }
+      }
+    }
+  }
+  __syncthreads();
+
+  // ---- phase O ----
+  const int mtiles_o = L.N16 / 16, ksteps_o = SH / 8, ntiles_o = Dc / 8;
+  for (int item = warp; item < TI * mtiles_o * L.kparts; item += kSmallTcWarps) {
+    const int kp = item / (TI * mtiles_o), rest = item - kp * TI * mtiles_o;
+    const int il = rest / mtiles_o, mt = rest - il * mtiles_o;
+    if (il >= ti) continue;
+    const int k0 = ksteps_o * kp / L.kparts, k1 = ksteps_o * (kp + 1) / L.kparts;
+    float acc[kSmallTcMaxDc / 8][4];
+#pragma unroll
+    for (int n = 0; n < kSmallTcMaxDc / 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[n][e] = 0.f;
+    const float* brow = bs + (mt * 16 + g) * L.ldb + t;
+    const float* prow = ps + (il * Dc + g) * L.ldp + t;
+    for (int kk = k0; kk < k1; ++kk) {
+      const float* bk = brow + kk * 8;
+      const float av[4] = {bk[0], bk[8 * L.ldb], bk[4], bk[8 * L.ldb + 4]};
+      uint32_t ah[4], al[4];
+      split4<kTerms>(av, ah, al);
+      const int s = (kk * 8) / H, h2 = kk * 8 - s * H;
+      const float* pk = prow + s * L.ldps + h2;
+#pragma unroll
+      for (int n = 0; n < kSmallTcMaxDc / 8; ++n) {
+        if (n < ntiles_o) {
+          uint32_t bh0, bh1, bl0, bl1;
+          split_tf32<kTerms>(pk[n * 8 * L.ldp], bh0, bl0);
+          split_tf32<kTerms>(pk[n * 8 * L.ldp + 4], bh1, bl1);
+          mma_split_add<kTerms>(acc[n], ah, al, bh0, bh1, bl0, bl1);
+        }
+      }
+    }
+    float* r0 = red + ((kp * TI + il) * L.N16 + mt * 16 + g) * L.ldr + 2 * t;
+#pragma unroll
+    for (int n = 0; n < kSmallTcMaxDc / 8; ++n) {
+      if (n < ntiles_o) {
+        *reinterpret_cast<float2*>(r0 + n * 8) = make_float2(acc[n][0], acc[n][1]);
+        *reinterpret_cast<float2*>(r0 + 8 * L.ldr + n * 8) = make_float2(acc[n][2], acc[n][3]);
+      }
+    }
+  }
+  __syncthreads();
+
+  // ---- epilogue: sum the K parts in order, normalise, store rows of Dc floats ----
+  const int dvalid = min(Dc, p.D - d0);
+  const int quads = Dc / 4;
+  const bool vec_out = (p.D % 4) == 0;
+  for (int idx = tid; idx < ti * N * quads; idx += kSmallTcThreads) {
+    const int row = idx / quads, dl = 4 * (idx - row * quads);  // row = il·N + j
+    if (dl >= dvalid) continue;
+    const int il = row / N, j = row - il * N;
+    const float* src = red + (il * L.N16 + j) * L.ldr + dl;
+    float4 v = *reinterpret_cast<const float4*>(src);
+    for (int kp = 1; kp < L.kparts; ++kp) {
+      const float4 w = *reinterpret_cast<const float4*>(src + kp * TI * L.N16 * L.ldr);
+      v.x += w.x, v.y += w.y, v.z += w.z, v.w += w.w;
+    }
+    float r[4] = {v.x, v.y, v.z, v.w};
+    if (p.norm.kind == kNormRow) {
+      const float inv_den = 1.f / den_s[il];
+#pragma unroll
+      for (int c = 0; c < 4; ++c) r[c] = r[c] * inv_den + bias_s[dl + c];
+    } else {
+      const float pair = pair_s[il * L.N16 + j];
+#pragma unroll
+      for (int c = 0; c < 4; ++c) r[c] = normalise(r[c], bias_s[dl + c], 0.f, pair, p.norm);
+    }
+    float* dst = p.out + ((int64_t(b) * N + i0 + il) * N + j) * p.D + d0 + dl;
+    if (vec_out && dl + 4 <= dvalid) {
+      *reinterpret_cast<float4*>(dst) = make_float4(r[0], r[1], r[2], r[3]);
+    } else {
+      for (int c = 0; c < 4 && dl + c < dvalid; ++c) dst[c] = r[c];
+    }
+  }
+#endif
+}
+
+}  // namespace flashopm
