@@ -86,7 +86,6 @@ a = a.replace("    launch_small_tc(ta, tc_terms, stream);\n",
 a = patch(a, "    ta.Dc = small_tc.Dc;\n", """    if (const char* e = std::getenv("DBG_PLAN")) std::sscanf(e, "%d,%d", &ta.TI, &ta.Dc);
     if (const char* e = std::getenv("DBG_KNOB")) if (ta.norm.kind == kNormRow) ta.norm.eps = float(std::atoi(e));
 """)
-a = a.replace("#include <algorithm>", "#include <algorithm>\n#include <cstdio>", 1)
 a = a.replace('TORCH_LIBRARY_IMPL(flashopm, CUDA, m) {', '''at::Tensor dbg_tc(const at::Tensor& like) {
   at::Tensor t = at::zeros({(1 << 18) + (1 << 16)}, like.options().dtype(at::kLong));
   flashopm::dbg_copy_tc(t.data_ptr(), static_cast<long long*>(t.data_ptr()) + (1 << 18));
@@ -94,7 +93,7 @@ a = a.replace('TORCH_LIBRARY_IMPL(flashopm, CUDA, m) {', '''at::Tensor dbg_tc(co
 }
 TORCH_LIBRARY_IMPL(flashopm, CUDA, m) {
   m.impl("_dbg_tc", &dbg_tc);''')
-a = a.replace("#include <algorithm>", "#include <algorithm>\n#include <cstdlib>\n#include <string>")
+a = a.replace("#include <algorithm>", "#include <algorithm>\n#include <cstdio>\n#include <cstdlib>\n#include <string>", 1)
 src["opm_api.cpp"] = a
 ops._lib.define("_dbg_tc(Tensor like) -> Tensor")
 # The patched headers go to a copy of csrc/, which becomes the build's include path.

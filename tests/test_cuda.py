@@ -164,12 +164,6 @@ SINGLE_SHAPES = [
 ]
 
 
-@pytest.mark.parametrize("shape", SINGLE_SHAPES, ids=str)
-@pytest.mark.parametrize("mask_kind", ["masked_positions", "fractional", "bool"])
-def test_single_launch_kernel(shape, mask_kind):
-    _check(shape, mask_kind, "single", seed=zlib.crc32(f"{shape}-{mask_kind}".encode()) % 1000, may_not_fit=False)
-
-
 # Awkward small problems for the two-launch tensor-core path (hidden a multiple of 8): one row
 # tile and many, N one past a tile of 16, S not a multiple of 8 (padded n tile in phase P), pair
 # widths below, at and across the chunk of d, K split over warps or not.
@@ -191,10 +185,14 @@ SMALL_TC_SHAPES = [
 ]
 
 
-@pytest.mark.parametrize("shape", SMALL_TC_SHAPES, ids=str)
+# The small-problem paths on their own awkward sizes; every case must fit (no skip).
+SMALL_PATH_CASES = [("single", s, "") for s in SINGLE_SHAPES] + [("small-tc", s, "-tc") for s in SMALL_TC_SHAPES]
+
+
+@pytest.mark.parametrize("algorithm,shape,seed_tag", SMALL_PATH_CASES, ids=lambda v: str(v))
 @pytest.mark.parametrize("mask_kind", ["masked_positions", "fractional", "bool"])
-def test_small_tc_path(shape, mask_kind):
-    _check(shape, mask_kind, "small-tc", seed=zlib.crc32(f"{shape}-{mask_kind}-tc".encode()) % 1000,
+def test_small_problem_paths(algorithm, shape, seed_tag, mask_kind):
+    _check(shape, mask_kind, algorithm, seed=zlib.crc32(f"{shape}-{mask_kind}{seed_tag}".encode()) % 1000,
            may_not_fit=False)
 
 

@@ -408,13 +408,8 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
   if (algorithm == kOuterFirst || algorithm == kOuterFirstFma) project_first = false;
   if (algorithm == kProjectFirst) project_first = true;
 
-  // Small problems are latency-bound: one launch, no workspace.
-  SmallPlan small;
+  // Small problems are latency-bound: two launches on tensor cores, or one on CUDA cores.
   const double flops_small = fB * fS * fN * fH * fD * (fH + fN);
-  const bool small_ok = (algorithm == kAuto || algorithm == kSingleLaunch) && plan_small(B, S, N, C, H, D, dev, small);
-  FLASHOPM_CHECK(algorithm != kSingleLaunch || small_ok,
-                 "flashopm: algorithm 3 (single launch) does not fit this problem in shared memory (B=", B, ", S=", S,
-                 ", N=", N, ", msa_dim=", C, ", hidden=", H, ", pair_dim=", D, ")");
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dev).stream();
   const MaskView mask_view{mask.data_ptr(), mask.stride(0), mask.stride(1), mask.stride(2), mask_kind};
 
@@ -483,6 +478,12 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     return out;
   }
 
+  // One launch, no workspace (planned only when the path above did not run).
+  SmallPlan small;
+  const bool small_ok = (algorithm == kAuto || algorithm == kSingleLaunch) && plan_small(B, S, N, C, H, D, dev, small);
+  FLASHOPM_CHECK(algorithm != kSingleLaunch || small_ok,
+                 "flashopm: algorithm 3 (single launch) does not fit this problem in shared memory (B=", B, ", S=", S,
+                 ", N=", N, ", msa_dim=", C, ", hidden=", H, ", pair_dim=", D, ")");
   if (small_ok && (algorithm == kSingleLaunch || flops_small < 2.0e9)) {
     SmallArgs sa{};
     set_inputs(sa);
