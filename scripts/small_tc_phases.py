@@ -40,9 +40,10 @@ k = patch(k, "// One-launch front end.", "__device__ long long g_tc_clk[1 << 18]
 k = patch(k, "  float* den_s = smem + L.den;\n", GT(8) + CLK(0))
 k = patch(k, '    asm volatile("griddepcontrol.wait;\\n" ::: "memory");\n', GT(9) + CLK(1))
 k = patch(k, "    small_tc_front_end(p, L, smem, b, i0, ti);\n", GT(9) + CLK(1), before=True)
+k = k.replace("    if (ti == 0) {\n      cluster_wait();\n      return;", "    if (ti == 0) {\n      cluster_wait();\n      return;", 1)
 k = patch(k, "  // ---- LayerNorm in place", CLK(11), before=True)
-k = patch(k, "  cluster_wait();  // every peer has started", CLK(12), before=True)
-k = patch(k, "  cluster_sync();\n#endif\n}\n", CLK(13), before=True)
+k = patch(k, "  // ---- projections: thread item", CLK(12), before=True)
+k = patch(k, "  // ---- the peers' shares of b", CLK(13), before=True)
 # Phases P and O run twice each (rolled): a second run much faster than the first is the cost of
 # fetching the phase's instructions (and of its first global loads).
 k = patch(k, "  // ---- phase P ----\n", CLK(2) + "#pragma unroll 1\n  for (int rep_ = 0; rep_ < 2; ++rep_) {\n", before=True)
@@ -97,11 +98,16 @@ a = a.replace('TORCH_LIBRARY_IMPL(flashopm, CUDA, m) {', '''at::Tensor dbg_tc(co
   flashopm::dbg_copy_tc(t.data_ptr(), static_cast<long long*>(t.data_ptr()) + (1 << 18));
   return t;
 }
+at::Tensor dbg_clusters(const at::Tensor& like, int64_t cl, int64_t smem) {
+  return at::full({1}, flashopm::small_tc_max_active_clusters(int(cl), int(smem)), like.options().dtype(at::kLong));
+}
 TORCH_LIBRARY_IMPL(flashopm, CUDA, m) {
-  m.impl("_dbg_tc", &dbg_tc);''')
+  m.impl("_dbg_tc", &dbg_tc);
+  m.impl("_dbg_clusters", &dbg_clusters);''')
 a = a.replace("#include <algorithm>", "#include <algorithm>\n#include <cstdio>\n#include <cstdlib>\n#include <string>", 1)
 src["opm_api.cpp"] = a
 ops._lib.define("_dbg_tc(Tensor like) -> Tensor")
+ops._lib.define("_dbg_clusters(Tensor like, int cl, int smem) -> Tensor")
 # The patched headers go to a copy of csrc/, which becomes the build's include path.
 patched_dir = pathlib.Path(tempfile.mkdtemp(prefix="flashopm-csrc-"))
 for name, text in src.items():
@@ -147,9 +153,11 @@ with torch.no_grad():
     print(f"shape {shape}, {algorithm}: {len(tc)} blocks in the tensor-core kernel, {len(prep)} in the projection kernel")
     print("cycles (median over blocks): " + "  ".join(f"{n}={cyc[:, i].median().item():.0f}" for i, n in enumerate(names)))
     if not split:
+        print("clusters resident at once (CL: count) at 100 KB of shared memory per block: " + ", ".join(
+            f"{cl}: {torch.ops.flashopm._dbg_clusters(x, cl, 100 << 10).item()}" for cl in (1, 2, 4, 8)))
         fe = [tc[:, 11] - tc[:, 1], tc[:, 12] - tc[:, 11], tc[:, 13] - tc[:, 12], tc[:, 2] - tc[:, 13]]
         print("front end (median cycles): " + "  ".join(
-            f"{n}={v.median().item():.0f}" for n, v in zip(["loads", "LayerNorm", "projections+push", "cluster barrier"], fe)))
+            f"{n}={v.median().item():.0f}" for n, v in zip(["loads", "LayerNorm", "projections", "barrier+peers' b"], fe)))
         t0 = tc[:, 8].min()
         print(f"ns from the first block's start: entry {tc[:, 8].min() - t0:.0f}..{tc[:, 8].max() - t0:.0f}, "
               f"past the front end {tc[:, 9].min() - t0:.0f}..{tc[:, 9].max() - t0:.0f}, "

@@ -197,32 +197,31 @@ SmallTcPlan search_small_tc_plan(int64_t B, int64_t S, int64_t N, int64_t C, int
   for (int TI : {1, 2, 4, 8}) {
     if (TI > 1 && TI / 2 >= N) break;
     const int64_t itiles = (N + TI - 1) / TI;
-    int CL = 0;
-    if (one_launch) {
-      CL = 1;
-      while (CL < 8 && CL < itiles) CL *= 2;
-    }
-    const int64_t rows = one_launch ? (itiles + CL - 1) / CL * CL : itiles;
-    if (rows > 65535) continue;
-    for (int Dc : {8, 16, 32, 64}) {
-      if (Dc > 8 && Dc / 2 >= D) break;
-      const int64_t bytes = small_tc_smem_bytes(int(S), int(N), int(C), int(H), TI, Dc, CL);
-      if (bytes > info.smem_optin) continue;
-      // Blocks the device runs at once: whole clusters for one launch.
-      int64_t resident = info.sm_count;
-      if (one_launch) {
-        resident = int64_t(small_tc_max_active_clusters(CL, int(bytes))) * CL;
-        if (resident == 0) continue;
-      }
-      const int64_t blocks = B * rows * ((D + Dc - 1) / Dc);
-      const int64_t waves = (blocks + resident - 1) / resident;
-      const double n16 = double((N + 15) / 16 * 16);
-      double fmas = double(TI) * Dc * double(S * H) * (double(H) + n16);
-      if (one_launch) fmas += double(TI * S + (S * N + CL - 1) / CL) * double(C * H);
-      const double cost = double(waves) * (fmas + 2.0e5);
-      if (best.TI == 0 || cost < best_cost) {
-        best = SmallTcPlan{TI, Dc, CL};
-        best_cost = cost;
+    for (int CL : {0, 1, 2, 4, 8}) {
+      // One launch: clusters of 1 to 8 blocks (no more than the tiles of rows need); two: none.
+      if (one_launch != (CL > 0) || (CL > 1 && CL / 2 >= itiles)) continue;
+      const int64_t rows = CL > 0 ? (itiles + CL - 1) / CL * CL : itiles;
+      if (rows > 65535) continue;
+      for (int Dc : {8, 16, 32, 64}) {
+        if (Dc > 8 && Dc / 2 >= D) break;
+        const int64_t bytes = small_tc_smem_bytes(int(S), int(N), int(C), int(H), TI, Dc, CL);
+        if (bytes > info.smem_optin) continue;
+        // Blocks the device runs at once: whole clusters for one launch.
+        int64_t resident = info.sm_count;
+        if (CL > 0) {
+          resident = int64_t(small_tc_max_active_clusters(CL, int(bytes))) * CL;
+          if (resident == 0) continue;
+        }
+        const int64_t blocks = B * rows * ((D + Dc - 1) / Dc);
+        const int64_t waves = (blocks + resident - 1) / resident;
+        const double n16 = double((N + 15) / 16 * 16);
+        double fmas = double(TI) * Dc * double(S * H) * (double(H) + n16);
+        if (CL > 0) fmas += double(TI * S + (S * N + CL - 1) / CL) * double(C * H);
+        const double cost = double(waves) * (fmas + 2.0e5);
+        if (best.TI == 0 || cost < best_cost) {
+          best = SmallTcPlan{TI, Dc, CL};
+          best_cost = cost;
+        }
       }
     }
   }

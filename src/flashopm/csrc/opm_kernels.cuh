@@ -72,6 +72,9 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_gr
 __device__ __forceinline__ void cluster_arrive_relaxed() {
   asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
 }
+// Arrive after this thread's accesses to peers' shared memory (they are complete before a peer
+// that waits on this phase goes on, e.g. exits).
+__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory"); }
 // Full barrier: remote stores before it are visible to every block of the cluster after it.
 __device__ __forceinline__ void cluster_sync() {

@@ -289,8 +289,8 @@ int small_max_active_clusters(int cluster_size, int smem_bytes);
 // fragment: W's traffic, B·N·D·H² floats over all blocks when TI = 1, is what the tiling trades
 // against parallelism.  a and b come from one of two front ends:
 //   one launch (CL >= 1): the blocks of a thread-block cluster (CL consecutive tiles of rows i)
-//     each LayerNorm and project their own rows of a and a 1/CL share of b's rows, and push that
-//     share into every peer's shared memory (distributed shared memory, sm_90);
+//     each LayerNorm and project their own rows of a and a 1/CL share of b's rows, then read the
+//     peers' shares from their shared memory (distributed shared memory, sm_90);
 //   two launches (CL == 0): the LayerNorm/projection kernel writes a and b as (B, N, S, H) and
 //     this kernel, launched as its programmatic dependent, copies them in.
 constexpr int kSmallTcWarps = 16;
@@ -333,7 +333,7 @@ struct SmallTcLayout {
   // One-launch front end (aliases p and red, which are written after it): x rows (this block's
   // rows of a, then its share of b's rows) normalised in place, Wa and Wb transposed, the rows'
   // mask values.
-  int Rb, ldx, ldw, xs, wta, wtb, mrow;
+  int Rb, ldx, ldw, xs, wta, wtb, mrow, gam, bet, bab;
   int total;
 };
 
@@ -376,7 +376,10 @@ FLASHOPM_HD inline SmallTcLayout small_tc_layout(int S, int N, int C, int H, int
     L.xs = o;   o += (L.R8 + L.Rb) * L.ldx;
     L.wta = o;  o += round_up4(C * L.ldw);
     L.wtb = o;  o += round_up4(C * L.ldw);
-    L.mrow = o; o += L.R8 + L.Rb;
+    L.mrow = o; o += round_up4(L.R8 + L.Rb);
+    L.gam = o;  o += round_up4(C);
+    L.bet = o;  o += round_up4(C);
+    L.bab = o;  o += 2 * H;
     if (o > L.total) L.total = o;
   }
   return L;

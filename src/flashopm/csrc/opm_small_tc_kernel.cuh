@@ -4,7 +4,7 @@
 //   prologue   W fragments of each warp's first k-steps, bias, row denominators or pair counts:
 //              none of it depends on a or b, so it overlaps the front end;
 //   front end  one launch: x rows in, LayerNorm, this block's rows of a and its share of b's
-//              rows, the share pushed to every block of the cluster, cluster barrier;
+//              rows, cluster barrier, the peers' shares of b read from their shared memory;
 //              two launches: griddepcontrol.wait (the projection kernel's results are complete
 //              and visible), then a[b, i0 : i0 + TI] (TI·S·H) and b[b, :] (N·S·H) copied in;
 //   phase P    P[(h2, d), (i, s)] = sum_h1 W[d, h1·H + h2] · a[i, s, h1]      A = W (global), B = a
@@ -52,25 +52,30 @@ __device__ __forceinline__ void split4(const float (&v)[4], uint32_t (&hi)[4], u
 
 // One-launch front end.  Rows of x: this block's rows of a (r = il·S + s, padded to R8), then its
 // share of b's rows (g = j·S + s for g in [rank·Rb, rank·Rb + Rb)).  Each is LayerNormed in
-// shared memory and projected (a with Wa into `as`, b with Wb into `bs` of every block of the
-// cluster).  Ends with a cluster barrier, after which every block's a and b are complete and no
-// block touches another's shared memory again.  Padding rows of as and bs must be zero already.
+// shared memory and projected: a with Wa into `as`, the share of b with Wb into this block's own
+// `bs`, where every block of the cluster then reads it (16-byte loads from distributed shared
+// memory, after a cluster barrier).  Returns with a and b complete in shared memory; the caller
+// must end with cluster_wait() (peers may still be reading this block's share until then).
+// Padding rows of as and bs must be zero already.
 __device__ __forceinline__ void small_tc_front_end(const SmallTcArgs& p, const SmallTcLayout& L, float* smem,
                                                    int b, int i0, int ti) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   namespace cg = cooperative_groups;
   cg::cluster_group cluster = cg::this_cluster();
-  const int CL = int(cluster.num_blocks());
-  const int g0 = int(cluster.block_rank()) * L.Rb;
+  const int rank = int(cluster.block_rank());
+  const int g0 = rank * L.Rb;
   const int S = p.S, N = p.N, C = p.C, H = p.H;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int R = L.R8 + L.Rb;
   float* as = smem + L.a;
   float* bs = smem + L.b;
-  float* xs = smem + L.xs;    // [R][ldx]
-  float* wta = smem + L.wta;  // [C][ldw]   Wa^T
-  float* wtb = smem + L.wtb;  // [C][ldw]   Wb^T
+  float* xs = smem + L.xs;      // [R][ldx]
+  float* wta = smem + L.wta;    // [C][ldw]   Wa^T
+  float* wtb = smem + L.wtb;    // [C][ldw]   Wb^T
   float* mrow = smem + L.mrow;  // [R]
+  float* gam = smem + L.gam;    // [C]
+  float* bet = smem + L.bet;    // [C]
+  float* bab = smem + L.bab;    // [2][H]     ba, bb (zero when absent)
   // (s, n) of row r, and whether it exists
   auto row_of = [&](int r, int& s, int& n) -> bool {
     if (r < L.R8) {
@@ -104,6 +109,14 @@ __device__ __forceinline__ void small_tc_front_end(const SmallTcArgs& p, const S
     cp_async4(&wta[c * L.ldw + h], p.wa + idx, true);
     cp_async4(&wtb[c * L.ldw + h], p.wb + idx, true);
   }
+  for (int c = tid; c < C; c += kSmallTcThreads) {
+    cp_async4(&gam[c], p.ln_w + c, true);
+    cp_async4(&bet[c], p.ln_b + c, true);
+  }
+  for (int h = tid; h < H; h += kSmallTcThreads) {
+    cp_async4(&bab[h], p.ba != nullptr ? p.ba + h : p.wa, p.ba != nullptr);
+    cp_async4(&bab[H + h], p.bb != nullptr ? p.bb + h : p.wb, p.bb != nullptr);
+  }
   cp_async_commit();
   for (int r = tid; r < R; r += kSmallTcThreads) {
     int s, n;
@@ -126,10 +139,9 @@ __device__ __forceinline__ void small_tc_front_end(const SmallTcArgs& p, const S
       sq += dv * dv;
     }
     const float rstd = rsqrtf(warp_sum(sq) / C + p.ln_eps);
-    for (int c = lane; c < C; c += 32) xr[c] = (xr[c] - mean) * rstd * __ldg(p.ln_w + c) + __ldg(p.ln_b + c);
+    for (int c = lane; c < C; c += 32) xr[c] = (xr[c] - mean) * rstd * gam[c] + bet[c];
   }
   __syncthreads();
-  cluster_wait();  // every peer has started: its shared memory exists
 
   // ---- projections: thread item = (4 rows, one h); sums over C in chunks of 32, in order ----
   const int a_groups = L.R8 / 4;
@@ -163,27 +175,33 @@ __device__ __forceinline__ void small_tc_front_end(const SmallTcArgs& p, const S
 #pragma unroll
       for (int r = 0; r < 4; ++r) part[r] = fmaf(xr[r * L.ldx + c], w, part[r]);
     }
+    const float bias = bab[(is_a ? 0 : H) + h];
 #pragma unroll
-    for (int r = 0; r < 4; ++r) acc[r] += part[r];
-    if (is_a) {
-      const float bias = p.ba != nullptr ? __ldg(p.ba + h) : 0.f;
-#pragma unroll
-      for (int r = 0; r < 4; ++r)
-        if (r0 + r < ti * S) as[(r0 + r) * L.lda + h] = (acc[r] + bias) * mrow[r0 + r];
-    } else {
-      const float bias = p.bb != nullptr ? __ldg(p.bb + h) : 0.f;
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
+    for (int r = 0; r < 4; ++r) {
+      const float v = (acc[r] + part[r] + bias) * mrow[r0 + r];
+      if (is_a) {
+        if (r0 + r < ti * S) as[(r0 + r) * L.lda + h] = v;
+      } else {
         const int g = g0 + r0 + r - L.R8;
         if (g >= N * S) break;
         const int j = g / S, s = g - j * S;
-        const float v = (acc[r] + bias) * mrow[r0 + r];
-        float* dst = bs + j * L.ldb + s * H + h;
-        for (int q = 0; q < CL; ++q) *cluster.map_shared_rank(dst, q) = v;
+        bs[j * L.ldb + s * H + h] = v;
       }
     }
   }
+  // ---- the peers' shares of b, 16 bytes at a time (a share is whole rows (j, s) of H floats) ----
   cluster_sync();
+  const int h4 = H / 4;
+  for (int idx = tid; idx < N * S * h4; idx += kSmallTcThreads) {
+    const int g = idx / h4, hq = idx - g * h4;
+    const int owner = g / L.Rb;
+    if (owner == rank || ti == 0) continue;
+    const int j = g / S, s = g - j * S;
+    float* dst = bs + j * L.ldb + s * H + 4 * hq;
+    *reinterpret_cast<float4*>(dst) = *reinterpret_cast<const float4*>(cluster.map_shared_rank(dst, owner));
+  }
+  cluster_arrive();  // this block is done reading its peers
+  __syncthreads();
 #endif
 }
 
@@ -199,7 +217,6 @@ __global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_tc_kernel(const 
   const int g = lane >> 2, t = lane & 3;
   const int d0 = blockIdx.x * Dc, i0 = blockIdx.y * TI, b = blockIdx.z;
   const int ti = max(0, min(TI, N - i0));  // rows i of this block (none in a cluster's padding tiles)
-  if constexpr (kOneLaunch) cluster_arrive_relaxed();
   float* as = smem + L.a;      // [R8][lda]        a[b, i0 + r / S, r % S, h1], rows past ti·S zero
   float* bs = smem + L.b;      // [N16][ldb]       b[b, j, s·H + h2], rows j >= N zero
   float* ps = smem + L.p;      // [TI·Dc][ldp]     P[i][d][s·ldps + h2]
@@ -243,7 +260,10 @@ __global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_tc_kernel(const 
 
   if constexpr (kOneLaunch) {
     small_tc_front_end(p, L, smem, b, i0, ti);
-    if (ti == 0) return;
+    if (ti == 0) {
+      cluster_wait();
+      return;
+    }
   } else {
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
     // a[b, i0 : i0 + ti] and b[b, :] (rows of H and S·H floats)
@@ -382,6 +402,7 @@ __global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_tc_kernel(const 
       for (int c = 0; c < 4 && dl + c < dvalid; ++c) dst[c] = r[c];
     }
   }
+  if constexpr (kOneLaunch) cluster_wait();  // no peer reads this block's share of b any more
 #endif
 }
 
