@@ -1,14 +1,13 @@
-"""Where the time of the tensor-core path for small problems goes, on a GPU.
+"""Where the time of the two-launch tensor-core path goes, on a GPU.
 
 Builds an instrumented copy of the extension (separate cache directory).  Thread 0 of every block
-of the tensor-core kernel records clock64() after a barrier at each phase boundary (in the
-one-launch front end also after its loads, its LayerNorm and its projections) and %globaltimer at
-entry, after the front end and at exit; every block of the projection kernel (two launches)
-records %globaltimer at entry and exit.  Prints the median cycles per phase, the kernels' overlap,
-and CUDA-graph times of variants: for two launches the pair, each kernel alone and the pair
-without programmatic dependency.
+of the second kernel records clock64() after a barrier at each phase boundary and %globaltimer at
+entry, after the wait and at exit; every block of the first kernel records %globaltimer at entry
+and exit.  Prints the median cycles per phase, the kernels' overlap, and the CUDA-graph time of
+the pair, of the first kernel alone, of the second alone, and of the pair launched as two plain
+kernels.
 
-    PYTHONPATH=src python scripts/small_tc_phases.py [--split] [B,S,N,C,H,D [TI,Dc ...]]
+    PYTHONPATH=src python scripts/small_tc_phases.py [B,S,N,C,H,D [TI,Dc ...]]
 
 The anchors below are lines of opm_small_tc_kernel.cuh, opm_kernels.cuh and opm_api.cpp; when
 those change, they may need to follow.
@@ -36,14 +35,9 @@ BLK = "((blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x)"
 CLK = lambda i: (f"\n  __syncthreads(); if (threadIdx.x == 0) g_tc_clk[{BLK} * 16 + {i}] = clock64();\n")  # noqa: E731
 GT = lambda i: (f"\n  if (threadIdx.x == 0) {{ unsigned long long t_; asm volatile(\"mov.u64 %0, %globaltimer;\" : \"=l\"(t_));"  # noqa: E731
                 f" g_tc_clk[{BLK} * 16 + {i}] = (long long)t_; }}\n")
-k = patch(k, "// One-launch front end.", "__device__ long long g_tc_clk[1 << 18];\n", before=True)
+k = patch(k, "template <int kTerms>\n__global__", "__device__ long long g_tc_clk[1 << 18];\n", before=True)
 k = patch(k, "  float* den_s = smem + L.den;\n", GT(8) + CLK(0))
-k = patch(k, '    asm volatile("griddepcontrol.wait;\\n" ::: "memory");\n', GT(9) + CLK(1))
-k = patch(k, "    small_tc_front_end(p, L, smem, b, i0, ti);\n", GT(9) + CLK(1), before=True)
-k = k.replace("    if (ti == 0) {\n      cluster_wait();\n      return;", "    if (ti == 0) {\n      cluster_wait();\n      return;", 1)
-k = patch(k, "  // ---- LayerNorm in place", CLK(11), before=True)
-k = patch(k, "  // ---- projections: thread item", CLK(12), before=True)
-k = patch(k, "  // ---- the peers' shares of b", CLK(13), before=True)
+k = patch(k, '  asm volatile("griddepcontrol.wait;\\n" ::: "memory");\n', GT(9) + CLK(1))
 # Phases P and O run twice each (rolled): a second run much faster than the first is the cost of
 # fetching the phase's instructions (and of its first global loads).
 k = patch(k, "  // ---- phase P ----\n", CLK(2) + "#pragma unroll 1\n  for (int rep_ = 0; rep_ < 2; ++rep_) {\n", before=True)
@@ -51,7 +45,7 @@ k = patch(k, "  // ---- phase O ----\n", CLK("3 + rep_") + "  }\n", before=True)
 k = patch(k, "  // ---- phase O ----\n", "#pragma unroll 1\n  for (int rep_ = 0; rep_ < 2; ++rep_) {\n")
 k = patch(k, "  // ---- epilogue:", CLK("5 + rep_") + "  }\n", before=True)
 k = k.replace("  if (p.norm.kind == kNormRow) {\n    if (warp < ti) {", "  if (p.norm.kind == kNormRow) {\n    if (warp < ti && p.norm.eps != 1.f) {", 1)
-k = k.replace("  if (ti > 0 && warp < items_p) load_w_batch(", "  if (ti > 0 && warp < items_p && p.norm.eps != 2.f) load_w_batch(", 1)
+k = k.replace("  if (warp < items_p) load_w_batch(", "  if (warp < items_p && p.norm.eps != 2.f) load_w_batch(", 1)
 k = k.replace("    if (item != warp) load_w_batch(mt0, 0);", "    if (item != warp || p.norm.eps == 2.f) load_w_batch(mt0, 0);", 1)
 k = k.replace("      const float inv_den = 1.f / den_s[il];", "      const float inv_den = p.norm.eps == 1.f ? 1.f : 1.f / den_s[il];", 1)
 idx = k.rindex("#endif\n}")
@@ -66,9 +60,8 @@ kk = patch(kk, "  const int n_base = nblk * R;\n", PGT(0))
 kk = patch(kk, "  if constexpr (kProjectW) {\n    // c[b, s, h1, n, d]", PGT(1), before=True)
 src["opm_kernels.cuh"] = kk
 lc = src["opm_launch.cu"]
-lc = patch(lc, "  cfg.numAttrs = 1;\n  if (one_launch)\n", "  if (!one_launch && std::getenv(\"DBG_NOPDL\")) cfg.numAttrs = 0;\n", before=True)
-lc = lc.replace("  if (!one_launch && std::getenv(\"DBG_NOPDL\")) cfg.numAttrs = 0;\n  cfg.numAttrs = 1;\n",
-                "  cfg.numAttrs = 1;\n  if (!one_launch && std::getenv(\"DBG_NOPDL\")) cfg.numAttrs = 0;\n", 1)
+lc = patch(lc, "  cfg.numAttrs = 1;\n  if (terms == 3) {", "  cfg.numAttrs = std::getenv(\"DBG_NOPDL\") ? 0 : 1;\n")
+lc = lc.replace("  cfg.numAttrs = 1;\n  cfg.numAttrs = std::getenv", "  cfg.numAttrs = std::getenv", 1)
 lc = lc.replace("#include <array>", "#include <array>\n#include <cstdlib>", 1)
 lc = lc.replace("\n}  // namespace flashopm", """
 void dbg_copy_tc(void* dst, void* dst2) {
@@ -81,16 +74,16 @@ void dbg_copy_tc(void* dst, void* dst2) {
 src["opm_launch.cu"] = lc
 a = src["opm_api.cpp"]
 a = a.replace("namespace flashopm {\nnamespace {", "namespace flashopm {\nvoid dbg_copy_tc(void*, void*);\nnamespace {", 1)
-a = patch(a, "    SmallTcArgs ta{};\n", "    const char* skip_ = std::getenv(\"DBG_SKIP\");\n", before=True)
-a = a.replace("      run_prep(pa, false, dev, stream);\n      ta.a = pa.a_out;",
-              "      if (!skip_ || std::string(skip_) != \"k1\") run_prep(pa, false, dev, stream);\n      ta.a = pa.a_out;", 1)
+a = patch(a, "    run_prep(pa, false, dev, stream);\n\n    SmallTcArgs ta{};",
+          "    const char* skip_ = std::getenv(\"DBG_SKIP\");\n", before=True)
+a = a.replace("    run_prep(pa, false, dev, stream);\n\n    SmallTcArgs ta{};",
+              "    if (!skip_ || std::string(skip_) != \"k1\") run_prep(pa, false, dev, stream);\n\n    SmallTcArgs ta{};", 1)
 a = a.replace("    launch_small_tc(ta, tc_terms, stream);\n",
               "    if (!skip_ || std::string(skip_) != \"k2\") launch_small_tc(ta, tc_terms, stream);\n", 1)
 # Knobs of this build: DBG_PLAN="TI,Dc" forces a tiling; DBG_KNOB=1 skips the row denominators
 # (den = 1), DBG_KNOB=2 issues no W loads before the wait (passed in norm.eps, unused by the row
 # convention).
-a = patch(a, "    ta.CL = small_tc.CL;\n", """    if (const char* e = std::getenv("DBG_PLAN")) std::sscanf(e, "%d,%d", &ta.TI, &ta.Dc);
-    ta.n_itiles = int((N + ta.TI - 1) / ta.TI);
+a = patch(a, "    ta.Dc = small_tc.Dc;\n", """    if (const char* e = std::getenv("DBG_PLAN")) std::sscanf(e, "%d,%d", &ta.TI, &ta.Dc);
     if (const char* e = std::getenv("DBG_KNOB")) if (ta.norm.kind == kNormRow) ta.norm.eps = float(std::atoi(e));
 """)
 a = a.replace('TORCH_LIBRARY_IMPL(flashopm, CUDA, m) {', '''at::Tensor dbg_tc(const at::Tensor& like) {
@@ -98,16 +91,11 @@ a = a.replace('TORCH_LIBRARY_IMPL(flashopm, CUDA, m) {', '''at::Tensor dbg_tc(co
   flashopm::dbg_copy_tc(t.data_ptr(), static_cast<long long*>(t.data_ptr()) + (1 << 18));
   return t;
 }
-at::Tensor dbg_clusters(const at::Tensor& like, int64_t cl, int64_t smem) {
-  return at::full({1}, flashopm::small_tc_max_active_clusters(int(cl), int(smem)), like.options().dtype(at::kLong));
-}
 TORCH_LIBRARY_IMPL(flashopm, CUDA, m) {
-  m.impl("_dbg_tc", &dbg_tc);
-  m.impl("_dbg_clusters", &dbg_clusters);''')
+  m.impl("_dbg_tc", &dbg_tc);''')
 a = a.replace("#include <algorithm>", "#include <algorithm>\n#include <cstdio>\n#include <cstdlib>\n#include <string>", 1)
 src["opm_api.cpp"] = a
 ops._lib.define("_dbg_tc(Tensor like) -> Tensor")
-ops._lib.define("_dbg_clusters(Tensor like, int cl, int smem) -> Tensor")
 # The patched headers go to a copy of csrc/, which becomes the build's include path.
 patched_dir = pathlib.Path(tempfile.mkdtemp(prefix="flashopm-csrc-"))
 for name, text in src.items():
@@ -119,19 +107,12 @@ if not torch.cuda.is_available():
 
 from flashopm.bench import time_graph  # noqa: E402
 
-args = sys.argv[1:]
-split = "--split" in args
-args = [v for v in args if v != "--split"]
-shape = tuple(int(v) for v in args[0].split(",")) if args else (2, 8, 32, 64, 32, 64)
+shape = tuple(int(v) for v in sys.argv[1].split(",")) if len(sys.argv) > 1 else (2, 8, 32, 64, 32, 64)
 B, S, N, C, H, D = shape
 torch.manual_seed(0)
-net = flashopm.ModelNew(C, D, H).cuda()
+model = flashopm.ModelNew(C, D, H).cuda()
 x = torch.randn(B, S, N, C, device="cuda")
 m = (torch.rand(B, S, N, device="cuda") > 0.2).float()
-params = [net.layer_norm.weight, net.layer_norm.bias, net.proj_a.weight, net.proj_a.bias, net.proj_b.weight,
-          net.proj_b.bias, net.out_proj.weight, net.out_proj.bias]
-algorithm = "small-tc-split" if split else "small-tc"
-model = lambda x, m: flashopm.outer_product_mean(x, m, *params, algorithm=algorithm)  # noqa: E731
 with torch.no_grad():
     for _ in range(5):
         model(x, m)
@@ -141,36 +122,17 @@ with torch.no_grad():
     torch.cuda.synchronize()
     raw = torch.ops.flashopm._dbg_tc(x).cpu()
     tc = raw[: 1 << 18].view(-1, 16)
-    tc = tc[tc[:, 10] > 0].double()  # blocks that ran to the end (not a cluster's padding tiles)
+    tc = tc[tc[:, 8] > 0].double()
     if len(tc) == 0:
-        sys.exit(f"shape {shape}: the {algorithm} path did not run")
+        sys.exit(f"shape {shape}: the two-launch path did not run")
     prep = raw[1 << 18:].view(-1, 2)
     prep = prep[prep[:, 0] > 0].double()
-    names = ["prologue" if not split else "prologue+wait", "front end" if not split else "load a,b", "phase P",
-             "phase P again", "phase O", "phase O again", "epilogue", "total"]
+    names = ["prologue+wait", "load a,b", "phase P", "phase P again", "phase O", "phase O again", "epilogue",
+             "total"]
     cyc = tc[:, 1:8] - tc[:, 0:7]
     cyc = torch.cat([cyc, (tc[:, 7:8] - tc[:, 0:1])], 1)
-    print(f"shape {shape}, {algorithm}: {len(tc)} blocks in the tensor-core kernel, {len(prep)} in the projection kernel")
+    print(f"shape {shape}: {len(tc)} blocks in the second kernel, {len(prep)} in the first")
     print("cycles (median over blocks): " + "  ".join(f"{n}={cyc[:, i].median().item():.0f}" for i, n in enumerate(names)))
-    if not split:
-        print("clusters resident at once (CL: count) at 100 KB of shared memory per block: " + ", ".join(
-            f"{cl}: {torch.ops.flashopm._dbg_clusters(x, cl, 100 << 10).item()}" for cl in (1, 2, 4, 8)))
-        fe = [tc[:, 11] - tc[:, 1], tc[:, 12] - tc[:, 11], tc[:, 13] - tc[:, 12], tc[:, 2] - tc[:, 13]]
-        print("front end (median cycles): " + "  ".join(
-            f"{n}={v.median().item():.0f}" for n, v in zip(["loads", "LayerNorm", "projections", "barrier+peers' b"], fe)))
-        t0 = tc[:, 8].min()
-        print(f"ns from the first block's start: entry {tc[:, 8].min() - t0:.0f}..{tc[:, 8].max() - t0:.0f}, "
-              f"past the front end {tc[:, 9].min() - t0:.0f}..{tc[:, 9].max() - t0:.0f}, "
-              f"exit {tc[:, 10].min() - t0:.0f}..{tc[:, 10].max() - t0:.0f}")
-        variants = [({}, "one launch"), ({"DBG_KNOB": "1"}, "no row denominators"),
-                    ({"DBG_KNOB": "2"}, "no W loads before the front end")]
-        variants += [({"DBG_PLAN": plan}, f"tiling TI,Dc = {plan}") for plan in args[1:]]
-        for env, what in variants:
-            for var in ("DBG_KNOB", "DBG_PLAN"):
-                os.environ.pop(var, None)
-            os.environ.update(env)
-            print(f"graph, {what}: {time_graph(lambda: model(x, m), n=50)}")
-        sys.exit(0)
     t0 = prep[:, 0].min()
     print(f"ns from the first kernel's first block start: first kernel blocks start {prep[:, 0].min() - t0:.0f}.."
           f"{prep[:, 0].max() - t0:.0f}, end {prep[:, 1].min() - t0:.0f}..{prep[:, 1].max() - t0:.0f}; "
@@ -180,7 +142,7 @@ with torch.no_grad():
                 ({"DBG_SKIP": "k2"}, "without the second kernel"),
                 ({"DBG_NOPDL": "1"}, "second kernel launched without programmatic dependency"),
                 ({"DBG_KNOB": "1"}, "no row denominators"), ({"DBG_KNOB": "2"}, "no W loads before the wait")]
-    variants += [({"DBG_PLAN": plan}, f"tiling TI,Dc = {plan}") for plan in args[1:]]
+    variants += [({"DBG_PLAN": plan}, f"tiling TI,Dc = {plan}") for plan in sys.argv[2:]]
     for env, what in variants:
         for var in ("DBG_SKIP", "DBG_NOPDL", "DBG_KNOB", "DBG_PLAN"):
             os.environ.pop(var, None)

@@ -32,7 +32,7 @@ SWEEP = [
     Shape(1, 5, 65, 33, 5, 7),     # odd hidden (scalar phase-2 path), ragged everything
     Shape(2, 9, 31, 48, 31, 65),   # D just above 64, H just below 32
 ]
-ALGORITHMS = ["auto", "outer", "project", "single", "outer-fma", "small-tc", "small-tc-split"]
+ALGORITHMS = ["auto", "outer", "project", "single", "outer-fma", "small-tc"]
 FP64_FLOOR = 4 * torch.finfo(torch.float32).eps
 
 
@@ -56,7 +56,7 @@ def _run(x, m, p, algorithm="auto", poison=True, may_not_fit=True, precision=Non
             algorithm=algorithm, precision=precision,
         )
     except RuntimeError as exc:
-        if algorithm in ("single", "small-tc", "small-tc-split") and "does not fit" in str(exc) and may_not_fit:
+        if algorithm in ("single", "small-tc") and "does not fit" in str(exc) and may_not_fit:
             pytest.skip(f"algorithm {algorithm!r} does not fit this problem")
         raise
     if poison_ptr is not None:
@@ -141,8 +141,7 @@ def test_algorithms_agree_and_auto_picks_one_of_them():
     torch.testing.assert_close(outs["outer"], outs["project"], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(outs["single"], outs["project"], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(outs["small-tc"], outs["project"], atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(outs["small-tc-split"], outs["project"], atol=1e-4, rtol=1e-4)
-    assert any(torch.equal(outs["auto"], outs[a]) for a in ("outer", "project", "single", "small-tc", "small-tc-split"))
+    assert any(torch.equal(outs["auto"], outs[a]) for a in ("outer", "project", "single", "small-tc"))
 
 
 # Awkward small problems for the single-launch kernel: every cluster size, partial tiles along
@@ -165,11 +164,10 @@ SINGLE_SHAPES = [
 ]
 
 
-# Awkward small problems for the tensor-core paths (hidden a multiple of 8): one row tile and
-# many, N one past a tile of 16, S not a multiple of 8 (padded n tile in phase P), pair widths
-# below, at and across the chunk of d, K split over warps or not.  For the one-launch front end:
-# clusters of 1 to 8 blocks with padding tiles of rows, shares of b's rows that end mid-cluster,
-# msa_dim not a multiple of 4 (4-byte copies, scalar tail of the projection) and above 32.
+# Awkward small problems for the two-launch tensor-core path (hidden a multiple of 8): one row
+# tile and many, N one past a tile of 16, S not a multiple of 8 (padded n tile in phase P), pair
+# widths below, at and across the chunk of d, K split over warps or not, msa_dim not a multiple
+# of 4 and above 128.
 SMALL_TC_SHAPES = [
     Shape(1, 1, 1, 1, 8, 1),
     Shape(2, 8, 32, 64, 32, 64),
@@ -191,8 +189,7 @@ SMALL_TC_SHAPES = [
 
 
 # The small-problem paths on their own awkward sizes; every case must fit (no skip).
-SMALL_PATH_CASES = ([("single", s, "") for s in SINGLE_SHAPES] + [("small-tc", s, "-tc") for s in SMALL_TC_SHAPES]
-                    + [("small-tc-split", s, "-tcs") for s in SMALL_TC_SHAPES])
+SMALL_PATH_CASES = [("single", s, "") for s in SINGLE_SHAPES] + [("small-tc", s, "-tc") for s in SMALL_TC_SHAPES]
 
 
 @pytest.mark.parametrize("algorithm,shape,seed_tag", SMALL_PATH_CASES, ids=lambda v: str(v))
@@ -345,8 +342,7 @@ def test_tensor_core_path(shape, normalization):
 
 
 @pytest.mark.parametrize("algorithm,shape", [("outer", Shape(1, 128, 64, 64, 32, 128)),
-                                             ("small-tc", Shape(1, 16, 64, 64, 32, 128)),
-                                             ("small-tc-split", Shape(1, 16, 64, 64, 32, 128))], ids=str)
+                                             ("small-tc", Shape(1, 16, 64, 64, 32, 128))], ids=str)
 @pytest.mark.parametrize("scale", [1.0, 10.0])
 def test_precision_modes_follow_pytorch(scale, algorithm, shape):
     """"highest" keeps float32 accuracy (weights x10 too); "high" is TF32, within 2x the error of

@@ -45,12 +45,10 @@ def outer_product_mean(
         algorithm: "auto" ("small-tc" or "single" for small problems, else fewest FLOPs within a
             bounded workspace), "outer" (outer product over S first, per tile on chip), "project"
             (b projected through w_out first; best for small S), "single" (one kernel, everything
-            in shared memory, for small problems only: an error where it does not fit),
-            "small-tc" (small problems on tensor cores in one launch: thread-block clusters share
-            the projections, then one block per row i and chunk of d; hidden_dim a multiple of
-            8, sm_90) or "small-tc-split" (the same after a separate projection kernel); "outer-fma"
-            is "outer" on CUDA cores only ("outer" uses tensor cores when hidden_dim is a multiple
-            of 8).
+            in shared memory, for small problems only: an error where it does not fit) or
+            "small-tc" (small problems on tensor cores: the projections, then one block per row i
+            and chunk of d; hidden_dim a multiple of 8, sm_90); "outer-fma" is "outer" on CUDA
+            cores only ("outer" uses tensor cores when hidden_dim is a multiple of 8).
 
         normalization: how the sum over S is normalised, with O_ij = W_out vec(sum_s a_si (x) b_sj):
             "row" (the specification): O_ij / max(sum_s m_si, 1) + b_out;

@@ -23,7 +23,7 @@ from .reference import (
 
 # "outer" runs on tensor cores where it can (hidden_dim a multiple of 8, sm_80+), "outer-fma" on CUDA
 # cores always.
-ALGORITHMS = {"auto": 0, "outer": 1, "project": 2, "single": 3, "outer-fma": 4, "small-tc": 5, "small-tc-split": 6}
+ALGORITHMS = {"auto": 0, "outer": 1, "project": 2, "single": 3, "outer-fma": 4, "small-tc": 5}
 # Float32 matmul precision, as torch.get_float32_matmul_precision() names it: "highest" keeps
 # float32 accuracy (3xTF32 on tensor cores), "high" allows TF32, "medium" bfloat16 (run as TF32).
 # The op's default, -1, reads PyTorch's setting when the op runs (in C++: no cost in eager mode,
@@ -135,8 +135,7 @@ def check_inputs(msa_repr, msa_mask, ln_weight, ln_bias, w_a, b_a, w_b, b_b, w_o
     if algorithm not in ALGORITHMS.values():
         raise ValueError(
             "flashopm: algorithm must be 0 (auto), 1 (outer-first), 2 (project-first), 3 (single launch), "
-            "4 (outer-first on CUDA cores), 5 (one launch on tensor cores, small problems) or 6 (two launches on "
-            f"tensor cores, small problems), got {algorithm}"
+            f"4 (outer-first on CUDA cores) or 5 (two launches on tensor cores, small problems), got {algorithm}"
         )
     _check_modes(precision, normalization)
     return B, S, N, C, H, D

@@ -105,8 +105,7 @@ enum Algorithm : int64_t {
   kProjectFirst = 2,
   kSingleLaunch = 3,
   kOuterFirstFma = 4,
-  kSmallTc = 5,       // one launch on tensor cores (small problems)
-  kSmallTcSplit = 6,  // the same contraction after a separate LayerNorm/projection kernel
+  kSmallTc = 5,
 };
 
 // PyTorch's float32 matmul precision: "highest" keeps float32 accuracy (3xTF32 on tensor cores),
@@ -174,61 +173,44 @@ bool search_small_plan(int64_t B, int64_t S, int64_t N, int64_t C, int64_t H, in
   return found;
 }
 
-// Tiling of the tensor-core path for small problems: rows i (TI) and columns d (Dc) per block,
-// one block per SM, and blocks per cluster (CL) for the one-launch front end (0: two launches).
-// Cost model: per wave, the block's FMAs plus a fixed cost; among equal costs the fewest rows
-// per block (wider chunks of d give phase O more n tiles per A fragment; at the spec's shape
-// TI = 4, Dc = 8 measured slower than TI = 1, Dc = 32 although it reads a quarter of the W
-// traffic).  TI == 0 when the path does not apply.
+// Tiling of the two-launch tensor-core path for small problems: rows i (TI) and columns d (Dc)
+// per block, one block per SM.  Cost model: per wave, the block's FMAs plus a fixed cost; among
+// equal costs the fewest rows per block (wider chunks of d give phase O more n tiles per A
+// fragment; at the spec's shape TI = 4, Dc = 8 measured slower than TI = 1, Dc = 32 although it
+// reads a quarter of the W traffic).  {0, 0} when the path does not apply.
 struct SmallTcPlan {
-  int TI = 0, Dc = 0, CL = 0;
+  int TI = 0, Dc = 0;
 };
 
-SmallTcPlan search_small_tc_plan(int64_t B, int64_t S, int64_t N, int64_t C, int64_t H, int64_t D, bool one_launch,
-                                 int dev) {
+SmallTcPlan search_small_tc_plan(int64_t B, int64_t S, int64_t N, int64_t H, int64_t D, int dev) {
   const DeviceInfo& info = device_info(dev);
   SmallTcPlan best;
   if (info.cc_major < 9 || H % 8 != 0) return best;
-  // Rules out what cannot fit before any int layout arithmetic (b alone is N·S·H floats, the
-  // front end's transposed weights 2·C·H).
+  // Rules out what cannot fit before any int layout arithmetic (b alone is N·S·H floats).
   if (S * H * (N + 16 + 8) > info.smem_optin / 4) return best;
-  if (one_launch && 2 * C * (H + 1) > info.smem_optin / 4) return best;
   double best_cost = 0;
   for (int TI : {1, 2, 4, 8}) {
     if (TI > 1 && TI / 2 >= N) break;
-    const int64_t itiles = (N + TI - 1) / TI;
-    for (int CL : {0, 1, 2, 4, 8}) {
-      // One launch: clusters of 1 to 8 blocks (no more than the tiles of rows need); two: none.
-      if (one_launch != (CL > 0) || (CL > 1 && CL / 2 >= itiles)) continue;
-      const int64_t rows = CL > 0 ? (itiles + CL - 1) / CL * CL : itiles;
-      if (rows > 65535) continue;
-      for (int Dc : {8, 16, 32, 64}) {
-        if (Dc > 8 && Dc / 2 >= D) break;
-        const int64_t bytes = small_tc_smem_bytes(int(S), int(N), int(C), int(H), TI, Dc, CL);
-        if (bytes > info.smem_optin) continue;
-        // Blocks the device runs at once: whole clusters for one launch.
-        int64_t resident = info.sm_count;
-        if (CL > 0) {
-          resident = int64_t(small_tc_max_active_clusters(CL, int(bytes))) * CL;
-          if (resident == 0) continue;
-        }
-        const int64_t blocks = B * rows * ((D + Dc - 1) / Dc);
-        const int64_t waves = (blocks + resident - 1) / resident;
-        const double n16 = double((N + 15) / 16 * 16);
-        double fmas = double(TI) * Dc * double(S * H) * (double(H) + n16);
-        if (CL > 0) fmas += double(TI * S + (S * N + CL - 1) / CL) * double(C * H);
-        const double cost = double(waves) * (fmas + 2.0e5);
-        if (best.TI == 0 || cost < best_cost) {
-          best = SmallTcPlan{TI, Dc, CL};
-          best_cost = cost;
-        }
+    for (int Dc : {8, 16, 32, 64}) {
+      if (Dc > 8 && Dc / 2 >= D) break;
+      const int64_t bytes = small_tc_smem_bytes(int(S), int(N), int(H), TI, Dc);
+      if (bytes > info.smem_optin) continue;
+      const int64_t blocks = B * ((N + TI - 1) / TI) * ((D + Dc - 1) / Dc);
+      if ((N + TI - 1) / TI > 65535) continue;
+      const int64_t waves = (blocks + info.sm_count - 1) / info.sm_count;
+      const double n16 = double((N + 15) / 16 * 16);
+      const double fmas = double(TI) * Dc * double(S * H) * (double(H) + n16);
+      const double cost = double(waves) * (fmas + 2.0e5);
+      if (best.TI == 0 || cost < best_cost) {
+        best = SmallTcPlan{TI, Dc};
+        best_cost = cost;
       }
     }
   }
   return best;
 }
 
-// Plans by problem size, computed once (the search asks the occupancy calculator).
+// Plans by problem size, searched once (the single-launch search costs ~100 layout evaluations).
 template <typename Plan, typename Search>
 Plan cached_plan(const std::array<int64_t, 8>& key, Search search) {
   struct KeyHash {
@@ -252,15 +234,15 @@ Plan cached_plan(const std::array<int64_t, 8>& key, Search search) {
   return plan;
 }
 
-SmallTcPlan plan_small_tc(int64_t B, int64_t S, int64_t N, int64_t C, int64_t H, int64_t D, bool one_launch,
-                          int dev) {
-  return cached_plan<SmallTcPlan>({B, S, N, C, H, D, int64_t(one_launch), dev},
-                                  [&] { return search_small_tc_plan(B, S, N, C, H, D, one_launch, dev); });
+enum PlanKind : int64_t { kPlanSmall = 0, kPlanSmallTc = 1 };
+
+SmallTcPlan plan_small_tc(int64_t B, int64_t S, int64_t N, int64_t H, int64_t D, int dev) {
+  return cached_plan<SmallTcPlan>({B, S, N, 0, H, D, kPlanSmallTc, dev},
+                                  [&] { return search_small_tc_plan(B, S, N, H, D, dev); });
 }
 
-// The search costs ~100 layout evaluations: remember its answer per problem size.
 bool plan_small(int64_t B, int64_t S, int64_t N, int64_t C, int64_t H, int64_t D, int dev, SmallPlan& plan) {
-  const auto found = cached_plan<std::pair<bool, SmallPlan>>({B, S, N, C, H, D, 0, dev}, [&] {
+  const auto found = cached_plan<std::pair<bool, SmallPlan>>({B, S, N, C, H, D, kPlanSmall, dev}, [&] {
     SmallPlan p;
     const bool ok = search_small_plan(B, S, N, C, H, D, dev, p);
     return std::make_pair(ok, p);
@@ -396,10 +378,9 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
   if (b_a_in) check_param(*b_a_in, "proj_a bias", {H}, msa_in);
   if (b_b_in) check_param(*b_b_in, "proj_b bias", {H}, msa_in);
   if (b_out_in) check_param(*b_out_in, "out_proj bias", {D}, msa_in);
-  FLASHOPM_CHECK(algorithm >= kAuto && algorithm <= kSmallTcSplit,
+  FLASHOPM_CHECK(algorithm >= kAuto && algorithm <= kSmallTc,
                  "flashopm: algorithm must be 0 (auto), 1 (outer-first), 2 (project-first), 3 (single launch), "
-                 "4 (outer-first on CUDA cores), 5 (one launch on tensor cores, small problems) or 6 (two "
-                 "launches on tensor cores, small problems), got ",
+                 "4 (outer-first on CUDA cores) or 5 (two launches on tensor cores, small problems), got ",
                  algorithm);
   check_modes(precision, normalization, B, S);
   const Normalizer norm{int(normalization), float(norm_eps)};
@@ -465,49 +446,45 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     args.D = int(D);
   };
 
-  // Small problems on tensor cores: one block per (rows i, chunk of d).  One launch where the
-  // cluster front end fits; else the projection kernel first, with a and b as (B, N, S, H) in a
-  // workspace.
-  const bool small_tc_wanted = (algorithm == kAuto && flops_small < 2.0e9) || algorithm == kSmallTc ||
-                               algorithm == kSmallTcSplit;
-  const bool w_out_8b = reinterpret_cast<uintptr_t>(w_out.data_ptr()) % 8 == 0;
-  SmallTcPlan small_tc;
-  if (small_tc_wanted && w_out_8b && algorithm != kSmallTcSplit)
-    small_tc = plan_small_tc(B, S, N, C, H, D, true, dev);
-  if (small_tc_wanted && w_out_8b && small_tc.TI == 0 && algorithm != kSmallTc && 2 * ab_elems <= budget_elems)
-    small_tc = plan_small_tc(B, S, N, C, H, D, false, dev);
-  FLASHOPM_CHECK(!(algorithm == kSmallTc || algorithm == kSmallTcSplit) || small_tc.TI > 0,
-                 "flashopm: algorithm ", algorithm, " (", algorithm == kSmallTc ? "one launch" : "two launches",
-                 " on tensor cores) does not fit this problem (B=", B, ", S=", S, ", N=", N, ", msa_dim=", C,
-                 ", hidden=", H, ", pair_dim=", D, "; it needs hidden % 8 == 0, sm_90, an 8-byte aligned out_proj "
-                 "weight, and b for all residues in shared memory)");
-  if (small_tc.TI > 0) {
+  // Small problems on tensor cores: the projections, then one block per (row i, chunk of d)
+  // launched as the projections' programmatic dependent.  Workspace: a and b as (B, N, S, H).
+  const SmallTcPlan small_tc = (algorithm == kAuto && flops_small < 2.0e9) || algorithm == kSmallTc
+                                   ? plan_small_tc(B, S, N, H, D, dev)
+                                   : SmallTcPlan{};
+  const bool small_tc_ok = small_tc.TI > 0 && 2 * ab_elems <= budget_elems &&
+                           reinterpret_cast<uintptr_t>(w_out.data_ptr()) % 8 == 0;
+  FLASHOPM_CHECK(algorithm != kSmallTc || small_tc_ok,
+                 "flashopm: algorithm 5 (two launches on tensor cores) does not fit this problem (B=", B, ", S=", S,
+                 ", N=", N, ", hidden=", H, ", pair_dim=", D, "; it needs hidden % 8 == 0, sm_90, and a and b in "
+                 "shared memory)");
+  if (small_tc_ok) {
+    at::Tensor ws = at::empty({2 * ab_elems}, msa.options());
+    PrepArgs pa{};
+    set_inputs(pa);
+    pa.a_rows = int(N);
+    pa.o_chunks = 1;
+    pa.a_out = ws.data_ptr<float>();
+    pa.b_out = pa.a_out + ab_elems;
+    pa.a_sb = pa.b_sb = N * S * H;
+    pa.a_ss = pa.b_ss = H;
+    pa.a_sn = pa.b_sn = S * H;
+    run_prep(pa, false, dev, stream);
+
     SmallTcArgs ta{};
-    set_inputs(ta);
+    ta.a = pa.a_out;
+    ta.b = pa.b_out;
+    ta.mask = mask_view;
     ta.w_out = w_out.data_ptr<float>();
     ta.bias = opt_ptr(b_out);
     ta.out = out.data_ptr<float>();
     ta.norm = norm;
+    ta.B = int(B);
+    ta.S = int(S);
+    ta.N = int(N);
+    ta.H = int(H);
+    ta.D = int(D);
     ta.TI = small_tc.TI;
     ta.Dc = small_tc.Dc;
-    ta.CL = small_tc.CL;
-    ta.n_itiles = int((N + small_tc.TI - 1) / small_tc.TI);
-    at::Tensor ws;
-    if (small_tc.CL == 0) {
-      ws = at::empty({2 * ab_elems}, msa.options());
-      PrepArgs pa{};
-      set_inputs(pa);
-      pa.a_rows = int(N);
-      pa.o_chunks = 1;
-      pa.a_out = ws.data_ptr<float>();
-      pa.b_out = pa.a_out + ab_elems;
-      pa.a_sb = pa.b_sb = N * S * H;
-      pa.a_ss = pa.b_ss = H;
-      pa.a_sn = pa.b_sn = S * H;
-      run_prep(pa, false, dev, stream);
-      ta.a = pa.a_out;
-      ta.b = pa.b_out;
-    }
     launch_small_tc(ta, tc_terms, stream);
     return out;
   }

@@ -185,78 +185,29 @@ int small_max_active_clusters(int cluster_size, int smem_bytes) {
   return n;
 }
 
-int small_tc_smem_bytes(int S, int N, int C, int H, int TI, int Dc, int CL) {
-  return small_tc_layout(S, N, C, H, TI, Dc, CL).total * int(sizeof(float));
+int small_tc_smem_bytes(int S, int N, int H, int TI, int Dc) {
+  return small_tc_layout(S, N, H, TI, Dc).total * int(sizeof(float));
 }
-
-namespace {
-
-template <int kTerms, bool kOneLaunch>
-void launch_small_tc_as(const cudaLaunchConfig_t& cfg, const SmallTcArgs& args) {
-  constexpr auto kernel = opm_small_tc_kernel<kTerms, kOneLaunch>;
-  allow_smem<kernel>();
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, args));
-}
-
-}  // namespace
 
 void launch_small_tc(const SmallTcArgs& args, int terms, cudaStream_t stream) {
-  const bool one_launch = args.CL >= 1;
-  const int rows = one_launch ? (args.n_itiles + args.CL - 1) / args.CL * args.CL : args.n_itiles;
   cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(unsigned((args.D + args.Dc - 1) / args.Dc), unsigned(rows), unsigned(args.B));
+  cfg.gridDim = dim3(unsigned((args.D + args.Dc - 1) / args.Dc), unsigned((args.N + args.TI - 1) / args.TI),
+                     unsigned(args.B));
   cfg.blockDim = dim3(kSmallTcThreads);
-  cfg.dynamicSmemBytes =
-      size_t(small_tc_smem_bytes(args.S, args.N, args.C, args.H, args.TI, args.Dc, one_launch ? args.CL : 0));
+  cfg.dynamicSmemBytes = size_t(small_tc_smem_bytes(args.S, args.N, args.H, args.TI, args.Dc));
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
-  if (one_launch) {
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = 1;
-    attr[0].val.clusterDim.y = unsigned(args.CL);
-    attr[0].val.clusterDim.z = 1;
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  if (terms == 3) {
+    allow_smem<opm_small_tc_kernel<3>>();
+    C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, opm_small_tc_kernel<3>, args));
   } else {
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    allow_smem<opm_small_tc_kernel<1>>();
+    C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, opm_small_tc_kernel<1>, args));
   }
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  if (one_launch)
-    terms == 3 ? launch_small_tc_as<3, true>(cfg, args) : launch_small_tc_as<1, true>(cfg, args);
-  else
-    terms == 3 ? launch_small_tc_as<3, false>(cfg, args) : launch_small_tc_as<1, false>(cfg, args);
-}
-
-int small_tc_max_active_clusters(int CL, int smem_bytes) {
-  // Asked once per (device, cluster size, shared memory), as for the single-launch kernel.
-  static std::mutex mu;
-  static std::map<std::pair<int, std::pair<int, int>>, int> cache;
-  int dev = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&dev));
-  const auto key = std::make_pair(dev, std::make_pair(CL, smem_bytes));
-  std::lock_guard<std::mutex> lock(mu);
-  const auto it = cache.find(key);
-  if (it != cache.end()) return it->second;
-  constexpr auto kernel = opm_small_tc_kernel<3, true>;
-  allow_smem<kernel>();
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(1, unsigned(CL), 1);
-  cfg.blockDim = dim3(kSmallTcThreads);
-  cfg.dynamicSmemBytes = size_t(smem_bytes);
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = 1;
-  attr[0].val.clusterDim.y = unsigned(CL);
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  int n = 0;
-  if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess) {
-    (void)cudaGetLastError();  // not runnable with this configuration: report none
-    n = 0;
-  }
-  cache.emplace(key, n);
-  return n;
 }
 
 }  // namespace flashopm

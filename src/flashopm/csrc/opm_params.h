@@ -279,20 +279,16 @@ void launch_small(const SmallArgs& args, int smem_bytes, cudaStream_t stream);
 // Clusters of `cluster_size` blocks with `smem_bytes` each that the device runs at once (0: none).
 int small_max_active_clusters(int cluster_size, int smem_bytes);
 
-// ---- small problems on tensor cores (opm_small_tc_kernel.cuh) ----
-// Per block (batch b, TI rows i, chunk of Dc columns d):
+// ---- two-launch path for small problems on tensor cores (opm_small_tc_kernel.cuh) ----
+// The LayerNorm/projection kernel writes a and b as (B, N, S, H); this kernel, launched as its
+// programmatic dependent, then computes per block (batch b, TI rows i, chunk of Dc columns d):
 //   P[i, d, s, h2] = sum_h1 W[d, h1·H + h2] · a[i, s, h1]       (M = Dc·H, N = TI·S, K = H)
 //   out[i, j, d]   = normalise(sum_{s, h2} b[j, s, h2] · P[i, d, s, h2])   (per i: M = N, N = Dc, K = S·H)
 // Both are mma.sync loops (3xTF32 or TF32).  W goes from global memory straight into MMA
 // fragments (each element is used once per n tile of phase P), the first loads issued before the
-// block has its a and b, so that they overlap whatever produces them.  TI rows share each W
-// fragment: W's traffic, B·N·D·H² floats over all blocks when TI = 1, is what the tiling trades
-// against parallelism.  a and b come from one of two front ends:
-//   one launch (CL >= 1): the blocks of a thread-block cluster (CL consecutive tiles of rows i)
-//     each LayerNorm and project their own rows of a and a 1/CL share of b's rows, then read the
-//     peers' shares from their shared memory (distributed shared memory, sm_90);
-//   two launches (CL == 0): the LayerNorm/projection kernel writes a and b as (B, N, S, H) and
-//     this kernel, launched as its programmatic dependent, copies them in.
+// wait for the projections so that they overlap the first kernel.  TI rows share each W fragment:
+// W's traffic, B·N·D·H² floats over all blocks when TI = 1, is what the tiling trades against
+// parallelism.
 constexpr int kSmallTcWarps = 16;
 constexpr int kSmallTcThreads = kSmallTcWarps * 32;
 constexpr int kSmallTcMaxDc = 64;
@@ -300,17 +296,6 @@ constexpr int kSmallTcMaxTI = 8;
 constexpr int kSmallTcKBatch = 4;  // k-steps of W fragments loaded at once
 
 struct SmallTcArgs {
-  // One-launch front end (CL >= 1): the inputs, as in SmallArgs.
-  const float* x;  // (B, S, N, C), unit stride along C
-  int64_t x_sb, x_ss, x_sn;
-  const float* ln_w;
-  const float* ln_b;
-  float ln_eps;
-  const float* wa;  // (H, C) contiguous
-  const float* ba;  // (H) or null
-  const float* wb;
-  const float* bb;
-  // Two-launch front end (CL == 0): the projections.
   const float* a;  // (B, N, S, H) contiguous, masked projections
   const float* b;  // (B, N, S, H) contiguous
   MaskView mask;
@@ -318,22 +303,16 @@ struct SmallTcArgs {
   const float* bias;   // (D) or null
   float* out;          // (B, N, N, D)
   Normalizer norm;
-  int B, S, N, C, H, D;
+  int B, S, N, H, D;
   int TI;  // rows i per block: 1, 2, 4 or 8
   int Dc;  // columns d per block: 8, 16, 32 or 64
-  int CL;  // blocks per cluster along the tiles of i (one launch), or 0 (two launches)
-  int n_itiles;  // ceil(N / TI); the grid's y is this rounded up to a multiple of CL
 };
 
 // Shared-memory layout (floats; every region 16-byte aligned).  Leading dimensions of 4 (mod 32)
 // make the fragment reads (lanes: rows g, columns t) conflict-free.
 struct SmallTcLayout {
   int R8, N16, lda, ldb, ldps, ldp, ldr, kparts;
-  int a, b, pair, bias, den, p, red;
-  // One-launch front end (aliases p and red, which are written after it): x rows (this block's
-  // rows of a, then its share of b's rows) normalised in place, Wa and Wb transposed, the rows'
-  // mask values.
-  int Rb, ldx, ldw, xs, wta, wtb, mrow, gam, bet, bab;
+  int a, b, p, red, pair, bias, den;
   int total;
 };
 
@@ -345,8 +324,7 @@ FLASHOPM_HD inline int small_tc_kparts(int TI, int N16, int K8) {
   return kp < K8 ? kp : K8;
 }
 
-// C and CL matter only for the one-launch front end (CL >= 1).
-FLASHOPM_HD inline SmallTcLayout small_tc_layout(int S, int N, int C, int H, int TI, int Dc, int CL) {
+FLASHOPM_HD inline SmallTcLayout small_tc_layout(int S, int N, int H, int TI, int Dc) {
   SmallTcLayout L{};
   L.R8 = (TI * S + 7) / 8 * 8;  // rows (i, s) of a, padded to a tile of 8
   L.N16 = (N + 15) / 16 * 16;
@@ -362,35 +340,18 @@ FLASHOPM_HD inline SmallTcLayout small_tc_layout(int S, int N, int C, int H, int
   int o = 0;
   L.a = o;    o += L.R8 * L.lda;
   L.b = o;    o += L.N16 * L.ldb;
-  L.pair = o; o += round_up4(TI * L.N16);
-  L.bias = o; o += round_up4(Dc);
-  L.den = o;  o += kSmallTcMaxTI;
   L.p = o;    o += TI * Dc * L.ldp;
   L.red = o;  o += L.kparts * TI * L.N16 * L.ldr;
+  L.pair = o; o += TI * L.N16;
+  L.bias = o; o += round_up4(Dc);
+  L.den = o;  o += kSmallTcMaxTI;
   L.total = o;
-  if (CL >= 1) {
-    o = L.p;
-    L.Rb = round_up4((S * N + CL - 1) / CL);  // rows (j, s) of b this block projects
-    L.ldx = round_up4(C);  // 16-byte rows (the projection's reads of x are warp-wide broadcasts)
-    L.ldw = H + 1;         // transposed weights, H even: conflict-free writes and reads
-    L.xs = o;   o += (L.R8 + L.Rb) * L.ldx;
-    L.wta = o;  o += round_up4(C * L.ldw);
-    L.wtb = o;  o += round_up4(C * L.ldw);
-    L.mrow = o; o += round_up4(L.R8 + L.Rb);
-    L.gam = o;  o += round_up4(C);
-    L.bet = o;  o += round_up4(C);
-    L.bab = o;  o += 2 * H;
-    if (o > L.total) L.total = o;
-  }
   return L;
 }
 
-// Launches the kernel; terms as for launch_outer_tc.  With CL == 0 it must follow launch_prep on
-// the same stream: it is launched as that kernel's programmatic dependent.
+// Launches the second kernel of the pair (after launch_prep on the same stream) as a
+// programmatic dependent of the first; terms as for launch_outer_tc.
 void launch_small_tc(const SmallTcArgs& args, int terms, cudaStream_t stream);
-int small_tc_smem_bytes(int S, int N, int C, int H, int TI, int Dc, int CL);
-// Clusters of CL blocks of the one-launch kernel with `smem_bytes` each that the device runs at
-// once (0: none).
-int small_tc_max_active_clusters(int CL, int smem_bytes);
+int small_tc_smem_bytes(int S, int N, int H, int TI, int Dc);
 
 }  // namespace flashopm
