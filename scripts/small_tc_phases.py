@@ -127,7 +127,7 @@ with torch.no_grad():
         sys.exit(f"shape {shape}: the two-launch path did not run")
     prep = raw[1 << 18:].view(-1, 2)
     prep = prep[prep[:, 0] > 0].double()
-    names = ["prologue+wait", "load a,b", "phase P", "phase P again", "phase O", "phase O again", "epilogue",
+    names = ["prologue+wait", "load a", "phase P (b arriving)", "phase P again", "phase O", "phase O again", "epilogue",
              "total"]
     cyc = tc[:, 1:8] - tc[:, 0:7]
     cyc = torch.cat([cyc, (tc[:, 7:8] - tc[:, 0:1])], 1)

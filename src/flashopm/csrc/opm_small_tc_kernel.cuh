@@ -4,7 +4,8 @@
 //   prologue   W fragments of each warp's first k-steps, bias, row denominators or pair counts:
 //              nothing here depends on the first kernel, so it overlaps it;
 //   wait       griddepcontrol.wait (the projections are complete and visible);
-//   load       a[b, i0 : i0 + TI] (TI·S·H) and b[b, :] (N·S·H) into shared memory;
+//   load       a[b, i0 : i0 + TI] (TI·S·H) and b[b, :] (N·S·H) into shared memory, b
+//              arriving while phase P runs;
 //   phase P    P[(h2, d), (i, s)] = sum_h1 W[d, h1·H + h2] · a[i, s, h1]      A = W (global), B = a
 //              (stored as P[i][d][s][h2])
 //   phase O    out[i, j, d] = sum_k b[j, k] · P[i, d, k],  k = (s, h2)          A = b, B = P
@@ -101,7 +102,8 @@ __global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_tc_kernel(const 
 
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
 
-  // ---- a[b, i0 : i0 + ti] and b[b, :] into shared memory (rows of H and S·H floats) ----
+  // ---- a[b, i0 : i0 + ti] and b[b, :] into shared memory (rows of H and S·H floats); phase P
+  // needs only a, so b is waited for after it ----
   {
     const int h4 = H / 4, q_row = SH / 4;
     const float* a_src = p.a + (int64_t(b) * N + i0) * SH;
@@ -109,13 +111,14 @@ __global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_tc_kernel(const 
       const int r = idx / h4, h = 4 * (idx - r * h4);
       cp_async16(&as[r * L.lda + h], a_src + int64_t(r) * H + h);
     }
+    cp_async_commit();
     const float* b_src = p.b + int64_t(b) * N * SH;
     for (int idx = tid; idx < N * q_row; idx += kSmallTcThreads) {
       const int j = idx / q_row, k = 4 * (idx - j * q_row);
       cp_async16(&bs[j * L.ldb + k], b_src + int64_t(j) * SH + k);
     }
     cp_async_commit();
-    cp_async_wait_all();
+    cp_async_wait<1>();
     __syncthreads();
   }
 
@@ -163,6 +166,7 @@ __global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_tc_kernel(const 
       }
     }
   }
+  cp_async_wait_all();
   __syncthreads();
 
   // ---- phase O ----
