@@ -51,9 +51,9 @@ def test_dtype_errors(device):
 
 @requires_cuda
 def test_cuda_rejects_unsupported_msa_dtype():
-    model = _model("cuda").half()
-    with pytest.raises(RuntimeError, match="msa_repr must be float32 on CUDA, got Half"):
-        model(torch.randn(1, 2, 3, 8, device="cuda", dtype=torch.half), torch.ones(1, 2, 3, device="cuda"))
+    model = _model("cuda").double()
+    with pytest.raises(RuntimeError, match="msa_repr must be float32, bfloat16 or float16 on CUDA, got Double"):
+        model(torch.randn(1, 2, 3, 8, device="cuda", dtype=torch.double), torch.ones(1, 2, 3, device="cuda"))
 
 
 def test_hidden_dim_limit_is_explicit():

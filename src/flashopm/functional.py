@@ -56,13 +56,16 @@ def outer_product_mean(
             "boltz" (Boltz-1/2): O_ij / max(sum_s m_si m_sj, 1) + b_out.
         precision: float32 matmul precision of the contractions, as PyTorch names it ("highest":
             float32 accuracy, 3xTF32 on tensor cores; "high": TF32 allowed; "medium": run as
-            "high"); None follows torch.get_float32_matmul_precision().
+            "high"); None follows torch.get_float32_matmul_precision() for float32 inputs and
+            means "high" for bfloat16/float16 ones.
 
     Returns:
         (B, N, N, D), with a = (LayerNorm(x) W_a^T + b_a) * m and b likewise.
 
-    On CUDA float32 inputs this is one call of the fused CUDA kernels (compiled on first use); on
-    the CPU it is the PyTorch reference.
+    On CUDA tensors this is one call of the fused CUDA kernels (compiled on first use); on the CPU
+    it is the PyTorch reference.  On CUDA, bfloat16 and float16 inputs (with parameters of the same
+    type) are computed in float32 with TF32 contractions unless `precision` says otherwise, and the
+    output comes back in the input's type.
     """
     if algorithm not in ALGORITHMS:
         raise ValueError(f"flashopm: algorithm must be one of {sorted(ALGORITHMS)}, got {algorithm!r}")

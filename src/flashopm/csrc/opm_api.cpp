@@ -354,8 +354,9 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
   FLASHOPM_CHECK(msa_in.is_cuda(), "flashopm: msa_repr must be a CUDA tensor here, got ", msa_in.device());
   FLASHOPM_CHECK(mask.device() == msa_in.device(), "flashopm: msa_mask is on ", mask.device(),
               " but msa_repr is on ", msa_in.device());
-  FLASHOPM_CHECK(msa_in.scalar_type() == at::kFloat, "flashopm: msa_repr must be float32 on CUDA, got ",
-              msa_in.scalar_type());
+  const at::ScalarType in_dtype = msa_in.scalar_type();
+  FLASHOPM_CHECK(in_dtype == at::kFloat || in_dtype == at::kBFloat16 || in_dtype == at::kHalf,
+                 "flashopm: msa_repr must be float32, bfloat16 or float16 on CUDA, got ", in_dtype);
   const int64_t B = msa_in.size(0), S = msa_in.size(1), N = msa_in.size(2), C = msa_in.size(3);
   FLASHOPM_CHECK(mask.size(0) == B && mask.size(1) == S && mask.size(2) == N,
               "flashopm: msa_mask must have shape (B, S, N) = (", B, ", ", S, ", ", N,
@@ -386,17 +387,29 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
   const Normalizer norm{int(normalization), float(norm_eps)};
 
   const c10::cuda::CUDAGuard guard(msa_in.device());
-  at::Tensor out = at::empty({B, N, N, D}, msa_in.options());
-  if (B == 0 || N == 0) return out;
-  if (S == 0) return fill_bias_only(out, b_out_in, normalization, norm_eps);
+  // bfloat16 and float16 inputs: the parameters (small) are converted to float32, x is read in
+  // its own type by the LayerNorm/projection stage, everything is computed in float32 and the
+  // output is rounded to the input's type at the end.
+  const bool half_in = in_dtype != at::kFloat;
+  const at::TensorOptions f32 = msa_in.options().dtype(at::kFloat);
+  const auto as_f32 = [&](const at::Tensor& t) { return half_in ? t.to(at::kFloat).contiguous() : t.contiguous(); };
+  const auto opt_f32 = [&](const std::optional<at::Tensor>& t) {
+    return t ? std::optional<at::Tensor>(as_f32(*t)) : std::nullopt;
+  };
+  at::Tensor out = at::empty({B, N, N, D}, f32);
+  const auto result = [&]() { return half_in ? out.to(in_dtype) : out; };
+  const std::optional<at::Tensor> b_out = opt_f32(b_out_in);
+  if (B == 0 || N == 0) return result();
+  if (S == 0) {
+    fill_bias_only(out, b_out, normalization, norm_eps);
+    return result();
+  }
 
   const at::Tensor msa = msa_in.stride(3) == 1 ? msa_in : msa_in.contiguous();
-  const at::Tensor ln_weight = ln_weight_in.contiguous(), ln_bias = ln_bias_in.contiguous();
-  const at::Tensor w_a = w_a_in.contiguous(), w_b = w_b_in.contiguous(), w_out = w_out_in.contiguous();
-  const std::optional<at::Tensor> b_a = b_a_in ? std::optional<at::Tensor>(b_a_in->contiguous()) : std::nullopt;
-  const std::optional<at::Tensor> b_b = b_b_in ? std::optional<at::Tensor>(b_b_in->contiguous()) : std::nullopt;
-  const std::optional<at::Tensor> b_out =
-      b_out_in ? std::optional<at::Tensor>(b_out_in->contiguous()) : std::nullopt;
+  const int x_kind = in_dtype == at::kFloat ? kMaskFloat : in_dtype == at::kHalf ? kMaskHalf : kMaskBFloat16;
+  const at::Tensor ln_weight = as_f32(ln_weight_in), ln_bias = as_f32(ln_bias_in);
+  const at::Tensor w_a = as_f32(w_a_in), w_b = as_f32(w_b_in), w_out = as_f32(w_out_in);
+  const std::optional<at::Tensor> b_a = opt_f32(b_a_in), b_b = opt_f32(b_b_in);
 
   // ---- contraction order: fewer FLOPs wins, within the workspace budget ----
   // Budget: a fifth of the output (so peak extra memory stays near 1.2x the output), or 64 MiB
@@ -413,7 +426,11 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
   // path's time and TF32 about 1/3 (measured on the H200 at AlphaFold sizes).
   const bool tc_ok = H % 8 == 0 && device_info(dev).cc_major >= 8 && algorithm != kOuterFirstFma &&
                      reinterpret_cast<uintptr_t>(w_out.data_ptr()) % 16 == 0;
-  const int tc_terms = resolve_precision(precision) == kHighest ? 3 : 1;
+  // Half-precision inputs follow PyTorch's matmuls in those types (reduced-precision products,
+  // float32 sums): TF32 unless a precision is asked for explicitly; TF32 operands carry more
+  // bits than bfloat16 or float16 inputs.
+  const Precision prec = half_in && precision == kFollowPyTorch ? kHigh : resolve_precision(precision);
+  const int tc_terms = prec == kHighest ? 3 : 1;
   const double outer_cost = flops_outer / (tc_ok ? (tc_terms == 3 ? 1.6 : 3.0) : 1.0);
   bool project_first = flops_project < 0.8 * outer_cost && ab_elems + c_elems <= budget_elems;
   if (algorithm == kOuterFirst || algorithm == kOuterFirstFma) project_first = false;
@@ -424,12 +441,13 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dev).stream();
   const MaskView mask_view{mask.data_ptr(), mask.stride(0), mask.stride(1), mask.stride(2), mask_kind};
 
-  // The fields the LayerNorm/projection stage of every path reads (same names in each args struct).
-  auto set_inputs = [&](auto& args) {
-    args.x = msa.data_ptr<float>();
-    args.x_sb = msa.stride(0);
-    args.x_ss = msa.stride(1);
-    args.x_sn = msa.stride(2);
+  // The fields the LayerNorm/projection stage of every path reads (same names in each args struct),
+  // with x from the given tensor.
+  auto set_inputs = [&](auto& args, const at::Tensor& x) {
+    args.x = static_cast<decltype(args.x)>(x.data_ptr());
+    args.x_sb = x.stride(0);
+    args.x_ss = x.stride(1);
+    args.x_sn = x.stride(2);
     args.mask = mask_view;
     args.ln_w = ln_weight.data_ptr<float>();
     args.ln_b = ln_bias.data_ptr<float>();
@@ -458,9 +476,10 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
                  ", N=", N, ", hidden=", H, ", pair_dim=", D, "; it needs hidden % 8 == 0, sm_90, and a and b in "
                  "shared memory)");
   if (small_tc_ok) {
-    at::Tensor ws = at::empty({2 * ab_elems}, msa.options());
+    at::Tensor ws = at::empty({2 * ab_elems}, f32);
     PrepArgs pa{};
-    set_inputs(pa);
+    set_inputs(pa, msa);
+    pa.x_kind = x_kind;
     pa.a_rows = int(N);
     pa.o_chunks = 1;
     pa.a_out = ws.data_ptr<float>();
@@ -486,7 +505,7 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     ta.TI = small_tc.TI;
     ta.Dc = small_tc.Dc;
     launch_small_tc(ta, tc_terms, stream);
-    return out;
+    return result();
   }
 
   // One launch, no workspace (planned only when the path above did not run).
@@ -497,7 +516,8 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
                  ", N=", N, ", msa_dim=", C, ", hidden=", H, ", pair_dim=", D, ")");
   if (small_ok && (algorithm == kSingleLaunch || flops_small < 2.0e9)) {
     SmallArgs sa{};
-    set_inputs(sa);
+    const at::Tensor x32 = half_in ? msa.to(at::kFloat) : msa;  // this kernel reads float32 x
+    set_inputs(sa, x32);
     sa.w_out = w_out.data_ptr<float>();
     sa.bias = opt_ptr(b_out);
     sa.out = out.data_ptr<float>();
@@ -507,17 +527,18 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     sa.n_itiles = int((N + small.TI - 1) / small.TI);
     sa.norm = norm;
     launch_small(sa, small.smem_bytes, stream);
-    return out;
+    return result();
   }
 
   PrepArgs pa{};
-  set_inputs(pa);
+  set_inputs(pa, msa);
+  pa.x_kind = x_kind;
   pa.a_rows = int(N);
   pa.o_chunks = o_chunks;
 
   if (project_first) {
     // workspace: a as (B, N, S, H) | c as (B, S, H, N, D)
-    at::Tensor ws = at::empty({ab_elems + c_elems}, msa.options());
+    at::Tensor ws = at::empty({ab_elems + c_elems}, f32);
     float* a_buf = ws.data_ptr<float>();
     float* c_buf = a_buf + ab_elems;
     pa.a_out = a_buf;
@@ -541,7 +562,7 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     ga.D = int(D);
     ga.S = int(S);
     ga.norm = norm;
-    const at::Tensor pair = pair_counts(mask_view, normalization, B, S, N, N, 0, msa.options(), stream);
+    const at::Tensor pair = pair_counts(mask_view, normalization, B, S, N, N, 0, f32, stream);
     ga.pair = pair.defined() ? pair.data_ptr<float>() : nullptr;
     const bool big_tiles = B * ((N + 127) / 128) * ((N * D + 127) / 128) >= 2 * device_info(dev).sm_count;
     check_smem(project_gemm_smem_bytes(big_tiles), dev, "project-first GEMM");
@@ -555,7 +576,7 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     if (2 * ab_elems > budget_elems) rows = std::max<int64_t>((budget_elems - ab_elems) / per_row, 1);
     const int64_t ti_full = std::min<int64_t>(kOuterMT / H, N);
     if (rows < N) rows = std::max<int64_t>(rows / ti_full * ti_full, ti_full);
-    at::Tensor ws = at::empty({ab_elems + per_row * rows}, msa.options());
+    at::Tensor ws = at::empty({ab_elems + per_row * rows}, f32);
     float* b_buf = ws.data_ptr<float>();
     float* a_buf = b_buf + ab_elems;
 
@@ -576,10 +597,10 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
       pa.b_sn = H;
       run_prep(pa, false, dev, stream);
 
-      run_outer(oa, i_off, ni, N, i_off, tc_ok, tc_terms, msa.options(), dev, stream);
+      run_outer(oa, i_off, ni, N, i_off, tc_ok, tc_terms, f32, dev, stream);
     }
   }
-  return out;
+  return result();
 }
 
 // Rows i = row_offset .. row_offset + Nr of the outer-product mean from projections already

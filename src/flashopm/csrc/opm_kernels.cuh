@@ -141,19 +141,21 @@ __global__ void __launch_bounds__(kPrepThreads, 2) opm_prep_kernel(const PrepArg
   const int ochunk = kProjectW ? blockIdx.x % p.o_chunks : 0;
   const int n_base = nblk * R;
 
-  // LayerNorm statistics, two passes over the row (the second pass hits L1).
-  const float* xrow[RW];
+  // LayerNorm statistics, two passes over the row (the second pass hits L1).  x is float32,
+  // float16 or bfloat16 (p.x_kind), read as float32.
+  int64_t xrow[RW];
+  const auto x_at = [&](int r, int c) { return load_mask(p.x, xrow[r] + c, p.x_kind); };
   float mean[RW], rstd[RW];
 #pragma unroll
   for (int r = 0; r < RW; ++r) {
     const int n = min(n_base + warp * RW + r, p.N - 1) + p.n_offset;
-    xrow[r] = p.x + int64_t(b) * p.x_sb + int64_t(s) * p.x_ss + int64_t(n) * p.x_sn;
+    xrow[r] = int64_t(b) * p.x_sb + int64_t(s) * p.x_ss + int64_t(n) * p.x_sn;
     float sum = 0.f;
-    for (int c = lane; c < C; c += 32) sum += xrow[r][c];
+    for (int c = lane; c < C; c += 32) sum += x_at(r, c);
     mean[r] = warp_sum(sum) / C;
     float sq = 0.f;
     for (int c = lane; c < C; c += 32) {
-      const float d = xrow[r][c] - mean[r];
+      const float d = x_at(r, c) - mean[r];
       sq += d * d;
     }
     rstd[r] = rsqrtf(warp_sum(sq) / C + p.ln_eps);
@@ -178,7 +180,7 @@ __global__ void __launch_bounds__(kPrepThreads, 2) opm_prep_kernel(const PrepArg
     for (int r = 0; r < RW; ++r) {
       const int c = c0 + lane;
       float v = 0.f;
-      if (c < C) v = (xrow[r][c] - mean[r]) * rstd[r] * p.ln_w[c] + p.ln_b[c];
+      if (c < C) v = (x_at(r, c) - mean[r]) * rstd[r] * p.ln_w[c] + p.ln_b[c];
       xs[(warp * RW + r) * kPrepKC + lane] = v;
     }
     cp_async_wait_all();

@@ -34,7 +34,8 @@ struct MaskView {
 };
 
 struct PrepArgs {
-  const float* x;  // (B, S, N, C), unit stride along C
+  const void* x;  // (B, S, N, C), unit stride along C, elements of kind x_kind
+  int x_kind;     // kMaskFloat, kMaskHalf or kMaskBFloat16 (MaskKind names the element types)
   int64_t x_sb, x_ss, x_sn;
   MaskView mask;     // (B, S, N)
   int n_offset;      // rows n of this launch are positions n_offset + n of x and mask
