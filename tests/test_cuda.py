@@ -253,7 +253,7 @@ def test_half_precision_module_and_gradients(dtype):
 
     def run(model, dtype_):
         model = model.to(dtype_)
-        xi = x.to(dtype_).requires_grad_(True)
+        xi = x.detach().clone().to(dtype_).requires_grad_(True)
         out = model(xi, m.to(dtype_))
         (out.float() * torch.linspace(-1, 1, out.shape[-1], device="cuda")).sum().backward()
         grads = [xi.grad] + [q.grad for q in model.parameters()]
