@@ -95,6 +95,15 @@ void check_param(const at::Tensor& t, const char* name, at::IntArrayRef shape, c
               msa.scalar_type(), " like msa_repr, got ", t.scalar_type());
 }
 
+// MaskKind of a float32, float16 or bfloat16 tensor (x, the output).
+int elem_kind(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kHalf: return kMaskHalf;
+    case at::kBFloat16: return kMaskBFloat16;
+    default: return kMaskFloat;
+  }
+}
+
 const float* opt_ptr(const std::optional<at::Tensor>& t) {
   return t.has_value() ? t->data_ptr<float>() : nullptr;
 }
@@ -303,7 +312,8 @@ OuterArgs outer_args(const float* a, const float* b, const MaskView& mask, const
   oa.mask = mask;
   oa.w_out = w_out.data_ptr<float>();
   oa.bias = opt_ptr(b_out);
-  oa.out = out.data_ptr<float>();
+  oa.out = out.data_ptr();
+  oa.out_kind = elem_kind(out);
   oa.B = int(B);
   oa.S = int(S);
   oa.N = int(N);
@@ -389,24 +399,20 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
   const c10::cuda::CUDAGuard guard(msa_in.device());
   // bfloat16 and float16 inputs: the parameters (small) are converted to float32, x is read in
   // its own type by the LayerNorm/projection stage, everything is computed in float32 and the
-  // output is rounded to the input's type at the end.
+  // kernels round the output to the input's type as they store it.
   const bool half_in = in_dtype != at::kFloat;
   const at::TensorOptions f32 = msa_in.options().dtype(at::kFloat);
   const auto as_f32 = [&](const at::Tensor& t) { return half_in ? t.to(at::kFloat).contiguous() : t.contiguous(); };
   const auto opt_f32 = [&](const std::optional<at::Tensor>& t) {
     return t ? std::optional<at::Tensor>(as_f32(*t)) : std::nullopt;
   };
-  at::Tensor out = at::empty({B, N, N, D}, f32);
-  const auto result = [&]() { return half_in ? out.to(in_dtype) : out; };
+  at::Tensor out = at::empty({B, N, N, D}, msa_in.options());
+  if (B == 0 || N == 0) return out;
   const std::optional<at::Tensor> b_out = opt_f32(b_out_in);
-  if (B == 0 || N == 0) return result();
-  if (S == 0) {
-    fill_bias_only(out, b_out, normalization, norm_eps);
-    return result();
-  }
+  if (S == 0) return fill_bias_only(out, b_out, normalization, norm_eps);
 
   const at::Tensor msa = msa_in.stride(3) == 1 ? msa_in : msa_in.contiguous();
-  const int x_kind = in_dtype == at::kFloat ? kMaskFloat : in_dtype == at::kHalf ? kMaskHalf : kMaskBFloat16;
+  const int x_kind = elem_kind(msa);
   const at::Tensor ln_weight = as_f32(ln_weight_in), ln_bias = as_f32(ln_bias_in);
   const at::Tensor w_a = as_f32(w_a_in), w_b = as_f32(w_b_in), w_out = as_f32(w_out_in);
   const std::optional<at::Tensor> b_a = opt_f32(b_a_in), b_b = opt_f32(b_b_in);
@@ -495,7 +501,8 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     ta.mask = mask_view;
     ta.w_out = w_out.data_ptr<float>();
     ta.bias = opt_ptr(b_out);
-    ta.out = out.data_ptr<float>();
+    ta.out = out.data_ptr();
+    ta.out_kind = elem_kind(out);
     ta.norm = norm;
     ta.B = int(B);
     ta.S = int(S);
@@ -505,7 +512,7 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     ta.TI = small_tc.TI;
     ta.Dc = small_tc.Dc;
     launch_small_tc(ta, tc_terms, stream);
-    return result();
+    return out;
   }
 
   // One launch, no workspace (planned only when the path above did not run).
@@ -520,14 +527,15 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     set_inputs(sa, x32);
     sa.w_out = w_out.data_ptr<float>();
     sa.bias = opt_ptr(b_out);
-    sa.out = out.data_ptr<float>();
+    sa.out = out.data_ptr();
+    sa.out_kind = elem_kind(out);
     sa.TI = small.TI;
     sa.Dc = small.Dc;
     sa.CL = small.CL;
     sa.n_itiles = int((N + small.TI - 1) / small.TI);
     sa.norm = norm;
     launch_small(sa, small.smem_bytes, stream);
-    return result();
+    return out;
   }
 
   PrepArgs pa{};
@@ -554,7 +562,8 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     ga.Cm = c_buf;
     ga.mask = mask_view;
     ga.bias = opt_ptr(b_out);
-    ga.out = out.data_ptr<float>();
+    ga.out = out.data_ptr();
+    ga.out_kind = elem_kind(out);
     ga.B = int(B);
     ga.M = int(N);
     ga.K = int(S * H);
@@ -600,7 +609,7 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
       run_outer(oa, i_off, ni, N, i_off, tc_ok, tc_terms, f32, dev, stream);
     }
   }
-  return result();
+  return out;
 }
 
 // Rows i = row_offset .. row_offset + Nr of the outer-product mean from projections already

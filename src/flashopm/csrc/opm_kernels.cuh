@@ -39,6 +39,33 @@ __device__ __forceinline__ float load_mask(const void* base, int64_t idx, int ki
   }
 }
 
+// Output stores in the output's element type (float32, float16 or bfloat16).  idx counts
+// elements; store_out2 needs idx even, store_out4 idx a multiple of 4 (aligned vector stores).
+__device__ __forceinline__ void store_out(void* base, int64_t idx, float v, int kind) {
+  switch (kind) {
+    case kMaskHalf: static_cast<__half*>(base)[idx] = __float2half_rn(v); break;
+    case kMaskBFloat16: static_cast<__nv_bfloat16*>(base)[idx] = __float2bfloat16_rn(v); break;
+    default: static_cast<float*>(base)[idx] = v;
+  }
+}
+__device__ __forceinline__ void store_out2(void* base, int64_t idx, float v0, float v1, int kind) {
+  switch (kind) {
+    case kMaskHalf: *reinterpret_cast<__half2*>(static_cast<__half*>(base) + idx) = __floats2half2_rn(v0, v1); break;
+    case kMaskBFloat16:
+      *reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(base) + idx) = __floats2bfloat162_rn(v0, v1);
+      break;
+    default: *reinterpret_cast<float2*>(static_cast<float*>(base) + idx) = make_float2(v0, v1);
+  }
+}
+__device__ __forceinline__ void store_out4(void* base, int64_t idx, const float (&v)[4], int kind) {
+  if (kind == kMaskFloat) {
+    *reinterpret_cast<float4*>(static_cast<float*>(base) + idx) = make_float4(v[0], v[1], v[2], v[3]);
+  } else {
+    store_out2(base, idx, v[0], v[1], kind);
+    store_out2(base, idx + 2, v[2], v[3], kind);
+  }
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
@@ -483,11 +510,12 @@ __global__ void __launch_bounds__(kOuterThreads, 1) opm_outer_fused_kernel(const
         if (i0 + il >= p.Na || j >= N) continue;
         const float den = den_s[il];
         const float pair = p.norm.kind == kNormRow ? 0.f : p.pair[(int64_t(b) * p.Na + i0 + il) * N + j];
-        float* dst = p.out + ((int64_t(b) * p.out_rows + p.out_row0 + i0 + il) * N + j) * D;
+        const int64_t dst = ((int64_t(b) * p.out_rows + p.out_row0 + i0 + il) * N + j) * D;
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int d = dg + dgw * 64 + lane + 32 * e;
-          if (d < D) dst[d] = normalise(acc2[pp][e], p.bias ? p.bias[d] : 0.f, den, pair, p.norm);
+          if (d < D) store_out(p.out, dst + d, normalise(acc2[pp][e], p.bias ? p.bias[d] : 0.f, den, pair, p.norm),
+                               p.out_kind);
         }
       }
     }
@@ -605,14 +633,14 @@ __global__ void __launch_bounds__((BM / TM) * (BN / TN))
     const int m = m0 + ty * TM + r;
     if (m >= p.M) continue;
     const float den = den_s[ty * TM + r];
-    float* dst = p.out + (int64_t(b) * p.M + m) * p.NC;
+    const int64_t dst = (int64_t(b) * p.M + m) * p.NC;
     const float* pair_row = p.pair ? p.pair + (int64_t(b) * p.M + m) * (p.NC / p.D) : nullptr;
 #pragma unroll
     for (int c = 0; c < TN; ++c) {
       const int n = n0 + tx * TN + c;
       if (n >= p.NC) continue;
       const float pair = p.norm.kind == kNormRow ? 0.f : pair_row[n / p.D];
-      dst[n] = normalise(acc[r][c], p.bias ? p.bias[n % p.D] : 0.f, den, pair, p.norm);
+      store_out(p.out, dst + n, normalise(acc[r][c], p.bias ? p.bias[n % p.D] : 0.f, den, pair, p.norm), p.out_kind);
     }
   }
 }

@@ -13,6 +13,7 @@
 
 namespace flashopm {
 
+// Element types of masks, x and the output (x and the output are never bool).
 enum MaskKind : int { kMaskFloat = 0, kMaskBool = 1, kMaskHalf = 2, kMaskBFloat16 = 3 };
 
 // How the contracted sum is normalised (the conventions of the models that use the op):
@@ -100,7 +101,8 @@ struct OuterArgs {
   MaskView mask;       // (B, S, N): all residues
   const float* w_out;  // (D, H*H)
   const float* bias;   // (D) or null
-  float* out;          // (B, out_rows, N, D); row i_offset + r of the problem is row out_row0 + r
+  void* out;           // (B, out_rows, N, D) of out_kind; row i_offset + r of the problem is row out_row0 + r
+  int out_kind;
   const float* pair;   // (B, Na, N): sum_s m[s, i_offset + r] m[s, j] (OpenFold/Boltz conventions), else null
   Normalizer norm;
   int B, S, N, Na, i_offset, H, D;
@@ -146,7 +148,8 @@ struct ProjectArgs {
   const float* Cm;
   MaskView mask;
   const float* bias;
-  float* out;
+  void* out;  // of out_kind
+  int out_kind;
   const float* pair;  // (B, M, NC / D): pair mask counts (OpenFold/Boltz conventions), else null
   Normalizer norm;
   int B, M, K, NC, D, S;
@@ -196,7 +199,8 @@ struct SmallArgs {
   const float* bb;
   const float* w_out;  // (D, H*H) contiguous
   const float* bias;   // (D) or null
-  float* out;          // (B, N, N, D)
+  void* out;           // (B, N, N, D) of out_kind
+  int out_kind;
   Normalizer norm;
   int B, S, N, C, H, D;
   int TI, Dc, CL;  // rows i and columns d per block; blocks per cluster (along the i tiles)
@@ -302,7 +306,8 @@ struct SmallTcArgs {
   MaskView mask;
   const float* w_out;  // (D, H*H) contiguous, 8-byte aligned
   const float* bias;   // (D) or null
-  float* out;          // (B, N, N, D)
+  void* out;           // (B, N, N, D) of out_kind
+  int out_kind;
   Normalizer norm;
   int B, S, N, H, D;
   int TI;  // rows i per block: 1, 2, 4 or 8

@@ -427,7 +427,7 @@ __global__ void __launch_bounds__(kSmallThreads, 1) opm_small_kernel(const Small
             for (int r = 0; r < 4; ++r) {
               const int j = 4 * tm + r;
               if (j >= N) break;
-              float* dst = p.out + ((int64_t(b) * N + i) * N + j) * p.D + d;
+              const int64_t dst = ((int64_t(b) * N + i) * N + j) * p.D + d;
               float v[4];
               if (p.norm.kind == kNormRow) {
 #pragma unroll
@@ -439,11 +439,11 @@ __global__ void __launch_bounds__(kSmallThreads, 1) opm_small_kernel(const Small
                 for (int c = 0; c < 4; ++c) v[c] = normalise(acc[r][c], bias_o[dl + c], 0.f, pair, p.norm);
               }
               if (vec_out && d + 3 < p.D) {
-                *reinterpret_cast<float4*>(dst) = make_float4(v[0], v[1], v[2], v[3]);
+                store_out4(p.out, dst, v, p.out_kind);
               } else {
 #pragma unroll
                 for (int c = 0; c < 4; ++c)
-                  if (d + c < p.D) dst[c] = v[c];
+                  if (d + c < p.D) store_out(p.out, dst + c, v[c], p.out_kind);
               }
             }
           }

@@ -235,11 +235,11 @@ __global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_tc_kernel(const 
 #pragma unroll
       for (int c = 0; c < 4; ++c) r[c] = normalise(r[c], bias_s[dl + c], 0.f, pair, p.norm);
     }
-    float* dst = p.out + ((int64_t(b) * N + i0 + il) * N + j) * p.D + d0 + dl;
+    const int64_t dst = ((int64_t(b) * N + i0 + il) * N + j) * p.D + d0 + dl;
     if (vec_out && dl + 4 <= dvalid) {
-      *reinterpret_cast<float4*>(dst) = make_float4(r[0], r[1], r[2], r[3]);
+      store_out4(p.out, dst, r, p.out_kind);
     } else {
-      for (int c = 0; c < 4 && dl + c < dvalid; ++c) dst[c] = r[c];
+      for (int c = 0; c < 4 && dl + c < dvalid; ++c) store_out(p.out, dst + c, r[c], p.out_kind);
     }
   }
 #endif

@@ -252,7 +252,7 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const Outer
             if (i0 + il >= p.Na || j0 + jl >= N) continue;
             const float den = p.norm.kind == kNormRow ? den_s[il] : 0.f;
             const float pair = p.norm.kind == kNormRow ? 0.f : p.pair[(int64_t(b) * p.Na + i0 + il) * N + j0 + jl];
-            float* dst = p.out + ((int64_t(b) * p.out_rows + p.out_row0 + i0 + il) * N + j0 + jl) * D;
+            const int64_t dst = ((int64_t(b) * p.out_rows + p.out_row0 + i0 + il) * N + j0 + jl) * D;
 #pragma unroll
             for (int nt = 0; nt < 4; ++nt) {
               const int dl = dw * 32 + nt * 8 + 2 * t;
@@ -263,13 +263,13 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const Outer
                 const float o0 = normalise(v0, p.bias ? p.bias[d] : 0.f, den, pair, p.norm);
                 const float o1 = normalise(v1, p.bias ? p.bias[d + 1] : 0.f, den, pair, p.norm);
                 if ((D & 1) == 0) {
-                  *reinterpret_cast<float2*>(dst + d) = make_float2(o0, o1);
+                  store_out2(p.out, dst + d, o0, o1, p.out_kind);
                 } else {
-                  dst[d] = o0;
-                  dst[d + 1] = o1;
+                  store_out(p.out, dst + d, o0, p.out_kind);
+                  store_out(p.out, dst + d + 1, o1, p.out_kind);
                 }
               } else if (d < D) {
-                dst[d] = normalise(v0, p.bias ? p.bias[d] : 0.f, den, pair, p.norm);
+                store_out(p.out, dst + d, normalise(v0, p.bias ? p.bias[d] : 0.f, den, pair, p.norm), p.out_kind);
               }
             }
           }
