@@ -54,6 +54,28 @@ def test_cpu_path_equals_reference(mask_kind):
     assert torch.equal(model(x, m), expect)
 
 
+@pytest.mark.parametrize("algorithm", sorted(flashopm.ops.ALGORITHMS))
+def test_cpu_path_accepts_every_algorithm(algorithm):
+    """The algorithm only picks a CUDA kernel; on the CPU every name gives the reference."""
+    torch.manual_seed(0)
+    model = flashopm.ModelNew(8, 4, 8)
+    x, m, _ = make_problem(Shape(1, 3, 5, 8, 8, 4), "fractional", seed=2)
+    p = _params_of(model)
+    out = flashopm.outer_product_mean(x, m, p["ln_weight"], p["ln_bias"], p["w_a"], p["b_a"], p["w_b"], p["b_b"],
+                                      p["w_out"], p["b_out"], algorithm=algorithm)
+    assert torch.equal(out, reference(x, m, p))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_cpu_path_half_precision_returns_that_type(dtype):
+    torch.manual_seed(0)
+    model = flashopm.ModelNew(8, 4, 8).to(dtype)
+    x, m, _ = make_problem(Shape(1, 3, 5, 8, 8, 4), "binary", seed=3)
+    out = model(x.to(dtype), m.to(dtype))
+    assert out.dtype == dtype
+    assert torch.equal(out, reference(x.to(dtype), m.to(dtype), _params_of(model)))
+
+
 def test_cpu_path_float64_and_noncontiguous():
     torch.manual_seed(0)
     model = flashopm.ModelNew(6, 4, 3).double()
