@@ -74,17 +74,20 @@ void check_smem(int bytes, int dev, const char* what) {
               " bytes of shared memory per block, this GPU allows ", device_info(dev).smem_optin);
 }
 
-int mask_kind_of(const at::Tensor& mask) {
-  switch (mask.scalar_type()) {
-    case at::kFloat: return kMaskFloat;
-    case at::kBool: return kMaskBool;
+// MaskKind of a float32, float16 or bfloat16 tensor (x, the output).
+int elem_kind(const at::Tensor& t) {
+  switch (t.scalar_type()) {
     case at::kHalf: return kMaskHalf;
     case at::kBFloat16: return kMaskBFloat16;
-    default:
-      FLASHOPM_CHECK(false, "flashopm: msa_mask must be float32, float16, bfloat16 or bool on CUDA, got ",
-                  mask.scalar_type());
+    default: return kMaskFloat;
   }
-  return 0;
+}
+
+int mask_kind_of(const at::Tensor& mask) {
+  const at::ScalarType t = mask.scalar_type();
+  FLASHOPM_CHECK(t == at::kFloat || t == at::kBool || t == at::kHalf || t == at::kBFloat16,
+                 "flashopm: msa_mask must be float32, float16, bfloat16 or bool on CUDA, got ", t);
+  return t == at::kBool ? kMaskBool : elem_kind(mask);
 }
 
 void check_param(const at::Tensor& t, const char* name, at::IntArrayRef shape, const at::Tensor& msa) {
@@ -93,15 +96,6 @@ void check_param(const at::Tensor& t, const char* name, at::IntArrayRef shape, c
               " but msa_repr is on ", msa.device());
   FLASHOPM_CHECK(t.scalar_type() == msa.scalar_type(), "flashopm: ", name, " must have dtype ",
               msa.scalar_type(), " like msa_repr, got ", t.scalar_type());
-}
-
-// MaskKind of a float32, float16 or bfloat16 tensor (x, the output).
-int elem_kind(const at::Tensor& t) {
-  switch (t.scalar_type()) {
-    case at::kHalf: return kMaskHalf;
-    case at::kBFloat16: return kMaskBFloat16;
-    default: return kMaskFloat;
-  }
 }
 
 const float* opt_ptr(const std::optional<at::Tensor>& t) {
