@@ -48,7 +48,7 @@ def _run(x, m, p, algorithm="auto", poison=True, may_not_fit=True, precision=Non
     numel = B * N * N * D
     poison_ptr = None
     if poison and numel > 0:
-        t = torch.full((numel,), float("nan"), device="cuda")
+        t = torch.full((numel,), float("nan"), device="cuda", dtype=x.dtype)  # the output's type
         poison_ptr = t.data_ptr()
         del t
     try:
@@ -60,9 +60,7 @@ def _run(x, m, p, algorithm="auto", poison=True, may_not_fit=True, precision=Non
         if algorithm in ("single", "small-tc") and "does not fit" in str(exc) and may_not_fit:
             pytest.skip(f"algorithm {algorithm!r} does not fit this problem")
         raise
-    if poison_ptr is not None and out.dtype == torch.float32:
-        # (a half-precision output is converted from a float32 one, which reused the block: a
-        # NaN left in it survives the conversion)
+    if poison_ptr is not None:
         assert out.data_ptr() == poison_ptr, "the poisoned block was not reused; the check proves nothing"
     return out
 
