@@ -212,6 +212,11 @@ HALF_SHAPES = [
     Shape(1, 5, 65, 33, 5, 7),       # odd hidden: CUDA-core paths
     Shape(2, 9, 31, 48, 31, 65),
     Shape(3, 3, 17, 20, 8, 24),
+    # 16-bit tensor-core kernel: S off its stage depth, partial column tiles, two groups of d
+    Shape(1, 37, 45, 32, 32, 130),
+    Shape(2, 20, 19, 24, 16, 7),     # odd D, hidden 16
+    Shape(1, 40, 21, 16, 64, 64),    # hidden 64: fewer pairs per block than phase 2's rows
+    Shape(1, 1, 300, 8, 8, 3),       # hidden 8: many rounds of pairs per block
 ]
 
 
@@ -433,6 +438,32 @@ def test_precision_modes_follow_pytorch(scale, algorithm, shape):
     assert torch.equal(out_global_high, out_high)
     if before == "highest":
         assert torch.equal(_run(xc, mc, pc, algorithm).cpu(), out_highest)
+
+
+@pytest.mark.parametrize("shape", [Shape(1, 128, 64, 64, 32, 128), Shape(2, 33, 41, 40, 16, 72)], ids=str)
+def test_medium_precision_takes_bfloat16_operands(shape):
+    """"medium" on float32 inputs: bfloat16 operands on tensor cores, float32 output; error against
+    float64 at most 2x that of the same model run in bfloat16 by eager PyTorch, and far from
+    float32's (so the bfloat16 kernel is the one that ran); the global setting is followed."""
+    x, m, p = make_problem(shape, "masked_positions", seed=zlib.crc32(str(shape).encode()) % 1000)
+    xc, mc, pc = x.cuda(), m.cuda(), _cuda_params(p)
+    ref64 = reference(xc, mc, pc, dtype=torch.float64).cpu()
+    eager_bf16 = reference(xc.bfloat16(), mc.bfloat16(),
+                           {k: None if v is None else v.bfloat16() for k, v in pc.items()}).float().cpu()
+    out_medium = _run(xc, mc, pc, "outer", precision="medium")
+    assert out_medium.dtype == torch.float32
+    out_highest = _run(xc, mc, pc, "outer", precision="highest").cpu()
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("medium")
+        out_global = _run(xc, mc, pc, "outer")
+    finally:
+        torch.set_float32_matmul_precision(before)
+    err, err_eager = rel_error(out_medium.cpu(), ref64), rel_error(eager_bf16, ref64)
+    assert err <= 2 * err_eager, f"medium: {err:.3g} vs eager bfloat16 {err_eager:.3g}"
+    assert err > 100 * rel_error(out_highest, ref64), "'medium' is as exact as 'highest': not bfloat16"
+    assert torch.equal(out_global, out_medium)
+    assert torch.equal(out_medium, _run(xc, mc, pc, "outer", precision="medium")), "two identical calls differ"
 
 
 def test_tensor_cores_and_cuda_cores_agree():

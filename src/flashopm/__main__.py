@@ -110,8 +110,10 @@ def _parse_shapes(text: str | None) -> list[Shape]:
     return shapes
 
 
-# eager first: the others are checked against it.  "-tf32": under torch.set_float32_matmul_precision("high").
-IMPLS = ("eager", "flashopm", "compile", "compile-ro", "chunked", "eager-tf32", "flashopm-tf32")
+# eager first: the others are checked against it.  "-tf32": under torch.set_float32_matmul_precision("high"),
+# "-medium": under "medium" (flashopm: bfloat16 operands; PyTorch's CUDA matmuls treat it as "high").
+IMPLS = ("eager", "flashopm", "compile", "compile-ro", "chunked", "eager-tf32", "flashopm-tf32", "flashopm-medium")
+PRECISION_SUFFIXES = {"-tf32": "high", "-medium": "medium"}
 DEFAULT_IMPLS = ("eager", "flashopm", "compile", "compile-ro")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Which module is measured: the specification's, or the OpenFold / Boltz convention (flashopm's
@@ -165,10 +167,11 @@ def _with_matmul_precision(fn, precision: str):
 
 
 def _callable(impl: str, ref, new, dtype: torch.dtype = torch.float32):
-    if impl.endswith("-tf32"):
-        if dtype != torch.float32:
-            return None  # a float32 setting
-        return _with_matmul_precision(_callable(impl[: -len("-tf32")], ref, new), "high")
+    for suffix, precision in PRECISION_SUFFIXES.items():
+        if impl.endswith(suffix):
+            if dtype != torch.float32:
+                return None  # a float32 setting
+            return _with_matmul_precision(_callable(impl[: -len(suffix)], ref, new), precision)
     if impl == "flashopm":
         return new
     if impl == "eager":

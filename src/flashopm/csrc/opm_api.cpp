@@ -297,14 +297,14 @@ at::Tensor pair_counts(const MaskView& mask, int64_t normalization, int64_t B, i
 }
 
 // The outer-first kernels' arguments but for the row range (set by run_outer).
-OuterArgs outer_args(const float* a, const float* b, const MaskView& mask, const at::Tensor& w_out,
+OuterArgs outer_args(const void* a, const void* b, const MaskView& mask, const at::Tensor& w_out,
                      const std::optional<at::Tensor>& b_out, const at::Tensor& out, int64_t B, int64_t S, int64_t N,
                      int64_t H, int64_t D, const Normalizer& norm) {
   OuterArgs oa{};
   oa.a = a;
   oa.b = b;
   oa.mask = mask;
-  oa.w_out = w_out.data_ptr<float>();
+  oa.w_out = w_out.data_ptr();
   oa.bias = opt_ptr(b_out);
   oa.out = out.data_ptr();
   oa.out_kind = elem_kind(out);
@@ -319,9 +319,11 @@ OuterArgs outer_args(const float* a, const float* b, const MaskView& mask, const
 
 // One launch of the outer-first contraction for rows i_offset .. i_offset + rows of the problem
 // (a holds those rows) against all N columns, written from row out_row0 of an output with
-// out_rows rows per batch: tensor cores (terms 3: 3xTF32, 1: TF32) or CUDA cores.
+// out_rows rows per batch: tensor cores with 16-bit operands (operand_kind kMaskBFloat16 or
+// kMaskHalf: a, b and w_out of that type), tensor cores on float32 operands (terms 3: 3xTF32,
+// 1: TF32) or CUDA cores.
 void run_outer(OuterArgs oa, int64_t i_offset, int64_t rows, int64_t out_rows, int64_t out_row0, bool tensor_cores,
-               int terms, const at::TensorOptions& options, int dev, cudaStream_t stream) {
+               int terms, int operand_kind, const at::TensorOptions& options, int dev, cudaStream_t stream) {
   const at::Tensor pair = pair_counts(oa.mask, oa.norm.kind, oa.B, oa.S, oa.N, rows, i_offset, options, stream);
   oa.pair = pair.defined() ? pair.data_ptr<float>() : nullptr;
   oa.Na = int(rows);
@@ -332,7 +334,10 @@ void run_outer(OuterArgs oa, int64_t i_offset, int64_t rows, int64_t out_rows, i
   oa.Tj = std::min(kOuterNT / oa.H, oa.N);
   FLASHOPM_CHECK((rows + oa.Ti - 1) / oa.Ti <= 65535, "flashopm: too many rows for one launch (", rows, " rows of ",
                  oa.N, ")");
-  if (tensor_cores) {
+  if (operand_kind != kMaskFloat) {
+    check_smem(outer_tc16_smem_bytes(oa.H, oa.Ti, oa.Tj), dev, "16-bit tensor-core outer-product");
+    launch_outer_tc16(oa, operand_kind, stream);
+  } else if (tensor_cores) {
     check_smem(outer_tc_smem_bytes(oa.H, oa.Ti, oa.Tj), dev, "tensor-core outer-product");
     launch_outer_tc(oa, terms, stream);
   } else {
@@ -426,12 +431,15 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
   // path's time and TF32 about 1/3 (measured on the H200 at AlphaFold sizes).
   const bool tc_ok = H % 8 == 0 && device_info(dev).cc_major >= 8 && algorithm != kOuterFirstFma &&
                      reinterpret_cast<uintptr_t>(w_out.data_ptr()) % 16 == 0;
-  // Half-precision inputs follow PyTorch's matmuls in those types (reduced-precision products,
-  // float32 sums): TF32 unless a precision is asked for explicitly; TF32 operands carry more
-  // bits than bfloat16 or float16 inputs.
+  // Half-precision inputs follow PyTorch's matmuls in those types (products of the input type,
+  // float32 sums) unless a precision is asked for explicitly; "medium" takes bfloat16 operands.
+  // The small paths have float32 operands only: TF32 there for half-precision inputs.
   const Precision prec = half_in && precision == kFollowPyTorch ? kHigh : resolve_precision(precision);
   const int tc_terms = prec == kHighest ? 3 : 1;
-  const double outer_cost = flops_outer / (tc_ok ? (tc_terms == 3 ? 1.6 : 3.0) : 1.0);
+  const bool operands16 = tc_ok && ((half_in && precision == kFollowPyTorch) || prec == kMedium);
+  const int operand_kind = !operands16 ? int(kMaskFloat) : half_in ? x_kind : int(kMaskBFloat16);
+  // Per FLOP against the CUDA-core path (H200, AlphaFold sizes).
+  const double outer_cost = flops_outer / (operands16 ? 6.0 : tc_ok ? (tc_terms == 3 ? 1.6 : 3.0) : 1.0);
   bool project_first = flops_project < 0.8 * outer_cost && ab_elems + c_elems <= budget_elems;
   if (algorithm == kOuterFirst || algorithm == kOuterFirstFma) project_first = false;
   if (algorithm == kProjectFirst) project_first = true;
@@ -477,21 +485,22 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
                  "shared memory)");
   if (small_tc_ok) {
     at::Tensor ws = at::empty({2 * ab_elems}, f32);
+    float* ab = ws.data_ptr<float>();
     PrepArgs pa{};
     set_inputs(pa, msa);
     pa.x_kind = x_kind;
     pa.a_rows = int(N);
     pa.o_chunks = 1;
-    pa.a_out = ws.data_ptr<float>();
-    pa.b_out = pa.a_out + ab_elems;
+    pa.a_out = ab;
+    pa.b_out = ab + ab_elems;
     pa.a_sb = pa.b_sb = N * S * H;
     pa.a_ss = pa.b_ss = H;
     pa.a_sn = pa.b_sn = S * H;
     run_prep(pa, false, dev, stream);
 
     SmallTcArgs ta{};
-    ta.a = pa.a_out;
-    ta.b = pa.b_out;
+    ta.a = ab;
+    ta.b = ab + ab_elems;
     ta.mask = mask_view;
     ta.w_out = w_out.data_ptr<float>();
     ta.bias = opt_ptr(b_out);
@@ -571,19 +580,28 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     check_smem(project_gemm_smem_bytes(big_tiles), dev, "project-first GEMM");
     launch_project_gemm(ga, big_tiles, stream);
   } else {
-    // workspace: b as (B, S, N, H) | a as (B, S, Ni, H) for one block of Ni output rows.  Rows are
-    // blocked only when a and b for all rows would pass the budget; each further block recomputes
-    // LayerNorm and the projection of its rows (a few percent of the work).
+    // workspace: b as (B, S, N, H) | a as (B, S, Ni, H) for one block of Ni output rows, float32
+    // or the 16-bit operand type.  Rows are blocked only when a and b for all rows would pass the
+    // budget (in float32 elements); each further block recomputes LayerNorm and the projection of
+    // its rows (a few percent of the work).
     const int64_t per_row = B * S * H;
+    const int64_t budget = operands16 ? 2 * budget_elems : budget_elems;
     int64_t rows = N;
-    if (2 * ab_elems > budget_elems) rows = std::max<int64_t>((budget_elems - ab_elems) / per_row, 1);
+    if (2 * ab_elems > budget) rows = std::max<int64_t>((budget - ab_elems) / per_row, 1);
     const int64_t ti_full = std::min<int64_t>(kOuterMT / H, N);
     if (rows < N) rows = std::max<int64_t>(rows / ti_full * ti_full, ti_full);
-    at::Tensor ws = at::empty({ab_elems + per_row * rows}, f32);
-    float* b_buf = ws.data_ptr<float>();
-    float* a_buf = b_buf + ab_elems;
+    const at::ScalarType ws_type = operand_kind == kMaskBFloat16 ? at::kBFloat16
+                                   : operand_kind == kMaskHalf   ? at::kHalf
+                                                                 : at::kFloat;
+    const at::Tensor ws = at::empty({ab_elems + per_row * rows}, msa_in.options().dtype(ws_type));
+    char* b_buf = static_cast<char*>(ws.data_ptr());
+    char* a_buf = b_buf + ab_elems * int64_t(ws.element_size());
+    pa.ab_kind = operand_kind;
+    // W in the operand type (no copy for a module already in that type, unless misaligned)
+    at::Tensor w_op = operands16 ? w_out_in.to(ws_type).contiguous() : w_out;
+    if (reinterpret_cast<uintptr_t>(w_op.data_ptr()) % 16 != 0) w_op = w_op.clone();
 
-    const OuterArgs oa = outer_args(a_buf, b_buf, mask_view, w_out, b_out, out, B, S, N, H, D, norm);
+    const OuterArgs oa = outer_args(a_buf, b_buf, mask_view, w_op, b_out, out, B, S, N, H, D, norm);
     for (int64_t i_off = 0; i_off < N; i_off += rows) {
       const int64_t ni = std::min<int64_t>(rows, N - i_off);
       // First block: all N rows for b, its own rows for a.  Later blocks: their rows, a only.
@@ -600,7 +618,7 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
       pa.b_sn = H;
       run_prep(pa, false, dev, stream);
 
-      run_outer(oa, i_off, ni, N, i_off, tc_ok, tc_terms, f32, dev, stream);
+      run_outer(oa, i_off, ni, N, i_off, tc_ok, tc_terms, operand_kind, f32, dev, stream);
     }
   }
   return out;
@@ -662,7 +680,8 @@ at::Tensor outer_product_mean_rows_cuda(const at::Tensor& a_in, const at::Tensor
   const OuterArgs oa = outer_args(a.data_ptr<float>(), b.data_ptr<float>(), mask_view, w_out, b_out, out, B, S, N,
                                   H, D, Normalizer{int(normalization), float(norm_eps)});
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dev).stream();
-  run_outer(oa, row_offset, Nr, Nr, 0, tc_ok, resolve_precision(precision) == kHighest ? 3 : 1, a.options(), dev,
+  run_outer(oa, row_offset, Nr, Nr, 0, tc_ok, resolve_precision(precision) == kHighest ? 3 : 1, kMaskFloat,
+            a.options(), dev,
             stream);
   return out;
 }

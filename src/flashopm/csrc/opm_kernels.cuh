@@ -82,7 +82,7 @@ __device__ __forceinline__ void cp_async4(float* dst, const float* src, bool val
 }
 // 16-byte asynchronous global->shared copy that bypasses L1 (both 16-byte aligned); zero-fills
 // when !valid.
-__device__ __forceinline__ void cp_async16z(float* dst, const float* src, bool valid) {
+__device__ __forceinline__ void cp_async16z(void* dst, const void* src, bool valid) {
   const unsigned dst_addr = static_cast<unsigned>(__cvta_generic_to_shared(dst));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst_addr), "l"(src), "r"(valid ? 16 : 0));
 }
@@ -251,7 +251,7 @@ __global__ void __launch_bounds__(kPrepThreads, 2) opm_prep_kernel(const PrepArg
       if (o < H) {
         if (valid && ochunk == 0 && n < p.a_rows) {
           const float v = (acc[r][q] + (p.ba ? p.ba[o] : 0.f)) * mv;
-          p.a_out[int64_t(b) * p.a_sb + int64_t(s) * p.a_ss + int64_t(n) * p.a_sn + o] = v;
+          store_out(p.a_out, int64_t(b) * p.a_sb + int64_t(s) * p.a_ss + int64_t(n) * p.a_sn + o, v, p.ab_kind);
         }
       } else if (o < H2) {
         const int h = o - H;
@@ -259,7 +259,7 @@ __global__ void __launch_bounds__(kPrepThreads, 2) opm_prep_kernel(const PrepArg
         if (kProjectW) {
           bs[row * Hp + h] = v;
         } else if (valid && p.b_out) {
-          p.b_out[int64_t(b) * p.b_sb + int64_t(s) * p.b_ss + int64_t(n) * p.b_sn + h] = v;
+          store_out(p.b_out, int64_t(b) * p.b_sb + int64_t(s) * p.b_ss + int64_t(n) * p.b_sn + h, v, p.ab_kind);
         }
       } else if (kProjectW && o < H + Hp) {
         bs[row * Hp + (o - H)] = 0.f;  // padding read by the float4 loop below
@@ -350,8 +350,8 @@ __global__ void __launch_bounds__(kOuterThreads, 1) opm_outer_fused_kernel(const
 
   const int a_lim = min(p.Ti * H, int((p.Na - i0) * H));  // valid rows of this tile
   const int b_lim = min(p.Tj * H, int((N - j0) * H));
-  const float* a_base = p.a + int64_t(b) * S * NaH + int64_t(i0) * H;
-  const float* b_base = p.b + int64_t(b) * S * NH + int64_t(j0) * H;
+  const float* a_base = static_cast<const float*>(p.a) + int64_t(b) * S * NaH + int64_t(i0) * H;
+  const float* b_base = static_cast<const float*>(p.b) + int64_t(b) * S * NH + int64_t(j0) * H;
 
   auto load_stage = [&](int buf, int s0) {
     float* As = stage + buf * kOuterBK * (kOuterMT + kOuterNT);
@@ -423,7 +423,7 @@ __global__ void __launch_bounds__(kOuterThreads, 1) opm_outer_fused_kernel(const
     for (int idx = tid; idx < kOuterKC * DG; idx += kOuterThreads) {
       const int dl = idx / kOuterKC, k = idx - dl * kOuterKC;
       const bool ok = (dg + dl < D) && (kc0 + k < K2);
-      cp_async4(&Ws[k * kOuterWStride + dl], p.w_out + (ok ? int64_t(dg + dl) * K2 + kc0 + k : 0),
+      cp_async4(&Ws[k * kOuterWStride + dl], static_cast<const float*>(p.w_out) + (ok ? int64_t(dg + dl) * K2 + kc0 + k : 0),
                 ok);
     }
     cp_async_commit();

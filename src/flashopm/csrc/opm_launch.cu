@@ -11,6 +11,7 @@
 #include "opm_kernels.cuh"
 #include "opm_small_kernel.cuh"
 #include "opm_small_tc_kernel.cuh"
+#include "opm_tc16_kernel.cuh"
 #include "opm_tc_kernel.cuh"
 
 namespace flashopm {
@@ -100,6 +101,23 @@ void launch_outer_tc(const OuterArgs& args, int terms, cudaStream_t stream) {
   } else {
     allow_smem<opm_outer_tc_kernel<1>>();
     opm_outer_tc_kernel<1><<<grid, kTcThreads, smem, stream>>>(args);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+int outer_tc16_smem_bytes(int H, int Ti, int Tj) { return tc16_layout(H, Ti, Tj).total; }
+
+void launch_outer_tc16(const OuterArgs& args, int operand_kind, cudaStream_t stream) {
+  const int tj_block = args.Tj * kT16JSub;
+  const dim3 grid(unsigned((args.N + tj_block - 1) / tj_block), unsigned((args.Na + args.Ti - 1) / args.Ti),
+                  unsigned(args.B));
+  const int smem = outer_tc16_smem_bytes(args.H, args.Ti, args.Tj);
+  if (operand_kind == kMaskHalf) {
+    allow_smem<opm_outer_tc16_kernel<__half>>();
+    opm_outer_tc16_kernel<__half><<<grid, kTcThreads, smem, stream>>>(args);
+  } else {
+    allow_smem<opm_outer_tc16_kernel<__nv_bfloat16>>();
+    opm_outer_tc16_kernel<__nv_bfloat16><<<grid, kTcThreads, smem, stream>>>(args);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

@@ -49,9 +49,10 @@ struct PrepArgs {
   const float* wb;
   const float* bb;
   const float* w_out;  // (D, H*H), project-first only
-  float* a_out;        // strides below, unit stride along H
+  void* a_out;         // strides below, unit stride along H; elements of ab_kind
   int64_t a_sb, a_ss, a_sn;
-  float* b_out;  // outer-first only, same strides convention
+  void* b_out;   // outer-first only, same strides convention
+  int ab_kind;   // kMaskFloat, or kMaskBFloat16/kMaskHalf for the 16-bit tensor-core kernel
   int64_t b_sb, b_ss, b_sn;
   float* c_out;  // project-first only: (B, S, H, N, D)
   int B, S, N, C, H, D;  // N: rows of this launch
@@ -95,11 +96,12 @@ constexpr int kOuterSmemBytes =
      (kOuterStageFloats > kOuterWFloats ? kOuterStageFloats : kOuterWFloats)) *
     4;
 
+// a, b and w_out hold float32, or the 16-bit operand type of opm_outer_tc16_kernel.
 struct OuterArgs {
-  const float* a;  // (B, S, Na, H) contiguous: residues i_offset .. i_offset + Na (rows i)
-  const float* b;  // (B, S, N, H) contiguous: all residues (columns j)
+  const void* a;  // (B, S, Na, H) contiguous: residues i_offset .. i_offset + Na (rows i)
+  const void* b;  // (B, S, N, H) contiguous: all residues (columns j)
   MaskView mask;       // (B, S, N): all residues
-  const float* w_out;  // (D, H*H)
+  const void* w_out;   // (D, H*H)
   const float* bias;   // (D) or null
   void* out;           // (B, out_rows, N, D) of out_kind; row i_offset + r of the problem is row out_row0 + r
   int out_kind;
@@ -143,6 +145,43 @@ FLASHOPM_HD inline TcLayout tc_layout(int H, int Ti, int Tj) {
   return L;
 }
 
+// 16-bit tensor-core outer-first kernel (opm_tc16_kernel.cuh): bfloat16 or float16 operands,
+// float32 accumulation.  Phase 1 as above over kT16JSub column tiles of kTcNT in turn, so that
+// phase 2 contracts twice the pairs per pass over W (half the W traffic from L2); sizes in
+// elements of the 16-bit type.
+constexpr int kT16JSub = 2;
+constexpr int kT16BK = 32;
+constexpr int kT16Stages = 4;
+constexpr int kT16LdA = kTcMT + 8;  // row strides of 16 bytes (mod 128): conflict-free ldmatrix
+constexpr int kT16LdB = kTcNT + 8;
+constexpr int kT16StageElems = kT16BK * (kT16LdA + kT16LdB);
+constexpr int kT16KC = 64;
+constexpr int kT16LdW = kT16KC + 8;
+constexpr int kT16WStages = 3;
+constexpr int kT16WElems = kT16WStages * kTcDG * kT16LdW;
+
+// Shared memory of the 16-bit kernel, in bytes: O ([Ti·Tj·kT16JSub][H² + 8] 16-bit) with the
+// phase-1 stages placed after the first column tile's O (the later tiles' O is written only once
+// their stages are consumed), the W stages after all of O (also the float32 partial sums of
+// phase 2's two k halves), then the row denominators (float32).
+struct Tc16Layout {
+  int ldo, stages, w, den, total;  // bytes, except ldo (elements)
+};
+FLASHOPM_HD inline Tc16Layout tc16_layout(int H, int Ti, int Tj) {
+  Tc16Layout L{};
+  L.ldo = H * H + 8;
+  const int o_tile = Ti * Tj * L.ldo * 2;
+  L.stages = o_tile;
+  L.w = kT16JSub * o_tile;
+  int end = L.w + kT16WElems * 2;
+  const int red = L.w + 32 * (kTcDG + 4) * 4;
+  if (end < red) end = red;
+  if (end < L.stages + kT16Stages * kT16StageElems * 2) end = L.stages + kT16Stages * kT16StageElems * 2;
+  L.den = end;
+  L.total = end + round_up4(Ti) * 4;
+  return L;
+}
+
 struct ProjectArgs {
   const float* A;
   const float* Cm;
@@ -177,6 +216,9 @@ int outer_smem_bytes();
 // terms: 3 (3xTF32, float32 accuracy) or 1 (TF32)
 void launch_outer_tc(const OuterArgs& args, int terms, cudaStream_t stream);
 int outer_tc_smem_bytes(int H, int Ti, int Tj);
+// operand_kind: kMaskBFloat16 or kMaskHalf, the element type of a, b and w_out
+void launch_outer_tc16(const OuterArgs& args, int operand_kind, cudaStream_t stream);
+int outer_tc16_smem_bytes(int H, int Ti, int Tj);
 void launch_project_gemm(const ProjectArgs& args, bool big_tiles, cudaStream_t stream);
 void launch_pair_count(const PairCountArgs& args, cudaStream_t stream);
 int project_gemm_smem_bytes(bool big_tiles);

@@ -44,8 +44,9 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const Outer
 
   const int a_lim = min(Ti * H, (p.Na - i0) * H);  // valid columns of the tile (multiples of 8)
   const int b_lim = min(Tj * H, (N - j0) * H);
-  const float* a_base = p.a + int64_t(b) * S * NaH + int64_t(i0) * H;
-  const float* b_base = p.b + int64_t(b) * S * NH + int64_t(j0) * H;
+  const float* a_base = static_cast<const float*>(p.a) + int64_t(b) * S * NaH + int64_t(i0) * H;
+  const float* b_base = static_cast<const float*>(p.b) + int64_t(b) * S * NH + int64_t(j0) * H;
+  const float* w_out = static_cast<const float*>(p.w_out);
 
   auto load_stage = [&](int buf, int s0) {
     float* As = smem + buf * kTcStageFloats;  // [BK][LdA]
@@ -55,14 +56,14 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const Outer
       const int idx = tid + u * kTcThreads;
       const int k = idx / (kTcMT / 4), m = (idx % (kTcMT / 4)) * 4;
       const bool ok = (s0 + k < S) && (m < a_lim);
-      cp_async16z(&As[k * kTcLdA + m], ok ? a_base + int64_t(s0 + k) * NaH + m : p.a, ok);
+      cp_async16z(&As[k * kTcLdA + m], ok ? a_base + int64_t(s0 + k) * NaH + m : a_base, ok);
     }
 #pragma unroll
     for (int u = 0; u < kTcBK * kTcNT / 4 / kTcThreads; ++u) {
       const int idx = tid + u * kTcThreads;
       const int k = idx / (kTcNT / 4), n = (idx % (kTcNT / 4)) * 4;
       const bool ok = (s0 + k < S) && (n < b_lim);
-      cp_async16z(&Bs[k * kTcLdB + n], ok ? b_base + int64_t(s0 + k) * NH + n : p.b, ok);
+      cp_async16z(&Bs[k * kTcLdB + n], ok ? b_base + int64_t(s0 + k) * NH + n : b_base, ok);
     }
   };
 
@@ -154,7 +155,7 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const Outer
       const int idx = tid + u * kTcThreads;
       const int dl = idx / (kTcKC / 4), k = (idx % (kTcKC / 4)) * 4;
       const bool ok = dg + dl < D;
-      cp_async16z(&Ws[dl * kTcLdW + k], ok ? p.w_out + int64_t(dg + dl) * K2 + kc0 + k : p.w_out, ok);
+      cp_async16z(&Ws[dl * kTcLdW + k], ok ? w_out + int64_t(dg + dl) * K2 + kc0 + k : w_out, ok);
     }
   };
 

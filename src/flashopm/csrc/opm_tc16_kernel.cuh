@@ -1,0 +1,264 @@
+// Outer-first contraction on tensor cores with 16-bit operands (bfloat16 or float16, mma.sync
+// m16n8k16 with float32 accumulation): the form PyTorch's matmuls take in those types, and
+// PyTorch's "medium" float32 matmul precision.
+//
+// The tile and phases of opm_outer_tc_kernel, with a block covering kT16JSub column tiles:
+//   phase 1, per column tile: O[(i,h1), (j,h2)] = sum_s a[s,i,h1] b[s,j,h2]   (M = Ti·H, N = Tj·H, K = S)
+//   phase 2: out[(i,j), d] = sum_{h1,h2} O[(i,j),(h1,h2)] W[d, h1·H + h2]      (K = H², per 128 d)
+// O is rounded to the 16-bit type as it goes to shared memory (as a 16-bit einsum rounds its
+// output), so phase 2 runs on 16-bit operands too.  Operand fragments come from ldmatrix: a and
+// b are stored (s, h)-major, i.e. column-major for phase 1's A and B, hence the transposing form.
+//
+// Requires H % 8 == 0 and 16-byte aligned a, b and W.
+#pragma once
+
+#include "opm_kernels.cuh"
+#include "opm_mma.cuh"
+
+namespace flashopm {
+
+template <typename T>
+__global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const OuterArgs p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  extern __shared__ float4 smem_f4[];
+  char* smem = reinterpret_cast<char*>(smem_f4);
+  const Tc16Layout L = tc16_layout(p.H, p.Ti, p.Tj);
+  T* Os = reinterpret_cast<T*>(smem);                  // [P][ldo]
+  T* stages = reinterpret_cast<T*>(smem + L.stages);   // [kT16Stages][BK][LdA + LdB]
+  T* Wst = reinterpret_cast<T*>(smem + L.w);           // [kT16WStages][DG][LdW]
+  float* den_s = reinterpret_cast<float*>(smem + L.den);
+  const int H = p.H, N = p.N, S = p.S, D = p.D, Ti = p.Ti, Tj = p.Tj;
+  const int P1 = Ti * Tj;          // pairs of one column tile
+  const int P = P1 * kT16JSub;     // pairs of the block, column tile by column tile
+  const int b = blockIdx.z;
+  const int i0 = blockIdx.y * Ti, j0 = blockIdx.x * Tj * kT16JSub;  // i0 local to this row block
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, t = lane & 3;   // accumulator coordinates (PTX: groupID, threadID_in_group)
+  const int lq = lane >> 3, lr = lane & 7;  // ldmatrix: the matrix and the row this lane addresses
+  const int64_t NH = int64_t(N) * H, NaH = int64_t(p.Na) * H;
+  const T* a_g = static_cast<const T*>(p.a);
+  const T* b_g = static_cast<const T*>(p.b);
+  const T* w_g = static_cast<const T*>(p.w_out);
+
+  // ---------------- phase 1: warps 2 (m) x 4 (n), 64 x 64 each ----------------
+  const int wm = warp & 1, wn = warp >> 1;
+  const int a_lim = min(Ti * H, (p.Na - i0) * H);  // valid columns of the tile (multiples of 8)
+  const T* a_base = a_g + int64_t(b) * S * NaH + int64_t(i0) * H;
+  const int n_k = (S + kT16BK - 1) / kT16BK;
+  // Lane offsets of the transposed fragment loads: A's matrices are (k 0-7 | 8-15) x (m 0-7 | 8-15)
+  // in the order a0..a3 of the MMA; B's are (k 0-7, n 0-7), (k 8-15, n 0-7), then n 8-15.
+  const int a_off = ((lq >> 1) * 8 + lr) * kT16LdA + wm * 64 + (lq & 1) * 8;
+  const int b_off = ((lq & 1) * 8 + lr) * kT16LdB + wn * 64 + (lq >> 1) * 8;
+
+  for (int js = 0; js < kT16JSub; ++js) {
+    const int jt0 = j0 + js * Tj;
+    const int b_lim = min(Tj * H, (N - jt0) * H);  // <= 0 for a column tile past N: zeros
+    const T* b_base = b_g + int64_t(b) * S * NH + int64_t(jt0) * H;
+    auto load_stage = [&](int buf, int s0) {
+      T* As = stages + buf * kT16StageElems;  // [BK][LdA]
+      T* Bs = As + kT16BK * kT16LdA;          // [BK][LdB]
+#pragma unroll
+      for (int u = 0; u < kT16BK * kTcMT / 8 / kTcThreads; ++u) {
+        const int idx = tid + u * kTcThreads;
+        const int k = idx / (kTcMT / 8), m = (idx % (kTcMT / 8)) * 8;
+        const bool ok = (s0 + k < S) && (m < a_lim);
+        cp_async16z(&As[k * kT16LdA + m], ok ? a_base + int64_t(s0 + k) * NaH + m : a_g, ok);
+      }
+#pragma unroll
+      for (int u = 0; u < kT16BK * kTcNT / 8 / kTcThreads; ++u) {
+        const int idx = tid + u * kTcThreads;
+        const int k = idx / (kTcNT / 8), n = (idx % (kTcNT / 8)) * 8;
+        const bool ok = (s0 + k < S) && (n < b_lim);
+        cp_async16z(&Bs[k * kT16LdB + n], ok ? b_base + int64_t(s0 + k) * NH + n : b_g, ok);
+      }
+    };
+
+#pragma unroll
+    for (int st = 0; st < kT16Stages - 1; ++st) {
+      if (st < n_k) load_stage(st, st * kT16BK);
+      cp_async_commit();
+    }
+    // Row denominators of the tile (read in the epilogue, after many barriers), computed while
+    // the first stages are in flight; the other conventions' pair counts come in p.pair.
+    if (js == 0 && p.norm.kind == kNormRow) {
+      for (int il = warp; il < Ti; il += kTcThreads / 32) {
+        const float den = mask_denominator(p.mask, b, min(i0 + il, p.Na - 1) + p.i_offset, S, lane);
+        if (lane == 0) den_s[il] = den;
+      }
+    }
+
+    float acc[4][8][4];
+#pragma unroll
+    for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.f;
+
+    for (int kt = 0; kt < n_k; ++kt) {
+      cp_async_wait<kT16Stages - 2>();
+      __syncthreads();
+      const int next = kt + kT16Stages - 1;
+      if (next < n_k) load_stage(next % kT16Stages, next * kT16BK);
+      cp_async_commit();
+      const T* As = stages + (kt % kT16Stages) * kT16StageElems;
+      const T* Bs = As + kT16BK * kT16LdA;
+#pragma unroll
+      for (int kk = 0; kk < kT16BK; kk += 16) {
+        uint32_t af[4][4], bf[4][4];
+#pragma unroll
+        for (int mt = 0; mt < 4; ++mt) ldmatrix_x4_trans(af[mt], As + kk * kT16LdA + a_off + mt * 16);
+#pragma unroll
+        for (int np = 0; np < 4; ++np) ldmatrix_x4_trans(bf[np], Bs + kk * kT16LdB + b_off + np * 16);
+#pragma unroll
+        for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+          for (int nt = 0; nt < 8; ++nt)
+            mma_16bit<T>(acc[mt][nt], af[mt], bf[nt >> 1][(nt & 1) * 2], bf[nt >> 1][(nt & 1) * 2 + 1]);
+      }
+    }
+    cp_async_wait_all();
+    __syncthreads();  // every warp done with the stages: this tile's O may overwrite them
+
+    // O as [pair][h1·H + h2], pair = js·P1 + il·Tj + jl, rounded to T.
+    T* Ot = Os + js * P1 * L.ldo;
+    int jl_of[8], h2_of[8];
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      const int n = wn * 64 + nt * 8 + 2 * t;
+      jl_of[nt] = n / H;
+      h2_of[nt] = n - jl_of[nt] * H;
+    }
+#pragma unroll
+    for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int m = wm * 64 + mt * 16 + g + 8 * half;
+        const int il = m / H, h1 = m - il * H;
+        if (il >= Ti) continue;
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+          if (jl_of[nt] >= Tj) continue;
+          *reinterpret_cast<uint32_t*>(Ot + (il * Tj + jl_of[nt]) * L.ldo + h1 * H + h2_of[nt]) =
+              pack_16bit<T>(acc[mt][nt][2 * half], acc[mt][nt][2 * half + 1]);
+        }
+      }
+  }
+
+  // ---------------- phase 2: warps 4 (32 d each) x 2 (halves of each k chunk), 64 pairs ----------------
+  const int K2 = H * H;
+  const int n_kc = K2 / kT16KC;
+  const int dw = warp & 3, kh = warp >> 2;
+
+  auto load_w = [&](int buf, int dg, int kc0) {
+    T* Ws = Wst + buf * kTcDG * kT16LdW;
+#pragma unroll
+    for (int u = 0; u < kTcDG * kT16KC / 8 / kTcThreads; ++u) {
+      const int idx = tid + u * kTcThreads;
+      const int dl = idx / (kT16KC / 8), k = (idx % (kT16KC / 8)) * 8;
+      const bool ok = dg + dl < D;
+      cp_async16z(&Ws[dl * kT16LdW + k], ok ? w_g + int64_t(dg + dl) * K2 + kc0 + k : w_g, ok);
+    }
+  };
+  // W's matrices: (d 0-7, k 0-7), (d 0-7, k 8-15), then d 8-15: b0, b1 of two n tiles.
+  const int w_off = (dw * 32 + (lq >> 1) * 8 + lr) * kT16LdW + (lq & 1) * 8;
+
+  for (int dg = 0; dg < D; dg += kTcDG) {
+    for (int r0 = 0; r0 < P; r0 += 64) {
+      float acc2[4][4][4];
+#pragma unroll
+      for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc2[mt][nt][e] = 0.f;
+      // O's matrices: (pairs 0-7, k 0-7), (pairs 8-15, k 0-7), then k 8-15: a0..a3.  Pairs past
+      // P read row P-1: computed, never stored.
+      const T* orow[4];
+#pragma unroll
+      for (int mt = 0; mt < 4; ++mt)
+        orow[mt] = Os + min(r0 + mt * 16 + (lq & 1) * 8 + lr, P - 1) * L.ldo + (lq >> 1) * 8;
+
+      __syncthreads();  // O written / previous round's W and partial sums consumed
+#pragma unroll
+      for (int st = 0; st < kT16WStages - 1; ++st) {
+        if (st < n_kc) load_w(st, dg, st * kT16KC);
+        cp_async_commit();
+      }
+      for (int kc = 0; kc < n_kc; ++kc) {
+        cp_async_wait<kT16WStages - 2>();
+        __syncthreads();
+        const int next = kc + kT16WStages - 1;
+        if (next < n_kc) load_w(next % kT16WStages, dg, next * kT16KC);
+        cp_async_commit();
+        const T* Ws = Wst + (kc % kT16WStages) * kTcDG * kT16LdW + w_off;
+#pragma unroll
+        for (int ks = 0; ks < kT16KC / 32; ++ks) {
+          const int kl = (kT16KC / 32 * kh + ks) * 16;  // k within the chunk
+          uint32_t af[4][4], bw[2][4];
+#pragma unroll
+          for (int mt = 0; mt < 4; ++mt) ldmatrix_x4(af[mt], orow[mt] + kc * kT16KC + kl);
+#pragma unroll
+          for (int np = 0; np < 2; ++np) ldmatrix_x4(bw[np], Ws + np * 16 * kT16LdW + kl);
+#pragma unroll
+          for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < 4; ++nt)
+              mma_16bit<T>(acc2[mt][nt], af[mt], bw[nt >> 1][(nt & 1) * 2], bw[nt >> 1][(nt & 1) * 2 + 1]);
+        }
+      }
+      cp_async_wait_all();
+      __syncthreads();  // all W reads done: the stage area takes the partial sums
+      float* red = reinterpret_cast<float*>(Wst);  // [64 pairs][kTcDG + 4]
+      constexpr int kRedLd = kTcDG + 4;
+      if (kh == 1) {
+#pragma unroll
+        for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+          for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+            for (int half = 0; half < 2; ++half)
+              *reinterpret_cast<float2*>(&red[(mt * 16 + g + 8 * half) * kRedLd + dw * 32 + nt * 8 + 2 * t]) =
+                  make_float2(acc2[mt][nt][2 * half], acc2[mt][nt][2 * half + 1]);
+      }
+      __syncthreads();
+      if (kh == 0) {
+#pragma unroll
+        for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int pl = mt * 16 + g + 8 * half, pr = r0 + pl;
+            if (pr >= P) continue;
+            const int js = pr / P1, rem = pr - js * P1;
+            const int il = rem / Tj, jl = js * Tj + (rem - (rem / Tj) * Tj);
+            if (i0 + il >= p.Na || j0 + jl >= N) continue;
+            const float den = p.norm.kind == kNormRow ? den_s[il] : 0.f;
+            const float pair = p.norm.kind == kNormRow ? 0.f : p.pair[(int64_t(b) * p.Na + i0 + il) * N + j0 + jl];
+            const int64_t dst = ((int64_t(b) * p.out_rows + p.out_row0 + i0 + il) * N + j0 + jl) * D;
+#pragma unroll
+            for (int nt = 0; nt < 4; ++nt) {
+              const int dl = dw * 32 + nt * 8 + 2 * t;
+              const float2 other = *reinterpret_cast<const float2*>(&red[pl * kRedLd + dl]);
+              const float v0 = acc2[mt][nt][2 * half] + other.x, v1 = acc2[mt][nt][2 * half + 1] + other.y;
+              const int d = dg + dl;
+              if (d + 1 < D) {
+                const float o0 = normalise(v0, p.bias ? p.bias[d] : 0.f, den, pair, p.norm);
+                const float o1 = normalise(v1, p.bias ? p.bias[d + 1] : 0.f, den, pair, p.norm);
+                if ((D & 1) == 0) {
+                  store_out2(p.out, dst + d, o0, o1, p.out_kind);
+                } else {
+                  store_out(p.out, dst + d, o0, p.out_kind);
+                  store_out(p.out, dst + d + 1, o1, p.out_kind);
+                }
+              } else if (d < D) {
+                store_out(p.out, dst + d, normalise(v0, p.bias ? p.bias[d] : 0.f, den, pair, p.norm), p.out_kind);
+              }
+            }
+          }
+      }
+    }
+  }
+#endif
+}
+
+}  // namespace flashopm
