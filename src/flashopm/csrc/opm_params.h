@@ -150,8 +150,8 @@ FLASHOPM_HD inline TcLayout tc_layout(int H, int Ti, int Tj) {
 // phase 2 contracts twice the pairs per pass over W (half the W traffic from L2); sizes in
 // elements of the 16-bit type.
 constexpr int kT16JSub = 2;
-constexpr int kT16BK = 32;
-constexpr int kT16Stages = 4;
+constexpr int kT16BK = 64;
+constexpr int kT16Stages = 3;
 constexpr int kT16LdA = kTcMT + 8;  // row strides of 16 bytes (mod 128): conflict-free ldmatrix
 constexpr int kT16LdB = kTcNT + 8;
 constexpr int kT16StageElems = kT16BK * (kT16LdA + kT16LdB);

@@ -50,32 +50,42 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
   const int a_off = ((lq >> 1) * 8 + lr) * kT16LdA + wm * 64 + (lq & 1) * 8;
   const int b_off = ((lq & 1) * 8 + lr) * kT16LdB + wn * 64 + (lq >> 1) * 8;
 
+  // This thread's 16-byte pieces of a stage: A rows k = tid/16 + 16u at column m, B rows
+  // k = tid/32 + 8u at column n.  Sources advance by a stage's rows per stage issued; a piece past
+  // S, past the tile's valid columns, or of a stage past the last is zero-filled (and not read).
+  constexpr int kAPieces = kT16BK * kTcMT / 8 / kTcThreads, kBPieces = kT16BK * kTcNT / 8 / kTcThreads;
+  constexpr int kARowStep = kTcThreads / (kTcMT / 8), kBRowStep = kTcThreads / (kTcNT / 8);
+  const int a_k = tid / (kTcMT / 8), a_m = (tid % (kTcMT / 8)) * 8;
+  const int b_k = tid / (kTcNT / 8), b_n = (tid % (kTcNT / 8)) * 8;
+  const bool a_col_ok = a_m < a_lim;
+  const int a_dst = a_k * kT16LdA + a_m, b_dst = kT16BK * kT16LdA + b_k * kT16LdB + b_n;
+
   for (int js = 0; js < kT16JSub; ++js) {
     const int jt0 = j0 + js * Tj;
-    const int b_lim = min(Tj * H, (N - jt0) * H);  // <= 0 for a column tile past N: zeros
-    const T* b_base = b_g + int64_t(b) * S * NH + int64_t(jt0) * H;
-    auto load_stage = [&](int buf, int s0) {
-      T* As = stages + buf * kT16StageElems;  // [BK][LdA]
-      T* Bs = As + kT16BK * kT16LdA;          // [BK][LdB]
+    const bool b_col_ok = b_n < min(Tj * H, (N - jt0) * H);  // false for a column tile past N
+    const T* a_src = a_base + int64_t(a_k) * NaH + a_m;
+    const T* b_src = b_g + int64_t(b) * S * NH + int64_t(jt0) * H + int64_t(b_k) * NH + b_n;
+    int s_next = 0;  // first s of the next stage to issue
+    auto issue_stage = [&](int buf) {
+      T* st = stages + buf * kT16StageElems;
 #pragma unroll
-      for (int u = 0; u < kT16BK * kTcMT / 8 / kTcThreads; ++u) {
-        const int idx = tid + u * kTcThreads;
-        const int k = idx / (kTcMT / 8), m = (idx % (kTcMT / 8)) * 8;
-        const bool ok = (s0 + k < S) && (m < a_lim);
-        cp_async16z(&As[k * kT16LdA + m], ok ? a_base + int64_t(s0 + k) * NaH + m : a_g, ok);
+      for (int u = 0; u < kAPieces; ++u) {
+        const bool ok = a_col_ok && s_next + a_k + u * kARowStep < S;
+        cp_async16z(st + a_dst + u * kARowStep * kT16LdA, ok ? a_src + int64_t(u * kARowStep) * NaH : a_g, ok);
       }
 #pragma unroll
-      for (int u = 0; u < kT16BK * kTcNT / 8 / kTcThreads; ++u) {
-        const int idx = tid + u * kTcThreads;
-        const int k = idx / (kTcNT / 8), n = (idx % (kTcNT / 8)) * 8;
-        const bool ok = (s0 + k < S) && (n < b_lim);
-        cp_async16z(&Bs[k * kT16LdB + n], ok ? b_base + int64_t(s0 + k) * NH + n : b_g, ok);
+      for (int u = 0; u < kBPieces; ++u) {
+        const bool ok = b_col_ok && s_next + b_k + u * kBRowStep < S;
+        cp_async16z(st + b_dst + u * kBRowStep * kT16LdB, ok ? b_src + int64_t(u * kBRowStep) * NH : b_g, ok);
       }
+      s_next += kT16BK;
+      a_src += int64_t(kT16BK) * NaH;
+      b_src += int64_t(kT16BK) * NH;
     };
 
 #pragma unroll
     for (int st = 0; st < kT16Stages - 1; ++st) {
-      if (st < n_k) load_stage(st, st * kT16BK);
+      issue_stage(st);
       cp_async_commit();
     }
     // Row denominators of the tile (read in the epilogue, after many barriers), computed while
@@ -98,8 +108,7 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
     for (int kt = 0; kt < n_k; ++kt) {
       cp_async_wait<kT16Stages - 2>();
       __syncthreads();
-      const int next = kt + kT16Stages - 1;
-      if (next < n_k) load_stage(next % kT16Stages, next * kT16BK);
+      issue_stage((kt + kT16Stages - 1) % kT16Stages);
       cp_async_commit();
       const T* As = stages + (kt % kT16Stages) * kT16StageElems;
       const T* Bs = As + kT16BK * kT16LdA;
@@ -150,15 +159,20 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
   const int n_kc = K2 / kT16KC;
   const int dw = warp & 3, kh = warp >> 2;
 
-  auto load_w = [&](int buf, int dg, int kc0) {
-    T* Ws = Wst + buf * kTcDG * kT16LdW;
+  // This thread's pieces of a W chunk: rows d = dg + tid/8 + 32u, columns k = kc0 + (tid%8)·8.
+  constexpr int kWPieces = kTcDG * kT16KC / 8 / kTcThreads, kWRowStep = kTcThreads / (kT16KC / 8);
+  const int w_d = tid / (kT16KC / 8), w_k = (tid % (kT16KC / 8)) * 8;
+  const T* w_src = nullptr;
+  int w_next = 0;  // next chunk to issue
+  auto issue_w = [&](int buf, int dg) {
+    T* Ws = Wst + buf * kTcDG * kT16LdW + w_d * kT16LdW + w_k;
 #pragma unroll
-    for (int u = 0; u < kTcDG * kT16KC / 8 / kTcThreads; ++u) {
-      const int idx = tid + u * kTcThreads;
-      const int dl = idx / (kT16KC / 8), k = (idx % (kT16KC / 8)) * 8;
-      const bool ok = dg + dl < D;
-      cp_async16z(&Ws[dl * kT16LdW + k], ok ? w_g + int64_t(dg + dl) * K2 + kc0 + k : w_g, ok);
+    for (int u = 0; u < kWPieces; ++u) {
+      const bool ok = w_next < n_kc && dg + w_d + u * kWRowStep < D;
+      cp_async16z(Ws + u * kWRowStep * kT16LdW, ok ? w_src + int64_t(u * kWRowStep) * K2 : w_g, ok);
     }
+    ++w_next;
+    w_src += kT16KC;
   };
   // W's matrices: (d 0-7, k 0-7), (d 0-7, k 8-15), then d 8-15: b0, b1 of two n tiles.
   const int w_off = (dw * 32 + (lq >> 1) * 8 + lr) * kT16LdW + (lq & 1) * 8;
@@ -180,16 +194,17 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
         orow[mt] = Os + min(r0 + mt * 16 + (lq & 1) * 8 + lr, P - 1) * L.ldo + (lq >> 1) * 8;
 
       __syncthreads();  // O written / previous round's W and partial sums consumed
+      w_src = w_g + int64_t(dg + w_d) * K2 + w_k;
+      w_next = 0;
 #pragma unroll
       for (int st = 0; st < kT16WStages - 1; ++st) {
-        if (st < n_kc) load_w(st, dg, st * kT16KC);
+        issue_w(st, dg);
         cp_async_commit();
       }
       for (int kc = 0; kc < n_kc; ++kc) {
         cp_async_wait<kT16WStages - 2>();
         __syncthreads();
-        const int next = kc + kT16WStages - 1;
-        if (next < n_kc) load_w(next % kT16WStages, dg, next * kT16KC);
+        issue_w((kc + kT16WStages - 1) % kT16WStages, dg);
         cp_async_commit();
         const T* Ws = Wst + (kc % kT16WStages) * kTcDG * kT16LdW + w_off;
 #pragma unroll
