@@ -131,26 +131,26 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
 
     // O as [pair][h1·H + h2], pair = js·P1 + il·Tj + jl, rounded to T.
     T* Ot = Os + js * P1 * L.ldo;
-    int jl_of[8], h2_of[8];
+    int col_off[8];  // -1: a column past the tile
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
       const int n = wn * 64 + nt * 8 + 2 * t;
-      jl_of[nt] = n / H;
-      h2_of[nt] = n - jl_of[nt] * H;
+      const int jl = n / H;
+      col_off[nt] = jl < Tj ? jl * L.ldo + n - jl * H : -1;
     }
 #pragma unroll
     for (int mt = 0; mt < 4; ++mt)
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int m = wm * 64 + mt * 16 + g + 8 * half;
-        const int il = m / H, h1 = m - il * H;
-        if (il >= Ti) continue;
+        const int il = m / H;
+        const bool row_ok = il < Ti;
+        T* orow_w = Ot + il * Tj * L.ldo + (m - il * H) * H;
 #pragma unroll
-        for (int nt = 0; nt < 8; ++nt) {
-          if (jl_of[nt] >= Tj) continue;
-          *reinterpret_cast<uint32_t*>(Ot + (il * Tj + jl_of[nt]) * L.ldo + h1 * H + h2_of[nt]) =
-              pack_16bit<T>(acc[mt][nt][2 * half], acc[mt][nt][2 * half + 1]);
-        }
+        for (int nt = 0; nt < 8; ++nt)
+          if (row_ok && col_off[nt] >= 0)
+            *reinterpret_cast<uint32_t*>(orow_w + col_off[nt]) =
+                pack_16bit<T>(acc[mt][nt][2 * half], acc[mt][nt][2 * half + 1]);
       }
   }
 
@@ -224,52 +224,51 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
       }
       cp_async_wait_all();
       __syncthreads();  // all W reads done: the stage area takes the partial sums
+      // The two k halves' sums meet in shared memory; then every thread normalises and stores
+      // four consecutive d of one pair per step (coalesced rows of the output), in a loop kept
+      // rolled: straight-line code this long would run from a cold instruction cache per block.
       float* red = reinterpret_cast<float*>(Wst);  // [64 pairs][kTcDG + 4]
       constexpr int kRedLd = kTcDG + 4;
-      if (kh == 1) {
 #pragma unroll
-        for (int mt = 0; mt < 4; ++mt)
+      for (int pass = 0; pass < 2; ++pass) {
+        if (kh == pass) {
 #pragma unroll
-          for (int nt = 0; nt < 4; ++nt)
+          for (int mt = 0; mt < 4; ++mt)
 #pragma unroll
-            for (int half = 0; half < 2; ++half)
-              *reinterpret_cast<float2*>(&red[(mt * 16 + g + 8 * half) * kRedLd + dw * 32 + nt * 8 + 2 * t]) =
-                  make_float2(acc2[mt][nt][2 * half], acc2[mt][nt][2 * half + 1]);
-      }
-      __syncthreads();
-      if (kh == 0) {
+            for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
-        for (int mt = 0; mt < 4; ++mt)
-#pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            const int pl = mt * 16 + g + 8 * half, pr = r0 + pl;
-            if (pr >= P) continue;
-            const int js = pr / P1, rem = pr - js * P1;
-            const int il = rem / Tj, jl = js * Tj + (rem - (rem / Tj) * Tj);
-            if (i0 + il >= p.Na || j0 + jl >= N) continue;
-            const float den = p.norm.kind == kNormRow ? den_s[il] : 0.f;
-            const float pair = p.norm.kind == kNormRow ? 0.f : p.pair[(int64_t(b) * p.Na + i0 + il) * N + j0 + jl];
-            const int64_t dst = ((int64_t(b) * p.out_rows + p.out_row0 + i0 + il) * N + j0 + jl) * D;
-#pragma unroll
-            for (int nt = 0; nt < 4; ++nt) {
-              const int dl = dw * 32 + nt * 8 + 2 * t;
-              const float2 other = *reinterpret_cast<const float2*>(&red[pl * kRedLd + dl]);
-              const float v0 = acc2[mt][nt][2 * half] + other.x, v1 = acc2[mt][nt][2 * half + 1] + other.y;
-              const int d = dg + dl;
-              if (d + 1 < D) {
-                const float o0 = normalise(v0, p.bias ? p.bias[d] : 0.f, den, pair, p.norm);
-                const float o1 = normalise(v1, p.bias ? p.bias[d + 1] : 0.f, den, pair, p.norm);
-                if ((D & 1) == 0) {
-                  store_out2(p.out, dst + d, o0, o1, p.out_kind);
-                } else {
-                  store_out(p.out, dst + d, o0, p.out_kind);
-                  store_out(p.out, dst + d + 1, o1, p.out_kind);
-                }
-              } else if (d < D) {
-                store_out(p.out, dst + d, normalise(v0, p.bias ? p.bias[d] : 0.f, den, pair, p.norm), p.out_kind);
+              for (int half = 0; half < 2; ++half) {
+                float2* r = reinterpret_cast<float2*>(&red[(mt * 16 + g + 8 * half) * kRedLd + dw * 32 + nt * 8 + 2 * t]);
+                float2 v = make_float2(acc2[mt][nt][2 * half], acc2[mt][nt][2 * half + 1]);
+                if (pass == 1) v = make_float2(v.x + r->x, v.y + r->y);
+                *r = v;
               }
-            }
-          }
+        }
+        __syncthreads();
+      }
+#pragma unroll 1
+      for (int item = tid; item < 64 * (kTcDG / 4); item += kTcThreads) {
+        const int pl = item / (kTcDG / 4), dl = (item % (kTcDG / 4)) * 4;
+        const int pr = r0 + pl, d = dg + dl;
+        if (pr >= P || d >= D) continue;
+        const int js = pr / P1, rem = pr - js * P1;
+        const int il = rem / Tj, jl = js * Tj + rem - il * Tj;
+        if (i0 + il >= p.Na || j0 + jl >= N) continue;
+        const float den = p.norm.kind == kNormRow ? den_s[il] : 0.f;
+        const float pair = p.norm.kind == kNormRow ? 0.f : p.pair[(int64_t(b) * p.Na + i0 + il) * N + j0 + jl];
+        const int64_t dst = ((int64_t(b) * p.out_rows + p.out_row0 + i0 + il) * N + j0 + jl) * D + d;
+        const float4 v = *reinterpret_cast<const float4*>(&red[pl * kRedLd + dl]);
+        const float vin[4] = {v.x, v.y, v.z, v.w};
+        float o[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[e] = normalise(vin[e], p.bias && d + e < D ? p.bias[d + e] : 0.f, den, pair, p.norm);
+        if ((D & 3) == 0) {
+          store_out4(p.out, dst, o, p.out_kind);
+        } else {
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            if (d + e < D) store_out(p.out, dst + e, o[e], p.out_kind);
+        }
       }
     }
   }
