@@ -140,6 +140,48 @@ __device__ __forceinline__ float normalise(float acc, float bias, float row_den,
   }
 }
 
+// The epilogue of the tensor-core kernels for one round of phase 2: kRows pairs x kTcDG columns
+// of sums in red ([kRows][red_ld] floats), normalised and stored.  row_off[pl] is pair pl's
+// element offset in out (negative: not stored), norm_arg[pl] its row denominator (kNormRow) or
+// pair count.  Each thread takes four consecutive d of one pair per step, so a warp stores whole
+// rows of the output; the loop stays rolled (straight-line code this long runs from a cold
+// instruction cache once per block).  kReciprocal: one division per four outputs (a last-bit
+// difference, for outputs rounded to 16 bits afterwards).
+template <int kRows, bool kReciprocal>
+__device__ __forceinline__ void store_round(const OuterArgs& p, const float* red, int red_ld, const int64_t* row_off,
+                                            const float* norm_arg, int dg, int tid, int nthreads) {
+#pragma unroll 1
+  for (int item = tid; item < kRows * (kTcDG / 4); item += nthreads) {
+    const int pl = item / (kTcDG / 4), dl = (item % (kTcDG / 4)) * 4, d = dg + dl;
+    const int64_t row = row_off[pl];
+    if (row < 0 || d >= p.D) continue;
+    const float na = norm_arg[pl];
+    const float4 v4 = *reinterpret_cast<const float4*>(&red[pl * red_ld + dl]);
+    const float v[4] = {v4.x, v4.y, v4.z, v4.w};
+    float o[4];
+    if constexpr (kReciprocal) {
+      const float inv = p.norm.kind == kNormOpenFold ? 1.f / (p.norm.eps + na)
+                        : p.norm.kind == kNormBoltz  ? 1.f / fmaxf(na, 1.f)
+                                                     : 1.f / na;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float bias = p.bias && d + e < p.D ? p.bias[d + e] : 0.f;
+        o[e] = p.norm.kind == kNormOpenFold ? (v[e] + bias) * inv : fmaf(v[e], inv, bias);
+      }
+    } else {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[e] = normalise(v[e], p.bias && d + e < p.D ? p.bias[d + e] : 0.f, na, na, p.norm);
+    }
+    if ((p.D & 3) == 0) {
+      store_out4(p.out, row + d, o, p.out_kind);
+    } else {
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (d + e < p.D) store_out(p.out, row + d + e, o[e], p.out_kind);
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Kernel 1: LayerNorm + both projections + mask (+ the W-projection of b, project-first only)
 // ---------------------------------------------------------------------------------------------

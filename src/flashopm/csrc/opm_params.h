@@ -129,9 +129,11 @@ constexpr int kTcWStages = 3;
 constexpr int kTcWFloats = kTcWStages * kTcDG * kTcLdW;
 
 // Shared memory of the tensor-core kernel, in floats: phase 1's stages, or phase 2's O tile
-// ([Ti·Tj][H² + 4]) followed by the W stages; then the tile's row denominators.
+// ([Ti·Tj][H² + 4]) followed by the W stages; then the tile's row denominators and the output
+// rows of a round of phase 2 (see store_round).
+constexpr int kTcRoundRows = 32;  // pairs per round of phase 2
 struct TcLayout {
-  int ldo, w, den, total;
+  int ldo, w, den, rows, total;
 };
 FLASHOPM_HD inline TcLayout tc_layout(int H, int Ti, int Tj) {
   TcLayout L{};
@@ -141,7 +143,8 @@ FLASHOPM_HD inline TcLayout tc_layout(int H, int Ti, int Tj) {
   if (o < kTcStages * kTcStageFloats) o = kTcStages * kTcStageFloats;
   L.den = o;
   o += round_up4(Ti);
-  L.total = o;
+  L.rows = (o + 1) & ~1;                 // 8-byte aligned
+  L.total = L.rows + kTcRoundRows * 3;   // int64 row offsets, then float normaliser arguments
   return L;
 }
 
@@ -163,9 +166,11 @@ constexpr int kT16WElems = kT16WStages * kTcDG * kT16LdW;
 // Shared memory of the 16-bit kernel, in bytes: O ([Ti·Tj·kT16JSub][H² + 8] 16-bit) with the
 // phase-1 stages placed after the first column tile's O (the later tiles' O is written only once
 // their stages are consumed), the W stages after all of O (also the float32 partial sums of
-// phase 2's two k halves), then the row denominators (float32).
+// phase 2's two k halves), then the row denominators (float32) and the output rows of a round of
+// phase 2 (see store_round).
+constexpr int kT16RoundRows = 64;  // pairs per round of phase 2
 struct Tc16Layout {
-  int ldo, stages, w, den, total;  // bytes, except ldo (elements)
+  int ldo, stages, w, den, rows, total;  // bytes, except ldo (elements)
 };
 FLASHOPM_HD inline Tc16Layout tc16_layout(int H, int Ti, int Tj) {
   Tc16Layout L{};
@@ -178,7 +183,8 @@ FLASHOPM_HD inline Tc16Layout tc16_layout(int H, int Ti, int Tj) {
   if (end < red) end = red;
   if (end < L.stages + kT16Stages * kT16StageElems * 2) end = L.stages + kT16Stages * kT16StageElems * 2;
   L.den = end;
-  L.total = end + round_up4(Ti) * 4;
+  L.rows = end + round_up4(Ti) * 4;  // 16-byte aligned
+  L.total = L.rows + kT16RoundRows * 12;
   return L;
 }
 

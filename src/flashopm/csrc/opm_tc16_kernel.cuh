@@ -27,6 +27,8 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
   T* stages = reinterpret_cast<T*>(smem + L.stages);   // [kT16Stages][BK][LdA + LdB]
   T* Wst = reinterpret_cast<T*>(smem + L.w);           // [kT16WStages][DG][LdW]
   float* den_s = reinterpret_cast<float*>(smem + L.den);
+  int64_t* row_off = reinterpret_cast<int64_t*>(smem + L.rows);            // [kT16RoundRows]
+  float* norm_arg = reinterpret_cast<float*>(row_off + kT16RoundRows);     // [kT16RoundRows]
   const int H = p.H, N = p.N, S = p.S, D = p.D, Ti = p.Ti, Tj = p.Tj;
   const int P1 = Ti * Tj;          // pairs of one column tile
   const int P = P1 * kT16JSub;     // pairs of the block, column tile by column tile
@@ -178,7 +180,7 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
   const int w_off = (dw * 32 + (lq >> 1) * 8 + lr) * kT16LdW + (lq & 1) * 8;
 
   for (int dg = 0; dg < D; dg += kTcDG) {
-    for (int r0 = 0; r0 < P; r0 += 64) {
+    for (int r0 = 0; r0 < P; r0 += kT16RoundRows) {
       float acc2[4][4][4];
 #pragma unroll
       for (int mt = 0; mt < 4; ++mt)
@@ -224,11 +226,17 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
       }
       cp_async_wait_all();
       __syncthreads();  // all W reads done: the stage area takes the partial sums
-      // The two k halves' sums meet in shared memory; then every thread normalises and stores
-      // four consecutive d of one pair per step (coalesced rows of the output), in a loop kept
-      // rolled: straight-line code this long would run from a cold instruction cache per block.
+      // The two k halves' sums meet in shared memory, next to each pair's output row.
       float* red = reinterpret_cast<float*>(Wst);  // [64 pairs][kTcDG + 4]
       constexpr int kRedLd = kTcDG + 4;
+      if (tid < kT16RoundRows) {
+        const int pr = r0 + tid;
+        const int js = pr / P1, rem = pr - js * P1;
+        const int il = rem / Tj, jl = js * Tj + rem - il * Tj;
+        const bool ok = pr < P && i0 + il < p.Na && j0 + jl < N;
+        row_off[tid] = ok ? ((int64_t(b) * p.out_rows + p.out_row0 + i0 + il) * N + j0 + jl) * D : -1;
+        norm_arg[tid] = !ok ? 0.f : p.norm.kind == kNormRow ? den_s[il] : p.pair[(int64_t(b) * p.Na + i0 + il) * N + j0 + jl];
+      }
 #pragma unroll
       for (int pass = 0; pass < 2; ++pass) {
         if (kh == pass) {
@@ -246,30 +254,7 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
         }
         __syncthreads();
       }
-#pragma unroll 1
-      for (int item = tid; item < 64 * (kTcDG / 4); item += kTcThreads) {
-        const int pl = item / (kTcDG / 4), dl = (item % (kTcDG / 4)) * 4;
-        const int pr = r0 + pl, d = dg + dl;
-        if (pr >= P || d >= D) continue;
-        const int js = pr / P1, rem = pr - js * P1;
-        const int il = rem / Tj, jl = js * Tj + rem - il * Tj;
-        if (i0 + il >= p.Na || j0 + jl >= N) continue;
-        const float den = p.norm.kind == kNormRow ? den_s[il] : 0.f;
-        const float pair = p.norm.kind == kNormRow ? 0.f : p.pair[(int64_t(b) * p.Na + i0 + il) * N + j0 + jl];
-        const int64_t dst = ((int64_t(b) * p.out_rows + p.out_row0 + i0 + il) * N + j0 + jl) * D + d;
-        const float4 v = *reinterpret_cast<const float4*>(&red[pl * kRedLd + dl]);
-        const float vin[4] = {v.x, v.y, v.z, v.w};
-        float o[4];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) o[e] = normalise(vin[e], p.bias && d + e < D ? p.bias[d + e] : 0.f, den, pair, p.norm);
-        if ((D & 3) == 0) {
-          store_out4(p.out, dst, o, p.out_kind);
-        } else {
-#pragma unroll
-          for (int e = 0; e < 4; ++e)
-            if (d + e < D) store_out(p.out, dst + e, o[e], p.out_kind);
-        }
-      }
+      store_round<kT16RoundRows, true>(p, red, kRedLd, row_off, norm_arg, dg, tid, kTcThreads);
     }
   }
 #endif

@@ -24,6 +24,8 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const Outer
   float* smem = reinterpret_cast<float*>(smem_f4);
   const TcLayout L = tc_layout(p.H, p.Ti, p.Tj);
   float* den_s = smem + L.den;
+  int64_t* row_off = reinterpret_cast<int64_t*>(smem + L.rows);         // [kTcRoundRows]
+  float* norm_arg = reinterpret_cast<float*>(row_off + kTcRoundRows);   // [kTcRoundRows]
   const int H = p.H, N = p.N, S = p.S, D = p.D, Ti = p.Ti, Tj = p.Tj;
   const int P = Ti * Tj;
   const int b = blockIdx.z;
@@ -160,7 +162,7 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const Outer
   };
 
   for (int dg = 0; dg < D; dg += kTcDG) {
-    for (int r0 = 0; r0 < P; r0 += 32) {
+    for (int r0 = 0; r0 < P; r0 += kTcRoundRows) {
       float acc2[2][4][4];
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt)
@@ -231,50 +233,31 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const Outer
       __syncthreads();  // all W reads done: the stage area takes the partial sums
       float* red = Wst;  // [32 pairs][kTcDG + 4]
       constexpr int kRedLd = kTcDG + 4;
-      if (kh == 1) {
-#pragma unroll
-        for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-          for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-            for (int half = 0; half < 2; ++half)
-              *reinterpret_cast<float2*>(&red[(mt * 16 + g + 8 * half) * kRedLd + dw * 32 + nt * 8 + 2 * t]) =
-                  make_float2(acc2[mt][nt][2 * half], acc2[mt][nt][2 * half + 1]);
+      if (tid < kTcRoundRows) {
+        const int pr = r0 + tid;
+        const int il = pr / Tj, jl = pr - il * Tj;
+        const bool ok = pr < P && i0 + il < p.Na && j0 + jl < N;
+        row_off[tid] = ok ? ((int64_t(b) * p.out_rows + p.out_row0 + i0 + il) * N + j0 + jl) * D : -1;
+        norm_arg[tid] = !ok ? 0.f : p.norm.kind == kNormRow ? den_s[il] : p.pair[(int64_t(b) * p.Na + i0 + il) * N + j0 + jl];
       }
-      __syncthreads();
-      if (kh == 0) {
 #pragma unroll
-        for (int mt = 0; mt < 2; ++mt)
+      for (int pass = 0; pass < 2; ++pass) {
+        if (kh == pass) {
 #pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            const int pl = mt * 16 + g + 8 * half, pr = r0 + pl;
-            if (pr >= P) continue;
-            const int il = pr / Tj, jl = pr - il * Tj;
-            if (i0 + il >= p.Na || j0 + jl >= N) continue;
-            const float den = p.norm.kind == kNormRow ? den_s[il] : 0.f;
-            const float pair = p.norm.kind == kNormRow ? 0.f : p.pair[(int64_t(b) * p.Na + i0 + il) * N + j0 + jl];
-            const int64_t dst = ((int64_t(b) * p.out_rows + p.out_row0 + i0 + il) * N + j0 + jl) * D;
+          for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-            for (int nt = 0; nt < 4; ++nt) {
-              const int dl = dw * 32 + nt * 8 + 2 * t;
-              const float2 other = *reinterpret_cast<const float2*>(&red[pl * kRedLd + dl]);
-              const float v0 = acc2[mt][nt][2 * half] + other.x, v1 = acc2[mt][nt][2 * half + 1] + other.y;
-              const int d = dg + dl;
-              if (d + 1 < D) {
-                const float o0 = normalise(v0, p.bias ? p.bias[d] : 0.f, den, pair, p.norm);
-                const float o1 = normalise(v1, p.bias ? p.bias[d + 1] : 0.f, den, pair, p.norm);
-                if ((D & 1) == 0) {
-                  store_out2(p.out, dst + d, o0, o1, p.out_kind);
-                } else {
-                  store_out(p.out, dst + d, o0, p.out_kind);
-                  store_out(p.out, dst + d + 1, o1, p.out_kind);
-                }
-              } else if (d < D) {
-                store_out(p.out, dst + d, normalise(v0, p.bias ? p.bias[d] : 0.f, den, pair, p.norm), p.out_kind);
+            for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+              for (int half = 0; half < 2; ++half) {
+                float2* r = reinterpret_cast<float2*>(&red[(mt * 16 + g + 8 * half) * kRedLd + dw * 32 + nt * 8 + 2 * t]);
+                float2 v = make_float2(acc2[mt][nt][2 * half], acc2[mt][nt][2 * half + 1]);
+                if (pass == 1) v = make_float2(v.x + r->x, v.y + r->y);
+                *r = v;
               }
-            }
-          }
+        }
+        __syncthreads();
       }
+      store_round<kTcRoundRows, false>(p, red, kRedLd, row_off, norm_arg, dg, tid, kTcThreads);
     }
   }
 #endif
