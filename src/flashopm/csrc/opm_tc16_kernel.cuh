@@ -238,8 +238,8 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
         norm_arg[tid] = !ok ? 0.f : p.norm.kind == kNormRow ? den_s[il] : p.pair[(int64_t(b) * p.Na + i0 + il) * N + j0 + jl];
       }
 #pragma unroll
-      for (int pass = 0; pass < 2; ++pass) {
-        if (kh == pass) {
+      for (int turn = 0; turn < 2; ++turn) {
+        if (kh == turn) {
 #pragma unroll
           for (int mt = 0; mt < 4; ++mt)
 #pragma unroll
@@ -248,7 +248,7 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
               for (int half = 0; half < 2; ++half) {
                 float2* r = reinterpret_cast<float2*>(&red[(mt * 16 + g + 8 * half) * kRedLd + dw * 32 + nt * 8 + 2 * t]);
                 float2 v = make_float2(acc2[mt][nt][2 * half], acc2[mt][nt][2 * half + 1]);
-                if (pass == 1) v = make_float2(v.x + r->x, v.y + r->y);
+                if (turn == 1) v = make_float2(v.x + r->x, v.y + r->y);
                 *r = v;
               }
         }
