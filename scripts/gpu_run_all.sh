@@ -31,13 +31,20 @@ fi
 step spec_paths $py scripts/spec_paths.py
 step bench_spec $py -m flashopm bench --shapes "2,8,32,64,32,64" --impls eager,flashopm,compile --calls 200 \
   --out "$out/res/spec"
+# the tensor-core issue's shapes: float32 under each precision, and bfloat16 models
+step bench_n1536_spec $py -m flashopm bench --shapes "1,512,1536,256,32,128" \
+  --impls eager,flashopm,compile,flashopm-tf32,flashopm-medium --calls 3 --fp64-max-n 0 --out "$out/res/n1536_spec"
+step bench_bf16 $py -m flashopm bench --dtype bfloat16 --shapes "2,8,32,64,32,64;1,512,768,256,32,128;1,512,1536,256,32,128" \
+  --impls eager,flashopm,compile --calls 3 --fp64-max-n 0 --out "$out/res/bf16"
+step bench_af $py -m flashopm bench --shapes "1,128,256,256,32,128;1,1024,256,64,32,128;1,512,768,256,32,128" \
+  --impls eager,flashopm,flashopm-tf32,flashopm-medium --calls 5 --fp64-max-n 256 --out "$out/res/af"
 step bench_training $py -m flashopm bench --mode training --shapes "2,8,32,64,32,64;1,128,256,256,32,128" \
   --impls eager,flashopm --calls 30 --out "$out/res/training"
 step bench_backward $py -m flashopm bench --mode backward --shapes "1,128,256,256,32,128" --impls eager,flashopm \
   --calls 30 --out "$out/res/backward"
 step convention_times $py scripts/convention_times.py 384 1536 row openfold boltz
 step host_breakdown $py scripts/host_breakdown.py
-for mod in spec openfold boltz; do
+for mod in openfold boltz; do
   step bench_n1536_$mod $py -m flashopm bench --module $mod --shapes "1,512,1536,256,32,128" --impls eager,flashopm \
     --calls 3 --fp64-max-n 0 --out "$out/res/n1536_$mod"
 done
