@@ -55,17 +55,18 @@ def outer_product_mean(
             "openfold" (OpenFold, AlphaFold2): (O_ij + b_out) / (norm_eps + sum_s m_si m_sj);
             "boltz" (Boltz-1/2): O_ij / max(sum_s m_si m_sj, 1) + b_out.
         precision: float32 matmul precision of the contractions, as PyTorch names it ("highest":
-            float32 accuracy, 3xTF32 on tensor cores; "high": TF32 allowed; "medium": run as
-            "high"); None follows torch.get_float32_matmul_precision() for float32 inputs and
-            means "high" for bfloat16/float16 ones.
+            float32 accuracy, 3xTF32 on tensor cores; "high": TF32 allowed; "medium": bfloat16
+            operands with float32 sums on the outer-first path, "high" on the small paths); None
+            follows torch.get_float32_matmul_precision() for float32 inputs, and for
+            bfloat16/float16 inputs means products in that type (TF32 on the small paths).
 
     Returns:
         (B, N, N, D), with a = (LayerNorm(x) W_a^T + b_a) * m and b likewise.
 
     On CUDA tensors this is one call of the fused CUDA kernels (compiled on first use); on the CPU
     it is the PyTorch reference.  On CUDA, bfloat16 and float16 inputs (with parameters of the same
-    type) are computed in float32 with TF32 contractions unless `precision` says otherwise, and the
-    output comes back in the input's type.
+    type) are normalised and projected in float32, contracted on tensor cores in their own type
+    with float32 sums unless `precision` says otherwise, and the output comes back in that type.
     """
     if algorithm not in ALGORITHMS:
         raise ValueError(f"flashopm: algorithm must be one of {sorted(ALGORITHMS)}, got {algorithm!r}")

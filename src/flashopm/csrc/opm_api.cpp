@@ -112,7 +112,8 @@ enum Algorithm : int64_t {
 };
 
 // PyTorch's float32 matmul precision: "highest" keeps float32 accuracy (3xTF32 on tensor cores),
-// "high" allows TF32, "medium" allows bfloat16 (run as TF32 here).  kFollowPyTorch reads the
+// "high" allows TF32, "medium" allows bfloat16 (bfloat16 operands on the outer-first path, TF32
+// on the others).  kFollowPyTorch reads the
 // setting (torch.set_float32_matmul_precision) when the op runs.
 enum Precision : int64_t { kFollowPyTorch = -1, kHighest = 0, kHigh = 1, kMedium = 2 };
 
@@ -397,8 +398,9 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
 
   const c10::cuda::CUDAGuard guard(msa_in.device());
   // bfloat16 and float16 inputs: the parameters (small) are converted to float32, x is read in
-  // its own type by the LayerNorm/projection stage, everything is computed in float32 and the
-  // kernels round the output to the input's type as they store it.
+  // its own type by the LayerNorm/projection stage, the outer-first contraction multiplies in
+  // that type (the other paths in float32), and the kernels round the output to the input's type
+  // as they store it.
   const bool half_in = in_dtype != at::kFloat;
   const at::TensorOptions f32 = msa_in.options().dtype(at::kFloat);
   const auto as_f32 = [&](const at::Tensor& t) { return half_in ? t.to(at::kFloat).contiguous() : t.contiguous(); };
