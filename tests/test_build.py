@@ -23,11 +23,13 @@ def _toolchain_or_skip():
 
 
 def test_gencode_flags():
-    assert _build.gencode_flags(["9.0"]) == ["-gencode=arch=compute_90,code=sm_90"]
+    assert _build.gencode_flags(["9.0"]) == ["-gencode=arch=compute_90a,code=sm_90a", "-DFLASHOPM_SM90A"]
+    assert _build.gencode_flags(["8.0"]) == ["-gencode=arch=compute_80,code=sm_80"]
     assert _build.gencode_flags(["8.0", "9.0a+PTX"]) == [
         "-gencode=arch=compute_80,code=sm_80",
         "-gencode=arch=compute_90a,code=sm_90a",
-        "-gencode=arch=compute_90a,code=compute_90a",
+        "-gencode=arch=compute_90,code=compute_90",
+        "-DFLASHOPM_SM90A",
     ]
     with pytest.raises(_build.BuildError, match="cannot read architecture 'sm90'"):
         _build.gencode_flags(["sm90"])

@@ -56,7 +56,9 @@ def arch_list() -> list[str]:
 
 
 def gencode_flags(archs: list[str]) -> list[str]:
-    """'9.0' -> sm_90 machine code; '9.0+PTX' adds PTX; '9.0a' targets sm_90a."""
+    """'8.0' -> sm_80 machine code; '9.0' and '9.0a' -> sm_90a (the warpgroup MMAs exist only in
+    the arch-specific target, whose code runs on every compute capability 9.0 GPU); '+PTX' adds
+    PTX for the portable target.  With sm_90a code the kernels are told so (FLASHOPM_SM90A)."""
     flags = []
     for arch in archs:
         ptx = arch.endswith("+PTX")
@@ -64,10 +66,13 @@ def gencode_flags(archs: list[str]) -> list[str]:
         m = re.fullmatch(r"(\d+)\.(\d+)([af]?)", num)
         if not m:
             raise BuildError(f"flashopm: cannot read architecture {arch!r} in TORCH_CUDA_ARCH_LIST")
-        cc = f"{m.group(1)}{m.group(2)}{m.group(3)}"
-        flags.append(f"-gencode=arch=compute_{cc},code=sm_{cc}")
+        cc = f"{m.group(1)}{m.group(2)}"
+        suffix = m.group(3) or ("a" if cc == "90" else "")
+        flags.append(f"-gencode=arch=compute_{cc}{suffix},code=sm_{cc}{suffix}")
         if ptx:
             flags.append(f"-gencode=arch=compute_{cc},code=compute_{cc}")
+    if any("code=sm_90a" in f for f in flags):
+        flags.append("-DFLASHOPM_SM90A")
     return flags
 
 

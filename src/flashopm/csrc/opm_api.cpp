@@ -10,9 +10,10 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
+#include <cstdlib>
 #include <string>
 #include <type_traits>
-#include <array>
 #include <mutex>
 #include <unordered_map>
 #include <vector>
@@ -52,6 +53,7 @@ struct DeviceInfo {
   int smem_optin = 0;
   int smem_per_sm = 0;
   int cc_major = 0;
+  int cc_minor = 0;
 };
 
 const DeviceInfo& device_info(int dev) {
@@ -65,6 +67,7 @@ const DeviceInfo& device_info(int dev) {
     C10_CUDA_CHECK(
         cudaDeviceGetAttribute(&infos[dev].smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev));
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&infos[dev].cc_major, cudaDevAttrComputeCapabilityMajor, dev));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&infos[dev].cc_minor, cudaDevAttrComputeCapabilityMinor, dev));
   });
   return infos[dev];
 }
@@ -336,8 +339,14 @@ void run_outer(OuterArgs oa, int64_t i_offset, int64_t rows, int64_t out_rows, i
   FLASHOPM_CHECK((rows + oa.Ti - 1) / oa.Ti <= 65535, "flashopm: too many rows for one launch (", rows, " rows of ",
                  oa.N, ")");
   if (operand_kind != kMaskFloat) {
-    check_smem(outer_tc16_smem_bytes(oa.H, oa.Ti, oa.Tj), dev, "16-bit tensor-core outer-product");
-    launch_outer_tc16(oa, operand_kind, stream);
+    // Warpgroup MMAs where the extension holds sm_90a code and the GPU runs it; the mma.sync form
+    // otherwise, or when FLASHOPM_TC16_MMA_SYNC=1 asks for it (to compare the two).
+    const DeviceInfo& info = device_info(dev);
+    const char* force_mma_sync = std::getenv("FLASHOPM_TC16_MMA_SYNC");
+    const bool wgmma = outer_tc16_wgmma_built() && info.cc_major == 9 && info.cc_minor == 0 &&
+                       !(force_mma_sync && std::string(force_mma_sync) == "1");
+    check_smem(outer_tc16_smem_bytes(oa.H, oa.Ti, oa.Tj, wgmma), dev, "16-bit tensor-core outer-product");
+    launch_outer_tc16(oa, operand_kind, wgmma, stream);
   } else if (tensor_cores) {
     check_smem(outer_tc_smem_bytes(oa.H, oa.Ti, oa.Tj), dev, "tensor-core outer-product");
     launch_outer_tc(oa, terms, stream);

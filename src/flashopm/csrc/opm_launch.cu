@@ -105,19 +105,37 @@ void launch_outer_tc(const OuterArgs& args, int terms, cudaStream_t stream) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-int outer_tc16_smem_bytes(int H, int Ti, int Tj) { return tc16_layout(H, Ti, Tj).total; }
+int outer_tc16_smem_bytes(int H, int Ti, int Tj, bool wgmma) { return tc16_layout(H, Ti, Tj, wgmma).total; }
 
-void launch_outer_tc16(const OuterArgs& args, int operand_kind, cudaStream_t stream) {
+bool outer_tc16_wgmma_built() {
+#ifdef FLASHOPM_SM90A
+  return true;
+#else
+  return false;
+#endif
+}
+
+namespace {
+template <typename T, bool kWgmma>
+void launch_tc16_t(const OuterArgs& args, const dim3& grid, int smem, cudaStream_t stream) {
+  constexpr auto kernel = opm_outer_tc16_kernel<T, kWgmma>;
+  allow_smem<kernel>();
+  kernel<<<grid, kTcThreads, smem, stream>>>(args);
+}
+}  // namespace
+
+void launch_outer_tc16(const OuterArgs& args, int operand_kind, bool wgmma, cudaStream_t stream) {
   const int tj_block = args.Tj * kT16JSub;
   const dim3 grid(unsigned((args.N + tj_block - 1) / tj_block), unsigned((args.Na + args.Ti - 1) / args.Ti),
                   unsigned(args.B));
-  const int smem = outer_tc16_smem_bytes(args.H, args.Ti, args.Tj);
-  if (operand_kind == kMaskHalf) {
-    allow_smem<opm_outer_tc16_kernel<__half>>();
-    opm_outer_tc16_kernel<__half><<<grid, kTcThreads, smem, stream>>>(args);
+  const int smem = outer_tc16_smem_bytes(args.H, args.Ti, args.Tj, wgmma);
+  const bool half = operand_kind == kMaskHalf;
+  if (wgmma) {
+    if (half) launch_tc16_t<__half, true>(args, grid, smem, stream);
+    else launch_tc16_t<__nv_bfloat16, true>(args, grid, smem, stream);
   } else {
-    allow_smem<opm_outer_tc16_kernel<__nv_bfloat16>>();
-    opm_outer_tc16_kernel<__nv_bfloat16><<<grid, kTcThreads, smem, stream>>>(args);
+    if (half) launch_tc16_t<__half, false>(args, grid, smem, stream);
+    else launch_tc16_t<__nv_bfloat16, false>(args, grid, smem, stream);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

@@ -163,6 +163,14 @@ constexpr int kT16LdW = kT16KC + 8;
 constexpr int kT16WStages = 3;
 constexpr int kT16WElems = kT16WStages * kTcDG * kT16LdW;
 
+// Its sm_90a form runs phase 1 on warpgroup MMAs (wgmma) straight from the stages: per stage, A as
+// two and B as four column groups of 64, each 64 rows of s of 128 bytes (swizzled, 1 KB-aligned).
+constexpr int kT16WgBK = 64;
+constexpr int kT16WgStages = 3;
+constexpr int kT16WgGroupBytes = kT16WgBK * 128;
+constexpr int kT16WgABytes = (kTcMT / 64) * kT16WgGroupBytes;
+constexpr int kT16WgStageBytes = kT16WgABytes + (kTcNT / 64) * kT16WgGroupBytes;
+
 // Shared memory of the 16-bit kernel, in bytes: O ([Ti·Tj·kT16JSub][H² + 8] 16-bit) with the
 // phase-1 stages placed after the first column tile's O (the later tiles' O is written only once
 // their stages are consumed), the W stages after all of O (also the float32 partial sums of
@@ -172,16 +180,18 @@ constexpr int kT16RoundRows = 64;  // pairs per round of phase 2
 struct Tc16Layout {
   int ldo, stages, w, den, rows, total;  // bytes, except ldo (elements)
 };
-FLASHOPM_HD inline Tc16Layout tc16_layout(int H, int Ti, int Tj) {
+FLASHOPM_HD inline Tc16Layout tc16_layout(int H, int Ti, int Tj, bool wgmma) {
   Tc16Layout L{};
   L.ldo = H * H + 8;
   const int o_tile = Ti * Tj * L.ldo * 2;
-  L.stages = o_tile;
+  L.stages = o_tile;  // the wgmma form rounds its start up to 1 KB in the shared address space
   L.w = kT16JSub * o_tile;
   int end = L.w + kT16WElems * 2;
-  const int red = L.w + 32 * (kTcDG + 4) * 4;
+  const int red = L.w + kT16RoundRows * (kTcDG + 4) * 4;
   if (end < red) end = red;
-  if (end < L.stages + kT16Stages * kT16StageElems * 2) end = L.stages + kT16Stages * kT16StageElems * 2;
+  const int stages_end = wgmma ? L.stages + 1024 + kT16WgStages * kT16WgStageBytes
+                               : L.stages + kT16Stages * kT16StageElems * 2;
+  if (end < stages_end) end = stages_end;
   L.den = end;
   L.rows = end + round_up4(Ti) * 4;  // 16-byte aligned
   L.total = L.rows + kT16RoundRows * 12;
@@ -223,8 +233,10 @@ int outer_smem_bytes();
 void launch_outer_tc(const OuterArgs& args, int terms, cudaStream_t stream);
 int outer_tc_smem_bytes(int H, int Ti, int Tj);
 // operand_kind: kMaskBFloat16 or kMaskHalf, the element type of a, b and w_out
-void launch_outer_tc16(const OuterArgs& args, int operand_kind, cudaStream_t stream);
-int outer_tc16_smem_bytes(int H, int Ti, int Tj);
+// wgmma: phase 1 on warpgroup MMAs (needs outer_tc16_wgmma_built() and a compute capability 9.0 GPU)
+void launch_outer_tc16(const OuterArgs& args, int operand_kind, bool wgmma, cudaStream_t stream);
+int outer_tc16_smem_bytes(int H, int Ti, int Tj, bool wgmma);
+bool outer_tc16_wgmma_built();  // the extension holds sm_90a code
 void launch_project_gemm(const ProjectArgs& args, bool big_tiles, cudaStream_t stream);
 void launch_pair_count(const PairCountArgs& args, cudaStream_t stream);
 int project_gemm_smem_bytes(bool big_tiles);

@@ -17,14 +17,14 @@
 
 namespace flashopm {
 
-template <typename T>
+template <typename T, bool kWgmma>
 __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const OuterArgs p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   extern __shared__ float4 smem_f4[];
   char* smem = reinterpret_cast<char*>(smem_f4);
-  const Tc16Layout L = tc16_layout(p.H, p.Ti, p.Tj);
+  const Tc16Layout L = tc16_layout(p.H, p.Ti, p.Tj, kWgmma);
   T* Os = reinterpret_cast<T*>(smem);                  // [P][ldo]
-  T* stages = reinterpret_cast<T*>(smem + L.stages);   // [kT16Stages][BK][LdA + LdB]
+  T* stages = reinterpret_cast<T*>(smem + L.stages);   // mma.sync: [kT16Stages][BK][LdA + LdB]
   T* Wst = reinterpret_cast<T*>(smem + L.w);           // [kT16WStages][DG][LdW]
   float* den_s = reinterpret_cast<float*>(smem + L.den);
   int64_t* row_off = reinterpret_cast<int64_t*>(smem + L.rows);            // [kT16RoundRows]
@@ -42,10 +42,107 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
   const T* b_g = static_cast<const T*>(p.b);
   const T* w_g = static_cast<const T*>(p.w_out);
 
-  // ---------------- phase 1: warps 2 (m) x 4 (n), 64 x 64 each ----------------
-  const int wm = warp & 1, wn = warp >> 1;
+  // ---------------- phase 1 ----------------
   const int a_lim = min(Ti * H, (p.Na - i0) * H);  // valid columns of the tile (multiples of 8)
   const T* a_base = a_g + int64_t(b) * S * NaH + int64_t(i0) * H;
+  // Row denominators of the tile (read in the epilogue, after many barriers); the other
+  // conventions' pair counts come in p.pair.
+  auto row_denominators = [&]() {
+    if (p.norm.kind == kNormRow) {
+      for (int il = warp; il < Ti; il += kTcThreads / 32) {
+        const float den = mask_denominator(p.mask, b, min(i0 + il, p.Na - 1) + p.i_offset, S, lane);
+        if (lane == 0) den_s[il] = den;
+      }
+    }
+  };
+
+  if constexpr (kWgmma) {
+    // Two warpgroups, each 64 rows (i, h1) x all 256 columns (j, h2), one wgmma.m64n256k16 per 16
+    // s.  Stages hold a and b as they are in memory, (s, h)-major, i.e. MN-major operands: per
+    // 64-wide group of m (or n), 64 rows of s of 128 bytes, swizzled (see wgmma_desc).
+    const int n_k = (S + kT16WgBK - 1) / kT16WgBK;
+    const int wg = warp >> 2, wl = warp & 3;
+    // This thread's 16-byte pieces: column chunk c = tid % 8 of rows s = tid / 8 + 32u', in A's
+    // two and B's four column groups; a warp writes four whole 128-byte rows (no bank conflicts).
+    const int pc = tid & 7, pk = tid >> 3;
+    char* wg_stages = smem + L.stages;  // rounded up to 1 KB: the swizzle follows address bits 4-9
+    wg_stages += (1024 - (static_cast<uint32_t>(__cvta_generic_to_shared(wg_stages)) & 1023)) & 1023;
+    for (int js = 0; js < kT16JSub; ++js) {
+      const int jt0 = j0 + js * Tj;
+      const int b_lim = min(Tj * H, (N - jt0) * H);  // <= 0 for a column tile past N
+      const T* b_base = b_g + int64_t(b) * S * NH + int64_t(jt0) * H;
+      int s_next = 0;
+      auto issue_stage = [&](int buf) {
+        char* st = wg_stages + buf * kT16WgStageBytes;
+#pragma unroll
+        for (int u = 0; u < 2 * (kTcMT / 64); ++u) {  // A: 2 row halves x 2 groups
+          const int k = pk + 32 * (u & 1), grp = u >> 1, m = grp * 64 + pc * 8;
+          const bool ok = m < a_lim && s_next + k < S;
+          cp_async16z(st + grp * kT16WgGroupBytes + (k >> 3) * 1024 + (k & 7) * 128 + ((pc ^ (k & 7)) << 4),
+                      ok ? a_base + int64_t(s_next + k) * NaH + m : a_g, ok);
+        }
+#pragma unroll
+        for (int u = 0; u < 2 * (kTcNT / 64); ++u) {  // B: 2 row halves x 4 groups
+          const int k = pk + 32 * (u & 1), grp = u >> 1, n = grp * 64 + pc * 8;
+          const bool ok = n < b_lim && s_next + k < S;
+          cp_async16z(st + kT16WgABytes + grp * kT16WgGroupBytes + (k >> 3) * 1024 + (k & 7) * 128 + ((pc ^ (k & 7)) << 4),
+                      ok ? b_base + int64_t(s_next + k) * NH + n : b_g, ok);
+        }
+        s_next += kT16WgBK;
+      };
+#pragma unroll
+      for (int st = 0; st < kT16WgStages - 1; ++st) {
+        issue_stage(st);
+        cp_async_commit();
+      }
+      if (js == 0) row_denominators();
+
+      float acc[128];
+#pragma unroll
+      for (int e = 0; e < 128; ++e) acc[e] = 0.f;
+      for (int kt = 0; kt < n_k; ++kt) {
+        cp_async_wait<kT16WgStages - 2>();
+        fence_proxy_async_smem();  // this thread's copies, visible to the tensor cores' reads
+        __syncthreads();
+        issue_stage((kt + kT16WgStages - 1) % kT16WgStages);
+        cp_async_commit();
+        const char* st = wg_stages + (kt % kT16WgStages) * kT16WgStageBytes;
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kT16WgBK / 16; ++kk) {
+          const uint64_t da = wgmma_desc(st + wg * kT16WgGroupBytes + kk * 2048, kT16WgGroupBytes, 1024);
+          const uint64_t db = wgmma_desc(st + kT16WgABytes + kk * 2048, kT16WgGroupBytes, 1024);
+          wgmma_m64n256k16<T>(acc, da, db);
+        }
+        wgmma_commit();
+        wgmma_wait_all();
+      }
+      cp_async_wait_all();
+      __syncthreads();  // every warp done with the stages: this tile's O may overwrite them
+
+      // O as [pair][h1·H + h2], pair = js·P1 + il·Tj + jl, rounded to T.  Column 8j + 2(lane%4)
+      // of the accumulator lies in column tile jl = j / (H/8) (H is a multiple of 8).
+      T* Ot = Os + js * P1 * L.ldo;
+      const int hb = H >> 3;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int m = wg * 64 + wl * 16 + g + 8 * half;
+        const int il = m / H;
+        if (il < Ti) {
+          T* orow_w = Ot + il * Tj * L.ldo + (m - il * H) * H + 2 * t;
+#pragma unroll
+          for (int j = 0; j < 32; ++j) {
+            const int jl = j / hb;
+            if (jl < Tj)
+              *reinterpret_cast<uint32_t*>(orow_w + jl * L.ldo + 8 * (j - jl * hb)) =
+                  pack_16bit<T>(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
+          }
+        }
+      }
+    }
+  } else {
+  // warps 2 (m) x 4 (n), 64 x 64 each, mma.sync fed by ldmatrix
+  const int wm = warp & 1, wn = warp >> 1;
   const int n_k = (S + kT16BK - 1) / kT16BK;
   // Lane offsets of the transposed fragment loads: A's matrices are (k 0-7 | 8-15) x (m 0-7 | 8-15)
   // in the order a0..a3 of the MMA; B's are (k 0-7, n 0-7), (k 8-15, n 0-7), then n 8-15.
@@ -90,14 +187,7 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
       issue_stage(st);
       cp_async_commit();
     }
-    // Row denominators of the tile (read in the epilogue, after many barriers), computed while
-    // the first stages are in flight; the other conventions' pair counts come in p.pair.
-    if (js == 0 && p.norm.kind == kNormRow) {
-      for (int il = warp; il < Ti; il += kTcThreads / 32) {
-        const float den = mask_denominator(p.mask, b, min(i0 + il, p.Na - 1) + p.i_offset, S, lane);
-        if (lane == 0) den_s[il] = den;
-      }
-    }
+    if (js == 0) row_denominators();  // while the first stages are in flight
 
     float acc[4][8][4];
 #pragma unroll
@@ -154,6 +244,7 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
             *reinterpret_cast<uint32_t*>(orow_w + col_off[nt]) =
                 pack_16bit<T>(acc[mt][nt][2 * half], acc[mt][nt][2 * half + 1]);
       }
+  }
   }
 
   // ---------------- phase 2: warps 4 (32 d each) x 2 (halves of each k chunk), 64 pairs ----------------
