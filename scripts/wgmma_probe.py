@@ -70,20 +70,10 @@ __global__ void probe(const __nv_bfloat16* A, const __nv_bfloat16* B, float* D, 
       ".reg .pred p;\n"
       "setp.ne.b32 p, 0, 0;\n"  // scale-d false: D = A·B
       "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "{@REGS@}, "
       "%64, %65, p, 1, 1, %66, %67;\n"
       "}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : @OUTS@
       : "l"(da), "l"(db), "n"(kTransA), "n"(kTransB));
   asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
   asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
@@ -117,6 +107,10 @@ torch::Tensor run(torch::Tensor A, torch::Tensor B, int64_t trans_a, int64_t tra
   return D;
 }
 """
+
+# the asm's 64 accumulator operands
+CUDA = CUDA.replace("@REGS@", ", ".join(f"%{i}" for i in range(64))).replace(
+    "@OUTS@", ", ".join(f'"+f"(d[{i}])' for i in range(64)))
 
 CPP = "torch::Tensor run(torch::Tensor A, torch::Tensor B, int64_t trans_a, int64_t trans_b, int64_t a_lbo, " \
       "int64_t a_sbo, int64_t b_lbo, int64_t b_sbo, int64_t a_mn, int64_t b_mn);"

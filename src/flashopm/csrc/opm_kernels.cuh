@@ -140,6 +140,41 @@ __device__ __forceinline__ float normalise(float acc, float bias, float row_den,
   }
 }
 
+// Output row and normaliser argument of pair `slot` of a round of phase 2 (see store_round): pair
+// (i0 + il, j0 + jl) of batch element b, rows local to the launch's, den_s the tile's row
+// denominators; ok false marks a pair not stored (nothing else is read for it).
+__device__ __forceinline__ void stage_pair_row(const OuterArgs& p, int slot, bool ok, int b, int i0, int il, int j0,
+                                               int jl, int N, int D, const float* den_s, int64_t* row_off,
+                                               float* norm_arg) {
+  row_off[slot] = ok ? ((int64_t(b) * p.out_rows + p.out_row0 + i0 + il) * N + j0 + jl) * D : -1;
+  norm_arg[slot] = !ok ? 0.f : p.norm.kind == kNormRow ? den_s[il] : p.pair[(int64_t(b) * p.Na + i0 + il) * N + j0 + jl];
+}
+
+// Phase 2's two halves of K meet in red ([kMT·16 pairs][red_ld] floats): the warps of half 0 store
+// their sums, then those of half 1 add theirs (a block-wide barrier after each).  acc is a warp's
+// kMT x 4 m16n8 tiles at columns col0 + 8·nt.
+template <int kMT>
+__device__ __forceinline__ void sum_k_halves(float* red, int red_ld, const float (&acc)[kMT][4][4], int kh, int col0,
+                                             int g, int t) {
+#pragma unroll
+  for (int turn = 0; turn < 2; ++turn) {
+    if (kh == turn) {
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            float2* r = reinterpret_cast<float2*>(&red[(mt * 16 + g + 8 * half) * red_ld + col0 + nt * 8 + 2 * t]);
+            float2 v = make_float2(acc[mt][nt][2 * half], acc[mt][nt][2 * half + 1]);
+            if (turn == 1) v = make_float2(v.x + r->x, v.y + r->y);
+            *r = v;
+          }
+    }
+    __syncthreads();
+  }
+}
+
 // The epilogue of the tensor-core kernels for one round of phase 2: kRows pairs x kTcDG columns
 // of sums in red ([kRows][red_ld] floats), normalised and stored.  row_off[pl] is pair pl's
 // element offset in out (negative: not stored), norm_arg[pl] its row denominator (kNormRow) or

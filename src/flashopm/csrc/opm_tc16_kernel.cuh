@@ -211,11 +211,7 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
         for (int mt = 0; mt < 4; ++mt) ldmatrix_x4_trans(af[mt], As + kk * kT16LdA + a_off + mt * 16);
 #pragma unroll
         for (int np = 0; np < 4; ++np) ldmatrix_x4_trans(bf[np], Bs + kk * kT16LdB + b_off + np * 16);
-#pragma unroll
-        for (int mt = 0; mt < 4; ++mt)
-#pragma unroll
-          for (int nt = 0; nt < 8; ++nt)
-            mma_16bit<T>(acc[mt][nt], af[mt], bf[nt >> 1][(nt & 1) * 2], bf[nt >> 1][(nt & 1) * 2 + 1]);
+        mma_16bit_tiles<T>(acc, af, bf);
       }
     }
     cp_async_wait_all();
@@ -308,11 +304,7 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
           for (int mt = 0; mt < 4; ++mt) ldmatrix_x4(af[mt], orow[mt] + kc * kT16KC + kl);
 #pragma unroll
           for (int np = 0; np < 2; ++np) ldmatrix_x4(bw[np], Ws + np * 16 * kT16LdW + kl);
-#pragma unroll
-          for (int mt = 0; mt < 4; ++mt)
-#pragma unroll
-            for (int nt = 0; nt < 4; ++nt)
-              mma_16bit<T>(acc2[mt][nt], af[mt], bw[nt >> 1][(nt & 1) * 2], bw[nt >> 1][(nt & 1) * 2 + 1]);
+          mma_16bit_tiles<T>(acc2, af, bw);
         }
       }
       cp_async_wait_all();
@@ -324,27 +316,10 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
         const int pr = r0 + tid;
         const int js = pr / P1, rem = pr - js * P1;
         const int il = rem / Tj, jl = js * Tj + rem - il * Tj;
-        const bool ok = pr < P && i0 + il < p.Na && j0 + jl < N;
-        row_off[tid] = ok ? ((int64_t(b) * p.out_rows + p.out_row0 + i0 + il) * N + j0 + jl) * D : -1;
-        norm_arg[tid] = !ok ? 0.f : p.norm.kind == kNormRow ? den_s[il] : p.pair[(int64_t(b) * p.Na + i0 + il) * N + j0 + jl];
+        stage_pair_row(p, tid, pr < P && i0 + il < p.Na && j0 + jl < N, b, i0, il, j0, jl, N, D,
+                     den_s, row_off, norm_arg);
       }
-#pragma unroll
-      for (int turn = 0; turn < 2; ++turn) {
-        if (kh == turn) {
-#pragma unroll
-          for (int mt = 0; mt < 4; ++mt)
-#pragma unroll
-            for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-              for (int half = 0; half < 2; ++half) {
-                float2* r = reinterpret_cast<float2*>(&red[(mt * 16 + g + 8 * half) * kRedLd + dw * 32 + nt * 8 + 2 * t]);
-                float2 v = make_float2(acc2[mt][nt][2 * half], acc2[mt][nt][2 * half + 1]);
-                if (turn == 1) v = make_float2(v.x + r->x, v.y + r->y);
-                *r = v;
-              }
-        }
-        __syncthreads();
-      }
+      sum_k_halves<4>(red, kRedLd, acc2, kh, dw * 32, g, t);
       store_round<kT16RoundRows, true>(p, red, kRedLd, row_off, norm_arg, dg, tid, kTcThreads);
     }
   }

@@ -236,27 +236,10 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const Outer
       if (tid < kTcRoundRows) {
         const int pr = r0 + tid;
         const int il = pr / Tj, jl = pr - il * Tj;
-        const bool ok = pr < P && i0 + il < p.Na && j0 + jl < N;
-        row_off[tid] = ok ? ((int64_t(b) * p.out_rows + p.out_row0 + i0 + il) * N + j0 + jl) * D : -1;
-        norm_arg[tid] = !ok ? 0.f : p.norm.kind == kNormRow ? den_s[il] : p.pair[(int64_t(b) * p.Na + i0 + il) * N + j0 + jl];
+        stage_pair_row(p, tid, pr < P && i0 + il < p.Na && j0 + jl < N, b, i0, il, j0, jl, N, D,
+                     den_s, row_off, norm_arg);
       }
-#pragma unroll
-      for (int turn = 0; turn < 2; ++turn) {
-        if (kh == turn) {
-#pragma unroll
-          for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-            for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-              for (int half = 0; half < 2; ++half) {
-                float2* r = reinterpret_cast<float2*>(&red[(mt * 16 + g + 8 * half) * kRedLd + dw * 32 + nt * 8 + 2 * t]);
-                float2 v = make_float2(acc2[mt][nt][2 * half], acc2[mt][nt][2 * half + 1]);
-                if (turn == 1) v = make_float2(v.x + r->x, v.y + r->y);
-                *r = v;
-              }
-        }
-        __syncthreads();
-      }
+      sum_k_halves<2>(red, kRedLd, acc2, kh, dw * 32, g, t);
       store_round<kTcRoundRows, false>(p, red, kRedLd, row_off, norm_arg, dg, tid, kTcThreads);
     }
   }
