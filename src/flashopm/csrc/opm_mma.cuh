@@ -103,6 +103,17 @@ __device__ __forceinline__ void mma_16bit(float (&c)[4], const uint32_t (&a)[4],
   }
 }
 
+// Zeroes a warp's kMT x kNT accumulator tiles.
+template <int kMT, int kNT>
+__device__ __forceinline__ void zero_tiles(float (&acc)[kMT][kNT][4]) {
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.f;
+}
+
 // acc[mt][nt] += A tile mt · B tile nt for a warp's kMT x kNT m16n8 tiles; bf holds two n tiles
 // per ldmatrix.x4 (b0, b1 of tile 2q in bf[q][0..1], of tile 2q + 1 in bf[q][2..3]).
 template <typename T, int kMT, int kNT>

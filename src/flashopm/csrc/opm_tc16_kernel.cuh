@@ -190,12 +190,7 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
     if (js == 0) row_denominators();  // while the first stages are in flight
 
     float acc[4][8][4];
-#pragma unroll
-    for (int mt = 0; mt < 4; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.f;
+    zero_tiles(acc);
 
     for (int kt = 0; kt < n_k; ++kt) {
       cp_async_wait<kT16Stages - 2>();
@@ -269,12 +264,7 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
   for (int dg = 0; dg < D; dg += kTcDG) {
     for (int r0 = 0; r0 < P; r0 += kT16RoundRows) {
       float acc2[4][4][4];
-#pragma unroll
-      for (int mt = 0; mt < 4; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) acc2[mt][nt][e] = 0.f;
+      zero_tiles(acc2);
       // O's matrices: (pairs 0-7, k 0-7), (pairs 8-15, k 0-7), then k 8-15: a0..a3.  Pairs past
       // P read row P-1: computed, never stored.
       const T* orow[4];
