@@ -56,9 +56,10 @@ def outer_product_mean(
             "boltz" (Boltz-1/2): O_ij / max(sum_s m_si m_sj, 1) + b_out.
         precision: float32 matmul precision of the contractions, as PyTorch names it ("highest":
             float32 accuracy, 3xTF32 on tensor cores; "high": TF32 allowed; "medium": bfloat16
-            operands with float32 sums on the outer-first path, "high" on the small paths); None
-            follows torch.get_float32_matmul_precision() for float32 inputs, and for
-            bfloat16/float16 inputs means products in that type (TF32 on the small paths).
+            operands with float32 sums on this op's outer-first path, "high" on its small paths
+            and in `outer_product_mean_rows`); None follows
+            torch.get_float32_matmul_precision() for float32 inputs, and for bfloat16/float16
+            inputs means products in that type (TF32 on the small paths).
 
     Returns:
         (B, N, N, D), with a = (LayerNorm(x) W_a^T + b_a) * m and b likewise.

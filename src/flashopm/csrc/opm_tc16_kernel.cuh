@@ -1,13 +1,15 @@
-// Outer-first contraction on tensor cores with 16-bit operands (bfloat16 or float16, mma.sync
-// m16n8k16 with float32 accumulation): the form PyTorch's matmuls take in those types, and
-// PyTorch's "medium" float32 matmul precision.
+// Outer-first contraction on tensor cores with 16-bit operands (bfloat16 or float16, float32
+// accumulation): the form PyTorch's matmuls take in those types, and PyTorch's "medium" float32
+// matmul precision.
 //
 // The tile and phases of opm_outer_tc_kernel, with a block covering kT16JSub column tiles:
 //   phase 1, per column tile: O[(i,h1), (j,h2)] = sum_s a[s,i,h1] b[s,j,h2]   (M = Ti·H, N = Tj·H, K = S)
 //   phase 2: out[(i,j), d] = sum_{h1,h2} O[(i,j),(h1,h2)] W[d, h1·H + h2]      (K = H², per 128 d)
 // O is rounded to the 16-bit type as it goes to shared memory (as a 16-bit einsum rounds its
-// output), so phase 2 runs on 16-bit operands too.  Operand fragments come from ldmatrix: a and
-// b are stored (s, h)-major, i.e. column-major for phase 1's A and B, hence the transposing form.
+// output), so phase 2 runs on 16-bit operands too.  a and b are stored (s, h)-major, i.e.
+// MN-major for phase 1's A and B.  kWgmma (sm_90a): phase 1 on warpgroup MMAs reading the
+// swizzled stages directly; otherwise mma.sync m16n8k16 fed by transposing ldmatrix.  Phase 2 is
+// mma.sync m16n8k16 in both forms.
 //
 // Requires H % 8 == 0 and 16-byte aligned a, b and W.
 #pragma once
