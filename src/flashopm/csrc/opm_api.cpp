@@ -300,6 +300,16 @@ at::Tensor pair_counts(const MaskView& mask, int64_t normalization, int64_t B, i
   return pair;
 }
 
+// Row denominators max(sum_s m[b, s, row0 + r], 1), (B, rows), for the tensor-core kernels under the
+// specification's convention (an undefined tensor otherwise); released like pair_counts' tensor.
+at::Tensor row_denominators(const MaskView& mask, int64_t normalization, int64_t B, int64_t S, int64_t rows,
+                            int64_t row0, const at::TensorOptions& options, cudaStream_t stream) {
+  if (normalization != kNormRow) return at::Tensor();
+  at::Tensor den = at::empty({B, rows}, options.dtype(at::kFloat));
+  launch_row_denominators(RowDenArgs{mask, den.data_ptr<float>(), int(B), int(S), int(rows), int(row0)}, stream);
+  return den;
+}
+
 // The outer-first kernels' arguments but for the row range (set by run_outer).
 OuterArgs outer_args(const void* a, const void* b, const MaskView& mask, const at::Tensor& w_out,
                      const std::optional<at::Tensor>& b_out, const at::Tensor& out, int64_t B, int64_t S, int64_t N,
@@ -330,6 +340,11 @@ void run_outer(OuterArgs oa, int64_t i_offset, int64_t rows, int64_t out_rows, i
                int terms, int operand_kind, const at::TensorOptions& options, int dev, cudaStream_t stream) {
   const at::Tensor pair = pair_counts(oa.mask, oa.norm.kind, oa.B, oa.S, oa.N, rows, i_offset, options, stream);
   oa.pair = pair.defined() ? pair.data_ptr<float>() : nullptr;
+  // the tensor-core kernels read the row denominators; the CUDA-core kernel forms its own
+  const bool tc_kernel = operand_kind != kMaskFloat || tensor_cores;
+  const at::Tensor row_den =
+      tc_kernel ? row_denominators(oa.mask, oa.norm.kind, oa.B, oa.S, rows, i_offset, options, stream) : at::Tensor();
+  oa.row_den = row_den.defined() ? row_den.data_ptr<float>() : nullptr;
   oa.Na = int(rows);
   oa.i_offset = int(i_offset);
   oa.out_rows = int(out_rows);
@@ -339,14 +354,18 @@ void run_outer(OuterArgs oa, int64_t i_offset, int64_t rows, int64_t out_rows, i
   FLASHOPM_CHECK((rows + oa.Ti - 1) / oa.Ti <= 65535, "flashopm: too many rows for one launch (", rows, " rows of ",
                  oa.N, ")");
   if (operand_kind != kMaskFloat) {
-    // Warpgroup MMAs where the extension holds sm_90a code and the GPU runs it; the mma.sync form
-    // otherwise, or when FLASHOPM_TC16_MMA_SYNC=1 asks for it (to compare the two).
+    // Warpgroup MMAs where the extension holds sm_90a code and the GPU runs it, for both phases
+    // where the tile allows; FLASHOPM_TC16_MMA_SYNC=1 asks for mma.sync throughout and
+    // FLASHOPM_TC16_MMA_SYNC=phase2 for mma.sync in phase 2 only (to compare the forms).
     const DeviceInfo& info = device_info(dev);
-    const char* force_mma_sync = std::getenv("FLASHOPM_TC16_MMA_SYNC");
-    const bool wgmma = outer_tc16_wgmma_built() && info.cc_major == 9 && info.cc_minor == 0 &&
-                       !(force_mma_sync && std::string(force_mma_sync) == "1");
-    check_smem(outer_tc16_smem_bytes(oa.H, oa.Ti, oa.Tj, wgmma), dev, "16-bit tensor-core outer-product");
-    launch_outer_tc16(oa, operand_kind, wgmma, stream);
+    const char* env = std::getenv("FLASHOPM_TC16_MMA_SYNC");
+    const std::string mma_sync = env ? env : "";
+    int form = kT16MmaSync;
+    if (outer_tc16_wgmma_built() && info.cc_major == 9 && info.cc_minor == 0 && mma_sync != "1")
+      form = mma_sync == "phase2" ? kT16WgmmaPhase1 : kT16WgmmaBoth;
+    form = tc16_form(oa.Ti, oa.Tj, form);
+    check_smem(outer_tc16_smem_bytes(oa.H, oa.Ti, oa.Tj, form), dev, "16-bit tensor-core outer-product");
+    launch_outer_tc16(oa, operand_kind, form, stream);
   } else if (tensor_cores) {
     check_smem(outer_tc_smem_bytes(oa.H, oa.Ti, oa.Tj), dev, "tensor-core outer-product");
     launch_outer_tc(oa, terms, stream);

@@ -129,6 +129,14 @@ __device__ __forceinline__ float mask_denominator(const MaskView& m, int b, int 
 }
 
 
+// One warp per row r of batch element blockIdx.y (see RowDenArgs).
+__global__ void __launch_bounds__(kRowDenWarps * 32) opm_row_denominator_kernel(const RowDenArgs p) {
+  const int r = blockIdx.x * kRowDenWarps + (threadIdx.x >> 5), b = blockIdx.y;
+  if (r >= p.rows) return;
+  const float den = mask_denominator(p.mask, b, p.row0 + r, p.S, threadIdx.x & 31);
+  if ((threadIdx.x & 31) == 0) p.out[int64_t(b) * p.rows + r] = den;
+}
+
 // The output value from the contracted sum (see NormKind): row_den = max(sum_s m[s,i], 1) is
 // used by kNormRow only, pair_sum = sum_s m[s,i] m[s,j] by the others.
 __device__ __forceinline__ float normalise(float acc, float bias, float row_den, float pair_sum,
@@ -141,13 +149,14 @@ __device__ __forceinline__ float normalise(float acc, float bias, float row_den,
 }
 
 // Output row and normaliser argument of pair `slot` of a round of phase 2 (see store_round): pair
-// (i0 + il, j0 + jl) of batch element b, rows local to the launch's, den_s the tile's row
-// denominators; ok false marks a pair not stored (nothing else is read for it).
+// (i0 + il, j0 + jl) of batch element b, rows local to the launch's; ok false marks a pair not
+// stored (nothing else is read for it).
 __device__ __forceinline__ void stage_pair_row(const OuterArgs& p, int slot, bool ok, int b, int i0, int il, int j0,
-                                               int jl, int N, int D, const float* den_s, int64_t* row_off,
-                                               float* norm_arg) {
+                                               int jl, int N, int D, int64_t* row_off, float* norm_arg) {
   row_off[slot] = ok ? ((int64_t(b) * p.out_rows + p.out_row0 + i0 + il) * N + j0 + jl) * D : -1;
-  norm_arg[slot] = !ok ? 0.f : p.norm.kind == kNormRow ? den_s[il] : p.pair[(int64_t(b) * p.Na + i0 + il) * N + j0 + jl];
+  norm_arg[slot] = !ok                        ? 0.f
+                   : p.norm.kind == kNormRow ? p.row_den[int64_t(b) * p.Na + i0 + il]
+                                             : p.pair[(int64_t(b) * p.Na + i0 + il) * N + j0 + jl];
 }
 
 // Phase 2's two halves of K meet in red ([kMT·16 pairs][red_ld] floats): the warps of half 0 store

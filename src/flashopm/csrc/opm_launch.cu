@@ -105,7 +105,7 @@ void launch_outer_tc(const OuterArgs& args, int terms, cudaStream_t stream) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-int outer_tc16_smem_bytes(int H, int Ti, int Tj, bool wgmma) { return tc16_layout(H, Ti, Tj, wgmma).total; }
+int outer_tc16_smem_bytes(int H, int Ti, int Tj, int form) { return tc16_layout(H, Ti, Tj, form).total; }
 
 bool outer_tc16_wgmma_built() {
 #ifdef FLASHOPM_SM90A
@@ -116,27 +116,27 @@ bool outer_tc16_wgmma_built() {
 }
 
 namespace {
-template <typename T, bool kWgmma>
+template <typename T, bool kWgmma, bool kWgmmaBoth>
 void launch_tc16_t(const OuterArgs& args, const dim3& grid, int smem, cudaStream_t stream) {
-  constexpr auto kernel = opm_outer_tc16_kernel<T, kWgmma>;
+  constexpr auto kernel = opm_outer_tc16_kernel<T, kWgmma, kWgmmaBoth>;
   allow_smem<kernel>();
   kernel<<<grid, kTcThreads, smem, stream>>>(args);
 }
+template <typename T>
+void launch_tc16_form(const OuterArgs& args, int form, const dim3& grid, int smem, cudaStream_t stream) {
+  if (form == kT16WgmmaBoth) launch_tc16_t<T, true, true>(args, grid, smem, stream);
+  else if (form == kT16WgmmaPhase1) launch_tc16_t<T, true, false>(args, grid, smem, stream);
+  else launch_tc16_t<T, false, false>(args, grid, smem, stream);
+}
 }  // namespace
 
-void launch_outer_tc16(const OuterArgs& args, int operand_kind, bool wgmma, cudaStream_t stream) {
+void launch_outer_tc16(const OuterArgs& args, int operand_kind, int form, cudaStream_t stream) {
   const int tj_block = args.Tj * kT16JSub;
   const dim3 grid(unsigned((args.N + tj_block - 1) / tj_block), unsigned((args.Na + args.Ti - 1) / args.Ti),
                   unsigned(args.B));
-  const int smem = outer_tc16_smem_bytes(args.H, args.Ti, args.Tj, wgmma);
-  const bool half = operand_kind == kMaskHalf;
-  if (wgmma) {
-    if (half) launch_tc16_t<__half, true>(args, grid, smem, stream);
-    else launch_tc16_t<__nv_bfloat16, true>(args, grid, smem, stream);
-  } else {
-    if (half) launch_tc16_t<__half, false>(args, grid, smem, stream);
-    else launch_tc16_t<__nv_bfloat16, false>(args, grid, smem, stream);
-  }
+  const int smem = outer_tc16_smem_bytes(args.H, args.Ti, args.Tj, form);
+  if (operand_kind == kMaskHalf) launch_tc16_form<__half>(args, form, grid, smem, stream);
+  else launch_tc16_form<__nv_bfloat16>(args, form, grid, smem, stream);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -144,6 +144,12 @@ void launch_pair_count(const PairCountArgs& args, cudaStream_t stream) {
   const dim3 grid(unsigned((args.N + kPairTJ - 1) / kPairTJ), unsigned((args.rows + kPairTR - 1) / kPairTR),
                   unsigned(args.B));
   opm_pair_count_kernel<<<grid, kPairThreads, 0, stream>>>(args);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void launch_row_denominators(const RowDenArgs& args, cudaStream_t stream) {
+  const dim3 grid(unsigned((args.rows + kRowDenWarps - 1) / kRowDenWarps), unsigned(args.B));
+  opm_row_denominator_kernel<<<grid, kRowDenWarps * 32, 0, stream>>>(args);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

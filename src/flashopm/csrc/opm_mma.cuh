@@ -164,6 +164,12 @@ __device__ __forceinline__ void wgmma_wait_all() {
   asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
 #endif
 }
+template <int kPending>  // wait until at most kPending committed wgmma groups are in flight
+__device__ __forceinline__ void wgmma_wait() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
+#endif
+}
 // Orders this thread's earlier shared-memory writes (cp.async included) before reads by the
 // async proxy (wgmma).
 __device__ __forceinline__ void fence_proxy_async_smem() {
@@ -219,5 +225,40 @@ __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t desc_
 #endif
 }
 #undef FLASHOPM_WGMMA_M64N256K16
+
+// d (64 x 64 per warpgroup, float32) += A (64 x 16) · B (16 x 64), both K-major in shared memory
+// (rows of m or n, 128 bytes of k each, 8 rows to a 1 KB swizzle atom; transpose flags clear).
+// The accumulator layout is that of wgmma_m64n256k16 with 8 column tiles.
+#define FLASHOPM_WGMMA_M64N64K16(TYPE)                                                    \
+  asm volatile(                                                                          \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"                                        \
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " {"                     \
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "         \
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, " \
+      "%32, %33, p, 1, 1, 0, 0;\n}\n"                                                   \
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]) \
+      : "l"(desc_a), "l"(desc_b))
+
+template <typename T>
+__device__ __forceinline__ void wgmma_m64n64k16_kmajor(float (&d)[32], uint64_t desc_a, uint64_t desc_b) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    FLASHOPM_WGMMA_M64N64K16("bf16");
+  } else {
+    FLASHOPM_WGMMA_M64N64K16("f16");
+  }
+#endif
+}
+#undef FLASHOPM_WGMMA_M64N64K16
+
+// Byte offset of 16-bit element (row, k) in a 128-byte-swizzled K-major tile whose 8-row groups
+// lie sbo bytes apart and whose 64-wide k groups lie 1 KB apart (the atom of rows 8r .. 8r+7).
+__device__ __forceinline__ uint32_t kmajor_sw128_offset(int row, int k, uint32_t sbo) {
+  return uint32_t(row >> 3) * sbo + uint32_t(k >> 6) * 1024u + uint32_t(row & 7) * 128u +
+         uint32_t((((k & 63) >> 3) ^ (row & 7)) << 4) + uint32_t(k & 7) * 2u;
+}
 
 }  // namespace flashopm

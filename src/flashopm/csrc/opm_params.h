@@ -106,6 +106,7 @@ struct OuterArgs {
   void* out;           // (B, out_rows, N, D) of out_kind; row i_offset + r of the problem is row out_row0 + r
   int out_kind;
   const float* pair;   // (B, Na, N): sum_s m[s, i_offset + r] m[s, j] (OpenFold/Boltz conventions), else null
+  const float* row_den;  // (B, Na): max(sum_s m[s, i_offset + r], 1) (the tensor-core kernels, kNormRow)
   Normalizer norm;
   int B, S, N, Na, i_offset, H, D;
   int out_rows, out_row0;
@@ -129,11 +130,11 @@ constexpr int kTcWStages = 3;
 constexpr int kTcWFloats = kTcWStages * kTcDG * kTcLdW;
 
 // Shared memory of the tensor-core kernel, in floats: phase 1's stages, or phase 2's O tile
-// ([Ti·Tj][H² + 4]) followed by the W stages; then the tile's row denominators and the output
-// rows of a round of phase 2 (see store_round).
+// ([Ti·Tj][H² + 4]) followed by the W stages; then the output rows of a round of phase 2 (see
+// store_round).
 constexpr int kTcRoundRows = 32;  // pairs per round of phase 2
 struct TcLayout {
-  int ldo, w, den, rows, total;
+  int ldo, w, rows, total;
 };
 FLASHOPM_HD inline TcLayout tc_layout(int H, int Ti, int Tj) {
   TcLayout L{};
@@ -141,8 +142,6 @@ FLASHOPM_HD inline TcLayout tc_layout(int H, int Ti, int Tj) {
   L.w = Ti * Tj * L.ldo;
   int o = L.w + kTcWFloats;
   if (o < kTcStages * kTcStageFloats) o = kTcStages * kTcStageFloats;
-  L.den = o;
-  o += round_up4(Ti);
   L.rows = (o + 1) & ~1;                 // 8-byte aligned
   L.total = L.rows + kTcRoundRows * 3;   // int64 row offsets, then float normaliser arguments
   return L;
@@ -171,31 +170,57 @@ constexpr int kT16WgGroupBytes = kT16WgBK * 128;
 constexpr int kT16WgABytes = (kTcMT / 64) * kT16WgGroupBytes;
 constexpr int kT16WgStageBytes = kT16WgABytes + (kTcNT / 64) * kT16WgGroupBytes;
 
+// Forms of the 16-bit kernel: mma.sync throughout; phase 1 on wgmma; both phases on wgmma (needs
+// the block's pairs in whole rounds of kT16RoundRows).
+enum Tc16Form : int { kT16MmaSync = 0, kT16WgmmaPhase1 = 1, kT16WgmmaBoth = 2 };
+// Phase 2 of the last form: W chunks of 64 k for kTcDG rows of d (128-byte rows, swizzled),
+// kT16Wg2Stages deep.
+constexpr int kT16Wg2ChunkBytes = kTcDG * 128;
+constexpr int kT16Wg2Stages = 4;
+
 // Shared memory of the 16-bit kernel, in bytes: O ([Ti·Tj·kT16JSub][H² + 8] 16-bit) with the
 // phase-1 stages placed after the first column tile's O (the later tiles' O is written only once
 // their stages are consumed), the W stages after all of O (also the float32 partial sums of
-// phase 2's two k halves), then the row denominators (float32) and the output rows of a round of
-// phase 2 (see store_round).
+// phase 2's two k halves), then the output rows of a round of phase 2 (see store_round).  In the form with both phases on wgmma, O is phase 2's K-major B
+// operand instead (pairs in groups of 8 rows, each group H² · 16 bytes: see
+// kmajor_sw128_offset) and every offset is from the shared memory's start rounded up to 1 KB.
 constexpr int kT16RoundRows = 64;  // pairs per round of phase 2
 struct Tc16Layout {
-  int ldo, stages, w, den, rows, total;  // bytes, except ldo (elements)
+  int ldo, stages, w, rows, total;  // bytes, except ldo (elements)
 };
-FLASHOPM_HD inline Tc16Layout tc16_layout(int H, int Ti, int Tj, bool wgmma) {
+FLASHOPM_HD inline int round_up1k(int x) { return (x + 1023) & ~1023; }
+FLASHOPM_HD inline Tc16Layout tc16_layout(int H, int Ti, int Tj, int form) {
   Tc16Layout L{};
   L.ldo = H * H + 8;
-  const int o_tile = Ti * Tj * L.ldo * 2;
-  L.stages = o_tile;  // the wgmma form rounds its start up to 1 KB in the shared address space
-  L.w = kT16JSub * o_tile;
-  int end = L.w + kT16WElems * 2;
-  const int red = L.w + kT16RoundRows * (kTcDG + 4) * 4;
-  if (end < red) end = red;
-  const int stages_end = wgmma ? L.stages + 1024 + kT16WgStages * kT16WgStageBytes
-                               : L.stages + kT16Stages * kT16StageElems * 2;
-  if (end < stages_end) end = stages_end;
-  L.den = end;
-  L.rows = end + round_up4(Ti) * 4;  // 16-byte aligned
-  L.total = L.rows + kT16RoundRows * 12;
+  int end;
+  if (form == kT16WgmmaBoth) {
+    const int o_tile = Ti * Tj * H * H * 2;
+    L.stages = round_up1k(o_tile);
+    L.w = round_up1k(kT16JSub * o_tile);
+    end = L.stages + kT16WgStages * kT16WgStageBytes;
+    const int w_end = L.w + kT16Wg2Stages * kT16Wg2ChunkBytes;
+    const int red_end = L.w + kT16RoundRows * (kTcDG + 4) * 4;
+    if (end < w_end) end = w_end;
+    if (end < red_end) end = red_end;
+  } else {
+    const int o_tile = Ti * Tj * L.ldo * 2;
+    L.stages = o_tile;  // the wgmma form rounds its start up to 1 KB in the shared address space
+    L.w = kT16JSub * o_tile;
+    end = L.w + kT16WElems * 2;
+    const int red = L.w + kT16RoundRows * (kTcDG + 4) * 4;
+    if (end < red) end = red;
+    const int stages_end = form == kT16WgmmaPhase1 ? L.stages + 1024 + kT16WgStages * kT16WgStageBytes
+                                                   : L.stages + kT16Stages * kT16StageElems * 2;
+    if (end < stages_end) end = stages_end;
+  }
+  L.rows = end;  // 16-byte aligned
+  L.total = L.rows + kT16RoundRows * 12 + (form == kT16WgmmaBoth ? 1024 : 0);
   return L;
+}
+// The form of the 16-bit kernel for a tile when `requested` is asked for.
+FLASHOPM_HD inline int tc16_form(int Ti, int Tj, int requested) {
+  if (requested == kT16WgmmaBoth && (Ti * Tj * kT16JSub) % kT16RoundRows != 0) return kT16WgmmaPhase1;
+  return requested;
 }
 
 struct ProjectArgs {
@@ -224,18 +249,30 @@ constexpr int kPairTR = 32;  // rows r per block (2 per thread)
 constexpr int kPairTJ = 64;  // columns j per block (4 per thread)
 constexpr int kPairSK = 32;  // steps of s per stage
 
+// Row denominators of the specification's convention, for rows row0 .. row0 + rows:
+//   out[b, r] = max(sum_s m[b, s, row0 + r], 1)          out (B, rows)
+// once per launch of a tensor-core contraction rather than in each of its tiles.
+struct RowDenArgs {
+  MaskView mask;  // (B, S, N)
+  float* out;
+  int B, S, rows, row0;
+};
+constexpr int kRowDenWarps = 8;
+
 // Launchers (opm_launch.cu).  Each launches one kernel on `stream` and checks the launch.
 void launch_prep(const PrepArgs& args, bool project_w, int rows_per_warp, cudaStream_t stream);
 int prep_smem_bytes(int H, int rows_per_warp, bool project_w);
 void launch_outer(const OuterArgs& args, cudaStream_t stream);
+void launch_row_denominators(const RowDenArgs& args, cudaStream_t stream);
 int outer_smem_bytes();
 // terms: 3 (3xTF32, float32 accuracy) or 1 (TF32)
 void launch_outer_tc(const OuterArgs& args, int terms, cudaStream_t stream);
 int outer_tc_smem_bytes(int H, int Ti, int Tj);
 // operand_kind: kMaskBFloat16 or kMaskHalf, the element type of a, b and w_out
-// wgmma: phase 1 on warpgroup MMAs (needs outer_tc16_wgmma_built() and a compute capability 9.0 GPU)
-void launch_outer_tc16(const OuterArgs& args, int operand_kind, bool wgmma, cudaStream_t stream);
-int outer_tc16_smem_bytes(int H, int Ti, int Tj, bool wgmma);
+// form: a Tc16Form, as tc16_form gives it (the wgmma forms need outer_tc16_wgmma_built() and a
+// compute capability 9.0 GPU)
+void launch_outer_tc16(const OuterArgs& args, int operand_kind, int form, cudaStream_t stream);
+int outer_tc16_smem_bytes(int H, int Ti, int Tj, int form);
 bool outer_tc16_wgmma_built();  // the extension holds sm_90a code
 void launch_project_gemm(const ProjectArgs& args, bool big_tiles, cudaStream_t stream);
 void launch_pair_count(const PairCountArgs& args, cudaStream_t stream);

@@ -19,16 +19,19 @@
 
 namespace flashopm {
 
-template <typename T, bool kWgmma>
+template <typename T, bool kWgmma, bool kWgmmaBoth>
 __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const OuterArgs p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  static_assert(kWgmma || !kWgmmaBoth, "phase 2 on wgmma needs phase 1 on wgmma");
   extern __shared__ float4 smem_f4[];
   char* smem = reinterpret_cast<char*>(smem_f4);
-  const Tc16Layout L = tc16_layout(p.H, p.Ti, p.Tj, kWgmma);
+  if constexpr (kWgmmaBoth)  // the swizzle follows address bits 4-9: every tile from a 1 KB boundary
+    smem += (1024 - (static_cast<uint32_t>(__cvta_generic_to_shared(smem)) & 1023)) & 1023;
+  const Tc16Layout L =
+      tc16_layout(p.H, p.Ti, p.Tj, kWgmmaBoth ? kT16WgmmaBoth : kWgmma ? kT16WgmmaPhase1 : kT16MmaSync);
   T* Os = reinterpret_cast<T*>(smem);                  // [P][ldo]
   T* stages = reinterpret_cast<T*>(smem + L.stages);   // mma.sync: [kT16Stages][BK][LdA + LdB]
   T* Wst = reinterpret_cast<T*>(smem + L.w);           // [kT16WStages][DG][LdW]
-  float* den_s = reinterpret_cast<float*>(smem + L.den);
   int64_t* row_off = reinterpret_cast<int64_t*>(smem + L.rows);            // [kT16RoundRows]
   float* norm_arg = reinterpret_cast<float*>(row_off + kT16RoundRows);     // [kT16RoundRows]
   const int H = p.H, N = p.N, S = p.S, D = p.D, Ti = p.Ti, Tj = p.Tj;
@@ -47,17 +50,6 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
   // ---------------- phase 1 ----------------
   const int a_lim = min(Ti * H, (p.Na - i0) * H);  // valid columns of the tile (multiples of 8)
   const T* a_base = a_g + int64_t(b) * S * NaH + int64_t(i0) * H;
-  // Row denominators of the tile (read in the epilogue, after many barriers); the other
-  // conventions' pair counts come in p.pair.
-  auto row_denominators = [&]() {
-    if (p.norm.kind == kNormRow) {
-      for (int il = warp; il < Ti; il += kTcThreads / 32) {
-        const float den = mask_denominator(p.mask, b, min(i0 + il, p.Na - 1) + p.i_offset, S, lane);
-        if (lane == 0) den_s[il] = den;
-      }
-    }
-  };
-
   if constexpr (kWgmma) {
     // Two warpgroups, each 64 rows (i, h1) x all 256 columns (j, h2), one wgmma.m64n256k16 per 16
     // s.  Stages hold a and b as they are in memory, (s, h)-major, i.e. MN-major operands: per
@@ -68,7 +60,8 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
     // two and B's four column groups; a warp writes four whole 128-byte rows (no bank conflicts).
     const int pc = tid & 7, pk = tid >> 3;
     char* wg_stages = smem + L.stages;  // rounded up to 1 KB: the swizzle follows address bits 4-9
-    wg_stages += (1024 - (static_cast<uint32_t>(__cvta_generic_to_shared(wg_stages)) & 1023)) & 1023;
+    if constexpr (!kWgmmaBoth)
+      wg_stages += (1024 - (static_cast<uint32_t>(__cvta_generic_to_shared(wg_stages)) & 1023)) & 1023;
     for (int js = 0; js < kT16JSub; ++js) {
       const int jt0 = j0 + js * Tj;
       const int b_lim = min(Tj * H, (N - jt0) * H);  // <= 0 for a column tile past N
@@ -97,7 +90,6 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
         issue_stage(st);
         cp_async_commit();
       }
-      if (js == 0) row_denominators();
 
       float acc[128];
 #pragma unroll
@@ -124,8 +116,29 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
 
       // O as [pair][h1·H + h2], pair = js·P1 + il·Tj + jl, rounded to T.  Column 8j + 2(lane%4)
       // of the accumulator lies in column tile jl = j / (H/8) (H is a multiple of 8).
-      T* Ot = Os + js * P1 * L.ldo;
       const int hb = H >> 3;
+      if constexpr (kWgmmaBoth) {
+        // phase 2's B operand: K-major, pair groups of 8 rows H²·16 bytes apart
+        const uint32_t o_sbo = uint32_t(H) * H * 16;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int m = wg * 64 + wl * 16 + g + 8 * half;
+          const int il = m / H;
+          if (il < Ti) {
+            const int k_row = (m - il * H) * H + 2 * t;
+            const int pair_row = js * P1 + il * Tj;
+#pragma unroll
+            for (int j = 0; j < 32; ++j) {
+              const int jl = j / hb;
+              if (jl < Tj)
+                *reinterpret_cast<uint32_t*>(smem + kmajor_sw128_offset(pair_row + jl, k_row + 8 * (j - jl * hb), o_sbo)) =
+                    pack_16bit<T>(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
+            }
+          }
+        }
+        continue;
+      }
+      T* Ot = Os + js * P1 * L.ldo;
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int m = wg * 64 + wl * 16 + g + 8 * half;
@@ -189,7 +202,6 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
       issue_stage(st);
       cp_async_commit();
     }
-    if (js == 0) row_denominators();  // while the first stages are in flight
 
     float acc[4][8][4];
     zero_tiles(acc);
@@ -240,8 +252,85 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
   }
   }
 
-  // ---------------- phase 2: warps 4 (32 d each) x 2 (halves of each k chunk), 64 pairs ----------------
   const int K2 = H * H;
+  if constexpr (kWgmmaBoth) {
+    // ---------------- phase 2 on wgmma: out[(i,j), d]ᵀ = W · Oᵀ, warpgroup wg taking d 64wg .. 64wg+63
+    // of each group of kTcDG, a round of 64 pairs at a time, W in chunks of 64 k (A, K-major) and
+    // O as written above (B, K-major).
+    const int n_kc = K2 / 64;
+    const int wg = warp >> 2, wl = warp & 3;
+    const uint32_t o_sbo = uint32_t(K2) * 16;
+    char* w_st = smem + L.w;
+    // This thread's pieces of a chunk: rows d = tid/8 + 32u, 16-byte piece tid % 8 of the row.
+    const int wc = tid & 7, wr = tid >> 3;
+    for (int dg = 0; dg < D; dg += kTcDG) {
+      for (int r0 = 0; r0 < P; r0 += kT16RoundRows) {
+        auto issue_w = [&](int kc) {
+          char* st = w_st + (kc % kT16Wg2Stages) * kT16Wg2ChunkBytes;
+#pragma unroll
+          for (int u = 0; u < kTcDG / 32; ++u) {
+            const int d = wr + 32 * u;
+            const bool ok = kc < n_kc && dg + d < D;
+            cp_async16z(st + kmajor_sw128_offset(d, wc * 8, 1024),
+                        ok ? w_g + int64_t(dg + d) * K2 + kc * 64 + wc * 8 : w_g, ok);
+          }
+        };
+        __syncthreads();  // O written / the previous round's partial sums consumed
+#pragma unroll
+        for (int kc = 0; kc < kT16Wg2Stages - 2; ++kc) {
+          issue_w(kc);
+          cp_async_commit();
+        }
+        float acc2[32];
+#pragma unroll
+        for (int e = 0; e < 32; ++e) acc2[e] = 0.f;
+        const char* o_round = smem + (r0 >> 3) * o_sbo;
+        for (int kc = 0; kc < n_kc; ++kc) {
+          cp_async_wait<kT16Wg2Stages - 3>();
+          fence_proxy_async_smem();  // this thread's copies (and O), visible to the tensor cores
+          __syncthreads();
+          // The stage refilled now was last read by the group of chunk kc - 2, which every
+          // warpgroup retired before the barrier (one group stays in flight).
+          issue_w(kc + kT16Wg2Stages - 2);
+          cp_async_commit();
+          const char* st = w_st + (kc % kT16Wg2Stages) * kT16Wg2ChunkBytes + wg * 64 * 128;
+          wgmma_fence();
+#pragma unroll
+          for (int kk = 0; kk < 4; ++kk)
+            wgmma_m64n64k16_kmajor<T>(acc2, wgmma_desc(st + kk * 32, 16, 1024),
+                                      wgmma_desc(o_round + kc * 1024 + kk * 32, 16, o_sbo));
+          wgmma_commit();
+          wgmma_wait<1>();
+        }
+        wgmma_wait<0>();
+        cp_async_wait_all();
+        __syncthreads();  // every W read done: the stage area takes the sums
+        float* red = reinterpret_cast<float*>(w_st);  // [64 pairs][kTcDG + 4]
+        constexpr int kRedLd = kTcDG + 4;
+        if (tid < kT16RoundRows) {
+          const int pr = r0 + tid;
+          const int js = pr / P1, rem = pr - js * P1;
+          const int il = rem / Tj, jl = js * Tj + rem - il * Tj;
+          stage_pair_row(p, tid, pr < P && i0 + il < p.Na && j0 + jl < N, b, i0, il, j0, jl, N, D,
+                         row_off, norm_arg);
+        }
+        // acc2: rows d = 64wg + 16wl + g (+8), columns (pairs) 8j + 2t (+1)
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int d = wg * 64 + wl * 16 + g + 8 * half, pr = 8 * j + 2 * t;
+            red[pr * kRedLd + d] = acc2[4 * j + 2 * half];
+            red[(pr + 1) * kRedLd + d] = acc2[4 * j + 2 * half + 1];
+          }
+        __syncthreads();
+        store_round<kT16RoundRows, true>(p, red, kRedLd, row_off, norm_arg, dg, tid, kTcThreads);
+      }
+    }
+    return;
+  }
+
+  // ---------------- phase 2: warps 4 (32 d each) x 2 (halves of each k chunk), 64 pairs ----------------
   const int n_kc = K2 / kT16KC;
   const int dw = warp & 3, kh = warp >> 2;
 
@@ -309,7 +398,7 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
         const int js = pr / P1, rem = pr - js * P1;
         const int il = rem / Tj, jl = js * Tj + rem - il * Tj;
         stage_pair_row(p, tid, pr < P && i0 + il < p.Na && j0 + jl < N, b, i0, il, j0, jl, N, D,
-                     den_s, row_off, norm_arg);
+                     row_off, norm_arg);
       }
       sum_k_halves<4>(red, kRedLd, acc2, kh, dw * 32, g, t);
       store_round<kT16RoundRows, true>(p, red, kRedLd, row_off, norm_arg, dg, tid, kTcThreads);
