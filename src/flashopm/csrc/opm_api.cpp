@@ -300,7 +300,7 @@ at::Tensor pair_counts(const MaskView& mask, int64_t normalization, int64_t B, i
   return pair;
 }
 
-// Row denominators max(sum_s m[b, s, row0 + r], 1), (B, rows), for the tensor-core kernels under the
+// Row denominators max(sum_s m[b, s, row0 + r], 1), (B, rows), for the 16-bit kernel under the
 // specification's convention (an undefined tensor otherwise); released like pair_counts' tensor.
 at::Tensor row_denominators(const MaskView& mask, int64_t normalization, int64_t B, int64_t S, int64_t rows,
                             int64_t row0, const at::TensorOptions& options, cudaStream_t stream) {
@@ -340,10 +340,10 @@ void run_outer(OuterArgs oa, int64_t i_offset, int64_t rows, int64_t out_rows, i
                int terms, int operand_kind, const at::TensorOptions& options, int dev, cudaStream_t stream) {
   const at::Tensor pair = pair_counts(oa.mask, oa.norm.kind, oa.B, oa.S, oa.N, rows, i_offset, options, stream);
   oa.pair = pair.defined() ? pair.data_ptr<float>() : nullptr;
-  // the tensor-core kernels read the row denominators; the CUDA-core kernel forms its own
-  const bool tc_kernel = operand_kind != kMaskFloat || tensor_cores;
-  const at::Tensor row_den =
-      tc_kernel ? row_denominators(oa.mask, oa.norm.kind, oa.B, oa.S, rows, i_offset, options, stream) : at::Tensor();
+  // the 16-bit kernel reads the row denominators; the float32 kernels form their own
+  const at::Tensor row_den = operand_kind != kMaskFloat
+                                 ? row_denominators(oa.mask, oa.norm.kind, oa.B, oa.S, rows, i_offset, options, stream)
+                                 : at::Tensor();
   oa.row_den = row_den.defined() ? row_den.data_ptr<float>() : nullptr;
   oa.Na = int(rows);
   oa.i_offset = int(i_offset);

@@ -129,6 +129,22 @@ __device__ __forceinline__ float mask_denominator(const MaskView& m, int b, int 
 }
 
 
+// The (column tile, row tile) of this block of a launch over gridDim.x column tiles and
+// gridDim.y row tiles, taken in groups of kTileGroupRows row tiles, column by column within a
+// group.  Blocks resident at the same time then share a few row tiles' a and a few column tiles'
+// b in L2; in launch order (row by row) every wave would stream b for all residues, which at
+// AlphaFold sizes is more than L2 holds, so it came from HBM once per row tile.
+constexpr int kTileGroupRows = 16;
+__device__ __forceinline__ void grouped_tile(int& col_tile, int& row_tile) {
+  const int n_cols = gridDim.x, n_rows = gridDim.y;
+  const int linear = blockIdx.y * n_cols + blockIdx.x;
+  const int first = linear / (kTileGroupRows * n_cols) * kTileGroupRows;
+  const int rows = min(kTileGroupRows, n_rows - first);
+  const int within = linear - first * n_cols;
+  row_tile = first + within % rows;
+  col_tile = within / rows;
+}
+
 // One warp per row r of batch element blockIdx.y (see RowDenArgs).
 __global__ void __launch_bounds__(kRowDenWarps * 32) opm_row_denominator_kernel(const RowDenArgs p) {
   const int r = blockIdx.x * kRowDenWarps + (threadIdx.x >> 5), b = blockIdx.y;
@@ -149,13 +165,15 @@ __device__ __forceinline__ float normalise(float acc, float bias, float row_den,
 }
 
 // Output row and normaliser argument of pair `slot` of a round of phase 2 (see store_round): pair
-// (i0 + il, j0 + jl) of batch element b, rows local to the launch's; ok false marks a pair not
-// stored (nothing else is read for it).
+// (i0 + il, j0 + jl) of batch element b, rows local to the launch's, row_den[il] the row
+// denominator of row i0 + il (kNormRow); ok false marks a pair not stored (nothing else is read
+// for it).
 __device__ __forceinline__ void stage_pair_row(const OuterArgs& p, int slot, bool ok, int b, int i0, int il, int j0,
-                                               int jl, int N, int D, int64_t* row_off, float* norm_arg) {
+                                               int jl, int N, int D, const float* row_den, int64_t* row_off,
+                                               float* norm_arg) {
   row_off[slot] = ok ? ((int64_t(b) * p.out_rows + p.out_row0 + i0 + il) * N + j0 + jl) * D : -1;
   norm_arg[slot] = !ok                        ? 0.f
-                   : p.norm.kind == kNormRow ? p.row_den[int64_t(b) * p.Na + i0 + il]
+                   : p.norm.kind == kNormRow ? row_den[il]
                                              : p.pair[(int64_t(b) * p.Na + i0 + il) * N + j0 + jl];
 }
 

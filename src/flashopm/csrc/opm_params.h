@@ -106,7 +106,7 @@ struct OuterArgs {
   void* out;           // (B, out_rows, N, D) of out_kind; row i_offset + r of the problem is row out_row0 + r
   int out_kind;
   const float* pair;   // (B, Na, N): sum_s m[s, i_offset + r] m[s, j] (OpenFold/Boltz conventions), else null
-  const float* row_den;  // (B, Na): max(sum_s m[s, i_offset + r], 1) (the tensor-core kernels, kNormRow)
+  const float* row_den;  // (B, Na): max(sum_s m[s, i_offset + r], 1) (the 16-bit kernel, kNormRow)
   Normalizer norm;
   int B, S, N, Na, i_offset, H, D;
   int out_rows, out_row0;
@@ -130,11 +130,11 @@ constexpr int kTcWStages = 3;
 constexpr int kTcWFloats = kTcWStages * kTcDG * kTcLdW;
 
 // Shared memory of the tensor-core kernel, in floats: phase 1's stages, or phase 2's O tile
-// ([Ti·Tj][H² + 4]) followed by the W stages; then the output rows of a round of phase 2 (see
-// store_round).
+// ([Ti·Tj][H² + 4]) followed by the W stages; then the tile's row denominators and the output
+// rows of a round of phase 2 (see store_round).
 constexpr int kTcRoundRows = 32;  // pairs per round of phase 2
 struct TcLayout {
-  int ldo, w, rows, total;
+  int ldo, w, den, rows, total;
 };
 FLASHOPM_HD inline TcLayout tc_layout(int H, int Ti, int Tj) {
   TcLayout L{};
@@ -142,6 +142,8 @@ FLASHOPM_HD inline TcLayout tc_layout(int H, int Ti, int Tj) {
   L.w = Ti * Tj * L.ldo;
   int o = L.w + kTcWFloats;
   if (o < kTcStages * kTcStageFloats) o = kTcStages * kTcStageFloats;
+  L.den = o;
+  o += round_up4(Ti);
   L.rows = (o + 1) & ~1;                 // 8-byte aligned
   L.total = L.rows + kTcRoundRows * 3;   // int64 row offsets, then float normaliser arguments
   return L;
@@ -181,9 +183,10 @@ constexpr int kT16Wg2Stages = 4;
 // Shared memory of the 16-bit kernel, in bytes: O ([Ti·Tj·kT16JSub][H² + 8] 16-bit) with the
 // phase-1 stages placed after the first column tile's O (the later tiles' O is written only once
 // their stages are consumed), the W stages after all of O (also the float32 partial sums of
-// phase 2's two k halves), then the output rows of a round of phase 2 (see store_round).  In the form with both phases on wgmma, O is phase 2's K-major B
-// operand instead (pairs in groups of 8 rows, each group H² · 16 bytes: see
-// kmajor_sw128_offset) and every offset is from the shared memory's start rounded up to 1 KB.
+// phase 2's two k halves), then the output rows of a round of phase 2 (see store_round).  In the
+// form with both phases on wgmma, O is phase 2's K-major B operand instead (pairs in groups of 8
+// rows, each group H² · 16 bytes: see kmajor_sw128_offset) and every offset is from the shared
+// memory's start rounded up to 1 KB.  The row denominators come from launch_row_denominators.
 constexpr int kT16RoundRows = 64;  // pairs per round of phase 2
 struct Tc16Layout {
   int ldo, stages, w, rows, total;  // bytes, except ldo (elements)
@@ -251,7 +254,9 @@ constexpr int kPairSK = 32;  // steps of s per stage
 
 // Row denominators of the specification's convention, for rows row0 .. row0 + rows:
 //   out[b, r] = max(sum_s m[b, s, row0 + r], 1)          out (B, rows)
-// once per launch of a tensor-core contraction rather than in each of its tiles.
+// once per launch of the 16-bit contraction rather than in each of its tiles (whose prologue
+// waited ~7% of the kernel's time on these strided loads).  The float32 kernels keep forming them
+// per tile: their workspace already takes the whole memory bound at some shapes.
 struct RowDenArgs {
   MaskView mask;  // (B, S, N)
   float* out;

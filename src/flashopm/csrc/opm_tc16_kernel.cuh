@@ -38,7 +38,9 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
   const int P1 = Ti * Tj;          // pairs of one column tile
   const int P = P1 * kT16JSub;     // pairs of the block, column tile by column tile
   const int b = blockIdx.z;
-  const int i0 = blockIdx.y * Ti, j0 = blockIdx.x * Tj * kT16JSub;  // i0 local to this row block
+  int col_tile, row_tile;
+  grouped_tile(col_tile, row_tile);
+  const int i0 = row_tile * Ti, j0 = col_tile * Tj * kT16JSub;  // i0 local to this row block
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;   // accumulator coordinates (PTX: groupID, threadID_in_group)
   const int lq = lane >> 3, lr = lane & 7;  // ldmatrix: the matrix and the row this lane addresses
@@ -46,6 +48,8 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
   const T* a_g = static_cast<const T*>(p.a);
   const T* b_g = static_cast<const T*>(p.b);
   const T* w_g = static_cast<const T*>(p.w_out);
+  // this tile's row denominators (kNormRow): row i0 + il at row_den[il]
+  const float* row_den = p.row_den ? p.row_den + int64_t(b) * p.Na + i0 : nullptr;
 
   // ---------------- phase 1 ----------------
   const int a_lim = min(Ti * H, (p.Na - i0) * H);  // valid columns of the tile (multiples of 8)
@@ -312,7 +316,7 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
           const int js = pr / P1, rem = pr - js * P1;
           const int il = rem / Tj, jl = js * Tj + rem - il * Tj;
           stage_pair_row(p, tid, pr < P && i0 + il < p.Na && j0 + jl < N, b, i0, il, j0, jl, N, D,
-                         row_off, norm_arg);
+                         row_den, row_off, norm_arg);
         }
         // acc2: rows d = 64wg + 16wl + g (+8), columns (pairs) 8j + 2t (+1)
 #pragma unroll
@@ -398,7 +402,7 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
         const int js = pr / P1, rem = pr - js * P1;
         const int il = rem / Tj, jl = js * Tj + rem - il * Tj;
         stage_pair_row(p, tid, pr < P && i0 + il < p.Na && j0 + jl < N, b, i0, il, j0, jl, N, D,
-                     row_off, norm_arg);
+                     row_den, row_off, norm_arg);
       }
       sum_k_halves<4>(red, kRedLd, acc2, kh, dw * 32, g, t);
       store_round<kT16RoundRows, true>(p, red, kRedLd, row_off, norm_arg, dg, tid, kTcThreads);

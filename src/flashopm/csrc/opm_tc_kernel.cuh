@@ -23,12 +23,15 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const Outer
   extern __shared__ float4 smem_f4[];
   float* smem = reinterpret_cast<float*>(smem_f4);
   const TcLayout L = tc_layout(p.H, p.Ti, p.Tj);
+  float* den_s = smem + L.den;
   int64_t* row_off = reinterpret_cast<int64_t*>(smem + L.rows);         // [kTcRoundRows]
   float* norm_arg = reinterpret_cast<float*>(row_off + kTcRoundRows);   // [kTcRoundRows]
   const int H = p.H, N = p.N, S = p.S, D = p.D, Ti = p.Ti, Tj = p.Tj;
   const int P = Ti * Tj;
   const int b = blockIdx.z;
-  const int i0 = blockIdx.y * Ti, j0 = blockIdx.x * Tj;  // i0 local to this row block
+  int col_tile, row_tile;
+  grouped_tile(col_tile, row_tile);
+  const int i0 = row_tile * Ti, j0 = col_tile * Tj;  // i0 local to this row block
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;  // fragment coordinates (PTX: groupID, threadID_in_group)
   const int64_t NH = int64_t(N) * H, NaH = int64_t(p.Na) * H;
@@ -74,6 +77,15 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const Outer
     if (st < n_k) load_stage(st, st * kTcBK);
     cp_async_commit();
   }
+  // Row denominators of the tile (read in the epilogue, after several barriers), computed while
+  // the first stages are in flight; the other conventions' pair counts come in p.pair.
+  if (p.norm.kind == kNormRow) {
+    for (int il = warp; il < Ti; il += kTcThreads / 32) {
+      const float den = mask_denominator(p.mask, b, min(i0 + il, p.Na - 1) + p.i_offset, S, lane);
+      if (lane == 0) den_s[il] = den;
+    }
+  }
+
   for (int kt = 0; kt < n_k; ++kt) {
     cp_async_wait<kTcStages - 2>();
     __syncthreads();
@@ -227,7 +239,7 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const Outer
         const int pr = r0 + tid;
         const int il = pr / Tj, jl = pr - il * Tj;
         stage_pair_row(p, tid, pr < P && i0 + il < p.Na && j0 + jl < N, b, i0, il, j0, jl, N, D,
-                     row_off, norm_arg);
+                     den_s, row_off, norm_arg);
       }
       sum_k_halves<2>(red, kRedLd, acc2, kh, dw * 32, g, t);
       store_round<kTcRoundRows, false>(p, red, kRedLd, row_off, norm_arg, dg, tid, kTcThreads);
