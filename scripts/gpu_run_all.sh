@@ -37,7 +37,7 @@ step bench_n1536_spec $py -m flashopm bench --shapes "1,512,1536,256,32,128" \
   --impls eager,flashopm,compile,flashopm-tf32,flashopm-medium --calls 3 --fp64-max-n 0 --out "$out/res/n1536_spec"
 step bench_bf16 $py -m flashopm bench --dtype bfloat16 --shapes "2,8,32,64,32,64;1,512,768,256,32,128;1,512,1536,256,32,128" \
   --impls eager,flashopm,compile --calls 3 --fp64-max-n 0 --out "$out/res/bf16"
-step bench_af $py -m flashopm bench --shapes "1,128,256,256,32,128;1,1024,256,64,32,128;1,512,768,256,32,128" \
+step bench_af $py -m flashopm bench --shapes "1,128,256,256,32,128;1,1024,256,64,32,128;1,512,768,256,32,128;1,5120,384,64,32,128" \
   --impls eager,flashopm,flashopm-tf32,flashopm-medium --calls 5 --fp64-max-n 256 --out "$out/res/af"
 step bench_training $py -m flashopm bench --mode training --shapes "2,8,32,64,32,64;1,128,256,256,32,128" \
   --impls eager,flashopm --calls 30 --out "$out/res/training"

@@ -619,7 +619,16 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     int64_t rows = N;
     if (2 * ab_elems > budget) rows = std::max<int64_t>((budget - ab_elems) / per_row, 1);
     const int64_t ti_full = std::min<int64_t>(kOuterMT / H, N);
-    if (rows < N) rows = std::max<int64_t>(rows / ti_full * ti_full, ti_full);
+    if (rows < N) {
+      // At least four waves of blocks per launch: when b alone takes most of the budget (deep
+      // MSAs, few residues) the rows the budget leaves would fill a fraction of the GPU, while
+      // a for a few more rows costs little next to b (S=2048, N=768 in bfloat16: 4 rows per
+      // launch ran 6x slower than one launch).
+      const int64_t col_pairs = std::min<int64_t>(kOuterNT / H, N) * (operands16 ? kT16JSub : 1);
+      const int64_t col_blocks = B * ((N + col_pairs - 1) / col_pairs);
+      const int64_t fill = ti_full * ((4 * device_info(dev).sm_count + col_blocks - 1) / col_blocks);
+      rows = std::min<int64_t>(std::max(rows / ti_full * ti_full, std::max(fill, ti_full)), N);
+    }
     const at::ScalarType ws_type = operand_kind == kMaskBFloat16 ? at::kBFloat16
                                    : operand_kind == kMaskHalf   ? at::kHalf
                                                                  : at::kFloat;
