@@ -217,6 +217,8 @@ HALF_SHAPES = [
     Shape(2, 20, 19, 24, 16, 7),     # odd D, hidden 16
     Shape(1, 40, 21, 16, 64, 64),    # hidden 64: fewer pairs per block than phase 2's rows
     Shape(1, 1, 300, 8, 8, 3),       # hidden 8: many rounds of pairs per block
+    Shape(1, 3, 16, 8, 8, 5),        # partial column tiles filling whole rounds of phase 2
+    Shape(2, 5, 8, 12, 16, 130),     # the same at hidden 16, two groups of d
 ]
 
 

@@ -122,21 +122,53 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
       // of the accumulator lies in column tile jl = j / (H/8) (H is a multiple of 8).
       const int hb = H >> 3;
       if constexpr (kWgmmaBoth) {
-        // phase 2's B operand: K-major, pair groups of 8 rows H²·16 bytes apart
-        const uint32_t o_sbo = uint32_t(H) * H * 16;
+        // phase 2's B operand: K-major, pair groups of 8 rows H²·16 bytes apart.  For H = 8·kHB
+        // (kHB = 1, 2, 4) and full column tiles the offsets fold to constants but for one base
+        // per row half (the general form's division and offset arithmetic per store took as many
+        // instructions as phase 1's loop): a tile's pair rows start at multiples of 8, so a
+        // pair's row within its group of 8 is jl % 8, and k = h1·H + 8q + 2t splits into
+        // 64-wide group (h1·kHB) / 8 and 16-byte piece ((h1·kHB) % 8) | q without carries.
+        auto store_o_folded = [&](auto hb_const) {
+          constexpr int kHB = decltype(hb_const)::value, kH = 8 * kHB, kTj = 32 / kHB;
+          constexpr uint32_t kSbo = 16u * kH * kH;
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int m = wg * 64 + wl * 16 + g + 8 * half;
-          const int il = m / H;
-          if (il < Ti) {
-            const int k_row = (m - il * H) * H + 2 * t;
-            const int pair_row = js * P1 + il * Tj;
+          for (int half = 0; half < 2; ++half) {
+            const int m = wg * 64 + wl * 16 + g + 8 * half;
+            const int il = m / kH, h1 = m % kH;
+            if (il < Ti) {
+              const uint32_t base = uint32_t((js * P1 + il * kTj) >> 3) * kSbo + uint32_t((h1 * kHB) >> 3) * 1024u +
+                                    4u * t + (uint32_t((h1 * kHB) & 7) << 4);
 #pragma unroll
-            for (int j = 0; j < 32; ++j) {
-              const int jl = j / hb;
-              if (jl < Tj)
-                *reinterpret_cast<uint32_t*>(smem + kmajor_sw128_offset(pair_row + jl, k_row + 8 * (j - jl * hb), o_sbo)) =
-                    pack_16bit<T>(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
+              for (int j = 0; j < 32; ++j) {
+                const int jl = j / kHB, q = j % kHB;
+                const uint32_t off = (base ^ uint32_t((q ^ (jl & 7)) << 4)) + uint32_t(jl >> 3) * kSbo + uint32_t(jl & 7) * 128u;
+                *reinterpret_cast<uint32_t*>(smem + off) = pack_16bit<T>(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
+              }
+            }
+          }
+        };
+        if (hb == 4 && Tj == 8) {
+          store_o_folded(std::integral_constant<int, 4>{});
+        } else if (hb == 2 && Tj == 16) {
+          store_o_folded(std::integral_constant<int, 2>{});
+        } else if (hb == 1 && Tj == 32) {
+          store_o_folded(std::integral_constant<int, 1>{});
+        } else {
+          const uint32_t o_sbo = uint32_t(H) * H * 16;
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int m = wg * 64 + wl * 16 + g + 8 * half;
+            const int il = m / H;
+            if (il < Ti) {
+              const int k_row = (m - il * H) * H + 2 * t;
+              const int pair_row = js * P1 + il * Tj;
+#pragma unroll
+              for (int j = 0; j < 32; ++j) {
+                const int jl = j / hb;
+                if (jl < Tj)
+                  *reinterpret_cast<uint32_t*>(smem + kmajor_sw128_offset(pair_row + jl, k_row + 8 * (j - jl * hb), o_sbo)) =
+                      pack_16bit<T>(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
+              }
             }
           }
         }
