@@ -165,9 +165,12 @@ constexpr int kT16WStages = 3;
 constexpr int kT16WElems = kT16WStages * kTcDG * kT16LdW;
 
 // Its sm_90a form runs phase 1 on warpgroup MMAs (wgmma) straight from the stages: per stage, A as
-// two and B as four column groups of 64, each 64 rows of s of 128 bytes (swizzled, 1 KB-aligned).
-constexpr int kT16WgBK = 64;
-constexpr int kT16WgStages = 3;
+// two and B as four column groups of 64, each kT16WgBK rows of s of 128 bytes (swizzled, 1
+// KB-aligned).  Stages are issued kT16WgAhead ahead and one wgmma group stays in flight, so a
+// stage is refilled two stages after its multiply was issued.
+constexpr int kT16WgBK = 32;
+constexpr int kT16WgStages = 6;
+constexpr int kT16WgAhead = kT16WgStages - 2;
 constexpr int kT16WgGroupBytes = kT16WgBK * 128;
 constexpr int kT16WgABytes = (kTcMT / 64) * kT16WgGroupBytes;
 constexpr int kT16WgStageBytes = kT16WgABytes + (kTcNT / 64) * kT16WgGroupBytes;

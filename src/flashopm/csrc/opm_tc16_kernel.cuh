@@ -63,6 +63,7 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
     // This thread's 16-byte pieces: column chunk c = tid % 8 of rows s = tid / 8 + 32u', in A's
     // two and B's four column groups; a warp writes four whole 128-byte rows (no bank conflicts).
     const int pc = tid & 7, pk = tid >> 3;
+    constexpr int kRowParts = kT16WgBK / 32;  // rows of s per stage, 32 per pass of the block
     char* wg_stages = smem + L.stages;  // rounded up to 1 KB: the swizzle follows address bits 4-9
     if constexpr (!kWgmmaBoth)
       wg_stages += (1024 - (static_cast<uint32_t>(__cvta_generic_to_shared(wg_stages)) & 1023)) & 1023;
@@ -74,15 +75,15 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
       auto issue_stage = [&](int buf) {
         char* st = wg_stages + buf * kT16WgStageBytes;
 #pragma unroll
-        for (int u = 0; u < 2 * (kTcMT / 64); ++u) {  // A: 2 row halves x 2 groups
-          const int k = pk + 32 * (u & 1), grp = u >> 1, m = grp * 64 + pc * 8;
+        for (int u = 0; u < kRowParts * (kTcMT / 64); ++u) {  // A: 2 groups
+          const int k = pk + 32 * (u % kRowParts), grp = u / kRowParts, m = grp * 64 + pc * 8;
           const bool ok = m < a_lim && s_next + k < S;
           cp_async16z(st + grp * kT16WgGroupBytes + (k >> 3) * 1024 + (k & 7) * 128 + ((pc ^ (k & 7)) << 4),
                       ok ? a_base + int64_t(s_next + k) * NaH + m : a_g, ok);
         }
 #pragma unroll
-        for (int u = 0; u < 2 * (kTcNT / 64); ++u) {  // B: 2 row halves x 4 groups
-          const int k = pk + 32 * (u & 1), grp = u >> 1, n = grp * 64 + pc * 8;
+        for (int u = 0; u < kRowParts * (kTcNT / 64); ++u) {  // B: 4 groups
+          const int k = pk + 32 * (u % kRowParts), grp = u / kRowParts, n = grp * 64 + pc * 8;
           const bool ok = n < b_lim && s_next + k < S;
           cp_async16z(st + kT16WgABytes + grp * kT16WgGroupBytes + (k >> 3) * 1024 + (k & 7) * 128 + ((pc ^ (k & 7)) << 4),
                       ok ? b_base + int64_t(s_next + k) * NH + n : b_g, ok);
@@ -90,7 +91,7 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
         s_next += kT16WgBK;
       };
 #pragma unroll
-      for (int st = 0; st < kT16WgStages - 1; ++st) {
+      for (int st = 0; st < kT16WgAhead; ++st) {
         issue_stage(st);
         cp_async_commit();
       }
@@ -99,10 +100,12 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
 #pragma unroll
       for (int e = 0; e < 128; ++e) acc[e] = 0.f;
       for (int kt = 0; kt < n_k; ++kt) {
-        cp_async_wait<kT16WgStages - 2>();
+        cp_async_wait<kT16WgAhead - 1>();
         fence_proxy_async_smem();  // this thread's copies, visible to the tensor cores' reads
         __syncthreads();
-        issue_stage((kt + kT16WgStages - 1) % kT16WgStages);
+        // The stage refilled now was last read by the group of stage kt - 2, which every
+        // warpgroup retired before the barrier (one group stays in flight).
+        issue_stage((kt + kT16WgAhead) % kT16WgStages);
         cp_async_commit();
         const char* st = wg_stages + (kt % kT16WgStages) * kT16WgStageBytes;
         wgmma_fence();
@@ -113,8 +116,9 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
           wgmma_m64n256k16<T>(acc, da, db);
         }
         wgmma_commit();
-        wgmma_wait_all();
+        wgmma_wait<1>();
       }
+      wgmma_wait<0>();
       cp_async_wait_all();
       __syncthreads();  // every warp done with the stages: this tile's O may overwrite them
 
