@@ -57,57 +57,76 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
   if constexpr (kWgmma) {
     // Two warpgroups, each 64 rows (i, h1) x all 256 columns (j, h2), one wgmma.m64n256k16 per 16
     // s.  Stages hold a and b as they are in memory, (s, h)-major, i.e. MN-major operands: per
-    // 64-wide group of m (or n), 64 rows of s of 128 bytes, swizzled (see wgmma_desc).
+    // 64-wide group of m (or n), kT16WgBK rows of s of 128 bytes, swizzled (see wgmma_desc).
     const int n_k = (S + kT16WgBK - 1) / kT16WgBK;
     const int wg = warp >> 2, wl = warp & 3;
-    // This thread's 16-byte pieces: column chunk c = tid % 8 of rows s = tid / 8 + 32u', in A's
+    // This thread's 16-byte pieces: column chunk c = tid % 8 of rows s = tid / 8 + 32r, in A's
     // two and B's four column groups; a warp writes four whole 128-byte rows (no bank conflicts).
     const int pc = tid & 7, pk = tid >> 3;
     constexpr int kRowParts = kT16WgBK / 32;  // rows of s per stage, 32 per pass of the block
     char* wg_stages = smem + L.stages;  // rounded up to 1 KB: the swizzle follows address bits 4-9
     if constexpr (!kWgmmaBoth)
       wg_stages += (1024 - (static_cast<uint32_t>(__cvta_generic_to_shared(wg_stages)) & 1023)) & 1023;
+    // The destination of this thread's pieces within a stage (the same in every stage), and which
+    // of its column groups hold valid columns of a.
+    const uint32_t piece_dst = (pk >> 3) * 1024 + (pk & 7) * 128 + ((pc ^ (pk & 7)) << 4);
+    bool a_ok[kTcMT / 64];
+#pragma unroll
+    for (int grp = 0; grp < kTcMT / 64; ++grp) a_ok[grp] = grp * 64 + pc * 8 < a_lim;
     for (int js = 0; js < kT16JSub; ++js) {
       const int jt0 = j0 + js * Tj;
       const int b_lim = min(Tj * H, (N - jt0) * H);  // <= 0 for a column tile past N
-      const T* b_base = b_g + int64_t(b) * S * NH + int64_t(jt0) * H;
-      int s_next = 0;
-      auto issue_stage = [&](int buf) {
-        char* st = wg_stages + buf * kT16WgStageBytes;
+      bool b_ok[kTcNT / 64];
 #pragma unroll
-        for (int u = 0; u < kRowParts * (kTcMT / 64); ++u) {  // A: 2 groups
-          const int k = pk + 32 * (u % kRowParts), grp = u / kRowParts, m = grp * 64 + pc * 8;
-          const bool ok = m < a_lim && s_next + k < S;
-          cp_async16z(st + grp * kT16WgGroupBytes + (k >> 3) * 1024 + (k & 7) * 128 + ((pc ^ (k & 7)) << 4),
-                      ok ? a_base + int64_t(s_next + k) * NaH + m : a_g, ok);
-        }
+      for (int grp = 0; grp < kTcNT / 64; ++grp) b_ok[grp] = grp * 64 + pc * 8 < b_lim;
+      // Running sources (row s = s_row of this thread's first piece, chunk pc of group 0) and
+      // stage: one pointer step per stage rather than each piece's offset from scratch (at 32 s
+      // per stage that arithmetic made phase 1's loop issue-bound).
+      const T* a_src = a_base + int64_t(pk) * NaH + pc * 8;
+      const T* b_src = b_g + int64_t(b) * S * NH + int64_t(jt0) * H + int64_t(pk) * NH + pc * 8;
+      int s_row = pk, issue_buf = 0;
+      auto issue_stage = [&]() {
+        char* st = wg_stages + issue_buf * kT16WgStageBytes + piece_dst;
 #pragma unroll
-        for (int u = 0; u < kRowParts * (kTcNT / 64); ++u) {  // B: 4 groups
-          const int k = pk + 32 * (u % kRowParts), grp = u / kRowParts, n = grp * 64 + pc * 8;
-          const bool ok = n < b_lim && s_next + k < S;
-          cp_async16z(st + kT16WgABytes + grp * kT16WgGroupBytes + (k >> 3) * 1024 + (k & 7) * 128 + ((pc ^ (k & 7)) << 4),
-                      ok ? b_base + int64_t(s_next + k) * NH + n : b_g, ok);
+        for (int r = 0; r < kRowParts; ++r) {
+          const bool row_ok = s_row + 32 * r < S;
+#pragma unroll
+          for (int grp = 0; grp < kTcMT / 64; ++grp) {
+            const bool ok = row_ok && a_ok[grp];
+            cp_async16z(st + r * 4096 + grp * kT16WgGroupBytes, ok ? a_src + int64_t(32 * r) * NaH + grp * 64 : a_g, ok);
+          }
+#pragma unroll
+          for (int grp = 0; grp < kTcNT / 64; ++grp) {
+            const bool ok = row_ok && b_ok[grp];
+            cp_async16z(st + r * 4096 + kT16WgABytes + grp * kT16WgGroupBytes,
+                        ok ? b_src + int64_t(32 * r) * NH + grp * 64 : b_g, ok);
+          }
         }
-        s_next += kT16WgBK;
+        a_src += int64_t(kT16WgBK) * NaH;
+        b_src += int64_t(kT16WgBK) * NH;
+        s_row += kT16WgBK;
+        issue_buf = issue_buf + 1 == kT16WgStages ? 0 : issue_buf + 1;
       };
 #pragma unroll
       for (int st = 0; st < kT16WgAhead; ++st) {
-        issue_stage(st);
+        issue_stage();
         cp_async_commit();
       }
 
       float acc[128];
 #pragma unroll
       for (int e = 0; e < 128; ++e) acc[e] = 0.f;
+      int read_buf = 0;
       for (int kt = 0; kt < n_k; ++kt) {
         cp_async_wait<kT16WgAhead - 1>();
         fence_proxy_async_smem();  // this thread's copies, visible to the tensor cores' reads
         __syncthreads();
         // The stage refilled now was last read by the group of stage kt - 2, which every
         // warpgroup retired before the barrier (one group stays in flight).
-        issue_stage((kt + kT16WgAhead) % kT16WgStages);
+        issue_stage();
         cp_async_commit();
-        const char* st = wg_stages + (kt % kT16WgStages) * kT16WgStageBytes;
+        const char* st = wg_stages + read_buf * kT16WgStageBytes;
+        read_buf = read_buf + 1 == kT16WgStages ? 0 : read_buf + 1;
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < kT16WgBK / 16; ++kk) {
