@@ -322,17 +322,25 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
     char* w_st = smem + L.w;
     // This thread's pieces of a chunk: rows d = tid/8 + 32u, 16-byte piece tid % 8 of the row.
     const int wc = tid & 7, wr = tid >> 3;
+    const uint32_t w_dst = kmajor_sw128_offset(wr, wc * 8, 1024);  // rows wr + 32u: + 4 KB each
     for (int dg = 0; dg < D; dg += kTcDG) {
+      bool d_ok[kTcDG / 32];
+#pragma unroll
+      for (int u = 0; u < kTcDG / 32; ++u) d_ok[u] = dg + wr + 32 * u < D;
       for (int r0 = 0; r0 < P; r0 += kT16RoundRows) {
+        // running source: row dg + wr of W at the next chunk to issue
+        const T* w_src = w_g + int64_t(dg + wr) * K2 + wc * 8;
+        int w_next = 0;
         auto issue_w = [&](int kc) {
-          char* st = w_st + (kc % kT16Wg2Stages) * kT16Wg2ChunkBytes;
+          char* st = w_st + (kc % kT16Wg2Stages) * kT16Wg2ChunkBytes + w_dst;
+          const bool chunk_ok = w_next < n_kc;
 #pragma unroll
           for (int u = 0; u < kTcDG / 32; ++u) {
-            const int d = wr + 32 * u;
-            const bool ok = kc < n_kc && dg + d < D;
-            cp_async16z(st + kmajor_sw128_offset(d, wc * 8, 1024),
-                        ok ? w_g + int64_t(dg + d) * K2 + kc * 64 + wc * 8 : w_g, ok);
+            const bool ok = chunk_ok && d_ok[u];
+            cp_async16z(st + u * 4096, ok ? w_src + int64_t(32 * u) * K2 : w_g, ok);
           }
+          ++w_next;
+          w_src += 64;
         };
         __syncthreads();  // O written / the previous round's partial sums consumed
 #pragma unroll
