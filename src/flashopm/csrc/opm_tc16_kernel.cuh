@@ -312,6 +312,17 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
   }
 
   const int K2 = H * H;
+  // Output rows and normaliser arguments of the round of pairs r0 .. r0 + kT16RoundRows (pair
+  // js·P1 + il·Tj + jl), for store_round.
+  auto stage_round_rows = [&](int r0) {
+    if (tid < kT16RoundRows) {
+      const int pr = r0 + tid;
+      const int js = pr / P1, rem = pr - js * P1;
+      const int il = rem / Tj, jl = js * Tj + rem - il * Tj;
+      stage_pair_row(p, tid, pr < P && i0 + il < p.Na && j0 + jl < N, b, i0, il, j0, jl, N, D, row_den, row_off,
+                     norm_arg);
+    }
+  };
   if constexpr (kWgmmaBoth) {
     // ---------------- phase 2 on wgmma: out[(i,j), d]ᵀ = W · Oᵀ, warpgroup wg taking d 64wg .. 64wg+63
     // of each group of kTcDG, a round of 64 pairs at a time, W in chunks of 64 k (A, K-major) and
@@ -374,13 +385,7 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
         __syncthreads();  // every W read done: the stage area takes the sums
         float* red = reinterpret_cast<float*>(w_st);  // [64 pairs][kTcDG + 4]
         constexpr int kRedLd = kTcDG + 4;
-        if (tid < kT16RoundRows) {
-          const int pr = r0 + tid;
-          const int js = pr / P1, rem = pr - js * P1;
-          const int il = rem / Tj, jl = js * Tj + rem - il * Tj;
-          stage_pair_row(p, tid, pr < P && i0 + il < p.Na && j0 + jl < N, b, i0, il, j0, jl, N, D,
-                         row_den, row_off, norm_arg);
-        }
+        stage_round_rows(r0);
         // acc2: rows d = 64wg + 16wl + g (+8), columns (pairs) 8j + 2t (+1)
 #pragma unroll
         for (int j = 0; j < 8; ++j)
@@ -460,13 +465,7 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
       // The two k halves' sums meet in shared memory, next to each pair's output row.
       float* red = reinterpret_cast<float*>(Wst);  // [64 pairs][kTcDG + 4]
       constexpr int kRedLd = kTcDG + 4;
-      if (tid < kT16RoundRows) {
-        const int pr = r0 + tid;
-        const int js = pr / P1, rem = pr - js * P1;
-        const int il = rem / Tj, jl = js * Tj + rem - il * Tj;
-        stage_pair_row(p, tid, pr < P && i0 + il < p.Na && j0 + jl < N, b, i0, il, j0, jl, N, D,
-                     row_den, row_off, norm_arg);
-      }
+      stage_round_rows(r0);
       sum_k_halves<4>(red, kRedLd, acc2, kh, dw * 32, g, t);
       store_round<kT16RoundRows, true>(p, red, kRedLd, row_off, norm_arg, dg, tid, kTcThreads);
     }
