@@ -73,168 +73,145 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
     bool a_ok[kTcMT / 64];
 #pragma unroll
     for (int grp = 0; grp < kTcMT / 64; ++grp) a_ok[grp] = grp * 64 + pc * 8 < a_lim;
-    // One sequence of stages over the column tiles, so that the next tile's first stages load
-    // while this tile's last multiplies and its O stores run.  Issue side: the running sources
-    // (row s = s_row of this thread's first piece, chunk pc of group 0) of the tile being issued;
-    // one pointer step per stage rather than each piece's offset from scratch (at 32 s per stage
-    // that arithmetic made phase 1's loop issue-bound).
-    const T* a_src = nullptr;
-    const T* b_src = nullptr;
-    bool b_ok[kTcNT / 64];
-    int s_row = 0, issue_tile = 0, issued_in_tile = 0, issue_buf = 0;
-    auto start_issue_tile = [&](int js) {
+    for (int js = 0; js < kT16JSub; ++js) {
       const int jt0 = j0 + js * Tj;
       const int b_lim = min(Tj * H, (N - jt0) * H);  // <= 0 for a column tile past N
+      bool b_ok[kTcNT / 64];
 #pragma unroll
       for (int grp = 0; grp < kTcNT / 64; ++grp) b_ok[grp] = grp * 64 + pc * 8 < b_lim;
-      a_src = a_base + int64_t(pk) * NaH + pc * 8;
-      b_src = b_g + int64_t(b) * S * NH + int64_t(jt0) * H + int64_t(pk) * NH + pc * 8;
-      s_row = pk;
-    };
-    start_issue_tile(0);
-    auto issue_stage = [&]() {
-      if (issue_tile == kT16JSub) return;  // past the last tile: an empty group
-      char* st = wg_stages + issue_buf * kT16WgStageBytes + piece_dst;
+      // Running sources (row s = s_row of this thread's first piece, chunk pc of group 0) and
+      // stage: one pointer step per stage rather than each piece's offset from scratch (at 32 s
+      // per stage that arithmetic made phase 1's loop issue-bound).
+      const T* a_src = a_base + int64_t(pk) * NaH + pc * 8;
+      const T* b_src = b_g + int64_t(b) * S * NH + int64_t(jt0) * H + int64_t(pk) * NH + pc * 8;
+      int s_row = pk, issue_buf = 0;
+      auto issue_stage = [&]() {
+        char* st = wg_stages + issue_buf * kT16WgStageBytes + piece_dst;
 #pragma unroll
-      for (int r = 0; r < kRowParts; ++r) {
-        const bool row_ok = s_row + 32 * r < S;
+        for (int r = 0; r < kRowParts; ++r) {
+          const bool row_ok = s_row + 32 * r < S;
 #pragma unroll
-        for (int grp = 0; grp < kTcMT / 64; ++grp) {
-          const bool ok = row_ok && a_ok[grp];
-          cp_async16z(st + r * 4096 + grp * kT16WgGroupBytes, ok ? a_src + int64_t(32 * r) * NaH + grp * 64 : a_g, ok);
+          for (int grp = 0; grp < kTcMT / 64; ++grp) {
+            const bool ok = row_ok && a_ok[grp];
+            cp_async16z(st + r * 4096 + grp * kT16WgGroupBytes, ok ? a_src + int64_t(32 * r) * NaH + grp * 64 : a_g, ok);
+          }
+#pragma unroll
+          for (int grp = 0; grp < kTcNT / 64; ++grp) {
+            const bool ok = row_ok && b_ok[grp];
+            cp_async16z(st + r * 4096 + kT16WgABytes + grp * kT16WgGroupBytes,
+                        ok ? b_src + int64_t(32 * r) * NH + grp * 64 : b_g, ok);
+          }
         }
+        a_src += int64_t(kT16WgBK) * NaH;
+        b_src += int64_t(kT16WgBK) * NH;
+        s_row += kT16WgBK;
+        issue_buf = issue_buf + 1 == kT16WgStages ? 0 : issue_buf + 1;
+      };
 #pragma unroll
-        for (int grp = 0; grp < kTcNT / 64; ++grp) {
-          const bool ok = row_ok && b_ok[grp];
-          cp_async16z(st + r * 4096 + kT16WgABytes + grp * kT16WgGroupBytes,
-                      ok ? b_src + int64_t(32 * r) * NH + grp * 64 : b_g, ok);
-        }
+      for (int st = 0; st < kT16WgAhead; ++st) {
+        issue_stage();
+        cp_async_commit();
       }
-      a_src += int64_t(kT16WgBK) * NaH;
-      b_src += int64_t(kT16WgBK) * NH;
-      s_row += kT16WgBK;
-      issue_buf = issue_buf + 1 == kT16WgStages ? 0 : issue_buf + 1;
-      if (++issued_in_tile == n_k) {
-        issued_in_tile = 0;
-        if (++issue_tile < kT16JSub) start_issue_tile(issue_tile);
-      }
-    };
 
-    float acc[128];
-    // Column tile js's O, from the accumulators, rounded to T.
-    auto store_o = [&](int js) {
-        // O as [pair][h1·H + h2], pair = js·P1 + il·Tj + jl, rounded to T.  Column 8j + 2(lane%4)
-        // of the accumulator lies in column tile jl = j / (H/8) (H is a multiple of 8).
-        const int hb = H >> 3;
-        if constexpr (kWgmmaBoth) {
-          // phase 2's B operand: K-major, pair groups of 8 rows H²·16 bytes apart.  For H = 8·kHB
-          // (kHB = 1, 2, 4) and full column tiles the offsets fold to constants but for one base
-          // per row half (the general form's division and offset arithmetic per store took as many
-          // instructions as phase 1's loop): a tile's pair rows start at multiples of 8, so a
-          // pair's row within its group of 8 is jl % 8, and k = h1·H + 8q + 2t splits into
-          // 64-wide group (h1·kHB) / 8 and 16-byte piece ((h1·kHB) % 8) | q without carries.
-          auto store_o_folded = [&](auto hb_const) {
-            constexpr int kHB = decltype(hb_const)::value, kH = 8 * kHB, kTj = 32 / kHB;
-            constexpr uint32_t kSbo = 16u * kH * kH;
-  #pragma unroll
-            for (int half = 0; half < 2; ++half) {
-              const int m = wg * 64 + wl * 16 + g + 8 * half;
-              const int il = m / kH, h1 = m % kH;
-              if (il < Ti) {
-                const uint32_t base = uint32_t((js * P1 + il * kTj) >> 3) * kSbo + uint32_t((h1 * kHB) >> 3) * 1024u +
-                                      4u * t + (uint32_t((h1 * kHB) & 7) << 4);
-  #pragma unroll
-                for (int j = 0; j < 32; ++j) {
-                  const int jl = j / kHB, q = j % kHB;
-                  const uint32_t off = (base ^ uint32_t((q ^ (jl & 7)) << 4)) + uint32_t(jl >> 3) * kSbo + uint32_t(jl & 7) * 128u;
-                  *reinterpret_cast<uint32_t*>(smem + off) = pack_16bit<T>(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
-                }
-              }
-            }
-          };
-          if (hb == 4 && Tj == 8) {
-            store_o_folded(std::integral_constant<int, 4>{});
-          } else if (hb == 2 && Tj == 16) {
-            store_o_folded(std::integral_constant<int, 2>{});
-          } else if (hb == 1 && Tj == 32) {
-            store_o_folded(std::integral_constant<int, 1>{});
-          } else {
-            const uint32_t o_sbo = uint32_t(H) * H * 16;
-  #pragma unroll
-            for (int half = 0; half < 2; ++half) {
-              const int m = wg * 64 + wl * 16 + g + 8 * half;
-              const int il = m / H;
-              if (il < Ti) {
-                const int k_row = (m - il * H) * H + 2 * t;
-                const int pair_row = js * P1 + il * Tj;
-  #pragma unroll
-                for (int j = 0; j < 32; ++j) {
-                  const int jl = j / hb;
-                  if (jl < Tj)
-                    *reinterpret_cast<uint32_t*>(smem + kmajor_sw128_offset(pair_row + jl, k_row + 8 * (j - jl * hb), o_sbo)) =
-                        pack_16bit<T>(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
-                }
+      float acc[128];
+#pragma unroll
+      for (int e = 0; e < 128; ++e) acc[e] = 0.f;
+      int read_buf = 0;
+      for (int kt = 0; kt < n_k; ++kt) {
+        cp_async_wait<kT16WgAhead - 1>();
+        fence_proxy_async_smem();  // this thread's copies, visible to the tensor cores' reads
+        __syncthreads();
+        // The stage refilled now was last read by the group of stage kt - 2, which every
+        // warpgroup retired before the barrier (one group stays in flight).
+        issue_stage();
+        cp_async_commit();
+        const char* st = wg_stages + read_buf * kT16WgStageBytes;
+        read_buf = read_buf + 1 == kT16WgStages ? 0 : read_buf + 1;
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kT16WgBK / 16; ++kk) {
+          const uint64_t da = wgmma_desc(st + wg * kT16WgGroupBytes + kk * 2048, kT16WgGroupBytes, 1024);
+          const uint64_t db = wgmma_desc(st + kT16WgABytes + kk * 2048, kT16WgGroupBytes, 1024);
+          wgmma_m64n256k16<T>(acc, da, db);
+        }
+        wgmma_commit();
+        wgmma_wait<1>();
+      }
+      wgmma_wait<0>();
+      cp_async_wait_all();
+      __syncthreads();  // every warp done with the stages: this tile's O may overwrite them
+
+      // O as [pair][h1·H + h2], pair = js·P1 + il·Tj + jl, rounded to T.  Column 8j + 2(lane%4)
+      // of the accumulator lies in column tile jl = j / (H/8) (H is a multiple of 8).
+      const int hb = H >> 3;
+      if constexpr (kWgmmaBoth) {
+        // phase 2's B operand: K-major, pair groups of 8 rows H²·16 bytes apart.  For H = 8·kHB
+        // (kHB = 1, 2, 4) and full column tiles the offsets fold to constants but for one base
+        // per row half (the general form's division and offset arithmetic per store took as many
+        // instructions as phase 1's loop): a tile's pair rows start at multiples of 8, so a
+        // pair's row within its group of 8 is jl % 8, and k = h1·H + 8q + 2t splits into
+        // 64-wide group (h1·kHB) / 8 and 16-byte piece ((h1·kHB) % 8) | q without carries.
+        auto store_o_folded = [&](auto hb_const) {
+          constexpr int kHB = decltype(hb_const)::value, kH = 8 * kHB, kTj = 32 / kHB;
+          constexpr uint32_t kSbo = 16u * kH * kH;
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int m = wg * 64 + wl * 16 + g + 8 * half;
+            const int il = m / kH, h1 = m % kH;
+            if (il < Ti) {
+              const uint32_t base = uint32_t((js * P1 + il * kTj) >> 3) * kSbo + uint32_t((h1 * kHB) >> 3) * 1024u +
+                                    4u * t + (uint32_t((h1 * kHB) & 7) << 4);
+#pragma unroll
+              for (int j = 0; j < 32; ++j) {
+                const int jl = j / kHB, q = j % kHB;
+                const uint32_t off = (base ^ uint32_t((q ^ (jl & 7)) << 4)) + uint32_t(jl >> 3) * kSbo + uint32_t(jl & 7) * 128u;
+                *reinterpret_cast<uint32_t*>(smem + off) = pack_16bit<T>(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
               }
             }
           }
+        };
+        if (hb == 4 && Tj == 8) {
+          store_o_folded(std::integral_constant<int, 4>{});
+        } else if (hb == 2 && Tj == 16) {
+          store_o_folded(std::integral_constant<int, 2>{});
+        } else if (hb == 1 && Tj == 32) {
+          store_o_folded(std::integral_constant<int, 1>{});
         } else {
-        T* Ot = Os + js * P1 * L.ldo;
-  #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int m = wg * 64 + wl * 16 + g + 8 * half;
-          const int il = m / H;
-          if (il < Ti) {
-            T* orow_w = Ot + il * Tj * L.ldo + (m - il * H) * H + 2 * t;
-  #pragma unroll
-            for (int j = 0; j < 32; ++j) {
-              const int jl = j / hb;
-              if (jl < Tj)
-                *reinterpret_cast<uint32_t*>(orow_w + jl * L.ldo + 8 * (j - jl * hb)) =
-                    pack_16bit<T>(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
+          const uint32_t o_sbo = uint32_t(H) * H * 16;
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int m = wg * 64 + wl * 16 + g + 8 * half;
+            const int il = m / H;
+            if (il < Ti) {
+              const int k_row = (m - il * H) * H + 2 * t;
+              const int pair_row = js * P1 + il * Tj;
+#pragma unroll
+              for (int j = 0; j < 32; ++j) {
+                const int jl = j / hb;
+                if (jl < Tj)
+                  *reinterpret_cast<uint32_t*>(smem + kmajor_sw128_offset(pair_row + jl, k_row + 8 * (j - jl * hb), o_sbo)) =
+                      pack_16bit<T>(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
+              }
             }
           }
         }
-        }
-    };
-
-#pragma unroll
-    for (int st = 0; st < kT16WgAhead; ++st) {
-      issue_stage();
-      cp_async_commit();
-    }
-#pragma unroll
-    for (int e = 0; e < 128; ++e) acc[e] = 0.f;
-    int read_buf = 0, read_in_tile = 0, read_tile = 0;
-    for (int kt = 0; kt < kT16JSub * n_k; ++kt) {
-      cp_async_wait<kT16WgAhead - 1>();
-      fence_proxy_async_smem();  // this thread's copies, visible to the tensor cores' reads
-      __syncthreads();
-      // The stage refilled now was last read by the group of stage kt - 2, which every
-      // warpgroup retired before the barrier (one group stays in flight).
-      issue_stage();
-      cp_async_commit();
-      const char* st = wg_stages + read_buf * kT16WgStageBytes;
-      read_buf = read_buf + 1 == kT16WgStages ? 0 : read_buf + 1;
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kT16WgBK / 16; ++kk) {
-        const uint64_t da = wgmma_desc(st + wg * kT16WgGroupBytes + kk * 2048, kT16WgGroupBytes, 1024);
-        const uint64_t db = wgmma_desc(st + kT16WgABytes + kk * 2048, kT16WgGroupBytes, 1024);
-        wgmma_m64n256k16<T>(acc, da, db);
+        continue;
       }
-      wgmma_commit();
-      wgmma_wait<1>();
-      if (++read_in_tile == n_k) {  // the tile's last stage: its O goes to shared memory
-        read_in_tile = 0;
-        wgmma_wait<0>();
-        if (read_tile == kT16JSub - 1) {
-          cp_async_wait_all();
-          __syncthreads();  // every warp done with the stages: the last tile's O may overwrite them
-        }
-        store_o(read_tile);
+      T* Ot = Os + js * P1 * L.ldo;
 #pragma unroll
-        for (int e = 0; e < 128; ++e) acc[e] = 0.f;
-        ++read_tile;
+      for (int half = 0; half < 2; ++half) {
+        const int m = wg * 64 + wl * 16 + g + 8 * half;
+        const int il = m / H;
+        if (il < Ti) {
+          T* orow_w = Ot + il * Tj * L.ldo + (m - il * H) * H + 2 * t;
+#pragma unroll
+          for (int j = 0; j < 32; ++j) {
+            const int jl = j / hb;
+            if (jl < Tj)
+              *reinterpret_cast<uint32_t*>(orow_w + jl * L.ldo + 8 * (j - jl * hb)) =
+                  pack_16bit<T>(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
+          }
+        }
       }
     }
   } else {
