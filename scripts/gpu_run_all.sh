@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU run: build, every test, the sharded OPM's scaling over the machine's GPUs (when it has
 # several), the spec shape's paths and host overhead, and the benchmarks (forward at the spec shape,
-# float32 under each precision and bfloat16 models at the tensor-core issue's shapes, training
+# float32 under each precision and bfloat16 models at the tensor-core issue's shapes, the 16-bit
+# kernel's forms, training
 # steps, backward) and the three conventions at N = 1536, the conventions' epilogue cost and the
 # op's host time by stage;
 # logs and results packed into OUTDIR/results.tgz.  Steps past the time budget (BUDGET_S, default
@@ -37,6 +38,8 @@ step bench_n1536_spec $py -m flashopm bench --shapes "1,512,1536,256,32,128" \
   --impls eager,flashopm,compile,flashopm-tf32,flashopm-medium --calls 3 --fp64-max-n 0 --out "$out/res/n1536_spec"
 step bench_bf16 $py -m flashopm bench --dtype bfloat16 --shapes "2,8,32,64,32,64;1,512,768,256,32,128;1,512,1536,256,32,128" \
   --impls eager,flashopm,compile --calls 3 --fp64-max-n 0 --out "$out/res/bf16"
+# the 16-bit kernel's forms side by side (mma.sync, wgmma phase 1, wgmma both phases)
+step tc16_forms $py scripts/tc16_forms.py 1,512,1536,256,32,128
 step bench_af $py -m flashopm bench --shapes "1,128,256,256,32,128;1,1024,256,64,32,128;1,512,768,256,32,128;1,5120,384,64,32,128" \
   --impls eager,flashopm,flashopm-tf32,flashopm-medium --calls 5 --fp64-max-n 256 --out "$out/res/af"
 step bench_training $py -m flashopm bench --mode training --shapes "2,8,32,64,32,64;1,128,256,256,32,128" \
