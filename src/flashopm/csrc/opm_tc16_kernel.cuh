@@ -8,8 +8,10 @@
 // O is rounded to the 16-bit type as it goes to shared memory (as a 16-bit einsum rounds its
 // output), so phase 2 runs on 16-bit operands too.  a and b are stored (s, h)-major, i.e.
 // MN-major for phase 1's A and B.  kWgmma (sm_90a): phase 1 on warpgroup MMAs reading the
-// swizzled stages directly; otherwise mma.sync m16n8k16 fed by transposing ldmatrix.  Phase 2 is
-// mma.sync m16n8k16 in both forms.
+// swizzled stages directly; otherwise mma.sync m16n8k16 fed by transposing ldmatrix.
+// kWgmmaBoth (with kWgmma, where the block's pairs fill whole rounds of kT16RoundRows): phase 2 on
+// warpgroup MMAs too, as outᵀ = W·Oᵀ with both operands K-major, O written by phase 1 straight
+// into that layout; otherwise phase 2 is mma.sync m16n8k16 with the K halves split over warps.
 //
 // Requires H % 8 == 0 and 16-byte aligned a, b and W.
 #pragma once
