@@ -43,7 +43,7 @@ class ModelNew(nn.Module):
         # The functional API's body, inlined: this call is latency-bound at small sizes.
         if msa_repr.is_cuda and not _build.is_loaded():
             _build.load()
-        return outer_product_mean_op(msa_repr, msa_mask, *self._parameters_in_op_order(), 0)
+        return outer_product_mean_op(msa_repr, msa_mask, *self._parameters_in_op_order())
 
 
 def _lecun_normal_(weight: torch.Tensor) -> None:

@@ -254,6 +254,12 @@ __device__ __forceinline__ void wgmma_m64n64k16_kmajor(float (&d)[32], uint64_t 
 }
 #undef FLASHOPM_WGMMA_M64N64K16
 
+// p rounded up to the next 1 KB boundary of the shared address space: the 128-byte swizzle
+// follows address bits 4-9, so swizzled tiles start at such a boundary.
+__device__ __forceinline__ char* align_smem_1k(char* p) {
+  return p + ((1024 - (static_cast<uint32_t>(__cvta_generic_to_shared(p)) & 1023)) & 1023);
+}
+
 // Byte offset of 16-bit element (row, k) in a 128-byte-swizzled K-major tile whose 8-row groups
 // lie sbo bytes apart and whose 64-wide k groups lie 1 KB apart (the atom of rows 8r .. 8r+7).
 __device__ __forceinline__ uint32_t kmajor_sw128_offset(int row, int k, uint32_t sbo) {

@@ -28,7 +28,7 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
   extern __shared__ float4 smem_f4[];
   char* smem = reinterpret_cast<char*>(smem_f4);
   if constexpr (kWgmmaBoth)  // the swizzle follows address bits 4-9: every tile from a 1 KB boundary
-    smem += (1024 - (static_cast<uint32_t>(__cvta_generic_to_shared(smem)) & 1023)) & 1023;
+    smem = align_smem_1k(smem);
   const Tc16Layout L =
       tc16_layout(p.H, p.Ti, p.Tj, kWgmmaBoth ? kT16WgmmaBoth : kWgmma ? kT16WgmmaPhase1 : kT16MmaSync);
   T* Os = reinterpret_cast<T*>(smem);                  // [P][ldo]
@@ -68,26 +68,38 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
     constexpr int kRowParts = kT16WgBK / 32;  // rows of s per stage, 32 per pass of the block
     char* wg_stages = smem + L.stages;  // rounded up to 1 KB: the swizzle follows address bits 4-9
     if constexpr (!kWgmmaBoth)
-      wg_stages += (1024 - (static_cast<uint32_t>(__cvta_generic_to_shared(wg_stages)) & 1023)) & 1023;
+      wg_stages = align_smem_1k(wg_stages);
     // The destination of this thread's pieces within a stage (the same in every stage), and which
     // of its column groups hold valid columns of a.
     const uint32_t piece_dst = (pk >> 3) * 1024 + (pk & 7) * 128 + ((pc ^ (pk & 7)) << 4);
     bool a_ok[kTcMT / 64];
 #pragma unroll
     for (int grp = 0; grp < kTcMT / 64; ++grp) a_ok[grp] = grp * 64 + pc * 8 < a_lim;
-    for (int js = 0; js < kT16JSub; ++js) {
+    // One stage sequence over the column tiles in turn, so that the next tile's first stages load
+    // while this tile's last ones are multiplied and its O is stored.  That needs tile 0's O clear
+    // of the stages; later tiles' O overlays them, so only the last tile may drain the ring.
+    static_assert(kT16JSub == 2, "only the last column tile's O may overlay the stages");
+    // Running sources (row s = s_row of this thread's first piece, chunk pc of group 0) of the
+    // next stage to issue, from column tile issue_js: one pointer step per stage rather than each
+    // piece's offset from scratch (at 32 s per stage that arithmetic made the loop issue-bound).
+    const T* a_src = nullptr;
+    const T* b_src = nullptr;
+    int s_row = 0, issue_js = 0, issue_buf = 0, read_buf = 0;
+    bool b_ok[kTcNT / 64];
+    auto start_tile = [&](int js) {
       const int jt0 = j0 + js * Tj;
       const int b_lim = min(Tj * H, (N - jt0) * H);  // <= 0 for a column tile past N
-      bool b_ok[kTcNT / 64];
 #pragma unroll
       for (int grp = 0; grp < kTcNT / 64; ++grp) b_ok[grp] = grp * 64 + pc * 8 < b_lim;
-      // Running sources (row s = s_row of this thread's first piece, chunk pc of group 0) and
-      // stage: one pointer step per stage rather than each piece's offset from scratch (at 32 s
-      // per stage that arithmetic made phase 1's loop issue-bound).
-      const T* a_src = a_base + int64_t(pk) * NaH + pc * 8;
-      const T* b_src = b_g + int64_t(b) * S * NH + int64_t(jt0) * H + int64_t(pk) * NH + pc * 8;
-      int s_row = pk, issue_buf = 0;
-      auto issue_stage = [&]() {
+      a_src = a_base + int64_t(pk) * NaH + pc * 8;
+      b_src = b_g + int64_t(b) * S * NH + int64_t(jt0) * H + int64_t(pk) * NH + pc * 8;
+      s_row = pk;
+    };
+    start_tile(0);
+    // The next stage of the sequence into the next buffer of the ring; nothing once every tile's
+    // stages are issued (the caller still commits a group, empty, to keep the wait counts).
+    auto issue_stage = [&]() {
+      if (issue_js < kT16JSub) {
         char* st = wg_stages + issue_buf * kT16WgStageBytes + piece_dst;
 #pragma unroll
         for (int r = 0; r < kRowParts; ++r) {
@@ -107,23 +119,24 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
         a_src += int64_t(kT16WgBK) * NaH;
         b_src += int64_t(kT16WgBK) * NH;
         s_row += kT16WgBK;
-        issue_buf = issue_buf + 1 == kT16WgStages ? 0 : issue_buf + 1;
-      };
-#pragma unroll
-      for (int st = 0; st < kT16WgAhead; ++st) {
-        issue_stage();
-        cp_async_commit();
+        if (s_row - pk >= S && ++issue_js < kT16JSub) start_tile(issue_js);  // that was the tile's last stage
       }
-
+      issue_buf = issue_buf + 1 == kT16WgStages ? 0 : issue_buf + 1;
+    };
+#pragma unroll
+    for (int st = 0; st < kT16WgAhead; ++st) {
+      issue_stage();
+      cp_async_commit();
+    }
+    for (int js = 0; js < kT16JSub; ++js) {
       float acc[128];
 #pragma unroll
       for (int e = 0; e < 128; ++e) acc[e] = 0.f;
-      int read_buf = 0;
       for (int kt = 0; kt < n_k; ++kt) {
         cp_async_wait<kT16WgAhead - 1>();
         fence_proxy_async_smem();  // this thread's copies, visible to the tensor cores' reads
         __syncthreads();
-        // The stage refilled now was last read by the group of stage kt - 2, which every
+        // The stage refilled now was last read by the group two stages back, which every
         // warpgroup retired before the barrier (one group stays in flight).
         issue_stage();
         cp_async_commit();
@@ -140,8 +153,10 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
         wgmma_wait<1>();
       }
       wgmma_wait<0>();
-      cp_async_wait_all();
-      __syncthreads();  // every warp done with the stages: this tile's O may overwrite them
+      if (js + 1 == kT16JSub) {
+        cp_async_wait_all();
+        __syncthreads();  // every warp done with the stages: the last tile's O overlays them
+      }
 
       // O as [pair][h1·H + h2], pair = js·P1 + il·Tj + jl, rounded to T.  Column 8j + 2(lane%4)
       // of the accumulator lies in column tile jl = j / (H/8) (H is a multiple of 8).
@@ -343,17 +358,15 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
       for (int r0 = 0; r0 < P; r0 += kT16RoundRows) {
         // running source: row dg + wr of W at the next chunk to issue
         const T* w_src = w_g + int64_t(dg + wr) * K2 + wc * 8;
-        int w_next = 0;
+        // Chunk kc of W, nothing past the last (the caller still commits a group, empty).
         auto issue_w = [&](int kc) {
-          char* st = w_st + (kc % kT16Wg2Stages) * kT16Wg2ChunkBytes + w_dst;
-          const bool chunk_ok = w_next < n_kc;
+          if (kc < n_kc) {
+            char* st = w_st + (kc % kT16Wg2Stages) * kT16Wg2ChunkBytes + w_dst;
 #pragma unroll
-          for (int u = 0; u < kTcDG / 32; ++u) {
-            const bool ok = chunk_ok && d_ok[u];
-            cp_async16z(st + u * 4096, ok ? w_src + int64_t(32 * u) * K2 : w_g, ok);
+            for (int u = 0; u < kTcDG / 32; ++u)
+              cp_async16z(st + u * 4096, d_ok[u] ? w_src + int64_t(32 * u) * K2 : w_g, d_ok[u]);
+            w_src += 64;
           }
-          ++w_next;
-          w_src += 64;
         };
         __syncthreads();  // O written / the previous round's partial sums consumed
 #pragma unroll
