@@ -86,6 +86,10 @@ __device__ __forceinline__ void cp_async16z(void* dst, const void* src, bool val
   const unsigned dst_addr = static_cast<unsigned>(__cvta_generic_to_shared(dst));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst_addr), "l"(src), "r"(valid ? 16 : 0));
 }
+// The same with the destination as a shared-memory address.
+__device__ __forceinline__ void cp_async16z_shared(uint32_t dst_addr, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst_addr), "l"(src), "r"(valid ? 16 : 0));
+}
 __device__ __forceinline__ void cp_async16(float* dst, const float* src) { cp_async16z(dst, src, true); }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::); }
@@ -167,14 +171,24 @@ __device__ __forceinline__ float normalise(float acc, float bias, float row_den,
 // Output row and normaliser argument of pair `slot` of a round of phase 2 (see store_round): pair
 // (i0 + il, j0 + jl) of batch element b, rows local to the launch's, row_den[il] the row
 // denominator of row i0 + il (kNormRow); ok false marks a pair not stored (nothing else is read
-// for it).
+// for it).  kReciprocal: the argument is the reciprocal of the divisor (one division per pair
+// rather than per output, for outputs rounded to 16 bits afterwards).
+template <bool kReciprocal>
 __device__ __forceinline__ void stage_pair_row(const OuterArgs& p, int slot, bool ok, int b, int i0, int il, int j0,
                                                int jl, int N, int D, const float* row_den, int64_t* row_off,
                                                float* norm_arg) {
   row_off[slot] = ok ? ((int64_t(b) * p.out_rows + p.out_row0 + i0 + il) * N + j0 + jl) * D : -1;
-  norm_arg[slot] = !ok                        ? 0.f
+  const float na = !ok                        ? 0.f
                    : p.norm.kind == kNormRow ? row_den[il]
                                              : p.pair[(int64_t(b) * p.Na + i0 + il) * N + j0 + jl];
+  if constexpr (kReciprocal) {
+    norm_arg[slot] = !ok                            ? 0.f
+                     : p.norm.kind == kNormOpenFold ? 1.f / (p.norm.eps + na)
+                     : p.norm.kind == kNormBoltz    ? 1.f / fmaxf(na, 1.f)
+                                                    : 1.f / na;
+  } else {
+    norm_arg[slot] = na;
+  }
 }
 
 // Phase 2's two halves of K meet in red ([kMT·16 pairs][red_ld] floats): the warps of half 0 store
@@ -205,34 +219,33 @@ __device__ __forceinline__ void sum_k_halves(float* red, int red_ld, const float
 // The epilogue of the tensor-core kernels for one round of phase 2: kRows pairs x kTcDG columns
 // of sums in red ([kRows][red_ld] floats), normalised and stored.  row_off[pl] is pair pl's
 // element offset in out (negative: not stored), norm_arg[pl] its row denominator (kNormRow) or
-// pair count.  Each thread takes four consecutive d of one pair per step, so a warp stores whole
-// rows of the output; the loop stays rolled (straight-line code this long runs from a cold
-// instruction cache once per block).  kReciprocal: one division per four outputs (a last-bit
-// difference, for outputs rounded to 16 bits afterwards).
+// pair count, or with kReciprocal that divisor's reciprocal (stage_pair_row<true>).  Each thread
+// takes four consecutive d of one pair per step, so a warp stores whole rows of the output, and
+// the same four d in every step (nthreads is a multiple of kTcDG / 4), so the bias is read once:
+// the compiler cannot hoist that load past the output stores.  The loop stays rolled
+// (straight-line code this long runs from a cold instruction cache once per block).
 template <int kRows, bool kReciprocal>
 __device__ __forceinline__ void store_round(const OuterArgs& p, const float* red, int red_ld, const int64_t* row_off,
                                             const float* norm_arg, int dg, int tid, int nthreads) {
+  const int dl = (tid % (kTcDG / 4)) * 4, d = dg + dl;
+  if (d >= p.D) return;
+  float bias[4];
+#pragma unroll
+  for (int e = 0; e < 4; ++e) bias[e] = p.bias && d + e < p.D ? p.bias[d + e] : 0.f;
 #pragma unroll 1
-  for (int item = tid; item < kRows * (kTcDG / 4); item += nthreads) {
-    const int pl = item / (kTcDG / 4), dl = (item % (kTcDG / 4)) * 4, d = dg + dl;
+  for (int pl = tid / (kTcDG / 4); pl < kRows; pl += nthreads / (kTcDG / 4)) {
     const int64_t row = row_off[pl];
-    if (row < 0 || d >= p.D) continue;
+    if (row < 0) continue;
     const float na = norm_arg[pl];
     const float4 v4 = *reinterpret_cast<const float4*>(&red[pl * red_ld + dl]);
     const float v[4] = {v4.x, v4.y, v4.z, v4.w};
     float o[4];
-    if constexpr (kReciprocal) {
-      const float inv = p.norm.kind == kNormOpenFold ? 1.f / (p.norm.eps + na)
-                        : p.norm.kind == kNormBoltz  ? 1.f / fmaxf(na, 1.f)
-                                                     : 1.f / na;
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float bias = p.bias && d + e < p.D ? p.bias[d + e] : 0.f;
-        o[e] = p.norm.kind == kNormOpenFold ? (v[e] + bias) * inv : fmaf(v[e], inv, bias);
-      }
-    } else {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) o[e] = normalise(v[e], p.bias && d + e < p.D ? p.bias[d + e] : 0.f, na, na, p.norm);
+    for (int e = 0; e < 4; ++e) {
+      if constexpr (kReciprocal)
+        o[e] = p.norm.kind == kNormOpenFold ? (v[e] + bias[e]) * na : fmaf(v[e], na, bias[e]);
+      else
+        o[e] = normalise(v[e], bias[e], na, na, p.norm);
     }
     if ((p.D & 3) == 0) {
       store_out4(p.out, row + d, o, p.out_kind);

@@ -69,12 +69,15 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
     char* wg_stages = smem + L.stages;  // rounded up to 1 KB: the swizzle follows address bits 4-9
     if constexpr (!kWgmmaBoth)
       wg_stages = align_smem_1k(wg_stages);
-    // The destination of this thread's pieces within a stage (the same in every stage), and which
-    // of its column groups hold valid columns of a.
-    const uint32_t piece_dst = (pk >> 3) * 1024 + (pk & 7) * 128 + ((pc ^ (pk & 7)) << 4);
-    bool a_ok[kTcMT / 64];
+    // The shared address of this thread's pieces in stage 0 (in stage k: + k stages), and which
+    // of its column groups hold valid columns: bits 0-1 a's groups, bits 2-5 b's (of the tile
+    // being issued).  A mask in one register rather than flags the compiler recomputed per stage.
+    const uint32_t piece_dst0 = static_cast<uint32_t>(__cvta_generic_to_shared(wg_stages)) + (pk >> 3) * 1024 +
+                                (pk & 7) * 128 + ((pc ^ (pk & 7)) << 4);
+    uint32_t col_ok = 0;
 #pragma unroll
-    for (int grp = 0; grp < kTcMT / 64; ++grp) a_ok[grp] = grp * 64 + pc * 8 < a_lim;
+    for (int grp = 0; grp < kTcMT / 64; ++grp) col_ok |= uint32_t(grp * 64 + pc * 8 < a_lim) << grp;
+    constexpr int kBBit = kTcMT / 64;
     // One stage sequence over the column tiles in turn, so that the next tile's first stages load
     // while this tile's last ones are multiplied and its O is stored.  That needs tile 0's O clear
     // of the stages; later tiles' O overlays them, so only the last tile may drain the ring.
@@ -85,12 +88,12 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
     const T* a_src = nullptr;
     const T* b_src = nullptr;
     int s_row = 0, issue_js = 0, issue_buf = 0, read_buf = 0;
-    bool b_ok[kTcNT / 64];
     auto start_tile = [&](int js) {
       const int jt0 = j0 + js * Tj;
       const int b_lim = min(Tj * H, (N - jt0) * H);  // <= 0 for a column tile past N
+      col_ok &= (1u << kBBit) - 1;
 #pragma unroll
-      for (int grp = 0; grp < kTcNT / 64; ++grp) b_ok[grp] = grp * 64 + pc * 8 < b_lim;
+      for (int grp = 0; grp < kTcNT / 64; ++grp) col_ok |= uint32_t(grp * 64 + pc * 8 < b_lim) << (kBBit + grp);
       a_src = a_base + int64_t(pk) * NaH + pc * 8;
       b_src = b_g + int64_t(b) * S * NH + int64_t(jt0) * H + int64_t(pk) * NH + pc * 8;
       s_row = pk;
@@ -100,20 +103,21 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
     // stages are issued (the caller still commits a group, empty, to keep the wait counts).
     auto issue_stage = [&]() {
       if (issue_js < kT16JSub) {
-        char* st = wg_stages + issue_buf * kT16WgStageBytes + piece_dst;
+        const uint32_t st = piece_dst0 + uint32_t(issue_buf * kT16WgStageBytes);
 #pragma unroll
         for (int r = 0; r < kRowParts; ++r) {
-          const bool row_ok = s_row + 32 * r < S;
+          const uint32_t ok_bits = s_row + 32 * r < S ? col_ok : 0u;
 #pragma unroll
           for (int grp = 0; grp < kTcMT / 64; ++grp) {
-            const bool ok = row_ok && a_ok[grp];
-            cp_async16z(st + r * 4096 + grp * kT16WgGroupBytes, ok ? a_src + int64_t(32 * r) * NaH + grp * 64 : a_g, ok);
+            const bool ok = (ok_bits >> grp) & 1u;
+            cp_async16z_shared(st + r * 4096 + grp * kT16WgGroupBytes,
+                               ok ? a_src + int64_t(32 * r) * NaH + grp * 64 : a_g, ok);
           }
 #pragma unroll
           for (int grp = 0; grp < kTcNT / 64; ++grp) {
-            const bool ok = row_ok && b_ok[grp];
-            cp_async16z(st + r * 4096 + kT16WgABytes + grp * kT16WgGroupBytes,
-                        ok ? b_src + int64_t(32 * r) * NH + grp * 64 : b_g, ok);
+            const bool ok = (ok_bits >> (kBBit + grp)) & 1u;
+            cp_async16z_shared(st + r * 4096 + kT16WgABytes + grp * kT16WgGroupBytes,
+                               ok ? b_src + int64_t(32 * r) * NH + grp * 64 : b_g, ok);
           }
         }
         a_src += int64_t(kT16WgBK) * NaH;
@@ -128,6 +132,10 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
       issue_stage();
       cp_async_commit();
     }
+    // Stage 0's descriptors; another stage's or k step's differ in the start address alone, whose
+    // field (address / 16, 14 bits) holds every shared address without carrying into the next.
+    const uint64_t desc_a0 = wgmma_desc(wg_stages + wg * kT16WgGroupBytes, kT16WgGroupBytes, 1024);
+    const uint64_t desc_b0 = wgmma_desc(wg_stages + kT16WgABytes, kT16WgGroupBytes, 1024);
     for (int js = 0; js < kT16JSub; ++js) {
       float acc[128];
 #pragma unroll
@@ -140,15 +148,12 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
         // warpgroup retired before the barrier (one group stays in flight).
         issue_stage();
         cp_async_commit();
-        const char* st = wg_stages + read_buf * kT16WgStageBytes;
+        const uint64_t stage_off = uint64_t(read_buf * (kT16WgStageBytes >> 4));
         read_buf = read_buf + 1 == kT16WgStages ? 0 : read_buf + 1;
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < kT16WgBK / 16; ++kk) {
-          const uint64_t da = wgmma_desc(st + wg * kT16WgGroupBytes + kk * 2048, kT16WgGroupBytes, 1024);
-          const uint64_t db = wgmma_desc(st + kT16WgABytes + kk * 2048, kT16WgGroupBytes, 1024);
-          wgmma_m64n256k16<T>(acc, da, db);
-        }
+        for (int kk = 0; kk < kT16WgBK / 16; ++kk)
+          wgmma_m64n256k16<T>(acc, desc_a0 + stage_off + kk * (2048 >> 4), desc_b0 + stage_off + kk * (2048 >> 4));
         wgmma_commit();
         wgmma_wait<1>();
       }
@@ -336,7 +341,7 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
       const int pr = r0 + tid;
       const int js = pr / P1, rem = pr - js * P1;
       const int il = rem / Tj, jl = js * Tj + rem - il * Tj;
-      stage_pair_row(p, tid, pr < P && i0 + il < p.Na && j0 + jl < N, b, i0, il, j0, jl, N, D, row_den, row_off,
+      stage_pair_row<true>(p, tid, pr < P && i0 + il < p.Na && j0 + jl < N, b, i0, il, j0, jl, N, D, row_den, row_off,
                      norm_arg);
     }
   };

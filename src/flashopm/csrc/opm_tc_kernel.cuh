@@ -238,7 +238,7 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const Outer
       if (tid < kTcRoundRows) {
         const int pr = r0 + tid;
         const int il = pr / Tj, jl = pr - il * Tj;
-        stage_pair_row(p, tid, pr < P && i0 + il < p.Na && j0 + jl < N, b, i0, il, j0, jl, N, D,
+        stage_pair_row<false>(p, tid, pr < P && i0 + il < p.Na && j0 + jl < N, b, i0, il, j0, jl, N, D,
                      den_s, row_off, norm_arg);
       }
       sum_k_halves<2>(red, kRedLd, acc2, kh, dw * 32, g, t);
