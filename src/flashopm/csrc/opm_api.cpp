@@ -364,6 +364,7 @@ void run_outer(OuterArgs oa, int64_t i_offset, int64_t rows, int64_t out_rows, i
     if (outer_tc16_wgmma_built() && info.cc_major == 9 && info.cc_minor == 0 && mma_sync != "1")
       form = mma_sync == "phase2" ? kT16WgmmaPhase1 : kT16WgmmaBoth;
     form = tc16_form(oa.Ti, oa.Tj, form);
+    if (form == kT16WgmmaBoth && oa.w_blocked == nullptr) form = kT16WgmmaPhase1;
     check_smem(outer_tc16_smem_bytes(oa.H, oa.Ti, oa.Tj, form), dev, "16-bit tensor-core outer-product");
     launch_outer_tc16(oa, operand_kind, form, stream);
   } else if (tensor_cores) {
@@ -640,7 +641,14 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     at::Tensor w_op = operands16 ? w_out_in.to(ws_type).contiguous() : w_out;
     if (reinterpret_cast<uintptr_t>(w_op.data_ptr()) % 16 != 0) w_op = w_op.clone();
 
-    const OuterArgs oa = outer_args(a_buf, b_buf, mask_view, w_op, b_out, out, B, S, N, H, D, norm);
+    OuterArgs oa = outer_args(a_buf, b_buf, mask_view, w_op, b_out, out, B, S, N, H, D, norm);
+    // The 16-bit kernel's wgmma phase 2 reads W with k in 8 x 8 blocks of (h1, h2) (o_k_order),
+    // the order in which phase 1 stores O without shared-memory bank conflicts.
+    at::Tensor w_blocked;
+    if (operands16 && H % 8 == 0) {
+      w_blocked = w_op.view({D, H / 8, 8, H / 8, 8}).transpose(2, 3).contiguous();
+      oa.w_blocked = w_blocked.data_ptr();
+    }
     for (int64_t i_off = 0; i_off < N; i_off += rows) {
       const int64_t ni = std::min<int64_t>(rows, N - i_off);
       // First block: all N rows for b, its own rows for a.  Later blocks: their rows, a only.

@@ -254,6 +254,13 @@ __device__ __forceinline__ void wgmma_m64n64k16_kmajor(float (&d)[32], uint64_t 
 }
 #undef FLASHOPM_WGMMA_M64N64K16
 
+// Position of element (h1, h2) of an H x H outer product (H = 8·hb) along k in the 16-bit
+// kernel's O and W operands of phase 2: 8 x 8 blocks of (h1, h2) in the order (h1 / 8, h2 / 8),
+// each one 64-wide swizzle group, h1 % 8 selecting its 16-byte piece and h2 % 8 the element.
+__device__ __forceinline__ int o_k_order(int h1, int h2, int hb) {
+  return (((h1 >> 3) * hb + (h2 >> 3)) << 6) + ((h1 & 7) << 3) + (h2 & 7);
+}
+
 // p rounded up to the next 1 KB boundary of the shared address space: the 128-byte swizzle
 // follows address bits 4-9, so swizzled tiles start at such a boundary.
 __device__ __forceinline__ char* align_smem_1k(char* p) {

@@ -102,6 +102,7 @@ struct OuterArgs {
   const void* b;  // (B, S, N, H) contiguous: all residues (columns j)
   MaskView mask;       // (B, S, N): all residues
   const void* w_out;   // (D, H*H)
+  const void* w_blocked;  // the 16-bit kernel's wgmma phase 2: w_out with k in o_k_order's order, or null
   const float* bias;   // (D) or null
   void* out;           // (B, out_rows, N, D) of out_kind; row i_offset + r of the problem is row out_row0 + r
   int out_kind;

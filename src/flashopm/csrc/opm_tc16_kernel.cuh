@@ -167,12 +167,14 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
       // of the accumulator lies in column tile jl = j / (H/8) (H is a multiple of 8).
       const int hb = H >> 3;
       if constexpr (kWgmmaBoth) {
-        // phase 2's B operand: K-major, pair groups of 8 rows H²·16 bytes apart.  For H = 8·kHB
-        // (kHB = 1, 2, 4) and full column tiles the offsets fold to constants but for one base
-        // per row half (the general form's division and offset arithmetic per store took as many
-        // instructions as phase 1's loop): a tile's pair rows start at multiples of 8, so a
-        // pair's row within its group of 8 is jl % 8, and k = h1·H + 8q + 2t splits into
-        // 64-wide group (h1·kHB) / 8 and 16-byte piece ((h1·kHB) % 8) | q without carries.
+        // phase 2's B operand: K-major, pair groups of 8 rows H²·16 bytes apart, k in the order
+        // o_k_order gives (8 x 8 blocks of (h1, h2), one 64-wide swizzle group each), so that the
+        // 32 lanes of a store (8 rows h1 by lane / 4, 4 pairs of h2 by lane % 4) fill one 128-byte
+        // row: no bank conflicts (in the order h1·H + h2 eight lanes shared each bank).  For
+        // H = 8·kHB (kHB = 1, 2, 4) and full column tiles the offsets fold to constants but for
+        // one base per row half (the general form's division and offset arithmetic per store took
+        // as many instructions as phase 1's loop): a tile's pair rows start at multiples of 8, so
+        // a pair's row within its group of 8 is jl % 8.
         auto store_o_folded = [&](auto hb_const) {
           constexpr int kHB = decltype(hb_const)::value, kH = 8 * kHB, kTj = 32 / kHB;
           constexpr uint32_t kSbo = 16u * kH * kH;
@@ -181,12 +183,12 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
             const int m = wg * 64 + wl * 16 + g + 8 * half;
             const int il = m / kH, h1 = m % kH;
             if (il < Ti) {
-              const uint32_t base = uint32_t((js * P1 + il * kTj) >> 3) * kSbo + uint32_t((h1 * kHB) >> 3) * 1024u +
-                                    4u * t + (uint32_t((h1 * kHB) & 7) << 4);
+              const uint32_t base = uint32_t((js * P1 + il * kTj) >> 3) * kSbo + uint32_t(h1 >> 3) * (kHB * 1024u) + 4u * t;
 #pragma unroll
               for (int j = 0; j < 32; ++j) {
-                const int jl = j / kHB, q = j % kHB;
-                const uint32_t off = (base ^ uint32_t((q ^ (jl & 7)) << 4)) + uint32_t(jl >> 3) * kSbo + uint32_t(jl & 7) * 128u;
+                const int jl = j / kHB, q = j % kHB;  // column tile jl, h2 = 8q + 2t (+1)
+                const uint32_t off = base + uint32_t(q) * 1024u + uint32_t(jl >> 3) * kSbo + uint32_t(jl & 7) * 128u +
+                                     (uint32_t((h1 & 7) ^ (jl & 7)) << 4);
                 *reinterpret_cast<uint32_t*>(smem + off) = pack_16bit<T>(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
               }
             }
@@ -205,13 +207,14 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
             const int m = wg * 64 + wl * 16 + g + 8 * half;
             const int il = m / H;
             if (il < Ti) {
-              const int k_row = (m - il * H) * H + 2 * t;
+              const int h1 = m - il * H;
               const int pair_row = js * P1 + il * Tj;
 #pragma unroll
               for (int j = 0; j < 32; ++j) {
                 const int jl = j / hb;
                 if (jl < Tj)
-                  *reinterpret_cast<uint32_t*>(smem + kmajor_sw128_offset(pair_row + jl, k_row + 8 * (j - jl * hb), o_sbo)) =
+                  *reinterpret_cast<uint32_t*>(
+                      smem + kmajor_sw128_offset(pair_row + jl, o_k_order(h1, 8 * (j - jl * hb) + 2 * t, hb), o_sbo)) =
                       pack_16bit<T>(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
               }
             }
@@ -351,6 +354,7 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
     // O as written above (B, K-major).
     const int n_kc = K2 / 64;
     const int wg = warp >> 2, wl = warp & 3;
+    const T* w_blk = static_cast<const T*>(p.w_blocked);
     const uint32_t o_sbo = uint32_t(K2) * 16;
     char* w_st = smem + L.w;
     // This thread's pieces of a chunk: rows d = tid/8 + 32u, 16-byte piece tid % 8 of the row.
@@ -361,15 +365,15 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
 #pragma unroll
       for (int u = 0; u < kTcDG / 32; ++u) d_ok[u] = dg + wr + 32 * u < D;
       for (int r0 = 0; r0 < P; r0 += kT16RoundRows) {
-        // running source: row dg + wr of W at the next chunk to issue
-        const T* w_src = w_g + int64_t(dg + wr) * K2 + wc * 8;
+        // running source: row dg + wr of W (k in O's order) at the next chunk to issue
+        const T* w_src = w_blk + int64_t(dg + wr) * K2 + wc * 8;
         // Chunk kc of W, nothing past the last (the caller still commits a group, empty).
         auto issue_w = [&](int kc) {
           if (kc < n_kc) {
             char* st = w_st + (kc % kT16Wg2Stages) * kT16Wg2ChunkBytes + w_dst;
 #pragma unroll
             for (int u = 0; u < kTcDG / 32; ++u)
-              cp_async16z(st + u * 4096, d_ok[u] ? w_src + int64_t(32 * u) * K2 : w_g, d_ok[u]);
+              cp_async16z(st + u * 4096, d_ok[u] ? w_src + int64_t(32 * u) * K2 : w_blk, d_ok[u]);
             w_src += 64;
           }
         };
