@@ -189,7 +189,7 @@ constexpr int kT16Wg2Stages = 4;
 // their stages are consumed), the W stages after all of O (also the float32 partial sums of
 // phase 2's two k halves), then the output rows of a round of phase 2 (see store_round).  In the
 // form with both phases on wgmma, O is phase 2's K-major B operand instead (pairs in groups of 8
-// rows, each group H² · 16 bytes: see kmajor_sw128_offset) and every offset is from the shared
+// rows, each group H² · 16 bytes: see kmajor_sw128_offset; k in o_k_order) and every offset is from the shared
 // memory's start rounded up to 1 KB.  The row denominators come from launch_row_denominators.
 constexpr int kT16RoundRows = 64;  // pairs per round of phase 2
 struct Tc16Layout {

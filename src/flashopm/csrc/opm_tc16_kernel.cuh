@@ -11,9 +11,11 @@
 // swizzled stages directly; otherwise mma.sync m16n8k16 fed by transposing ldmatrix.
 // kWgmmaBoth (with kWgmma, where the block's pairs fill whole rounds of kT16RoundRows): phase 2 on
 // warpgroup MMAs too, as outᵀ = W·Oᵀ with both operands K-major, O written by phase 1 straight
-// into that layout; otherwise phase 2 is mma.sync m16n8k16 with the K halves split over warps.
+// into that layout, its k in 8 x 8 blocks of (h1, h2) (o_k_order, for stores without bank
+// conflicts), and W read in the same order from OuterArgs::w_blocked; otherwise phase 2 is
+// mma.sync m16n8k16 with the K halves split over warps.
 //
-// Requires H % 8 == 0 and 16-byte aligned a, b and W.
+// Requires H % 8 == 0 and 16-byte aligned a, b and W (and w_blocked).
 #pragma once
 
 #include "opm_kernels.cuh"
