@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Kernel variants side by side on one GPU: each variant's CUDA sources in their own copy of the
+# package and build cache, test_cuda on each, then scripts/ab_time.py for each variant in turn,
+# twice over (so that drift shows).  A variant is `cur` (the working tree) or a directory of files
+# that replace src/flashopm/csrc/*, e.g. the sources of an earlier commit:
+#     mkdir -p ab/old && git archive REV src/flashopm/csrc | tar -x --strip-components=3 -C ab/old
+#   usage: scripts/ab_variants.sh OUTDIR VARIANT... (ab_time.py's options in AB_TIME_ARGS)
+set -u
+out=${1:?usage: scripts/ab_variants.sh OUTDIR VARIANT...}; shift
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+mkdir -p "$out"
+export MAX_JOBS=${MAX_JOBS:-16} PYTHONUNBUFFERED=1
+py=${PYTHON:-python3}
+name() { basename "$1"; }
+for v in "$@"; do
+  n=$(name "$v"); rm -rf "/tmp/ab-$n"; mkdir -p "/tmp/ab-$n"; cp -r src "/tmp/ab-$n/"
+  [ "$v" != cur ] && cp "$v"/* "/tmp/ab-$n/src/flashopm/csrc/"
+  ( FLASHOPM_CACHE_DIR="/tmp/ab-cache-$n" PYTHONPATH="/tmp/ab-$n/src" $py -c "import flashopm._build as b; b.load()" \
+      >"$out/build_$n.log" 2>&1 ) &
+done
+wait
+for v in "$@"; do
+  n=$(name "$v")
+  FLASHOPM_CACHE_DIR="/tmp/ab-cache-$n" PYTHONPATH="/tmp/ab-$n/src" $py -m pytest -q -x tests/test_cuda.py \
+    >"$out/tests_$n.log" 2>&1
+  echo "$n: $(tail -1 "$out/tests_$n.log")"
+done
+for round in 1 2; do
+  for v in "$@"; do
+    n=$(name "$v")
+    FLASHOPM_CACHE_DIR="/tmp/ab-cache-$n" PYTHONPATH="/tmp/ab-$n/src" $py scripts/ab_time.py "$n" ${AB_TIME_ARGS:-} 2>&1 |
+      grep -v Warning | tee -a "$out/ab.log"
+  done
+done
