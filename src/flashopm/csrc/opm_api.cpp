@@ -331,6 +331,18 @@ OuterArgs outer_args(const void* a, const void* b, const MaskView& mask, const a
   return oa;
 }
 
+// The 16-bit kernel's form for this GPU before the tile is known: warpgroup MMAs where the
+// extension holds sm_90a code and the GPU runs it, for both phases (where the tile allows);
+// FLASHOPM_TC16_MMA_SYNC=1 asks for mma.sync throughout and FLASHOPM_TC16_MMA_SYNC=phase2 for
+// mma.sync in phase 2 only (to compare the forms).
+int requested_tc16_form(int dev) {
+  const DeviceInfo& info = device_info(dev);
+  const char* env = std::getenv("FLASHOPM_TC16_MMA_SYNC");
+  const std::string mma_sync = env ? env : "";
+  if (!outer_tc16_wgmma_built() || info.cc_major != 9 || info.cc_minor != 0 || mma_sync == "1") return kT16MmaSync;
+  return mma_sync == "phase2" ? kT16WgmmaPhase1 : kT16WgmmaBoth;
+}
+
 // One launch of the outer-first contraction for rows i_offset .. i_offset + rows of the problem
 // (a holds those rows) against all N columns, written from row out_row0 of an output with
 // out_rows rows per batch: tensor cores with 16-bit operands (operand_kind kMaskBFloat16 or
@@ -354,16 +366,7 @@ void run_outer(OuterArgs oa, int64_t i_offset, int64_t rows, int64_t out_rows, i
   FLASHOPM_CHECK((rows + oa.Ti - 1) / oa.Ti <= 65535, "flashopm: too many rows for one launch (", rows, " rows of ",
                  oa.N, ")");
   if (operand_kind != kMaskFloat) {
-    // Warpgroup MMAs where the extension holds sm_90a code and the GPU runs it, for both phases
-    // where the tile allows; FLASHOPM_TC16_MMA_SYNC=1 asks for mma.sync throughout and
-    // FLASHOPM_TC16_MMA_SYNC=phase2 for mma.sync in phase 2 only (to compare the forms).
-    const DeviceInfo& info = device_info(dev);
-    const char* env = std::getenv("FLASHOPM_TC16_MMA_SYNC");
-    const std::string mma_sync = env ? env : "";
-    int form = kT16MmaSync;
-    if (outer_tc16_wgmma_built() && info.cc_major == 9 && info.cc_minor == 0 && mma_sync != "1")
-      form = mma_sync == "phase2" ? kT16WgmmaPhase1 : kT16WgmmaBoth;
-    form = tc16_form(oa.Ti, oa.Tj, form);
+    int form = tc16_form(oa.Ti, oa.Tj, requested_tc16_form(dev));
     if (form == kT16WgmmaBoth && oa.w_blocked == nullptr) form = kT16WgmmaPhase1;
     check_smem(outer_tc16_smem_bytes(oa.H, oa.Ti, oa.Tj, form), dev, "16-bit tensor-core outer-product");
     launch_outer_tc16(oa, operand_kind, form, stream);
@@ -643,9 +646,10 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
 
     OuterArgs oa = outer_args(a_buf, b_buf, mask_view, w_op, b_out, out, B, S, N, H, D, norm);
     // The 16-bit kernel's wgmma phase 2 reads W with k in 8 x 8 blocks of (h1, h2) (o_k_order),
-    // the order in which phase 1 stores O without shared-memory bank conflicts.
+    // the order in which phase 1 stores O without shared-memory bank conflicts; one copy per
+    // call, only where that form can run.
     at::Tensor w_blocked;
-    if (operands16 && H % 8 == 0) {
+    if (operands16 && H % 8 == 0 && requested_tc16_form(dev) == kT16WgmmaBoth) {
       w_blocked = w_op.view({D, H / 8, 8, H / 8, 8}).transpose(2, 3).contiguous();
       oa.w_blocked = w_blocked.data_ptr();
     }

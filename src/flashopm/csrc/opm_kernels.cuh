@@ -81,14 +81,13 @@ __device__ __forceinline__ void cp_async4(float* dst, const float* src, bool val
                "r"(src_bytes));
 }
 // 16-byte asynchronous global->shared copy that bypasses L1 (both 16-byte aligned); zero-fills
-// when !valid.
-__device__ __forceinline__ void cp_async16z(void* dst, const void* src, bool valid) {
-  const unsigned dst_addr = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst_addr), "l"(src), "r"(valid ? 16 : 0));
-}
-// The same with the destination as a shared-memory address.
+// when !valid.  dst_addr: the destination as a shared-memory address.
 __device__ __forceinline__ void cp_async16z_shared(uint32_t dst_addr, const void* src, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst_addr), "l"(src), "r"(valid ? 16 : 0));
+}
+// The same with the destination as a generic pointer.
+__device__ __forceinline__ void cp_async16z(void* dst, const void* src, bool valid) {
+  cp_async16z_shared(static_cast<uint32_t>(__cvta_generic_to_shared(dst)), src, valid);
 }
 __device__ __forceinline__ void cp_async16(float* dst, const float* src) { cp_async16z(dst, src, true); }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
