@@ -14,6 +14,7 @@ import torch
 from . import _build
 from .reference import (
     GRAD_INPUTS,
+    contract_outer_blocks_backward,
     ROWS_GRAD_INPUTS,
     outer_product_mean_backward_reference,
     outer_product_mean_reference,
@@ -59,6 +60,13 @@ SCHEMAS = {
     "outer_product_mean_rows_backward": (
         "outer_product_mean_rows_backward(Tensor grad_out, Tensor a, Tensor b, Tensor mask, int row_offset, "
         "Tensor w_out, Tensor? b_out, int normalization, float norm_eps, bool[] output_mask) -> Tensor[]"
+    ),
+    # Gradients of the outer-first contraction out = W_out vec(sum_s a[s,i] (x) b[s,j]) for the
+    # output gradient grad (B, N_rows, N_cols, D), normalisation already applied: [grad_a
+    # (B, S, N_rows, H), grad_b (B, S, N_cols, H), grad_w_out (D, H*H)], empty where not asked for.
+    "outer_contract_backward": (
+        "outer_contract_backward(Tensor grad, Tensor a, Tensor b, Tensor w_out, bool need_ab, bool need_w, "
+        "int precision=-1) -> Tensor[]"
     ),
     "_noop": "_noop(Tensor x) -> ()",
     # The single-launch kernel's tiling for a problem size (CUDA only; for tests and the
@@ -167,12 +175,45 @@ outer_product_mean_op = torch.ops.flashopm.outer_product_mean.default
 
 
 # ---- backward ----
-# One implementation for every device for now (PyTorch, blocks of output rows, memory near the
-# output's); a CUDA kernel registered from C++ for the CUDA key would take precedence over it.
+# One implementation for every device: the LayerNorm and projection parts in PyTorch, the three
+# contractions over the (pairs x H*H) intermediate in outer_contract_backward (fused CUDA kernels
+# registered from C++; PyTorch in blocks of rows on the CPU).
 
 
 def _grads_as_tensors(grads, like):
     return [g if g is not None else like[0].new_empty(0) for g in grads]
+
+
+# CPU only: on CUDA the C++ kernels are the implementation (no silent fallback to PyTorch).
+@torch.library.impl(_lib, "outer_contract_backward", "CPU")
+def _outer_contract_backward_impl(grad, a, b, w_out, need_ab, need_w, precision=FOLLOW_PYTORCH):
+    grads = contract_outer_blocks_backward(grad, a, b, w_out, need_ab, need_w)
+    return [t if t is not None else a.new_empty(0) for t in grads]
+
+
+@torch.library.register_fake("flashopm::outer_contract_backward")
+def _outer_contract_backward_fake(grad, a, b, w_out, need_ab, need_w, precision=FOLLOW_PYTORCH):
+    D, HH = w_out.shape
+    return [a.new_empty(a.shape) if need_ab else a.new_empty(0), b.new_empty(b.shape) if need_ab else a.new_empty(0),
+            a.new_empty((D, HH)) if need_w else a.new_empty(0)]
+
+
+outer_contract_backward_op = torch.ops.flashopm.outer_contract_backward.default
+
+# hidden_dim values the fused CUDA backward supports (a block owns 128 columns (h1, h2))
+FUSED_BACKWARD_HIDDEN = (16, 32, 64)
+
+
+def contract_backward(g, a, b, w_out, need_ab, need_w):
+    """(grad_a, grad_b, grad_w_out) of the outer-first contraction, None where not needed: the
+    fused CUDA kernels for float32 CUDA tensors with hidden_dim 16, 32 or 64, else PyTorch in
+    blocks of rows (reference.contract_outer_blocks_backward)."""
+    if g.is_cuda and a.dtype == torch.float32 and a.shape[-1] in FUSED_BACKWARD_HIDDEN:
+        if not _build.is_loaded():
+            _build.load()
+        ga, gb, gw = outer_contract_backward_op(g, a, b, w_out, need_ab, need_w)
+        return (ga if need_ab else None, gb if need_ab else None, gw if need_w else None)
+    return contract_outer_blocks_backward(g, a, b, w_out, need_ab, need_w)
 
 
 @torch.library.impl(_lib, "outer_product_mean_backward", "CompositeExplicitAutograd")
@@ -182,7 +223,7 @@ def _outer_product_mean_backward_impl(grad_out, msa_repr, msa_mask, ln_weight, l
         raise ValueError(f"flashopm: output_mask must have {len(GRAD_INPUTS)} entries, got {len(output_mask)}")
     grads = outer_product_mean_backward_reference(
         grad_out, msa_repr, msa_mask, ln_weight, ln_bias, w_a, b_a, w_b, b_b, w_out, b_out, ln_eps,
-        normalization, norm_eps, tuple(output_mask),
+        normalization, norm_eps, tuple(output_mask), contract_backward=contract_backward,
     )
     return _grads_as_tensors(grads, (msa_repr, ln_weight, ln_bias, w_a, b_a, w_b, b_b, w_out, b_out))
 
@@ -299,7 +340,8 @@ def _outer_product_mean_rows_backward_impl(grad_out, a, b, mask, row_offset, w_o
     if len(output_mask) != len(ROWS_GRAD_INPUTS):
         raise ValueError(f"flashopm: output_mask must have {len(ROWS_GRAD_INPUTS)} entries, got {len(output_mask)}")
     grads = outer_product_mean_rows_backward_reference(grad_out, a, b, mask, row_offset, w_out, b_out, normalization,
-                                                       norm_eps, tuple(output_mask))
+                                                       norm_eps, tuple(output_mask),
+                                                       contract_backward=contract_backward)
     return _grads_as_tensors(grads, (a, b, w_out, b_out))
 
 

@@ -102,14 +102,18 @@ ROWS_GRAD_INPUTS = ("a", "b", "w_out", "b_out")
 
 
 def outer_product_mean_rows_backward_reference(grad_out, a, b, mask, row_offset, w_out, b_out, normalization=0,
-                                               norm_eps=1e-3, needs=(True,) * 4, chunk_elems=1 << 26):
+                                               norm_eps=1e-3, needs=(True,) * 4, chunk_elems=1 << 26,
+                                               contract_backward=None):
     """Gradients of outer_product_mean_rows_reference for ROWS_GRAD_INPUTS (None where not needed
-    or where the bias is None)."""
+    or where the bias is None); `contract_backward` as in outer_product_mean_backward_reference."""
     Nr = a.shape[2]
     m = mask.to(a.dtype)
     g = grad_out / output_divisor(m[:, :, row_offset:row_offset + Nr], m, normalization, norm_eps)
     need_a, need_b, need_w, need_bo = needs
-    grad_a, grad_b, grad_w = contract_outer_blocks_backward(g, a, b, w_out, need_a or need_b, need_w, chunk_elems)
+    if contract_backward is not None:
+        grad_a, grad_b, grad_w = contract_backward(g, a, b, w_out, need_a or need_b, need_w)
+    else:
+        grad_a, grad_b, grad_w = contract_outer_blocks_backward(g, a, b, w_out, need_a or need_b, need_w, chunk_elems)
     grad_bo = None
     if need_bo and b_out is not None:
         grad_bo = (g if normalization == 1 else grad_out).sum((0, 1, 2))
@@ -179,6 +183,7 @@ def outer_product_mean_backward_reference(
     norm_eps: float = 1e-3,
     needs: tuple[bool, ...] = (True,) * 9,
     chunk_elems: int | None = None,
+    contract_backward=None,
 ) -> list[torch.Tensor | None]:
     """Gradients of `outer_product_mean_reference` for the inputs named in GRAD_INPUTS, written out
     by hand, with the (B, n, N, H, H) intermediates formed for blocks of n output rows i only
@@ -193,6 +198,8 @@ def outer_product_mean_backward_reference(
         grad_b_out   = sum_{i,j} grad_out (sum_{i,j} g where the bias is divided too: OpenFold)
     then through the mask, both projections and LayerNorm.  Entries whose `needs` flag is False
     (or whose bias is None) are None.  Sums run in float32 for half-precision inputs.
+    `contract_backward(g, a, b, w_out, need_ab, need_w)` replaces contract_outer_blocks_backward for
+    the three contractions (the fused CUDA kernels); it returns (grad_a, grad_b, grad_w_out).
     """
     B, S, N, C = msa_repr.shape
     H, D = w_a.shape[0], w_out.shape[0]
@@ -211,9 +218,12 @@ def outer_product_mean_backward_reference(
     grads: dict[str, torch.Tensor | None] = dict.fromkeys(GRAD_INPUTS)
     if need_bo and b_out is not None:
         grads["b_out"] = (g if normalization == 1 else grad_out.to(work)).sum((0, 1, 2))
-    if chunk_elems is None:
-        chunk_elems = backward_block_elems(grad_out)
-    grad_a, grad_b, grad_w = contract_outer_blocks_backward(g, a, b, wo, need_proj, need_wo, chunk_elems)
+    if contract_backward is not None:
+        grad_a, grad_b, grad_w = contract_backward(g, a, b, wo, need_proj, need_wo)
+    else:
+        if chunk_elems is None:
+            chunk_elems = backward_block_elems(grad_out)
+        grad_a, grad_b, grad_w = contract_outer_blocks_backward(g, a, b, wo, need_proj, need_wo, chunk_elems)
     del g, a, b  # (B, N, N, D) and (B, S, N, H): not needed below
     if need_wo:
         grads["w_out"] = grad_w

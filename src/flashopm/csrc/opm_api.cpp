@@ -737,6 +737,106 @@ at::Tensor outer_product_mean_rows_cuda(const at::Tensor& a_in, const at::Tensor
   return out;
 }
 
+// Gradients of the outer-first contraction out[b,i,j,d] = sum_(h1,h2) W[d, h1·H + h2] sum_s
+// a[b,s,i,h1] b[b,s,j,h2], for g = dL/d(out) (B, Nr, Nc, D) with any normalisation already
+// applied: [grad_a (B, S, Nr, H), grad_b (B, S, Nc, H), grad_w_out (D, H·H)], an empty tensor for
+// each gradient not asked for.  Float32 on CUDA, hidden_dim 16, 32 or 64.
+std::vector<at::Tensor> outer_contract_backward_cuda(const at::Tensor& g_in, const at::Tensor& a_in,
+                                                     const at::Tensor& b_in, const at::Tensor& w_in, bool need_ab,
+                                                     bool need_w, int64_t precision) {
+  FLASHOPM_CHECK(g_in.dim() == 4, "flashopm: grad must have shape (B, N_rows, N_cols, pair_dim), got ", g_in.dim(),
+                 " dims ", g_in.sizes());
+  FLASHOPM_CHECK(a_in.dim() == 4, "flashopm: a must have shape (B, S, N_rows, hidden), got ", a_in.dim(), " dims ",
+                 a_in.sizes());
+  FLASHOPM_CHECK(b_in.dim() == 4, "flashopm: b must have shape (B, S, N_cols, hidden), got ", b_in.dim(), " dims ",
+                 b_in.sizes());
+  FLASHOPM_CHECK(w_in.dim() == 2, "flashopm: out_proj weight must be 2-D (pair_dim, hidden^2), got ", w_in.sizes());
+  FLASHOPM_CHECK(a_in.is_cuda(), "flashopm: a must be a CUDA tensor here, got ", a_in.device());
+  FLASHOPM_CHECK(a_in.scalar_type() == at::kFloat, "flashopm: a must be float32, got ", a_in.scalar_type());
+  const int64_t B = a_in.size(0), S = a_in.size(1), Nr = a_in.size(2), H = a_in.size(3);
+  const int64_t Nc = b_in.size(2), D = w_in.size(0);
+  FLASHOPM_CHECK(H == 16 || H == 32 || H == 64, "flashopm: the fused backward needs hidden_dim 16, 32 or 64, got ",
+                 H);
+  check_param(b_in, "b", {B, S, Nc, H}, a_in);
+  check_param(g_in, "grad", {B, Nr, Nc, D}, a_in);
+  check_param(w_in, "out_proj weight", {D, H * H}, a_in);
+  FLASHOPM_CHECK(precision >= kFollowPyTorch && precision <= kMedium, "flashopm: precision must be -1, 0, 1 or 2, got ",
+                 precision);
+  const c10::cuda::CUDAGuard guard(a_in.device());
+  const at::Tensor empty = at::empty({0}, a_in.options());
+  at::Tensor grad_a = need_ab ? at::empty_like(a_in, at::MemoryFormat::Contiguous) : empty;
+  at::Tensor grad_b = need_ab ? at::empty_like(b_in, at::MemoryFormat::Contiguous) : empty;
+  const bool no_pairs = B == 0 || Nr == 0 || Nc == 0 || S == 0 || D == 0;
+  at::Tensor grad_w = !need_w ? empty : no_pairs ? at::zeros({D, H * H}, a_in.options()) : at::empty({D, H * H}, a_in.options());
+  if (need_ab && no_pairs) {
+    grad_a.zero_();
+    grad_b.zero_();
+  }
+  if ((!need_ab && !need_w) || no_pairs) return {grad_a, grad_b, grad_w};
+
+  auto aligned = [](const at::Tensor& t) {
+    const at::Tensor c = t.contiguous();
+    return reinterpret_cast<uintptr_t>(c.data_ptr()) % 16 == 0 ? c : c.clone();
+  };
+  // Rows of g padded to a multiple of 4 floats: the kernels copy them in 16-byte pieces.
+  const int64_t Dp = (D + 3) / 4 * 4;
+  const at::Tensor g = aligned(Dp == D ? g_in : at::constant_pad_nd(g_in, {0, Dp - D}));
+  const at::Tensor a = aligned(a_in), b = aligned(b_in), w = aligned(w_in);
+  const int dev = a.get_device();
+  FLASHOPM_CHECK(device_info(dev).cc_major >= 8, "flashopm: the fused backward needs compute capability 8.0 or newer");
+  check_smem(std::max(bwd_side_smem_bytes(), bwd_w_smem_bytes()), dev, "backward");
+  const int terms = resolve_precision(precision) == kHighest ? 3 : 1;
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dev).stream();
+  // Two blocks per SM: the grids are sized to fill them once (partial sums added at the end).
+  const int64_t slots = 2 * int64_t(device_info(dev).sm_count);
+  if (need_ab) {
+    const int64_t n_sb = (S + kBwSB - 1) / kBwSB;
+    const int64_t hc = kBwSideCols / H, ti = kBwSideRows / hc, tj = kBwSideCols / H;
+    const int64_t blocks = B * n_sb * ((std::max(Nr, Nc) + ti - 1) / ti) * (H / hc);
+    const int64_t jsplits = std::max<int64_t>(1, std::min<int64_t>((std::min(Nr, Nc) + tj - 1) / tj, slots / blocks));
+    FLASHOPM_CHECK(B * n_sb * jsplits <= 65535, "flashopm: B * ceil(S / ", kBwSB,
+                   ") must be at most 65535 for the fused backward, got ", B * n_sb);
+    at::Tensor part_a = jsplits == 1 ? grad_a : at::empty({jsplits, B, S, Nr, H}, a.options());
+    at::Tensor part_b = jsplits == 1 ? grad_b : at::empty({jsplits, B, S, Nc, H}, a.options());
+    BwdSideArgs side{};
+    side.B = int(B), side.S = int(S), side.H = int(H), side.D = int(D), side.Dp = int(Dp);
+    side.n_sblocks = int(n_sb), side.jsplits = int(jsplits);
+    side.g = g.data_ptr<float>();
+    side.gs_b = Nr * Nc * Dp;
+    // grad_a: rows i, columns j, W as is, y = b
+    side.w = w.data_ptr<float>(), side.y = b.data_ptr<float>(), side.grad = part_a.data_ptr<float>();
+    side.Nr = int(Nr), side.Nc = int(Nc), side.gs_r = Nc * Dp, side.gs_c = Dp;
+    launch_bwd_side(side, terms, stream);
+    // grad_b: rows j, columns i, W with h1 and h2 swapped, y = a
+    const at::Tensor w_t = w.view({D, H, H}).transpose(1, 2).contiguous();
+    side.w = w_t.data_ptr<float>(), side.y = a.data_ptr<float>(), side.grad = part_b.data_ptr<float>();
+    side.Nr = int(Nc), side.Nc = int(Nr), side.gs_r = Dp, side.gs_c = Nc * Dp;
+    launch_bwd_side(side, terms, stream);
+    if (jsplits > 1) {
+      at::sum_out(grad_a, part_a, {0});
+      at::sum_out(grad_b, part_b, {0});
+    }
+  }
+  if (need_w) {
+    const int64_t hc = kBwWCols / H, ti = H, tj = kBwWCols / H;
+    const int64_t tiles = B * ((Nr + ti - 1) / ti) * ((Nc + tj - 1) / tj);
+    const int64_t per_split = (H / hc) * ((D + kBwWDG - 1) / kBwWDG);
+    // Each split sums its own tiles; the splits' partial sums are added last.
+    const int64_t splits = std::max<int64_t>(1, std::min<int64_t>({tiles, slots / per_split, 65535}));
+    at::Tensor ws = at::empty({splits, D, H * H}, a.options());
+    BwdWArgs wa{};
+    wa.g = g.data_ptr<float>(), wa.a = a.data_ptr<float>(), wa.b = b.data_ptr<float>(), wa.ws = ws.data_ptr<float>();
+    wa.B = int(B), wa.S = int(S), wa.Nr = int(Nr), wa.Nc = int(Nc), wa.H = int(H), wa.D = int(D), wa.Dp = int(Dp);
+    launch_bwd_w(wa, int(splits), terms, stream);
+    if (splits == 1) {
+      grad_w = ws.view({D, H * H});
+    } else {
+      at::sum_out(grad_w, ws, {0});
+    }
+  }
+  return {grad_a, grad_b, grad_w};
+}
+
 // The single-launch kernel's tiling for a problem size: [rows i per block, columns d per block,
 // blocks per cluster, shared memory bytes, clusters resident at once], or [] when it does not fit.
 std::vector<int64_t> single_launch_plan_cuda(const at::Tensor& like, int64_t B, int64_t S, int64_t N, int64_t C,
@@ -756,6 +856,7 @@ void noop_cuda(const at::Tensor&) {}
 TORCH_LIBRARY_IMPL(flashopm, CUDA, m) {
   m.impl("outer_product_mean", &flashopm::outer_product_mean_cuda);
   m.impl("outer_product_mean_rows", &flashopm::outer_product_mean_rows_cuda);
+  m.impl("outer_contract_backward", &flashopm::outer_contract_backward_cuda);
   m.impl("_noop", &flashopm::noop_cuda);
   m.impl("_single_launch_plan", &flashopm::single_launch_plan_cuda);
 }

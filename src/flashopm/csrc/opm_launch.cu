@@ -8,6 +8,7 @@
 #include <map>
 #include <utility>
 
+#include "opm_backward_kernel.cuh"
 #include "opm_kernels.cuh"
 #include "opm_small_kernel.cuh"
 #include "opm_small_tc_kernel.cuh"
@@ -250,6 +251,36 @@ void launch_small_tc(const SmallTcArgs& args, int terms, cudaStream_t stream) {
     allow_smem<opm_small_tc_kernel<1>>();
     C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, opm_small_tc_kernel<1>, args));
   }
+}
+
+int bwd_side_smem_bytes() { return kBwSideSmemFloats * int(sizeof(float)); }
+int bwd_w_smem_bytes() { return kBwWSmemFloats * int(sizeof(float)); }
+
+void launch_bwd_side(const BwdSideArgs& args, int terms, cudaStream_t stream) {
+  const int hc = kBwSideCols / args.H, ti = kBwSideRows / hc;
+  const dim3 grid(unsigned((args.Nr + ti - 1) / ti), unsigned(args.H / hc),
+                  unsigned(args.B * args.n_sblocks * args.jsplits));
+  if (terms == 3) {
+    allow_smem<opm_bwd_side_kernel<3>>();
+    opm_bwd_side_kernel<3><<<grid, kBwThreads, bwd_side_smem_bytes(), stream>>>(args);
+  } else {
+    allow_smem<opm_bwd_side_kernel<1>>();
+    opm_bwd_side_kernel<1><<<grid, kBwThreads, bwd_side_smem_bytes(), stream>>>(args);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void launch_bwd_w(const BwdWArgs& args, int splits, int terms, cudaStream_t stream) {
+  const int hc = kBwWCols / args.H;
+  const dim3 grid(unsigned(args.H / hc), unsigned((args.D + kBwWDG - 1) / kBwWDG), unsigned(splits));
+  if (terms == 3) {
+    allow_smem<opm_bwd_w_kernel<3>>();
+    opm_bwd_w_kernel<3><<<grid, kBwThreads, bwd_w_smem_bytes(), stream>>>(args);
+  } else {
+    allow_smem<opm_bwd_w_kernel<1>>();
+    opm_bwd_w_kernel<1><<<grid, kBwThreads, bwd_w_smem_bytes(), stream>>>(args);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 }  // namespace flashopm

@@ -69,6 +69,62 @@ __device__ __forceinline__ void mma_split_add(float (&acc)[4], const uint32_t (&
   }
 }
 
+// Fragments of mma.sync m16n8k8 (TF32) from float32 tiles in shared memory, split for kTerms.
+// A (16 x 8) at p: K-major A(m, k) = p[m·ld + k] (conflict-free for ld = 4 mod 8), else
+// A(m, k) = p[k·ld + m] (ld = 8 mod 32).  B (8 x 8) at p: K-major B(k, n) = p[n·ld + k], else
+// B(k, n) = p[k·ld + n], with the same conditions on ld.
+template <int kTerms, bool kKMajor>
+__device__ __forceinline__ void tf32_a_frag(uint32_t (&hi)[4], uint32_t (&lo)[4], const float* p, int ld, int g,
+                                            int t) {
+  float v[4];
+  if constexpr (kKMajor) {
+    v[0] = p[g * ld + t], v[1] = p[(g + 8) * ld + t], v[2] = p[g * ld + t + 4], v[3] = p[(g + 8) * ld + t + 4];
+  } else {
+    v[0] = p[t * ld + g], v[1] = p[t * ld + g + 8], v[2] = p[(t + 4) * ld + g], v[3] = p[(t + 4) * ld + g + 8];
+  }
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    lo[e] = 0;
+    split_tf32<kTerms>(v[e], hi[e], lo[e]);
+  }
+}
+template <int kTerms, bool kKMajor>
+__device__ __forceinline__ void tf32_b_frag(uint32_t (&hi)[2], uint32_t (&lo)[2], const float* p, int ld, int g,
+                                            int t) {
+  const float v0 = kKMajor ? p[g * ld + t] : p[t * ld + g];
+  const float v1 = kKMajor ? p[g * ld + t + 4] : p[(t + 4) * ld + g];
+  lo[0] = lo[1] = 0;
+  split_tf32<kTerms>(v0, hi[0], lo[0]);
+  split_tf32<kTerms>(v1, hi[1], lo[1]);
+}
+
+// c[mt][nt] += A·B over kSteps k-steps of 8, for a warp's kMT x kNT m16n8 tiles: A at the warp's
+// first row and k, B at its first column and k (layouts as for tf32_a_frag / tf32_b_frag).  With
+// three terms every k-step's products are added to c in float32 (mma_split_add).
+template <int kTerms, int kMT, int kNT, bool kAKMajor, bool kBKMajor, int kSteps>
+__device__ __forceinline__ void warp_mma_tf32(float (&c)[kMT][kNT][4], const float* A, int lda, const float* B,
+                                              int ldb, int g, int t) {
+#pragma unroll
+  for (int ks = 0; ks < kSteps; ++ks) {
+    // all of the k-step's B fragments, then one A fragment at a time: fewer live registers than
+    // the other way round when kMT >= kNT / 2
+    uint32_t b_hi[kNT][2], b_lo[kNT][2];
+#pragma unroll
+    for (int nt = 0; nt < kNT; ++nt)
+      tf32_b_frag<kTerms, kBKMajor>(b_hi[nt], b_lo[nt], B + (kBKMajor ? nt * 8 * ldb + ks * 8 : ks * 8 * ldb + nt * 8),
+                                    ldb, g, t);
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) {
+      uint32_t a_hi[4], a_lo[4];
+      tf32_a_frag<kTerms, kAKMajor>(a_hi, a_lo, A + (kAKMajor ? mt * 16 * lda + ks * 8 : ks * 8 * lda + mt * 16), lda,
+                                    g, t);
+#pragma unroll
+      for (int nt = 0; nt < kNT; ++nt)
+        mma_split_add<kTerms>(c[mt][nt], a_hi, a_lo, b_hi[nt][0], b_hi[nt][1], b_lo[nt][0], b_lo[nt][1]);
+    }
+  }
+}
+
 // Four 8x8 matrices of 16-bit elements from shared memory; lane l gives the address of row l % 8
 // of matrix l / 8 (16 contiguous bytes).  Without .trans lane l receives elements (l/4, 2(l%4))
 // and (l/4, 2(l%4)+1) of each matrix; with .trans, elements (2(l%4), l/4) and (2(l%4)+1, l/4).

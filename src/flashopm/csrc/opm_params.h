@@ -466,4 +466,62 @@ FLASHOPM_HD inline SmallTcLayout small_tc_layout(int S, int N, int H, int TI, in
 void launch_small_tc(const SmallTcArgs& args, int terms, cudaStream_t stream);
 int small_tc_smem_bytes(int S, int N, int H, int TI, int Dc);
 
+// ---- Backward of the outer-first contraction (opm_backward_kernel.cuh) ----
+// With g = dL/d(out) already divided by the normaliser, (B, Nr, Nc, Dp) with Dp = D rounded up to 4
+// (the pad is zero), a (B, S, Nr, H), b (B, S, Nc, H) and W (D, H, H):
+//   grad_a[s,i,h1] = sum_j sum_h2 (sum_d g[i,j,d] W[d,h1,h2]) b[s,j,h2]       (opm_bwd_side_kernel)
+//   grad_b: the same with i <-> j, a <-> b and W's h1 <-> h2 swapped
+//   grad_W[d,h1,h2] = sum_{i,j} g[i,j,d] sum_s a[s,i,h1] b[s,j,h2]           (opm_bwd_w_kernel)
+// Both kernels chain two tensor-core GEMMs per tile and keep the (pairs x H·H) intermediate on chip.
+// hidden_dim must be 16, 32 or 64 (a chunk of h1 values times H fills the tile's columns).
+// Both run blocks of 4 warps (wide warp tiles: fewer fragment loads and splits per MMA), two per SM.
+constexpr int kBwThreads = 128;
+constexpr int kBwK = 32;         // k per pipeline stage
+constexpr int kBwStages = 3;
+constexpr int kBwLdK = kBwK + 4;      // K-major rows of 32: = 4 (mod 32), conflict-free fragments
+// Side kernel: 64 rows (i, h1) x kBwSB s per block; tiles of 64 pairs (i, j) x 128 (h1, h2).
+constexpr int kBwSideCols = 128;      // (h1 in the block's chunk, h2): GEMM 1's N, GEMM 2's K per tile
+constexpr int kBwSideRows = 64;       // (i, h1): GEMM 2's M; also the pairs of a tile
+constexpr int kBwSB = 128;            // s per block
+constexpr int kBwLdN = kBwSideCols + 8;   // N-major rows of 128: = 8 (mod 32)
+constexpr int kBwLdDs = kBwSideCols + 4;  // the dO tile, K-major
+constexpr int kBwSideXFloats = kBwSideRows * kBwLdK;                     // g: 64 pairs x 32 d
+constexpr int kBwSideStageFloats = kBwSideXFloats + kBwK * kBwLdN;       // + W: 32 d x 128
+static_assert(kBwSB * kBwLdK <= kBwSideStageFloats, "side kernel: the y stage does not fit");
+constexpr int kBwSideSmemFloats = kBwStages * kBwSideStageFloats + kBwSideRows * kBwLdDs;
+// W kernel: 64 columns (h1, h2) of grad_W x 128 d per block; tiles of 64 (i, h1) x 64 (j, h2),
+// 64 pairs.
+constexpr int kBwWCols = 64;
+constexpr int kBwWPairs = 64;
+constexpr int kBwWDG = 128;                     // d per block
+constexpr int kBwLd64 = 64 + 8;                 // M/N-major rows of 64: = 8 (mod 32)
+constexpr int kBwWGLd = kBwWDG + 8;             // g: 32 pairs x 128 d, N-major
+constexpr int kBwWStageFloats = 2 * kBwK * kBwLd64;  // a and b: 32 s x 64 each
+static_assert(kBwK * kBwWGLd <= kBwWStageFloats, "w kernel: the g stage does not fit");
+constexpr int kBwWSmemFloats = kBwStages * kBwWStageFloats + kBwWPairs * kBwLd64;
+
+struct BwdSideArgs {
+  const float* g;    // rows r, columns c: g + b·gs_b + r·gs_r + c·gs_c, Dp floats each
+  const float* w;    // (D, H, H) as this side sees it (h1 = its own hidden index)
+  const float* y;    // (B, S, Nc, H): the other side's projection
+  float* grad;       // (jsplits, B, S, Nr, H): one partial sum per split of the columns
+  int64_t gs_b, gs_r, gs_c;
+  int B, S, Nr, Nc, H, D, Dp;
+  int n_sblocks;     // blocks of kBwSB along s
+  int jsplits;       // blocks sharing the columns of one row block (column tiles jt = split mod jsplits)
+};
+
+struct BwdWArgs {
+  const float* g;    // (B, Nr, Nc, Dp)
+  const float* a;    // (B, S, Nr, H)
+  const float* b;    // (B, S, Nc, H)
+  float* ws;         // (splits, D, H·H): one partial sum per split of the tiles
+  int B, S, Nr, Nc, H, D, Dp;
+};
+
+void launch_bwd_side(const BwdSideArgs& args, int terms, cudaStream_t stream);
+void launch_bwd_w(const BwdWArgs& args, int splits, int terms, cudaStream_t stream);
+int bwd_side_smem_bytes();
+int bwd_w_smem_bytes();
+
 }  // namespace flashopm

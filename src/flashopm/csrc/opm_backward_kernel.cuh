@@ -1,0 +1,258 @@
+// Backward of the outer-first contraction on tensor cores (mma.sync TF32, float32 sums; 3xTF32
+// for float32 accuracy as in opm_tc_kernel.cuh).  Shapes and math in opm_params.h (BwdSideArgs,
+// BwdWArgs).  Neither kernel writes a (pairs x H·H) tensor to global memory: each chains two
+// GEMMs per tile with the intermediate in shared memory.
+//
+// Both kernels run one sequence of pipeline stages (kBwStages deep, cp.async) over all their
+// tiles; each stage holds the operands of one k-chunk of 32 of either GEMM, so the loads of the
+// next tile's first GEMM overlap the current tile's second.  With three terms every k-step's
+// products are added to the running sums in float32 (see mma_split_add).
+#pragma once
+
+#include "opm_kernels.cuh"
+#include "opm_mma.cuh"
+
+namespace flashopm {
+
+// grad_x[s, i, h1] for a block of TI rows i, HC values of h1 (TI·HC = 64 rows of GEMM 2) and
+// kBwSB values of s, over the column tiles of its split (TJ columns j each, TJ·H = 128):
+//   GEMM 1 (per tile): dO[(i,j), (h1,h2)] = sum_d g[i,j,d] W[d,h1,h2]      M = 64 pairs, N = 128, K = D
+//   GEMM 2:            grad[(i,h1), s]   += sum_(j,h2) dO[(i,h1),(j,h2)] y[s,j,h2]    M = 64, N = kBwSB, K = 128
+// Four warps side by side along n (64 x 32 each) in both GEMMs.
+template <int kTerms>
+__global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_side_kernel(const BwdSideArgs p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  extern __shared__ float4 smem_f4[];
+  float* smem = reinterpret_cast<float*>(smem_f4);
+  float* Ds = smem + kBwStages * kBwSideStageFloats;  // dO of the current tile: [(il,h1c)][(jl,h2)], K-major
+  const int H = p.H, HC = kBwSideCols / H, TI = kBwSideRows / HC, TJ = kBwSideCols / H;
+  const int Nr = p.Nr, Nc = p.Nc, S = p.S, D = p.D, Dp = p.Dp;
+  const int i0 = blockIdx.x * TI, hc0 = blockIdx.y * HC;
+  const int zs = blockIdx.z / p.jsplits, split = blockIdx.z - zs * p.jsplits;
+  const int b = zs / p.n_sblocks, s0 = (zs - b * p.n_sblocks) * kBwSB;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int wn = warp;
+  const int n1 = (D + kBwK - 1) / kBwK;
+  const int spt = n1 + kBwSideCols / kBwK;  // steps per tile: GEMM 1's chunks of d, then GEMM 2's of (j, h2)
+  const int n_jt = (Nc + TJ - 1) / TJ;
+  const int my_tiles = split < n_jt ? (n_jt - 1 - split) / p.jsplits + 1 : 0;  // tiles split, split + jsplits, ...
+  const int total = my_tiles * spt;
+  const int64_t HH = int64_t(H) * H;
+  const float* g_b = p.g + int64_t(b) * p.gs_b;
+  const float* y_b = p.y + int64_t(b) * S * Nc * H;
+
+  auto load_step = [&](int buf, int step) {
+    float* X = smem + buf * kBwSideStageFloats;
+    const int tl = step / spt, r = step - tl * spt, j0 = (split + tl * p.jsplits) * TJ;
+    if (r < n1) {
+      const int d0 = r * kBwK;
+#pragma unroll
+      for (int u = 0; u < kBwSideRows * kBwK / 4 / kBwThreads; ++u) {  // g: 64 pairs x 32 d
+        const int idx = tid + u * kBwThreads, q = idx >> 3, k4 = (idx & 7) * 4;
+        const int il = q / TJ, jl = q - il * TJ, i = i0 + il, j = j0 + jl;
+        const bool ok = i < Nr && j < Nc && d0 + k4 < Dp;
+        cp_async16z(X + q * kBwLdK + k4, ok ? g_b + i * p.gs_r + j * p.gs_c + d0 + k4 : p.g, ok);
+      }
+      float* Y = X + kBwSideXFloats;
+#pragma unroll
+      for (int u = 0; u < kBwK * kBwSideCols / 4 / kBwThreads; ++u) {  // W: 32 d x 128 (h1, h2)
+        const int idx = tid + u * kBwThreads, k = idx >> 5, n4 = (idx & 31) * 4;
+        const bool ok = d0 + k < D;
+        cp_async16z(Y + k * kBwLdN + n4, ok ? p.w + (d0 + k) * HH + hc0 * H + n4 : p.w, ok);
+      }
+    } else {
+      const int k20 = (r - n1) * kBwK;  // k of GEMM 2: (jl, h2) = (k2 / H, k2 % H)
+#pragma unroll
+      for (int u = 0; u < kBwSB * kBwK / 4 / kBwThreads; ++u) {  // y: kBwSB s x 32 (j, h2)
+        const int idx = tid + u * kBwThreads, sl = idx >> 3, k4 = (idx & 7) * 4;
+        const int k2 = k20 + k4, jl = k2 / H, j = j0 + jl, s = s0 + sl;
+        const bool ok = s < S && j < Nc;
+        cp_async16z(X + sl * kBwLdK + k4, ok ? y_b + (int64_t(s) * Nc + j) * H + (k2 - jl * H) : p.y, ok);
+      }
+    }
+  };
+
+  float acc1[4][4][4], acc2[4][4][4];
+  zero_tiles(acc1);
+  zero_tiles(acc2);
+#pragma unroll
+  for (int st = 0; st < kBwStages - 1; ++st) {
+    if (st < total) load_step(st, st);
+    cp_async_commit();
+  }
+  for (int step = 0; step < total; ++step) {
+    cp_async_wait<kBwStages - 2>();
+    __syncthreads();
+    const int next = step + kBwStages - 1;
+    if (next < total) load_step(next % kBwStages, next);
+    cp_async_commit();
+    const float* X = smem + (step % kBwStages) * kBwSideStageFloats;
+    const int r = step % spt;
+    if (r < n1) {
+      warp_mma_tf32<kTerms, 4, 4, true, false, kBwK / 8>(acc1, X, kBwLdK, X + kBwSideXFloats + wn * 32, kBwLdN, g, t);
+      if (r == n1 - 1) {
+        // dO to shared memory as GEMM 2's A: pair q = il·TJ + jl, column n = h1c·H + h2
+#pragma unroll
+        for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int q = mt * 16 + g + 8 * half, il = q / TJ, jl = q - il * TJ;
+#pragma unroll
+            for (int nt = 0; nt < 4; ++nt) {
+              const int n = wn * 32 + nt * 8 + 2 * t, h1c = n / H, h2 = n - h1c * H;
+              *reinterpret_cast<float2*>(Ds + (il * HC + h1c) * kBwLdDs + jl * H + h2) =
+                  make_float2(acc1[mt][nt][2 * half], acc1[mt][nt][2 * half + 1]);
+            }
+          }
+        zero_tiles(acc1);
+      }
+    } else {
+      warp_mma_tf32<kTerms, 4, 4, true, true, kBwK / 8>(acc2, Ds + (r - n1) * kBwK, kBwLdDs, X + wn * 32 * kBwLdK,
+                                                        kBwLdK, g, t);
+    }
+  }
+  cp_async_wait_all();
+
+  float* grad_b = p.grad + (int64_t(split) * p.B + b) * S * Nr * H;
+#pragma unroll
+  for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int m = mt * 16 + g + 8 * half, il = m / HC, i = i0 + il;
+      if (i >= Nr) continue;
+      float* dst = grad_b + int64_t(i) * H + hc0 + (m - il * HC);
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int s = s0 + wn * 32 + nt * 8 + 2 * t + e;
+          if (s < S) dst[int64_t(s) * Nr * H] = acc2[mt][nt][2 * half + e];
+        }
+    }
+#endif
+}
+
+// Partial grad_W[d, (h1,h2)] for HC values of h1 (HC·H = 64 columns k), 128 values of d, over
+// every tile of TI x TJ pairs (TI = H, TJ·H = 64) this split owns (tiles split, split + splits, ...):
+//   GEMM 1 (per tile): O[(i,h1), (j,h2)] = sum_s a[s,i,h1] b[s,j,h2]        M = 64, N = 64, K = S
+//   GEMM 2:            acc[k, d]        += sum_(i,j) O[(i,j), k] g[i,j,d]    M = 64, N = 128, K = 64 pairs
+// Four warps: 2 x 2 tiles of 32 x 32 in GEMM 1, side by side along d (64 x 32 each) in GEMM 2.
+template <int kTerms>
+__global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_w_kernel(const BwdWArgs p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  extern __shared__ float4 smem_f4[];
+  float* smem = reinterpret_cast<float*>(smem_f4);
+  float* Os = smem + kBwStages * kBwWStageFloats;  // O of the current tile: [pair][(h1c,h2)], M-major for GEMM 2
+  const int H = p.H, HC = kBwWCols / H, TI = H, TJ = kBwWCols / H;
+  const int Nr = p.Nr, Nc = p.Nc, S = p.S, D = p.D, Dp = p.Dp;
+  const int hc0 = blockIdx.x * HC, d0 = blockIdx.y * kBwWDG;
+  const int split = blockIdx.z, splits = gridDim.z;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int wm = warp & 1, wn = warp >> 1;  // GEMM 1; GEMM 2 splits d by warp
+  const int n_it = (Nr + TI - 1) / TI, n_jt = (Nc + TJ - 1) / TJ;
+  const int64_t tiles = int64_t(p.B) * n_it * n_jt;
+  const int my_tiles = split < tiles ? int((tiles - 1 - split) / splits + 1) : 0;
+  const int n1 = (S + kBwK - 1) / kBwK;
+  const int spt = n1 + kBwWPairs / kBwK;  // GEMM 1's chunks of s, then GEMM 2's of pairs
+  const int64_t total = int64_t(my_tiles) * spt;
+
+  auto load_step = [&](int buf, int64_t step) {
+    float* X = smem + buf * kBwWStageFloats;
+    const int64_t tl = step / spt;
+    const int r = int(step - tl * spt);
+    const int64_t tile = split + tl * splits;
+    const int b = int(tile / (int64_t(n_it) * n_jt));
+    const int rem = int(tile - int64_t(b) * n_it * n_jt), it = rem / n_jt, jt = rem - it * n_jt;
+    const int i0 = it * TI, j0 = jt * TJ;
+    if (r < n1) {
+      const int sk0 = r * kBwK;
+#pragma unroll
+      for (int u = 0; u < kBwK * kBwWCols / kBwThreads; ++u) {  // a: 32 s x 64 (il, h1c), 4-byte copies
+        const int idx = tid + u * kBwThreads, k = idx >> 6, m = idx & 63;
+        const int il = m / HC, i = i0 + il, s = sk0 + k;
+        const bool ok = s < S && i < Nr;
+        cp_async4(X + k * kBwLd64 + m, ok ? p.a + ((int64_t(b) * S + s) * Nr + i) * H + hc0 + (m - il * HC) : p.a, ok);
+      }
+      float* Y = X + kBwK * kBwLd64;
+#pragma unroll
+      for (int u = 0; u < kBwK * kBwWCols / 4 / kBwThreads; ++u) {  // b: 32 s x 64 (jl, h2), contiguous per s
+        const int idx = tid + u * kBwThreads, k = idx >> 4, n4 = (idx & 15) * 4;
+        const int jl = n4 / H, j = j0 + jl, s = sk0 + k;
+        const bool ok = s < S && j < Nc;
+        cp_async16z(Y + k * kBwLd64 + n4, ok ? p.b + ((int64_t(b) * S + s) * Nc + j) * H + (n4 - jl * H) : p.b, ok);
+      }
+    } else {
+      const int q0 = (r - n1) * kBwK;
+#pragma unroll
+      for (int u = 0; u < kBwK * kBwWDG / 4 / kBwThreads; ++u) {  // g: 32 pairs x 128 d
+        const int idx = tid + u * kBwThreads, k = idx >> 5, n4 = (idx & 31) * 4;
+        const int q = q0 + k, il = q / TJ, jl = q - il * TJ, i = i0 + il, j = j0 + jl;
+        const bool ok = i < Nr && j < Nc && d0 + n4 < Dp;
+        cp_async16z(X + k * kBwWGLd + n4, ok ? p.g + ((int64_t(b) * Nr + i) * Nc + j) * Dp + d0 + n4 : p.g, ok);
+      }
+    }
+  };
+
+  float acc1[2][4][4], accw[4][4][4];
+  zero_tiles(acc1);
+  zero_tiles(accw);
+#pragma unroll
+  for (int st = 0; st < kBwStages - 1; ++st) {
+    if (st < total) load_step(st, st);
+    cp_async_commit();
+  }
+  for (int64_t step = 0; step < total; ++step) {
+    cp_async_wait<kBwStages - 2>();
+    __syncthreads();
+    const int64_t next = step + kBwStages - 1;
+    if (next < total) load_step(int(next % kBwStages), next);
+    cp_async_commit();
+    const float* X = smem + int(step % kBwStages) * kBwWStageFloats;
+    const int r = int(step % spt);
+    if (r < n1) {
+      warp_mma_tf32<kTerms, 2, 4, false, false, kBwK / 8>(acc1, X + wm * 32, kBwLd64,
+                                                          X + kBwK * kBwLd64 + wn * 32, kBwLd64, g, t);
+      if (r == n1 - 1) {
+        // O to shared memory as GEMM 2's A: row (pair q = il·TJ + jl), column k = h1c·H + h2
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int m = wm * 32 + mt * 16 + g + 8 * half, il = m / HC, h1c = m - il * HC;
+#pragma unroll
+            for (int nt = 0; nt < 4; ++nt) {
+              const int n = wn * 32 + nt * 8 + 2 * t, jl = n / H, h2 = n - jl * H;
+              *reinterpret_cast<float2*>(Os + (il * TJ + jl) * kBwLd64 + h1c * H + h2) =
+                  make_float2(acc1[mt][nt][2 * half], acc1[mt][nt][2 * half + 1]);
+            }
+          }
+        zero_tiles(acc1);
+      }
+    } else {
+      warp_mma_tf32<kTerms, 4, 4, false, false, kBwK / 8>(accw, Os + (r - n1) * kBwK * kBwLd64, kBwLd64,
+                                                          X + warp * 32, kBwWGLd, g, t);
+    }
+  }
+  cp_async_wait_all();
+
+  const int64_t HH = int64_t(H) * H;
+  float* ws = p.ws + int64_t(split) * D * HH + hc0 * H;
+#pragma unroll
+  for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int k = mt * 16 + g + 8 * half;
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int d = d0 + warp * 32 + nt * 8 + 2 * t + e;
+          if (d < D) ws[int64_t(d) * HH + k] = accw[mt][nt][2 * half + e];
+        }
+    }
+#endif
+}
+
+}  // namespace flashopm

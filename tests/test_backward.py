@@ -1,0 +1,160 @@
+"""The fused backward of the outer-first contraction (flashopm::outer_contract_backward):
+
+    out[b,i,j,d] = sum_(h1,h2) W[d, h1*H + h2] sum_s a[b,s,i,h1] b[b,s,j,h2]
+
+its three gradients against a float64 reference over awkward sizes (1, primes, the tile edges of
+16 rows and 4-8 columns, S across the 128-wide s blocks, D across the 128-wide d blocks and not a
+multiple of 4), every element written, bitwise-repeatable results, and the argument checks."""
+import pytest
+import torch
+
+import flashopm
+from conftest import requires_cuda
+from flashopm.ops import FUSED_BACKWARD_HIDDEN, contract_backward, outer_contract_backward_op
+from flashopm.reference import contract_outer_blocks_backward
+from flashopm.testing import rel_error
+
+@pytest.fixture(autouse=True)
+def _extension_loaded():
+    """The op is called directly here, not through the functional API: load its CUDA kernels."""
+    if torch.cuda.is_available():
+        flashopm.load()
+
+
+# (B, S, Nr, Nc, H, D)
+SHAPES = [
+    (1, 1, 1, 1, 16, 1),
+    (2, 3, 17, 5, 32, 7),
+    (1, 8, 16, 16, 32, 64),
+    (1, 7, 15, 17, 32, 64),
+    (3, 5, 9, 33, 16, 13),
+    (1, 129, 33, 31, 32, 128),
+    (1, 40, 65, 3, 64, 130),
+    (2, 31, 32, 65, 64, 129),
+    (1, 64, 97, 97, 32, 256),
+]
+
+
+def _problem(B, S, Nr, Nc, H, D, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    a = torch.randn(B, S, Nr, H, generator=gen)
+    b = torch.randn(B, S, Nc, H, generator=gen)
+    w = torch.randn(D, H * H, generator=gen) / H
+    g = torch.randn(B, Nr, Nc, D, generator=gen)
+    return g, a, b, w
+
+
+def test_cpu_op_matches_the_blocked_reference():
+    g, a, b, w = _problem(2, 5, 7, 6, 16, 9)
+    ours = outer_contract_backward_op(g, a, b, w, True, True)
+    ref = contract_outer_blocks_backward(g, a, b, w, True, True)
+    for o, r in zip(ours, ref):
+        torch.testing.assert_close(o, r)
+    ga, gb, gw = outer_contract_backward_op(g, a, b, w, False, True)
+    assert ga.numel() == 0 and gb.numel() == 0 and gw.shape == (9, 256)
+
+
+def test_opcheck_cpu():
+    g, a, b, w = _problem(1, 3, 4, 5, 16, 6)
+    torch.library.opcheck(outer_contract_backward_op, (g, a, b, w, True, True))
+
+
+@requires_cuda
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}_S{}_Nr{}_Nc{}_H{}_D{}".format(*s))
+def test_gradients_against_fp64(shape):
+    """Each gradient's normwise error against float64 is at most twice that of float32 PyTorch."""
+    g, a, b, w = _problem(*shape, seed=sum(shape))
+    ref = contract_outer_blocks_backward(g.double(), a.double(), b.double(), w.double(), True, True)
+    eager = contract_outer_blocks_backward(g.cuda(), a.cuda(), b.cuda(), w.cuda(), True, True)
+    ours = outer_contract_backward_op(g.cuda(), a.cuda(), b.cuda(), w.cuda(), True, True)
+    for name, o, e, r in zip(("grad_a", "grad_b", "grad_w"), ours, eager, ref):
+        assert o.shape == r.shape, name
+        assert torch.isfinite(o).all(), name
+        err, err_eager = rel_error(o.cpu(), r), rel_error(e.cpu(), r)
+        assert err <= max(2 * err_eager, 4 * torch.finfo(torch.float32).eps), f"{name}: {err:.3g} vs eager {err_eager:.3g}"
+
+
+@requires_cuda
+def test_tf32_precision_is_close():
+    g, a, b, w = _problem(1, 33, 40, 37, 32, 64, seed=3)
+    ref = contract_outer_blocks_backward(g.double(), a.double(), b.double(), w.double(), True, True)
+    ours = outer_contract_backward_op(g.cuda(), a.cuda(), b.cuda(), w.cuda(), True, True, 1)
+    for o, r in zip(ours, ref):
+        assert rel_error(o.cpu(), r) < 5e-3
+
+
+@requires_cuda
+def test_every_element_written_and_repeatable():
+    shape = (2, 9, 19, 23, 32, 12)
+    g, a, b, w = (t.cuda() for t in _problem(*shape, seed=5))
+    first = outer_contract_backward_op(g, a, b, w, True, True)
+    # NaN in the memory the outputs are about to take: a gradient element never written stays NaN
+    poison = [torch.full_like(t, float("nan")) for t in first]
+    ptrs = [p.data_ptr() for p in poison]
+    del poison
+    second = outer_contract_backward_op(g, a, b, w, True, True)
+    assert [t.data_ptr() for t in second] == ptrs, "the NaN-poisoned blocks were not reused; the check proves nothing"
+    for x, y in zip(first, second):
+        assert torch.isfinite(y).all()
+        assert torch.equal(x, y), "two identical calls differ"
+
+
+@requires_cuda
+def test_only_requested_gradients():
+    g, a, b, w = (t.cuda() for t in _problem(1, 4, 5, 6, 16, 8))
+    ga, gb, gw = outer_contract_backward_op(g, a, b, w, True, False)
+    assert ga.shape == a.shape and gb.shape == b.shape and gw.numel() == 0
+    ga, gb, gw = outer_contract_backward_op(g, a, b, w, False, True)
+    assert ga.numel() == 0 and gb.numel() == 0 and gw.shape == w.shape
+
+
+@requires_cuda
+@pytest.mark.parametrize("empty", ["B", "S", "Nr", "Nc"])
+def test_empty_dims_give_zero_gradients(empty):
+    dims = dict(B=2, S=3, Nr=4, Nc=5)
+    dims[empty] = 0
+    g, a, b, w = (t.cuda() for t in _problem(dims["B"], dims["S"], dims["Nr"], dims["Nc"], 16, 8))
+    ga, gb, gw = outer_contract_backward_op(g, a, b, w, True, True)
+    assert ga.shape == a.shape and gb.shape == b.shape and gw.shape == w.shape
+    assert not ga.any() and not gb.any() and not gw.any()
+
+
+@requires_cuda
+def test_non_contiguous_inputs():
+    g, a, b, w = _problem(1, 6, 10, 11, 32, 20, seed=7)
+    ref = contract_outer_blocks_backward(g.double(), a.double(), b.double(), w.double(), True, True)
+    gc = g.cuda().transpose(1, 2).contiguous().transpose(1, 2)
+    ac = a.cuda().transpose(0, 1).contiguous().transpose(0, 1)
+    ours = outer_contract_backward_op(gc, ac, b.cuda(), w.cuda().t().contiguous().t(), True, True)
+    for o, r in zip(ours, ref):
+        assert rel_error(o.cpu(), r) < 1e-6
+
+
+@requires_cuda
+def test_bad_arguments_are_named():
+    g, a, b, w = (t.cuda() for t in _problem(1, 2, 3, 4, 32, 5))
+    with pytest.raises(RuntimeError, match="hidden_dim 16, 32 or 64"):
+        outer_contract_backward_op(g, a[..., :8].contiguous(), b[..., :8].contiguous(), w[:, :64].contiguous(),
+                                   True, True)
+    with pytest.raises(RuntimeError, match="grad must have shape"):
+        outer_contract_backward_op(g[:, :2], a, b, w, True, True)
+    with pytest.raises(RuntimeError, match="b must have shape"):
+        outer_contract_backward_op(g, a, b[:, :1], w, True, True)
+    with pytest.raises(RuntimeError, match="must have dtype"):
+        outer_contract_backward_op(g.double(), a, b, w, True, True)
+
+
+@requires_cuda
+def test_dispatch_falls_back_for_other_hidden_sizes():
+    g, a, b, w = (t.cuda() for t in _problem(1, 3, 4, 5, 8, 6))
+    assert 8 not in FUSED_BACKWARD_HIDDEN
+    ours = contract_backward(g, a, b, w, True, True)
+    ref = contract_outer_blocks_backward(g, a, b, w, True, True)
+    for o, r in zip(ours, ref):
+        torch.testing.assert_close(o, r)
+
+
+@requires_cuda
+def test_opcheck_cuda():
+    g, a, b, w = (t.cuda() for t in _problem(1, 3, 4, 5, 16, 6))
+    torch.library.opcheck(outer_contract_backward_op, (g, a, b, w, True, True))
