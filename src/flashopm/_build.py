@@ -20,7 +20,8 @@ import torch
 
 CSRC_DIR = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("opm_params.h", "opm_kernels.cuh", "opm_mma.cuh", "opm_small_kernel.cuh", "opm_small_tc_kernel.cuh",
-           "opm_tc_kernel.cuh", "opm_tc16_kernel.cuh", "opm_backward_kernel.cuh", "opm_launch.cu", "opm_api.cpp", "opm_autograd.cpp")
+           "opm_tc_kernel.cuh", "opm_tc16_kernel.cuh", "opm_backward_kernel.cuh", "opm_launch.cu", "opm_api.cpp", "opm_backward_api.cpp",
+           "opm_autograd.cpp")
 NVCC_FLAGS = ("-O3", "-lineinfo", "--expt-relaxed-constexpr")
 
 _lock = threading.Lock()
@@ -172,7 +173,7 @@ def _load_inline(name: str, sources: dict[str, str], archs: list[str], build_dir
 
     return load_inline(
         name=name,
-        cpp_sources=[sources["opm_api.cpp"], sources["opm_autograd.cpp"]],
+        cpp_sources=[sources["opm_api.cpp"], sources["opm_backward_api.cpp"], sources["opm_autograd.cpp"]],
         cuda_sources=[sources["opm_launch.cu"]],
         extra_include_paths=[str(CSRC_DIR)],
         extra_cflags=["-O3"],

@@ -175,9 +175,10 @@ outer_product_mean_op = torch.ops.flashopm.outer_product_mean.default
 
 
 # ---- backward ----
-# One implementation for every device: the LayerNorm and projection parts in PyTorch, the three
-# contractions over the (pairs x H*H) intermediate in outer_contract_backward (fused CUDA kernels
-# registered from C++; PyTorch in blocks of rows on the CPU).
+# The LayerNorm and projection parts in PyTorch, the three contractions over the (pairs x H*H)
+# intermediate in outer_contract_backward (fused CUDA kernels; PyTorch in blocks of rows on the
+# CPU).  On CUDA the whole backward is registered from C++ (csrc/opm_backward_api.cpp, the same
+# math), which takes precedence over this composite one.
 
 
 def _grads_as_tensors(grads, like):

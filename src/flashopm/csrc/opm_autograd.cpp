@@ -29,7 +29,7 @@ using BackwardSig = std::vector<at::Tensor>(const at::Tensor&, const at::Tensor&
                                             const at::Tensor&, const at::Tensor&, double, const at::Tensor&,
                                             const OptTensor&, const at::Tensor&, const OptTensor&,
                                             const at::Tensor&, const OptTensor&, int64_t, double,
-                                            c10::ArrayRef<bool>);
+                                            const c10::List<bool>&);
 
 const c10::TypedOperatorHandle<ForwardSig>& forward_op() {
   static const auto op =
@@ -99,10 +99,13 @@ struct OuterProductMeanFunction : public torch::autograd::Function<OuterProductM
     variable_list grads(15);
     if (!any) return grads;
     const at::Tensor grad_out = grad_outputs[0].contiguous();
+    c10::List<bool> output_mask;
+    output_mask.reserve(kGradInputs);
+    for (const bool need : needs) output_mask.push_back(need);
     const std::vector<at::Tensor> computed = backward_op().call(
         grad_out, msa, mask, ln_w, ln_b, ctx->saved_data["ln_eps"].toDouble(), w_a, b_a, w_b, b_b, w_out, b_out,
         ctx->saved_data["normalization"].toInt(), ctx->saved_data["norm_eps"].toDouble(),
-        c10::ArrayRef<bool>(needs.data(), needs.size()));
+        output_mask);
     for (int g = 0; g < kGradInputs; ++g) {
       if (needs[g]) grads[grad_arg[g]] = computed[g];
     }

@@ -19,13 +19,13 @@ namespace flashopm {
 //   GEMM 1 (per tile): dO[(i,j), (h1,h2)] = sum_d g[i,j,d] W[d,h1,h2]      M = 64 pairs, N = 128, K = D
 //   GEMM 2:            grad[(i,h1), s]   += sum_(j,h2) dO[(i,h1),(j,h2)] y[s,j,h2]    M = 64, N = kBwSB, K = 128
 // Four warps side by side along n (64 x 32 each) in both GEMMs.
-template <int kTerms>
+template <int kTerms, int kH>
 __global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_side_kernel(const BwdSideArgs p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   extern __shared__ float4 smem_f4[];
   float* smem = reinterpret_cast<float*>(smem_f4);
   float* Ds = smem + kBwStages * kBwSideStageFloats;  // dO of the current tile: [(il,h1c)][(jl,h2)], K-major
-  const int H = p.H, HC = kBwSideCols / H, TI = kBwSideRows / HC, TJ = kBwSideCols / H;
+  constexpr int H = kH, HC = kBwSideCols / H, TI = kBwSideRows / HC, TJ = kBwSideCols / H;
   const int Nr = p.Nr, Nc = p.Nc, S = p.S, D = p.D, Dp = p.Dp;
   const int i0 = blockIdx.x * TI, hc0 = blockIdx.y * HC;
   const int zs = blockIdx.z / p.jsplits, split = blockIdx.z - zs * p.jsplits;
@@ -138,13 +138,14 @@ __global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_side_kernel(const BwdSi
 //   GEMM 1 (per tile): O[(i,h1), (j,h2)] = sum_s a[s,i,h1] b[s,j,h2]        M = 64, N = 64, K = S
 //   GEMM 2:            acc[k, d]        += sum_(i,j) O[(i,j), k] g[i,j,d]    M = 64, N = 128, K = 64 pairs
 // Four warps: 2 x 2 tiles of 32 x 32 in GEMM 1, side by side along d (64 x 32 each) in GEMM 2.
-template <int kTerms>
+template <int kTerms, int kH>
 __global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_w_kernel(const BwdWArgs p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   extern __shared__ float4 smem_f4[];
   float* smem = reinterpret_cast<float*>(smem_f4);
   float* Os = smem + kBwStages * kBwWStageFloats;  // O of the current tile: [pair][(h1c,h2)], M-major for GEMM 2
-  const int H = p.H, HC = kBwWCols / H, TI = H, TJ = kBwWCols / H;
+  constexpr int H = kH, HC = kBwWCols / H, TI = H, TJ = kBwWCols / H;
+  constexpr int kPiece = HC < 4 ? HC : 4;  // floats of a per copy: consecutive h1 of one row i
   const int Nr = p.Nr, Nc = p.Nc, S = p.S, D = p.D, Dp = p.Dp;
   const int hc0 = blockIdx.x * HC, d0 = blockIdx.y * kBwWDG;
   const int split = blockIdx.z, splits = gridDim.z;
@@ -169,11 +170,12 @@ __global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_w_kernel(const BwdWArgs
     if (r < n1) {
       const int sk0 = r * kBwK;
 #pragma unroll
-      for (int u = 0; u < kBwK * kBwWCols / kBwThreads; ++u) {  // a: 32 s x 64 (il, h1c), 4-byte copies
-        const int idx = tid + u * kBwThreads, k = idx >> 6, m = idx & 63;
+      for (int u = 0; u < kBwK * kBwWCols / kPiece / kBwThreads; ++u) {  // a: 32 s x 64 (il, h1c)
+        const int idx = tid + u * kBwThreads, k = idx / (kBwWCols / kPiece), m = idx % (kBwWCols / kPiece) * kPiece;
         const int il = m / HC, i = i0 + il, s = sk0 + k;
         const bool ok = s < S && i < Nr;
-        cp_async4(X + k * kBwLd64 + m, ok ? p.a + ((int64_t(b) * S + s) * Nr + i) * H + hc0 + (m - il * HC) : p.a, ok);
+        cp_async_n<kPiece * 4>(X + k * kBwLd64 + m,
+                               ok ? p.a + ((int64_t(b) * S + s) * Nr + i) * H + hc0 + (m - il * HC) : p.a, ok);
       }
       float* Y = X + kBwK * kBwLd64;
 #pragma unroll

@@ -90,6 +90,18 @@ __device__ __forceinline__ void cp_async16z(void* dst, const void* src, bool val
   cp_async16z_shared(static_cast<uint32_t>(__cvta_generic_to_shared(dst)), src, valid);
 }
 __device__ __forceinline__ void cp_async16(float* dst, const float* src) { cp_async16z(dst, src, true); }
+// kBytes (4, 8 or 16) asynchronous global->shared copy, both aligned to kBytes; zero-fills when !valid.
+template <int kBytes>
+__device__ __forceinline__ void cp_async_n(void* dst, const void* src, bool valid) {
+  static_assert(kBytes == 4 || kBytes == 8 || kBytes == 16, "cp.async copies 4, 8 or 16 bytes");
+  if constexpr (kBytes == 16) {
+    cp_async16z(dst, src, valid);
+  } else {
+    const unsigned dst_addr = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(dst_addr), "l"(src), "n"(kBytes),
+                 "r"(valid ? kBytes : 0));
+  }
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::); }
 template <int kPending>  // wait until at most kPending committed groups are still in flight

@@ -256,31 +256,49 @@ void launch_small_tc(const SmallTcArgs& args, int terms, cudaStream_t stream) {
 int bwd_side_smem_bytes() { return kBwSideSmemFloats * int(sizeof(float)); }
 int bwd_w_smem_bytes() { return kBwWSmemFloats * int(sizeof(float)); }
 
-void launch_bwd_side(const BwdSideArgs& args, int terms, cudaStream_t stream) {
-  const int hc = kBwSideCols / args.H, ti = kBwSideRows / hc;
-  const dim3 grid(unsigned((args.Nr + ti - 1) / ti), unsigned(args.H / hc),
+namespace {
+template <int kTerms, int kH>
+void launch_bwd_side_t(const BwdSideArgs& args, cudaStream_t stream) {
+  constexpr int hc = kBwSideCols / kH, ti = kBwSideRows / hc;
+  const dim3 grid(unsigned((args.Nr + ti - 1) / ti), unsigned(kH / hc),
                   unsigned(args.B * args.n_sblocks * args.jsplits));
-  if (terms == 3) {
-    allow_smem<opm_bwd_side_kernel<3>>();
-    opm_bwd_side_kernel<3><<<grid, kBwThreads, bwd_side_smem_bytes(), stream>>>(args);
-  } else {
-    allow_smem<opm_bwd_side_kernel<1>>();
-    opm_bwd_side_kernel<1><<<grid, kBwThreads, bwd_side_smem_bytes(), stream>>>(args);
-  }
+  constexpr auto kernel = opm_bwd_side_kernel<kTerms, kH>;
+  allow_smem<kernel>();
+  kernel<<<grid, kBwThreads, bwd_side_smem_bytes(), stream>>>(args);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+template <int kTerms, int kH>
+void launch_bwd_w_t(const BwdWArgs& args, int splits, cudaStream_t stream) {
+  constexpr int hc = kBwWCols / kH;
+  const dim3 grid(unsigned(kH / hc), unsigned((args.D + kBwWDG - 1) / kBwWDG), unsigned(splits));
+  constexpr auto kernel = opm_bwd_w_kernel<kTerms, kH>;
+  allow_smem<kernel>();
+  kernel<<<grid, kBwThreads, bwd_w_smem_bytes(), stream>>>(args);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+template <int kTerms>
+void launch_bwd_side_h(const BwdSideArgs& args, cudaStream_t stream) {
+  if (args.H == 16) return launch_bwd_side_t<kTerms, 16>(args, stream);
+  if (args.H == 32) return launch_bwd_side_t<kTerms, 32>(args, stream);
+  return launch_bwd_side_t<kTerms, 64>(args, stream);
+}
+template <int kTerms>
+void launch_bwd_w_h(const BwdWArgs& args, int splits, cudaStream_t stream) {
+  if (args.H == 16) return launch_bwd_w_t<kTerms, 16>(args, splits, stream);
+  if (args.H == 32) return launch_bwd_w_t<kTerms, 32>(args, splits, stream);
+  return launch_bwd_w_t<kTerms, 64>(args, splits, stream);
+}
+}  // namespace
+
+// hidden_dim 16, 32 or 64 (checked by the caller)
+void launch_bwd_side(const BwdSideArgs& args, int terms, cudaStream_t stream) {
+  if (terms == 3) return launch_bwd_side_h<3>(args, stream);
+  launch_bwd_side_h<1>(args, stream);
 }
 
 void launch_bwd_w(const BwdWArgs& args, int splits, int terms, cudaStream_t stream) {
-  const int hc = kBwWCols / args.H;
-  const dim3 grid(unsigned(args.H / hc), unsigned((args.D + kBwWDG - 1) / kBwWDG), unsigned(splits));
-  if (terms == 3) {
-    allow_smem<opm_bwd_w_kernel<3>>();
-    opm_bwd_w_kernel<3><<<grid, kBwThreads, bwd_w_smem_bytes(), stream>>>(args);
-  } else {
-    allow_smem<opm_bwd_w_kernel<1>>();
-    opm_bwd_w_kernel<1><<<grid, kBwThreads, bwd_w_smem_bytes(), stream>>>(args);
-  }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (terms == 3) return launch_bwd_w_h<3>(args, splits, stream);
+  launch_bwd_w_h<1>(args, splits, stream);
 }
 
 }  // namespace flashopm
