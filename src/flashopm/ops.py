@@ -201,15 +201,19 @@ def _outer_contract_backward_fake(grad, a, b, w_out, need_ab, need_w, precision=
 
 outer_contract_backward_op = torch.ops.flashopm.outer_contract_backward.default
 
-# hidden_dim values the fused CUDA backward supports (a block owns 128 columns (h1, h2))
+# hidden_dim values the fused CUDA backward supports (a block owns 128 columns (h1, h2)), and the
+# deepest MSA it is used for: it recomputes dO for every 128 values of s, which past S = 256 costs
+# more than PyTorch's blocks (the same rule as csrc/opm_backward_api.cpp).
 FUSED_BACKWARD_HIDDEN = (16, 32, 64)
+FUSED_BACKWARD_MAX_S = 256
 
 
 def contract_backward(g, a, b, w_out, need_ab, need_w):
     """(grad_a, grad_b, grad_w_out) of the outer-first contraction, None where not needed: the
-    fused CUDA kernels for float32 CUDA tensors with hidden_dim 16, 32 or 64, else PyTorch in
-    blocks of rows (reference.contract_outer_blocks_backward)."""
-    if g.is_cuda and a.dtype == torch.float32 and a.shape[-1] in FUSED_BACKWARD_HIDDEN:
+    fused CUDA kernels for float32 CUDA tensors with hidden_dim 16, 32 or 64 and S <= 256, else
+    PyTorch in blocks of rows (reference.contract_outer_blocks_backward)."""
+    if (g.is_cuda and a.dtype == torch.float32 and a.shape[-1] in FUSED_BACKWARD_HIDDEN
+            and a.shape[1] <= FUSED_BACKWARD_MAX_S):
         if not _build.is_loaded():
             _build.load()
         ga, gb, gw = outer_contract_backward_op(g, a, b, w_out, need_ab, need_w)

@@ -791,11 +791,12 @@ std::vector<at::Tensor> outer_contract_backward_cuda(const at::Tensor& g_in, con
   const int64_t slots = 2 * int64_t(device_info(dev).sm_count);
   if (need_ab) {
     const int64_t n_sb = (S + kBwSB - 1) / kBwSB;
+    FLASHOPM_CHECK(B * n_sb <= 65535, "flashopm: B * ceil(S / ", kBwSB,
+                   ") must be at most 65535 for the fused backward, got ", B * n_sb);
     const int64_t hc = kBwSideCols / H, ti = kBwSideRows / hc, tj = kBwSideCols / H;
     const int64_t blocks = B * n_sb * ((std::max(Nr, Nc) + ti - 1) / ti) * (H / hc);
+    // splits only where one split per row block leaves slots idle (so B * n_sb * jsplits <= slots)
     const int64_t jsplits = std::max<int64_t>(1, std::min<int64_t>((std::min(Nr, Nc) + tj - 1) / tj, slots / blocks));
-    FLASHOPM_CHECK(B * n_sb * jsplits <= 65535, "flashopm: B * ceil(S / ", kBwSB,
-                   ") must be at most 65535 for the fused backward, got ", B * n_sb);
     at::Tensor part_a = jsplits == 1 ? grad_a : at::empty({jsplits, B, S, Nr, H}, a.options());
     at::Tensor part_b = jsplits == 1 ? grad_b : at::empty({jsplits, B, S, Nc, H}, a.options());
     BwdSideArgs side{};

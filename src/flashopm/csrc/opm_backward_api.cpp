@@ -109,12 +109,13 @@ std::vector<at::Tensor> outer_product_mean_backward_cuda(const at::Tensor& grad_
     const at::Tensor a = at::linear(xn, wa, b_a ? OptTensor(b_a->to(work)) : std::nullopt).mul_(m);
     const at::Tensor b = at::linear(xn, wb, b_b ? OptTensor(b_b->to(work)) : std::nullopt).mul_(m);
     const at::Tensor den = output_divisor(m.squeeze(-1), normalization, norm_eps);
-    const at::Tensor g = grad_out.to(work).div(den);
-    if (need_bo) grads[8] = (normalization == 1 ? g : grad_out.to(work)).sum({0, 1, 2});
+    const at::Tensor go = grad_out.to(work);
+    const at::Tensor g = go.div(den);
+    if (need_bo) grads[8] = (normalization == 1 ? g : go).sum({0, 1, 2});
     if (need_proj || need_wo) {
       // The fused kernels recompute dO = g·W for every 128 values of s; past S = 256 that costs more
       // than PyTorch's blocks save (H200: 79 against 54 ms at S = 512, N = 768), which then win on
-      // speed, at more memory (blocks of 16M-64M elements).
+      // speed, at more memory (blocks of 16M-64M elements).  ops.contract_backward, the same rule.
       if (work == at::kFloat && (H == 16 || H == 32 || H == 64) && S <= 256) {
         const std::vector<at::Tensor> r = contract_backward_op().call(g, a, b, wo, need_proj, need_wo, -1);
         grad_a = r[0], grad_b = r[1], grad_w = r[2];
