@@ -1,9 +1,11 @@
 // CUDA implementation of flashopm::outer_product_mean_backward, in C++ so that a training step's
 // backward costs no Python per operation.  The same math as reference.outer_product_mean_backward_reference:
-// LayerNorm and both projections are recomputed, the three contractions over the (pairs x H·H)
-// intermediate go to flashopm::outer_contract_backward (the fused kernels) where the hidden size
-// allows, else to ATen in blocks of rows; then the gradients flow back through the mask, the
-// projections and LayerNorm.
+// LayerNorm, both projections and the mask are recomputed in one launch (opm_prep_kernel), the three
+// contractions over the (pairs x H·H) intermediate go to flashopm::outer_contract_backward (the fused
+// kernels) where the hidden size allows, else to ATen in blocks of rows; then the gradients flow
+// back through the mask, the projections and LayerNorm in one pass over x (opm_ln_backward_kernel)
+// and one reduction of its per-block parameter sums.  Problems those two kernels do not take
+// (msa_dim > 512, or shared memory short) run the same math on ATen.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -13,6 +15,8 @@
 #include <array>
 #include <optional>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 namespace flashopm {
@@ -64,6 +68,102 @@ std::array<at::Tensor, 3> contract_blocks(const at::Tensor& g, const at::Tensor&
   return {grad_a, grad_b, need_w ? grad_w.view({D, H * H}) : grad_w};
 }
 
+// LayerNorm, the projections and the mask recomputed in one launch: (a, b), each (B, S, N, H)
+// float32, as the forward computes them.
+std::pair<at::Tensor, at::Tensor> project_masked(const at::Tensor& msa_in, const at::Tensor& mask,
+                                                 const at::Tensor& ln_w, const at::Tensor& ln_b, double ln_eps,
+                                                 const at::Tensor& w_a, const OptTensor& b_a, const at::Tensor& w_b,
+                                                 const OptTensor& b_b, int dev) {
+  const int64_t B = msa_in.size(0), S = msa_in.size(1), N = msa_in.size(2), C = msa_in.size(3), H = w_a.size(0);
+  const at::Tensor msa = msa_in.stride(3) == 1 ? msa_in : msa_in.contiguous();
+  const auto f32 = [](const at::Tensor& t) { return t.to(at::kFloat).contiguous(); };
+  const at::Tensor lw = f32(ln_w), lb = f32(ln_b), wa = f32(w_a), wb = f32(w_b);
+  const OptTensor ba = b_a ? OptTensor(f32(*b_a)) : std::nullopt, bb = b_b ? OptTensor(f32(*b_b)) : std::nullopt;
+  at::Tensor a = at::empty({B, S, N, H}, msa.options().dtype(at::kFloat));
+  at::Tensor b = at::empty({B, S, N, H}, msa.options().dtype(at::kFloat));
+  PrepArgs pa{};
+  pa.x = msa.data_ptr();
+  pa.x_kind = elem_kind(msa);
+  pa.x_sb = msa.stride(0), pa.x_ss = msa.stride(1), pa.x_sn = msa.stride(2);
+  pa.mask = MaskView{mask.data_ptr(), mask.stride(0), mask.stride(1), mask.stride(2), mask_kind_of(mask)};
+  pa.ln_w = lw.data_ptr<float>(), pa.ln_b = lb.data_ptr<float>(), pa.ln_eps = float(ln_eps);
+  pa.wa = wa.data_ptr<float>(), pa.ba = opt_ptr(ba), pa.wb = wb.data_ptr<float>(), pa.bb = opt_ptr(bb);
+  pa.a_out = a.data_ptr<float>(), pa.b_out = b.data_ptr<float>(), pa.ab_kind = kMaskFloat;
+  pa.a_sb = pa.b_sb = S * N * H, pa.a_ss = pa.b_ss = N * H, pa.a_sn = pa.b_sn = H;
+  pa.a_rows = int(N), pa.o_chunks = 1;
+  pa.B = int(B), pa.S = int(S), pa.N = int(N), pa.C = int(C), pa.H = int(H), pa.D = 1;
+  run_prep(pa, false, dev, c10::cuda::getCurrentCUDAStream(dev).stream());
+  return {a, b};
+}
+
+// Whether the one-pass LayerNorm/projection kernels take this problem (else ATen does).
+bool fused_ln_fits(const at::Tensor& msa, const at::Tensor& mask, int64_t rows, int64_t C, int64_t H, int64_t B,
+                   int64_t S, int dev) {
+  const at::ScalarType t = msa.scalar_type(), mt = mask.scalar_type();
+  const bool types = (t == at::kFloat || t == at::kHalf || t == at::kBFloat16) &&
+                     (mt == at::kFloat || mt == at::kHalf || mt == at::kBFloat16 || mt == at::kBool);
+  return types && rows > 0 && C <= kLnBwdMaxCols && H <= kMaxHidden && B <= 65535 && S <= 65535 &&
+         ln_backward_smem_bytes(int(C), int(H)) <= device_info(dev).smem_optin;
+}
+
+struct LnGrads {
+  at::Tensor x, ln_w, ln_b, w_a, b_a, w_b, b_b;  // float32 except x (msa's type); undefined if not asked
+};
+
+// grad_a and grad_b (B, S, N, H), gradients of the masked projections, back through the mask, both
+// projections and LayerNorm: one pass over x, then one reduction of the blocks' parameter sums.
+LnGrads ln_projection_backward(const at::Tensor& msa_in, const at::Tensor& mask, const at::Tensor& ln_w,
+                               const at::Tensor& ln_b, double ln_eps, const at::Tensor& w_a, const at::Tensor& w_b,
+                               const at::Tensor& grad_a_in, const at::Tensor& grad_b_in,
+                               const std::array<bool, 9>& want, int dev) {
+  const int64_t B = msa_in.size(0), S = msa_in.size(1), N = msa_in.size(2), C = msa_in.size(3), H = w_a.size(0);
+  const at::Tensor msa = msa_in.stride(3) == 1 ? msa_in : msa_in.contiguous();
+  const auto f32 = [](const at::Tensor& t) { return t.to(at::kFloat).contiguous(); };
+  const at::Tensor lw = f32(ln_w), lb = f32(ln_b), wa = f32(w_a), wb = f32(w_b);
+  const at::Tensor grad_a = f32(grad_a_in), grad_b = f32(grad_b_in);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dev).stream();
+  const at::TensorOptions opts = msa.options().dtype(at::kFloat);
+  LnGrads r;
+  if (want[0]) r.x = at::empty({B, S, N, C}, msa.options().memory_format(at::MemoryFormat::Contiguous));
+  const int64_t rows = B * S * N;
+  const int lanes = ln_backward_col_lanes(int(C)), tile_rows = (kLnBwdThreads / lanes) * kLnBwdRows;
+  const int smem = ln_backward_smem_bytes(int(C), int(H));
+  const int per_sm = std::max(1, std::min(2, device_info(dev).smem_per_sm / (smem + 1024)));
+  const int64_t tiles = (rows + tile_rows - 1) / tile_rows;
+  const int blocks = int(std::min<int64_t>(tiles, int64_t(per_sm) * device_info(dev).sm_count));
+  at::Tensor partial = at::empty({blocks, ln_backward_partial_floats(int(C), int(H))}, opts);
+
+  LnBackwardArgs la{};
+  la.x = msa.data_ptr();
+  la.x_kind = elem_kind(msa);
+  la.x_sb = msa.stride(0), la.x_ss = msa.stride(1), la.x_sn = msa.stride(2);
+  la.mask = MaskView{mask.data_ptr(), mask.stride(0), mask.stride(1), mask.stride(2), mask_kind_of(mask)};
+  la.ln_w = lw.data_ptr<float>(), la.ln_b = lb.data_ptr<float>(), la.ln_eps = float(ln_eps);
+  la.wa = wa.data_ptr<float>(), la.wb = wb.data_ptr<float>();
+  la.grad_a = grad_a.data_ptr<float>(), la.grad_b = grad_b.data_ptr<float>();
+  la.grad_x = r.x.defined() ? r.x.data_ptr() : nullptr;
+  la.gx_kind = elem_kind(msa);
+  la.partial = partial.data_ptr<float>();
+  la.B = int(B), la.S = int(S), la.N = int(N), la.C = int(C), la.H = int(H);
+  la.rows = rows;
+  la.col_lanes = lanes;
+  launch_ln_backward(la, blocks, stream);
+
+  const auto out = [&](bool need, at::IntArrayRef shape) { return need ? at::empty(shape, opts) : at::Tensor(); };
+  r.ln_w = out(want[1], {C}), r.ln_b = out(want[2], {C});
+  r.w_a = out(want[3], {H, C}), r.b_a = out(want[4], {H});
+  r.w_b = out(want[5], {H, C}), r.b_b = out(want[6], {H});
+  const auto ptr = [](const at::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; };
+  LnBackwardReduceArgs ra{};
+  ra.partial = partial.data_ptr<float>();
+  ra.blocks = blocks;
+  ra.C = int(C), ra.H = int(H);
+  ra.grad_wa = ptr(r.w_a), ra.grad_wb = ptr(r.w_b), ra.grad_lw = ptr(r.ln_w), ra.grad_lb = ptr(r.ln_b);
+  ra.grad_ba = ptr(r.b_a), ra.grad_bb = ptr(r.b_b);
+  if (want[1] || want[2] || want[3] || want[4] || want[5] || want[6]) launch_ln_backward_reduce(ra, stream);
+  return r;
+}
+
 // Gradients for (msa_repr, ln_weight, ln_bias, w_a, b_a, w_b, b_b, w_out, b_out); an empty tensor
 // where output_mask is false or the bias is absent.
 std::vector<at::Tensor> outer_product_mean_backward_cuda(const at::Tensor& grad_out, const at::Tensor& msa,
@@ -95,19 +195,28 @@ std::vector<at::Tensor> outer_product_mean_backward_cuda(const at::Tensor& grad_
 
   const bool half = msa.scalar_type() == at::kHalf || msa.scalar_type() == at::kBFloat16;
   const at::ScalarType work = half ? at::kFloat : msa.scalar_type();
-  const at::Tensor x = msa.to(work), m = mask.to(work).unsqueeze(-1);  // m: (B, S, N, 1)
-  const at::Tensor lw = ln_w.to(work), lb = ln_b.to(work), wa = w_a.to(work), wb = w_b.to(work);
+  const at::Tensor m = mask.to(work).unsqueeze(-1);  // m: (B, S, N, 1)
   const at::Tensor wo = w_out.to(work);
-  const auto [var, mu] = at::var_mean(x, {-1}, /*correction=*/0, /*keepdim=*/true);
-  const at::Tensor rstd = (var + ln_eps).rsqrt_();
-  at::Tensor xhat = (x - mu).mul_(rstd);
-  at::Tensor xn = at::addcmul(lb, xhat, lw);
+  const int dev = msa.get_device();
+  const bool fused_ln = fused_ln_fits(msa, mask, B * S * N, C, H, B, S, dev);
   std::vector<at::Tensor> grads(9);
   at::Tensor grad_a, grad_b, grad_w;
+  // The unfused path's LayerNorm intermediates, kept for its backward.
+  at::Tensor xhat, xn, rstd;
   {
     // a, b and g (B, N, N, D) live only for the contractions
-    const at::Tensor a = at::linear(xn, wa, b_a ? OptTensor(b_a->to(work)) : std::nullopt).mul_(m);
-    const at::Tensor b = at::linear(xn, wb, b_b ? OptTensor(b_b->to(work)) : std::nullopt).mul_(m);
+    at::Tensor a, b;
+    if (fused_ln) {
+      std::tie(a, b) = project_masked(msa, mask, ln_w, ln_b, ln_eps, w_a, b_a, w_b, b_b, dev);
+    } else {
+      const at::Tensor x = msa.to(work);
+      const auto [var, mu] = at::var_mean(x, {-1}, /*correction=*/0, /*keepdim=*/true);
+      rstd = (var + ln_eps).rsqrt_();
+      xhat = (x - mu).mul_(rstd);
+      xn = at::addcmul(ln_b.to(work), xhat, ln_w.to(work));
+      a = at::linear(xn, w_a.to(work), b_a ? OptTensor(b_a->to(work)) : std::nullopt).mul_(m);
+      b = at::linear(xn, w_b.to(work), b_b ? OptTensor(b_b->to(work)) : std::nullopt).mul_(m);
+    }
     const at::Tensor den = output_divisor(m.squeeze(-1), normalization, norm_eps);
     const at::Tensor go = grad_out.to(work);
     const at::Tensor g = go.div(den);
@@ -125,28 +234,32 @@ std::vector<at::Tensor> outer_product_mean_backward_cuda(const at::Tensor& grad_
       }
     }
   }
-  {
-    if (need_wo) grads[7] = grad_w;
-    if (need_proj) {
-      const at::Tensor ga = grad_a.mul_(m).reshape({-1, H});
-      const at::Tensor gb = grad_b.mul_(m).reshape({-1, H});
-      const at::Tensor xn2 = xn.reshape({-1, C});
-      if (need_wa) grads[3] = at::mm(ga.t(), xn2);
-      if (need_ba) grads[4] = ga.sum(0);
-      if (need_wb) grads[5] = at::mm(gb.t(), xn2);
-      if (need_bb) grads[6] = gb.sum(0);
-      xn.reset();
-      if (need_x || need_lw || need_lb) {
-        at::Tensor grad_xn = at::addmm(at::mm(ga, wa), gb, wb).view({B, S, N, C});
-        if (need_lw) grads[1] = (grad_xn * xhat).sum({0, 1, 2});
-        if (need_lb) grads[2] = grad_xn.sum({0, 1, 2});
-        if (need_x) {
-          // rstd (gxhat - mean(gxhat) - xhat mean(gxhat xhat)), in grad_xn's storage
-          at::Tensor gxhat = grad_xn.mul_(lw);
-          const at::Tensor proj = (gxhat * xhat).sum(-1, /*keepdim=*/true).div_(double(C));
-          const at::Tensor mean = gxhat.mean(-1, /*keepdim=*/true);
-          grads[0] = gxhat.sub_(mean).sub_(xhat.mul_(proj)).mul_(rstd);
-        }
+  if (need_wo) grads[7] = grad_w;
+  if (need_proj && fused_ln) {
+    const LnGrads r = ln_projection_backward(msa, mask, ln_w, ln_b, ln_eps, w_a, w_b, grad_a, grad_b, want, dev);
+    grads[0] = r.x, grads[1] = r.ln_w, grads[2] = r.ln_b, grads[3] = r.w_a, grads[5] = r.w_b;
+    if (need_ba) grads[4] = r.b_a;
+    if (need_bb) grads[6] = r.b_b;
+  } else if (need_proj) {
+    const at::Tensor lw = ln_w.to(work), wa = w_a.to(work), wb = w_b.to(work);
+    const at::Tensor ga = grad_a.mul_(m).reshape({-1, H});
+    const at::Tensor gb = grad_b.mul_(m).reshape({-1, H});
+    const at::Tensor xn2 = xn.reshape({-1, C});
+    if (need_wa) grads[3] = at::mm(ga.t(), xn2);
+    if (need_ba) grads[4] = ga.sum(0);
+    if (need_wb) grads[5] = at::mm(gb.t(), xn2);
+    if (need_bb) grads[6] = gb.sum(0);
+    xn.reset();
+    if (need_x || need_lw || need_lb) {
+      at::Tensor grad_xn = at::addmm(at::mm(ga, wa), gb, wb).view({B, S, N, C});
+      if (need_lw) grads[1] = (grad_xn * xhat).sum({0, 1, 2});
+      if (need_lb) grads[2] = grad_xn.sum({0, 1, 2});
+      if (need_x) {
+        // rstd (gxhat - mean(gxhat) - xhat mean(gxhat xhat)), in grad_xn's storage
+        at::Tensor gxhat = grad_xn.mul_(lw);
+        const at::Tensor proj = (gxhat * xhat).sum(-1, /*keepdim=*/true).div_(double(C));
+        const at::Tensor mean = gxhat.mean(-1, /*keepdim=*/true);
+        grads[0] = gxhat.sub_(mean).sub_(xhat.mul_(proj)).mul_(rstd);
       }
     }
   }

@@ -10,6 +10,7 @@
 
 #include "opm_backward_kernel.cuh"
 #include "opm_kernels.cuh"
+#include "opm_ln_backward_kernel.cuh"
 #include "opm_small_kernel.cuh"
 #include "opm_small_tc_kernel.cuh"
 #include "opm_tc16_kernel.cuh"
@@ -138,6 +139,27 @@ void launch_outer_tc16(const OuterArgs& args, int operand_kind, int form, cudaSt
   const int smem = outer_tc16_smem_bytes(args.H, args.Ti, args.Tj, form);
   if (operand_kind == kMaskHalf) launch_tc16_form<__half>(args, form, grid, smem, stream);
   else launch_tc16_form<__nv_bfloat16>(args, form, grid, smem, stream);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+int ln_backward_smem_bytes(int C, int H) { return int(ln_backward_smem_floats(C, H) * sizeof(float)); }
+
+void launch_ln_backward(const LnBackwardArgs& args, int blocks, cudaStream_t stream) {
+  const int smem = ln_backward_smem_bytes(args.C, args.H);
+  if (ln_backward_cols(args.C) == 1) {
+    allow_smem<opm_ln_backward_kernel<1>>();
+    opm_ln_backward_kernel<1><<<blocks, kLnBwdThreads, smem, stream>>>(args);
+  } else {
+    allow_smem<opm_ln_backward_kernel<2>>();
+    opm_ln_backward_kernel<2><<<blocks, kLnBwdThreads, smem, stream>>>(args);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void launch_ln_backward_reduce(const LnBackwardReduceArgs& args, cudaStream_t stream) {
+  const int64_t P = ln_backward_partial_floats(args.C, args.H);
+  opm_ln_backward_reduce_kernel<<<unsigned((P + kLnBwdReduceThreads - 1) / kLnBwdReduceThreads),
+                                  kLnBwdReduceThreads, 0, stream>>>(args);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

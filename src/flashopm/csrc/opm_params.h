@@ -524,4 +524,82 @@ void launch_bwd_w(const BwdWArgs& args, int splits, int terms, cudaStream_t stre
 int bwd_side_smem_bytes();
 int bwd_w_smem_bytes();
 
+// ---- Backward of LayerNorm, both projections and the mask (opm_ln_backward_kernel.cuh) ----
+// Per row r = (b, s, n), with xhat = (x - mean) * rstd, xn = xhat * ln_w + ln_b and the masked
+// gradients ga = grad_a * m, gb = grad_b * m (H each):
+//   grad_xn = ga · W_a + gb · W_b,  gxhat = grad_xn * ln_w
+//   grad_x  = rstd * (gxhat - mean_c(gxhat) - xhat * mean_c(gxhat * xhat))
+// and, summed over rows, dW_a = ga^T xn, dW_b = gb^T xn, d ln_w = sum grad_xn * xhat,
+// d ln_b = sum grad_xn, d b_a = sum ga, d b_b = sum gb.  LayerNorm's statistics are recomputed.
+// A block takes tiles of rows in turn; its threads form row groups of col_lanes threads, each
+// thread kLnBwdRows rows x kCols columns (c = lane + k * col_lanes).  The parameter sums are
+// written per block (partial) and added by opm_ln_backward_reduce_kernel: no atomics, the same
+// result on every run.
+constexpr int kLnBwdWarps = 8;
+constexpr int kLnBwdThreads = kLnBwdWarps * 32;
+constexpr int kLnBwdRows = 8;        // rows per thread per tile
+constexpr int kLnBwdMaxCols = 512;   // msa_dim this kernel takes (2 columns per thread)
+constexpr int kLnBwdReduceThreads = 256;
+
+struct LnBackwardArgs {
+  const void* x;  // (B, S, N, C), unit stride along C, elements of kind x_kind
+  int x_kind;
+  int64_t x_sb, x_ss, x_sn;
+  MaskView mask;
+  const float* ln_w;
+  const float* ln_b;
+  float ln_eps;
+  const float* wa;      // (H, C) contiguous
+  const float* wb;
+  const float* grad_a;  // (B, S, N, H) contiguous, gradient of the masked projection
+  const float* grad_b;
+  void* grad_x;         // (B, S, N, C) contiguous of kind gx_kind, or null when not needed
+  int gx_kind;
+  float* partial;       // (gridDim.x, ln_backward_partial_floats(C, H))
+  int B, S, N, C, H;
+  int64_t rows;         // B * S * N
+  int col_lanes;        // 32, 64, 128 or 256: threads sharing one row's columns
+};
+
+// Layout of one block's partial sums: [dW_a (H, C) | dW_b (H, C) | d ln_w (C) | d ln_b (C) |
+// d b_a (H) | d b_b (H)].
+FLASHOPM_HD inline int64_t ln_backward_partial_floats(int C, int H) { return int64_t(2) * H * C + 2 * C + 2 * H; }
+
+// Columns per thread and threads per row for msa_dim C.
+FLASHOPM_HD inline int ln_backward_cols(int C) { return C <= 256 ? 1 : 2; }
+FLASHOPM_HD inline int ln_backward_col_lanes(int C) {
+  const int per_thread = (C + ln_backward_cols(C) - 1) / ln_backward_cols(C);
+  int lanes = 32;
+  while (lanes < per_thread) lanes *= 2;
+  return lanes;
+}
+
+// Shared memory (floats) of opm_ln_backward_kernel.
+FLASHOPM_HD inline int64_t ln_backward_smem_floats(int C, int H) {
+  const int lanes = ln_backward_col_lanes(C), groups = kLnBwdThreads / lanes;
+  const int cstride = lanes * ln_backward_cols(C), h2p = round_up4(2 * H), tile_rows = groups * kLnBwdRows;
+  return int64_t(groups) * h2p * cstride      // dW accumulators, one set per row group
+         + int64_t(tile_rows) * h2p           // the tile's masked gradients
+         + kLnBwdWarps * 2 * kLnBwdRows       // row reductions
+         + int64_t(groups) * 2 * cstride      // d ln_w, d ln_b per row group (final sum)
+         + round_up4(tile_rows)               // mask per row
+         + 2 * round_up4(tile_rows);          // x offset per row (int64)
+}
+
+struct LnBackwardReduceArgs {
+  const float* partial;  // (blocks, P)
+  int blocks;
+  int C, H;
+  float* grad_wa;        // each (H, C), (C) or (H) float32, or null when not needed
+  float* grad_wb;
+  float* grad_lw;
+  float* grad_lb;
+  float* grad_ba;
+  float* grad_bb;
+};
+
+void launch_ln_backward(const LnBackwardArgs& args, int blocks, cudaStream_t stream);
+void launch_ln_backward_reduce(const LnBackwardReduceArgs& args, cudaStream_t stream);
+int ln_backward_smem_bytes(int C, int H);
+
 }  // namespace flashopm

@@ -1,0 +1,264 @@
+// Backward of LayerNorm, both projections and the mask in one pass over x (math and layout in
+// opm_params.h, LnBackwardArgs).  It replaces some forty PyTorch kernels over x-sized tensors
+// (xhat, xn, grad_xn and their products) with one read of x, grad_a and grad_b and one write of
+// grad_x; nothing x-sized is allocated besides grad_x.
+#pragma once
+
+#include "opm_kernels.cuh"
+
+namespace flashopm {
+
+// Sums of kN values per row over the threads of a row group (col_lanes threads, whole warps);
+// every thread of the group gets the totals.  Ends with the block synchronised, so red can be
+// reused at once.
+template <int kN>
+__device__ __forceinline__ void row_group_sum(float (&v)[kN], float* red, int col_lanes, int warp, int lane) {
+#pragma unroll
+  for (int i = 0; i < kN; ++i) v[i] = warp_sum(v[i]);
+  if (col_lanes == 32) return;  // block-uniform
+  if (lane == 0) {
+#pragma unroll
+    for (int i = 0; i < kN; ++i) red[warp * kN + i] = v[i];
+  }
+  __syncthreads();
+  const int warps = col_lanes / 32, first = (warp / warps) * warps;
+#pragma unroll
+  for (int i = 0; i < kN; ++i) {
+    float t = 0.f;
+    for (int w = 0; w < warps; ++w) t += red[(first + w) * kN + i];
+    v[i] = t;
+  }
+  __syncthreads();
+}
+
+template <int kCols>
+__global__ void __launch_bounds__(kLnBwdThreads, 2) opm_ln_backward_kernel(const LnBackwardArgs p) {
+  extern __shared__ float4 smem_f4[];
+  float* smem = reinterpret_cast<float*>(smem_f4);
+  constexpr int R = kLnBwdRows;
+  const int C = p.C, H = p.H, H2 = 2 * H, H2p = round_up4(H2);
+  const int lanes = p.col_lanes, groups = kLnBwdThreads / lanes, cstride = lanes * kCols;
+  const int tile_rows = groups * R;
+  float* dw_s = smem;                                             // [groups][H2p][cstride]
+  float* gm_s = dw_s + groups * H2p * cstride;                    // [tile_rows][H2p]
+  float* red_s = gm_s + tile_rows * H2p;                          // [warps][2R]
+  float* dln_s = red_s + kLnBwdWarps * 2 * R;                     // [groups][2][cstride]
+  float* m_s = dln_s + groups * 2 * cstride;                      // [tile_rows]
+  int64_t* xoff_s = reinterpret_cast<int64_t*>(m_s + round_up4(tile_rows));  // [tile_rows]
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int group = tid / lanes, cl = tid - group * lanes;
+  for (int i = tid; i < groups * H2p * cstride; i += kLnBwdThreads) dw_s[i] = 0.f;
+
+  int col[kCols];
+  bool col_ok[kCols];
+  float lw[kCols], lb[kCols], dlw[kCols], dlb[kCols];
+#pragma unroll
+  for (int k = 0; k < kCols; ++k) {
+    col[k] = cl + k * lanes;
+    col_ok[k] = col[k] < C;
+    lw[k] = col_ok[k] ? p.ln_w[col[k]] : 0.f;
+    lb[k] = col_ok[k] ? p.ln_b[col[k]] : 0.f;
+    dlw[k] = dlb[k] = 0.f;
+  }
+  float dbias = 0.f;  // thread tid < 2H: d b_a[tid] or d b_b[tid - H]
+  const float inv_c = 1.f / float(C);
+
+  const int64_t ntiles = (p.rows + tile_rows - 1) / tile_rows;
+  for (int64_t tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
+    const int64_t row0 = tile * tile_rows;
+    __syncthreads();  // the previous tile's reads of gm_s, m_s and xoff_s are done
+    if (tid < tile_rows) {
+      const int64_t row = row0 + tid;
+      float mv = 0.f;
+      int64_t off = 0;
+      if (row < p.rows) {
+        const int64_t bs = row / p.N;
+        const int n = int(row - bs * p.N), s = int(bs % p.S), b = int(bs / p.S);
+        mv = mask_at(p.mask, b, s, n);
+        off = int64_t(b) * p.x_sb + int64_t(s) * p.x_ss + int64_t(n) * p.x_sn;
+      }
+      m_s[tid] = mv;
+      xoff_s[tid] = off;
+    }
+    __syncthreads();
+    for (int idx = tid; idx < tile_rows * H2p; idx += kLnBwdThreads) {
+      const int r = idx / H2p, h = idx - r * H2p;
+      const int64_t row = row0 + r;
+      float v = 0.f;
+      if (row < p.rows && h < H2) v = (h < H ? p.grad_a[row * H + h] : p.grad_b[row * H + h - H]) * m_s[r];
+      gm_s[idx] = v;
+    }
+
+    // This thread's rows: x, then LayerNorm's statistics in two passes over the registers.
+    float xh[R][kCols];
+    bool row_ok[R];
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+      const int r = group * R + i;
+      row_ok[i] = row0 + r < p.rows;
+#pragma unroll
+      for (int k = 0; k < kCols; ++k)
+        xh[i][k] = row_ok[i] && col_ok[k] ? load_mask(p.x, xoff_s[r] + col[k], p.x_kind) : 0.f;
+    }
+    float stat[R], rstd[R];
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+      stat[i] = 0.f;
+#pragma unroll
+      for (int k = 0; k < kCols; ++k) stat[i] += xh[i][k];
+    }
+    row_group_sum(stat, red_s, lanes, warp, lane);
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+      const float mean = stat[i] * inv_c;
+      stat[i] = 0.f;
+#pragma unroll
+      for (int k = 0; k < kCols; ++k) {
+        xh[i][k] = col_ok[k] ? xh[i][k] - mean : 0.f;
+        stat[i] = fmaf(xh[i][k], xh[i][k], stat[i]);
+      }
+    }
+    row_group_sum(stat, red_s, lanes, warp, lane);
+    float xn[R][kCols];
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+      rstd[i] = rsqrtf(stat[i] * inv_c + p.ln_eps);
+#pragma unroll
+      for (int k = 0; k < kCols; ++k) {
+        xh[i][k] *= rstd[i];
+        xn[i][k] = fmaf(xh[i][k], lw[k], lb[k]);
+      }
+    }
+    __syncthreads();  // gm_s complete (row_group_sum does not synchronise for 32 lanes)
+
+    if (tid < H2) {
+      for (int r = 0; r < tile_rows; ++r) dbias += gm_s[r * H2p + tid];
+    }
+
+    // grad_xn = g · [W_a; W_b] and the dW sums, four hidden units at a time: the masked gradients
+    // come as float4 broadcasts (all threads of a warp share the row), W from L1.
+    float gxn[R][kCols];
+#pragma unroll
+    for (int i = 0; i < R; ++i)
+#pragma unroll
+      for (int k = 0; k < kCols; ++k) gxn[i][k] = 0.f;
+    float* dw_group = dw_s + group * H2p * cstride;
+#pragma unroll 1
+    for (int h = 0; h < H2p; h += 4) {
+      float w[4][kCols];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int hh = h + u;
+        const float* wrow = hh < H ? p.wa + int64_t(hh) * C : p.wb + int64_t(hh - H) * C;
+#pragma unroll
+        for (int k = 0; k < kCols; ++k) w[u][k] = hh < H2 && col_ok[k] ? __ldg(wrow + col[k]) : 0.f;
+      }
+      float dacc[4][kCols];
+#pragma unroll
+      for (int u = 0; u < 4; ++u)
+#pragma unroll
+        for (int k = 0; k < kCols; ++k) dacc[u][k] = 0.f;
+#pragma unroll
+      for (int i = 0; i < R; ++i) {
+        const float4 g4 = *reinterpret_cast<const float4*>(&gm_s[(group * R + i) * H2p + h]);
+        const float g[4] = {g4.x, g4.y, g4.z, g4.w};
+#pragma unroll
+        for (int u = 0; u < 4; ++u)
+#pragma unroll
+          for (int k = 0; k < kCols; ++k) {
+            gxn[i][k] = fmaf(g[u], w[u][k], gxn[i][k]);
+            dacc[u][k] = fmaf(g[u], xn[i][k], dacc[u][k]);
+          }
+      }
+#pragma unroll
+      for (int u = 0; u < 4; ++u)
+#pragma unroll
+        for (int k = 0; k < kCols; ++k) dw_group[(h + u) * cstride + col[k]] += dacc[u][k];
+    }
+
+#pragma unroll
+    for (int i = 0; i < R; ++i)
+#pragma unroll
+      for (int k = 0; k < kCols; ++k) {
+        dlw[k] = fmaf(gxn[i][k], xh[i][k], dlw[k]);
+        dlb[k] += gxn[i][k];
+      }
+
+    if (p.grad_x != nullptr) {  // block-uniform
+      float t[2 * R];
+#pragma unroll
+      for (int i = 0; i < R; ++i) {
+        t[i] = t[R + i] = 0.f;
+#pragma unroll
+        for (int k = 0; k < kCols; ++k) {
+          gxn[i][k] *= lw[k];  // now gxhat
+          t[i] += gxn[i][k];
+          t[R + i] = fmaf(gxn[i][k], xh[i][k], t[R + i]);
+        }
+      }
+      row_group_sum(t, red_s, lanes, warp, lane);
+#pragma unroll
+      for (int i = 0; i < R; ++i) {
+        if (!row_ok[i]) continue;
+        const int64_t row = row0 + group * R + i;
+        const float mg = t[i] * inv_c, mgx = t[R + i] * inv_c;
+#pragma unroll
+        for (int k = 0; k < kCols; ++k)
+          if (col_ok[k])
+            store_out(p.grad_x, row * C + col[k], rstd[i] * (gxn[i][k] - mg - xh[i][k] * mgx), p.gx_kind);
+      }
+    }
+  }
+
+  // This block's partial sums: the row groups' dW and LayerNorm sums added in a fixed order.
+#pragma unroll
+  for (int k = 0; k < kCols; ++k) {
+    dln_s[(group * 2) * cstride + col[k]] = dlw[k];
+    dln_s[(group * 2 + 1) * cstride + col[k]] = dlb[k];
+  }
+  __syncthreads();
+  float* part = p.partial + int64_t(blockIdx.x) * ln_backward_partial_floats(C, H);
+  for (int idx = tid; idx < H2 * C; idx += kLnBwdThreads) {
+    const int h = idx / C, c = idx - h * C;
+    float v = 0.f;
+    for (int g = 0; g < groups; ++g) v += dw_s[(g * H2p + h) * cstride + c];
+    part[idx] = v;
+  }
+  for (int idx = tid; idx < 2 * C; idx += kLnBwdThreads) {
+    const int which = idx / C, c = idx - which * C;
+    float v = 0.f;
+    for (int g = 0; g < groups; ++g) v += dln_s[(g * 2 + which) * cstride + c];
+    part[H2 * C + idx] = v;
+  }
+  if (tid < H2) part[H2 * C + 2 * C + tid] = dbias;
+}
+
+// grad[e] = sum over blocks of partial[block][e], each segment of the layout written to its own
+// tensor (null: not needed).  Four running sums over the blocks, added at the end.
+__global__ void __launch_bounds__(kLnBwdReduceThreads) opm_ln_backward_reduce_kernel(const LnBackwardReduceArgs p) {
+  const int C = p.C, H = p.H;
+  const int64_t P = ln_backward_partial_floats(C, H);
+  const int64_t e = int64_t(blockIdx.x) * kLnBwdReduceThreads + threadIdx.x;
+  if (e >= P) return;
+  const int64_t HC = int64_t(H) * C;
+  float* dst;
+  int64_t off;
+  if (e < HC) dst = p.grad_wa, off = e;
+  else if (e < 2 * HC) dst = p.grad_wb, off = e - HC;
+  else if (e < 2 * HC + C) dst = p.grad_lw, off = e - 2 * HC;
+  else if (e < 2 * HC + 2 * C) dst = p.grad_lb, off = e - 2 * HC - C;
+  else if (e < 2 * HC + 2 * C + H) dst = p.grad_ba, off = e - 2 * HC - 2 * C;
+  else dst = p.grad_bb, off = e - 2 * HC - 2 * C - H;
+  if (dst == nullptr) return;
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  int blk = 0;
+  for (; blk + 4 <= p.blocks; blk += 4) {
+#pragma unroll
+    for (int u = 0; u < 4; ++u) acc[u] += p.partial[int64_t(blk + u) * P + e];
+  }
+  for (; blk < p.blocks; ++blk) acc[0] += p.partial[int64_t(blk) * P + e];
+  dst[off] = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+}
+
+}  // namespace flashopm

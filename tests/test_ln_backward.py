@@ -1,0 +1,175 @@
+"""The backward through LayerNorm, both projections and the mask inside
+flashopm::outer_product_mean_backward on CUDA (the projections recomputed by one launch, the
+gradients taken back by opm_ln_backward_kernel and its reduction):
+
+    grad_xn = (grad_a * m) W_a + (grad_b * m) W_b
+    grad_x  = rstd (grad_xn ln_w - mean_c(.) - xhat mean_c(. xhat)),  dW_a = (grad_a * m)^T xn, ...
+
+Every gradient against float64 over msa_dim across the kernel's column layouts (1, primes,
+32·2^k ± 1, up to 512, and the ATen path past it), hidden sizes the fused contractions take and
+those they do not, row counts at the tile edges and past one tile per block, every mask kind,
+half-precision inputs, non-contiguous x, subsets of the gradients, and repeatability."""
+import pytest
+import torch
+
+import flashopm
+from conftest import requires_cuda
+from flashopm.ops import outer_product_mean_backward_op
+from flashopm.reference import GRAD_INPUTS, outer_product_mean_backward_reference
+from flashopm.testing import Shape, make_problem, rel_error
+
+pytestmark = requires_cuda
+
+LN_EPS = 1e-5
+PARAM_ORDER = ("ln_weight", "ln_bias", "w_a", "b_a", "w_b", "b_b", "w_out", "b_out")
+
+
+@pytest.fixture(autouse=True)
+def _extension_loaded():
+    """The op is called directly here, not through the functional API: load its CUDA kernels."""
+    flashopm.load()
+
+
+def _op(g, x, m, p, needs=(True,) * 9, normalization=0):
+    lw, lb, wa, ba, wb, bb, wo, bo = (p[k] for k in PARAM_ORDER)
+    return outer_product_mean_backward_op(g, x, m, lw, lb, LN_EPS, wa, ba, wb, bb, wo, bo, normalization, 1e-3,
+                                          list(needs))
+
+
+def _reference(g, x, m, p, normalization=0):
+    lw, lb, wa, ba, wb, bb, wo, bo = (p[k] for k in PARAM_ORDER)
+    return outer_product_mean_backward_reference(g, x, m, lw, lb, wa, ba, wb, bb, wo, bo, LN_EPS, normalization)
+
+
+def _check_against_fp64(shape, mask_kind="masked_positions", seed=0, normalization=0, dtype=torch.float32,
+                        x_transform=None):
+    x, m, p = make_problem(shape, mask_kind, seed=seed)
+    g = torch.randn(shape.B, shape.N, shape.N, shape.D, generator=torch.Generator().manual_seed(seed + 1))
+    # the float64 reference sees the values the half-precision run sees
+    x, g = x.to(dtype), g.to(dtype)
+    p = {k: v.to(dtype) for k, v in p.items()}
+    m64 = m if m.dtype == torch.bool else m.double()
+    ref = _reference(g.double(), x.double(), m64, {k: v.double() for k, v in p.items()}, normalization)
+    xc, mc, gc = x.cuda(), m.cuda(), g.cuda()
+    pc = {k: v.cuda() for k, v in p.items()}
+    eager = _reference(gc, xc, mc, pc, normalization)
+    ours = _op(gc, x_transform(xc) if x_transform else xc, mc, pc, normalization=normalization)
+    for name, o, e, r in zip(GRAD_INPUTS, ours, eager, ref):
+        assert o.shape == r.shape and o.dtype == dtype, name
+        assert torch.isfinite(o).all(), name
+        err, err_eager = rel_error(o.cpu(), r), rel_error(e.cpu(), r)
+        assert err <= max(2 * err_eager, 4 * torch.finfo(dtype).eps), f"{name}: {err:.3g} vs eager {err_eager:.3g}"
+
+
+# (B, S, N, C, H, D): msa_dim across one and two columns per thread and 32-256 threads per row
+# (tile rows 64, 32, 16, 8), hidden sizes of the fused contractions (16, 32, 64) and others (1, 3, 8).
+SHAPES = [
+    Shape(1, 3, 5, 1, 16, 4),
+    Shape(2, 3, 7, 5, 3, 6),
+    Shape(1, 4, 9, 31, 32, 8),
+    Shape(1, 5, 13, 32, 8, 5),
+    Shape(2, 2, 17, 33, 16, 7),
+    Shape(1, 6, 11, 63, 64, 4),
+    Shape(1, 3, 10, 64, 32, 9),
+    Shape(1, 2, 19, 65, 1, 3),
+    Shape(1, 4, 8, 127, 16, 6),
+    Shape(1, 3, 7, 129, 32, 5),
+    Shape(1, 2, 9, 255, 64, 4),
+    Shape(1, 5, 6, 256, 32, 3),
+    Shape(1, 3, 5, 257, 16, 4),
+    Shape(1, 2, 7, 511, 32, 4),
+    Shape(1, 3, 6, 512, 64, 3),
+    Shape(1, 2, 5, 513, 16, 4),   # past the kernel's 512: the ATen path
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_gradients_against_fp64(shape):
+    _check_against_fp64(shape, seed=sum(shape))
+
+
+# Row counts B*S*N at a tile's edges (tile rows: 64 for C <= 32, 32 for C <= 64, 8 for C <= 512) and
+# more tiles than blocks, so blocks take several tiles in turn.
+@pytest.mark.parametrize("shape", [Shape(1, 1, 63, 24, 16, 4), Shape(1, 1, 64, 24, 16, 4), Shape(1, 5, 13, 24, 16, 4),
+                                   Shape(1, 1, 31, 64, 32, 4), Shape(1, 3, 11, 64, 32, 4), Shape(1, 1, 7, 256, 32, 4),
+                                   Shape(1, 1, 9, 256, 32, 4), Shape(1, 24, 97, 256, 32, 4),
+                                   Shape(2, 40, 53, 64, 32, 3)], ids=str)
+def test_row_counts_at_tile_edges(shape):
+    _check_against_fp64(shape, seed=7)
+
+
+@pytest.mark.parametrize("mask_kind", ["ones", "binary", "fractional", "masked_positions", "bool", "half"])
+def test_every_mask_kind(mask_kind):
+    if mask_kind == "half":
+        x, m, p = make_problem(Shape(1, 6, 21, 40, 32, 8), "fractional", seed=3)
+        g = torch.randn(1, 21, 21, 8, generator=torch.Generator().manual_seed(4))
+        ref = _reference(g.double(), x.double(), m.half().double(), {k: v.double() for k, v in p.items()})
+        ours = _op(g.cuda(), x.cuda(), m.half().cuda(), {k: v.cuda() for k, v in p.items()})
+        eager = _reference(g.cuda(), x.cuda(), m.half().cuda(), {k: v.cuda() for k, v in p.items()})
+        for name, o, e, r in zip(GRAD_INPUTS, ours, eager, ref):
+            err, err_eager = rel_error(o.cpu(), r), rel_error(e.cpu(), r)
+            assert err <= max(2 * err_eager, 4 * torch.finfo(torch.float32).eps), name
+        return
+    _check_against_fp64(Shape(2, 6, 21, 40, 32, 8), mask_kind, seed=3)
+
+
+@pytest.mark.parametrize("normalization", [1, 2], ids=["openfold", "boltz"])
+def test_other_normalizations(normalization):
+    _check_against_fp64(Shape(1, 7, 23, 48, 32, 10), seed=5, normalization=normalization)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_half_precision_inputs(dtype):
+    _check_against_fp64(Shape(1, 5, 19, 64, 32, 8), seed=2, dtype=dtype)
+
+
+@pytest.mark.parametrize("layout", ["strided_c", "permuted_sn"])
+def test_non_contiguous_x(layout):
+    if layout == "strided_c":  # unit stride lost along C: copied once
+        transform = lambda x: torch.cat([x, x], dim=-1)[..., ::2]
+    else:  # (B, N, S, C) storage seen as (B, S, N, C): read in place through its strides
+        transform = lambda x: x.transpose(1, 2).contiguous().transpose(1, 2)
+    _check_against_fp64(Shape(2, 5, 13, 48, 16, 6), seed=8, x_transform=transform)
+
+
+def test_subsets_of_gradients_match_the_full_call():
+    x, m, p = make_problem(Shape(1, 6, 17, 72, 32, 8), "masked_positions", seed=4)
+    g = torch.randn(1, 17, 17, 8, generator=torch.Generator().manual_seed(1)).cuda()
+    x, m, p = x.cuda(), m.cuda(), {k: v.cuda() for k, v in p.items()}
+    full = _op(g, x, m, p)
+    for k in range(9):
+        needs = [i == k for i in range(9)]
+        part = _op(g, x, m, p, needs)
+        for i, (a, b) in enumerate(zip(part, full)):
+            if i == k:
+                assert torch.equal(a, b), GRAD_INPUTS[i]
+            else:
+                assert a.numel() == 0, GRAD_INPUTS[i]
+    only_params = _op(g, x, m, p, [False] + [True] * 6 + [False, False])
+    for a, b in zip(only_params[1:7], full[1:7]):
+        assert torch.equal(a, b)
+
+
+def test_grad_x_every_element_written_and_repeatable():
+    # grad_x is the largest tensor the op allocates, so the NaN-poisoned block is what it gets next
+    x, m, p = make_problem(Shape(1, 9, 19, 96, 16, 12), "masked_positions", seed=6)
+    g = torch.randn(1, 19, 19, 12, generator=torch.Generator().manual_seed(2)).cuda()
+    x, m, p = x.cuda(), m.cuda(), {k: v.cuda() for k, v in p.items()}
+    first = _op(g, x, m, p)
+    poison = torch.full_like(first[0], float("nan"))
+    ptr = poison.data_ptr()
+    del poison
+    second = _op(g, x, m, p)
+    assert second[0].data_ptr() == ptr, "the NaN-poisoned block was not reused; the check proves nothing"
+    for name, a, b in zip(GRAD_INPUTS, first, second):
+        assert torch.isfinite(b).all(), name
+        assert torch.equal(a, b), f"{name}: two identical calls differ"
+
+
+def test_fully_masked_rows_give_zero_projection_gradients():
+    x, m, p = make_problem(Shape(1, 4, 11, 40, 16, 6), "ones", seed=9)
+    m = torch.zeros_like(m)
+    g = torch.randn(1, 11, 11, 6, generator=torch.Generator().manual_seed(3)).cuda()
+    grads = _op(g, x.cuda(), m.cuda(), {k: v.cuda() for k, v in p.items()})
+    for name, t in zip(GRAD_INPUTS[:7], grads[:7]):
+        assert torch.count_nonzero(t) == 0, name
