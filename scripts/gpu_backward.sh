@@ -13,4 +13,4 @@ $py -m flashopm bench --mode training --shapes "2,8,32,64,32,64;1,128,256,256,32
   --calls 30 --out "$out/training" 2>&1 | tail -8
 $py -m flashopm bench --mode backward --shapes "2,8,32,64,32,64;1,128,256,256,32,128" --impls eager,flashopm \
   --calls 30 --out "$out/backward" 2>&1 | tail -8
-$py scripts/backward_kernels.py 2,8,32,64,32,64 1,128,256,256,32,128 2>&1 | tee "$out/backward_kernels.log"
+$py scripts/kernel_times.py training float32 2,8,32,64,32,64 1,128,256,256,32,128 2>&1 | tee "$out/kernel_times.log"

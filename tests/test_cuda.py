@@ -206,6 +206,54 @@ def test_auto_uses_small_tc_on_spec():
     assert torch.equal(_run(xc, mc, pc, "auto"), _run(xc, mc, pc, "small-tc", may_not_fit=False))
 
 
+def _rows_above_tiled_projection_threshold(B, N, extra):
+    """S such that B*S*N passes the rows at which the LayerNorm/projection stage switches to its
+    register-tiled kernel (128 rows per SM), by `extra` rows or more, and is not a multiple of 128."""
+    threshold = 128 * torch.cuda.get_device_properties(0).multi_processor_count
+    S = (threshold + extra) // (B * N) + 1
+    while (B * S * N) % 128 == 0:
+        S += 1
+    return S
+
+
+# (B, N, C, H, D, mask kind): outputs per thread 1, 2, 4 and 8 (2H <= 16, 32, 64, 128), msa_dim
+# 1, primes and one past a 32-wide chunk, every mask kind.
+TILED_PROJECTION = [
+    (1, 17, 33, 17, 5, "masked_positions"),
+    (2, 31, 257, 64, 7, "fractional"),
+    (1, 29, 1, 3, 4, "binary"),
+    (1, 13, 64, 8, 9, "bool"),
+    (3, 11, 40, 32, 6, "ones"),
+]
+
+
+@pytest.mark.parametrize("case", TILED_PROJECTION, ids=lambda c: "B{}_N{}_C{}_H{}_D{}_{}".format(*c))
+def test_tiled_projection_kernel(case):
+    B, N, C, H, D, mask_kind = case
+    shape = Shape(B, _rows_above_tiled_projection_threshold(B, N, 100), N, C, H, D)
+    _check(shape, mask_kind, "auto", seed=C + H)
+
+
+def test_tiled_projection_in_row_blocks():
+    """a projected for blocks of rows (n_offset > 0): b for all 128 residues at S = 1100 and hidden 64
+    passes the workspace budget, so rows are blocked (110, then 18)."""
+    _check(Shape(1, 1100, 128, 24, 64, 8), "masked_positions", "auto", seed=4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_tiled_projection_half_precision(dtype):
+    shape = Shape(1, _rows_above_tiled_projection_threshold(1, 29, 50), 29, 64, 32, 16)
+    x, m, p = make_problem(shape, "masked_positions", seed=3)
+    x16, m16 = x.to(dtype).cuda(), m.to(dtype).cuda()
+    p16 = {k: v.to(dtype).cuda() for k, v in p.items()}
+    ref32 = reference(x16, m16, p16, dtype=torch.float32).cpu()
+    eager = reference(x16, m16, p16).float().cpu()
+    out = _run(x16, m16, p16, "auto")
+    assert not out.isnan().any()
+    err, err_eager = rel_error(out.float().cpu(), ref32), rel_error(eager, ref32)
+    assert err <= max(2 * err_eager, 2 * torch.finfo(dtype).eps), f"error {err:.3g} vs eager {dtype} {err_eager:.3g}"
+
+
 HALF_SHAPES = [
     SPEC,
     Shape(1, 128, 64, 64, 32, 128),  # outer-first on tensor cores

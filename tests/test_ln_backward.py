@@ -85,7 +85,7 @@ SHAPES = [
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_gradients_against_fp64(shape):
-    _check_against_fp64(shape, seed=sum(shape))
+    _check_against_fp64(shape, seed=shape.N + shape.C + shape.H)
 
 
 # Row counts B*S*N at a tile's edges (tile rows: 64 for C <= 32, 32 for C <= 64, 8 for C <= 512) and
@@ -126,7 +126,7 @@ def test_half_precision_inputs(dtype):
 @pytest.mark.parametrize("layout", ["strided_c", "permuted_sn"])
 def test_non_contiguous_x(layout):
     if layout == "strided_c":  # unit stride lost along C: copied once
-        transform = lambda x: torch.cat([x, x], dim=-1)[..., ::2]
+        transform = lambda x: torch.stack([x, x], dim=-1)[..., 0]
     else:  # (B, N, S, C) storage seen as (B, S, N, C): read in place through its strides
         transform = lambda x: x.transpose(1, 2).contiguous().transpose(1, 2)
     _check_against_fp64(Shape(2, 5, 13, 48, 16, 6), seed=8, x_transform=transform)
@@ -151,19 +151,29 @@ def test_subsets_of_gradients_match_the_full_call():
 
 
 def test_grad_x_every_element_written_and_repeatable():
-    # grad_x is the largest tensor the op allocates, so the NaN-poisoned block is what it gets next
     x, m, p = make_problem(Shape(1, 9, 19, 96, 16, 12), "masked_positions", seed=6)
     g = torch.randn(1, 19, 19, 12, generator=torch.Generator().manual_seed(2)).cuda()
     x, m, p = x.cuda(), m.cuda(), {k: v.cuda() for k, v in p.items()}
     first = _op(g, x, m, p)
-    poison = torch.full_like(first[0], float("nan"))
-    ptr = poison.data_ptr()
+    # NaN in blocks of grad_x's size: the op's smaller temporaries come first and may take one, so
+    # several are left for grad_x, which must get one of them
+    poison = [torch.full_like(first[0], float("nan")) for _ in range(8)]
+    ptrs = {t.data_ptr() for t in poison}
     del poison
     second = _op(g, x, m, p)
-    assert second[0].data_ptr() == ptr, "the NaN-poisoned block was not reused; the check proves nothing"
+    assert second[0].data_ptr() in ptrs, "no NaN-poisoned block was reused; the check proves nothing"
     for name, a, b in zip(GRAD_INPUTS, first, second):
         assert torch.isfinite(b).all(), name
         assert torch.equal(a, b), f"{name}: two identical calls differ"
+
+
+def test_rows_past_the_tiled_projection_threshold():
+    """Enough rows for the register-tiled projection kernel (128 rows per SM) and for every block of
+    the backward to take many tiles in turn."""
+    threshold = 128 * torch.cuda.get_device_properties(0).multi_processor_count
+    N = 17
+    S = threshold // N + 3
+    _check_against_fp64(Shape(1, S, N, 40, 32, 4), seed=12)
 
 
 def test_fully_masked_rows_give_zero_projection_gradients():

@@ -258,9 +258,16 @@ bool plan_small(int64_t B, int64_t S, int64_t N, int64_t C, int64_t H, int64_t D
   return found.first;
 }
 
-// Four rows per warp amortise the weight reads; one row per warp when that leaves too few blocks
-// to fill the GPU.
+// Problems with rows enough for a block of kProjRows per SM take the register-tiled kernel.  Else
+// opm_prep_kernel: four rows per warp amortise the weight reads; one row per warp when that leaves
+// too few blocks to fill the GPU.
 void run_prep(const PrepArgs& args, bool project_w, int dev, cudaStream_t stream) {
+  const int64_t rows = int64_t(args.B) * args.S * args.N;
+  if (!project_w && rows >= int64_t(kProjRows) * device_info(dev).sm_count &&
+      rows / kProjRows < int64_t(1) << 31) {
+    check_smem(project_rows_smem_bytes(args.H), dev, "LayerNorm/projection");
+    return launch_project_rows(args, stream);
+  }
   const int64_t blocks_rw4 = int64_t(args.B) * args.S * ((args.N + 31) / 32) * (project_w ? args.o_chunks : 1);
   const int rw = blocks_rw4 >= 2 * device_info(dev).sm_count ? 4 : 1;
   check_smem(prep_smem_bytes(args.H, rw, project_w), dev, "LayerNorm/projection");

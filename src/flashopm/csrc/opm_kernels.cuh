@@ -39,6 +39,16 @@ __device__ __forceinline__ float load_mask(const void* base, int64_t idx, int ki
   }
 }
 
+// load_mask for data read once (x in the backward): cache-streaming, so that it does not push
+// reused data (the weights) out of L1.
+__device__ __forceinline__ float load_streaming(const void* base, int64_t idx, int kind) {
+  switch (kind) {
+    case kMaskHalf: return __half2float(__ldcs(static_cast<const __half*>(base) + idx));
+    case kMaskBFloat16: return __bfloat162float(__ldcs(static_cast<const __nv_bfloat16*>(base) + idx));
+    default: return __ldcs(static_cast<const float*>(base) + idx);
+  }
+}
+
 // Output stores in the output's element type (float32, float16 or bfloat16).  idx counts
 // elements; store_out2 needs idx even, store_out4 idx a multiple of 4 (aligned vector stores).
 __device__ __forceinline__ void store_out(void* base, int64_t idx, float v, int kind) {
@@ -435,6 +445,208 @@ __global__ void __launch_bounds__(kPrepThreads, 2) opm_prep_kernel(const PrepArg
       for (int r = 0; r < R; ++r) {
         const int n = n_base + r;
         if (n < p.N) dst[int64_t(n) * p.D] = cacc[r];
+      }
+    }
+  }
+}
+
+// One block: kProjRows consecutive rows r = (b, s, n) of all B·S·N (n < p.N), all 2H outputs.
+// The layouts of opm_prep_kernel without kProjectW (a_out / b_out by strides, ab_kind), so the two
+// kernels are interchangeable; this one runs the projections as a register-tiled GEMM (8 rows x
+// CT outputs per thread: 3 shared-memory vector loads per 32 FMAs at CT = 4) for problems with
+// enough rows to fill the GPU.
+template <int CT>
+__global__ void __launch_bounds__(kProjThreads, CT >= 8 ? 1 : 2) opm_project_rows_kernel(const PrepArgs p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::);  // as opm_prep_kernel
+#endif
+  extern __shared__ float4 smem_f4[];
+  float* smem = reinterpret_cast<float*>(smem_f4);
+  constexpr int TR = kProjRows, RT = kProjRT, KC = kProjKC, LDX = kProjLdX;
+  constexpr int NC = 16 * CT, LDW = 16 * CT + 8;
+  float* xs = smem;                           // [KC][LDX]: normalised x, k-major
+  float* ws = xs + KC * LDX;                  // [2][KC][LDW]: weights, k-major, double-buffered
+  float* mean_s = ws + 2 * KC * LDW;          // [TR]
+  float* rstd_s = mean_s + TR;
+  float* mask_s = rstd_s + TR;
+  int64_t* xoff_s = reinterpret_cast<int64_t*>(mask_s + TR);  // [TR]; -1: past the last row
+  int64_t* aoff_s = xoff_s + TR;              // -1: a not written for this row
+  int64_t* boff_s = aoff_s + TR;
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int H = p.H, H2 = 2 * H, C = p.C;
+  const int64_t rows = int64_t(p.B) * p.S * p.N;
+  const int64_t row0 = int64_t(blockIdx.x) * TR;
+
+  if (tid < TR) {
+    const int64_t row = row0 + tid;
+    int64_t xo = -1, ao = -1, bo = -1;
+    float mv = 0.f;
+    if (row < rows) {
+      const int64_t bs = row / p.N;
+      const int n = int(row - bs * p.N), s = int(bs % p.S), b = int(bs / p.S);
+      xo = int64_t(b) * p.x_sb + int64_t(s) * p.x_ss + int64_t(n + p.n_offset) * p.x_sn;
+      mv = mask_at(p.mask, b, s, n + p.n_offset);
+      if (n < p.a_rows) ao = int64_t(b) * p.a_sb + int64_t(s) * p.a_ss + int64_t(n) * p.a_sn;
+      if (p.b_out) bo = int64_t(b) * p.b_sb + int64_t(s) * p.b_ss + int64_t(n) * p.b_sn;
+    }
+    xoff_s[tid] = xo;
+    aoff_s[tid] = ao;
+    boff_s[tid] = bo;
+    mask_s[tid] = mv;
+  }
+  __syncthreads();
+
+  // LayerNorm statistics, two passes (the second hits L1); each warp four rows at a time so that
+  // four loads are in flight per lane.
+  for (int r0 = warp * 4; r0 < TR; r0 += kProjThreads / 32 * 4) {
+    float sum[4] = {0.f, 0.f, 0.f, 0.f}, sq[4] = {0.f, 0.f, 0.f, 0.f}, mu[4];
+    for (int c = lane; c < C; c += 32)
+#pragma unroll
+      for (int u = 0; u < 4; ++u)
+        if (xoff_s[r0 + u] >= 0) sum[u] += load_mask(p.x, xoff_s[r0 + u] + c, p.x_kind);
+#pragma unroll
+    for (int u = 0; u < 4; ++u) mu[u] = warp_sum(sum[u]) / C;
+    for (int c = lane; c < C; c += 32)
+#pragma unroll
+      for (int u = 0; u < 4; ++u)
+        if (xoff_s[r0 + u] >= 0) {
+          const float d = load_mask(p.x, xoff_s[r0 + u] + c, p.x_kind) - mu[u];
+          sq[u] = fmaf(d, d, sq[u]);
+        }
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const float var = warp_sum(sq[u]) / C;
+      if (lane == 0) {
+        mean_s[r0 + u] = mu[u];
+        rstd_s[r0 + u] = rsqrtf(var + p.ln_eps);
+      }
+    }
+  }
+
+  // Staging maps, chosen for conflict-free shared stores and full 32-byte sectors in global loads.
+  // x: a warp takes 4 rows x 8 consecutive k per load; thread: 4 row slots x 4 groups of 8 k.
+  constexpr int XRows = TR / 32;  // row slots per thread
+  constexpr int XKG = KC / 8;     // k groups per thread
+  int64_t x_row[XRows];
+  float x_mean[XRows], x_rstd[XRows];
+  const int xk = lane & 7;
+#pragma unroll
+  for (int q = 0; q < XRows; ++q) x_row[q] = xoff_s[(q * 8 + warp) * 4 + (lane >> 3)];
+  float xv[XRows][XKG];
+  const auto load_x = [&](int c0) {
+#pragma unroll
+    for (int q = 0; q < XRows; ++q)
+#pragma unroll
+      for (int g = 0; g < XKG; ++g) {
+        const int c = c0 + g * 8 + xk;
+        xv[q][g] = x_row[q] >= 0 && c < C ? load_mask(p.x, x_row[q] + c, p.x_kind) : 0.f;
+      }
+  };
+  const auto store_x = [&](int c0) {
+#pragma unroll
+    for (int g = 0; g < XKG; ++g) {
+      const int k = g * 8 + xk, c = c0 + k;
+      const float w = c < C ? p.ln_w[c] : 0.f, b = c < C ? p.ln_b[c] : 0.f;
+#pragma unroll
+      for (int q = 0; q < XRows; ++q) {
+        const float v = x_row[q] >= 0 ? fmaf((xv[q][g] - x_mean[q]) * x_rstd[q], w, b) : 0.f;
+        xs[k * LDX + (q * 8 + warp) * 4 + (lane >> 3)] = v;
+      }
+    }
+  };
+  // W: a warp takes 4 k x 8 consecutive outputs per copy.  With 2H <= 32 a thread keeps one
+  // output and takes 8 / (NC / 8) groups of 4 k; else NC / 64 outputs and all 8 groups.
+  constexpr int WOuts = NC >= 64 ? NC / 64 : 1;
+  constexpr int WKG = NC >= 64 ? KC / 4 : NC / 8;
+  const float* w_src[WOuts];
+  bool w_ok[WOuts];
+  int w_o[WOuts];
+  const int wk0 = NC >= 64 ? (lane >> 3) : (warp / (NC / 8)) * 4 + (lane >> 3);
+#pragma unroll
+  for (int oi = 0; oi < WOuts; ++oi) {
+    const int o = NC >= 64 ? (oi * 8 + warp) * 8 + (lane & 7) : (warp % (NC / 8)) * 8 + (lane & 7);
+    w_o[oi] = o;
+    w_ok[oi] = o < H2;
+    w_src[oi] = o < H ? p.wa + int64_t(o) * C : o < H2 ? p.wb + int64_t(o - H) * C : p.wa;
+  }
+  const auto load_w = [&](int c0, float* dst) {
+#pragma unroll
+    for (int oi = 0; oi < WOuts; ++oi)
+#pragma unroll
+      for (int g = 0; g < WKG; ++g) {
+        const int k = wk0 + g * (NC >= 64 ? 4 : 4 * (64 / NC)), c = c0 + k;
+        const bool ok = w_ok[oi] && c < C;
+        cp_async4(&dst[k * LDW + w_o[oi]], ok ? w_src[oi] + c : p.wa, ok);
+      }
+    cp_async_commit();
+  };
+
+  float acc[RT][CT];
+#pragma unroll
+  for (int i = 0; i < RT; ++i)
+#pragma unroll
+    for (int j = 0; j < CT; ++j) acc[i][j] = 0.f;
+  const int rg = tid >> 4, cg = tid & 15;
+  const int chunks = (C + KC - 1) / KC;
+  load_w(0, ws);
+  load_x(0);
+  __syncthreads();  // mean_s, rstd_s
+#pragma unroll
+  for (int q = 0; q < XRows; ++q) {
+    x_mean[q] = mean_s[(q * 8 + warp) * 4 + (lane >> 3)];
+    x_rstd[q] = rstd_s[(q * 8 + warp) * 4 + (lane >> 3)];
+  }
+  for (int t = 0; t < chunks; ++t) {
+    store_x(t * KC);
+    if (t + 1 < chunks) {
+      load_w((t + 1) * KC, ws + ((t + 1) & 1) * KC * LDW);
+      load_x((t + 1) * KC);  // in flight during this chunk's products
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait_all();
+    }
+    __syncthreads();
+    const float* wcur = ws + (t & 1) * KC * LDW;
+#pragma unroll 4
+    for (int k = 0; k < KC; ++k) {
+      float xr[RT], wr[CT];
+      const float4 x0 = *reinterpret_cast<const float4*>(&xs[k * LDX + rg * RT]);
+      const float4 x1 = *reinterpret_cast<const float4*>(&xs[k * LDX + rg * RT + 4]);
+      xr[0] = x0.x, xr[1] = x0.y, xr[2] = x0.z, xr[3] = x0.w, xr[4] = x1.x, xr[5] = x1.y, xr[6] = x1.z, xr[7] = x1.w;
+      if constexpr (CT >= 4) {
+#pragma unroll
+        for (int j = 0; j < CT; j += 4) {
+          const float4 w4 = *reinterpret_cast<const float4*>(&wcur[k * LDW + cg * CT + j]);
+          wr[j] = w4.x, wr[j + 1] = w4.y, wr[j + 2] = w4.z, wr[j + 3] = w4.w;
+        }
+      } else if constexpr (CT == 2) {
+        const float2 w2 = *reinterpret_cast<const float2*>(&wcur[k * LDW + cg * 2]);
+        wr[0] = w2.x, wr[1] = w2.y;
+      } else {
+        wr[0] = wcur[k * LDW + cg];
+      }
+#pragma unroll
+      for (int i = 0; i < RT; ++i)
+#pragma unroll
+        for (int j = 0; j < CT; ++j) acc[i][j] = fmaf(xr[i], wr[j], acc[i][j]);
+    }
+    __syncthreads();  // xs and this buffer of ws are free
+  }
+
+  // Bias, mask, store (a for outputs o < H, b for H <= o < 2H).
+#pragma unroll
+  for (int i = 0; i < RT; ++i) {
+    const int r = rg * RT + i;
+    const float mv = mask_s[r];
+    const int64_t ao = aoff_s[r], bo = boff_s[r];
+#pragma unroll
+    for (int j = 0; j < CT; ++j) {
+      const int o = cg * CT + j;
+      if (o < H) {
+        if (ao >= 0) store_out(p.a_out, ao + o, (acc[i][j] + (p.ba ? p.ba[o] : 0.f)) * mv, p.ab_kind);
+      } else if (o < H2) {
+        if (bo >= 0) store_out(p.b_out, bo + (o - H), (acc[i][j] + (p.bb ? p.bb[o - H] : 0.f)) * mv, p.ab_kind);
       }
     }
   }

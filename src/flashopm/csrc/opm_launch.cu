@@ -76,6 +76,28 @@ void launch_prep(const PrepArgs& args, bool project_w, int rows_per_warp, cudaSt
   return launch_prep_q<1, false>(args, stream);
 }
 
+int project_rows_smem_bytes(int H) { return int(project_rows_smem_floats(H) * sizeof(float)); }
+
+namespace {
+template <int CT>
+void launch_project_rows_t(const PrepArgs& args, cudaStream_t stream) {
+  const int64_t rows = int64_t(args.B) * args.S * args.N;
+  constexpr auto kernel = opm_project_rows_kernel<CT>;
+  allow_smem<kernel>();
+  kernel<<<unsigned((rows + kProjRows - 1) / kProjRows), kProjThreads, project_rows_smem_bytes(args.H), stream>>>(args);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+}  // namespace
+
+void launch_project_rows(const PrepArgs& args, cudaStream_t stream) {
+  switch (proj_cols_per_thread(args.H)) {
+    case 1: return launch_project_rows_t<1>(args, stream);
+    case 2: return launch_project_rows_t<2>(args, stream);
+    case 4: return launch_project_rows_t<4>(args, stream);
+    default: return launch_project_rows_t<8>(args, stream);
+  }
+}
+
 int outer_smem_bytes() { return kOuterSmemBytes; }
 
 void launch_outer(const OuterArgs& args, cudaStream_t stream) {

@@ -32,7 +32,7 @@ __device__ __forceinline__ void row_group_sum(float (&v)[kN], float* red, int co
 }
 
 template <int kCols>
-__global__ void __launch_bounds__(kLnBwdThreads, 2) opm_ln_backward_kernel(const LnBackwardArgs p) {
+__global__ void __launch_bounds__(kLnBwdThreads, kCols == 1 ? 2 : 1) opm_ln_backward_kernel(const LnBackwardArgs p) {
   extern __shared__ float4 smem_f4[];
   float* smem = reinterpret_cast<float*>(smem_f4);
   constexpr int R = kLnBwdRows;
@@ -99,7 +99,7 @@ __global__ void __launch_bounds__(kLnBwdThreads, 2) opm_ln_backward_kernel(const
       row_ok[i] = row0 + r < p.rows;
 #pragma unroll
       for (int k = 0; k < kCols; ++k)
-        xh[i][k] = row_ok[i] && col_ok[k] ? load_mask(p.x, xoff_s[r] + col[k], p.x_kind) : 0.f;
+        xh[i][k] = row_ok[i] && col_ok[k] ? load_streaming(p.x, xoff_s[r] + col[k], p.x_kind) : 0.f;
     }
     float stat[R], rstd[R];
 #pragma unroll
@@ -137,16 +137,15 @@ __global__ void __launch_bounds__(kLnBwdThreads, 2) opm_ln_backward_kernel(const
     }
 
     // grad_xn = g · [W_a; W_b] and the dW sums, four hidden units at a time: the masked gradients
-    // come as float4 broadcasts (all threads of a warp share the row), W from L1.
+    // come as float4 broadcasts (all threads of a warp share the row), W from L1/L2, the next
+    // four rows of W requested before this step's products so that their latency overlaps them.
     float gxn[R][kCols];
 #pragma unroll
     for (int i = 0; i < R; ++i)
 #pragma unroll
       for (int k = 0; k < kCols; ++k) gxn[i][k] = 0.f;
     float* dw_group = dw_s + group * H2p * cstride;
-#pragma unroll 1
-    for (int h = 0; h < H2p; h += 4) {
-      float w[4][kCols];
+    const auto load_w = [&](int h, float (&w)[4][kCols]) {
 #pragma unroll
       for (int u = 0; u < 4; ++u) {
         const int hh = h + u;
@@ -154,6 +153,13 @@ __global__ void __launch_bounds__(kLnBwdThreads, 2) opm_ln_backward_kernel(const
 #pragma unroll
         for (int k = 0; k < kCols; ++k) w[u][k] = hh < H2 && col_ok[k] ? __ldg(wrow + col[k]) : 0.f;
       }
+    };
+    float w[4][kCols];
+    load_w(0, w);
+#pragma unroll 1
+    for (int h = 0; h < H2p; h += 4) {
+      float w_next[4][kCols];
+      load_w(h + 4 < H2p ? h + 4 : h, w_next);
       float dacc[4][kCols];
 #pragma unroll
       for (int u = 0; u < 4; ++u)
@@ -174,7 +180,10 @@ __global__ void __launch_bounds__(kLnBwdThreads, 2) opm_ln_backward_kernel(const
 #pragma unroll
       for (int u = 0; u < 4; ++u)
 #pragma unroll
-        for (int k = 0; k < kCols; ++k) dw_group[(h + u) * cstride + col[k]] += dacc[u][k];
+        for (int k = 0; k < kCols; ++k) {
+          dw_group[(h + u) * cstride + col[k]] += dacc[u][k];
+          w[u][k] = w_next[u][k];
+        }
     }
 
 #pragma unroll

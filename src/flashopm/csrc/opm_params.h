@@ -82,6 +82,24 @@ FLASHOPM_HD inline int64_t prep_smem_floats(int H, int rows_per_warp, bool proje
   return total;
 }
 
+// opm_project_rows_kernel: the same LayerNorm/projection/mask stage as opm_prep_kernel (outer-first
+// layouts only) as a register-tiled GEMM over rows for large problems.  A block takes kProjRows
+// consecutive rows r = (b, s, n) and all 2H outputs; 256 threads as 16 row groups x 16 column
+// groups, each kProjRT rows x CT outputs (CT = 1, 2, 4 or 8, so that 16 CT >= 2H); C in chunks of
+// kProjKC, the normalised rows and the weights staged in shared memory.
+constexpr int kProjThreads = 256;
+constexpr int kProjRT = 8;                       // rows per thread
+constexpr int kProjRows = 16 * kProjRT;          // rows per block
+constexpr int kProjKC = 32;                      // features of C per chunk
+constexpr int kProjLdX = kProjRows + 4;          // xs[k][row]: stores of 8 k x 4 rows hit 32 banks
+FLASHOPM_HD inline int proj_cols_per_thread(int H) { return 2 * H <= 16 ? 1 : 2 * H <= 32 ? 2 : 2 * H <= 64 ? 4 : 8; }
+FLASHOPM_HD inline int proj_ld_w(int ct) { return 16 * ct + 8; }  // ws[k][o]: stores of 4 k x 8 o hit 32 banks
+FLASHOPM_HD inline int64_t project_rows_smem_floats(int H) {
+  return int64_t(kProjKC) * kProjLdX + 2 * int64_t(kProjKC) * proj_ld_w(proj_cols_per_thread(H))
+         + 3 * kProjRows       // mean, rstd, mask per row
+         + 2 * 3 * kProjRows;  // offsets of x, a and b per row (int64)
+}
+
 constexpr int kOuterThreads = 256;
 constexpr int kOuterMT = 128;          // phase-1 tile rows (i, h1)
 constexpr int kOuterNT = 256;          // phase-1 tile cols (j, h2)
@@ -270,6 +288,9 @@ constexpr int kRowDenWarps = 8;
 
 // Launchers (opm_launch.cu).  Each launches one kernel on `stream` and checks the launch.
 void launch_prep(const PrepArgs& args, bool project_w, int rows_per_warp, cudaStream_t stream);
+// opm_project_rows_kernel over all B * S * N rows (project_w = false layouts)
+void launch_project_rows(const PrepArgs& args, cudaStream_t stream);
+int project_rows_smem_bytes(int H);
 int prep_smem_bytes(int H, int rows_per_warp, bool project_w);
 void launch_outer(const OuterArgs& args, cudaStream_t stream);
 void launch_row_denominators(const RowDenArgs& args, cudaStream_t stream);

@@ -1,7 +1,8 @@
-"""Where a training step's GPU time goes: forward + backward (torch.autograd.grad) of flashopm and of
-eager PyTorch under torch.profiler, one table of kernels per implementation and shape (time per
-step, launches per step), and the step's wall time next to the sum of its kernels.
-    usage: python scripts/backward_kernels.py [B,S,N,C,H,D ...]"""
+"""Where the GPU time goes: a training step (forward + backward through torch.autograd.grad) or a
+forward call of flashopm and of eager PyTorch under torch.profiler, one table of kernels per
+implementation and shape (time per call, launches per call), and the call's wall time next to the
+sum of its kernels.
+    usage: python scripts/kernel_times.py {training,forward} {float32,bfloat16} [B,S,N,C,H,D ...]"""
 import sys
 import time
 
@@ -15,7 +16,9 @@ from flashopm.testing import Shape, make_problem
 STEPS = 5
 
 
-def _step(model, x, m, g):
+def _step(model, x, m, g, mode):
+    if mode == "forward":
+        return lambda: model(x, m)
     leaves = [x, *model.parameters()]
     return lambda: torch.autograd.grad(model(x, m), leaves, g)
 
@@ -37,27 +40,29 @@ def _report(name, step):
     rows.sort(key=lambda e: -e.device_time_total)
     total = sum(e.device_time_total for e in rows) / STEPS
     launches = sum(e.count for e in rows) / STEPS
-    print(f"  {name}: wall {wall_us:.0f} us per step, kernels {total:.0f} us, {launches:.0f} launches")
+    print(f"  {name}: wall {wall_us:.0f} us per call, kernels {total:.0f} us, {launches:.0f} launches")
     for e in rows[:14]:
         print(f"    {e.device_time_total / STEPS:9.1f} us  x{e.count / STEPS:4.1f}  {e.key[:100]}")
 
 
 def main():
     flashopm.load()
-    shapes = [Shape(*(int(v) for v in s.split(","))) for s in sys.argv[1:]] or [
+    mode, dtype = sys.argv[1], getattr(torch, sys.argv[2])
+    shapes = [Shape(*(int(v) for v in s.split(","))) for s in sys.argv[3:]] or [
         Shape(2, 8, 32, 64, 32, 64), Shape(1, 128, 256, 256, 32, 128)]
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {mode}, {dtype}")
     for shape in shapes:
         print(shape)
         x, m, _ = make_problem(shape, "masked_positions", seed=0)
-        x, m = x.cuda().requires_grad_(), m.cuda()
-        g = torch.randn(shape.B, shape.N, shape.N, shape.D, device="cuda")
+        x, m = x.to("cuda", dtype).requires_grad_(mode != "forward"), m.to("cuda", dtype)
+        g = torch.randn(shape.B, shape.N, shape.N, shape.D, device="cuda", dtype=dtype)
         torch.manual_seed(0)
-        ref = Model(shape.C, shape.D, shape.H).cuda()
+        ref = Model(shape.C, shape.D, shape.H).to("cuda", dtype)
         torch.manual_seed(0)
-        new = flashopm.ModelNew(shape.C, shape.D, shape.H).cuda()
-        _report("eager", _step(ref, x, m, g))
-        _report("flashopm", _step(new, x, m, g))
+        new = flashopm.ModelNew(shape.C, shape.D, shape.H).to("cuda", dtype)
+        with torch.set_grad_enabled(mode != "forward"):
+            _report("eager", _step(ref, x, m, g, mode))
+            _report("flashopm", _step(new, x, m, g, mode))
 
 
 if __name__ == "__main__":
