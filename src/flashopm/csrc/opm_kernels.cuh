@@ -39,14 +39,16 @@ __device__ __forceinline__ float load_mask(const void* base, int64_t idx, int ki
   }
 }
 
-// load_mask for data read once (x in the backward): cache-streaming, so that it does not push
-// reused data (the weights) out of L1.
-__device__ __forceinline__ float load_streaming(const void* base, int64_t idx, int kind) {
-  switch (kind) {
-    case kMaskHalf: return __half2float(__ldcs(static_cast<const __half*>(base) + idx));
-    case kMaskBFloat16: return __bfloat162float(__ldcs(static_cast<const __nv_bfloat16*>(base) + idx));
-    default: return __ldcs(static_cast<const float*>(base) + idx);
-  }
+// Loads of x in its element type as a template argument: branch-free, so that the loads of an
+// unrolled loop are all in flight at once (a run-time type switch per load costs a jump table and
+// keeps them apart).
+template <typename T>
+__device__ __forceinline__ float load_as_float(const void* base, int64_t idx) {
+  return to_float(static_cast<const T*>(base)[idx]);
+}
+template <typename T>
+__device__ __forceinline__ float load_streaming_as_float(const void* base, int64_t idx) {
+  return to_float(__ldcs(static_cast<const T*>(base) + idx));
 }
 
 // Output stores in the output's element type (float32, float16 or bfloat16).  idx counts
@@ -455,7 +457,7 @@ __global__ void __launch_bounds__(kPrepThreads, 2) opm_prep_kernel(const PrepArg
 // kernels are interchangeable; this one runs the projections as a register-tiled GEMM (8 rows x
 // CT outputs per thread: 3 shared-memory vector loads per 32 FMAs at CT = 4) for problems with
 // enough rows to fill the GPU.
-template <int CT>
+template <int CT, typename XT>  // XT: x's element type (p.x_kind)
 __global__ void __launch_bounds__(kProjThreads, CT >= 8 ? 1 : 2) opm_project_rows_kernel(const PrepArgs p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;\n" ::);  // as opm_prep_kernel
@@ -501,17 +503,22 @@ __global__ void __launch_bounds__(kProjThreads, CT >= 8 ? 1 : 2) opm_project_row
   // four loads are in flight per lane.
   for (int r0 = warp * 4; r0 < TR; r0 += kProjThreads / 32 * 4) {
     float sum[4] = {0.f, 0.f, 0.f, 0.f}, sq[4] = {0.f, 0.f, 0.f, 0.f}, mu[4];
+    int64_t xo[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) xo[u] = xoff_s[r0 + u];
+#pragma unroll 4
     for (int c = lane; c < C; c += 32)
 #pragma unroll
       for (int u = 0; u < 4; ++u)
-        if (xoff_s[r0 + u] >= 0) sum[u] += load_mask(p.x, xoff_s[r0 + u] + c, p.x_kind);
+        if (xo[u] >= 0) sum[u] += load_as_float<XT>(p.x, xo[u] + c);
 #pragma unroll
     for (int u = 0; u < 4; ++u) mu[u] = warp_sum(sum[u]) / C;
+#pragma unroll 4
     for (int c = lane; c < C; c += 32)
 #pragma unroll
       for (int u = 0; u < 4; ++u)
-        if (xoff_s[r0 + u] >= 0) {
-          const float d = load_mask(p.x, xoff_s[r0 + u] + c, p.x_kind) - mu[u];
+        if (xo[u] >= 0) {
+          const float d = load_as_float<XT>(p.x, xo[u] + c) - mu[u];
           sq[u] = fmaf(d, d, sq[u]);
         }
 #pragma unroll
@@ -540,7 +547,7 @@ __global__ void __launch_bounds__(kProjThreads, CT >= 8 ? 1 : 2) opm_project_row
 #pragma unroll
       for (int g = 0; g < XKG; ++g) {
         const int c = c0 + g * 8 + xk;
-        xv[q][g] = x_row[q] >= 0 && c < C ? load_mask(p.x, x_row[q] + c, p.x_kind) : 0.f;
+        xv[q][g] = x_row[q] >= 0 && c < C ? load_as_float<XT>(p.x, x_row[q] + c) : 0.f;
       }
   };
   const auto store_x = [&](int c0) {

@@ -79,23 +79,29 @@ void launch_prep(const PrepArgs& args, bool project_w, int rows_per_warp, cudaSt
 int project_rows_smem_bytes(int H) { return int(project_rows_smem_floats(H) * sizeof(float)); }
 
 namespace {
-template <int CT>
+template <int CT, typename XT>
 void launch_project_rows_t(const PrepArgs& args, cudaStream_t stream) {
   const int64_t rows = int64_t(args.B) * args.S * args.N;
-  constexpr auto kernel = opm_project_rows_kernel<CT>;
+  constexpr auto kernel = opm_project_rows_kernel<CT, XT>;
   allow_smem<kernel>();
   kernel<<<unsigned((rows + kProjRows - 1) / kProjRows), kProjThreads, project_rows_smem_bytes(args.H), stream>>>(args);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+template <typename XT>
+void launch_project_rows_x(const PrepArgs& args, cudaStream_t stream) {
+  switch (proj_cols_per_thread(args.H)) {
+    case 1: return launch_project_rows_t<1, XT>(args, stream);
+    case 2: return launch_project_rows_t<2, XT>(args, stream);
+    case 4: return launch_project_rows_t<4, XT>(args, stream);
+    default: return launch_project_rows_t<8, XT>(args, stream);
+  }
 }
 }  // namespace
 
 void launch_project_rows(const PrepArgs& args, cudaStream_t stream) {
-  switch (proj_cols_per_thread(args.H)) {
-    case 1: return launch_project_rows_t<1>(args, stream);
-    case 2: return launch_project_rows_t<2>(args, stream);
-    case 4: return launch_project_rows_t<4>(args, stream);
-    default: return launch_project_rows_t<8>(args, stream);
-  }
+  if (args.x_kind == kMaskHalf) launch_project_rows_x<__half>(args, stream);
+  else if (args.x_kind == kMaskBFloat16) launch_project_rows_x<__nv_bfloat16>(args, stream);
+  else launch_project_rows_x<float>(args, stream);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 int outer_smem_bytes() { return kOuterSmemBytes; }
@@ -166,15 +172,24 @@ void launch_outer_tc16(const OuterArgs& args, int operand_kind, int form, cudaSt
 
 int ln_backward_smem_bytes(int C, int H) { return int(ln_backward_smem_floats(C, H) * sizeof(float)); }
 
+namespace {
+template <int kCols, typename XT>
+void launch_ln_backward_t(const LnBackwardArgs& args, int blocks, cudaStream_t stream) {
+  constexpr auto kernel = opm_ln_backward_kernel<kCols, XT>;
+  allow_smem<kernel>();
+  kernel<<<blocks, kLnBwdThreads, ln_backward_smem_bytes(args.C, args.H), stream>>>(args);
+}
+template <typename XT>
+void launch_ln_backward_x(const LnBackwardArgs& args, int blocks, cudaStream_t stream) {
+  if (ln_backward_cols(args.C) == 1) launch_ln_backward_t<1, XT>(args, blocks, stream);
+  else launch_ln_backward_t<2, XT>(args, blocks, stream);
+}
+}  // namespace
+
 void launch_ln_backward(const LnBackwardArgs& args, int blocks, cudaStream_t stream) {
-  const int smem = ln_backward_smem_bytes(args.C, args.H);
-  if (ln_backward_cols(args.C) == 1) {
-    allow_smem<opm_ln_backward_kernel<1>>();
-    opm_ln_backward_kernel<1><<<blocks, kLnBwdThreads, smem, stream>>>(args);
-  } else {
-    allow_smem<opm_ln_backward_kernel<2>>();
-    opm_ln_backward_kernel<2><<<blocks, kLnBwdThreads, smem, stream>>>(args);
-  }
+  if (args.x_kind == kMaskHalf) launch_ln_backward_x<__half>(args, blocks, stream);
+  else if (args.x_kind == kMaskBFloat16) launch_ln_backward_x<__nv_bfloat16>(args, blocks, stream);
+  else launch_ln_backward_x<float>(args, blocks, stream);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

@@ -9,29 +9,55 @@
 namespace flashopm {
 
 // Sums of kN values per row over the threads of a row group (col_lanes threads, whole warps);
-// every thread of the group gets the totals.  Ends with the block synchronised, so red can be
-// reused at once.
+// every thread of the group gets the totals.  Within a warp a reduce-scatter (kN - 1 + 5 - log2 kN
+// shuffles instead of 5 kN) leaves each lane the warp's sum of one value; across the group's warps
+// the partial sums meet in shared memory, lane l adding those of value l % kN; kN shuffles then
+// hand every lane all the totals.  Ends with the block synchronised when the group spans warps, so
+// red can be reused at once.
 template <int kN>
 __device__ __forceinline__ void row_group_sum(float (&v)[kN], float* red, int col_lanes, int warp, int lane) {
+  static_assert(kN >= 2 && kN <= 32 && (kN & (kN - 1)) == 0, "kN: a power of two up to 32");
+  int index = 0;  // the value this lane's partial sum belongs to
 #pragma unroll
-  for (int i = 0; i < kN; ++i) v[i] = warp_sum(v[i]);
-  if (col_lanes == 32) return;  // block-uniform
-  if (lane == 0) {
+  for (int half = kN / 2, mask = 16; half >= 1; half /= 2, mask >>= 1) {
+    const bool upper = (lane & mask) != 0;
 #pragma unroll
-    for (int i = 0; i < kN; ++i) red[warp * kN + i] = v[i];
+    for (int i = 0; i < half; ++i) {
+      const float send = upper ? v[i] : v[i + half];
+      const float keep = upper ? v[i + half] : v[i];
+      v[i] = keep + __shfl_xor_sync(0xffffffffu, send, mask);
+    }
+    if (upper) index += half;
   }
-  __syncthreads();
-  const int warps = col_lanes / 32, first = (warp / warps) * warps;
+  float part = v[0];
+  constexpr int kScatterBits = kN == 2 ? 1 : kN == 4 ? 2 : kN == 8 ? 3 : kN == 16 ? 4 : 5;
 #pragma unroll
-  for (int i = 0; i < kN; ++i) {
+  for (int mask = 16 >> kScatterBits; mask >= 1; mask >>= 1) part += __shfl_xor_sync(0xffffffffu, part, mask);
+  // lane holding value i's sum: its bits from 4 downwards spell i (the low bits are free)
+  const auto holder = [](int i) {
+    int l = 0;
+#pragma unroll
+    for (int b = 0, mask = 16, half = kN / 2; b < kScatterBits; ++b, mask >>= 1, half /= 2)
+      if (i & half) l |= mask;
+    return l;
+  };
+  if (col_lanes > 32) {  // block-uniform
+    const int low = (1 << (5 - kScatterBits)) - 1;
+    if ((lane & low) == 0) red[warp * kN + index] = part;
+    __syncthreads();
+    const int warps = col_lanes / 32, first = (warp / warps) * warps, mine = lane % kN;
     float t = 0.f;
-    for (int w = 0; w < warps; ++w) t += red[(first + w) * kN + i];
-    v[i] = t;
+    for (int w = 0; w < warps; ++w) t += red[(first + w) * kN + mine];
+#pragma unroll
+    for (int i = 0; i < kN; ++i) v[i] = __shfl_sync(0xffffffffu, t, i);
+    __syncthreads();
+  } else {
+#pragma unroll
+    for (int i = 0; i < kN; ++i) v[i] = __shfl_sync(0xffffffffu, part, holder(i));
   }
-  __syncthreads();
 }
 
-template <int kCols>
+template <int kCols, typename XT>  // XT: x's element type (p.x_kind)
 __global__ void __launch_bounds__(kLnBwdThreads, kCols == 1 ? 2 : 1) opm_ln_backward_kernel(const LnBackwardArgs p) {
   extern __shared__ float4 smem_f4[];
   float* smem = reinterpret_cast<float*>(smem_f4);
@@ -99,7 +125,7 @@ __global__ void __launch_bounds__(kLnBwdThreads, kCols == 1 ? 2 : 1) opm_ln_back
       row_ok[i] = row0 + r < p.rows;
 #pragma unroll
       for (int k = 0; k < kCols; ++k)
-        xh[i][k] = row_ok[i] && col_ok[k] ? load_streaming(p.x, xoff_s[r] + col[k], p.x_kind) : 0.f;
+        xh[i][k] = row_ok[i] && col_ok[k] ? load_streaming_as_float<XT>(p.x, xoff_s[r] + col[k]) : 0.f;
     }
     float stat[R], rstd[R];
 #pragma unroll
