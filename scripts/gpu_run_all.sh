@@ -45,6 +45,7 @@ step bench_training $py -m flashopm bench --mode training --shapes "2,8,32,64,32
   --impls eager,flashopm --calls 30 --out "$out/res/training"
 step bench_backward $py -m flashopm bench --mode backward --shapes "1,128,256,256,32,128" --impls eager,flashopm \
   --calls 30 --out "$out/res/backward"
+step kernel_times bash -c "$py scripts/kernel_times.py training float32 2,8,32,64,32,64 1,128,256,256,32,128; $py scripts/kernel_times.py forward bfloat16 1,512,1536,256,32,128"
 step backward_times $py scripts/backward_times.py 1,128,256,32,128 1,512,768,32,128 2,8,32,32,64
 step convention_times $py scripts/convention_times.py 384 1536 row openfold boltz
 step host_breakdown $py scripts/host_breakdown.py

@@ -288,7 +288,7 @@ __device__ __forceinline__ void store_round(const OuterArgs& p, const float* red
 // One block: one (b, s), kPrepWarps*RW consecutive positions n; in project-first mode also one
 // chunk of kPrepThreads output columns (h1, d) of c.
 // Q = ceil(2H/32) projection outputs per lane, RW rows per warp.
-template <int Q, int RW, bool kProjectW>
+template <int Q, int RW, bool kProjectW, typename XT>  // XT: x's element type (p.x_kind)
 __global__ void __launch_bounds__(kPrepThreads, 2) opm_prep_kernel(const PrepArgs p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   // A kernel launched as this one's programmatic dependent may start now: it waits for our
@@ -311,7 +311,7 @@ __global__ void __launch_bounds__(kPrepThreads, 2) opm_prep_kernel(const PrepArg
   // LayerNorm statistics, two passes over the row (the second pass hits L1).  x is float32,
   // float16 or bfloat16 (p.x_kind), read as float32.
   int64_t xrow[RW];
-  const auto x_at = [&](int r, int c) { return load_mask(p.x, xrow[r] + c, p.x_kind); };
+  const auto x_at = [&](int r, int c) { return load_as_float<XT>(p.x, xrow[r] + c); };
   float mean[RW], rstd[RW];
 #pragma unroll
   for (int r = 0; r < RW; ++r) {
@@ -499,38 +499,6 @@ __global__ void __launch_bounds__(kProjThreads, CT >= 8 ? 1 : 2) opm_project_row
   }
   __syncthreads();
 
-  // LayerNorm statistics, two passes (the second hits L1); each warp four rows at a time so that
-  // four loads are in flight per lane.
-  for (int r0 = warp * 4; r0 < TR; r0 += kProjThreads / 32 * 4) {
-    float sum[4] = {0.f, 0.f, 0.f, 0.f}, sq[4] = {0.f, 0.f, 0.f, 0.f}, mu[4];
-    int64_t xo[4];
-#pragma unroll
-    for (int u = 0; u < 4; ++u) xo[u] = xoff_s[r0 + u];
-#pragma unroll 4
-    for (int c = lane; c < C; c += 32)
-#pragma unroll
-      for (int u = 0; u < 4; ++u)
-        if (xo[u] >= 0) sum[u] += load_as_float<XT>(p.x, xo[u] + c);
-#pragma unroll
-    for (int u = 0; u < 4; ++u) mu[u] = warp_sum(sum[u]) / C;
-#pragma unroll 4
-    for (int c = lane; c < C; c += 32)
-#pragma unroll
-      for (int u = 0; u < 4; ++u)
-        if (xo[u] >= 0) {
-          const float d = load_as_float<XT>(p.x, xo[u] + c) - mu[u];
-          sq[u] = fmaf(d, d, sq[u]);
-        }
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      const float var = warp_sum(sq[u]) / C;
-      if (lane == 0) {
-        mean_s[r0 + u] = mu[u];
-        rstd_s[r0 + u] = rsqrtf(var + p.ln_eps);
-      }
-    }
-  }
-
   // Staging maps, chosen for conflict-free shared stores and full 32-byte sectors in global loads.
   // x: a warp takes 4 rows x 8 consecutive k per load; thread: 4 row slots x 4 groups of 8 k.
   constexpr int XRows = TR / 32;  // row slots per thread
@@ -598,6 +566,37 @@ __global__ void __launch_bounds__(kProjThreads, CT >= 8 ? 1 : 2) opm_project_row
   const int chunks = (C + KC - 1) / KC;
   load_w(0, ws);
   load_x(0);
+  // LayerNorm statistics while the first chunk's loads are in flight: two passes (the second hits
+  // L1), each warp four rows at a time so that many loads are in flight per lane.
+  for (int r0 = warp * 4; r0 < TR; r0 += kProjThreads / 32 * 4) {
+    float sum[4] = {0.f, 0.f, 0.f, 0.f}, sq[4] = {0.f, 0.f, 0.f, 0.f}, mu[4];
+    int64_t xo[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) xo[u] = xoff_s[r0 + u];
+#pragma unroll 8
+    for (int c = lane; c < C; c += 32)
+#pragma unroll
+      for (int u = 0; u < 4; ++u)
+        if (xo[u] >= 0) sum[u] += load_as_float<XT>(p.x, xo[u] + c);
+#pragma unroll
+    for (int u = 0; u < 4; ++u) mu[u] = warp_sum(sum[u]) / C;
+#pragma unroll 4
+    for (int c = lane; c < C; c += 32)
+#pragma unroll
+      for (int u = 0; u < 4; ++u)
+        if (xo[u] >= 0) {
+          const float d = load_as_float<XT>(p.x, xo[u] + c) - mu[u];
+          sq[u] = fmaf(d, d, sq[u]);
+        }
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const float var = warp_sum(sq[u]) / C;
+      if (lane == 0) {
+        mean_s[r0 + u] = mu[u];
+        rstd_s[r0 + u] = rsqrtf(var + p.ln_eps);
+      }
+    }
+  }
   __syncthreads();  // mean_s, rstd_s
 #pragma unroll
   for (int q = 0; q < XRows; ++q) {

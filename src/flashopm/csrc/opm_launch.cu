@@ -37,23 +37,30 @@ void allow_smem() {
   });
 }
 
-template <int Q, int RW, bool kProjectW>
+template <int Q, int RW, bool kProjectW, typename XT>
 void launch_prep_t(const PrepArgs& args, cudaStream_t stream) {
   constexpr int R = kPrepWarps * RW;
   const dim3 grid(unsigned((args.N + R - 1) / R) * unsigned(kProjectW ? args.o_chunks : 1), unsigned(args.S),
                   unsigned(args.B));
-  constexpr auto kernel = opm_prep_kernel<Q, RW, kProjectW>;
+  constexpr auto kernel = opm_prep_kernel<Q, RW, kProjectW, XT>;
   allow_smem<kernel>();
   kernel<<<grid, kPrepThreads, prep_smem_bytes(args.H, RW, kProjectW), stream>>>(args);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+template <int Q, int RW, bool kProjectW>
+void launch_prep_x(const PrepArgs& args, cudaStream_t stream) {
+  if (args.x_kind == kMaskHalf) return launch_prep_t<Q, RW, kProjectW, __half>(args, stream);
+  if (args.x_kind == kMaskBFloat16) return launch_prep_t<Q, RW, kProjectW, __nv_bfloat16>(args, stream);
+  launch_prep_t<Q, RW, kProjectW, float>(args, stream);
+}
+
 template <int RW, bool kProjectW>
 void launch_prep_q(const PrepArgs& args, cudaStream_t stream) {
   const int q = (2 * args.H + 31) / 32;
-  if (q <= 1) return launch_prep_t<1, RW, kProjectW>(args, stream);
-  if (q <= 2) return launch_prep_t<2, RW, kProjectW>(args, stream);
-  return launch_prep_t<4, RW, kProjectW>(args, stream);
+  if (q <= 1) return launch_prep_x<1, RW, kProjectW>(args, stream);
+  if (q <= 2) return launch_prep_x<2, RW, kProjectW>(args, stream);
+  return launch_prep_x<4, RW, kProjectW>(args, stream);
 }
 
 // Tile configurations of the project-first GEMM: a large one, and a small one for problems that
