@@ -68,6 +68,18 @@ std::array<at::Tensor, 3> contract_blocks(const at::Tensor& g, const at::Tensor&
   return {grad_a, grad_b, need_w ? grad_w.view({D, H * H}) : grad_w};
 }
 
+// The LayerNorm and projection inputs, as PrepArgs and LnBackwardArgs both name them.
+template <typename Args>
+void set_ln_inputs(Args& args, const at::Tensor& msa, const at::Tensor& mask, const at::Tensor& lw,
+                   const at::Tensor& lb, double ln_eps, const at::Tensor& wa, const at::Tensor& wb) {
+  args.x = msa.data_ptr();
+  args.x_kind = elem_kind(msa);
+  args.x_sb = msa.stride(0), args.x_ss = msa.stride(1), args.x_sn = msa.stride(2);
+  args.mask = MaskView{mask.data_ptr(), mask.stride(0), mask.stride(1), mask.stride(2), mask_kind_of(mask)};
+  args.ln_w = lw.data_ptr<float>(), args.ln_b = lb.data_ptr<float>(), args.ln_eps = float(ln_eps);
+  args.wa = wa.data_ptr<float>(), args.wb = wb.data_ptr<float>();
+}
+
 // LayerNorm, the projections and the mask recomputed in one launch: (a, b), each (B, S, N, H)
 // float32, as the forward computes them.
 std::pair<at::Tensor, at::Tensor> project_masked(const at::Tensor& msa_in, const at::Tensor& mask,
@@ -82,12 +94,8 @@ std::pair<at::Tensor, at::Tensor> project_masked(const at::Tensor& msa_in, const
   at::Tensor a = at::empty({B, S, N, H}, msa.options().dtype(at::kFloat));
   at::Tensor b = at::empty({B, S, N, H}, msa.options().dtype(at::kFloat));
   PrepArgs pa{};
-  pa.x = msa.data_ptr();
-  pa.x_kind = elem_kind(msa);
-  pa.x_sb = msa.stride(0), pa.x_ss = msa.stride(1), pa.x_sn = msa.stride(2);
-  pa.mask = MaskView{mask.data_ptr(), mask.stride(0), mask.stride(1), mask.stride(2), mask_kind_of(mask)};
-  pa.ln_w = lw.data_ptr<float>(), pa.ln_b = lb.data_ptr<float>(), pa.ln_eps = float(ln_eps);
-  pa.wa = wa.data_ptr<float>(), pa.ba = opt_ptr(ba), pa.wb = wb.data_ptr<float>(), pa.bb = opt_ptr(bb);
+  set_ln_inputs(pa, msa, mask, lw, lb, ln_eps, wa, wb);
+  pa.ba = opt_ptr(ba), pa.bb = opt_ptr(bb);
   pa.a_out = a.data_ptr<float>(), pa.b_out = b.data_ptr<float>(), pa.ab_kind = kMaskFloat;
   pa.a_sb = pa.b_sb = S * N * H, pa.a_ss = pa.b_ss = N * H, pa.a_sn = pa.b_sn = H;
   pa.a_rows = int(N), pa.o_chunks = 1;
@@ -136,12 +144,7 @@ LnGrads ln_projection_backward(const at::Tensor& msa_in, const at::Tensor& mask,
   at::Tensor partial = at::empty({blocks, ln_backward_partial_floats(int(C), int(H))}, opts);
 
   LnBackwardArgs la{};
-  la.x = msa.data_ptr();
-  la.x_kind = elem_kind(msa);
-  la.x_sb = msa.stride(0), la.x_ss = msa.stride(1), la.x_sn = msa.stride(2);
-  la.mask = MaskView{mask.data_ptr(), mask.stride(0), mask.stride(1), mask.stride(2), mask_kind_of(mask)};
-  la.ln_w = lw.data_ptr<float>(), la.ln_b = lb.data_ptr<float>(), la.ln_eps = float(ln_eps);
-  la.wa = wa.data_ptr<float>(), la.wb = wb.data_ptr<float>();
+  set_ln_inputs(la, msa, mask, lw, lb, ln_eps, wa, wb);
   la.grad_a = grad_a.data_ptr<float>(), la.grad_b = grad_b.data_ptr<float>();
   la.grad_x = r.x.defined() ? r.x.data_ptr() : nullptr;
   la.gx_kind = elem_kind(msa);
