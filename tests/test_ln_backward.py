@@ -185,3 +185,19 @@ def test_fully_masked_rows_give_zero_projection_gradients():
     grads = _op(g, x.cuda(), m.cuda(), {k: v.cuda() for k, v in p.items()})
     for name, t in zip(GRAD_INPUTS[:7], grads[:7]):
         assert torch.count_nonzero(t) == 0, name
+
+
+def test_bad_arguments_are_named():
+    """The backward op called directly: a mask on the CPU or of the wrong shape, or a parameter on
+    another device, is refused with the argument's name before any kernel reads it."""
+    x, m, p = make_problem(Shape(1, 3, 5, 8, 16, 4), "ones", seed=1)
+    g = torch.randn(1, 5, 5, 4, device="cuda")
+    xc, mc, pc = x.cuda(), m.cuda(), {k: v.cuda() for k, v in p.items()}
+    with pytest.raises(RuntimeError, match="msa_mask is on"):
+        _op(g, xc, m, pc)
+    with pytest.raises(RuntimeError, match="msa_mask must have shape"):
+        _op(g, xc, mc[:, :2], pc)
+    with pytest.raises(RuntimeError, match="proj_b weight is on"):
+        _op(g, xc, mc, {**pc, "w_b": p["w_b"]})
+    with pytest.raises(RuntimeError, match="layer_norm weight and bias must have"):
+        _op(g, xc, mc, {**pc, "ln_weight": pc["ln_weight"][:7]})

@@ -190,6 +190,22 @@ std::vector<at::Tensor> outer_product_mean_backward_cuda(const at::Tensor& grad_
                   grad_out.size(3) == D,
               "flashopm: grad_out must have shape (B, N, N, pair_dim) = (", std::to_string(B), ", ", std::to_string(N),
               ", ", std::to_string(N), ", ", std::to_string(D), ")");
+  // The kernels read these through raw pointers: a tensor on another device or of another shape
+  // must fail here, not in a kernel.
+  FLASHOPM_CHECK(mask.dim() == 3 && mask.size(0) == B && mask.size(1) == S && mask.size(2) == N,
+                 "flashopm: msa_mask must have shape (B, S, N) = (", B, ", ", S, ", ", N, "), got ", mask.sizes());
+  FLASHOPM_CHECK(w_a.dim() == 2 && w_b.sizes() == w_a.sizes() && w_a.size(1) == C,
+                 "flashopm: proj_a and proj_b weights must have shape (hidden, msa_dim) = (", H, ", ", C, "), got ",
+                 w_a.sizes(), " and ", w_b.sizes());
+  FLASHOPM_CHECK(ln_w.numel() == C && ln_b.numel() == C, "flashopm: layer_norm weight and bias must have ", C,
+                 " elements, got ", ln_w.numel(), " and ", ln_b.numel());
+  const std::array<std::pair<const char*, const at::Tensor*>, 10> on_device = {{
+      {"grad_out", &grad_out}, {"msa_mask", &mask}, {"layer_norm weight", &ln_w}, {"layer_norm bias", &ln_b},
+      {"proj_a weight", &w_a}, {"proj_a bias", b_a ? &*b_a : nullptr}, {"proj_b weight", &w_b},
+      {"proj_b bias", b_b ? &*b_b : nullptr}, {"out_proj weight", &w_out}, {"out_proj bias", b_out ? &*b_out : nullptr}}};
+  for (const auto& [name, t] : on_device)
+    FLASHOPM_CHECK(t == nullptr || t->device() == msa.device(), "flashopm: ", name, " is on ", t->device(),
+                   " but msa_repr is on ", msa.device());
   const c10::cuda::CUDAGuard guard(msa.device());
   std::array<bool, 9> want{};
   for (int k = 0; k < 9; ++k) want[k] = output_mask.get(k);
