@@ -68,33 +68,42 @@ std::array<at::Tensor, 3> contract_blocks(const at::Tensor& g, const at::Tensor&
   return {grad_a, grad_b, need_w ? grad_w.view({D, H * H}) : grad_w};
 }
 
+// What both LayerNorm/projection kernels read, converted once per backward call: x with unit stride
+// along C (in its own type), the parameters as contiguous float32.
+struct LnInputs {
+  at::Tensor msa, mask, lw, lb, wa, wb;
+  double ln_eps;
+};
+
+LnInputs ln_inputs(const at::Tensor& msa, const at::Tensor& mask, const at::Tensor& ln_w, const at::Tensor& ln_b,
+                   double ln_eps, const at::Tensor& w_a, const at::Tensor& w_b) {
+  const auto f32 = [](const at::Tensor& t) { return t.to(at::kFloat).contiguous(); };
+  return {msa.stride(3) == 1 ? msa : msa.contiguous(), mask, f32(ln_w), f32(ln_b), f32(w_a), f32(w_b), ln_eps};
+}
+
 // The LayerNorm and projection inputs, as PrepArgs and LnBackwardArgs both name them.
 template <typename Args>
-void set_ln_inputs(Args& args, const at::Tensor& msa, const at::Tensor& mask, const at::Tensor& lw,
-                   const at::Tensor& lb, double ln_eps, const at::Tensor& wa, const at::Tensor& wb) {
+void set_ln_inputs(Args& args, const LnInputs& in) {
+  const at::Tensor &msa = in.msa, &mask = in.mask;
   args.x = msa.data_ptr();
   args.x_kind = elem_kind(msa);
   args.x_sb = msa.stride(0), args.x_ss = msa.stride(1), args.x_sn = msa.stride(2);
   args.mask = MaskView{mask.data_ptr(), mask.stride(0), mask.stride(1), mask.stride(2), mask_kind_of(mask)};
-  args.ln_w = lw.data_ptr<float>(), args.ln_b = lb.data_ptr<float>(), args.ln_eps = float(ln_eps);
-  args.wa = wa.data_ptr<float>(), args.wb = wb.data_ptr<float>();
+  args.ln_w = in.lw.data_ptr<float>(), args.ln_b = in.lb.data_ptr<float>(), args.ln_eps = float(in.ln_eps);
+  args.wa = in.wa.data_ptr<float>(), args.wb = in.wb.data_ptr<float>();
 }
 
 // LayerNorm, the projections and the mask recomputed in one launch: (a, b), each (B, S, N, H)
 // float32, as the forward computes them.
-std::pair<at::Tensor, at::Tensor> project_masked(const at::Tensor& msa_in, const at::Tensor& mask,
-                                                 const at::Tensor& ln_w, const at::Tensor& ln_b, double ln_eps,
-                                                 const at::Tensor& w_a, const OptTensor& b_a, const at::Tensor& w_b,
-                                                 const OptTensor& b_b, int dev) {
-  const int64_t B = msa_in.size(0), S = msa_in.size(1), N = msa_in.size(2), C = msa_in.size(3), H = w_a.size(0);
-  const at::Tensor msa = msa_in.stride(3) == 1 ? msa_in : msa_in.contiguous();
+std::pair<at::Tensor, at::Tensor> project_masked(const LnInputs& in, const OptTensor& b_a, const OptTensor& b_b,
+                                                 int dev) {
+  const int64_t B = in.msa.size(0), S = in.msa.size(1), N = in.msa.size(2), C = in.msa.size(3), H = in.wa.size(0);
   const auto f32 = [](const at::Tensor& t) { return t.to(at::kFloat).contiguous(); };
-  const at::Tensor lw = f32(ln_w), lb = f32(ln_b), wa = f32(w_a), wb = f32(w_b);
   const OptTensor ba = b_a ? OptTensor(f32(*b_a)) : std::nullopt, bb = b_b ? OptTensor(f32(*b_b)) : std::nullopt;
-  at::Tensor a = at::empty({B, S, N, H}, msa.options().dtype(at::kFloat));
-  at::Tensor b = at::empty({B, S, N, H}, msa.options().dtype(at::kFloat));
+  at::Tensor a = at::empty({B, S, N, H}, in.msa.options().dtype(at::kFloat));
+  at::Tensor b = at::empty({B, S, N, H}, in.msa.options().dtype(at::kFloat));
   PrepArgs pa{};
-  set_ln_inputs(pa, msa, mask, lw, lb, ln_eps, wa, wb);
+  set_ln_inputs(pa, in);
   pa.ba = opt_ptr(ba), pa.bb = opt_ptr(bb);
   pa.a_out = a.data_ptr<float>(), pa.b_out = b.data_ptr<float>(), pa.ab_kind = kMaskFloat;
   pa.a_sb = pa.b_sb = S * N * H, pa.a_ss = pa.b_ss = N * H, pa.a_sn = pa.b_sn = H;
@@ -120,14 +129,11 @@ struct LnGrads {
 
 // grad_a and grad_b (B, S, N, H), gradients of the masked projections, back through the mask, both
 // projections and LayerNorm: one pass over x, then one reduction of the blocks' parameter sums.
-LnGrads ln_projection_backward(const at::Tensor& msa_in, const at::Tensor& mask, const at::Tensor& ln_w,
-                               const at::Tensor& ln_b, double ln_eps, const at::Tensor& w_a, const at::Tensor& w_b,
-                               const at::Tensor& grad_a_in, const at::Tensor& grad_b_in,
+LnGrads ln_projection_backward(const LnInputs& in, const at::Tensor& grad_a_in, const at::Tensor& grad_b_in,
                                const std::array<bool, 9>& want, int dev) {
-  const int64_t B = msa_in.size(0), S = msa_in.size(1), N = msa_in.size(2), C = msa_in.size(3), H = w_a.size(0);
-  const at::Tensor msa = msa_in.stride(3) == 1 ? msa_in : msa_in.contiguous();
+  const at::Tensor& msa = in.msa;
+  const int64_t B = msa.size(0), S = msa.size(1), N = msa.size(2), C = msa.size(3), H = in.wa.size(0);
   const auto f32 = [](const at::Tensor& t) { return t.to(at::kFloat).contiguous(); };
-  const at::Tensor lw = f32(ln_w), lb = f32(ln_b), wa = f32(w_a), wb = f32(w_b);
   const at::Tensor grad_a = f32(grad_a_in), grad_b = f32(grad_b_in);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dev).stream();
   const at::TensorOptions opts = msa.options().dtype(at::kFloat);
@@ -144,7 +150,7 @@ LnGrads ln_projection_backward(const at::Tensor& msa_in, const at::Tensor& mask,
   at::Tensor partial = at::empty({blocks, ln_backward_partial_floats(int(C), int(H))}, opts);
 
   LnBackwardArgs la{};
-  set_ln_inputs(la, msa, mask, lw, lb, ln_eps, wa, wb);
+  set_ln_inputs(la, in);
   la.grad_a = grad_a.data_ptr<float>(), la.grad_b = grad_b.data_ptr<float>();
   la.grad_x = r.x.defined() ? r.x.data_ptr() : nullptr;
   la.gx_kind = elem_kind(msa);
@@ -220,6 +226,7 @@ std::vector<at::Tensor> outer_product_mean_backward_cuda(const at::Tensor& grad_
   const at::Tensor wo = w_out.to(work);
   const int dev = msa.get_device();
   const bool fused_ln = fused_ln_fits(msa, mask, B * S * N, C, H, B, S, dev);
+  const LnInputs ln_in = fused_ln ? ln_inputs(msa, mask, ln_w, ln_b, ln_eps, w_a, w_b) : LnInputs{};
   std::vector<at::Tensor> grads(9);
   at::Tensor grad_a, grad_b, grad_w;
   // The unfused path's LayerNorm intermediates, kept for its backward.
@@ -228,7 +235,7 @@ std::vector<at::Tensor> outer_product_mean_backward_cuda(const at::Tensor& grad_
     // a, b and g (B, N, N, D) live only for the contractions
     at::Tensor a, b;
     if (fused_ln) {
-      std::tie(a, b) = project_masked(msa, mask, ln_w, ln_b, ln_eps, w_a, b_a, w_b, b_b, dev);
+      std::tie(a, b) = project_masked(ln_in, b_a, b_b, dev);
     } else {
       const at::Tensor x = msa.to(work);
       const auto [var, mu] = at::var_mean(x, {-1}, /*correction=*/0, /*keepdim=*/true);
@@ -257,7 +264,7 @@ std::vector<at::Tensor> outer_product_mean_backward_cuda(const at::Tensor& grad_
   }
   if (need_wo) grads[7] = grad_w;
   if (need_proj && fused_ln) {
-    const LnGrads r = ln_projection_backward(msa, mask, ln_w, ln_b, ln_eps, w_a, w_b, grad_a, grad_b, want, dev);
+    const LnGrads r = ln_projection_backward(ln_in, grad_a, grad_b, want, dev);
     grads[0] = r.x, grads[1] = r.ln_w, grads[2] = r.ln_b, grads[3] = r.w_a, grads[5] = r.w_b;
     if (need_ba) grads[4] = r.b_a;
     if (need_bb) grads[6] = r.b_b;

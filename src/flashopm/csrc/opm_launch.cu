@@ -37,6 +37,18 @@ void allow_smem() {
   });
 }
 
+// Calls f(TypeTag<T>{}) with T the element type of x (kMaskFloat, kMaskHalf or kMaskBFloat16).
+template <typename T>
+struct TypeTag {
+  using type = T;
+};
+template <typename F>
+void with_x_type(int x_kind, F&& f) {
+  if (x_kind == kMaskHalf) f(TypeTag<__half>{});
+  else if (x_kind == kMaskBFloat16) f(TypeTag<__nv_bfloat16>{});
+  else f(TypeTag<float>{});
+}
+
 template <int Q, int RW, bool kProjectW, typename XT>
 void launch_prep_t(const PrepArgs& args, cudaStream_t stream) {
   constexpr int R = kPrepWarps * RW;
@@ -50,9 +62,7 @@ void launch_prep_t(const PrepArgs& args, cudaStream_t stream) {
 
 template <int Q, int RW, bool kProjectW>
 void launch_prep_x(const PrepArgs& args, cudaStream_t stream) {
-  if (args.x_kind == kMaskHalf) return launch_prep_t<Q, RW, kProjectW, __half>(args, stream);
-  if (args.x_kind == kMaskBFloat16) return launch_prep_t<Q, RW, kProjectW, __nv_bfloat16>(args, stream);
-  launch_prep_t<Q, RW, kProjectW, float>(args, stream);
+  with_x_type(args.x_kind, [&](auto t) { launch_prep_t<Q, RW, kProjectW, typename decltype(t)::type>(args, stream); });
 }
 
 template <int RW, bool kProjectW>
@@ -105,9 +115,7 @@ void launch_project_rows_x(const PrepArgs& args, cudaStream_t stream) {
 }  // namespace
 
 void launch_project_rows(const PrepArgs& args, cudaStream_t stream) {
-  if (args.x_kind == kMaskHalf) launch_project_rows_x<__half>(args, stream);
-  else if (args.x_kind == kMaskBFloat16) launch_project_rows_x<__nv_bfloat16>(args, stream);
-  else launch_project_rows_x<float>(args, stream);
+  with_x_type(args.x_kind, [&](auto t) { launch_project_rows_x<typename decltype(t)::type>(args, stream); });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -194,9 +202,7 @@ void launch_ln_backward_x(const LnBackwardArgs& args, int blocks, cudaStream_t s
 }  // namespace
 
 void launch_ln_backward(const LnBackwardArgs& args, int blocks, cudaStream_t stream) {
-  if (args.x_kind == kMaskHalf) launch_ln_backward_x<__half>(args, blocks, stream);
-  else if (args.x_kind == kMaskBFloat16) launch_ln_backward_x<__nv_bfloat16>(args, blocks, stream);
-  else launch_ln_backward_x<float>(args, blocks, stream);
+  with_x_type(args.x_kind, [&](auto t) { launch_ln_backward_x<typename decltype(t)::type>(args, blocks, stream); });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
