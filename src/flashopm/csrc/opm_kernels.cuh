@@ -13,6 +13,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -49,6 +50,24 @@ __device__ __forceinline__ float load_as_float(const void* base, int64_t idx) {
 template <typename T>
 __device__ __forceinline__ float load_streaming_as_float(const void* base, int64_t idx) {
   return to_float(__ldcs(static_cast<const T*>(base) + idx));
+}
+
+// The V = 16 / sizeof(T) elements of a 16-byte vector of x, as float32.
+template <typename T>
+__device__ __forceinline__ void unpack16(const uint4& raw, float* out) {
+  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if constexpr (sizeof(T) == 4) {
+      out[i] = __uint_as_float(w[i]);
+    } else if constexpr (std::is_same_v<T, __half>) {
+      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&w[i]));
+      out[2 * i] = f.x, out[2 * i + 1] = f.y;
+    } else {
+      const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[i]));
+      out[2 * i] = f.x, out[2 * i + 1] = f.y;
+    }
+  }
 }
 
 // Output stores in the output's element type (float32, float16 or bfloat16).  idx counts
@@ -456,8 +475,10 @@ __global__ void __launch_bounds__(kPrepThreads, 2) opm_prep_kernel(const PrepArg
 // The layouts of opm_prep_kernel without kProjectW (a_out / b_out by strides, ab_kind), so the two
 // kernels are interchangeable; this one runs the projections as a register-tiled GEMM (8 rows x
 // CT outputs per thread: 3 shared-memory vector loads per 32 FMAs at CT = 4) for problems with
-// enough rows to fill the GPU.
-template <int CT, typename XT>  // XT: x's element type (p.x_kind)
+// enough rows to fill the GPU.  kVec: x read as 16-byte vectors (rows and msa_dim aligned to
+// them), the normalised rows then stored with an XOR swizzle of 4-row pieces so that the
+// transposing stores stay free of bank conflicts.
+template <int CT, typename XT, bool kVec>  // XT: x's element type (p.x_kind)
 __global__ void __launch_bounds__(kProjThreads, CT >= 8 ? 1 : 2) opm_project_rows_kernel(const PrepArgs p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;\n" ::);  // as opm_prep_kernel
@@ -500,33 +521,67 @@ __global__ void __launch_bounds__(kProjThreads, CT >= 8 ? 1 : 2) opm_project_row
   __syncthreads();
 
   // Staging maps, chosen for conflict-free shared stores and full 32-byte sectors in global loads.
-  // x: a warp takes 4 rows x 8 consecutive k per load; thread: 4 row slots x 4 groups of 8 k.
-  constexpr int XRows = TR / 32;  // row slots per thread
-  constexpr int XKG = KC / 8;     // k groups per thread
+  // Scalar: a warp takes 4 rows x 8 consecutive k per load; thread: 4 row slots x 4 groups of 8 k.
+  // Vector: a lane takes V consecutive k of one row; a warp 32 / (KC / V) rows per load.
+  constexpr int V = 16 / int(sizeof(XT));
+  constexpr int VKG = KC / V;                                  // vectors per row and chunk
+  constexpr int XRows = kVec ? TR * VKG / kProjThreads : TR / 32;  // row slots per thread
+  constexpr int XKG = kVec ? 1 : KC / 8;                       // scalar k groups per thread
+  const auto slot_row = [&](int q) {
+    return kVec ? (q * 8 + warp) * (32 / VKG) + lane / VKG : (q * 8 + warp) * 4 + (lane >> 3);
+  };
+  // xs: k-major; with kVec the 4-row pieces of row k are XOR-swizzled by k / 4.
+  const auto xs_at = [](int k, int r) {
+    return kVec ? k * TR + ((((r >> 2) ^ ((k >> 2) & 7)) << 2) | (r & 3)) : k * LDX + r;
+  };
   int64_t x_row[XRows];
   float x_mean[XRows], x_rstd[XRows];
-  const int xk = lane & 7;
+  const int xk = kVec ? (lane % VKG) * V : lane & 7;
 #pragma unroll
-  for (int q = 0; q < XRows; ++q) x_row[q] = xoff_s[(q * 8 + warp) * 4 + (lane >> 3)];
-  float xv[XRows][XKG];
+  for (int q = 0; q < XRows; ++q) x_row[q] = xoff_s[slot_row(q)];
+  float xv[XRows][kVec ? 1 : XKG];
+  uint4 xraw[kVec ? XRows : 1];
   const auto load_x = [&](int c0) {
 #pragma unroll
-    for (int q = 0; q < XRows; ++q)
+    for (int q = 0; q < XRows; ++q) {
+      if constexpr (kVec) {
+        const int c = c0 + xk;  // C is a multiple of V: a vector is all in or all out
+        xraw[q] = x_row[q] >= 0 && c < C
+                      ? *reinterpret_cast<const uint4*>(static_cast<const XT*>(p.x) + x_row[q] + c)
+                      : make_uint4(0u, 0u, 0u, 0u);
+      } else {
 #pragma unroll
-      for (int g = 0; g < XKG; ++g) {
-        const int c = c0 + g * 8 + xk;
-        xv[q][g] = x_row[q] >= 0 && c < C ? load_as_float<XT>(p.x, x_row[q] + c) : 0.f;
+        for (int g = 0; g < XKG; ++g) {
+          const int c = c0 + g * 8 + xk;
+          xv[q][g] = x_row[q] >= 0 && c < C ? load_as_float<XT>(p.x, x_row[q] + c) : 0.f;
+        }
       }
+    }
   };
   const auto store_x = [&](int c0) {
-#pragma unroll
-    for (int g = 0; g < XKG; ++g) {
-      const int k = g * 8 + xk, c = c0 + k;
-      const float w = c < C ? p.ln_w[c] : 0.f, b = c < C ? p.ln_b[c] : 0.f;
+    if constexpr (kVec) {
 #pragma unroll
       for (int q = 0; q < XRows; ++q) {
-        const float v = x_row[q] >= 0 ? fmaf((xv[q][g] - x_mean[q]) * x_rstd[q], w, b) : 0.f;
-        xs[k * LDX + (q * 8 + warp) * 4 + (lane >> 3)] = v;
+        float v[V];
+        unpack16<XT>(xraw[q], v);
+        const int r = slot_row(q);
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+          const int k = xk + j, c = c0 + k;
+          const float y = x_row[q] >= 0 && c < C ? fmaf((v[j] - x_mean[q]) * x_rstd[q], p.ln_w[c], p.ln_b[c]) : 0.f;
+          xs[xs_at(k, r)] = y;
+        }
+      }
+    } else {
+#pragma unroll
+      for (int g = 0; g < XKG; ++g) {
+        const int k = g * 8 + xk, c = c0 + k;
+        const float w = c < C ? p.ln_w[c] : 0.f, b = c < C ? p.ln_b[c] : 0.f;
+#pragma unroll
+        for (int q = 0; q < XRows; ++q) {
+          const float y = x_row[q] >= 0 ? fmaf((xv[q][g] - x_mean[q]) * x_rstd[q], w, b) : 0.f;
+          xs[xs_at(k, slot_row(q))] = y;
+        }
       }
     }
   };
@@ -573,21 +628,47 @@ __global__ void __launch_bounds__(kProjThreads, CT >= 8 ? 1 : 2) opm_project_row
     int64_t xo[4];
 #pragma unroll
     for (int u = 0; u < 4; ++u) xo[u] = xoff_s[r0 + u];
+    if constexpr (kVec) {
+      const XT* x = static_cast<const XT*>(p.x);
+#pragma unroll 2
+      for (int cv = lane; cv < C / V; cv += 32)
+#pragma unroll
+        for (int u = 0; u < 4; ++u)
+          if (xo[u] >= 0) {
+            float v[V];
+            unpack16<XT>(*reinterpret_cast<const uint4*>(x + xo[u] + cv * V), v);
+#pragma unroll
+            for (int j = 0; j < V; ++j) sum[u] += v[j];
+          }
+#pragma unroll
+      for (int u = 0; u < 4; ++u) mu[u] = warp_sum(sum[u]) / C;
+#pragma unroll 2
+      for (int cv = lane; cv < C / V; cv += 32)
+#pragma unroll
+        for (int u = 0; u < 4; ++u)
+          if (xo[u] >= 0) {
+            float v[V];
+            unpack16<XT>(*reinterpret_cast<const uint4*>(x + xo[u] + cv * V), v);
+#pragma unroll
+            for (int j = 0; j < V; ++j) sq[u] = fmaf(v[j] - mu[u], v[j] - mu[u], sq[u]);
+          }
+    } else {
 #pragma unroll 8
-    for (int c = lane; c < C; c += 32)
+      for (int c = lane; c < C; c += 32)
 #pragma unroll
-      for (int u = 0; u < 4; ++u)
-        if (xo[u] >= 0) sum[u] += load_as_float<XT>(p.x, xo[u] + c);
+        for (int u = 0; u < 4; ++u)
+          if (xo[u] >= 0) sum[u] += load_as_float<XT>(p.x, xo[u] + c);
 #pragma unroll
-    for (int u = 0; u < 4; ++u) mu[u] = warp_sum(sum[u]) / C;
+      for (int u = 0; u < 4; ++u) mu[u] = warp_sum(sum[u]) / C;
 #pragma unroll 4
-    for (int c = lane; c < C; c += 32)
+      for (int c = lane; c < C; c += 32)
 #pragma unroll
-      for (int u = 0; u < 4; ++u)
-        if (xo[u] >= 0) {
-          const float d = load_as_float<XT>(p.x, xo[u] + c) - mu[u];
-          sq[u] = fmaf(d, d, sq[u]);
-        }
+        for (int u = 0; u < 4; ++u)
+          if (xo[u] >= 0) {
+            const float d = load_as_float<XT>(p.x, xo[u] + c) - mu[u];
+            sq[u] = fmaf(d, d, sq[u]);
+          }
+    }
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
       const float var = warp_sum(sq[u]) / C;
@@ -600,8 +681,8 @@ __global__ void __launch_bounds__(kProjThreads, CT >= 8 ? 1 : 2) opm_project_row
   __syncthreads();  // mean_s, rstd_s
 #pragma unroll
   for (int q = 0; q < XRows; ++q) {
-    x_mean[q] = mean_s[(q * 8 + warp) * 4 + (lane >> 3)];
-    x_rstd[q] = rstd_s[(q * 8 + warp) * 4 + (lane >> 3)];
+    x_mean[q] = mean_s[slot_row(q)];
+    x_rstd[q] = rstd_s[slot_row(q)];
   }
   for (int t = 0; t < chunks; ++t) {
     store_x(t * KC);
@@ -617,8 +698,8 @@ __global__ void __launch_bounds__(kProjThreads, CT >= 8 ? 1 : 2) opm_project_row
 #pragma unroll 4
     for (int k = 0; k < KC; ++k) {
       float xr[RT], wr[CT];
-      const float4 x0 = *reinterpret_cast<const float4*>(&xs[k * LDX + rg * RT]);
-      const float4 x1 = *reinterpret_cast<const float4*>(&xs[k * LDX + rg * RT + 4]);
+      const float4 x0 = *reinterpret_cast<const float4*>(&xs[xs_at(k, rg * RT)]);
+      const float4 x1 = *reinterpret_cast<const float4*>(&xs[xs_at(k, rg * RT + 4)]);
       xr[0] = x0.x, xr[1] = x0.y, xr[2] = x0.z, xr[3] = x0.w, xr[4] = x1.x, xr[5] = x1.y, xr[6] = x1.z, xr[7] = x1.w;
       if constexpr (CT >= 4) {
 #pragma unroll
@@ -640,12 +721,34 @@ __global__ void __launch_bounds__(kProjThreads, CT >= 8 ? 1 : 2) opm_project_row
     __syncthreads();  // xs and this buffer of ws are free
   }
 
-  // Bias, mask, store (a for outputs o < H, b for H <= o < 2H).
+  // Bias, mask, store (a for outputs o < H, b for H <= o < 2H): four consecutive outputs as one
+  // vector where H and the layouts keep them aligned and on one side.
+  const int align = p.ab_kind == kMaskFloat ? 16 : 8;
+  const bool vec_out = CT >= 4 && H % 4 == 0 && reinterpret_cast<uintptr_t>(p.a_out) % align == 0 &&
+                       (p.b_out == nullptr || reinterpret_cast<uintptr_t>(p.b_out) % align == 0) &&
+                       ((p.a_sb | p.a_ss | p.a_sn | p.b_sb | p.b_ss | p.b_sn) & 3) == 0;
 #pragma unroll
   for (int i = 0; i < RT; ++i) {
     const int r = rg * RT + i;
     const float mv = mask_s[r];
     const int64_t ao = aoff_s[r], bo = boff_s[r];
+    if (CT >= 4 && vec_out) {
+#pragma unroll
+      for (int j = 0; j < CT; j += 4) {
+        const int o = cg * CT + j;
+        float v[4];
+        if (o < H) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) v[e] = (acc[i][j + e] + (p.ba ? p.ba[o + e] : 0.f)) * mv;
+          if (ao >= 0) store_out4(p.a_out, ao + o, v, p.ab_kind);
+        } else if (o < H2) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) v[e] = (acc[i][j + e] + (p.bb ? p.bb[o - H + e] : 0.f)) * mv;
+          if (bo >= 0) store_out4(p.b_out, bo + (o - H), v, p.ab_kind);
+        }
+      }
+      continue;
+    }
 #pragma unroll
     for (int j = 0; j < CT; ++j) {
       const int o = cg * CT + j;

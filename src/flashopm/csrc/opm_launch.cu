@@ -96,21 +96,30 @@ void launch_prep(const PrepArgs& args, bool project_w, int rows_per_warp, cudaSt
 int project_rows_smem_bytes(int H) { return int(project_rows_smem_floats(H) * sizeof(float)); }
 
 namespace {
-template <int CT, typename XT>
+template <int CT, typename XT, bool kVec>
 void launch_project_rows_t(const PrepArgs& args, cudaStream_t stream) {
   const int64_t rows = int64_t(args.B) * args.S * args.N;
-  constexpr auto kernel = opm_project_rows_kernel<CT, XT>;
+  constexpr auto kernel = opm_project_rows_kernel<CT, XT, kVec>;
   allow_smem<kernel>();
   kernel<<<unsigned((rows + kProjRows - 1) / kProjRows), kProjThreads, project_rows_smem_bytes(args.H), stream>>>(args);
 }
+template <typename XT, bool kVec>
+void launch_project_rows_v(const PrepArgs& args, cudaStream_t stream) {
+  switch (proj_cols_per_thread(args.H)) {
+    case 1: return launch_project_rows_t<1, XT, kVec>(args, stream);
+    case 2: return launch_project_rows_t<2, XT, kVec>(args, stream);
+    case 4: return launch_project_rows_t<4, XT, kVec>(args, stream);
+    default: return launch_project_rows_t<8, XT, kVec>(args, stream);
+  }
+}
+// x as 16-byte vectors when its base, every stride and msa_dim keep them aligned.
 template <typename XT>
 void launch_project_rows_x(const PrepArgs& args, cudaStream_t stream) {
-  switch (proj_cols_per_thread(args.H)) {
-    case 1: return launch_project_rows_t<1, XT>(args, stream);
-    case 2: return launch_project_rows_t<2, XT>(args, stream);
-    case 4: return launch_project_rows_t<4, XT>(args, stream);
-    default: return launch_project_rows_t<8, XT>(args, stream);
-  }
+  constexpr int64_t V = 16 / int64_t(sizeof(XT));
+  const bool vec = reinterpret_cast<uintptr_t>(args.x) % 16 == 0 && args.C % V == 0 && args.x_sb % V == 0 &&
+                   args.x_ss % V == 0 && args.x_sn % V == 0;
+  if (vec) launch_project_rows_v<XT, true>(args, stream);
+  else launch_project_rows_v<XT, false>(args, stream);
 }
 }  // namespace
 
