@@ -492,6 +492,92 @@ def test_precision_modes_follow_pytorch(scale, algorithm, shape):
         assert torch.equal(_run(xc, mc, pc, algorithm).cpu(), out_highest)
 
 
+requires_sm90 = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+    reason="the warpgroup-MMA form of the float32 kernel needs an sm_90 GPU",
+)
+
+# S against the chunks of 16 s (3xTF32) and 32 s (TF32): below one chunk, one past, ragged, whole;
+# N at the 256-column tile edges and below one tile; hidden sizes that fill 120-128 rows of a tile
+# (24, 40, 48) and 8-64; B = 2; row tiles cut short by N.
+TF32_FORM_SHAPES = [
+    Shape(2, 33, 41, 40, 16, 72),
+    Shape(1, 1, 64, 8, 64, 256),
+    Shape(1, 65, 257, 32, 32, 128),
+    Shape(1, 17, 9, 20, 24, 130),
+    Shape(2, 32, 11, 16, 40, 17),
+    Shape(1, 48, 31, 24, 8, 64),
+    Shape(1, 97, 23, 12, 48, 33),
+    Shape(1, 15, 255, 32, 32, 64),
+]
+
+
+def _eager_tf32(xc, mc, pc):
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("high")
+        return reference(xc, mc, pc).cpu()
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+@requires_sm90
+@pytest.mark.parametrize("shape", TF32_FORM_SHAPES, ids=str)
+@pytest.mark.parametrize("precision", ["highest", "high"])
+def test_tf32_wgmma_form(shape, precision, monkeypatch):
+    """Phase 1 of the float32 tensor-core kernel on warpgroup MMAs (forced, as the auto setting
+    takes it on sm_90): the float32 bars for "highest", at most 2x eager TF32's error for "high",
+    every element written, repeatable, and within twice the mma.sync form's error."""
+    x, m, p = make_problem(shape, "masked_positions", seed=zlib.crc32(f"{shape}-{precision}".encode()) % 1000)
+    xc, mc, pc = x.cuda(), m.cuda(), _cuda_params(p)
+    ref64 = reference(xc, mc, pc, dtype=torch.float64).cpu()
+    ref32 = reference(xc, mc, pc).cpu()
+    monkeypatch.setenv("FLASHOPM_TC_FORM", "wgmma")
+    out = _run(xc, mc, pc, "outer", precision=precision)
+    again = _run(xc, mc, pc, "outer", precision=precision)
+    monkeypatch.setenv("FLASHOPM_TC_FORM", "mma_sync")
+    err_mma_sync = rel_error(_run(xc, mc, pc, "outer", precision=precision).cpu(), ref64)
+    out = out.cpu()
+    assert not out.isnan().any(), "NaN in the output: an element was not written"
+    assert torch.equal(out, again.cpu()), "two identical calls differ: a race"
+    err = rel_error(out, ref64)
+    if precision == "highest":
+        torch.testing.assert_close(out, ref32, atol=1e-4, rtol=1e-4)
+        err_eager = rel_error(ref32, ref64)
+        assert err <= max(2 * err_eager, FP64_FLOOR), f"normwise error {err:.3g} vs eager fp32 {err_eager:.3g}"
+    else:
+        err_eager_tf32 = rel_error(_eager_tf32(xc, mc, pc), ref64)
+        assert err <= 2 * err_eager_tf32, f"TF32: {err:.3g} vs eager TF32 {err_eager_tf32:.3g}"
+    assert err <= max(2 * err_mma_sync, FP64_FLOOR), f"wgmma form {err:.3g} vs mma.sync form {err_mma_sync:.3g}"
+
+
+@requires_sm90
+@pytest.mark.parametrize("precision", ["highest", "high"])
+def test_tf32_wgmma_form_in_row_blocks(precision, monkeypatch):
+    """The K-major layouts of a for blocks of rows (the budget splits the rows, see
+    test_tiled_projection_in_row_blocks) and a last chunk of s cleared for 1100 % 16 and % 32."""
+    monkeypatch.setenv("FLASHOPM_TC_FORM", "wgmma")
+    shape = Shape(1, 1100, 128, 24, 64, 8)
+    x, m, p = make_problem(shape, "masked_positions", seed=5)
+    xc, mc, pc = x.cuda(), m.cuda(), _cuda_params(p)
+    ref64 = reference(xc, mc, pc, dtype=torch.float64).cpu()
+    out = _run(xc, mc, pc, "auto", precision=precision).cpu()
+    assert not out.isnan().any()
+    err = rel_error(out, ref64)
+    if precision == "highest":
+        torch.testing.assert_close(out, reference(xc, mc, pc).cpu(), atol=1e-4, rtol=1e-4)
+        assert err <= max(2 * rel_error(reference(xc, mc, pc).cpu(), ref64), FP64_FLOOR)
+    else:
+        assert err <= 2 * rel_error(_eager_tf32(xc, mc, pc), ref64)
+
+
+def test_tensor_core_form_setting_is_checked(monkeypatch):
+    monkeypatch.setenv("FLASHOPM_TC_FORM", "fastest")
+    x, m, p = make_problem(Shape(1, 8, 40, 16, 32, 16), "ones", seed=0)
+    with pytest.raises(RuntimeError, match="FLASHOPM_TC_FORM must be mma_sync or wgmma"):
+        _run(x.cuda(), m.cuda(), _cuda_params(p), "outer", poison=False)
+
+
 @pytest.mark.parametrize("shape", [Shape(1, 128, 64, 64, 32, 128), Shape(2, 33, 41, 40, 16, 72)], ids=str)
 def test_medium_precision_takes_bfloat16_operands(shape):
     """"medium" on float32 inputs: bfloat16 operands on tensor cores, float32 output; error against

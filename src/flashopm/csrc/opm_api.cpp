@@ -350,13 +350,33 @@ int requested_tc16_form(int dev) {
   return mma_sync == "phase2" ? kT16WgmmaPhase1 : kT16WgmmaBoth;
 }
 
+// The float32 tensor-core kernel's form: phase 1 on warpgroup MMAs (a and b in the K-major TF32
+// layouts) where the extension holds sm_90a code and the GPU is sm_90, else mma.sync.
+// FLASHOPM_TC_FORM=mma_sync or =wgmma asks for one of them (to compare them; wgmma also where the
+// split layout of 3xTF32 would pass the workspace budget).
+enum TcForm : int { kTcFormAuto = 0, kTcFormMmaSync = 1, kTcFormWgmma = 2 };
+TcForm requested_tc_form() {
+  const char* env = std::getenv("FLASHOPM_TC_FORM");
+  const std::string form = env ? env : "";
+  if (form == "mma_sync") return kTcFormMmaSync;
+  if (form == "wgmma") return kTcFormWgmma;
+  FLASHOPM_CHECK(form.empty(), "flashopm: FLASHOPM_TC_FORM must be mma_sync or wgmma (or unset), got '", form, "'");
+  return kTcFormAuto;
+}
+bool tf32_wgmma_runs_on(int dev) {
+  const DeviceInfo& info = device_info(dev);
+  return outer_tc16_wgmma_built() && info.cc_major == 9 && info.cc_minor == 0;
+}
+
 // One launch of the outer-first contraction for rows i_offset .. i_offset + rows of the problem
 // (a holds those rows) against all N columns, written from row out_row0 of an output with
 // out_rows rows per batch: tensor cores with 16-bit operands (operand_kind kMaskBFloat16 or
 // kMaskHalf: a, b and w_out of that type), tensor cores on float32 operands (terms 3: 3xTF32,
-// 1: TF32) or CUDA cores.
+// 1: TF32; kmajor: a and b in the K-major TF32 layout of that many terms, for the wgmma form) or
+// CUDA cores.
 void run_outer(OuterArgs oa, int64_t i_offset, int64_t rows, int64_t out_rows, int64_t out_row0, bool tensor_cores,
-               int terms, int operand_kind, const at::TensorOptions& options, int dev, cudaStream_t stream) {
+               int terms, bool kmajor, int operand_kind, const at::TensorOptions& options, int dev,
+               cudaStream_t stream) {
   const at::Tensor pair = pair_counts(oa.mask, oa.norm.kind, oa.B, oa.S, oa.N, rows, i_offset, options, stream);
   oa.pair = pair.defined() ? pair.data_ptr<float>() : nullptr;
   // the 16-bit kernel reads the row denominators; the float32 kernels form their own
@@ -378,8 +398,8 @@ void run_outer(OuterArgs oa, int64_t i_offset, int64_t rows, int64_t out_rows, i
     check_smem(outer_tc16_smem_bytes(oa.H, oa.Ti, oa.Tj, form), dev, "16-bit tensor-core outer-product");
     launch_outer_tc16(oa, operand_kind, form, stream);
   } else if (tensor_cores) {
-    check_smem(outer_tc_smem_bytes(oa.H, oa.Ti, oa.Tj), dev, "tensor-core outer-product");
-    launch_outer_tc(oa, terms, stream);
+    check_smem(outer_tc_smem_bytes(oa.H, oa.Ti, oa.Tj, kmajor), dev, "tensor-core outer-product");
+    launch_outer_tc(oa, terms, kmajor, stream);
   } else {
     check_smem(outer_smem_bytes(), dev, "outer-product");
     launch_outer(oa, stream);
@@ -622,13 +642,22 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     launch_project_gemm(ga, big_tiles, stream);
   } else {
     // workspace: b as (B, S, N, H) | a as (B, S, Ni, H) for one block of Ni output rows, float32
-    // or the 16-bit operand type.  Rows are blocked only when a and b for all rows would pass the
-    // budget (in float32 elements); each further block recomputes LayerNorm and the projection of
-    // its rows (a few percent of the work).
-    const int64_t per_row = B * S * H;
+    // or the 16-bit operand type; for the float32 kernel's wgmma form, b and a in its K-major
+    // layouts (AbKind: S rounded up to whole chunks).  Rows are blocked only when a and b for all
+    // rows would pass the budget (in float32 elements); each further block recomputes LayerNorm
+    // and the projection of its rows (a few percent of the work).
+    const TcForm tc_form = tc_ok && !operands16 ? requested_tc_form() : kTcFormAuto;
+    FLASHOPM_CHECK(tc_form != kTcFormWgmma || tf32_wgmma_runs_on(dev),
+                   "flashopm: FLASHOPM_TC_FORM=wgmma needs an sm_90 GPU and the extension built with sm_90a code");
+    const bool kmajor = tc_ok && !operands16 && tc_form != kTcFormMmaSync && tf32_wgmma_runs_on(dev);
+    const int row_floats = kmajor_row_floats(tc_terms);  // s per chunk, and floats per row of one
+    const int64_t n_chunks = (S + row_floats - 1) / row_floats;
+    const int64_t s_store = kmajor ? n_chunks * row_floats : S;  // elements per (b, n, h)
+    const int64_t b_elems = B * s_store * N * H;
+    const int64_t per_row = B * s_store * H;
     const int64_t budget = operands16 ? 2 * budget_elems : budget_elems;
     int64_t rows = N;
-    if (2 * ab_elems > budget) rows = std::max<int64_t>((budget - ab_elems) / per_row, 1);
+    if (2 * b_elems > budget) rows = std::max<int64_t>((budget - b_elems) / per_row, 1);
     const int64_t ti_full = std::min<int64_t>(kOuterMT / H, N);
     if (rows < N) {
       // At least four waves of blocks per launch: when b alone takes most of the budget (deep
@@ -643,10 +672,20 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     const at::ScalarType ws_type = operand_kind == kMaskBFloat16 ? at::kBFloat16
                                    : operand_kind == kMaskHalf   ? at::kHalf
                                                                  : at::kFloat;
-    const at::Tensor ws = at::empty({ab_elems + per_row * rows}, msa_in.options().dtype(ws_type));
+    const at::Tensor ws = at::empty({b_elems + per_row * rows}, msa_in.options().dtype(ws_type));
     char* b_buf = static_cast<char*>(ws.data_ptr());
-    char* a_buf = b_buf + ab_elems * int64_t(ws.element_size());
-    pa.ab_kind = operand_kind;
+    char* a_buf = b_buf + b_elems * int64_t(ws.element_size());
+    pa.ab_kind = kmajor ? (tc_terms == 3 ? int(kAbF32Rows16) : int(kAbTf32)) : operand_kind;
+    if (kmajor) pa.s_chunk = row_floats;
+    // The K-major layouts' last chunk holds s past S when S is not a whole number of chunks:
+    // zeros there (per batch, the last chunk of `rows_h` rows), which the projections do not write.
+    auto clear_last_chunk = [&](char* buf, int64_t rows_h) {
+      if (!kmajor || S % row_floats == 0) return;
+      const size_t chunk_bytes = size_t(rows_h) * row_floats * sizeof(float);
+      FLASHOPM_CHECK(cudaMemset2DAsync(buf + (n_chunks - 1) * chunk_bytes, n_chunks * chunk_bytes, 0, chunk_bytes,
+                                       size_t(B), stream) == cudaSuccess,
+                     "flashopm: clearing the workspace failed");
+    };
     // W in the operand type (no copy for a module already in that type, unless misaligned)
     at::Tensor w_op = operands16 ? w_out_in.to(ws_type).contiguous() : w_out;
     if (reinterpret_cast<uintptr_t>(w_op.data_ptr()) % 16 != 0) w_op = w_op.clone();
@@ -667,16 +706,30 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
       pa.N = int(i_off == 0 ? N : ni);
       pa.a_rows = int(ni);
       pa.a_out = a_buf;
-      pa.a_sb = S * ni * H;
-      pa.a_ss = ni * H;
-      pa.a_sn = H;
       pa.b_out = i_off == 0 ? b_buf : nullptr;
-      pa.b_sb = S * N * H;
-      pa.b_ss = N * H;
-      pa.b_sn = H;
+      if (kmajor) {
+        // element (b, s, n, h) at b·sb + (s / row_floats)·sc + s % row_floats + (n·H + h)·row_floats
+        pa.a_sc = ni * H * row_floats;
+        pa.a_sb = n_chunks * pa.a_sc;
+        pa.a_ss = 1;
+        pa.a_sn = H * row_floats;
+        pa.b_sc = N * H * row_floats;
+        pa.b_sb = n_chunks * pa.b_sc;
+        pa.b_ss = 1;
+        pa.b_sn = H * row_floats;
+        clear_last_chunk(a_buf, ni * H);
+        if (i_off == 0) clear_last_chunk(b_buf, N * H);
+      } else {
+        pa.a_sb = S * ni * H;
+        pa.a_ss = ni * H;
+        pa.a_sn = H;
+        pa.b_sb = S * N * H;
+        pa.b_ss = N * H;
+        pa.b_sn = H;
+      }
       run_prep(pa, false, dev, stream);
 
-      run_outer(oa, i_off, ni, N, i_off, tc_ok, tc_terms, operand_kind, f32, dev, stream);
+      run_outer(oa, i_off, ni, N, i_off, tc_ok, tc_terms, kmajor, operand_kind, f32, dev, stream);
     }
   }
   return out;
@@ -738,7 +791,7 @@ at::Tensor outer_product_mean_rows_cuda(const at::Tensor& a_in, const at::Tensor
   const OuterArgs oa = outer_args(a.data_ptr<float>(), b.data_ptr<float>(), mask_view, w_out, b_out, out, B, S, N,
                                   H, D, Normalizer{int(normalization), float(norm_eps)});
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dev).stream();
-  run_outer(oa, row_offset, Nr, Nr, 0, tc_ok, resolve_precision(precision) == kHighest ? 3 : 1, kMaskFloat,
+  run_outer(oa, row_offset, Nr, Nr, 0, tc_ok, resolve_precision(precision) == kHighest ? 3 : 1, false, kMaskFloat,
             a.options(), dev,
             stream);
   return out;

@@ -40,6 +40,20 @@ __device__ __forceinline__ float load_mask(const void* base, int64_t idx, int ki
   }
 }
 
+// Row (b, s, n) of a or b in a PrepArgs layout: b·sb + (s / s_chunk)·sc + (s % s_chunk)·ss + n·sn
+// (s_chunk = 0: s·ss).
+__device__ __forceinline__ int64_t ab_row_offset(int64_t sb, int64_t sc, int64_t ss, int64_t sn, int s_chunk, int b,
+                                                 int s, int n) {
+  int64_t o = int64_t(b) * sb + int64_t(n) * sn;
+  if (s_chunk > 0) {
+    const int c = s / s_chunk;
+    o += int64_t(c) * sc + int64_t(s - c * s_chunk) * ss;
+  } else {
+    o += int64_t(s) * ss;
+  }
+  return o;
+}
+
 // Loads of x in its element type as a template argument: branch-free, so that the loads of an
 // unrolled loop are all in flight at once (a run-time type switch per load costs a jump table and
 // keeps them apart).
@@ -94,6 +108,20 @@ __device__ __forceinline__ void store_out4(void* base, int64_t idx, const float 
   } else {
     store_out2(base, idx, v[0], v[1], kind);
     store_out2(base, idx + 2, v[2], v[3], kind);
+  }
+}
+
+// Element h of row `row` (ab_row_offset) of a or b, kind an element type or an AbKind (rows of
+// s per (n, h) for those: kAbTf32 rounded to nearest TF32, cvt.rna keeping NaN and Inf).
+__device__ __forceinline__ void store_ab(void* base, int64_t row, int h, float v, int kind) {
+  if (kind == kAbTf32) {
+    uint32_t r;
+    asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(v));
+    static_cast<float*>(base)[row + int64_t(h) * kmajor_row_floats(1)] = __uint_as_float(r);
+  } else if (kind == kAbF32Rows16) {
+    static_cast<float*>(base)[row + int64_t(h) * kmajor_row_floats(3)] = v;
+  } else {
+    store_out(base, row + h, v, kind);
   }
 }
 
@@ -410,7 +438,7 @@ __global__ void __launch_bounds__(kPrepThreads, 2) opm_prep_kernel(const PrepArg
       if (o < H) {
         if (valid && ochunk == 0 && n < p.a_rows) {
           const float v = (acc[r][q] + (p.ba ? p.ba[o] : 0.f)) * mv;
-          store_out(p.a_out, int64_t(b) * p.a_sb + int64_t(s) * p.a_ss + int64_t(n) * p.a_sn + o, v, p.ab_kind);
+          store_ab(p.a_out, ab_row_offset(p.a_sb, p.a_sc, p.a_ss, p.a_sn, p.s_chunk, b, s, n), o, v, p.ab_kind);
         }
       } else if (o < H2) {
         const int h = o - H;
@@ -418,7 +446,7 @@ __global__ void __launch_bounds__(kPrepThreads, 2) opm_prep_kernel(const PrepArg
         if (kProjectW) {
           bs[row * Hp + h] = v;
         } else if (valid && p.b_out) {
-          store_out(p.b_out, int64_t(b) * p.b_sb + int64_t(s) * p.b_ss + int64_t(n) * p.b_sn + h, v, p.ab_kind);
+          store_ab(p.b_out, ab_row_offset(p.b_sb, p.b_sc, p.b_ss, p.b_sn, p.s_chunk, b, s, n), h, v, p.ab_kind);
         }
       } else if (kProjectW && o < H + Hp) {
         bs[row * Hp + (o - H)] = 0.f;  // padding read by the float4 loop below
@@ -510,8 +538,8 @@ __global__ void __launch_bounds__(kProjThreads, CT >= 8 ? 1 : 2) opm_project_row
       const int n = int(row - bs * p.N), s = int(bs % p.S), b = int(bs / p.S);
       xo = int64_t(b) * p.x_sb + int64_t(s) * p.x_ss + int64_t(n + p.n_offset) * p.x_sn;
       mv = mask_at(p.mask, b, s, n + p.n_offset);
-      if (n < p.a_rows) ao = int64_t(b) * p.a_sb + int64_t(s) * p.a_ss + int64_t(n) * p.a_sn;
-      if (p.b_out) bo = int64_t(b) * p.b_sb + int64_t(s) * p.b_ss + int64_t(n) * p.b_sn;
+      if (n < p.a_rows) ao = ab_row_offset(p.a_sb, p.a_sc, p.a_ss, p.a_sn, p.s_chunk, b, s, n);
+      if (p.b_out) bo = ab_row_offset(p.b_sb, p.b_sc, p.b_ss, p.b_sn, p.s_chunk, b, s, n);
     }
     xoff_s[tid] = xo;
     aoff_s[tid] = ao;
@@ -724,7 +752,7 @@ __global__ void __launch_bounds__(kProjThreads, CT >= 8 ? 1 : 2) opm_project_row
   // Bias, mask, store (a for outputs o < H, b for H <= o < 2H): four consecutive outputs as one
   // vector where H and the layouts keep them aligned and on one side.
   const int align = p.ab_kind == kMaskFloat ? 16 : 8;
-  const bool vec_out = CT >= 4 && H % 4 == 0 && reinterpret_cast<uintptr_t>(p.a_out) % align == 0 &&
+  const bool vec_out = CT >= 4 && H % 4 == 0 && p.ab_kind < kAbTf32 && reinterpret_cast<uintptr_t>(p.a_out) % align == 0 &&
                        (p.b_out == nullptr || reinterpret_cast<uintptr_t>(p.b_out) % align == 0) &&
                        ((p.a_sb | p.a_ss | p.a_sn | p.b_sb | p.b_ss | p.b_sn) & 3) == 0;
 #pragma unroll
@@ -753,9 +781,9 @@ __global__ void __launch_bounds__(kProjThreads, CT >= 8 ? 1 : 2) opm_project_row
     for (int j = 0; j < CT; ++j) {
       const int o = cg * CT + j;
       if (o < H) {
-        if (ao >= 0) store_out(p.a_out, ao + o, (acc[i][j] + (p.ba ? p.ba[o] : 0.f)) * mv, p.ab_kind);
+        if (ao >= 0) store_ab(p.a_out, ao, o, (acc[i][j] + (p.ba ? p.ba[o] : 0.f)) * mv, p.ab_kind);
       } else if (o < H2) {
-        if (bo >= 0) store_out(p.b_out, bo + (o - H), (acc[i][j] + (p.bb ? p.bb[o - H] : 0.f)) * mv, p.ab_kind);
+        if (bo >= 0) store_ab(p.b_out, bo, o - H, (acc[i][j] + (p.bb ? p.bb[o - H] : 0.f)) * mv, p.ab_kind);
       }
     }
   }

@@ -143,18 +143,29 @@ void launch_outer(const OuterArgs& args, cudaStream_t stream) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-int outer_tc_smem_bytes(int H, int Ti, int Tj) { return tc_layout(H, Ti, Tj).total * int(sizeof(float)); }
+int outer_tc_smem_bytes(int H, int Ti, int Tj, bool wgmma) {
+  return tc_layout(H, Ti, Tj, wgmma).total * int(sizeof(float));
+}
 
-void launch_outer_tc(const OuterArgs& args, int terms, cudaStream_t stream) {
+namespace {
+template <int kTerms, bool kWgmma>
+void launch_tc_t(const OuterArgs& args, const dim3& grid, int smem, cudaStream_t stream) {
+  constexpr auto kernel = opm_outer_tc_kernel<kTerms, kWgmma>;
+  allow_smem<kernel>();
+  kernel<<<grid, kTcThreads, smem, stream>>>(args);
+}
+}  // namespace
+
+void launch_outer_tc(const OuterArgs& args, int terms, bool wgmma, cudaStream_t stream) {
   const dim3 grid(unsigned((args.N + args.Tj - 1) / args.Tj), unsigned((args.Na + args.Ti - 1) / args.Ti),
                   unsigned(args.B));
-  const int smem = outer_tc_smem_bytes(args.H, args.Ti, args.Tj);
-  if (terms == 3) {
-    allow_smem<opm_outer_tc_kernel<3>>();
-    opm_outer_tc_kernel<3><<<grid, kTcThreads, smem, stream>>>(args);
+  const int smem = outer_tc_smem_bytes(args.H, args.Ti, args.Tj, wgmma);
+  if (wgmma) {
+    if (terms == 3) launch_tc_t<3, true>(args, grid, smem, stream);
+    else launch_tc_t<1, true>(args, grid, smem, stream);
   } else {
-    allow_smem<opm_outer_tc_kernel<1>>();
-    opm_outer_tc_kernel<1><<<grid, kTcThreads, smem, stream>>>(args);
+    if (terms == 3) launch_tc_t<3, false>(args, grid, smem, stream);
+    else launch_tc_t<1, false>(args, grid, smem, stream);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

@@ -20,6 +20,16 @@ enum MaskKind : int { kMaskFloat = 0, kMaskBool = 1, kMaskHalf = 2, kMaskBFloat1
 //   kNormRow       (the specification)  out = acc / max(sum_s m[s,i], 1) + bias
 //   kNormOpenFold  (OpenFold, AF2)      out = (acc + bias) / (eps + sum_s m[s,i] m[s,j])
 //   kNormBoltz     (Boltz-1/2)          out = acc / max(sum_s m[s,i] m[s,j], 1) + bias
+// Operand layouts of the float32 tensor-core kernel's warpgroup-MMA form (TF32 operands must be
+// K-major, i.e. contiguous along s): per batch, chunks of s; per chunk, one row of
+// kmajor_row_floats(terms) floats for each (n, h), the s of the chunk in order:
+//   kAbTf32:       32 s rounded to TF32 ("high"), 128 bytes: one row of a 128-byte swizzle atom
+//   kAbF32Rows16:  16 s as they are (3xTF32, "highest"); the kernel splits each value into its
+//                  high and low TF32 parts in shared memory, filling the other 64 bytes of the row
+// s past S in the last chunk is zero (the host clears that chunk before the projections run).
+enum AbKind : int { kAbTf32 = 4, kAbF32Rows16 = 5 };
+FLASHOPM_HD constexpr int kmajor_row_floats(int terms) { return terms == 3 ? 16 : 32; }
+
 enum NormKind : int { kNormRow = 0, kNormOpenFold = 1, kNormBoltz = 2 };
 
 struct Normalizer {
@@ -49,11 +59,14 @@ struct PrepArgs {
   const float* wb;
   const float* bb;
   const float* w_out;  // (D, H*H), project-first only
-  void* a_out;         // strides below, unit stride along H; elements of ab_kind
-  int64_t a_sb, a_ss, a_sn;
+  // a and b: element (b, s, n, h) at b·sb + (s / s_chunk)·sc + (s % s_chunk)·ss + n·sn + h·hs, where
+  // s_chunk = 0 means no chunks (s·ss) and hs is 1, or s_chunk for the K-major kinds (AbKind).
+  void* a_out;
+  int64_t a_sb, a_ss, a_sn, a_sc;
   void* b_out;   // outer-first only, same strides convention
-  int ab_kind;   // kMaskFloat, or kMaskBFloat16/kMaskHalf for the 16-bit tensor-core kernel
-  int64_t b_sb, b_ss, b_sn;
+  int ab_kind;   // kMaskFloat, kMaskBFloat16/kMaskHalf (the 16-bit kernel), or an AbKind
+  int64_t b_sb, b_ss, b_sn, b_sc;
+  int s_chunk;
   float* c_out;  // project-first only: (B, S, H, N, D)
   int B, S, N, C, H, D;  // N: rows of this launch
   int o_chunks;  // project-first: columns (h1, d) handled in chunks of kPrepThreads per block
@@ -148,23 +161,39 @@ constexpr int kTcLdW = kTcKC + 4;  // = 4 (mod 32)
 constexpr int kTcWStages = 3;
 constexpr int kTcWFloats = kTcWStages * kTcDG * kTcLdW;
 
+// Phase 1 of the tensor-core kernel on warpgroup MMAs (sm_90a; a and b in the K-major TF32
+// layouts, see AbKind): one chunk of s per stage, A (kTcMT rows) then B (kTcNT rows) of 128 bytes
+// each, 128-byte swizzled; kTcWgStages deep, issued kTcWgAhead ahead, every wgmma group retired
+// within its stage (so a buffer is refilled the stage after it was read).
+constexpr int kTcWgStages = 4;
+constexpr int kTcWgAhead = kTcWgStages - 1;
+constexpr int kTcWgABytes = kTcMT * 128;
+constexpr int kTcWgStageBytes = (kTcMT + kTcNT) * 128;
+
+// Where column h2 of row h1 of a pair's H x H block of O lies in the tensor-core kernel's O tile
+// (and W's column h1·H + h2 in its W stages): for H a multiple of 32, 8-column groups XORed with
+// h1 % 4, so that the stores of 8 rows h1 from a warp's accumulators fill all 32 banks.
+FLASHOPM_HD inline int o_col_swizzle(int h1, int H) { return H % 32 == 0 ? 8 * (h1 & 3) : 0; }
+
 // Shared memory of the tensor-core kernel, in floats: phase 1's stages, or phase 2's O tile
 // ([Ti·Tj][H² + 4]) followed by the W stages; then the tile's row denominators and the output
-// rows of a round of phase 2 (see store_round).
+// rows of a round of phase 2 (see store_round).  The warpgroup-MMA form (wgmma) starts everything
+// at a 1 KB boundary (256 floats more).
 constexpr int kTcRoundRows = 32;  // pairs per round of phase 2
 struct TcLayout {
   int ldo, w, den, rows, total;
 };
-FLASHOPM_HD inline TcLayout tc_layout(int H, int Ti, int Tj) {
+FLASHOPM_HD inline TcLayout tc_layout(int H, int Ti, int Tj, bool wgmma) {
   TcLayout L{};
   L.ldo = H * H + 4;
   L.w = Ti * Tj * L.ldo;
   int o = L.w + kTcWFloats;
-  if (o < kTcStages * kTcStageFloats) o = kTcStages * kTcStageFloats;
+  const int stages = wgmma ? kTcWgStages * kTcWgStageBytes / 4 : kTcStages * kTcStageFloats;
+  if (o < stages) o = stages;
   L.den = o;
   o += round_up4(Ti);
   L.rows = (o + 1) & ~1;                 // 8-byte aligned
-  L.total = L.rows + kTcRoundRows * 3;   // int64 row offsets, then float normaliser arguments
+  L.total = L.rows + kTcRoundRows * 3 + (wgmma ? 256 : 0);   // int64 row offsets, then float normaliser arguments
   return L;
 }
 
@@ -296,8 +325,11 @@ void launch_outer(const OuterArgs& args, cudaStream_t stream);
 void launch_row_denominators(const RowDenArgs& args, cudaStream_t stream);
 int outer_smem_bytes();
 // terms: 3 (3xTF32, float32 accuracy) or 1 (TF32)
-void launch_outer_tc(const OuterArgs& args, int terms, cudaStream_t stream);
-int outer_tc_smem_bytes(int H, int Ti, int Tj);
+// wgmma: phase 1 on warpgroup MMAs, a and b in the K-major layout of `terms` (kAbF32Rows16
+// for 3, kAbTf32 for 1; needs outer_tc16_wgmma_built() and an sm_90 GPU); else a and b as
+// (B, S, Na, H) and (B, S, N, H) float32.
+void launch_outer_tc(const OuterArgs& args, int terms, bool wgmma, cudaStream_t stream);
+int outer_tc_smem_bytes(int H, int Ti, int Tj, bool wgmma);
 // operand_kind: kMaskBFloat16 or kMaskHalf, the element type of a, b and w_out
 // form: a Tc16Form, as tc16_form gives it (the wgmma forms need outer_tc16_wgmma_built() and a
 // compute capability 9.0 GPU)

@@ -8,6 +8,12 @@
 // only lo·lo (relative 2^-22) and keeps the error of a float32 GEMM.  kTerms = 1 is plain TF32
 // (hi·hi), PyTorch's "high" float32 matmul precision.
 //
+// kWgmma (sm_90a): phase 1 on warpgroup MMAs (two warpgroups of 64 rows x 256 columns,
+// wgmma.m64n256k8 TF32) reading a and b from stages filled by cp.async in the K-major layouts
+// of AbKind (TF32 operands have no MN-major form): rounded to TF32 by the projection kernel for
+// one term; for three, split into high and low parts in shared memory by the threads that copied
+// them.  Phase 2 is the same in both forms.
+//
 // Requires H % 8 == 0 (a k-step of 8 never crosses h1 in phase 2, and every row of a tile is
 // 16-byte aligned for cp.async) and 16-byte aligned a, b and W.
 #pragma once
@@ -17,12 +23,14 @@
 
 namespace flashopm {
 
-template <int kTerms>
+template <int kTerms, bool kWgmma>
 __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const OuterArgs p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   extern __shared__ float4 smem_f4[];
   float* smem = reinterpret_cast<float*>(smem_f4);
-  const TcLayout L = tc_layout(p.H, p.Ti, p.Tj);
+  if constexpr (kWgmma)  // the swizzle follows address bits 4-9: stages from a 1 KB boundary
+    smem = reinterpret_cast<float*>(align_smem_1k(reinterpret_cast<char*>(smem)));
+  const TcLayout L = tc_layout(p.H, p.Ti, p.Tj, kWgmma);
   float* den_s = smem + L.den;
   int64_t* row_off = reinterpret_cast<int64_t*>(smem + L.rows);         // [kTcRoundRows]
   float* norm_arg = reinterpret_cast<float*>(row_off + kTcRoundRows);   // [kTcRoundRows]
@@ -36,6 +44,176 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const Outer
   const int g = lane >> 2, t = lane & 3;  // fragment coordinates (PTX: groupID, threadID_in_group)
   const int64_t NH = int64_t(N) * H, NaH = int64_t(p.Na) * H;
 
+  // Row denominators of the tile (read in the epilogue, after several barriers), formed while
+  // the first stages are in flight; the other conventions' pair counts come in p.pair.
+  auto form_row_denominators = [&]() {
+    if (p.norm.kind == kNormRow) {
+      for (int il = warp; il < Ti; il += kTcThreads / 32) {
+        const float den = mask_denominator(p.mask, b, min(i0 + il, p.Na - 1) + p.i_offset, S, lane);
+        if (lane == 0) den_s[il] = den;
+      }
+    }
+  };
+  const float* w_out = static_cast<const float*>(p.w_out);
+  float* Os = smem;  // phase 2's O tile, over the stages once phase 1 is done with them
+  const int a_lim = min(Ti * H, (p.Na - i0) * H);  // valid rows (i, h1) of A: multiples of 8
+  const int b_lim = min(Tj * H, (N - j0) * H);      // valid rows (j, h2) of B
+  if constexpr (kWgmma) {
+    // ---------------- phase 1 on wgmma: warpgroup wg takes rows 64wg .. 64wg + 63 (i, h1) ----------------
+    // a is (B, chunks, Na·H, kRow) and b (B, chunks, N·H, kRow) floats (AbKind), so a stage's A
+    // and B are contiguous runs of rows in global memory.  In shared memory each row takes 128
+    // bytes, swizzled (16-byte piece q of row r at piece q ^ (r % 8)): 32 TF32 values of s for one
+    // term; for three, 16 s of high parts, then the same 16 s of low parts, which this thread
+    // forms from the values it copied (so no barrier comes between the copy and the split).
+    // This thread copies piece pq of rows pr + kPassRows·u.
+    constexpr int kRow = kmajor_row_floats(kTerms), kPieces = kRow / 4, kPassRows = kTcThreads / kPieces;
+    const int wg = warp >> 2;
+    const int n_k = (S + kRow - 1) / kRow;
+    const int64_t a_chunk = NaH * kRow, b_chunk = NH * kRow;  // floats per chunk
+    const int pr = tid / kPieces, pq = tid % kPieces;
+    const float* a_k = static_cast<const float*>(p.a);
+    const float* b_k = static_cast<const float*>(p.b);
+    const float* a_src = a_k + int64_t(b) * n_k * a_chunk + (int64_t(i0) * H + pr) * kRow + pq * 4;
+    const float* b_src = b_k + int64_t(b) * n_k * b_chunk + (int64_t(j0) * H + pr) * kRow + pq * 4;
+    char* smem_c = reinterpret_cast<char*>(smem);
+    const uint32_t stage0 = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+    // this thread's first piece, relative to a stage; row pr + kPassRows·u is kPassRows·128·u further
+    const uint32_t piece0 = (pr >> 3) * 1024 + (pr & 7) * 128 + ((pq ^ (pr & 7)) << 4);
+    constexpr uint32_t kPassBytes = kPassRows * 128;
+    int issued = 0;
+    // The next chunk into its ring buffer; nothing past the last (the caller still commits a
+    // group, empty, to keep the wait counts).
+    auto issue_stage = [&]() {
+      if (issued < n_k) {
+        const uint32_t st = stage0 + uint32_t((issued % kTcWgStages) * kTcWgStageBytes) + piece0;
+#pragma unroll
+        for (int u = 0; u < kTcMT / kPassRows; ++u) {
+          const bool ok = pr + kPassRows * u < a_lim;
+          cp_async16z_shared(st + u * kPassBytes, ok ? a_src + kPassRows * u * kRow : a_k, ok);
+        }
+#pragma unroll
+        for (int u = 0; u < kTcNT / kPassRows; ++u) {
+          const bool ok = pr + kPassRows * u < b_lim;
+          cp_async16z_shared(st + kTcWgABytes + u * kPassBytes, ok ? b_src + kPassRows * u * kRow : b_k, ok);
+        }
+        a_src += a_chunk;
+        b_src += b_chunk;
+      }
+      ++issued;
+    };
+    // 3xTF32: the pieces this thread copied into buffer `buf` become their high parts
+    // (hi = x rounded to nearest TF32, as split_tf32<3> forms it) and, in the other half of the row
+    // (address bit 6 flipped: piece q ^ 4), their low parts lo = x - hi.
+    auto split_stage = [&](int buf) {
+      char* st = smem_c + buf * kTcWgStageBytes + piece0;
+      auto split_piece = [&](char* piece) {
+        float4& x = *reinterpret_cast<float4*>(piece);
+        const float4 v = x;
+        float4 hi, lo;
+        hi.x = __uint_as_float((__float_as_uint(v.x) + 0x1000u) & 0xffffe000u);
+        hi.y = __uint_as_float((__float_as_uint(v.y) + 0x1000u) & 0xffffe000u);
+        hi.z = __uint_as_float((__float_as_uint(v.z) + 0x1000u) & 0xffffe000u);
+        hi.w = __uint_as_float((__float_as_uint(v.w) + 0x1000u) & 0xffffe000u);
+        lo.x = v.x - hi.x;
+        lo.y = v.y - hi.y;
+        lo.z = v.z - hi.z;
+        lo.w = v.w - hi.w;
+        x = hi;
+        *reinterpret_cast<float4*>(smem_c + ((static_cast<uint32_t>(piece - smem_c)) ^ 64u)) = lo;
+      };
+#pragma unroll
+      for (int u = 0; u < kTcMT / kPassRows; ++u) split_piece(st + u * kPassBytes);
+#pragma unroll
+      for (int u = 0; u < kTcNT / kPassRows; ++u) split_piece(st + kTcWgABytes + u * kPassBytes);
+    };
+#pragma unroll
+    for (int st = 0; st < kTcWgAhead; ++st) {
+      issue_stage();
+      cp_async_commit();
+    }
+    form_row_denominators();
+
+    // Stage 0's descriptors; another stage's or k step's differ in the start address alone (16-byte
+    // units): a k step of 8 TF32 is 32 bytes along the row, the low parts start 64 bytes in.
+    const uint64_t desc_a0 = wgmma_desc(smem + wg * 64 * 32, 16, 1024);
+    const uint64_t desc_b0 = wgmma_desc(reinterpret_cast<char*>(smem) + kTcWgABytes, 16, 1024);
+    float acc[128];
+#pragma unroll
+    for (int e = 0; e < 128; ++e) acc[e] = 0.f;
+    for (int kt = 0; kt < n_k; ++kt) {
+      cp_async_wait<kTcWgAhead - 1>();
+      if constexpr (kTerms == 3) split_stage(kt % kTcWgStages);
+      fence_proxy_async_smem();  // this thread's copies (and splits), visible to the tensor cores
+      __syncthreads();
+      // The buffer refilled now was last read by the group of chunk kt - 1, which every
+      // warpgroup retired before the barrier.
+      issue_stage();
+      cp_async_commit();
+      const uint64_t off = uint64_t((kt % kTcWgStages) * (kTcWgStageBytes >> 4));
+      const uint64_t da = desc_a0 + off, db = desc_b0 + off;
+      if constexpr (kTerms == 3) {
+        // The tensor core's accumulation truncates relative to the accumulator's magnitude (see
+        // mma_split_add): each stage's products go to a zeroed accumulator, half of the columns
+        // at a time (registers), which is then added to the running sum in float32.  The small
+        // terms first, as mma_split orders them.
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          float part[64];
+          const uint64_t dbh = db + half * (128 * 128 >> 4);  // B rows 128·half ..
+          wgmma_fence();
+#pragma unroll
+          for (int kk = 0; kk < 2; ++kk) {
+            wgmma_m64n128k8_tf32(part, da + 2 * kk, dbh + 4 + 2 * kk, kk);
+            wgmma_m64n128k8_tf32(part, da + 4 + 2 * kk, dbh + 2 * kk, 1);
+            wgmma_m64n128k8_tf32(part, da + 2 * kk, dbh + 2 * kk, 1);
+          }
+          wgmma_commit();
+          wgmma_wait<0>();
+#pragma unroll
+          for (int e = 0; e < 64; ++e) acc[64 * half + e] += part[e];
+        }
+      } else {
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) wgmma_m64n256k8_tf32(acc, da + 2 * kk, db + 2 * kk);
+        wgmma_commit();
+        wgmma_wait<0>();
+      }
+    }
+    cp_async_wait_all();
+    __syncthreads();  // every warp done with the stages: O may overwrite them
+
+    // O as [pair][h1·H + h2] (h2 swizzled, o_col_swizzle), pair = il·Tj + jl.  acc[4j + 2half + e] is row m = 64wg + 16(warp % 4)
+    // + g + 8half, column 8j + 2t + e, i.e. column tile jl = j / (H / 8) (H is a multiple of 8);
+    // for H = 8·kHB with kHB a power of two the tile and offset fold to constants.
+    auto store_o = [&](auto hb_const) {
+      constexpr int kHB = decltype(hb_const)::value;
+      const int hb = kHB > 0 ? kHB : H >> 3;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int m = wg * 64 + (warp & 3) * 16 + g + 8 * half;
+        const int il = m / H;
+        if (il < Ti) {
+          const int h1 = m - il * H, swz = o_col_swizzle(h1, H);
+          float* orow = Os + il * Tj * L.ldo + h1 * H + 2 * t;
+#pragma unroll
+          for (int j = 0; j < 32; ++j) {
+            const int jl = j / hb;
+            if (jl < Tj)
+              *reinterpret_cast<float2*>(orow + jl * L.ldo + ((8 * (j - jl * hb)) ^ swz)) =
+                  make_float2(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
+          }
+        }
+      }
+    };
+    switch (H) {
+      case 8: store_o(std::integral_constant<int, 1>{}); break;
+      case 16: store_o(std::integral_constant<int, 2>{}); break;
+      case 32: store_o(std::integral_constant<int, 4>{}); break;
+      case 64: store_o(std::integral_constant<int, 8>{}); break;
+      default: store_o(std::integral_constant<int, 0>{});
+    }
+  } else {
   // ---------------- phase 1: warps 2 (m) x 4 (n), 64 x 64 each ----------------
   const int wm = warp & 1, wn = warp >> 1;
   float acc[4][8][4];
@@ -46,11 +224,8 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const Outer
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.f;
 
-  const int a_lim = min(Ti * H, (p.Na - i0) * H);  // valid columns of the tile (multiples of 8)
-  const int b_lim = min(Tj * H, (N - j0) * H);
   const float* a_base = static_cast<const float*>(p.a) + int64_t(b) * S * NaH + int64_t(i0) * H;
   const float* b_base = static_cast<const float*>(p.b) + int64_t(b) * S * NH + int64_t(j0) * H;
-  const float* w_out = static_cast<const float*>(p.w_out);
 
   auto load_stage = [&](int buf, int s0) {
     float* As = smem + buf * kTcStageFloats;  // [BK][LdA]
@@ -77,14 +252,7 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const Outer
     if (st < n_k) load_stage(st, st * kTcBK);
     cp_async_commit();
   }
-  // Row denominators of the tile (read in the epilogue, after several barriers), computed while
-  // the first stages are in flight; the other conventions' pair counts come in p.pair.
-  if (p.norm.kind == kNormRow) {
-    for (int il = warp; il < Ti; il += kTcThreads / 32) {
-      const float den = mask_denominator(p.mask, b, min(i0 + il, p.Na - 1) + p.i_offset, S, lane);
-      if (lane == 0) den_s[il] = den;
-    }
-  }
+  form_row_denominators();
 
   for (int kt = 0; kt < n_k; ++kt) {
     cp_async_wait<kTcStages - 2>();
@@ -119,9 +287,8 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const Outer
   cp_async_wait_all();
   __syncthreads();  // every warp done with the stages: O may overwrite them
 
-  // O as [pair][h1·H + h2], pair = il·Tj + jl: a k-step of phase 2 reads 8 consecutive floats
-  // of 16 pairs, conflict-free with the row stride H² + 4.
-  float* Os = smem;
+  // O as [pair][h1·H + h2] (h2 swizzled, o_col_swizzle), pair = il·Tj + jl: a k-step of phase 2
+  // reads 8 consecutive floats of 16 pairs, conflict-free with the row stride H² + 4.
   {
     int jl_of[8], h2_of[8];
 #pragma unroll
@@ -140,10 +307,12 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const Outer
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt) {
           if (jl_of[nt] >= Tj) continue;
-          float* dst = Os + (il * Tj + jl_of[nt]) * L.ldo + h1 * H + h2_of[nt];
+          float* dst = Os + (il * Tj + jl_of[nt]) * L.ldo + h1 * H + (h2_of[nt] ^ o_col_swizzle(h1, H));
           *reinterpret_cast<float2*>(dst) = make_float2(acc[mt][nt][2 * half], acc[mt][nt][2 * half + 1]);
         }
       }
+  }
+
   }
 
   // ---------------- phase 2: warps 4 (32 d each) x 2 (halves of each k chunk) ----------------
@@ -152,14 +321,16 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const Outer
   const int dw = warp & 3, kh = warp >> 2;
   float* Wst = smem + L.w;  // [kTcWStages][DG][LdW]; after the k loop, the partial sums [32][DG + 4]
 
+  // W's columns kc0 .. kc0 + kTcKC in O's order: one row h1 (H >= 32), or unswizzled (H < 32)
   auto load_w = [&](int buf, int dg, int kc0) {
     float* Ws = Wst + buf * kTcDG * kTcLdW;
+    const int swz = o_col_swizzle(kc0 / H, H);
 #pragma unroll
     for (int u = 0; u < kTcDG * kTcKC / 4 / kTcThreads; ++u) {
       const int idx = tid + u * kTcThreads;
       const int dl = idx / (kTcKC / 4), k = (idx % (kTcKC / 4)) * 4;
       const bool ok = dg + dl < D;
-      cp_async16z(&Ws[dl * kTcLdW + k], ok ? w_out + int64_t(dg + dl) * K2 + kc0 + k : w_out, ok);
+      cp_async16z(&Ws[dl * kTcLdW + (k ^ swz)], ok ? w_out + int64_t(dg + dl) * K2 + kc0 + k : w_out, ok);
     }
   };
 
