@@ -163,17 +163,11 @@ constexpr int kTcWFloats = kTcWStages * kTcDG * kTcLdW;
 
 // Phase 1 of the tensor-core kernel on warpgroup MMAs (sm_90a; a and b in the K-major TF32
 // layouts, see AbKind): one chunk of s per stage, A (kTcMT rows) then B (kTcNT rows) of 128 bytes
-// each, 128-byte swizzled; kTcWgStages deep, issued kTcWgAhead ahead, every wgmma group retired
-// within its stage (so a buffer is refilled the stage after it was read).
+// each, 128-byte swizzled; kTcWgStages deep, issued kTcWgAhead ahead with one wgmma group in flight.
 constexpr int kTcWgStages = 4;
-constexpr int kTcWgAhead = kTcWgStages - 1;
+constexpr int kTcWgAhead = kTcWgStages - 2;
 constexpr int kTcWgABytes = kTcMT * 128;
 constexpr int kTcWgStageBytes = (kTcMT + kTcNT) * 128;
-
-// Where column h2 of row h1 of a pair's H x H block of O lies in the tensor-core kernel's O tile
-// (and W's column h1·H + h2 in its W stages): for H a multiple of 32, 8-column groups XORed with
-// h1 % 4, so that the stores of 8 rows h1 from a warp's accumulators fill all 32 banks.
-FLASHOPM_HD inline int o_col_swizzle(int h1, int H) { return H % 32 == 0 ? 8 * (h1 & 3) : 0; }
 
 // Shared memory of the tensor-core kernel, in floats: phase 1's stages, or phase 2's O tile
 // ([Ti·Tj][H² + 4]) followed by the W stages; then the tile's row denominators and the output

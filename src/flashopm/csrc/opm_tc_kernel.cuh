@@ -145,8 +145,8 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const Outer
       if constexpr (kTerms == 3) split_stage(kt % kTcWgStages);
       fence_proxy_async_smem();  // this thread's copies (and splits), visible to the tensor cores
       __syncthreads();
-      // The buffer refilled now was last read by the group of chunk kt - 1, which every
-      // warpgroup retired before the barrier.
+      // The buffer refilled now was last read by the group of chunk kt - 2, which every
+      // warpgroup retired before the barrier (one group stays in flight).
       issue_stage();
       cp_async_commit();
       const uint64_t off = uint64_t((kt % kTcWgStages) * (kTcWgStageBytes >> 4));
@@ -177,13 +177,14 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const Outer
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) wgmma_m64n256k8_tf32(acc, da + 2 * kk, db + 2 * kk);
         wgmma_commit();
-        wgmma_wait<0>();
+        wgmma_wait<1>();
       }
     }
+    wgmma_wait<0>();
     cp_async_wait_all();
     __syncthreads();  // every warp done with the stages: O may overwrite them
 
-    // O as [pair][h1·H + h2] (h2 swizzled, o_col_swizzle), pair = il·Tj + jl.  acc[4j + 2half + e] is row m = 64wg + 16(warp % 4)
+    // O as [pair][h1·H + h2], pair = il·Tj + jl.  acc[4j + 2half + e] is row m = 64wg + 16(warp % 4)
     // + g + 8half, column 8j + 2t + e, i.e. column tile jl = j / (H / 8) (H is a multiple of 8);
     // for H = 8·kHB with kHB a power of two the tile and offset fold to constants.
     auto store_o = [&](auto hb_const) {
@@ -194,13 +195,12 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const Outer
         const int m = wg * 64 + (warp & 3) * 16 + g + 8 * half;
         const int il = m / H;
         if (il < Ti) {
-          const int h1 = m - il * H, swz = o_col_swizzle(h1, H);
-          float* orow = Os + il * Tj * L.ldo + h1 * H + 2 * t;
+          float* orow = Os + il * Tj * L.ldo + (m - il * H) * H + 2 * t;
 #pragma unroll
           for (int j = 0; j < 32; ++j) {
             const int jl = j / hb;
             if (jl < Tj)
-              *reinterpret_cast<float2*>(orow + jl * L.ldo + ((8 * (j - jl * hb)) ^ swz)) =
+              *reinterpret_cast<float2*>(orow + jl * L.ldo + 8 * (j - jl * hb)) =
                   make_float2(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
           }
         }
@@ -287,8 +287,8 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const Outer
   cp_async_wait_all();
   __syncthreads();  // every warp done with the stages: O may overwrite them
 
-  // O as [pair][h1·H + h2] (h2 swizzled, o_col_swizzle), pair = il·Tj + jl: a k-step of phase 2
-  // reads 8 consecutive floats of 16 pairs, conflict-free with the row stride H² + 4.
+  // O as [pair][h1·H + h2], pair = il·Tj + jl: a k-step of phase 2 reads 8 consecutive floats
+  // of 16 pairs, conflict-free with the row stride H² + 4.
   {
     int jl_of[8], h2_of[8];
 #pragma unroll
@@ -307,7 +307,7 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const Outer
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt) {
           if (jl_of[nt] >= Tj) continue;
-          float* dst = Os + (il * Tj + jl_of[nt]) * L.ldo + h1 * H + (h2_of[nt] ^ o_col_swizzle(h1, H));
+          float* dst = Os + (il * Tj + jl_of[nt]) * L.ldo + h1 * H + h2_of[nt];
           *reinterpret_cast<float2*>(dst) = make_float2(acc[mt][nt][2 * half], acc[mt][nt][2 * half + 1]);
         }
       }
@@ -321,16 +321,14 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const Outer
   const int dw = warp & 3, kh = warp >> 2;
   float* Wst = smem + L.w;  // [kTcWStages][DG][LdW]; after the k loop, the partial sums [32][DG + 4]
 
-  // W's columns kc0 .. kc0 + kTcKC in O's order: one row h1 (H >= 32), or unswizzled (H < 32)
   auto load_w = [&](int buf, int dg, int kc0) {
     float* Ws = Wst + buf * kTcDG * kTcLdW;
-    const int swz = o_col_swizzle(kc0 / H, H);
 #pragma unroll
     for (int u = 0; u < kTcDG * kTcKC / 4 / kTcThreads; ++u) {
       const int idx = tid + u * kTcThreads;
       const int dl = idx / (kTcKC / 4), k = (idx % (kTcKC / 4)) * 4;
       const bool ok = dg + dl < D;
-      cp_async16z(&Ws[dl * kTcLdW + (k ^ swz)], ok ? w_out + int64_t(dg + dl) * K2 + kc0 + k : w_out, ok);
+      cp_async16z(&Ws[dl * kTcLdW + k], ok ? w_out + int64_t(dg + dl) * K2 + kc0 + k : w_out, ok);
     }
   };
 
