@@ -509,6 +509,8 @@ TF32_FORM_SHAPES = [
     Shape(1, 48, 31, 24, 8, 64),
     Shape(1, 97, 23, 12, 48, 33),
     Shape(1, 15, 255, 32, 32, 64),
+    Shape(1, 40, 70, 24, 8, 130),   # phase 2 on wgmma ("high"): 16 rounds of pairs, two groups of d
+    Shape(2, 21, 33, 16, 16, 7),    # phase 2 on wgmma: 4 rounds, a ragged column tile, odd D
 ]
 
 
@@ -552,16 +554,17 @@ def test_tf32_wgmma_form(shape, precision, monkeypatch):
 
 
 @requires_sm90
+@pytest.mark.parametrize("shape", [Shape(1, 1100, 128, 24, 64, 8), Shape(1, 1100, 256, 24, 32, 8)], ids=str)
 @pytest.mark.parametrize("precision", ["highest", "high"])
-def test_tf32_wgmma_form_in_row_blocks(precision, monkeypatch):
-    """The K-major layouts of a for blocks of rows (the budget splits the rows, see
-    test_tiled_projection_in_row_blocks) and a last chunk of s cleared for 1100 % 16 and % 32."""
+def test_tf32_wgmma_form_in_row_blocks(shape, precision, monkeypatch):
+    """The K-major layouts of a for blocks of rows (b for all residues takes over half of the
+    workspace budget, so the rows come in two blocks) and a last chunk of s cleared for 1100 % 16
+    and % 32; phase 2 on wgmma for "high" at hidden 32."""
     monkeypatch.setenv("FLASHOPM_TC_FORM", "wgmma")
-    shape = Shape(1, 1100, 128, 24, 64, 8)
     x, m, p = make_problem(shape, "masked_positions", seed=5)
     xc, mc, pc = x.cuda(), m.cuda(), _cuda_params(p)
     ref64 = reference(xc, mc, pc, dtype=torch.float64).cpu()
-    out = _run(xc, mc, pc, "auto", precision=precision).cpu()
+    out = _run(xc, mc, pc, "outer", precision=precision).cpu()
     assert not out.isnan().any()
     err = rel_error(out, ref64)
     if precision == "highest":

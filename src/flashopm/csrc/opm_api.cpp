@@ -398,8 +398,9 @@ void run_outer(OuterArgs oa, int64_t i_offset, int64_t rows, int64_t out_rows, i
     check_smem(outer_tc16_smem_bytes(oa.H, oa.Ti, oa.Tj, form), dev, "16-bit tensor-core outer-product");
     launch_outer_tc16(oa, operand_kind, form, stream);
   } else if (tensor_cores) {
-    check_smem(outer_tc_smem_bytes(oa.H, oa.Ti, oa.Tj, kmajor), dev, "tensor-core outer-product");
-    launch_outer_tc(oa, terms, kmajor, stream);
+    const bool wgmma2 = tc_phase2_wgmma(terms, kmajor, oa.Ti, oa.Tj) && oa.w_blocked != nullptr;
+    check_smem(outer_tc_smem_bytes(oa.H, oa.Ti, oa.Tj, kmajor, wgmma2), dev, "tensor-core outer-product");
+    launch_outer_tc(oa, terms, kmajor, wgmma2, stream);
   } else {
     check_smem(outer_smem_bytes(), dev, "outer-product");
     launch_outer(oa, stream);
@@ -691,11 +692,11 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     if (reinterpret_cast<uintptr_t>(w_op.data_ptr()) % 16 != 0) w_op = w_op.clone();
 
     OuterArgs oa = outer_args(a_buf, b_buf, mask_view, w_op, b_out, out, B, S, N, H, D, norm);
-    // The 16-bit kernel's wgmma phase 2 reads W with k in 8 x 8 blocks of (h1, h2) (o_k_order),
-    // the order in which phase 1 stores O without shared-memory bank conflicts; one copy per
-    // call, only where that form can run.
+    // The wgmma forms of phase 2 (16-bit kernel; float32 kernel in TF32) read W with k in 8 x 8
+    // blocks of (h1, h2) (o_k_order), the order in which phase 1 stores O without shared-memory
+    // bank conflicts; one copy per call, only where such a form can run.
     at::Tensor w_blocked;
-    if (operands16 && H % 8 == 0 && requested_tc16_form(dev) == kT16WgmmaBoth) {
+    if ((operands16 && H % 8 == 0 && requested_tc16_form(dev) == kT16WgmmaBoth) || (kmajor && tc_terms == 1)) {
       w_blocked = w_op.view({D, H / 8, 8, H / 8, 8}).transpose(2, 3).contiguous();
       oa.w_blocked = w_blocked.data_ptr();
     }

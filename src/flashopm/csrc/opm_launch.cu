@@ -143,29 +143,31 @@ void launch_outer(const OuterArgs& args, cudaStream_t stream) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-int outer_tc_smem_bytes(int H, int Ti, int Tj, bool wgmma) {
-  return tc_layout(H, Ti, Tj, wgmma).total * int(sizeof(float));
+int outer_tc_smem_bytes(int H, int Ti, int Tj, bool wgmma, bool wgmma2) {
+  return tc_layout(H, Ti, Tj, wgmma, wgmma2).total * int(sizeof(float));
 }
 
 namespace {
-template <int kTerms, bool kWgmma>
+template <int kTerms, bool kWgmma, bool kWgmma2>
 void launch_tc_t(const OuterArgs& args, const dim3& grid, int smem, cudaStream_t stream) {
-  constexpr auto kernel = opm_outer_tc_kernel<kTerms, kWgmma>;
+  constexpr auto kernel = opm_outer_tc_kernel<kTerms, kWgmma, kWgmma2>;
   allow_smem<kernel>();
   kernel<<<grid, kTcThreads, smem, stream>>>(args);
 }
 }  // namespace
 
-void launch_outer_tc(const OuterArgs& args, int terms, bool wgmma, cudaStream_t stream) {
+void launch_outer_tc(const OuterArgs& args, int terms, bool wgmma, bool wgmma2, cudaStream_t stream) {
   const dim3 grid(unsigned((args.N + args.Tj - 1) / args.Tj), unsigned((args.Na + args.Ti - 1) / args.Ti),
                   unsigned(args.B));
-  const int smem = outer_tc_smem_bytes(args.H, args.Ti, args.Tj, wgmma);
-  if (wgmma) {
-    if (terms == 3) launch_tc_t<3, true>(args, grid, smem, stream);
-    else launch_tc_t<1, true>(args, grid, smem, stream);
+  const int smem = outer_tc_smem_bytes(args.H, args.Ti, args.Tj, wgmma, wgmma2);
+  if (wgmma2) {
+    launch_tc_t<1, true, true>(args, grid, smem, stream);
+  } else if (wgmma) {
+    if (terms == 3) launch_tc_t<3, true, false>(args, grid, smem, stream);
+    else launch_tc_t<1, true, false>(args, grid, smem, stream);
   } else {
-    if (terms == 3) launch_tc_t<3, false>(args, grid, smem, stream);
-    else launch_tc_t<1, false>(args, grid, smem, stream);
+    if (terms == 3) launch_tc_t<3, false, false>(args, grid, smem, stream);
+    else launch_tc_t<1, false, false>(args, grid, smem, stream);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

@@ -344,6 +344,29 @@ __device__ __forceinline__ void wgmma_m64n128k8_tf32(float (&d)[64], uint64_t de
 #endif
 }
 
+// d (64 x 32 per warpgroup, float32) += A (64 x 8) · B (8 x 32), TF32, both K-major (as
+// wgmma_m64n256k8_tf32; the accumulator layout of its first 4 column tiles).
+__device__ __forceinline__ void wgmma_m64n32k8_tf32(float (&d)[16], uint64_t desc_a, uint64_t desc_b) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k8.f32.tf32.tf32 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+      "%16, %17, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+      : "l"(desc_a), "l"(desc_b));
+#endif
+}
+
+// Byte offset of float element (row, k) in a 128-byte-swizzled K-major TF32 tile: rows of 32 k
+// (128 bytes), 8 rows to a 1 KB atom, the k groups of 32 of a row group 1 KB apart, row groups
+// sbo bytes apart.
+__device__ __forceinline__ uint32_t kmajor_tf32_offset(int row, int k, uint32_t sbo) {
+  return uint32_t(row >> 3) * sbo + uint32_t(k >> 5) * 1024u + uint32_t(row & 7) * 128u +
+         uint32_t((((k & 31) >> 2) ^ (row & 7)) << 4) + uint32_t(k & 3) * 4u;
+}
+
 // d (64 x 64 per warpgroup, float32) += A (64 x 16) · B (16 x 64), both K-major in shared memory
 // (rows of m or n, 128 bytes of k each, 8 rows to a 1 KB swizzle atom; transpose flags clear).
 // The accumulator layout is that of wgmma_m64n256k16 with 8 column tiles.

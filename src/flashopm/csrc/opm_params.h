@@ -133,7 +133,7 @@ struct OuterArgs {
   const void* b;  // (B, S, N, H) contiguous: all residues (columns j)
   MaskView mask;       // (B, S, N): all residues
   const void* w_out;   // (D, H*H)
-  const void* w_blocked;  // the 16-bit kernel's wgmma phase 2: w_out with k in o_k_order's order, or null
+  const void* w_blocked;  // the wgmma forms of phase 2: w_out with k in o_k_order's order, or null
   const float* bias;   // (D) or null
   void* out;           // (B, out_rows, N, D) of out_kind; row i_offset + r of the problem is row out_row0 + r
   int out_kind;
@@ -177,11 +177,23 @@ constexpr int kTcRoundRows = 32;  // pairs per round of phase 2
 struct TcLayout {
   int ldo, w, den, rows, total;
 };
-FLASHOPM_HD inline TcLayout tc_layout(int H, int Ti, int Tj, bool wgmma) {
+// Phase 2 on warpgroup MMAs (TF32, one term; the wgmma form of phase 1 with pairs in whole rounds
+// of kTcRoundRows): out(i,j)ᵀ = W·Oᵀ per warpgroup (64 d x a round of pairs), W in chunks of 32 k
+// (A, K-major, kTcDG rows of 128 bytes, swizzled) kTcWg2Stages deep, O (B, K-major) written by
+// phase 1 with k in o_k_order's 8 x 8 blocks of (h1, h2) and W read in that order (w_blocked).
+constexpr int kTcWg2Stages = 4;
+constexpr int kTcWg2ChunkBytes = kTcDG * 128;
+FLASHOPM_HD inline bool tc_phase2_wgmma(int terms, bool wgmma, int Ti, int Tj) {
+  return wgmma && terms == 1 && (Ti * Tj) % kTcRoundRows == 0;
+}
+FLASHOPM_HD inline TcLayout tc_layout(int H, int Ti, int Tj, bool wgmma, bool wgmma2 = false) {
   TcLayout L{};
   L.ldo = H * H + 4;
   L.w = Ti * Tj * L.ldo;
-  int o = L.w + kTcWFloats;
+  if (wgmma2) L.w = (Ti * Tj * H * H + 255) & ~255;  // unpadded O; W stages from a 1 KB boundary
+  const int w_floats = wgmma2 && kTcWg2Stages * kTcWg2ChunkBytes / 4 > kTcWFloats ? kTcWg2Stages * kTcWg2ChunkBytes / 4
+                                                                                   : kTcWFloats;
+  int o = L.w + w_floats;
   const int stages = wgmma ? kTcWgStages * kTcWgStageBytes / 4 : kTcStages * kTcStageFloats;
   if (o < stages) o = stages;
   L.den = o;
@@ -322,8 +334,10 @@ int outer_smem_bytes();
 // wgmma: phase 1 on warpgroup MMAs, a and b in the K-major layout of `terms` (kAbF32Rows16
 // for 3, kAbTf32 for 1; needs outer_tc16_wgmma_built() and an sm_90 GPU); else a and b as
 // (B, S, Na, H) and (B, S, N, H) float32.
-void launch_outer_tc(const OuterArgs& args, int terms, bool wgmma, cudaStream_t stream);
-int outer_tc_smem_bytes(int H, int Ti, int Tj, bool wgmma);
+// wgmma2: phase 2 on warpgroup MMAs too (tc_phase2_wgmma; needs args.w_blocked: w_out with k in
+// o_k_order's order).
+void launch_outer_tc(const OuterArgs& args, int terms, bool wgmma, bool wgmma2, cudaStream_t stream);
+int outer_tc_smem_bytes(int H, int Ti, int Tj, bool wgmma, bool wgmma2);
 // operand_kind: kMaskBFloat16 or kMaskHalf, the element type of a, b and w_out
 // form: a Tc16Form, as tc16_form gives it (the wgmma forms need outer_tc16_wgmma_built() and a
 // compute capability 9.0 GPU)

@@ -23,14 +23,15 @@
 
 namespace flashopm {
 
-template <int kTerms, bool kWgmma>
+template <int kTerms, bool kWgmma, bool kWgmma2>
 __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const OuterArgs p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  static_assert(!kWgmma2 || (kWgmma && kTerms == 1), "phase 2 on wgmma: TF32 after phase 1 on wgmma");
   extern __shared__ float4 smem_f4[];
   float* smem = reinterpret_cast<float*>(smem_f4);
   if constexpr (kWgmma)  // the swizzle follows address bits 4-9: stages from a 1 KB boundary
     smem = reinterpret_cast<float*>(align_smem_1k(reinterpret_cast<char*>(smem)));
-  const TcLayout L = tc_layout(p.H, p.Ti, p.Tj, kWgmma);
+  const TcLayout L = tc_layout(p.H, p.Ti, p.Tj, kWgmma, kWgmma2);
   float* den_s = smem + L.den;
   int64_t* row_off = reinterpret_cast<int64_t*>(smem + L.rows);         // [kTcRoundRows]
   float* norm_arg = reinterpret_cast<float*>(row_off + kTcRoundRows);   // [kTcRoundRows]
@@ -206,12 +207,47 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const Outer
         }
       }
     };
-    switch (H) {
-      case 8: store_o(std::integral_constant<int, 1>{}); break;
-      case 16: store_o(std::integral_constant<int, 2>{}); break;
-      case 32: store_o(std::integral_constant<int, 4>{}); break;
-      case 64: store_o(std::integral_constant<int, 8>{}); break;
-      default: store_o(std::integral_constant<int, 0>{});
+    // Phase 2 on wgmma: O rounded to TF32 as phase 2's B operand, K-major, pair groups of 8 rows
+    // H²·32 bytes apart, k = o_k_order(h1, h2): the 8 rows h1 (lane / 4) by 8 columns h2 of a
+    // warp's store fill two 128-byte rows (no bank conflicts).
+    auto store_o_kmajor = [&](auto hb_const) {
+      constexpr int kHB = decltype(hb_const)::value;
+      const int hb = kHB > 0 ? kHB : H >> 3;
+      const uint32_t sbo = uint32_t(H) * H * 32;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int m = wg * 64 + (warp & 3) * 16 + g + 8 * half;
+        const int il = m / H;
+        if (il < Ti) {
+          const int h1 = m - il * H;
+#pragma unroll
+          for (int j = 0; j < 32; ++j) {
+            const int jl = j / hb;
+            if (jl < Tj) {
+              const int k = o_k_order(h1, 8 * (j - jl * hb) + 2 * t, hb);
+              *reinterpret_cast<float2*>(reinterpret_cast<char*>(Os) + kmajor_tf32_offset(il * Tj + jl, k, sbo)) =
+                  make_float2(__uint_as_float(to_tf32(acc[4 * j + 2 * half])),
+                              __uint_as_float(to_tf32(acc[4 * j + 2 * half + 1])));
+            }
+          }
+        }
+      }
+    };
+    if constexpr (kWgmma2) {
+      switch (H) {
+        case 8: store_o_kmajor(std::integral_constant<int, 1>{}); break;
+        case 16: store_o_kmajor(std::integral_constant<int, 2>{}); break;
+        case 32: store_o_kmajor(std::integral_constant<int, 4>{}); break;
+        default: store_o_kmajor(std::integral_constant<int, 0>{});
+      }
+    } else {
+      switch (H) {
+        case 8: store_o(std::integral_constant<int, 1>{}); break;
+        case 16: store_o(std::integral_constant<int, 2>{}); break;
+        case 32: store_o(std::integral_constant<int, 4>{}); break;
+        case 64: store_o(std::integral_constant<int, 8>{}); break;
+        default: store_o(std::integral_constant<int, 0>{});
+      }
     }
   } else {
   // ---------------- phase 1: warps 2 (m) x 4 (n), 64 x 64 each ----------------
@@ -315,8 +351,99 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const Outer
 
   }
 
-  // ---------------- phase 2: warps 4 (32 d each) x 2 (halves of each k chunk) ----------------
   const int K2 = H * H;
+  if constexpr (kWgmma2) {
+    // ---------------- phase 2 on wgmma: out[(i,j), d]ᵀ = W · Oᵀ, warpgroup wg taking d 64wg .. 64wg+63
+    // of each group of kTcDG, a round of kTcRoundRows pairs at a time.  Each thread rounds the W
+    // pieces it copied to TF32 (as the mma.sync form's split_tf32<1> does) before the barrier.
+    const int n_kc = K2 / 32;
+    const int wg = warp >> 2;
+    const float* w_blk = static_cast<const float*>(p.w_blocked);
+    const uint32_t o_sbo = uint32_t(K2) * 32;
+    char* smem_c = reinterpret_cast<char*>(smem);
+    char* w_st = smem_c + L.w * 4;
+    // This thread's pieces of a chunk: rows d = tid/8 + 32u, 16-byte piece tid % 8 of the row.
+    const int wc = tid & 7, wr = tid >> 3;
+    const uint32_t w_dst = uint32_t(wr >> 3) * 1024u + uint32_t(wr & 7) * 128u + uint32_t((wc ^ (wr & 7)) << 4);
+    constexpr int kAhead2 = kTcWg2Stages - 2;
+    for (int dg = 0; dg < D; dg += kTcDG) {
+      bool d_ok[kTcDG / 32];
+#pragma unroll
+      for (int u = 0; u < kTcDG / 32; ++u) d_ok[u] = dg + wr + 32 * u < D;
+      for (int r0 = 0; r0 < P; r0 += kTcRoundRows) {
+        const float* w_src = w_blk + int64_t(dg + wr) * K2 + wc * 4;  // chunk 0 of this thread's rows
+        auto issue_w = [&](int kc) {
+          if (kc < n_kc) {
+            char* st = w_st + (kc % kTcWg2Stages) * kTcWg2ChunkBytes + w_dst;
+#pragma unroll
+            for (int u = 0; u < kTcDG / 32; ++u)
+              cp_async16z(st + u * 4096, d_ok[u] ? w_src + int64_t(32 * u) * K2 + kc * 32 : w_blk, d_ok[u]);
+          }
+        };
+        __syncthreads();  // O written / the previous round's partial sums consumed
+#pragma unroll
+        for (int kc = 0; kc < kAhead2; ++kc) {
+          issue_w(kc);
+          cp_async_commit();
+        }
+        float acc2[16];
+#pragma unroll
+        for (int e = 0; e < 16; ++e) acc2[e] = 0.f;
+        const char* o_round = smem_c + (r0 >> 3) * o_sbo;
+        for (int kc = 0; kc < n_kc; ++kc) {
+          cp_async_wait<kAhead2 - 1>();
+          {
+            char* st = w_st + (kc % kTcWg2Stages) * kTcWg2ChunkBytes + w_dst;
+#pragma unroll
+            for (int u = 0; u < kTcDG / 32; ++u) {
+              float4& v = *reinterpret_cast<float4*>(st + u * 4096);
+              v = make_float4(__uint_as_float(to_tf32(v.x)), __uint_as_float(to_tf32(v.y)),
+                              __uint_as_float(to_tf32(v.z)), __uint_as_float(to_tf32(v.w)));
+            }
+          }
+          fence_proxy_async_smem();  // this thread's copies (rounded), visible to the tensor cores
+          __syncthreads();
+          // The stage refilled now was last read by the group of chunk kc - 2, which every
+          // warpgroup retired before the barrier (one group stays in flight).
+          issue_w(kc + kAhead2);
+          cp_async_commit();
+          const char* st = w_st + (kc % kTcWg2Stages) * kTcWg2ChunkBytes + wg * 64 * 128;
+          wgmma_fence();
+#pragma unroll
+          for (int kk = 0; kk < 4; ++kk)
+            wgmma_m64n32k8_tf32(acc2, wgmma_desc(st + kk * 32, 16, 1024),
+                                wgmma_desc(o_round + kc * 1024 + kk * 32, 16, o_sbo));
+          wgmma_commit();
+          wgmma_wait<1>();
+        }
+        wgmma_wait<0>();
+        cp_async_wait_all();
+        __syncthreads();  // every W read done: the stage area takes the sums
+        float* red = reinterpret_cast<float*>(w_st);  // [kTcRoundRows pairs][kTcDG + 4]
+        constexpr int kRedLd = kTcDG + 4;
+        if (tid < kTcRoundRows) {
+          const int pr = r0 + tid;
+          const int il = pr / Tj, jl = pr - il * Tj;
+          stage_pair_row<false>(p, tid, pr < P && i0 + il < p.Na && j0 + jl < N, b, i0, il, j0, jl, N, D,
+                       den_s, row_off, norm_arg);
+        }
+        // acc2: rows d = 64wg + 16(warp % 4) + g (+8), columns (pairs) 8j + 2t (+1)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int d = wg * 64 + (warp & 3) * 16 + g + 8 * half, pr = 8 * j + 2 * t;
+            red[pr * kRedLd + d] = acc2[4 * j + 2 * half];
+            red[(pr + 1) * kRedLd + d] = acc2[4 * j + 2 * half + 1];
+          }
+        __syncthreads();
+        store_round<kTcRoundRows, false>(p, red, kRedLd, row_off, norm_arg, dg, tid, kTcThreads);
+      }
+    }
+    return;
+  }
+
+  // ---------------- phase 2: warps 4 (32 d each) x 2 (halves of each k chunk) ----------------
   const int n_kc = K2 / kTcKC;
   const int dw = warp & 3, kh = warp >> 2;
   float* Wst = smem + L.w;  // [kTcWStages][DG][LdW]; after the k loop, the partial sums [32][DG + 4]
