@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One GPU run: build, every test, the sharded OPM's scaling over the machine's GPUs (when it has
-# several), the spec shape's paths and host overhead, and the benchmarks (forward at the spec shape,
+# One GPU run: build, every test (the backward's and the distributed ones last), the sharded
+# OPM's scaling over the machine's GPUs (when it has several), the spec shape's paths and host overhead, and the benchmarks (forward at the spec shape,
 # float32 under each precision and bfloat16 models at the tensor-core issue's shapes, the 16-bit
 # kernel's forms, training steps, backward) and the three conventions at N = 1536, the
 # conventions' epilogue cost and the op's host time by stage;
@@ -22,7 +22,9 @@ step() {
   timeout "$left" "$@" >"$out/res/$name.log" 2>&1; echo "rc=$?" >>"$out/res/$name.log"
   tail -n "${TAIL:-6}" "$out/res/$name.log"
 }
-TAIL=12 step tests bash -c "$py -m pytest -q -rfEs tests/test_cuda.py; $py -m pytest -q -rfEs tests --ignore tests/test_cuda.py"
+# the forward's tests first; the backward's and the distributed ones (about 220 s) after the benchmarks
+slow_tests="tests/test_backward.py tests/test_ln_backward.py tests/test_distributed.py"
+TAIL=12 step tests bash -c "$py -m pytest -q -rfEs tests/test_cuda.py; $py -m pytest -q -rfEs tests --ignore tests/test_cuda.py $(printf -- '--ignore %s ' $slow_tests)"
 ngpu=$($py -c "import torch; print(torch.cuda.device_count())")
 if ((ngpu >= 2)); then
   worlds=$($py -c "print(','.join(str(p) for p in (1, 2, 4, 8) if p <= $ngpu))")
@@ -53,3 +55,4 @@ for mod in openfold boltz; do
   step bench_n1536_$mod $py -m flashopm bench --module $mod --shapes "1,512,1536,256,32,128" --impls eager,flashopm \
     --calls 3 --fp64-max-n 0 --out "$out/res/n1536_$mod"
 done
+TAIL=12 step tests_backward $py -m pytest -q -rfEs $slow_tests
