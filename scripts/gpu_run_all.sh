@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One GPU run: build, every test (the backward's and the distributed ones last), the sharded
-# OPM's scaling over the machine's GPUs (when it has several), the spec shape's paths and host overhead, and the benchmarks (forward at the spec shape,
-# float32 under each precision and bfloat16 models at the tensor-core issue's shapes, the 16-bit
-# kernel's forms, training steps, backward) and the three conventions at N = 1536, the
-# conventions' epilogue cost and the op's host time by stage;
+# OPM's scaling over the machine's GPUs (when it has several), the spec shape's paths and host
+# overhead, and the benchmarks (forward at the spec shape, float32 under each precision and
+# bfloat16 models at the tensor-core issue's shapes, the 16-bit kernel's forms, training steps,
+# backward) and the three conventions at N = 1536, the conventions' epilogue cost and the op's
+# host time by stage;
 # logs and results packed into OUTDIR/results.tgz.  Steps past the time budget (BUDGET_S, default
 # 540 s from the start) are skipped so that the results are always packed.
 #   usage: scripts/gpu_run_all.sh OUTDIR
