@@ -338,15 +338,20 @@ OuterArgs outer_args(const void* a, const void* b, const MaskView& mask, const a
   return oa;
 }
 
+// Warpgroup MMAs run here: the extension holds sm_90a code and the GPU is sm_90.
+bool wgmma_runs_on(int dev) {
+  const DeviceInfo& info = device_info(dev);
+  return outer_tc16_wgmma_built() && info.cc_major == 9 && info.cc_minor == 0;
+}
+
 // The 16-bit kernel's form for this GPU before the tile is known: warpgroup MMAs where the
 // extension holds sm_90a code and the GPU runs it, for both phases (where the tile allows);
 // FLASHOPM_TC16_MMA_SYNC=1 asks for mma.sync throughout and FLASHOPM_TC16_MMA_SYNC=phase2 for
 // mma.sync in phase 2 only (to compare the forms).
 int requested_tc16_form(int dev) {
-  const DeviceInfo& info = device_info(dev);
   const char* env = std::getenv("FLASHOPM_TC16_MMA_SYNC");
   const std::string mma_sync = env ? env : "";
-  if (!outer_tc16_wgmma_built() || info.cc_major != 9 || info.cc_minor != 0 || mma_sync == "1") return kT16MmaSync;
+  if (!wgmma_runs_on(dev) || mma_sync == "1") return kT16MmaSync;
   return mma_sync == "phase2" ? kT16WgmmaPhase1 : kT16WgmmaBoth;
 }
 
@@ -362,10 +367,6 @@ TcForm requested_tc_form() {
   if (form == "wgmma") return kTcFormWgmma;
   FLASHOPM_CHECK(form.empty(), "flashopm: FLASHOPM_TC_FORM must be mma_sync or wgmma (or unset), got '", form, "'");
   return kTcFormAuto;
-}
-bool tf32_wgmma_runs_on(int dev) {
-  const DeviceInfo& info = device_info(dev);
-  return outer_tc16_wgmma_built() && info.cc_major == 9 && info.cc_minor == 0;
 }
 
 // One launch of the outer-first contraction for rows i_offset .. i_offset + rows of the problem
@@ -648,9 +649,9 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     // rows would pass the budget (in float32 elements); each further block recomputes LayerNorm
     // and the projection of its rows (a few percent of the work).
     const TcForm tc_form = tc_ok && !operands16 ? requested_tc_form() : kTcFormAuto;
-    FLASHOPM_CHECK(tc_form != kTcFormWgmma || tf32_wgmma_runs_on(dev),
+    FLASHOPM_CHECK(tc_form != kTcFormWgmma || wgmma_runs_on(dev),
                    "flashopm: FLASHOPM_TC_FORM=wgmma needs an sm_90 GPU and the extension built with sm_90a code");
-    const bool kmajor = tc_ok && !operands16 && tc_form != kTcFormMmaSync && tf32_wgmma_runs_on(dev);
+    const bool kmajor = tc_ok && !operands16 && tc_form != kTcFormMmaSync && wgmma_runs_on(dev);
     const int row_floats = kmajor_row_floats(tc_terms);  // s per chunk, and floats per row of one
     const int64_t n_chunks = (S + row_floats - 1) / row_floats;
     const int64_t s_store = kmajor ? n_chunks * row_floats : S;  // elements per (b, n, h)
