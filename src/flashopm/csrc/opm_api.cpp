@@ -608,6 +608,8 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
   pa.x_kind = x_kind;
   pa.a_rows = int(N);
   pa.o_chunks = o_chunks;
+  // PyTorch's linear layers take TF32 (or 16-bit) products at these precisions
+  pa.mma_tf32 = half_in || prec != kHighest;
 
   if (project_first) {
     // workspace: a as (B, N, S, H) | c as (B, S, H, N, D)

@@ -734,7 +734,10 @@ __global__ void __launch_bounds__(kProjThreads, CT >= 8 ? 1 : 2) opm_project_row
     __syncthreads();
     const float* wcur = ws + (t & 1) * kWsFloats;
     if constexpr (kMma) {
-      warp_mma_tf32<1, 1, kNT, true, true, KC / 8>(acc_t, xs + warp * 16 * LDK, LDK, wcur, LDK, g, tq);
+      // one k-step at a time: all of a step's fragments are live at once (registers)
+#pragma unroll 1
+      for (int ks = 0; ks < KC / 8; ++ks)
+        warp_mma_tf32<1, 1, kNT, true, true, 1>(acc_t, xs + warp * 16 * LDK + ks * 8, LDK, wcur + ks * 8, LDK, g, tq);
     } else {
 #pragma unroll 4
       for (int k = 0; k < KC; ++k) {

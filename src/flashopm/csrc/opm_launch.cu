@@ -100,9 +100,9 @@ bool project_rows_vec(const PrepArgs& args) {
   return reinterpret_cast<uintptr_t>(args.x) % 16 == 0 && args.C % V == 0 && args.x_sb % V == 0 &&
          args.x_ss % V == 0 && args.x_sn % V == 0;
 }
-// The tensor-core form for 16-bit x (vector loads).
+// The tensor-core form (with vector loads): 16-bit x, or where TF32 products are allowed.
 bool project_rows_mma(const PrepArgs& args) {
-  return (args.x_kind == kMaskHalf || args.x_kind == kMaskBFloat16) && project_rows_vec(args);
+  return (args.x_kind == kMaskHalf || args.x_kind == kMaskBFloat16 || args.mma_tf32) && project_rows_vec(args);
 }
 }  // namespace
 
@@ -130,9 +130,7 @@ void launch_project_rows_v(const PrepArgs& args, cudaStream_t stream) {
 template <typename XT>
 void launch_project_rows_x(const PrepArgs& args, cudaStream_t stream) {
   if (!project_rows_vec(args)) return launch_project_rows_v<XT, false, false>(args, stream);
-  if constexpr (sizeof(XT) == 2) {
-    if (project_rows_mma(args)) return launch_project_rows_v<XT, true, true>(args, stream);
-  }
+  if (project_rows_mma(args)) return launch_project_rows_v<XT, true, true>(args, stream);
   launch_project_rows_v<XT, true, false>(args, stream);
 }
 }  // namespace

@@ -70,6 +70,7 @@ struct PrepArgs {
   float* c_out;  // project-first only: (B, S, H, N, D)
   int B, S, N, C, H, D;  // N: rows of this launch
   int o_chunks;  // project-first: columns (h1, d) handled in chunks of kPrepThreads per block
+  int mma_tf32;  // the projections may take TF32 products (opm_project_rows_kernel's tensor-core form)
 };
 
 constexpr int kPrepWarps = 8;
@@ -100,8 +101,8 @@ FLASHOPM_HD inline int64_t prep_smem_floats(int H, int rows_per_warp, bool proje
 // consecutive rows r = (b, s, n) and all 2H outputs; 256 threads as 16 row groups x 16 column
 // groups, each kProjRT rows x CT outputs (CT = 1, 2, 4 or 8, so that 16 CT >= 2H); C in chunks of
 // kProjKC, the normalised rows and the weights staged in shared memory.  Its tensor-core form
-// (16-bit x: the products in TF32, finer than the 16-bit linear layers of eager PyTorch) gives each
-// warp 16 rows and all 16·CT columns as mma.sync m16n8k8 tiles.
+// (16-bit x, whose linear layers PyTorch runs on 16-bit products, or PrepArgs::mma_tf32: products in
+// TF32) gives each warp 16 rows and all 16·CT columns as mma.sync m16n8k8 tiles.
 constexpr int kProjThreads = 256;
 constexpr int kProjRT = 8;                       // rows per thread
 constexpr int kProjRows = 16 * kProjRT;          // rows per block
