@@ -256,6 +256,24 @@ def test_tiled_projection_half_precision(dtype):
     assert err <= max(2 * err_eager, 2 * torch.finfo(dtype).eps), f"error {err:.3g} vs eager {dtype} {err_eager:.3g}"
 
 
+@pytest.mark.parametrize("H", [8, 32, 64])
+def test_tiled_projection_tf32_under_high(H):
+    """float32 under "high": the tiled projection kernel's tensor-core form (TF32 products, as
+    PyTorch's linear layers take them at that precision); error against float64 at most 2x that
+    of eager PyTorch under "high", and "highest" unchanged by it (float32 bars)."""
+    shape = Shape(1, _rows_above_tiled_projection_threshold(1, 29, 50), 29, 64, H, 16)
+    x, m, p = make_problem(shape, "masked_positions", seed=H)
+    xc, mc, pc = x.cuda(), m.cuda(), _cuda_params(p)
+    ref64 = reference(xc, mc, pc, dtype=torch.float64).cpu()
+    out_high = _run(xc, mc, pc, "outer", precision="high").cpu()
+    assert not out_high.isnan().any()
+    err, err_eager_tf32 = rel_error(out_high, ref64), rel_error(_eager_tf32(xc, mc, pc), ref64)
+    assert err <= 2 * err_eager_tf32, f"TF32: {err:.3g} vs eager TF32 {err_eager_tf32:.3g}"
+    out_highest = _run(xc, mc, pc, "outer", precision="highest").cpu()
+    err_highest, err_eager = rel_error(out_highest, ref64), rel_error(reference(xc, mc, pc).cpu(), ref64)
+    assert err_highest <= max(2 * err_eager, FP64_FLOOR), f"{err_highest:.3g} vs eager fp32 {err_eager:.3g}"
+
+
 HALF_SHAPES = [
     SPEC,
     Shape(1, 128, 64, 64, 32, 128),  # outer-first on tensor cores

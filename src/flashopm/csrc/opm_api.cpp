@@ -265,7 +265,7 @@ void run_prep(const PrepArgs& args, bool project_w, int dev, cudaStream_t stream
   const int64_t rows = int64_t(args.B) * args.S * args.N;
   if (!project_w && rows >= int64_t(kProjRows) * device_info(dev).sm_count &&
       rows / kProjRows < int64_t(1) << 31) {
-    check_smem(project_rows_smem_bytes(args.H), dev, "LayerNorm/projection");
+    check_smem(project_rows_smem_bytes(args), dev, "LayerNorm/projection");
     return launch_project_rows(args, stream);
   }
   const int64_t blocks_rw4 = int64_t(args.B) * args.S * ((args.N + 31) / 32) * (project_w ? args.o_chunks : 1);
@@ -609,6 +609,8 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
   pa.x_kind = x_kind;
   pa.a_rows = int(N);
   pa.o_chunks = o_chunks;
+  // PyTorch's linear layers take TF32 (or 16-bit) products at these precisions
+  pa.mma_tf32 = half_in || prec != kHighest;
 
   if (project_first) {
     // workspace: a as (B, N, S, H) | c as (B, S, H, N, D)

@@ -19,6 +19,7 @@
 #include <cuda_runtime.h>
 
 #include "opm_params.h"
+#include "opm_mma.cuh"
 
 namespace flashopm {
 
@@ -506,7 +507,7 @@ __global__ void __launch_bounds__(kPrepThreads, 2) opm_prep_kernel(const PrepArg
 // enough rows to fill the GPU.  kVec: x read as 16-byte vectors (rows and msa_dim aligned to
 // them), the normalised rows then stored with an XOR swizzle of 4-row pieces so that the
 // transposing stores stay free of bank conflicts.
-template <int CT, typename XT, bool kVec>  // XT: x's element type (p.x_kind)
+template <int CT, typename XT, bool kVec, bool kMma>  // XT: x's element type (p.x_kind); kMma: tensor cores
 __global__ void __launch_bounds__(kProjThreads, CT >= 8 ? 1 : 2) opm_project_rows_kernel(const PrepArgs p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;\n" ::);  // as opm_prep_kernel
@@ -514,10 +515,13 @@ __global__ void __launch_bounds__(kProjThreads, CT >= 8 ? 1 : 2) opm_project_row
   extern __shared__ float4 smem_f4[];
   float* smem = reinterpret_cast<float*>(smem_f4);
   constexpr int TR = kProjRows, RT = kProjRT, KC = kProjKC, LDX = kProjLdX;
-  constexpr int NC = 16 * CT, LDW = 16 * CT + 8;
-  float* xs = smem;                           // [KC][LDX]: normalised x, k-major
-  float* ws = xs + KC * LDX;                  // [2][KC][LDW]: weights, k-major, double-buffered
-  float* mean_s = ws + 2 * KC * LDW;          // [TR]
+  constexpr int NC = 16 * CT, LDW = 16 * CT + 8, LDK = kProjLdK;
+  // xs: normalised x, [KC][LDX] (k-major) or [TR][LDK] (kMma); ws: weights, double-buffered,
+  // [2][KC][LDW] (k-major) or [2][NC][LDK] (kMma)
+  constexpr int kXsFloats = kMma ? TR * LDK : KC * LDX, kWsFloats = kMma ? NC * LDK : KC * LDW;
+  float* xs = smem;
+  float* ws = xs + kXsFloats;
+  float* mean_s = ws + 2 * kWsFloats;         // [TR]
   float* rstd_s = mean_s + TR;
   float* mask_s = rstd_s + TR;
   int64_t* xoff_s = reinterpret_cast<int64_t*>(mask_s + TR);  // [TR]; -1: past the last row
@@ -560,6 +564,7 @@ __global__ void __launch_bounds__(kProjThreads, CT >= 8 ? 1 : 2) opm_project_row
   };
   // xs: k-major; with kVec the 4-row pieces of row k are XOR-swizzled by k / 4.
   const auto xs_at = [](int k, int r) {
+    if constexpr (kMma) return r * LDK + k;
     return kVec ? k * TR + ((((r >> 2) ^ ((k >> 2) & 7)) << 2) | (r & 3)) : k * LDX + r;
   };
   int64_t x_row[XRows];
@@ -635,7 +640,7 @@ __global__ void __launch_bounds__(kProjThreads, CT >= 8 ? 1 : 2) opm_project_row
       for (int g = 0; g < WKG; ++g) {
         const int k = wk0 + g * (NC >= 64 ? 4 : 4 * (64 / NC)), c = c0 + k;
         const bool ok = w_ok[oi] && c < C;
-        cp_async4(&dst[k * LDW + w_o[oi]], ok ? w_src[oi] + c : p.wa, ok);
+        cp_async4(&dst[kMma ? w_o[oi] * LDK + k : k * LDW + w_o[oi]], ok ? w_src[oi] + c : p.wa, ok);
       }
     cp_async_commit();
   };
@@ -646,6 +651,11 @@ __global__ void __launch_bounds__(kProjThreads, CT >= 8 ? 1 : 2) opm_project_row
 #pragma unroll
     for (int j = 0; j < CT; ++j) acc[i][j] = 0.f;
   const int rg = tid >> 4, cg = tid & 15;
+  // kMma: rows 16·warp + g (+8), columns 8·nt + 2t (+1) of m16n8 tile nt
+  constexpr int kNT = NC / 8;
+  float acc_t[1][kNT][4];
+  zero_tiles(acc_t);
+  const int g = lane >> 2, tq = lane & 3;
   const int chunks = (C + KC - 1) / KC;
   load_w(0, ws);
   load_x(0);
@@ -715,38 +725,87 @@ __global__ void __launch_bounds__(kProjThreads, CT >= 8 ? 1 : 2) opm_project_row
   for (int t = 0; t < chunks; ++t) {
     store_x(t * KC);
     if (t + 1 < chunks) {
-      load_w((t + 1) * KC, ws + ((t + 1) & 1) * KC * LDW);
+      load_w((t + 1) * KC, ws + ((t + 1) & 1) * kWsFloats);
       load_x((t + 1) * KC);  // in flight during this chunk's products
       cp_async_wait<1>();
     } else {
       cp_async_wait_all();
     }
     __syncthreads();
-    const float* wcur = ws + (t & 1) * KC * LDW;
+    const float* wcur = ws + (t & 1) * kWsFloats;
+    if constexpr (kMma) {
+      // one k-step at a time: all of a step's fragments are live at once (registers)
+#pragma unroll 1
+      for (int ks = 0; ks < KC / 8; ++ks)
+        warp_mma_tf32<1, 1, kNT, true, true, 1>(acc_t, xs + warp * 16 * LDK + ks * 8, LDK, wcur + ks * 8, LDK, g, tq);
+    } else {
 #pragma unroll 4
-    for (int k = 0; k < KC; ++k) {
-      float xr[RT], wr[CT];
-      const float4 x0 = *reinterpret_cast<const float4*>(&xs[xs_at(k, rg * RT)]);
-      const float4 x1 = *reinterpret_cast<const float4*>(&xs[xs_at(k, rg * RT + 4)]);
-      xr[0] = x0.x, xr[1] = x0.y, xr[2] = x0.z, xr[3] = x0.w, xr[4] = x1.x, xr[5] = x1.y, xr[6] = x1.z, xr[7] = x1.w;
-      if constexpr (CT >= 4) {
+      for (int k = 0; k < KC; ++k) {
+        float xr[RT], wr[CT];
+        const float4 x0 = *reinterpret_cast<const float4*>(&xs[xs_at(k, rg * RT)]);
+        const float4 x1 = *reinterpret_cast<const float4*>(&xs[xs_at(k, rg * RT + 4)]);
+        xr[0] = x0.x, xr[1] = x0.y, xr[2] = x0.z, xr[3] = x0.w, xr[4] = x1.x, xr[5] = x1.y, xr[6] = x1.z, xr[7] = x1.w;
+        if constexpr (CT >= 4) {
 #pragma unroll
-        for (int j = 0; j < CT; j += 4) {
-          const float4 w4 = *reinterpret_cast<const float4*>(&wcur[k * LDW + cg * CT + j]);
-          wr[j] = w4.x, wr[j + 1] = w4.y, wr[j + 2] = w4.z, wr[j + 3] = w4.w;
+          for (int j = 0; j < CT; j += 4) {
+            const float4 w4 = *reinterpret_cast<const float4*>(&wcur[k * LDW + cg * CT + j]);
+            wr[j] = w4.x, wr[j + 1] = w4.y, wr[j + 2] = w4.z, wr[j + 3] = w4.w;
+          }
+        } else if constexpr (CT == 2) {
+          const float2 w2 = *reinterpret_cast<const float2*>(&wcur[k * LDW + cg * 2]);
+          wr[0] = w2.x, wr[1] = w2.y;
+        } else {
+          wr[0] = wcur[k * LDW + cg];
         }
-      } else if constexpr (CT == 2) {
-        const float2 w2 = *reinterpret_cast<const float2*>(&wcur[k * LDW + cg * 2]);
-        wr[0] = w2.x, wr[1] = w2.y;
-      } else {
-        wr[0] = wcur[k * LDW + cg];
+#pragma unroll
+        for (int i = 0; i < RT; ++i)
+#pragma unroll
+          for (int j = 0; j < CT; ++j) acc[i][j] = fmaf(xr[i], wr[j], acc[i][j]);
       }
-#pragma unroll
-      for (int i = 0; i < RT; ++i)
-#pragma unroll
-        for (int j = 0; j < CT; ++j) acc[i][j] = fmaf(xr[i], wr[j], acc[i][j]);
     }
     __syncthreads();  // xs and this buffer of ws are free
+  }
+
+  if constexpr (kMma) {
+    // Bias, mask, store (a for outputs o < H, b for H <= o < 2H); each thread's two outputs of a
+    // row as one store where they are on one side and the layouts keep them aligned.
+    const bool pair_out = H % 2 == 0 && p.ab_kind < kAbTf32 &&
+                          reinterpret_cast<uintptr_t>(p.a_out) % (p.ab_kind == kMaskFloat ? 8 : 4) == 0 &&
+                          (p.b_out == nullptr || reinterpret_cast<uintptr_t>(p.b_out) % (p.ab_kind == kMaskFloat ? 8 : 4) == 0) &&
+                          ((p.a_sb | p.a_ss | p.a_sn | p.b_sb | p.b_ss | p.b_sn) & 1) == 0;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = warp * 16 + g + 8 * half;
+      const float mv = mask_s[r];
+      const int64_t ao = aoff_s[r], bo = boff_s[r];
+#pragma unroll
+      for (int nt = 0; nt < kNT; ++nt) {
+        const int o = nt * 8 + 2 * tq;
+        float v[2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int oe = o + e;
+          const float bias = oe < H ? (p.ba ? p.ba[oe] : 0.f) : oe < H2 && p.bb ? p.bb[oe - H] : 0.f;
+          v[e] = (acc_t[0][nt][2 * half + e] + bias) * mv;
+        }
+        if (pair_out && o + 1 < H) {
+          if (ao >= 0) store_out2(p.a_out, ao + o, v[0], v[1], p.ab_kind);
+        } else if (pair_out && o >= H && o + 1 < H2) {
+          if (bo >= 0) store_out2(p.b_out, bo + (o - H), v[0], v[1], p.ab_kind);
+        } else {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int oe = o + e;
+            if (oe < H) {
+              if (ao >= 0) store_ab(p.a_out, ao, oe, v[e], p.ab_kind);
+            } else if (oe < H2) {
+              if (bo >= 0) store_ab(p.b_out, bo, oe - H, v[e], p.ab_kind);
+            }
+          }
+        }
+      }
+    }
+    return;
   }
 
   // Bias, mask, store (a for outputs o < H, b for H <= o < 2H): four consecutive outputs as one

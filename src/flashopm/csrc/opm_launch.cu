@@ -93,33 +93,45 @@ void launch_prep(const PrepArgs& args, bool project_w, int rows_per_warp, cudaSt
   return launch_prep_q<1, false>(args, stream);
 }
 
-int project_rows_smem_bytes(int H) { return int(project_rows_smem_floats(H) * sizeof(float)); }
+namespace {
+// x as 16-byte vectors when its base, every stride and msa_dim keep them aligned.
+bool project_rows_vec(const PrepArgs& args) {
+  const int64_t V = 16 / (args.x_kind == kMaskFloat ? 4 : 2);
+  return reinterpret_cast<uintptr_t>(args.x) % 16 == 0 && args.C % V == 0 && args.x_sb % V == 0 &&
+         args.x_ss % V == 0 && args.x_sn % V == 0;
+}
+// The tensor-core form (with vector loads): 16-bit x, or where TF32 products are allowed.
+bool project_rows_mma(const PrepArgs& args) {
+  return (args.x_kind == kMaskHalf || args.x_kind == kMaskBFloat16 || args.mma_tf32) && project_rows_vec(args);
+}
+}  // namespace
+
+int project_rows_smem_bytes(const PrepArgs& args) {
+  return int(project_rows_smem_floats(args.H, project_rows_mma(args)) * sizeof(float));
+}
 
 namespace {
-template <int CT, typename XT, bool kVec>
+template <int CT, typename XT, bool kVec, bool kMma>
 void launch_project_rows_t(const PrepArgs& args, cudaStream_t stream) {
   const int64_t rows = int64_t(args.B) * args.S * args.N;
-  constexpr auto kernel = opm_project_rows_kernel<CT, XT, kVec>;
+  constexpr auto kernel = opm_project_rows_kernel<CT, XT, kVec, kMma>;
   allow_smem<kernel>();
-  kernel<<<unsigned((rows + kProjRows - 1) / kProjRows), kProjThreads, project_rows_smem_bytes(args.H), stream>>>(args);
+  kernel<<<unsigned((rows + kProjRows - 1) / kProjRows), kProjThreads, project_rows_smem_bytes(args), stream>>>(args);
 }
-template <typename XT, bool kVec>
+template <typename XT, bool kVec, bool kMma>
 void launch_project_rows_v(const PrepArgs& args, cudaStream_t stream) {
   switch (proj_cols_per_thread(args.H)) {
-    case 1: return launch_project_rows_t<1, XT, kVec>(args, stream);
-    case 2: return launch_project_rows_t<2, XT, kVec>(args, stream);
-    case 4: return launch_project_rows_t<4, XT, kVec>(args, stream);
-    default: return launch_project_rows_t<8, XT, kVec>(args, stream);
+    case 1: return launch_project_rows_t<1, XT, kVec, kMma>(args, stream);
+    case 2: return launch_project_rows_t<2, XT, kVec, kMma>(args, stream);
+    case 4: return launch_project_rows_t<4, XT, kVec, kMma>(args, stream);
+    default: return launch_project_rows_t<8, XT, kVec, kMma>(args, stream);
   }
 }
-// x as 16-byte vectors when its base, every stride and msa_dim keep them aligned.
 template <typename XT>
 void launch_project_rows_x(const PrepArgs& args, cudaStream_t stream) {
-  constexpr int64_t V = 16 / int64_t(sizeof(XT));
-  const bool vec = reinterpret_cast<uintptr_t>(args.x) % 16 == 0 && args.C % V == 0 && args.x_sb % V == 0 &&
-                   args.x_ss % V == 0 && args.x_sn % V == 0;
-  if (vec) launch_project_rows_v<XT, true>(args, stream);
-  else launch_project_rows_v<XT, false>(args, stream);
+  if (!project_rows_vec(args)) return launch_project_rows_v<XT, false, false>(args, stream);
+  if (project_rows_mma(args)) return launch_project_rows_v<XT, true, true>(args, stream);
+  launch_project_rows_v<XT, true, false>(args, stream);
 }
 }  // namespace
 

@@ -70,6 +70,7 @@ struct PrepArgs {
   float* c_out;  // project-first only: (B, S, H, N, D)
   int B, S, N, C, H, D;  // N: rows of this launch
   int o_chunks;  // project-first: columns (h1, d) handled in chunks of kPrepThreads per block
+  int mma_tf32;  // the projections may take TF32 products (opm_project_rows_kernel's tensor-core form)
 };
 
 constexpr int kPrepWarps = 8;
@@ -99,7 +100,9 @@ FLASHOPM_HD inline int64_t prep_smem_floats(int H, int rows_per_warp, bool proje
 // layouts only) as a register-tiled GEMM over rows for large problems.  A block takes kProjRows
 // consecutive rows r = (b, s, n) and all 2H outputs; 256 threads as 16 row groups x 16 column
 // groups, each kProjRT rows x CT outputs (CT = 1, 2, 4 or 8, so that 16 CT >= 2H); C in chunks of
-// kProjKC, the normalised rows and the weights staged in shared memory.
+// kProjKC, the normalised rows and the weights staged in shared memory.  Its tensor-core form
+// (16-bit x, whose linear layers PyTorch runs on 16-bit products, or PrepArgs::mma_tf32: products in
+// TF32) gives each warp 16 rows and all 16·CT columns as mma.sync m16n8k8 tiles.
 constexpr int kProjThreads = 256;
 constexpr int kProjRT = 8;                       // rows per thread
 constexpr int kProjRows = 16 * kProjRT;          // rows per block
@@ -107,10 +110,15 @@ constexpr int kProjKC = 32;                      // features of C per chunk
 constexpr int kProjLdX = kProjRows + 4;          // xs[k][row]: stores of 8 k x 4 rows hit 32 banks
 FLASHOPM_HD inline int proj_cols_per_thread(int H) { return 2 * H <= 16 ? 1 : 2 * H <= 32 ? 2 : 2 * H <= 64 ? 4 : 8; }
 FLASHOPM_HD inline int proj_ld_w(int ct) { return 16 * ct + 8; }  // ws[k][o]: stores of 4 k x 8 o hit 32 banks
-FLASHOPM_HD inline int64_t project_rows_smem_floats(int H) {
-  return int64_t(kProjKC) * kProjLdX + 2 * int64_t(kProjKC) * proj_ld_w(proj_cols_per_thread(H))
-         + 3 * kProjRows       // mean, rstd, mask per row
-         + 2 * 3 * kProjRows;  // offsets of x, a and b per row (int64)
+// The tensor-core form (mma): xs[row][k] and ws[o][k], rows of kProjKC + 4 floats (fragment reads
+// of 8 rows x 4 k hit 32 banks).
+constexpr int kProjLdK = kProjKC + 4;
+FLASHOPM_HD inline int64_t project_rows_smem_floats(int H, bool mma) {
+  const int nc = 16 * proj_cols_per_thread(H);
+  const int64_t tiles = mma ? int64_t(kProjRows) * kProjLdK + 2 * int64_t(nc) * kProjLdK
+                            : int64_t(kProjKC) * kProjLdX + 2 * int64_t(kProjKC) * proj_ld_w(proj_cols_per_thread(H));
+  return tiles + 3 * kProjRows  // mean, rstd, mask per row
+         + 2 * 3 * kProjRows;   // offsets of x, a and b per row (int64)
 }
 
 constexpr int kOuterThreads = 256;
@@ -325,7 +333,7 @@ constexpr int kRowDenWarps = 8;
 void launch_prep(const PrepArgs& args, bool project_w, int rows_per_warp, cudaStream_t stream);
 // opm_project_rows_kernel over all B * S * N rows (project_w = false layouts)
 void launch_project_rows(const PrepArgs& args, cudaStream_t stream);
-int project_rows_smem_bytes(int H);
+int project_rows_smem_bytes(const PrepArgs& args);
 int prep_smem_bytes(int H, int rows_per_warp, bool project_w);
 void launch_outer(const OuterArgs& args, cudaStream_t stream);
 void launch_row_denominators(const RowDenArgs& args, cudaStream_t stream);
