@@ -547,14 +547,18 @@ def _eager_tf32(xc, mc, pc):
 def test_tf32_wgmma_form(shape, precision, monkeypatch):
     """Phase 1 of the float32 tensor-core kernel on warpgroup MMAs (forced, as the auto setting
     takes it on sm_90): the float32 bars for "highest", at most 2x eager TF32's error for "high",
-    every element written, repeatable, and within twice the mma.sync form's error."""
+    every element written, repeatable, within twice the mma.sync form's error, and the parameters
+    unchanged."""
     x, m, p = make_problem(shape, "masked_positions", seed=zlib.crc32(f"{shape}-{precision}".encode()) % 1000)
     xc, mc, pc = x.cuda(), m.cuda(), _cuda_params(p)
     ref64 = reference(xc, mc, pc, dtype=torch.float64).cpu()
     ref32 = reference(xc, mc, pc).cpu()
+    params_before = {k: v.clone() for k, v in pc.items() if v is not None}
     monkeypatch.setenv("FLASHOPM_TC_FORM", "wgmma")
     out = _run(xc, mc, pc, "outer", precision=precision)
     again = _run(xc, mc, pc, "outer", precision=precision)
+    for k, v in params_before.items():  # W's TF32 copy (hidden 8: W's own order) must be a copy
+        assert torch.equal(pc[k], v), f"{k} changed by the call"
     monkeypatch.setenv("FLASHOPM_TC_FORM", "mma_sync")
     err_mma_sync = rel_error(_run(xc, mc, pc, "outer", precision=precision).cpu(), ref64)
     out = out.cpu()

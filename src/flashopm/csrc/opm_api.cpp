@@ -700,7 +700,10 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     // bank conflicts; one copy per call, only where such a form can run.
     at::Tensor w_blocked;
     if ((operands16 && H % 8 == 0 && requested_tc16_form(dev) == kT16WgmmaBoth) || (kmajor && tc_terms == 1)) {
-      w_blocked = w_op.view({D, H / 8, 8, H / 8, 8}).transpose(2, 3).contiguous();
+      // a copy always (for H = 8 the blocked order is W's own), as it may be rounded in place
+      w_blocked = w_op.view({D, H / 8, 8, H / 8, 8}).transpose(2, 3).clone(at::MemoryFormat::Contiguous);
+      // the float32 kernel's phase 2 reads W as TF32: rounded here once rather than by every block
+      if (!operands16) launch_round_tf32(w_blocked.data_ptr<float>(), w_blocked.numel(), stream);
       oa.w_blocked = w_blocked.data_ptr();
     }
     for (int64_t i_off = 0; i_off < N; i_off += rows) {

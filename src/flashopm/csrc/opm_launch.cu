@@ -2,6 +2,7 @@
 // No argument checking here: opm_api.cpp validates everything before calling in.
 #include <c10/cuda/CUDAException.h>
 
+#include <algorithm>
 #include <array>
 #include <mutex>
 
@@ -181,6 +182,13 @@ void launch_outer_tc(const OuterArgs& args, int terms, bool wgmma, bool wgmma2, 
     if (terms == 3) launch_tc_t<3, false, false>(args, grid, smem, stream);
     else launch_tc_t<1, false, false>(args, grid, smem, stream);
   }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void launch_round_tf32(float* w, int64_t n, cudaStream_t stream) {
+  if (n == 0) return;
+  const unsigned blocks = unsigned(std::min<int64_t>((n + 255) / 256, 1024));
+  opm_round_tf32_kernel<<<blocks, 256, 0, stream>>>(w, n);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

@@ -343,8 +343,10 @@ int outer_smem_bytes();
 // for 3, kAbTf32 for 1; needs outer_tc16_wgmma_built() and an sm_90 GPU); else a and b as
 // (B, S, Na, H) and (B, S, N, H) float32.
 // wgmma2: phase 2 on warpgroup MMAs too (tc_phase2_wgmma; needs args.w_blocked: w_out with k in
-// o_k_order's order).
+// o_k_order's order, rounded to TF32: launch_round_tf32).
 void launch_outer_tc(const OuterArgs& args, int terms, bool wgmma, bool wgmma2, cudaStream_t stream);
+// w (n floats, in place) rounded to TF32: w_blocked for wgmma2, which reads W as it arrives
+void launch_round_tf32(float* w, int64_t n, cudaStream_t stream);
 int outer_tc_smem_bytes(int H, int Ti, int Tj, bool wgmma, bool wgmma2);
 // operand_kind: kMaskBFloat16 or kMaskHalf, the element type of a, b and w_out
 // form: a Tc16Form, as tc16_form gives it (the wgmma forms need outer_tc16_wgmma_built() and a

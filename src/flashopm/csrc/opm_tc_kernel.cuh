@@ -354,8 +354,8 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const Outer
   const int K2 = H * H;
   if constexpr (kWgmma2) {
     // ---------------- phase 2 on wgmma: out[(i,j), d]ᵀ = W · Oᵀ, warpgroup wg taking d 64wg .. 64wg+63
-    // of each group of kTcDG, a round of kTcRoundRows pairs at a time.  Each thread rounds the W
-    // pieces it copied to TF32 (as the mma.sync form's split_tf32<1> does) before the barrier.
+    // of each group of kTcDG, a round of kTcRoundRows pairs at a time.  W comes rounded to TF32
+    // (opm_round_tf32_kernel, once per call: every block reads all of it).
     const int n_kc = K2 / 32;
     const int wg = warp >> 2;
     const float* w_blk = static_cast<const float*>(p.w_blocked);
@@ -392,16 +392,7 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const Outer
         const char* o_round = smem_c + (r0 >> 3) * o_sbo;
         for (int kc = 0; kc < n_kc; ++kc) {
           cp_async_wait<kAhead2 - 1>();
-          {
-            char* st = w_st + (kc % kTcWg2Stages) * kTcWg2ChunkBytes + w_dst;
-#pragma unroll
-            for (int u = 0; u < kTcDG / 32; ++u) {
-              float4& v = *reinterpret_cast<float4*>(st + u * 4096);
-              v = make_float4(__uint_as_float(to_tf32(v.x)), __uint_as_float(to_tf32(v.y)),
-                              __uint_as_float(to_tf32(v.z)), __uint_as_float(to_tf32(v.w)));
-            }
-          }
-          fence_proxy_async_smem();  // this thread's copies (rounded), visible to the tensor cores
+          fence_proxy_async_smem();  // this thread's copies, visible to the tensor cores
           __syncthreads();
           // The stage refilled now was last read by the group of chunk kc - 2, which every
           // warpgroup retired before the barrier (one group stays in flight).
@@ -541,6 +532,15 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const Outer
       store_round<kTcRoundRows, false>(p, red, kRedLd, row_off, norm_arg, dg, tid, kTcThreads);
     }
   }
+#endif
+}
+
+// Rounds w_blocked to TF32 in place (round to nearest, ties away, as split_tf32<1> and the
+// mma.sync form do), so that phase 2 on wgmma reads it as it arrives.
+__global__ void opm_round_tf32_kernel(float* __restrict__ w, int64_t n) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    w[i] = __uint_as_float(to_tf32(w[i]));
 #endif
 }
 
