@@ -314,6 +314,22 @@ __device__ __forceinline__ void wgmma_m64n128k8_tf32(float (&d)[64], uint64_t de
 #endif
 }
 
+// As wgmma_m64n128k8_tf32 with A from registers: warp w of the warpgroup holds rows 16w .. 16w + 15,
+// a[0..3] = (row 16w + g, k t), (row + 8, k t), (row, k t + 4), (row + 8, k t + 4) with g = lane / 4,
+// t = lane % 4 (the layout of mma.sync m16n8k8's A).  No shared-memory reads for A.
+__device__ __forceinline__ void wgmma_m64n128k8_tf32_rs(float (&d)[64], const uint32_t (&a)[4], uint64_t desc_b,
+                                                        int accumulate) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 {"
+      FLASHOPM_ACC_NAMES64 "}, "
+      "{%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
+      : FLASHOPM_ACC64(d)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
+#endif
+}
+
 // d (64 x 32 per warpgroup, float32) += A (64 x 8) · B (8 x 32), TF32, both K-major (as
 // wgmma_m64n256k8_tf32; the accumulator layout of its first 4 column tiles).
 __device__ __forceinline__ void wgmma_m64n32k8_tf32(float (&d)[16], uint64_t desc_a, uint64_t desc_b) {

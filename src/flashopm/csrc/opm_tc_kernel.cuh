@@ -11,8 +11,8 @@
 // kWgmma (sm_90a): phase 1 on warpgroup MMAs (two warpgroups of 64 rows x 256 columns,
 // wgmma.m64n256k8 TF32) reading a and b from stages filled by cp.async in the K-major layouts
 // of AbKind (TF32 operands have no MN-major form): rounded to TF32 by the projection kernel for
-// one term; for three, split into high and low parts in shared memory by the threads that copied
-// them.  Phase 2 is the same in both forms.
+// one term; for three, split into high and low parts, B's in shared memory by the threads that
+// copied them and A's in registers (wgmma with A from registers).  kWgmma2: phase 2 on wgmma too.
 //
 // Requires H % 8 == 0 (a k-step of 8 never crosses h1 in phase 2, and every row of a tile is
 // 16-byte aligned for cp.async) and 16-byte aligned a, b and W.
@@ -64,8 +64,9 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const Outer
     // a is (B, chunks, Na·H, kRow) and b (B, chunks, N·H, kRow) floats (AbKind), so a stage's A
     // and B are contiguous runs of rows in global memory.  In shared memory each row takes 128
     // bytes, swizzled (16-byte piece q of row r at piece q ^ (r % 8)): 32 TF32 values of s for one
-    // term; for three, 16 s of high parts, then the same 16 s of low parts, which this thread
-    // forms from the values it copied (so no barrier comes between the copy and the split).
+    // term; for three, B's rows hold 16 s of high parts, then the same 16 s of low parts, which
+    // this thread forms from the values it copied (so no barrier comes between the copy and the
+    // split), and A's rows 16 s as they are, split by the threads that read them into registers.
     // This thread copies piece pq of rows pr + kPassRows·u.
     constexpr int kRow = kmajor_row_floats(kTerms), kPieces = kRow / 4, kPassRows = kTcThreads / kPieces;
     const int wg = warp >> 2;
@@ -102,7 +103,7 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const Outer
       }
       ++issued;
     };
-    // 3xTF32: the pieces this thread copied into buffer `buf` become their high parts
+    // 3xTF32: the pieces of B this thread copied into buffer `buf` become their high parts
     // (hi = x rounded to nearest TF32, as split_tf32<3> forms it) and, in the other half of the row
     // (address bit 6 flipped: piece q ^ 4), their low parts lo = x - hi.
     auto split_stage = [&](int buf) {
@@ -123,9 +124,24 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const Outer
         *reinterpret_cast<float4*>(smem_c + ((static_cast<uint32_t>(piece - smem_c)) ^ 64u)) = lo;
       };
 #pragma unroll
-      for (int u = 0; u < kTcMT / kPassRows; ++u) split_piece(st + u * kPassBytes);
-#pragma unroll
       for (int u = 0; u < kTcNT / kPassRows; ++u) split_piece(st + kTcWgABytes + u * kPassBytes);
+    };
+    // 3xTF32, A from registers: this thread's A fragments of a stage (rows ra, ra + 8 of its warp's
+    // 16, s = t, t + 4, t + 8, t + 12) read raw and split as split_piece splits B.  Lanes of a warp
+    // read 8 rows x 4 consecutive floats of a piece, swizzled apart: no bank conflicts.
+    const int ra = wg * 64 + (warp & 3) * 16 + g;
+    auto load_a_split = [&](int buf, uint32_t (&a_hi)[2][4], uint32_t (&a_lo)[2][4]) {
+      const char* st = smem_c + buf * kTcWgStageBytes;
+#pragma unroll
+      for (int kk = 0; kk < 2; ++kk)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = ra + 8 * (e & 1), q = 2 * kk + (e >> 1);  // q: piece of s = 8kk + t (+4)
+          const float v = *reinterpret_cast<const float*>(st + r * 128 + ((q ^ (r & 7)) << 4) + t * 4);
+          const uint32_t hi = (__float_as_uint(v) + 0x1000u) & 0xffffe000u;
+          a_hi[kk][e] = hi;
+          a_lo[kk][e] = __float_as_uint(v - __uint_as_float(hi));
+        }
     };
 #pragma unroll
     for (int st = 0; st < kTcWgAhead; ++st) {
@@ -156,7 +172,9 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const Outer
         // The tensor core's accumulation truncates relative to the accumulator's magnitude (see
         // mma_split_add): each stage's products go to a zeroed accumulator, half of the columns
         // at a time (registers), which is then added to the running sum in float32.  The small
-        // terms first, as mma_split orders them.
+        // terms first, as mma_split orders them.  A comes from registers (load_a_split).
+        uint32_t a_hi[2][4], a_lo[2][4];
+        load_a_split(kt % kTcWgStages, a_hi, a_lo);
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           float part[64];
@@ -164,9 +182,9 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const Outer
           wgmma_fence();
 #pragma unroll
           for (int kk = 0; kk < 2; ++kk) {
-            wgmma_m64n128k8_tf32(part, da + 2 * kk, dbh + 4 + 2 * kk, kk);
-            wgmma_m64n128k8_tf32(part, da + 4 + 2 * kk, dbh + 2 * kk, 1);
-            wgmma_m64n128k8_tf32(part, da + 2 * kk, dbh + 2 * kk, 1);
+            wgmma_m64n128k8_tf32_rs(part, a_hi[kk], dbh + 4 + 2 * kk, kk);
+            wgmma_m64n128k8_tf32_rs(part, a_lo[kk], dbh + 2 * kk, 1);
+            wgmma_m64n128k8_tf32_rs(part, a_hi[kk], dbh + 2 * kk, 1);
           }
           wgmma_commit();
           wgmma_wait<0>();
