@@ -596,10 +596,72 @@ def test_tf32_wgmma_form_in_row_blocks(shape, precision, monkeypatch):
         assert err <= 2 * rel_error(_eager_tf32(xc, mc, pc), ref64)
 
 
+# The float16 split form of "highest" runs for hidden 8, 16 and 32 with a full column tile (N >=
+# 256 / hidden): rounds of pairs at tile edges (N = 33 for hidden 16, N = 32 and 97 for hidden 8),
+# S across chunks of 32 (1, 31, 33, 300), B = 2, a row tile cut short (N = 41 for hidden 32).
+HALF_SPLIT_SHAPES = [
+    Shape(1, 77, 41, 24, 32, 64),
+    Shape(2, 300, 33, 16, 16, 20),
+    Shape(1, 1, 97, 8, 8, 130),
+    Shape(1, 33, 32, 40, 8, 7),
+    Shape(2, 31, 8, 17, 32, 128),
+]
+
+
+def _problem_with_range(shape, case, seed):
+    """A problem whose operands span many binades: the float16 split form scales per residue,
+    per output column of W and by a bound for O, so these are where it could lose accuracy."""
+    x, m, p = make_problem(shape, "masked_positions", seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    if case == "mask_range":  # mask values from 1e-6 to 10, varying by residue and by sequence
+        m = (m * 10.0 ** torch.randint(-6, 2, (shape.B, 1, shape.N), generator=g).float()
+             * 10.0 ** torch.randint(-3, 1, (shape.B, shape.S, 1), generator=g).float())
+    elif case == "outliers":  # a few features of x 1e4 times the rest
+        x = x.clone()
+        idx = torch.randint(0, x.numel(), (max(1, x.numel() // 500),), generator=g)
+        x.view(-1)[idx] *= 1e4
+    elif case in ("large_weights", "small_weights"):
+        f = 1e3 if case == "large_weights" else 1e-4
+        p = {k: (v * f if k in ("w_a", "w_b", "w_out") else v) for k, v in p.items()}
+    elif case == "column_range":  # W's rows (output columns) from 1e-5 to 1e2
+        p = dict(p)
+        p["w_out"] = p["w_out"] * 10.0 ** torch.randint(-5, 3, (shape.D, 1), generator=g).float()
+    return x, m, p
+
+
+@requires_sm90
+@pytest.mark.parametrize("shape", HALF_SPLIT_SHAPES, ids=str)
+@pytest.mark.parametrize("case", ["plain", "mask_range", "outliers", "large_weights", "small_weights",
+                                  "column_range"])
+def test_float16_split_form(shape, case, monkeypatch):
+    """"highest" in the float16 split form (the wgmma form's default where it fits): the float32
+    bars on operands that span many binades, every element written, repeatable, within twice the
+    error of the 3xTF32 wgmma form, and not bitwise that form (so the split form is what ran)."""
+    x, m, p = _problem_with_range(shape, case, seed=zlib.crc32(f"{shape}-{case}".encode()) % 1000)
+    xc, mc, pc = x.cuda(), m.cuda(), _cuda_params(p)
+    ref64 = reference(xc, mc, pc, dtype=torch.float64).cpu()
+    ref32 = reference(xc, mc, pc).cpu()
+    monkeypatch.setenv("FLASHOPM_TC_FORM", "wgmma")
+    out = _run(xc, mc, pc, "outer", precision="highest")
+    again = _run(xc, mc, pc, "outer", precision="highest")
+    monkeypatch.setenv("FLASHOPM_TC_FORM", "wgmma_tf32")
+    out_tf32x3 = _run(xc, mc, pc, "outer", precision="highest").cpu()
+    out = out.cpu()
+    assert out.isfinite().all(), "NaN or Inf in the output"
+    assert torch.equal(out, again.cpu()), "two identical calls differ: a race"
+    assert not torch.equal(out, out_tf32x3), "the float16 split form did not run"
+    scale = max(1.0, ref64.abs().max().item())
+    torch.testing.assert_close(out, ref32, atol=1e-4 * scale, rtol=1e-4)
+    err, err_eager = rel_error(out, ref64), rel_error(ref32, ref64)
+    assert err <= max(2 * err_eager, FP64_FLOOR), f"normwise error {err:.3g} vs eager fp32 {err_eager:.3g}"
+    err_tf32x3 = rel_error(out_tf32x3, ref64)
+    assert err <= max(2 * err_tf32x3, FP64_FLOOR), f"float16 split {err:.3g} vs 3xTF32 {err_tf32x3:.3g}"
+
+
 def test_tensor_core_form_setting_is_checked(monkeypatch):
     monkeypatch.setenv("FLASHOPM_TC_FORM", "fastest")
     x, m, p = make_problem(Shape(1, 8, 40, 16, 32, 16), "ones", seed=0)
-    with pytest.raises(RuntimeError, match="FLASHOPM_TC_FORM must be mma_sync or wgmma"):
+    with pytest.raises(RuntimeError, match="FLASHOPM_TC_FORM must be mma_sync, wgmma or wgmma_tf32"):
         _run(x.cuda(), m.cuda(), _cuda_params(p), "outer", poison=False)
 
 

@@ -358,16 +358,23 @@ int requested_tc16_form(int dev) {
 // The float32 tensor-core kernel's form: phase 1 on warpgroup MMAs (a and b in the K-major TF32
 // layouts) where the extension holds sm_90a code and the GPU is sm_90, else mma.sync.
 // FLASHOPM_TC_FORM=mma_sync or =wgmma asks for one of them (to compare them; wgmma also where the
-// split layout of 3xTF32 would pass the workspace budget).
-enum TcForm : int { kTcFormAuto = 0, kTcFormMmaSync = 1, kTcFormWgmma = 2 };
+// split layout of 3xTF32 would pass the workspace budget); =wgmma_tf32 asks for the wgmma form
+// with 3xTF32 under "highest" where the float16 split form would run.
+enum TcForm : int { kTcFormAuto = 0, kTcFormMmaSync = 1, kTcFormWgmma = 2, kTcFormWgmmaTf32 = 3 };
 TcForm requested_tc_form() {
   const char* env = std::getenv("FLASHOPM_TC_FORM");
   const std::string form = env ? env : "";
   if (form == "mma_sync") return kTcFormMmaSync;
   if (form == "wgmma") return kTcFormWgmma;
-  FLASHOPM_CHECK(form.empty(), "flashopm: FLASHOPM_TC_FORM must be mma_sync or wgmma (or unset), got '", form, "'");
+  if (form == "wgmma_tf32") return kTcFormWgmmaTf32;
+  FLASHOPM_CHECK(form.empty(), "flashopm: FLASHOPM_TC_FORM must be mma_sync, wgmma or wgmma_tf32 (or unset), got '",
+                 form, "'");
   return kTcFormAuto;
 }
+
+// "highest" in the float16 split form (opm_outer_tc_kernel's kHalfSplit): on the wgmma form, for
+// hidden sizes whose tiles make whole rounds of phase 2 (8, 16, 32) with a full column tile.
+bool half_split_fits(int64_t H, int64_t N) { return (H == 8 || H == 16 || H == 32) && N >= kOuterNT / H; }
 
 // One launch of the outer-first contraction for rows i_offset .. i_offset + rows of the problem
 // (a holds those rows) against all N columns, written from row out_row0 of an output with
@@ -376,7 +383,7 @@ TcForm requested_tc_form() {
 // 1: TF32; kmajor: a and b in the K-major TF32 layout of that many terms, for the wgmma form) or
 // CUDA cores.
 void run_outer(OuterArgs oa, int64_t i_offset, int64_t rows, int64_t out_rows, int64_t out_row0, bool tensor_cores,
-               int terms, bool kmajor, int operand_kind, const at::TensorOptions& options, int dev,
+               int terms, bool kmajor, bool half_split, int operand_kind, const at::TensorOptions& options, int dev,
                cudaStream_t stream) {
   const at::Tensor pair = pair_counts(oa.mask, oa.norm.kind, oa.B, oa.S, oa.N, rows, i_offset, options, stream);
   oa.pair = pair.defined() ? pair.data_ptr<float>() : nullptr;
@@ -389,7 +396,9 @@ void run_outer(OuterArgs oa, int64_t i_offset, int64_t rows, int64_t out_rows, i
   oa.i_offset = int(i_offset);
   oa.out_rows = int(out_rows);
   oa.out_row0 = int(out_row0);
-  oa.Ti = int(std::min<int64_t>(kOuterMT / oa.H, rows));
+  // (the float16 split form keeps whole tiles, so that phase 2's rounds stay whole, for a last
+  // block of fewer rows too: the kernel leaves rows past Na out)
+  oa.Ti = int(half_split ? kOuterMT / oa.H : std::min<int64_t>(kOuterMT / oa.H, rows));
   oa.Tj = std::min(kOuterNT / oa.H, oa.N);
   FLASHOPM_CHECK((rows + oa.Ti - 1) / oa.Ti <= 65535, "flashopm: too many rows for one launch (", rows, " rows of ",
                  oa.N, ")");
@@ -399,9 +408,9 @@ void run_outer(OuterArgs oa, int64_t i_offset, int64_t rows, int64_t out_rows, i
     check_smem(outer_tc16_smem_bytes(oa.H, oa.Ti, oa.Tj, form), dev, "16-bit tensor-core outer-product");
     launch_outer_tc16(oa, operand_kind, form, stream);
   } else if (tensor_cores) {
-    const bool wgmma2 = tc_phase2_wgmma(terms, kmajor, oa.Ti, oa.Tj) && oa.w_blocked != nullptr;
+    const bool wgmma2 = half_split || (tc_phase2_wgmma(terms, kmajor, oa.Ti, oa.Tj) && oa.w_blocked != nullptr);
     check_smem(outer_tc_smem_bytes(oa.H, oa.Ti, oa.Tj, kmajor, wgmma2), dev, "tensor-core outer-product");
-    launch_outer_tc(oa, terms, kmajor, wgmma2, stream);
+    launch_outer_tc(oa, terms, kmajor, wgmma2, half_split, stream);
   } else {
     check_smem(outer_smem_bytes(), dev, "outer-product");
     launch_outer(oa, stream);
@@ -654,7 +663,12 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     FLASHOPM_CHECK(tc_form != kTcFormWgmma || wgmma_runs_on(dev),
                    "flashopm: FLASHOPM_TC_FORM=wgmma needs an sm_90 GPU and the extension built with sm_90a code");
     const bool kmajor = tc_ok && !operands16 && tc_form != kTcFormMmaSync && wgmma_runs_on(dev);
-    const int row_floats = kmajor_row_floats(tc_terms);  // s per chunk, and floats per row of one
+    const bool half_split = kmajor && tc_terms == 3 && tc_form != kTcFormWgmmaTf32 && half_split_fits(H, N);
+    const int ab_kind = !kmajor ? operand_kind
+                        : half_split ? int(kAbF32Rows32)
+                        : tc_terms == 3 ? int(kAbF32Rows16)
+                                        : int(kAbTf32);
+    const int row_floats = kmajor ? ab_kind_row_floats(ab_kind) : 1;  // s per chunk, and floats per row of one
     const int64_t n_chunks = (S + row_floats - 1) / row_floats;
     const int64_t s_store = kmajor ? n_chunks * row_floats : S;  // elements per (b, n, h)
     const int64_t b_elems = B * s_store * N * H;
@@ -679,7 +693,7 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     const at::Tensor ws = at::empty({b_elems + per_row * rows}, msa_in.options().dtype(ws_type));
     char* b_buf = static_cast<char*>(ws.data_ptr());
     char* a_buf = b_buf + b_elems * int64_t(ws.element_size());
-    pa.ab_kind = kmajor ? (tc_terms == 3 ? int(kAbF32Rows16) : int(kAbTf32)) : operand_kind;
+    pa.ab_kind = ab_kind;
     if (kmajor) pa.s_chunk = row_floats;
     // The K-major layouts' last chunk holds s past S when S is not a whole number of chunks:
     // zeros there (per batch, the last chunk of `rows_h` rows), which the projections do not write.
@@ -705,6 +719,27 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
       // the float32 kernel's phase 2 reads W as TF32: rounded here once rather than by every block
       if (!operands16) launch_round_tf32(w_blocked.data_ptr<float>(), w_blocked.numel(), stream);
       oa.w_blocked = w_blocked.data_ptr();
+    }
+    // The float16 split form: W split once per call, and the scale exponents of b's residues,
+    // of a's (one block of rows at a time) and of W's rows.
+    at::Tensor split_exps;
+    int* b_exp = nullptr;
+    int* a_exp = nullptr;
+    if (half_split) {
+      w_blocked = at::empty({D, H * H}, f32);
+      split_exps = at::empty({B * N + B * rows + D}, msa_in.options().dtype(at::kInt));
+      b_exp = split_exps.data_ptr<int>();
+      a_exp = b_exp + B * N;
+      oa.w_exp = a_exp + B * rows;
+      launch_split_w_f16(w_op.data_ptr<float>(), reinterpret_cast<uint32_t*>(w_blocked.data_ptr<float>()),
+                         const_cast<int*>(oa.w_exp), D, int(H), stream);
+      oa.w_blocked = w_blocked.data_ptr();
+      oa.a_exp = a_exp;
+      oa.b_exp = b_exp;
+      int lg = 0;  // |sum_s a'b'| < S·2^30 <= 2^(30 + lg)
+      while ((int64_t(1) << lg) < S) ++lg;
+      oa.o_exp = -(kSplitTopExp + 1) - lg;
+      oa.o_scale = std::ldexp(1.0f, oa.o_exp);
     }
     for (int64_t i_off = 0; i_off < N; i_off += rows) {
       const int64_t ni = std::min<int64_t>(rows, N - i_off);
@@ -735,8 +770,12 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
         pa.b_sn = H;
       }
       run_prep(pa, false, dev, stream);
+      if (half_split) {
+        if (i_off == 0) launch_split_rows_f16(reinterpret_cast<float*>(b_buf), b_exp, B, N, int(H), n_chunks, stream);
+        launch_split_rows_f16(reinterpret_cast<float*>(a_buf), a_exp, B, ni, int(H), n_chunks, stream);
+      }
 
-      run_outer(oa, i_off, ni, N, i_off, tc_ok, tc_terms, kmajor, operand_kind, f32, dev, stream);
+      run_outer(oa, i_off, ni, N, i_off, tc_ok, tc_terms, kmajor, half_split, operand_kind, f32, dev, stream);
     }
   }
   return out;
@@ -798,7 +837,7 @@ at::Tensor outer_product_mean_rows_cuda(const at::Tensor& a_in, const at::Tensor
   const OuterArgs oa = outer_args(a.data_ptr<float>(), b.data_ptr<float>(), mask_view, w_out, b_out, out, B, S, N,
                                   H, D, Normalizer{int(normalization), float(norm_eps)});
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dev).stream();
-  run_outer(oa, row_offset, Nr, Nr, 0, tc_ok, resolve_precision(precision) == kHighest ? 3 : 1, false, kMaskFloat,
+  run_outer(oa, row_offset, Nr, Nr, 0, tc_ok, resolve_precision(precision) == kHighest ? 3 : 1, false, false, kMaskFloat,
             a.options(), dev,
             stream);
   return out;

@@ -119,8 +119,8 @@ __device__ __forceinline__ void store_ab(void* base, int64_t row, int h, float v
     uint32_t r;
     asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(v));
     static_cast<float*>(base)[row + int64_t(h) * kmajor_row_floats(1)] = __uint_as_float(r);
-  } else if (kind == kAbF32Rows16) {
-    static_cast<float*>(base)[row + int64_t(h) * kmajor_row_floats(3)] = v;
+  } else if (kind == kAbF32Rows16 || kind == kAbF32Rows32) {
+    static_cast<float*>(base)[row + int64_t(h) * ab_kind_row_floats(kind)] = v;
   } else {
     store_out(base, row + h, v, kind);
   }

@@ -161,19 +161,22 @@ int outer_tc_smem_bytes(int H, int Ti, int Tj, bool wgmma, bool wgmma2) {
 }
 
 namespace {
-template <int kTerms, bool kWgmma, bool kWgmma2>
+template <int kTerms, bool kWgmma, bool kWgmma2, bool kHalfSplit = false>
 void launch_tc_t(const OuterArgs& args, const dim3& grid, int smem, cudaStream_t stream) {
-  constexpr auto kernel = opm_outer_tc_kernel<kTerms, kWgmma, kWgmma2>;
+  constexpr auto kernel = opm_outer_tc_kernel<kTerms, kWgmma, kWgmma2, kHalfSplit>;
   allow_smem<kernel>();
   kernel<<<grid, kTcThreads, smem, stream>>>(args);
 }
 }  // namespace
 
-void launch_outer_tc(const OuterArgs& args, int terms, bool wgmma, bool wgmma2, cudaStream_t stream) {
+void launch_outer_tc(const OuterArgs& args, int terms, bool wgmma, bool wgmma2, bool half_split,
+                     cudaStream_t stream) {
   const dim3 grid(unsigned((args.N + args.Tj - 1) / args.Tj), unsigned((args.Na + args.Ti - 1) / args.Ti),
                   unsigned(args.B));
   const int smem = outer_tc_smem_bytes(args.H, args.Ti, args.Tj, wgmma, wgmma2);
-  if (wgmma2) {
+  if (half_split) {
+    launch_tc_t<3, true, true, true>(args, grid, smem, stream);
+  } else if (wgmma2) {
     launch_tc_t<1, true, true>(args, grid, smem, stream);
   } else if (wgmma) {
     if (terms == 3) launch_tc_t<3, true, false>(args, grid, smem, stream);
@@ -182,6 +185,21 @@ void launch_outer_tc(const OuterArgs& args, int terms, bool wgmma, bool wgmma2, 
     if (terms == 3) launch_tc_t<3, false, false>(args, grid, smem, stream);
     else launch_tc_t<1, false, false>(args, grid, smem, stream);
   }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void launch_split_rows_f16(float* buf, int* exp_out, int64_t B, int64_t rows_n, int H, int64_t n_chunks,
+                           cudaStream_t stream) {
+  const int64_t warps = B * rows_n;
+  if (warps == 0) return;
+  opm_split_rows_f16_kernel<<<unsigned((warps + 7) / 8), 256, 0, stream>>>(buf, exp_out, int(B), int(rows_n), H,
+                                                                           int(n_chunks));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void launch_split_w_f16(const float* w, uint32_t* w_split, int* w_exp, int64_t D, int H, cudaStream_t stream) {
+  if (D == 0) return;
+  opm_split_w_f16_kernel<<<unsigned(D), 256, 0, stream>>>(w, w_split, w_exp, H);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

@@ -376,6 +376,53 @@ __device__ __forceinline__ void wgmma_m64n64k16_kmajor(float (&d)[32], uint64_t 
 }
 #undef FLASHOPM_WGMMA_M64N64K16
 
+// The float16 split form's MMAs: d = A·B + (accumulate ? d : 0) with float16 operands, both
+// K-major in shared memory (rows of m or n, 128 bytes of k each, 8 rows to a 1 KB swizzle atom;
+// transpose flags clear).  m64n128k16: the accumulator layout of wgmma_m64n256k16's first 16
+// column tiles; m64n32k16: its first 4.
+__device__ __forceinline__ void wgmma_m64n128k16_f16(float (&d)[64], uint64_t desc_a, uint64_t desc_b,
+                                                     int accumulate) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {"
+      FLASHOPM_ACC_NAMES64 "}, "
+      "%64, %65, p, 1, 1, 0, 0;\n}\n"
+      : FLASHOPM_ACC64(d)
+      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+#endif
+}
+__device__ __forceinline__ void wgmma_m64n32k16_f16(float (&d)[16], uint64_t desc_a, uint64_t desc_b,
+                                                    int accumulate) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {"
+      FLASHOPM_ACC_NAMES16 "}, "
+      "%16, %17, p, 1, 1, 0, 0;\n}\n"
+      : FLASHOPM_ACC16(d, 0)
+      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+#endif
+}
+
+// Byte offset of element (row, k) of a float16 split operand in shared memory: the 128-byte
+// swizzled K-major layout of kmajor_tf32_offset, each row's 128 bytes holding the high parts of
+// its 32 k (bytes 0-63) and then their low parts (bytes 64-127); `part` 0 or 1.
+__device__ __forceinline__ uint32_t kmajor_split16_offset(int row, int k, uint32_t sbo, int part) {
+  return uint32_t(row >> 3) * sbo + uint32_t(k >> 5) * 1024u + uint32_t(row & 7) * 128u +
+         uint32_t(((((k & 31) >> 3) + 4 * part) ^ (row & 7)) << 4) + uint32_t(k & 7) * 2u;
+}
+
+// x = hi + lo in float16 (x already scaled into float16's range): hi rounded to nearest, lo the
+// rest rounded to nearest, two pairs packed as half2 (first value in the low half).
+__device__ __forceinline__ void split_f16x2(float x0, float x1, uint32_t& hi, uint32_t& lo) {
+  const __half2 h = __floats2half2_rn(x0, x1);
+  const float2 hf = __half22float2(h);
+  const __half2 l = __floats2half2_rn(x0 - hf.x, x1 - hf.y);
+  hi = *reinterpret_cast<const uint32_t*>(&h);
+  lo = *reinterpret_cast<const uint32_t*>(&l);
+}
+
 // Position of element (h1, h2) of an H x H outer product (H = 8·hb) along k in the 16-bit
 // kernel's O and W operands of phase 2: 8 x 8 blocks of (h1, h2) in the order (h1 / 8, h2 / 8),
 // each one 64-wide swizzle group, h1 % 8 selecting its 16-byte piece and h2 % 8 the element.

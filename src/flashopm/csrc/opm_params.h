@@ -26,9 +26,23 @@ enum MaskKind : int { kMaskFloat = 0, kMaskBool = 1, kMaskHalf = 2, kMaskBFloat1
 //   kAbTf32:       32 s rounded to TF32 ("high"), 128 bytes: one row of a 128-byte swizzle atom
 //   kAbF32Rows16:  16 s as they are (3xTF32, "highest"); the kernel splits each value into its
 //                  high and low TF32 parts in shared memory, filling the other 64 bytes of the row
+//   kAbF32Rows32:  32 s as they are, which opm_split_rows_f16_kernel then rewrites in place as
+//                  32 float16 high parts followed by the 32 low parts of the same s, after scaling
+//                  each residue's values by a power of two (the float16 split form, "highest")
 // s past S in the last chunk is zero (the host clears that chunk before the projections run).
-enum AbKind : int { kAbTf32 = 4, kAbF32Rows16 = 5 };
+enum AbKind : int { kAbTf32 = 4, kAbF32Rows16 = 5, kAbF32Rows32 = 6 };
 FLASHOPM_HD constexpr int kmajor_row_floats(int terms) { return terms == 3 ? 16 : 32; }
+FLASHOPM_HD constexpr int ab_kind_row_floats(int kind) { return kind == kAbF32Rows16 ? 16 : 32; }
+
+// The float16 split form of "highest" (opm_outer_tc_kernel with kHalfSplit): every float32
+// operand x, scaled by a power of two 2^e so that its block's largest magnitude lies in
+// [2^14, 2^15), becomes hi = fp16(x·2^e) and lo = fp16(x·2^e - hi), 11 + 11 significant bits as
+// 3xTF32 keeps, and each product takes three float16 MMAs (lo·hi + hi·lo + hi·hi) at twice the
+// TF32 rate.  The scale exponents: per residue for a and b (over s and h), per output column d
+// for W (over k), and one for O from the bound |sum_s a'b'| < S·2^30.
+constexpr int kSplitTopExp = 14;   // largest magnitude after scaling in [2^14, 2^15)
+constexpr int kSplitMinExp = -113; // scale exponents clamped: 2^-113 brings FLT_MAX below 2^15,
+constexpr int kSplitMaxExp = 60;   // and values under 2^-46 keep at least their absolute accuracy
 
 enum NormKind : int { kNormRow = 0, kNormOpenFold = 1, kNormBoltz = 2 };
 
@@ -142,6 +156,14 @@ struct OuterArgs {
   MaskView mask;       // (B, S, N): all residues
   const void* w_out;   // (D, H*H)
   const void* w_blocked;  // the wgmma forms of phase 2: w_out with k in o_k_order's order, or null
+                          // (the float16 split form: per chunk of 32 k, 32 high then 32 low halves)
+  // The float16 split form: scale exponents of a's rows (B, Na), b's (B, N) and W's (D), and O's
+  // scale factor 2^o_exp (see kSplitTopExp); null / unused otherwise.
+  const int* a_exp;
+  const int* b_exp;
+  const int* w_exp;
+  float o_scale;
+  int o_exp;
   const float* bias;   // (D) or null
   void* out;           // (B, out_rows, N, D) of out_kind; row i_offset + r of the problem is row out_row0 + r
   int out_kind;
@@ -344,7 +366,18 @@ int outer_smem_bytes();
 // (B, S, Na, H) and (B, S, N, H) float32.
 // wgmma2: phase 2 on warpgroup MMAs too (tc_phase2_wgmma; needs args.w_blocked: w_out with k in
 // o_k_order's order, rounded to TF32: launch_round_tf32).
-void launch_outer_tc(const OuterArgs& args, int terms, bool wgmma, bool wgmma2, cudaStream_t stream);
+// half_split: the float16 split form of "highest" (terms 3, wgmma and wgmma2; a and b in the
+// kAbF32Rows32 layout rewritten by launch_split_rows_f16, args.w_blocked from launch_split_w_f16,
+// args.a_exp / b_exp / w_exp / o_scale / o_exp set).
+void launch_outer_tc(const OuterArgs& args, int terms, bool wgmma, bool wgmma2, bool half_split,
+                     cudaStream_t stream);
+// a or b (rows_n residues, kAbF32Rows32 layout with n_chunks chunks per batch) split in place into
+// float16 high and low parts, each residue's scale exponent to exp_out (B, rows_n).
+void launch_split_rows_f16(float* buf, int* exp_out, int64_t B, int64_t rows_n, int H, int64_t n_chunks,
+                           cudaStream_t stream);
+// W (D, H²) float32 contiguous into w_split (D·H² 32-bit slots) for the float16 split form's phase
+// 2, each row's scale exponent to w_exp (D).
+void launch_split_w_f16(const float* w, uint32_t* w_split, int* w_exp, int64_t D, int H, cudaStream_t stream);
 // w (n floats, in place) rounded to TF32: w_blocked for wgmma2, which reads W as it arrives
 void launch_round_tf32(float* w, int64_t n, cudaStream_t stream);
 int outer_tc_smem_bytes(int H, int Ti, int Tj, bool wgmma, bool wgmma2);

@@ -8,6 +8,12 @@
 // only lo·lo (relative 2^-22) and keeps the error of a float32 GEMM.  kTerms = 1 is plain TF32
 // (hi·hi), PyTorch's "high" float32 matmul precision.
 //
+// kHalfSplit (with kWgmma, kWgmma2, kTerms = 3): float32 accuracy from float16 MMAs instead.  a,
+// b and W come split by opm_split_rows_f16_kernel / opm_split_w_f16_kernel into float16 high and
+// low parts of values scaled by powers of two (see kSplitTopExp), O is split likewise as phase 1
+// stores it, and each product is lo·hi + hi·lo + hi·hi on float16 wgmma (twice the TF32 rate);
+// the epilogue takes the scales out exactly (scalbnf).
+//
 // kWgmma (sm_90a): phase 1 on warpgroup MMAs (two warpgroups of 64 rows x 256 columns,
 // wgmma.m64n256k8 TF32) reading a and b from stages filled by cp.async in the K-major layouts
 // of AbKind (TF32 operands have no MN-major form): rounded to TF32 by the projection kernel for
@@ -23,10 +29,11 @@
 
 namespace flashopm {
 
-template <int kTerms, bool kWgmma, bool kWgmma2>
+template <int kTerms, bool kWgmma, bool kWgmma2, bool kHalfSplit = false>
 __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const OuterArgs p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  static_assert(!kWgmma2 || (kWgmma && kTerms == 1), "phase 2 on wgmma: TF32 after phase 1 on wgmma");
+  static_assert(!kWgmma2 || (kWgmma && (kTerms == 1 || kHalfSplit)), "phase 2 on wgmma: TF32 after phase 1 on wgmma");
+  static_assert(!kHalfSplit || (kWgmma2 && kTerms == 3), "the float16 split form runs both phases on wgmma");
   extern __shared__ float4 smem_f4[];
   float* smem = reinterpret_cast<float*>(smem_f4);
   if constexpr (kWgmma)  // the swizzle follows address bits 4-9: stages from a 1 KB boundary
@@ -68,7 +75,8 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const Outer
     // this thread forms from the values it copied (so no barrier comes between the copy and the
     // split), and A's rows 16 s as they are, split by the threads that read them into registers.
     // This thread copies piece pq of rows pr + kPassRows·u.
-    constexpr int kRow = kmajor_row_floats(kTerms), kPieces = kRow / 4, kPassRows = kTcThreads / kPieces;
+    constexpr int kRow = kHalfSplit ? ab_kind_row_floats(kAbF32Rows32) : kmajor_row_floats(kTerms);
+    constexpr int kPieces = kRow / 4, kPassRows = kTcThreads / kPieces;
     const int wg = warp >> 2;
     const int n_k = (S + kRow - 1) / kRow;
     const int64_t a_chunk = NaH * kRow, b_chunk = NH * kRow;  // floats per chunk
@@ -159,7 +167,7 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const Outer
     for (int e = 0; e < 128; ++e) acc[e] = 0.f;
     for (int kt = 0; kt < n_k; ++kt) {
       cp_async_wait<kTcWgAhead - 1>();
-      if constexpr (kTerms == 3) split_stage(kt % kTcWgStages);
+      if constexpr (kTerms == 3 && !kHalfSplit) split_stage(kt % kTcWgStages);
       fence_proxy_async_smem();  // this thread's copies (and splits), visible to the tensor cores
       __syncthreads();
       // The buffer refilled now was last read by the group of chunk kt - 2, which every
@@ -168,7 +176,28 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const Outer
       cp_async_commit();
       const uint64_t off = uint64_t((kt % kTcWgStages) * (kTcWgStageBytes >> 4));
       const uint64_t da = desc_a0 + off, db = desc_b0 + off;
-      if constexpr (kTerms == 3) {
+      if constexpr (kHalfSplit) {
+        // Rows of 32 s: high parts in bytes 0-63, low parts in 64-127 (+4 in 16-byte units), a
+        // k step of 16 s 32 bytes.  Each stage's products in a zeroed accumulator added in float32
+        // (the truncation of the tensor core's accumulation, as for 3xTF32), half the columns at
+        // a time; small terms first.
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          float part[64];
+          const uint64_t dbh = db + half * (128 * 128 >> 4);
+          wgmma_fence();
+#pragma unroll
+          for (int kk = 0; kk < 2; ++kk) {
+            wgmma_m64n128k16_f16(part, da + 4 + 2 * kk, dbh + 2 * kk, kk);
+            wgmma_m64n128k16_f16(part, da + 2 * kk, dbh + 4 + 2 * kk, 1);
+            wgmma_m64n128k16_f16(part, da + 2 * kk, dbh + 2 * kk, 1);
+          }
+          wgmma_commit();
+          wgmma_wait<0>();
+#pragma unroll
+          for (int e = 0; e < 64; ++e) acc[64 * half + e] += part[e];
+        }
+      } else if constexpr (kTerms == 3) {
         // The tensor core's accumulation truncates relative to the accumulator's magnitude (see
         // mma_split_add): each stage's products go to a zeroed accumulator, half of the columns
         // at a time (registers), which is then added to the running sum in float32.  The small
@@ -251,7 +280,42 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const Outer
         }
       }
     };
-    if constexpr (kWgmma2) {
+    // The float16 split form: O·2^o_exp (exact; below 2^15 by the bound on |sum_s a'b'|) as
+    // float16 high and low parts at the positions store_o_kmajor gives its TF32 values (each row
+    // of 32 k: 64 bytes of high parts, then the low parts).
+    auto store_o_split16 = [&](auto hb_const) {
+      constexpr int kHB = decltype(hb_const)::value;
+      const int hb = kHB > 0 ? kHB : H >> 3;
+      const uint32_t sbo = uint32_t(H) * H * 32;
+      char* os = reinterpret_cast<char*>(Os);
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int m = wg * 64 + (warp & 3) * 16 + g + 8 * half;
+        const int il = m / H;
+        if (il < Ti) {
+          const int h1 = m - il * H;
+#pragma unroll
+          for (int j = 0; j < 32; ++j) {
+            const int jl = j / hb;
+            if (jl < Tj) {
+              const int k = o_k_order(h1, 8 * (j - jl * hb) + 2 * t, hb), row = il * Tj + jl;
+              uint32_t hi, lo;
+              split_f16x2(acc[4 * j + 2 * half] * p.o_scale, acc[4 * j + 2 * half + 1] * p.o_scale, hi, lo);
+              *reinterpret_cast<uint32_t*>(os + kmajor_split16_offset(row, k, sbo, 0)) = hi;
+              *reinterpret_cast<uint32_t*>(os + kmajor_split16_offset(row, k, sbo, 1)) = lo;
+            }
+          }
+        }
+      }
+    };
+    if constexpr (kHalfSplit) {
+      switch (H) {
+        case 8: store_o_split16(std::integral_constant<int, 1>{}); break;
+        case 16: store_o_split16(std::integral_constant<int, 2>{}); break;
+        case 32: store_o_split16(std::integral_constant<int, 4>{}); break;
+        default: store_o_split16(std::integral_constant<int, 0>{});
+      }
+    } else if constexpr (kWgmma2) {
       switch (H) {
         case 8: store_o_kmajor(std::integral_constant<int, 1>{}); break;
         case 16: store_o_kmajor(std::integral_constant<int, 2>{}); break;
@@ -404,9 +468,9 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const Outer
           issue_w(kc);
           cp_async_commit();
         }
-        float acc2[16];
+        float acc2[16], part2[16];
 #pragma unroll
-        for (int e = 0; e < 16; ++e) acc2[e] = 0.f;
+        for (int e = 0; e < 16; ++e) acc2[e] = part2[e] = 0.f;
         const char* o_round = smem_c + (r0 >> 3) * o_sbo;
         for (int kc = 0; kc < n_kc; ++kc) {
           cp_async_wait<kAhead2 - 1>();
@@ -418,12 +482,32 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const Outer
           cp_async_commit();
           const char* st = w_st + (kc % kTcWg2Stages) * kTcWg2ChunkBytes + wg * 64 * 128;
           wgmma_fence();
+          if constexpr (kHalfSplit) {
+            // Two chunks' products (12 MMAs) in a zeroed accumulator, then added in float32: the
+            // even chunk starts it, the odd one waits for both and adds (n_kc is even).
+            const char* oc = o_round + kc * 1024;
 #pragma unroll
-          for (int kk = 0; kk < 4; ++kk)
-            wgmma_m64n32k8_tf32(acc2, wgmma_desc(st + kk * 32, 16, 1024),
-                                wgmma_desc(o_round + kc * 1024 + kk * 32, 16, o_sbo));
-          wgmma_commit();
-          wgmma_wait<1>();
+            for (int kk = 0; kk < 2; ++kk) {
+              const uint64_t w_hi = wgmma_desc(st + kk * 32, 16, 1024), w_lo = wgmma_desc(st + 64 + kk * 32, 16, 1024);
+              const uint64_t o_hi = wgmma_desc(oc + kk * 32, 16, o_sbo), o_lo = wgmma_desc(oc + 64 + kk * 32, 16, o_sbo);
+              wgmma_m64n32k16_f16(part2, w_lo, o_hi, kk == 0 ? (kc & 1) : 1);
+              wgmma_m64n32k16_f16(part2, w_hi, o_lo, 1);
+              wgmma_m64n32k16_f16(part2, w_hi, o_hi, 1);
+            }
+            wgmma_commit();
+            if (kc & 1) {
+              wgmma_wait<0>();
+#pragma unroll
+              for (int e = 0; e < 16; ++e) acc2[e] += part2[e];
+            }
+          } else {
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk)
+              wgmma_m64n32k8_tf32(acc2, wgmma_desc(st + kk * 32, 16, 1024),
+                                  wgmma_desc(o_round + kc * 1024 + kk * 32, 16, o_sbo));
+            wgmma_commit();
+            wgmma_wait<1>();
+          }
         }
         wgmma_wait<0>();
         cp_async_wait_all();
@@ -437,6 +521,27 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const Outer
                        den_s, row_off, norm_arg);
         }
         // acc2: rows d = 64wg + 16(warp % 4) + g (+8), columns (pairs) 8j + 2t (+1)
+        if constexpr (kHalfSplit) {
+          // the scales out: 2^-(o_exp + a's exponent of row i + b's of column j + W's of row d)
+          int w_e[2];
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int d = dg + wg * 64 + (warp & 3) * 16 + g + 8 * half;
+            w_e[half] = d < D ? p.w_exp[d] : 0;
+          }
+#pragma unroll
+          for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int pr = min(r0 + 8 * j + 2 * t + e, P - 1);
+              const int il = pr / Tj, jl = pr - il * Tj;
+              const int pair_e = -p.o_exp - p.a_exp[int64_t(b) * p.Na + min(i0 + il, p.Na - 1)] -
+                                 p.b_exp[int64_t(b) * N + min(j0 + jl, N - 1)];
+#pragma unroll
+              for (int half = 0; half < 2; ++half)
+                acc2[4 * j + 2 * half + e] = scalbnf(acc2[4 * j + 2 * half + e], pair_e - w_e[half]);
+            }
+        }
 #pragma unroll
         for (int j = 0; j < 4; ++j)
 #pragma unroll
@@ -559,6 +664,101 @@ __global__ void opm_round_tf32_kernel(float* __restrict__ w, int64_t n) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
     w[i] = __uint_as_float(to_tf32(w[i]));
+#endif
+}
+
+// The float16 split form's scale exponent for a block of values whose largest magnitude is m:
+// m·2^e in [2^14, 2^15) (kSplitTopExp), clamped; 0 where m is 0, NaN or Inf (those propagate).
+__device__ __forceinline__ int split_scale_exp(float m) {
+  if (!(m > 0.f) || !isfinite(m)) return 0;
+  return min(max(kSplitTopExp - ilogbf(m), kSplitMinExp), kSplitMaxExp);
+}
+__device__ __forceinline__ float exp2_int(int e) { return __int_as_float((127 + e) << 23); }  // |e| <= 126
+
+// a or b in the kAbF32Rows32 layout (per batch, chunks of 32 s; per chunk, rows (n, h) of 32
+// floats), rewritten in place for the float16 split form: each residue n's values scaled by 2^e
+// (split_scale_exp of their largest magnitude over s and h, written to exp_out[b·rows_n + n]),
+// each row of 32 floats becoming 32 float16 high parts and then the 32 low parts.  One warp per
+// residue: a pass for the largest magnitude, then a pass that splits four rows at a time (each
+// row read whole by its 8 lanes before they write it).
+__global__ void opm_split_rows_f16_kernel(float* __restrict__ buf, int* __restrict__ exp_out, int B, int rows_n,
+                                          int H, int n_chunks) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t row = int64_t(blockIdx.x) * (blockDim.x >> 5) + warp;  // b·rows_n + n
+  if (row >= int64_t(B) * rows_n) return;
+  const int64_t bi = row / rows_n, n = row - bi * rows_n;
+  const int64_t chunk = int64_t(rows_n) * H * 32;  // floats per chunk
+  float* base = buf + bi * n_chunks * chunk + n * H * 32;
+  float m = 0.f;
+  for (int c = 0; c < n_chunks; ++c) {
+    const float4* src = reinterpret_cast<const float4*>(base + c * chunk);
+    for (int q = lane; q < H * 8; q += 32) {
+      const float4 v = src[q];
+      m = fmaxf(m, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
+    }
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+  const int e = split_scale_exp(m);
+  if (lane == 0) exp_out[row] = e;
+  const float f = exp2_int(e);
+  const int q = lane & 7;
+  for (int c = 0; c < n_chunks; ++c) {
+    float* ch = base + c * chunk;
+    for (int h0 = 0; h0 < H; h0 += 4) {
+      const int h = h0 + (lane >> 3);
+      char* r = reinterpret_cast<char*>(ch + int64_t(h) * 32);
+      float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (h < H) v = reinterpret_cast<const float4*>(r)[q];
+      __syncwarp();
+      if (h < H) {
+        uint2 hi, lo;
+        split_f16x2(v.x * f, v.y * f, hi.x, lo.x);
+        split_f16x2(v.z * f, v.w * f, hi.y, lo.y);
+        *reinterpret_cast<uint2*>(r + 8 * q) = hi;
+        *reinterpret_cast<uint2*>(r + 64 + 8 * q) = lo;
+      }
+      __syncwarp();
+    }
+  }
+#endif
+}
+
+// W (D, H²) float32 as the float16 split form's phase 2 reads it: row d scaled by 2^w_exp[d]
+// (split_scale_exp over the row), k in o_k_order's order, each chunk of 32 k as 32 float16 high
+// parts and then the 32 low parts (128 bytes: the slots of 32 floats).  One block per row d.
+__global__ void opm_split_w_f16_kernel(const float* __restrict__ w, uint32_t* __restrict__ w_split,
+                                       int* __restrict__ w_exp, int H) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  __shared__ float red[32];
+  const int d = blockIdx.x, tid = threadIdx.x, K2 = H * H, hb = H >> 3;
+  const float* row = w + int64_t(d) * K2;
+  float m = 0.f;
+  for (int k = tid; k < K2; k += blockDim.x) m = fmaxf(m, fabsf(row[k]));
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+  if ((tid & 31) == 0) red[tid >> 5] = m;
+  __syncthreads();
+  if (tid < 32) {
+    m = tid < int(blockDim.x >> 5) ? red[tid] : 0.f;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+    if (tid == 0) red[0] = m;
+  }
+  __syncthreads();
+  const int e = split_scale_exp(red[0]);
+  if (tid == 0) w_exp[d] = e;
+  const float f = exp2_int(e);
+  uint32_t* out = w_split + int64_t(d) * K2;  // 32-bit slots: a pair of halves each
+  for (int idx = tid; idx < K2 / 2; idx += blockDim.x) {
+    const int pos = 2 * idx, blk = pos >> 6;  // pos = o_k_order(h1, h2), h2 even
+    const int h1 = (blk / hb) * 8 + ((pos >> 3) & 7), h2 = (blk % hb) * 8 + (pos & 7);
+    uint32_t hi, lo;
+    split_f16x2(row[h1 * H + h2] * f, row[h1 * H + h2 + 1] * f, hi, lo);
+    out[(pos >> 5) * 32 + ((pos & 31) >> 1)] = hi;
+    out[(pos >> 5) * 32 + 16 + ((pos & 31) >> 1)] = lo;
+  }
 #endif
 }
 
