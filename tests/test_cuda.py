@@ -620,9 +620,11 @@ def _problem_with_range(shape, case, seed):
         x = x.clone()
         idx = torch.randint(0, x.numel(), (max(1, x.numel() // 500),), generator=g)
         x.view(-1)[idx] *= 1e4
-    elif case in ("large_weights", "small_weights"):
-        f = 1e3 if case == "large_weights" else 1e-4
-        p = {k: (v * f if k in ("w_a", "w_b", "w_out") else v) for k, v in p.items()}
+    elif case == "large_weights":
+        p = {k: (v * 1e3 if k in ("w_a", "w_b", "w_out") else v) for k, v in p.items()}
+    elif case == "small_weights":  # a and b near 1e-4, the output bias as small as their product
+        p = {k: (v * 1e-4 if k in ("w_a", "b_a", "w_b", "b_b") else v * 1e-8 if k == "b_out" else v)
+             for k, v in p.items()}
     elif case == "column_range":  # W's rows (output columns) from 1e-5 to 1e2
         p = dict(p)
         p["w_out"] = p["w_out"] * 10.0 ** torch.randint(-5, 3, (shape.D, 1), generator=g).float()

@@ -687,6 +687,20 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
       const int64_t fill = ti_full * ((4 * device_info(dev).sm_count + col_blocks - 1) / col_blocks);
       rows = std::min<int64_t>(std::max(rows / ti_full * ti_full, std::max(fill, ti_full)), N);
     }
+    // Peak extra memory within 1.25x the output where b leaves room for it: when a, b and W's
+    // copy (the wgmma forms of phase 2) would pass a quarter of the output, a comes in balanced
+    // blocks of rows (the training crop (1,128,256,256,32,128) in float32: W's copy alone would
+    // pass the bound).
+    if (!operands16) {
+      const int64_t w_copy = kmajor && (half_split || tc_terms == 1) ? D * H * H + D : 0;
+      const int64_t room = out.numel() / 4 - w_copy - B * N - (int64_t(64) << 10);  // float32 elements
+      if (b_elems + per_row * rows > room && b_elems + per_row * ti_full <= room) {
+        const int64_t blocks = (N + (room - b_elems) / per_row - 1) / ((room - b_elems) / per_row);
+        const int64_t per_block = (N + blocks - 1) / blocks;
+        rows = std::min<int64_t>((per_block + ti_full - 1) / ti_full * ti_full, N);
+        if (b_elems + per_row * rows > room) rows = std::max<int64_t>(rows - ti_full, ti_full);
+      }
+    }
     const at::ScalarType ws_type = operand_kind == kMaskBFloat16 ? at::kBFloat16
                                    : operand_kind == kMaskHalf   ? at::kHalf
                                                                  : at::kFloat;
