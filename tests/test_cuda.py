@@ -660,6 +660,24 @@ def test_float16_split_form(shape, case, monkeypatch):
     assert err <= max(2 * err_tf32x3, FP64_FLOOR), f"float16 split {err:.3g} vs 3xTF32 {err_tf32x3:.3g}"
 
 
+@requires_sm90
+@pytest.mark.parametrize("shape", [Shape(1, 4, 33, 16, 8, 8), Shape(1, 5, 9, 16, 32, 8)], ids=str)
+def test_nan_inf_propagate_in_float16_split_form(shape, monkeypatch):
+    """The scales of the float16 split form come from each residue's largest magnitude, which
+    skips NaN: a NaN or Inf in x still reaches exactly the outputs it reaches in the reference."""
+    monkeypatch.setenv("FLASHOPM_TC_FORM", "wgmma")
+    x, m, p = make_problem(shape, "binary", seed=4)
+    x[0, 1, 2, 3] = float("nan")
+    x[0, 2, 5, 0] = float("inf")
+    m[0, 2, 5] = 0.0
+    xc, mc, pc = x.cuda(), m.cuda(), _cuda_params(p)
+    expect = reference(xc, mc, pc)
+    out = _run(xc, mc, pc, "outer", poison=False, precision="highest")
+    assert torch.equal(out.isnan(), expect.isnan())
+    fin = ~expect.isnan()
+    torch.testing.assert_close(out[fin], expect[fin], atol=1e-4, rtol=1e-4)
+
+
 def test_tensor_core_form_setting_is_checked(monkeypatch):
     monkeypatch.setenv("FLASHOPM_TC_FORM", "fastest")
     x, m, p = make_problem(Shape(1, 8, 40, 16, 32, 16), "ones", seed=0)
