@@ -354,19 +354,23 @@ def test_empty_sizes(B, S, N):
     torch.testing.assert_close(out, expect)
 
 
-@pytest.mark.parametrize("algorithm", ALGORITHMS)
-def test_nan_inf_propagate_like_reference(algorithm):
-    shape = Shape(1, 4, 9, 16, 8, 8)
-    x, m, p = make_problem(shape, "binary", seed=3)
+def _check_nan_inf_propagate(shape, seed, algorithm, precision=None):
+    """A NaN and a masked Inf in x reach exactly the outputs they reach in the reference."""
+    x, m, p = make_problem(shape, "binary", seed=seed)
     x[0, 1, 2, 3] = float("nan")
     x[0, 2, 5, 0] = float("inf")
     m[0, 2, 5] = 0.0  # masked Inf still poisons, as 0 * inf = nan in the reference
     xc, mc, pc = x.cuda(), m.cuda(), _cuda_params(p)
     expect = reference(xc, mc, pc)
-    out = _run(xc, mc, pc, algorithm, poison=False)
+    out = _run(xc, mc, pc, algorithm, poison=False, precision=precision)
     assert torch.equal(out.isnan(), expect.isnan())
     fin = ~expect.isnan()
     torch.testing.assert_close(out[fin], expect[fin], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_nan_inf_propagate_like_reference(algorithm):
+    _check_nan_inf_propagate(Shape(1, 4, 9, 16, 8, 8), 3, algorithm)
 
 
 def test_large_shape_correct_with_bounded_memory():
@@ -666,16 +670,7 @@ def test_nan_inf_propagate_in_float16_split_form(shape, monkeypatch):
     """The scales of the float16 split form come from each residue's largest magnitude, which
     skips NaN: a NaN or Inf in x still reaches exactly the outputs it reaches in the reference."""
     monkeypatch.setenv("FLASHOPM_TC_FORM", "wgmma")
-    x, m, p = make_problem(shape, "binary", seed=4)
-    x[0, 1, 2, 3] = float("nan")
-    x[0, 2, 5, 0] = float("inf")
-    m[0, 2, 5] = 0.0
-    xc, mc, pc = x.cuda(), m.cuda(), _cuda_params(p)
-    expect = reference(xc, mc, pc)
-    out = _run(xc, mc, pc, "outer", poison=False, precision="highest")
-    assert torch.equal(out.isnan(), expect.isnan())
-    fin = ~expect.isnan()
-    torch.testing.assert_close(out[fin], expect[fin], atol=1e-4, rtol=1e-4)
+    _check_nan_inf_propagate(shape, 4, "outer", precision="highest")
 
 
 def test_tensor_core_form_setting_is_checked(monkeypatch):
