@@ -120,6 +120,42 @@ def test_rows_precision_high_and_fma_path_agree():
             torch.testing.assert_close(out.double(), full[:, 5:20], atol=tol, rtol=tol)
 
 
+requires_sm90 = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+    reason="the warpgroup-MMA forms need an sm_90 GPU",
+)
+
+
+@requires_sm90
+@pytest.mark.parametrize("form", ["wgmma", "wgmma_tf32", "mma_sync"])
+@pytest.mark.parametrize("precision", ["highest", "high"])
+def test_rows_tensor_core_forms(form, precision, monkeypatch):
+    """Each form of the float32 tensor-core kernel for the rows: on wgmma from K-major copies of a
+    and b (the float16 split form under "highest" by default, 3xTF32 with wgmma_tf32, TF32 under
+    "high"), or mma.sync from a and b as given. Float32's bars under "highest", TF32's tolerance
+    under "high", every element written, for blocks of rows cut at tile edges and S across chunks."""
+    monkeypatch.setenv("FLASHOPM_TC_FORM", form)
+    shape = Shape(2, 45, 33, 16, 16, 20)
+    a, b, m, p = _problem(shape, "masked_positions", seed=17, device="cuda")
+    full = _full(a, b, m, p, "openfold")
+    full32 = _full(a, b, m, p, "openfold", torch.float32)
+    N = shape.N
+    for r0, r1 in [(0, N), (5, 6), (7, 30)]:
+        poison = torch.full((shape.B * (r1 - r0) * N * shape.D,), float("nan"), device="cuda")
+        poison_ptr = poison.data_ptr()
+        del poison
+        out = outer_product_mean_rows(a[:, :, r0:r1], b, m, r0, p["w_out"], p["b_out"], normalization="openfold",
+                                      precision=precision)
+        assert out.data_ptr() == poison_ptr
+        assert not out.isnan().any()
+        if precision == "highest":
+            torch.testing.assert_close(out, full32[:, r0:r1], atol=1e-4, rtol=1e-4)
+            err, eager_err = rel_error(out, full[:, r0:r1]), rel_error(full32[:, r0:r1], full[:, r0:r1])
+            assert err <= 2 * eager_err + 4 * torch.finfo(torch.float32).eps
+        else:
+            torch.testing.assert_close(out.double(), full[:, r0:r1], atol=5e-3, rtol=5e-3)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_rows_bad_input(device):
     shape = Shape(1, 2, 5, 4, 3, 2)

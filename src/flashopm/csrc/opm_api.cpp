@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstdlib>
 #include <string>
 #include <type_traits>
@@ -376,6 +377,50 @@ TcForm requested_tc_form() {
 // hidden sizes whose tiles make whole rounds of phase 2 (8, 16, 32) with a full column tile.
 bool half_split_fits(int64_t H, int64_t N) { return (H == 8 || H == 16 || H == 32) && N >= kOuterNT / H; }
 
+// W (D, H²) float32 for phase 2 of the float32 kernel on wgmma, one copy per call: in the float16
+// split form split per output column (exponents to w_exp); else blocked in o_k_order's order and
+// rounded to TF32 ("high").  The copy is always a copy (for H = 8 the blocked order is W's own).
+at::Tensor float32_wgmma_w(const at::Tensor& w, int64_t H, bool half_split, int* w_exp, cudaStream_t stream) {
+  const int64_t D = w.size(0);
+  if (half_split) {
+    at::Tensor w_split = at::empty({D, H * H}, w.options());
+    launch_split_w_f16(w.data_ptr<float>(), reinterpret_cast<uint32_t*>(w_split.data_ptr<float>()), w_exp, D,
+                       int(H), stream);
+    return w_split;
+  }
+  at::Tensor w_blocked = w.view({D, H / 8, 8, H / 8, 8}).transpose(2, 3).clone(at::MemoryFormat::Contiguous);
+  launch_round_tf32(w_blocked.data_ptr<float>(), w_blocked.numel(), stream);
+  return w_blocked;
+}
+
+// The float16 split form's scales in oa: exponents of a's rows, b's and W's, and O's scale from the
+// bound |sum_s a'b'| < S·2^30 <= 2^(30 + lg).
+void set_split_scales(OuterArgs& oa, const int* a_exp, const int* b_exp, const int* w_exp, int64_t S) {
+  oa.a_exp = a_exp;
+  oa.b_exp = b_exp;
+  oa.w_exp = w_exp;
+  int lg = 0;
+  while ((int64_t(1) << lg) < S) ++lg;
+  oa.o_exp = -(kSplitTopExp + 1) - lg;
+  oa.o_scale = std::ldexp(1.0f, oa.o_exp);
+}
+
+// x (B, S, M) float32 contiguous in the K-major layouts of AbKind: (B, chunks, M, row_floats), s
+// of chunk c at c·row_floats + position, zeros past S.
+at::Tensor kmajor_copy(const at::Tensor& x, int64_t row_floats) {
+  const int64_t B = x.size(0), S = x.size(1), M = x.size(2);
+  const int64_t n_chunks = (S + row_floats - 1) / row_floats, full = S / row_floats, rest = S - full * row_floats;
+  at::Tensor out = at::empty({B, n_chunks, M, row_floats}, x.options());
+  at::Tensor by_s = out.permute({0, 1, 3, 2});  // (B, chunks, row_floats, M), a view
+  if (full > 0) by_s.narrow(1, 0, full).copy_(x.narrow(1, 0, full * row_floats).view({B, full, row_floats, M}));
+  if (rest > 0) {
+    at::Tensor last = by_s.select(1, full);  // (B, row_floats, M)
+    last.narrow(1, 0, rest).copy_(x.narrow(1, full * row_floats, rest));
+    last.narrow(1, rest, row_floats - rest).zero_();
+  }
+  return out;
+}
+
 // One launch of the outer-first contraction for rows i_offset .. i_offset + rows of the problem
 // (a holds those rows) against all N columns, written from row out_row0 of an output with
 // out_rows rows per batch: tensor cores with 16-bit operands (operand_kind kMaskBFloat16 or
@@ -726,34 +771,25 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     // The wgmma forms of phase 2 (16-bit kernel; float32 kernel in TF32) read W with k in 8 x 8
     // blocks of (h1, h2) (o_k_order), the order in which phase 1 stores O without shared-memory
     // bank conflicts; one copy per call, only where such a form can run.
-    at::Tensor w_blocked;
-    if ((operands16 && H % 8 == 0 && requested_tc16_form(dev) == kT16WgmmaBoth) || (kmajor && tc_terms == 1)) {
-      // a copy always (for H = 8 the blocked order is W's own), as it may be rounded in place
-      w_blocked = w_op.view({D, H / 8, 8, H / 8, 8}).transpose(2, 3).clone(at::MemoryFormat::Contiguous);
-      // the float32 kernel's phase 2 reads W as TF32: rounded here once rather than by every block
-      if (!operands16) launch_round_tf32(w_blocked.data_ptr<float>(), w_blocked.numel(), stream);
-      oa.w_blocked = w_blocked.data_ptr();
-    }
-    // The float16 split form: W split once per call, and the scale exponents of b's residues,
-    // of a's (one block of rows at a time) and of W's rows.
+    // The float16 split form: the scale exponents of b's residues, of a's (one block of rows at
+    // a time) and of W's rows.
     at::Tensor split_exps;
     int* b_exp = nullptr;
     int* a_exp = nullptr;
     if (half_split) {
-      w_blocked = at::empty({D, H * H}, f32);
       split_exps = at::empty({B * N + B * rows + D}, msa_in.options().dtype(at::kInt));
       b_exp = split_exps.data_ptr<int>();
       a_exp = b_exp + B * N;
-      oa.w_exp = a_exp + B * rows;
-      launch_split_w_f16(w_op.data_ptr<float>(), reinterpret_cast<uint32_t*>(w_blocked.data_ptr<float>()),
-                         const_cast<int*>(oa.w_exp), D, int(H), stream);
+      set_split_scales(oa, a_exp, b_exp, a_exp + B * rows, S);
+    }
+    at::Tensor w_blocked;
+    if (operands16 && H % 8 == 0 && requested_tc16_form(dev) == kT16WgmmaBoth) {
+      // a copy always (for H = 8 the blocked order is W's own)
+      w_blocked = w_op.view({D, H / 8, 8, H / 8, 8}).transpose(2, 3).clone(at::MemoryFormat::Contiguous);
       oa.w_blocked = w_blocked.data_ptr();
-      oa.a_exp = a_exp;
-      oa.b_exp = b_exp;
-      int lg = 0;  // |sum_s a'b'| < S·2^30 <= 2^(30 + lg)
-      while ((int64_t(1) << lg) < S) ++lg;
-      oa.o_exp = -(kSplitTopExp + 1) - lg;
-      oa.o_scale = std::ldexp(1.0f, oa.o_exp);
+    } else if (kmajor && (tc_terms == 1 || half_split)) {
+      w_blocked = float32_wgmma_w(w_op, H, half_split, const_cast<int*>(oa.w_exp), stream);
+      oa.w_blocked = w_blocked.data_ptr();
     }
     for (int64_t i_off = 0; i_off < N; i_off += rows) {
       const int64_t ni = std::min<int64_t>(rows, N - i_off);
@@ -848,12 +884,43 @@ at::Tensor outer_product_mean_rows_cuda(const at::Tensor& a_in, const at::Tensor
   const bool tc_ok = H % 8 == 0 && device_info(dev).cc_major >= 8;
 
   const MaskView mask_view{mask.data_ptr(), mask.stride(0), mask.stride(1), mask.stride(2), mask_kind};
-  const OuterArgs oa = outer_args(a.data_ptr<float>(), b.data_ptr<float>(), mask_view, w_out, b_out, out, B, S, N,
-                                  H, D, Normalizer{int(normalization), float(norm_eps)});
+  OuterArgs oa = outer_args(a.data_ptr<float>(), b.data_ptr<float>(), mask_view, w_out, b_out, out, B, S, N, H, D,
+                            Normalizer{int(normalization), float(norm_eps)});
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dev).stream();
-  run_outer(oa, row_offset, Nr, Nr, 0, tc_ok, resolve_precision(precision) == kHighest ? 3 : 1, false, false, kMaskFloat,
-            a.options(), dev,
-            stream);
+  const int terms = resolve_precision(precision) == kHighest ? 3 : 1;
+  // The forms of the full op's kernel on wgmma (sm_90a), from K-major copies of a and b: TF32
+  // ("high", both phases on wgmma), the float16 split form ("highest" where it fits) or 3xTF32
+  // with phase 1 on wgmma; mma.sync elsewhere, from a and b as given.
+  const TcForm tc_form = tc_ok ? requested_tc_form() : kTcFormAuto;
+  FLASHOPM_CHECK(tc_form != kTcFormWgmma || wgmma_runs_on(dev),
+                 "flashopm: FLASHOPM_TC_FORM=wgmma needs an sm_90 GPU and the extension built with sm_90a code");
+  const bool kmajor = tc_ok && tc_form != kTcFormMmaSync && wgmma_runs_on(dev);
+  const bool half_split = kmajor && terms == 3 && tc_form != kTcFormWgmmaTf32 && half_split_fits(H, N);
+  at::Tensor ka, kb, split_exps, w_wgmma;
+  if (kmajor) {
+    const int64_t row_floats = ab_kind_row_floats(half_split ? kAbF32Rows32 : terms == 3 ? kAbF32Rows16 : kAbTf32);
+    kb = kmajor_copy(b.view({B, S, N * H}), row_floats);
+    ka = kmajor_copy(a.view({B, S, Nr * H}), row_floats);
+    const int64_t n_chunks = kb.size(1);
+    if (half_split) {
+      split_exps = at::empty({B * N + B * Nr + D}, a.options().dtype(at::kInt));
+      int* b_exp = split_exps.data_ptr<int>();
+      int* a_exp = b_exp + B * N;
+      launch_split_rows_f16(kb.data_ptr<float>(), b_exp, B, N, int(H), n_chunks, stream);
+      launch_split_rows_f16(ka.data_ptr<float>(), a_exp, B, Nr, int(H), n_chunks, stream);
+      set_split_scales(oa, a_exp, b_exp, a_exp + B * Nr, S);
+    } else if (terms == 1) {
+      launch_round_tf32(kb.data_ptr<float>(), kb.numel(), stream);
+      launch_round_tf32(ka.data_ptr<float>(), ka.numel(), stream);
+    }
+    if (half_split || terms == 1) {
+      w_wgmma = float32_wgmma_w(w_out, H, half_split, const_cast<int*>(oa.w_exp), stream);
+      oa.w_blocked = w_wgmma.data_ptr();
+    }
+    oa.a = ka.data_ptr<float>();
+    oa.b = kb.data_ptr<float>();
+  }
+  run_outer(oa, row_offset, Nr, Nr, 0, tc_ok, terms, kmajor, half_split, kMaskFloat, a.options(), dev, stream);
   return out;
 }
 
