@@ -629,6 +629,8 @@ def _problem_with_range(shape, case, seed):
     elif case == "small_weights":  # a and b near 1e-4, the output bias as small as their product
         p = {k: (v * 1e-4 if k in ("w_a", "b_a", "w_b", "b_b") else v * 1e-8 if k == "b_out" else v)
              for k, v in p.items()}
+    elif case == "tiny":  # a near 1e-20 (its scale near 2^80), the output bias as small as the products
+        p = {k: (v * 1e-20 if k in ("w_a", "b_a", "b_out") else v) for k, v in p.items()}
     elif case == "column_range":  # W's rows (output columns) from 1e-5 to 1e2
         p = dict(p)
         p["w_out"] = p["w_out"] * 10.0 ** torch.randint(-5, 3, (shape.D, 1), generator=g).float()
@@ -638,7 +640,7 @@ def _problem_with_range(shape, case, seed):
 @requires_sm90
 @pytest.mark.parametrize("shape", HALF_SPLIT_SHAPES, ids=str)
 @pytest.mark.parametrize("case", ["plain", "mask_range", "outliers", "large_weights", "small_weights",
-                                  "column_range"])
+                                  "tiny", "column_range"])
 def test_float16_split_form(shape, case, monkeypatch):
     """"highest" in the float16 split form (the wgmma form's default where it fits): the float32
     bars on operands that span many binades, every element written, repeatable, within twice the

@@ -42,7 +42,8 @@ FLASHOPM_HD constexpr int ab_kind_row_floats(int kind) { return kind == kAbF32Ro
 // for W (over k), and one for O from the bound |sum_s a'b'| < S·2^30.
 constexpr int kSplitTopExp = 14;   // largest magnitude after scaling in [2^14, 2^15)
 constexpr int kSplitMinExp = -113; // scale exponents clamped: 2^-113 brings FLT_MAX below 2^15,
-constexpr int kSplitMaxExp = 60;   // and values under 2^-46 keep at least their absolute accuracy
+constexpr int kSplitMaxExp = 126;  // and 2^126 is the largest normal power of two (exp2_int): only
+                                   // blocks whose largest magnitude is under 2^-112 lose precision
 
 enum NormKind : int { kNormRow = 0, kNormOpenFold = 1, kNormBoltz = 2 };
 
