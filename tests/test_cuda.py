@@ -200,6 +200,26 @@ def test_small_problem_paths(algorithm, shape, seed_tag, mask_kind):
            may_not_fit=False)
 
 
+# Tilings of the two-launch path forced one by one: rows per block 1 to 8 (ragged at N = 13),
+# chunks of d from 8 to 64 (ragged at D = 70), phase O's columns (i, d) in one group or several.
+SMALL_TC_TILINGS = [(Shape(2, 8, 32, 64, 32, 64), tile) for tile in [(1, 8), (1, 32), (1, 64), (2, 16), (4, 8), (8, 8)]] + [
+    (Shape(2, 3, 13, 9, 8, 70), tile) for tile in [(1, 64), (2, 32), (4, 16), (8, 8), (8, 64)]]
+
+
+@pytest.mark.parametrize("shape,tile", SMALL_TC_TILINGS, ids=lambda v: str(v))
+def test_small_tc_tilings(shape, tile, monkeypatch):
+    monkeypatch.setenv("FLASHOPM_SMALL_TC_TILE", f"{tile[0]},{tile[1]}")
+    _check(shape, "masked_positions", "small-tc", seed=zlib.crc32(f"{shape}-{tile}".encode()) % 1000,
+           may_not_fit=False)
+
+
+def test_small_tc_tiling_setting_is_checked(monkeypatch):
+    x, m, p = make_problem(SPEC, "masked_positions", seed=2)
+    monkeypatch.setenv("FLASHOPM_SMALL_TC_TILE", "4x8")
+    with pytest.raises(RuntimeError, match="FLASHOPM_SMALL_TC_TILE"):
+        _run(x.cuda(), m.cuda(), _cuda_params(p), "small-tc")
+
+
 def test_auto_uses_small_tc_on_spec():
     x, m, p = make_problem(SPEC, "masked_positions", seed=2)
     xc, mc, pc = x.cuda(), m.cuda(), _cuda_params(p)

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <string>
 #include <type_traits>
@@ -183,12 +184,23 @@ bool search_small_plan(int64_t B, int64_t S, int64_t N, int64_t C, int64_t H, in
 
 // Tiling of the two-launch tensor-core path for small problems: rows i (TI) and columns d (Dc)
 // per block, one block per SM.  Cost model: per wave, the block's FMAs plus a fixed cost; among
-// equal costs the fewest rows per block (wider chunks of d give phase O more n tiles per A
-// fragment; at the spec's shape TI = 4, Dc = 8 measured slower than TI = 1, Dc = 32 although it
-// reads a quarter of the W traffic).  {0, 0} when the path does not apply.
+// equal costs the narrowest chunk of d, since every block reads Dc·H² floats of W (from L2, the
+// whole grid's W traffic is what the blocks wait for first) and phase O's columns are (i, d)
+// whatever the split.  FLASHOPM_SMALL_TC_TILE="TI,Dc" asks for one tiling (to compare them; it
+// must be one the search allows).  {0, 0} when the path does not apply.
 struct SmallTcPlan {
   int TI = 0, Dc = 0;
 };
+
+SmallTcPlan requested_small_tc_tile() {
+  const char* env = std::getenv("FLASHOPM_SMALL_TC_TILE");
+  if (env == nullptr || *env == 0) return SmallTcPlan{};
+  SmallTcPlan tile;
+  char tail = 0;
+  FLASHOPM_CHECK(std::sscanf(env, "%d,%d%c", &tile.TI, &tile.Dc, &tail) == 2,
+                 "flashopm: FLASHOPM_SMALL_TC_TILE must be \"TI,Dc\" (e.g. \"4,8\"), got '", env, "'");
+  return tile;
+}
 
 SmallTcPlan search_small_tc_plan(int64_t B, int64_t S, int64_t N, int64_t H, int64_t D, int dev) {
   const DeviceInfo& info = device_info(dev);
@@ -196,6 +208,7 @@ SmallTcPlan search_small_tc_plan(int64_t B, int64_t S, int64_t N, int64_t H, int
   if (info.cc_major < 9 || H % 8 != 0) return best;
   // Rules out what cannot fit before any int layout arithmetic (b alone is N·S·H floats).
   if (S * H * (N + 16 + 8) > info.smem_optin / 4) return best;
+  const SmallTcPlan forced = requested_small_tc_tile();
   double best_cost = 0;
   for (int TI : {1, 2, 4, 8}) {
     if (TI > 1 && TI / 2 >= N) break;
@@ -209,7 +222,8 @@ SmallTcPlan search_small_tc_plan(int64_t B, int64_t S, int64_t N, int64_t H, int
       const double n16 = double((N + 15) / 16 * 16);
       const double fmas = double(TI) * Dc * double(S * H) * (double(H) + n16);
       const double cost = double(waves) * (fmas + 2.0e5);
-      if (best.TI == 0 || cost < best_cost) {
+      if (forced.TI != 0 && (forced.TI != TI || forced.Dc != Dc)) continue;
+      if (best.TI == 0 || cost < best_cost || (cost == best_cost && Dc < best.Dc)) {
         best = SmallTcPlan{TI, Dc};
         best_cost = cost;
       }
@@ -245,6 +259,8 @@ Plan cached_plan(const std::array<int64_t, 8>& key, Search search) {
 enum PlanKind : int64_t { kPlanSmall = 0, kPlanSmallTc = 1 };
 
 SmallTcPlan plan_small_tc(int64_t B, int64_t S, int64_t N, int64_t H, int64_t D, int dev) {
+  if (const char* env = std::getenv("FLASHOPM_SMALL_TC_TILE"); env != nullptr && *env != 0)
+    return search_small_tc_plan(B, S, N, H, D, dev);  // a tiling asked for is not cached
   return cached_plan<SmallTcPlan>({B, S, N, 0, H, D, kPlanSmallTc, dev},
                                   [&] { return search_small_tc_plan(B, S, N, H, D, dev); });
 }

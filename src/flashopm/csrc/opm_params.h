@@ -499,7 +499,7 @@ int small_max_active_clusters(int cluster_size, int smem_bytes);
 // The LayerNorm/projection kernel writes a and b as (B, N, S, H); this kernel, launched as its
 // programmatic dependent, then computes per block (batch b, TI rows i, chunk of Dc columns d):
 //   P[i, d, s, h2] = sum_h1 W[d, h1·H + h2] · a[i, s, h1]       (M = Dc·H, N = TI·S, K = H)
-//   out[i, j, d]   = normalise(sum_{s, h2} b[j, s, h2] · P[i, d, s, h2])   (per i: M = N, N = Dc, K = S·H)
+//   out[i, j, d]   = normalise(sum_{s, h2} b[j, s, h2] · P[i, d, s, h2])   (M = N, N = TI·Dc, K = S·H)
 // Both are mma.sync loops (3xTF32 or TF32).  W goes from global memory straight into MMA
 // fragments (each element is used once per n tile of phase P), the first loads issued before the
 // wait for the projections so that they overlap the first kernel.  TI rows share each W fragment:
@@ -533,10 +533,13 @@ struct SmallTcLayout {
   int total;
 };
 
-// K split of phase O: enough (row i, tile of j, part of K) items for every warp, at most one
-// part per k-step.
-FLASHOPM_HD inline int small_tc_kparts(int TI, int N16, int K8) {
-  int kp = kSmallTcWarps / (TI * (N16 / 16));
+// Phase O's columns (i, d) in groups of kSmallTcMaxDc, one group per warp item.
+FLASHOPM_HD inline int small_tc_col_groups(int TI, int Dc) { return (TI * Dc + kSmallTcMaxDc - 1) / kSmallTcMaxDc; }
+
+// K split of phase O: enough (tile of rows j, group of columns, part of K) items for every warp,
+// at most one part per k-step.
+FLASHOPM_HD inline int small_tc_kparts(int TI, int Dc, int N16, int K8) {
+  int kp = kSmallTcWarps / (small_tc_col_groups(TI, Dc) * (N16 / 16));
   if (kp < 1) kp = 1;
   return kp < K8 ? kp : K8;
 }
@@ -552,13 +555,13 @@ FLASHOPM_HD inline SmallTcLayout small_tc_layout(int S, int N, int H, int TI, in
   // h2 and s) and phase O's reads (lanes along d and h2) are both conflict-free.
   L.ldps = H + 4;
   L.ldp = (S * L.ldps + 31) / 32 * 32 + 4;
-  L.ldr = Dc % 16 == 0 ? Dc + 8 : Dc;
-  L.kparts = small_tc_kparts(TI, L.N16, SH / 8);
+  L.ldr = (TI * Dc) % 16 == 0 ? TI * Dc + 8 : TI * Dc;  // rows j of phase O's columns (i, d)
+  L.kparts = small_tc_kparts(TI, Dc, L.N16, SH / 8);
   int o = 0;
   L.a = o;    o += L.R8 * L.lda;
   L.b = o;    o += L.N16 * L.ldb;
   L.p = o;    o += TI * Dc * L.ldp;
-  L.red = o;  o += L.kparts * TI * L.N16 * L.ldr;
+  L.red = o;  o += L.kparts * L.N16 * L.ldr;
   L.pair = o; o += TI * L.N16;
   L.bias = o; o += round_up4(Dc);
   L.den = o;  o += kSmallTcMaxTI;

@@ -9,8 +9,8 @@
 //   phase P    P[(h2, d), (i, s)] = sum_h1 W[d, h1·H + h2] · a[i, s, h1]      A = W (global), B = a
 //              (stored as P[i][d][s][h2])
 //   phase O    out[i, j, d] = sum_k b[j, k] · P[i, d, k],  k = (s, h2)          A = b, B = P
-//              K split over warps when TI and N give too few row tiles; parts summed in a fixed
-//              order;
+//              one GEMM with columns (i, d), K split over warps when there are too few tiles of
+//              rows j and groups of columns; parts summed in a fixed order;
 //   epilogue   normalisation and bias, 16-byte stores along d.
 // Fragment rows of phase P are permuted (row g holds m = 2g, row g + 8 holds m = 2g + 1) so that
 // each thread's two A values per column are adjacent in W and load as one 8-byte word.
@@ -169,12 +169,17 @@ __global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_tc_kernel(const 
   cp_async_wait_all();
   __syncthreads();
 
-  // ---- phase O ----
-  const int mtiles_o = L.N16 / 16, ksteps_o = SH / 8, ntiles_o = Dc / 8;
-  for (int item = warp; item < TI * mtiles_o * L.kparts; item += kSmallTcWarps) {
-    const int kp = item / (TI * mtiles_o), rest = item - kp * TI * mtiles_o;
-    const int il = rest / mtiles_o, mt = rest - il * mtiles_o;
-    if (il >= ti) continue;
+  // ---- phase O: one GEMM per block, its columns c = il·Dc + dl (P's rows), so that every A
+  // fragment of b serves up to kSmallTcMaxDc columns whatever the split between TI and Dc ----
+  const int mtiles_o = L.N16 / 16, ksteps_o = SH / 8;
+  const int cols_o = ti * Dc;  // columns of rows i past N are not formed
+  const int groups_o = small_tc_col_groups(TI, Dc);
+  for (int item = warp; item < groups_o * mtiles_o * L.kparts; item += kSmallTcWarps) {
+    const int kp = item / (groups_o * mtiles_o), rest = item - kp * groups_o * mtiles_o;
+    const int cg = rest / mtiles_o, mt = rest - cg * mtiles_o;
+    const int c0 = cg * kSmallTcMaxDc;
+    if (c0 >= cols_o) continue;
+    const int ntiles_o = min(kSmallTcMaxDc, cols_o - c0) / 8;
     const int k0 = ksteps_o * kp / L.kparts, k1 = ksteps_o * (kp + 1) / L.kparts;
     float acc[kSmallTcMaxDc / 8][4];
 #pragma unroll
@@ -182,7 +187,7 @@ __global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_tc_kernel(const 
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[n][e] = 0.f;
     const float* brow = bs + (mt * 16 + g) * L.ldb + t;
-    const float* prow = ps + (il * Dc + g) * L.ldp + t;
+    const float* prow = ps + (c0 + g) * L.ldp + t;
     for (int kk = k0; kk < k1; ++kk) {
       const float* bk = brow + kk * 8;
       const float av[4] = {bk[0], bk[8 * L.ldb], bk[4], bk[8 * L.ldb + 4]};
@@ -200,7 +205,7 @@ __global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_tc_kernel(const 
         }
       }
     }
-    float* r0 = red + ((kp * TI + il) * L.N16 + mt * 16 + g) * L.ldr + 2 * t;
+    float* r0 = red + (kp * L.N16 + mt * 16 + g) * L.ldr + c0 + 2 * t;
 #pragma unroll
     for (int n = 0; n < kSmallTcMaxDc / 8; ++n) {
       if (n < ntiles_o) {
@@ -219,10 +224,10 @@ __global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_tc_kernel(const 
     const int row = idx / quads, dl = 4 * (idx - row * quads);  // row = il·N + j
     if (dl >= dvalid) continue;
     const int il = row / N, j = row - il * N;
-    const float* src = red + (il * L.N16 + j) * L.ldr + dl;
+    const float* src = red + j * L.ldr + il * Dc + dl;
     float4 v = *reinterpret_cast<const float4*>(src);
     for (int kp = 1; kp < L.kparts; ++kp) {
-      const float4 w = *reinterpret_cast<const float4*>(src + kp * TI * L.N16 * L.ldr);
+      const float4 w = *reinterpret_cast<const float4*>(src + kp * L.N16 * L.ldr);
       v.x += w.x, v.y += w.y, v.z += w.z, v.w += w.w;
     }
     float r[4] = {v.x, v.y, v.z, v.w};

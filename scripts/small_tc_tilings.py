@@ -1,0 +1,62 @@
+"""The two-launch small-problem path under each tiling (FLASHOPM_SMALL_TC_TILE): GPU time per call
+from CUDA-graph replay, and each kernel's time per call under torch.profiler.
+
+    PYTHONPATH=src python scripts/small_tc_tilings.py [B,S,N,C,H,D] [TI,Dc ...]
+"""
+import os
+import sys
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import flashopm
+from flashopm.bench import time_graph, warm_gpu
+from flashopm.testing import Shape, make_problem
+
+CALLS = 50
+
+
+def kernel_us(call):
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(CALLS):
+            call()
+        torch.cuda.synchronize()
+    rows = [(e.key, e.device_time_total / CALLS) for e in prof.key_averages() if e.device_time_total > 0]
+    return sorted(rows, key=lambda r: -r[1])
+
+
+def main(args):
+    shape = Shape(*map(int, args[0].split(","))) if args else Shape(2, 8, 32, 64, 32, 64)
+    tiles = args[1:] or ["auto", "1,32", "2,16", "4,8", "1,64", "8,8"]
+    flashopm.load()
+    warm_gpu()
+    x, m, p = make_problem(shape, "masked_positions", seed=1)
+    x, m = x.cuda(), m.cuda()
+    p = {k: None if v is None else v.cuda() for k, v in p.items()}
+
+    def call():
+        return flashopm.outer_product_mean(x, m, p["ln_weight"], p["ln_bias"], p["w_a"], p["b_a"], p["w_b"], p["b_b"],
+                                           p["w_out"], p["b_out"], algorithm="small-tc")
+
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  {shape}")
+    ref = None
+    for tile in tiles:
+        if tile == "auto":
+            os.environ.pop("FLASHOPM_SMALL_TC_TILE", None)
+        else:
+            os.environ["FLASHOPM_SMALL_TC_TILE"] = tile
+        out = call()
+        ref = out if ref is None else ref
+        diff = (out - ref).abs().max().item()
+        g = time_graph(call, n=100)
+        kernels = "  ".join(f"{k[:28]} {t:.2f}" for k, t in kernel_us(call))
+        print(f"tile {tile:5s}  graph {g.median_us:6.2f} us [{g.p10_us:.2f}, {g.p90_us:.2f}]  max diff vs first "
+              f"{diff:.2e}  kernels (us/call): {kernels}", flush=True)
+    os.environ.pop("FLASHOPM_SMALL_TC_TILE", None)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
