@@ -1,5 +1,6 @@
-"""The two-launch small-problem path under each tiling (FLASHOPM_SMALL_TC_TILE): GPU time per call
-from CUDA-graph replay, and each kernel's time per call under torch.profiler.
+"""The small-problem path under each tiling (FLASHOPM_SMALL_TC_TILE), in one cooperative launch where
+it applies and in two (FLASHOPM_SMALL_TC_FUSED=0): GPU time per call from CUDA-graph replay, and
+each kernel's time per call under torch.profiler.
 
     PYTHONPATH=src python scripts/small_tc_tilings.py [B,S,N,C,H,D] [TI,Dc ...]
 """
@@ -30,7 +31,7 @@ def kernel_us(call):
 
 def main(args):
     shape = Shape(*map(int, args[0].split(","))) if args else Shape(2, 8, 32, 64, 32, 64)
-    tiles = args[1:] or ["auto", "1,32", "2,16", "4,8", "1,64", "8,8"]
+    tiles = args[1:] or ["auto", "1,32", "2,16", "4,8"]
     flashopm.load()
     warm_gpu()
     x, m, p = make_problem(shape, "masked_positions", seed=1)
@@ -44,17 +45,23 @@ def main(args):
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  {shape}")
     ref = None
     for tile in tiles:
-        if tile == "auto":
-            os.environ.pop("FLASHOPM_SMALL_TC_TILE", None)
-        else:
-            os.environ["FLASHOPM_SMALL_TC_TILE"] = tile
-        out = call()
-        ref = out if ref is None else ref
-        diff = (out - ref).abs().max().item()
-        g = time_graph(call, n=100)
-        kernels = "  ".join(f"{k[:28]} {t:.2f}" for k, t in kernel_us(call))
-        print(f"tile {tile:5s}  graph {g.median_us:6.2f} us [{g.p10_us:.2f}, {g.p90_us:.2f}]  max diff vs first "
-              f"{diff:.2e}  kernels (us/call): {kernels}", flush=True)
+        for form in ("fused", "two"):
+            if tile == "auto":
+                os.environ.pop("FLASHOPM_SMALL_TC_TILE", None)
+            else:
+                os.environ["FLASHOPM_SMALL_TC_TILE"] = tile
+            if form == "two":
+                os.environ["FLASHOPM_SMALL_TC_FUSED"] = "0"
+            else:
+                os.environ.pop("FLASHOPM_SMALL_TC_FUSED", None)
+            out = call()
+            ref = out if ref is None else ref
+            diff = (out - ref).abs().max().item()
+            g = time_graph(call, n=100)
+            kernels = "  ".join(f"{k[:34]} {t:.2f}" for k, t in kernel_us(call))
+            print(f"tile {tile:5s} {form:5s}  graph {g.median_us:6.2f} us [{g.p10_us:.2f}, {g.p90_us:.2f}]  max diff vs "
+                  f"first {diff:.2e}  kernels (us/call): {kernels}", flush=True)
+    os.environ.pop("FLASHOPM_SMALL_TC_FUSED", None)
     os.environ.pop("FLASHOPM_SMALL_TC_TILE", None)
 
 

@@ -168,7 +168,7 @@ SINGLE_SHAPES = [
 # Awkward small problems for the two-launch tensor-core path (hidden a multiple of 8): one row
 # tile and many, N one past a tile of 16, S not a multiple of 8 (padded n tile in phase P), pair
 # widths below, at and across the chunk of d, K split over warps or not, msa_dim not a multiple
-# of 4 and above 128.
+# of 4 and above 128, several passes of the fused form's projections per block.
 SMALL_TC_SHAPES = [
     Shape(1, 1, 1, 1, 8, 1),
     Shape(2, 8, 32, 64, 32, 64),
@@ -186,6 +186,7 @@ SMALL_TC_SHAPES = [
     Shape(1, 20, 20, 64, 56, 64),
     Shape(1, 5, 3, 70, 16, 24),
     Shape(2, 3, 11, 131, 8, 16),
+    Shape(1, 48, 24, 40, 16, 8),
 ]
 
 
@@ -198,6 +199,31 @@ SMALL_PATH_CASES = [("single", s, "") for s in SINGLE_SHAPES] + [("small-tc", s,
 def test_small_problem_paths(algorithm, shape, seed_tag, mask_kind):
     _check(shape, mask_kind, algorithm, seed=zlib.crc32(f"{shape}-{mask_kind}{seed_tag}".encode()) % 1000,
            may_not_fit=False)
+
+
+# The same sizes in two launches (projections, then the contractions), where the path above ran
+# in one cooperative launch wherever it could.
+@pytest.mark.parametrize("shape", SMALL_TC_SHAPES, ids=str)
+def test_small_tc_in_two_launches(shape, monkeypatch):
+    monkeypatch.setenv("FLASHOPM_SMALL_TC_FUSED", "0")
+    _check(shape, "fractional", "small-tc", seed=zlib.crc32(f"{shape}-two".encode()) % 1000, may_not_fit=False)
+
+
+def _flashopm_kernels(fn):
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.key for e in prof.key_averages() if "flashopm::" in e.key and e.device_time_total > 0]
+
+
+def test_small_tc_fused_is_one_launch(monkeypatch):
+    x, m, p = make_problem(SPEC, "masked_positions", seed=4)
+    xc, mc, pc = x.cuda(), m.cuda(), _cuda_params(p)
+    fused = _flashopm_kernels(lambda: _run(xc, mc, pc, "small-tc", poison=False))
+    assert len(fused) == 1 and "opm_small_tc_kernel" in fused[0], fused
+    monkeypatch.setenv("FLASHOPM_SMALL_TC_FUSED", "0")
+    two = _flashopm_kernels(lambda: _run(xc, mc, pc, "small-tc", poison=False))
+    assert len(two) == 2 and any("opm_prep_kernel" in k for k in two), two
 
 
 # Tilings of the two-launch path forced one by one: rows per block 1 to 8 (ragged at N = 13),

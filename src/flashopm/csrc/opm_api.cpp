@@ -56,6 +56,7 @@ struct DeviceInfo {
   int smem_per_sm = 0;
   int cc_major = 0;
   int cc_minor = 0;
+  int cooperative_launch = 0;
 };
 
 const DeviceInfo& device_info(int dev) {
@@ -70,6 +71,8 @@ const DeviceInfo& device_info(int dev) {
         cudaDeviceGetAttribute(&infos[dev].smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev));
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&infos[dev].cc_major, cudaDevAttrComputeCapabilityMajor, dev));
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&infos[dev].cc_minor, cudaDevAttrComputeCapabilityMinor, dev));
+    C10_CUDA_CHECK(
+        cudaDeviceGetAttribute(&infos[dev].cooperative_launch, cudaDevAttrCooperativeLaunch, dev));
   });
   return infos[dev];
 }
@@ -257,6 +260,21 @@ Plan cached_plan(const std::array<int64_t, 8>& key, Search search) {
 }
 
 enum PlanKind : int64_t { kPlanSmall = 0, kPlanSmallTc = 1 };
+
+// The small-problem path in one cooperative launch (opm_small_tc_kernel's kFused): float32 x,
+// every block resident at once (one per SM), at most kSmallTcFusedMaxRows rows of projections per
+// block, and room for their normalised rows.  FLASHOPM_SMALL_TC_FUSED=0 asks for two launches (to
+// compare the forms).
+bool small_tc_fused(const PrepArgs& pa, const SmallTcPlan& plan, int dev) {
+  const char* env = std::getenv("FLASHOPM_SMALL_TC_FUSED");
+  if (env != nullptr && std::string(env) == "0") return false;
+  const DeviceInfo& info = device_info(dev);
+  const int64_t blocks = int64_t(pa.B) * ((pa.N + plan.TI - 1) / plan.TI) * ((pa.D + plan.Dc - 1) / plan.Dc);
+  const int64_t rows = int64_t(pa.B) * pa.S * pa.N;
+  return pa.x_kind == kMaskFloat && info.cooperative_launch && blocks <= info.sm_count &&
+         rows <= blocks * kSmallTcFusedMaxRows &&
+         small_tc_fused_fits(small_tc_layout(pa.S, pa.N, pa.H, plan.TI, plan.Dc), pa.C);
+}
 
 SmallTcPlan plan_small_tc(int64_t B, int64_t S, int64_t N, int64_t H, int64_t D, int dev) {
   if (const char* env = std::getenv("FLASHOPM_SMALL_TC_TILE"); env != nullptr && *env != 0)
@@ -629,9 +647,12 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     pa.a_sb = pa.b_sb = N * S * H;
     pa.a_ss = pa.b_ss = H;
     pa.a_sn = pa.b_sn = S * H;
-    run_prep(pa, false, dev, stream);
+    const bool fused = small_tc_fused(pa, small_tc, dev);
+    if (!fused) run_prep(pa, false, dev, stream);
 
     SmallTcArgs ta{};
+    ta.fused = fused;
+    ta.prep = pa;
     ta.a = ab;
     ta.b = ab + ab_elems;
     ta.mask = mask_view;

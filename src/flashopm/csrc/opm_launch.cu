@@ -364,6 +364,14 @@ int small_tc_smem_bytes(int S, int N, int H, int TI, int Dc) {
   return small_tc_layout(S, N, H, TI, Dc).total * int(sizeof(float));
 }
 
+namespace {
+template <auto Kernel>
+void launch_small_tc_t(const cudaLaunchConfig_t& cfg, const SmallTcArgs& args) {
+  allow_smem<Kernel>();
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, Kernel, args));
+}
+}  // namespace
+
 void launch_small_tc(const SmallTcArgs& args, int terms, cudaStream_t stream) {
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(unsigned((args.D + args.Dc - 1) / args.Dc), unsigned((args.N + args.TI - 1) / args.TI),
@@ -372,16 +380,21 @@ void launch_small_tc(const SmallTcArgs& args, int terms, cudaStream_t stream) {
   cfg.dynamicSmemBytes = size_t(small_tc_smem_bytes(args.S, args.N, args.H, args.TI, args.Dc));
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  if (args.fused) {
+    attr[0].id = cudaLaunchAttributeCooperative;
+    attr[0].val.cooperative = 1;
+  } else {
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+  }
   cfg.attrs = attr;
   cfg.numAttrs = 1;
   if (terms == 3) {
-    allow_smem<opm_small_tc_kernel<3>>();
-    C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, opm_small_tc_kernel<3>, args));
+    if (args.fused) launch_small_tc_t<opm_small_tc_kernel<3, true>>(cfg, args);
+    else launch_small_tc_t<opm_small_tc_kernel<3, false>>(cfg, args);
   } else {
-    allow_smem<opm_small_tc_kernel<1>>();
-    C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, opm_small_tc_kernel<1>, args));
+    if (args.fused) launch_small_tc_t<opm_small_tc_kernel<1, true>>(cfg, args);
+    else launch_small_tc_t<opm_small_tc_kernel<1, false>>(cfg, args);
   }
 }
 

@@ -512,8 +512,8 @@ constexpr int kSmallTcMaxTI = 8;
 constexpr int kSmallTcKBatch = 4;  // k-steps of W fragments loaded at once
 
 struct SmallTcArgs {
-  const float* a;  // (B, N, S, H) contiguous, masked projections
-  const float* b;  // (B, N, S, H) contiguous
+  float* a;  // (B, N, S, H) contiguous, masked projections (written by the kernel when fused)
+  float* b;  // (B, N, S, H) contiguous
   MaskView mask;
   const float* w_out;  // (D, H*H) contiguous, 8-byte aligned
   const float* bias;   // (D) or null
@@ -523,6 +523,8 @@ struct SmallTcArgs {
   int B, S, N, H, D;
   int TI;  // rows i per block: 1, 2, 4 or 8
   int Dc;  // columns d per block: 8, 16, 32 or 64
+  int fused;      // the kernel projects the rows itself (cooperative launch, float32 x)
+  PrepArgs prep;  // the projections' inputs, when fused
 };
 
 // Shared-memory layout (floats; every region 16-byte aligned).  Leading dimensions of 4 (mod 32)
@@ -569,8 +571,16 @@ FLASHOPM_HD inline SmallTcLayout small_tc_layout(int S, int N, int H, int TI, in
   return L;
 }
 
+// Rows of the fused form's projections per block and pass, and whether its normalised rows fit
+// in the regions it borrows (P and the K parts).
+constexpr int kSmallTcFusedMaxRows = 4 * kSmallTcWarps;
+FLASHOPM_HD inline bool small_tc_fused_fits(const SmallTcLayout& L, int C) {
+  return int64_t(kSmallTcWarps) * C <= int64_t(L.pair - L.p);
+}
+
 // Launches the second kernel of the pair (after launch_prep on the same stream) as a
-// programmatic dependent of the first; terms as for launch_outer_tc.
+// programmatic dependent of the first, or (args.fused) alone as a cooperative launch whose grid
+// the device holds at once; terms as for launch_outer_tc.
 void launch_small_tc(const SmallTcArgs& args, int terms, cudaStream_t stream);
 int small_tc_smem_bytes(int S, int N, int H, int TI, int Dc);
 

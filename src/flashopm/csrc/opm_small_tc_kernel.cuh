@@ -3,7 +3,10 @@
 // Block (d chunk, tile of TI rows i, batch b), 16 warps:
 //   prologue   W fragments of each warp's first k-steps, bias, row denominators or pair counts:
 //              nothing here depends on the first kernel, so it overlaps it;
-//   wait       griddepcontrol.wait (the projections are complete and visible);
+//   wait       griddepcontrol.wait (the projections are complete and visible); or, launched
+//              cooperatively (kFused), the block LayerNorms and projects its share of all rows
+//              (b, s, n) into a and b itself and the grid synchronises (one launch; all blocks
+//              resident at once);
 //   load       a[b, i0 : i0 + TI] (TI·S·H) and b[b, :] (N·S·H) into shared memory, b
 //              arriving while phase P runs;
 //   phase P    P[(h2, d), (i, s)] = sum_h1 W[d, h1·H + h2] · a[i, s, h1]      A = W (global), B = a
@@ -15,6 +18,8 @@
 // Fragment rows of phase P are permuted (row g holds m = 2g, row g + 8 holds m = 2g + 1) so that
 // each thread's two A values per column are adjacent in W and load as one 8-byte word.
 #pragma once
+
+#include <cooperative_groups.h>
 
 #include "opm_kernels.cuh"
 #include "opm_mma.cuh"
@@ -47,7 +52,58 @@ __device__ __forceinline__ void split4(const float (&v)[4], uint32_t (&hi)[4], u
   for (int e = 0; e < 4; ++e) split_tf32<kTerms>(v[e], hi[e], lo[e]);
 }
 
-template <int kTerms>
+// LayerNorm, projections and mask of rows [r_begin, r_end) of (b, s, n), r = (b·S + s)·N + n,
+// into a and b as (B, N, S, H), in passes of one row per warp: the normalised rows go to xn
+// ([kSmallTcWarps][C] floats), then one thread per output (row, h of a or b).  The sums are those
+// of opm_prep_kernel (chunks of 32 features, in order), so the results are the same bits.
+__device__ __forceinline__ void small_tc_project_rows(const PrepArgs& q, float* a_out, float* b_out, int64_t r_begin,
+                                                      int64_t r_end, float* xn) {
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int S = q.S, N = q.N, C = q.C, H = q.H, H2 = 2 * q.H;
+  const float* x = static_cast<const float*>(q.x);
+  for (int64_t r0 = r_begin; r0 < r_end; r0 += kSmallTcWarps) {
+    const int nr = int(min(int64_t(kSmallTcWarps), r_end - r0));
+    if (warp < nr) {
+      const int64_t r = r0 + warp, bs = r / N;
+      const int n = int(r - bs * N), s = int(bs % S), bi = int(bs / S);
+      const float* xr = x + int64_t(bi) * q.x_sb + int64_t(s) * q.x_ss + int64_t(n) * q.x_sn;
+      float sum = 0.f;
+      for (int c = lane; c < C; c += 32) sum += xr[c];
+      const float mean = warp_sum(sum) / C;
+      float sq = 0.f;
+      for (int c = lane; c < C; c += 32) {
+        const float d = xr[c] - mean;
+        sq += d * d;
+      }
+      const float rstd = rsqrtf(warp_sum(sq) / C + q.ln_eps);
+      for (int c = lane; c < C; c += 32) xn[warp * C + c] = (xr[c] - mean) * rstd * q.ln_w[c] + q.ln_b[c];
+    }
+    __syncthreads();
+    for (int idx = tid; idx < nr * H2; idx += kSmallTcThreads) {
+      const int rl = idx / H2, o = idx - rl * H2;
+      const bool is_a = o < H;
+      const int h = is_a ? o : o - H;
+      const float* w = (is_a ? q.wa : q.wb) + int64_t(h) * C;
+      const float* xv = xn + rl * C;
+      float acc = 0.f;
+      for (int c0 = 0; c0 < C; c0 += kPrepKC) {
+        const int ce = min(C, c0 + kPrepKC);
+        float part = 0.f;
+#pragma unroll 8
+        for (int c = c0; c < ce; ++c) part = fmaf(xv[c], __ldg(w + c), part);
+        acc += part;
+      }
+      const int64_t r = r0 + rl, bs = r / N;
+      const int n = int(r - bs * N), s = int(bs % S), bi = int(bs / S);
+      const float* bias = is_a ? q.ba : q.bb;
+      const float v = (acc + (bias ? bias[h] : 0.f)) * mask_at(q.mask, bi, s, n);
+      (is_a ? a_out : b_out)[((int64_t(bi) * N + n) * S + s) * H + h] = v;
+    }
+    __syncthreads();
+  }
+}
+
+template <int kTerms, bool kFused>
 __global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_tc_kernel(const SmallTcArgs p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   extern __shared__ float4 smem_f4[];
@@ -100,7 +156,17 @@ __global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_tc_kernel(const 
   for (int idx = tid; idx < (L.R8 - ti * S) * L.lda; idx += kSmallTcThreads) as[ti * S * L.lda + idx] = 0.f;
   for (int idx = tid; idx < (L.N16 - N) * L.ldb; idx += kSmallTcThreads) bs[N * L.ldb + idx] = 0.f;
 
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  if constexpr (kFused) {
+    // ps and red are not used before phase P: the normalised rows pass through them.
+    const int64_t rows = int64_t(p.B) * S * N;
+    const int64_t blocks = int64_t(gridDim.x) * gridDim.y * gridDim.z;
+    const int64_t id = (int64_t(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
+    small_tc_project_rows(p.prep, const_cast<float*>(p.a), const_cast<float*>(p.b), rows * id / blocks,
+                          rows * (id + 1) / blocks, ps);
+    cooperative_groups::this_grid().sync();  // a and b complete and visible to every block
+  } else {
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  }
 
   // ---- a[b, i0 : i0 + ti] and b[b, :] into shared memory (rows of H and S·H floats); phase P
   // needs only a, so b is waited for after it ----
