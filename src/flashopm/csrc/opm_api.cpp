@@ -263,8 +263,8 @@ enum PlanKind : int64_t { kPlanSmall = 0, kPlanSmallTc = 1 };
 
 // The small-problem path in one cooperative launch (opm_small_tc_kernel's kFused): float32 x,
 // every block resident at once (one per SM), at most kSmallTcFusedMaxRows rows of projections per
-// block, and room for their normalised rows.  FLASHOPM_SMALL_TC_FUSED=0 asks for two launches (to
-// compare the forms).
+// block, and room for the projection weights and normalised rows.  FLASHOPM_SMALL_TC_FUSED=0 asks
+// for two launches (to compare the forms).
 bool small_tc_fused(const PrepArgs& pa, const SmallTcPlan& plan, int dev) {
   const char* env = std::getenv("FLASHOPM_SMALL_TC_FUSED");
   if (env != nullptr && std::string(env) == "0") return false;
@@ -273,7 +273,7 @@ bool small_tc_fused(const PrepArgs& pa, const SmallTcPlan& plan, int dev) {
   const int64_t rows = int64_t(pa.B) * pa.S * pa.N;
   return pa.x_kind == kMaskFloat && info.cooperative_launch && blocks <= info.sm_count &&
          rows <= blocks * kSmallTcFusedMaxRows &&
-         small_tc_fused_fits(small_tc_layout(pa.S, pa.N, pa.H, plan.TI, plan.Dc), pa.C);
+         small_tc_fused_fits(small_tc_layout(pa.S, pa.N, pa.H, plan.TI, plan.Dc), pa.C, pa.H);
 }
 
 SmallTcPlan plan_small_tc(int64_t B, int64_t S, int64_t N, int64_t H, int64_t D, int dev) {

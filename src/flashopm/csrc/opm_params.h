@@ -571,11 +571,12 @@ FLASHOPM_HD inline SmallTcLayout small_tc_layout(int S, int N, int H, int TI, in
   return L;
 }
 
-// Rows of the fused form's projections per block and pass, and whether its normalised rows fit
-// in the regions it borrows (P and the K parts).
+// Rows of the fused form's projections per block, and whether its staged weights and normalised
+// rows fit in the regions it borrows (P and the K parts).
 constexpr int kSmallTcFusedMaxRows = 4 * kSmallTcWarps;
-FLASHOPM_HD inline bool small_tc_fused_fits(const SmallTcLayout& L, int C) {
-  return int64_t(kSmallTcWarps) * C <= int64_t(L.pair - L.p);
+FLASHOPM_HD inline int64_t small_tc_proj_wt_floats(int C, int H) { return int64_t(C) * (2 * H + 1); }
+FLASHOPM_HD inline bool small_tc_fused_fits(const SmallTcLayout& L, int C, int H) {
+  return small_tc_proj_wt_floats(C, H) + int64_t(kSmallTcWarps) * C <= int64_t(L.pair - L.p);
 }
 
 // Launches the second kernel of the pair (after launch_prep on the same stream) as a

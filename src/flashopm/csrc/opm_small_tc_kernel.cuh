@@ -52,14 +52,29 @@ __device__ __forceinline__ void split4(const float (&v)[4], uint32_t (&hi)[4], u
   for (int e = 0; e < 4; ++e) split_tf32<kTerms>(v[e], hi[e], lo[e]);
 }
 
+// The fused form's projection weights, transposed into shared memory as wt[c][o] (o < H: W_a,
+// else W_b; row stride 2H + 1, so that lanes along o read distinct banks), with 4-byte
+// asynchronous copies along c (coalesced reads of W's rows); issued first so that their latency
+// overlaps the prologue and the LayerNorm statistics.
+__device__ __forceinline__ void small_tc_stage_proj_weights(const PrepArgs& q, float* wt) {
+  const int C = q.C, H = q.H, ld = 2 * H + 1;
+  for (int idx = threadIdx.x; idx < 2 * H * C; idx += kSmallTcThreads) {
+    const int o = idx / C, c = idx - o * C;
+    const float* src = o < H ? q.wa + int64_t(o) * C + c : q.wb + int64_t(o - H) * C + c;
+    cp_async4(&wt[c * ld + o], src, true);
+  }
+  cp_async_commit();
+}
+
 // LayerNorm, projections and mask of rows [r_begin, r_end) of (b, s, n), r = (b·S + s)·N + n,
 // into a and b as (B, N, S, H), in passes of one row per warp: the normalised rows go to xn
-// ([kSmallTcWarps][C] floats), then one thread per output (row, h of a or b).  The sums are those
-// of opm_prep_kernel (chunks of 32 features, in order), so the results are the same bits.
+// ([kSmallTcWarps][C] floats), then one thread per output (row, h of a or b) takes its dot
+// product with wt (staged by small_tc_stage_proj_weights).  The sums are those of
+// opm_prep_kernel (chunks of 32 features, in order).
 __device__ __forceinline__ void small_tc_project_rows(const PrepArgs& q, float* a_out, float* b_out, int64_t r_begin,
-                                                      int64_t r_end, float* xn) {
+                                                      int64_t r_end, const float* wt, float* xn) {
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int S = q.S, N = q.N, C = q.C, H = q.H, H2 = 2 * q.H;
+  const int S = q.S, N = q.N, C = q.C, H = q.H, H2 = 2 * q.H, ld = 2 * q.H + 1;
   const float* x = static_cast<const float*>(q.x);
   for (int64_t r0 = r_begin; r0 < r_end; r0 += kSmallTcWarps) {
     const int nr = int(min(int64_t(kSmallTcWarps), r_end - r0));
@@ -78,19 +93,19 @@ __device__ __forceinline__ void small_tc_project_rows(const PrepArgs& q, float* 
       const float rstd = rsqrtf(warp_sum(sq) / C + q.ln_eps);
       for (int c = lane; c < C; c += 32) xn[warp * C + c] = (xr[c] - mean) * rstd * q.ln_w[c] + q.ln_b[c];
     }
+    cp_async_wait_all();
     __syncthreads();
     for (int idx = tid; idx < nr * H2; idx += kSmallTcThreads) {
       const int rl = idx / H2, o = idx - rl * H2;
       const bool is_a = o < H;
       const int h = is_a ? o : o - H;
-      const float* w = (is_a ? q.wa : q.wb) + int64_t(h) * C;
       const float* xv = xn + rl * C;
       float acc = 0.f;
       for (int c0 = 0; c0 < C; c0 += kPrepKC) {
         const int ce = min(C, c0 + kPrepKC);
         float part = 0.f;
 #pragma unroll 8
-        for (int c = c0; c < ce; ++c) part = fmaf(xv[c], __ldg(w + c), part);
+        for (int c = c0; c < ce; ++c) part = fmaf(xv[c], wt[c * ld + o], part);
         acc += part;
       }
       const int64_t r = r0 + rl, bs = r / N;
@@ -124,6 +139,10 @@ __global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_tc_kernel(const 
   float* den_s = smem + L.den;
 
   // ---- prologue: independent of the first kernel ----
+  // The fused form's scratch, in P and the K parts (not used before phase P): wt, then xn.
+  float* proj_wt = ps;
+  float* proj_xn = ps + small_tc_proj_wt_floats(p.prep.C, H);
+  if constexpr (kFused) small_tc_stage_proj_weights(p.prep, proj_wt);
   const int groups_p = Dc * H / 64;  // four 16-row tiles of phase P per item
   const int items_p = groups_p * (L.R8 / 8);
   const int ksteps_p = H / 8;
@@ -161,8 +180,7 @@ __global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_tc_kernel(const 
     const int64_t rows = int64_t(p.B) * S * N;
     const int64_t blocks = int64_t(gridDim.x) * gridDim.y * gridDim.z;
     const int64_t id = (int64_t(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
-    small_tc_project_rows(p.prep, const_cast<float*>(p.a), const_cast<float*>(p.b), rows * id / blocks,
-                          rows * (id + 1) / blocks, ps);
+    small_tc_project_rows(p.prep, p.a, p.b, rows * id / blocks, rows * (id + 1) / blocks, proj_wt, proj_xn);
     cooperative_groups::this_grid().sync();  // a and b complete and visible to every block
   } else {
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
