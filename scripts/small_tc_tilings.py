@@ -1,6 +1,7 @@
-"""The small-problem path under each tiling (FLASHOPM_SMALL_TC_TILE), in one cooperative launch where
-it applies and in two (FLASHOPM_SMALL_TC_FUSED=0): GPU time per call from CUDA-graph replay, and
-each kernel's time per call under torch.profiler.
+"""The small-problem path under each tiling (FLASHOPM_SMALL_TC_TILE), in its float32 FMA form and its
+mma.sync form (FLASHOPM_SMALL_TC_FMA=0), each in one cooperative launch where it applies and in two
+(FLASHOPM_SMALL_TC_FUSED=0): GPU time per call from CUDA-graph replay, and each kernel's time per
+call under torch.profiler.
 
     PYTHONPATH=src python scripts/small_tc_tilings.py [B,S,N,C,H,D] [TI,Dc ...]
 """
@@ -15,6 +16,8 @@ from flashopm.bench import time_graph, warm_gpu
 from flashopm.testing import Shape, make_problem
 
 CALLS = 50
+FORMS = {"fma": {}, "fma-two": {"FLASHOPM_SMALL_TC_FUSED": "0"}, "mma": {"FLASHOPM_SMALL_TC_FMA": "0"},
+         "mma-two": {"FLASHOPM_SMALL_TC_FMA": "0", "FLASHOPM_SMALL_TC_FUSED": "0"}}
 
 
 def kernel_us(call):
@@ -45,23 +48,23 @@ def main(args):
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  {shape}")
     ref = None
     for tile in tiles:
-        for form in ("fused", "two"):
+        for form, env in FORMS.items():
             if tile == "auto":
                 os.environ.pop("FLASHOPM_SMALL_TC_TILE", None)
             else:
                 os.environ["FLASHOPM_SMALL_TC_TILE"] = tile
-            if form == "two":
-                os.environ["FLASHOPM_SMALL_TC_FUSED"] = "0"
-            else:
-                os.environ.pop("FLASHOPM_SMALL_TC_FUSED", None)
+            for k in ("FLASHOPM_SMALL_TC_FUSED", "FLASHOPM_SMALL_TC_FMA"):
+                os.environ.pop(k, None)
+            os.environ.update(env)
             out = call()
             ref = out if ref is None else ref
             diff = (out - ref).abs().max().item()
             g = time_graph(call, n=100)
             kernels = "  ".join(f"{k[:34]} {t:.2f}" for k, t in kernel_us(call))
-            print(f"tile {tile:5s} {form:5s}  graph {g.median_us:6.2f} us [{g.p10_us:.2f}, {g.p90_us:.2f}]  max diff vs "
+            print(f"tile {tile:5s} {form:7s}  graph {g.median_us:6.2f} us [{g.p10_us:.2f}, {g.p90_us:.2f}]  max diff vs "
                   f"first {diff:.2e}  kernels (us/call): {kernels}", flush=True)
-    os.environ.pop("FLASHOPM_SMALL_TC_FUSED", None)
+    for k in ("FLASHOPM_SMALL_TC_FUSED", "FLASHOPM_SMALL_TC_FMA"):
+        os.environ.pop(k, None)
     os.environ.pop("FLASHOPM_SMALL_TC_TILE", None)
 
 

@@ -168,7 +168,7 @@ SINGLE_SHAPES = [
 # Awkward small problems for the two-launch tensor-core path (hidden a multiple of 8): one row
 # tile and many, N one past a tile of 16, S not a multiple of 8 (padded n tile in phase P), pair
 # widths below, at and across the chunk of d, K split over warps or not, msa_dim not a multiple
-# of 4 and above 128, several passes of the fused form's projections per block.
+# of 4 and above 128, more rows of projections per block than the one-launch form takes.
 SMALL_TC_SHAPES = [
     Shape(1, 1, 1, 1, 8, 1),
     Shape(2, 8, 32, 64, 32, 64),
@@ -202,11 +202,21 @@ def test_small_problem_paths(algorithm, shape, seed_tag, mask_kind):
 
 
 # The same sizes in two launches (projections, then the contractions), where the path above ran
-# in one cooperative launch wherever it could.
+# in one cooperative launch wherever it could, in the FMA form and the mma.sync form.
+@pytest.mark.parametrize("form", ["fma", "mma_sync"])
 @pytest.mark.parametrize("shape", SMALL_TC_SHAPES, ids=str)
-def test_small_tc_in_two_launches(shape, monkeypatch):
+def test_small_tc_in_two_launches(shape, form, monkeypatch):
     monkeypatch.setenv("FLASHOPM_SMALL_TC_FUSED", "0")
-    _check(shape, "fractional", "small-tc", seed=zlib.crc32(f"{shape}-two".encode()) % 1000, may_not_fit=False)
+    if form == "mma_sync":
+        monkeypatch.setenv("FLASHOPM_SMALL_TC_FMA", "0")
+    _check(shape, "fractional", "small-tc", seed=zlib.crc32(f"{shape}-two-{form}".encode()) % 1000, may_not_fit=False)
+
+
+# The mma.sync form in one launch (the FMA form runs by default under "highest" where W's chunk fits).
+@pytest.mark.parametrize("shape", SMALL_TC_SHAPES, ids=str)
+def test_small_tc_mma_sync_form(shape, monkeypatch):
+    monkeypatch.setenv("FLASHOPM_SMALL_TC_FMA", "0")
+    _check(shape, "bool", "small-tc", seed=zlib.crc32(f"{shape}-mma".encode()) % 1000, may_not_fit=False)
 
 
 def _flashopm_kernels(fn):
@@ -220,7 +230,7 @@ def test_small_tc_fused_is_one_launch(monkeypatch):
     x, m, p = make_problem(SPEC, "masked_positions", seed=4)
     xc, mc, pc = x.cuda(), m.cuda(), _cuda_params(p)
     fused = _flashopm_kernels(lambda: _run(xc, mc, pc, "small-tc", poison=False))
-    assert len(fused) == 1 and "opm_small_tc_kernel" in fused[0], fused
+    assert len(fused) == 1 and "opm_small_tc_kernel<0, true>" in fused[0], fused  # FMA form, one launch
     monkeypatch.setenv("FLASHOPM_SMALL_TC_FUSED", "0")
     two = _flashopm_kernels(lambda: _run(xc, mc, pc, "small-tc", poison=False))
     assert len(two) == 2 and any("opm_prep_kernel" in k for k in two), two
@@ -232,9 +242,12 @@ SMALL_TC_TILINGS = [(Shape(2, 8, 32, 64, 32, 64), tile) for tile in [(1, 8), (1,
     (Shape(2, 3, 13, 9, 8, 70), tile) for tile in [(1, 64), (2, 32), (4, 16), (8, 8), (8, 64)]]
 
 
+@pytest.mark.parametrize("form", ["fma", "mma_sync"])
 @pytest.mark.parametrize("shape,tile", SMALL_TC_TILINGS, ids=lambda v: str(v))
-def test_small_tc_tilings(shape, tile, monkeypatch):
+def test_small_tc_tilings(shape, tile, form, monkeypatch):
     monkeypatch.setenv("FLASHOPM_SMALL_TC_TILE", f"{tile[0]},{tile[1]}")
+    if form == "mma_sync":
+        monkeypatch.setenv("FLASHOPM_SMALL_TC_FMA", "0")
     _check(shape, "masked_positions", "small-tc", seed=zlib.crc32(f"{shape}-{tile}".encode()) % 1000,
            may_not_fit=False)
 

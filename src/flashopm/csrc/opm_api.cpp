@@ -193,6 +193,7 @@ bool search_small_plan(int64_t B, int64_t S, int64_t N, int64_t C, int64_t H, in
 // must be one the search allows).  {0, 0} when the path does not apply.
 struct SmallTcPlan {
   int TI = 0, Dc = 0;
+  bool fma = false;  // W's chunk fits in shared memory for the float32 FMA form (small_tc_fma_layout)
 };
 
 SmallTcPlan requested_small_tc_tile() {
@@ -217,7 +218,7 @@ SmallTcPlan search_small_tc_plan(int64_t B, int64_t S, int64_t N, int64_t H, int
     if (TI > 1 && TI / 2 >= N) break;
     for (int Dc : {8, 16, 32, 64}) {
       if (Dc > 8 && Dc / 2 >= D) break;
-      const int64_t bytes = small_tc_smem_bytes(int(S), int(N), int(H), TI, Dc);
+      const int64_t bytes = small_tc_smem_bytes(int(S), int(N), int(H), TI, Dc, false);
       if (bytes > info.smem_optin) continue;
       const int64_t blocks = B * ((N + TI - 1) / TI) * ((D + Dc - 1) / Dc);
       if ((N + TI - 1) / TI > 65535) continue;
@@ -232,6 +233,8 @@ SmallTcPlan search_small_tc_plan(int64_t B, int64_t S, int64_t N, int64_t H, int
       }
     }
   }
+  if (best.TI != 0)
+    best.fma = small_tc_smem_bytes(int(S), int(N), int(H), best.TI, best.Dc, true) <= info.smem_optin;
   return best;
 }
 
@@ -261,11 +264,20 @@ Plan cached_plan(const std::array<int64_t, 8>& key, Search search) {
 
 enum PlanKind : int64_t { kPlanSmall = 0, kPlanSmallTc = 1 };
 
+// The small-problem path's float32 FMA form, under "highest" where W's chunk fits in shared memory:
+// exact float32 sums, and at these sizes faster than three TF32 mma.sync per product.
+// FLASHOPM_SMALL_TC_FMA=0 asks for the mma.sync form (to compare the forms).
+bool small_tc_fma(const SmallTcPlan& plan, int tc_terms) {
+  const char* env = std::getenv("FLASHOPM_SMALL_TC_FMA");
+  if (env != nullptr && std::string(env) == "0") return false;
+  return plan.fma && tc_terms == 3;
+}
+
 // The small-problem path in one cooperative launch (opm_small_tc_kernel's kFused): float32 x,
 // every block resident at once (one per SM), at most kSmallTcFusedMaxRows rows of projections per
 // block, and room for the projection weights and normalised rows.  FLASHOPM_SMALL_TC_FUSED=0 asks
 // for two launches (to compare the forms).
-bool small_tc_fused(const PrepArgs& pa, const SmallTcPlan& plan, int dev) {
+bool small_tc_fused(const PrepArgs& pa, const SmallTcPlan& plan, bool fma, int dev) {
   const char* env = std::getenv("FLASHOPM_SMALL_TC_FUSED");
   if (env != nullptr && std::string(env) == "0") return false;
   const DeviceInfo& info = device_info(dev);
@@ -273,7 +285,9 @@ bool small_tc_fused(const PrepArgs& pa, const SmallTcPlan& plan, int dev) {
   const int64_t rows = int64_t(pa.B) * pa.S * pa.N;
   return pa.x_kind == kMaskFloat && info.cooperative_launch && blocks <= info.sm_count &&
          rows <= blocks * kSmallTcFusedMaxRows &&
-         small_tc_fused_fits(small_tc_layout(pa.S, pa.N, pa.H, plan.TI, plan.Dc), pa.C, pa.H);
+         small_tc_fused_fits(fma ? small_tc_fma_layout(pa.S, pa.N, pa.H, plan.TI, plan.Dc)
+                                 : small_tc_layout(pa.S, pa.N, pa.H, plan.TI, plan.Dc),
+                             pa.C, pa.H);
 }
 
 SmallTcPlan plan_small_tc(int64_t B, int64_t S, int64_t N, int64_t H, int64_t D, int dev) {
@@ -647,10 +661,12 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     pa.a_sb = pa.b_sb = N * S * H;
     pa.a_ss = pa.b_ss = H;
     pa.a_sn = pa.b_sn = S * H;
-    const bool fused = small_tc_fused(pa, small_tc, dev);
+    const bool fma = small_tc_fma(small_tc, tc_terms);
+    const bool fused = small_tc_fused(pa, small_tc, fma, dev);
     if (!fused) run_prep(pa, false, dev, stream);
 
     SmallTcArgs ta{};
+    ta.fma = fma;
     ta.fused = fused;
     ta.prep = pa;
     ta.a = ab;

@@ -360,8 +360,8 @@ int small_max_active_clusters(int cluster_size, int smem_bytes) {
   return n;
 }
 
-int small_tc_smem_bytes(int S, int N, int H, int TI, int Dc) {
-  return small_tc_layout(S, N, H, TI, Dc).total * int(sizeof(float));
+int small_tc_smem_bytes(int S, int N, int H, int TI, int Dc, bool fma) {
+  return (fma ? small_tc_fma_layout(S, N, H, TI, Dc) : small_tc_layout(S, N, H, TI, Dc)).total * int(sizeof(float));
 }
 
 namespace {
@@ -377,7 +377,7 @@ void launch_small_tc(const SmallTcArgs& args, int terms, cudaStream_t stream) {
   cfg.gridDim = dim3(unsigned((args.D + args.Dc - 1) / args.Dc), unsigned((args.N + args.TI - 1) / args.TI),
                      unsigned(args.B));
   cfg.blockDim = dim3(kSmallTcThreads);
-  cfg.dynamicSmemBytes = size_t(small_tc_smem_bytes(args.S, args.N, args.H, args.TI, args.Dc));
+  cfg.dynamicSmemBytes = size_t(small_tc_smem_bytes(args.S, args.N, args.H, args.TI, args.Dc, args.fma != 0));
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
   if (args.fused) {
@@ -389,7 +389,10 @@ void launch_small_tc(const SmallTcArgs& args, int terms, cudaStream_t stream) {
   }
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  if (terms == 3) {
+  if (args.fma) {
+    if (args.fused) launch_small_tc_t<opm_small_tc_kernel<0, true>>(cfg, args);
+    else launch_small_tc_t<opm_small_tc_kernel<0, false>>(cfg, args);
+  } else if (terms == 3) {
     if (args.fused) launch_small_tc_t<opm_small_tc_kernel<3, true>>(cfg, args);
     else launch_small_tc_t<opm_small_tc_kernel<3, false>>(cfg, args);
   } else {

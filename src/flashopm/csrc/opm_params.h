@@ -95,6 +95,8 @@ constexpr int kPrepWStride = 257;      // odd stride: conflict-free transposed s
 constexpr int kMaxHidden = 64;
 
 FLASHOPM_HD inline int round_up4(int v) { return (v + 3) & ~3; }
+// The least multiple of 4 at least v that is 4 (mod 8).
+FLASHOPM_HD inline int round_up4_odd_quad(int v) { return round_up4(v) % 8 == 0 ? round_up4(v) + 4 : round_up4(v); }
 
 // Shared memory (floats) used by opm_prep_kernel.
 FLASHOPM_HD inline int64_t prep_smem_floats(int H, int rows_per_warp, bool project_w) {
@@ -523,6 +525,7 @@ struct SmallTcArgs {
   int B, S, N, H, D;
   int TI;  // rows i per block: 1, 2, 4 or 8
   int Dc;  // columns d per block: 8, 16, 32 or 64
+  int fma;        // the float32 FMA form (small_tc_fma_layout) rather than mma.sync
   int fused;      // the kernel projects the rows itself (cooperative launch, float32 x)
   PrepArgs prep;  // the projections' inputs, when fused
 };
@@ -532,6 +535,7 @@ struct SmallTcArgs {
 struct SmallTcLayout {
   int R8, N16, lda, ldb, ldps, ldp, ldr, kparts;
   int a, b, p, red, pair, bias, den;
+  int w, ldw;  // the float32 FMA form only: W's chunk in shared memory
   int total;
 };
 
@@ -571,9 +575,43 @@ FLASHOPM_HD inline SmallTcLayout small_tc_layout(int S, int N, int H, int TI, in
   return L;
 }
 
+// The float32 FMA form of the same kernel (kTerms = 0: exact float32 sums, register tiles of 4 x 4
+// from float4 operands, where W's chunk fits in shared memory):
+//   w   [H·H][ldw = Dc + 4]        W[d0 + d, k] at k·ldw + d
+//   a   [H][lda ≥ round4(TI·S)]    a transposed, columns (i, s)
+//   b   [S·H][ldb ≥ round4(N)]     b transposed, columns j
+// Leading dimensions of 4 (mod 8): the transposing 4-byte copies (lanes along the rows) meet at
+// most 4-way bank conflicts, and the float4 reads of P's and O's loops none.
+//   p   [S·H][ldp = TI·Dc + 4]     P transposed: P[i, d, s, h2] at (s·H + h2)·ldp + i·Dc + d
+//   red [kparts][N16][ldr]         as in the mma.sync form
+FLASHOPM_HD inline SmallTcLayout small_tc_fma_layout(int S, int N, int H, int TI, int Dc) {
+  SmallTcLayout L{};
+  const int SH = S * H, cols = TI * Dc;
+  L.N16 = (N + 15) / 16 * 16;
+  L.ldw = Dc + 4;
+  L.lda = round_up4_odd_quad(TI * S);
+  L.ldb = round_up4_odd_quad(N);
+  L.ldp = cols + 4;
+  L.ldr = cols % 16 == 0 ? cols + 8 : cols;
+  const int tiles_o = (round_up4(N) / 4) * (cols / 4);
+  int kp = kSmallTcThreads / tiles_o;
+  L.kparts = kp < 1 ? 1 : kp < SH ? kp : SH;
+  int o = 0;
+  L.w = o;    o += H * H * L.ldw;
+  L.a = o;    o += H * L.lda;
+  L.b = o;    o += SH * L.ldb;
+  L.p = o;    o += SH * L.ldp;
+  L.red = o;  o += L.kparts * L.N16 * L.ldr;
+  L.pair = o; o += TI * L.N16;
+  L.bias = o; o += round_up4(Dc);
+  L.den = o;  o += kSmallTcMaxTI;
+  L.total = o;
+  return L;
+}
+
 // Rows of the fused form's projections per block, and whether its staged weights and normalised
 // rows fit in the regions it borrows (P and the K parts).
-constexpr int kSmallTcFusedMaxRows = 4 * kSmallTcWarps;
+constexpr int kSmallTcFusedMaxRows = kSmallTcWarps;  // one pass (each pass waits for its rows of x)
 FLASHOPM_HD inline int64_t small_tc_proj_wt_floats(int C, int H) { return int64_t(C) * (2 * H + 1); }
 FLASHOPM_HD inline bool small_tc_fused_fits(const SmallTcLayout& L, int C, int H) {
   return small_tc_proj_wt_floats(C, H) + int64_t(kSmallTcWarps) * C <= int64_t(L.pair - L.p);
@@ -583,7 +621,7 @@ FLASHOPM_HD inline bool small_tc_fused_fits(const SmallTcLayout& L, int C, int H
 // programmatic dependent of the first, or (args.fused) alone as a cooperative launch whose grid
 // the device holds at once; terms as for launch_outer_tc.
 void launch_small_tc(const SmallTcArgs& args, int terms, cudaStream_t stream);
-int small_tc_smem_bytes(int S, int N, int H, int TI, int Dc);
+int small_tc_smem_bytes(int S, int N, int H, int TI, int Dc, bool fma);
 
 // ---- Backward of the outer-first contraction (opm_backward_kernel.cuh) ----
 // With g = dL/d(out) already divided by the normaliser, (B, Nr, Nc, Dp) with Dp = D rounded up to 4

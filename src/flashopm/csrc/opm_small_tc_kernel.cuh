@@ -124,16 +124,18 @@ __global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_tc_kernel(const 
   extern __shared__ float4 smem_f4[];
   float* smem = reinterpret_cast<float*>(smem_f4);
   const int S = p.S, N = p.N, H = p.H, TI = p.TI, Dc = p.Dc;
-  const SmallTcLayout L = small_tc_layout(S, N, H, TI, Dc);
+  constexpr bool kFma = kTerms == 0;
+  const SmallTcLayout L = kFma ? small_tc_fma_layout(S, N, H, TI, Dc) : small_tc_layout(S, N, H, TI, Dc);
   const int SH = S * H;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;
   const int d0 = blockIdx.x * Dc, i0 = blockIdx.y * TI, b = blockIdx.z;
   const int ti = min(TI, N - i0);  // rows i of this block
+  // mma.sync form (the FMA form's layout: small_tc_fma_layout)
   float* as = smem + L.a;      // [R8][lda]        a[b, i0 + r / S, r % S, h1], rows past ti·S zero
   float* bs = smem + L.b;      // [N16][ldb]       b[b, j, s·H + h2], rows j >= N zero
   float* ps = smem + L.p;      // [TI·Dc][ldp]     P[i][d][s·ldps + h2]
-  float* red = smem + L.red;   // [kparts][TI][N16][ldr]
+  float* red = smem + L.red;   // [kparts][N16][ldr]
   float* pair_s = smem + L.pair;  // [TI][N16]
   float* bias_s = smem + L.bias;
   float* den_s = smem + L.den;
@@ -154,7 +156,19 @@ __global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_tc_kernel(const 
     for (int kb = 0; kb < kSmallTcKBatch; ++kb)
       if (ks0 + kb < ksteps_p) small_tc_load_w(p, d0, mt0, ks0 + kb, g, t, wf[kb]);
   };
-  if (warp < items_p) load_w_batch((warp % groups_p) * 4, 0);
+  if constexpr (kFma) {
+    // W's chunk transposed into shared memory, w[k][d] (rows d past D zero), one copy group.
+    float* ws = smem + L.w;
+    const int HH = H * H;
+    for (int idx = tid; idx < Dc * HH; idx += kSmallTcThreads) {
+      const int dl = idx / HH, k = idx - dl * HH;
+      const bool ok = d0 + dl < p.D;
+      cp_async4(&ws[k * L.ldw + dl], p.w_out + (ok ? int64_t(d0 + dl) * HH + k : 0), ok);
+    }
+    cp_async_commit();
+  } else {
+    if (warp < items_p) load_w_batch((warp % groups_p) * 4, 0);
+  }
   for (int dl = tid; dl < Dc; dl += kSmallTcThreads)
     bias_s[dl] = (p.bias != nullptr && d0 + dl < p.D) ? p.bias[d0 + dl] : 0.f;
   if (p.norm.kind == kNormRow) {
@@ -171,9 +185,11 @@ __global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_tc_kernel(const 
       pair_s[idx] = sum;
     }
   }
-  // Zero padding rows (never written by the copies below).
-  for (int idx = tid; idx < (L.R8 - ti * S) * L.lda; idx += kSmallTcThreads) as[ti * S * L.lda + idx] = 0.f;
-  for (int idx = tid; idx < (L.N16 - N) * L.ldb; idx += kSmallTcThreads) bs[N * L.ldb + idx] = 0.f;
+  if constexpr (!kFma) {
+    // Zero padding rows (never written by the copies below).
+    for (int idx = tid; idx < (L.R8 - ti * S) * L.lda; idx += kSmallTcThreads) as[ti * S * L.lda + idx] = 0.f;
+    for (int idx = tid; idx < (L.N16 - N) * L.ldb; idx += kSmallTcThreads) bs[N * L.ldb + idx] = 0.f;
+  }
 
   if constexpr (kFused) {
     // ps and red are not used before phase P: the normalised rows pass through them.
@@ -188,7 +204,24 @@ __global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_tc_kernel(const 
 
   // ---- a[b, i0 : i0 + ti] and b[b, :] into shared memory (rows of H and S·H floats); phase P
   // needs only a, so b is waited for after it ----
-  {
+  if constexpr (kFma) {
+    // Transposed: a[h1][(i, s)], b[(s, h2)][j].  Columns past ti·S and N are left as they are:
+    // they only reach P's and the output's columns that are never stored.
+    const float* a_src = p.a + (int64_t(b) * N + i0) * SH;
+    for (int idx = tid; idx < ti * SH; idx += kSmallTcThreads) {
+      const int r = idx / H, h = idx - r * H;
+      cp_async4(&as[h * L.lda + r], a_src + idx, true);
+    }
+    cp_async_commit();
+    const float* b_src = p.b + int64_t(b) * N * SH;
+    for (int idx = tid; idx < N * SH; idx += kSmallTcThreads) {
+      const int j = idx / SH, k = idx - j * SH;
+      cp_async4(&bs[k * L.ldb + j], b_src + idx, true);
+    }
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncthreads();
+  } else {
     const int h4 = H / 4, q_row = SH / 4;
     const float* a_src = p.a + (int64_t(b) * N + i0) * SH;
     for (int idx = tid; idx < ti * S * h4; idx += kSmallTcThreads) {
@@ -207,45 +240,81 @@ __global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_tc_kernel(const 
   }
 
   // ---- phase P ----
-  for (int item = warp; item < items_p; item += kSmallTcWarps) {
-    const int nt = item / groups_p, mt0 = (item - nt * groups_p) * 4;
-    float acc[4][4];
+  if constexpr (kFma) {
+    // Thread tile: 4 columns d x 4 columns (i, s) at one h2, over h1 in order; lanes along h2.
+    const float* ws = smem + L.w;
+    const int dgroups = Dc / 4, ngroups = round_up4(TI * S) / 4;
+    for (int tile = tid; tile < H * dgroups * ngroups; tile += kSmallTcThreads) {
+      const int h2 = tile % H, rest = tile / H;
+      const int dg = rest % dgroups, ng = rest / dgroups;
+      float acc[4][4];  // [(i, s)][d]
 #pragma unroll
-    for (int u = 0; u < 4; ++u)
+      for (int v = 0; v < 4; ++v)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) acc[u][e] = 0.f;
-    if (item != warp) load_w_batch(mt0, 0);
-    for (int ks0 = 0; ks0 < ksteps_p; ks0 += kSmallTcKBatch) {
-      if (ks0 > 0) load_w_batch(mt0, ks0);
+        for (int u = 0; u < 4; ++u) acc[v][u] = 0.f;
+      const float* wp = ws + h2 * L.ldw + dg * 4;
+      const float* ap = as + ng * 4;
+#pragma unroll 4
+      for (int h1 = 0; h1 < H; ++h1) {
+        const float4 w4 = *reinterpret_cast<const float4*>(wp + h1 * H * L.ldw);
+        const float4 a4 = *reinterpret_cast<const float4*>(ap + h1 * L.lda);
+        const float wv[4] = {w4.x, w4.y, w4.z, w4.w}, av[4] = {a4.x, a4.y, a4.z, a4.w};
 #pragma unroll
-      for (int kb = 0; kb < kSmallTcKBatch; ++kb) {
-        const int ks = ks0 + kb;
-        if (ks >= ksteps_p) break;
-        const float* arow = as + (nt * 8 + g) * L.lda + ks * 8 + t;
-        uint32_t bh0, bh1, bl0, bl1;
-        split_tf32<kTerms>(arow[0], bh0, bl0);
-        split_tf32<kTerms>(arow[4], bh1, bl1);
+        for (int v = 0; v < 4; ++v)
 #pragma unroll
-        for (int u = 0; u < 4; ++u) {
-          const float av[4] = {wf[kb][u][0].x, wf[kb][u][0].y, wf[kb][u][1].x, wf[kb][u][1].y};
-          uint32_t ah[4], al[4];
-          split4<kTerms>(av, ah, al);
-          mma_split_add<kTerms>(acc[u], ah, al, bh0, bh1, bl0, bl1);
+          for (int u = 0; u < 4; ++u) acc[v][u] = fmaf(av[v], wv[u], acc[v][u]);
+      }
+#pragma unroll
+      for (int v = 0; v < 4; ++v) {
+        const int n = ng * 4 + v;
+        if (n < ti * S) {
+          const int il = n / S, s = n - il * S;
+          *reinterpret_cast<float4*>(ps + (s * H + h2) * L.ldp + il * Dc + dg * 4) =
+              make_float4(acc[v][0], acc[v][1], acc[v][2], acc[v][3]);
         }
       }
     }
-    // acc[u] = C[(row g | g + 8), (col 2t | 2t + 1)]: rows m = 2g, 2g + 1 (same d), cols r = (i, s).
+  } else {
+    for (int item = warp; item < items_p; item += kSmallTcWarps) {
+      const int nt = item / groups_p, mt0 = (item - nt * groups_p) * 4;
+      float acc[4][4];
 #pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      const int m = (mt0 + u) * 16 + 2 * g;
-      const int dl = m / H, h2 = m - dl * H;
+      for (int u = 0; u < 4; ++u)
 #pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        const int r = nt * 8 + 2 * t + c;
-        if (r < ti * S) {
-          const int il = r / S, s = r - il * S;
-          *reinterpret_cast<float2*>(ps + (il * Dc + dl) * L.ldp + s * L.ldps + h2) =
-              make_float2(acc[u][c], acc[u][2 + c]);
+        for (int e = 0; e < 4; ++e) acc[u][e] = 0.f;
+      if (item != warp) load_w_batch(mt0, 0);
+      for (int ks0 = 0; ks0 < ksteps_p; ks0 += kSmallTcKBatch) {
+        if (ks0 > 0) load_w_batch(mt0, ks0);
+#pragma unroll
+        for (int kb = 0; kb < kSmallTcKBatch; ++kb) {
+          const int ks = ks0 + kb;
+          if (ks >= ksteps_p) break;
+          const float* arow = as + (nt * 8 + g) * L.lda + ks * 8 + t;
+          uint32_t bh0, bh1, bl0, bl1;
+          split_tf32<kTerms>(arow[0], bh0, bl0);
+          split_tf32<kTerms>(arow[4], bh1, bl1);
+#pragma unroll
+          for (int u = 0; u < 4; ++u) {
+            const float av[4] = {wf[kb][u][0].x, wf[kb][u][0].y, wf[kb][u][1].x, wf[kb][u][1].y};
+            uint32_t ah[4], al[4];
+            split4<kTerms>(av, ah, al);
+            mma_split_add<kTerms>(acc[u], ah, al, bh0, bh1, bl0, bl1);
+          }
+        }
+      }
+      // acc[u] = C[(row g | g + 8), (col 2t | 2t + 1)]: rows m = 2g, 2g + 1 (same d), cols r = (i, s).
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int m = (mt0 + u) * 16 + 2 * g;
+        const int dl = m / H, h2 = m - dl * H;
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const int r = nt * 8 + 2 * t + c;
+          if (r < ti * S) {
+            const int il = r / S, s = r - il * S;
+            *reinterpret_cast<float2*>(ps + (il * Dc + dl) * L.ldp + s * L.ldps + h2) =
+                make_float2(acc[u][c], acc[u][2 + c]);
+          }
         }
       }
     }
@@ -253,48 +322,80 @@ __global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_tc_kernel(const 
   cp_async_wait_all();
   __syncthreads();
 
-  // ---- phase O: one GEMM per block, its columns c = il·Dc + dl (P's rows), so that every A
-  // fragment of b serves up to kSmallTcMaxDc columns whatever the split between TI and Dc ----
-  const int mtiles_o = L.N16 / 16, ksteps_o = SH / 8;
-  const int cols_o = ti * Dc;  // columns of rows i past N are not formed
-  const int groups_o = small_tc_col_groups(TI, Dc);
-  for (int item = warp; item < groups_o * mtiles_o * L.kparts; item += kSmallTcWarps) {
-    const int kp = item / (groups_o * mtiles_o), rest = item - kp * groups_o * mtiles_o;
-    const int cg = rest / mtiles_o, mt = rest - cg * mtiles_o;
-    const int c0 = cg * kSmallTcMaxDc;
-    if (c0 >= cols_o) continue;
-    const int ntiles_o = min(kSmallTcMaxDc, cols_o - c0) / 8;
-    const int k0 = ksteps_o * kp / L.kparts, k1 = ksteps_o * (kp + 1) / L.kparts;
-    float acc[kSmallTcMaxDc / 8][4];
+  if constexpr (kFma) {
+    // ---- phase O, FMA form: thread tile 4 rows j x 4 columns (i, d), K split in kparts ----
+    const int cols_o = ti * Dc, cgroups = TI * Dc / 4, jgroups = round_up4(N) / 4;
+    for (int item = tid; item < cgroups * jgroups * L.kparts; item += kSmallTcThreads) {
+      const int cg = item % cgroups, rest = item / cgroups;
+      const int jg = rest % jgroups, kp = rest / jgroups;
+      if (cg * 4 >= cols_o) continue;
+      const int k0 = SH * kp / L.kparts, k1 = SH * (kp + 1) / L.kparts;
+      float acc[4][4];  // [j][(i, d)]
 #pragma unroll
-    for (int n = 0; n < kSmallTcMaxDc / 8; ++n)
+      for (int u = 0; u < 4; ++u)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) acc[n][e] = 0.f;
-    const float* brow = bs + (mt * 16 + g) * L.ldb + t;
-    const float* prow = ps + (c0 + g) * L.ldp + t;
-    for (int kk = k0; kk < k1; ++kk) {
-      const float* bk = brow + kk * 8;
-      const float av[4] = {bk[0], bk[8 * L.ldb], bk[4], bk[8 * L.ldb + 4]};
-      uint32_t ah[4], al[4];
-      split4<kTerms>(av, ah, al);
-      const int s = (kk * 8) / H, h2 = kk * 8 - s * H;
-      const float* pk = prow + s * L.ldps + h2;
+        for (int v = 0; v < 4; ++v) acc[u][v] = 0.f;
+      const float* bp = bs + jg * 4;
+      const float* pp = ps + cg * 4;
+#pragma unroll 4
+      for (int k = k0; k < k1; ++k) {
+        const float4 b4 = *reinterpret_cast<const float4*>(bp + k * L.ldb);
+        const float4 p4 = *reinterpret_cast<const float4*>(pp + k * L.ldp);
+        const float bv[4] = {b4.x, b4.y, b4.z, b4.w}, pv[4] = {p4.x, p4.y, p4.z, p4.w};
+#pragma unroll
+        for (int u = 0; u < 4; ++u)
+#pragma unroll
+          for (int v = 0; v < 4; ++v) acc[u][v] = fmaf(bv[u], pv[v], acc[u][v]);
+      }
+      float* r0 = red + (kp * L.N16 + jg * 4) * L.ldr + cg * 4;
+#pragma unroll
+      for (int u = 0; u < 4; ++u)
+        *reinterpret_cast<float4*>(r0 + u * L.ldr) = make_float4(acc[u][0], acc[u][1], acc[u][2], acc[u][3]);
+    }
+  } else {
+    // ---- phase O: one GEMM per block, its columns c = il·Dc + dl (P's rows), so that every A
+    // fragment of b serves up to kSmallTcMaxDc columns whatever the split between TI and Dc ----
+    const int mtiles_o = L.N16 / 16, ksteps_o = SH / 8;
+    const int cols_o = ti * Dc;  // columns of rows i past N are not formed
+    const int groups_o = small_tc_col_groups(TI, Dc);
+    for (int item = warp; item < groups_o * mtiles_o * L.kparts; item += kSmallTcWarps) {
+      const int kp = item / (groups_o * mtiles_o), rest = item - kp * groups_o * mtiles_o;
+      const int cg = rest / mtiles_o, mt = rest - cg * mtiles_o;
+      const int c0 = cg * kSmallTcMaxDc;
+      if (c0 >= cols_o) continue;
+      const int ntiles_o = min(kSmallTcMaxDc, cols_o - c0) / 8;
+      const int k0 = ksteps_o * kp / L.kparts, k1 = ksteps_o * (kp + 1) / L.kparts;
+      float acc[kSmallTcMaxDc / 8][4];
+#pragma unroll
+      for (int n = 0; n < kSmallTcMaxDc / 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[n][e] = 0.f;
+      const float* brow = bs + (mt * 16 + g) * L.ldb + t;
+      const float* prow = ps + (c0 + g) * L.ldp + t;
+      for (int kk = k0; kk < k1; ++kk) {
+        const float* bk = brow + kk * 8;
+        const float av[4] = {bk[0], bk[8 * L.ldb], bk[4], bk[8 * L.ldb + 4]};
+        uint32_t ah[4], al[4];
+        split4<kTerms>(av, ah, al);
+        const int s = (kk * 8) / H, h2 = kk * 8 - s * H;
+        const float* pk = prow + s * L.ldps + h2;
+#pragma unroll
+        for (int n = 0; n < kSmallTcMaxDc / 8; ++n) {
+          if (n < ntiles_o) {
+            uint32_t bh0, bh1, bl0, bl1;
+            split_tf32<kTerms>(pk[n * 8 * L.ldp], bh0, bl0);
+            split_tf32<kTerms>(pk[n * 8 * L.ldp + 4], bh1, bl1);
+            mma_split_add<kTerms>(acc[n], ah, al, bh0, bh1, bl0, bl1);
+          }
+        }
+      }
+      float* r0 = red + (kp * L.N16 + mt * 16 + g) * L.ldr + c0 + 2 * t;
 #pragma unroll
       for (int n = 0; n < kSmallTcMaxDc / 8; ++n) {
         if (n < ntiles_o) {
-          uint32_t bh0, bh1, bl0, bl1;
-          split_tf32<kTerms>(pk[n * 8 * L.ldp], bh0, bl0);
-          split_tf32<kTerms>(pk[n * 8 * L.ldp + 4], bh1, bl1);
-          mma_split_add<kTerms>(acc[n], ah, al, bh0, bh1, bl0, bl1);
+          *reinterpret_cast<float2*>(r0 + n * 8) = make_float2(acc[n][0], acc[n][1]);
+          *reinterpret_cast<float2*>(r0 + 8 * L.ldr + n * 8) = make_float2(acc[n][2], acc[n][3]);
         }
-      }
-    }
-    float* r0 = red + (kp * L.N16 + mt * 16 + g) * L.ldr + c0 + 2 * t;
-#pragma unroll
-    for (int n = 0; n < kSmallTcMaxDc / 8; ++n) {
-      if (n < ntiles_o) {
-        *reinterpret_cast<float2*>(r0 + n * 8) = make_float2(acc[n][0], acc[n][1]);
-        *reinterpret_cast<float2*>(r0 + 8 * L.ldr + n * 8) = make_float2(acc[n][2], acc[n][3]);
       }
     }
   }
