@@ -1,7 +1,7 @@
 """The small-problem path under each tiling (FLASHOPM_SMALL_TC_TILE), in its float32 FMA form and its
-mma.sync form (FLASHOPM_SMALL_TC_FMA=0), each in one cooperative launch where it applies and in two
-(FLASHOPM_SMALL_TC_FUSED=0): GPU time per call from CUDA-graph replay, and each kernel's time per
-call under torch.profiler.
+mma.sync form (FLASHOPM_SMALL_TC_FMA=0), each in two launches and in one cooperative launch where it
+applies (FLASHOPM_SMALL_TC_FUSED=1): GPU time per call from CUDA-graph replay, and each kernel's
+time per call under torch.profiler.
 
     PYTHONPATH=src python scripts/small_tc_tilings.py [B,S,N,C,H,D] [TI,Dc ...]
 """
@@ -16,8 +16,8 @@ from flashopm.bench import time_graph, warm_gpu
 from flashopm.testing import Shape, make_problem
 
 CALLS = 50
-FORMS = {"fma": {}, "fma-two": {"FLASHOPM_SMALL_TC_FUSED": "0"}, "mma": {"FLASHOPM_SMALL_TC_FMA": "0"},
-         "mma-two": {"FLASHOPM_SMALL_TC_FMA": "0", "FLASHOPM_SMALL_TC_FUSED": "0"}}
+FORMS = {"fma": {}, "fma-one": {"FLASHOPM_SMALL_TC_FUSED": "1"}, "mma": {"FLASHOPM_SMALL_TC_FMA": "0"},
+         "mma-one": {"FLASHOPM_SMALL_TC_FMA": "0", "FLASHOPM_SMALL_TC_FUSED": "1"}}
 
 
 def kernel_us(call):

@@ -201,18 +201,18 @@ def test_small_problem_paths(algorithm, shape, seed_tag, mask_kind):
            may_not_fit=False)
 
 
-# The same sizes in two launches (projections, then the contractions), where the path above ran
-# in one cooperative launch wherever it could, in the FMA form and the mma.sync form.
+# The same sizes in one cooperative launch (FLASHOPM_SMALL_TC_FUSED=1: each block projects its
+# share of the rows, then a grid barrier), in the FMA form and the mma.sync form.
 @pytest.mark.parametrize("form", ["fma", "mma_sync"])
 @pytest.mark.parametrize("shape", SMALL_TC_SHAPES, ids=str)
-def test_small_tc_in_two_launches(shape, form, monkeypatch):
-    monkeypatch.setenv("FLASHOPM_SMALL_TC_FUSED", "0")
+def test_small_tc_in_one_launch(shape, form, monkeypatch):
+    monkeypatch.setenv("FLASHOPM_SMALL_TC_FUSED", "1")
     if form == "mma_sync":
         monkeypatch.setenv("FLASHOPM_SMALL_TC_FMA", "0")
-    _check(shape, "fractional", "small-tc", seed=zlib.crc32(f"{shape}-two-{form}".encode()) % 1000, may_not_fit=False)
+    _check(shape, "fractional", "small-tc", seed=zlib.crc32(f"{shape}-one-{form}".encode()) % 1000, may_not_fit=False)
 
 
-# The mma.sync form in one launch (the FMA form runs by default under "highest" where W's chunk fits).
+# The mma.sync form (the FMA form runs by default under "highest" where W's chunk fits).
 @pytest.mark.parametrize("shape", SMALL_TC_SHAPES, ids=str)
 def test_small_tc_mma_sync_form(shape, monkeypatch):
     monkeypatch.setenv("FLASHOPM_SMALL_TC_FMA", "0")
@@ -226,30 +226,15 @@ def _flashopm_kernels(fn):
     return [e.key for e in prof.key_averages() if "flashopm::" in e.key and e.device_time_total > 0]
 
 
-def test_small_tc_fused_is_one_launch(monkeypatch):
+def test_small_tc_launches(monkeypatch):
     x, m, p = make_problem(SPEC, "masked_positions", seed=4)
     xc, mc, pc = x.cuda(), m.cuda(), _cuda_params(p)
-    fused = _flashopm_kernels(lambda: _run(xc, mc, pc, "small-tc", poison=False))
-    assert len(fused) == 1 and "opm_small_tc_kernel<0, true>" in fused[0], fused  # FMA form, one launch
-    monkeypatch.setenv("FLASHOPM_SMALL_TC_FUSED", "0")
     two = _flashopm_kernels(lambda: _run(xc, mc, pc, "small-tc", poison=False))
     assert len(two) == 2 and any("opm_prep_kernel" in k for k in two), two
-
-
-# Tilings of the two-launch path forced one by one: rows per block 1 to 8 (ragged at N = 13),
-# chunks of d from 8 to 64 (ragged at D = 70), phase O's columns (i, d) in one group or several.
-SMALL_TC_TILINGS = [(Shape(2, 8, 32, 64, 32, 64), tile) for tile in [(1, 8), (1, 32), (1, 64), (2, 16), (4, 8), (8, 8)]] + [
-    (Shape(2, 3, 13, 9, 8, 70), tile) for tile in [(1, 64), (2, 32), (4, 16), (8, 8), (8, 64)]]
-
-
-@pytest.mark.parametrize("form", ["fma", "mma_sync"])
-@pytest.mark.parametrize("shape,tile", SMALL_TC_TILINGS, ids=lambda v: str(v))
-def test_small_tc_tilings(shape, tile, form, monkeypatch):
-    monkeypatch.setenv("FLASHOPM_SMALL_TC_TILE", f"{tile[0]},{tile[1]}")
-    if form == "mma_sync":
-        monkeypatch.setenv("FLASHOPM_SMALL_TC_FMA", "0")
-    _check(shape, "masked_positions", "small-tc", seed=zlib.crc32(f"{shape}-{tile}".encode()) % 1000,
-           may_not_fit=False)
+    assert any("opm_small_tc_kernel<0, false>" in k for k in two), two  # the FMA form under "highest"
+    monkeypatch.setenv("FLASHOPM_SMALL_TC_FUSED", "1")
+    one = _flashopm_kernels(lambda: _run(xc, mc, pc, "small-tc", poison=False))
+    assert len(one) == 1 and "opm_small_tc_kernel<0, true>" in one[0], one
 
 
 def test_small_tc_tiling_setting_is_checked(monkeypatch):
