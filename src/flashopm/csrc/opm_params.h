@@ -550,6 +550,14 @@ FLASHOPM_HD inline int small_tc_kparts(int TI, int Dc, int N16, int K8) {
   return kp < K8 ? kp : K8;
 }
 
+// The regions both forms end with, from offset o: pair counts, bias, row denominators.
+FLASHOPM_HD inline void small_tc_layout_tail(SmallTcLayout& L, int o, int TI, int Dc) {
+  L.pair = o; o += TI * L.N16;
+  L.bias = o; o += round_up4(Dc);
+  L.den = o;  o += kSmallTcMaxTI;
+  L.total = o;
+}
+
 FLASHOPM_HD inline SmallTcLayout small_tc_layout(int S, int N, int H, int TI, int Dc) {
   SmallTcLayout L{};
   L.R8 = (TI * S + 7) / 8 * 8;  // rows (i, s) of a, padded to a tile of 8
@@ -568,10 +576,7 @@ FLASHOPM_HD inline SmallTcLayout small_tc_layout(int S, int N, int H, int TI, in
   L.b = o;    o += L.N16 * L.ldb;
   L.p = o;    o += TI * Dc * L.ldp;
   L.red = o;  o += L.kparts * L.N16 * L.ldr;
-  L.pair = o; o += TI * L.N16;
-  L.bias = o; o += round_up4(Dc);
-  L.den = o;  o += kSmallTcMaxTI;
-  L.total = o;
+  small_tc_layout_tail(L, o, TI, Dc);
   return L;
 }
 
@@ -602,10 +607,7 @@ FLASHOPM_HD inline SmallTcLayout small_tc_fma_layout(int S, int N, int H, int TI
   L.b = o;    o += SH * L.ldb;
   L.p = o;    o += SH * L.ldp;
   L.red = o;  o += L.kparts * L.N16 * L.ldr;
-  L.pair = o; o += TI * L.N16;
-  L.bias = o; o += round_up4(Dc);
-  L.den = o;  o += kSmallTcMaxTI;
-  L.total = o;
+  small_tc_layout_tail(L, o, TI, Dc);
   return L;
 }
 

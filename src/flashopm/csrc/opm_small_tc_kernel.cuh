@@ -46,6 +46,26 @@ __device__ __forceinline__ void small_tc_load_w(const SmallTcArgs& p, int d0, in
   }
 }
 
+// acc[u][v] = sum over k in [k0, k1), in order, of x_k[u]·y_k[v], where x_k and y_k are the float4
+// at x + k·x_ld and y + k·y_ld (shared memory): one 4 x 4 register tile of the FMA form.
+__device__ __forceinline__ void fma_outer_4x4(float (&acc)[4][4], const float* x, int x_ld, const float* y, int y_ld,
+                                              int k0, int k1) {
+#pragma unroll
+  for (int u = 0; u < 4; ++u)
+#pragma unroll
+    for (int v = 0; v < 4; ++v) acc[u][v] = 0.f;
+#pragma unroll 4
+  for (int k = k0; k < k1; ++k) {
+    const float4 x4 = *reinterpret_cast<const float4*>(x + k * x_ld);
+    const float4 y4 = *reinterpret_cast<const float4*>(y + k * y_ld);
+    const float xv[4] = {x4.x, x4.y, x4.z, x4.w}, yv[4] = {y4.x, y4.y, y4.z, y4.w};
+#pragma unroll
+    for (int u = 0; u < 4; ++u)
+#pragma unroll
+      for (int v = 0; v < 4; ++v) acc[u][v] = fmaf(xv[u], yv[v], acc[u][v]);
+  }
+}
+
 template <int kTerms>
 __device__ __forceinline__ void split4(const float (&v)[4], uint32_t (&hi)[4], uint32_t (&lo)[4]) {
 #pragma unroll
@@ -248,22 +268,7 @@ __global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_tc_kernel(const 
       const int h2 = tile % H, rest = tile / H;
       const int dg = rest % dgroups, ng = rest / dgroups;
       float acc[4][4];  // [(i, s)][d]
-#pragma unroll
-      for (int v = 0; v < 4; ++v)
-#pragma unroll
-        for (int u = 0; u < 4; ++u) acc[v][u] = 0.f;
-      const float* wp = ws + h2 * L.ldw + dg * 4;
-      const float* ap = as + ng * 4;
-#pragma unroll 4
-      for (int h1 = 0; h1 < H; ++h1) {
-        const float4 w4 = *reinterpret_cast<const float4*>(wp + h1 * H * L.ldw);
-        const float4 a4 = *reinterpret_cast<const float4*>(ap + h1 * L.lda);
-        const float wv[4] = {w4.x, w4.y, w4.z, w4.w}, av[4] = {a4.x, a4.y, a4.z, a4.w};
-#pragma unroll
-        for (int v = 0; v < 4; ++v)
-#pragma unroll
-          for (int u = 0; u < 4; ++u) acc[v][u] = fmaf(av[v], wv[u], acc[v][u]);
-      }
+      fma_outer_4x4(acc, as + ng * 4, L.lda, ws + h2 * L.ldw + dg * 4, H * L.ldw, 0, H);
 #pragma unroll
       for (int v = 0; v < 4; ++v) {
         const int n = ng * 4 + v;
@@ -331,22 +336,7 @@ __global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_tc_kernel(const 
       if (cg * 4 >= cols_o) continue;
       const int k0 = SH * kp / L.kparts, k1 = SH * (kp + 1) / L.kparts;
       float acc[4][4];  // [j][(i, d)]
-#pragma unroll
-      for (int u = 0; u < 4; ++u)
-#pragma unroll
-        for (int v = 0; v < 4; ++v) acc[u][v] = 0.f;
-      const float* bp = bs + jg * 4;
-      const float* pp = ps + cg * 4;
-#pragma unroll 4
-      for (int k = k0; k < k1; ++k) {
-        const float4 b4 = *reinterpret_cast<const float4*>(bp + k * L.ldb);
-        const float4 p4 = *reinterpret_cast<const float4*>(pp + k * L.ldp);
-        const float bv[4] = {b4.x, b4.y, b4.z, b4.w}, pv[4] = {p4.x, p4.y, p4.z, p4.w};
-#pragma unroll
-        for (int u = 0; u < 4; ++u)
-#pragma unroll
-          for (int v = 0; v < 4; ++v) acc[u][v] = fmaf(bv[u], pv[v], acc[u][v]);
-      }
+      fma_outer_4x4(acc, bs + jg * 4, L.ldb, ps + cg * 4, L.ldp, k0, k1);
       float* r0 = red + (kp * L.N16 + jg * 4) * L.ldr + cg * 4;
 #pragma unroll
       for (int u = 0; u < 4; ++u)
