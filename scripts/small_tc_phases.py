@@ -1,8 +1,8 @@
 """Where the time of the two-launch tensor-core path goes, on a GPU.
 
 Builds an instrumented copy of the extension (separate cache directory).  Thread 0 of every block
-of the second kernel records clock64() after a barrier at each phase boundary and %globaltimer at
-entry, after the wait and at exit; every block of the first kernel records %globaltimer at entry
+of the second kernel (two-launch form) records clock64() after a barrier at each phase boundary
+and %globaltimer at entry, after the wait and at exit; every block of the first kernel records %globaltimer at entry
 and exit.  Prints the median cycles per phase, the kernels' overlap, and the CUDA-graph time of
 the pair, of the first kernel alone, of the second alone, and of the pair launched as two plain
 kernels.
@@ -35,32 +35,30 @@ BLK = "((blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x)"
 CLK = lambda i: (f"\n  __syncthreads(); if (threadIdx.x == 0) g_tc_clk[{BLK} * 16 + {i}] = clock64();\n")  # noqa: E731
 GT = lambda i: (f"\n  if (threadIdx.x == 0) {{ unsigned long long t_; asm volatile(\"mov.u64 %0, %globaltimer;\" : \"=l\"(t_));"  # noqa: E731
                 f" g_tc_clk[{BLK} * 16 + {i}] = (long long)t_; }}\n")
-k = patch(k, "template <int kTerms>\n__global__", "__device__ long long g_tc_clk[1 << 18];\n", before=True)
+k = patch(k, "template <int kTerms, bool kFused>\n__global__", "__device__ long long g_tc_clk[1 << 18];\n", before=True)
 k = patch(k, "  float* den_s = smem + L.den;\n", GT(8) + CLK(0))
-k = patch(k, '  asm volatile("griddepcontrol.wait;\\n" ::: "memory");\n', GT(9) + CLK(1))
-# Phases P and O run twice each (rolled): a second run much faster than the first is the cost of
-# fetching the phase's instructions (and of its first global loads).
-k = patch(k, "  // ---- phase P ----\n", CLK(2) + "#pragma unroll 1\n  for (int rep_ = 0; rep_ < 2; ++rep_) {\n", before=True)
-k = patch(k, "  // ---- phase O ----\n", CLK("3 + rep_") + "  }\n", before=True)
-k = patch(k, "  // ---- phase O ----\n", "#pragma unroll 1\n  for (int rep_ = 0; rep_ < 2; ++rep_) {\n")
-k = patch(k, "  // ---- epilogue:", CLK("5 + rep_") + "  }\n", before=True)
+k = patch(k, '    asm volatile("griddepcontrol.wait;\\n" ::: "memory");\n', GT(9) + CLK(1))
+k = patch(k, "  // ---- phase P ----\n", CLK(2), before=True)
+k = patch(k, "  cp_async_wait_all();\n  __syncthreads();\n\n  if constexpr (kFma) {\n    // ---- phase O", CLK(3) + "\n",
+          before=True)
+k = patch(k, "  // ---- epilogue:", CLK(4), before=True)
 k = k.replace("  if (p.norm.kind == kNormRow) {\n    if (warp < ti) {", "  if (p.norm.kind == kNormRow) {\n    if (warp < ti && p.norm.eps != 1.f) {", 1)
-k = k.replace("  if (warp < items_p) load_w_batch(", "  if (warp < items_p && p.norm.eps != 2.f) load_w_batch(", 1)
-k = k.replace("    if (item != warp) load_w_batch(mt0, 0);", "    if (item != warp || p.norm.eps == 2.f) load_w_batch(mt0, 0);", 1)
+k = k.replace("    if (warp < items_p) load_w_batch(", "    if (warp < items_p && p.norm.eps != 2.f) load_w_batch(", 1)
+k = k.replace("      if (item != warp) load_w_batch(mt0, 0);", "      if (item != warp || p.norm.eps == 2.f) load_w_batch(mt0, 0);", 1)
 k = k.replace("      const float inv_den = 1.f / den_s[il];", "      const float inv_den = p.norm.eps == 1.f ? 1.f : 1.f / den_s[il];", 1)
 idx = k.rindex("#endif\n}")
-k = k[:idx] + CLK(7) + GT(10) + k[idx:]
+k = k[:idx] + CLK(5) + GT(10) + k[idx:]
 src["opm_small_tc_kernel.cuh"] = k
 kk = src["opm_kernels.cuh"]
 PB = "((blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x)"
 PGT = lambda i: (f"\n  if (threadIdx.x == 0) {{ unsigned long long t_; asm volatile(\"mov.u64 %0, %globaltimer;\" : \"=l\"(t_));"  # noqa: E731
                  f" g_prep_t[{PB} * 2 + {i}] = (long long)t_; }}\n")
-kk = patch(kk, "template <int Q, int RW, bool kProjectW>\n__global__", "__device__ long long g_prep_t[1 << 16];\n", before=True)
+kk = patch(kk, "template <int Q, int RW, bool kProjectW, typename XT>", "__device__ long long g_prep_t[1 << 16];\n", before=True)
 kk = patch(kk, "  const int n_base = nblk * R;\n", PGT(0))
 kk = patch(kk, "  if constexpr (kProjectW) {\n    // c[b, s, h1, n, d]", PGT(1), before=True)
 src["opm_kernels.cuh"] = kk
 lc = src["opm_launch.cu"]
-lc = patch(lc, "  cfg.numAttrs = 1;\n  if (terms == 3) {", "  cfg.numAttrs = std::getenv(\"DBG_NOPDL\") ? 0 : 1;\n")
+lc = patch(lc, "  cfg.numAttrs = 1;\n  if (args.fma) {", "  cfg.numAttrs = std::getenv(\"DBG_NOPDL\") ? 0 : 1;\n")
 lc = lc.replace("  cfg.numAttrs = 1;\n  cfg.numAttrs = std::getenv", "  cfg.numAttrs = std::getenv", 1)
 lc = lc.replace("#include <array>", "#include <array>\n#include <cstdlib>", 1)
 lc = lc.replace("\n}  // namespace flashopm", """
@@ -74,10 +72,11 @@ void dbg_copy_tc(void* dst, void* dst2) {
 src["opm_launch.cu"] = lc
 a = src["opm_api.cpp"]
 a = a.replace("namespace flashopm {\nnamespace {", "namespace flashopm {\nvoid dbg_copy_tc(void*, void*);\nnamespace {", 1)
-a = patch(a, "    run_prep(pa, false, dev, stream);\n\n    SmallTcArgs ta{};",
+a = patch(a, "    if (!fused) run_prep(pa, false, dev, stream);\n\n    SmallTcArgs ta{};",
           "    const char* skip_ = std::getenv(\"DBG_SKIP\");\n", before=True)
-a = a.replace("    run_prep(pa, false, dev, stream);\n\n    SmallTcArgs ta{};",
-              "    if (!skip_ || std::string(skip_) != \"k1\") run_prep(pa, false, dev, stream);\n\n    SmallTcArgs ta{};", 1)
+a = a.replace("    if (!fused) run_prep(pa, false, dev, stream);\n\n    SmallTcArgs ta{};",
+              "    if (!fused && (!skip_ || std::string(skip_) != \"k1\")) run_prep(pa, false, dev, stream);\n\n"
+              "    SmallTcArgs ta{};", 1)
 a = a.replace("    launch_small_tc(ta, tc_terms, stream);\n",
               "    if (!skip_ || std::string(skip_) != \"k2\") launch_small_tc(ta, tc_terms, stream);\n", 1)
 # Knobs of this build: DBG_PLAN="TI,Dc" forces a tiling; DBG_KNOB=1 skips the row denominators
@@ -113,7 +112,9 @@ torch.manual_seed(0)
 model = flashopm.ModelNew(C, D, H).cuda()
 x = torch.randn(B, S, N, C, device="cuda")
 m = (torch.rand(B, S, N, device="cuda") > 0.2).float()
-with torch.no_grad():
+
+
+def clocks(label):
     for _ in range(5):
         model(x, m)
     torch.cuda.synchronize()
@@ -127,24 +128,31 @@ with torch.no_grad():
         sys.exit(f"shape {shape}: the two-launch path did not run")
     prep = raw[1 << 18:].view(-1, 2)
     prep = prep[prep[:, 0] > 0].double()
-    names = ["prologue+wait", "load a", "phase P (b arriving)", "phase P again", "phase O", "phase O again", "epilogue",
-             "total"]
-    cyc = tc[:, 1:8] - tc[:, 0:7]
-    cyc = torch.cat([cyc, (tc[:, 7:8] - tc[:, 0:1])], 1)
-    print(f"shape {shape}: {len(tc)} blocks in the second kernel, {len(prep)} in the first")
+    names = ["prologue+wait", "load a", "phase P (b arriving)", "phase O", "epilogue", "total"]
+    cyc = tc[:, 1:6] - tc[:, 0:5]
+    cyc = torch.cat([cyc, (tc[:, 5:6] - tc[:, 0:1])], 1)
+    print(f"{label}, shape {shape}: {len(tc)} blocks in the second kernel, {len(prep)} in the first")
     print("cycles (median over blocks): " + "  ".join(f"{n}={cyc[:, i].median().item():.0f}" for i, n in enumerate(names)))
     t0 = prep[:, 0].min()
     print(f"ns from the first kernel's first block start: first kernel blocks start {prep[:, 0].min() - t0:.0f}.."
           f"{prep[:, 0].max() - t0:.0f}, end {prep[:, 1].min() - t0:.0f}..{prep[:, 1].max() - t0:.0f}; "
           f"second kernel entry {tc[:, 8].min() - t0:.0f}..{tc[:, 8].max() - t0:.0f}, past the wait "
           f"{tc[:, 9].min() - t0:.0f}..{tc[:, 9].max() - t0:.0f}, exit {tc[:, 10].min() - t0:.0f}..{tc[:, 10].max() - t0:.0f}")
+
+
+with torch.no_grad():
+    clocks("FMA form")
+    os.environ["FLASHOPM_SMALL_TC_FMA"] = "0"
+    clocks("mma.sync form")
+    os.environ.pop("FLASHOPM_SMALL_TC_FMA")
     variants = [({}, "both kernels"), ({"DBG_SKIP": "k1"}, "without the first kernel"),
                 ({"DBG_SKIP": "k2"}, "without the second kernel"),
                 ({"DBG_NOPDL": "1"}, "second kernel launched without programmatic dependency"),
-                ({"DBG_KNOB": "1"}, "no row denominators"), ({"DBG_KNOB": "2"}, "no W loads before the wait")]
+                ({"DBG_KNOB": "1"}, "no row denominators"), ({"FLASHOPM_SMALL_TC_FMA": "0"}, "mma.sync form"),
+                ({"FLASHOPM_SMALL_TC_FMA": "0", "DBG_KNOB": "2"}, "mma.sync form, no W loads before the wait")]
     variants += [({"DBG_PLAN": plan}, f"tiling TI,Dc = {plan}") for plan in sys.argv[2:]]
     for env, what in variants:
-        for var in ("DBG_SKIP", "DBG_NOPDL", "DBG_KNOB", "DBG_PLAN"):
+        for var in ("DBG_SKIP", "DBG_NOPDL", "DBG_KNOB", "DBG_PLAN", "FLASHOPM_SMALL_TC_FMA"):
             os.environ.pop(var, None)
         os.environ.update(env)
         print(f"graph, {what}: {time_graph(lambda: model(x, m), n=50)}")
