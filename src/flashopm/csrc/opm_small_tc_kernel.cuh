@@ -1,8 +1,9 @@
 // Second kernel of the two-launch path for small problems (see SmallTcArgs in opm_params.h).
 //
 // Block (d chunk, tile of TI rows i, batch b), 16 warps:
-//   prologue   W fragments of each warp's first k-steps, bias, row denominators or pair counts:
-//              nothing here depends on the first kernel, so it overlaps it;
+//   prologue   W fragments of each warp's first k-steps (FMA form: W's chunk into shared memory),
+//              bias, row denominators or pair counts: nothing here depends on the first kernel,
+//              so it overlaps it;
 //   wait       griddepcontrol.wait (the projections are complete and visible); or, launched
 //              cooperatively (kFused), the block LayerNorms and projects its share of all rows
 //              (b, s, n) into a and b itself and the grid synchronises (one launch; all blocks
@@ -15,8 +16,12 @@
 //              one GEMM with columns (i, d), K split over warps when there are too few tiles of
 //              rows j and groups of columns; parts summed in a fixed order;
 //   epilogue   normalisation and bias, 16-byte stores along d.
-// Fragment rows of phase P are permuted (row g holds m = 2g, row g + 8 holds m = 2g + 1) so that
-// each thread's two A values per column are adjacent in W and load as one 8-byte word.
+// Phases P and O come in two forms: kTerms = 3 or 1, mma.sync (3xTF32 or TF32) with W going from
+// global memory into the fragments; kTerms = 0, float32 FMAs on 4 x 4 register tiles, with W's
+// chunk, a, b and P transposed in shared memory (small_tc_fma_layout) so that every operand is a
+// float4 read.  In the mma.sync form, fragment rows of phase P are permuted (row g holds m = 2g,
+// row g + 8 holds m = 2g + 1) so that each thread's two A values per column are adjacent in W and
+// load as one 8-byte word.
 #pragma once
 
 #include <cooperative_groups.h>
