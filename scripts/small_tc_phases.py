@@ -2,10 +2,11 @@
 
 Builds an instrumented copy of the extension (separate cache directory).  Thread 0 of every block
 of the second kernel (two-launch form) records clock64() after a barrier at each phase boundary
-and %globaltimer at entry, after the wait and at exit; every block of the first kernel records %globaltimer at entry
-and exit.  Prints the median cycles per phase, the kernels' overlap, and the CUDA-graph time of
-the pair, of the first kernel alone, of the second alone, and of the pair launched as two plain
-kernels.
+and %globaltimer at entry, after the wait and at exit; thread 0 of every block of the first
+kernel records %globaltimer at entry and exit and clock64() between its stages.  Prints, for an
+eager call and a CUDA-graph replay, the median cycles per phase of each form and the kernels'
+overlap; then the CUDA-graph time of the pair, of the first kernel alone, of the second alone,
+of the pair launched as two plain kernels, and of the other forms.
 
     PYTHONPATH=src python scripts/small_tc_phases.py [B,S,N,C,H,D [TI,Dc ...]]
 
@@ -35,10 +36,14 @@ BLK = "((blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x)"
 CLK = lambda i: (f"\n  __syncthreads(); if (threadIdx.x == 0) g_tc_clk[{BLK} * 16 + {i}] = clock64();\n")  # noqa: E731
 GT = lambda i: (f"\n  if (threadIdx.x == 0) {{ unsigned long long t_; asm volatile(\"mov.u64 %0, %globaltimer;\" : \"=l\"(t_));"  # noqa: E731
                 f" g_tc_clk[{BLK} * 16 + {i}] = (long long)t_; }}\n")
-k = patch(k, "template <int kTerms, bool kFused>\n__global__", "__device__ long long g_tc_clk[1 << 18];\n", before=True)
+k = patch(k, "template <int kTerms, bool kFused, bool kLocalA>\n__global__", "__device__ long long g_tc_clk[1 << 18];\n",
+          before=True)
 k = patch(k, "  float* den_s = smem + L.den;\n", GT(8) + CLK(0))
+k = patch(k, "  if constexpr (kLocalA) {\n    small_tc_project_a(", CLK(6), before=True)
+k = patch(k, "    small_tc_project_a(p, b, i0, ti, as, L.lda, local_a, smem);\n", CLK(7))
+k = patch(k, "    phase_p();\n  }\n", CLK(11))
 k = patch(k, '    asm volatile("griddepcontrol.wait;\\n" ::: "memory");\n', GT(9) + CLK(1))
-k = patch(k, "  // ---- phase P ----\n", CLK(2), before=True)
+k = patch(k, "  if constexpr (!kLocalA) phase_p();\n", CLK(2), before=True)
 k = patch(k, "  cp_async_wait_all();\n  __syncthreads();\n\n  if constexpr (kFma) {\n    // ---- phase O", CLK(3) + "\n",
           before=True)
 k = patch(k, "  // ---- epilogue:", CLK(4), before=True)
@@ -52,10 +57,13 @@ src["opm_small_tc_kernel.cuh"] = k
 kk = src["opm_kernels.cuh"]
 PB = "((blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x)"
 PGT = lambda i: (f"\n  if (threadIdx.x == 0) {{ unsigned long long t_; asm volatile(\"mov.u64 %0, %globaltimer;\" : \"=l\"(t_));"  # noqa: E731
-                 f" g_prep_t[{PB} * 2 + {i}] = (long long)t_; }}\n")
+                 f" g_prep_t[{PB} * 8 + {i}] = (long long)t_; }}\n")
+PCLK = lambda i: f"\n  if (threadIdx.x == 0) g_prep_t[{PB} * 8 + {i}] = clock64();\n"  # noqa: E731
 kk = patch(kk, "template <int Q, int RW, bool kProjectW, typename XT>", "__device__ long long g_prep_t[1 << 16];\n", before=True)
-kk = patch(kk, "  const int n_base = nblk * R;\n", PGT(0))
-kk = patch(kk, "  if constexpr (kProjectW) {\n    // c[b, s, h1, n, d]", PGT(1), before=True)
+kk = patch(kk, "  const int n_base = nblk * R;\n", PGT(0) + PCLK(2))
+kk = patch(kk, "  float acc[RW][Q];\n", PCLK(3), before=True)
+kk = patch(kk, "  // Bias, mask, store.  In project-first", PCLK(4), before=True)
+kk = patch(kk, "  if constexpr (kProjectW) {\n    // c[b, s, h1, n, d]", PCLK(5) + PGT(1), before=True)
 src["opm_kernels.cuh"] = kk
 lc = src["opm_launch.cu"]
 lc = patch(lc, "  cfg.numAttrs = 1;\n  if (args.fma) {", "  cfg.numAttrs = std::getenv(\"DBG_NOPDL\") ? 0 : 1;\n")
@@ -114,45 +122,73 @@ x = torch.randn(B, S, N, C, device="cuda")
 m = (torch.rand(B, S, N, device="cuda") > 0.2).float()
 
 
-def clocks(label):
+def clocks(label, graph=False):
+    """Per-phase clocks of one call, eager (the host's time between the launches included) or as a
+    CUDA-graph replay (the launches as the GPU runs them back to back)."""
+    call = lambda: model(x, m)  # noqa: E731
+    if graph:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            call()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            call()
+        call = g.replay  # noqa: E731
     for _ in range(5):
-        model(x, m)
+        call()
     torch.cuda.synchronize()
     torch.ops.flashopm._dbg_tc(x)
-    model(x, m)
+    call()
     torch.cuda.synchronize()
     raw = torch.ops.flashopm._dbg_tc(x).cpu()
     tc = raw[: 1 << 18].view(-1, 16)
     tc = tc[tc[:, 8] > 0].double()
     if len(tc) == 0:
         sys.exit(f"shape {shape}: the two-launch path did not run")
-    prep = raw[1 << 18:].view(-1, 2)
+    prep = raw[1 << 18:].view(-1, 8)
     prep = prep[prep[:, 0] > 0].double()
-    names = ["prologue+wait", "load a", "phase P (b arriving)", "phase O", "epilogue", "total"]
-    cyc = tc[:, 1:6] - tc[:, 0:5]
-    cyc = torch.cat([cyc, (tc[:, 5:6] - tc[:, 0:1])], 1)
-    print(f"{label}, shape {shape}: {len(tc)} blocks in the second kernel, {len(prep)} in the first")
-    print("cycles (median over blocks): " + "  ".join(f"{n}={cyc[:, i].median().item():.0f}" for i, n in enumerate(names)))
+    med = lambda hi, lo: (tc[:, hi] - tc[:, lo]).median().item()  # noqa: E731
+    if (tc[:, 7] > 0).all():  # local a: prologue, projection of a and phase P come before the wait
+        phases = [("prologue", med(6, 0)), ("project a", med(7, 6)), ("phase P", med(11, 7)), ("wait", med(1, 11)),
+                  ("issue b copies", med(2, 1)), ("phase O (b arriving)", med(4, 2)), ("epilogue", med(5, 4))]
+    else:
+        phases = [("prologue+wait", med(1, 0)), ("load a", med(2, 1)), ("phase P (b arriving)", med(3, 2)),
+                  ("phase O", med(4, 3)), ("epilogue", med(5, 4))]
+    phases.append(("total", med(5, 0)))
+    mode = "graph replay" if graph else "eager"
+    print(f"{label} ({mode}), shape {shape}: {len(tc)} blocks in the second kernel, {len(prep)} in the first")
+    print("  second kernel, cycles (median over blocks): " + "  ".join(f"{n}={c:.0f}" for n, c in phases))
+    pm = lambda hi, lo: (prep[:, hi] - prep[:, lo]).median().item()  # noqa: E731
+    print(f"  first kernel, cycles (median, thread 0): statistics={pm(3, 2):.0f}  projections={pm(4, 3):.0f}  "
+          f"stores={pm(5, 4):.0f}  total={pm(5, 2):.0f}")
     t0 = prep[:, 0].min()
-    print(f"ns from the first kernel's first block start: first kernel blocks start {prep[:, 0].min() - t0:.0f}.."
+    print(f"  ns from the first kernel's first block start: first kernel blocks start {prep[:, 0].min() - t0:.0f}.."
           f"{prep[:, 0].max() - t0:.0f}, end {prep[:, 1].min() - t0:.0f}..{prep[:, 1].max() - t0:.0f}; "
           f"second kernel entry {tc[:, 8].min() - t0:.0f}..{tc[:, 8].max() - t0:.0f}, past the wait "
           f"{tc[:, 9].min() - t0:.0f}..{tc[:, 9].max() - t0:.0f}, exit {tc[:, 10].min() - t0:.0f}..{tc[:, 10].max() - t0:.0f}")
 
 
 with torch.no_grad():
-    clocks("FMA form")
-    os.environ["FLASHOPM_SMALL_TC_FMA"] = "0"
-    clocks("mma.sync form")
-    os.environ.pop("FLASHOPM_SMALL_TC_FMA")
+    for graph in (False, True):
+        clocks("FMA form", graph)
+        os.environ["FLASHOPM_SMALL_TC_LOCAL_A"] = "1"
+        clocks("FMA form, each block projecting its rows of a", graph)
+        os.environ.pop("FLASHOPM_SMALL_TC_LOCAL_A")
+        os.environ["FLASHOPM_SMALL_TC_FMA"] = "0"
+        clocks("mma.sync form", graph)
+        os.environ.pop("FLASHOPM_SMALL_TC_FMA")
     variants = [({}, "both kernels"), ({"DBG_SKIP": "k1"}, "without the first kernel"),
                 ({"DBG_SKIP": "k2"}, "without the second kernel"),
                 ({"DBG_NOPDL": "1"}, "second kernel launched without programmatic dependency"),
-                ({"DBG_KNOB": "1"}, "no row denominators"), ({"FLASHOPM_SMALL_TC_FMA": "0"}, "mma.sync form"),
+                ({"DBG_KNOB": "1"}, "no row denominators"),
+                ({"FLASHOPM_SMALL_TC_LOCAL_A": "1"}, "FMA form, each block projecting its rows of a"),
+                ({"FLASHOPM_SMALL_TC_FMA": "0"}, "mma.sync form"),
                 ({"FLASHOPM_SMALL_TC_FMA": "0", "DBG_KNOB": "2"}, "mma.sync form, no W loads before the wait")]
     variants += [({"DBG_PLAN": plan}, f"tiling TI,Dc = {plan}") for plan in sys.argv[2:]]
     for env, what in variants:
-        for var in ("DBG_SKIP", "DBG_NOPDL", "DBG_KNOB", "DBG_PLAN", "FLASHOPM_SMALL_TC_FMA"):
+        for var in ("DBG_SKIP", "DBG_NOPDL", "DBG_KNOB", "DBG_PLAN", "FLASHOPM_SMALL_TC_FMA", "FLASHOPM_SMALL_TC_LOCAL_A"):
             os.environ.pop(var, None)
         os.environ.update(env)
         print(f"graph, {what}: {time_graph(lambda: model(x, m), n=50)}")

@@ -212,6 +212,22 @@ def test_small_tc_in_one_launch(shape, form, monkeypatch):
     _check(shape, "fractional", "small-tc", seed=zlib.crc32(f"{shape}-one-{form}".encode()) % 1000, may_not_fit=False)
 
 
+# The FMA form in which each block projects its own rows of a and runs phase P before it waits
+# (FLASHOPM_SMALL_TC_LOCAL_A=1, where its staged inputs fit; the first kernel then writes b alone).
+@pytest.mark.parametrize("shape", SMALL_TC_SHAPES, ids=str)
+def test_small_tc_local_a_form(shape, monkeypatch):
+    monkeypatch.setenv("FLASHOPM_SMALL_TC_LOCAL_A", "1")
+    _check(shape, "fractional", "small-tc", seed=zlib.crc32(f"{shape}-local-a".encode()) % 1000,
+           may_not_fit=False)
+
+
+def test_small_tc_local_a_after_tiled_projection(monkeypatch):
+    """b in the local-a layout (rows of positions per (s, h)) from the register-tiled projection
+    kernel, which takes over past 128 rows per SM; N not a multiple of 4."""
+    monkeypatch.setenv("FLASHOPM_SMALL_TC_LOCAL_A", "1")
+    _check(Shape(67, 8, 41, 20, 8, 16), "masked_positions", "small-tc", seed=11, may_not_fit=False)
+
+
 # The mma.sync form (the FMA form runs by default under "highest" where W's chunk fits).
 @pytest.mark.parametrize("shape", SMALL_TC_SHAPES, ids=str)
 def test_small_tc_mma_sync_form(shape, monkeypatch):
@@ -231,10 +247,14 @@ def test_small_tc_launches(monkeypatch):
     xc, mc, pc = x.cuda(), m.cuda(), _cuda_params(p)
     two = _flashopm_kernels(lambda: _run(xc, mc, pc, "small-tc", poison=False))
     assert len(two) == 2 and any("opm_prep_kernel" in k for k in two), two
-    assert any("opm_small_tc_kernel<0, false>" in k for k in two), two  # the FMA form under "highest"
+    assert any("opm_small_tc_kernel<0, false, false>" in k for k in two), two  # the FMA form under "highest"
+    monkeypatch.setenv("FLASHOPM_SMALL_TC_LOCAL_A", "1")
+    local = _flashopm_kernels(lambda: _run(xc, mc, pc, "small-tc", poison=False))
+    assert len(local) == 2 and any("opm_small_tc_kernel<0, false, true>" in k for k in local), local
+    monkeypatch.delenv("FLASHOPM_SMALL_TC_LOCAL_A")
     monkeypatch.setenv("FLASHOPM_SMALL_TC_FUSED", "1")
     one = _flashopm_kernels(lambda: _run(xc, mc, pc, "small-tc", poison=False))
-    assert len(one) == 1 and "opm_small_tc_kernel<0, true>" in one[0], one
+    assert len(one) == 1 and "opm_small_tc_kernel<0, true, false>" in one[0], one
 
 
 def test_small_tc_tiling_setting_is_checked(monkeypatch):

@@ -4,6 +4,8 @@
 // The op's schema, its CPU implementation and its fake are registered from Python (ops.py).
 // This file is compiled by the host C++ compiler; all message formatting happens here.
 #include <ATen/ATen.h>
+#include <ATen/cuda/EmptyTensor.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -292,6 +294,19 @@ bool small_tc_fused(const PrepArgs& pa, const SmallTcPlan& plan, bool fma, int d
                              pa.C, pa.H);
 }
 
+// The FMA form with each block projecting its own rows of a and running phase P before it waits
+// for the first kernel, which then computes b alone (opm_small_tc_kernel's kLocalA), where
+// FLASHOPM_SMALL_TC_LOCAL_A=1 asks for it: float32 x and room for its staged inputs in the regions
+// phase P does not use yet.  Not the default: at the specification's shape it measured 3.6 us
+// slower on the GPU (18.4 against 14.8): the block's 4-byte asynchronous copies (W's chunk, W_a
+// and its rows of x) and its projections take longer than the first kernel they would overlap.
+bool small_tc_local_a(const PrepArgs& pa, const SmallTcPlan& plan, bool fma, bool fused) {
+  const char* env = std::getenv("FLASHOPM_SMALL_TC_LOCAL_A");
+  if (env == nullptr || std::string(env) != "1") return false;
+  return fma && !fused && pa.x_kind == kMaskFloat &&
+         small_tc_local_a_fits(small_tc_fma_layout(pa.S, pa.N, pa.H, plan.TI, plan.Dc), pa.C, pa.H, plan.TI * pa.S);
+}
+
 SmallTcPlan plan_small_tc(int64_t B, int64_t S, int64_t N, int64_t H, int64_t D, int dev) {
   if (const char* env = std::getenv("FLASHOPM_SMALL_TC_TILE"); env != nullptr && *env != 0)
     return search_small_tc_plan(B, S, N, H, D, dev);  // a tiling asked for is not cached
@@ -572,7 +587,8 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
   const auto opt_f32 = [&](const std::optional<at::Tensor>& t) {
     return t ? std::optional<at::Tensor>(as_f32(*t)) : std::nullopt;
   };
-  at::Tensor out = at::empty({B, N, N, D}, msa_in.options());
+  // The allocator directly, past the dispatcher: small problems are bound by host time.
+  at::Tensor out = at::detail::empty_cuda({B, N, N, D}, in_dtype, msa_in.device(), std::nullopt);
   if (B == 0 || N == 0) return out;
   const std::optional<at::Tensor> b_out = opt_f32(b_out_in);
   if (S == 0) return fill_bias_only(out, b_out, normalization, norm_eps);
@@ -640,7 +656,8 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
   };
 
   // Small problems on tensor cores: the projections, then one block per (row i, chunk of d)
-  // launched as the projections' programmatic dependent.  Workspace: a and b as (B, N, S, H).
+  // launched as the projections' programmatic dependent.  Workspace: a and b as (B, N, S, H), or
+  // in the local-a form b alone as (B, S, H, N4).
   const SmallTcPlan small_tc = (algorithm == kAuto && flops_small < 2.0e9) || algorithm == kSmallTc
                                    ? plan_small_tc(B, S, N, H, D, dev)
                                    : SmallTcPlan{};
@@ -651,28 +668,44 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
                  ", N=", N, ", hidden=", H, ", pair_dim=", D, "; it needs hidden % 8 == 0, sm_90, and a and b in "
                  "shared memory)");
   if (small_tc_ok) {
-    at::Tensor ws = at::empty({2 * ab_elems}, f32);
-    float* ab = ws.data_ptr<float>();
     PrepArgs pa{};
     set_inputs(pa, msa);
     pa.x_kind = x_kind;
-    pa.a_rows = int(N);
     pa.o_chunks = 1;
-    pa.a_out = ab;
-    pa.b_out = ab + ab_elems;
-    pa.a_sb = pa.b_sb = N * S * H;
-    pa.a_ss = pa.b_ss = H;
-    pa.a_sn = pa.b_sn = S * H;
     const bool fma = small_tc_fma(small_tc, tc_terms);
     const bool fused = small_tc_fused(pa, small_tc, fma, dev);
+    const bool local_a = small_tc_local_a(pa, small_tc, fma, fused);
+    const int64_t N4 = (N + 3) / 4 * 4;
+    // Workspace straight from the caching allocator (no tensor: host time), released on return
+    // and reused in stream order, as a tensor's storage would be.
+    const c10::DataPtr ws = c10::cuda::CUDACachingAllocator::get()->allocate(
+        size_t(local_a ? B * S * H * N4 : 2 * ab_elems) * sizeof(float));
+    float* ab = static_cast<float*>(ws.get());
+    if (local_a) {
+      pa.a_rows = 0;
+      pa.b_out = ab;
+      pa.ab_kind = kAbF32HStride;
+      pa.b_sb = S * H * N4;
+      pa.b_ss = H * N4;
+      pa.b_sn = 1;
+      pa.ab_hs = N4;
+    } else {
+      pa.a_rows = int(N);
+      pa.a_out = ab;
+      pa.b_out = ab + ab_elems;
+      pa.a_sb = pa.b_sb = N * S * H;
+      pa.a_ss = pa.b_ss = H;
+      pa.a_sn = pa.b_sn = S * H;
+    }
     if (!fused) run_prep(pa, false, dev, stream);
 
     SmallTcArgs ta{};
     ta.fma = fma;
     ta.fused = fused;
+    ta.local_a = local_a;
     ta.prep = pa;
-    ta.a = ab;
-    ta.b = ab + ab_elems;
+    ta.a = local_a ? nullptr : ab;
+    ta.b = local_a ? ab : ab + ab_elems;
     ta.mask = mask_view;
     ta.w_out = w_out.data_ptr<float>();
     ta.bias = opt_ptr(b_out);

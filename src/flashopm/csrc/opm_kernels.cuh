@@ -113,9 +113,12 @@ __device__ __forceinline__ void store_out4(void* base, int64_t idx, const float 
 }
 
 // Element h of row `row` (ab_row_offset) of a or b, kind an element type or an AbKind (rows of
-// s per (n, h) for those: kAbTf32 rounded to nearest TF32, cvt.rna keeping NaN and Inf).
-__device__ __forceinline__ void store_ab(void* base, int64_t row, int h, float v, int kind) {
-  if (kind == kAbTf32) {
+// s per (n, h) for those: kAbTf32 rounded to nearest TF32, cvt.rna keeping NaN and Inf; hs the
+// stride of h for kAbF32HStride).
+__device__ __forceinline__ void store_ab(void* base, int64_t row, int h, float v, int kind, int64_t hs) {
+  if (kind == kAbF32HStride) {
+    static_cast<float*>(base)[row + int64_t(h) * hs] = v;
+  } else if (kind == kAbTf32) {
     uint32_t r;
     asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(v));
     static_cast<float*>(base)[row + int64_t(h) * kmajor_row_floats(1)] = __uint_as_float(r);
@@ -335,9 +338,11 @@ __device__ __forceinline__ void store_round(const OuterArgs& p, const float* red
 
 // One block: one (b, s), kPrepWarps*RW consecutive positions n; in project-first mode also one
 // chunk of kPrepThreads output columns (h1, d) of c.
-// Q = ceil(2H/32) projection outputs per lane, RW rows per warp.
+// Q = ceil(2H/32) projection outputs per lane, RW rows per warp.  At RW = 1 at most 64 registers,
+// so that a block shares an SM with one of the small-problem kernel's (512 threads x 96), which
+// starts as this kernel's programmatic dependent.
 template <int Q, int RW, bool kProjectW, typename XT>  // XT: x's element type (p.x_kind)
-__global__ void __launch_bounds__(kPrepThreads, 2) opm_prep_kernel(const PrepArgs p) {
+__global__ void __launch_bounds__(kPrepThreads, RW == 1 && !kProjectW ? 4 : 2) opm_prep_kernel(const PrepArgs p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   // A kernel launched as this one's programmatic dependent may start now: it waits for our
   // results itself (griddepcontrol.wait) and meanwhile loads what does not depend on them.
@@ -355,6 +360,20 @@ __global__ void __launch_bounds__(kPrepThreads, 2) opm_prep_kernel(const PrepArg
   const int nblk = kProjectW ? blockIdx.x / p.o_chunks : blockIdx.x;
   const int ochunk = kProjectW ? blockIdx.x % p.o_chunks : 0;
   const int n_base = nblk * R;
+
+  // Weights of one chunk of C, transposed: ws[k][o], asynchronous copies (all of a thread's loads in
+  // flight at once).  With a_rows = 0 (b alone is stored) W_a's rows are not loaded: those columns
+  // are never stored.
+  const int o_first = p.a_rows == 0 ? H : 0;
+  const auto stage_weights = [&](int c0) {
+    for (int idx = threadIdx.x + o_first * kPrepKC; idx < H2 * kPrepKC; idx += kPrepThreads) {
+      const int o = idx / kPrepKC, k = idx - o * kPrepKC, c = c0 + k;
+      const float* src = o < H ? p.wa + int64_t(o) * C + c : p.wb + int64_t(o - H) * C + c;
+      cp_async4(&ws[k * ws_stride + o], c < C ? src : p.wa, c < C);
+    }
+    cp_async_commit();
+  };
+  stage_weights(0);  // the first chunk's latency overlaps the statistics
 
   // LayerNorm statistics, two passes over the row (the second pass hits L1).  x is float32,
   // float16 or bfloat16 (p.x_kind), read as float32.
@@ -383,14 +402,10 @@ __global__ void __launch_bounds__(kPrepThreads, 2) opm_prep_kernel(const PrepArg
     for (int q = 0; q < Q; ++q) acc[r][q] = 0.f;
 
   for (int c0 = 0; c0 < C; c0 += kPrepKC) {
-    __syncthreads();
-    // Asynchronous copies: all of a thread's loads are in flight at once.
-    for (int idx = threadIdx.x; idx < H2 * kPrepKC; idx += kPrepThreads) {
-      const int o = idx / kPrepKC, k = idx - o * kPrepKC, c = c0 + k;
-      const float* src = o < H ? p.wa + int64_t(o) * C + c : p.wb + int64_t(o - H) * C + c;
-      cp_async4(&ws[k * ws_stride + o], c < C ? src : p.wa, c < C);
+    if (c0 > 0) {
+      __syncthreads();  // the previous chunk's weights and rows are consumed
+      stage_weights(c0);
     }
-    cp_async_commit();
 #pragma unroll
     for (int r = 0; r < RW; ++r) {
       const int c = c0 + lane;
@@ -439,7 +454,8 @@ __global__ void __launch_bounds__(kPrepThreads, 2) opm_prep_kernel(const PrepArg
       if (o < H) {
         if (valid && ochunk == 0 && n < p.a_rows) {
           const float v = (acc[r][q] + (p.ba ? p.ba[o] : 0.f)) * mv;
-          store_ab(p.a_out, ab_row_offset(p.a_sb, p.a_sc, p.a_ss, p.a_sn, p.s_chunk, b, s, n), o, v, p.ab_kind);
+          store_ab(p.a_out, ab_row_offset(p.a_sb, p.a_sc, p.a_ss, p.a_sn, p.s_chunk, b, s, n), o, v, p.ab_kind,
+                   p.ab_hs);
         }
       } else if (o < H2) {
         const int h = o - H;
@@ -447,7 +463,8 @@ __global__ void __launch_bounds__(kPrepThreads, 2) opm_prep_kernel(const PrepArg
         if (kProjectW) {
           bs[row * Hp + h] = v;
         } else if (valid && p.b_out) {
-          store_ab(p.b_out, ab_row_offset(p.b_sb, p.b_sc, p.b_ss, p.b_sn, p.s_chunk, b, s, n), h, v, p.ab_kind);
+          store_ab(p.b_out, ab_row_offset(p.b_sb, p.b_sc, p.b_ss, p.b_sn, p.s_chunk, b, s, n), h, v, p.ab_kind,
+                   p.ab_hs);
         }
       } else if (kProjectW && o < H + Hp) {
         bs[row * Hp + (o - H)] = 0.f;  // padding read by the float4 loop below
@@ -797,9 +814,9 @@ __global__ void __launch_bounds__(kProjThreads, CT >= 8 ? 1 : 2) opm_project_row
           for (int e = 0; e < 2; ++e) {
             const int oe = o + e;
             if (oe < H) {
-              if (ao >= 0) store_ab(p.a_out, ao, oe, v[e], p.ab_kind);
+              if (ao >= 0) store_ab(p.a_out, ao, oe, v[e], p.ab_kind, p.ab_hs);
             } else if (oe < H2) {
-              if (bo >= 0) store_ab(p.b_out, bo, oe - H, v[e], p.ab_kind);
+              if (bo >= 0) store_ab(p.b_out, bo, oe - H, v[e], p.ab_kind, p.ab_hs);
             }
           }
         }
@@ -840,9 +857,9 @@ __global__ void __launch_bounds__(kProjThreads, CT >= 8 ? 1 : 2) opm_project_row
     for (int j = 0; j < CT; ++j) {
       const int o = cg * CT + j;
       if (o < H) {
-        if (ao >= 0) store_ab(p.a_out, ao, o, (acc[i][j] + (p.ba ? p.ba[o] : 0.f)) * mv, p.ab_kind);
+        if (ao >= 0) store_ab(p.a_out, ao, o, (acc[i][j] + (p.ba ? p.ba[o] : 0.f)) * mv, p.ab_kind, p.ab_hs);
       } else if (o < H2) {
-        if (bo >= 0) store_ab(p.b_out, bo, o - H, (acc[i][j] + (p.bb ? p.bb[o - H] : 0.f)) * mv, p.ab_kind);
+        if (bo >= 0) store_ab(p.b_out, bo, o - H, (acc[i][j] + (p.bb ? p.bb[o - H] : 0.f)) * mv, p.ab_kind, p.ab_hs);
       }
     }
   }

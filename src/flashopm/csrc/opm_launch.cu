@@ -22,8 +22,11 @@ namespace {
 
 constexpr int kMaxDevices = 64;
 
-// Lets `Kernel` use all the dynamic shared memory the device allows (once per device).
-template <auto Kernel>
+// Lets `Kernel` use all the dynamic shared memory the device allows (once per device).  With
+// kMaxCarveout, the SMs running it are also configured for the most shared memory (a hint): the
+// LayerNorm/projection kernels need little, and on an SM set up for little shared memory their
+// programmatic dependent, which needs much, could only start once the SM had drained.
+template <auto Kernel, bool kMaxCarveout = false>
 void allow_smem() {
   static std::array<std::once_flag, kMaxDevices> flags;
   int dev = 0;
@@ -35,6 +38,9 @@ void allow_smem() {
     C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, Kernel));
     C10_CUDA_CHECK(cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         optin - int(attr.sharedSizeBytes)));
+    if (kMaxCarveout)
+      C10_CUDA_CHECK(cudaFuncSetAttribute(Kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                          int(cudaSharedmemCarveoutMaxShared)));
   });
 }
 
@@ -56,7 +62,7 @@ void launch_prep_t(const PrepArgs& args, cudaStream_t stream) {
   const dim3 grid(unsigned((args.N + R - 1) / R) * unsigned(kProjectW ? args.o_chunks : 1), unsigned(args.S),
                   unsigned(args.B));
   constexpr auto kernel = opm_prep_kernel<Q, RW, kProjectW, XT>;
-  allow_smem<kernel>();
+  allow_smem<kernel, true>();
   kernel<<<grid, kPrepThreads, prep_smem_bytes(args.H, RW, kProjectW), stream>>>(args);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -116,7 +122,7 @@ template <int CT, typename XT, bool kVec, bool kMma>
 void launch_project_rows_t(const PrepArgs& args, cudaStream_t stream) {
   const int64_t rows = int64_t(args.B) * args.S * args.N;
   constexpr auto kernel = opm_project_rows_kernel<CT, XT, kVec, kMma>;
-  allow_smem<kernel>();
+  allow_smem<kernel, true>();
   kernel<<<unsigned((rows + kProjRows - 1) / kProjRows), kProjThreads, project_rows_smem_bytes(args), stream>>>(args);
 }
 template <typename XT, bool kVec, bool kMma>
@@ -390,14 +396,15 @@ void launch_small_tc(const SmallTcArgs& args, int terms, cudaStream_t stream) {
   cfg.attrs = attr;
   cfg.numAttrs = 1;
   if (args.fma) {
-    if (args.fused) launch_small_tc_t<opm_small_tc_kernel<0, true>>(cfg, args);
-    else launch_small_tc_t<opm_small_tc_kernel<0, false>>(cfg, args);
+    if (args.fused) launch_small_tc_t<opm_small_tc_kernel<0, true, false>>(cfg, args);
+    else if (args.local_a) launch_small_tc_t<opm_small_tc_kernel<0, false, true>>(cfg, args);
+    else launch_small_tc_t<opm_small_tc_kernel<0, false, false>>(cfg, args);
   } else if (terms == 3) {
-    if (args.fused) launch_small_tc_t<opm_small_tc_kernel<3, true>>(cfg, args);
-    else launch_small_tc_t<opm_small_tc_kernel<3, false>>(cfg, args);
+    if (args.fused) launch_small_tc_t<opm_small_tc_kernel<3, true, false>>(cfg, args);
+    else launch_small_tc_t<opm_small_tc_kernel<3, false, false>>(cfg, args);
   } else {
-    if (args.fused) launch_small_tc_t<opm_small_tc_kernel<1, true>>(cfg, args);
-    else launch_small_tc_t<opm_small_tc_kernel<1, false>>(cfg, args);
+    if (args.fused) launch_small_tc_t<opm_small_tc_kernel<1, true, false>>(cfg, args);
+    else launch_small_tc_t<opm_small_tc_kernel<1, false, false>>(cfg, args);
   }
 }
 

@@ -30,7 +30,10 @@ enum MaskKind : int { kMaskFloat = 0, kMaskBool = 1, kMaskHalf = 2, kMaskBFloat1
 //                  32 float16 high parts followed by the 32 low parts of the same s, after scaling
 //                  each residue's values by a power of two (the float16 split form, "highest")
 // s past S in the last chunk is zero (the host clears that chunk before the projections run).
-enum AbKind : int { kAbTf32 = 4, kAbF32Rows16 = 5, kAbF32Rows32 = 6 };
+// One more kind, for the small-problem path's FMA form (opm_small_tc_kernel's kLocalA):
+//   kAbF32HStride: float32, element h of a row at h·ab_hs (b as (B, S, H, N4): rows of positions n
+//                  for each (s, h), so that the kernel copies them in 16-byte pieces)
+enum AbKind : int { kAbTf32 = 4, kAbF32Rows16 = 5, kAbF32Rows32 = 6, kAbF32HStride = 7 };
 FLASHOPM_HD constexpr int kmajor_row_floats(int terms) { return terms == 3 ? 16 : 32; }
 FLASHOPM_HD constexpr int ab_kind_row_floats(int kind) { return kind == kAbF32Rows16 ? 16 : 32; }
 
@@ -80,6 +83,7 @@ struct PrepArgs {
   int64_t a_sb, a_ss, a_sn, a_sc;
   void* b_out;   // outer-first only, same strides convention
   int ab_kind;   // kMaskFloat, kMaskBFloat16/kMaskHalf (the 16-bit kernel), or an AbKind
+  int64_t ab_hs;  // kAbF32HStride: the stride of h
   int64_t b_sb, b_ss, b_sn, b_sc;
   int s_chunk;
   float* c_out;  // project-first only: (B, S, H, N, D)
@@ -514,8 +518,9 @@ constexpr int kSmallTcMaxTI = 8;
 constexpr int kSmallTcKBatch = 4;  // k-steps of W fragments loaded at once
 
 struct SmallTcArgs {
-  float* a;  // (B, N, S, H) contiguous, masked projections (written by the kernel when fused)
-  float* b;  // (B, N, S, H) contiguous
+  float* a;  // (B, N, S, H) contiguous, masked projections (written by the kernel when fused;
+             // unused when local_a)
+  float* b;  // (B, N, S, H) contiguous, or (B, S, H, N4) with N4 = round_up4(N) when local_a
   MaskView mask;
   const float* w_out;  // (D, H*H) contiguous, 8-byte aligned
   const float* bias;   // (D) or null
@@ -527,7 +532,9 @@ struct SmallTcArgs {
   int Dc;  // columns d per block: 8, 16, 32 or 64
   int fma;        // the float32 FMA form (small_tc_fma_layout) rather than mma.sync
   int fused;      // the kernel projects the rows itself (cooperative launch, float32 x)
-  PrepArgs prep;  // the projections' inputs, when fused
+  int local_a;    // the FMA form projects its own rows of a and runs phase P before the wait
+                  // (float32 x; the first kernel writes b alone)
+  PrepArgs prep;  // the projections' inputs, when fused or local_a
 };
 
 // Shared-memory layout (floats; every region 16-byte aligned).  Leading dimensions of 4 (mod 32)
@@ -617,6 +624,27 @@ constexpr int kSmallTcFusedMaxRows = kSmallTcWarps;  // one pass (each pass wait
 FLASHOPM_HD inline int64_t small_tc_proj_wt_floats(int C, int H) { return int64_t(C) * (2 * H + 1); }
 FLASHOPM_HD inline bool small_tc_fused_fits(const SmallTcLayout& L, int C, int H) {
   return small_tc_proj_wt_floats(C, H) + int64_t(kSmallTcWarps) * C <= int64_t(L.pair - L.p);
+}
+
+// The local-a form's scratch before phase P, in the regions of b, P and the K parts (offsets in
+// floats): W_a transposed ([C][H + 1]), the block's rows of x ([rows][C], rows = TI·S), LayerNorm's
+// weight and bias (C each), b_a (H) and the rows' mask values (rows).  end: one past the last.
+struct SmallTcLocalA {
+  int64_t wt, xs, lnw, lnb, ba, mask, end;
+};
+FLASHOPM_HD inline SmallTcLocalA small_tc_local_a_layout(const SmallTcLayout& L, int C, int H, int rows) {
+  SmallTcLocalA A{};
+  A.wt = L.b;
+  A.xs = A.wt + int64_t(C) * (H + 1);
+  A.lnw = A.xs + int64_t(rows) * C;
+  A.lnb = A.lnw + C;
+  A.ba = A.lnb + C;
+  A.mask = A.ba + H;
+  A.end = A.mask + rows;
+  return A;
+}
+FLASHOPM_HD inline bool small_tc_local_a_fits(const SmallTcLayout& L, int C, int H, int rows) {
+  return small_tc_local_a_layout(L, C, H, rows).end <= int64_t(L.pair);
 }
 
 // Launches the second kernel of the pair (after launch_prep on the same stream) as a

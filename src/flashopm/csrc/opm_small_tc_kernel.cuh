@@ -10,6 +10,9 @@
 //              resident at once);
 //   load       a[b, i0 : i0 + TI] (TI·S·H) and b[b, :] (N·S·H) into shared memory, b
 //              arriving while phase P runs;
+//   kLocalA    (FMA form) the block LayerNorms and projects its own rows of a in the prologue and
+//              runs phase P there too, before the wait: the first kernel computes b alone, and
+//              after the wait only b's copy, phase O and the epilogue remain;
 //   phase P    P[(h2, d), (i, s)] = sum_h1 W[d, h1·H + h2] · a[i, s, h1]      A = W (global), B = a
 //              (stored as P[i][d][s][h2])
 //   phase O    out[i, j, d] = sum_k b[j, k] · P[i, d, k],  k = (s, h2)          A = b, B = P
@@ -143,8 +146,86 @@ __device__ __forceinline__ void small_tc_project_rows(const PrepArgs& q, float* 
   }
 }
 
-template <int kTerms, bool kFused>
+// The local-a form's inputs to its projections, in shared memory (the regions of b, P and the K
+// parts, not used before phase P; small_tc_local_a_layout): W_a transposed (wt[c][h], row stride
+// H + 1: lanes along c store to distinct banks), the block's rows of x (b, s, i0 + il) as
+// xs[il·S + s][c], LayerNorm's weight and bias, b_a (zeros if none), all as 4-byte asynchronous
+// copies in one group, so that their latencies overlap; the mask values of the rows are plain
+// loads (any mask type), stored by the thread that loads them.
+__device__ __forceinline__ void small_tc_stage_a_inputs(const SmallTcArgs& p, int b, int i0, int ti,
+                                                        const SmallTcLocalA& A, float* smem) {
+  const PrepArgs& q = p.prep;
+  const int C = q.C, H = q.H, S = q.S, ld = H + 1, tid = threadIdx.x;
+  for (int idx = tid; idx < H * C; idx += kSmallTcThreads) {
+    const int o = idx / C, c = idx - o * C;
+    cp_async4(&smem[A.wt + c * ld + o], q.wa + int64_t(o) * C + c, true);
+  }
+  const float* x = static_cast<const float*>(q.x);
+  for (int idx = tid; idx < ti * S * C; idx += kSmallTcThreads) {
+    const int r = idx / C, c = idx - r * C, il = r / S, s = r - il * S;
+    cp_async4(&smem[A.xs + idx], x + int64_t(b) * q.x_sb + int64_t(s) * q.x_ss + int64_t(i0 + il) * q.x_sn + c, true);
+  }
+  for (int c = tid; c < C; c += kSmallTcThreads) {
+    cp_async4(&smem[A.lnw + c], q.ln_w + c, true);
+    cp_async4(&smem[A.lnb + c], q.ln_b + c, true);
+  }
+  for (int h = tid; h < H; h += kSmallTcThreads) cp_async4(&smem[A.ba + h], q.ba ? q.ba + h : q.wa, q.ba != nullptr);
+  cp_async_commit();
+}
+
+// LayerNorm, projection and mask of the staged rows (small_tc_stage_a_inputs, whose copy group is
+// the older of at most two in flight) into the FMA form's transposed a: as[h][il·S + s].  One warp
+// per row normalises it in place, then one thread per (row, h) takes its dot product with W_a.
+// The sums are those of opm_prep_kernel (lane-strided statistics; chunks of kPrepKC features, in
+// order).
+__device__ __forceinline__ void small_tc_project_a(const SmallTcArgs& p, int b, int i0, int ti, float* as, int lda,
+                                                   const SmallTcLocalA& A, float* smem) {
+  const PrepArgs& q = p.prep;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int S = q.S, C = q.C, H = q.H, ld = H + 1, rows = ti * S;
+  float* mk = smem + A.mask;
+  // (the last warps: the first ones load the bias and row denominators before this)
+  for (int r = kSmallTcThreads - 1 - tid; r < rows; r += kSmallTcThreads) {
+    const int il = r / S;
+    mk[r] = mask_at(p.mask, b, r - il * S, i0 + il);
+  }
+  cp_async_wait<1>();
+  __syncthreads();
+  const float* lnw = smem + A.lnw;
+  const float* lnb = smem + A.lnb;
+  for (int r = warp; r < rows; r += kSmallTcWarps) {
+    float* xr = smem + A.xs + r * C;
+    float sum = 0.f;
+    for (int c = lane; c < C; c += 32) sum += xr[c];
+    const float mean = warp_sum(sum) / C;
+    float sq = 0.f;
+    for (int c = lane; c < C; c += 32) {
+      const float d = xr[c] - mean;
+      sq += d * d;
+    }
+    const float rstd = rsqrtf(warp_sum(sq) / C + q.ln_eps);
+    for (int c = lane; c < C; c += 32) xr[c] = (xr[c] - mean) * rstd * lnw[c] + lnb[c];
+  }
+  __syncthreads();
+  const float* wt = smem + A.wt;
+  for (int idx = tid; idx < rows * H; idx += kSmallTcThreads) {
+    const int r = idx / H, h = idx - r * H;
+    const float* xv = smem + A.xs + r * C;
+    float acc = 0.f;
+    for (int c0 = 0; c0 < C; c0 += kPrepKC) {
+      const int ce = min(C, c0 + kPrepKC);
+      float part = 0.f;
+#pragma unroll 8
+      for (int c = c0; c < ce; ++c) part = fmaf(xv[c], wt[c * ld + h], part);
+      acc += part;
+    }
+    as[h * lda + r] = (acc + smem[A.ba + h]) * mk[r];
+  }
+}
+
+template <int kTerms, bool kFused, bool kLocalA>
 __global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_tc_kernel(const SmallTcArgs p) {
+  static_assert(!kLocalA || (kTerms == 0 && !kFused), "the local-a form is a form of the two-launch FMA kernel");
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   extern __shared__ float4 smem_f4[];
   float* smem = reinterpret_cast<float*>(smem_f4);
@@ -181,14 +262,16 @@ __global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_tc_kernel(const 
     for (int kb = 0; kb < kSmallTcKBatch; ++kb)
       if (ks0 + kb < ksteps_p) small_tc_load_w(p, d0, mt0, ks0 + kb, g, t, wf[kb]);
   };
+  const SmallTcLocalA local_a = small_tc_local_a_layout(L, p.prep.C, H, TI * S);
+  if constexpr (kLocalA) small_tc_stage_a_inputs(p, b, i0, ti, local_a, smem);
   if constexpr (kFma) {
     // W's chunk transposed into shared memory, w[k][d] (rows d past D zero), one copy group.
     float* ws = smem + L.w;
     const int HH = H * H;
-    for (int idx = tid; idx < Dc * HH; idx += kSmallTcThreads) {
-      const int dl = idx / HH, k = idx - dl * HH;
+    for (int dl = 0; dl < Dc; ++dl) {
       const bool ok = d0 + dl < p.D;
-      cp_async4(&ws[k * L.ldw + dl], p.w_out + (ok ? int64_t(d0 + dl) * HH + k : 0), ok);
+      const float* src = p.w_out + (ok ? int64_t(d0 + dl) * HH : 0);
+      for (int k = tid; k < HH; k += kSmallTcThreads) cp_async4(&ws[k * L.ldw + dl], src + k, ok);
     }
     cp_async_commit();
   } else {
@@ -216,6 +299,81 @@ __global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_tc_kernel(const 
     for (int idx = tid; idx < (L.N16 - N) * L.ldb; idx += kSmallTcThreads) bs[N * L.ldb + idx] = 0.f;
   }
 
+  // ---- phase P (before the wait in the local-a form) ----
+  const auto phase_p = [&]() {
+    if constexpr (kFma) {
+      // Thread tile: 4 columns d x 4 columns (i, s) at one h2, over h1 in order; lanes along h2.
+      const float* ws = smem + L.w;
+      const int dgroups = Dc / 4, ngroups = round_up4(TI * S) / 4;
+      for (int tile = tid; tile < H * dgroups * ngroups; tile += kSmallTcThreads) {
+        const int h2 = tile % H, rest = tile / H;
+        const int dg = rest % dgroups, ng = rest / dgroups;
+        float acc[4][4];  // [(i, s)][d]
+        fma_outer_4x4(acc, as + ng * 4, L.lda, ws + h2 * L.ldw + dg * 4, H * L.ldw, 0, H);
+#pragma unroll
+        for (int v = 0; v < 4; ++v) {
+          const int n = ng * 4 + v;
+          if (n < ti * S) {
+            const int il = n / S, s = n - il * S;
+            *reinterpret_cast<float4*>(ps + (s * H + h2) * L.ldp + il * Dc + dg * 4) =
+                make_float4(acc[v][0], acc[v][1], acc[v][2], acc[v][3]);
+          }
+        }
+      }
+    } else {
+      for (int item = warp; item < items_p; item += kSmallTcWarps) {
+        const int nt = item / groups_p, mt0 = (item - nt * groups_p) * 4;
+        float acc[4][4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[u][e] = 0.f;
+        if (item != warp) load_w_batch(mt0, 0);
+        for (int ks0 = 0; ks0 < ksteps_p; ks0 += kSmallTcKBatch) {
+          if (ks0 > 0) load_w_batch(mt0, ks0);
+#pragma unroll
+          for (int kb = 0; kb < kSmallTcKBatch; ++kb) {
+            const int ks = ks0 + kb;
+            if (ks >= ksteps_p) break;
+            const float* arow = as + (nt * 8 + g) * L.lda + ks * 8 + t;
+            uint32_t bh0, bh1, bl0, bl1;
+            split_tf32<kTerms>(arow[0], bh0, bl0);
+            split_tf32<kTerms>(arow[4], bh1, bl1);
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+              const float av[4] = {wf[kb][u][0].x, wf[kb][u][0].y, wf[kb][u][1].x, wf[kb][u][1].y};
+              uint32_t ah[4], al[4];
+              split4<kTerms>(av, ah, al);
+              mma_split_add<kTerms>(acc[u], ah, al, bh0, bh1, bl0, bl1);
+            }
+          }
+        }
+        // acc[u] = C[(row g | g + 8), (col 2t | 2t + 1)]: rows m = 2g, 2g + 1 (same d), cols r = (i, s).
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          const int m = (mt0 + u) * 16 + 2 * g;
+          const int dl = m / H, h2 = m - dl * H;
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const int r = nt * 8 + 2 * t + c;
+            if (r < ti * S) {
+              const int il = r / S, s = r - il * S;
+              *reinterpret_cast<float2*>(ps + (il * Dc + dl) * L.ldp + s * L.ldps + h2) =
+                  make_float2(acc[u][c], acc[u][2 + c]);
+            }
+          }
+        }
+      }
+    }
+  };
+
+  if constexpr (kLocalA) {
+    small_tc_project_a(p, b, i0, ti, as, L.lda, local_a, smem);
+    cp_async_wait_all();  // W's chunk
+    __syncthreads();
+    phase_p();
+  }
+
   if constexpr (kFused) {
     // ps and red are not used before phase P: the normalised rows pass through them.
     const int64_t rows = int64_t(p.B) * S * N;
@@ -229,7 +387,17 @@ __global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_tc_kernel(const 
 
   // ---- a[b, i0 : i0 + ti] and b[b, :] into shared memory (rows of H and S·H floats); phase P
   // needs only a, so b is waited for after it ----
-  if constexpr (kFma) {
+  if constexpr (kLocalA) {
+    // b[b] as (S·H, N4) rows of positions j (the first kernel's kAbF32HStride layout), in 16-byte
+    // pieces; columns past N only reach output columns that are never stored.
+    const int N4 = round_up4(N), q_row = N4 / 4;
+    const float* b_src = p.b + int64_t(b) * SH * N4;
+    for (int idx = tid; idx < SH * q_row; idx += kSmallTcThreads) {
+      const int k = idx / q_row, j = 4 * (idx - k * q_row);
+      cp_async16(&bs[k * L.ldb + j], b_src + int64_t(k) * N4 + j);
+    }
+    cp_async_commit();
+  } else if constexpr (kFma) {
     // Transposed: a[h1][(i, s)], b[(s, h2)][j].  Columns past ti·S and N are left as they are:
     // they only reach P's and the output's columns that are never stored.
     const float* a_src = p.a + (int64_t(b) * N + i0) * SH;
@@ -264,71 +432,7 @@ __global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_tc_kernel(const 
     __syncthreads();
   }
 
-  // ---- phase P ----
-  if constexpr (kFma) {
-    // Thread tile: 4 columns d x 4 columns (i, s) at one h2, over h1 in order; lanes along h2.
-    const float* ws = smem + L.w;
-    const int dgroups = Dc / 4, ngroups = round_up4(TI * S) / 4;
-    for (int tile = tid; tile < H * dgroups * ngroups; tile += kSmallTcThreads) {
-      const int h2 = tile % H, rest = tile / H;
-      const int dg = rest % dgroups, ng = rest / dgroups;
-      float acc[4][4];  // [(i, s)][d]
-      fma_outer_4x4(acc, as + ng * 4, L.lda, ws + h2 * L.ldw + dg * 4, H * L.ldw, 0, H);
-#pragma unroll
-      for (int v = 0; v < 4; ++v) {
-        const int n = ng * 4 + v;
-        if (n < ti * S) {
-          const int il = n / S, s = n - il * S;
-          *reinterpret_cast<float4*>(ps + (s * H + h2) * L.ldp + il * Dc + dg * 4) =
-              make_float4(acc[v][0], acc[v][1], acc[v][2], acc[v][3]);
-        }
-      }
-    }
-  } else {
-    for (int item = warp; item < items_p; item += kSmallTcWarps) {
-      const int nt = item / groups_p, mt0 = (item - nt * groups_p) * 4;
-      float acc[4][4];
-#pragma unroll
-      for (int u = 0; u < 4; ++u)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[u][e] = 0.f;
-      if (item != warp) load_w_batch(mt0, 0);
-      for (int ks0 = 0; ks0 < ksteps_p; ks0 += kSmallTcKBatch) {
-        if (ks0 > 0) load_w_batch(mt0, ks0);
-#pragma unroll
-        for (int kb = 0; kb < kSmallTcKBatch; ++kb) {
-          const int ks = ks0 + kb;
-          if (ks >= ksteps_p) break;
-          const float* arow = as + (nt * 8 + g) * L.lda + ks * 8 + t;
-          uint32_t bh0, bh1, bl0, bl1;
-          split_tf32<kTerms>(arow[0], bh0, bl0);
-          split_tf32<kTerms>(arow[4], bh1, bl1);
-#pragma unroll
-          for (int u = 0; u < 4; ++u) {
-            const float av[4] = {wf[kb][u][0].x, wf[kb][u][0].y, wf[kb][u][1].x, wf[kb][u][1].y};
-            uint32_t ah[4], al[4];
-            split4<kTerms>(av, ah, al);
-            mma_split_add<kTerms>(acc[u], ah, al, bh0, bh1, bl0, bl1);
-          }
-        }
-      }
-      // acc[u] = C[(row g | g + 8), (col 2t | 2t + 1)]: rows m = 2g, 2g + 1 (same d), cols r = (i, s).
-#pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        const int m = (mt0 + u) * 16 + 2 * g;
-        const int dl = m / H, h2 = m - dl * H;
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          const int r = nt * 8 + 2 * t + c;
-          if (r < ti * S) {
-            const int il = r / S, s = r - il * S;
-            *reinterpret_cast<float2*>(ps + (il * Dc + dl) * L.ldp + s * L.ldps + h2) =
-                make_float2(acc[u][c], acc[u][2 + c]);
-          }
-        }
-      }
-    }
-  }
+  if constexpr (!kLocalA) phase_p();
   cp_async_wait_all();
   __syncthreads();
 
