@@ -1,14 +1,15 @@
 """Wall time per call of the op as the package on the path builds it (see ab_variants.sh), with its
-error against float32 PyTorch on the same inputs where that reference fits (N <= 768).
+error against float32 PyTorch on the same inputs where that reference fits (N <= 768); for
+problems under 1 ms, also the GPU time per call from CUDA-graph replay (host time left out).
 
-    PYTHONPATH=src python scripts/ab_time.py LABEL [--dtype bfloat16] [B,S,N,C,H,D ...]
+    PYTHONPATH=src python scripts/ab_time.py LABEL [B,S,N,C,H,D ...] [--dtype bfloat16]
 """
 import argparse
 
 import torch
 
 import flashopm
-from flashopm.bench import time_wall, warm_gpu
+from flashopm.bench import time_graph, time_wall, warm_gpu
 from flashopm.testing import Shape, make_problem, reference
 
 
@@ -18,7 +19,7 @@ def main() -> None:
     ap.add_argument("shapes", nargs="*", default=["1,512,1536,256,32,128", "1,512,768,256,32,128"])
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--precision", default=None, choices=["highest", "high", "medium"])
-    args = ap.parse_args()
+    args = ap.parse_intermixed_args()  # shapes before or after the options
     dtype = getattr(torch, args.dtype)
     flashopm.load()
     warm_gpu()
@@ -38,7 +39,12 @@ def main() -> None:
             ref = reference(xd, md, pd, dtype=torch.float32)
             err = ((out.float() - ref).norm() / ref.norm()).item()
         t = time_wall(call, n=10, warmup=2)
-        print(f"{args.label:8s} {shape}  {args.dtype:9s} {t.median_us / 1e3:8.3f} ms  error {err:.3g}", flush=True)
+        graph = ""
+        if t.median_us < 1e3:
+            g = time_graph(call, n=50)
+            graph = f"  GPU {g.median_us:8.2f} us (graph)" if g is not None else ""
+        print(f"{args.label:8s} {shape}  {args.dtype:9s} {t.median_us / 1e3:8.3f} ms{graph}  error {err:.3g}",
+              flush=True)
 
 
 if __name__ == "__main__":

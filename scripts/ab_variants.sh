@@ -4,7 +4,7 @@
 # twice over (so that drift shows).  A variant is `cur` (the working tree) or a directory of files
 # that replace src/flashopm/csrc/*, e.g. the sources of an earlier commit:
 #     mkdir -p ab/old && git archive REV src/flashopm/csrc | tar -x --strip-components=3 -C ab/old
-#   usage: scripts/ab_variants.sh OUTDIR VARIANT... (ab_time.py's options in AB_TIME_ARGS)
+#   usage: scripts/ab_variants.sh OUTDIR VARIANT... (ab_time.py's shapes and options in AB_TIME_ARGS)
 set -u
 out=${1:?usage: scripts/ab_variants.sh OUTDIR VARIANT...}; shift
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
