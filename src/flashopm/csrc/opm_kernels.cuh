@@ -331,6 +331,21 @@ __device__ __forceinline__ void store_round(const OuterArgs& p, const float* red
   }
 }
 
+// LayerNorm statistics of one row of C features by one warp, two passes: x_at(c) reads feature c
+// as float32; every lane gets the mean and 1/sqrt(var + eps).
+template <typename Load>
+__device__ __forceinline__ void warp_layernorm_stats(Load x_at, int C, float eps, int lane, float& mean, float& rstd) {
+  float sum = 0.f;
+  for (int c = lane; c < C; c += 32) sum += x_at(c);
+  mean = warp_sum(sum) / C;
+  float sq = 0.f;
+  for (int c = lane; c < C; c += 32) {
+    const float d = x_at(c) - mean;
+    sq += d * d;
+  }
+  rstd = rsqrtf(warp_sum(sq) / C + eps);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Kernel 1: LayerNorm + both projections + mask (+ the W-projection of b, project-first only)
 // ---------------------------------------------------------------------------------------------

@@ -110,15 +110,8 @@ __device__ __forceinline__ void small_tc_project_rows(const PrepArgs& q, float* 
       const int64_t r = r0 + warp, bs = r / N;
       const int n = int(r - bs * N), s = int(bs % S), bi = int(bs / S);
       const float* xr = x + int64_t(bi) * q.x_sb + int64_t(s) * q.x_ss + int64_t(n) * q.x_sn;
-      float sum = 0.f;
-      for (int c = lane; c < C; c += 32) sum += xr[c];
-      const float mean = warp_sum(sum) / C;
-      float sq = 0.f;
-      for (int c = lane; c < C; c += 32) {
-        const float d = xr[c] - mean;
-        sq += d * d;
-      }
-      const float rstd = rsqrtf(warp_sum(sq) / C + q.ln_eps);
+      float mean, rstd;
+      warp_layernorm_stats([&](int c) { return xr[c]; }, C, q.ln_eps, lane, mean, rstd);
       for (int c = lane; c < C; c += 32) xn[warp * C + c] = (xr[c] - mean) * rstd * q.ln_w[c] + q.ln_b[c];
     }
     cp_async_wait_all();
@@ -195,15 +188,8 @@ __device__ __forceinline__ void small_tc_project_a(const SmallTcArgs& p, int b, 
   const float* lnb = smem + A.lnb;
   for (int r = warp; r < rows; r += kSmallTcWarps) {
     float* xr = smem + A.xs + r * C;
-    float sum = 0.f;
-    for (int c = lane; c < C; c += 32) sum += xr[c];
-    const float mean = warp_sum(sum) / C;
-    float sq = 0.f;
-    for (int c = lane; c < C; c += 32) {
-      const float d = xr[c] - mean;
-      sq += d * d;
-    }
-    const float rstd = rsqrtf(warp_sum(sq) / C + q.ln_eps);
+    float mean, rstd;
+    warp_layernorm_stats([&](int c) { return xr[c]; }, C, q.ln_eps, lane, mean, rstd);
     for (int c = lane; c < C; c += 32) xr[c] = (xr[c] - mean) * rstd * lnw[c] + lnb[c];
   }
   __syncthreads();
