@@ -80,6 +80,20 @@ __device__ __forceinline__ void split4(const float (&v)[4], uint32_t (&hi)[4], u
   for (int e = 0; e < 4; ++e) split_tf32<kTerms>(v[e], hi[e], lo[e]);
 }
 
+// sum_c x[c]·w[c·w_ld] in chunks of kPrepKC features, each chunk's products added in order, then
+// the chunks' sums in order: opm_prep_kernel's order (accurate at large msa_dim).
+__device__ __forceinline__ float chunked_dot(const float* x, const float* w, int w_ld, int C) {
+  float acc = 0.f;
+  for (int c0 = 0; c0 < C; c0 += kPrepKC) {
+    const int ce = min(C, c0 + kPrepKC);
+    float part = 0.f;
+#pragma unroll 8
+    for (int c = c0; c < ce; ++c) part = fmaf(x[c], w[c * w_ld], part);
+    acc += part;
+  }
+  return acc;
+}
+
 // The fused form's projection weights, transposed into shared memory as wt[c][o] (o < H: W_a,
 // else W_b; row stride 2H + 1, so that lanes along o read distinct banks), with 4-byte
 // asynchronous copies along c (coalesced reads of W's rows); issued first so that their latency
@@ -120,15 +134,7 @@ __device__ __forceinline__ void small_tc_project_rows(const PrepArgs& q, float* 
       const int rl = idx / H2, o = idx - rl * H2;
       const bool is_a = o < H;
       const int h = is_a ? o : o - H;
-      const float* xv = xn + rl * C;
-      float acc = 0.f;
-      for (int c0 = 0; c0 < C; c0 += kPrepKC) {
-        const int ce = min(C, c0 + kPrepKC);
-        float part = 0.f;
-#pragma unroll 8
-        for (int c = c0; c < ce; ++c) part = fmaf(xv[c], wt[c * ld + o], part);
-        acc += part;
-      }
+      const float acc = chunked_dot(xn + rl * C, wt + o, ld, C);
       const int64_t r = r0 + rl, bs = r / N;
       const int n = int(r - bs * N), s = int(bs % S), bi = int(bs / S);
       const float* bias = is_a ? q.ba : q.bb;
@@ -196,15 +202,7 @@ __device__ __forceinline__ void small_tc_project_a(const SmallTcArgs& p, int b, 
   const float* wt = smem + A.wt;
   for (int idx = tid; idx < rows * H; idx += kSmallTcThreads) {
     const int r = idx / H, h = idx - r * H;
-    const float* xv = smem + A.xs + r * C;
-    float acc = 0.f;
-    for (int c0 = 0; c0 < C; c0 += kPrepKC) {
-      const int ce = min(C, c0 + kPrepKC);
-      float part = 0.f;
-#pragma unroll 8
-      for (int c = c0; c < ce; ++c) part = fmaf(xv[c], wt[c * ld + h], part);
-      acc += part;
-    }
+    const float acc = chunked_dot(smem + A.xs + r * C, wt + h, ld, C);
     as[h * lda + r] = (acc + smem[A.ba + h]) * mk[r];
   }
 }
