@@ -221,11 +221,14 @@ def test_small_tc_local_a_form(shape, monkeypatch):
            may_not_fit=False)
 
 
-def test_small_tc_local_a_after_tiled_projection(monkeypatch):
-    """b in the local-a layout (rows of positions per (s, h)) from the register-tiled projection
-    kernel, which takes over past 128 rows per SM; N not a multiple of 4."""
-    monkeypatch.setenv("FLASHOPM_SMALL_TC_LOCAL_A", "1")
-    _check(Shape(67, 8, 41, 20, 8, 16), "masked_positions", "small-tc", seed=11, may_not_fit=False)
+@pytest.mark.parametrize("local_a", ["0", "1"])
+@pytest.mark.parametrize("shape", [Shape(67, 8, 41, 20, 8, 16), Shape(61, 7, 43, 20, 8, 16)], ids=str)
+def test_small_tc_fma_layouts_from_tiled_projection(shape, local_a, monkeypatch):
+    """a and b in the FMA form's layouts (rows of positions per h, and per (s, h)) from the
+    register-tiled projection kernel, which takes over past 128 rows per SM; N, and in the second
+    shape S and N·S, not multiples of 4."""
+    monkeypatch.setenv("FLASHOPM_SMALL_TC_LOCAL_A", local_a)
+    _check(shape, "masked_positions", "small-tc", seed=11, may_not_fit=False)
 
 
 # The mma.sync form (the FMA form runs by default under "highest" where W's chunk fits).

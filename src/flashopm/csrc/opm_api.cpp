@@ -656,8 +656,8 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
   };
 
   // Small problems on tensor cores: the projections, then one block per (row i, chunk of d)
-  // launched as the projections' programmatic dependent.  Workspace: a and b as (B, N, S, H), or
-  // in the local-a form b alone as (B, S, H, N4).
+  // launched as the projections' programmatic dependent.  Workspace: a and b, as (B, N, S, H) or in
+  // the FMA form's layouts (SmallTcArgs).
   const SmallTcPlan small_tc = (algorithm == kAuto && flops_small < 2.0e9) || algorithm == kSmallTc
                                    ? plan_small_tc(B, S, N, H, D, dev)
                                    : SmallTcPlan{};
@@ -675,24 +675,36 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     const bool fma = small_tc_fma(small_tc, tc_terms);
     const bool fused = small_tc_fused(pa, small_tc, fma, dev);
     const bool local_a = small_tc_local_a(pa, small_tc, fma, fused);
-    const int64_t N4 = (N + 3) / 4 * 4;
+    // The FMA form of two launches takes b as (B, S, H, N4) and a as (B, H, NS4) (none when each
+    // block projects its own), so that it copies rows of both in 16-byte pieces.
+    const bool rows16 = fma && !fused;
+    const int64_t N4 = (N + 3) / 4 * 4, NS4 = (N * S + 3) / 4 * 4;
+    const int64_t b_elems = rows16 ? B * S * H * N4 : ab_elems;
+    const int64_t a_elems = local_a ? 0 : rows16 ? B * H * NS4 : ab_elems;
     // Workspace straight from the caching allocator (no tensor: host time), released on return
-    // and reused in stream order, as a tensor's storage would be.
-    const c10::DataPtr ws = c10::cuda::CUDACachingAllocator::get()->allocate(
-        size_t(local_a ? B * S * H * N4 : 2 * ab_elems) * sizeof(float));
-    float* ab = static_cast<float*>(ws.get());
-    if (local_a) {
-      pa.a_rows = 0;
-      pa.b_out = ab;
+    // and reused in stream order, as a tensor's storage would be.  b first: both stay 16-byte
+    // aligned.
+    const c10::DataPtr ws =
+        c10::cuda::CUDACachingAllocator::get()->allocate(size_t(b_elems + a_elems) * sizeof(float));
+    float* const b_ws = static_cast<float*>(ws.get());
+    float* const a_ws = local_a ? nullptr : b_ws + b_elems;
+    if (rows16) {
       pa.ab_kind = kAbF32HStride;
+      pa.b_out = b_ws;
       pa.b_sb = S * H * N4;
       pa.b_ss = H * N4;
       pa.b_sn = 1;
-      pa.ab_hs = N4;
+      pa.b_hs = N4;
+      pa.a_rows = local_a ? 0 : int(N);
+      pa.a_out = a_ws;
+      pa.a_sb = H * NS4;
+      pa.a_ss = 1;
+      pa.a_sn = S;
+      pa.a_hs = NS4;
     } else {
       pa.a_rows = int(N);
-      pa.a_out = ab;
-      pa.b_out = ab + ab_elems;
+      pa.a_out = a_ws;
+      pa.b_out = b_ws;
       pa.a_sb = pa.b_sb = N * S * H;
       pa.a_ss = pa.b_ss = H;
       pa.a_sn = pa.b_sn = S * H;
@@ -704,8 +716,8 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     ta.fused = fused;
     ta.local_a = local_a;
     ta.prep = pa;
-    ta.a = local_a ? nullptr : ab;
-    ta.b = local_a ? ab : ab + ab_elems;
+    ta.a = a_ws;
+    ta.b = b_ws;
     ta.mask = mask_view;
     ta.w_out = w_out.data_ptr<float>();
     ta.bias = opt_ptr(b_out);

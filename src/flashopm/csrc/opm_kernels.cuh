@@ -470,7 +470,7 @@ __global__ void __launch_bounds__(kPrepThreads, RW == 1 && !kProjectW ? 4 : 2) o
         if (valid && ochunk == 0 && n < p.a_rows) {
           const float v = (acc[r][q] + (p.ba ? p.ba[o] : 0.f)) * mv;
           store_ab(p.a_out, ab_row_offset(p.a_sb, p.a_sc, p.a_ss, p.a_sn, p.s_chunk, b, s, n), o, v, p.ab_kind,
-                   p.ab_hs);
+                   p.a_hs);
         }
       } else if (o < H2) {
         const int h = o - H;
@@ -479,7 +479,7 @@ __global__ void __launch_bounds__(kPrepThreads, RW == 1 && !kProjectW ? 4 : 2) o
           bs[row * Hp + h] = v;
         } else if (valid && p.b_out) {
           store_ab(p.b_out, ab_row_offset(p.b_sb, p.b_sc, p.b_ss, p.b_sn, p.s_chunk, b, s, n), h, v, p.ab_kind,
-                   p.ab_hs);
+                   p.b_hs);
         }
       } else if (kProjectW && o < H + Hp) {
         bs[row * Hp + (o - H)] = 0.f;  // padding read by the float4 loop below
@@ -829,9 +829,9 @@ __global__ void __launch_bounds__(kProjThreads, CT >= 8 ? 1 : 2) opm_project_row
           for (int e = 0; e < 2; ++e) {
             const int oe = o + e;
             if (oe < H) {
-              if (ao >= 0) store_ab(p.a_out, ao, oe, v[e], p.ab_kind, p.ab_hs);
+              if (ao >= 0) store_ab(p.a_out, ao, oe, v[e], p.ab_kind, p.a_hs);
             } else if (oe < H2) {
-              if (bo >= 0) store_ab(p.b_out, bo, oe - H, v[e], p.ab_kind, p.ab_hs);
+              if (bo >= 0) store_ab(p.b_out, bo, oe - H, v[e], p.ab_kind, p.b_hs);
             }
           }
         }
@@ -872,9 +872,10 @@ __global__ void __launch_bounds__(kProjThreads, CT >= 8 ? 1 : 2) opm_project_row
     for (int j = 0; j < CT; ++j) {
       const int o = cg * CT + j;
       if (o < H) {
-        if (ao >= 0) store_ab(p.a_out, ao, o, (acc[i][j] + (p.ba ? p.ba[o] : 0.f)) * mv, p.ab_kind, p.ab_hs);
+        if (ao >= 0) store_ab(p.a_out, ao, o, (acc[i][j] + (p.ba ? p.ba[o] : 0.f)) * mv, p.ab_kind, p.a_hs);
       } else if (o < H2) {
-        if (bo >= 0) store_ab(p.b_out, bo, o - H, (acc[i][j] + (p.bb ? p.bb[o - H] : 0.f)) * mv, p.ab_kind, p.ab_hs);
+        if (bo >= 0) store_ab(p.b_out, bo, o - H, (acc[i][j] + (p.bb ? p.bb[o - H] : 0.f)) * mv, p.ab_kind,
+                              p.b_hs);
       }
     }
   }

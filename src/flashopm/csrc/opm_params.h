@@ -30,9 +30,11 @@ enum MaskKind : int { kMaskFloat = 0, kMaskBool = 1, kMaskHalf = 2, kMaskBFloat1
 //                  32 float16 high parts followed by the 32 low parts of the same s, after scaling
 //                  each residue's values by a power of two (the float16 split form, "highest")
 // s past S in the last chunk is zero (the host clears that chunk before the projections run).
-// One more kind, for the small-problem path's FMA form (opm_small_tc_kernel's kLocalA):
-//   kAbF32HStride: float32, element h of a row at h·ab_hs (b as (B, S, H, N4): rows of positions n
-//                  for each (s, h), so that the kernel copies them in 16-byte pieces)
+// One more kind, for the small-problem path's FMA form (opm_small_tc_kernel), which copies rows
+// of a and b in 16-byte pieces:
+//   kAbF32HStride: float32, element h of a row at h·a_hs (a) or h·b_hs (b): a as (B, H, NS4) with
+//                  (n, s) at n·S + s and NS4 = round_up4(N·S), b as (B, S, H, N4) with
+//                  N4 = round_up4(N)
 enum AbKind : int { kAbTf32 = 4, kAbF32Rows16 = 5, kAbF32Rows32 = 6, kAbF32HStride = 7 };
 FLASHOPM_HD constexpr int kmajor_row_floats(int terms) { return terms == 3 ? 16 : 32; }
 FLASHOPM_HD constexpr int ab_kind_row_floats(int kind) { return kind == kAbF32Rows16 ? 16 : 32; }
@@ -83,7 +85,7 @@ struct PrepArgs {
   int64_t a_sb, a_ss, a_sn, a_sc;
   void* b_out;   // outer-first only, same strides convention
   int ab_kind;   // kMaskFloat, kMaskBFloat16/kMaskHalf (the 16-bit kernel), or an AbKind
-  int64_t ab_hs;  // kAbF32HStride: the stride of h
+  int64_t a_hs, b_hs;  // kAbF32HStride: the strides of h
   int64_t b_sb, b_ss, b_sn, b_sc;
   int s_chunk;
   float* c_out;  // project-first only: (B, S, H, N, D)
@@ -518,9 +520,11 @@ constexpr int kSmallTcMaxTI = 8;
 constexpr int kSmallTcKBatch = 4;  // k-steps of W fragments loaded at once
 
 struct SmallTcArgs {
-  float* a;  // (B, N, S, H) contiguous, masked projections (written by the kernel when fused;
-             // unused when local_a)
-  float* b;  // (B, N, S, H) contiguous, or (B, S, H, N4) with N4 = round_up4(N) when local_a
+  // Masked projections.  The two-launch FMA form: a as (B, H, NS4), b as (B, S, H, N4) (the
+  // kAbF32HStride layouts; a unused when local_a).  Otherwise both (B, N, S, H) contiguous, written
+  // by the kernel itself when fused.
+  float* a;
+  float* b;
   MaskView mask;
   const float* w_out;  // (D, H*H) contiguous, 8-byte aligned
   const float* bias;   // (D) or null

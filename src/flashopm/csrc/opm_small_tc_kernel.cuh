@@ -371,9 +371,28 @@ __global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_tc_kernel(const 
 
   // ---- a[b, i0 : i0 + ti] and b[b, :] into shared memory (rows of H and S·H floats); phase P
   // needs only a, so b is waited for after it ----
-  if constexpr (kLocalA) {
-    // b[b] as (S·H, N4) rows of positions j (the first kernel's kAbF32HStride layout), in 16-byte
-    // pieces; columns past N only reach output columns that are never stored.
+  if constexpr (kFma && !kFused) {
+    // The first kernel's kAbF32HStride layouts, rows in 16-byte pieces: a[b] as (H, NS4) (the
+    // block's columns (i, s) are contiguous in each row; 4-byte pieces where TI·S leaves their
+    // start unaligned), b[b] as (S·H, N4).  Columns past ti·S and N, read along with the last
+    // pieces, only reach P's and the output's columns that are never stored.
+    if constexpr (!kLocalA) {
+      const int cols = ti * S, NS4 = round_up4(N * S);
+      const float* a_src = p.a + int64_t(b) * H * NS4 + int64_t(i0) * S;
+      if ((TI * S) % 4 == 0) {
+        const int q_row = (cols + 3) / 4;
+        for (int idx = tid; idx < H * q_row; idx += kSmallTcThreads) {
+          const int h = idx / q_row, c = 4 * (idx - h * q_row);
+          cp_async16(&as[h * L.lda + c], a_src + int64_t(h) * NS4 + c);
+        }
+      } else {
+        for (int idx = tid; idx < H * cols; idx += kSmallTcThreads) {
+          const int h = idx / cols, c = idx - h * cols;
+          cp_async4(&as[h * L.lda + c], a_src + int64_t(h) * NS4 + c, true);
+        }
+      }
+      cp_async_commit();
+    }
     const int N4 = round_up4(N), q_row = N4 / 4;
     const float* b_src = p.b + int64_t(b) * SH * N4;
     for (int idx = tid; idx < SH * q_row; idx += kSmallTcThreads) {
@@ -381,9 +400,14 @@ __global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_tc_kernel(const 
       cp_async16(&bs[k * L.ldb + j], b_src + int64_t(k) * N4 + j);
     }
     cp_async_commit();
+    if constexpr (!kLocalA) {
+      cp_async_wait<1>();
+      __syncthreads();
+    }
   } else if constexpr (kFma) {
-    // Transposed: a[h1][(i, s)], b[(s, h2)][j].  Columns past ti·S and N are left as they are:
-    // they only reach P's and the output's columns that are never stored.
+    // (fused: a and b as (B, N, S, H)) Transposed: a[h1][(i, s)], b[(s, h2)][j].  Columns past
+    // ti·S and N are left as they are: they only reach P's and the output's columns that are
+    // never stored.
     const float* a_src = p.a + (int64_t(b) * N + i0) * SH;
     for (int idx = tid; idx < ti * SH; idx += kSmallTcThreads) {
       const int r = idx / H, h = idx - r * H;
