@@ -286,12 +286,15 @@ __global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_tc_kernel(const 
   // ---- phase P (before the wait in the local-a form) ----
   const auto phase_p = [&]() {
     if constexpr (kFma) {
-      // Thread tile: 4 columns d x 4 columns (i, s) at one h2, over h1 in order; lanes along h2.
+      // Thread tile: 4 columns d x 4 columns (i, s) at one h2, over h1 in order.  Lanes along the
+      // groups of (i, s) first, then h2: a warp's reads of a are consecutive float4 (one
+      // wavefront for up to 8 groups) and those of W's chunk a few rows h2 (ldw = 4 mod 8: one
+      // wavefront for up to 8 rows), rather than 32 rows of W (four wavefronts) per 16 FMAs.
       const float* ws = smem + L.w;
       const int dgroups = Dc / 4, ngroups = round_up4(TI * S) / 4;
       for (int tile = tid; tile < H * dgroups * ngroups; tile += kSmallTcThreads) {
-        const int h2 = tile % H, rest = tile / H;
-        const int dg = rest % dgroups, ng = rest / dgroups;
+        const int ng = tile % ngroups, rest = tile / ngroups;
+        const int h2 = rest % H, dg = rest / H;
         float acc[4][4];  // [(i, s)][d]
         fma_outer_4x4(acc, as + ng * 4, L.lda, ws + h2 * L.ldw + dg * 4, H * L.ldw, 0, H);
 #pragma unroll
