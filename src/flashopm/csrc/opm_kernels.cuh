@@ -353,11 +353,12 @@ __device__ __forceinline__ void warp_layernorm_stats(Load x_at, int C, float eps
 
 // One block: one (b, s), kPrepWarps*RW consecutive positions n; in project-first mode also one
 // chunk of kPrepThreads output columns (h1, d) of c.
-// Q = ceil(2H/32) projection outputs per lane, RW rows per warp.  At RW = 1 at most 64 registers,
-// so that a block shares an SM with one of the small-problem kernel's (512 threads x 96), which
-// starts as this kernel's programmatic dependent.
+// Q = ceil(2H/32) projection outputs per lane, RW rows per warp.  At RW = 1 and Q <= 2 at most 64
+// registers, so that a block shares an SM with one of the small-problem kernel's (512 threads x
+// 96), which starts as this kernel's programmatic dependent.
 template <int Q, int RW, bool kProjectW, typename XT>  // XT: x's element type (p.x_kind)
-__global__ void __launch_bounds__(kPrepThreads, RW == 1 && !kProjectW ? 4 : 2) opm_prep_kernel(const PrepArgs p) {
+__global__ void __launch_bounds__(kPrepThreads, RW == 1 && Q <= 2 && !kProjectW ? 4 : 2)
+    opm_prep_kernel(const PrepArgs p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   // A kernel launched as this one's programmatic dependent may start now: it waits for our
   // results itself (griddepcontrol.wait) and meanwhile loads what does not depend on them.
@@ -367,28 +368,44 @@ __global__ void __launch_bounds__(kPrepThreads, RW == 1 && !kProjectW ? 4 : 2) o
   float* smem = reinterpret_cast<float*>(smem_f4);
   constexpr int R = kPrepWarps * RW;
   const int H = p.H, H2 = 2 * p.H, C = p.C;
-  const int ws_stride = H2 + 1;
-  float* ws = smem;                                     // [KC][2H+1]
-  float* xs = ws + kPrepKC * ws_stride + 32 * Q;        // [R][KC]
+  constexpr int kWRows = 32 * Q;                        // rows o of a weight buffer (lanes read o < 32Q)
+  float* ws = smem;                                     // [2][32Q][kPrepLdW]: two chunks of W_a; W_b
+  float* xs = ws + 2 * kWRows * kPrepLdW;               // [R][KC]
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int b = blockIdx.z, s = blockIdx.y;
   const int nblk = kProjectW ? blockIdx.x / p.o_chunks : blockIdx.x;
   const int ochunk = kProjectW ? blockIdx.x % p.o_chunks : 0;
   const int n_base = nblk * R;
 
-  // Weights of one chunk of C, transposed: ws[k][o], asynchronous copies (all of a thread's loads in
-  // flight at once).  With a_rows = 0 (b alone is stored) W_a's rows are not loaded: those columns
-  // are never stored.
+  // Weights of chunk ci of C as rows: ws[ci % 2][o][k] = W[o][ci·KC + k] (zero past C), one copy
+  // group per chunk, in 16-byte pieces where msa_dim and the weights' addresses allow (4-byte
+  // copies cost about as much each, four times as many).  With a_rows = 0 (b alone is stored)
+  // W_a's rows are not loaded: those columns are never stored.
   const int o_first = p.a_rows == 0 ? H : 0;
-  const auto stage_weights = [&](int c0) {
-    for (int idx = threadIdx.x + o_first * kPrepKC; idx < H2 * kPrepKC; idx += kPrepThreads) {
-      const int o = idx / kPrepKC, k = idx - o * kPrepKC, c = c0 + k;
-      const float* src = o < H ? p.wa + int64_t(o) * C + c : p.wb + int64_t(o - H) * C + c;
-      cp_async4(&ws[k * ws_stride + o], c < C ? src : p.wa, c < C);
+  const int n_chunks = (C + kPrepKC - 1) / kPrepKC;
+  const bool w_vec = C % 4 == 0 && ((reinterpret_cast<uintptr_t>(p.wa) | reinterpret_cast<uintptr_t>(p.wb)) & 15) == 0;
+  const auto stage_weights = [&](int ci) {
+    float* wbuf = ws + (ci & 1) * kWRows * kPrepLdW;
+    const int c0 = ci * kPrepKC;
+    if (w_vec) {
+      constexpr int kPieces = kPrepKC / 4;
+      for (int idx = threadIdx.x + o_first * kPieces; idx < H2 * kPieces; idx += kPrepThreads) {
+        const int o = idx / kPieces, k = 4 * (idx - o * kPieces), c = c0 + k;
+        const float* src = o < H ? p.wa + int64_t(o) * C + c : p.wb + int64_t(o - H) * C + c;
+        cp_async16z(&wbuf[o * kPrepLdW + k], c < C ? src : p.wa, c < C);
+      }
+    } else {
+      for (int idx = threadIdx.x + o_first * kPrepKC; idx < H2 * kPrepKC; idx += kPrepThreads) {
+        const int o = idx / kPrepKC, k = idx - o * kPrepKC, c = c0 + k;
+        const float* src = o < H ? p.wa + int64_t(o) * C + c : p.wb + int64_t(o - H) * C + c;
+        cp_async4(&wbuf[o * kPrepLdW + k], c < C ? src : p.wa, c < C);
+      }
     }
     cp_async_commit();
   };
-  stage_weights(0);  // the first chunk's latency overlaps the statistics
+  // The first two chunks' latency overlaps the statistics.
+  stage_weights(0);
+  if (n_chunks > 1) stage_weights(1);
 
   // LayerNorm statistics, two passes over the row (the second pass hits L1).  x is float32,
   // float16 or bfloat16 (p.x_kind), read as float32.
@@ -416,10 +433,11 @@ __global__ void __launch_bounds__(kPrepThreads, RW == 1 && !kProjectW ? 4 : 2) o
 #pragma unroll
     for (int q = 0; q < Q; ++q) acc[r][q] = 0.f;
 
-  for (int c0 = 0; c0 < C; c0 += kPrepKC) {
-    if (c0 > 0) {
-      __syncthreads();  // the previous chunk's weights and rows are consumed
-      stage_weights(c0);
+  for (int ci = 0; ci < n_chunks; ++ci) {
+    const int c0 = ci * kPrepKC;
+    if (ci > 0) {
+      __syncthreads();  // the rows and the other buffer's weights (chunk ci - 1) are consumed
+      if (ci + 1 < n_chunks) stage_weights(ci + 1);
     }
 #pragma unroll
     for (int r = 0; r < RW; ++r) {
@@ -428,24 +446,33 @@ __global__ void __launch_bounds__(kPrepThreads, RW == 1 && !kProjectW ? 4 : 2) o
       if (c < C) v = (x_at(r, c) - mean[r]) * rstd[r] * p.ln_w[c] + p.ln_b[c];
       xs[(warp * RW + r) * kPrepKC + lane] = v;
     }
-    cp_async_wait_all();
+    if (ci + 1 < n_chunks) cp_async_wait<1>();  // chunk ci (chunk ci + 1 may be in flight)
+    else cp_async_wait_all();
     __syncthreads();
+    const float* wbuf = ws + (ci & 1) * kWRows * kPrepLdW;
     // Two-level sum over C (per chunk, then across chunks), for accuracy at large msa_dim.
     float part[RW][Q];
 #pragma unroll
     for (int r = 0; r < RW; ++r)
 #pragma unroll
       for (int q = 0; q < Q; ++q) part[r][q] = 0.f;
-#pragma unroll 8
-    for (int k = 0; k < kPrepKC; ++k) {
-      float xv[RW];
+    // Four k per step from float4 reads (rows of W at a stride of 4 (mod 8) floats: a quarter
+    // warp's eight rows in distinct banks), the products added in order of k.
+#pragma unroll 2
+    for (int k = 0; k < kPrepKC; k += 4) {
+      float4 xv[RW];
 #pragma unroll
-      for (int r = 0; r < RW; ++r) xv[r] = xs[(warp * RW + r) * kPrepKC + k];
+      for (int r = 0; r < RW; ++r) xv[r] = *reinterpret_cast<const float4*>(&xs[(warp * RW + r) * kPrepKC + k]);
 #pragma unroll
       for (int q = 0; q < Q; ++q) {
-        const float w = ws[k * ws_stride + lane + 32 * q];
+        const float4 w = *reinterpret_cast<const float4*>(&wbuf[(lane + 32 * q) * kPrepLdW + k]);
 #pragma unroll
-        for (int r = 0; r < RW; ++r) part[r][q] = fmaf(xv[r], w, part[r][q]);
+        for (int r = 0; r < RW; ++r) {
+          part[r][q] = fmaf(xv[r].x, w.x, part[r][q]);
+          part[r][q] = fmaf(xv[r].y, w.y, part[r][q]);
+          part[r][q] = fmaf(xv[r].z, w.z, part[r][q]);
+          part[r][q] = fmaf(xv[r].w, w.w, part[r][q]);
+        }
       }
     }
 #pragma unroll

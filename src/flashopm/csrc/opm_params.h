@@ -97,6 +97,7 @@ struct PrepArgs {
 constexpr int kPrepWarps = 8;
 constexpr int kPrepThreads = kPrepWarps * 32;
 constexpr int kPrepKC = 32;            // features of C staged per step
+constexpr int kPrepLdW = kPrepKC + 4;  // a weight row of one chunk: 4 (mod 8) floats, for float4 reads
 constexpr int kPrepWStride = 257;      // odd stride: conflict-free transposed stores
 constexpr int kMaxHidden = 64;
 
@@ -109,7 +110,7 @@ FLASHOPM_HD inline int64_t prep_smem_floats(int H, int rows_per_warp, bool proje
   // Q as the launcher instantiates the kernel (1, 2 or 4 outputs per lane)
   const int q = (2 * H + 31) / 32;
   const int Q = q <= 2 ? q : 4;
-  int64_t proj = int64_t(kPrepKC) * (2 * H + 1) + 32 * Q            // weight chunk (+ slack)
+  int64_t proj = 2 * int64_t(32 * Q) * kPrepLdW                      // two weight chunks
                  + int64_t(kPrepWarps) * rows_per_warp * kPrepKC;   // normalised rows
   int64_t total = proj;
   if (project_w) {
