@@ -592,8 +592,13 @@ FLASHOPM_HD inline SmallTcLayout small_tc_layout(int S, int N, int H, int TI, in
   return L;
 }
 
-// The float32 FMA form of the same kernel (kTerms = 0: exact float32 sums, register tiles of 4 x 4
-// from float4 operands, where W's chunk fits in shared memory):
+// Rows j of phase O's register tiles in the FMA form (each tile kSmallFmaRowsO x 4 columns (i, d);
+// phase P's tiles are 4 x 4).  With 8 rows, O's K parts give work to half the threads: the loop is
+// bound by its shared-memory reads (3 float4 per 32 FMAs against 2 per 16), not by its warps.
+constexpr int kSmallFmaRowsO = 8;
+
+// The float32 FMA form of the same kernel (kTerms = 0: exact float32 sums, register tiles from
+// float4 operands, where W's chunk fits in shared memory):
 //   w   [H·H][ldw = Dc + 4]        W[d0 + d, k] at k·ldw + d
 //   a   [H][lda ≥ round4(TI·S)]    a transposed, columns (i, s)
 //   b   [S·H][ldb ≥ round4(N)]     b transposed, columns j
@@ -610,8 +615,8 @@ FLASHOPM_HD inline SmallTcLayout small_tc_fma_layout(int S, int N, int H, int TI
   L.ldb = round_up4_odd_quad(N);
   L.ldp = cols + 4;
   L.ldr = cols % 16 == 0 ? cols + 8 : cols;
-  const int tiles_o = (round_up4(N) / 4) * (cols / 4);
-  int kp = kSmallTcThreads / tiles_o;
+  const int tiles_o = ((N + kSmallFmaRowsO - 1) / kSmallFmaRowsO) * (cols / 4);
+  int kp = kSmallTcThreads * 4 / kSmallFmaRowsO / tiles_o;
   L.kparts = kp < 1 ? 1 : kp < SH ? kp : SH;
   int o = 0;
   L.w = o;    o += H * H * L.ldw;

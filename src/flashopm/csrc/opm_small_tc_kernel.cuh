@@ -54,21 +54,30 @@ __device__ __forceinline__ void small_tc_load_w(const SmallTcArgs& p, int d0, in
   }
 }
 
-// acc[u][v] = sum over k in [k0, k1), in order, of x_k[u]·y_k[v], where x_k and y_k are the float4
-// at x + k·x_ld and y + k·y_ld (shared memory): one 4 x 4 register tile of the FMA form.
-__device__ __forceinline__ void fma_outer_4x4(float (&acc)[4][4], const float* x, int x_ld, const float* y, int y_ld,
-                                              int k0, int k1) {
+// acc[u][v] = sum over k in [k0, k1), in order, of x_k[u]·y_k[v], where x_k is the kU floats at
+// x + k·x_ld and y_k the float4 at y + k·y_ld (shared memory, float4 reads): one kU x 4 register
+// tile of the FMA form.
+template <int kU>
+__device__ __forceinline__ void fma_outer_tile(float (&acc)[kU][4], const float* x, int x_ld, const float* y, int y_ld,
+                                               int k0, int k1) {
+  static_assert(kU % 4 == 0, "rows of the tile come in float4");
+  constexpr int kUnroll = kU == 4 ? 4 : 2;  // 8-row tiles: fewer loads in flight, within 128 registers
 #pragma unroll
-  for (int u = 0; u < 4; ++u)
+  for (int u = 0; u < kU; ++u)
 #pragma unroll
     for (int v = 0; v < 4; ++v) acc[u][v] = 0.f;
-#pragma unroll 4
+#pragma unroll kUnroll
   for (int k = k0; k < k1; ++k) {
-    const float4 x4 = *reinterpret_cast<const float4*>(x + k * x_ld);
-    const float4 y4 = *reinterpret_cast<const float4*>(y + k * y_ld);
-    const float xv[4] = {x4.x, x4.y, x4.z, x4.w}, yv[4] = {y4.x, y4.y, y4.z, y4.w};
+    float xv[kU];
 #pragma unroll
-    for (int u = 0; u < 4; ++u)
+    for (int g = 0; g < kU / 4; ++g) {
+      const float4 x4 = *reinterpret_cast<const float4*>(x + k * x_ld + 4 * g);
+      xv[4 * g] = x4.x, xv[4 * g + 1] = x4.y, xv[4 * g + 2] = x4.z, xv[4 * g + 3] = x4.w;
+    }
+    const float4 y4 = *reinterpret_cast<const float4*>(y + k * y_ld);
+    const float yv[4] = {y4.x, y4.y, y4.z, y4.w};
+#pragma unroll
+    for (int u = 0; u < kU; ++u)
 #pragma unroll
       for (int v = 0; v < 4; ++v) acc[u][v] = fmaf(xv[u], yv[v], acc[u][v]);
   }
@@ -296,7 +305,7 @@ __global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_tc_kernel(const 
         const int ng = tile % ngroups, rest = tile / ngroups;
         const int h2 = rest % H, dg = rest / H;
         float acc[4][4];  // [(i, s)][d]
-        fma_outer_4x4(acc, as + ng * 4, L.lda, ws + h2 * L.ldw + dg * 4, H * L.ldw, 0, H);
+        fma_outer_tile<4>(acc, as + ng * 4, L.lda, ws + h2 * L.ldw + dg * 4, H * L.ldw, 0, H);
 #pragma unroll
         for (int v = 0; v < 4; ++v) {
           const int n = ng * 4 + v;
@@ -448,18 +457,20 @@ __global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_tc_kernel(const 
   __syncthreads();
 
   if constexpr (kFma) {
-    // ---- phase O, FMA form: thread tile 4 rows j x 4 columns (i, d), K split in kparts ----
-    const int cols_o = ti * Dc, cgroups = TI * Dc / 4, jgroups = round_up4(N) / 4;
+    // ---- phase O, FMA form: thread tile kR rows j x 4 columns (i, d), K split in kparts (rows j
+    // past N, read up to the tile's end, land in rows of the K parts that are not stored) ----
+    constexpr int kR = kSmallFmaRowsO;
+    const int cols_o = ti * Dc, cgroups = TI * Dc / 4, jgroups = (N + kR - 1) / kR;
     for (int item = tid; item < cgroups * jgroups * L.kparts; item += kSmallTcThreads) {
       const int cg = item % cgroups, rest = item / cgroups;
       const int jg = rest % jgroups, kp = rest / jgroups;
       if (cg * 4 >= cols_o) continue;
       const int k0 = SH * kp / L.kparts, k1 = SH * (kp + 1) / L.kparts;
-      float acc[4][4];  // [j][(i, d)]
-      fma_outer_4x4(acc, bs + jg * 4, L.ldb, ps + cg * 4, L.ldp, k0, k1);
-      float* r0 = red + (kp * L.N16 + jg * 4) * L.ldr + cg * 4;
+      float acc[kR][4];  // [j][(i, d)]
+      fma_outer_tile<kR>(acc, bs + jg * kR, L.ldb, ps + cg * 4, L.ldp, k0, k1);
+      float* r0 = red + (kp * L.N16 + jg * kR) * L.ldr + cg * 4;
 #pragma unroll
-      for (int u = 0; u < 4; ++u)
+      for (int u = 0; u < kR; ++u)
         *reinterpret_cast<float4*>(r0 + u * L.ldr) = make_float4(acc[u][0], acc[u][1], acc[u][2], acc[u][3]);
     }
   } else {
