@@ -384,23 +384,19 @@ __global__ void __launch_bounds__(kPrepThreads, RW == 1 && Q <= 2 && !kProjectW 
   const int o_first = p.a_rows == 0 ? H : 0;
   const int n_chunks = (C + kPrepKC - 1) / kPrepKC;
   const bool w_vec = C % 4 == 0 && ((reinterpret_cast<uintptr_t>(p.wa) | reinterpret_cast<uintptr_t>(p.wb)) & 15) == 0;
-  const auto stage_weights = [&](int ci) {
+  const auto stage_pieces = [&](int ci, auto piece_floats) {  // piece_floats: 1 or 4, a constant
+    constexpr int kF = decltype(piece_floats)::value, kPieces = kPrepKC / kF;
     float* wbuf = ws + (ci & 1) * kWRows * kPrepLdW;
     const int c0 = ci * kPrepKC;
-    if (w_vec) {
-      constexpr int kPieces = kPrepKC / 4;
-      for (int idx = threadIdx.x + o_first * kPieces; idx < H2 * kPieces; idx += kPrepThreads) {
-        const int o = idx / kPieces, k = 4 * (idx - o * kPieces), c = c0 + k;
-        const float* src = o < H ? p.wa + int64_t(o) * C + c : p.wb + int64_t(o - H) * C + c;
-        cp_async16z(&wbuf[o * kPrepLdW + k], c < C ? src : p.wa, c < C);
-      }
-    } else {
-      for (int idx = threadIdx.x + o_first * kPrepKC; idx < H2 * kPrepKC; idx += kPrepThreads) {
-        const int o = idx / kPrepKC, k = idx - o * kPrepKC, c = c0 + k;
-        const float* src = o < H ? p.wa + int64_t(o) * C + c : p.wb + int64_t(o - H) * C + c;
-        cp_async4(&wbuf[o * kPrepLdW + k], c < C ? src : p.wa, c < C);
-      }
+    for (int idx = threadIdx.x + o_first * kPieces; idx < H2 * kPieces; idx += kPrepThreads) {
+      const int o = idx / kPieces, k = kF * (idx - o * kPieces), c = c0 + k;
+      const float* src = o < H ? p.wa + int64_t(o) * C + c : p.wb + int64_t(o - H) * C + c;
+      cp_async_n<4 * kF>(&wbuf[o * kPrepLdW + k], c < C ? src : p.wa, c < C);
     }
+  };
+  const auto stage_weights = [&](int ci) {
+    if (w_vec) stage_pieces(ci, std::integral_constant<int, 4>{});
+    else stage_pieces(ci, std::integral_constant<int, 1>{});
     cp_async_commit();
   };
   // The first two chunks' latency overlaps the statistics.
