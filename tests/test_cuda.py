@@ -260,6 +260,23 @@ def test_small_tc_launches(monkeypatch):
     assert len(one) == 1 and "opm_small_tc_kernel<0, true, false>" in one[0], one
 
 
+# Tilings of the two-launch path forced one by one: rows per block 1 to 8 (ragged at N = 13),
+# chunks of d from 8 to 64 (ragged at D = 70), phase O's columns (i, d) in one group or several;
+# TI·S a multiple of 4 or not (a's copies in 16- or 4-byte pieces in the FMA form).
+SMALL_TC_TILINGS = [(Shape(2, 8, 32, 64, 32, 64), tile) for tile in [(1, 8), (1, 32), (1, 64), (2, 16), (4, 8), (8, 8)]] + [
+    (Shape(2, 3, 13, 9, 8, 70), tile) for tile in [(1, 64), (2, 32), (4, 16), (8, 8), (8, 64)]]
+
+
+@pytest.mark.parametrize("form", ["fma", "mma_sync"])
+@pytest.mark.parametrize("shape,tile", SMALL_TC_TILINGS, ids=lambda v: str(v))
+def test_small_tc_tilings(shape, tile, form, monkeypatch):
+    monkeypatch.setenv("FLASHOPM_SMALL_TC_TILE", f"{tile[0]},{tile[1]}")
+    if form == "mma_sync":
+        monkeypatch.setenv("FLASHOPM_SMALL_TC_FMA", "0")
+    _check(shape, "masked_positions", "small-tc", seed=zlib.crc32(f"{shape}-{tile}".encode()) % 1000,
+           may_not_fit=False)
+
+
 def test_small_tc_tiling_setting_is_checked(monkeypatch):
     x, m, p = make_problem(SPEC, "masked_positions", seed=2)
     monkeypatch.setenv("FLASHOPM_SMALL_TC_TILE", "4x8")
