@@ -135,6 +135,14 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
+// One 16-byte store to shared memory (dst 16-byte aligned).  A float4 assignment through a cast
+// pointer can reach PTX as four 4-byte stores (seen in the small-problem kernel's FMA form): four
+// instructions, and four times the wavefronts where lanes meet in banks.
+__device__ __forceinline__ void st_shared_v4(float* dst, float x, float y, float z, float w) {
+  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "f"(x), "f"(y), "f"(z), "f"(w) : "memory");
+}
+
 // 4-byte asynchronous global->shared copy; when `valid` is false the destination is zero-filled
 // and the source is not read.
 __device__ __forceinline__ void cp_async4(float* dst, const float* src, bool valid) {

@@ -306,14 +306,14 @@ __global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_tc_kernel(const 
         const int h2 = rest % H, dg = rest / H;
         float acc[4][4];  // [(i, s)][d]
         fma_outer_tile<4>(acc, as + ng * 4, L.lda, ws + h2 * L.ldw + dg * 4, H * L.ldw, 0, H);
+        // Columns n = ng·4 + v are (il, s) = divmod(n, S): one division per tile, then steps.
+        const int n0 = ng * 4;
+        int il = n0 / S, s = n0 - il * S;
 #pragma unroll
         for (int v = 0; v < 4; ++v) {
-          const int n = ng * 4 + v;
-          if (n < ti * S) {
-            const int il = n / S, s = n - il * S;
-            *reinterpret_cast<float4*>(ps + (s * H + h2) * L.ldp + il * Dc + dg * 4) =
-                make_float4(acc[v][0], acc[v][1], acc[v][2], acc[v][3]);
-          }
+          if (n0 + v < ti * S)
+            st_shared_v4(ps + (s * H + h2) * L.ldp + il * Dc + dg * 4, acc[v][0], acc[v][1], acc[v][2], acc[v][3]);
+          if (++s == S) s = 0, ++il;
         }
       }
     } else {
@@ -471,7 +471,7 @@ __global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_tc_kernel(const 
       float* r0 = red + (kp * L.N16 + jg * kR) * L.ldr + cg * 4;
 #pragma unroll
       for (int u = 0; u < kR; ++u)
-        *reinterpret_cast<float4*>(r0 + u * L.ldr) = make_float4(acc[u][0], acc[u][1], acc[u][2], acc[u][3]);
+        st_shared_v4(r0 + u * L.ldr, acc[u][0], acc[u][1], acc[u][2], acc[u][3]);
     }
   } else {
     // ---- phase O: one GEMM per block, its columns c = il·Dc + dl (P's rows), so that every A
