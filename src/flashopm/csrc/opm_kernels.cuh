@@ -410,6 +410,18 @@ __global__ void __launch_bounds__(kPrepThreads, RW == 1 && Q <= 2 && !kProjectW 
   // The first two chunks' latency overlaps the statistics.
   stage_weights(0);
   if (n_chunks > 1) stage_weights(1);
+  // The epilogue's mask values and biases, loaded now so that their latency does too.
+  float mask_v[RW], bias_v[Q];
+#pragma unroll
+  for (int r = 0; r < RW; ++r) {
+    const int n = n_base + warp * RW + r;
+    mask_v[r] = n < p.N ? mask_at(p.mask, b, s, n + p.n_offset) : 0.f;
+  }
+#pragma unroll
+  for (int q = 0; q < Q; ++q) {
+    const int o = lane + 32 * q;
+    bias_v[q] = o < H ? (p.ba ? p.ba[o] : 0.f) : o < H2 && p.bb ? p.bb[o - H] : 0.f;
+  }
 
   // LayerNorm statistics, two passes over the row (the second pass hits L1).  x is float32,
   // float16 or bfloat16 (p.x_kind), read as float32.
@@ -493,19 +505,19 @@ __global__ void __launch_bounds__(kPrepThreads, RW == 1 && Q <= 2 && !kProjectW 
     const int row = warp * RW + r;
     const int n = n_base + row;
     const bool valid = n < p.N;
-    const float mv = valid ? mask_at(p.mask, b, s, n + p.n_offset) : 0.f;
+    const float mv = mask_v[r];
 #pragma unroll
     for (int q = 0; q < Q; ++q) {
       const int o = lane + 32 * q;
       if (o < H) {
         if (valid && ochunk == 0 && n < p.a_rows) {
-          const float v = (acc[r][q] + (p.ba ? p.ba[o] : 0.f)) * mv;
+          const float v = (acc[r][q] + bias_v[q]) * mv;
           store_ab(p.a_out, ab_row_offset(p.a_sb, p.a_sc, p.a_ss, p.a_sn, p.s_chunk, b, s, n), o, v, p.ab_kind,
                    p.a_hs);
         }
       } else if (o < H2) {
         const int h = o - H;
-        const float v = valid ? (acc[r][q] + (p.bb ? p.bb[h] : 0.f)) * mv : 0.f;
+        const float v = valid ? (acc[r][q] + bias_v[q]) * mv : 0.f;
         if (kProjectW) {
           bs[row * Hp + h] = v;
         } else if (valid && p.b_out) {
