@@ -423,20 +423,46 @@ __global__ void __launch_bounds__(kPrepThreads, RW == 1 && Q <= 2 && !kProjectW 
     bias_v[q] = o < H ? (p.ba ? p.ba[o] : 0.f) : o < H2 && p.bb ? p.bb[o - H] : 0.f;
   }
 
-  // LayerNorm statistics, two passes over the row (the second pass hits L1).  x is float32,
-  // float16 or bfloat16 (p.x_kind), read as float32.
+  // LayerNorm statistics, two passes over the row.  x is float32, float16 or bfloat16
+  // (p.x_kind), read as float32.  The first kPrepCachedChunks chunks' x values and LayerNorm
+  // parameters stay in registers for the projection loop (the whole row for msa_dim <= 64): the
+  // loop then issues no global loads of its own, which would each add a round trip to this
+  // latency-bound kernel.  Later features are read again (from L1).  Same sums, same order.
+  constexpr int kCached = kPrepCachedChunks;
+  static_assert(kPrepKC == 32, "chunk ci's feature for a lane is ci·32 + lane, the statistics' ci-th");
   int64_t xrow[RW];
   const auto x_at = [&](int r, int c) { return load_as_float<XT>(p.x, xrow[r] + c); };
+  float x_c[RW][kCached], lnw_c[kCached], lnb_c[kCached];
+#pragma unroll
+  for (int j = 0; j < kCached; ++j) {
+    const int c = j * kPrepKC + lane;
+    lnw_c[j] = c < C ? p.ln_w[c] : 0.f;
+    lnb_c[j] = c < C ? p.ln_b[c] : 0.f;
+  }
   float mean[RW], rstd[RW];
 #pragma unroll
   for (int r = 0; r < RW; ++r) {
     const int n = min(n_base + warp * RW + r, p.N - 1) + p.n_offset;
     xrow[r] = int64_t(b) * p.x_sb + int64_t(s) * p.x_ss + int64_t(n) * p.x_sn;
+#pragma unroll
+    for (int j = 0; j < kCached; ++j) {
+      const int c = j * kPrepKC + lane;
+      x_c[r][j] = c < C ? x_at(r, c) : 0.f;
+    }
     float sum = 0.f;
-    for (int c = lane; c < C; c += 32) sum += x_at(r, c);
+#pragma unroll
+    for (int j = 0; j < kCached; ++j)
+      if (j * kPrepKC + lane < C) sum += x_c[r][j];
+    for (int c = kCached * kPrepKC + lane; c < C; c += 32) sum += x_at(r, c);
     mean[r] = warp_sum(sum) / C;
     float sq = 0.f;
-    for (int c = lane; c < C; c += 32) {
+#pragma unroll
+    for (int j = 0; j < kCached; ++j)
+      if (j * kPrepKC + lane < C) {
+        const float d = x_c[r][j] - mean[r];
+        sq += d * d;
+      }
+    for (int c = kCached * kPrepKC + lane; c < C; c += 32) {
       const float d = x_at(r, c) - mean[r];
       sq += d * d;
     }
@@ -459,7 +485,17 @@ __global__ void __launch_bounds__(kPrepThreads, RW == 1 && Q <= 2 && !kProjectW 
     for (int r = 0; r < RW; ++r) {
       const int c = c0 + lane;
       float v = 0.f;
-      if (c < C) v = (x_at(r, c) - mean[r]) * rstd[r] * p.ln_w[c] + p.ln_b[c];
+      if (c < C) {
+        float xv = 0.f, w = 0.f, bias = 0.f;
+        if (ci < kCached) {
+#pragma unroll
+          for (int j = 0; j < kCached; ++j)  // constant indices: the arrays stay in registers
+            if (j == ci) xv = x_c[r][j], w = lnw_c[j], bias = lnb_c[j];
+        } else {
+          xv = x_at(r, c), w = p.ln_w[c], bias = p.ln_b[c];
+        }
+        v = (xv - mean[r]) * rstd[r] * w + bias;
+      }
       xs[(warp * RW + r) * kPrepKC + lane] = v;
     }
     if (ci + 1 < n_chunks) cp_async_wait<1>();  // chunk ci (chunk ci + 1 may be in flight)

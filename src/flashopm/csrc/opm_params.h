@@ -98,6 +98,7 @@ constexpr int kPrepWarps = 8;
 constexpr int kPrepThreads = kPrepWarps * 32;
 constexpr int kPrepKC = 32;            // features of C staged per step
 constexpr int kPrepLdW = kPrepKC + 4;  // a weight row of one chunk: 4 (mod 8) floats, for float4 reads
+constexpr int kPrepCachedChunks = 2;  // chunks of x and LayerNorm's parameters kept in registers
 constexpr int kPrepWStride = 257;      // odd stride: conflict-free transposed stores
 constexpr int kMaxHidden = 64;
 
