@@ -430,7 +430,7 @@ __global__ void __launch_bounds__(kPrepThreads, RW == 1 && Q <= 2 && !kProjectW 
   // latency-bound kernel.  Later features are read again (from L1).  Same sums, same order.
   constexpr int kCached = kPrepCachedChunks;
   static_assert(kPrepKC == 32, "chunk ci's feature for a lane is ci·32 + lane, the statistics' ci-th");
-  int64_t xrow[RW];
+  int64_t xrow[RW] = {};  // set below, before x_at is first called
   const auto x_at = [&](int r, int c) { return load_as_float<XT>(p.x, xrow[r] + c); };
   float x_c[RW][kCached], lnw_c[kCached], lnb_c[kCached];
 #pragma unroll
