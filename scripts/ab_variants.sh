@@ -5,6 +5,8 @@
 # that replace src/flashopm/csrc/*, e.g. the sources of an earlier commit:
 #     mkdir -p ab/old && git archive REV src/flashopm/csrc | tar -x --strip-components=3 -C ab/old
 #   usage: scripts/ab_variants.sh OUTDIR VARIANT... (ab_time.py's shapes and options in AB_TIME_ARGS)
+# AB_PACK=1: the build and test logs end up in OUTDIR/ab_logs.tgz, beside ab.log and ab_out.txt
+# (for machines that return only a few files).
 set -u
 out=${1:?usage: scripts/ab_variants.sh OUTDIR VARIANT...}; shift
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -32,3 +34,6 @@ for round in 1 2; do
       grep -v Warning | tee -a "$out/ab.log"
   done
 done
+if [ "${AB_PACK:-0}" = 1 ]; then
+  (cd "$out" && tar -czf ab_logs.tgz build_*.log tests_*.log && rm -f build_*.log tests_*.log)
+fi
