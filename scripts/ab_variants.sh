@@ -5,7 +5,7 @@
 # that replace src/flashopm/csrc/*, e.g. the sources of an earlier commit:
 #     mkdir -p ab/old && git archive REV src/flashopm/csrc | tar -x --strip-components=3 -C ab/old
 #   usage: scripts/ab_variants.sh OUTDIR VARIANT... (ab_time.py's shapes and options in AB_TIME_ARGS)
-# AB_PACK=1: the build and test logs end up in OUTDIR/ab_logs.tgz, beside ab.log and ab_out.txt
+# AB_PACK=1: the build and test logs end up in OUTDIR/ab_logs.tgz, beside ab.log
 # (for machines that return only a few files).
 set -u
 out=${1:?usage: scripts/ab_variants.sh OUTDIR VARIANT...}; shift
