@@ -334,10 +334,15 @@ void run_prep(const PrepArgs& args, bool project_w, int dev, cudaStream_t stream
     check_smem(project_rows_smem_bytes(args), dev, "LayerNorm/projection");
     return launch_project_rows(args, stream);
   }
+  const int sms = device_info(dev).sm_count;
   const int64_t blocks_rw4 = int64_t(args.B) * args.S * ((args.N + 31) / 32) * (project_w ? args.o_chunks : 1);
-  const int rw = blocks_rw4 >= 2 * device_info(dev).sm_count ? 4 : 1;
+  const int rw = blocks_rw4 >= 2 * sms ? 4 : 1;
+  // A row per warp that leaves SMs idle at kPrepWarps warps per block: half the warps per block,
+  // twice the blocks (this kernel is bound by the latency of its loads and barriers).
+  const int64_t blocks_w8 = int64_t(args.B) * args.S * ((args.N + kPrepWarps - 1) / kPrepWarps);
+  const int warps = !project_w && rw == 1 && blocks_w8 < sms ? kPrepWarps / 2 : kPrepWarps;
   check_smem(prep_smem_bytes(args.H, rw, project_w), dev, "LayerNorm/projection");
-  launch_prep(args, project_w, rw, stream);
+  launch_prep(args, project_w, rw, warps, stream);
 }
 
 void check_modes(int64_t precision, int64_t normalization, int64_t B, int64_t S) {

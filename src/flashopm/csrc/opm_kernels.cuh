@@ -359,7 +359,8 @@ __device__ __forceinline__ void warp_layernorm_stats(Load x_at, int C, float eps
 // ---------------------------------------------------------------------------------------------
 
 
-// One block: one (b, s), kPrepWarps*RW consecutive positions n; in project-first mode also one
+// One block: one (b, s), (warps per block)·RW consecutive positions n (kPrepWarps warps, or
+// fewer: see launch_prep); in project-first mode kPrepWarps warps and also one
 // chunk of kPrepThreads output columns (h1, d) of c.
 // Q = ceil(2H/32) projection outputs per lane, RW rows per warp.  At RW = 1 and Q <= 2 at most 64
 // registers, so that a block shares an SM with one of the small-problem kernel's (512 threads x
@@ -375,6 +376,9 @@ __global__ void __launch_bounds__(kPrepThreads, RW == 1 && Q <= 2 && !kProjectW 
   extern __shared__ float4 smem_f4[];
   float* smem = reinterpret_cast<float*>(smem_f4);
   constexpr int R = kPrepWarps * RW;
+  // Rows n per block: R, or fewer where the launcher runs fewer warps per block to spread a
+  // small problem over more SMs (not in project-first mode, whose columns need every thread).
+  const int block_rows = kProjectW ? R : int(blockDim.x >> 5) * RW;
   const int H = p.H, H2 = 2 * p.H, C = p.C;
   constexpr int kWRows = 32 * Q;                        // rows o of a weight buffer (lanes read o < 32Q)
   float* ws = smem;                                     // [2][32Q][kPrepLdW]: two chunks of W_a; W_b
@@ -383,7 +387,7 @@ __global__ void __launch_bounds__(kPrepThreads, RW == 1 && Q <= 2 && !kProjectW 
   const int b = blockIdx.z, s = blockIdx.y;
   const int nblk = kProjectW ? blockIdx.x / p.o_chunks : blockIdx.x;
   const int ochunk = kProjectW ? blockIdx.x % p.o_chunks : 0;
-  const int n_base = nblk * R;
+  const int n_base = nblk * block_rows;
 
   // Weights of chunk ci of C as rows: ws[ci % 2][o][k] = W[o][ci·KC + k] (zero past C), one copy
   // group per chunk, in 16-byte pieces where msa_dim and the weights' addresses allow (4-byte
@@ -396,7 +400,7 @@ __global__ void __launch_bounds__(kPrepThreads, RW == 1 && Q <= 2 && !kProjectW 
     constexpr int kF = decltype(piece_floats)::value, kPieces = kPrepKC / kF;
     float* wbuf = ws + (ci & 1) * kWRows * kPrepLdW;
     const int c0 = ci * kPrepKC;
-    for (int idx = threadIdx.x + o_first * kPieces; idx < H2 * kPieces; idx += kPrepThreads) {
+    for (int idx = threadIdx.x + o_first * kPieces; idx < H2 * kPieces; idx += blockDim.x) {
       const int o = idx / kPieces, k = kF * (idx - o * kPieces), c = c0 + k;
       const float* src = o < H ? p.wa + int64_t(o) * C + c : p.wb + int64_t(o - H) * C + c;
       cp_async_n<4 * kF>(&wbuf[o * kPrepLdW + k], c < C ? src : p.wa, c < C);

@@ -57,27 +57,28 @@ void with_x_type(int x_kind, F&& f) {
 }
 
 template <int Q, int RW, bool kProjectW, typename XT>
-void launch_prep_t(const PrepArgs& args, cudaStream_t stream) {
-  constexpr int R = kPrepWarps * RW;
+void launch_prep_t(const PrepArgs& args, int warps, cudaStream_t stream) {
+  const int R = (kProjectW ? kPrepWarps : warps) * RW;
   const dim3 grid(unsigned((args.N + R - 1) / R) * unsigned(kProjectW ? args.o_chunks : 1), unsigned(args.S),
                   unsigned(args.B));
   constexpr auto kernel = opm_prep_kernel<Q, RW, kProjectW, XT>;
   allow_smem<kernel, true>();
-  kernel<<<grid, kPrepThreads, prep_smem_bytes(args.H, RW, kProjectW), stream>>>(args);
+  kernel<<<grid, unsigned(R / RW * 32), prep_smem_bytes(args.H, RW, kProjectW), stream>>>(args);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 template <int Q, int RW, bool kProjectW>
-void launch_prep_x(const PrepArgs& args, cudaStream_t stream) {
-  with_x_type(args.x_kind, [&](auto t) { launch_prep_t<Q, RW, kProjectW, typename decltype(t)::type>(args, stream); });
+void launch_prep_x(const PrepArgs& args, int warps, cudaStream_t stream) {
+  with_x_type(args.x_kind,
+              [&](auto t) { launch_prep_t<Q, RW, kProjectW, typename decltype(t)::type>(args, warps, stream); });
 }
 
 template <int RW, bool kProjectW>
-void launch_prep_q(const PrepArgs& args, cudaStream_t stream) {
+void launch_prep_q(const PrepArgs& args, int warps, cudaStream_t stream) {
   const int q = (2 * args.H + 31) / 32;
-  if (q <= 1) return launch_prep_x<1, RW, kProjectW>(args, stream);
-  if (q <= 2) return launch_prep_x<2, RW, kProjectW>(args, stream);
-  return launch_prep_x<4, RW, kProjectW>(args, stream);
+  if (q <= 1) return launch_prep_x<1, RW, kProjectW>(args, warps, stream);
+  if (q <= 2) return launch_prep_x<2, RW, kProjectW>(args, warps, stream);
+  return launch_prep_x<4, RW, kProjectW>(args, warps, stream);
 }
 
 // Tile configurations of the project-first GEMM: a large one, and a small one for problems that
@@ -91,13 +92,13 @@ int prep_smem_bytes(int H, int rows_per_warp, bool project_w) {
   return int(prep_smem_floats(H, rows_per_warp, project_w) * sizeof(float));
 }
 
-void launch_prep(const PrepArgs& args, bool project_w, int rows_per_warp, cudaStream_t stream) {
+void launch_prep(const PrepArgs& args, bool project_w, int rows_per_warp, int warps, cudaStream_t stream) {
   if (project_w) {
-    if (rows_per_warp == 4) return launch_prep_q<4, true>(args, stream);
-    return launch_prep_q<1, true>(args, stream);
+    if (rows_per_warp == 4) return launch_prep_q<4, true>(args, kPrepWarps, stream);
+    return launch_prep_q<1, true>(args, kPrepWarps, stream);
   }
-  if (rows_per_warp == 4) return launch_prep_q<4, false>(args, stream);
-  return launch_prep_q<1, false>(args, stream);
+  if (rows_per_warp == 4) return launch_prep_q<4, false>(args, warps, stream);
+  return launch_prep_q<1, false>(args, warps, stream);
 }
 
 namespace {

@@ -363,7 +363,8 @@ struct RowDenArgs {
 constexpr int kRowDenWarps = 8;
 
 // Launchers (opm_launch.cu).  Each launches one kernel on `stream` and checks the launch.
-void launch_prep(const PrepArgs& args, bool project_w, int rows_per_warp, cudaStream_t stream);
+// warps: per block, kPrepWarps or fewer (ignored in project-first mode, which takes kPrepWarps).
+void launch_prep(const PrepArgs& args, bool project_w, int rows_per_warp, int warps, cudaStream_t stream);
 // opm_project_rows_kernel over all B * S * N rows (project_w = false layouts)
 void launch_project_rows(const PrepArgs& args, cudaStream_t stream);
 int project_rows_smem_bytes(const PrepArgs& args);
