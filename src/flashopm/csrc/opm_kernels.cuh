@@ -623,7 +623,7 @@ __global__ void __launch_bounds__(kPrepThreads, RW == 1 && Q <= 2 && !kProjectW 
 // them), the normalised rows then stored with an XOR swizzle of 4-row pieces so that the
 // transposing stores stay free of bank conflicts.
 template <int CT, typename XT, bool kVec, bool kMma>  // XT: x's element type (p.x_kind); kMma: tensor cores
-__global__ void __launch_bounds__(kProjThreads, CT >= 8 ? 1 : 2) opm_project_rows_kernel(const PrepArgs p) {
+__global__ void __launch_bounds__(kProjThreads, kMma && CT <= 4 ? 3 : CT >= 8 ? 1 : 2) opm_project_rows_kernel(const PrepArgs p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;\n" ::);  // as opm_prep_kernel
 #endif
@@ -769,7 +769,6 @@ __global__ void __launch_bounds__(kProjThreads, CT >= 8 ? 1 : 2) opm_project_row
   // kMma: rows 16·warp + g (+8), columns 8·nt + 2t (+1) of m16n8 tile nt
   constexpr int kNT = NC / 8;
   float acc_t[1][kNT][4];
-  zero_tiles(acc_t);
   const int g = lane >> 2, tq = lane & 3;
   const int chunks = (C + KC - 1) / KC;
   load_w(0, ws);
@@ -832,6 +831,7 @@ __global__ void __launch_bounds__(kProjThreads, CT >= 8 ? 1 : 2) opm_project_row
     }
   }
   __syncthreads();  // mean_s, rstd_s
+  zero_tiles(acc_t);  // here, not before the statistics: fewer registers live through them
 #pragma unroll
   for (int q = 0; q < XRows; ++q) {
     x_mean[q] = mean_s[slot_row(q)];
