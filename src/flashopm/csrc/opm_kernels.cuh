@@ -621,7 +621,9 @@ __global__ void __launch_bounds__(kPrepThreads, RW == 1 && Q <= 2 && !kProjectW 
 // CT outputs per thread: 3 shared-memory vector loads per 32 FMAs at CT = 4) for problems with
 // enough rows to fill the GPU.  kVec: x read as 16-byte vectors (rows and msa_dim aligned to
 // them), the normalised rows then stored with an XOR swizzle of 4-row pieces so that the
-// transposing stores stay free of bank conflicts.
+// transposing stores stay free of bank conflicts.  The tensor-core form runs three blocks per SM
+// (80 registers, a few spills): it is bound by the latency of its global loads, and at two blocks
+// (124 registers) it took 19% longer at N = 1536 in bfloat16.
 template <int CT, typename XT, bool kVec, bool kMma>  // XT: x's element type (p.x_kind); kMma: tensor cores
 __global__ void __launch_bounds__(kProjThreads, kMma && CT <= 4 ? 3 : CT >= 8 ? 1 : 2) opm_project_rows_kernel(const PrepArgs p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
