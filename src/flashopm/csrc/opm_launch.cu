@@ -58,7 +58,7 @@ void with_x_type(int x_kind, F&& f) {
 
 template <int Q, int RW, bool kProjectW, typename XT>
 void launch_prep_t(const PrepArgs& args, int warps, cudaStream_t stream) {
-  const int R = (kProjectW ? kPrepWarps : warps) * RW;
+  const int R = warps * RW;  // launch_prep passes kPrepWarps in project-first mode
   const dim3 grid(unsigned((args.N + R - 1) / R) * unsigned(kProjectW ? args.o_chunks : 1), unsigned(args.S),
                   unsigned(args.B));
   constexpr auto kernel = opm_prep_kernel<Q, RW, kProjectW, XT>;
