@@ -710,6 +710,17 @@ __global__ void __launch_bounds__(kProjThreads, kMma && CT <= 4 ? 3 : CT >= 8 ? 
   };
   const auto store_x = [&](int c0) {
     if constexpr (kVec) {
+      // LayerNorm's parameters for this lane's features, loaded once for all its rows and without
+      // a branch, so that they are in flight together (C is a multiple of V: a vector is all in or
+      // all out).
+      const bool c_in = c0 + xk < C;
+      float lw[V], lb[V];
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        const int c = c_in ? c0 + xk + j : 0;
+        lw[j] = p.ln_w[c];
+        lb[j] = p.ln_b[c];
+      }
 #pragma unroll
       for (int q = 0; q < XRows; ++q) {
         float v[V];
@@ -717,9 +728,8 @@ __global__ void __launch_bounds__(kProjThreads, kMma && CT <= 4 ? 3 : CT >= 8 ? 
         const int r = slot_row(q);
 #pragma unroll
         for (int j = 0; j < V; ++j) {
-          const int k = xk + j, c = c0 + k;
-          const float y = x_row[q] >= 0 && c < C ? fmaf((v[j] - x_mean[q]) * x_rstd[q], p.ln_w[c], p.ln_b[c]) : 0.f;
-          xs[xs_at(k, r)] = y;
+          const float y = x_row[q] >= 0 && c_in ? fmaf((v[j] - x_mean[q]) * x_rstd[q], lw[j], lb[j]) : 0.f;
+          xs[xs_at(xk + j, r)] = y;
         }
       }
     } else {
@@ -776,52 +786,62 @@ __global__ void __launch_bounds__(kProjThreads, kMma && CT <= 4 ? 3 : CT >= 8 ? 
   load_w(0, ws);
   load_x(0);
   // LayerNorm statistics while the first chunk's loads are in flight: two passes (the second hits
-  // L1), each warp four rows at a time so that many loads are in flight per lane.
+  // L1), each warp four rows at a time so that many loads are in flight per lane.  The loads are
+  // unconditional so that they can be: a row past the last (offset -1) reads row 0's features
+  // instead, and its statistics are never used (store_x writes zeros for it).  Under a branch per
+  // row, each load waited for the previous row's sums.
   for (int r0 = warp * 4; r0 < TR; r0 += kProjThreads / 32 * 4) {
     float sum[4] = {0.f, 0.f, 0.f, 0.f}, sq[4] = {0.f, 0.f, 0.f, 0.f}, mu[4];
     int64_t xo[4];
 #pragma unroll
-    for (int u = 0; u < 4; ++u) xo[u] = xoff_s[r0 + u];
+    for (int u = 0; u < 4; ++u) {
+      const int64_t o = xoff_s[r0 + u];
+      xo[u] = o >= 0 ? o : 0;
+    }
     if constexpr (kVec) {
       const XT* x = static_cast<const XT*>(p.x);
 #pragma unroll 2
-      for (int cv = lane; cv < C / V; cv += 32)
+      for (int cv = lane; cv < C / V; cv += 32) {
+        uint4 raw[4];
 #pragma unroll
-        for (int u = 0; u < 4; ++u)
-          if (xo[u] >= 0) {
-            float v[V];
-            unpack16<XT>(*reinterpret_cast<const uint4*>(x + xo[u] + cv * V), v);
+        for (int u = 0; u < 4; ++u) raw[u] = *reinterpret_cast<const uint4*>(x + xo[u] + cv * V);
 #pragma unroll
-            for (int j = 0; j < V; ++j) sum[u] += v[j];
-          }
+        for (int u = 0; u < 4; ++u) {
+          float v[V];
+          unpack16<XT>(raw[u], v);
+#pragma unroll
+          for (int j = 0; j < V; ++j) sum[u] += v[j];
+        }
+      }
 #pragma unroll
       for (int u = 0; u < 4; ++u) mu[u] = warp_sum(sum[u]) / C;
 #pragma unroll 2
-      for (int cv = lane; cv < C / V; cv += 32)
+      for (int cv = lane; cv < C / V; cv += 32) {
+        uint4 raw[4];
 #pragma unroll
-        for (int u = 0; u < 4; ++u)
-          if (xo[u] >= 0) {
-            float v[V];
-            unpack16<XT>(*reinterpret_cast<const uint4*>(x + xo[u] + cv * V), v);
+        for (int u = 0; u < 4; ++u) raw[u] = *reinterpret_cast<const uint4*>(x + xo[u] + cv * V);
 #pragma unroll
-            for (int j = 0; j < V; ++j) sq[u] = fmaf(v[j] - mu[u], v[j] - mu[u], sq[u]);
-          }
+        for (int u = 0; u < 4; ++u) {
+          float v[V];
+          unpack16<XT>(raw[u], v);
+#pragma unroll
+          for (int j = 0; j < V; ++j) sq[u] = fmaf(v[j] - mu[u], v[j] - mu[u], sq[u]);
+        }
+      }
     } else {
 #pragma unroll 8
       for (int c = lane; c < C; c += 32)
 #pragma unroll
-        for (int u = 0; u < 4; ++u)
-          if (xo[u] >= 0) sum[u] += load_as_float<XT>(p.x, xo[u] + c);
+        for (int u = 0; u < 4; ++u) sum[u] += load_as_float<XT>(p.x, xo[u] + c);
 #pragma unroll
       for (int u = 0; u < 4; ++u) mu[u] = warp_sum(sum[u]) / C;
 #pragma unroll 4
       for (int c = lane; c < C; c += 32)
 #pragma unroll
-        for (int u = 0; u < 4; ++u)
-          if (xo[u] >= 0) {
-            const float d = load_as_float<XT>(p.x, xo[u] + c) - mu[u];
-            sq[u] = fmaf(d, d, sq[u]);
-          }
+        for (int u = 0; u < 4; ++u) {
+          const float d = load_as_float<XT>(p.x, xo[u] + c) - mu[u];
+          sq[u] = fmaf(d, d, sq[u]);
+        }
     }
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
