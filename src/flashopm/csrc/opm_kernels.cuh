@@ -951,6 +951,14 @@ __global__ void __launch_bounds__(kProjThreads, kMma && CT <= 4 ? 3 : CT >= 8 ? 
   const bool vec_out = CT >= 4 && H % 4 == 0 && p.ab_kind < kAbTf32 && reinterpret_cast<uintptr_t>(p.a_out) % align == 0 &&
                        (p.b_out == nullptr || reinterpret_cast<uintptr_t>(p.b_out) % align == 0) &&
                        ((p.a_sb | p.a_ss | p.a_sn | p.b_sb | p.b_ss | p.b_sn) & 3) == 0;
+  // This thread's biases, loaded once before its rows' stores: read between the stores, they were
+  // loaded again for every row (the compiler cannot know that the stores leave them unchanged).
+  float bias[CT];
+#pragma unroll
+  for (int j = 0; j < CT; ++j) {
+    const int o = cg * CT + j;
+    bias[j] = o < H ? (p.ba ? p.ba[o] : 0.f) : o < H2 && p.bb ? p.bb[o - H] : 0.f;
+  }
 #pragma unroll
   for (int i = 0; i < RT; ++i) {
     const int r = rg * RT + i;
@@ -961,13 +969,11 @@ __global__ void __launch_bounds__(kProjThreads, kMma && CT <= 4 ? 3 : CT >= 8 ? 
       for (int j = 0; j < CT; j += 4) {
         const int o = cg * CT + j;
         float v[4];
-        if (o < H) {
 #pragma unroll
-          for (int e = 0; e < 4; ++e) v[e] = (acc[i][j + e] + (p.ba ? p.ba[o + e] : 0.f)) * mv;
+        for (int e = 0; e < 4; ++e) v[e] = (acc[i][j + e] + bias[j + e]) * mv;
+        if (o < H) {
           if (ao >= 0) store_out4(p.a_out, ao + o, v, p.ab_kind);
         } else if (o < H2) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) v[e] = (acc[i][j + e] + (p.bb ? p.bb[o - H + e] : 0.f)) * mv;
           if (bo >= 0) store_out4(p.b_out, bo + (o - H), v, p.ab_kind);
         }
       }
@@ -977,10 +983,9 @@ __global__ void __launch_bounds__(kProjThreads, kMma && CT <= 4 ? 3 : CT >= 8 ? 
     for (int j = 0; j < CT; ++j) {
       const int o = cg * CT + j;
       if (o < H) {
-        if (ao >= 0) store_ab(p.a_out, ao, o, (acc[i][j] + (p.ba ? p.ba[o] : 0.f)) * mv, p.ab_kind, p.a_hs);
+        if (ao >= 0) store_ab(p.a_out, ao, o, (acc[i][j] + bias[j]) * mv, p.ab_kind, p.a_hs);
       } else if (o < H2) {
-        if (bo >= 0) store_ab(p.b_out, bo, o - H, (acc[i][j] + (p.bb ? p.bb[o - H] : 0.f)) * mv, p.ab_kind,
-                              p.b_hs);
+        if (bo >= 0) store_ab(p.b_out, bo, o - H, (acc[i][j] + bias[j]) * mv, p.ab_kind, p.b_hs);
       }
     }
   }
