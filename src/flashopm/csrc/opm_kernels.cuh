@@ -710,6 +710,17 @@ __global__ void __launch_bounds__(kProjThreads, kMma && CT <= 4 ? 3 : CT >= 8 ? 
   };
   const auto store_x = [&](int c0) {
     if constexpr (kVec) {
+      // LayerNorm's parameters for this lane's features, loaded once for all its rows and without
+      // a branch, so that they are in flight together (C is a multiple of V: a vector is all in or
+      // all out).
+      const bool c_in = c0 + xk < C;
+      float lw[V], lb[V];
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        const int c = c_in ? c0 + xk + j : 0;
+        lw[j] = p.ln_w[c];
+        lb[j] = p.ln_b[c];
+      }
 #pragma unroll
       for (int q = 0; q < XRows; ++q) {
         float v[V];
@@ -717,9 +728,8 @@ __global__ void __launch_bounds__(kProjThreads, kMma && CT <= 4 ? 3 : CT >= 8 ? 
         const int r = slot_row(q);
 #pragma unroll
         for (int j = 0; j < V; ++j) {
-          const int k = xk + j, c = c0 + k;
-          const float y = x_row[q] >= 0 && c < C ? fmaf((v[j] - x_mean[q]) * x_rstd[q], p.ln_w[c], p.ln_b[c]) : 0.f;
-          xs[xs_at(k, r)] = y;
+          const float y = x_row[q] >= 0 && c_in ? fmaf((v[j] - x_mean[q]) * x_rstd[q], lw[j], lb[j]) : 0.f;
+          xs[xs_at(xk + j, r)] = y;
         }
       }
     } else {
@@ -776,52 +786,62 @@ __global__ void __launch_bounds__(kProjThreads, kMma && CT <= 4 ? 3 : CT >= 8 ? 
   load_w(0, ws);
   load_x(0);
   // LayerNorm statistics while the first chunk's loads are in flight: two passes (the second hits
-  // L1), each warp four rows at a time so that many loads are in flight per lane.
+  // L1), each warp four rows at a time so that many loads are in flight per lane.  The loads are
+  // unconditional so that they can be: a row past the last (offset -1) reads row 0's features
+  // instead, and its statistics are never used (store_x writes zeros for it).  Under a branch per
+  // row, each load waited for the previous row's sums.
   for (int r0 = warp * 4; r0 < TR; r0 += kProjThreads / 32 * 4) {
     float sum[4] = {0.f, 0.f, 0.f, 0.f}, sq[4] = {0.f, 0.f, 0.f, 0.f}, mu[4];
     int64_t xo[4];
 #pragma unroll
-    for (int u = 0; u < 4; ++u) xo[u] = xoff_s[r0 + u];
+    for (int u = 0; u < 4; ++u) {
+      const int64_t o = xoff_s[r0 + u];
+      xo[u] = o >= 0 ? o : 0;
+    }
     if constexpr (kVec) {
       const XT* x = static_cast<const XT*>(p.x);
 #pragma unroll 2
-      for (int cv = lane; cv < C / V; cv += 32)
+      for (int cv = lane; cv < C / V; cv += 32) {
+        uint4 raw[4];
 #pragma unroll
-        for (int u = 0; u < 4; ++u)
-          if (xo[u] >= 0) {
-            float v[V];
-            unpack16<XT>(*reinterpret_cast<const uint4*>(x + xo[u] + cv * V), v);
+        for (int u = 0; u < 4; ++u) raw[u] = *reinterpret_cast<const uint4*>(x + xo[u] + cv * V);
 #pragma unroll
-            for (int j = 0; j < V; ++j) sum[u] += v[j];
-          }
+        for (int u = 0; u < 4; ++u) {
+          float v[V];
+          unpack16<XT>(raw[u], v);
+#pragma unroll
+          for (int j = 0; j < V; ++j) sum[u] += v[j];
+        }
+      }
 #pragma unroll
       for (int u = 0; u < 4; ++u) mu[u] = warp_sum(sum[u]) / C;
 #pragma unroll 2
-      for (int cv = lane; cv < C / V; cv += 32)
+      for (int cv = lane; cv < C / V; cv += 32) {
+        uint4 raw[4];
 #pragma unroll
-        for (int u = 0; u < 4; ++u)
-          if (xo[u] >= 0) {
-            float v[V];
-            unpack16<XT>(*reinterpret_cast<const uint4*>(x + xo[u] + cv * V), v);
+        for (int u = 0; u < 4; ++u) raw[u] = *reinterpret_cast<const uint4*>(x + xo[u] + cv * V);
 #pragma unroll
-            for (int j = 0; j < V; ++j) sq[u] = fmaf(v[j] - mu[u], v[j] - mu[u], sq[u]);
-          }
+        for (int u = 0; u < 4; ++u) {
+          float v[V];
+          unpack16<XT>(raw[u], v);
+#pragma unroll
+          for (int j = 0; j < V; ++j) sq[u] = fmaf(v[j] - mu[u], v[j] - mu[u], sq[u]);
+        }
+      }
     } else {
 #pragma unroll 8
       for (int c = lane; c < C; c += 32)
 #pragma unroll
-        for (int u = 0; u < 4; ++u)
-          if (xo[u] >= 0) sum[u] += load_as_float<XT>(p.x, xo[u] + c);
+        for (int u = 0; u < 4; ++u) sum[u] += load_as_float<XT>(p.x, xo[u] + c);
 #pragma unroll
       for (int u = 0; u < 4; ++u) mu[u] = warp_sum(sum[u]) / C;
 #pragma unroll 4
       for (int c = lane; c < C; c += 32)
 #pragma unroll
-        for (int u = 0; u < 4; ++u)
-          if (xo[u] >= 0) {
-            const float d = load_as_float<XT>(p.x, xo[u] + c) - mu[u];
-            sq[u] = fmaf(d, d, sq[u]);
-          }
+        for (int u = 0; u < 4; ++u) {
+          const float d = load_as_float<XT>(p.x, xo[u] + c) - mu[u];
+          sq[u] = fmaf(d, d, sq[u]);
+        }
     }
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
@@ -931,6 +951,14 @@ __global__ void __launch_bounds__(kProjThreads, kMma && CT <= 4 ? 3 : CT >= 8 ? 
   const bool vec_out = CT >= 4 && H % 4 == 0 && p.ab_kind < kAbTf32 && reinterpret_cast<uintptr_t>(p.a_out) % align == 0 &&
                        (p.b_out == nullptr || reinterpret_cast<uintptr_t>(p.b_out) % align == 0) &&
                        ((p.a_sb | p.a_ss | p.a_sn | p.b_sb | p.b_ss | p.b_sn) & 3) == 0;
+  // This thread's biases, loaded once before its rows' stores: read between the stores, they were
+  // loaded again for every row (the compiler cannot know that the stores leave them unchanged).
+  float bias[CT];
+#pragma unroll
+  for (int j = 0; j < CT; ++j) {
+    const int o = cg * CT + j;
+    bias[j] = o < H ? (p.ba ? p.ba[o] : 0.f) : o < H2 && p.bb ? p.bb[o - H] : 0.f;
+  }
 #pragma unroll
   for (int i = 0; i < RT; ++i) {
     const int r = rg * RT + i;
@@ -941,13 +969,11 @@ __global__ void __launch_bounds__(kProjThreads, kMma && CT <= 4 ? 3 : CT >= 8 ? 
       for (int j = 0; j < CT; j += 4) {
         const int o = cg * CT + j;
         float v[4];
-        if (o < H) {
 #pragma unroll
-          for (int e = 0; e < 4; ++e) v[e] = (acc[i][j + e] + (p.ba ? p.ba[o + e] : 0.f)) * mv;
+        for (int e = 0; e < 4; ++e) v[e] = (acc[i][j + e] + bias[j + e]) * mv;
+        if (o < H) {
           if (ao >= 0) store_out4(p.a_out, ao + o, v, p.ab_kind);
         } else if (o < H2) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) v[e] = (acc[i][j + e] + (p.bb ? p.bb[o - H + e] : 0.f)) * mv;
           if (bo >= 0) store_out4(p.b_out, bo + (o - H), v, p.ab_kind);
         }
       }
@@ -957,10 +983,9 @@ __global__ void __launch_bounds__(kProjThreads, kMma && CT <= 4 ? 3 : CT >= 8 ? 
     for (int j = 0; j < CT; ++j) {
       const int o = cg * CT + j;
       if (o < H) {
-        if (ao >= 0) store_ab(p.a_out, ao, o, (acc[i][j] + (p.ba ? p.ba[o] : 0.f)) * mv, p.ab_kind, p.a_hs);
+        if (ao >= 0) store_ab(p.a_out, ao, o, (acc[i][j] + bias[j]) * mv, p.ab_kind, p.a_hs);
       } else if (o < H2) {
-        if (bo >= 0) store_ab(p.b_out, bo, o - H, (acc[i][j] + (p.bb ? p.bb[o - H] : 0.f)) * mv, p.ab_kind,
-                              p.b_hs);
+        if (bo >= 0) store_ab(p.b_out, bo, o - H, (acc[i][j] + bias[j]) * mv, p.ab_kind, p.b_hs);
       }
     }
   }

@@ -108,12 +108,26 @@ __global__ void __launch_bounds__(kLnBwdThreads, kCols == 1 ? 2 : 1) opm_ln_back
       xoff_s[tid] = off;
     }
     __syncthreads();
-    for (int idx = tid; idx < tile_rows * H2p; idx += kLnBwdThreads) {
-      const int r = idx / H2p, h = idx - r * H2p;
-      const int64_t row = row0 + r;
-      float v = 0.f;
-      if (row < p.rows && h < H2) v = (h < H ? p.grad_a[row * H + h] : p.grad_b[row * H + h - H]) * m_s[r];
-      gm_s[idx] = v;
+    // The masked gradients of the tile's rows, four elements per thread at a time: their loads are
+    // issued together, before any of them is used (with a load and its use under one branch per
+    // element, each load waited for the previous element's store).
+    constexpr int kGmUnroll = 4;
+    for (int idx0 = tid; idx0 < tile_rows * H2p; idx0 += kGmUnroll * kLnBwdThreads) {
+      float g[kGmUnroll];
+#pragma unroll
+      for (int u = 0; u < kGmUnroll; ++u) {
+        const int idx = idx0 + u * kLnBwdThreads;
+        const int r = idx / H2p, h = idx - r * H2p;
+        const int64_t row = row0 + r;
+        const bool ok = idx < tile_rows * H2p && row < p.rows && h < H2;
+        const float* src = h < H ? p.grad_a + row * H + h : p.grad_b + row * H + (h - H);
+        g[u] = ok ? *src : 0.f;
+      }
+#pragma unroll
+      for (int u = 0; u < kGmUnroll; ++u) {
+        const int idx = idx0 + u * kLnBwdThreads;
+        if (idx < tile_rows * H2p) gm_s[idx] = g[u] * m_s[idx / H2p];
+      }
     }
 
     // This thread's rows: x, then LayerNorm's statistics in two passes over the registers.

@@ -679,8 +679,9 @@ __device__ __forceinline__ float exp2_int(int e) { return __int_as_float((127 + 
 // floats), rewritten in place for the float16 split form: each residue n's values scaled by 2^e
 // (split_scale_exp of their largest magnitude over s and h, written to exp_out[b·rows_n + n]),
 // each row of 32 floats becoming 32 float16 high parts and then the 32 low parts.  One warp per
-// residue: a pass for the largest magnitude, then a pass that splits four rows at a time (each
-// row read whole by its 8 lanes before they write it).
+// residue: a pass for the largest magnitude, then a pass over each chunk that reads all of the
+// chunk's rows it takes (four rows per step, 8 lanes per row) before it writes any: the loads of a
+// chunk are in flight together, and a row is read whole before its lanes overwrite it.
 __global__ void opm_split_rows_f16_kernel(float* __restrict__ buf, int* __restrict__ exp_out, int B, int rows_n,
                                           int H, int n_chunks) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
@@ -693,6 +694,7 @@ __global__ void opm_split_rows_f16_kernel(float* __restrict__ buf, int* __restri
   float m = 0.f;
   for (int c = 0; c < n_chunks; ++c) {
     const float4* src = reinterpret_cast<const float4*>(base + c * chunk);
+#pragma unroll 8
     for (int q = lane; q < H * 8; q += 32) {
       const float4 v = src[q];
       m = fmaxf(m, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
@@ -704,20 +706,28 @@ __global__ void opm_split_rows_f16_kernel(float* __restrict__ buf, int* __restri
   if (lane == 0) exp_out[row] = e;
   const float f = exp2_int(e);
   const int q = lane & 7;
+  constexpr int kSteps = 8;  // 4·kSteps rows per batch: all of a chunk for H <= 32
   for (int c = 0; c < n_chunks; ++c) {
     float* ch = base + c * chunk;
-    for (int h0 = 0; h0 < H; h0 += 4) {
-      const int h = h0 + (lane >> 3);
-      char* r = reinterpret_cast<char*>(ch + int64_t(h) * 32);
-      float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-      if (h < H) v = reinterpret_cast<const float4*>(r)[q];
+    for (int hb = 0; hb < H; hb += 4 * kSteps) {
+      float4 v[kSteps];
+#pragma unroll
+      for (int t = 0; t < kSteps; ++t) {
+        const int h = hb + 4 * t + (lane >> 3);
+        v[t] = h < H ? reinterpret_cast<const float4*>(ch + int64_t(h) * 32)[q] : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
       __syncwarp();
-      if (h < H) {
-        uint2 hi, lo;
-        split_f16x2(v.x * f, v.y * f, hi.x, lo.x);
-        split_f16x2(v.z * f, v.w * f, hi.y, lo.y);
-        *reinterpret_cast<uint2*>(r + 8 * q) = hi;
-        *reinterpret_cast<uint2*>(r + 64 + 8 * q) = lo;
+#pragma unroll
+      for (int t = 0; t < kSteps; ++t) {
+        const int h = hb + 4 * t + (lane >> 3);
+        if (h < H) {
+          char* r = reinterpret_cast<char*>(ch + int64_t(h) * 32);
+          uint2 hi, lo;
+          split_f16x2(v[t].x * f, v[t].y * f, hi.x, lo.x);
+          split_f16x2(v[t].z * f, v[t].w * f, hi.y, lo.y);
+          *reinterpret_cast<uint2*>(r + 8 * q) = hi;
+          *reinterpret_cast<uint2*>(r + 64 + 8 * q) = lo;
+        }
       }
       __syncwarp();
     }
