@@ -6,7 +6,8 @@
 # backward) and the three conventions at N = 1536, the conventions' epilogue cost and the op's
 # host time by stage;
 # logs and results packed into OUTDIR/results.tgz.  Steps past the time budget (BUDGET_S, default
-# 540 s from the start) are skipped so that the results are always packed.
+# 540 s from the start) are skipped so that the results are always packed; steps named in SKIP
+# (space-separated, e.g. SKIP="tests tests_backward") are skipped too.
 #   usage: scripts/gpu_run_all.sh OUTDIR
 set -uo pipefail
 out=${1:?usage: scripts/gpu_run_all.sh OUTDIR}
@@ -18,6 +19,7 @@ trap pack EXIT
 # step NAME CMD...: runs CMD with its output in res/NAME.log, cut off at the budget
 step() {
   local name=$1 left=$((budget - (SECONDS - start))); shift
+  if [[ " ${SKIP:-} " == *" $name "* ]]; then echo "skipped $name: in SKIP" >>"$out/res/skipped.log"; return; fi
   if ((left < 10)); then echo "skipped $name: out of time" | tee -a "$out/res/skipped.log"; return; fi
   echo "== $name ($((SECONDS - start)) s)"
   timeout "$left" "$@" >"$out/res/$name.log" 2>&1; echo "rc=$?" >>"$out/res/$name.log"
@@ -52,6 +54,7 @@ step kernel_times bash -c "$py scripts/kernel_times.py training float32 2,8,32,6
 step backward_times $py scripts/backward_times.py 1,128,256,32,128 1,512,768,32,128 2,8,32,32,64
 step convention_times $py scripts/convention_times.py 384 1536 row openfold boltz
 step host_breakdown $py scripts/host_breakdown.py
+step host_ops $py scripts/host_ops.py training float32 2,8,32,64,32,64
 for mod in openfold boltz; do
   step bench_n1536_$mod $py -m flashopm bench --module $mod --shapes "1,512,1536,256,32,128" --impls eager,flashopm \
     --calls 3 --fp64-max-n 0 --out "$out/res/n1536_$mod"
