@@ -108,6 +108,44 @@ void check_param(const at::Tensor& t, const char* name, at::IntArrayRef shape, c
               msa.scalar_type(), " like msa_repr, got ", t.scalar_type());
 }
 
+// The op's parameters as contiguous float32 tensors (nullopt where absent): as given for a float32
+// model; for a 16-bit model converted into one buffer by one launch (a launch and an allocation
+// per parameter would cost small problems more host time than their kernels take).
+struct ParamsF32 {
+  std::array<std::optional<at::Tensor>, 8> t;
+};
+
+ParamsF32 params_as_f32(const std::array<const at::Tensor*, 8>& in, bool convert, const at::TensorOptions& f32) {
+  ParamsF32 r;
+  if (!convert) {
+    for (size_t k = 0; k < in.size(); ++k)
+      if (in[k] != nullptr) r.t[k] = in[k]->contiguous();
+    return r;
+  }
+  std::array<at::Tensor, 8> src;
+  std::array<int64_t, 8> offset{};
+  int64_t total = 0;
+  for (size_t k = 0; k < in.size(); ++k) {
+    if (in[k] == nullptr) continue;
+    src[k] = in[k]->contiguous();
+    offset[k] = total;
+    total += (src[k].numel() + 63) / 64 * 64;  // every tensor 256-byte aligned, as an allocation is
+  }
+  const at::Tensor buf = at::detail::empty_cuda({std::max<int64_t>(total, 1)}, at::kFloat, f32.device(), std::nullopt);
+  ParamsToF32Args args{};
+  for (size_t k = 0; k < in.size(); ++k) {
+    if (in[k] == nullptr) continue;
+    const int c = args.count++;
+    args.src[c] = src[k].data_ptr();
+    args.dst[c] = buf.data_ptr<float>() + offset[k];
+    args.n[c] = src[k].numel();
+    args.kind[c] = elem_kind(src[k]);
+    r.t[k] = buf.as_strided(src[k].sizes(), src[k].strides(), offset[k]);
+  }
+  launch_params_to_f32(args, c10::cuda::getCurrentCUDAStream(f32.device().index()).stream());
+  return r;
+}
+
 const float* opt_ptr(const std::optional<at::Tensor>& t) {
   return t.has_value() ? t->data_ptr<float>() : nullptr;
 }
@@ -588,21 +626,22 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
   // as they store it.
   const bool half_in = in_dtype != at::kFloat;
   const at::TensorOptions f32 = msa_in.options().dtype(at::kFloat);
-  const auto as_f32 = [&](const at::Tensor& t) { return half_in ? t.to(at::kFloat).contiguous() : t.contiguous(); };
-  const auto opt_f32 = [&](const std::optional<at::Tensor>& t) {
-    return t ? std::optional<at::Tensor>(as_f32(*t)) : std::nullopt;
-  };
   // The allocator directly, past the dispatcher: small problems are bound by host time.
   at::Tensor out = at::detail::empty_cuda({B, N, N, D}, in_dtype, msa_in.device(), std::nullopt);
   if (B == 0 || N == 0) return out;
-  const std::optional<at::Tensor> b_out = opt_f32(b_out_in);
-  if (S == 0) return fill_bias_only(out, b_out, normalization, norm_eps);
+  if (S == 0) {
+    const std::optional<at::Tensor> b_out = b_out_in ? std::optional<at::Tensor>(b_out_in->to(at::kFloat)) : std::nullopt;
+    return fill_bias_only(out, b_out, normalization, norm_eps);
+  }
 
   const at::Tensor msa = msa_in.stride(3) == 1 ? msa_in : msa_in.contiguous();
   const int x_kind = elem_kind(msa);
-  const at::Tensor ln_weight = as_f32(ln_weight_in), ln_bias = as_f32(ln_bias_in);
-  const at::Tensor w_a = as_f32(w_a_in), w_b = as_f32(w_b_in), w_out = as_f32(w_out_in);
-  const std::optional<at::Tensor> b_a = opt_f32(b_a_in), b_b = opt_f32(b_b_in);
+  const ParamsF32 params = params_as_f32({&ln_weight_in, &ln_bias_in, &w_a_in, b_a_in ? &*b_a_in : nullptr, &w_b_in,
+                                          b_b_in ? &*b_b_in : nullptr, &w_out_in, b_out_in ? &*b_out_in : nullptr},
+                                         half_in, f32);
+  const at::Tensor &ln_weight = *params.t[0], &ln_bias = *params.t[1], &w_a = *params.t[2], &w_b = *params.t[4],
+                   &w_out = *params.t[6];
+  const std::optional<at::Tensor> &b_a = params.t[3], &b_b = params.t[5], &b_out = params.t[7];
 
   // ---- contraction order: fewer FLOPs wins, within the workspace budget ----
   // Budget: a fifth of the output (so peak extra memory stays near 1.2x the output), or 64 MiB
@@ -1079,8 +1118,18 @@ std::vector<at::Tensor> outer_contract_backward_cuda(const at::Tensor& g_in, con
   check_smem(std::max(bwd_side_smem_bytes(), bwd_w_smem_bytes()), dev, "backward");
   const int terms = resolve_precision(precision) == kHighest ? 3 : 1;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dev).stream();
-  // Two blocks per SM: the grids are sized to fill them once (partial sums added at the end).
+  // Two blocks per SM: the grids are sized to fill them once (partial sums added at the end, all
+  // in one launch).
   const int64_t slots = 2 * int64_t(device_info(dev).sm_count);
+  SumPartsArgs parts{};
+  const auto add_parts = [&parts](const at::Tensor& in, const at::Tensor& out, int64_t n_parts) {
+    const int k = parts.count++;
+    parts.in[k] = in.data_ptr<float>(), parts.out[k] = out.data_ptr<float>();
+    parts.n[k] = out.numel(), parts.parts[k] = int(n_parts);
+  };
+  // The partial sums stay allocated until the launch that adds them is queued (a tensor freed
+  // earlier could be handed to the next allocation on this stream and overwritten first).
+  at::Tensor part_a, part_b, ws;
   if (need_ab) {
     const int64_t n_sb = (S + kBwSB - 1) / kBwSB;
     FLASHOPM_CHECK(B * n_sb <= 65535, "flashopm: B * ceil(S / ", kBwSB,
@@ -1089,8 +1138,8 @@ std::vector<at::Tensor> outer_contract_backward_cuda(const at::Tensor& g_in, con
     const int64_t blocks = B * n_sb * ((std::max(Nr, Nc) + ti - 1) / ti) * (H / hc);
     // splits only where one split per row block leaves slots idle (so B * n_sb * jsplits <= slots)
     const int64_t jsplits = std::max<int64_t>(1, std::min<int64_t>((std::min(Nr, Nc) + tj - 1) / tj, slots / blocks));
-    at::Tensor part_a = jsplits == 1 ? grad_a : at::empty({jsplits, B, S, Nr, H}, a.options());
-    at::Tensor part_b = jsplits == 1 ? grad_b : at::empty({jsplits, B, S, Nc, H}, a.options());
+    part_a = jsplits == 1 ? grad_a : at::empty({jsplits, B, S, Nr, H}, a.options());
+    part_b = jsplits == 1 ? grad_b : at::empty({jsplits, B, S, Nc, H}, a.options());
     BwdSideArgs side{};
     side.B = int(B), side.S = int(S), side.H = int(H), side.D = int(D), side.Dp = int(Dp);
     side.n_sblocks = int(n_sb), side.jsplits = int(jsplits);
@@ -1106,8 +1155,8 @@ std::vector<at::Tensor> outer_contract_backward_cuda(const at::Tensor& g_in, con
     side.Nr = int(Nc), side.Nc = int(Nr), side.gs_r = Dp, side.gs_c = Nc * Dp;
     launch_bwd_side(side, terms, stream);
     if (jsplits > 1) {
-      at::sum_out(grad_a, part_a, {0});
-      at::sum_out(grad_b, part_b, {0});
+      add_parts(part_a, grad_a, jsplits);
+      add_parts(part_b, grad_b, jsplits);
     }
   }
   if (need_w) {
@@ -1116,7 +1165,7 @@ std::vector<at::Tensor> outer_contract_backward_cuda(const at::Tensor& g_in, con
     const int64_t per_split = (H / hc) * ((D + kBwWDG - 1) / kBwWDG);
     // Each split sums its own tiles; the splits' partial sums are added last.
     const int64_t splits = std::max<int64_t>(1, std::min<int64_t>({tiles, slots / per_split, 65535}));
-    at::Tensor ws = at::empty({splits, D, H * H}, a.options());
+    ws = at::empty({splits, D, H * H}, a.options());
     BwdWArgs wa{};
     wa.g = g.data_ptr<float>(), wa.a = a.data_ptr<float>(), wa.b = b.data_ptr<float>(), wa.ws = ws.data_ptr<float>();
     wa.B = int(B), wa.S = int(S), wa.Nr = int(Nr), wa.Nc = int(Nc), wa.H = int(H), wa.D = int(D), wa.Dp = int(Dp);
@@ -1124,9 +1173,10 @@ std::vector<at::Tensor> outer_contract_backward_cuda(const at::Tensor& g_in, con
     if (splits == 1) {
       grad_w = ws.view({D, H * H});
     } else {
-      at::sum_out(grad_w, ws, {0});
+      add_parts(ws, grad_w, splits);
     }
   }
+  launch_sum_parts(parts, stream);
   return {grad_a, grad_b, grad_w};
 }
 

@@ -123,6 +123,33 @@ bool fused_ln_fits(const at::Tensor& msa, const at::Tensor& mask, int64_t rows, 
          ln_backward_smem_bytes(int(C), int(H)) <= device_info(dev).smem_optin;
 }
 
+// Whether opm_grad_scale_kernel takes g = grad_out / divisor (else ATen does).
+bool scale_fits(const at::Tensor& go, const at::Tensor& mask, int64_t S) {
+  const at::ScalarType mt = mask.scalar_type();
+  return go.scalar_type() == at::kFloat && go.numel() > 0 && S > 0 && go.size(0) <= 65535 &&
+         (mt == at::kFloat || mt == at::kHalf || mt == at::kBFloat16 || mt == at::kBool);
+}
+
+// g = grad_out / divisor, (B, N, N, D) float32, in one launch (and one more for the pair counts of
+// the OpenFold and Boltz conventions) in place of ATen's reduction, clamp and division.
+at::Tensor scale_grad(const at::Tensor& go_in, const at::Tensor& mask, int64_t normalization, double norm_eps,
+                      int dev) {
+  const at::Tensor go = go_in.contiguous();
+  const int64_t B = go.size(0), N = go.size(1), D = go.size(3), S = mask.size(1);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dev).stream();
+  const MaskView mask_view{mask.data_ptr(), mask.stride(0), mask.stride(1), mask.stride(2), mask_kind_of(mask)};
+  const at::Tensor pair = pair_counts(mask_view, normalization, B, S, N, N, 0, go.options(), stream);
+  at::Tensor g = at::empty_like(go);
+  GradScaleArgs args{};
+  args.go = go.data_ptr<float>(), args.g = g.data_ptr<float>();
+  args.mask = mask_view;
+  args.pair = pair.defined() ? pair.data_ptr<float>() : nullptr;
+  args.norm = Normalizer{int(normalization), float(norm_eps)};
+  args.B = int(B), args.S = int(S), args.N = int(N), args.D = int(D);
+  launch_grad_scale(args, int(std::min<int64_t>(B * N, 4 * int64_t(device_info(dev).sm_count))), stream);
+  return g;
+}
+
 struct LnGrads {
   at::Tensor x, ln_w, ln_b, w_a, b_a, w_b, b_b;  // float32 except x (msa's type); undefined if not asked
 };
@@ -245,9 +272,13 @@ std::vector<at::Tensor> outer_product_mean_backward_cuda(const at::Tensor& grad_
       a = at::linear(xn, w_a.to(work), b_a ? OptTensor(b_a->to(work)) : std::nullopt).mul_(m);
       b = at::linear(xn, w_b.to(work), b_b ? OptTensor(b_b->to(work)) : std::nullopt).mul_(m);
     }
-    const at::Tensor den = output_divisor(m.squeeze(-1), normalization, norm_eps);
     const at::Tensor go = grad_out.to(work);
-    const at::Tensor g = go.div(den);
+    at::Tensor g;
+    if (scale_fits(go, mask, S)) {
+      g = scale_grad(go, mask, normalization, norm_eps, dev);
+    } else {
+      g = go.div(output_divisor(m.squeeze(-1), normalization, norm_eps));
+    }
     if (need_bo) grads[8] = (normalization == 1 ? g : go).sum({0, 1, 2});
     if (need_proj || need_wo) {
       // The fused kernels recompute dO = g·W for every 128 values of s; past S = 256 that costs more

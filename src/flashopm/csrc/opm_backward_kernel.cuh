@@ -257,4 +257,51 @@ __global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_w_kernel(const BwdWArgs
 #endif
 }
 
+// g = grad_out / divisor (GradScaleArgs): a row (b, i) per block at a time, its N·D values
+// grid-strided over the threads.
+__global__ void __launch_bounds__(kGradScaleThreads) opm_grad_scale_kernel(const GradScaleArgs p) {
+  __shared__ float row_den;
+  const int tid = threadIdx.x, N = p.N, D = p.D;
+  const bool by_row = p.norm.kind == kNormRow, openfold = p.norm.kind == kNormOpenFold;
+  const int64_t rows = int64_t(p.B) * N, row_elems = int64_t(N) * D;
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    if (by_row) {
+      const int b = int(r / N), i = int(r - int64_t(b) * N);
+      __syncthreads();  // every thread has read the previous row's divisor
+      if (tid < 32) {
+        const float den = mask_denominator(p.mask, b, i, p.S, tid);
+        if (tid == 0) row_den = den;
+      }
+      __syncthreads();
+    }
+    const float rd = by_row ? row_den : 1.f;
+    const float* go = p.go + r * row_elems;
+    float* g = p.g + r * row_elems;
+    for (int64_t e = tid; e < row_elems; e += kGradScaleThreads) {
+      float den = rd;
+      if (!by_row) {
+        const float pc = p.pair[r * N + e / D];
+        den = openfold ? p.norm.eps + pc : fmaxf(pc, 1.f);
+      }
+      g[e] = go[e] / den;
+    }
+  }
+}
+
+// SumPartsArgs: tensor blockIdx.y, its elements grid-strided along x.
+__global__ void __launch_bounds__(kSumPartsThreads) opm_sum_parts_kernel(const SumPartsArgs p) {
+  const int k = blockIdx.y;
+  const int64_t n = p.n[k];
+  const int parts = p.parts[k];
+  const float* in = p.in[k];
+  float* out = p.out[k];
+  for (int64_t e = int64_t(blockIdx.x) * kSumPartsThreads + threadIdx.x; e < n;
+       e += int64_t(gridDim.x) * kSumPartsThreads) {
+    float sum = 0.f;
+#pragma unroll 4
+    for (int q = 0; q < parts; ++q) sum += in[int64_t(q) * n + e];
+    out[e] = sum;
+  }
+}
+
 }  // namespace flashopm

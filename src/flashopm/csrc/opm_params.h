@@ -721,6 +721,44 @@ struct BwdWArgs {
 
 void launch_bwd_side(const BwdSideArgs& args, int terms, cudaStream_t stream);
 void launch_bwd_w(const BwdWArgs& args, int splits, int terms, cudaStream_t stream);
+
+// g = grad_out / divisor in one pass over grad_out (opm_grad_scale_kernel); the divisor of pair
+// (b, i, j) as `normalise` applies it:
+//   kNormRow      max(sum_s m[b,s,i], 1)   (from the mask, per row)
+//   kNormOpenFold eps + pair[b,i,j]         kNormBoltz  max(pair[b,i,j], 1)
+struct GradScaleArgs {
+  const float* go;    // (B, N, N, D), contiguous
+  float* g;           // (B, N, N, D), contiguous
+  MaskView mask;      // (B, S, N): kNormRow's divisors
+  const float* pair;  // (B, N, N): sum_s m[b,s,i] m[b,s,j] (the other conventions), else null
+  Normalizer norm;
+  int B, S, N, D;
+};
+constexpr int kGradScaleThreads = 256;
+void launch_grad_scale(const GradScaleArgs& args, int blocks, cudaStream_t stream);
+
+// Parameters of a 16-bit model converted to float32 in one launch: dst[k][e] = float(src[k][e]),
+// e < n[k], each src contiguous with element kind kind[k] (MaskKind).
+struct ParamsToF32Args {
+  const void* src[8];
+  float* dst[8];
+  int64_t n[8];
+  int kind[8];
+  int count;
+};
+void launch_params_to_f32(const ParamsToF32Args& args, cudaStream_t stream);
+
+// Partial sums of split grids added up, up to four tensors in one launch:
+//   out[k][e] = sum_{q < parts[k]} in[k][q · n[k] + e]   for e < n[k], q in order (deterministic).
+struct SumPartsArgs {
+  const float* in[4];
+  float* out[4];
+  int64_t n[4];
+  int parts[4];
+  int count;
+};
+constexpr int kSumPartsThreads = 256;
+void launch_sum_parts(const SumPartsArgs& args, cudaStream_t stream);
 int bwd_side_smem_bytes();
 int bwd_w_smem_bytes();
 
