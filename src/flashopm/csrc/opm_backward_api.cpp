@@ -124,9 +124,9 @@ bool fused_ln_fits(const at::Tensor& msa, const at::Tensor& mask, int64_t rows, 
 }
 
 // Whether opm_grad_scale_kernel takes g = grad_out / divisor (else ATen does).
-bool scale_fits(const at::Tensor& go, const at::Tensor& mask, int64_t S) {
+bool scale_fits(at::ScalarType work, const at::Tensor& grad_out, const at::Tensor& mask, int64_t S) {
   const at::ScalarType mt = mask.scalar_type();
-  return go.scalar_type() == at::kFloat && go.numel() > 0 && S > 0 && go.size(0) <= 65535 &&
+  return work == at::kFloat && grad_out.numel() > 0 && S > 0 && grad_out.size(0) <= 65535 &&
          (mt == at::kFloat || mt == at::kHalf || mt == at::kBFloat16 || mt == at::kBool);
 }
 
@@ -249,10 +249,12 @@ std::vector<at::Tensor> outer_product_mean_backward_cuda(const at::Tensor& grad_
 
   const bool half = msa.scalar_type() == at::kHalf || msa.scalar_type() == at::kBFloat16;
   const at::ScalarType work = half ? at::kFloat : msa.scalar_type();
-  const at::Tensor m = mask.to(work).unsqueeze(-1);  // m: (B, S, N, 1)
+  const bool scale_in_kernel = scale_fits(work, grad_out, mask, S);
   const at::Tensor wo = w_out.to(work);
   const int dev = msa.get_device();
   const bool fused_ln = fused_ln_fits(msa, mask, B * S * N, C, H, B, S, dev);
+  // m: (B, S, N, 1) in the working type, for the ATen paths only (a view op less per call otherwise)
+  const at::Tensor m = fused_ln && scale_in_kernel ? at::Tensor() : mask.to(work).unsqueeze(-1);
   const LnInputs ln_in = fused_ln ? ln_inputs(msa, mask, ln_w, ln_b, ln_eps, w_a, w_b) : LnInputs{};
   std::vector<at::Tensor> grads(9);
   at::Tensor grad_a, grad_b, grad_w;
@@ -274,7 +276,7 @@ std::vector<at::Tensor> outer_product_mean_backward_cuda(const at::Tensor& grad_
     }
     const at::Tensor go = grad_out.to(work);
     at::Tensor g;
-    if (scale_fits(go, mask, S)) {
+    if (scale_in_kernel) {
       g = scale_grad(go, mask, normalization, norm_eps, dev);
     } else {
       g = go.div(output_divisor(m.squeeze(-1), normalization, norm_eps));
