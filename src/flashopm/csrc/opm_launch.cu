@@ -457,12 +457,12 @@ void launch_bwd_w(const BwdWArgs& args, int splits, int terms, cudaStream_t stre
   launch_bwd_w_h<1>(args, splits, stream);
 }
 
-void launch_params_to_f32(const ParamsToF32Args& args, cudaStream_t stream) {
+void launch_convert(const ConvertArgs& args, cudaStream_t stream) {
   int64_t n = 0;
   for (int k = 0; k < args.count; ++k) n = std::max(n, args.n[k]);
   if (args.count == 0 || n == 0) return;
   const int64_t blocks = std::min<int64_t>((n + 255) / 256, 1024);
-  opm_params_to_f32_kernel<<<dim3(unsigned(blocks), unsigned(args.count)), 256, 0, stream>>>(args);
+  opm_convert_kernel<<<dim3(unsigned(blocks), unsigned(args.count)), 256, 0, stream>>>(args);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
