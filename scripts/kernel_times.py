@@ -23,15 +23,23 @@ def _step(model, x, m, g, mode):
     return lambda: torch.autograd.grad(model(x, m), leaves, g)
 
 
-def _report(name, step):
-    for _ in range(3):
+def wall_us(step, steps=STEPS, warmup=3, sync_each=False):
+    """Wall time per call of `step` (after `warmup` calls), with a synchronize after every call or
+    only after the last."""
+    for _ in range(warmup):
         step()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    for _ in range(STEPS):
+    for _ in range(steps):
         step()
+        if sync_each:
+            torch.cuda.synchronize()
     torch.cuda.synchronize()
-    wall_us = (time.perf_counter() - t0) / STEPS * 1e6
+    return (time.perf_counter() - t0) / steps * 1e6
+
+
+def _report(name, step):
+    wall = wall_us(step)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(STEPS):
             step()
@@ -40,16 +48,16 @@ def _report(name, step):
     rows.sort(key=lambda e: -e.device_time_total)
     total = sum(e.device_time_total for e in rows) / STEPS
     launches = sum(e.count for e in rows) / STEPS
-    print(f"  {name}: wall {wall_us:.0f} us per call, kernels {total:.0f} us, {launches:.0f} launches")
+    print(f"  {name}: wall {wall:.0f} us per call, kernels {total:.0f} us, {launches:.0f} launches")
     for e in rows[:14]:
         print(f"    {e.device_time_total / STEPS:9.1f} us  x{e.count / STEPS:4.1f}  {e.key[:100]}")
 
 
-def main():
+def main(report=_report, default_shapes=(Shape(2, 8, 32, 64, 32, 64), Shape(1, 128, 256, 256, 32, 128))):
+    """report(name, step) for eager and flashopm at each shape of the command line."""
     flashopm.load()
     mode, dtype = sys.argv[1], getattr(torch, sys.argv[2])
-    shapes = [Shape(*(int(v) for v in s.split(","))) for s in sys.argv[3:]] or [
-        Shape(2, 8, 32, 64, 32, 64), Shape(1, 128, 256, 256, 32, 128)]
+    shapes = [Shape(*(int(v) for v in s.split(","))) for s in sys.argv[3:]] or list(default_shapes)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {mode}, {dtype}")
     for shape in shapes:
         print(shape)
@@ -61,8 +69,8 @@ def main():
         torch.manual_seed(0)
         new = flashopm.ModelNew(shape.C, shape.D, shape.H).to("cuda", dtype)
         with torch.set_grad_enabled(mode != "forward"):
-            _report("eager", _step(ref, x, m, g, mode))
-            _report("flashopm", _step(new, x, m, g, mode))
+            report("eager", _step(ref, x, m, g, mode))
+            report("flashopm", _step(new, x, m, g, mode))
 
 
 if __name__ == "__main__":

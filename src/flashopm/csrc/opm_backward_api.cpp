@@ -124,9 +124,9 @@ bool fused_ln_fits(const at::Tensor& msa, const at::Tensor& mask, int64_t rows, 
 }
 
 // Whether opm_grad_scale_kernel takes g = grad_out / divisor (else ATen does).
-bool scale_fits(const at::Tensor& go, const at::Tensor& mask, int64_t S) {
+bool scale_fits(at::ScalarType work, const at::Tensor& grad_out, const at::Tensor& mask, int64_t S) {
   const at::ScalarType mt = mask.scalar_type();
-  return go.scalar_type() == at::kFloat && go.numel() > 0 && S > 0 && go.size(0) <= 65535 &&
+  return work == at::kFloat && grad_out.numel() > 0 && S > 0 && grad_out.size(0) <= 65535 &&
          (mt == at::kFloat || mt == at::kHalf || mt == at::kBFloat16 || mt == at::kBool);
 }
 
@@ -249,9 +249,11 @@ std::vector<at::Tensor> outer_product_mean_backward_cuda(const at::Tensor& grad_
 
   const bool half = msa.scalar_type() == at::kHalf || msa.scalar_type() == at::kBFloat16;
   const at::ScalarType work = half ? at::kFloat : msa.scalar_type();
-  const at::Tensor m = mask.to(work).unsqueeze(-1);  // m: (B, S, N, 1)
+  const bool scale_in_kernel = scale_fits(work, grad_out, mask, S);
   const int dev = msa.get_device();
   const bool fused_ln = fused_ln_fits(msa, mask, B * S * N, C, H, B, S, dev);
+  // m: (B, S, N, 1) in the working type, for the ATen paths only (a view op less per call otherwise)
+  const at::Tensor m = fused_ln && scale_in_kernel ? at::Tensor() : mask.to(work).unsqueeze(-1);
   // A 16-bit model's parameters in float32, converted by one launch (as the forward does).
   const ParamsF32 params = params_as_f32({&ln_w, &ln_b, &w_a, b_a ? &*b_a : nullptr, &w_b, b_b ? &*b_b : nullptr,
                                           &w_out, nullptr},
@@ -279,7 +281,7 @@ std::vector<at::Tensor> outer_product_mean_backward_cuda(const at::Tensor& grad_
     }
     const at::Tensor go = grad_out.to(work);
     at::Tensor g;
-    if (scale_fits(go, mask, S)) {
+    if (scale_in_kernel) {
       g = scale_grad(go, mask, normalization, norm_eps, dev);
     } else {
       g = go.div(output_divisor(m.squeeze(-1), normalization, norm_eps));

@@ -457,11 +457,20 @@ void launch_bwd_w(const BwdWArgs& args, int splits, int terms, cudaStream_t stre
   launch_bwd_w_h<1>(args, splits, stream);
 }
 
-void launch_convert(const ConvertArgs& args, cudaStream_t stream) {
+namespace {
+// Blocks along x for a launch over `count` tensors (one per blockIdx.y) of n[k] elements each,
+// grid-strided past `cap` blocks; 0 when there is nothing to do.
+template <typename Args>
+int64_t per_tensor_blocks(const Args& args, int threads, int64_t cap) {
   int64_t n = 0;
   for (int k = 0; k < args.count; ++k) n = std::max(n, args.n[k]);
-  if (args.count == 0 || n == 0) return;
-  const int64_t blocks = std::min<int64_t>((n + 255) / 256, 1024);
+  return std::min<int64_t>((n + threads - 1) / threads, cap);
+}
+}  // namespace
+
+void launch_convert(const ConvertArgs& args, cudaStream_t stream) {
+  const int64_t blocks = per_tensor_blocks(args, 256, 1024);
+  if (blocks == 0) return;
   opm_convert_kernel<<<dim3(unsigned(blocks), unsigned(args.count)), 256, 0, stream>>>(args);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -472,10 +481,8 @@ void launch_grad_scale(const GradScaleArgs& args, int blocks, cudaStream_t strea
 }
 
 void launch_sum_parts(const SumPartsArgs& args, cudaStream_t stream) {
-  int64_t n = 0;
-  for (int k = 0; k < args.count; ++k) n = std::max(n, args.n[k]);
-  if (args.count == 0 || n == 0) return;
-  const int64_t blocks = std::min<int64_t>((n + kSumPartsThreads - 1) / kSumPartsThreads, 2048);
+  const int64_t blocks = per_tensor_blocks(args, kSumPartsThreads, 2048);
+  if (blocks == 0) return;
   opm_sum_parts_kernel<<<dim3(unsigned(blocks), unsigned(args.count)), kSumPartsThreads, 0, stream>>>(args);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
