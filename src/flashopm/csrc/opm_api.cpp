@@ -132,18 +132,39 @@ ParamsF32 params_as_f32(const std::array<const at::Tensor*, 8>& in, bool convert
     total += (src[k].numel() + 63) / 64 * 64;  // every tensor 256-byte aligned, as an allocation is
   }
   const at::Tensor buf = at::detail::empty_cuda({std::max<int64_t>(total, 1)}, at::kFloat, f32.device(), std::nullopt);
-  ParamsToF32Args args{};
+  ConvertArgs args{};
   for (size_t k = 0; k < in.size(); ++k) {
     if (in[k] == nullptr) continue;
     const int c = args.count++;
     args.src[c] = src[k].data_ptr();
     args.dst[c] = buf.data_ptr<float>() + offset[k];
     args.n[c] = src[k].numel();
-    args.kind[c] = elem_kind(src[k]);
+    args.src_kind[c] = elem_kind(src[k]);
+    args.dst_kind[c] = kMaskFloat;
     r.t[k] = buf.as_strided(src[k].sizes(), src[k].strides(), offset[k]);
   }
-  launch_params_to_f32(args, c10::cuda::getCurrentCUDAStream(f32.device().index()).stream());
+  launch_convert(args, c10::cuda::getCurrentCUDAStream(f32.device().index()).stream());
   return r;
+}
+
+// Float32 tensors (contiguous; undefined ones skipped) converted to `type` by one launch, each
+// into a tensor of its own.
+std::vector<at::Tensor> float_tensors_to(const std::vector<at::Tensor>& in, at::ScalarType type) {
+  std::vector<at::Tensor> out(in.size());
+  ConvertArgs args{};
+  int device = -1;
+  for (size_t k = 0; k < in.size(); ++k) {
+    if (!in[k].defined()) continue;
+    TORCH_CHECK(args.count < 8 && in[k].scalar_type() == at::kFloat && in[k].is_contiguous(),
+                "flashopm: internal: float_tensors_to takes at most 8 contiguous float32 tensors");
+    out[k] = at::empty(in[k].sizes(), in[k].options().dtype(type));
+    const int c = args.count++;
+    args.src[c] = in[k].data_ptr(), args.dst[c] = out[k].data_ptr(), args.n[c] = in[k].numel();
+    args.src_kind[c] = kMaskFloat, args.dst_kind[c] = elem_kind(out[k]);
+    device = in[k].get_device();
+  }
+  if (args.count > 0) launch_convert(args, c10::cuda::getCurrentCUDAStream(device).stream());
+  return out;
 }
 
 const float* opt_ptr(const std::optional<at::Tensor>& t) {

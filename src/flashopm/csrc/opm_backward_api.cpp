@@ -250,12 +250,17 @@ std::vector<at::Tensor> outer_product_mean_backward_cuda(const at::Tensor& grad_
   const bool half = msa.scalar_type() == at::kHalf || msa.scalar_type() == at::kBFloat16;
   const at::ScalarType work = half ? at::kFloat : msa.scalar_type();
   const bool scale_in_kernel = scale_fits(work, grad_out, mask, S);
-  const at::Tensor wo = w_out.to(work);
   const int dev = msa.get_device();
   const bool fused_ln = fused_ln_fits(msa, mask, B * S * N, C, H, B, S, dev);
   // m: (B, S, N, 1) in the working type, for the ATen paths only (a view op less per call otherwise)
   const at::Tensor m = fused_ln && scale_in_kernel ? at::Tensor() : mask.to(work).unsqueeze(-1);
-  const LnInputs ln_in = fused_ln ? ln_inputs(msa, mask, ln_w, ln_b, ln_eps, w_a, w_b) : LnInputs{};
+  // A 16-bit model's parameters in float32, converted by one launch (as the forward does).
+  const ParamsF32 params = params_as_f32({&ln_w, &ln_b, &w_a, b_a ? &*b_a : nullptr, &w_b, b_b ? &*b_b : nullptr,
+                                          &w_out, nullptr},
+                                         half, msa.options().dtype(at::kFloat));
+  const at::Tensor wo = half ? *params.t[6] : w_out.to(work);
+  const LnInputs ln_in =
+      fused_ln ? ln_inputs(msa, mask, *params.t[0], *params.t[1], ln_eps, *params.t[2], *params.t[4]) : LnInputs{};
   std::vector<at::Tensor> grads(9);
   at::Tensor grad_a, grad_b, grad_w;
   // The unfused path's LayerNorm intermediates, kept for its backward.
@@ -264,7 +269,7 @@ std::vector<at::Tensor> outer_product_mean_backward_cuda(const at::Tensor& grad_
     // a, b and g (B, N, N, D) live only for the contractions
     at::Tensor a, b;
     if (fused_ln) {
-      std::tie(a, b) = project_masked(ln_in, b_a, b_b, dev);
+      std::tie(a, b) = project_masked(ln_in, params.t[3], params.t[5], dev);
     } else {
       const at::Tensor x = msa.to(work);
       const auto [var, mu] = at::var_mean(x, {-1}, /*correction=*/0, /*keepdim=*/true);
@@ -327,11 +332,25 @@ std::vector<at::Tensor> outer_product_mean_backward_cuda(const at::Tensor& grad_
   const std::array<const at::Tensor*, 9> like = {&msa, &ln_w, &ln_b, &w_a, b_a ? &*b_a : nullptr, &w_b,
                                                  b_b ? &*b_b : nullptr, &w_out, b_out ? &*b_out : nullptr};
   for (int k = 0; k < 9; ++k) {
-    if (grads[k].defined() && want[k] && like[k] != nullptr) {
-      grads[k] = grads[k].to(like[k]->scalar_type());
-    } else {
-      grads[k] = at::empty({0}, msa.options());
-    }
+    if (!(grads[k].defined() && want[k] && like[k] != nullptr)) grads[k] = at::Tensor();
+  }
+  // The parameters' float32 gradients back to a 16-bit model's type in one launch.
+  std::vector<at::Tensor> convert(9);
+  bool one_type = true;
+  for (int k = 1; k < 9; ++k) {
+    if (!grads[k].defined() || grads[k].scalar_type() == like[k]->scalar_type()) continue;
+    one_type = one_type && like[k]->scalar_type() == msa.scalar_type() && grads[k].scalar_type() == at::kFloat &&
+               grads[k].is_contiguous();
+    convert[k] = grads[k];
+  }
+  if (one_type) {
+    const std::vector<at::Tensor> converted = float_tensors_to(convert, msa.scalar_type());
+    for (int k = 1; k < 9; ++k)
+      if (converted[k].defined()) grads[k] = converted[k];
+  }
+  for (int k = 0; k < 9; ++k) {
+    if (!grads[k].defined()) grads[k] = at::empty({0}, msa.options());
+    else if (grads[k].scalar_type() != like[k]->scalar_type()) grads[k] = grads[k].to(like[k]->scalar_type());
   }
   return grads;
 }

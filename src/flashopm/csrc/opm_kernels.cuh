@@ -41,13 +41,6 @@ __device__ __forceinline__ float load_mask(const void* base, int64_t idx, int ki
   }
 }
 
-// ParamsToF32Args: tensor blockIdx.y, its elements grid-strided along x.
-__global__ void __launch_bounds__(256) opm_params_to_f32_kernel(const ParamsToF32Args p) {
-  const int k = blockIdx.y;
-  for (int64_t e = int64_t(blockIdx.x) * 256 + threadIdx.x; e < p.n[k]; e += int64_t(gridDim.x) * 256)
-    p.dst[k][e] = load_mask(p.src[k], e, p.kind[k]);
-}
-
 // Row (b, s, n) of a or b in a PrepArgs layout: b·sb + (s / s_chunk)·sc + (s % s_chunk)·ss + n·sn
 // (s_chunk = 0: s·ss).
 __device__ __forceinline__ int64_t ab_row_offset(int64_t sb, int64_t sc, int64_t ss, int64_t sn, int s_chunk, int b,
@@ -100,6 +93,12 @@ __device__ __forceinline__ void store_out(void* base, int64_t idx, float v, int 
     case kMaskBFloat16: static_cast<__nv_bfloat16*>(base)[idx] = __float2bfloat16_rn(v); break;
     default: static_cast<float*>(base)[idx] = v;
   }
+}
+// ConvertArgs: tensor blockIdx.y, its elements grid-strided along x.
+__global__ void __launch_bounds__(256) opm_convert_kernel(const ConvertArgs p) {
+  const int k = blockIdx.y;
+  for (int64_t e = int64_t(blockIdx.x) * 256 + threadIdx.x; e < p.n[k]; e += int64_t(gridDim.x) * 256)
+    store_out(p.dst[k], e, load_mask(p.src[k], e, p.src_kind[k]), p.dst_kind[k]);
 }
 __device__ __forceinline__ void store_out2(void* base, int64_t idx, float v0, float v1, int kind) {
   switch (kind) {

@@ -468,10 +468,10 @@ int64_t per_tensor_blocks(const Args& args, int threads, int64_t cap) {
 }
 }  // namespace
 
-void launch_params_to_f32(const ParamsToF32Args& args, cudaStream_t stream) {
+void launch_convert(const ConvertArgs& args, cudaStream_t stream) {
   const int64_t blocks = per_tensor_blocks(args, 256, 1024);
   if (blocks == 0) return;
-  opm_params_to_f32_kernel<<<dim3(unsigned(blocks), unsigned(args.count)), 256, 0, stream>>>(args);
+  opm_convert_kernel<<<dim3(unsigned(blocks), unsigned(args.count)), 256, 0, stream>>>(args);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

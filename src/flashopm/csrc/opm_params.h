@@ -737,16 +737,18 @@ struct GradScaleArgs {
 constexpr int kGradScaleThreads = 256;
 void launch_grad_scale(const GradScaleArgs& args, int blocks, cudaStream_t stream);
 
-// Parameters of a 16-bit model converted to float32 in one launch: dst[k][e] = float(src[k][e]),
-// e < n[k], each src contiguous with element kind kind[k] (MaskKind).
-struct ParamsToF32Args {
+// Up to eight small tensors converted in one launch (a 16-bit model's parameters to float32, its
+// gradients back): dst[k][e] = src[k][e] for e < n[k], both contiguous, with element kinds
+// src_kind[k] and dst_kind[k] (MaskKind; stores round to nearest even, as ATen's conversions).
+struct ConvertArgs {
   const void* src[8];
-  float* dst[8];
+  void* dst[8];
   int64_t n[8];
-  int kind[8];
+  int src_kind[8];
+  int dst_kind[8];
   int count;
 };
-void launch_params_to_f32(const ParamsToF32Args& args, cudaStream_t stream);
+void launch_convert(const ConvertArgs& args, cudaStream_t stream);
 
 // Partial sums of split grids added up, up to four tensors in one launch:
 //   out[k][e] = sum_{q < parts[k]} in[k][q · n[k] + e]   for e < n[k], q in order (deterministic).
