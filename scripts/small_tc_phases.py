@@ -40,7 +40,7 @@ k = patch(k, "template <int kTerms, bool kFused, bool kLocalA>\n__global__", "__
           before=True)
 k = patch(k, "  float* den_s = smem + L.den;\n", GT(8) + CLK(0))
 k = patch(k, "  if constexpr (kLocalA) {\n    small_tc_project_a(", CLK(6), before=True)
-k = patch(k, "    small_tc_project_a(p, b, i0, ti, as, L.lda, local_a, smem);\n", CLK(7))
+k = patch(k, "    small_tc_project_a(p, ti, as, L.lda, local_a, smem);\n", CLK(7))
 k = patch(k, "    phase_p();\n  }\n", CLK(11))
 k = patch(k, '    asm volatile("griddepcontrol.wait;\\n" ::: "memory");\n', GT(9) + CLK(1))
 k = patch(k, "  if constexpr (!kLocalA) phase_p();\n", CLK(2), before=True)
@@ -60,7 +60,7 @@ PGT = lambda i: (f"\n  if (threadIdx.x == 0) {{ unsigned long long t_; asm volat
                  f" g_prep_t[{PB} * 8 + {i}] = (long long)t_; }}\n")
 PCLK = lambda i: f"\n  if (threadIdx.x == 0) g_prep_t[{PB} * 8 + {i}] = clock64();\n"  # noqa: E731
 kk = patch(kk, "template <int Q, int RW, bool kProjectW, typename XT>", "__device__ long long g_prep_t[1 << 16];\n", before=True)
-kk = patch(kk, "  const int n_base = nblk * R;\n", PGT(0) + PCLK(2))
+kk = patch(kk, "  const int n_base = nblk * block_rows;\n", PGT(0) + PCLK(2))
 kk = patch(kk, "  float acc[RW][Q];\n", PCLK(3), before=True)
 kk = patch(kk, "  // Bias, mask, store.  In project-first", PCLK(4), before=True)
 kk = patch(kk, "  if constexpr (kProjectW) {\n    // c[b, s, h1, n, d]", PCLK(5) + PGT(1), before=True)
@@ -172,18 +172,18 @@ def clocks(label, graph=False):
 
 with torch.no_grad():
     for graph in (False, True):
-        clocks("FMA form", graph)
-        os.environ["FLASHOPM_SMALL_TC_LOCAL_A"] = "1"
         clocks("FMA form, each block projecting its rows of a", graph)
+        os.environ["FLASHOPM_SMALL_TC_LOCAL_A"] = "0"
+        clocks("FMA form, waiting before phase P", graph)
         os.environ.pop("FLASHOPM_SMALL_TC_LOCAL_A")
         os.environ["FLASHOPM_SMALL_TC_FMA"] = "0"
         clocks("mma.sync form", graph)
         os.environ.pop("FLASHOPM_SMALL_TC_FMA")
-    variants = [({}, "both kernels"), ({"DBG_SKIP": "k1"}, "without the first kernel"),
+    variants = [({}, "both kernels (default form)"), ({"DBG_SKIP": "k1"}, "without the first kernel"),
                 ({"DBG_SKIP": "k2"}, "without the second kernel"),
                 ({"DBG_NOPDL": "1"}, "second kernel launched without programmatic dependency"),
                 ({"DBG_KNOB": "1"}, "no row denominators"),
-                ({"FLASHOPM_SMALL_TC_LOCAL_A": "1"}, "FMA form, each block projecting its rows of a"),
+                ({"FLASHOPM_SMALL_TC_LOCAL_A": "0"}, "FMA form, waiting before phase P"),
                 ({"FLASHOPM_SMALL_TC_FMA": "0"}, "mma.sync form"),
                 ({"FLASHOPM_SMALL_TC_FMA": "0", "DBG_KNOB": "2"}, "mma.sync form, no W loads before the wait")]
     variants += [({"DBG_PLAN": plan}, f"tiling TI,Dc = {plan}") for plan in sys.argv[2:]]

@@ -642,10 +642,11 @@ FLASHOPM_HD inline bool small_tc_fused_fits(const SmallTcLayout& L, int C, int H
 
 // The local-a form's scratch before phase P, in the regions of b, P and the K parts (offsets in
 // floats): W_a as [H][ldwa] (ldwa = 4 mod 8: the projection's float4 reads along lanes h are
-// conflict-free), the block's rows of x as [rows][ldx] (rows = TI·S), and the rows' mask values.
-// vec: both copied in 16-byte pieces (small_tc_local_a_vec).  end: one past the last.
+// conflict-free), the block's rows of x as [rows][ldx] (rows = TI·S), LayerNorm's weight and bias
+// (ldx each), b_a (H) and the rows' mask values (rows).  vec: the copies in 16-byte pieces
+// (small_tc_local_a_vec).  end: one past the last.
 struct SmallTcLocalA {
-  int64_t wa, xs, mask, end;
+  int64_t wa, xs, lnw, lnb, ba, mask, end;
   int ldwa, ldx, vec;
 };
 FLASHOPM_HD inline SmallTcLocalA small_tc_local_a_layout(const SmallTcLayout& L, int C, int H, int rows, int vec) {
@@ -655,7 +656,10 @@ FLASHOPM_HD inline SmallTcLocalA small_tc_local_a_layout(const SmallTcLayout& L,
   A.vec = vec;
   A.wa = L.b;
   A.xs = A.wa + int64_t(H) * A.ldwa;
-  A.mask = A.xs + int64_t(rows) * A.ldx;
+  A.lnw = A.xs + int64_t(rows) * A.ldx;
+  A.lnb = A.lnw + A.ldx;
+  A.ba = A.lnb + A.ldx;
+  A.mask = A.ba + round_up4(H);
   A.end = A.mask + rows;
   return A;
 }

@@ -155,11 +155,11 @@ __device__ __forceinline__ void small_tc_project_rows(const PrepArgs& q, float* 
 }
 
 // The local-a form's inputs to its projections, in shared memory (the regions of b, P and the K
-// parts, not used before phase P; small_tc_local_a_layout): W_a as wa[h][c] and the block's rows of
-// x (b, s, i0 + il) as xs[il·S + s][c], both in 16-byte asynchronous copies where msa_dim and the
-// strides allow (4-byte ones otherwise), one group.  Columns from msa_dim to the next multiple of 4
-// are zero in wa, so that the projection's float4 loop may run over them (xs's are zeroed by the
-// LayerNorm pass).
+// parts, not used before phase P; small_tc_local_a_layout): W_a as wa[h][c], the block's rows of x
+// (b, s, i0 + il) as xs[il·S + s][c], LayerNorm's weight and bias, and b_a (zeros if none), in one
+// group of asynchronous copies, 16-byte ones where msa_dim and the addresses allow (A.vec).
+// Columns from msa_dim to the next multiple of 4 are zero in wa, so that the projection's float4
+// loop may run over them (xs's are zeroed by the LayerNorm pass).
 __device__ __forceinline__ void small_tc_stage_a_inputs(const SmallTcArgs& p, int b, int i0, int ti,
                                                         const SmallTcLocalA& A, float* smem) {
   const PrepArgs& q = p.prep;
@@ -177,6 +177,11 @@ __device__ __forceinline__ void small_tc_stage_a_inputs(const SmallTcArgs& p, in
       const int r = idx / q_row, c = 4 * (idx - r * q_row), il = r / S, s = r - il * S;
       cp_async16(&xs[r * A.ldx + c], x + int64_t(s) * q.x_ss + int64_t(il) * q.x_sn + c);
     }
+    for (int idx = tid; idx < 2 * q_row; idx += kSmallTcThreads) {
+      const int c = 4 * (idx < q_row ? idx : idx - q_row);
+      if (idx < q_row) cp_async16(smem + A.lnw + c, q.ln_w + c);
+      else cp_async16(smem + A.lnb + c, q.ln_b + c);
+    }
   } else {
     for (int idx = tid; idx < H * C4; idx += kSmallTcThreads) {
       const int h = idx / C4, c = idx - h * C4;
@@ -187,29 +192,43 @@ __device__ __forceinline__ void small_tc_stage_a_inputs(const SmallTcArgs& p, in
       const int r = idx / C, c = idx - r * C, il = r / S, s = r - il * S;
       cp_async4(&xs[r * A.ldx + c], x + int64_t(s) * q.x_ss + int64_t(il) * q.x_sn + c, true);
     }
+    for (int c = tid; c < C; c += kSmallTcThreads) {
+      cp_async4(smem + A.lnw + c, q.ln_w + c, true);
+      cp_async4(smem + A.lnb + c, q.ln_b + c, true);
+    }
+  }
+  for (int h = tid; h < H; h += kSmallTcThreads) {
+    if (q.ba != nullptr) cp_async4(smem + A.ba + h, q.ba + h, true);
+    else smem[A.ba + h] = 0.f;
   }
   cp_async_commit();
 }
 
-// W's chunk transposed into shared memory, ws[k][dl] (rows d past D zero), through registers: each
-// thread loads four float4 along k of one row d before it stores any (16-byte global loads rather
-// than 4-byte asynchronous copies, which cost the local-a form its head start: run 113).  Lanes run
-// along dl first, so that the transposing stores meet at most 2-way bank conflicts (ldw = 4 mod 8).
-// Needs H·H % 4 == 0 and W 16-byte aligned (small_tc_local_a).
-__device__ __forceinline__ void small_tc_stage_w_chunk_vec(const SmallTcArgs& p, int d0, int Dc, int ldw, float* ws) {
-  const int HH = p.H * p.H, q_row = HH / 4, items = Dc * q_row;
-  constexpr int kBatch = 4;
-  for (int base = threadIdx.x; base < items; base += kBatch * kSmallTcThreads) {
-    float4 v[kBatch];
+// W's chunk transposed into shared memory, ws[k][dl] (rows d past D zero), through registers in
+// batches of kSmallTcWBatch float4 per thread (16-byte global loads rather than 4-byte
+// asynchronous copies, which cost the local-a form its head start: run 113).  The first batch is
+// loaded by small_tc_w_chunk_load at the kernel's start, so that its latency overlaps the other
+// loads; small_tc_w_chunk_store stores it and loads and stores the rest.  Lanes run along dl
+// first: the transposing stores meet at most 2-way bank conflicts (ldw = 4 mod 8).  Needs
+// H·H % 4 == 0 and W 16-byte aligned (small_tc_local_a).
+constexpr int kSmallTcWBatch = 4;
+__device__ __forceinline__ void small_tc_w_chunk_load(const SmallTcArgs& p, int d0, int Dc, int base,
+                                                      float4 (&v)[kSmallTcWBatch]) {
+  const int HH = p.H * p.H, items = Dc * (HH / 4);
 #pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
-      const int idx = base + u * kSmallTcThreads, dl = idx % Dc;
-      v[u] = idx < items && d0 + dl < p.D
-                 ? __ldg(reinterpret_cast<const float4*>(p.w_out + int64_t(d0 + dl) * HH) + idx / Dc)
-                 : make_float4(0.f, 0.f, 0.f, 0.f);
-    }
+  for (int u = 0; u < kSmallTcWBatch; ++u) {
+    const int idx = base + u * kSmallTcThreads, dl = idx % Dc;
+    v[u] = idx < items && d0 + dl < p.D
+               ? __ldg(reinterpret_cast<const float4*>(p.w_out + int64_t(d0 + dl) * HH) + idx / Dc)
+               : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+}
+__device__ __forceinline__ void small_tc_w_chunk_store(const SmallTcArgs& p, int d0, int Dc, int ldw, float* ws,
+                                                       float4 (&v)[kSmallTcWBatch]) {
+  const int items = Dc * (p.H * p.H / 4);
+  for (int base = threadIdx.x;; ) {
 #pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
+    for (int u = 0; u < kSmallTcWBatch; ++u) {
       const int idx = base + u * kSmallTcThreads;
       if (idx < items) {
         const int dl = idx % Dc, k = 4 * (idx / Dc);
@@ -219,34 +238,35 @@ __device__ __forceinline__ void small_tc_stage_w_chunk_vec(const SmallTcArgs& p,
         ws[(k + 3) * ldw + dl] = v[u].w;
       }
     }
+    base += kSmallTcWBatch * kSmallTcThreads;
+    if (base >= items) break;
+    small_tc_w_chunk_load(p, d0, Dc, base, v);
   }
 }
 
 // LayerNorm, projection and mask of the staged rows (small_tc_stage_a_inputs' copy group, the only
-// one in flight) into the FMA form's transposed a: as[h][il·S + s].  One warp per row normalises it
-// in place (LayerNorm's parameters read from global memory; the padding columns set to zero), then
-// each thread takes one h for two rows, float4 reads of wa (rows 4 mod 8 floats apart: conflict-
-// free) and of x (one row per warp: broadcast).  The sums are those of opm_prep_kernel (lane-
-// strided statistics; chunks of kPrepKC features, each in order, then the chunks in order).
-__device__ __forceinline__ void small_tc_project_a(const SmallTcArgs& p, int b, int i0, int ti, float* as, int lda,
+// one in flight; the rows' mask values in A.mask) into the FMA form's transposed a:
+// as[h][il·S + s].  One warp per row normalises it in place (the padding columns set to zero),
+// then each thread takes one h for two rows, float4 reads of wa (rows 4 mod 8 floats apart:
+// conflict-free) and of x (one row per warp: broadcast).  Nothing here reads global memory.  The
+// sums are those of opm_prep_kernel (lane-strided statistics; chunks of kPrepKC features, each in
+// order, then the chunks in order).
+__device__ __forceinline__ void small_tc_project_a(const SmallTcArgs& p, int ti, float* as, int lda,
                                                    const SmallTcLocalA& A, float* smem) {
   const PrepArgs& q = p.prep;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int S = q.S, C = q.C, C4 = round_up4(C), H = q.H, rows = ti * S;
   float* xs = smem + A.xs;
-  float* mk = smem + A.mask;
+  const float* mk = smem + A.mask;
+  const float* lnw = smem + A.lnw;
+  const float* lnb = smem + A.lnb;
   cp_async_wait_all();
   __syncthreads();
   for (int r = warp; r < rows; r += kSmallTcWarps) {
     float* xr = xs + r * A.ldx;
     float mean, rstd;
     warp_layernorm_stats([&](int c) { return xr[c]; }, C, q.ln_eps, lane, mean, rstd);
-    for (int c = lane; c < C4; c += 32)
-      xr[c] = c < C ? (xr[c] - mean) * rstd * __ldg(q.ln_w + c) + __ldg(q.ln_b + c) : 0.f;
-    if (lane == 0) {
-      const int il = r / S;
-      mk[r] = mask_at(p.mask, b, r - il * S, i0 + il);
-    }
+    for (int c = lane; c < C4; c += 32) xr[c] = c < C ? (xr[c] - mean) * rstd * lnw[c] + lnb[c] : 0.f;
   }
   __syncthreads();
   const float* wa = smem + A.wa;
@@ -272,7 +292,7 @@ __device__ __forceinline__ void small_tc_project_a(const SmallTcArgs& p, int b, 
       }
       acc0 += part0, acc1 += part1;
     }
-    const float bias = q.ba != nullptr ? __ldg(q.ba + h) : 0.f;
+    const float bias = smem[A.ba + h];
     as[h * lda + r0] = (acc0 + bias) * mk[r0];
     if (r0 + 1 < rows) as[h * lda + r0 + 1] = (acc1 + bias) * mk[r0 + 1];
   }
@@ -317,10 +337,16 @@ __global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_tc_kernel(const 
     for (int kb = 0; kb < kSmallTcKBatch; ++kb)
       if (ks0 + kb < ksteps_p) small_tc_load_w(p, d0, mt0, ks0 + kb, g, t, wf[kb]);
   };
+  // The local-a form has everything before phase P to do before the first kernel ends: every
+  // independent global load goes out first (W's first batch, the copies of the projections'
+  // inputs, the rows' mask values), and only then is anything stored.
   const SmallTcLocalA local_a = small_tc_local_a_layout(L, p.prep.C, H, TI * S, p.local_a_vec);
-  if constexpr (kLocalA) small_tc_stage_a_inputs(p, b, i0, ti, local_a, smem);
+  float4 w_first[kSmallTcWBatch];
+  float mask_row = 0.f;  // the mask value of row tid (TI·S <= kSmallTcThreads: small_tc_local_a)
   if constexpr (kLocalA) {
-    small_tc_stage_w_chunk_vec(p, d0, Dc, L.ldw, smem + L.w);
+    small_tc_w_chunk_load(p, d0, Dc, tid, w_first);
+    small_tc_stage_a_inputs(p, b, i0, ti, local_a, smem);
+    if (tid < ti * S) mask_row = mask_at(p.mask, b, tid % S, i0 + tid / S);
   } else if constexpr (kFma) {
     // W's chunk transposed into shared memory, w[k][d] (rows d past D zero), one copy group.
     float* ws = smem + L.w;
@@ -349,6 +375,10 @@ __global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_tc_kernel(const 
         for (int s = 0; s < S; ++s) sum += mask_at(p.mask, b, s, i0 + il) * mask_at(p.mask, b, s, j);
       pair_s[idx] = sum;
     }
+  }
+  if constexpr (kLocalA) {
+    small_tc_w_chunk_store(p, d0, Dc, L.ldw, smem + L.w, w_first);
+    if (tid < ti * S) smem[local_a.mask + tid] = mask_row;
   }
   if constexpr (!kFma) {
     // Zero padding rows (never written by the copies below).
@@ -428,7 +458,7 @@ __global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_tc_kernel(const 
   };
 
   if constexpr (kLocalA) {
-    small_tc_project_a(p, b, i0, ti, as, L.lda, local_a, smem);
+    small_tc_project_a(p, ti, as, L.lda, local_a, smem);
     __syncthreads();
     phase_p();
   }
