@@ -172,18 +172,18 @@ def clocks(label, graph=False):
 
 with torch.no_grad():
     for graph in (False, True):
+        clocks("FMA form", graph)
+        os.environ["FLASHOPM_SMALL_TC_LOCAL_A"] = "1"
         clocks("FMA form, each block projecting its rows of a", graph)
-        os.environ["FLASHOPM_SMALL_TC_LOCAL_A"] = "0"
-        clocks("FMA form, waiting before phase P", graph)
         os.environ.pop("FLASHOPM_SMALL_TC_LOCAL_A")
         os.environ["FLASHOPM_SMALL_TC_FMA"] = "0"
         clocks("mma.sync form", graph)
         os.environ.pop("FLASHOPM_SMALL_TC_FMA")
-    variants = [({}, "both kernels (default form)"), ({"DBG_SKIP": "k1"}, "without the first kernel"),
+    variants = [({}, "both kernels"), ({"DBG_SKIP": "k1"}, "without the first kernel"),
                 ({"DBG_SKIP": "k2"}, "without the second kernel"),
                 ({"DBG_NOPDL": "1"}, "second kernel launched without programmatic dependency"),
                 ({"DBG_KNOB": "1"}, "no row denominators"),
-                ({"FLASHOPM_SMALL_TC_LOCAL_A": "0"}, "FMA form, waiting before phase P"),
+                ({"FLASHOPM_SMALL_TC_LOCAL_A": "1"}, "FMA form, each block projecting its rows of a"),
                 ({"FLASHOPM_SMALL_TC_FMA": "0"}, "mma.sync form"),
                 ({"FLASHOPM_SMALL_TC_FMA": "0", "DBG_KNOB": "2"}, "mma.sync form, no W loads before the wait")]
     variants += [({"DBG_PLAN": plan}, f"tiling TI,Dc = {plan}") for plan in sys.argv[2:]]

@@ -1,7 +1,7 @@
 """The small-problem path under each tiling (FLASHOPM_SMALL_TC_TILE), in its float32 FMA form and its
 mma.sync form (FLASHOPM_SMALL_TC_FMA=0), each in two launches and in one cooperative launch where it
-applies (FLASHOPM_SMALL_TC_FUSED=1), and the FMA form that waits before phase P rather than each block
-projecting its own rows of a (FLASHOPM_SMALL_TC_LOCAL_A=0): GPU time per call from CUDA-graph replay, and each kernel's
+applies (FLASHOPM_SMALL_TC_FUSED=1), and the FMA form with each block projecting its own rows of a
+(FLASHOPM_SMALL_TC_LOCAL_A=1): GPU time per call from CUDA-graph replay, and each kernel's
 time per call under torch.profiler.
 
     PYTHONPATH=src python scripts/small_tc_tilings.py [B,S,N,C,H,D] [TI,Dc ...]
@@ -19,7 +19,7 @@ from flashopm.bench import time_graph, warm_gpu
 from flashopm.testing import Shape, make_problem
 
 CALLS = 50
-FORMS = {"fma-local-a": {}, "fma": {"FLASHOPM_SMALL_TC_LOCAL_A": "0"}, "fma-one": {"FLASHOPM_SMALL_TC_FUSED": "1"},
+FORMS = {"fma": {}, "fma-local-a": {"FLASHOPM_SMALL_TC_LOCAL_A": "1"}, "fma-one": {"FLASHOPM_SMALL_TC_FUSED": "1"},
          "mma": {"FLASHOPM_SMALL_TC_FMA": "0"}, "mma-one": {"FLASHOPM_SMALL_TC_FMA": "0", "FLASHOPM_SMALL_TC_FUSED": "1"}}
 ENV_KEYS = ("FLASHOPM_SMALL_TC_FUSED", "FLASHOPM_SMALL_TC_FMA", "FLASHOPM_SMALL_TC_LOCAL_A")
 

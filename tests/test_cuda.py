@@ -212,13 +212,12 @@ def test_small_tc_in_one_launch(shape, form, monkeypatch):
     _check(shape, "fractional", "small-tc", seed=zlib.crc32(f"{shape}-one-{form}".encode()) % 1000, may_not_fit=False)
 
 
-# The FMA form that waits for the first kernel before phase P (FLASHOPM_SMALL_TC_LOCAL_A=0; by
-# default each block projects its own rows of a and runs phase P before it waits, where that form
-# applies, and the first kernel writes b alone).
+# The FMA form in which each block projects its own rows of a and runs phase P before it waits
+# (FLASHOPM_SMALL_TC_LOCAL_A=1, where its staged inputs fit; the first kernel then writes b alone).
 @pytest.mark.parametrize("shape", SMALL_TC_SHAPES, ids=str)
-def test_small_tc_shared_a_form(shape, monkeypatch):
-    monkeypatch.setenv("FLASHOPM_SMALL_TC_LOCAL_A", "0")
-    _check(shape, "fractional", "small-tc", seed=zlib.crc32(f"{shape}-shared-a".encode()) % 1000,
+def test_small_tc_local_a_form(shape, monkeypatch):
+    monkeypatch.setenv("FLASHOPM_SMALL_TC_LOCAL_A", "1")
+    _check(shape, "fractional", "small-tc", seed=zlib.crc32(f"{shape}-local-a".encode()) % 1000,
            may_not_fit=False)
 
 
@@ -251,10 +250,10 @@ def test_small_tc_launches(monkeypatch):
     xc, mc, pc = x.cuda(), m.cuda(), _cuda_params(p)
     two = _flashopm_kernels(lambda: _run(xc, mc, pc, "small-tc", poison=False))
     assert len(two) == 2 and any("opm_prep_kernel" in k for k in two), two
-    assert any("opm_small_tc_kernel<0, false, true>" in k for k in two), two  # the FMA form under "highest"
-    monkeypatch.setenv("FLASHOPM_SMALL_TC_LOCAL_A", "0")
-    shared = _flashopm_kernels(lambda: _run(xc, mc, pc, "small-tc", poison=False))
-    assert len(shared) == 2 and any("opm_small_tc_kernel<0, false, false>" in k for k in shared), shared
+    assert any("opm_small_tc_kernel<0, false, false>" in k for k in two), two  # the FMA form under "highest"
+    monkeypatch.setenv("FLASHOPM_SMALL_TC_LOCAL_A", "1")
+    local = _flashopm_kernels(lambda: _run(xc, mc, pc, "small-tc", poison=False))
+    assert len(local) == 2 and any("opm_small_tc_kernel<0, false, true>" in k for k in local), local
     monkeypatch.delenv("FLASHOPM_SMALL_TC_LOCAL_A")
     monkeypatch.setenv("FLASHOPM_SMALL_TC_FUSED", "1")
     one = _flashopm_kernels(lambda: _run(xc, mc, pc, "small-tc", poison=False))

@@ -333,14 +333,16 @@ bool small_tc_fused(const PrepArgs& pa, const SmallTcPlan& plan, bool fma, int d
 }
 
 // The FMA form with each block projecting its own rows of a and running phase P before it waits
-// for the first kernel, which then computes b alone (opm_small_tc_kernel's kLocalA): phase P then
-// overlaps the first kernel.  Where it applies: float32 x, W 16-byte aligned (its chunk is staged
-// in 16-byte loads), a row (i, s) per thread at most, and room for the staged inputs in the
-// regions phase P does not use yet.  FLASHOPM_SMALL_TC_LOCAL_A=0 asks for the form that waits
-// before phase P (to compare the forms).
+// for the first kernel, which then computes b alone (opm_small_tc_kernel's kLocalA), where
+// FLASHOPM_SMALL_TC_LOCAL_A=1 asks for it: float32 x, W 16-byte aligned (its chunk is staged in
+// 16-byte loads), a row (i, s) per thread at most, and room for the staged inputs in the regions
+// phase P does not use yet.  Not the default: at the specification's shape it measured 16.6-18.5
+// against 12.4-14.1 us on the GPU (runs 133-135): its prologue and projections take 6.9-7.6K and
+// 5.9-6.4K cycles per block, alone on the SM as much as beside the first kernel, so that it waits
+// at ~11 us instead of ~5.
 bool small_tc_local_a(const PrepArgs& pa, const SmallTcPlan& plan, bool fma, bool fused, const float* w_out) {
   const char* env = std::getenv("FLASHOPM_SMALL_TC_LOCAL_A");
-  if (env != nullptr && std::string(env) == "0") return false;
+  if (env == nullptr || std::string(env) != "1") return false;
   return fma && !fused && pa.x_kind == kMaskFloat && reinterpret_cast<uintptr_t>(w_out) % 16 == 0 &&
          plan.TI * pa.S <= kSmallTcThreads &&
          small_tc_local_a_fits(small_tc_fma_layout(pa.S, pa.N, pa.H, plan.TI, plan.Dc), pa.C, pa.H, plan.TI * pa.S);
