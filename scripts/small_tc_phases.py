@@ -40,7 +40,7 @@ k = patch(k, "template <int kTerms, bool kFused, bool kLocalA>\n__global__", "__
           before=True)
 k = patch(k, "  float* den_s = smem + L.den;\n", GT(8) + CLK(0))
 k = patch(k, "  if constexpr (kLocalA) {\n    small_tc_project_a(", CLK(6), before=True)
-k = patch(k, "    small_tc_project_a(p, b, i0, ti, as, L.lda, local_a, smem);\n", CLK(7))
+k = patch(k, "    small_tc_project_a(p, ti, as, L.lda, local_a, smem);\n", CLK(7))
 k = patch(k, "    phase_p();\n  }\n", CLK(11))
 k = patch(k, '    asm volatile("griddepcontrol.wait;\\n" ::: "memory");\n', GT(9) + CLK(1))
 k = patch(k, "  if constexpr (!kLocalA) phase_p();\n", CLK(2), before=True)
@@ -60,7 +60,7 @@ PGT = lambda i: (f"\n  if (threadIdx.x == 0) {{ unsigned long long t_; asm volat
                  f" g_prep_t[{PB} * 8 + {i}] = (long long)t_; }}\n")
 PCLK = lambda i: f"\n  if (threadIdx.x == 0) g_prep_t[{PB} * 8 + {i}] = clock64();\n"  # noqa: E731
 kk = patch(kk, "template <int Q, int RW, bool kProjectW, typename XT>", "__device__ long long g_prep_t[1 << 16];\n", before=True)
-kk = patch(kk, "  const int n_base = nblk * R;\n", PGT(0) + PCLK(2))
+kk = patch(kk, "  const int n_base = nblk * block_rows;\n", PGT(0) + PCLK(2))
 kk = patch(kk, "  float acc[RW][Q];\n", PCLK(3), before=True)
 kk = patch(kk, "  // Bias, mask, store.  In project-first", PCLK(4), before=True)
 kk = patch(kk, "  if constexpr (kProjectW) {\n    // c[b, s, h1, n, d]", PCLK(5) + PGT(1), before=True)

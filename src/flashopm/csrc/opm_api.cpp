@@ -355,15 +355,25 @@ bool small_tc_fused(const PrepArgs& pa, const SmallTcPlan& plan, bool fma, int d
 
 // The FMA form with each block projecting its own rows of a and running phase P before it waits
 // for the first kernel, which then computes b alone (opm_small_tc_kernel's kLocalA), where
-// FLASHOPM_SMALL_TC_LOCAL_A=1 asks for it: float32 x and room for its staged inputs in the regions
-// phase P does not use yet.  Not the default: at the specification's shape it measured 3.6 us
-// slower on the GPU (18.4 against 14.8): the block's 4-byte asynchronous copies (W's chunk, W_a
-// and its rows of x) and its projections take longer than the first kernel they would overlap.
-bool small_tc_local_a(const PrepArgs& pa, const SmallTcPlan& plan, bool fma, bool fused) {
+// FLASHOPM_SMALL_TC_LOCAL_A=1 asks for it: float32 x, W 16-byte aligned (its chunk is staged in
+// 16-byte loads), a row (i, s) per thread at most, and room for the staged inputs in the regions
+// phase P does not use yet.  Not the default: at the specification's shape it measured 16.6-18.5
+// against 12.4-14.1 us on the GPU (runs 133-135): its prologue and projections take 6.9-7.6K and
+// 5.9-6.4K cycles per block, alone on the SM as much as beside the first kernel, so that it waits
+// at ~11 us instead of ~5.
+bool small_tc_local_a(const PrepArgs& pa, const SmallTcPlan& plan, bool fma, bool fused, const float* w_out) {
   const char* env = std::getenv("FLASHOPM_SMALL_TC_LOCAL_A");
   if (env == nullptr || std::string(env) != "1") return false;
-  return fma && !fused && pa.x_kind == kMaskFloat &&
+  return fma && !fused && pa.x_kind == kMaskFloat && reinterpret_cast<uintptr_t>(w_out) % 16 == 0 &&
+         plan.TI * pa.S <= kSmallTcThreads &&
          small_tc_local_a_fits(small_tc_fma_layout(pa.S, pa.N, pa.H, plan.TI, plan.Dc), pa.C, pa.H, plan.TI * pa.S);
+}
+
+// Whether the local-a form may copy W_a and the rows of x in 16-byte pieces.
+bool small_tc_local_a_vec(const PrepArgs& pa) {
+  const auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
+  return pa.C % 4 == 0 && pa.x_sb % 4 == 0 && pa.x_ss % 4 == 0 && pa.x_sn % 4 == 0 && aligned(pa.x) &&
+         aligned(pa.wa);
 }
 
 SmallTcPlan plan_small_tc(int64_t B, int64_t S, int64_t N, int64_t H, int64_t D, int dev) {
@@ -739,7 +749,7 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     pa.o_chunks = 1;
     const bool fma = small_tc_fma(small_tc, tc_terms);
     const bool fused = small_tc_fused(pa, small_tc, fma, dev);
-    const bool local_a = small_tc_local_a(pa, small_tc, fma, fused);
+    const bool local_a = small_tc_local_a(pa, small_tc, fma, fused, w_out.data_ptr<float>());
     // The FMA form of two launches takes b as (B, S, H, N4) and a as (B, H, NS4) (none when each
     // block projects its own), so that it copies rows of both in 16-byte pieces.
     const bool rows16 = fma && !fused;
@@ -780,6 +790,7 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     ta.fma = fma;
     ta.fused = fused;
     ta.local_a = local_a;
+    ta.local_a_vec = local_a && small_tc_local_a_vec(pa);
     ta.prep = pa;
     ta.a = a_ws;
     ta.b = b_ws;

@@ -541,6 +541,7 @@ struct SmallTcArgs {
   int fused;      // the kernel projects the rows itself (cooperative launch, float32 x)
   int local_a;    // the FMA form projects its own rows of a and runs phase P before the wait
                   // (float32 x; the first kernel writes b alone)
+  int local_a_vec;  // ... with W_a and x's rows copied in 16-byte pieces
   PrepArgs prep;  // the projections' inputs, when fused or local_a
 };
 
@@ -640,24 +641,30 @@ FLASHOPM_HD inline bool small_tc_fused_fits(const SmallTcLayout& L, int C, int H
 }
 
 // The local-a form's scratch before phase P, in the regions of b, P and the K parts (offsets in
-// floats): W_a transposed ([C][H + 1]), the block's rows of x ([rows][C], rows = TI·S), LayerNorm's
-// weight and bias (C each), b_a (H) and the rows' mask values (rows).  end: one past the last.
+// floats): W_a as [H][ldwa] (ldwa = 4 mod 8: the projection's float4 reads along lanes h are
+// conflict-free), the block's rows of x as [rows][ldx] (rows = TI·S), LayerNorm's weight and bias
+// (ldx each), b_a (H) and the rows' mask values (rows).  vec: the copies in 16-byte pieces
+// (small_tc_local_a_vec).  end: one past the last.
 struct SmallTcLocalA {
-  int64_t wt, xs, lnw, lnb, ba, mask, end;
+  int64_t wa, xs, lnw, lnb, ba, mask, end;
+  int ldwa, ldx, vec;
 };
-FLASHOPM_HD inline SmallTcLocalA small_tc_local_a_layout(const SmallTcLayout& L, int C, int H, int rows) {
+FLASHOPM_HD inline SmallTcLocalA small_tc_local_a_layout(const SmallTcLayout& L, int C, int H, int rows, int vec) {
   SmallTcLocalA A{};
-  A.wt = L.b;
-  A.xs = A.wt + int64_t(C) * (H + 1);
-  A.lnw = A.xs + int64_t(rows) * C;
-  A.lnb = A.lnw + C;
-  A.ba = A.lnb + C;
-  A.mask = A.ba + H;
+  A.ldwa = round_up4_odd_quad(C);
+  A.ldx = round_up4(C);
+  A.vec = vec;
+  A.wa = L.b;
+  A.xs = A.wa + int64_t(H) * A.ldwa;
+  A.lnw = A.xs + int64_t(rows) * A.ldx;
+  A.lnb = A.lnw + A.ldx;
+  A.ba = A.lnb + A.ldx;
+  A.mask = A.ba + round_up4(H);
   A.end = A.mask + rows;
   return A;
 }
 FLASHOPM_HD inline bool small_tc_local_a_fits(const SmallTcLayout& L, int C, int H, int rows) {
-  return small_tc_local_a_layout(L, C, H, rows).end <= int64_t(L.pair);
+  return small_tc_local_a_layout(L, C, H, rows, 0).end <= int64_t(L.pair);
 }
 
 // Launches the second kernel of the pair (after launch_prep on the same stream) as a

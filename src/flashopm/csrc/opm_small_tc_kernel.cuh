@@ -155,64 +155,146 @@ __device__ __forceinline__ void small_tc_project_rows(const PrepArgs& q, float* 
 }
 
 // The local-a form's inputs to its projections, in shared memory (the regions of b, P and the K
-// parts, not used before phase P; small_tc_local_a_layout): W_a transposed (wt[c][h], row stride
-// H + 1: lanes along c store to distinct banks), the block's rows of x (b, s, i0 + il) as
-// xs[il·S + s][c], LayerNorm's weight and bias, b_a (zeros if none), all as 4-byte asynchronous
-// copies in one group, so that their latencies overlap; the mask values of the rows are plain
-// loads (any mask type), stored by the thread that loads them.
+// parts, not used before phase P; small_tc_local_a_layout): W_a as wa[h][c], the block's rows of x
+// (b, s, i0 + il) as xs[il·S + s][c], LayerNorm's weight and bias, and b_a (zeros if none), in one
+// group of asynchronous copies, 16-byte ones where msa_dim and the addresses allow (A.vec).
+// Columns from msa_dim to the next multiple of 4 are zero in wa, so that the projection's float4
+// loop may run over them (xs's are zeroed by the LayerNorm pass).
 __device__ __forceinline__ void small_tc_stage_a_inputs(const SmallTcArgs& p, int b, int i0, int ti,
                                                         const SmallTcLocalA& A, float* smem) {
   const PrepArgs& q = p.prep;
-  const int C = q.C, H = q.H, S = q.S, ld = H + 1, tid = threadIdx.x;
-  for (int idx = tid; idx < H * C; idx += kSmallTcThreads) {
-    const int o = idx / C, c = idx - o * C;
-    cp_async4(&smem[A.wt + c * ld + o], q.wa + int64_t(o) * C + c, true);
+  const int C = q.C, C4 = round_up4(C), H = q.H, S = q.S, tid = threadIdx.x, rows = ti * S;
+  float* wa = smem + A.wa;
+  float* xs = smem + A.xs;
+  const float* x = static_cast<const float*>(q.x) + int64_t(b) * q.x_sb + int64_t(i0) * q.x_sn;
+  if (A.vec) {
+    const int q_row = C / 4;
+    for (int idx = tid; idx < H * q_row; idx += kSmallTcThreads) {
+      const int h = idx / q_row, c = 4 * (idx - h * q_row);
+      cp_async16(&wa[h * A.ldwa + c], q.wa + int64_t(h) * C + c);
+    }
+    for (int idx = tid; idx < rows * q_row; idx += kSmallTcThreads) {
+      const int r = idx / q_row, c = 4 * (idx - r * q_row), il = r / S, s = r - il * S;
+      cp_async16(&xs[r * A.ldx + c], x + int64_t(s) * q.x_ss + int64_t(il) * q.x_sn + c);
+    }
+    for (int idx = tid; idx < 2 * q_row; idx += kSmallTcThreads) {
+      const int c = 4 * (idx < q_row ? idx : idx - q_row);
+      if (idx < q_row) cp_async16(smem + A.lnw + c, q.ln_w + c);
+      else cp_async16(smem + A.lnb + c, q.ln_b + c);
+    }
+  } else {
+    for (int idx = tid; idx < H * C4; idx += kSmallTcThreads) {
+      const int h = idx / C4, c = idx - h * C4;
+      if (c < C) cp_async4(&wa[h * A.ldwa + c], q.wa + int64_t(h) * C + c, true);
+      else wa[h * A.ldwa + c] = 0.f;
+    }
+    for (int idx = tid; idx < rows * C; idx += kSmallTcThreads) {
+      const int r = idx / C, c = idx - r * C, il = r / S, s = r - il * S;
+      cp_async4(&xs[r * A.ldx + c], x + int64_t(s) * q.x_ss + int64_t(il) * q.x_sn + c, true);
+    }
+    for (int c = tid; c < C; c += kSmallTcThreads) {
+      cp_async4(smem + A.lnw + c, q.ln_w + c, true);
+      cp_async4(smem + A.lnb + c, q.ln_b + c, true);
+    }
   }
-  const float* x = static_cast<const float*>(q.x);
-  for (int idx = tid; idx < ti * S * C; idx += kSmallTcThreads) {
-    const int r = idx / C, c = idx - r * C, il = r / S, s = r - il * S;
-    cp_async4(&smem[A.xs + idx], x + int64_t(b) * q.x_sb + int64_t(s) * q.x_ss + int64_t(i0 + il) * q.x_sn + c, true);
+  for (int h = tid; h < H; h += kSmallTcThreads) {
+    if (q.ba != nullptr) cp_async4(smem + A.ba + h, q.ba + h, true);
+    else smem[A.ba + h] = 0.f;
   }
-  for (int c = tid; c < C; c += kSmallTcThreads) {
-    cp_async4(&smem[A.lnw + c], q.ln_w + c, true);
-    cp_async4(&smem[A.lnb + c], q.ln_b + c, true);
-  }
-  for (int h = tid; h < H; h += kSmallTcThreads) cp_async4(&smem[A.ba + h], q.ba ? q.ba + h : q.wa, q.ba != nullptr);
   cp_async_commit();
 }
 
-// LayerNorm, projection and mask of the staged rows (small_tc_stage_a_inputs, whose copy group is
-// the older of at most two in flight) into the FMA form's transposed a: as[h][il·S + s].  One warp
-// per row normalises it in place, then one thread per (row, h) takes its dot product with W_a.
-// The sums are those of opm_prep_kernel (lane-strided statistics; chunks of kPrepKC features, in
-// order).
-__device__ __forceinline__ void small_tc_project_a(const SmallTcArgs& p, int b, int i0, int ti, float* as, int lda,
+// W's chunk transposed into shared memory, ws[k][dl] (rows d past D zero), through registers in
+// batches of kSmallTcWBatch float4 per thread (16-byte global loads rather than 4-byte
+// asynchronous copies, which cost the local-a form its head start: run 113).  The first batch is
+// loaded by small_tc_w_chunk_load at the kernel's start, so that its latency overlaps the other
+// loads; small_tc_w_chunk_store stores it and loads and stores the rest.  Lanes run along dl
+// first: the transposing stores meet at most 2-way bank conflicts (ldw = 4 mod 8).  Needs
+// H·H % 4 == 0 and W 16-byte aligned (small_tc_local_a).
+constexpr int kSmallTcWBatch = 4;
+__device__ __forceinline__ void small_tc_w_chunk_load(const SmallTcArgs& p, int d0, int Dc, int base,
+                                                      float4 (&v)[kSmallTcWBatch]) {
+  const int HH = p.H * p.H, items = Dc * (HH / 4);
+#pragma unroll
+  for (int u = 0; u < kSmallTcWBatch; ++u) {
+    const int idx = base + u * kSmallTcThreads, dl = idx % Dc;
+    v[u] = idx < items && d0 + dl < p.D
+               ? __ldg(reinterpret_cast<const float4*>(p.w_out + int64_t(d0 + dl) * HH) + idx / Dc)
+               : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+}
+__device__ __forceinline__ void small_tc_w_chunk_store(const SmallTcArgs& p, int d0, int Dc, int ldw, float* ws,
+                                                       float4 (&v)[kSmallTcWBatch]) {
+  const int items = Dc * (p.H * p.H / 4);
+  for (int base = threadIdx.x;; ) {
+#pragma unroll
+    for (int u = 0; u < kSmallTcWBatch; ++u) {
+      const int idx = base + u * kSmallTcThreads;
+      if (idx < items) {
+        const int dl = idx % Dc, k = 4 * (idx / Dc);
+        ws[k * ldw + dl] = v[u].x;
+        ws[(k + 1) * ldw + dl] = v[u].y;
+        ws[(k + 2) * ldw + dl] = v[u].z;
+        ws[(k + 3) * ldw + dl] = v[u].w;
+      }
+    }
+    base += kSmallTcWBatch * kSmallTcThreads;
+    if (base >= items) break;
+    small_tc_w_chunk_load(p, d0, Dc, base, v);
+  }
+}
+
+// LayerNorm, projection and mask of the staged rows (small_tc_stage_a_inputs' copy group, the only
+// one in flight; the rows' mask values in A.mask) into the FMA form's transposed a:
+// as[h][il·S + s].  One warp per row normalises it in place (the padding columns set to zero),
+// then each thread takes one h for two rows, float4 reads of wa (rows 4 mod 8 floats apart:
+// conflict-free) and of x (one row per warp: broadcast).  Nothing here reads global memory.  The
+// sums are those of opm_prep_kernel (lane-strided statistics; chunks of kPrepKC features, each in
+// order, then the chunks in order).
+__device__ __forceinline__ void small_tc_project_a(const SmallTcArgs& p, int ti, float* as, int lda,
                                                    const SmallTcLocalA& A, float* smem) {
   const PrepArgs& q = p.prep;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int S = q.S, C = q.C, H = q.H, ld = H + 1, rows = ti * S;
-  float* mk = smem + A.mask;
-  // (the last warps: the first ones load the bias and row denominators before this)
-  for (int r = kSmallTcThreads - 1 - tid; r < rows; r += kSmallTcThreads) {
-    const int il = r / S;
-    mk[r] = mask_at(p.mask, b, r - il * S, i0 + il);
-  }
-  cp_async_wait<1>();
-  __syncthreads();
+  const int S = q.S, C = q.C, C4 = round_up4(C), H = q.H, rows = ti * S;
+  float* xs = smem + A.xs;
+  const float* mk = smem + A.mask;
   const float* lnw = smem + A.lnw;
   const float* lnb = smem + A.lnb;
+  cp_async_wait_all();
+  __syncthreads();
   for (int r = warp; r < rows; r += kSmallTcWarps) {
-    float* xr = smem + A.xs + r * C;
+    float* xr = xs + r * A.ldx;
     float mean, rstd;
     warp_layernorm_stats([&](int c) { return xr[c]; }, C, q.ln_eps, lane, mean, rstd);
-    for (int c = lane; c < C; c += 32) xr[c] = (xr[c] - mean) * rstd * lnw[c] + lnb[c];
+    for (int c = lane; c < C4; c += 32) xr[c] = c < C ? (xr[c] - mean) * rstd * lnw[c] + lnb[c] : 0.f;
   }
   __syncthreads();
-  const float* wt = smem + A.wt;
-  for (int idx = tid; idx < rows * H; idx += kSmallTcThreads) {
-    const int r = idx / H, h = idx - r * H;
-    const float acc = chunked_dot(smem + A.xs + r * C, wt + h, ld, C);
-    as[h * lda + r] = (acc + smem[A.ba + h]) * mk[r];
+  const float* wa = smem + A.wa;
+  const int pairs = (rows + 1) / 2;
+  for (int idx = tid; idx < pairs * H; idx += kSmallTcThreads) {
+    const int rp = idx / H, h = idx - rp * H, r0 = 2 * rp, r1 = min(r0 + 1, rows - 1);
+    const float* w = wa + h * A.ldwa;
+    const float* x0 = xs + r0 * A.ldx;
+    const float* x1 = xs + r1 * A.ldx;
+    float acc0 = 0.f, acc1 = 0.f;
+    for (int c0 = 0; c0 < C4; c0 += kPrepKC) {
+      const int ce = min(C4, c0 + kPrepKC);
+      float part0 = 0.f, part1 = 0.f;
+#pragma unroll 4
+      for (int c = c0; c < ce; c += 4) {
+        const float4 wv = *reinterpret_cast<const float4*>(w + c);
+        const float4 xa = *reinterpret_cast<const float4*>(x0 + c);
+        const float4 xb = *reinterpret_cast<const float4*>(x1 + c);
+        part0 = fmaf(xa.x, wv.x, part0), part1 = fmaf(xb.x, wv.x, part1);
+        part0 = fmaf(xa.y, wv.y, part0), part1 = fmaf(xb.y, wv.y, part1);
+        part0 = fmaf(xa.z, wv.z, part0), part1 = fmaf(xb.z, wv.z, part1);
+        part0 = fmaf(xa.w, wv.w, part0), part1 = fmaf(xb.w, wv.w, part1);
+      }
+      acc0 += part0, acc1 += part1;
+    }
+    const float bias = smem[A.ba + h];
+    as[h * lda + r0] = (acc0 + bias) * mk[r0];
+    if (r0 + 1 < rows) as[h * lda + r0 + 1] = (acc1 + bias) * mk[r0 + 1];
   }
 }
 
@@ -255,9 +337,17 @@ __global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_tc_kernel(const 
     for (int kb = 0; kb < kSmallTcKBatch; ++kb)
       if (ks0 + kb < ksteps_p) small_tc_load_w(p, d0, mt0, ks0 + kb, g, t, wf[kb]);
   };
-  const SmallTcLocalA local_a = small_tc_local_a_layout(L, p.prep.C, H, TI * S);
-  if constexpr (kLocalA) small_tc_stage_a_inputs(p, b, i0, ti, local_a, smem);
-  if constexpr (kFma) {
+  // The local-a form has everything before phase P to do before the first kernel ends: every
+  // independent global load goes out first (W's first batch, the copies of the projections'
+  // inputs, the rows' mask values), and only then is anything stored.
+  const SmallTcLocalA local_a = small_tc_local_a_layout(L, p.prep.C, H, TI * S, p.local_a_vec);
+  float4 w_first[kSmallTcWBatch];
+  float mask_row = 0.f;  // the mask value of row tid (TI·S <= kSmallTcThreads: small_tc_local_a)
+  if constexpr (kLocalA) {
+    small_tc_w_chunk_load(p, d0, Dc, tid, w_first);
+    small_tc_stage_a_inputs(p, b, i0, ti, local_a, smem);
+    if (tid < ti * S) mask_row = mask_at(p.mask, b, tid % S, i0 + tid / S);
+  } else if constexpr (kFma) {
     // W's chunk transposed into shared memory, w[k][d] (rows d past D zero), one copy group.
     float* ws = smem + L.w;
     const int HH = H * H;
@@ -285,6 +375,10 @@ __global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_tc_kernel(const 
         for (int s = 0; s < S; ++s) sum += mask_at(p.mask, b, s, i0 + il) * mask_at(p.mask, b, s, j);
       pair_s[idx] = sum;
     }
+  }
+  if constexpr (kLocalA) {
+    small_tc_w_chunk_store(p, d0, Dc, L.ldw, smem + L.w, w_first);
+    if (tid < ti * S) smem[local_a.mask + tid] = mask_row;
   }
   if constexpr (!kFma) {
     // Zero padding rows (never written by the copies below).
@@ -364,8 +458,7 @@ __global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_tc_kernel(const 
   };
 
   if constexpr (kLocalA) {
-    small_tc_project_a(p, b, i0, ti, as, L.lda, local_a, smem);
-    cp_async_wait_all();  // W's chunk
+    small_tc_project_a(p, ti, as, L.lda, local_a, smem);
     __syncthreads();
     phase_p();
   }
