@@ -221,6 +221,21 @@ def test_small_tc_local_a_form(shape, monkeypatch):
            may_not_fit=False)
 
 
+def test_small_tc_local_a_form_with_unaligned_parameters(monkeypatch):
+    """LayerNorm's parameters and the projections' weights as views 4 bytes past an aligned address:
+    the local-a form copies them in 16-byte pieces only where each is 16-byte aligned."""
+    monkeypatch.setenv("FLASHOPM_SMALL_TC_LOCAL_A", "1")
+    x, m, p = make_problem(SPEC, "fractional", seed=21)
+    xc, mc, pc = x.cuda(), m.cuda(), _cuda_params(p)
+    for name in ("ln_weight", "ln_bias", "w_a", "w_b"):
+        flat = torch.empty(pc[name].numel() + 1, device="cuda")
+        flat[1:] = pc[name].flatten()
+        pc[name] = flat[1:].view_as(pc[name])
+        assert pc[name].data_ptr() % 16 != 0
+    out = _run(xc, mc, pc, "small-tc", may_not_fit=False).cpu()
+    assert torch.allclose(out, reference(xc, mc, pc).cpu(), atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("local_a", ["0", "1"])
 @pytest.mark.parametrize("shape", [Shape(67, 8, 41, 20, 8, 16), Shape(61, 7, 43, 20, 8, 16)], ids=str)
 def test_small_tc_fma_layouts_from_tiled_projection(shape, local_a, monkeypatch):

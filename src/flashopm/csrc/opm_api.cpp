@@ -369,11 +369,12 @@ bool small_tc_local_a(const PrepArgs& pa, const SmallTcPlan& plan, bool fma, boo
          small_tc_local_a_fits(small_tc_fma_layout(pa.S, pa.N, pa.H, plan.TI, plan.Dc), pa.C, pa.H, plan.TI * pa.S);
 }
 
-// Whether the local-a form may copy W_a and the rows of x in 16-byte pieces.
+// Whether the local-a form may copy its projections' weights, LayerNorm's parameters and the rows
+// of x in 16-byte pieces.
 bool small_tc_local_a_vec(const PrepArgs& pa) {
   const auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
   return pa.C % 4 == 0 && pa.x_sb % 4 == 0 && pa.x_ss % 4 == 0 && pa.x_sn % 4 == 0 && aligned(pa.x) &&
-         aligned(pa.wa);
+         aligned(pa.wa) && aligned(pa.wb) && aligned(pa.ln_w) && aligned(pa.ln_b);
 }
 
 SmallTcPlan plan_small_tc(int64_t B, int64_t S, int64_t N, int64_t H, int64_t D, int dev) {
