@@ -254,13 +254,14 @@ std::vector<at::Tensor> outer_product_mean_backward_cuda(const at::Tensor& grad_
   const bool fused_ln = fused_ln_fits(msa, mask, B * S * N, C, H, B, S, dev);
   // m: (B, S, N, 1) in the working type, for the ATen paths only (a view op less per call otherwise)
   const at::Tensor m = fused_ln && scale_in_kernel ? at::Tensor() : mask.to(work).unsqueeze(-1);
-  // A 16-bit model's parameters in float32, converted by one launch (as the forward does).
+  // The parameters in the working type, contiguous: a 16-bit model's converted to float32 by one
+  // launch (as the forward does), others as given.
   const ParamsF32 params = params_as_f32({&ln_w, &ln_b, &w_a, b_a ? &*b_a : nullptr, &w_b, b_b ? &*b_b : nullptr,
                                           &w_out, nullptr},
                                          half, msa.options().dtype(at::kFloat));
-  const at::Tensor wo = half ? *params.t[6] : w_out.to(work);
-  const LnInputs ln_in =
-      fused_ln ? ln_inputs(msa, mask, *params.t[0], *params.t[1], ln_eps, *params.t[2], *params.t[4]) : LnInputs{};
+  const at::Tensor &lw = *params.t[0], &lb = *params.t[1], &wa = *params.t[2], &wb = *params.t[4], &wo = *params.t[6];
+  const OptTensor &ba = params.t[3], &bb = params.t[5];
+  const LnInputs ln_in = fused_ln ? ln_inputs(msa, mask, lw, lb, ln_eps, wa, wb) : LnInputs{};
   std::vector<at::Tensor> grads(9);
   at::Tensor grad_a, grad_b, grad_w;
   // The unfused path's LayerNorm intermediates, kept for its backward.
@@ -269,15 +270,15 @@ std::vector<at::Tensor> outer_product_mean_backward_cuda(const at::Tensor& grad_
     // a, b and g (B, N, N, D) live only for the contractions
     at::Tensor a, b;
     if (fused_ln) {
-      std::tie(a, b) = project_masked(ln_in, params.t[3], params.t[5], dev);
+      std::tie(a, b) = project_masked(ln_in, ba, bb, dev);
     } else {
       const at::Tensor x = msa.to(work);
       const auto [var, mu] = at::var_mean(x, {-1}, /*correction=*/0, /*keepdim=*/true);
       rstd = (var + ln_eps).rsqrt_();
       xhat = (x - mu).mul_(rstd);
-      xn = at::addcmul(ln_b.to(work), xhat, ln_w.to(work));
-      a = at::linear(xn, w_a.to(work), b_a ? OptTensor(b_a->to(work)) : std::nullopt).mul_(m);
-      b = at::linear(xn, w_b.to(work), b_b ? OptTensor(b_b->to(work)) : std::nullopt).mul_(m);
+      xn = at::addcmul(lb, xhat, lw);
+      a = at::linear(xn, wa, ba).mul_(m);
+      b = at::linear(xn, wb, bb).mul_(m);
     }
     const at::Tensor go = grad_out.to(work);
     at::Tensor g;
@@ -307,7 +308,6 @@ std::vector<at::Tensor> outer_product_mean_backward_cuda(const at::Tensor& grad_
     if (need_ba) grads[4] = r.b_a;
     if (need_bb) grads[6] = r.b_b;
   } else if (need_proj) {
-    const at::Tensor lw = ln_w.to(work), wa = w_a.to(work), wb = w_b.to(work);
     const at::Tensor ga = grad_a.mul_(m).reshape({-1, H});
     const at::Tensor gb = grad_b.mul_(m).reshape({-1, H});
     const at::Tensor xn2 = xn.reshape({-1, C});

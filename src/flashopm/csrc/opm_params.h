@@ -541,7 +541,7 @@ struct SmallTcArgs {
   int fused;      // the kernel projects the rows itself (cooperative launch, float32 x)
   int local_a;    // the FMA form projects its own rows of a and runs phase P before the wait
                   // (float32 x; the first kernel writes b alone)
-  int local_a_vec;  // ... with W_a and x's rows copied in 16-byte pieces
+  int local_a_vec;  // ... with its weights, LayerNorm's parameters and x's rows copied in 16-byte pieces
   PrepArgs prep;  // the projections' inputs, when fused or local_a
 };
 
