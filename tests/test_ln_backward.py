@@ -8,7 +8,9 @@ gradients taken back by opm_ln_backward_kernel and its reduction):
 Every gradient against float64 over msa_dim across the kernel's column layouts (1, primes,
 32·2^k ± 1, up to 512, and the ATen path past it), hidden sizes the fused contractions take and
 those they do not, row counts at the tile edges and past one tile per block, every mask kind,
-half-precision inputs, non-contiguous x, subsets of the gradients, and repeatability."""
+half-precision inputs, non-contiguous x, subsets of the gradients, and repeatability.  Where msa_dim
+is at most 256 and hidden_dim at most 32 the kernel's register form runs
+(FLASHOPM_LN_BACKWARD_REGS=0 asks for the other one there: both are checked)."""
 import pytest
 import torch
 
@@ -96,6 +98,16 @@ def test_gradients_against_fp64(shape):
                                    Shape(2, 40, 53, 64, 32, 3)], ids=str)
 def test_row_counts_at_tile_edges(shape):
     _check_against_fp64(shape, seed=7)
+
+
+# Both forms where the register form applies: hidden 1, 8, 16 and 32 (its three register widths),
+# msa_dim across 32-256 threads per row, a row count past one tile per block.
+@pytest.mark.parametrize("regs", ["1", "0"], ids=["register-form", "shared-form"])
+@pytest.mark.parametrize("shape", [Shape(1, 3, 7, 17, 1, 4), Shape(2, 5, 11, 64, 8, 5), Shape(1, 4, 13, 100, 16, 6),
+                                   Shape(1, 24, 97, 256, 32, 4), Shape(2, 3, 9, 33, 32, 3)], ids=str)
+def test_both_forms(shape, regs, monkeypatch):
+    monkeypatch.setenv("FLASHOPM_LN_BACKWARD_REGS", regs)
+    _check_against_fp64(shape, seed=shape.S + shape.N)
 
 
 @pytest.mark.parametrize("mask_kind", ["ones", "binary", "fractional", "masked_positions", "bool", "half"])

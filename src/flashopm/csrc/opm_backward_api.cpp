@@ -169,9 +169,11 @@ LnGrads ln_projection_backward(const LnInputs& in, const at::Tensor& grad_a_in, 
   const int64_t rows = B * S * N;
   const int lanes = ln_backward_col_lanes(int(C)), tile_rows = (kLnBwdThreads / lanes) * kLnBwdRows;
   const int smem = ln_backward_smem_bytes(int(C), int(H));
-  // resident blocks per SM: two with one column per thread (the kernel's register bound), else one
-  const int per_sm =
-      ln_backward_cols(int(C)) == 1 ? std::max(1, std::min(2, device_info(dev).smem_per_sm / (smem + 1024))) : 1;
+  // resident blocks per SM: one in the register form and with two columns per thread, else two
+  // (the kernels' register bounds)
+  const int per_sm = ln_backward_regs(int(C), int(H)) || ln_backward_cols(int(C)) != 1
+                         ? 1
+                         : std::max(1, std::min(2, device_info(dev).smem_per_sm / (smem + 1024)));
   const int64_t tiles = (rows + tile_rows - 1) / tile_rows;
   const int blocks = int(std::min<int64_t>(tiles, int64_t(per_sm) * device_info(dev).sm_count));
   at::Tensor partial = at::empty({blocks, ln_backward_partial_floats(int(C), int(H))}, opts);

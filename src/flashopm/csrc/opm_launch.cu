@@ -6,7 +6,9 @@
 #include <array>
 #include <mutex>
 
+#include <cstdlib>
 #include <map>
+#include <string>
 #include <utility>
 
 #include "opm_backward_kernel.cuh"
@@ -252,7 +254,15 @@ void launch_outer_tc16(const OuterArgs& args, int operand_kind, int form, cudaSt
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-int ln_backward_smem_bytes(int C, int H) { return int(ln_backward_smem_floats(C, H) * sizeof(float)); }
+bool ln_backward_regs(int C, int H) {
+  const char* env = std::getenv("FLASHOPM_LN_BACKWARD_REGS");  // "0": the earlier form, to compare them
+  return ln_backward_regs_form(C, H) && !(env != nullptr && std::string(env) == "0");
+}
+
+int ln_backward_smem_bytes(int C, int H) {
+  return int((ln_backward_regs(C, H) ? ln_backward_regs_smem_floats(C, H) : ln_backward_smem_floats(C, H)) *
+             sizeof(float));
+}
 
 namespace {
 template <int kCols, typename XT>
@@ -261,10 +271,24 @@ void launch_ln_backward_t(const LnBackwardArgs& args, int blocks, cudaStream_t s
   allow_smem<kernel>();
   kernel<<<blocks, kLnBwdThreads, ln_backward_smem_bytes(args.C, args.H), stream>>>(args);
 }
+template <int kH2, typename XT>
+void launch_ln_backward_regs_t(const LnBackwardArgs& args, int blocks, cudaStream_t stream) {
+  constexpr auto kernel = opm_ln_backward_regs_kernel<kH2, XT>;
+  allow_smem<kernel>();
+  kernel<<<blocks, kLnBwdThreads, ln_backward_smem_bytes(args.C, args.H), stream>>>(args);
+}
 template <typename XT>
 void launch_ln_backward_x(const LnBackwardArgs& args, int blocks, cudaStream_t stream) {
-  if (ln_backward_cols(args.C) == 1) launch_ln_backward_t<1, XT>(args, blocks, stream);
-  else launch_ln_backward_t<2, XT>(args, blocks, stream);
+  if (ln_backward_regs(args.C, args.H)) {
+    const int h2 = ln_backward_regs_h2(args.H);
+    if (h2 == 16) launch_ln_backward_regs_t<16, XT>(args, blocks, stream);
+    else if (h2 == 32) launch_ln_backward_regs_t<32, XT>(args, blocks, stream);
+    else launch_ln_backward_regs_t<64, XT>(args, blocks, stream);
+  } else if (ln_backward_cols(args.C) == 1) {
+    launch_ln_backward_t<1, XT>(args, blocks, stream);
+  } else {
+    launch_ln_backward_t<2, XT>(args, blocks, stream);
+  }
 }
 }  // namespace
 

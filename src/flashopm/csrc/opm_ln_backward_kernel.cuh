@@ -283,6 +283,189 @@ __global__ void __launch_bounds__(kLnBwdThreads, kCols == 1 ? 2 : 1) opm_ln_back
   if (tid < H2) part[H2 * C + 2 * C + tid] = dbias;
 }
 
+// The same pass where msa_dim <= 256 (one column per thread) and 2H <= kH2 <= 64: each thread
+// keeps its column of [W_a; W_b] and its dW sums in registers for all its tiles, so that the loop
+// over h reads nothing but the tile's gradients (shared-memory broadcasts); and the next tile's x,
+// gradients, mask and row offsets are requested before the current tile is worked on, so that one
+// block per SM hides their latency.  The mask multiplies the products (m g·W = m (g·W), and
+// (m g) xn = g (m xn)) instead of the staged gradients, which come in by cp.async untouched.
+template <int kH2, typename XT>
+__global__ void __launch_bounds__(kLnBwdThreads, 1) opm_ln_backward_regs_kernel(const LnBackwardArgs p) {
+  extern __shared__ float4 smem_f4[];
+  float* smem = reinterpret_cast<float*>(smem_f4);
+  constexpr int R = kLnBwdRows;
+  const int C = p.C, H = p.H, H2 = 2 * H;
+  const int lanes = p.col_lanes, groups = kLnBwdThreads / lanes;
+  const int tile_rows = groups * R, tr4 = round_up4(tile_rows), gm_floats = tile_rows * kH2;
+  float* dw_s = smem;                               // [groups][kH2][lanes]: the block's final sums
+  float* gm_s = dw_s + kLnBwdThreads * kH2;         // [2][tile_rows][kH2]: a tile's gradients, unmasked
+  float* red_s = gm_s + 2 * gm_floats;              // [warps][2R]
+  float* dln_s = red_s + kLnBwdWarps * 2 * R;       // [groups][2][lanes]
+  float* m_s = dln_s + groups * 2 * lanes;          // [2][tr4]
+  int64_t* xoff_s = reinterpret_cast<int64_t*>(m_s + 2 * tr4);  // [2][tr4]
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int group = tid / lanes, cl = tid - group * lanes;
+  const bool col_ok = cl < C;
+  float wcol[kH2], dw[kH2];
+#pragma unroll
+  for (int h = 0; h < kH2; ++h) {
+    const bool ok = h < H2 && col_ok;
+    const float* wrow = h < H ? p.wa + int64_t(h) * C : p.wb + int64_t(h - H) * C;
+    wcol[h] = ok ? __ldg(wrow + cl) : 0.f;
+    dw[h] = 0.f;
+  }
+  const float lw = col_ok ? p.ln_w[cl] : 0.f, lb = col_ok ? p.ln_b[cl] : 0.f;
+  float dlw = 0.f, dlb = 0.f, dbias = 0.f;  // dbias: thread tid < 2H, d b_a[tid] or d b_b[tid - H]
+  const float inv_c = 1.f / float(C);
+  const int64_t ntiles = (p.rows + tile_rows - 1) / tile_rows;
+
+  // A tile's mask values and x offsets into buffer buf (threads below tile_rows).
+  const auto stage_rows = [&](int64_t tile, int buf) {
+    if (tid < tile_rows) {
+      const int64_t row = tile * tile_rows + tid;
+      float mv = 0.f;
+      int64_t off = 0;
+      if (row < p.rows) {
+        const int64_t bs = row / p.N;
+        const int n = int(row - bs * p.N), s = int(bs % p.S), b = int(bs / p.S);
+        mv = mask_at(p.mask, b, s, n);
+        off = int64_t(b) * p.x_sb + int64_t(s) * p.x_ss + int64_t(n) * p.x_sn;
+      }
+      m_s[buf * tr4 + tid] = mv;
+      xoff_s[buf * tr4 + tid] = off;
+    }
+  };
+  // A tile's loads: this thread's R values of x into registers, the gradients into gm_s[buf]
+  // (rows of kH2: [grad_a | grad_b | zeros]).  Needs the tile's offsets staged and visible.
+  const auto load_tile = [&](int64_t tile, int buf, float (&xr)[R]) {
+    const int64_t row0 = tile * tile_rows;
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+      const int r = group * R + i;
+      xr[i] = row0 + r < p.rows && col_ok ? load_streaming_as_float<XT>(p.x, xoff_s[buf * tr4 + r] + cl) : 0.f;
+    }
+    float* gdst = gm_s + buf * gm_floats;
+    for (int idx = tid; idx < gm_floats; idx += kLnBwdThreads) {
+      const int r = idx / kH2, h = idx % kH2;
+      const int64_t row = row0 + r;
+      const bool ok = row < p.rows && h < H2;
+      const float* src = !ok ? p.grad_a : h < H ? p.grad_a + row * H + h : p.grad_b + row * H + (h - H);
+      cp_async4(gdst + idx, src, ok);
+    }
+    cp_async_commit();
+  };
+
+  int64_t tile = blockIdx.x;
+  int buf = 0;
+  float xv[R];
+  if (tile < ntiles) stage_rows(tile, 0);
+  __syncthreads();
+  if (tile < ntiles) load_tile(tile, 0, xv);
+  for (; tile < ntiles; tile += gridDim.x, buf ^= 1) {
+    const int64_t row0 = tile * tile_rows, next = tile + gridDim.x;
+    if (next < ntiles) stage_rows(next, buf ^ 1);
+
+    // LayerNorm's statistics, two passes over the registers.
+    float xh[R], stat[R], rstd[R];
+    bool row_ok[R];
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+      row_ok[i] = row0 + group * R + i < p.rows;
+      xh[i] = xv[i];
+      stat[i] = xh[i];
+    }
+    row_group_sum(stat, red_s, lanes, warp, lane);
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+      const float mean = stat[i] * inv_c;
+      xh[i] = col_ok ? xh[i] - mean : 0.f;
+      stat[i] = xh[i] * xh[i];
+    }
+    row_group_sum(stat, red_s, lanes, warp, lane);
+    const float* gm = gm_s + buf * gm_floats;
+    const float* mrow = m_s + buf * tr4;
+    float xnm[R];  // m * xn
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+      rstd[i] = rsqrtf(stat[i] * inv_c + p.ln_eps);
+      xh[i] *= rstd[i];
+    }
+    cp_async_wait_all();
+    __syncthreads();  // this tile's gradients in gm_s[buf]; the next tile's offsets in their buffer
+#pragma unroll
+    for (int i = 0; i < R; ++i) xnm[i] = mrow[group * R + i] * fmaf(xh[i], lw, lb);
+    if (next < ntiles) load_tile(next, buf ^ 1, xv);
+
+    if (tid < H2) {
+      for (int r = 0; r < tile_rows; ++r) dbias = fmaf(gm[r * kH2 + tid], mrow[r], dbias);
+    }
+
+    float gxn[R];
+#pragma unroll
+    for (int i = 0; i < R; ++i) gxn[i] = 0.f;
+#pragma unroll
+    for (int h = 0; h < kH2; h += 4) {
+#pragma unroll
+      for (int i = 0; i < R; ++i) {
+        const float4 g4 = *reinterpret_cast<const float4*>(&gm[(group * R + i) * kH2 + h]);
+        const float g[4] = {g4.x, g4.y, g4.z, g4.w};
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          gxn[i] = fmaf(g[u], wcol[h + u], gxn[i]);
+          dw[h + u] = fmaf(g[u], xnm[i], dw[h + u]);
+        }
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+      gxn[i] *= mrow[group * R + i];  // grad_xn
+      dlw = fmaf(gxn[i], xh[i], dlw);
+      dlb += gxn[i];
+    }
+
+    if (p.grad_x != nullptr) {  // block-uniform
+      float t[2 * R];
+#pragma unroll
+      for (int i = 0; i < R; ++i) {
+        gxn[i] *= lw;  // now gxhat
+        t[i] = gxn[i];
+        t[R + i] = gxn[i] * xh[i];
+      }
+      row_group_sum(t, red_s, lanes, warp, lane);
+#pragma unroll
+      for (int i = 0; i < R; ++i) {
+        if (!row_ok[i] || !col_ok) continue;
+        const int64_t row = row0 + group * R + i;
+        const float mg = t[i] * inv_c, mgx = t[R + i] * inv_c;
+        store_out(p.grad_x, row * C + cl, rstd[i] * (gxn[i] - mg - xh[i] * mgx), p.gx_kind);
+      }
+    }
+    __syncthreads();  // gm_s[buf] and m_s[buf] read: the next tile but one may overwrite them
+  }
+
+  // This block's partial sums: the row groups' added in a fixed order.
+#pragma unroll
+  for (int h = 0; h < kH2; ++h) dw_s[(group * kH2 + h) * lanes + cl] = dw[h];
+  dln_s[(group * 2) * lanes + cl] = dlw;
+  dln_s[(group * 2 + 1) * lanes + cl] = dlb;
+  __syncthreads();
+  float* part = p.partial + int64_t(blockIdx.x) * ln_backward_partial_floats(C, H);
+  for (int idx = tid; idx < H2 * C; idx += kLnBwdThreads) {
+    const int h = idx / C, c = idx - h * C;
+    float v = 0.f;
+    for (int g = 0; g < groups; ++g) v += dw_s[(g * kH2 + h) * lanes + c];
+    part[idx] = v;
+  }
+  for (int idx = tid; idx < 2 * C; idx += kLnBwdThreads) {
+    const int which = idx / C, c = idx - which * C;
+    float v = 0.f;
+    for (int g = 0; g < groups; ++g) v += dln_s[(g * 2 + which) * lanes + c];
+    part[H2 * C + idx] = v;
+  }
+  if (tid < H2) part[H2 * C + 2 * C + tid] = dbias;
+}
+
 // grad[e] = sum over blocks of partial[block][e], each segment of the layout written to its own
 // tensor (null: not needed).  Four running sums over the blocks, added at the end.
 __global__ void __launch_bounds__(kLnBwdReduceThreads) opm_ln_backward_reduce_kernel(const LnBackwardReduceArgs p) {

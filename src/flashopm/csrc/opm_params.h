@@ -833,6 +833,21 @@ FLASHOPM_HD inline int64_t ln_backward_smem_floats(int C, int H) {
          + 2 * round_up4(tile_rows);          // x offset per row (int64)
 }
 
+// The form with W's columns and the dW sums in registers (opm_ln_backward_regs_kernel): msa_dim
+// up to 256 and 2H up to 64, rounded up to kH2 = 16, 32 or 64; one block per SM.
+FLASHOPM_HD inline bool ln_backward_regs_form(int C, int H) { return C <= 256 && 2 * H <= 64; }
+FLASHOPM_HD inline int ln_backward_regs_h2(int H) { return 2 * H <= 16 ? 16 : 2 * H <= 32 ? 32 : 64; }
+FLASHOPM_HD inline int64_t ln_backward_regs_smem_floats(int C, int H) {
+  const int lanes = ln_backward_col_lanes(C), groups = kLnBwdThreads / lanes, h2 = ln_backward_regs_h2(H);
+  const int tile_rows = groups * kLnBwdRows;
+  return int64_t(kLnBwdThreads) * h2         // the row groups' dW sums at the end
+         + 2 * int64_t(tile_rows) * h2       // two tiles' gradients
+         + kLnBwdWarps * 2 * kLnBwdRows      // row reductions
+         + int64_t(groups) * 2 * lanes       // d ln_w, d ln_b per row group
+         + 2 * round_up4(tile_rows)          // two tiles' mask values
+         + 4 * round_up4(tile_rows);         // two tiles' x offsets (int64)
+}
+
 struct LnBackwardReduceArgs {
   const float* partial;  // (blocks, P)
   int blocks;
@@ -848,5 +863,6 @@ struct LnBackwardReduceArgs {
 void launch_ln_backward(const LnBackwardArgs& args, int blocks, cudaStream_t stream);
 void launch_ln_backward_reduce(const LnBackwardReduceArgs& args, cudaStream_t stream);
 int ln_backward_smem_bytes(int C, int H);
+bool ln_backward_regs(int C, int H);  // the register form runs (ln_backward_regs_form, unless FLASHOPM_LN_BACKWARD_REGS=0)
 
 }  // namespace flashopm
