@@ -320,20 +320,26 @@ __global__ void __launch_bounds__(kLnBwdThreads, 1) opm_ln_backward_regs_kernel(
   const float inv_c = 1.f / float(C);
   const int64_t ntiles = (p.rows + tile_rows - 1) / tile_rows;
 
-  // A tile's mask values and x offsets into buffer buf (threads below tile_rows).
-  const auto stage_rows = [&](int64_t tile, int buf) {
+  // A tile's mask values and x offsets (threads below tile_rows, one row each): requested into
+  // registers by fetch_rows, stored into buffer buf by stage_rows, so that the mask's load is
+  // waited for only where its value is stored.
+  float row_m = 0.f;
+  int64_t row_off = 0;
+  const auto fetch_rows = [&](int64_t tile) {
+    row_m = 0.f;
+    row_off = 0;
+    const int64_t row = tile * tile_rows + tid;
+    if (tid < tile_rows && row < p.rows) {
+      const int64_t bs = row / p.N;
+      const int n = int(row - bs * p.N), s = int(bs % p.S), b = int(bs / p.S);
+      row_m = mask_at(p.mask, b, s, n);
+      row_off = int64_t(b) * p.x_sb + int64_t(s) * p.x_ss + int64_t(n) * p.x_sn;
+    }
+  };
+  const auto stage_rows = [&](int buf) {
     if (tid < tile_rows) {
-      const int64_t row = tile * tile_rows + tid;
-      float mv = 0.f;
-      int64_t off = 0;
-      if (row < p.rows) {
-        const int64_t bs = row / p.N;
-        const int n = int(row - bs * p.N), s = int(bs % p.S), b = int(bs / p.S);
-        mv = mask_at(p.mask, b, s, n);
-        off = int64_t(b) * p.x_sb + int64_t(s) * p.x_ss + int64_t(n) * p.x_sn;
-      }
-      m_s[buf * tr4 + tid] = mv;
-      xoff_s[buf * tr4 + tid] = off;
+      m_s[buf * tr4 + tid] = row_m;
+      xoff_s[buf * tr4 + tid] = row_off;
     }
   };
   // A tile's loads: this thread's R values of x into registers, the gradients into gm_s[buf]
@@ -359,12 +365,15 @@ __global__ void __launch_bounds__(kLnBwdThreads, 1) opm_ln_backward_regs_kernel(
   int64_t tile = blockIdx.x;
   int buf = 0;
   float xv[R];
-  if (tile < ntiles) stage_rows(tile, 0);
+  if (tile < ntiles) {
+    fetch_rows(tile);
+    stage_rows(0);
+  }
   __syncthreads();
   if (tile < ntiles) load_tile(tile, 0, xv);
   for (; tile < ntiles; tile += gridDim.x, buf ^= 1) {
     const int64_t row0 = tile * tile_rows, next = tile + gridDim.x;
-    if (next < ntiles) stage_rows(next, buf ^ 1);
+    if (next < ntiles) fetch_rows(next);
 
     // LayerNorm's statistics, two passes over the registers.
     float xh[R], stat[R], rstd[R];
@@ -391,6 +400,7 @@ __global__ void __launch_bounds__(kLnBwdThreads, 1) opm_ln_backward_regs_kernel(
       rstd[i] = rsqrtf(stat[i] * inv_c + p.ln_eps);
       xh[i] *= rstd[i];
     }
+    if (next < ntiles) stage_rows(buf ^ 1);
     cp_async_wait_all();
     __syncthreads();  // this tile's gradients in gm_s[buf]; the next tile's offsets in their buffer
 #pragma unroll
