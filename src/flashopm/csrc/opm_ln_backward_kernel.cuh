@@ -57,6 +57,29 @@ __device__ __forceinline__ void row_group_sum(float (&v)[kN], float* red, int co
   }
 }
 
+// The block's partial sums (layout of ln_backward_partial_floats) from its row groups' parts in
+// shared memory, added in a fixed order: dW from dw_s [groups][h_stride][cstride], d ln_w and
+// d ln_b from dln_s [groups][2][cstride], d b_a and d b_b from threads 0 .. 2H-1 (dbias).  Called
+// by every thread after the barrier that follows the parts' stores.
+__device__ __forceinline__ void store_ln_backward_partial(const LnBackwardArgs& p, const float* dw_s, int h_stride,
+                                                          const float* dln_s, int cstride, int groups, float dbias) {
+  const int C = p.C, H2 = 2 * p.H, tid = threadIdx.x;
+  float* part = p.partial + int64_t(blockIdx.x) * ln_backward_partial_floats(C, p.H);
+  for (int idx = tid; idx < H2 * C; idx += kLnBwdThreads) {
+    const int h = idx / C, c = idx - h * C;
+    float v = 0.f;
+    for (int g = 0; g < groups; ++g) v += dw_s[(g * h_stride + h) * cstride + c];
+    part[idx] = v;
+  }
+  for (int idx = tid; idx < 2 * C; idx += kLnBwdThreads) {
+    const int which = idx / C, c = idx - which * C;
+    float v = 0.f;
+    for (int g = 0; g < groups; ++g) v += dln_s[(g * 2 + which) * cstride + c];
+    part[H2 * C + idx] = v;
+  }
+  if (tid < H2) part[H2 * C + 2 * C + tid] = dbias;
+}
+
 template <int kCols, typename XT>  // XT: x's element type (p.x_kind)
 __global__ void __launch_bounds__(kLnBwdThreads, kCols == 1 ? 2 : 1) opm_ln_backward_kernel(const LnBackwardArgs p) {
   extern __shared__ float4 smem_f4[];
@@ -267,20 +290,7 @@ __global__ void __launch_bounds__(kLnBwdThreads, kCols == 1 ? 2 : 1) opm_ln_back
     dln_s[(group * 2 + 1) * cstride + col[k]] = dlb[k];
   }
   __syncthreads();
-  float* part = p.partial + int64_t(blockIdx.x) * ln_backward_partial_floats(C, H);
-  for (int idx = tid; idx < H2 * C; idx += kLnBwdThreads) {
-    const int h = idx / C, c = idx - h * C;
-    float v = 0.f;
-    for (int g = 0; g < groups; ++g) v += dw_s[(g * H2p + h) * cstride + c];
-    part[idx] = v;
-  }
-  for (int idx = tid; idx < 2 * C; idx += kLnBwdThreads) {
-    const int which = idx / C, c = idx - which * C;
-    float v = 0.f;
-    for (int g = 0; g < groups; ++g) v += dln_s[(g * 2 + which) * cstride + c];
-    part[H2 * C + idx] = v;
-  }
-  if (tid < H2) part[H2 * C + 2 * C + tid] = dbias;
+  store_ln_backward_partial(p, dw_s, H2p, dln_s, cstride, groups, dbias);
 }
 
 // The same pass where msa_dim <= 256 (one column per thread) and 2H <= kH2 <= 64: each thread
@@ -460,20 +470,7 @@ __global__ void __launch_bounds__(kLnBwdThreads, 1) opm_ln_backward_regs_kernel(
   dln_s[(group * 2) * lanes + cl] = dlw;
   dln_s[(group * 2 + 1) * lanes + cl] = dlb;
   __syncthreads();
-  float* part = p.partial + int64_t(blockIdx.x) * ln_backward_partial_floats(C, H);
-  for (int idx = tid; idx < H2 * C; idx += kLnBwdThreads) {
-    const int h = idx / C, c = idx - h * C;
-    float v = 0.f;
-    for (int g = 0; g < groups; ++g) v += dw_s[(g * kH2 + h) * lanes + c];
-    part[idx] = v;
-  }
-  for (int idx = tid; idx < 2 * C; idx += kLnBwdThreads) {
-    const int which = idx / C, c = idx - which * C;
-    float v = 0.f;
-    for (int g = 0; g < groups; ++g) v += dln_s[(g * 2 + which) * lanes + c];
-    part[H2 * C + idx] = v;
-  }
-  if (tid < H2) part[H2 * C + 2 * C + tid] = dbias;
+  store_ln_backward_partial(p, dw_s, kH2, dln_s, lanes, groups, dbias);
 }
 
 // grad[e] = sum over blocks of partial[block][e], each segment of the layout written to its own
