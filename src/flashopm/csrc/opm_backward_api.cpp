@@ -115,12 +115,12 @@ std::pair<at::Tensor, at::Tensor> project_masked(const LnInputs& in, const OptTe
 
 // Whether the one-pass LayerNorm/projection kernels take this problem (else ATen does).
 bool fused_ln_fits(const at::Tensor& msa, const at::Tensor& mask, int64_t rows, int64_t C, int64_t H, int64_t B,
-                   int64_t S, int dev) {
+                   int64_t S, bool ln_regs, int dev) {
   const at::ScalarType t = msa.scalar_type(), mt = mask.scalar_type();
   const bool types = (t == at::kFloat || t == at::kHalf || t == at::kBFloat16) &&
                      (mt == at::kFloat || mt == at::kHalf || mt == at::kBFloat16 || mt == at::kBool);
   return types && rows > 0 && C <= kLnBwdMaxCols && H <= kMaxHidden && B <= 65535 && S <= 65535 &&
-         ln_backward_smem_bytes(int(C), int(H)) <= device_info(dev).smem_optin;
+         ln_backward_smem_bytes(int(C), int(H), ln_regs) <= device_info(dev).smem_optin;
 }
 
 // Whether opm_grad_scale_kernel takes g = grad_out / divisor (else ATen does).
@@ -156,8 +156,9 @@ struct LnGrads {
 
 // grad_a and grad_b (B, S, N, H), gradients of the masked projections, back through the mask, both
 // projections and LayerNorm: one pass over x, then one reduction of the blocks' parameter sums.
+// regs: the kernel's register form (ln_backward_regs).
 LnGrads ln_projection_backward(const LnInputs& in, const at::Tensor& grad_a_in, const at::Tensor& grad_b_in,
-                               const std::array<bool, 9>& want, int dev) {
+                               const std::array<bool, 9>& want, bool regs, int dev) {
   const at::Tensor& msa = in.msa;
   const int64_t B = msa.size(0), S = msa.size(1), N = msa.size(2), C = msa.size(3), H = in.wa.size(0);
   const auto f32 = [](const at::Tensor& t) { return t.to(at::kFloat).contiguous(); };
@@ -168,10 +169,10 @@ LnGrads ln_projection_backward(const LnInputs& in, const at::Tensor& grad_a_in, 
   if (want[0]) r.x = at::empty({B, S, N, C}, msa.options().memory_format(at::MemoryFormat::Contiguous));
   const int64_t rows = B * S * N;
   const int lanes = ln_backward_col_lanes(int(C)), tile_rows = (kLnBwdThreads / lanes) * kLnBwdRows;
-  const int smem = ln_backward_smem_bytes(int(C), int(H));
+  const int smem = ln_backward_smem_bytes(int(C), int(H), regs);
   // resident blocks per SM: one in the register form and with two columns per thread, else two
   // (the kernels' register bounds)
-  const int per_sm = ln_backward_regs(int(C), int(H)) || ln_backward_cols(int(C)) != 1
+  const int per_sm = regs || ln_backward_cols(int(C)) != 1
                          ? 1
                          : std::max(1, std::min(2, device_info(dev).smem_per_sm / (smem + 1024)));
   const int64_t tiles = (rows + tile_rows - 1) / tile_rows;
@@ -187,6 +188,7 @@ LnGrads ln_projection_backward(const LnInputs& in, const at::Tensor& grad_a_in, 
   la.B = int(B), la.S = int(S), la.N = int(N), la.C = int(C), la.H = int(H);
   la.rows = rows;
   la.col_lanes = lanes;
+  la.regs = regs;
   launch_ln_backward(la, blocks, stream);
 
   const auto out = [&](bool need, at::IntArrayRef shape) { return need ? at::empty(shape, opts) : at::Tensor(); };
@@ -253,7 +255,8 @@ std::vector<at::Tensor> outer_product_mean_backward_cuda(const at::Tensor& grad_
   const at::ScalarType work = half ? at::kFloat : msa.scalar_type();
   const bool scale_in_kernel = scale_fits(work, grad_out, mask, S);
   const int dev = msa.get_device();
-  const bool fused_ln = fused_ln_fits(msa, mask, B * S * N, C, H, B, S, dev);
+  const bool ln_regs = ln_backward_regs(int(C), int(H));
+  const bool fused_ln = fused_ln_fits(msa, mask, B * S * N, C, H, B, S, ln_regs, dev);
   // m: (B, S, N, 1) in the working type, for the ATen paths only (a view op less per call otherwise)
   const at::Tensor m = fused_ln && scale_in_kernel ? at::Tensor() : mask.to(work).unsqueeze(-1);
   // The parameters in the working type, contiguous: a 16-bit model's converted to float32 by one
@@ -305,7 +308,7 @@ std::vector<at::Tensor> outer_product_mean_backward_cuda(const at::Tensor& grad_
   }
   if (need_wo) grads[7] = grad_w;
   if (need_proj && fused_ln) {
-    const LnGrads r = ln_projection_backward(ln_in, grad_a, grad_b, want, dev);
+    const LnGrads r = ln_projection_backward(ln_in, grad_a, grad_b, want, ln_regs, dev);
     grads[0] = r.x, grads[1] = r.ln_w, grads[2] = r.ln_b, grads[3] = r.w_a, grads[5] = r.w_b;
     if (need_ba) grads[4] = r.b_a;
     if (need_bb) grads[6] = r.b_b;

@@ -255,39 +255,31 @@ void launch_outer_tc16(const OuterArgs& args, int operand_kind, int form, cudaSt
 }
 
 bool ln_backward_regs(int C, int H) {
-  const char* env = std::getenv("FLASHOPM_LN_BACKWARD_REGS");  // "0": the earlier form, to compare them
+  const char* env = std::getenv("FLASHOPM_LN_BACKWARD_REGS");
   return ln_backward_regs_form(C, H) && !(env != nullptr && std::string(env) == "0");
 }
 
-int ln_backward_smem_bytes(int C, int H) {
-  return int((ln_backward_regs(C, H) ? ln_backward_regs_smem_floats(C, H) : ln_backward_smem_floats(C, H)) *
-             sizeof(float));
+int ln_backward_smem_bytes(int C, int H, bool regs) {
+  return int((regs ? ln_backward_regs_smem_floats(C, H) : ln_backward_smem_floats(C, H)) * sizeof(float));
 }
 
 namespace {
-template <int kCols, typename XT>
-void launch_ln_backward_t(const LnBackwardArgs& args, int blocks, cudaStream_t stream) {
-  constexpr auto kernel = opm_ln_backward_kernel<kCols, XT>;
-  allow_smem<kernel>();
-  kernel<<<blocks, kLnBwdThreads, ln_backward_smem_bytes(args.C, args.H), stream>>>(args);
-}
-template <int kH2, typename XT>
-void launch_ln_backward_regs_t(const LnBackwardArgs& args, int blocks, cudaStream_t stream) {
-  constexpr auto kernel = opm_ln_backward_regs_kernel<kH2, XT>;
-  allow_smem<kernel>();
-  kernel<<<blocks, kLnBwdThreads, ln_backward_smem_bytes(args.C, args.H), stream>>>(args);
+template <auto Kernel>
+void launch_ln_backward_k(const LnBackwardArgs& args, int blocks, cudaStream_t stream) {
+  allow_smem<Kernel>();
+  Kernel<<<blocks, kLnBwdThreads, ln_backward_smem_bytes(args.C, args.H, args.regs != 0), stream>>>(args);
 }
 template <typename XT>
 void launch_ln_backward_x(const LnBackwardArgs& args, int blocks, cudaStream_t stream) {
-  if (ln_backward_regs(args.C, args.H)) {
+  if (args.regs) {
     const int h2 = ln_backward_regs_h2(args.H);
-    if (h2 == 16) launch_ln_backward_regs_t<16, XT>(args, blocks, stream);
-    else if (h2 == 32) launch_ln_backward_regs_t<32, XT>(args, blocks, stream);
-    else launch_ln_backward_regs_t<64, XT>(args, blocks, stream);
+    if (h2 == 16) launch_ln_backward_k<opm_ln_backward_regs_kernel<16, XT>>(args, blocks, stream);
+    else if (h2 == 32) launch_ln_backward_k<opm_ln_backward_regs_kernel<32, XT>>(args, blocks, stream);
+    else launch_ln_backward_k<opm_ln_backward_regs_kernel<64, XT>>(args, blocks, stream);
   } else if (ln_backward_cols(args.C) == 1) {
-    launch_ln_backward_t<1, XT>(args, blocks, stream);
+    launch_ln_backward_k<opm_ln_backward_kernel<1, XT>>(args, blocks, stream);
   } else {
-    launch_ln_backward_t<2, XT>(args, blocks, stream);
+    launch_ln_backward_k<opm_ln_backward_kernel<2, XT>>(args, blocks, stream);
   }
 }
 }  // namespace

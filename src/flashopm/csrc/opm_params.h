@@ -806,6 +806,7 @@ struct LnBackwardArgs {
   int B, S, N, C, H;
   int64_t rows;         // B * S * N
   int col_lanes;        // 32, 64, 128 or 256: threads sharing one row's columns
+  int regs;             // the register form runs (ln_backward_regs), else the shared-memory one
 };
 
 // Layout of one block's partial sums: [dW_a (H, C) | dW_b (H, C) | d ln_w (C) | d ln_b (C) |
@@ -862,7 +863,9 @@ struct LnBackwardReduceArgs {
 
 void launch_ln_backward(const LnBackwardArgs& args, int blocks, cudaStream_t stream);
 void launch_ln_backward_reduce(const LnBackwardReduceArgs& args, cudaStream_t stream);
-int ln_backward_smem_bytes(int C, int H);
-bool ln_backward_regs(int C, int H);  // the register form runs (ln_backward_regs_form, unless FLASHOPM_LN_BACKWARD_REGS=0)
+int ln_backward_smem_bytes(int C, int H, bool regs);
+// Whether the register form runs: where ln_backward_regs_form allows it, unless
+// FLASHOPM_LN_BACKWARD_REGS=0 (to compare the forms).  Asked once per backward call.
+bool ln_backward_regs(int C, int H);
 
 }  // namespace flashopm
