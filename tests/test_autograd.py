@@ -159,10 +159,12 @@ def test_cuda_gradients_against_fp64(shape, mask_kind):
 @requires_cuda
 @pytest.mark.parametrize("normalization", [0, 1, 2], ids=["row", "openfold", "boltz"])
 @pytest.mark.parametrize("shape", [Shape(2, 9, 23, 16, 32, 20), Shape(1, 130, 17, 8, 16, 7), Shape(1, 6, 19, 8, 64, 9),
-                                   Shape(1, 7, 29, 8, 8, 6), Shape(2, 5, 11, 8, 16, 300)], ids=str)
+                                   Shape(1, 7, 29, 8, 8, 6), Shape(2, 5, 11, 8, 16, 300), Shape(2, 260, 13, 8, 32, 6),
+                                   Shape(1, 257, 160, 4, 32, 3)], ids=str)
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no_bias"])
 def test_cuda_gradients_every_normalization(normalization, shape, with_bias):
-    """The CUDA backward (fused contractions for hidden 16/32/64, blocks of rows otherwise) for each
+    """The CUDA backward (fused contractions for hidden 16/32/64 and S <= 256, blocks of rows
+    otherwise: S = 257 and 260 take the blocks, the last shape in two blocks of rows) for each
     normalisation, with and without biases: error against float64 at most twice eager fp32's.
     (The LayerNorm parameters' gradients are sums over every position with heavy cancellation; at a
     few dozen positions their error ratio to eager's varies from 0.4 to 2 between seeds for the

@@ -42,30 +42,43 @@ at::Tensor output_divisor(const at::Tensor& m, int64_t normalization, double nor
 }
 
 // (grad_a, grad_b, grad_w_out) with the (B, n, N, H, H) intermediates formed for blocks of rows:
-// reference.contract_outer_blocks_backward, for the hidden sizes the fused kernels do not take.
+// reference.contract_outer_blocks_backward, for the hidden sizes the fused kernels do not take
+// and past S = 256.  A GEMM writes dO as [(i, j), (p, q)], but grad_a and grad_b contract it over
+// (j, q) and (i, p): it is permuted once, to [(i, p), (j, q)], which both read (einsum permuted
+// it for each); the outer product comes as [(i, p), (j, q)] and is permuted once for grad_W.
+// grad_b accumulates in place (baddbmm), and b and a's rows are read as (S, N·H) views.
 std::array<at::Tensor, 3> contract_blocks(const at::Tensor& g, const at::Tensor& a, const at::Tensor& b,
                                           const at::Tensor& w_out, bool need_ab, bool need_w) {
-  const int64_t B = a.size(0), Ni = a.size(2), H = a.size(3), Nj = b.size(2), D = w_out.size(0);
-  const at::Tensor W = w_out.view({D, H, H});
-  at::Tensor grad_a = need_ab ? at::zeros_like(a) : at::Tensor();
-  at::Tensor grad_b = need_ab ? at::zeros_like(b) : at::Tensor();
-  at::Tensor grad_w = need_w ? at::zeros({D, H, H}, a.options()) : at::Tensor();
+  const int64_t B = a.size(0), S = a.size(1), Ni = a.size(2), H = a.size(3), Nj = b.size(2), D = w_out.size(0);
+  const at::Tensor W = w_out.reshape({D, H * H});
+  const at::Tensor a_c = a.contiguous(), b_rows = b.contiguous().view({B, S, Nj * H});  // [s, (j, q)]
+  at::Tensor grad_a = need_ab ? at::zeros_like(a_c) : at::Tensor();
+  at::Tensor grad_b = need_ab ? at::zeros_like(b_rows) : at::Tensor();
+  at::Tensor grad_w = need_w ? at::zeros({D, H * H}, a.options()) : at::Tensor();
   const int64_t elems = std::min<int64_t>(int64_t(1) << 26, std::max<int64_t>(int64_t(1) << 24, g.numel() / 4));
   const int64_t step = std::max<int64_t>(1, elems / std::max<int64_t>(1, B * Nj * H * H));
   for (int64_t i0 = 0; i0 < Ni && (need_ab || need_w); i0 += step) {
-    const int64_t i1 = std::min(Ni, i0 + step);
-    const at::Tensor gi = g.slice(1, i0, i1), ai = a.slice(2, i0, i1);
+    const int64_t i1 = std::min(Ni, i0 + step), ni = i1 - i0;
+    const at::Tensor g_rows = g.slice(1, i0, i1).reshape({B * ni * Nj, D});             // [(b, i, j), d]
+    const at::Tensor a_rows = a_c.slice(2, i0, i1).reshape({B, S, ni * H});             // [s, (i, p)], a view
     if (need_ab) {
-      const at::Tensor d_outer = at::einsum("bijd,dpq->bijpq", {gi, W});
-      grad_a.slice(2, i0, i1).copy_(at::einsum("bijpq,bsjq->bsip", {d_outer, b}));
-      grad_b.add_(at::einsum("bijpq,bsip->bsjq", {d_outer, ai}));
+      const at::Tensor d_outer = at::mm(g_rows, W)                                      // [(b, i, j), (p, q)]
+                                     .view({B, ni, Nj, H, H})
+                                     .permute({0, 1, 3, 2, 4})
+                                     .contiguous()
+                                     .view({B, ni * H, Nj * H});                        // [(i, p), (j, q)]
+      grad_a.slice(2, i0, i1).copy_(at::bmm(b_rows, d_outer.transpose(1, 2)).view({B, S, ni, H}));
+      grad_b.baddbmm_(a_rows, d_outer);
     }
     if (need_w) {
-      const at::Tensor outer = at::einsum("bsip,bsjq->bijpq", {ai, b});
-      grad_w.add_(at::einsum("bijd,bijpq->dpq", {gi, outer}));
+      const at::Tensor outer = at::bmm(a_rows.transpose(1, 2), b_rows)                  // [(i, p), (j, q)]
+                                   .view({B, ni, H, Nj, H})
+                                   .permute({0, 1, 3, 2, 4})
+                                   .reshape({B * ni * Nj, H * H});                      // [(b, i, j), (p, q)]
+      grad_w.addmm_(g_rows.t(), outer);
     }
   }
-  return {grad_a, grad_b, need_w ? grad_w.view({D, H * H}) : grad_w};
+  return {grad_a, need_ab ? grad_b.view({B, S, Nj, H}) : grad_b, grad_w};
 }
 
 // What both LayerNorm/projection kernels read, converted once per backward call: x with unit stride
