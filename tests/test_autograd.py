@@ -202,6 +202,59 @@ def test_cuda_gradients_every_normalization(normalization, shape, with_bias):
 
 
 @requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", [Shape(1, 24, 40, 32, 32, 16), Shape(1, 260, 21, 16, 32, 8), Shape(2, 9, 23, 16, 8, 12)],
+                         ids=str)
+def test_half_precision_model_gradients(dtype, shape):
+    """A 16-bit model trains as PyTorch's matmuls in its type do (16-bit products, float32 sums):
+    the fused contractions in TF32 (hidden 16/32/64, S <= 256: the first shape), else ATen blocks
+    in the model's type (S = 260; hidden 8).  Every gradient in the model's type, with an error
+    against float64 at most twice that of eager PyTorch on the same 16-bit model."""
+    x, m, p = make_problem(shape, "masked_positions", seed=13)
+    g = torch.randn(shape.B, shape.N, shape.N, shape.D, generator=torch.Generator().manual_seed(3))
+    x, m, g = x.to(dtype), m.to(dtype), g.to(dtype)
+    p = {k: v.to(dtype) for k, v in p.items()}
+    ref64 = _reference_grads(x.double(), m.double(), {k: v.double() for k, v in p.items()}, g.double())
+    xc, mc, gc = x.cuda(), m.cuda(), g.cuda()
+    pc = {k: v.cuda() for k, v in p.items()}
+    eager = _reference_grads(xc, mc, pc, gc)
+    leaves = {"msa_repr": xc.clone().requires_grad_(), **{k: v.clone().requires_grad_() for k, v in pc.items()}}
+    out = _call(leaves["msa_repr"], mc, {k: leaves[k] for k in PARAM_ORDER})
+    ours = torch.autograd.grad(out, [leaves[k] for k in GRAD_INPUTS], gc)
+    for name, o, e, r in zip(GRAD_INPUTS, ours, eager, ref64):
+        assert o.dtype == dtype and torch.isfinite(o).all(), name
+        err, err_eager = rel_error(o.cpu(), r), rel_error(e.cpu(), r)
+        assert err <= max(2 * err_eager, 4 * torch.finfo(dtype).eps), f"{name}: {err:.3g} vs eager {err_eager:.3g}"
+
+
+@requires_cuda
+@pytest.mark.parametrize("shape", [Shape(1, 24, 40, 32, 32, 16), Shape(1, 260, 21, 16, 32, 8)], ids=str)
+def test_explicit_precision_reaches_the_backward(shape):
+    """precision="high" on the call holds for its backward too (PyTorch's own setting stays
+    "highest"): TF32 there, so out_proj's gradient is off float64 by TF32's rounding, not float32's,
+    and every gradient within twice eager PyTorch's error with TF32 allowed."""
+    assert torch.get_float32_matmul_precision() == "highest"
+    x, m, p = make_problem(shape, "masked_positions", seed=17)
+    g = torch.randn(shape.B, shape.N, shape.N, shape.D, generator=torch.Generator().manual_seed(4))
+    ref64 = _reference_grads(x.double(), m.double(), {k: v.double() for k, v in p.items()}, g.double())
+    xc, mc, gc = x.cuda(), m.cuda(), g.cuda()
+    pc = {k: v.cuda() for k, v in p.items()}
+    torch.set_float32_matmul_precision("high")
+    try:
+        eager_tf32 = _reference_grads(xc, mc, pc, gc)
+    finally:
+        torch.set_float32_matmul_precision("highest")
+    leaves = {"msa_repr": xc.clone().requires_grad_(), **{k: v.clone().requires_grad_() for k, v in pc.items()}}
+    out = flashopm.outer_product_mean(leaves["msa_repr"], mc, *(leaves[k] for k in PARAM_ORDER), precision="high")
+    ours = dict(zip(GRAD_INPUTS, torch.autograd.grad(out, [leaves[k] for k in GRAD_INPUTS], gc)))
+    for name, e, r in zip(GRAD_INPUTS, eager_tf32, ref64):
+        err, err_eager = rel_error(ours[name].cpu(), r), rel_error(e.cpu(), r)
+        assert err <= max(2 * err_eager, 4 * torch.finfo(torch.float32).eps), f"{name}: {err:.3g} vs eager {err_eager:.3g}"
+    if shape.S <= 256:  # the fused kernels (ATen blocks follow PyTorch's own setting)
+        assert rel_error(ours["w_out"].cpu(), ref64[GRAD_INPUTS.index("w_out")]) > 1e-5
+
+
+@requires_cuda
 @pytest.mark.parametrize("mode", [None, "reduce-overhead"])
 def test_compile_modes_on_cuda(mode):
     torch.manual_seed(0)
@@ -233,4 +286,8 @@ def test_autocast_runs_in_float32(device):
         out.float().sum().backward()
     assert out.dtype == torch.float32
     torch.testing.assert_close(out, ref(x_low.float(), m), rtol=1e-4, atol=1e-4)
-    assert model.out_proj.weight.grad is not None
+    # the backward computes in float32 too (autocast does not recast its matmuls): the gradients
+    # of the reference on the float32 activations, outside autocast
+    ref(x_low.float(), m).float().sum().backward()
+    for (name, p_ours), p_ref in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p_ours.grad, p_ref.grad, rtol=1e-4, atol=1e-4, msg=name)

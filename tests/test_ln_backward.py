@@ -32,10 +32,10 @@ def _extension_loaded():
     flashopm.load()
 
 
-def _op(g, x, m, p, needs=(True,) * 9, normalization=0):
+def _op(g, x, m, p, needs=(True,) * 9, normalization=0, precision=-1):
     lw, lb, wa, ba, wb, bb, wo, bo = (p[k] for k in PARAM_ORDER)
     return outer_product_mean_backward_op(g, x, m, lw, lb, LN_EPS, wa, ba, wb, bb, wo, bo, normalization, 1e-3,
-                                          list(needs))
+                                          list(needs), precision)
 
 
 def _reference(g, x, m, p, normalization=0):
@@ -44,7 +44,7 @@ def _reference(g, x, m, p, normalization=0):
 
 
 def _check_against_fp64(shape, mask_kind="masked_positions", seed=0, normalization=0, dtype=torch.float32,
-                        x_transform=None):
+                        x_transform=None, precision=-1):
     x, m, p = make_problem(shape, mask_kind, seed=seed)
     g = torch.randn(shape.B, shape.N, shape.N, shape.D, generator=torch.Generator().manual_seed(seed + 1))
     # the float64 reference sees the values the half-precision run sees
@@ -55,7 +55,7 @@ def _check_against_fp64(shape, mask_kind="masked_positions", seed=0, normalizati
     xc, mc, gc = x.cuda(), m.cuda(), g.cuda()
     pc = {k: v.cuda() for k, v in p.items()}
     eager = _reference(gc, xc, mc, pc, normalization)
-    ours = _op(gc, x_transform(xc) if x_transform else xc, mc, pc, normalization=normalization)
+    ours = _op(gc, x_transform(xc) if x_transform else xc, mc, pc, normalization=normalization, precision=precision)
     for name, o, e, r in zip(GRAD_INPUTS, ours, eager, ref):
         assert o.shape == r.shape and o.dtype == dtype, name
         assert torch.isfinite(o).all(), name
@@ -132,7 +132,9 @@ def test_other_normalizations(normalization):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_half_precision_inputs(dtype):
-    _check_against_fp64(Shape(1, 5, 19, 64, 32, 8), seed=2, dtype=dtype)
+    """Against the reference's float32 sums, so with "highest" asked for explicitly (a 16-bit model's
+    default follows its type: TF32 contractions, tested in test_autograd against eager 16-bit)."""
+    _check_against_fp64(Shape(1, 5, 19, 64, 32, 8), seed=2, dtype=dtype, precision=0)
 
 
 @pytest.mark.parametrize("layout", ["strided_c", "permuted_sn"])

@@ -47,7 +47,7 @@ SCHEMAS = {
     "outer_product_mean_backward": (
         "outer_product_mean_backward(Tensor grad_out, Tensor msa_repr, Tensor msa_mask, Tensor ln_weight, "
         "Tensor ln_bias, float ln_eps, Tensor w_a, Tensor? b_a, Tensor w_b, Tensor? b_b, Tensor w_out, "
-        "Tensor? b_out, int normalization, float norm_eps, bool[] output_mask) -> Tensor[]"
+        "Tensor? b_out, int normalization, float norm_eps, bool[] output_mask, int precision=-1) -> Tensor[]"
     ),
     # Rows row_offset .. row_offset + N_rows of the outer-product mean from projections already
     # computed: a (B, S, N_rows, H) of those residues, b (B, S, N, H) and mask (B, S, N) of all
@@ -223,19 +223,22 @@ def contract_backward(g, a, b, w_out, need_ab, need_w):
 
 @torch.library.impl(_lib, "outer_product_mean_backward", "CompositeExplicitAutograd")
 def _outer_product_mean_backward_impl(grad_out, msa_repr, msa_mask, ln_weight, ln_bias, ln_eps, w_a, b_a, w_b, b_b,
-                                      w_out, b_out, normalization, norm_eps, output_mask):
+                                      w_out, b_out, normalization, norm_eps, output_mask, precision=FOLLOW_PYTORCH):
     if len(output_mask) != len(GRAD_INPUTS):
         raise ValueError(f"flashopm: output_mask must have {len(GRAD_INPUTS)} entries, got {len(output_mask)}")
-    grads = outer_product_mean_backward_reference(
-        grad_out, msa_repr, msa_mask, ln_weight, ln_bias, w_a, b_a, w_b, b_b, w_out, b_out, ln_eps,
-        normalization, norm_eps, tuple(output_mask), contract_backward=contract_backward,
-    )
+    # The reference's sums run in its own types (float32 for 16-bit inputs): an autocast region
+    # around the backward must not recast its matmuls.
+    with torch.autocast(msa_repr.device.type, enabled=False):
+        grads = outer_product_mean_backward_reference(
+            grad_out, msa_repr, msa_mask, ln_weight, ln_bias, w_a, b_a, w_b, b_b, w_out, b_out, ln_eps,
+            normalization, norm_eps, tuple(output_mask), contract_backward=contract_backward,
+        )
     return _grads_as_tensors(grads, (msa_repr, ln_weight, ln_bias, w_a, b_a, w_b, b_b, w_out, b_out))
 
 
 @torch.library.register_fake("flashopm::outer_product_mean_backward")
 def _outer_product_mean_backward_fake(grad_out, msa_repr, msa_mask, ln_weight, ln_bias, ln_eps, w_a, b_a, w_b, b_b,
-                                      w_out, b_out, normalization, norm_eps, output_mask):
+                                      w_out, b_out, normalization, norm_eps, output_mask, precision=FOLLOW_PYTORCH):
     inputs = (msa_repr, ln_weight, ln_bias, w_a, b_a, w_b, b_b, w_out, b_out)
     return [
         t.new_empty(t.shape) if (need and t is not None) else msa_repr.new_empty(0)
@@ -249,6 +252,7 @@ def _setup_context(ctx, inputs, output):
     ctx.ln_eps = ln_eps
     ctx.normalization = inputs[12] if len(inputs) > 12 else 0
     ctx.norm_eps = inputs[13] if len(inputs) > 13 else 1e-3
+    ctx.precision = inputs[14] if len(inputs) > 14 else FOLLOW_PYTORCH
     ctx.has_bias = (b_a is not None, b_b is not None, b_out is not None)
     ctx.save_for_backward(msa_repr, msa_mask, ln_weight, ln_bias, w_a, b_a, w_b, b_b, w_out, b_out)
 
@@ -265,7 +269,7 @@ def _backward(ctx, grad_out):
         return tuple(grads)
     computed = outer_product_mean_backward_op(
         grad_out.contiguous(), msa_repr, msa_mask, ln_weight, ln_bias, ctx.ln_eps, w_a, b_a, w_b, b_b, w_out, b_out,
-        ctx.normalization, ctx.norm_eps, needs,
+        ctx.normalization, ctx.norm_eps, needs, ctx.precision,
     )
     for pos, need, g in zip(_GRAD_POSITIONS, needs, computed):
         grads[pos] = g if need else None

@@ -29,7 +29,7 @@ using BackwardSig = std::vector<at::Tensor>(const at::Tensor&, const at::Tensor&
                                             const at::Tensor&, const at::Tensor&, double, const at::Tensor&,
                                             const OptTensor&, const at::Tensor&, const OptTensor&,
                                             const at::Tensor&, const OptTensor&, int64_t, double,
-                                            const c10::List<bool>&);
+                                            const c10::List<bool>&, int64_t);
 
 const c10::TypedOperatorHandle<ForwardSig>& forward_op() {
   static const auto op =
@@ -69,6 +69,7 @@ struct OuterProductMeanFunction : public torch::autograd::Function<OuterProductM
     ctx->saved_data["ln_eps"] = ln_eps;
     ctx->saved_data["normalization"] = normalization;
     ctx->saved_data["norm_eps"] = norm_eps;
+    ctx->saved_data["precision"] = precision;
     return forward_below_autograd(msa, mask, ln_w, ln_b, ln_eps, w_a, b_a, w_b, b_b, w_out, b_out, algorithm,
                                   normalization, norm_eps, precision);
   }
@@ -105,7 +106,7 @@ struct OuterProductMeanFunction : public torch::autograd::Function<OuterProductM
     const std::vector<at::Tensor> computed = backward_op().call(
         grad_out, msa, mask, ln_w, ln_b, ctx->saved_data["ln_eps"].toDouble(), w_a, b_a, w_b, b_b, w_out, b_out,
         ctx->saved_data["normalization"].toInt(), ctx->saved_data["norm_eps"].toDouble(),
-        output_mask);
+        output_mask, ctx->saved_data["precision"].toInt());
     for (int g = 0; g < kGradInputs; ++g) {
       if (needs[g]) grads[grad_arg[g]] = computed[g];
     }

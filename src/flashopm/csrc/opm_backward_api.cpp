@@ -11,8 +11,11 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <c10/core/impl/LocalDispatchKeySet.h>
+
 #include <algorithm>
 #include <array>
+#include <cstdlib>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -46,20 +49,24 @@ at::Tensor output_divisor(const at::Tensor& m, int64_t normalization, double nor
 // and past S = 256.  A GEMM writes dO as [(i, j), (p, q)], but grad_a and grad_b contract it over
 // (j, q) and (i, p): it is permuted once, to [(i, p), (j, q)], which both read (einsum permuted
 // it for each); the outer product comes as [(i, p), (j, q)] and is permuted once for grad_W.
-// grad_b accumulates in place (baddbmm), and b and a's rows are read as (S, N·H) views.
+// b and a's rows are read as (S, N·H) views.  `type`: the GEMMs' operand type, float32 or a
+// 16-bit type (a 16-bit model, or "medium"), whose products PyTorch's matmuls sum in float32; each
+// block's results are added to float32 gradients either way.
 std::array<at::Tensor, 3> contract_blocks(const at::Tensor& g, const at::Tensor& a, const at::Tensor& b,
-                                          const at::Tensor& w_out, bool need_ab, bool need_w) {
+                                          const at::Tensor& w_out, bool need_ab, bool need_w, at::ScalarType type) {
   const int64_t B = a.size(0), S = a.size(1), Ni = a.size(2), H = a.size(3), Nj = b.size(2), D = w_out.size(0);
-  const at::Tensor W = w_out.reshape({D, H * H});
-  const at::Tensor a_c = a.contiguous(), b_rows = b.contiguous().view({B, S, Nj * H});  // [s, (j, q)]
-  at::Tensor grad_a = need_ab ? at::zeros_like(a_c) : at::Tensor();
-  at::Tensor grad_b = need_ab ? at::zeros_like(b_rows) : at::Tensor();
-  at::Tensor grad_w = need_w ? at::zeros({D, H * H}, a.options()) : at::Tensor();
+  const bool f32 = type == at::kFloat;
+  const at::Tensor W = w_out.reshape({D, H * H}).to(type);
+  const at::Tensor a_c = a.to(type).contiguous(), b_rows = b.to(type).contiguous().view({B, S, Nj * H});  // [s, (j, q)]
+  const at::TensorOptions opts = a.options().dtype(at::kFloat);
+  at::Tensor grad_a = need_ab ? at::zeros({B, S, Ni, H}, opts) : at::Tensor();
+  at::Tensor grad_b = need_ab ? at::zeros({B, S, Nj * H}, opts) : at::Tensor();
+  at::Tensor grad_w = need_w ? at::zeros({D, H * H}, opts) : at::Tensor();
   const int64_t elems = std::min<int64_t>(int64_t(1) << 26, std::max<int64_t>(int64_t(1) << 24, g.numel() / 4));
   const int64_t step = std::max<int64_t>(1, elems / std::max<int64_t>(1, B * Nj * H * H));
   for (int64_t i0 = 0; i0 < Ni && (need_ab || need_w); i0 += step) {
     const int64_t i1 = std::min(Ni, i0 + step), ni = i1 - i0;
-    const at::Tensor g_rows = g.slice(1, i0, i1).reshape({B * ni * Nj, D});             // [(b, i, j), d]
+    const at::Tensor g_rows = g.slice(1, i0, i1).reshape({B * ni * Nj, D}).to(type);   // [(b, i, j), d]
     const at::Tensor a_rows = a_c.slice(2, i0, i1).reshape({B, S, ni * H});             // [s, (i, p)], a view
     if (need_ab) {
       const at::Tensor d_outer = at::mm(g_rows, W)                                      // [(b, i, j), (p, q)]
@@ -68,14 +75,16 @@ std::array<at::Tensor, 3> contract_blocks(const at::Tensor& g, const at::Tensor&
                                      .contiguous()
                                      .view({B, ni * H, Nj * H});                        // [(i, p), (j, q)]
       grad_a.slice(2, i0, i1).copy_(at::bmm(b_rows, d_outer.transpose(1, 2)).view({B, S, ni, H}));
-      grad_b.baddbmm_(a_rows, d_outer);
+      if (f32) grad_b.baddbmm_(a_rows, d_outer);
+      else grad_b.add_(at::bmm(a_rows, d_outer));
     }
     if (need_w) {
       const at::Tensor outer = at::bmm(a_rows.transpose(1, 2), b_rows)                  // [(i, p), (j, q)]
                                    .view({B, ni, H, Nj, H})
                                    .permute({0, 1, 3, 2, 4})
                                    .reshape({B * ni * Nj, H * H});                      // [(b, i, j), (p, q)]
-      grad_w.addmm_(g_rows.t(), outer);
+      if (f32) grad_w.addmm_(g_rows.t(), outer);
+      else grad_w.add_(at::mm(g_rows.t(), outer));
     }
   }
   return {grad_a, need_ab ? grad_b.view({B, S, Nj, H}) : grad_b, grad_w};
@@ -219,6 +228,13 @@ LnGrads ln_projection_backward(const LnInputs& in, const at::Tensor& grad_a_in, 
   return r;
 }
 
+// FLASHOPM_BACKWARD_BLOCKS=1: the contractions in ATen blocks wherever the fused kernels would run
+// (to compare the two forms).
+bool backward_blocks_forced() {
+  const char* env = std::getenv("FLASHOPM_BACKWARD_BLOCKS");
+  return env != nullptr && env[0] == '1';
+}
+
 // Gradients for (msa_repr, ln_weight, ln_bias, w_a, b_a, w_b, b_b, w_out, b_out); an empty tensor
 // where output_mask is false or the bias is absent.
 std::vector<at::Tensor> outer_product_mean_backward_cuda(const at::Tensor& grad_out, const at::Tensor& msa,
@@ -227,13 +243,19 @@ std::vector<at::Tensor> outer_product_mean_backward_cuda(const at::Tensor& grad_
                                                          const OptTensor& b_a, const at::Tensor& w_b,
                                                          const OptTensor& b_b, const at::Tensor& w_out,
                                                          const OptTensor& b_out, int64_t normalization,
-                                                         double norm_eps, const c10::List<bool>& output_mask) {
+                                                         double norm_eps, const c10::List<bool>& output_mask,
+                                                         int64_t precision) {
+  // The math below picks its own types (float32 sums, the GEMMs' operand type): autocast, active
+  // when the backward runs inside an autocast region, must not recast the ATen calls.
+  const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
   TORCH_CHECK(output_mask.size() == 9, "flashopm: output_mask must have 9 entries, got ",
               std::to_string(output_mask.size()));
   TORCH_CHECK(msa.dim() == 4, "flashopm: msa_repr must have shape (B, S, N, msa_dim), got ", std::to_string(msa.dim()),
               " dims");
   TORCH_CHECK(normalization >= 0 && normalization <= 2, "flashopm: normalization must be 0, 1 or 2, got ",
               std::to_string(normalization));
+  TORCH_CHECK(precision >= kFollowPyTorch && precision <= kMedium, "flashopm: precision must be -1, 0, 1 or 2, got ",
+              std::to_string(precision));
   const int64_t B = msa.size(0), S = msa.size(1), N = msa.size(2), C = msa.size(3);
   const int64_t H = w_a.size(0), D = w_out.size(0);
   TORCH_CHECK(grad_out.dim() == 4 && grad_out.size(0) == B && grad_out.size(1) == N && grad_out.size(2) == N &&
@@ -266,6 +288,15 @@ std::vector<at::Tensor> outer_product_mean_backward_cuda(const at::Tensor& grad_
 
   const bool half = msa.scalar_type() == at::kHalf || msa.scalar_type() == at::kBFloat16;
   const at::ScalarType work = half ? at::kFloat : msa.scalar_type();
+  // The contractions' precision, by the forward's rule: a 16-bit model follows PyTorch's matmuls in
+  // its type (16-bit products, float32 sums; TF32 in the fused kernels, whose operands are float32)
+  // unless a precision is asked for; "medium" takes bfloat16 operands where ATen contracts.
+  const bool follow16 = half && precision == kFollowPyTorch;
+  const Precision prec = follow16 ? kHigh : resolve_precision(precision);
+  const at::ScalarType blocks_type = work != at::kFloat ? work
+                                     : follow16         ? msa.scalar_type()
+                                     : prec == kMedium  ? at::kBFloat16
+                                                        : at::kFloat;
   const bool scale_in_kernel = scale_fits(work, grad_out, mask, S);
   const int dev = msa.get_device();
   const bool ln_regs = ln_backward_regs(int(C), int(H));
@@ -310,11 +341,11 @@ std::vector<at::Tensor> outer_product_mean_backward_cuda(const at::Tensor& grad_
       // The fused kernels recompute dO = g·W for every 128 values of s; past S = 256 that costs more
       // than PyTorch's blocks save (H200: 79 against 54 ms at S = 512, N = 768), which then win on
       // speed, at more memory (blocks of 16M-64M elements).  ops.contract_backward, the same rule.
-      if (work == at::kFloat && (H == 16 || H == 32 || H == 64) && S <= 256) {
-        const std::vector<at::Tensor> r = contract_backward_op().call(g, a, b, wo, need_proj, need_wo, -1);
+      if (work == at::kFloat && (H == 16 || H == 32 || H == 64) && S <= 256 && !backward_blocks_forced()) {
+        const std::vector<at::Tensor> r = contract_backward_op().call(g, a, b, wo, need_proj, need_wo, int64_t(prec));
         grad_a = r[0], grad_b = r[1], grad_w = r[2];
       } else {
-        const std::array<at::Tensor, 3> r = contract_blocks(g, a, b, wo, need_proj, need_wo);
+        const std::array<at::Tensor, 3> r = contract_blocks(g, a, b, wo, need_proj, need_wo, blocks_type);
         grad_a = r[0], grad_b = r[1], grad_w = r[2];
       }
     }
