@@ -203,13 +203,14 @@ def test_cuda_gradients_every_normalization(normalization, shape, with_bias):
 
 @requires_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("shape", [Shape(1, 24, 40, 32, 32, 16), Shape(1, 260, 21, 16, 32, 8), Shape(2, 9, 23, 16, 8, 12)],
-                         ids=str)
+@pytest.mark.parametrize("shape", [Shape(1, 24, 40, 32, 32, 16), Shape(1, 260, 21, 16, 32, 8), Shape(2, 9, 23, 16, 8, 12),
+                                   Shape(1, 5, 200, 8, 32, 3)], ids=str)
 def test_half_precision_model_gradients(dtype, shape):
-    """A 16-bit model trains as PyTorch's matmuls in its type do (16-bit products, float32 sums):
-    the fused contractions in TF32 (hidden 16/32/64, S <= 256: the first shape), else ATen blocks
-    in the model's type (S = 260; hidden 8).  Every gradient in the model's type, with an error
-    against float64 at most twice that of eager PyTorch on the same 16-bit model."""
+    """A 16-bit model trains as PyTorch's matmuls in its type do (16-bit products, float32 sums;
+    the contractions in ATen blocks in that type, in two blocks of rows at N = 200), over hidden
+    sizes the fused kernels take and one they do not, and S past 256.  Every gradient in the
+    model's type, with an error against float64 at most twice that of eager PyTorch on the same
+    16-bit model."""
     x, m, p = make_problem(shape, "masked_positions", seed=13)
     g = torch.randn(shape.B, shape.N, shape.N, shape.D, generator=torch.Generator().manual_seed(3))
     x, m, g = x.to(dtype), m.to(dtype), g.to(dtype)

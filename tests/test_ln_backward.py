@@ -133,7 +133,7 @@ def test_other_normalizations(normalization):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_half_precision_inputs(dtype):
     """Against the reference's float32 sums, so with "highest" asked for explicitly (a 16-bit model's
-    default follows its type: TF32 contractions, tested in test_autograd against eager 16-bit)."""
+    default contracts in its type, tested in test_autograd against eager 16-bit)."""
     _check_against_fp64(Shape(1, 5, 19, 64, 32, 8), seed=2, dtype=dtype, precision=0)
 
 

@@ -16,6 +16,7 @@ info               GPU, versions, build cache.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import datetime
 import json
@@ -111,7 +112,8 @@ def _parse_shapes(text: str | None) -> list[Shape]:
 
 
 # eager first: the others are checked against it.  "-tf32": under torch.set_float32_matmul_precision("high"),
-# "-medium": under "medium" (flashopm: bfloat16 operands; PyTorch's CUDA matmuls treat it as "high").
+# "-medium": under "medium" (flashopm: bfloat16 operands; PyTorch's CUDA matmuls treat it as "high");
+# a backward or training step runs under the setting as a whole.
 IMPLS = ("eager", "flashopm", "compile", "compile-ro", "chunked", "eager-tf32", "flashopm-tf32", "flashopm-medium")
 PRECISION_SUFFIXES = {"-tf32": "high", "-medium": "medium"}
 DEFAULT_IMPLS = ("eager", "flashopm", "compile", "compile-ro")
@@ -154,15 +156,22 @@ def _models(shape: Shape, p: dict, dtype: torch.dtype, module: str = "spec", dev
     return ref, new.to(device=device, dtype=dtype)
 
 
+@contextlib.contextmanager
+def _matmul_precision(precision: str):
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
 def _with_matmul_precision(fn, precision: str):
     def call(x, m):
-        before = torch.get_float32_matmul_precision()
-        torch.set_float32_matmul_precision(precision)
-        try:
+        with _matmul_precision(precision):
             return fn(x, m)
-        finally:
-            torch.set_float32_matmul_precision(before)
 
+    call.matmul_precision, call.inner = precision, fn
     return call
 
 
@@ -208,6 +217,17 @@ def _grads_error(grads, ref64) -> float:
 
 
 def _timed_call(fn, x, m, mode: str, leaves: list, grad_out):
+    precision = getattr(fn, "matmul_precision", None)
+    if precision is not None and mode != "forward":
+        # The whole step under the setting: PyTorch reads it when each matmul runs, the backward's too.
+        with _matmul_precision(precision):
+            step = _timed_call(fn.inner, x, m, mode, leaves, grad_out)
+
+        def step_under_precision():
+            with _matmul_precision(precision):
+                return step()
+
+        return step_under_precision
     if mode == "forward":
         return lambda: fn(x, m)
     if mode == "training":

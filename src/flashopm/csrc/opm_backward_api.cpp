@@ -62,7 +62,10 @@ std::array<at::Tensor, 3> contract_blocks(const at::Tensor& g, const at::Tensor&
   at::Tensor grad_a = need_ab ? at::zeros({B, S, Ni, H}, opts) : at::Tensor();
   at::Tensor grad_b = need_ab ? at::zeros({B, S, Nj * H}, opts) : at::Tensor();
   at::Tensor grad_w = need_w ? at::zeros({D, H * H}, opts) : at::Tensor();
-  const int64_t elems = std::min<int64_t>(int64_t(1) << 26, std::max<int64_t>(int64_t(1) << 24, g.numel() / 4));
+  // Rows per block: 16M-64M elements of dO in float32, twice as many in a 16-bit type (the same
+  // bytes; fewer blocks, so fewer passes that add a block's grad_b into the float32 sum).
+  const int64_t elems = std::min<int64_t>(int64_t(1) << 26, std::max<int64_t>(int64_t(1) << 24, g.numel() / 4)) *
+                        (f32 ? 1 : 2);
   const int64_t step = std::max<int64_t>(1, elems / std::max<int64_t>(1, B * Nj * H * H));
   for (int64_t i0 = 0; i0 < Ni && (need_ab || need_w); i0 += step) {
     const int64_t i1 = std::min(Ni, i0 + step), ni = i1 - i0;
@@ -289,8 +292,9 @@ std::vector<at::Tensor> outer_product_mean_backward_cuda(const at::Tensor& grad_
   const bool half = msa.scalar_type() == at::kHalf || msa.scalar_type() == at::kBFloat16;
   const at::ScalarType work = half ? at::kFloat : msa.scalar_type();
   // The contractions' precision, by the forward's rule: a 16-bit model follows PyTorch's matmuls in
-  // its type (16-bit products, float32 sums; TF32 in the fused kernels, whose operands are float32)
-  // unless a precision is asked for; "medium" takes bfloat16 operands where ATen contracts.
+  // its type (16-bit products, float32 sums) unless a precision is asked for, and "medium" takes
+  // bfloat16 operands; both contract in ATen blocks in that type.  Otherwise the fused kernels
+  // take `prec` (3xTF32 for "highest", TF32 for "high").
   const bool follow16 = half && precision == kFollowPyTorch;
   const Precision prec = follow16 ? kHigh : resolve_precision(precision);
   const at::ScalarType blocks_type = work != at::kFloat ? work
@@ -341,7 +345,10 @@ std::vector<at::Tensor> outer_product_mean_backward_cuda(const at::Tensor& grad_
       // The fused kernels recompute dO = g·W for every 128 values of s; past S = 256 that costs more
       // than PyTorch's blocks save (H200: 79 against 54 ms at S = 512, N = 768), which then win on
       // speed, at more memory (blocks of 16M-64M elements).  ops.contract_backward, the same rule.
-      if (work == at::kFloat && (H == 16 || H == 32 || H == 64) && S <= 256 && !backward_blocks_forced()) {
+      // A 16-bit model's contractions run in ATen blocks on 16-bit tensor cores, which beat the
+      // fused kernels' TF32 form (H200, training crop: 1.74 against 2.38 ms a step).
+      if (work == at::kFloat && blocks_type == at::kFloat && (H == 16 || H == 32 || H == 64) && S <= 256 &&
+          !backward_blocks_forced()) {
         const std::vector<at::Tensor> r = contract_backward_op().call(g, a, b, wo, need_proj, need_wo, int64_t(prec));
         grad_a = r[0], grad_b = r[1], grad_w = r[2];
       } else {
