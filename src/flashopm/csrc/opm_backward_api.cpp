@@ -49,23 +49,23 @@ at::Tensor output_divisor(const at::Tensor& m, int64_t normalization, double nor
 // and past S = 256.  A GEMM writes dO as [(i, j), (p, q)], but grad_a and grad_b contract it over
 // (j, q) and (i, p): it is permuted once, to [(i, p), (j, q)], which both read (einsum permuted
 // it for each); the outer product comes as [(i, p), (j, q)] and is permuted once for grad_W.
-// b and a's rows are read as (S, N·H) views.  `type`: the GEMMs' operand type, float32 or a
-// 16-bit type (a 16-bit model, or "medium"), whose products PyTorch's matmuls sum in float32; each
-// block's results are added to float32 gradients either way.
+// b and a's rows are read as (S, N·H) views.  `type`: the GEMMs' operand type, a's own or a 16-bit
+// type (a 16-bit model, or "medium"), whose products PyTorch's matmuls sum in float32; each
+// block's results are added to gradients in a's type either way.
 std::array<at::Tensor, 3> contract_blocks(const at::Tensor& g, const at::Tensor& a, const at::Tensor& b,
                                           const at::Tensor& w_out, bool need_ab, bool need_w, at::ScalarType type) {
   const int64_t B = a.size(0), S = a.size(1), Ni = a.size(2), H = a.size(3), Nj = b.size(2), D = w_out.size(0);
-  const bool f32 = type == at::kFloat;
+  const bool own_type = type == a.scalar_type(), half = c10::elementSize(type) == 2;
   const at::Tensor W = w_out.reshape({D, H * H}).to(type);
   const at::Tensor a_c = a.to(type).contiguous(), b_rows = b.to(type).contiguous().view({B, S, Nj * H});  // [s, (j, q)]
-  const at::TensorOptions opts = a.options().dtype(at::kFloat);
+  const at::TensorOptions opts = a.options();
   at::Tensor grad_a = need_ab ? at::zeros({B, S, Ni, H}, opts) : at::Tensor();
   at::Tensor grad_b = need_ab ? at::zeros({B, S, Nj * H}, opts) : at::Tensor();
   at::Tensor grad_w = need_w ? at::zeros({D, H * H}, opts) : at::Tensor();
-  // Rows per block: 16M-64M elements of dO in float32, twice as many in a 16-bit type (the same
-  // bytes; fewer blocks, so fewer passes that add a block's grad_b into the float32 sum).
+  // Rows per block: 16M-64M elements of dO, twice as many in a 16-bit type (the same bytes as in
+  // float32; fewer blocks, so fewer passes that add a block's grad_b into the float32 sum).
   const int64_t elems = std::min<int64_t>(int64_t(1) << 26, std::max<int64_t>(int64_t(1) << 24, g.numel() / 4)) *
-                        (f32 ? 1 : 2);
+                        (half ? 2 : 1);
   const int64_t step = std::max<int64_t>(1, elems / std::max<int64_t>(1, B * Nj * H * H));
   for (int64_t i0 = 0; i0 < Ni && (need_ab || need_w); i0 += step) {
     const int64_t i1 = std::min(Ni, i0 + step), ni = i1 - i0;
@@ -78,7 +78,7 @@ std::array<at::Tensor, 3> contract_blocks(const at::Tensor& g, const at::Tensor&
                                      .contiguous()
                                      .view({B, ni * H, Nj * H});                        // [(i, p), (j, q)]
       grad_a.slice(2, i0, i1).copy_(at::bmm(b_rows, d_outer.transpose(1, 2)).view({B, S, ni, H}));
-      if (f32) grad_b.baddbmm_(a_rows, d_outer);
+      if (own_type) grad_b.baddbmm_(a_rows, d_outer);
       else grad_b.add_(at::bmm(a_rows, d_outer));
     }
     if (need_w) {
@@ -86,7 +86,7 @@ std::array<at::Tensor, 3> contract_blocks(const at::Tensor& g, const at::Tensor&
                                    .view({B, ni, H, Nj, H})
                                    .permute({0, 1, 3, 2, 4})
                                    .reshape({B * ni * Nj, H * H});                      // [(b, i, j), (p, q)]
-      if (f32) grad_w.addmm_(g_rows.t(), outer);
+      if (own_type) grad_w.addmm_(g_rows.t(), outer);
       else grad_w.add_(at::mm(g_rows.t(), outer));
     }
   }
