@@ -15,6 +15,14 @@ def _call(x, m, p):
     return flashopm.outer_product_mean(x, m, *(p[k] for k in PARAM_ORDER))
 
 
+def _flashopm_grads(x, m, p, grad_out, **options):
+    """Gradients of (GRAD_INPUTS) through flashopm.outer_product_mean(..., **options)."""
+    leaves = {"msa_repr": x.detach().clone().requires_grad_(), **{k: v.detach().clone().requires_grad_()
+                                                                  for k, v in p.items()}}
+    out = flashopm.outer_product_mean(leaves["msa_repr"], m, *(leaves[k] for k in PARAM_ORDER), **options)
+    return torch.autograd.grad(out, [leaves[k] for k in GRAD_INPUTS], grad_out)
+
+
 def _reference_grads(x, m, p, grad_out):
     leaves = {"msa_repr": x.detach().clone().requires_grad_(), **{k: v.detach().clone().requires_grad_()
                                                                   for k, v in p.items()}}
@@ -148,9 +156,7 @@ def test_cuda_gradients_against_fp64(shape, mask_kind):
     xc, mc, gc = x.cuda(), m.cuda(), g.cuda()
     pc = {k: v.cuda() for k, v in p.items()}
     eager32 = _reference_grads(xc, mc, pc, gc)
-    leaves = {"msa_repr": xc.clone().requires_grad_(), **{k: v.clone().requires_grad_() for k, v in pc.items()}}
-    out = _call(leaves["msa_repr"], mc, {k: leaves[k] for k in PARAM_ORDER})
-    ours = torch.autograd.grad(out, [leaves[k] for k in GRAD_INPUTS], gc)
+    ours = _flashopm_grads(xc, mc, pc, gc)
     for name, o, e, r in zip(GRAD_INPUTS, ours, eager32, ref64):
         err, err_eager = rel_error(o.cpu(), r), rel_error(e.cpu(), r)
         assert err <= max(2 * err_eager, 4 * torch.finfo(torch.float32).eps), f"{name}: {err:.3g} vs eager {err_eager:.3g}"
@@ -219,9 +225,7 @@ def test_half_precision_model_gradients(dtype, shape):
     xc, mc, gc = x.cuda(), m.cuda(), g.cuda()
     pc = {k: v.cuda() for k, v in p.items()}
     eager = _reference_grads(xc, mc, pc, gc)
-    leaves = {"msa_repr": xc.clone().requires_grad_(), **{k: v.clone().requires_grad_() for k, v in pc.items()}}
-    out = _call(leaves["msa_repr"], mc, {k: leaves[k] for k in PARAM_ORDER})
-    ours = torch.autograd.grad(out, [leaves[k] for k in GRAD_INPUTS], gc)
+    ours = _flashopm_grads(xc, mc, pc, gc)
     for name, o, e, r in zip(GRAD_INPUTS, ours, eager, ref64):
         assert o.dtype == dtype and torch.isfinite(o).all(), name
         err, err_eager = rel_error(o.cpu(), r), rel_error(e.cpu(), r)
@@ -245,9 +249,7 @@ def test_explicit_precision_reaches_the_backward(shape):
         eager_tf32 = _reference_grads(xc, mc, pc, gc)
     finally:
         torch.set_float32_matmul_precision("highest")
-    leaves = {"msa_repr": xc.clone().requires_grad_(), **{k: v.clone().requires_grad_() for k, v in pc.items()}}
-    out = flashopm.outer_product_mean(leaves["msa_repr"], mc, *(leaves[k] for k in PARAM_ORDER), precision="high")
-    ours = dict(zip(GRAD_INPUTS, torch.autograd.grad(out, [leaves[k] for k in GRAD_INPUTS], gc)))
+    ours = dict(zip(GRAD_INPUTS, _flashopm_grads(xc, mc, pc, gc, precision="high")))
     for name, e, r in zip(GRAD_INPUTS, eager_tf32, ref64):
         err, err_eager = rel_error(ours[name].cpu(), r), rel_error(e.cpu(), r)
         assert err <= max(2 * err_eager, 4 * torch.finfo(torch.float32).eps), f"{name}: {err:.3g} vs eager {err_eager:.3g}"
