@@ -329,9 +329,7 @@ enum PlanKind : int64_t { kPlanSmall = 0, kPlanSmallTc = 1 };
 // exact float32 sums, and at these sizes faster than three TF32 mma.sync per product.
 // FLASHOPM_SMALL_TC_FMA=0 asks for the mma.sync form (to compare the forms).
 bool small_tc_fma(const SmallTcPlan& plan, int tc_terms) {
-  const char* env = std::getenv("FLASHOPM_SMALL_TC_FMA");
-  if (env != nullptr && std::string(env) == "0") return false;
-  return plan.fma && tc_terms == 3;
+  return plan.fma && tc_terms == 3 && !env_is("FLASHOPM_SMALL_TC_FMA", "0");
 }
 
 // The small-problem path in one cooperative launch (opm_small_tc_kernel's kFused), where
@@ -341,8 +339,7 @@ bool small_tc_fma(const SmallTcPlan& plan, int tc_terms) {
 // GPU than the two launches it replaces (the projections and the grid barrier take longer than the
 // first kernel, whose time the second one's prologue overlaps).
 bool small_tc_fused(const PrepArgs& pa, const SmallTcPlan& plan, bool fma, int dev) {
-  const char* env = std::getenv("FLASHOPM_SMALL_TC_FUSED");
-  if (env == nullptr || std::string(env) != "1") return false;
+  if (!env_is("FLASHOPM_SMALL_TC_FUSED", "1")) return false;
   const DeviceInfo& info = device_info(dev);
   const int64_t blocks = int64_t(pa.B) * ((pa.N + plan.TI - 1) / plan.TI) * ((pa.D + plan.Dc - 1) / plan.Dc);
   const int64_t rows = int64_t(pa.B) * pa.S * pa.N;
@@ -362,10 +359,8 @@ bool small_tc_fused(const PrepArgs& pa, const SmallTcPlan& plan, bool fma, int d
 // 5.9-6.4K cycles per block, alone on the SM as much as beside the first kernel, so that it waits
 // at ~11 us instead of ~5.
 bool small_tc_local_a(const PrepArgs& pa, const SmallTcPlan& plan, bool fma, bool fused, const float* w_out) {
-  const char* env = std::getenv("FLASHOPM_SMALL_TC_LOCAL_A");
-  if (env == nullptr || std::string(env) != "1") return false;
-  return fma && !fused && pa.x_kind == kMaskFloat && reinterpret_cast<uintptr_t>(w_out) % 16 == 0 &&
-         plan.TI * pa.S <= kSmallTcThreads &&
+  return env_is("FLASHOPM_SMALL_TC_LOCAL_A", "1") && fma && !fused && pa.x_kind == kMaskFloat &&
+         reinterpret_cast<uintptr_t>(w_out) % 16 == 0 && plan.TI * pa.S <= kSmallTcThreads &&
          small_tc_local_a_fits(small_tc_fma_layout(pa.S, pa.N, pa.H, plan.TI, plan.Dc), pa.C, pa.H, plan.TI * pa.S);
 }
 

@@ -15,7 +15,6 @@
 
 #include <algorithm>
 #include <array>
-#include <cstdlib>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -231,13 +230,6 @@ LnGrads ln_projection_backward(const LnInputs& in, const at::Tensor& grad_a_in, 
   return r;
 }
 
-// FLASHOPM_BACKWARD_BLOCKS=1: the contractions in ATen blocks wherever the fused kernels would run
-// (to compare the two forms).
-bool backward_blocks_forced() {
-  const char* env = std::getenv("FLASHOPM_BACKWARD_BLOCKS");
-  return env != nullptr && env[0] == '1';
-}
-
 // Gradients for (msa_repr, ln_weight, ln_bias, w_a, b_a, w_b, b_b, w_out, b_out); an empty tensor
 // where output_mask is false or the bias is absent.
 std::vector<at::Tensor> outer_product_mean_backward_cuda(const at::Tensor& grad_out, const at::Tensor& msa,
@@ -347,8 +339,9 @@ std::vector<at::Tensor> outer_product_mean_backward_cuda(const at::Tensor& grad_
       // speed, at more memory (blocks of 16M-64M elements).  ops.contract_backward, the same rule.
       // A 16-bit model's contractions run in ATen blocks on 16-bit tensor cores, which beat the
       // fused kernels' TF32 form (H200, training crop: 1.74 against 2.38 ms a step).
+      // FLASHOPM_BACKWARD_BLOCKS=1 takes the blocks everywhere, to compare the two.
       if (work == at::kFloat && blocks_type == at::kFloat && (H == 16 || H == 32 || H == 64) && S <= 256 &&
-          !backward_blocks_forced()) {
+          !env_is("FLASHOPM_BACKWARD_BLOCKS", "1")) {
         const std::vector<at::Tensor> r = contract_backward_op().call(g, a, b, wo, need_proj, need_wo, int64_t(prec));
         grad_a = r[0], grad_b = r[1], grad_w = r[2];
       } else {

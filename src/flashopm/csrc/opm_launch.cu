@@ -255,8 +255,7 @@ void launch_outer_tc16(const OuterArgs& args, int operand_kind, int form, cudaSt
 }
 
 bool ln_backward_regs(int C, int H) {
-  const char* env = std::getenv("FLASHOPM_LN_BACKWARD_REGS");
-  return ln_backward_regs_form(C, H) && !(env != nullptr && std::string(env) == "0");
+  return ln_backward_regs_form(C, H) && !env_is("FLASHOPM_LN_BACKWARD_REGS", "0");
 }
 
 int ln_backward_smem_bytes(int C, int H, bool regs) {

@@ -3,6 +3,8 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <cuda_runtime_api.h>
 
 #ifdef __CUDACC__
@@ -12,6 +14,13 @@
 #endif
 
 namespace flashopm {
+
+// Whether environment variable `name` holds exactly `value`: the switches that ask for a kernel
+// form other than the default, to compare the forms.
+inline bool env_is(const char* name, const char* value) {
+  const char* env = std::getenv(name);
+  return env != nullptr && std::strcmp(env, value) == 0;
+}
 
 // Element types of masks, x and the output (x and the output are never bool).
 enum MaskKind : int { kMaskFloat = 0, kMaskBool = 1, kMaskHalf = 2, kMaskBFloat16 = 3 };
