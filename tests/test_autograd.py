@@ -23,10 +23,11 @@ def _flashopm_grads(x, m, p, grad_out, **options):
     return torch.autograd.grad(out, [leaves[k] for k in GRAD_INPUTS], grad_out)
 
 
-def _reference_grads(x, m, p, grad_out):
+def _reference_grads(x, m, p, grad_out, normalization=0):
     leaves = {"msa_repr": x.detach().clone().requires_grad_(), **{k: v.detach().clone().requires_grad_()
                                                                   for k, v in p.items()}}
-    out = flashopm.outer_product_mean_reference(leaves["msa_repr"], m, *(leaves[k] for k in PARAM_ORDER))
+    out = flashopm.outer_product_mean_reference(leaves["msa_repr"], m, *(leaves[k] for k in PARAM_ORDER),
+                                                normalization=normalization)
     return torch.autograd.grad(out, [leaves[k] for k in GRAD_INPUTS], grad_out)
 
 
@@ -209,27 +210,61 @@ def test_cuda_gradients_every_normalization(normalization, shape, with_bias):
 
 @requires_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("shape", [Shape(1, 24, 40, 32, 32, 16), Shape(1, 260, 21, 16, 32, 8), Shape(2, 9, 23, 16, 8, 12),
+@pytest.mark.parametrize("shape", [Shape(1, 24, 40, 32, 32, 16), Shape(1, 260, 21, 16, 32, 8), Shape(2, 9, 23, 64, 8, 12),
                                    Shape(1, 5, 200, 8, 32, 3)], ids=str)
-def test_half_precision_model_gradients(dtype, shape):
+@pytest.mark.parametrize("normalization", [0, 1, 2], ids=["row", "openfold", "boltz"])
+def test_half_precision_model_gradients(dtype, shape, normalization):
     """A 16-bit model trains as PyTorch's matmuls in its type do (16-bit products, float32 sums;
     the contractions in ATen blocks in that type, in two blocks of rows at N = 200), over hidden
-    sizes the fused kernels take and one they do not, and S past 256.  Every gradient in the
-    model's type, with an error against float64 at most twice that of eager PyTorch on the same
-    16-bit model."""
+    sizes the fused kernels take and one they do not, S past 256, D a multiple of 4 and not, and
+    each normalisation.  Every gradient in the model's type, with an error against float64 at most
+    twice that of eager PyTorch on the same 16-bit model."""
     x, m, p = make_problem(shape, "masked_positions", seed=13)
     g = torch.randn(shape.B, shape.N, shape.N, shape.D, generator=torch.Generator().manual_seed(3))
+    if normalization == 1:
+        # OpenFold divides the bias too: its gradient sums grad_out / eps over the fully masked
+        # pairs, 2e5 here at unit scale, past float16's 65504 (in eager PyTorch as well)
+        g = g * 1e-3
     x, m, g = x.to(dtype), m.to(dtype), g.to(dtype)
     p = {k: v.to(dtype) for k, v in p.items()}
-    ref64 = _reference_grads(x.double(), m.double(), {k: v.double() for k, v in p.items()}, g.double())
+    ref64 = _reference_grads(x.double(), m.double(), {k: v.double() for k, v in p.items()}, g.double(), normalization)
     xc, mc, gc = x.cuda(), m.cuda(), g.cuda()
     pc = {k: v.cuda() for k, v in p.items()}
-    eager = _reference_grads(xc, mc, pc, gc)
-    ours = _flashopm_grads(xc, mc, pc, gc)
+    eager = _reference_grads(xc, mc, pc, gc, normalization)
+    ours = _flashopm_grads(xc, mc, pc, gc, normalization=("row", "openfold", "boltz")[normalization])
     for name, o, e, r in zip(GRAD_INPUTS, ours, eager, ref64):
         assert o.dtype == dtype and torch.isfinite(o).all(), name
         err, err_eager = rel_error(o.cpu(), r), rel_error(e.cpu(), r)
         assert err <= max(2 * err_eager, 4 * torch.finfo(dtype).eps), f"{name}: {err:.3g} vs eager {err_eager:.3g}"
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype, shape", [
+    (torch.float32, Shape(1, 5, 7, 8, 8, 6)),     # runs of 32 bytes: 2 pieces
+    (torch.float32, Shape(2, 3, 33, 5, 12, 7)),   # 48 bytes: 3 pieces
+    (torch.float32, Shape(1, 4, 17, 6, 24, 5)),   # 96 bytes: 6 pieces
+    (torch.float32, Shape(1, 260, 13, 8, 32, 4)),  # past S = 256, hidden 32
+    (torch.bfloat16, Shape(1, 6, 1, 3, 8, 2)),    # 16 bytes: one piece, N = 1
+    (torch.bfloat16, Shape(2, 7, 29, 16, 32, 9)),
+    (torch.float16, Shape(1, 3, 200, 8, 32, 3)),  # two blocks of rows
+    (torch.bfloat16, Shape(1, 4, 9, 8, 4, 3)),    # 8-byte runs: ATen's copy either way
+], ids=str)
+def test_blocked_permutes_match_atens(monkeypatch, dtype, shape):
+    """The blocked backward swaps dO's and the outer product's middle axes in its own kernel;
+    every gradient is bitwise what the same code gives with ATen's permuted copy."""
+    x, m, p = make_problem(shape, "masked_positions", seed=19)
+    g = torch.randn(shape.B, shape.N, shape.N, shape.D, generator=torch.Generator().manual_seed(5))
+    xc, mc, gc = x.to(dtype).cuda(), m.to(dtype).cuda(), g.to(dtype).cuda()
+    pc = {k: v.to(dtype).cuda() for k, v in p.items()}
+    monkeypatch.setenv("FLASHOPM_BACKWARD_BLOCKS", "1")
+    ours = _flashopm_grads(xc, mc, pc, gc)
+    monkeypatch.setenv("FLASHOPM_SWAP_KERNEL", "0")
+    atens = _flashopm_grads(xc, mc, pc, gc)
+    ref64 = _reference_grads(x.double(), m.double(), {k: v.double() for k, v in p.items()}, g.double())
+    for name, o, a, r in zip(GRAD_INPUTS, ours, atens, ref64):
+        assert torch.isfinite(o).all(), name
+        assert torch.equal(o, a), f"{name}: {(o.float() - a.float()).abs().max().item():.3g} off ATen's copy"
+        assert rel_error(o.cpu(), r) < (1e-5 if dtype == torch.float32 else 5e-2), name
 
 
 @requires_cuda

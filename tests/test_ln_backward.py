@@ -10,7 +10,9 @@ Every gradient against float64 over msa_dim across the kernel's column layouts (
 those they do not, row counts at the tile edges and past one tile per block, every mask kind,
 half-precision inputs, non-contiguous x, subsets of the gradients, and repeatability.  Where msa_dim
 is at most 256 and hidden_dim at most 32 the kernel's register form runs
-(FLASHOPM_LN_BACKWARD_REGS=0 asks for the other one there: both are checked)."""
+(FLASHOPM_LN_BACKWARD_REGS=0 asks for the other one there: both are checked).  A 16-bit model
+whose matmuls follow PyTorch's in its type takes the tensor-core form where msa_dim is 64, 128 or
+256 and hidden_dim at most 32."""
 import pytest
 import torch
 
@@ -135,6 +137,39 @@ def test_half_precision_inputs(dtype):
     """Against the reference's float32 sums, so with "highest" asked for explicitly (a 16-bit model's
     default contracts in its type, tested in test_autograd against eager 16-bit)."""
     _check_against_fp64(Shape(1, 5, 19, 64, 32, 8), seed=2, dtype=dtype, precision=0)
+
+
+# The tensor-core form (16-bit x whose matmuls follow PyTorch's in its type, precision -1): msa_dim
+# 64, 128 and 256 (its three warp grids), hidden 3 to 32, row counts at its 64-row tiles' edges and
+# past one tile per block, against float64 next to eager PyTorch in the same type.
+MMA_SHAPES = [Shape(1, 3, 21, 64, 8, 5), Shape(2, 4, 8, 128, 16, 3), Shape(1, 5, 13, 256, 32, 4),
+              Shape(1, 9, 15, 128, 3, 6), Shape(1, 1, 64, 64, 32, 3), Shape(1, 70, 130, 256, 32, 4)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", MMA_SHAPES, ids=str)
+def test_tensor_core_form(shape, dtype):
+    _check_against_fp64(shape, seed=shape.N + shape.C, dtype=dtype)
+
+
+@pytest.mark.parametrize("mask_kind", ["binary", "fractional", "bool"])
+def test_tensor_core_form_masks(mask_kind):
+    _check_against_fp64(Shape(2, 6, 21, 128, 32, 8), mask_kind, seed=3, dtype=torch.bfloat16)
+
+
+def test_tensor_core_form_strided_x_and_switch(monkeypatch):
+    """x read through its strides; FLASHOPM_LN_BACKWARD_MMA=0 takes the float32 FMA form, whose
+    unrounded gradients differ: the switch (and so the form) is live."""
+    transform = lambda x: x.transpose(1, 2).contiguous().transpose(1, 2)
+    _check_against_fp64(Shape(1, 5, 13, 256, 32, 6), seed=8, dtype=torch.bfloat16, x_transform=transform)
+    x, m, p = make_problem(Shape(1, 5, 13, 256, 32, 6), "masked_positions", seed=8)
+    g = torch.randn(1, 13, 13, 6, generator=torch.Generator().manual_seed(9)).bfloat16().cuda()
+    x, m, p = x.bfloat16().cuda(), m.bfloat16().cuda(), {k: v.bfloat16().cuda() for k, v in p.items()}
+    mma = _op(g, x, m, p)
+    assert all(torch.equal(a, b) for a, b in zip(mma, _op(g, x, m, p)))  # repeatable
+    monkeypatch.setenv("FLASHOPM_LN_BACKWARD_MMA", "0")
+    fma = _op(g, x, m, p)
+    assert not torch.equal(mma[GRAD_INPUTS.index("w_a")], fma[GRAD_INPUTS.index("w_a")])
 
 
 @pytest.mark.parametrize("layout", ["strided_c", "permuted_sn"])

@@ -43,18 +43,62 @@ at::Tensor output_divisor(const at::Tensor& m, int64_t normalization, double nor
   return normalization == 1 ? pair.add(norm_eps) : pair.clamp_min(1.0);
 }
 
+// x viewed as (P, V, U, L), contiguous -> (P, U, V, L), contiguous: the two middle axes swapped.
+// opm_swap_middle_kernel moves each run of L elements whole in 16-byte pieces; ATen's permuted copy
+// (the fallback, and FLASHOPM_SWAP_KERNEL=0) indexes every element.
+at::Tensor swap_middle_axes(const at::Tensor& x, int64_t P, int64_t V, int64_t U, int64_t L) {
+  const int64_t run_bytes = L * int64_t(x.element_size());
+  const bool kernel = x.is_cuda() && x.is_contiguous() && run_bytes % 16 == 0 &&
+                      reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 && !env_is("FLASHOPM_SWAP_KERNEL", "0");
+  if (!kernel) return x.view({P, V, U, L}).transpose(1, 2).contiguous();
+  at::Tensor y = at::empty({P, U, V, L}, x.options());
+  SwapMiddleArgs args{x.data_ptr(), y.data_ptr(), U, V, run_bytes / 16, P * U * V * (run_bytes / 16)};
+  const int dev = x.get_device();
+  launch_swap_middle(args, device_info(dev).sm_count, c10::cuda::getCurrentCUDAStream(dev).stream());
+  return y;
+}
+
+// ATen's matmuls with 16-bit operands and a float32 result (the products summed in float32 and
+// never rounded to 16 bits), where this torch has them (the `dtype` overloads); else the 16-bit
+// result, converted.  out_mm_add: out += m1·m2 (3-D: batched) in out, a float32 tensor.
+void out_mm_add(at::Tensor& out, const at::Tensor& m1, const at::Tensor& m2) {
+  const bool batched = m1.dim() == 3;
+  if (m1.scalar_type() == out.scalar_type()) {
+    if (batched) out.baddbmm_(m1, m2);
+    else out.addmm_(m1, m2);
+    return;
+  }
+  static const std::optional<c10::OperatorHandle> baddbmm = c10::Dispatcher::singleton().findOp({"aten::baddbmm", "dtype_out"});
+  static const std::optional<c10::OperatorHandle> addmm = c10::Dispatcher::singleton().findOp({"aten::addmm", "dtype_out"});
+  const std::optional<c10::OperatorHandle>& op = batched ? baddbmm : addmm;
+  if (op) {
+    op->typed<at::Tensor&(const at::Tensor&, const at::Tensor&, const at::Tensor&, at::ScalarType,
+                          const c10::Scalar&, const c10::Scalar&, at::Tensor&)>()
+        .call(out, m1, m2, out.scalar_type(), 1, 1, out);
+  } else {
+    out.add_(batched ? at::bmm(m1, m2) : at::mm(m1, m2));
+  }
+}
+
+at::Tensor bmm_to(const at::Tensor& m1, const at::Tensor& m2, at::ScalarType type) {
+  if (m1.scalar_type() == type) return at::bmm(m1, m2);
+  static const std::optional<c10::OperatorHandle> op = c10::Dispatcher::singleton().findOp({"aten::bmm", "dtype"});
+  if (!op) return at::bmm(m1, m2).to(type);
+  return op->typed<at::Tensor(const at::Tensor&, const at::Tensor&, at::ScalarType)>().call(m1, m2, type);
+}
+
 // (grad_a, grad_b, grad_w_out) with the (B, n, N, H, H) intermediates formed for blocks of rows:
 // reference.contract_outer_blocks_backward, for the hidden sizes the fused kernels do not take
 // and past S = 256.  A GEMM writes dO as [(i, j), (p, q)], but grad_a and grad_b contract it over
 // (j, q) and (i, p): it is permuted once, to [(i, p), (j, q)], which both read (einsum permuted
 // it for each); the outer product comes as [(i, p), (j, q)] and is permuted once for grad_W.
 // b and a's rows are read as (S, N·H) views.  `type`: the GEMMs' operand type, a's own or a 16-bit
-// type (a 16-bit model, or "medium"), whose products PyTorch's matmuls sum in float32; each
-// block's results are added to gradients in a's type either way.
+// type (a 16-bit model, or "medium"), whose products are summed in float32 straight into the
+// gradients in a's type (out_mm_add, bmm_to).
 std::array<at::Tensor, 3> contract_blocks(const at::Tensor& g, const at::Tensor& a, const at::Tensor& b,
                                           const at::Tensor& w_out, bool need_ab, bool need_w, at::ScalarType type) {
   const int64_t B = a.size(0), S = a.size(1), Ni = a.size(2), H = a.size(3), Nj = b.size(2), D = w_out.size(0);
-  const bool own_type = type == a.scalar_type(), half = c10::elementSize(type) == 2;
+  const bool half = c10::elementSize(type) == 2;
   const at::Tensor W = w_out.reshape({D, H * H}).to(type);
   const at::Tensor a_c = a.to(type).contiguous(), b_rows = b.to(type).contiguous().view({B, S, Nj * H});  // [s, (j, q)]
   const at::TensorOptions opts = a.options();
@@ -71,22 +115,17 @@ std::array<at::Tensor, 3> contract_blocks(const at::Tensor& g, const at::Tensor&
     const at::Tensor g_rows = g.slice(1, i0, i1).reshape({B * ni * Nj, D}).to(type);   // [(b, i, j), d]
     const at::Tensor a_rows = a_c.slice(2, i0, i1).reshape({B, S, ni * H});             // [s, (i, p)], a view
     if (need_ab) {
-      const at::Tensor d_outer = at::mm(g_rows, W)                                      // [(b, i, j), (p, q)]
-                                     .view({B, ni, Nj, H, H})
-                                     .permute({0, 1, 3, 2, 4})
-                                     .contiguous()
+      const at::Tensor d_outer = swap_middle_axes(at::mm(g_rows, W), B * ni, Nj, H, H)  // [(b, i, j), (p, q)] ->
                                      .view({B, ni * H, Nj * H});                        // [(i, p), (j, q)]
-      grad_a.slice(2, i0, i1).copy_(at::bmm(b_rows, d_outer.transpose(1, 2)).view({B, S, ni, H}));
-      if (own_type) grad_b.baddbmm_(a_rows, d_outer);
-      else grad_b.add_(at::bmm(a_rows, d_outer));
+      grad_a.slice(2, i0, i1).copy_(bmm_to(b_rows, d_outer.transpose(1, 2), opts.dtype().toScalarType())
+                                        .view({B, S, ni, H}));
+      out_mm_add(grad_b, a_rows, d_outer);
     }
     if (need_w) {
-      const at::Tensor outer = at::bmm(a_rows.transpose(1, 2), b_rows)                  // [(i, p), (j, q)]
-                                   .view({B, ni, H, Nj, H})
-                                   .permute({0, 1, 3, 2, 4})
-                                   .reshape({B * ni * Nj, H * H});                      // [(b, i, j), (p, q)]
-      if (own_type) grad_w.addmm_(g_rows.t(), outer);
-      else grad_w.add_(at::mm(g_rows.t(), outer));
+      const at::Tensor outer = swap_middle_axes(at::bmm(a_rows.transpose(1, 2), b_rows),  // [(i, p), (j, q)] ->
+                                                B * ni, H, Nj, H)
+                                   .view({B * ni * Nj, H * H});                         // [(b, i, j), (p, q)]
+      out_mm_add(grad_w, g_rows.t(), outer);
     }
   }
   return {grad_a, need_ab ? grad_b.view({B, S, Nj, H}) : grad_b, grad_w};
@@ -147,25 +186,43 @@ bool fused_ln_fits(const at::Tensor& msa, const at::Tensor& mask, int64_t rows, 
          ln_backward_smem_bytes(int(C), int(H), ln_regs) <= device_info(dev).smem_optin;
 }
 
+// Whether the LayerNorm backward's tensor-core form takes this problem: a 16-bit model whose
+// matmuls follow PyTorch's in its type, msa_dim and hidden as ln_backward_mma_form allows, x's rows
+// 16-byte aligned, and not turned off (FLASHOPM_LN_BACKWARD_MMA=0, to compare the forms).
+bool ln_mma_fits(const at::Tensor& msa, bool follow16, int64_t C, int64_t H, int dev) {
+  const bool aligned = reinterpret_cast<uintptr_t>(msa.data_ptr()) % 16 == 0 && msa.stride(0) % 8 == 0 &&
+                       msa.stride(1) % 8 == 0 && msa.stride(2) % 8 == 0;
+  return follow16 && (msa.scalar_type() == at::kHalf || msa.scalar_type() == at::kBFloat16) &&
+         ln_backward_mma_form(int(C), int(H)) && aligned &&
+         ln_backward_mma_smem_bytes(int(C)) <= device_info(dev).smem_optin && !env_is("FLASHOPM_LN_BACKWARD_MMA", "0");
+}
+
 // Whether opm_grad_scale_kernel takes g = grad_out / divisor (else ATen does).
 bool scale_fits(at::ScalarType work, const at::Tensor& grad_out, const at::Tensor& mask, int64_t S) {
-  const at::ScalarType mt = mask.scalar_type();
-  return work == at::kFloat && grad_out.numel() > 0 && S > 0 && grad_out.size(0) <= 65535 &&
+  const at::ScalarType mt = mask.scalar_type(), gt = grad_out.scalar_type();
+  return work == at::kFloat && (gt == at::kFloat || gt == at::kHalf || gt == at::kBFloat16) && grad_out.numel() > 0 && S > 0 && grad_out.size(0) <= 65535 &&
          (mt == at::kFloat || mt == at::kHalf || mt == at::kBFloat16 || mt == at::kBool);
 }
 
-// g = grad_out / divisor, (B, N, N, D) float32, in one launch (and one more for the pair counts of
-// the OpenFold and Boltz conventions) in place of ATen's reduction, clamp and division.
+// g = grad_out / divisor, (B, N, N, D) in `type`, in one launch (and one more for the pair counts
+// of the OpenFold and Boltz conventions) in place of ATen's reduction, clamp and division;
+// grad_out is read in its own type.
 at::Tensor scale_grad(const at::Tensor& go_in, const at::Tensor& mask, int64_t normalization, double norm_eps,
-                      int dev) {
+                      at::ScalarType type, int dev) {
   const at::Tensor go = go_in.contiguous();
   const int64_t B = go.size(0), N = go.size(1), D = go.size(3), S = mask.size(1);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dev).stream();
   const MaskView mask_view{mask.data_ptr(), mask.stride(0), mask.stride(1), mask.stride(2), mask_kind_of(mask)};
-  const at::Tensor pair = pair_counts(mask_view, normalization, B, S, N, N, 0, go.options(), stream);
-  at::Tensor g = at::empty_like(go);
+  const at::Tensor pair =
+      pair_counts(mask_view, normalization, B, S, N, N, 0, go.options().dtype(at::kFloat), stream);
+  at::Tensor g = at::empty(go.sizes(), go.options().dtype(type));
   GradScaleArgs args{};
-  args.go = go.data_ptr<float>(), args.g = g.data_ptr<float>();
+  args.go = go.data_ptr(), args.g = g.data_ptr();
+  args.go_kind = elem_kind(go), args.g_kind = elem_kind(g);
+  const auto aligned4 = [](const at::Tensor& t) {
+    return reinterpret_cast<uintptr_t>(t.data_ptr()) % (4 * t.element_size()) == 0;
+  };
+  args.vec4 = D % 4 == 0 && aligned4(go) && aligned4(g);
   args.mask = mask_view;
   args.pair = pair.defined() ? pair.data_ptr<float>() : nullptr;
   args.norm = Normalizer{int(normalization), float(norm_eps)};
@@ -180,9 +237,10 @@ struct LnGrads {
 
 // grad_a and grad_b (B, S, N, H), gradients of the masked projections, back through the mask, both
 // projections and LayerNorm: one pass over x, then one reduction of the blocks' parameter sums.
-// regs: the kernel's register form (ln_backward_regs).
+// regs: the kernel's register form (ln_backward_regs); mma: its tensor-core form (ln_mma_fits),
+// which takes precedence.
 LnGrads ln_projection_backward(const LnInputs& in, const at::Tensor& grad_a_in, const at::Tensor& grad_b_in,
-                               const std::array<bool, 9>& want, bool regs, int dev) {
+                               const std::array<bool, 9>& want, bool regs, bool mma, int dev) {
   const at::Tensor& msa = in.msa;
   const int64_t B = msa.size(0), S = msa.size(1), N = msa.size(2), C = msa.size(3), H = in.wa.size(0);
   const auto f32 = [](const at::Tensor& t) { return t.to(at::kFloat).contiguous(); };
@@ -192,11 +250,12 @@ LnGrads ln_projection_backward(const LnInputs& in, const at::Tensor& grad_a_in, 
   LnGrads r;
   if (want[0]) r.x = at::empty({B, S, N, C}, msa.options().memory_format(at::MemoryFormat::Contiguous));
   const int64_t rows = B * S * N;
-  const int lanes = ln_backward_col_lanes(int(C)), tile_rows = (kLnBwdThreads / lanes) * kLnBwdRows;
+  const int lanes = ln_backward_col_lanes(int(C));
+  const int tile_rows = mma ? kLnMmaTileRows : (kLnBwdThreads / lanes) * kLnBwdRows;
   const int smem = ln_backward_smem_bytes(int(C), int(H), regs);
-  // resident blocks per SM: one in the register form and with two columns per thread, else two
-  // (the kernels' register bounds)
-  const int per_sm = regs || ln_backward_cols(int(C)) != 1
+  // resident blocks per SM: one in the register and tensor-core forms and with two columns per
+  // thread, else two (the kernels' register bounds)
+  const int per_sm = mma || regs || ln_backward_cols(int(C)) != 1
                          ? 1
                          : std::max(1, std::min(2, device_info(dev).smem_per_sm / (smem + 1024)));
   const int64_t tiles = (rows + tile_rows - 1) / tile_rows;
@@ -213,6 +272,7 @@ LnGrads ln_projection_backward(const LnInputs& in, const at::Tensor& grad_a_in, 
   la.rows = rows;
   la.col_lanes = lanes;
   la.regs = regs;
+  la.mma = mma;
   launch_ln_backward(la, blocks, stream);
 
   const auto out = [&](bool need, at::IntArrayRef shape) { return need ? at::empty(shape, opts) : at::Tensor(); };
@@ -325,14 +385,16 @@ std::vector<at::Tensor> outer_product_mean_backward_cuda(const at::Tensor& grad_
       a = at::linear(xn, wa, ba).mul_(m);
       b = at::linear(xn, wb, bb).mul_(m);
     }
-    const at::Tensor go = grad_out.to(work);
-    at::Tensor g;
+    // g in the 16-bit model's type when the contractions run in that type (as PyTorch divides in
+    // it), else in the working type.
+    at::Tensor g, go;
     if (scale_in_kernel) {
-      g = scale_grad(go, mask, normalization, norm_eps, dev);
+      g = scale_grad(grad_out, mask, normalization, norm_eps, follow16 ? blocks_type : work, dev);
     } else {
+      go = grad_out.to(work);
       g = go.div(output_divisor(m.squeeze(-1), normalization, norm_eps));
     }
-    if (need_bo) grads[8] = (normalization == 1 ? g : go).sum({0, 1, 2});
+    if (need_bo) grads[8] = at::sum(normalization == 1 ? g : go.defined() ? go : grad_out, {0, 1, 2}, false, work);
     if (need_proj || need_wo) {
       // The fused kernels recompute dO = g·W for every 128 values of s; past S = 256 that costs more
       // than PyTorch's blocks save (H200: 79 against 54 ms at S = 512, N = 768), which then win on
@@ -352,7 +414,8 @@ std::vector<at::Tensor> outer_product_mean_backward_cuda(const at::Tensor& grad_
   }
   if (need_wo) grads[7] = grad_w;
   if (need_proj && fused_ln) {
-    const LnGrads r = ln_projection_backward(ln_in, grad_a, grad_b, want, ln_regs, dev);
+    const LnGrads r = ln_projection_backward(ln_in, grad_a, grad_b, want, ln_regs,
+                                             ln_mma_fits(ln_in.msa, follow16, C, H, dev), dev);
     grads[0] = r.x, grads[1] = r.ln_w, grads[2] = r.ln_b, grads[3] = r.w_a, grads[5] = r.w_b;
     if (need_ba) grads[4] = r.b_a;
     if (need_bb) grads[6] = r.b_b;

@@ -257,8 +257,25 @@ __global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_w_kernel(const BwdWArgs
 #endif
 }
 
+// Four consecutive elements (idx a multiple of 4, aligned) of a float32, float16 or bfloat16 tensor.
+__device__ __forceinline__ void load4_as_float(const void* base, int64_t idx, int kind, float (&v)[4]) {
+  if (kind == kMaskFloat) {
+    const float4 f = __ldcs(reinterpret_cast<const float4*>(static_cast<const float*>(base) + idx));
+    v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
+    return;
+  }
+  const uint2 raw = __ldcs(reinterpret_cast<const uint2*>(static_cast<const char*>(base) + idx * 2));
+  const uint32_t w[2] = {raw.x, raw.y};
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    const float2 f = kind == kMaskHalf ? __half22float2(*reinterpret_cast<const __half2*>(&w[k]))
+                                       : __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[k]));
+    v[2 * k] = f.x, v[2 * k + 1] = f.y;
+  }
+}
+
 // g = grad_out / divisor (GradScaleArgs): a row (b, i) per block at a time, its N·D values
-// grid-strided over the threads.
+// grid-strided over the threads, four at a time where vec4 allows.
 __global__ void __launch_bounds__(kGradScaleThreads) opm_grad_scale_kernel(const GradScaleArgs p) {
   __shared__ float row_den;
   const int tid = threadIdx.x, N = p.N, D = p.D;
@@ -275,15 +292,24 @@ __global__ void __launch_bounds__(kGradScaleThreads) opm_grad_scale_kernel(const
       __syncthreads();
     }
     const float rd = by_row ? row_den : 1.f;
-    const float* go = p.go + r * row_elems;
-    float* g = p.g + r * row_elems;
-    for (int64_t e = tid; e < row_elems; e += kGradScaleThreads) {
-      float den = rd;
-      if (!by_row) {
-        const float pc = p.pair[r * N + e / D];
-        den = openfold ? p.norm.eps + pc : fmaxf(pc, 1.f);
+    const int64_t row0 = r * row_elems;
+    const auto divisor = [&](int64_t e) {
+      if (by_row) return rd;
+      const float pc = p.pair[r * N + e / D];
+      return openfold ? p.norm.eps + pc : fmaxf(pc, 1.f);
+    };
+    if (p.vec4) {  // block-uniform
+      for (int64_t e = 4 * int64_t(tid); e < row_elems; e += 4 * kGradScaleThreads) {
+        float v[4];
+        load4_as_float(p.go, row0 + e, p.go_kind, v);
+        const float den = divisor(e);  // D % 4 == 0: the four share a pair
+#pragma unroll
+        for (int k = 0; k < 4; ++k) v[k] = v[k] / den;
+        store_out4(p.g, row0 + e, v, p.g_kind);
       }
-      g[e] = go[e] / den;
+    } else {
+      for (int64_t e = tid; e < row_elems; e += kGradScaleThreads)
+        store_out(p.g, row0 + e, load_mask(p.go, row0 + e, p.go_kind) / divisor(e), p.g_kind);
     }
   }
 }
@@ -301,6 +327,39 @@ __global__ void __launch_bounds__(kSumPartsThreads) opm_sum_parts_kernel(const S
 #pragma unroll 4
     for (int q = 0; q < parts; ++q) sum += in[int64_t(q) * n + e];
     out[e] = sum;
+  }
+}
+
+// SwapMiddleArgs: y[p, u, v, :] = x[p, v, u, :], each run of `run` 16-byte pieces moved whole.
+// A thread moves kSwapPieces pieces of the output, consecutive threads consecutive pieces, so the
+// stores are coalesced and every load reads whole runs (a run is >= 16 bytes); the loads are
+// issued before the stores.  Index is 32-bit when the pieces fit (its divisions are a few times
+// cheaper than 64-bit ones, and they are most of this kernel's instructions).
+template <typename Index>
+__global__ void __launch_bounds__(kSwapThreads) opm_swap_middle_kernel(const SwapMiddleArgs p) {
+  const uint4* __restrict__ x = static_cast<const uint4*>(p.x);
+  uint4* __restrict__ y = static_cast<uint4*>(p.y);
+  const Index run = Index(p.run), U = Index(p.U), V = Index(p.V), total = Index(p.total);
+  const int64_t stride = int64_t(gridDim.x) * kSwapThreads * kSwapPieces;
+  for (int64_t base = int64_t(blockIdx.x) * kSwapThreads * kSwapPieces + threadIdx.x; base < p.total;
+       base += stride) {
+    uint4 v[kSwapPieces];
+#pragma unroll
+    for (int k = 0; k < kSwapPieces; ++k) {
+      const Index o = Index(base + int64_t(k) * kSwapThreads);
+      if (o < total) {
+        // o = ((pp * U + u) * V + vv) * run + r  ->  source ((pp * V + vv) * U + u) * run + r
+        const Index q = o / run, r = o - q * run;
+        const Index t = q / V, vv = q - t * V;
+        const Index pp = t / U, u = t - pp * U;
+        v[k] = x[((int64_t(pp) * V + vv) * U + u) * run + r];
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kSwapPieces; ++k) {
+      const int64_t o = base + int64_t(k) * kSwapThreads;
+      if (o < p.total) y[o] = v[k];
+    }
   }
 }
 

@@ -6,6 +6,7 @@
 #include <array>
 #include <mutex>
 
+#include <cstdint>
 #include <cstdlib>
 #include <map>
 #include <string>
@@ -258,6 +259,10 @@ bool ln_backward_regs(int C, int H) {
   return ln_backward_regs_form(C, H) && !env_is("FLASHOPM_LN_BACKWARD_REGS", "0");
 }
 
+int ln_backward_mma_smem_bytes(int C) {
+  return C == 64 ? LnMmaLayout<1>::bytes : C == 128 ? LnMmaLayout<2>::bytes : LnMmaLayout<4>::bytes;
+}
+
 int ln_backward_smem_bytes(int C, int H, bool regs) {
   return int((regs ? ln_backward_regs_smem_floats(C, H) : ln_backward_smem_floats(C, H)) * sizeof(float));
 }
@@ -268,9 +273,24 @@ void launch_ln_backward_k(const LnBackwardArgs& args, int blocks, cudaStream_t s
   allow_smem<Kernel>();
   Kernel<<<blocks, kLnBwdThreads, ln_backward_smem_bytes(args.C, args.H, args.regs != 0), stream>>>(args);
 }
+template <typename XT, int kMT>
+void launch_ln_backward_mma(const LnBackwardArgs& args, int blocks, cudaStream_t stream) {
+  allow_smem<opm_ln_backward_mma_kernel<XT, kMT>>();
+  opm_ln_backward_mma_kernel<XT, kMT><<<blocks, kLnBwdThreads, LnMmaLayout<kMT>::bytes, stream>>>(args);
+}
 template <typename XT>
 void launch_ln_backward_x(const LnBackwardArgs& args, int blocks, cudaStream_t stream) {
-  if (args.regs) {
+  if (args.mma) {
+    if constexpr (std::is_same_v<XT, float>) {
+      TORCH_CHECK(false, "flashopm: internal: the tensor-core LayerNorm backward takes 16-bit x only");
+    } else {
+      TORCH_CHECK(ln_backward_mma_form(args.C, args.H), "flashopm: internal: no tensor-core LayerNorm backward for C=",
+                  args.C, ", H=", args.H);
+      if (args.C == 64) launch_ln_backward_mma<XT, 1>(args, blocks, stream);
+      else if (args.C == 128) launch_ln_backward_mma<XT, 2>(args, blocks, stream);
+      else launch_ln_backward_mma<XT, 4>(args, blocks, stream);
+    }
+  } else if (args.regs) {
     const int h2 = ln_backward_regs_h2(args.H);
     if (h2 == 16) launch_ln_backward_k<opm_ln_backward_regs_kernel<16, XT>>(args, blocks, stream);
     else if (h2 == 32) launch_ln_backward_k<opm_ln_backward_regs_kernel<32, XT>>(args, blocks, stream);
@@ -499,6 +519,17 @@ void launch_sum_parts(const SumPartsArgs& args, cudaStream_t stream) {
   const int64_t blocks = per_tensor_blocks(args, kSumPartsThreads, 2048);
   if (blocks == 0) return;
   opm_sum_parts_kernel<<<dim3(unsigned(blocks), unsigned(args.count)), kSumPartsThreads, 0, stream>>>(args);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void launch_swap_middle(const SwapMiddleArgs& args, int sm_count, cudaStream_t stream) {
+  if (args.total == 0) return;
+  const int64_t per_block = int64_t(kSwapThreads) * kSwapPieces;
+  const int64_t blocks = std::min<int64_t>((args.total + per_block - 1) / per_block, int64_t(sm_count) * 16);
+  if (args.total <= int64_t(UINT32_MAX) - per_block)
+    opm_swap_middle_kernel<uint32_t><<<unsigned(blocks), kSwapThreads, 0, stream>>>(args);
+  else
+    opm_swap_middle_kernel<int64_t><<<unsigned(blocks), kSwapThreads, 0, stream>>>(args);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

@@ -473,6 +473,336 @@ __global__ void __launch_bounds__(kLnBwdThreads, 1) opm_ln_backward_regs_kernel(
   store_ln_backward_partial(p, dw_s, kH2, dln_s, lanes, groups, dbias);
 }
 
+// XT from float32, rounded to nearest even.
+template <typename XT>
+__device__ __forceinline__ XT from_float(float v) {
+  if constexpr (std::is_same_v<XT, __nv_bfloat16>) return __float2bfloat16_rn(v);
+  else return __float2half_rn(v);
+}
+// kN (even) consecutive XT values in shared memory, as float32, and back; 4-byte aligned.
+template <typename XT, int kN>
+__device__ __forceinline__ void load_pairs(const XT* src, float (&v)[kN]) {
+#pragma unroll
+  for (int k = 0; k < kN; k += 2) {
+    float2 f;
+    if constexpr (std::is_same_v<XT, __nv_bfloat16>) f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(src + k));
+    else f = __half22float2(*reinterpret_cast<const __half2*>(src + k));
+    v[k] = f.x, v[k + 1] = f.y;
+  }
+}
+template <typename XT, int kN>
+__device__ __forceinline__ void store_pairs(XT* dst, const float (&v)[kN]) {
+#pragma unroll
+  for (int k = 0; k < kN; k += 2) *reinterpret_cast<uint32_t*>(dst + k) = pack_16bit<XT>(v[k], v[k + 1]);
+}
+
+// ---- The tensor-core form, for 16-bit models (LnBackwardArgs.mma) ----
+// The two products of each tile are GEMMs: grad_xn = (G · [W_a; W_b]) * m over K = 2H, and
+// [dW_a; dW_b] += Gᵀ · (m xn) over the tile's rows, G = [grad_a | grad_b] rounded to XT as PyTorch's
+// matmuls in the model's type round it (float32 sums).  A block of 8 warps takes tiles of 64 rows
+// in turn: x (XT) and G (float32) come in by cp.async a tile ahead; each warp takes LayerNorm's
+// statistics of 8 rows and writes m·xn as XT; both GEMMs run on mma.sync m16n8k16 from ldmatrix
+// fragments (the warps a grid of kLnMmaWR row slices by 8 / kLnMmaWR column slices of 32); the
+// row sums of the LayerNorm backward meet in shared memory, and grad_x is staged there so that
+// its stores are whole rows.  C = 64·kMT (64, 128 or 256), H <= 32.
+template <int kMT>
+struct LnMmaLayout {
+  static constexpr int C = 64 * kMT, TR = 64, WR = 4 / kMT, WC = 8 / WR;
+  static constexpr int XS = C + 8;   // row stride (elements) of the x, xn and W tiles: ldmatrix rows
+  static constexpr int GS = 64 + 8;  // on distinct banks
+  static constexpr int x_bytes = 2 * TR * XS * 2, xn_bytes = TR * XS * 2, w_bytes = 64 * XS * 2;
+  static constexpr int gf_bytes = 2 * TR * 64 * 4, gs_bytes = TR * GS * 2;
+  static constexpr int m_bytes = 2 * TR * 4, stat_bytes = TR * 2 * 4, red_bytes = WC * TR * 2 * 4;
+  static constexpr int off_x = 0, off_xn = off_x + x_bytes, off_w = off_xn + xn_bytes, off_gf = off_w + w_bytes;
+  static constexpr int off_gs = off_gf + gf_bytes, off_m = off_gs + gs_bytes, off_stat = off_m + m_bytes;
+  static constexpr int off_red = off_stat + stat_bytes, bytes = off_red + red_bytes;
+  static_assert(x_bytes >= 64 * C * 4, "the x buffers hold the block's dW sums at the end");
+};
+
+template <typename XT, int kMT>
+__global__ void __launch_bounds__(kLnBwdThreads, 1) opm_ln_backward_mma_kernel(const LnBackwardArgs p) {
+  using L = LnMmaLayout<kMT>;
+  constexpr int C = L::C, TR = L::TR, WC = L::WC, XS = L::XS, GS = L::GS;
+  constexpr int VEC = C / 32;         // x elements per lane in the statistics
+  constexpr int CHUNKS = C / 8 / 4;   // 16-byte pieces of a row per thread (4 threads a row)
+  extern __shared__ float4 smem_f4[];
+  char* smem = reinterpret_cast<char*>(smem_f4);
+  XT* x_s = reinterpret_cast<XT*>(smem + L::off_x);     // [2][TR][XS]
+  XT* xn_s = reinterpret_cast<XT*>(smem + L::off_xn);   // [TR][XS]: m·xn, then grad_x
+  XT* w_s = reinterpret_cast<XT*>(smem + L::off_w);     // [64][XS]: [W_a; W_b; 0]
+  float* gf_s = reinterpret_cast<float*>(smem + L::off_gf);  // [2][TR][64]: [grad_a | grad_b | 0]
+  XT* g_s = reinterpret_cast<XT*>(smem + L::off_gs);    // [TR][GS]
+  float* m_s = reinterpret_cast<float*>(smem + L::off_m);     // [2][TR]
+  float* stat_s = reinterpret_cast<float*>(smem + L::off_stat);  // [TR][2]: mean, rstd
+  float* red_s = reinterpret_cast<float*>(smem + L::off_red);    // [WC][TR][2]
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int wr = warp / WC, wc = warp - wr * WC;
+  const int H = p.H, H2 = 2 * H, K2 = (H2 + 15) & ~15;
+  const float inv_c = 1.f / float(C);
+  const int64_t ntiles = (p.rows + TR - 1) / TR;
+
+  for (int idx = tid; idx < 64 * C; idx += kLnBwdThreads) {
+    const int h = idx / C, c = idx - h * C;
+    const float v = h < H ? p.wa[int64_t(h) * C + c] : h < H2 ? p.wb[int64_t(h - H) * C + c] : 0.f;
+    w_s[h * XS + c] = from_float<XT>(v);
+  }
+
+  // A tile's x rows and gradients into buffer buf; thread tid takes row tid / 4 (its mask value
+  // too) and every fourth 16-byte piece of it.
+  const auto issue_tile = [&](int64_t tile, int buf) {
+    const int r = tid >> 2, q = tid & 3;
+    const int64_t row = tile * TR + r;
+    const bool ok = row < p.rows;
+    int64_t off = 0;
+    float mv = 0.f;
+    if (ok) {
+      const int64_t bs = row / p.N;
+      const int n = int(row - bs * p.N), s = int(bs % p.S), b = int(bs / p.S);
+      off = int64_t(b) * p.x_sb + int64_t(s) * p.x_ss + int64_t(n) * p.x_sn;
+      mv = mask_at(p.mask, b, s, n);
+    }
+    const XT* xrow = static_cast<const XT*>(p.x) + off;
+    XT* xdst = x_s + (buf * TR + r) * XS;
+#pragma unroll
+    for (int k = 0; k < CHUNKS; ++k) {
+      const int e = (q + 4 * k) * 8;
+      cp_async16z(xdst + e, xrow + e, ok);
+    }
+    float* gdst = gf_s + (buf * TR + r) * 64;
+#pragma unroll
+    for (int k = 0; k < 16; ++k) {
+      const int h = q * 16 + k;
+      const bool hok = ok && h < H2;
+      const float* src = !hok ? p.grad_a : h < H ? p.grad_a + row * H + h : p.grad_b + row * H + (h - H);
+      cp_async4(gdst + h, src, hok);
+    }
+    if (q == 0) m_s[buf * TR + r] = mv;
+  };
+
+  float acc2[4][4][4];  // [dW_a; dW_b] rows 16 mt + (g, g + 8), columns wc·32 + 8 nt + 2t (+1)
+  zero_tiles(acc2);
+  float dlw[4][2], dlb[4][2], dbias[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+  for (int nt = 0; nt < 4; ++nt) dlw[nt][0] = dlw[nt][1] = dlb[nt][0] = dlb[nt][1] = 0.f;
+  float lw_c[4][2];
+#pragma unroll
+  for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) lw_c[nt][e] = p.ln_w[wc * 32 + nt * 8 + 2 * t + e];
+
+  float lw_v[VEC], lb_v[VEC];  // the statistics' columns lane·VEC ..
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) lw_v[k] = p.ln_w[lane * VEC + k], lb_v[k] = p.ln_b[lane * VEC + k];
+
+  int64_t tile = blockIdx.x;
+  int buf = 0;
+  if (tile < ntiles) issue_tile(tile, 0);
+  cp_async_commit();
+  for (; tile < ntiles; tile += gridDim.x, buf ^= 1) {
+    const int64_t next = tile + gridDim.x;
+    if (next < ntiles) issue_tile(next, buf ^ 1);
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncthreads();  // this tile's x, gradients and mask in buffer buf
+
+    // LayerNorm's statistics and m·xn, warp `warp` taking rows 8 warp .. 8 warp + 7.
+    const XT* xt = x_s + buf * TR * XS;
+    const float* mt_s = m_s + buf * TR;
+#pragma unroll 2
+    for (int i = 0; i < 8; ++i) {
+      const int r = warp * 8 + i;
+      float v[VEC];
+      load_pairs<XT, VEC>(xt + r * XS + lane * VEC, v);
+      float sum = 0.f;
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) sum += v[k];
+#pragma unroll
+      for (int o = 16; o >= 1; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+      const float mean = sum * inv_c;
+      float sq = 0.f;
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        v[k] -= mean;
+        sq = fmaf(v[k], v[k], sq);
+      }
+#pragma unroll
+      for (int o = 16; o >= 1; o >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
+      const float rstd = rsqrtf(sq * inv_c + p.ln_eps), mv = mt_s[r];
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) v[k] = mv * fmaf(v[k] * rstd, lw_v[k], lb_v[k]);
+      store_pairs<XT, VEC>(xn_s + r * XS + lane * VEC, v);
+      if (lane == 0) stat_s[2 * r] = mean, stat_s[2 * r + 1] = rstd;
+    }
+    // G to XT (thread tid: columns 4 (tid % 16) .. + 3 of rows tid / 16 + 16 k), and d b_a, d b_b
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int r = tid / 16 + 16 * k, h = 4 * (tid & 15);
+      const float4 v = *reinterpret_cast<const float4*>(gf_s + (buf * TR + r) * 64 + h);
+      const float mv = mt_s[r];
+      dbias[0] = fmaf(v.x, mv, dbias[0]), dbias[1] = fmaf(v.y, mv, dbias[1]);
+      dbias[2] = fmaf(v.z, mv, dbias[2]), dbias[3] = fmaf(v.w, mv, dbias[3]);
+      uint2 packed;
+      packed.x = pack_16bit<XT>(v.x, v.y), packed.y = pack_16bit<XT>(v.z, v.w);
+      *reinterpret_cast<uint2*>(g_s + r * GS + h) = packed;
+    }
+    __syncthreads();  // xn_s, g_s, stat_s complete
+
+    // GEMM 1: acc1 = G · W for rows wr·16 kMT .., columns wc·32 ..
+    float acc1[kMT][4][4];
+    zero_tiles(acc1);
+    const int r0 = wr * 16 * kMT, c0 = wc * 32;
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+      if (ks * 16 >= K2) break;
+      uint32_t af[kMT][4], bf[2][4];
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt)
+        ldmatrix_x4(af[mt], g_s + (r0 + mt * 16 + (lane & 7) + 8 * ((lane >> 3) & 1)) * GS + ks * 16 + 8 * (lane >> 4));
+#pragma unroll
+      for (int q = 0; q < 2; ++q)
+        ldmatrix_x4_trans(bf[q], w_s + (ks * 16 + (lane & 7) + 8 * ((lane >> 3) & 1)) * XS + c0 + q * 16 + 8 * (lane >> 4));
+      mma_16bit_tiles<XT, kMT, 4>(acc1, af, bf);
+    }
+    // GEMM 2: acc2 += Gᵀ · (m xn) over this warp's rows r0 .. r0 + 16 kMT - 1
+#pragma unroll
+    for (int kk = 0; kk < kMT; ++kk) {
+      const int k0 = r0 + kk * 16;
+      uint32_t bf[2][4];
+#pragma unroll
+      for (int q = 0; q < 2; ++q)
+        ldmatrix_x4_trans(bf[q], xn_s + (k0 + (lane & 7) + 8 * ((lane >> 3) & 1)) * XS + c0 + q * 16 + 8 * (lane >> 4));
+#pragma unroll
+      for (int mt = 0; mt < 4; ++mt) {
+        if (mt * 16 >= K2) break;
+        uint32_t af[4];
+        ldmatrix_x4_trans(af, g_s + (k0 + (lane & 7) + 8 * (lane >> 4)) * GS + mt * 16 + 8 * ((lane >> 3) & 1));
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt)
+          mma_16bit<XT>(acc2[mt][nt], af, bf[nt >> 1][(nt & 1) * 2], bf[nt >> 1][(nt & 1) * 2 + 1]);
+      }
+    }
+
+    // grad_xn = m (G·W); d ln_w, d ln_b; gxhat = grad_xn ln_w and its row sums over this warp's
+    // columns (the quad's lanes hold a row's 32 columns).
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const int r = r0 + mt * 16 + g + 8 * hr;
+        const float mean = stat_s[2 * r], rstd = stat_s[2 * r + 1], mv = mt_s[r];
+        float a = 0.f, b = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int c = c0 + nt * 8 + 2 * t + e;
+            const float xh = (to_float(xt[r * XS + c]) - mean) * rstd;
+            const float gxn = acc1[mt][nt][2 * hr + e] * mv;
+            dlw[nt][e] = fmaf(gxn, xh, dlw[nt][e]);
+            dlb[nt][e] += gxn;
+            const float gxh = gxn * lw_c[nt][e];
+            acc1[mt][nt][2 * hr + e] = gxh;
+            a += gxh;
+            b = fmaf(gxh, xh, b);
+          }
+        a += __shfl_xor_sync(0xffffffffu, a, 1);
+        a += __shfl_xor_sync(0xffffffffu, a, 2);
+        b += __shfl_xor_sync(0xffffffffu, b, 1);
+        b += __shfl_xor_sync(0xffffffffu, b, 2);
+        if (t == 0) red_s[(wc * TR + r) * 2] = a, red_s[(wc * TR + r) * 2 + 1] = b;
+      }
+    __syncthreads();  // the row sums of every column slice; xn_s read by GEMM 2
+
+    if (p.grad_x != nullptr) {  // block-uniform
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+          const int r = r0 + mt * 16 + g + 8 * hr;
+          float a = 0.f, b = 0.f;
+#pragma unroll
+          for (int w = 0; w < WC; ++w) a += red_s[(w * TR + r) * 2], b += red_s[(w * TR + r) * 2 + 1];
+          const float mean = stat_s[2 * r], rstd = stat_s[2 * r + 1], mg = a * inv_c, mgx = b * inv_c;
+#pragma unroll
+          for (int nt = 0; nt < 4; ++nt) {
+            const int c = c0 + nt * 8 + 2 * t;
+            const float xh0 = (to_float(xt[r * XS + c]) - mean) * rstd;
+            const float xh1 = (to_float(xt[r * XS + c + 1]) - mean) * rstd;
+            const float v0 = rstd * (acc1[mt][nt][2 * hr] - mg - xh0 * mgx);
+            const float v1 = rstd * (acc1[mt][nt][2 * hr + 1] - mg - xh1 * mgx);
+            *reinterpret_cast<uint32_t*>(xn_s + r * XS + c) = pack_16bit<XT>(v0, v1);
+          }
+        }
+      __syncthreads();  // grad_x's tile staged
+      const int r = tid >> 2, q = tid & 3;
+      const int64_t row = tile * TR + r;
+      if (row < p.rows) {
+        XT* dst = static_cast<XT*>(p.grad_x) + row * C;
+#pragma unroll
+        for (int k = 0; k < CHUNKS; ++k) {
+          const int e = (q + 4 * k) * 8;
+          *reinterpret_cast<uint4*>(dst + e) = *reinterpret_cast<const uint4*>(xn_s + r * XS + e);
+        }
+      }
+    }
+    __syncthreads();  // buffers buf, xn_s, g_s and red_s free for the next tiles
+  }
+  cp_async_wait_all();
+
+  // The block's partial sums, added in a fixed order: dW over the row slices (wr in turn) in the
+  // x buffers, d ln_w and d ln_b over g within the warp, then over the row slices; d b over the
+  // sixteen row groups of the conversion.
+  float* dw_sum = reinterpret_cast<float*>(smem + L::off_x);  // [64][C]
+  float* dln_sum = gf_s;                                       // [2][C]
+  float* db_sum = gf_s + 2 * C;                                // [16][64]
+#pragma unroll
+  for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+    for (int e = 0; e < 2; ++e)
+#pragma unroll
+      for (int o = 4; o <= 16; o <<= 1) {
+        dlw[nt][e] += __shfl_xor_sync(0xffffffffu, dlw[nt][e], o);
+        dlb[nt][e] += __shfl_xor_sync(0xffffffffu, dlb[nt][e], o);
+      }
+  for (int w = 0; w < L::WR; ++w) {
+    if (wr == w) {
+#pragma unroll
+      for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int h = mt * 16 + g + 8 * (e >> 1), c = wc * 32 + nt * 8 + 2 * t + (e & 1);
+            float* d = dw_sum + h * C + c;
+            *d = w == 0 ? acc2[mt][nt][e] : *d + acc2[mt][nt][e];
+          }
+      if (g == 0) {
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int c = wc * 32 + nt * 8 + 2 * t + e;
+            dln_sum[c] = w == 0 ? dlw[nt][e] : dln_sum[c] + dlw[nt][e];
+            dln_sum[C + c] = w == 0 ? dlb[nt][e] : dln_sum[C + c] + dlb[nt][e];
+          }
+      }
+    }
+    __syncthreads();
+  }
+#pragma unroll
+  for (int k = 0; k < 4; ++k) db_sum[(tid >> 4) * 64 + 4 * (tid & 15) + k] = dbias[k];
+  __syncthreads();
+  float* part = p.partial + int64_t(blockIdx.x) * ln_backward_partial_floats(C, H);
+  for (int idx = tid; idx < H2 * C; idx += kLnBwdThreads) part[idx] = dw_sum[idx];
+  for (int idx = tid; idx < 2 * C; idx += kLnBwdThreads) part[H2 * C + idx] = dln_sum[idx];
+  if (tid < H2) {
+    float v = 0.f;
+    for (int k = 0; k < 16; ++k) v += db_sum[k * 64 + tid];
+    part[H2 * C + 2 * C + tid] = v;
+  }
+}
+
 // grad[e] = sum over blocks of partial[block][e], each segment of the layout written to its own
 // tensor (null: not needed).  Four running sums over the blocks, added at the end.
 __global__ void __launch_bounds__(kLnBwdReduceThreads) opm_ln_backward_reduce_kernel(const LnBackwardReduceArgs p) {

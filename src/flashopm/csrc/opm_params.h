@@ -742,13 +742,17 @@ void launch_bwd_w(const BwdWArgs& args, int splits, int terms, cudaStream_t stre
 // (b, i, j) as `normalise` applies it:
 //   kNormRow      max(sum_s m[b,s,i], 1)   (from the mask, per row)
 //   kNormOpenFold eps + pair[b,i,j]         kNormBoltz  max(pair[b,i,j], 1)
+// grad_out and g in any element kind (MaskKind: float32, float16, bfloat16); vec4: D % 4 == 0 and
+// both pointers aligned to four elements, so that each thread moves four elements at a time.
 struct GradScaleArgs {
-  const float* go;    // (B, N, N, D), contiguous
-  float* g;           // (B, N, N, D), contiguous
+  const void* go;     // (B, N, N, D), contiguous, go_kind
+  void* g;            // (B, N, N, D), contiguous, g_kind
   MaskView mask;      // (B, S, N): kNormRow's divisors
   const float* pair;  // (B, N, N): sum_s m[b,s,i] m[b,s,j] (the other conventions), else null
   Normalizer norm;
   int B, S, N, D;
+  int go_kind, g_kind;
+  bool vec4;
 };
 constexpr int kGradScaleThreads = 256;
 void launch_grad_scale(const GradScaleArgs& args, int blocks, cudaStream_t stream);
@@ -777,6 +781,17 @@ struct SumPartsArgs {
 };
 constexpr int kSumPartsThreads = 256;
 void launch_sum_parts(const SumPartsArgs& args, cudaStream_t stream);
+// The two middle axes of a contiguous (P, V, U, L) tensor swapped: y (P, U, V, L), contiguous,
+// with each run of L elements a whole number of 16-byte pieces (`run` of them), both pointers
+// 16-byte aligned (opm_swap_middle_kernel).  total = P * U * V * run pieces.
+struct SwapMiddleArgs {
+  const void* x;
+  void* y;
+  int64_t U, V, run, total;
+};
+constexpr int kSwapThreads = 256;
+constexpr int kSwapPieces = 4;
+void launch_swap_middle(const SwapMiddleArgs& args, int sm_count, cudaStream_t stream);
 int bwd_side_smem_bytes();
 int bwd_w_smem_bytes();
 
@@ -816,6 +831,7 @@ struct LnBackwardArgs {
   int64_t rows;         // B * S * N
   int col_lanes;        // 32, 64, 128 or 256: threads sharing one row's columns
   int regs;             // the register form runs (ln_backward_regs), else the shared-memory one
+  int mma;              // the tensor-core form runs (16-bit x; ln_backward_mma_fits), over the others
 };
 
 // Layout of one block's partial sums: [dW_a (H, C) | dW_b (H, C) | d ln_w (C) | d ln_b (C) |
@@ -876,5 +892,10 @@ int ln_backward_smem_bytes(int C, int H, bool regs);
 // Whether the register form runs: where ln_backward_regs_form allows it, unless
 // FLASHOPM_LN_BACKWARD_REGS=0 (to compare the forms).  Asked once per backward call.
 bool ln_backward_regs(int C, int H);
+// The tensor-core form (opm_ln_backward_mma_kernel, 16-bit x only): msa_dim 64, 128 or 256 and
+// H <= 32; its shared memory per block.
+FLASHOPM_HD inline bool ln_backward_mma_form(int C, int H) { return (C == 64 || C == 128 || C == 256) && H >= 1 && H <= 32; }
+int ln_backward_mma_smem_bytes(int C);
+constexpr int kLnMmaTileRows = 64;
 
 }  // namespace flashopm
