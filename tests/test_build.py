@@ -51,6 +51,16 @@ def test_extension_name_hashes_sources_and_arch():
     assert base != _build.extension_name(changed, ["9.0"])
 
 
+def test_split_compile_is_an_option_with_its_own_cache_name(monkeypatch):
+    src = _build.read_sources()
+    monkeypatch.delenv("FLASHOPM_SPLIT_COMPILE", raising=False)
+    base = _build.extension_name(src, ["9.0"])
+    assert "--split-compile=0" not in _build.nvcc_flags()
+    monkeypatch.setenv("FLASHOPM_SPLIT_COMPILE", "1")
+    assert "--split-compile=0" in _build.nvcc_flags()
+    assert _build.extension_name(src, ["9.0"]) != base
+
+
 def test_import_compiles_nothing():
     import subprocess
     import sys
