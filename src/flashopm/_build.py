@@ -160,7 +160,7 @@ def load(verbose: bool = False) -> str:
                 if not library.exists():
                     print(
                         f"flashopm: compiling the CUDA extension for sm {','.join(archs)} "
-                        f"into {build_dir} (once; about a minute)",
+                        f"into {build_dir} (once; a few minutes)",
                         file=sys.stderr,
                         flush=True,
                     )
