@@ -117,8 +117,7 @@ std::array<at::Tensor, 3> contract_blocks(const at::Tensor& g, const at::Tensor&
     if (need_ab) {
       const at::Tensor d_outer = swap_middle_axes(at::mm(g_rows, W), B * ni, Nj, H, H)  // [(b, i, j), (p, q)] ->
                                      .view({B, ni * H, Nj * H});                        // [(i, p), (j, q)]
-      grad_a.slice(2, i0, i1).copy_(bmm_to(b_rows, d_outer.transpose(1, 2), opts.dtype().toScalarType())
-                                        .view({B, S, ni, H}));
+      grad_a.slice(2, i0, i1).copy_(bmm_to(b_rows, d_outer.transpose(1, 2), a.scalar_type()).view({B, S, ni, H}));
       out_mm_add(grad_b, a_rows, d_outer);
     }
     if (need_w) {
@@ -200,7 +199,8 @@ bool ln_mma_fits(const at::Tensor& msa, bool follow16, int64_t C, int64_t H, int
 // Whether opm_grad_scale_kernel takes g = grad_out / divisor (else ATen does).
 bool scale_fits(at::ScalarType work, const at::Tensor& grad_out, const at::Tensor& mask, int64_t S) {
   const at::ScalarType mt = mask.scalar_type(), gt = grad_out.scalar_type();
-  return work == at::kFloat && (gt == at::kFloat || gt == at::kHalf || gt == at::kBFloat16) && grad_out.numel() > 0 && S > 0 && grad_out.size(0) <= 65535 &&
+  return work == at::kFloat && (gt == at::kFloat || gt == at::kHalf || gt == at::kBFloat16) &&
+         grad_out.numel() > 0 && S > 0 && grad_out.size(0) <= 65535 &&
          (mt == at::kFloat || mt == at::kHalf || mt == at::kBFloat16 || mt == at::kBool);
 }
 
@@ -387,14 +387,10 @@ std::vector<at::Tensor> outer_product_mean_backward_cuda(const at::Tensor& grad_
     }
     // g in the 16-bit model's type when the contractions run in that type (as PyTorch divides in
     // it), else in the working type.
-    at::Tensor g, go;
-    if (scale_in_kernel) {
-      g = scale_grad(grad_out, mask, normalization, norm_eps, follow16 ? blocks_type : work, dev);
-    } else {
-      go = grad_out.to(work);
-      g = go.div(output_divisor(m.squeeze(-1), normalization, norm_eps));
-    }
-    if (need_bo) grads[8] = at::sum(normalization == 1 ? g : go.defined() ? go : grad_out, {0, 1, 2}, false, work);
+    const at::Tensor g = scale_in_kernel
+                             ? scale_grad(grad_out, mask, normalization, norm_eps, follow16 ? blocks_type : work, dev)
+                             : grad_out.to(work).div(output_divisor(m.squeeze(-1), normalization, norm_eps));
+    if (need_bo) grads[8] = at::sum(normalization == 1 ? g : grad_out, {0, 1, 2}, false, work);
     if (need_proj || need_wo) {
       // The fused kernels recompute dO = g·W for every 128 values of s; past S = 256 that costs more
       // than PyTorch's blocks save (H200: 79 against 54 ms at S = 512, N = 768), which then win on

@@ -473,12 +473,6 @@ __global__ void __launch_bounds__(kLnBwdThreads, 1) opm_ln_backward_regs_kernel(
   store_ln_backward_partial(p, dw_s, kH2, dln_s, lanes, groups, dbias);
 }
 
-// XT from float32, rounded to nearest even.
-template <typename XT>
-__device__ __forceinline__ XT from_float(float v) {
-  if constexpr (std::is_same_v<XT, __nv_bfloat16>) return __float2bfloat16_rn(v);
-  else return __float2half_rn(v);
-}
 // kN (even) consecutive XT values in shared memory, as float32, and back; 4-byte aligned.
 template <typename XT, int kN>
 __device__ __forceinline__ void load_pairs(const XT* src, float (&v)[kN]) {
@@ -542,10 +536,12 @@ __global__ void __launch_bounds__(kLnBwdThreads, 1) opm_ln_backward_mma_kernel(c
   const float inv_c = 1.f / float(C);
   const int64_t ntiles = (p.rows + TR - 1) / TR;
 
-  for (int idx = tid; idx < 64 * C; idx += kLnBwdThreads) {
+  const auto w_at = [&](int h, int c) {
+    return h < H ? p.wa[int64_t(h) * C + c] : h < H2 ? p.wb[int64_t(h - H) * C + c] : 0.f;
+  };
+  for (int idx = 2 * tid; idx < 64 * C; idx += 2 * kLnBwdThreads) {  // C is even: pairs stay in a row
     const int h = idx / C, c = idx - h * C;
-    const float v = h < H ? p.wa[int64_t(h) * C + c] : h < H2 ? p.wb[int64_t(h - H) * C + c] : 0.f;
-    w_s[h * XS + c] = from_float<XT>(v);
+    *reinterpret_cast<uint32_t*>(w_s + h * XS + c) = pack_16bit<XT>(w_at(h, c), w_at(h, c + 1));
   }
 
   // A tile's x rows and gradients into buffer buf; thread tid takes row tid / 4 (its mask value
@@ -608,7 +604,7 @@ __global__ void __launch_bounds__(kLnBwdThreads, 1) opm_ln_backward_mma_kernel(c
 
     // LayerNorm's statistics and m·xn, warp `warp` taking rows 8 warp .. 8 warp + 7.
     const XT* xt = x_s + buf * TR * XS;
-    const float* mt_s = m_s + buf * TR;
+    const float* m_tile = m_s + buf * TR;
 #pragma unroll 2
     for (int i = 0; i < 8; ++i) {
       const int r = warp * 8 + i;
@@ -628,7 +624,7 @@ __global__ void __launch_bounds__(kLnBwdThreads, 1) opm_ln_backward_mma_kernel(c
       }
 #pragma unroll
       for (int o = 16; o >= 1; o >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
-      const float rstd = rsqrtf(sq * inv_c + p.ln_eps), mv = mt_s[r];
+      const float rstd = rsqrtf(sq * inv_c + p.ln_eps), mv = m_tile[r];
 #pragma unroll
       for (int k = 0; k < VEC; ++k) v[k] = mv * fmaf(v[k] * rstd, lw_v[k], lb_v[k]);
       store_pairs<XT, VEC>(xn_s + r * XS + lane * VEC, v);
@@ -639,7 +635,7 @@ __global__ void __launch_bounds__(kLnBwdThreads, 1) opm_ln_backward_mma_kernel(c
     for (int k = 0; k < 4; ++k) {
       const int r = tid / 16 + 16 * k, h = 4 * (tid & 15);
       const float4 v = *reinterpret_cast<const float4*>(gf_s + (buf * TR + r) * 64 + h);
-      const float mv = mt_s[r];
+      const float mv = m_tile[r];
       dbias[0] = fmaf(v.x, mv, dbias[0]), dbias[1] = fmaf(v.y, mv, dbias[1]);
       dbias[2] = fmaf(v.z, mv, dbias[2]), dbias[3] = fmaf(v.w, mv, dbias[3]);
       uint2 packed;
@@ -690,7 +686,7 @@ __global__ void __launch_bounds__(kLnBwdThreads, 1) opm_ln_backward_mma_kernel(c
 #pragma unroll
       for (int hr = 0; hr < 2; ++hr) {
         const int r = r0 + mt * 16 + g + 8 * hr;
-        const float mean = stat_s[2 * r], rstd = stat_s[2 * r + 1], mv = mt_s[r];
+        const float mean = stat_s[2 * r], rstd = stat_s[2 * r + 1], mv = m_tile[r];
         float a = 0.f, b = 0.f;
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt)
@@ -793,14 +789,10 @@ __global__ void __launch_bounds__(kLnBwdThreads, 1) opm_ln_backward_mma_kernel(c
 #pragma unroll
   for (int k = 0; k < 4; ++k) db_sum[(tid >> 4) * 64 + 4 * (tid & 15) + k] = dbias[k];
   __syncthreads();
-  float* part = p.partial + int64_t(blockIdx.x) * ln_backward_partial_floats(C, H);
-  for (int idx = tid; idx < H2 * C; idx += kLnBwdThreads) part[idx] = dw_sum[idx];
-  for (int idx = tid; idx < 2 * C; idx += kLnBwdThreads) part[H2 * C + idx] = dln_sum[idx];
-  if (tid < H2) {
-    float v = 0.f;
-    for (int k = 0; k < 16; ++k) v += db_sum[k * 64 + tid];
-    part[H2 * C + 2 * C + tid] = v;
-  }
+  float db = 0.f;  // d b_a[tid] or d b_b[tid - H], for tid < 2H
+  if (tid < H2)
+    for (int k = 0; k < 16; ++k) db += db_sum[k * 64 + tid];
+  store_ln_backward_partial(p, dw_sum, 64, dln_sum, C, 1, db);
 }
 
 // grad[e] = sum over blocks of partial[block][e], each segment of the layout written to its own
