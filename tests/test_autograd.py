@@ -167,12 +167,17 @@ def test_cuda_gradients_against_fp64(shape, mask_kind):
 @pytest.mark.parametrize("normalization", [0, 1, 2], ids=["row", "openfold", "boltz"])
 @pytest.mark.parametrize("shape", [Shape(2, 9, 23, 16, 32, 20), Shape(1, 130, 17, 8, 16, 7), Shape(1, 6, 19, 8, 64, 9),
                                    Shape(1, 7, 29, 8, 8, 6), Shape(2, 5, 11, 8, 16, 300), Shape(2, 260, 13, 8, 32, 6),
-                                   Shape(1, 257, 160, 4, 32, 3)], ids=str)
+                                   Shape(1, 257, 160, 4, 32, 3), Shape(1, 4, 6, 8, 16, 257),
+                                   Shape(1, 3, 90, 8, 16, 20)], ids=str)
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no_bias"])
 def test_cuda_gradients_every_normalization(normalization, shape, with_bias):
     """The CUDA backward (fused contractions for hidden 16/32/64 and S <= 256, blocks of rows
-    otherwise: S = 257 and 260 take the blocks, the last shape in two blocks of rows) for each
+    otherwise: S = 257 and 260 take the blocks, (1,257,160) in two blocks of rows) for each
     normalisation, with and without biases: error against float64 at most twice eager fp32's.
+    out_proj's bias gradient comes from the division's pass where its columns fit the threads
+    (pair_dim 3 to 300; one block up to 2^17 elements of grad_out, per-block sums added by a
+    second launch past that: (1,3,90,...,20)) and from ATen's sum where they do not (257: one
+    column per thread).
     (The LayerNorm parameters' gradients are sums over every position with heavy cancellation; at a
     few dozen positions their error ratio to eager's varies from 0.4 to 2 between seeds for the
     same math in any order, so the smallest shapes are left to the float64 gradcheck on the CPU.)"""
@@ -206,6 +211,23 @@ def test_cuda_gradients_every_normalization(normalization, shape, with_bias):
     for name, o, e, r in zip(names, ours, eager32, ref64):
         err, err_eager = rel_error(o.cpu(), r), rel_error(e.cpu(), r)
         assert err <= max(2 * err_eager, 4 * torch.finfo(torch.float32).eps), f"{name}: {err:.3g} vs eager {err_eager:.3g}"
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("normalization", ["row", "openfold"])
+def test_cuda_gradients_repeatable(dtype, normalization):
+    """Two identical backward passes give the same bits (the bias gradient's per-block sums and
+    every other reduction added in a fixed order)."""
+    shape = Shape(2, 5, 64, 16, 32, 24)  # 2^17 + 2^16 elements of grad_out: per-block bias sums
+    x, m, p = make_problem(shape, "masked_positions", seed=17)
+    g = torch.randn(shape.B, shape.N, shape.N, shape.D, generator=torch.Generator().manual_seed(4))
+    xc, mc, gc = x.cuda().to(dtype), m.cuda().to(dtype), g.cuda().to(dtype)
+    pc = {k: v.cuda().to(dtype) for k, v in p.items()}
+    first = _flashopm_grads(xc, mc, pc, gc, normalization=normalization)
+    second = _flashopm_grads(xc, mc, pc, gc, normalization=normalization)
+    for name, a, b in zip(GRAD_INPUTS, first, second):
+        assert torch.isfinite(a).all() and torch.equal(a, b), name
 
 
 @requires_cuda
@@ -290,6 +312,33 @@ def test_explicit_precision_reaches_the_backward(shape):
         assert err <= max(2 * err_eager, 4 * torch.finfo(torch.float32).eps), f"{name}: {err:.3g} vs eager {err_eager:.3g}"
     if shape.S <= 256:  # the fused kernels (ATen blocks follow PyTorch's own setting)
         assert rel_error(ours["w_out"].cpu(), ref64[GRAD_INPUTS.index("w_out")]) > 1e-5
+
+
+@requires_cuda
+def test_pytorch_high_takes_tf32_blocks(monkeypatch):
+    """Under PyTorch's "high" a float32 backward of 128² pairs contracts in ATen blocks (the same
+    bits as FLASHOPM_BACKWARD_BLOCKS=1, other bits than the fused kernels under an explicit
+    precision="high"), within twice eager TF32's error against float64."""
+    shape = Shape(1, 8, 128, 16, 32, 8)
+    x, m, p = make_problem(shape, "masked_positions", seed=21)
+    g = torch.randn(shape.B, shape.N, shape.N, shape.D, generator=torch.Generator().manual_seed(6))
+    ref64 = _reference_grads(x.double(), m.double(), {k: v.double() for k, v in p.items()}, g.double())
+    xc, mc, gc = x.cuda(), m.cuda(), g.cuda()
+    pc = {k: v.cuda() for k, v in p.items()}
+    fused = _flashopm_grads(xc, mc, pc, gc, precision="high")  # PyTorch's setting still "highest"
+    torch.set_float32_matmul_precision("high")
+    try:
+        eager_tf32 = _reference_grads(xc, mc, pc, gc)
+        ours = _flashopm_grads(xc, mc, pc, gc)
+        monkeypatch.setenv("FLASHOPM_BACKWARD_BLOCKS", "1")
+        forced = _flashopm_grads(xc, mc, pc, gc)
+    finally:
+        torch.set_float32_matmul_precision("highest")
+    assert all(torch.equal(o, f) for o, f in zip(ours, forced))
+    assert not all(torch.equal(o, f) for o, f in zip(ours, fused))
+    for name, o, e, r in zip(GRAD_INPUTS, ours, eager_tf32, ref64):
+        err, err_eager = rel_error(o.cpu(), r), rel_error(e.cpu(), r)
+        assert err <= max(2 * err_eager, 4 * torch.finfo(torch.float32).eps), f"{name}: {err:.3g} vs eager {err_eager:.3g}"
 
 
 @requires_cuda

@@ -12,7 +12,7 @@ half-precision inputs, non-contiguous x, subsets of the gradients, and repeatabi
 is at most 256 and hidden_dim at most 32 the kernel's register form runs
 (FLASHOPM_LN_BACKWARD_REGS=0 asks for the other one there: both are checked).  A 16-bit model
 whose matmuls follow PyTorch's in its type takes the tensor-core form where msa_dim is 64, 128 or
-256 and hidden_dim at most 32."""
+256 and hidden_dim at most 32; a float32 model under "high" takes its TF32 form there."""
 import pytest
 import torch
 
@@ -170,6 +170,54 @@ def test_tensor_core_form_strided_x_and_switch(monkeypatch):
     monkeypatch.setenv("FLASHOPM_LN_BACKWARD_MMA", "0")
     fma = _op(g, x, m, p)
     assert not torch.equal(mma[GRAD_INPUTS.index("w_a")], fma[GRAD_INPUTS.index("w_a")])
+
+
+# The TF32 form (float32 x under "high", as PyTorch's matmuls there): msa_dim 64, 128 and 256,
+# hidden 3 to 32, row counts at its 32-row tiles' edges and past one tile per block, every mask
+# kind, against float64 next to eager PyTorch under the same setting.
+TF32_SHAPES = [Shape(1, 3, 21, 64, 8, 5), Shape(2, 4, 8, 128, 16, 3), Shape(1, 5, 13, 256, 32, 4),
+               Shape(1, 1, 31, 64, 32, 3), Shape(1, 1, 32, 128, 3, 3), Shape(1, 1, 33, 256, 17, 3),
+               Shape(1, 70, 130, 256, 32, 4)]
+
+
+@pytest.fixture
+def pytorch_high():
+    torch.set_float32_matmul_precision("high")
+    yield
+    torch.set_float32_matmul_precision("highest")
+
+
+@pytest.mark.parametrize("shape", TF32_SHAPES, ids=str)
+def test_tf32_form(shape, pytorch_high):
+    _check_against_fp64(shape, seed=shape.N + shape.C)
+
+
+@pytest.mark.parametrize("mask_kind", ["binary", "fractional", "bool"])
+def test_tf32_form_masks(mask_kind, pytorch_high):
+    _check_against_fp64(Shape(2, 6, 21, 128, 32, 8), mask_kind, seed=3)
+
+
+def test_tf32_form_strided_x_explicit_precision_and_switch(monkeypatch):
+    """x read through its strides under "high"; an explicit precision="high" under PyTorch's
+    "highest" takes the same form (the same bits); FLASHOPM_LN_BACKWARD_MMA=0 takes the float32
+    FMA form, whose unrounded products give other bits: the switch (and so the form) is live."""
+    transform = lambda x: x.transpose(1, 2).contiguous().transpose(1, 2)
+    shape = Shape(1, 5, 13, 256, 32, 6)
+    torch.set_float32_matmul_precision("high")
+    try:
+        _check_against_fp64(shape, seed=8, x_transform=transform)
+        x, m, p = make_problem(shape, "masked_positions", seed=8)
+        g = torch.randn(1, 13, 13, 6, generator=torch.Generator().manual_seed(9)).cuda()
+        x, m, p = x.cuda(), m.cuda(), {k: v.cuda() for k, v in p.items()}
+        tf32 = _op(g, x, m, p)
+        assert all(torch.equal(a, b) for a, b in zip(tf32, _op(g, x, m, p)))  # repeatable
+    finally:
+        torch.set_float32_matmul_precision("highest")
+    explicit = _op(g, x, m, p, precision=1)
+    assert all(torch.equal(a, b) for a, b in zip(tf32, explicit))
+    monkeypatch.setenv("FLASHOPM_LN_BACKWARD_MMA", "0")
+    fma = _op(g, x, m, p, precision=1)
+    assert not torch.equal(tf32[GRAD_INPUTS.index("w_a")], fma[GRAD_INPUTS.index("w_a")])
 
 
 @pytest.mark.parametrize("layout", ["strided_c", "permuted_sn"])

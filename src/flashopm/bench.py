@@ -71,6 +71,40 @@ def time_wall(fn: Callable[[], object], n: int = 100, warmup: int = 10, flush_l2
     return _quantiles(samples)
 
 
+def paired_speedup(base: Callable[[], object], fn: Callable[[], object], n: int = 100, warmup: int = 3,
+                   flush_l2: bool = True) -> float:
+    """Median over n rounds of base's wall time / fn's, the two timed as `time_wall` times a call,
+    back to back in each round and in alternating order: a drift of the host's speed (which sets
+    the wall time of short calls) lands on both sides of each ratio instead of on one block of
+    calls."""
+    flusher = L2Flusher() if flush_l2 else None
+    for _ in range(warmup):
+        base()
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def one(f) -> float:
+        if flusher is not None:
+            flusher()
+        torch.cuda.synchronize()
+        start.record()
+        f()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+
+    ratios = []
+    for k in range(n):
+        if k % 2 == 0:
+            b = one(base)
+            t = one(fn)
+        else:
+            t = one(fn)
+            b = one(base)
+        ratios.append(b / t)
+    return statistics.median(ratios)
+
+
 def time_graph(fn: Callable[[], object], n: int = 100, warmup: int = 3, repeats: int = 5) -> Timing | None:
     """GPU time per call from CUDA-graph replay (launch gaps and host time removed): a graph of
     `n` calls is replayed `repeats` times; per-call time of each replay.  None if not capturable."""

@@ -175,6 +175,9 @@ std::pair<at::Tensor, at::Tensor> project_masked(const LnInputs& in, const OptTe
   return {a, b};
 }
 
+// Pairs (B·N²) from which a float32 backward under PyTorch's "high" contracts in ATen blocks.
+constexpr int64_t kHighBlocksMinPairs = int64_t(1) << 14;
+
 // Whether the one-pass LayerNorm/projection kernels take this problem (else ATen does).
 bool fused_ln_fits(const at::Tensor& msa, const at::Tensor& mask, int64_t rows, int64_t C, int64_t H, int64_t B,
                    int64_t S, bool ln_regs, int dev) {
@@ -185,15 +188,19 @@ bool fused_ln_fits(const at::Tensor& msa, const at::Tensor& mask, int64_t rows, 
          ln_backward_smem_bytes(int(C), int(H), ln_regs) <= device_info(dev).smem_optin;
 }
 
-// Whether the LayerNorm backward's tensor-core form takes this problem: a 16-bit model whose
-// matmuls follow PyTorch's in its type, msa_dim and hidden as ln_backward_mma_form allows, x's rows
-// 16-byte aligned, and not turned off (FLASHOPM_LN_BACKWARD_MMA=0, to compare the forms).
-bool ln_mma_fits(const at::Tensor& msa, bool follow16, int64_t C, int64_t H, int dev) {
-  const bool aligned = reinterpret_cast<uintptr_t>(msa.data_ptr()) % 16 == 0 && msa.stride(0) % 8 == 0 &&
-                       msa.stride(1) % 8 == 0 && msa.stride(2) % 8 == 0;
-  return follow16 && (msa.scalar_type() == at::kHalf || msa.scalar_type() == at::kBFloat16) &&
-         ln_backward_mma_form(int(C), int(H)) && aligned &&
-         ln_backward_mma_smem_bytes(int(C)) <= device_info(dev).smem_optin && !env_is("FLASHOPM_LN_BACKWARD_MMA", "0");
+// Whether a tensor-core form of the LayerNorm backward takes this problem: a 16-bit model whose
+// matmuls follow PyTorch's in its type, or a float32 one under "high" (TF32, as PyTorch's matmuls
+// there), msa_dim and hidden as ln_backward_mma_form allows, x's rows 16-byte aligned, and not
+// turned off (FLASHOPM_LN_BACKWARD_MMA=0, to compare the forms).
+bool ln_mma_fits(const at::Tensor& msa, bool follow16, bool tf32, int64_t C, int64_t H, int dev) {
+  const int64_t per16 = 16 / msa.element_size();
+  const bool aligned = reinterpret_cast<uintptr_t>(msa.data_ptr()) % 16 == 0 && msa.stride(0) % per16 == 0 &&
+                       msa.stride(1) % per16 == 0 && msa.stride(2) % per16 == 0;
+  const bool half = msa.scalar_type() == at::kHalf || msa.scalar_type() == at::kBFloat16;
+  const bool tf32_form = tf32 && msa.scalar_type() == at::kFloat;
+  return ((follow16 && half) || tf32_form) && ln_backward_mma_form(int(C), int(H)) && aligned &&
+         ln_backward_mma_smem_bytes(int(C), tf32_form) <= device_info(dev).smem_optin &&
+         !env_is("FLASHOPM_LN_BACKWARD_MMA", "0");
 }
 
 // Whether opm_grad_scale_kernel takes g = grad_out / divisor (else ATen does).
@@ -206,9 +213,12 @@ bool scale_fits(at::ScalarType work, const at::Tensor& grad_out, const at::Tenso
 
 // g = grad_out / divisor, (B, N, N, D) in `type`, in one launch (and one more for the pair counts
 // of the OpenFold and Boltz conventions) in place of ATen's reduction, clamp and division;
-// grad_out is read in its own type.
+// grad_out is read in its own type.  With want_bias, the same pass sums out_proj's bias gradient
+// where its columns fit the kernel's threads (one more small launch adds the blocks' sums) and
+// puts it in bias_grad (float32, (D,)); elsewhere bias_grad stays undefined.
+// FLASHOPM_BIAS_GRAD_KERNEL=0 leaves the bias gradient to the caller, to compare.
 at::Tensor scale_grad(const at::Tensor& go_in, const at::Tensor& mask, int64_t normalization, double norm_eps,
-                      at::ScalarType type, int dev) {
+                      at::ScalarType type, bool want_bias, at::Tensor& bias_grad, int dev) {
   const at::Tensor go = go_in.contiguous();
   const int64_t B = go.size(0), N = go.size(1), D = go.size(3), S = mask.size(1);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dev).stream();
@@ -223,11 +233,28 @@ at::Tensor scale_grad(const at::Tensor& go_in, const at::Tensor& mask, int64_t n
     return reinterpret_cast<uintptr_t>(t.data_ptr()) % (4 * t.element_size()) == 0;
   };
   args.vec4 = D % 4 == 0 && aligned4(go) && aligned4(g);
+  args.by_pair = D / (args.vec4 ? 4 : 1) <= kGradScaleThreads;
   args.mask = mask_view;
   args.pair = pair.defined() ? pair.data_ptr<float>() : nullptr;
   args.norm = Normalizer{int(normalization), float(norm_eps)};
   args.B = int(B), args.S = int(S), args.N = int(N), args.D = int(D);
-  launch_grad_scale(args, int(std::min<int64_t>(B * N, 4 * int64_t(device_info(dev).sm_count))), stream);
+  const bool bias_here = want_bias && args.by_pair && !env_is("FLASHOPM_BIAS_GRAD_KERNEL", "0");
+  // Small problems in one block that writes the bias gradient itself: a launch and an allocation
+  // less, where the step's time is the host's.
+  const bool one_block = bias_here && go.numel() <= kGradScaleOneBlockElems;
+  const int blocks = one_block ? 1 : int(std::min<int64_t>(B * N, 4 * int64_t(device_info(dev).sm_count)));
+  at::Tensor bias_part;
+  if (bias_here) {
+    bias_grad = at::empty({D}, go.options().dtype(at::kFloat));
+    if (one_block) {
+      args.bias_out = bias_grad.data_ptr<float>();
+    } else {
+      bias_part = at::empty({blocks, D}, go.options().dtype(at::kDouble));
+      args.bias_part = bias_part.data_ptr<double>();
+    }
+  }
+  launch_grad_scale(args, blocks, stream);
+  if (bias_part.defined()) launch_bias_grad_reduce(args.bias_part, blocks, int(D), bias_grad.data_ptr<float>(), stream);
   return g;
 }
 
@@ -251,7 +278,8 @@ LnGrads ln_projection_backward(const LnInputs& in, const at::Tensor& grad_a_in, 
   if (want[0]) r.x = at::empty({B, S, N, C}, msa.options().memory_format(at::MemoryFormat::Contiguous));
   const int64_t rows = B * S * N;
   const int lanes = ln_backward_col_lanes(int(C));
-  const int tile_rows = mma ? kLnMmaTileRows : (kLnBwdThreads / lanes) * kLnBwdRows;
+  const int tile_rows =
+      mma ? ln_backward_mma_tile_rows(msa.scalar_type() == at::kFloat) : (kLnBwdThreads / lanes) * kLnBwdRows;
   const int smem = ln_backward_smem_bytes(int(C), int(H), regs);
   // resident blocks per SM: one in the register and tensor-core forms and with two columns per
   // thread, else two (the kernels' register bounds)
@@ -387,19 +415,31 @@ std::vector<at::Tensor> outer_product_mean_backward_cuda(const at::Tensor& grad_
     }
     // g in the 16-bit model's type when the contractions run in that type (as PyTorch divides in
     // it), else in the working type.
+    at::Tensor bias_grad;
     const at::Tensor g = scale_in_kernel
-                             ? scale_grad(grad_out, mask, normalization, norm_eps, follow16 ? blocks_type : work, dev)
+                             ? scale_grad(grad_out, mask, normalization, norm_eps, follow16 ? blocks_type : work,
+                                          need_bo, bias_grad, dev)
                              : grad_out.to(work).div(output_divisor(m.squeeze(-1), normalization, norm_eps));
-    if (need_bo) grads[8] = at::sum(normalization == 1 ? g : grad_out, {0, 1, 2}, false, work);
+    if (need_bo)
+      grads[8] = bias_grad.defined() ? bias_grad : at::sum(normalization == 1 ? g : grad_out, {0, 1, 2}, false, work);
     if (need_proj || need_wo) {
       // The fused kernels recompute dO = g·W for every 128 values of s; past S = 256 that costs more
       // than PyTorch's blocks save (H200: 79 against 54 ms at S = 512, N = 768), which then win on
       // speed, at more memory (blocks of 16M-64M elements).  ops.contract_backward, the same rule.
       // A 16-bit model's contractions run in ATen blocks on 16-bit tensor cores, which beat the
       // fused kernels' TF32 form (H200, training crop: 1.74 against 2.38 ms a step).
-      // FLASHOPM_BACKWARD_BLOCKS=1 takes the blocks everywhere, to compare the two.
+      // Under PyTorch's "high" the blocks' GEMMs take TF32 from cuBLAS and beat the fused kernels'
+      // TF32 form too, past a few thousand pairs (H200, training crop: 2.02 against 2.57 ms a
+      // step; at the specification's shape the blocks' launches cost more than they save: 0.95
+      // against 0.80 ms).  An explicit precision="high" under PyTorch's "highest" keeps the fused
+      // kernels, whose TF32 it asks for.
+      // FLASHOPM_BACKWARD_BLOCKS=1 takes the blocks everywhere, =0 the fused kernels wherever they
+      // apply, to compare the two.
+      const bool tf32_blocks = prec == kHigh && B * N * N >= kHighBlocksMinPairs &&
+                               at::globalContext().float32MatmulPrecision() != at::Float32MatmulPrecision::HIGHEST &&
+                               !env_is("FLASHOPM_BACKWARD_BLOCKS", "0");
       if (work == at::kFloat && blocks_type == at::kFloat && (H == 16 || H == 32 || H == 64) && S <= 256 &&
-          !env_is("FLASHOPM_BACKWARD_BLOCKS", "1")) {
+          !tf32_blocks && !env_is("FLASHOPM_BACKWARD_BLOCKS", "1")) {
         const std::vector<at::Tensor> r = contract_backward_op().call(g, a, b, wo, need_proj, need_wo, int64_t(prec));
         grad_a = r[0], grad_b = r[1], grad_w = r[2];
       } else {
@@ -411,7 +451,7 @@ std::vector<at::Tensor> outer_product_mean_backward_cuda(const at::Tensor& grad_
   if (need_wo) grads[7] = grad_w;
   if (need_proj && fused_ln) {
     const LnGrads r = ln_projection_backward(ln_in, grad_a, grad_b, want, ln_regs,
-                                             ln_mma_fits(ln_in.msa, follow16, C, H, dev), dev);
+                                             ln_mma_fits(ln_in.msa, follow16, prec != kHighest, C, H, dev), dev);
     grads[0] = r.x, grads[1] = r.ln_w, grads[2] = r.ln_b, grads[3] = r.w_a, grads[5] = r.w_b;
     if (need_ba) grads[4] = r.b_a;
     if (need_bb) grads[6] = r.b_b;

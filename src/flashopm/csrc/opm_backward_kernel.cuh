@@ -274,12 +274,21 @@ __device__ __forceinline__ void load4_as_float(const void* base, int64_t idx, in
   }
 }
 
-// g = grad_out / divisor (GradScaleArgs): a row (b, i) per block at a time, its N·D values
-// grid-strided over the threads, four at a time where vec4 allows.
+// g = grad_out / divisor (GradScaleArgs): a row (b, i) per block at a time.  With by_pair, thread
+// tid takes column slot tid % D4 (four columns where vec4 allows, else one) of pairs tid / D4,
+// + slots, ..., so that its columns are the same in every row; with bias_part it also sums them for
+// the bias gradient, in float64 and in a fixed order (one rounding at the end, and the same bits on
+// every call).  Otherwise the row's N·D values are grid-strided over the threads.
 __global__ void __launch_bounds__(kGradScaleThreads) opm_grad_scale_kernel(const GradScaleArgs p) {
   __shared__ float row_den;
+  __shared__ double bias_s[kGradScaleThreads * 4];
   const int tid = threadIdx.x, N = p.N, D = p.D;
   const bool by_row = p.norm.kind == kNormRow, openfold = p.norm.kind == kNormOpenFold;
+  const int per = p.vec4 ? 4 : 1, D4 = D / per;
+  const int slots = p.by_pair ? kGradScaleThreads / D4 : 0;
+  const int col = p.by_pair ? tid % D4 : 0, slot = p.by_pair ? tid / D4 : 0;
+  const bool sums = p.bias_part != nullptr || p.bias_out != nullptr;
+  double bsum[4] = {0.0, 0.0, 0.0, 0.0};
   const int64_t rows = int64_t(p.B) * N, row_elems = int64_t(N) * D;
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     if (by_row) {
@@ -298,7 +307,30 @@ __global__ void __launch_bounds__(kGradScaleThreads) opm_grad_scale_kernel(const
       const float pc = p.pair[r * N + e / D];
       return openfold ? p.norm.eps + pc : fmaxf(pc, 1.f);
     };
-    if (p.vec4) {  // block-uniform
+    if (p.by_pair) {  // block-uniform
+      if (slot >= slots) continue;
+      for (int j = slot; j < N; j += slots) {
+        const int64_t e = int64_t(j) * D + col * per;
+        const float den = divisor(e);
+        if (p.vec4) {
+          float v[4];
+          load4_as_float(p.go, row0 + e, p.go_kind, v);
+#pragma unroll
+          for (int k = 0; k < 4; ++k) {
+            if (sums && !openfold) bsum[k] += double(v[k]);
+            v[k] = v[k] / den;
+            if (sums && openfold) bsum[k] += double(v[k]);
+          }
+          store_out4(p.g, row0 + e, v, p.g_kind);
+        } else {
+          float v = load_mask(p.go, row0 + e, p.go_kind);
+          if (sums && !openfold) bsum[0] += double(v);
+          v = v / den;
+          if (sums && openfold) bsum[0] += double(v);
+          store_out(p.g, row0 + e, v, p.g_kind);
+        }
+      }
+    } else if (p.vec4) {  // block-uniform
       for (int64_t e = 4 * int64_t(tid); e < row_elems; e += 4 * kGradScaleThreads) {
         float v[4];
         load4_as_float(p.go, row0 + e, p.go_kind, v);
@@ -312,6 +344,28 @@ __global__ void __launch_bounds__(kGradScaleThreads) opm_grad_scale_kernel(const
         store_out(p.g, row0 + e, load_mask(p.go, row0 + e, p.go_kind) / divisor(e), p.g_kind);
     }
   }
+  if (!sums) return;  // grid-uniform
+  // The block's sum of each column: its slots' sums in slot order.
+#pragma unroll
+  for (int k = 0; k < 4; ++k) bias_s[tid * 4 + k] = bsum[k];
+  __syncthreads();
+  for (int d = tid; d < D; d += kGradScaleThreads) {
+    const int c = d / per, k = d - c * per;
+    double sum = 0.0;
+    for (int q = 0; q < slots; ++q) sum += bias_s[(q * D4 + c) * 4 + k];
+    if (p.bias_out != nullptr) p.bias_out[d] = float(sum);
+    else p.bias_part[int64_t(blockIdx.x) * D + d] = sum;
+  }
+}
+
+// bias[d] = sum over blocks of part[block][d], in block order, rounded once.
+__global__ void __launch_bounds__(kGradScaleThreads) opm_bias_grad_reduce_kernel(const double* part, int blocks,
+                                                                                int D, float* bias) {
+  const int d = blockIdx.x * kGradScaleThreads + threadIdx.x;
+  if (d >= D) return;
+  double sum = 0.0;
+  for (int k = 0; k < blocks; ++k) sum += part[int64_t(k) * D + d];
+  bias[d] = float(sum);
 }
 
 // SumPartsArgs: tensor blockIdx.y, its elements grid-strided along x.

@@ -259,7 +259,8 @@ bool ln_backward_regs(int C, int H) {
   return ln_backward_regs_form(C, H) && !env_is("FLASHOPM_LN_BACKWARD_REGS", "0");
 }
 
-int ln_backward_mma_smem_bytes(int C) {
+int ln_backward_mma_smem_bytes(int C, bool tf32) {
+  if (tf32) return C == 64 ? LnTf32Layout<1>::bytes : C == 128 ? LnTf32Layout<2>::bytes : LnTf32Layout<4>::bytes;
   return C == 64 ? LnMmaLayout<1>::bytes : C == 128 ? LnMmaLayout<2>::bytes : LnMmaLayout<4>::bytes;
 }
 
@@ -278,14 +279,21 @@ void launch_ln_backward_mma(const LnBackwardArgs& args, int blocks, cudaStream_t
   allow_smem<opm_ln_backward_mma_kernel<XT, kMT>>();
   opm_ln_backward_mma_kernel<XT, kMT><<<blocks, kLnBwdThreads, LnMmaLayout<kMT>::bytes, stream>>>(args);
 }
+template <int kMT>
+void launch_ln_backward_tf32(const LnBackwardArgs& args, int blocks, cudaStream_t stream) {
+  allow_smem<opm_ln_backward_tf32_kernel<kMT>>();
+  opm_ln_backward_tf32_kernel<kMT><<<blocks, kLnBwdThreads, LnTf32Layout<kMT>::bytes, stream>>>(args);
+}
 template <typename XT>
 void launch_ln_backward_x(const LnBackwardArgs& args, int blocks, cudaStream_t stream) {
   if (args.mma) {
+    TORCH_CHECK(ln_backward_mma_form(args.C, args.H), "flashopm: internal: no tensor-core LayerNorm backward for C=",
+                args.C, ", H=", args.H);
     if constexpr (std::is_same_v<XT, float>) {
-      TORCH_CHECK(false, "flashopm: internal: the tensor-core LayerNorm backward takes 16-bit x only");
+      if (args.C == 64) launch_ln_backward_tf32<1>(args, blocks, stream);
+      else if (args.C == 128) launch_ln_backward_tf32<2>(args, blocks, stream);
+      else launch_ln_backward_tf32<4>(args, blocks, stream);
     } else {
-      TORCH_CHECK(ln_backward_mma_form(args.C, args.H), "flashopm: internal: no tensor-core LayerNorm backward for C=",
-                  args.C, ", H=", args.H);
       if (args.C == 64) launch_ln_backward_mma<XT, 1>(args, blocks, stream);
       else if (args.C == 128) launch_ln_backward_mma<XT, 2>(args, blocks, stream);
       else launch_ln_backward_mma<XT, 4>(args, blocks, stream);
@@ -512,6 +520,12 @@ void launch_convert(const ConvertArgs& args, cudaStream_t stream) {
 
 void launch_grad_scale(const GradScaleArgs& args, int blocks, cudaStream_t stream) {
   opm_grad_scale_kernel<<<unsigned(blocks), kGradScaleThreads, 0, stream>>>(args);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void launch_bias_grad_reduce(const double* part, int blocks, int D, float* bias, cudaStream_t stream) {
+  opm_bias_grad_reduce_kernel<<<unsigned((D + kGradScaleThreads - 1) / kGradScaleThreads), kGradScaleThreads, 0,
+                                stream>>>(part, blocks, D, bias);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

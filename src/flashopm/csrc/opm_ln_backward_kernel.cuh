@@ -795,6 +795,326 @@ __global__ void __launch_bounds__(kLnBwdThreads, 1) opm_ln_backward_mma_kernel(c
   store_ln_backward_partial(p, dw_sum, 64, dln_sum, C, 1, db);
 }
 
+// ---- The TF32 form, for float32 models under "high" (LnBackwardArgs.mma with float32 x) ----
+// The same two GEMMs as the 16-bit form, on mma.sync m16n8k8 with operands rounded to TF32 as
+// PyTorch's matmuls under "high" round them (float32 sums): grad_xn = (G · [W_a; W_b]) * m and
+// [dW_a; dW_b] += Gᵀ · (m xn).  Tiles of 32 rows (float32 tiles of x, m·xn and W fill the shared
+// memory); the 8 warps are 2 row slices by 4 column slices of C / 4 for grad_xn, and 2 slices of
+// 32 rows of [dW_a; dW_b] by the same column slices for dW, so each warp holds whole sums of its
+// part of dW.  ldmatrix cannot transpose 32-bit elements: fragments come from 32-bit shared loads,
+// from rows C + 8 floats apart (x, m·xn, W) and 72 apart (G), which puts each load's 32 lanes
+// on distinct banks (G's K-major reads in GEMM 1 excepted: two ways).  C = 64·kMT, H <= 32.
+template <int kMT>
+struct LnTf32Layout {
+  static constexpr int C = 64 * kMT, TR = 32, XS = C + 8, GS = 72, CW = C / 4;
+  static constexpr int x_bytes = 2 * TR * XS * 4, xn_bytes = TR * XS * 4, w_bytes = 64 * XS * 4;
+  static constexpr int gf_bytes = 2 * TR * 64 * 4, gs_bytes = TR * GS * 4;
+  static constexpr int m_bytes = 2 * TR * 4, stat_bytes = TR * 2 * 4, red_bytes = 4 * TR * 2 * 4;
+  static constexpr int off_x = 0, off_xn = off_x + x_bytes, off_w = off_xn + xn_bytes, off_gf = off_w + w_bytes;
+  static constexpr int off_gs = off_gf + gf_bytes, off_m = off_gs + gs_bytes, off_stat = off_m + m_bytes;
+  static constexpr int off_red = off_stat + stat_bytes, bytes = off_red + red_bytes;
+  static_assert(x_bytes >= 64 * C * 4, "the x buffers hold the block's dW sums at the end");
+  static_assert(gf_bytes >= (2 * C + 32 * 64) * 4, "the gradient buffers hold d ln_w, d ln_b and d b at the end");
+};
+
+template <int kMT>
+__global__ void __launch_bounds__(kLnBwdThreads, 1) opm_ln_backward_tf32_kernel(const LnBackwardArgs p) {
+  using L = LnTf32Layout<kMT>;
+  constexpr int C = L::C, TR = L::TR, XS = L::XS, GS = L::GS, CW = L::CW;
+  constexpr int NT = CW / 8;        // n-tiles of 8 columns per warp
+  constexpr int VEC = C / 32;       // x elements per lane in the statistics
+  constexpr int CHUNKS = C / 32;    // 16-byte pieces of a row per thread (8 threads a row)
+  extern __shared__ float4 smem_f4[];
+  char* smem = reinterpret_cast<char*>(smem_f4);
+  float* x_s = reinterpret_cast<float*>(smem + L::off_x);      // [2][TR][XS]
+  float* xn_s = reinterpret_cast<float*>(smem + L::off_xn);    // [TR][XS]: m·xn (TF32), then grad_x
+  float* w_s = reinterpret_cast<float*>(smem + L::off_w);      // [64][XS]: [W_a; W_b; 0] (TF32)
+  float* gf_s = reinterpret_cast<float*>(smem + L::off_gf);    // [2][TR][64]: [grad_a | grad_b | 0]
+  float* g_s = reinterpret_cast<float*>(smem + L::off_gs);     // [TR][GS]: G (TF32)
+  float* m_s = reinterpret_cast<float*>(smem + L::off_m);      // [2][TR]
+  float* stat_s = reinterpret_cast<float*>(smem + L::off_stat);  // [TR][2]: mean, rstd
+  float* red_s = reinterpret_cast<float*>(smem + L::off_red);    // [4][TR][2]
+  const uint32_t* xn_u = reinterpret_cast<const uint32_t*>(xn_s);
+  const uint32_t* w_u = reinterpret_cast<const uint32_t*>(w_s);
+  const uint32_t* g_u = reinterpret_cast<const uint32_t*>(g_s);
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int wr = warp >> 2, wc = warp & 3;
+  const int H = p.H, H2 = 2 * H, K2 = (H2 + 7) & ~7;
+  const float inv_c = 1.f / float(C);
+  const int64_t ntiles = (p.rows + TR - 1) / TR;
+
+  for (int idx = tid; idx < 64 * C; idx += kLnBwdThreads) {
+    const int h = idx / C, c = idx - h * C;
+    const float w = h < H ? p.wa[int64_t(h) * C + c] : h < H2 ? p.wb[int64_t(h - H) * C + c] : 0.f;
+    w_s[h * XS + c] = __uint_as_float(to_tf32(w));
+  }
+
+  // A tile's x rows and gradients into buffer buf; thread tid takes row tid / 8 (its mask value
+  // too), every eighth 16-byte piece of it and eight of its gradient columns.
+  const auto issue_tile = [&](int64_t tile, int buf) {
+    const int r = tid >> 3, q = tid & 7;
+    const int64_t row = tile * TR + r;
+    const bool ok = row < p.rows;
+    int64_t off = 0;
+    float mv = 0.f;
+    if (ok) {
+      const int64_t bs = row / p.N;
+      const int n = int(row - bs * p.N), s = int(bs % p.S), b = int(bs / p.S);
+      off = int64_t(b) * p.x_sb + int64_t(s) * p.x_ss + int64_t(n) * p.x_sn;
+      mv = mask_at(p.mask, b, s, n);
+    }
+    const float* xrow = static_cast<const float*>(p.x) + off;
+    float* xdst = x_s + (buf * TR + r) * XS;
+#pragma unroll
+    for (int k = 0; k < CHUNKS; ++k) {
+      const int e = (q + 8 * k) * 4;
+      cp_async16z(xdst + e, xrow + e, ok);
+    }
+    float* gdst = gf_s + (buf * TR + r) * 64;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const int h = q * 8 + k;
+      const bool hok = ok && h < H2;
+      const float* src = !hok ? p.grad_a : h < H ? p.grad_a + row * H + h : p.grad_b + row * H + (h - H);
+      cp_async4(gdst + h, src, hok);
+    }
+    if (q == 0) m_s[buf * TR + r] = mv;
+  };
+
+  float acc2[2][NT][4];  // [dW_a; dW_b] rows 32 wr + 16 mt + (g, g + 8), columns wc·CW + 8 nt + 2t (+1)
+  zero_tiles(acc2);
+  float dlw[NT][2], dlb[NT][2], dbias[8];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) dlw[nt][0] = dlw[nt][1] = dlb[nt][0] = dlb[nt][1] = 0.f;
+#pragma unroll
+  for (int k = 0; k < 8; ++k) dbias[k] = 0.f;
+  float lw_c[NT][2];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) lw_c[nt][e] = p.ln_w[wc * CW + nt * 8 + 2 * t + e];
+  float lw_v[VEC], lb_v[VEC];  // the statistics' columns lane·VEC ..
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) lw_v[k] = p.ln_w[lane * VEC + k], lb_v[k] = p.ln_b[lane * VEC + k];
+
+  int64_t tile = blockIdx.x;
+  int buf = 0;
+  if (tile < ntiles) issue_tile(tile, 0);
+  cp_async_commit();
+  for (; tile < ntiles; tile += gridDim.x, buf ^= 1) {
+    const int64_t next = tile + gridDim.x;
+    if (next < ntiles) issue_tile(next, buf ^ 1);
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncthreads();  // this tile's x, gradients and mask in buffer buf
+
+    // LayerNorm's statistics and m·xn, warp `warp` taking rows 4 warp .. 4 warp + 3.
+    const float* xt = x_s + buf * TR * XS;
+    const float* m_tile = m_s + buf * TR;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int r = warp * 4 + i;
+      float v[VEC];
+#pragma unroll
+      for (int k = 0; k < VEC; k += 2) {
+        const float2 f = *reinterpret_cast<const float2*>(xt + r * XS + lane * VEC + k);
+        v[k] = f.x, v[k + 1] = f.y;
+      }
+      float sum = 0.f;
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) sum += v[k];
+#pragma unroll
+      for (int o = 16; o >= 1; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+      const float mean = sum * inv_c;
+      float sq = 0.f;
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        v[k] -= mean;
+        sq = fmaf(v[k], v[k], sq);
+      }
+#pragma unroll
+      for (int o = 16; o >= 1; o >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
+      const float rstd = rsqrtf(sq * inv_c + p.ln_eps), mv = m_tile[r];
+#pragma unroll
+      for (int k = 0; k < VEC; k += 2) {
+        float2 f;
+        f.x = __uint_as_float(to_tf32(mv * fmaf(v[k] * rstd, lw_v[k], lb_v[k])));
+        f.y = __uint_as_float(to_tf32(mv * fmaf(v[k + 1] * rstd, lw_v[k + 1], lb_v[k + 1])));
+        *reinterpret_cast<float2*>(xn_s + r * XS + lane * VEC + k) = f;
+      }
+      if (lane == 0) stat_s[2 * r] = mean, stat_s[2 * r + 1] = rstd;
+    }
+    // G to TF32 (thread tid: columns 8 (tid % 8) .. + 7 of row tid / 8), and d b_a, d b_b
+    {
+      const int r = tid >> 3, h = 8 * (tid & 7);
+      const float mv = m_tile[r];
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const float4 v = *reinterpret_cast<const float4*>(gf_s + (buf * TR + r) * 64 + h + 4 * half);
+        dbias[4 * half] = fmaf(v.x, mv, dbias[4 * half]);
+        dbias[4 * half + 1] = fmaf(v.y, mv, dbias[4 * half + 1]);
+        dbias[4 * half + 2] = fmaf(v.z, mv, dbias[4 * half + 2]);
+        dbias[4 * half + 3] = fmaf(v.w, mv, dbias[4 * half + 3]);
+        float4 r4;
+        r4.x = __uint_as_float(to_tf32(v.x)), r4.y = __uint_as_float(to_tf32(v.y));
+        r4.z = __uint_as_float(to_tf32(v.z)), r4.w = __uint_as_float(to_tf32(v.w));
+        *reinterpret_cast<float4*>(g_s + r * GS + h + 4 * half) = r4;
+      }
+    }
+    __syncthreads();  // xn_s, g_s, stat_s complete
+
+    // GEMM 1: acc1 = G · W for rows r0 .. r0 + 15, columns c0 .. c0 + CW - 1
+    const int r0 = wr * 16, c0 = wc * CW;
+    float acc1[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) acc1[nt][0] = acc1[nt][1] = acc1[nt][2] = acc1[nt][3] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < 8; ++ks) {
+      const int k0 = ks * 8;
+      if (k0 >= K2) break;
+      uint32_t af[4];
+      af[0] = g_u[(r0 + g) * GS + k0 + t], af[1] = g_u[(r0 + g + 8) * GS + k0 + t];
+      af[2] = g_u[(r0 + g) * GS + k0 + t + 4], af[3] = g_u[(r0 + g + 8) * GS + k0 + t + 4];
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const int c = c0 + nt * 8 + g;
+        mma_tf32(acc1[nt], af, w_u[(k0 + t) * XS + c], w_u[(k0 + t + 4) * XS + c]);
+      }
+    }
+    // GEMM 2: acc2 += Gᵀ · (m xn) over the tile's 32 rows, for rows 32 wr .. of [dW_a; dW_b]
+#pragma unroll
+    for (int kk = 0; kk < TR / 8; ++kk) {
+      const int k0 = kk * 8;
+      uint32_t bf[NT][2];
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const int c = c0 + nt * 8 + g;
+        bf[nt][0] = xn_u[(k0 + t) * XS + c], bf[nt][1] = xn_u[(k0 + t + 4) * XS + c];
+      }
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt) {
+        const int m0 = wr * 32 + mt * 16;
+        if (m0 >= K2) break;
+        uint32_t af[4];
+        af[0] = g_u[(k0 + t) * GS + m0 + g], af[1] = g_u[(k0 + t) * GS + m0 + g + 8];
+        af[2] = g_u[(k0 + t + 4) * GS + m0 + g], af[3] = g_u[(k0 + t + 4) * GS + m0 + g + 8];
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) mma_tf32(acc2[mt][nt], af, bf[nt][0], bf[nt][1]);
+      }
+    }
+
+    // grad_xn = m (G·W); d ln_w, d ln_b; gxhat = grad_xn ln_w and its row sums over this warp's
+    // columns (the quad's lanes hold a row's columns).
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int r = r0 + g + 8 * hr;
+      const float mean = stat_s[2 * r], rstd = stat_s[2 * r + 1], mv = m_tile[r];
+      float a = 0.f, b = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const float2 xv = *reinterpret_cast<const float2*>(xt + r * XS + c0 + nt * 8 + 2 * t);
+        const float xs[2] = {xv.x, xv.y};
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float xh = (xs[e] - mean) * rstd;
+          const float gxn = acc1[nt][2 * hr + e] * mv;
+          dlw[nt][e] = fmaf(gxn, xh, dlw[nt][e]);
+          dlb[nt][e] += gxn;
+          const float gxh = gxn * lw_c[nt][e];
+          acc1[nt][2 * hr + e] = gxh;
+          a += gxh;
+          b = fmaf(gxh, xh, b);
+        }
+      }
+      a += __shfl_xor_sync(0xffffffffu, a, 1);
+      a += __shfl_xor_sync(0xffffffffu, a, 2);
+      b += __shfl_xor_sync(0xffffffffu, b, 1);
+      b += __shfl_xor_sync(0xffffffffu, b, 2);
+      if (t == 0) red_s[(wc * TR + r) * 2] = a, red_s[(wc * TR + r) * 2 + 1] = b;
+    }
+    __syncthreads();  // the row sums of every column slice; xn_s read by GEMM 2
+
+    if (p.grad_x != nullptr) {  // block-uniform
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const int r = r0 + g + 8 * hr;
+        float a = 0.f, b = 0.f;
+#pragma unroll
+        for (int w = 0; w < 4; ++w) a += red_s[(w * TR + r) * 2], b += red_s[(w * TR + r) * 2 + 1];
+        const float mean = stat_s[2 * r], rstd = stat_s[2 * r + 1], mg = a * inv_c, mgx = b * inv_c;
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          const int c = c0 + nt * 8 + 2 * t;
+          const float2 xv = *reinterpret_cast<const float2*>(xt + r * XS + c);
+          float2 o;
+          o.x = rstd * (acc1[nt][2 * hr] - mg - (xv.x - mean) * rstd * mgx);
+          o.y = rstd * (acc1[nt][2 * hr + 1] - mg - (xv.y - mean) * rstd * mgx);
+          *reinterpret_cast<float2*>(xn_s + r * XS + c) = o;
+        }
+      }
+      __syncthreads();  // grad_x's tile staged
+      const int r = tid >> 3, q = tid & 7;
+      const int64_t row = tile * TR + r;
+      if (row < p.rows) {
+        float* dst = static_cast<float*>(p.grad_x) + row * C;
+#pragma unroll
+        for (int k = 0; k < CHUNKS; ++k) {
+          const int e = (q + 8 * k) * 4;
+          *reinterpret_cast<float4*>(dst + e) = *reinterpret_cast<const float4*>(xn_s + r * XS + e);
+        }
+      }
+    }
+    __syncthreads();  // buffers buf, xn_s, g_s and red_s free for the next tiles
+  }
+  cp_async_wait_all();
+
+  // The block's partial sums, added in a fixed order: each warp's dW entries are whole sums;
+  // d ln_w and d ln_b over g within the warp, then over the two row slices; d b over the 32 rows'
+  // thread groups of the conversion.
+  float* dw_sum = reinterpret_cast<float*>(smem + L::off_x);  // [64][C]
+  float* dln_sum = gf_s;                                       // [2][C]
+  float* db_sum = gf_s + 2 * C;                                // [32][64]
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int h = wr * 32 + mt * 16 + g + 8 * (e >> 1), c = wc * CW + nt * 8 + 2 * t + (e & 1);
+        dw_sum[h * C + c] = acc2[mt][nt][e];
+      }
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int e = 0; e < 2; ++e)
+#pragma unroll
+      for (int o = 4; o <= 16; o <<= 1) {
+        dlw[nt][e] += __shfl_xor_sync(0xffffffffu, dlw[nt][e], o);
+        dlb[nt][e] += __shfl_xor_sync(0xffffffffu, dlb[nt][e], o);
+      }
+  for (int w = 0; w < 2; ++w) {
+    if (wr == w && g == 0) {
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int c = wc * CW + nt * 8 + 2 * t + e;
+          dln_sum[c] = w == 0 ? dlw[nt][e] : dln_sum[c] + dlw[nt][e];
+          dln_sum[C + c] = w == 0 ? dlb[nt][e] : dln_sum[C + c] + dlb[nt][e];
+        }
+    }
+    __syncthreads();
+  }
+#pragma unroll
+  for (int k = 0; k < 8; ++k) db_sum[(tid >> 3) * 64 + 8 * (tid & 7) + k] = dbias[k];
+  __syncthreads();
+  float db = 0.f;  // d b_a[tid] or d b_b[tid - H], for tid < 2H
+  if (tid < H2)
+    for (int k = 0; k < 32; ++k) db += db_sum[k * 64 + tid];
+  store_ln_backward_partial(p, dw_sum, 64, dln_sum, C, 1, db);
+}
+
 // grad[e] = sum over blocks of partial[block][e], each segment of the layout written to its own
 // tensor (null: not needed).  Four running sums over the blocks, added at the end.
 __global__ void __launch_bounds__(kLnBwdReduceThreads) opm_ln_backward_reduce_kernel(const LnBackwardReduceArgs p) {

@@ -744,6 +744,10 @@ void launch_bwd_w(const BwdWArgs& args, int splits, int terms, cudaStream_t stre
 //   kNormOpenFold eps + pair[b,i,j]         kNormBoltz  max(pair[b,i,j], 1)
 // grad_out and g in any element kind (MaskKind: float32, float16, bfloat16); vec4: D % 4 == 0 and
 // both pointers aligned to four elements, so that each thread moves four elements at a time.
+// by_pair: each thread keeps the same columns in every row (D, or D / 4 with vec4, at most
+// kGradScaleThreads); then bias_part, if not null, gets each block's column sums of the bias
+// gradient's terms (grad_out, or g for kNormOpenFold, which divides the bias too) in float64, or,
+// in a grid of one block, bias_out the sums themselves (float32).
 struct GradScaleArgs {
   const void* go;     // (B, N, N, D), contiguous, go_kind
   void* g;            // (B, N, N, D), contiguous, g_kind
@@ -751,11 +755,17 @@ struct GradScaleArgs {
   const float* pair;  // (B, N, N): sum_s m[b,s,i] m[b,s,j] (the other conventions), else null
   Normalizer norm;
   int B, S, N, D;
+  double* bias_part;  // (blocks, D) or null
+  float* bias_out;    // (D,) or null: one block only
   int go_kind, g_kind;
-  bool vec4;
+  bool vec4, by_pair;
 };
 constexpr int kGradScaleThreads = 256;
+// At most this many elements of grad_out go to one block when the bias gradient is summed too.
+constexpr int64_t kGradScaleOneBlockElems = int64_t(1) << 17;
 void launch_grad_scale(const GradScaleArgs& args, int blocks, cudaStream_t stream);
+// bias[d] = sum over blocks of part[block][d] (float64 sums in block order, rounded once).
+void launch_bias_grad_reduce(const double* part, int blocks, int D, float* bias, cudaStream_t stream);
 
 // Up to eight small tensors converted in one launch (a 16-bit model's parameters to float32, its
 // gradients back): dst[k][e] = src[k][e] for e < n[k], both contiguous, with element kinds
@@ -831,7 +841,7 @@ struct LnBackwardArgs {
   int64_t rows;         // B * S * N
   int col_lanes;        // 32, 64, 128 or 256: threads sharing one row's columns
   int regs;             // the register form runs (ln_backward_regs), else the shared-memory one
-  int mma;              // the tensor-core form runs (16-bit x; ln_backward_mma_fits), over the others
+  int mma;              // a tensor-core form runs (16-bit x, or float32 x in TF32; ln_mma_fits), over the others
 };
 
 // Layout of one block's partial sums: [dW_a (H, C) | dW_b (H, C) | d ln_w (C) | d ln_b (C) |
@@ -892,10 +902,11 @@ int ln_backward_smem_bytes(int C, int H, bool regs);
 // Whether the register form runs: where ln_backward_regs_form allows it, unless
 // FLASHOPM_LN_BACKWARD_REGS=0 (to compare the forms).  Asked once per backward call.
 bool ln_backward_regs(int C, int H);
-// The tensor-core form (opm_ln_backward_mma_kernel, 16-bit x only): msa_dim 64, 128 or 256 and
-// H <= 32; its shared memory per block.
+// The tensor-core forms (opm_ln_backward_mma_kernel for 16-bit x, opm_ln_backward_tf32_kernel for
+// float32 x under "high"): msa_dim 64, 128 or 256 and H <= 32; shared memory per block and rows
+// per tile of each.
 FLASHOPM_HD inline bool ln_backward_mma_form(int C, int H) { return (C == 64 || C == 128 || C == 256) && H >= 1 && H <= 32; }
-int ln_backward_mma_smem_bytes(int C);
-constexpr int kLnMmaTileRows = 64;
+int ln_backward_mma_smem_bytes(int C, bool tf32);
+FLASHOPM_HD inline int ln_backward_mma_tile_rows(bool tf32) { return tf32 ? 32 : 64; }
 
 }  // namespace flashopm
