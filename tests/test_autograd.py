@@ -316,10 +316,21 @@ def test_explicit_precision_reaches_the_backward(shape):
 
 @requires_cuda
 def test_pytorch_high_takes_tf32_blocks(monkeypatch):
-    """Under PyTorch's "high" a float32 backward of 128² pairs contracts in ATen blocks (the same
+    """Under PyTorch's "high" a float32 backward of 2^15 pairs contracts in ATen blocks (the same
     bits as FLASHOPM_BACKWARD_BLOCKS=1, other bits than the fused kernels under an explicit
-    precision="high"), within twice eager TF32's error against float64."""
-    shape = Shape(1, 8, 128, 16, 32, 8)
+    precision="high"), within twice eager TF32's error against float64; one of 150² pairs (under
+    the 24576 where the blocks start) keeps the fused kernels."""
+    small = Shape(1, 3, 150, 8, 16, 4)
+    xs, ms, ps = (t.cuda() if isinstance(t, torch.Tensor) else {k: v.cuda() for k, v in t.items()}
+                  for t in make_problem(small, "masked_positions", seed=22))
+    gs = torch.randn(small.B, small.N, small.N, small.D, device="cuda")
+    torch.set_float32_matmul_precision("high")
+    try:
+        below = _flashopm_grads(xs, ms, ps, gs)
+    finally:
+        torch.set_float32_matmul_precision("highest")
+    assert all(torch.equal(a, b) for a, b in zip(below, _flashopm_grads(xs, ms, ps, gs, precision="high")))
+    shape = Shape(2, 8, 128, 16, 16, 8)
     x, m, p = make_problem(shape, "masked_positions", seed=21)
     g = torch.randn(shape.B, shape.N, shape.N, shape.D, generator=torch.Generator().manual_seed(6))
     ref64 = _reference_grads(x.double(), m.double(), {k: v.double() for k, v in p.items()}, g.double())

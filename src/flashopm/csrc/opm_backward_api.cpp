@@ -176,7 +176,7 @@ std::pair<at::Tensor, at::Tensor> project_masked(const LnInputs& in, const OptTe
 }
 
 // Pairs (B·N²) from which a float32 backward under PyTorch's "high" contracts in ATen blocks.
-constexpr int64_t kHighBlocksMinPairs = int64_t(1) << 14;
+constexpr int64_t kHighBlocksMinPairs = 3 * (int64_t(1) << 13);
 
 // Whether the one-pass LayerNorm/projection kernels take this problem (else ATen does).
 bool fused_ln_fits(const at::Tensor& msa, const at::Tensor& mask, int64_t rows, int64_t C, int64_t H, int64_t B,
@@ -429,10 +429,11 @@ std::vector<at::Tensor> outer_product_mean_backward_cuda(const at::Tensor& grad_
       // A 16-bit model's contractions run in ATen blocks on 16-bit tensor cores, which beat the
       // fused kernels' TF32 form (H200, training crop: 1.74 against 2.38 ms a step).
       // Under PyTorch's "high" the blocks' GEMMs take TF32 from cuBLAS and beat the fused kernels'
-      // TF32 form too, past a few thousand pairs (H200, training crop: 2.02 against 2.57 ms a
-      // step; at the specification's shape the blocks' launches cost more than they save: 0.95
-      // against 0.80 ms).  An explicit precision="high" under PyTorch's "highest" keeps the fused
-      // kernels, whose TF32 it asks for.
+      // TF32 form too from ~2^15 pairs (H200, a training step: 1.31 against 1.79 ms at
+      // (1,128,181,256,32,128), 1.81 against 2.40 ms at the crop (1,128,256,256,32,128)); at 2^14
+      // pairs the blocks' launches still cost more than they save (1.07 against 0.94 ms at
+      // (1,64,128,128,32,128)).  An explicit precision="high" under PyTorch's "highest" keeps the
+      // fused kernels, whose TF32 it asks for.
       // FLASHOPM_BACKWARD_BLOCKS=1 takes the blocks everywhere, =0 the fused kernels wherever they
       // apply, to compare the two.
       const bool tf32_blocks = prec == kHigh && B * N * N >= kHighBlocksMinPairs &&
