@@ -490,6 +490,194 @@ __device__ __forceinline__ void store_pairs(XT* dst, const float (&v)[kN]) {
   for (int k = 0; k < kN; k += 2) *reinterpret_cast<uint32_t*>(dst + k) = pack_16bit<XT>(v[k], v[k + 1]);
 }
 
+// ---- Pieces of the tensor-core forms (16-bit and TF32) ----
+
+// A tile's row `row` (past p.rows: zeros) into shared memory by cp.async, kRowThreads threads a row
+// (thread q of them): x as 16-byte pieces (every kRowThreads-th piece of the row's kC elements of
+// XT) to xdst, G = [grad_a | grad_b | 0] (64 floats, 64 / kRowThreads of them per thread) to gdst,
+// the mask value to *mdst (thread 0 of the row).
+template <typename XT, int kC, int kRowThreads>
+__device__ __forceinline__ void issue_ln_row(const LnBackwardArgs& p, int64_t row, int q, XT* xdst, float* gdst,
+                                             float* mdst) {
+  constexpr int kPiece = 16 / sizeof(XT), kChunks = kC / kPiece / kRowThreads, kG = 64 / kRowThreads;
+  const int H = p.H, H2 = 2 * H;
+  const bool ok = row < p.rows;
+  int64_t off = 0;
+  float mv = 0.f;
+  if (ok) {
+    const int64_t bs = row / p.N;
+    const int n = int(row - bs * p.N), s = int(bs % p.S), b = int(bs / p.S);
+    off = int64_t(b) * p.x_sb + int64_t(s) * p.x_ss + int64_t(n) * p.x_sn;
+    mv = mask_at(p.mask, b, s, n);
+  }
+  const XT* xrow = static_cast<const XT*>(p.x) + off;
+#pragma unroll
+  for (int k = 0; k < kChunks; ++k) {
+    const int e = (q + kRowThreads * k) * kPiece;
+    cp_async16z(xdst + e, xrow + e, ok);
+  }
+#pragma unroll
+  for (int k = 0; k < kG; ++k) {
+    const int h = q * kG + k;
+    const bool hok = ok && h < H2;
+    const float* src = !hok ? p.grad_a : h < H ? p.grad_a + row * H + h : p.grad_b + row * H + (h - H);
+    cp_async4(gdst + h, src, hok);
+  }
+  if (q == 0) *mdst = mv;
+}
+
+// Row `row` of grad_x (if below p.rows) from its staged copy in shared memory, kRowThreads
+// threads a row (thread q of them), in 16-byte pieces.
+template <typename XT, int kC, int kRowThreads>
+__device__ __forceinline__ void store_grad_x_row(const LnBackwardArgs& p, int64_t row, int q, const XT* src) {
+  constexpr int kPiece = 16 / sizeof(XT), kChunks = kC / kPiece / kRowThreads;
+  if (row >= p.rows) return;
+  XT* dst = static_cast<XT*>(p.grad_x) + row * kC;
+#pragma unroll
+  for (int k = 0; k < kChunks; ++k) {
+    const int e = (q + kRowThreads * k) * kPiece;
+    *reinterpret_cast<uint4*>(dst + e) = *reinterpret_cast<const uint4*>(src + e);
+  }
+}
+
+// The per-thread LayerNorm parameters of the tensor-core forms: ln_w at the accumulators' columns
+// (c0 + 8 nt + 2t + e) for the backward's row terms, ln_w and ln_b at lane·kVec .. for the
+// statistics; and the d ln_w, d ln_b sums zeroed.
+template <int kNT, int kVec>
+__device__ __forceinline__ void ln_thread_params(const LnBackwardArgs& p, int c0, int lane, int t,
+                                                 float (&lw_c)[kNT][2], float (&lw_v)[kVec], float (&lb_v)[kVec],
+                                                 float (&dlw)[kNT][2], float (&dlb)[kNT][2]) {
+#pragma unroll
+  for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      lw_c[nt][e] = p.ln_w[c0 + nt * 8 + 2 * t + e];
+      dlw[nt][e] = dlb[nt][e] = 0.f;
+    }
+#pragma unroll
+  for (int k = 0; k < kVec; ++k) lw_v[k] = p.ln_w[lane * kVec + k], lb_v[k] = p.ln_b[lane * kVec + k];
+}
+
+// LayerNorm's statistics of a row whose kVec values per lane are v (a warp holds the row): v is
+// centred in place; mean and rstd for every lane.
+template <int kVec>
+__device__ __forceinline__ void warp_center_rstd(float (&v)[kVec], float inv_c, float eps, float& mean, float& rstd) {
+  float sum = 0.f;
+#pragma unroll
+  for (int k = 0; k < kVec; ++k) sum += v[k];
+#pragma unroll
+  for (int o = 16; o >= 1; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+  mean = sum * inv_c;
+  float sq = 0.f;
+#pragma unroll
+  for (int k = 0; k < kVec; ++k) {
+    v[k] -= mean;
+    sq = fmaf(v[k], v[k], sq);
+  }
+#pragma unroll
+  for (int o = 16; o >= 1; o >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
+  rstd = rsqrtf(sq * inv_c + eps);
+}
+
+// The LayerNorm backward's row terms from acc1 = G·W (a warp's kMTiles x kNT m16n8 tiles at rows
+// r0 .., columns c0 ..): grad_xn = m acc1, d ln_w += grad_xn xhat, d ln_b += grad_xn; acc1 becomes
+// gxhat = grad_xn ln_w, and each row's sums of gxhat and gxhat xhat over the warp's columns go to
+// red_s[(wc · TR + r) · 2 ..] (the quad's lanes hold a row's columns).
+template <typename XT, int kMTiles, int kNT>
+__device__ __forceinline__ void ln_row_terms(float (&acc1)[kMTiles][kNT][4], const XT* xt, int xs, const float* stat_s,
+                                             const float* m_tile, const float (&lw_c)[kNT][2], float (&dlw)[kNT][2],
+                                             float (&dlb)[kNT][2], float* red_s, int tr, int r0, int c0, int wc,
+                                             int g, int t) {
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int r = r0 + mt * 16 + g + 8 * hr;
+      const float mean = stat_s[2 * r], rstd = stat_s[2 * r + 1], mv = m_tile[r];
+      float a = 0.f, b = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int c = c0 + nt * 8 + 2 * t + e;
+          const float xh = (to_float(xt[r * xs + c]) - mean) * rstd;
+          const float gxn = acc1[mt][nt][2 * hr + e] * mv;
+          dlw[nt][e] = fmaf(gxn, xh, dlw[nt][e]);
+          dlb[nt][e] += gxn;
+          const float gxh = gxn * lw_c[nt][e];
+          acc1[mt][nt][2 * hr + e] = gxh;
+          a += gxh;
+          b = fmaf(gxh, xh, b);
+        }
+      a += __shfl_xor_sync(0xffffffffu, a, 1);
+      a += __shfl_xor_sync(0xffffffffu, a, 2);
+      b += __shfl_xor_sync(0xffffffffu, b, 1);
+      b += __shfl_xor_sync(0xffffffffu, b, 2);
+      if (t == 0) red_s[(wc * tr + r) * 2] = a, red_s[(wc * tr + r) * 2 + 1] = b;
+    }
+}
+
+// grad_x = rstd (gxhat - mean(gxhat) - xhat mean(gxhat xhat)) for the warp's tiles, from the kWC
+// column slices' row sums in red_s, into gx_s (XT, rows xs apart) at the accumulators' places.
+template <typename XT, int kWC, int kMTiles, int kNT>
+__device__ __forceinline__ void ln_grad_x_tile(const float (&acc1)[kMTiles][kNT][4], const XT* xt, XT* gx_s, int xs,
+                                               const float* stat_s, const float* red_s, int tr, float inv_c, int r0,
+                                               int c0, int g, int t) {
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int r = r0 + mt * 16 + g + 8 * hr;
+      float a = 0.f, b = 0.f;
+#pragma unroll
+      for (int w = 0; w < kWC; ++w) a += red_s[(w * tr + r) * 2], b += red_s[(w * tr + r) * 2 + 1];
+      const float mean = stat_s[2 * r], rstd = stat_s[2 * r + 1], mg = a * inv_c, mgx = b * inv_c;
+#pragma unroll
+      for (int nt = 0; nt < kNT; ++nt) {
+        const int c = c0 + nt * 8 + 2 * t;
+        const float xh0 = (to_float(xt[r * xs + c]) - mean) * rstd;
+        const float xh1 = (to_float(xt[r * xs + c + 1]) - mean) * rstd;
+        const float v0 = rstd * (acc1[mt][nt][2 * hr] - mg - xh0 * mgx);
+        const float v1 = rstd * (acc1[mt][nt][2 * hr + 1] - mg - xh1 * mgx);
+        if constexpr (std::is_same_v<XT, float>) {
+          *reinterpret_cast<float2*>(gx_s + r * xs + c) = make_float2(v0, v1);
+        } else {
+          *reinterpret_cast<uint32_t*>(gx_s + r * xs + c) = pack_16bit<XT>(v0, v1);
+        }
+      }
+    }
+}
+
+// d ln_w and d ln_b of the warp's columns (c0 + 8 nt + 2t + e): summed over g within the warp,
+// then over the kWR row slices in turn into dln_sum[c] and dln_sum[C + c]; every thread calls it
+// (it holds kWR barriers).
+template <int kWR, int kNT>
+__device__ __forceinline__ void ln_sum_dln(float (&dlw)[kNT][2], float (&dlb)[kNT][2], float* dln_sum, int C, int wr,
+                                           int c0, int g, int t) {
+#pragma unroll
+  for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+    for (int e = 0; e < 2; ++e)
+#pragma unroll
+      for (int o = 4; o <= 16; o <<= 1) {
+        dlw[nt][e] += __shfl_xor_sync(0xffffffffu, dlw[nt][e], o);
+        dlb[nt][e] += __shfl_xor_sync(0xffffffffu, dlb[nt][e], o);
+      }
+  for (int w = 0; w < kWR; ++w) {
+    if (wr == w && g == 0) {
+#pragma unroll
+      for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int c = c0 + nt * 8 + 2 * t + e;
+          dln_sum[c] = w == 0 ? dlw[nt][e] : dln_sum[c] + dlw[nt][e];
+          dln_sum[C + c] = w == 0 ? dlb[nt][e] : dln_sum[C + c] + dlb[nt][e];
+        }
+    }
+    __syncthreads();
+  }
+}
+
 // ---- The tensor-core form, for 16-bit models (LnBackwardArgs.mma) ----
 // The two products of each tile are GEMMs: grad_xn = (G · [W_a; W_b]) * m over K = 2H, and
 // [dW_a; dW_b] += Gᵀ · (m xn) over the tile's rows, G = [grad_a | grad_b] rounded to XT as PyTorch's
@@ -518,7 +706,6 @@ __global__ void __launch_bounds__(kLnBwdThreads, 1) opm_ln_backward_mma_kernel(c
   using L = LnMmaLayout<kMT>;
   constexpr int C = L::C, TR = L::TR, WC = L::WC, XS = L::XS, GS = L::GS;
   constexpr int VEC = C / 32;         // x elements per lane in the statistics
-  constexpr int CHUNKS = C / 8 / 4;   // 16-byte pieces of a row per thread (4 threads a row)
   extern __shared__ float4 smem_f4[];
   char* smem = reinterpret_cast<char*>(smem_f4);
   XT* x_s = reinterpret_cast<XT*>(smem + L::off_x);     // [2][TR][XS]
@@ -544,52 +731,18 @@ __global__ void __launch_bounds__(kLnBwdThreads, 1) opm_ln_backward_mma_kernel(c
     *reinterpret_cast<uint32_t*>(w_s + h * XS + c) = pack_16bit<XT>(w_at(h, c), w_at(h, c + 1));
   }
 
-  // A tile's x rows and gradients into buffer buf; thread tid takes row tid / 4 (its mask value
-  // too) and every fourth 16-byte piece of it.
+  // A tile's x rows and gradients into buffer buf: thread tid takes row tid / 4.
   const auto issue_tile = [&](int64_t tile, int buf) {
-    const int r = tid >> 2, q = tid & 3;
-    const int64_t row = tile * TR + r;
-    const bool ok = row < p.rows;
-    int64_t off = 0;
-    float mv = 0.f;
-    if (ok) {
-      const int64_t bs = row / p.N;
-      const int n = int(row - bs * p.N), s = int(bs % p.S), b = int(bs / p.S);
-      off = int64_t(b) * p.x_sb + int64_t(s) * p.x_ss + int64_t(n) * p.x_sn;
-      mv = mask_at(p.mask, b, s, n);
-    }
-    const XT* xrow = static_cast<const XT*>(p.x) + off;
-    XT* xdst = x_s + (buf * TR + r) * XS;
-#pragma unroll
-    for (int k = 0; k < CHUNKS; ++k) {
-      const int e = (q + 4 * k) * 8;
-      cp_async16z(xdst + e, xrow + e, ok);
-    }
-    float* gdst = gf_s + (buf * TR + r) * 64;
-#pragma unroll
-    for (int k = 0; k < 16; ++k) {
-      const int h = q * 16 + k;
-      const bool hok = ok && h < H2;
-      const float* src = !hok ? p.grad_a : h < H ? p.grad_a + row * H + h : p.grad_b + row * H + (h - H);
-      cp_async4(gdst + h, src, hok);
-    }
-    if (q == 0) m_s[buf * TR + r] = mv;
+    const int r = tid >> 2;
+    issue_ln_row<XT, C, 4>(p, tile * TR + r, tid & 3, x_s + (buf * TR + r) * XS, gf_s + (buf * TR + r) * 64,
+                           m_s + buf * TR + r);
   };
 
   float acc2[4][4][4];  // [dW_a; dW_b] rows 16 mt + (g, g + 8), columns wc·32 + 8 nt + 2t (+1)
   zero_tiles(acc2);
   float dlw[4][2], dlb[4][2], dbias[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-  for (int nt = 0; nt < 4; ++nt) dlw[nt][0] = dlw[nt][1] = dlb[nt][0] = dlb[nt][1] = 0.f;
-  float lw_c[4][2];
-#pragma unroll
-  for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-    for (int e = 0; e < 2; ++e) lw_c[nt][e] = p.ln_w[wc * 32 + nt * 8 + 2 * t + e];
-
-  float lw_v[VEC], lb_v[VEC];  // the statistics' columns lane·VEC ..
-#pragma unroll
-  for (int k = 0; k < VEC; ++k) lw_v[k] = p.ln_w[lane * VEC + k], lb_v[k] = p.ln_b[lane * VEC + k];
+  float lw_c[4][2], lw_v[VEC], lb_v[VEC];
+  ln_thread_params(p, wc * 32, lane, t, lw_c, lw_v, lb_v, dlw, dlb);
 
   int64_t tile = blockIdx.x;
   int buf = 0;
@@ -608,23 +761,10 @@ __global__ void __launch_bounds__(kLnBwdThreads, 1) opm_ln_backward_mma_kernel(c
 #pragma unroll 2
     for (int i = 0; i < 8; ++i) {
       const int r = warp * 8 + i;
-      float v[VEC];
+      float v[VEC], mean, rstd;
       load_pairs<XT, VEC>(xt + r * XS + lane * VEC, v);
-      float sum = 0.f;
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) sum += v[k];
-#pragma unroll
-      for (int o = 16; o >= 1; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-      const float mean = sum * inv_c;
-      float sq = 0.f;
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) {
-        v[k] -= mean;
-        sq = fmaf(v[k], v[k], sq);
-      }
-#pragma unroll
-      for (int o = 16; o >= 1; o >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
-      const float rstd = rsqrtf(sq * inv_c + p.ln_eps), mv = m_tile[r];
+      warp_center_rstd(v, inv_c, p.ln_eps, mean, rstd);
+      const float mv = m_tile[r];
 #pragma unroll
       for (int k = 0; k < VEC; ++k) v[k] = mv * fmaf(v[k] * rstd, lw_v[k], lb_v[k]);
       store_pairs<XT, VEC>(xn_s + r * XS + lane * VEC, v);
@@ -679,68 +819,14 @@ __global__ void __launch_bounds__(kLnBwdThreads, 1) opm_ln_backward_mma_kernel(c
       }
     }
 
-    // grad_xn = m (G·W); d ln_w, d ln_b; gxhat = grad_xn ln_w and its row sums over this warp's
-    // columns (the quad's lanes hold a row's 32 columns).
-#pragma unroll
-    for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-      for (int hr = 0; hr < 2; ++hr) {
-        const int r = r0 + mt * 16 + g + 8 * hr;
-        const float mean = stat_s[2 * r], rstd = stat_s[2 * r + 1], mv = m_tile[r];
-        float a = 0.f, b = 0.f;
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int c = c0 + nt * 8 + 2 * t + e;
-            const float xh = (to_float(xt[r * XS + c]) - mean) * rstd;
-            const float gxn = acc1[mt][nt][2 * hr + e] * mv;
-            dlw[nt][e] = fmaf(gxn, xh, dlw[nt][e]);
-            dlb[nt][e] += gxn;
-            const float gxh = gxn * lw_c[nt][e];
-            acc1[mt][nt][2 * hr + e] = gxh;
-            a += gxh;
-            b = fmaf(gxh, xh, b);
-          }
-        a += __shfl_xor_sync(0xffffffffu, a, 1);
-        a += __shfl_xor_sync(0xffffffffu, a, 2);
-        b += __shfl_xor_sync(0xffffffffu, b, 1);
-        b += __shfl_xor_sync(0xffffffffu, b, 2);
-        if (t == 0) red_s[(wc * TR + r) * 2] = a, red_s[(wc * TR + r) * 2 + 1] = b;
-      }
+    // grad_xn = m (G·W); d ln_w, d ln_b; gxhat and its row sums over this warp's columns.
+    ln_row_terms(acc1, xt, XS, stat_s, m_tile, lw_c, dlw, dlb, red_s, TR, r0, c0, wc, g, t);
     __syncthreads();  // the row sums of every column slice; xn_s read by GEMM 2
 
     if (p.grad_x != nullptr) {  // block-uniform
-#pragma unroll
-      for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-        for (int hr = 0; hr < 2; ++hr) {
-          const int r = r0 + mt * 16 + g + 8 * hr;
-          float a = 0.f, b = 0.f;
-#pragma unroll
-          for (int w = 0; w < WC; ++w) a += red_s[(w * TR + r) * 2], b += red_s[(w * TR + r) * 2 + 1];
-          const float mean = stat_s[2 * r], rstd = stat_s[2 * r + 1], mg = a * inv_c, mgx = b * inv_c;
-#pragma unroll
-          for (int nt = 0; nt < 4; ++nt) {
-            const int c = c0 + nt * 8 + 2 * t;
-            const float xh0 = (to_float(xt[r * XS + c]) - mean) * rstd;
-            const float xh1 = (to_float(xt[r * XS + c + 1]) - mean) * rstd;
-            const float v0 = rstd * (acc1[mt][nt][2 * hr] - mg - xh0 * mgx);
-            const float v1 = rstd * (acc1[mt][nt][2 * hr + 1] - mg - xh1 * mgx);
-            *reinterpret_cast<uint32_t*>(xn_s + r * XS + c) = pack_16bit<XT>(v0, v1);
-          }
-        }
+      ln_grad_x_tile<XT, WC>(acc1, xt, xn_s, XS, stat_s, red_s, TR, inv_c, r0, c0, g, t);
       __syncthreads();  // grad_x's tile staged
-      const int r = tid >> 2, q = tid & 3;
-      const int64_t row = tile * TR + r;
-      if (row < p.rows) {
-        XT* dst = static_cast<XT*>(p.grad_x) + row * C;
-#pragma unroll
-        for (int k = 0; k < CHUNKS; ++k) {
-          const int e = (q + 4 * k) * 8;
-          *reinterpret_cast<uint4*>(dst + e) = *reinterpret_cast<const uint4*>(xn_s + r * XS + e);
-        }
-      }
+      store_grad_x_row<XT, C, 4>(p, tile * TR + (tid >> 2), tid & 3, xn_s + (tid >> 2) * XS);
     }
     __syncthreads();  // buffers buf, xn_s, g_s and red_s free for the next tiles
   }
@@ -752,15 +838,6 @@ __global__ void __launch_bounds__(kLnBwdThreads, 1) opm_ln_backward_mma_kernel(c
   float* dw_sum = reinterpret_cast<float*>(smem + L::off_x);  // [64][C]
   float* dln_sum = gf_s;                                       // [2][C]
   float* db_sum = gf_s + 2 * C;                                // [16][64]
-#pragma unroll
-  for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-    for (int e = 0; e < 2; ++e)
-#pragma unroll
-      for (int o = 4; o <= 16; o <<= 1) {
-        dlw[nt][e] += __shfl_xor_sync(0xffffffffu, dlw[nt][e], o);
-        dlb[nt][e] += __shfl_xor_sync(0xffffffffu, dlb[nt][e], o);
-      }
   for (int w = 0; w < L::WR; ++w) {
     if (wr == w) {
 #pragma unroll
@@ -773,19 +850,10 @@ __global__ void __launch_bounds__(kLnBwdThreads, 1) opm_ln_backward_mma_kernel(c
             float* d = dw_sum + h * C + c;
             *d = w == 0 ? acc2[mt][nt][e] : *d + acc2[mt][nt][e];
           }
-      if (g == 0) {
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int c = wc * 32 + nt * 8 + 2 * t + e;
-            dln_sum[c] = w == 0 ? dlw[nt][e] : dln_sum[c] + dlw[nt][e];
-            dln_sum[C + c] = w == 0 ? dlb[nt][e] : dln_sum[C + c] + dlb[nt][e];
-          }
-      }
     }
     __syncthreads();
   }
+  ln_sum_dln<L::WR>(dlw, dlb, dln_sum, C, wr, wc * 32, g, t);
 #pragma unroll
   for (int k = 0; k < 4; ++k) db_sum[(tid >> 4) * 64 + 4 * (tid & 15) + k] = dbias[k];
   __syncthreads();
@@ -823,7 +891,6 @@ __global__ void __launch_bounds__(kLnBwdThreads, 1) opm_ln_backward_tf32_kernel(
   constexpr int C = L::C, TR = L::TR, XS = L::XS, GS = L::GS, CW = L::CW;
   constexpr int NT = CW / 8;        // n-tiles of 8 columns per warp
   constexpr int VEC = C / 32;       // x elements per lane in the statistics
-  constexpr int CHUNKS = C / 32;    // 16-byte pieces of a row per thread (8 threads a row)
   extern __shared__ float4 smem_f4[];
   char* smem = reinterpret_cast<char*>(smem_f4);
   float* x_s = reinterpret_cast<float*>(smem + L::off_x);      // [2][TR][XS]
@@ -850,53 +917,18 @@ __global__ void __launch_bounds__(kLnBwdThreads, 1) opm_ln_backward_tf32_kernel(
     w_s[h * XS + c] = __uint_as_float(to_tf32(w));
   }
 
-  // A tile's x rows and gradients into buffer buf; thread tid takes row tid / 8 (its mask value
-  // too), every eighth 16-byte piece of it and eight of its gradient columns.
+  // A tile's x rows and gradients into buffer buf: thread tid takes row tid / 8.
   const auto issue_tile = [&](int64_t tile, int buf) {
-    const int r = tid >> 3, q = tid & 7;
-    const int64_t row = tile * TR + r;
-    const bool ok = row < p.rows;
-    int64_t off = 0;
-    float mv = 0.f;
-    if (ok) {
-      const int64_t bs = row / p.N;
-      const int n = int(row - bs * p.N), s = int(bs % p.S), b = int(bs / p.S);
-      off = int64_t(b) * p.x_sb + int64_t(s) * p.x_ss + int64_t(n) * p.x_sn;
-      mv = mask_at(p.mask, b, s, n);
-    }
-    const float* xrow = static_cast<const float*>(p.x) + off;
-    float* xdst = x_s + (buf * TR + r) * XS;
-#pragma unroll
-    for (int k = 0; k < CHUNKS; ++k) {
-      const int e = (q + 8 * k) * 4;
-      cp_async16z(xdst + e, xrow + e, ok);
-    }
-    float* gdst = gf_s + (buf * TR + r) * 64;
-#pragma unroll
-    for (int k = 0; k < 8; ++k) {
-      const int h = q * 8 + k;
-      const bool hok = ok && h < H2;
-      const float* src = !hok ? p.grad_a : h < H ? p.grad_a + row * H + h : p.grad_b + row * H + (h - H);
-      cp_async4(gdst + h, src, hok);
-    }
-    if (q == 0) m_s[buf * TR + r] = mv;
+    const int r = tid >> 3;
+    issue_ln_row<float, C, 8>(p, tile * TR + r, tid & 7, x_s + (buf * TR + r) * XS, gf_s + (buf * TR + r) * 64,
+                              m_s + buf * TR + r);
   };
 
   float acc2[2][NT][4];  // [dW_a; dW_b] rows 32 wr + 16 mt + (g, g + 8), columns wc·CW + 8 nt + 2t (+1)
   zero_tiles(acc2);
-  float dlw[NT][2], dlb[NT][2], dbias[8];
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt) dlw[nt][0] = dlw[nt][1] = dlb[nt][0] = dlb[nt][1] = 0.f;
-#pragma unroll
-  for (int k = 0; k < 8; ++k) dbias[k] = 0.f;
-  float lw_c[NT][2];
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-    for (int e = 0; e < 2; ++e) lw_c[nt][e] = p.ln_w[wc * CW + nt * 8 + 2 * t + e];
-  float lw_v[VEC], lb_v[VEC];  // the statistics' columns lane·VEC ..
-#pragma unroll
-  for (int k = 0; k < VEC; ++k) lw_v[k] = p.ln_w[lane * VEC + k], lb_v[k] = p.ln_b[lane * VEC + k];
+  float dlw[NT][2], dlb[NT][2], dbias[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  float lw_c[NT][2], lw_v[VEC], lb_v[VEC];
+  ln_thread_params(p, wc * CW, lane, t, lw_c, lw_v, lb_v, dlw, dlb);
 
   int64_t tile = blockIdx.x;
   int buf = 0;
@@ -915,27 +947,14 @@ __global__ void __launch_bounds__(kLnBwdThreads, 1) opm_ln_backward_tf32_kernel(
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int r = warp * 4 + i;
-      float v[VEC];
+      float v[VEC], mean, rstd;
 #pragma unroll
       for (int k = 0; k < VEC; k += 2) {
         const float2 f = *reinterpret_cast<const float2*>(xt + r * XS + lane * VEC + k);
         v[k] = f.x, v[k + 1] = f.y;
       }
-      float sum = 0.f;
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) sum += v[k];
-#pragma unroll
-      for (int o = 16; o >= 1; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-      const float mean = sum * inv_c;
-      float sq = 0.f;
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) {
-        v[k] -= mean;
-        sq = fmaf(v[k], v[k], sq);
-      }
-#pragma unroll
-      for (int o = 16; o >= 1; o >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
-      const float rstd = rsqrtf(sq * inv_c + p.ln_eps), mv = m_tile[r];
+      warp_center_rstd(v, inv_c, p.ln_eps, mean, rstd);
+      const float mv = m_tile[r];
 #pragma unroll
       for (int k = 0; k < VEC; k += 2) {
         float2 f;
@@ -966,9 +985,8 @@ __global__ void __launch_bounds__(kLnBwdThreads, 1) opm_ln_backward_tf32_kernel(
 
     // GEMM 1: acc1 = G · W for rows r0 .. r0 + 15, columns c0 .. c0 + CW - 1
     const int r0 = wr * 16, c0 = wc * CW;
-    float acc1[NT][4];
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) acc1[nt][0] = acc1[nt][1] = acc1[nt][2] = acc1[nt][3] = 0.f;
+    float acc1[1][NT][4];
+    zero_tiles(acc1);
 #pragma unroll
     for (int ks = 0; ks < 8; ++ks) {
       const int k0 = ks * 8;
@@ -979,7 +997,7 @@ __global__ void __launch_bounds__(kLnBwdThreads, 1) opm_ln_backward_tf32_kernel(
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
         const int c = c0 + nt * 8 + g;
-        mma_tf32(acc1[nt], af, w_u[(k0 + t) * XS + c], w_u[(k0 + t + 4) * XS + c]);
+        mma_tf32(acc1[0][nt], af, w_u[(k0 + t) * XS + c], w_u[(k0 + t + 4) * XS + c]);
       }
     }
     // GEMM 2: acc2 += Gᵀ · (m xn) over the tile's 32 rows, for rows 32 wr .. of [dW_a; dW_b]
@@ -1004,66 +1022,14 @@ __global__ void __launch_bounds__(kLnBwdThreads, 1) opm_ln_backward_tf32_kernel(
       }
     }
 
-    // grad_xn = m (G·W); d ln_w, d ln_b; gxhat = grad_xn ln_w and its row sums over this warp's
-    // columns (the quad's lanes hold a row's columns).
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-      const int r = r0 + g + 8 * hr;
-      const float mean = stat_s[2 * r], rstd = stat_s[2 * r + 1], mv = m_tile[r];
-      float a = 0.f, b = 0.f;
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        const float2 xv = *reinterpret_cast<const float2*>(xt + r * XS + c0 + nt * 8 + 2 * t);
-        const float xs[2] = {xv.x, xv.y};
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float xh = (xs[e] - mean) * rstd;
-          const float gxn = acc1[nt][2 * hr + e] * mv;
-          dlw[nt][e] = fmaf(gxn, xh, dlw[nt][e]);
-          dlb[nt][e] += gxn;
-          const float gxh = gxn * lw_c[nt][e];
-          acc1[nt][2 * hr + e] = gxh;
-          a += gxh;
-          b = fmaf(gxh, xh, b);
-        }
-      }
-      a += __shfl_xor_sync(0xffffffffu, a, 1);
-      a += __shfl_xor_sync(0xffffffffu, a, 2);
-      b += __shfl_xor_sync(0xffffffffu, b, 1);
-      b += __shfl_xor_sync(0xffffffffu, b, 2);
-      if (t == 0) red_s[(wc * TR + r) * 2] = a, red_s[(wc * TR + r) * 2 + 1] = b;
-    }
+    // grad_xn = m (G·W); d ln_w, d ln_b; gxhat and its row sums over this warp's columns.
+    ln_row_terms(acc1, xt, XS, stat_s, m_tile, lw_c, dlw, dlb, red_s, TR, r0, c0, wc, g, t);
     __syncthreads();  // the row sums of every column slice; xn_s read by GEMM 2
 
     if (p.grad_x != nullptr) {  // block-uniform
-#pragma unroll
-      for (int hr = 0; hr < 2; ++hr) {
-        const int r = r0 + g + 8 * hr;
-        float a = 0.f, b = 0.f;
-#pragma unroll
-        for (int w = 0; w < 4; ++w) a += red_s[(w * TR + r) * 2], b += red_s[(w * TR + r) * 2 + 1];
-        const float mean = stat_s[2 * r], rstd = stat_s[2 * r + 1], mg = a * inv_c, mgx = b * inv_c;
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          const int c = c0 + nt * 8 + 2 * t;
-          const float2 xv = *reinterpret_cast<const float2*>(xt + r * XS + c);
-          float2 o;
-          o.x = rstd * (acc1[nt][2 * hr] - mg - (xv.x - mean) * rstd * mgx);
-          o.y = rstd * (acc1[nt][2 * hr + 1] - mg - (xv.y - mean) * rstd * mgx);
-          *reinterpret_cast<float2*>(xn_s + r * XS + c) = o;
-        }
-      }
+      ln_grad_x_tile<float, 4>(acc1, xt, xn_s, XS, stat_s, red_s, TR, inv_c, r0, c0, g, t);
       __syncthreads();  // grad_x's tile staged
-      const int r = tid >> 3, q = tid & 7;
-      const int64_t row = tile * TR + r;
-      if (row < p.rows) {
-        float* dst = static_cast<float*>(p.grad_x) + row * C;
-#pragma unroll
-        for (int k = 0; k < CHUNKS; ++k) {
-          const int e = (q + 8 * k) * 4;
-          *reinterpret_cast<float4*>(dst + e) = *reinterpret_cast<const float4*>(xn_s + r * XS + e);
-        }
-      }
+      store_grad_x_row<float, C, 8>(p, tile * TR + (tid >> 3), tid & 7, xn_s + (tid >> 3) * XS);
     }
     __syncthreads();  // buffers buf, xn_s, g_s and red_s free for the next tiles
   }
@@ -1084,28 +1050,7 @@ __global__ void __launch_bounds__(kLnBwdThreads, 1) opm_ln_backward_tf32_kernel(
         const int h = wr * 32 + mt * 16 + g + 8 * (e >> 1), c = wc * CW + nt * 8 + 2 * t + (e & 1);
         dw_sum[h * C + c] = acc2[mt][nt][e];
       }
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-    for (int e = 0; e < 2; ++e)
-#pragma unroll
-      for (int o = 4; o <= 16; o <<= 1) {
-        dlw[nt][e] += __shfl_xor_sync(0xffffffffu, dlw[nt][e], o);
-        dlb[nt][e] += __shfl_xor_sync(0xffffffffu, dlb[nt][e], o);
-      }
-  for (int w = 0; w < 2; ++w) {
-    if (wr == w && g == 0) {
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int c = wc * CW + nt * 8 + 2 * t + e;
-          dln_sum[c] = w == 0 ? dlw[nt][e] : dln_sum[c] + dlw[nt][e];
-          dln_sum[C + c] = w == 0 ? dlb[nt][e] : dln_sum[C + c] + dlb[nt][e];
-        }
-    }
-    __syncthreads();
-  }
+  ln_sum_dln<2>(dlw, dlb, dln_sum, C, wr, wc * CW, g, t);
 #pragma unroll
   for (int k = 0; k < 8; ++k) db_sum[(tid >> 3) * 64 + 8 * (tid & 7) + k] = dbias[k];
   __syncthreads();
