@@ -50,25 +50,33 @@ def warm_gpu(seconds: float = 0.3) -> None:
         torch.cuda.synchronize()
 
 
+class _CallTimer:
+    """One call's wall time in µs the way KernelBench measures it: CUDA events around the call, after
+    an L2 flush (if asked) and a synchronize."""
+
+    def __init__(self, flush_l2: bool):
+        self.flusher = L2Flusher() if flush_l2 else None
+        self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def __call__(self, fn: Callable[[], object]) -> float:
+        if self.flusher is not None:
+            self.flusher()
+        torch.cuda.synchronize()
+        self.start.record()
+        fn()
+        self.end.record()
+        self.end.synchronize()
+        return self.start.elapsed_time(self.end) * 1e3
+
+
 def time_wall(fn: Callable[[], object], n: int = 100, warmup: int = 10, flush_l2: bool = True) -> Timing:
     """Wall time per call the way KernelBench measures it: CUDA events around each call, with a
     synchronize (and an L2 flush) between calls.  Median and 10th/90th percentiles in µs."""
-    flusher = L2Flusher() if flush_l2 else None
+    timer = _CallTimer(flush_l2)
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    samples = []
-    for _ in range(n):
-        if flusher is not None:
-            flusher()
-        torch.cuda.synchronize()
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3)
-    return _quantiles(samples)
+    return _quantiles([timer(fn) for _ in range(n)])
 
 
 def paired_speedup(base: Callable[[], object], fn: Callable[[], object], n: int = 100, warmup: int = 3,
@@ -77,30 +85,18 @@ def paired_speedup(base: Callable[[], object], fn: Callable[[], object], n: int 
     back to back in each round and in alternating order: a drift of the host's speed (which sets
     the wall time of short calls) lands on both sides of each ratio instead of on one block of
     calls."""
-    flusher = L2Flusher() if flush_l2 else None
+    timer = _CallTimer(flush_l2)
     for _ in range(warmup):
         base()
         fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-
-    def one(f) -> float:
-        if flusher is not None:
-            flusher()
-        torch.cuda.synchronize()
-        start.record()
-        f()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end)
-
     ratios = []
     for k in range(n):
         if k % 2 == 0:
-            b = one(base)
-            t = one(fn)
+            b = timer(base)
+            t = timer(fn)
         else:
-            t = one(fn)
-            b = one(base)
+            t = timer(fn)
+            b = timer(base)
         ratios.append(b / t)
     return statistics.median(ratios)
 
