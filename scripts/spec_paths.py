@@ -1,6 +1,7 @@
 """The specification's shape, path by path: GPU time of each algorithm (CUDA-graph replay), wall
 time per call of ModelNew next to eager, and host time per call (no synchronisation) of the op
-and of ModelNew against an empty extension call.
+and of ModelNew against an empty extension call, each through the extension's direct entry and
+through torch.ops.
 
     python scripts/spec_paths.py [shape ...]     shapes as B,S,N,C,H,D (default: the spec's)
 """
@@ -59,10 +60,22 @@ def main(shapes):
         op = flashopm.ops.outer_product_mean_op
         args = (x, m, p["ln_weight"], p["ln_bias"], 1e-5, p["w_a"], p["b_a"], p["w_b"], p["b_b"], p["w_out"],
                 p["b_out"], 0)
+        entry = flashopm._build.op_entry
+
+        def new_via_torch_ops():
+            # ModelNew with the extension's direct entry declining every call (its path before the entry)
+            flashopm._build.op_entry = lambda *a: NotImplemented
+            try:
+                return new(x, m)
+            finally:
+                flashopm._build.op_entry = entry
+
         rows = []
         for name, fn, grad in (("eager Model", lambda: ref(x, m), False), ("ModelNew", lambda: new(x, m), False),
                                ("ModelNew (grad mode)", lambda: new(x, m), True),
-                               ("op (torch.ops)", lambda: op(*args), False)):
+                               ("ModelNew via torch.ops", new_via_torch_ops, False),
+                               ("op (torch.ops)", lambda: op(*args), False),
+                               ("op (direct entry)", lambda: entry(*args), False)):
             with torch.set_grad_enabled(grad):
                 fn()
                 rows.append((name, time_wall(fn, n=300).median_us, host_us(fn)))

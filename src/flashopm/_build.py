@@ -21,11 +21,16 @@ import torch
 CSRC_DIR = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("opm_params.h", "opm_kernels.cuh", "opm_mma.cuh", "opm_small_kernel.cuh", "opm_small_tc_kernel.cuh",
            "opm_tc_kernel.cuh", "opm_tc16_kernel.cuh", "opm_backward_kernel.cuh", "opm_ln_backward_kernel.cuh",
-           "opm_launch.cu", "opm_api.cpp", "opm_backward_api.cpp", "opm_autograd.cpp")
+           "opm_launch.cu", "opm_op_handles.h", "opm_api.cpp", "opm_backward_api.cpp", "opm_autograd.cpp",
+           "opm_python.cpp")
 NVCC_FLAGS = ("-O3", "-lineinfo", "--expt-relaxed-constexpr")
 
 _lock = threading.Lock()
 _library_path: str | None = None  # set once the extension is loaded
+# The extension module's `outer_product_mean`: torch.ops.flashopm.outer_product_mean without the
+# schema's argument parsing, NotImplemented where a call needs it (csrc/opm_python.cpp).  None
+# until the extension is loaded.
+op_entry = None
 
 
 class BuildError(RuntimeError):
@@ -34,6 +39,12 @@ class BuildError(RuntimeError):
 
 def is_loaded() -> bool:
     return _library_path is not None
+
+
+def load_op_entry():
+    """`op_entry`, building and loading the extension first if needed."""
+    load()
+    return op_entry
 
 
 def cache_root() -> Path:
@@ -143,7 +154,7 @@ def extension_name(sources: dict[str, str], archs: list[str]) -> str:
 
 def load(verbose: bool = False) -> str:
     """Builds (if needed) and loads the extension; returns the path of the shared library."""
-    global _library_path
+    global _library_path, op_entry
     with _lock:
         if _library_path is not None:
             return _library_path
@@ -167,29 +178,31 @@ def load(verbose: bool = False) -> str:
                     # torch's own build lock: under ours nobody else is building, so a leftover
                     # one is stale (its process died) and would block forever.
                     (build_dir / "lock").unlink(missing_ok=True)
-                path = _load_inline(name, sources, archs, build_dir, verbose)
+                module = _load_inline(name, sources, archs, build_dir, verbose)
             except BuildError:
                 raise
             except Exception as exc:  # the compiler's message is in exc
                 raise BuildError(f"flashopm: building the CUDA extension failed:\n{exc}") from exc
             finally:
                 fcntl.flock(lock_file, fcntl.LOCK_UN)
-        _library_path = path
-        return path
+        op_entry = module.outer_product_mean
+        _library_path = module.__file__
+        return _library_path
 
 
-def _load_inline(name: str, sources: dict[str, str], archs: list[str], build_dir: Path, verbose: bool) -> str:
+def _load_inline(name: str, sources: dict[str, str], archs: list[str], build_dir: Path, verbose: bool):
+    """Builds if needed and imports the extension module (loading it registers the CUDA kernels)."""
     from torch.utils.cpp_extension import load_inline
 
     return load_inline(
         name=name,
-        cpp_sources=[sources["opm_api.cpp"], sources["opm_backward_api.cpp"], sources["opm_autograd.cpp"]],
+        cpp_sources=[sources[f] for f in ("opm_api.cpp", "opm_backward_api.cpp", "opm_autograd.cpp", "opm_python.cpp")],
         cuda_sources=[sources["opm_launch.cu"]],
         extra_include_paths=[str(CSRC_DIR)],
         extra_cflags=["-O3"],
         extra_cuda_cflags=[*nvcc_flags(), *gencode_flags(archs)],
         build_directory=str(build_dir),
-        is_python_module=False,
+        is_python_module=True,
         no_implicit_headers=True,
         verbose=verbose,
     )

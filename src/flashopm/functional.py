@@ -4,7 +4,8 @@ from __future__ import annotations
 import torch
 
 from . import _build
-from .ops import ALGORITHMS, FOLLOW_PYTORCH, NORMALIZATIONS, PRECISIONS, outer_product_mean_op, outer_product_mean_rows_op
+from .ops import (ALGORITHMS, FOLLOW_PYTORCH, NORMALIZATIONS, PRECISIONS, call_outer_product_mean,
+                  outer_product_mean_rows_op)
 
 
 def _mode_codes(normalization: str, precision: str | None) -> tuple[int, int]:
@@ -72,9 +73,7 @@ def outer_product_mean(
     if algorithm not in ALGORITHMS:
         raise ValueError(f"flashopm: algorithm must be one of {sorted(ALGORITHMS)}, got {algorithm!r}")
     norm_code, precision_code = _mode_codes(normalization, precision)
-    if msa_repr.is_cuda and not _build.is_loaded():
-        _build.load()
-    return outer_product_mean_op(
+    return call_outer_product_mean(
         msa_repr, msa_mask, ln_weight, ln_bias, ln_eps, w_a, b_a, w_b, b_b, w_out, b_out, ALGORITHMS[algorithm],
         norm_code, norm_eps, precision_code,
     )

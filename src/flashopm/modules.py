@@ -5,7 +5,7 @@ import torch
 import torch.nn as nn
 
 from . import _build
-from .ops import NORMALIZATIONS, outer_product_mean_op
+from .ops import NORMALIZATIONS, call_outer_product_mean, outer_product_mean_op
 from .reference import BoltzOuterProductMeanReference, OpenFoldOuterProductMeanReference
 
 
@@ -41,9 +41,12 @@ class ModelNew(nn.Module):
 
     def forward(self, msa_repr: torch.Tensor, msa_mask: torch.Tensor) -> torch.Tensor:
         # The functional API's body, inlined: this call is latency-bound at small sizes.
-        if msa_repr.is_cuda and not _build.is_loaded():
-            _build.load()
-        return outer_product_mean_op(msa_repr, msa_mask, *self._parameters_in_op_order())
+        params = self._parameters_in_op_order()
+        if msa_repr.is_cuda and not torch.compiler.is_compiling():
+            out = (_build.op_entry or _build.load_op_entry())(msa_repr, msa_mask, *params)
+            if out is not NotImplemented:
+                return out
+        return outer_product_mean_op(msa_repr, msa_mask, *params)
 
 
 def _lecun_normal_(weight: torch.Tensor) -> None:
@@ -81,12 +84,10 @@ class OpenFoldOuterProductMean(OpenFoldOuterProductMeanReference):
                 inplace_safe: bool = False) -> torch.Tensor:
         if mask is None:
             mask = m.new_ones(m.shape[:-1])
-        if m.is_cuda and not _build.is_loaded():
-            _build.load()
         *batch, S, N, C = m.shape
         flat = len(batch) != 1  # the op wants exactly one batch dim; views cost host time, so only when needed
         ln, l1, l2, lo = self.layer_norm, self.linear_1, self.linear_2, self.linear_out
-        out = outer_product_mean_op(
+        out = call_outer_product_mean(
             m.reshape(-1, S, N, C) if flat else m, mask.reshape(-1, S, N) if flat else mask, ln.weight, ln.bias,
             ln.eps, l1.weight, l1.bias, l2.weight, l2.bias, lo.weight, lo.bias, 0, NORMALIZATIONS["openfold"], self.eps,
         )
@@ -110,10 +111,8 @@ class BoltzOuterProductMean(BoltzOuterProductMeanReference):
         nn.init.zeros_(self.proj_o.bias)
 
     def forward(self, m: torch.Tensor, mask: torch.Tensor, chunk_size: int | None = None) -> torch.Tensor:
-        if m.is_cuda and not _build.is_loaded():
-            _build.load()
         n, pa, pb, po = self.norm, self.proj_a, self.proj_b, self.proj_o
-        return outer_product_mean_op(
+        return call_outer_product_mean(
             m, mask, n.weight, n.bias, n.eps, pa.weight, None, pb.weight, None, po.weight, po.bias, 0,
             NORMALIZATIONS["boltz"], 1e-3,
         )

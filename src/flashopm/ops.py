@@ -174,6 +174,19 @@ def _outer_product_mean_fake(msa_repr, msa_mask, ln_weight, ln_bias, ln_eps, w_a
 outer_product_mean_op = torch.ops.flashopm.outer_product_mean.default
 
 
+def call_outer_product_mean(msa_repr, msa_mask, *args):
+    """`outer_product_mean_op(msa_repr, msa_mask, *args)`: on CUDA tensors in eager mode through the
+    extension's direct entry (the same op and dispatcher layers without the schema's argument
+    parsing, which at small sizes costs more host time than the kernels take), building the
+    extension on first use; torch.ops wherever the entry declines (tensor subclasses,
+    __torch_function__ modes, other argument types) and under torch.compile, which traces the op."""
+    if msa_repr.is_cuda and not torch.compiler.is_compiling():
+        out = (_build.op_entry or _build.load_op_entry())(msa_repr, msa_mask, *args)
+        if out is not NotImplemented:
+            return out
+    return outer_product_mean_op(msa_repr, msa_mask, *args)
+
+
 # ---- backward ----
 # The LayerNorm and projection parts in PyTorch, the three contractions over the (pairs x H*H)
 # intermediate in outer_contract_backward (fused CUDA kernels; PyTorch in blocks of rows on the

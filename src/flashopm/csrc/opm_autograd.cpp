@@ -11,6 +11,8 @@
 #include <torch/autograd.h>
 #include <torch/library.h>
 
+#include "opm_op_handles.h"
+
 #include <array>
 #include <optional>
 #include <vector>
@@ -20,29 +22,6 @@ namespace {
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
-using OptTensor = std::optional<at::Tensor>;
-
-using ForwardSig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
-                              const at::Tensor&, const OptTensor&, const at::Tensor&, const OptTensor&,
-                              const at::Tensor&, const OptTensor&, int64_t, int64_t, double, int64_t);
-using BackwardSig = std::vector<at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                            const at::Tensor&, const at::Tensor&, double, const at::Tensor&,
-                                            const OptTensor&, const at::Tensor&, const OptTensor&,
-                                            const at::Tensor&, const OptTensor&, int64_t, double,
-                                            const c10::List<bool>&, int64_t);
-
-const c10::TypedOperatorHandle<ForwardSig>& forward_op() {
-  static const auto op =
-      c10::Dispatcher::singleton().findSchemaOrThrow("flashopm::outer_product_mean", "").typed<ForwardSig>();
-  return op;
-}
-
-const c10::TypedOperatorHandle<BackwardSig>& backward_op() {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("flashopm::outer_product_mean_backward", "")
-                             .typed<BackwardSig>();
-  return op;
-}
 
 at::Tensor forward_below_autograd(const at::Tensor& msa, const at::Tensor& mask, const at::Tensor& ln_w,
                                   const at::Tensor& ln_b, double ln_eps, const at::Tensor& w_a, const OptTensor& b_a,

@@ -13,6 +13,8 @@
 
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
+#include "opm_op_handles.h"
+
 #include <algorithm>
 #include <array>
 #include <optional>
@@ -23,18 +25,6 @@
 
 namespace flashopm {
 namespace {
-
-using OptTensor = std::optional<at::Tensor>;
-
-const c10::TypedOperatorHandle<std::vector<at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                                        const at::Tensor&, bool, bool, int64_t)>&
-contract_backward_op() {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("flashopm::outer_contract_backward", "")
-                             .typed<std::vector<at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                                            const at::Tensor&, bool, bool, int64_t)>();
-  return op;
-}
 
 // What output (i, j) is divided by (reference.output_divisor): (B, N, 1, 1) or (B, N, N, 1).
 at::Tensor output_divisor(const at::Tensor& m, int64_t normalization, double norm_eps) {

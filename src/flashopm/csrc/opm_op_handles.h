@@ -1,0 +1,49 @@
+// Typed dispatcher handles of the ops that C++ calls back into (the autograd kernel, the Python
+// entry): one signature per schema of ops.py, looked up once.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include <optional>
+#include <vector>
+
+namespace flashopm {
+
+using OptTensor = std::optional<at::Tensor>;
+
+// flashopm::outer_product_mean
+using ForwardSig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
+                              const at::Tensor&, const OptTensor&, const at::Tensor&, const OptTensor&,
+                              const at::Tensor&, const OptTensor&, int64_t, int64_t, double, int64_t);
+// flashopm::outer_product_mean_backward
+using BackwardSig = std::vector<at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                            const at::Tensor&, const at::Tensor&, double, const at::Tensor&,
+                                            const OptTensor&, const at::Tensor&, const OptTensor&,
+                                            const at::Tensor&, const OptTensor&, int64_t, double,
+                                            const c10::List<bool>&, int64_t);
+// flashopm::outer_contract_backward
+using ContractBackwardSig = std::vector<at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                    const at::Tensor&, bool, bool, int64_t);
+
+inline const c10::TypedOperatorHandle<ForwardSig>& forward_op() {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("flashopm::outer_product_mean", "").typed<ForwardSig>();
+  return op;
+}
+
+inline const c10::TypedOperatorHandle<BackwardSig>& backward_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("flashopm::outer_product_mean_backward", "")
+                             .typed<BackwardSig>();
+  return op;
+}
+
+inline const c10::TypedOperatorHandle<ContractBackwardSig>& contract_backward_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("flashopm::outer_contract_backward", "")
+                             .typed<ContractBackwardSig>();
+  return op;
+}
+
+}  // namespace flashopm

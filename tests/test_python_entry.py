@@ -1,0 +1,223 @@
+"""The extension's direct entry into flashopm::outer_product_mean (csrc/opm_python.cpp).
+
+It must be the op, minus the schema's argument parsing: the same result bits, the same errors,
+autograd, the profiler's record of the op, and NotImplemented wherever torch.ops has to decide
+(tensor subclasses, __torch_function__ modes, arguments of other types).  On the CPU the entry
+reaches the op's CPU implementation through the same dispatcher call, so these tests run wherever
+the extension builds (CI included); the CUDA ones on the GPU machine.
+"""
+import os
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+import flashopm
+from flashopm import _build
+from flashopm.ops import outer_product_mean_op
+from flashopm.testing import Shape, make_problem
+
+from conftest import requires_cuda
+
+
+@pytest.fixture(scope="module")
+def entry():
+    try:
+        _build.check_toolchain()
+    except _build.BuildError as exc:
+        if os.environ.get("FLASHOPM_REQUIRE_BUILD") == "1":
+            raise
+        pytest.skip(str(exc))
+    if not torch.cuda.is_available() and not os.environ.get("TORCH_CUDA_ARCH_LIST"):
+        pytest.skip("no GPU and no TORCH_CUDA_ARCH_LIST")
+    _build.load()
+    assert _build.op_entry is not None
+    return _build.op_entry
+
+
+def _op_args(device="cpu", shape=Shape(2, 3, 7, 17, 8, 5), mask="masked_positions", biases=True):
+    x, m, p = make_problem(shape, mask, seed=3)
+    args = [x, m, p["ln_weight"], p["ln_bias"], 1e-5, p["w_a"], p["b_a"], p["w_b"], p["b_b"], p["w_out"], p["b_out"]]
+    if not biases:
+        args[6] = args[8] = args[10] = None
+    return [a.to(device) if isinstance(a, torch.Tensor) else a for a in args]
+
+
+@pytest.mark.parametrize("biases", [True, False])
+@pytest.mark.parametrize("extra", [(), (0,), (0, 1), (0, 1, 0.25), (0, 2, 1e-3, 0)])
+def test_entry_matches_torch_ops_bitwise(entry, biases, extra):
+    args = _op_args(biases=biases) + list(extra)
+    got = entry(*args)
+    assert got is not NotImplemented
+    torch.testing.assert_close(got, outer_product_mean_op(*args), rtol=0, atol=0)
+
+
+def test_entry_takes_parameters_and_int_eps(entry):
+    args = _op_args()
+    args[2] = torch.nn.Parameter(args[2])
+    args[4] = 0  # the schema's float takes a Python int
+    got = entry(*args)
+    assert got is not NotImplemented
+    torch.testing.assert_close(got, outer_product_mean_op(*args), rtol=0, atol=0)
+
+
+class _Subclass(torch.Tensor):
+    pass
+
+
+class _Recorder(TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.seen.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+def test_entry_declines_what_torch_ops_must_decide(entry):
+    args = _op_args()
+    declined = [
+        args[:10],  # too few arguments
+        args + [0, 0, 1e-3, -1, 7],  # too many
+        [args[0].as_subclass(_Subclass)] + args[1:],  # a tensor subclass
+        args[:4] + [torch.tensor(1e-5)] + args[5:],  # a tensor where the schema has a float
+        args[:4] + ["1e-5"] + args[5:],
+        args + [1.0],  # a float where the schema has an int
+        args + [True],  # bool is not int here
+        args + [2**70],  # past int64
+        args[:6] + [0] + args[7:],  # not a tensor or None where the schema has Tensor?
+    ]
+    for call_args in declined:
+        assert entry(*call_args) is NotImplemented
+    mode = _Recorder()
+    with mode:
+        assert entry(*args) is NotImplemented
+    assert mode.seen == []  # declining runs nothing
+
+
+def test_call_helper_sees_torch_function_modes_through_torch_ops():
+    """Where the entry declines, the helper's torch.ops call reaches the mode."""
+    args = _op_args()
+    mode = _Recorder()
+    with mode:
+        out = flashopm.ops.call_outer_product_mean(*args)
+    assert out.shape == (2, 7, 7, 5)
+    assert torch.ops.flashopm.outer_product_mean.default in mode.seen
+
+
+@pytest.mark.parametrize(
+    "bad, error",
+    [
+        (lambda a: a.__setitem__(1, a[1][:, :, :-1]), ValueError),  # mask (B, S, N-1)
+        (lambda a: a.__setitem__(0, a[0][0]), ValueError),  # msa_repr 3-D
+        (lambda a: a.__setitem__(5, a[5][:, :-1]), ValueError),  # w_a (H, C-1)
+        (lambda a: a.append(9), ValueError),  # algorithm 9
+    ],
+)
+def test_entry_raises_the_ops_errors(entry, bad, error):
+    args = _op_args()
+    bad(args)
+    with pytest.raises(error) as from_ops:
+        outer_product_mean_op(*args)
+    with pytest.raises(error) as from_entry:
+        entry(*args)
+    assert str(from_entry.value) == str(from_ops.value)
+
+
+def test_entry_gradients_match_torch_ops(entry):
+    args = _op_args()
+    for i in (0, 2, 3, 5, 6, 7, 8, 9, 10):
+        args[i].requires_grad_(True)
+    grad = torch.randn(2, 7, 7, 5, dtype=torch.float64).float()
+    tensors = [args[i] for i in (0, 2, 3, 5, 6, 7, 8, 9, 10)]
+    from_ops = torch.autograd.grad(outer_product_mean_op(*args), tensors, grad)
+    from_entry = torch.autograd.grad(entry(*args), tensors, grad)
+    for g_ops, g_entry in zip(from_ops, from_entry):
+        torch.testing.assert_close(g_entry, g_ops, rtol=0, atol=0)
+
+
+def test_entry_under_inference_mode_and_no_grad(entry):
+    args = _op_args()
+    args[0].requires_grad_(True)
+    with torch.inference_mode():
+        out = entry(*args)
+        assert out.is_inference() and not out.requires_grad
+    with torch.no_grad():
+        assert not entry(*args).requires_grad
+    assert entry(*args).requires_grad
+
+
+def test_profiler_records_the_op_through_the_entry(entry):
+    args = _op_args()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        entry(*args)
+    assert any(e.name == "flashopm::outer_product_mean" for e in prof.events())
+
+
+# ---- CUDA: the modules take the entry in eager mode, torch.ops under torch.compile ----
+
+
+class _CountingEntry:
+    def __init__(self, inner):
+        self.inner, self.calls = inner, 0
+
+    def __call__(self, *args):
+        self.calls += 1
+        return self.inner(*args)
+
+
+@requires_cuda
+def test_model_new_takes_the_entry_and_gives_the_ops_bits(entry, monkeypatch):
+    shape = Shape(2, 8, 32, 64, 32, 64)
+    x, m, p = make_problem(shape, "fractional", seed=5)
+    x, m = x.cuda(), m.cuda()
+    torch.manual_seed(0)
+    model = flashopm.ModelNew(shape.C, shape.D, shape.H).cuda()
+    counting = _CountingEntry(entry)
+    monkeypatch.setattr(_build, "op_entry", counting)
+    out = model(x, m)
+    assert counting.calls == 1
+    ln, pa, pb, po = model.layer_norm, model.proj_a, model.proj_b, model.out_proj
+    expected = outer_product_mean_op(x, m, ln.weight, ln.bias, ln.eps, pa.weight, pa.bias, pb.weight, pb.bias,
+                                     po.weight, po.bias)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    out.sum().backward()
+    assert model.out_proj.weight.grad is not None and torch.isfinite(model.out_proj.weight.grad).all()
+
+
+@requires_cuda
+@pytest.mark.parametrize("module", ["openfold", "boltz", "functional"])
+def test_other_entry_points_take_the_entry(entry, monkeypatch, module):
+    shape = Shape(1, 5, 9, 16, 8, 12)
+    x, m, p = make_problem(shape, "binary", seed=2)
+    x, m = x.cuda(), m.cuda()
+    counting = _CountingEntry(entry)
+    monkeypatch.setattr(_build, "op_entry", counting)
+    if module == "openfold":
+        mod = flashopm.OpenFoldOuterProductMean(shape.C, shape.D, shape.H).cuda()
+        out = mod(x, m)
+    elif module == "boltz":
+        mod = flashopm.BoltzOuterProductMean(shape.C, shape.H, shape.D).cuda()
+        out = mod(x, m)
+    else:
+        p = {k: v.cuda() for k, v in p.items()}
+        out = flashopm.outer_product_mean(x, m, p["ln_weight"], p["ln_bias"], p["w_a"], p["b_a"], p["w_b"],
+                                          p["b_b"], p["w_out"], p["b_out"])
+    assert counting.calls == 1 and out.shape == (1, 9, 9, 12)
+
+
+@requires_cuda
+def test_compiled_model_traces_the_op_not_the_entry(entry, monkeypatch):
+    shape = Shape(2, 8, 32, 64, 32, 64)
+    x, m, _ = make_problem(shape, "masked_positions", seed=6)
+    x, m = x.cuda(), m.cuda()
+    torch.manual_seed(0)
+    model = flashopm.ModelNew(shape.C, shape.D, shape.H).cuda()
+    eager = model(x, m)
+    counting = _CountingEntry(entry)
+    monkeypatch.setattr(_build, "op_entry", counting)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True)
+    torch.testing.assert_close(compiled(x, m), eager, rtol=0, atol=0)
+    assert counting.calls == 0
