@@ -232,7 +232,12 @@ at::Tensor scale_grad(const at::Tensor& go_in, const at::Tensor& mask, int64_t n
   // Small problems in one block that writes the bias gradient itself: a launch and an allocation
   // less, where the step's time is the host's.
   const bool one_block = bias_here && go.numel() <= kGradScaleOneBlockElems;
-  const int blocks = one_block ? 1 : int(std::min<int64_t>(B * N, 4 * int64_t(device_info(dev).sm_count)));
+  // Chunks of rows: enough of them for four blocks per SM where the rows allow.
+  const int64_t rows = B * N, max_blocks = 4 * int64_t(device_info(dev).sm_count);
+  args.chunk_rows = N > (int64_t(1) << 24) ? 1
+                    : one_block            ? int(std::min<int64_t>(rows, kGradScaleMaxChunkRows))
+                                           : int(std::clamp<int64_t>(rows / max_blocks, 1, kGradScaleMaxChunkRows));
+  const int blocks = one_block ? 1 : int(std::min<int64_t>((rows + args.chunk_rows - 1) / args.chunk_rows, max_blocks));
   at::Tensor bias_part;
   if (bias_here) {
     bias_grad = at::empty({D}, go.options().dtype(at::kFloat));

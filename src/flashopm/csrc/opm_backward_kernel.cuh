@@ -274,74 +274,105 @@ __device__ __forceinline__ void load4_as_float(const void* base, int64_t idx, in
   }
 }
 
-// g = grad_out / divisor (GradScaleArgs): a row (b, i) per block at a time.  With by_pair, thread
-// tid takes column slot tid % D4 (four columns where vec4 allows, else one) of pairs tid / D4,
-// + slots, ..., so that its columns are the same in every row; with bias_part it also sums them for
-// the bias gradient, in float64 and in a fixed order (one rounding at the end, and the same bits on
-// every call).  Otherwise the row's N·D values are grid-strided over the threads.
+// g = grad_out / divisor (GradScaleArgs), over chunks of p.chunk_rows rows (b, i) per block: the
+// chunk's row divisors first (a warp per row), then its pairs.  With by_pair, thread tid takes
+// column slot tid % D4 (four columns where vec4 allows, else one) of the chunk's pairs tid / D4,
+// + slots, ..., so that its columns are the same in every row; with bias_part or bias_out it also
+// sums them for the bias gradient, in float64 and in a fixed order (one rounding at the end, and the
+// same bits on every call).  Otherwise the chunk's values are strided over the threads.  Each
+// thread loads kGradScaleBatch pairs before it stores any: g may alias nothing the loads read, but
+// the compiler cannot know that, and one load in flight per thread left a single block waiting on
+// memory latency for ~120 us at the specification's shape.
 __global__ void __launch_bounds__(kGradScaleThreads) opm_grad_scale_kernel(const GradScaleArgs p) {
-  __shared__ float row_den;
+  constexpr int kBatch = kGradScaleBatch, kWarps = kGradScaleThreads / 32;
+  __shared__ float row_den[kGradScaleMaxChunkRows];
   __shared__ double bias_s[kGradScaleThreads * 4];
-  const int tid = threadIdx.x, N = p.N, D = p.D;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, N = p.N, D = p.D;
   const bool by_row = p.norm.kind == kNormRow, openfold = p.norm.kind == kNormOpenFold;
   const int per = p.vec4 ? 4 : 1, D4 = D / per;
   const int slots = p.by_pair ? kGradScaleThreads / D4 : 0;
   const int col = p.by_pair ? tid % D4 : 0, slot = p.by_pair ? tid / D4 : 0;
   const bool sums = p.bias_part != nullptr || p.bias_out != nullptr;
   double bsum[4] = {0.0, 0.0, 0.0, 0.0};
-  const int64_t rows = int64_t(p.B) * N, row_elems = int64_t(N) * D;
-  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+  const int64_t rows = int64_t(p.B) * N, chunks = (rows + p.chunk_rows - 1) / p.chunk_rows;
+  for (int64_t c = blockIdx.x; c < chunks; c += gridDim.x) {
+    const int64_t r0 = c * p.chunk_rows;
+    const int nr = int(min(int64_t(p.chunk_rows), rows - r0));
     if (by_row) {
-      const int b = int(r / N), i = int(r - int64_t(b) * N);
-      __syncthreads();  // every thread has read the previous row's divisor
-      if (tid < 32) {
-        const float den = mask_denominator(p.mask, b, i, p.S, tid);
-        if (tid == 0) row_den = den;
+      __syncthreads();  // every thread has read the previous chunk's divisors
+      for (int q = warp; q < nr; q += kWarps) {
+        const int64_t r = r0 + q;
+        const int b = int(r / N), i = int(r - int64_t(b) * N);
+        const float den = mask_denominator(p.mask, b, i, p.S, lane);
+        if (lane == 0) row_den[q] = den;
       }
       __syncthreads();
     }
-    const float rd = by_row ? row_den : 1.f;
-    const int64_t row0 = r * row_elems;
-    const auto divisor = [&](int64_t e) {
-      if (by_row) return rd;
-      const float pc = p.pair[r * N + e / D];
+    const int64_t pair0 = r0 * N;  // the chunk's first pair (b, i, j), its values contiguous from pair0 * D
+    // divisor of the chunk's pair q (row q / N)
+    const auto divisor = [&](int q) {
+      if (by_row) return row_den[q / N];
+      const float pc = p.pair[pair0 + q];
       return openfold ? p.norm.eps + pc : fmaxf(pc, 1.f);
     };
+    const int pairs = nr * N;  // < 2^31: chunk_rows * N is checked on the host
     if (p.by_pair) {  // block-uniform
       if (slot >= slots) continue;
-      for (int j = slot; j < N; j += slots) {
-        const int64_t e = int64_t(j) * D + col * per;
-        const float den = divisor(e);
-        if (p.vec4) {
-          float v[4];
-          load4_as_float(p.go, row0 + e, p.go_kind, v);
+      for (int q0 = slot; q0 < pairs; q0 += slots * kBatch) {
+        float v[kBatch][4], den[kBatch];
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) {
+          const int q = q0 + u * slots;
+          if (q >= pairs) break;
+          const int64_t e = (pair0 + q) * D + col * per;
+          den[u] = divisor(q);
+          if (p.vec4) {
+            load4_as_float(p.go, e, p.go_kind, v[u]);
+          } else {
+            v[u][0] = load_mask(p.go, e, p.go_kind);
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) {
+          const int q = q0 + u * slots;
+          if (q >= pairs) break;
+          const int64_t e = (pair0 + q) * D + col * per;
 #pragma unroll
           for (int k = 0; k < 4; ++k) {
-            if (sums && !openfold) bsum[k] += double(v[k]);
-            v[k] = v[k] / den;
-            if (sums && openfold) bsum[k] += double(v[k]);
+            if (k == 1 && !p.vec4) break;
+            if (sums && !openfold) bsum[k] += double(v[u][k]);
+            v[u][k] = v[u][k] / den[u];
+            if (sums && openfold) bsum[k] += double(v[u][k]);
           }
-          store_out4(p.g, row0 + e, v, p.g_kind);
-        } else {
-          float v = load_mask(p.go, row0 + e, p.go_kind);
-          if (sums && !openfold) bsum[0] += double(v);
-          v = v / den;
-          if (sums && openfold) bsum[0] += double(v);
-          store_out(p.g, row0 + e, v, p.g_kind);
+          if (p.vec4) store_out4(p.g, e, v[u], p.g_kind);
+          else store_out(p.g, e, v[u][0], p.g_kind);
         }
       }
-    } else if (p.vec4) {  // block-uniform
-      for (int64_t e = 4 * int64_t(tid); e < row_elems; e += 4 * kGradScaleThreads) {
-        float v[4];
-        load4_as_float(p.go, row0 + e, p.go_kind, v);
-        const float den = divisor(e);  // D % 4 == 0: the four share a pair
-#pragma unroll
-        for (int k = 0; k < 4; ++k) v[k] = v[k] / den;
-        store_out4(p.g, row0 + e, v, p.g_kind);
-      }
     } else {
-      for (int64_t e = tid; e < row_elems; e += kGradScaleThreads)
-        store_out(p.g, row0 + e, load_mask(p.go, row0 + e, p.go_kind) / divisor(e), p.g_kind);
+      // the chunk's values strided over the threads, kBatch pieces at a time
+      const int step = per * kGradScaleThreads;
+      const int64_t chunk_elems = int64_t(pairs) * D, e0 = pair0 * D;
+      for (int64_t f0 = int64_t(per) * tid; f0 < chunk_elems; f0 += int64_t(step) * kBatch) {
+        float v[kBatch][4], den[kBatch];
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) {
+          const int64_t f = f0 + int64_t(u) * step;
+          if (f >= chunk_elems) break;
+          den[u] = divisor(int(f / D));  // vec4: D % 4 == 0, so the four share a pair
+          if (p.vec4) load4_as_float(p.go, e0 + f, p.go_kind, v[u]);
+          else v[u][0] = load_mask(p.go, e0 + f, p.go_kind);
+        }
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) {
+          const int64_t f = f0 + int64_t(u) * step;
+          if (f >= chunk_elems) break;
+#pragma unroll
+          for (int k = 0; k < 4; ++k)
+            if (k < per) v[u][k] = v[u][k] / den[u];
+          if (p.vec4) store_out4(p.g, e0 + f, v[u], p.g_kind);
+          else store_out(p.g, e0 + f, v[u][0], p.g_kind);
+        }
+      }
     }
   }
   if (!sums) return;  // grid-uniform

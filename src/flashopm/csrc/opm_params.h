@@ -758,11 +758,16 @@ struct GradScaleArgs {
   double* bias_part;  // (blocks, D) or null
   float* bias_out;    // (D,) or null: one block only
   int go_kind, g_kind;
+  int chunk_rows;     // rows (b, i) per block at a time, <= kGradScaleMaxChunkRows, chunk_rows * N < 2^31
   bool vec4, by_pair;
 };
 constexpr int kGradScaleThreads = 256;
-// At most this many elements of grad_out go to one block when the bias gradient is summed too.
-constexpr int64_t kGradScaleOneBlockElems = int64_t(1) << 17;
+constexpr int kGradScaleMaxChunkRows = 64;
+constexpr int kGradScaleBatch = 4;  // loads in flight per thread (8 spills at 128 registers)
+// At most this many elements of grad_out go to one block when the bias gradient is summed too
+// (about eight rounds of kGradScaleBatch loads per thread: a few microseconds; 2^17 took 124 us in
+// one block with one load in flight per thread).
+constexpr int64_t kGradScaleOneBlockElems = int64_t(1) << 15;
 void launch_grad_scale(const GradScaleArgs& args, int blocks, cudaStream_t stream);
 // bias[d] = sum over blocks of part[block][d] (float64 sums in block order, rounded once).
 void launch_bias_grad_reduce(const double* part, int blocks, int D, float* bias, cudaStream_t stream);
