@@ -1,0 +1,78 @@
+"""Host time of ModelNew's forward and of the op through the extension's direct entry against the
+same through torch.ops, timed in alternation (batches of calls back to back, A then B, many
+times), so that both sides meet the same host; the median of the per-pair ratios is the figure,
+as host time on the GPU machine drifts by tens of percent between blocks of calls.
+
+    python scripts/host_paired.py [B,S,N,C,H,D]      (default: the specification's shape)
+"""
+import statistics
+import sys
+import time
+
+import torch
+
+import flashopm
+import flashopm._build
+from flashopm.bench import warm_gpu
+from flashopm.ops import outer_product_mean_op
+from flashopm.reference import Model
+from flashopm.testing import Shape, make_problem
+
+
+def batch_us(fn, calls):
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t = (time.perf_counter() - t0) / calls * 1e6
+    torch.cuda.synchronize()
+    return t
+
+
+def paired(fa, fb, calls=20, pairs=300):
+    fa(), fb()
+    ta, tb = [], []
+    for _ in range(pairs):
+        ta.append(batch_us(fa, calls))
+        tb.append(batch_us(fb, calls))
+    ratio = statistics.median(b / a for a, b in zip(ta, tb))
+    return statistics.median(ta), statistics.median(tb), ratio
+
+
+def main(shape):
+    flashopm._build.load()
+    warm_gpu()
+    x, m, p = make_problem(shape, "masked_positions", seed=0)
+    x, m, p = x.cuda(), m.cuda(), {k: v.cuda() for k, v in p.items()}
+    torch.manual_seed(0)
+    new = flashopm.ModelNew(shape.C, shape.D, shape.H).cuda()
+    ref = Model(shape.C, shape.D, shape.H).cuda()
+    entry = flashopm._build.op_entry
+    declining = lambda *a: NotImplemented  # noqa: E731
+    args = (x, m, p["ln_weight"], p["ln_bias"], 1e-5, p["w_a"], p["b_a"], p["w_b"], p["b_b"], p["w_out"], p["b_out"], 0)
+    dummy = torch.empty(1, device="cuda")
+    noop = torch.ops.flashopm._noop.default
+
+    def new_via_torch_ops():
+        flashopm._build.op_entry = declining
+        try:
+            return new(x, m)
+        finally:
+            flashopm._build.op_entry = entry
+
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  {shape}")
+    print(f"{'A':>22} {'B':>24}   host us A   host us B   B / A (median of pairs)")
+    with torch.no_grad():
+        for (na, fa), (nb, fb) in (
+            (("op, direct entry", lambda: entry(*args)), ("op, torch.ops", lambda: outer_product_mean_op(*args))),
+            (("ModelNew", lambda: new(x, m)), ("ModelNew via torch.ops", new_via_torch_ops)),
+            (("empty call", lambda: noop(dummy)), ("ModelNew", lambda: new(x, m))),
+            (("ModelNew", lambda: new(x, m)), ("eager Model", lambda: ref(x, m))),
+        ):
+            a, b, r = paired(fa, fb)
+            print(f"{na:>22} {nb:>24}   {a:9.2f}   {b:9.2f}   {r:6.3f}")
+
+
+if __name__ == "__main__":
+    args = sys.argv[1:]
+    main(Shape(*map(int, args[0].split(","))) if args else Shape(2, 8, 32, 64, 32, 64))
