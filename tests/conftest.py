@@ -1,7 +1,25 @@
+import os
+
 import pytest
 import torch
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def toolchain_or_skip():
+    """Skips unless the extension can be built here: a CUDA build of torch, nvcc of its major
+    version, and a GPU or TORCH_CUDA_ARCH_LIST.  With FLASHOPM_REQUIRE_BUILD=1 (CI) a missing
+    toolchain fails instead."""
+    from flashopm import _build
+
+    try:
+        _build.check_toolchain()
+    except _build.BuildError as exc:
+        if os.environ.get("FLASHOPM_REQUIRE_BUILD") == "1":
+            raise
+        pytest.skip(str(exc))
+    if not torch.cuda.is_available() and not os.environ.get("TORCH_CUDA_ARCH_LIST"):
+        pytest.skip("no GPU and no TORCH_CUDA_ARCH_LIST")
 
 
 @pytest.fixture(autouse=True)

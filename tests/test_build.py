@@ -10,16 +10,7 @@ import torch
 
 from flashopm import _build
 
-
-def _toolchain_or_skip():
-    try:
-        _build.check_toolchain()
-    except _build.BuildError as exc:
-        if os.environ.get("FLASHOPM_REQUIRE_BUILD") == "1":
-            raise
-        pytest.skip(str(exc))
-    if not torch.cuda.is_available() and not os.environ.get("TORCH_CUDA_ARCH_LIST"):
-        pytest.skip("no GPU and no TORCH_CUDA_ARCH_LIST")
+from conftest import toolchain_or_skip
 
 
 def test_gencode_flags():
@@ -71,7 +62,7 @@ def test_import_compiles_nothing():
 
 
 def test_cuda_extension_builds_and_registers_the_op():
-    _toolchain_or_skip()
+    toolchain_or_skip()
     path = _build.load()
     assert os.path.exists(path)
     assert torch._C._dispatch_has_kernel_for_dispatch_key("flashopm::outer_product_mean", "CUDA")

@@ -6,8 +6,6 @@ autograd, the profiler's record of the op, and NotImplemented wherever torch.ops
 reaches the op's CPU implementation through the same dispatcher call, so these tests run wherever
 the extension builds (CI included); the CUDA ones on the GPU machine.
 """
-import os
-
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
@@ -17,19 +15,12 @@ from flashopm import _build
 from flashopm.ops import outer_product_mean_op
 from flashopm.testing import Shape, make_problem
 
-from conftest import requires_cuda
+from conftest import requires_cuda, toolchain_or_skip
 
 
 @pytest.fixture(scope="module")
 def entry():
-    try:
-        _build.check_toolchain()
-    except _build.BuildError as exc:
-        if os.environ.get("FLASHOPM_REQUIRE_BUILD") == "1":
-            raise
-        pytest.skip(str(exc))
-    if not torch.cuda.is_available() and not os.environ.get("TORCH_CUDA_ARCH_LIST"):
-        pytest.skip("no GPU and no TORCH_CUDA_ARCH_LIST")
+    toolchain_or_skip()
     _build.load()
     assert _build.op_entry is not None
     return _build.op_entry
@@ -167,13 +158,17 @@ class _CountingEntry:
         return self.inner(*args)
 
 
+def _spec_model_on_cuda(mask_kind, seed):
+    """ModelNew at the specification's shape and inputs for it, on the GPU."""
+    shape = Shape(2, 8, 32, 64, 32, 64)
+    x, m, _ = make_problem(shape, mask_kind, seed=seed)
+    torch.manual_seed(0)
+    return flashopm.ModelNew(shape.C, shape.D, shape.H).cuda(), x.cuda(), m.cuda()
+
+
 @requires_cuda
 def test_model_new_takes_the_entry_and_gives_the_ops_bits(entry, monkeypatch):
-    shape = Shape(2, 8, 32, 64, 32, 64)
-    x, m, p = make_problem(shape, "fractional", seed=5)
-    x, m = x.cuda(), m.cuda()
-    torch.manual_seed(0)
-    model = flashopm.ModelNew(shape.C, shape.D, shape.H).cuda()
+    model, x, m = _spec_model_on_cuda("fractional", seed=5)
     counting = _CountingEntry(entry)
     monkeypatch.setattr(_build, "op_entry", counting)
     out = model(x, m)
@@ -209,11 +204,7 @@ def test_other_entry_points_take_the_entry(entry, monkeypatch, module):
 
 @requires_cuda
 def test_compiled_model_traces_the_op_not_the_entry(entry, monkeypatch):
-    shape = Shape(2, 8, 32, 64, 32, 64)
-    x, m, _ = make_problem(shape, "masked_positions", seed=6)
-    x, m = x.cuda(), m.cuda()
-    torch.manual_seed(0)
-    model = flashopm.ModelNew(shape.C, shape.D, shape.H).cuda()
+    model, x, m = _spec_model_on_cuda("masked_positions", seed=6)
     eager = model(x, m)
     counting = _CountingEntry(entry)
     monkeypatch.setattr(_build, "op_entry", counting)
