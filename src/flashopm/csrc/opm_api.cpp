@@ -4,6 +4,7 @@
 // The op's schema, its CPU implementation and its fake are registered from Python (ops.py).
 // This file is compiled by the host C++ compiler; all message formatting happens here.
 #include <ATen/ATen.h>
+#include <ATen/record_function.h>
 #include <ATen/cuda/EmptyTensor.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAException.h>
@@ -1159,6 +1160,7 @@ std::vector<at::Tensor> outer_contract_backward_cuda(const at::Tensor& g_in, con
   // earlier could be handed to the next allocation on this stream and overwritten first).
   at::Tensor part_a, part_b, ws;
   if (need_ab) {
+    RECORD_USER_SCOPE("flashopm::outer_contract_backward/grad_ab");
     const int64_t n_sb = (S + kBwSB - 1) / kBwSB;
     FLASHOPM_CHECK(B * n_sb <= 65535, "flashopm: B * ceil(S / ", kBwSB,
                    ") must be at most 65535 for the fused backward, got ", B * n_sb);
@@ -1188,6 +1190,7 @@ std::vector<at::Tensor> outer_contract_backward_cuda(const at::Tensor& g_in, con
     }
   }
   if (need_w) {
+    RECORD_USER_SCOPE("flashopm::outer_contract_backward/grad_w");
     const int64_t hc = kBwWCols / H, ti = H, tj = kBwWCols / H;
     const int64_t tiles = B * ((Nr + ti - 1) / ti) * ((Nc + tj - 1) / tj);
     const int64_t per_split = (H / hc) * ((D + kBwWDG - 1) / kBwWDG);

@@ -8,6 +8,7 @@
 // (msa_dim > 512, or shared memory short) run the same math on ATen.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/record_function.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
@@ -149,6 +150,7 @@ void set_ln_inputs(Args& args, const LnInputs& in) {
 // float32, as the forward computes them.
 std::pair<at::Tensor, at::Tensor> project_masked(const LnInputs& in, const OptTensor& b_a, const OptTensor& b_b,
                                                  int dev) {
+  RECORD_USER_SCOPE("flashopm::backward/project");
   const int64_t B = in.msa.size(0), S = in.msa.size(1), N = in.msa.size(2), C = in.msa.size(3), H = in.wa.size(0);
   const auto f32 = [](const at::Tensor& t) { return t.to(at::kFloat).contiguous(); };
   const OptTensor ba = b_a ? OptTensor(f32(*b_a)) : std::nullopt, bb = b_b ? OptTensor(f32(*b_b)) : std::nullopt;
@@ -209,6 +211,7 @@ bool scale_fits(at::ScalarType work, const at::Tensor& grad_out, const at::Tenso
 // FLASHOPM_BIAS_GRAD_KERNEL=0 leaves the bias gradient to the caller, to compare.
 at::Tensor scale_grad(const at::Tensor& go_in, const at::Tensor& mask, int64_t normalization, double norm_eps,
                       at::ScalarType type, bool want_bias, at::Tensor& bias_grad, int dev) {
+  RECORD_USER_SCOPE("flashopm::backward/scale_grad");
   const at::Tensor go = go_in.contiguous();
   const int64_t B = go.size(0), N = go.size(1), D = go.size(3), S = mask.size(1);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dev).stream();
@@ -263,6 +266,7 @@ struct LnGrads {
 // which takes precedence.
 LnGrads ln_projection_backward(const LnInputs& in, const at::Tensor& grad_a_in, const at::Tensor& grad_b_in,
                                const std::array<bool, 9>& want, bool regs, bool mma, int dev) {
+  RECORD_USER_SCOPE("flashopm::backward/layernorm");
   const at::Tensor& msa = in.msa;
   const int64_t B = msa.size(0), S = msa.size(1), N = msa.size(2), C = msa.size(3), H = in.wa.size(0);
   const auto f32 = [](const at::Tensor& t) { return t.to(at::kFloat).contiguous(); };
