@@ -14,7 +14,7 @@ from flashopm.bench import warm_gpu
 from flashopm.ops import FOLLOW_PYTORCH, outer_product_mean_backward_op
 from flashopm.testing import Shape, make_problem
 
-from step_host import host_us
+from step_host import call_host_us
 
 CALLS = 200
 
@@ -29,7 +29,7 @@ def main(shape):
             p["b_out"], 0, 1e-3, [True] * 9, FOLLOW_PYTORCH)
     call = lambda: outer_product_mean_backward_op(*args)  # noqa: E731
     call()
-    unprofiled = host_us(call)
+    unprofiled = call_host_us(call)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(CALLS):
             torch.cuda.synchronize()

@@ -17,7 +17,7 @@ from flashopm.ops import FOLLOW_PYTORCH, outer_product_mean_backward_op
 from flashopm.testing import Shape, make_problem
 
 
-def host_us(fn, calls=200):
+def call_host_us(fn, calls=200):
     """Median time until a call returns, the GPU idle before each call (calls back to back would
     fill the launch queue and measure the GPU instead)."""
     per = []
@@ -82,7 +82,7 @@ def main(shape):
     print(f"{'':>38}  {'host us':>8}  {'wall us':>8}  {'kernels us':>10}  launches")
     for name, fn in parts:
         fn()
-        h, w = host_us(fn), wall_us(fn)
+        h, w = call_host_us(fn), wall_us(fn)
         k, n = kernels_us(fn)
         print(f"{name:>38}  {h:8.1f}  {w:8.1f}  {k:10.1f}  {n:6.1f}")
 

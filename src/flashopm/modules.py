@@ -4,8 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from . import _build
-from .ops import NORMALIZATIONS, call_outer_product_mean, outer_product_mean_op
+from .ops import NORMALIZATIONS, call_outer_product_mean
 from .reference import BoltzOuterProductMeanReference, OpenFoldOuterProductMeanReference
 
 
@@ -40,13 +39,7 @@ class ModelNew(nn.Module):
             return (ln.weight, ln.bias, ln.eps, pa.weight, pa.bias, pb.weight, pb.bias, po.weight, po.bias)
 
     def forward(self, msa_repr: torch.Tensor, msa_mask: torch.Tensor) -> torch.Tensor:
-        # The functional API's body, inlined: this call is latency-bound at small sizes.
-        params = self._parameters_in_op_order()
-        if msa_repr.is_cuda and not torch.compiler.is_compiling():
-            out = (_build.op_entry or _build.load_op_entry())(msa_repr, msa_mask, *params)
-            if out is not NotImplemented:
-                return out
-        return outer_product_mean_op(msa_repr, msa_mask, *params)
+        return call_outer_product_mean(msa_repr, msa_mask, *self._parameters_in_op_order())
 
 
 def _lecun_normal_(weight: torch.Tensor) -> None:
