@@ -1,8 +1,10 @@
-"""Host time of the backward op's stages at one shape: torch.profiler with CPU activity only (no
-CUPTI, so launches cost what they cost), the backward op called directly from an idle GPU; per
-call, the CPU time of each flashopm:: scope (the op, its stages `flashopm::backward/*` and
-`flashopm::outer_contract_backward/*`) and of the ATen operators under it, next to the call's
-unprofiled host time.
+"""Host time of a training step's backward at one shape, by stage: torch.profiler with CPU activity
+only (no CUPTI, so launches cost what they cost), each call from an idle GPU.  Three callables are
+profiled in turn: the backward op called directly, torch.autograd.grad through a retained graph of
+ModelNew's forward, and a whole step (forward + torch.autograd.grad); for each, the call's
+unprofiled host time and, per call, the CPU time of the flashopm:: scopes (the ops, the backward's
+stages `flashopm::backward/*` and `flashopm::outer_contract_backward/*`), of the autograd engine's
+events and of the ATen operators under them.
     usage: python scripts/backward_stages.py [B,S,N,C,H,D]      (default: the specification's shape)"""
 import sys
 
@@ -19,6 +21,22 @@ from step_host import call_host_us
 CALLS = 200
 
 
+def profile_rows(name, call, top=30):
+    call()
+    unprofiled = call_host_us(call)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(CALLS):
+            torch.cuda.synchronize()
+            call()
+        torch.cuda.synchronize()
+    rows = sorted(prof.key_averages(), key=lambda e: -e.cpu_time_total)
+    print(f"\n{name}: {unprofiled:.1f} us host per call unprofiled (from an idle GPU)")
+    print(f"{'total us':>9} {'self us':>8} {'calls':>6}  scope, event or operator (per call)")
+    for e in rows[:top]:
+        print(f"{e.cpu_time_total / CALLS:9.2f} {e.self_cpu_time_total / CALLS:8.2f} {e.count / CALLS:6.1f}  "
+              f"{e.key[:100]}")
+
+
 def main(shape):
     flashopm.load()
     warm_gpu()
@@ -27,21 +45,15 @@ def main(shape):
     g = torch.randn(shape.B, shape.N, shape.N, shape.D, device="cuda")
     args = (g, x, m, p["ln_weight"], p["ln_bias"], 1e-5, p["w_a"], p["b_a"], p["w_b"], p["b_b"], p["w_out"],
             p["b_out"], 0, 1e-3, [True] * 9, FOLLOW_PYTORCH)
-    call = lambda: outer_product_mean_backward_op(*args)  # noqa: E731
-    call()
-    unprofiled = call_host_us(call)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(CALLS):
-            torch.cuda.synchronize()
-            call()
-        torch.cuda.synchronize()
-    rows = [e for e in prof.key_averages() if e.key.startswith(("flashopm", "aten::"))]
-    rows.sort(key=lambda e: -e.cpu_time_total)
+    torch.manual_seed(0)
+    model = flashopm.ModelNew(shape.C, shape.D, shape.H).cuda()
+    xg = x.clone().requires_grad_()
+    leaves = [xg, *model.parameters()]
+    out = model(xg, m)
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  {shape}")
-    print(f"backward op, unprofiled: {unprofiled:.1f} us host per call (from an idle GPU)")
-    print(f"{'total us':>9} {'self us':>8} {'calls':>6}  scope or operator (per backward call)")
-    for e in rows[:40]:
-        print(f"{e.cpu_time_total / CALLS:9.2f} {e.self_cpu_time_total / CALLS:8.2f} {e.count / CALLS:6.1f}  {e.key[:90]}")
+    profile_rows("backward op", lambda: outer_product_mean_backward_op(*args))
+    profile_rows("autograd.grad, retained graph", lambda: torch.autograd.grad(out, leaves, g, retain_graph=True))
+    profile_rows("training step", lambda: torch.autograd.grad(model(xg, m), leaves, g))
 
 
 if __name__ == "__main__":

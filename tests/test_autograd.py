@@ -5,6 +5,7 @@ import torch
 
 import flashopm
 from conftest import requires_cuda
+from flashopm.ops import NORMALIZATIONS
 from flashopm.reference import GRAD_INPUTS
 from flashopm.testing import Shape, make_problem, rel_error
 
@@ -311,6 +312,49 @@ def test_blocked_permutes_match_atens(monkeypatch, dtype, shape):
         assert torch.isfinite(o).all(), name
         assert torch.equal(o, a), f"{name}: {(o.float() - a.float()).abs().max().item():.3g} off ATen's copy"
         assert rel_error(o.cpu(), r) < (1e-5 if dtype == torch.float32 else 5e-2), name
+
+
+def _poison_cached_memory():
+    """NaN in the blocks the caching allocator hands out next, small and large: a temporary element
+    that a kernel reads before any writes it turns the gradients it reaches into NaN."""
+    blocks = [torch.full((1 << 17,), float("nan"), device="cuda") for _ in range(64)]  # 512 KB each
+    blocks.append(torch.full((1 << 26,), float("nan"), device="cuda"))
+    del blocks
+
+
+@requires_cuda
+@pytest.mark.parametrize("normalization", ["row", "openfold", "boltz"])
+@pytest.mark.parametrize("shape", [Shape(2, 8, 32, 64, 32, 64), Shape(1, 7, 13, 24, 16, 12),
+                                   Shape(1, 130, 129, 20, 32, 8), Shape(1, 3, 5, 8, 16, 1028)], ids=str)
+def test_direct_backward_matches_the_tensor_per_temporary_form(monkeypatch, normalization, shape):
+    """The float32 backward with its temporaries in two allocations and the contractions launched
+    from C++ (the default), and with grad_b's kernel reading out_proj's weight with h1 and h2 swapped
+    (small problems) instead of a transposed copy, gives bitwise the gradients of a tensor for each
+    temporary and the contraction op: the same kernels on the same values.  The third shape has
+    more pairs than the swapped reads take by default (16641) and two blocks of s; the fourth more
+    columns than the division sums out_proj's bias gradient in (ATen's sum of g or grad_out)."""
+    x, m, p = make_problem(shape, "masked_positions", seed=23)
+    g = torch.randn(shape.B, shape.N, shape.N, shape.D, generator=torch.Generator().manual_seed(6))
+    xc, mc, gc = x.cuda(), m.cuda(), g.cuda()
+    pc = {k: v.cuda() for k, v in p.items()}
+    results = {}
+    for direct, swapped in (("1", None), ("0", "0"), ("0", "1"), ("1", "0"), ("1", "1")):
+        monkeypatch.setenv("FLASHOPM_BACKWARD_DIRECT", direct)
+        if swapped is None:
+            monkeypatch.delenv("FLASHOPM_BWD_W_SWAPPED", raising=False)
+        else:
+            monkeypatch.setenv("FLASHOPM_BWD_W_SWAPPED", swapped)
+        _poison_cached_memory()
+        results[direct, swapped] = _flashopm_grads(xc, mc, pc, gc, normalization=normalization)
+    default = results["1", None]
+    ref64 = _reference_grads(x.double(), m.double(), {k: v.double() for k, v in p.items()}, g.double(),
+                             normalization=NORMALIZATIONS[normalization])
+    for name, o, r in zip(GRAD_INPUTS, default, ref64):
+        assert torch.isfinite(o).all(), name
+        assert rel_error(o.cpu(), r) < 1e-5, name
+    for form, grads in results.items():
+        for name, o, a in zip(GRAD_INPUTS, default, grads):
+            assert torch.equal(o, a), f"{name} differs in form {form}"
 
 
 @requires_cuda

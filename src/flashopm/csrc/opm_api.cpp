@@ -85,14 +85,15 @@ void check_smem(int bytes, int dev, const char* what) {
               " bytes of shared memory per block, this GPU allows ", device_info(dev).smem_optin);
 }
 
-// MaskKind of a float32, float16 or bfloat16 tensor (x, the output).
-int elem_kind(const at::Tensor& t) {
-  switch (t.scalar_type()) {
+// MaskKind of float32, float16 or bfloat16 elements (x, the output).
+int elem_kind_of(at::ScalarType type) {
+  switch (type) {
     case at::kHalf: return kMaskHalf;
     case at::kBFloat16: return kMaskBFloat16;
     default: return kMaskFloat;
   }
 }
+int elem_kind(const at::Tensor& t) { return elem_kind_of(t.scalar_type()); }
 
 int mask_kind_of(const at::Tensor& mask) {
   const at::ScalarType t = mask.scalar_type();
@@ -1097,6 +1098,115 @@ at::Tensor outer_product_mean_rows_cuda(const at::Tensor& a_in, const at::Tensor
   return out;
 }
 
+// Pairs (B·Nr·Nc) up to which the side kernel for grad_b reads W with h1 and h2 swapped in 4-byte
+// pieces instead of from a transposed copy: there the copy's launch, allocation and dispatch cost
+// more host time than the narrower loads cost the GPU.  FLASHOPM_BWD_W_SWAPPED=1 or 0 takes one
+// form everywhere, to compare and to test both.
+constexpr int64_t kBwSwappedReadMaxPairs = int64_t(1) << 14;
+
+// The fused contraction backward's launches for one problem: its grids' splits, and the float32
+// scratch it needs besides its outputs (each split's partial sums, and W with h1 and h2 swapped
+// where grad_b's kernel does not read it swapped), in chunks of whole 256-byte lines.
+struct ContractBackwardPlan {
+  int64_t B = 0, S = 0, Nr = 0, Nc = 0, H = 0, D = 0, Dp = 0;
+  bool need_ab = false, need_w = false, w_swapped_reads = false;
+  int64_t n_sb = 0, jsplits = 1, splits = 1;
+  int64_t part_a_floats = 0, part_b_floats = 0, ws_floats = 0, wt_floats = 0;
+  int64_t scratch_floats() const { return part_a_floats + part_b_floats + ws_floats + wt_floats; }
+};
+
+inline int64_t round_up_line(int64_t floats) { return (floats + 63) / 64 * 64; }
+
+// B, S, Nr, Nc, D >= 1; H 16, 32 or 64.
+ContractBackwardPlan plan_contract_backward(int64_t B, int64_t S, int64_t Nr, int64_t Nc, int64_t H, int64_t D,
+                                            bool need_ab, bool need_w, int dev) {
+  ContractBackwardPlan p;
+  p.B = B, p.S = S, p.Nr = Nr, p.Nc = Nc, p.H = H, p.D = D, p.Dp = (D + 3) / 4 * 4;
+  p.need_ab = need_ab, p.need_w = need_w;
+  // Two blocks per SM: the grids are sized to fill them once (partial sums added at the end, all
+  // in one launch).
+  const int64_t slots = 2 * int64_t(device_info(dev).sm_count);
+  if (need_ab) {
+    p.n_sb = (S + kBwSB - 1) / kBwSB;
+    FLASHOPM_CHECK(B * p.n_sb <= 65535, "flashopm: B * ceil(S / ", kBwSB,
+                   ") must be at most 65535 for the fused backward, got ", B * p.n_sb);
+    const int64_t hc = kBwSideCols / H, ti = kBwSideRows / hc, tj = kBwSideCols / H;
+    const int64_t blocks = B * p.n_sb * ((std::max(Nr, Nc) + ti - 1) / ti) * (H / hc);
+    // splits only where one split per row block leaves slots idle (so B * n_sb * jsplits <= slots)
+    p.jsplits = std::max<int64_t>(1, std::min<int64_t>((std::min(Nr, Nc) + tj - 1) / tj, slots / blocks));
+    if (p.jsplits > 1) {
+      p.part_a_floats = round_up_line(p.jsplits * B * S * Nr * H);
+      p.part_b_floats = round_up_line(p.jsplits * B * S * Nc * H);
+    }
+    p.w_swapped_reads = env_is("FLASHOPM_BWD_W_SWAPPED", "1") ||
+                        (!env_is("FLASHOPM_BWD_W_SWAPPED", "0") && B * Nr * Nc <= kBwSwappedReadMaxPairs);
+    if (!p.w_swapped_reads) p.wt_floats = round_up_line(D * H * H);
+  }
+  if (need_w) {
+    const int64_t hc = kBwWCols / H, ti = H, tj = kBwWCols / H;
+    const int64_t tiles = B * ((Nr + ti - 1) / ti) * ((Nc + tj - 1) / tj);
+    const int64_t per_split = (H / hc) * ((D + kBwWDG - 1) / kBwWDG);
+    // Each split sums its own tiles; the splits' partial sums are added last.
+    p.splits = std::max<int64_t>(1, std::min<int64_t>({tiles, slots / per_split, 65535}));
+    if (p.splits > 1) p.ws_floats = round_up_line(p.splits * D * H * H);
+  }
+  return p;
+}
+
+// The plan's launches.  g: (B, Nr, Nc, Dp) float32 with rows of Dp floats; a (B, S, Nr, H), b (B, S,
+// Nc, H) and w (D, H·H): float32, contiguous, 16-byte aligned.  grad_a, grad_b (contiguous like a
+// and b) and grad_w (D, H·H) are written where the plan asks for them; scratch holds
+// plan.scratch_floats() floats, 16-byte aligned, and nothing of it is read before it is written.
+void run_contract_backward(const ContractBackwardPlan& p, const float* g, const float* a, const float* b,
+                           const at::Tensor& w, float* grad_a, float* grad_b, float* grad_w, float* scratch,
+                           int terms, cudaStream_t stream) {
+  SumPartsArgs parts{};
+  const auto add_parts = [&parts](const float* in, float* out, int64_t n, int64_t n_parts) {
+    const int k = parts.count++;
+    parts.in[k] = in, parts.out[k] = out, parts.n[k] = n, parts.parts[k] = int(n_parts);
+  };
+  float* part_a = scratch;
+  float* part_b = part_a + p.part_a_floats;
+  float* ws = part_b + p.part_b_floats;
+  float* w_t = ws + p.ws_floats;
+  const int64_t B = p.B, S = p.S, Nr = p.Nr, Nc = p.Nc, H = p.H, D = p.D, Dp = p.Dp;
+  if (p.need_ab) {
+    RECORD_USER_SCOPE("flashopm::outer_contract_backward/grad_ab");
+    BwdSideArgs side{};
+    side.B = int(B), side.S = int(S), side.H = int(H), side.D = int(D), side.Dp = int(Dp);
+    side.n_sblocks = int(p.n_sb), side.jsplits = int(p.jsplits);
+    side.g = g;
+    side.gs_b = Nr * Nc * Dp;
+    // grad_a: rows i, columns j, W as is, y = b
+    side.w = w.data_ptr<float>(), side.y = b, side.grad = p.jsplits == 1 ? grad_a : part_a;
+    side.Nr = int(Nr), side.Nc = int(Nc), side.gs_r = Nc * Dp, side.gs_c = Dp;
+    launch_bwd_side(side, terms, stream);
+    // grad_b: rows j, columns i, W with h1 and h2 swapped, y = a
+    if (p.w_swapped_reads) {
+      side.w_swapped = 1;
+    } else {
+      at::from_blob(w_t, {D, H, H}, w.options()).copy_(w.view({D, H, H}).transpose(1, 2));
+      side.w = w_t;
+    }
+    side.y = a, side.grad = p.jsplits == 1 ? grad_b : part_b;
+    side.Nr = int(Nc), side.Nc = int(Nr), side.gs_r = Dp, side.gs_c = Nc * Dp;
+    launch_bwd_side(side, terms, stream);
+    if (p.jsplits > 1) {
+      add_parts(part_a, grad_a, B * S * Nr * H, p.jsplits);
+      add_parts(part_b, grad_b, B * S * Nc * H, p.jsplits);
+    }
+  }
+  if (p.need_w) {
+    RECORD_USER_SCOPE("flashopm::outer_contract_backward/grad_w");
+    BwdWArgs wa{};
+    wa.g = g, wa.a = a, wa.b = b, wa.ws = p.splits == 1 ? grad_w : ws;
+    wa.B = int(B), wa.S = int(S), wa.Nr = int(Nr), wa.Nc = int(Nc), wa.H = int(H), wa.D = int(D), wa.Dp = int(Dp);
+    launch_bwd_w(wa, int(p.splits), terms, stream);
+    if (p.splits > 1) add_parts(ws, grad_w, D * H * H, p.splits);
+  }
+  launch_sum_parts(parts, stream);
+}
+
 // Gradients of the outer-first contraction out[b,i,j,d] = sum_(h1,h2) W[d, h1·H + h2] sum_s
 // a[b,s,i,h1] b[b,s,j,h2], for g = dL/d(out) (B, Nr, Nc, D) with any normalisation already
 // applied: [grad_a (B, S, Nr, H), grad_b (B, S, Nc, H), grad_w_out (D, H·H)], an empty tensor for
@@ -1123,11 +1233,13 @@ std::vector<at::Tensor> outer_contract_backward_cuda(const at::Tensor& g_in, con
   FLASHOPM_CHECK(precision >= kFollowPyTorch && precision <= kMedium, "flashopm: precision must be -1, 0, 1 or 2, got ",
                  precision);
   const c10::cuda::CUDAGuard guard(a_in.device());
-  const at::Tensor empty = at::empty({0}, a_in.options());
-  at::Tensor grad_a = need_ab ? at::empty_like(a_in, at::MemoryFormat::Contiguous) : empty;
-  at::Tensor grad_b = need_ab ? at::empty_like(b_in, at::MemoryFormat::Contiguous) : empty;
+  const auto empty = [&a_in] { return at::empty({0}, a_in.options()); };
+  at::Tensor grad_a = need_ab ? at::empty_like(a_in, at::MemoryFormat::Contiguous) : empty();
+  at::Tensor grad_b = need_ab ? at::empty_like(b_in, at::MemoryFormat::Contiguous) : empty();
   const bool no_pairs = B == 0 || Nr == 0 || Nc == 0 || S == 0 || D == 0;
-  at::Tensor grad_w = !need_w ? empty : no_pairs ? at::zeros({D, H * H}, a_in.options()) : at::empty({D, H * H}, a_in.options());
+  at::Tensor grad_w = !need_w     ? empty()
+                      : no_pairs ? at::zeros({D, H * H}, a_in.options())
+                                 : at::empty({D, H * H}, a_in.options());
   if (need_ab && no_pairs) {
     grad_a.zero_();
     grad_b.zero_();
@@ -1146,68 +1258,15 @@ std::vector<at::Tensor> outer_contract_backward_cuda(const at::Tensor& g_in, con
   FLASHOPM_CHECK(device_info(dev).cc_major >= 8, "flashopm: the fused backward needs compute capability 8.0 or newer");
   check_smem(std::max(bwd_side_smem_bytes(), bwd_w_smem_bytes()), dev, "backward");
   const int terms = resolve_precision(precision) == kHighest ? 3 : 1;
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dev).stream();
-  // Two blocks per SM: the grids are sized to fill them once (partial sums added at the end, all
-  // in one launch).
-  const int64_t slots = 2 * int64_t(device_info(dev).sm_count);
-  SumPartsArgs parts{};
-  const auto add_parts = [&parts](const at::Tensor& in, const at::Tensor& out, int64_t n_parts) {
-    const int k = parts.count++;
-    parts.in[k] = in.data_ptr<float>(), parts.out[k] = out.data_ptr<float>();
-    parts.n[k] = out.numel(), parts.parts[k] = int(n_parts);
-  };
-  // The partial sums stay allocated until the launch that adds them is queued (a tensor freed
-  // earlier could be handed to the next allocation on this stream and overwritten first).
-  at::Tensor part_a, part_b, ws;
-  if (need_ab) {
-    RECORD_USER_SCOPE("flashopm::outer_contract_backward/grad_ab");
-    const int64_t n_sb = (S + kBwSB - 1) / kBwSB;
-    FLASHOPM_CHECK(B * n_sb <= 65535, "flashopm: B * ceil(S / ", kBwSB,
-                   ") must be at most 65535 for the fused backward, got ", B * n_sb);
-    const int64_t hc = kBwSideCols / H, ti = kBwSideRows / hc, tj = kBwSideCols / H;
-    const int64_t blocks = B * n_sb * ((std::max(Nr, Nc) + ti - 1) / ti) * (H / hc);
-    // splits only where one split per row block leaves slots idle (so B * n_sb * jsplits <= slots)
-    const int64_t jsplits = std::max<int64_t>(1, std::min<int64_t>((std::min(Nr, Nc) + tj - 1) / tj, slots / blocks));
-    part_a = jsplits == 1 ? grad_a : at::empty({jsplits, B, S, Nr, H}, a.options());
-    part_b = jsplits == 1 ? grad_b : at::empty({jsplits, B, S, Nc, H}, a.options());
-    BwdSideArgs side{};
-    side.B = int(B), side.S = int(S), side.H = int(H), side.D = int(D), side.Dp = int(Dp);
-    side.n_sblocks = int(n_sb), side.jsplits = int(jsplits);
-    side.g = g.data_ptr<float>();
-    side.gs_b = Nr * Nc * Dp;
-    // grad_a: rows i, columns j, W as is, y = b
-    side.w = w.data_ptr<float>(), side.y = b.data_ptr<float>(), side.grad = part_a.data_ptr<float>();
-    side.Nr = int(Nr), side.Nc = int(Nc), side.gs_r = Nc * Dp, side.gs_c = Dp;
-    launch_bwd_side(side, terms, stream);
-    // grad_b: rows j, columns i, W with h1 and h2 swapped, y = a
-    const at::Tensor w_t = w.view({D, H, H}).transpose(1, 2).contiguous();
-    side.w = w_t.data_ptr<float>(), side.y = a.data_ptr<float>(), side.grad = part_b.data_ptr<float>();
-    side.Nr = int(Nc), side.Nc = int(Nr), side.gs_r = Dp, side.gs_c = Nc * Dp;
-    launch_bwd_side(side, terms, stream);
-    if (jsplits > 1) {
-      add_parts(part_a, grad_a, jsplits);
-      add_parts(part_b, grad_b, jsplits);
-    }
-  }
-  if (need_w) {
-    RECORD_USER_SCOPE("flashopm::outer_contract_backward/grad_w");
-    const int64_t hc = kBwWCols / H, ti = H, tj = kBwWCols / H;
-    const int64_t tiles = B * ((Nr + ti - 1) / ti) * ((Nc + tj - 1) / tj);
-    const int64_t per_split = (H / hc) * ((D + kBwWDG - 1) / kBwWDG);
-    // Each split sums its own tiles; the splits' partial sums are added last.
-    const int64_t splits = std::max<int64_t>(1, std::min<int64_t>({tiles, slots / per_split, 65535}));
-    ws = at::empty({splits, D, H * H}, a.options());
-    BwdWArgs wa{};
-    wa.g = g.data_ptr<float>(), wa.a = a.data_ptr<float>(), wa.b = b.data_ptr<float>(), wa.ws = ws.data_ptr<float>();
-    wa.B = int(B), wa.S = int(S), wa.Nr = int(Nr), wa.Nc = int(Nc), wa.H = int(H), wa.D = int(D), wa.Dp = int(Dp);
-    launch_bwd_w(wa, int(splits), terms, stream);
-    if (splits == 1) {
-      grad_w = ws.view({D, H * H});
-    } else {
-      add_parts(ws, grad_w, splits);
-    }
-  }
-  launch_sum_parts(parts, stream);
+  const ContractBackwardPlan plan = plan_contract_backward(B, S, Nr, Nc, H, D, need_ab, need_w, dev);
+  // The scratch stays allocated until its last reader is queued (a tensor freed earlier could be
+  // handed to the next allocation on this stream and overwritten first).
+  const at::Tensor scratch = plan.scratch_floats() > 0 ? at::empty({plan.scratch_floats()}, a.options()) : at::Tensor();
+  run_contract_backward(plan, g.data_ptr<float>(), a.data_ptr<float>(), b.data_ptr<float>(), w,
+                        need_ab ? grad_a.data_ptr<float>() : nullptr, need_ab ? grad_b.data_ptr<float>() : nullptr,
+                        need_w ? grad_w.data_ptr<float>() : nullptr,
+                        scratch.defined() ? scratch.data_ptr<float>() : nullptr, terms,
+                        c10::cuda::getCurrentCUDAStream(dev).stream());
   return {grad_a, grad_b, grad_w};
 }
 

@@ -146,24 +146,30 @@ void set_ln_inputs(Args& args, const LnInputs& in) {
   args.wa = in.wa.data_ptr<float>(), args.wb = in.wb.data_ptr<float>();
 }
 
-// LayerNorm, the projections and the mask recomputed in one launch: (a, b), each (B, S, N, H)
-// float32, as the forward computes them.
-std::pair<at::Tensor, at::Tensor> project_masked(const LnInputs& in, const OptTensor& b_a, const OptTensor& b_b,
-                                                 int dev) {
+// LayerNorm, the projections and the mask recomputed in one launch: a and b, each (B, S, N, H)
+// float32 contiguous, as the forward computes them, into a_out and b_out.
+void project_masked(const LnInputs& in, const OptTensor& b_a, const OptTensor& b_b, float* a_out, float* b_out,
+                    int dev) {
   RECORD_USER_SCOPE("flashopm::backward/project");
   const int64_t B = in.msa.size(0), S = in.msa.size(1), N = in.msa.size(2), C = in.msa.size(3), H = in.wa.size(0);
   const auto f32 = [](const at::Tensor& t) { return t.to(at::kFloat).contiguous(); };
   const OptTensor ba = b_a ? OptTensor(f32(*b_a)) : std::nullopt, bb = b_b ? OptTensor(f32(*b_b)) : std::nullopt;
-  at::Tensor a = at::empty({B, S, N, H}, in.msa.options().dtype(at::kFloat));
-  at::Tensor b = at::empty({B, S, N, H}, in.msa.options().dtype(at::kFloat));
   PrepArgs pa{};
   set_ln_inputs(pa, in);
   pa.ba = opt_ptr(ba), pa.bb = opt_ptr(bb);
-  pa.a_out = a.data_ptr<float>(), pa.b_out = b.data_ptr<float>(), pa.ab_kind = kMaskFloat;
+  pa.a_out = a_out, pa.b_out = b_out, pa.ab_kind = kMaskFloat;
   pa.a_sb = pa.b_sb = S * N * H, pa.a_ss = pa.b_ss = N * H, pa.a_sn = pa.b_sn = H;
   pa.a_rows = int(N), pa.o_chunks = 1;
   pa.B = int(B), pa.S = int(S), pa.N = int(N), pa.C = int(C), pa.H = int(H), pa.D = 1;
   run_prep(pa, false, dev, c10::cuda::getCurrentCUDAStream(dev).stream());
+}
+
+std::pair<at::Tensor, at::Tensor> project_masked(const LnInputs& in, const OptTensor& b_a, const OptTensor& b_b,
+                                                 int dev) {
+  const int64_t B = in.msa.size(0), S = in.msa.size(1), N = in.msa.size(2), H = in.wa.size(0);
+  at::Tensor a = at::empty({B, S, N, H}, in.msa.options().dtype(at::kFloat));
+  at::Tensor b = at::empty({B, S, N, H}, in.msa.options().dtype(at::kFloat));
+  project_masked(in, b_a, b_b, a.data_ptr<float>(), b.data_ptr<float>(), dev);
   return {a, b};
 }
 
@@ -209,8 +215,9 @@ bool scale_fits(at::ScalarType work, const at::Tensor& grad_out, const at::Tenso
 // where its columns fit the kernel's threads (one more small launch adds the blocks' sums) and
 // puts it in bias_grad (float32, (D,)); elsewhere bias_grad stays undefined.
 // FLASHOPM_BIAS_GRAD_KERNEL=0 leaves the bias gradient to the caller, to compare.
+// g_out: where g goes (contiguous, aligned to 16 bytes; nothing is returned then), else a new tensor.
 at::Tensor scale_grad(const at::Tensor& go_in, const at::Tensor& mask, int64_t normalization, double norm_eps,
-                      at::ScalarType type, bool want_bias, at::Tensor& bias_grad, int dev) {
+                      at::ScalarType type, bool want_bias, at::Tensor& bias_grad, int dev, void* g_out = nullptr) {
   RECORD_USER_SCOPE("flashopm::backward/scale_grad");
   const at::Tensor go = go_in.contiguous();
   const int64_t B = go.size(0), N = go.size(1), D = go.size(3), S = mask.size(1);
@@ -218,14 +225,14 @@ at::Tensor scale_grad(const at::Tensor& go_in, const at::Tensor& mask, int64_t n
   const MaskView mask_view{mask.data_ptr(), mask.stride(0), mask.stride(1), mask.stride(2), mask_kind_of(mask)};
   const at::Tensor pair =
       pair_counts(mask_view, normalization, B, S, N, N, 0, go.options().dtype(at::kFloat), stream);
-  at::Tensor g = at::empty(go.sizes(), go.options().dtype(type));
+  at::Tensor g = g_out == nullptr ? at::empty(go.sizes(), go.options().dtype(type)) : at::Tensor();
   GradScaleArgs args{};
-  args.go = go.data_ptr(), args.g = g.data_ptr();
-  args.go_kind = elem_kind(go), args.g_kind = elem_kind(g);
-  const auto aligned4 = [](const at::Tensor& t) {
-    return reinterpret_cast<uintptr_t>(t.data_ptr()) % (4 * t.element_size()) == 0;
+  args.go = go.data_ptr(), args.g = g_out == nullptr ? g.data_ptr() : g_out;
+  args.go_kind = elem_kind(go), args.g_kind = elem_kind_of(type);
+  const auto aligned4 = [](const void* p, int64_t elem_bytes) {
+    return reinterpret_cast<uintptr_t>(p) % (4 * elem_bytes) == 0;
   };
-  args.vec4 = D % 4 == 0 && aligned4(go) && aligned4(g);
+  args.vec4 = D % 4 == 0 && aligned4(go.data_ptr(), go.element_size()) && aligned4(args.g, c10::elementSize(type));
   args.by_pair = D / (args.vec4 ? 4 : 1) <= kGradScaleThreads;
   args.mask = mask_view;
   args.pair = pair.defined() ? pair.data_ptr<float>() : nullptr;
@@ -260,22 +267,10 @@ struct LnGrads {
   at::Tensor x, ln_w, ln_b, w_a, b_a, w_b, b_b;  // float32 except x (msa's type); undefined if not asked
 };
 
-// grad_a and grad_b (B, S, N, H), gradients of the masked projections, back through the mask, both
-// projections and LayerNorm: one pass over x, then one reduction of the blocks' parameter sums.
-// regs: the kernel's register form (ln_backward_regs); mma: its tensor-core form (ln_mma_fits),
-// which takes precedence.
-LnGrads ln_projection_backward(const LnInputs& in, const at::Tensor& grad_a_in, const at::Tensor& grad_b_in,
-                               const std::array<bool, 9>& want, bool regs, bool mma, int dev) {
-  RECORD_USER_SCOPE("flashopm::backward/layernorm");
-  const at::Tensor& msa = in.msa;
-  const int64_t B = msa.size(0), S = msa.size(1), N = msa.size(2), C = msa.size(3), H = in.wa.size(0);
-  const auto f32 = [](const at::Tensor& t) { return t.to(at::kFloat).contiguous(); };
-  const at::Tensor grad_a = f32(grad_a_in), grad_b = f32(grad_b_in);
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dev).stream();
-  const at::TensorOptions opts = msa.options().dtype(at::kFloat);
-  LnGrads r;
-  if (want[0]) r.x = at::empty({B, S, N, C}, msa.options().memory_format(at::MemoryFormat::Contiguous));
-  const int64_t rows = B * S * N;
+// The LayerNorm backward's grid: blocks resident at once over the rows' tiles.  regs: the kernel's
+// register form (ln_backward_regs); mma: its tensor-core form (ln_mma_fits), which takes precedence.
+int ln_backward_blocks(const at::Tensor& msa, int64_t H, bool regs, bool mma, int dev) {
+  const int64_t rows = msa.size(0) * msa.size(1) * msa.size(2), C = msa.size(3);
   const int lanes = ln_backward_col_lanes(int(C));
   const int tile_rows =
       mma ? ln_backward_mma_tile_rows(msa.scalar_type() == at::kFloat) : (kLnBwdThreads / lanes) * kLnBwdRows;
@@ -286,18 +281,38 @@ LnGrads ln_projection_backward(const LnInputs& in, const at::Tensor& grad_a_in, 
                          ? 1
                          : std::max(1, std::min(2, device_info(dev).smem_per_sm / (smem + 1024)));
   const int64_t tiles = (rows + tile_rows - 1) / tile_rows;
-  const int blocks = int(std::min<int64_t>(tiles, int64_t(per_sm) * device_info(dev).sm_count));
-  at::Tensor partial = at::empty({blocks, ln_backward_partial_floats(int(C), int(H))}, opts);
+  return int(std::min<int64_t>(tiles, int64_t(per_sm) * device_info(dev).sm_count));
+}
+
+// grad_a and grad_b (B, S, N, H) float32 contiguous, gradients of the masked projections, back
+// through the mask, both projections and LayerNorm: one pass over x, then one reduction of the
+// blocks' parameter sums, which go to `partial` (ln_backward_blocks x ln_backward_partial_floats
+// floats) where given, else to a tensor of their own.
+LnGrads ln_projection_backward(const LnInputs& in, const float* grad_a, const float* grad_b,
+                               const std::array<bool, 9>& want, bool regs, bool mma, int dev,
+                               float* partial_ws = nullptr) {
+  RECORD_USER_SCOPE("flashopm::backward/layernorm");
+  const at::Tensor& msa = in.msa;
+  const int64_t B = msa.size(0), S = msa.size(1), N = msa.size(2), C = msa.size(3), H = in.wa.size(0);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dev).stream();
+  const at::TensorOptions opts = msa.options().dtype(at::kFloat);
+  LnGrads r;
+  if (want[0]) r.x = at::empty({B, S, N, C}, msa.options().memory_format(at::MemoryFormat::Contiguous));
+  const int blocks = ln_backward_blocks(msa, H, regs, mma, dev);
+  // kept until the reduction that reads it is queued
+  const at::Tensor partial_t =
+      partial_ws ? at::Tensor() : at::empty({blocks, ln_backward_partial_floats(int(C), int(H))}, opts);
+  float* partial = partial_ws ? partial_ws : partial_t.data_ptr<float>();
 
   LnBackwardArgs la{};
   set_ln_inputs(la, in);
-  la.grad_a = grad_a.data_ptr<float>(), la.grad_b = grad_b.data_ptr<float>();
+  la.grad_a = grad_a, la.grad_b = grad_b;
   la.grad_x = r.x.defined() ? r.x.data_ptr() : nullptr;
   la.gx_kind = elem_kind(msa);
-  la.partial = partial.data_ptr<float>();
+  la.partial = partial;
   la.B = int(B), la.S = int(S), la.N = int(N), la.C = int(C), la.H = int(H);
-  la.rows = rows;
-  la.col_lanes = lanes;
+  la.rows = B * S * N;
+  la.col_lanes = ln_backward_col_lanes(int(C));
   la.regs = regs;
   la.mma = mma;
   launch_ln_backward(la, blocks, stream);
@@ -308,13 +323,79 @@ LnGrads ln_projection_backward(const LnInputs& in, const at::Tensor& grad_a_in, 
   r.w_b = out(want[5], {H, C}), r.b_b = out(want[6], {H});
   const auto ptr = [](const at::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; };
   LnBackwardReduceArgs ra{};
-  ra.partial = partial.data_ptr<float>();
+  ra.partial = partial;
   ra.blocks = blocks;
   ra.C = int(C), ra.H = int(H);
   ra.grad_wa = ptr(r.w_a), ra.grad_wb = ptr(r.w_b), ra.grad_lw = ptr(r.ln_w), ra.grad_lb = ptr(r.ln_b);
   ra.grad_ba = ptr(r.b_a), ra.grad_bb = ptr(r.b_b);
   if (want[1] || want[2] || want[3] || want[4] || want[5] || want[6]) launch_ln_backward_reduce(ra, stream);
   return r;
+}
+
+// What backward_direct computes its gradients from.
+struct DirectBackward {
+  const LnInputs* ln_in;
+  OptTensor b_a, b_b;        // the projections' biases, float32
+  at::Tensor w_out;          // (D, H·H) float32
+  int64_t normalization;
+  double norm_eps;
+  Precision prec;
+  bool ln_regs, ln_mma;
+};
+
+// The backward where every stage runs in our kernels (a float32 model; LayerNorm, the division and
+// the contractions fused; pair_dim a multiple of 4), with its temporaries in two allocations: a, b,
+// g and the contractions' partial sums, released once the contractions are queued, and grad_a,
+// grad_b with the LayerNorm backward's block sums.  The contractions are launched from here rather
+// than through their op.  At small sizes a step's time is the host's, and each allocation,
+// dispatch and launch costs about as much host time as a kernel takes on the GPU; the two
+// allocations keep what lives at once what it was with a tensor for each.
+void backward_direct(const DirectBackward& d, const at::Tensor& grad_out, const at::Tensor& mask,
+                     const std::array<bool, 9>& want, std::vector<at::Tensor>& grads, int dev) {
+  const at::Tensor& msa = d.ln_in->msa;
+  const int64_t B = msa.size(0), S = msa.size(1), N = msa.size(2), C = msa.size(3);
+  const int64_t H = d.ln_in->wa.size(0), D = d.w_out.size(0);
+  const bool need_proj = want[0] || want[1] || want[2] || want[3] || (want[4] && d.b_a) || want[5] ||
+                         (want[6] && d.b_b);
+  const bool need_wo = want[7], need_bo = want[8];
+  const at::TensorOptions opts = msa.options().dtype(at::kFloat);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dev).stream();
+  const ContractBackwardPlan plan = plan_contract_backward(B, S, N, N, H, D, need_proj, need_wo, dev);
+  const int64_t ab = round_up_line(B * S * N * H), gn = round_up_line(B * N * N * D);
+  at::Tensor grad_w = need_wo ? at::empty({D, H * H}, opts) : at::Tensor();
+  at::Tensor second;  // grad_a, grad_b, the LayerNorm backward's block sums
+  int ln_blocks = 0;
+  if (need_proj) {
+    ln_blocks = ln_backward_blocks(msa, H, d.ln_regs, d.ln_mma, dev);
+    second = at::empty({2 * ab + round_up_line(ln_blocks * ln_backward_partial_floats(int(C), int(H)))}, opts);
+  }
+  float* grad_a = need_proj ? second.data_ptr<float>() : nullptr;
+  float* grad_b = need_proj ? grad_a + ab : nullptr;
+  {
+    const at::Tensor first = at::empty({2 * ab + gn + plan.scratch_floats()}, opts);  // a, b, g, scratch
+    float* a = first.data_ptr<float>();
+    float* b = a + ab;
+    float* g = b + ab;
+    project_masked(*d.ln_in, d.b_a, d.b_b, a, b, dev);
+    at::Tensor bias_grad;
+    scale_grad(grad_out, mask, d.normalization, d.norm_eps, at::kFloat, need_bo, bias_grad, dev, g);
+    if (need_bo && !bias_grad.defined()) {
+      // columns past what the division's threads hold (pair_dim > 4 * kGradScaleThreads)
+      const at::Tensor g_t = at::from_blob(g, {B, N, N, D}, opts);
+      grads[8] = at::sum(d.normalization == 1 ? g_t : grad_out, {0, 1, 2}, false, at::kFloat);
+    } else if (need_bo) {
+      grads[8] = bias_grad;
+    }
+    run_contract_backward(plan, g, a, b, d.w_out, grad_a, grad_b, need_wo ? grad_w.data_ptr<float>() : nullptr,
+                          g + gn, d.prec == kHighest ? 3 : 1, stream);
+  }
+  if (need_wo) grads[7] = grad_w;
+  if (need_proj) {
+    const LnGrads r = ln_projection_backward(*d.ln_in, grad_a, grad_b, want, d.ln_regs, d.ln_mma, dev, grad_b + ab);
+    grads[0] = r.x, grads[1] = r.ln_w, grads[2] = r.ln_b, grads[3] = r.w_a, grads[5] = r.w_b;
+    if (want[4] && d.b_a) grads[4] = r.b_a;
+    if (want[6] && d.b_b) grads[6] = r.b_b;
+  }
 }
 
 // Gradients for (msa_repr, ln_weight, ln_bias, w_a, b_a, w_b, b_b, w_out, b_out); an empty tensor
@@ -394,86 +475,103 @@ std::vector<at::Tensor> outer_product_mean_backward_cuda(const at::Tensor& grad_
   const at::Tensor &lw = *params.t[0], &lb = *params.t[1], &wa = *params.t[2], &wb = *params.t[4], &wo = *params.t[6];
   const OptTensor &ba = params.t[3], &bb = params.t[5];
   const LnInputs ln_in = fused_ln ? ln_inputs(msa, mask, lw, lb, ln_eps, wa, wb) : LnInputs{};
+  // The fused kernels recompute dO = g·W for every 128 values of s; past S = 256 that costs more
+  // than PyTorch's blocks save (H200: 79 against 54 ms at S = 512, N = 768), which then win on
+  // speed, at more memory (blocks of 16M-64M elements).  ops.contract_backward, the same rule.
+  // A 16-bit model's contractions run in ATen blocks on 16-bit tensor cores, which beat the
+  // fused kernels' TF32 form (H200, training crop: 1.74 against 2.38 ms a step).
+  // Under PyTorch's "high" the blocks' GEMMs take TF32 from cuBLAS and beat the fused kernels'
+  // TF32 form too from ~2^15 pairs (H200, a training step: 1.31 against 1.79 ms at
+  // (1,128,181,256,32,128), 1.81 against 2.40 ms at the crop (1,128,256,256,32,128)); at 2^14
+  // pairs the blocks' launches still cost more than they save (1.07 against 0.94 ms at
+  // (1,64,128,128,32,128)).  An explicit precision="high" under PyTorch's "highest" keeps the
+  // fused kernels, whose TF32 it asks for.
+  // FLASHOPM_BACKWARD_BLOCKS=1 takes the blocks everywhere, =0 the fused kernels wherever they
+  // apply, to compare the two.
+  const bool tf32_blocks = prec == kHigh && B * N * N >= kHighBlocksMinPairs &&
+                           at::globalContext().float32MatmulPrecision() != at::Float32MatmulPrecision::HIGHEST &&
+                           !env_is("FLASHOPM_BACKWARD_BLOCKS", "0");
+  const bool fused_contract = work == at::kFloat && blocks_type == at::kFloat && (H == 16 || H == 32 || H == 64) &&
+                              S <= 256 && !tf32_blocks && !env_is("FLASHOPM_BACKWARD_BLOCKS", "1");
+  // Every stage in our kernels, temporaries in two allocations (backward_direct); FLASHOPM_BACKWARD_DIRECT=0
+  // takes the tensor-per-temporary form below, to compare.
+  const bool direct = fused_ln && scale_in_kernel && fused_contract && D % 4 == 0 && (need_proj || need_wo) &&
+                      B * S * N > 0 && device_info(dev).cc_major >= 8 && !env_is("FLASHOPM_BACKWARD_DIRECT", "0");
   std::vector<at::Tensor> grads(9);
-  at::Tensor grad_a, grad_b, grad_w;
-  // The unfused path's LayerNorm intermediates, kept for its backward.
-  at::Tensor xhat, xn, rstd;
-  {
-    // a, b and g (B, N, N, D) live only for the contractions
-    at::Tensor a, b;
-    if (fused_ln) {
-      std::tie(a, b) = project_masked(ln_in, ba, bb, dev);
-    } else {
-      const at::Tensor x = msa.to(work);
-      const auto [var, mu] = at::var_mean(x, {-1}, /*correction=*/0, /*keepdim=*/true);
-      rstd = (var + ln_eps).rsqrt_();
-      xhat = (x - mu).mul_(rstd);
-      xn = at::addcmul(lb, xhat, lw);
-      a = at::linear(xn, wa, ba).mul_(m);
-      b = at::linear(xn, wb, bb).mul_(m);
-    }
-    // g in the 16-bit model's type when the contractions run in that type (as PyTorch divides in
-    // it), else in the working type.
-    at::Tensor bias_grad;
-    const at::Tensor g = scale_in_kernel
-                             ? scale_grad(grad_out, mask, normalization, norm_eps, follow16 ? blocks_type : work,
-                                          need_bo, bias_grad, dev)
-                             : grad_out.to(work).div(output_divisor(m.squeeze(-1), normalization, norm_eps));
-    if (need_bo)
-      grads[8] = bias_grad.defined() ? bias_grad : at::sum(normalization == 1 ? g : grad_out, {0, 1, 2}, false, work);
-    if (need_proj || need_wo) {
-      // The fused kernels recompute dO = g·W for every 128 values of s; past S = 256 that costs more
-      // than PyTorch's blocks save (H200: 79 against 54 ms at S = 512, N = 768), which then win on
-      // speed, at more memory (blocks of 16M-64M elements).  ops.contract_backward, the same rule.
-      // A 16-bit model's contractions run in ATen blocks on 16-bit tensor cores, which beat the
-      // fused kernels' TF32 form (H200, training crop: 1.74 against 2.38 ms a step).
-      // Under PyTorch's "high" the blocks' GEMMs take TF32 from cuBLAS and beat the fused kernels'
-      // TF32 form too from ~2^15 pairs (H200, a training step: 1.31 against 1.79 ms at
-      // (1,128,181,256,32,128), 1.81 against 2.40 ms at the crop (1,128,256,256,32,128)); at 2^14
-      // pairs the blocks' launches still cost more than they save (1.07 against 0.94 ms at
-      // (1,64,128,128,32,128)).  An explicit precision="high" under PyTorch's "highest" keeps the
-      // fused kernels, whose TF32 it asks for.
-      // FLASHOPM_BACKWARD_BLOCKS=1 takes the blocks everywhere, =0 the fused kernels wherever they
-      // apply, to compare the two.
-      const bool tf32_blocks = prec == kHigh && B * N * N >= kHighBlocksMinPairs &&
-                               at::globalContext().float32MatmulPrecision() != at::Float32MatmulPrecision::HIGHEST &&
-                               !env_is("FLASHOPM_BACKWARD_BLOCKS", "0");
-      if (work == at::kFloat && blocks_type == at::kFloat && (H == 16 || H == 32 || H == 64) && S <= 256 &&
-          !tf32_blocks && !env_is("FLASHOPM_BACKWARD_BLOCKS", "1")) {
-        const std::vector<at::Tensor> r = contract_backward_op().call(g, a, b, wo, need_proj, need_wo, int64_t(prec));
-        grad_a = r[0], grad_b = r[1], grad_w = r[2];
+  if (direct) {
+    check_smem(std::max(bwd_side_smem_bytes(), bwd_w_smem_bytes()), dev, "backward");
+    const at::Tensor wo_c = wo.contiguous();
+    const at::Tensor w16 = reinterpret_cast<uintptr_t>(wo_c.data_ptr()) % 16 == 0 ? wo_c : wo_c.clone();
+    const DirectBackward d{&ln_in, ba, bb, w16, normalization, norm_eps, prec, ln_regs,
+                           need_proj && ln_mma_fits(ln_in.msa, follow16, prec != kHighest, C, H, dev)};
+    std::array<bool, 9> need = want;
+    need[4] = need_ba, need[6] = need_bb, need[8] = need_bo;
+    backward_direct(d, grad_out, mask, need, grads, dev);
+  } else {
+    at::Tensor grad_a, grad_b, grad_w;
+    // The unfused path's LayerNorm intermediates, kept for its backward.
+    at::Tensor xhat, xn, rstd;
+    {
+      // a, b and g (B, N, N, D) live only for the contractions
+      at::Tensor a, b;
+      if (fused_ln) {
+        std::tie(a, b) = project_masked(ln_in, ba, bb, dev);
       } else {
-        const std::array<at::Tensor, 3> r = contract_blocks(g, a, b, wo, need_proj, need_wo, blocks_type);
-        grad_a = r[0], grad_b = r[1], grad_w = r[2];
+        const at::Tensor x = msa.to(work);
+        const auto [var, mu] = at::var_mean(x, {-1}, /*correction=*/0, /*keepdim=*/true);
+        rstd = (var + ln_eps).rsqrt_();
+        xhat = (x - mu).mul_(rstd);
+        xn = at::addcmul(lb, xhat, lw);
+        a = at::linear(xn, wa, ba).mul_(m);
+        b = at::linear(xn, wb, bb).mul_(m);
+      }
+      // g in the 16-bit model's type when the contractions run in that type (as PyTorch divides in
+      // it), else in the working type.
+      at::Tensor bias_grad;
+      const at::Tensor g = scale_in_kernel
+                               ? scale_grad(grad_out, mask, normalization, norm_eps, follow16 ? blocks_type : work,
+                                            need_bo, bias_grad, dev)
+                               : grad_out.to(work).div(output_divisor(m.squeeze(-1), normalization, norm_eps));
+      if (need_bo)
+        grads[8] = bias_grad.defined() ? bias_grad : at::sum(normalization == 1 ? g : grad_out, {0, 1, 2}, false, work);
+      if (need_proj || need_wo) {
+        if (fused_contract) {
+          const std::vector<at::Tensor> r = contract_backward_op().call(g, a, b, wo, need_proj, need_wo, int64_t(prec));
+          grad_a = r[0], grad_b = r[1], grad_w = r[2];
+        } else {
+          const std::array<at::Tensor, 3> r = contract_blocks(g, a, b, wo, need_proj, need_wo, blocks_type);
+          grad_a = r[0], grad_b = r[1], grad_w = r[2];
+        }
       }
     }
-  }
-  if (need_wo) grads[7] = grad_w;
-  if (need_proj && fused_ln) {
-    const LnGrads r = ln_projection_backward(ln_in, grad_a, grad_b, want, ln_regs,
-                                             ln_mma_fits(ln_in.msa, follow16, prec != kHighest, C, H, dev), dev);
-    grads[0] = r.x, grads[1] = r.ln_w, grads[2] = r.ln_b, grads[3] = r.w_a, grads[5] = r.w_b;
-    if (need_ba) grads[4] = r.b_a;
-    if (need_bb) grads[6] = r.b_b;
-  } else if (need_proj) {
-    const at::Tensor ga = grad_a.mul_(m).reshape({-1, H});
-    const at::Tensor gb = grad_b.mul_(m).reshape({-1, H});
-    const at::Tensor xn2 = xn.reshape({-1, C});
-    if (need_wa) grads[3] = at::mm(ga.t(), xn2);
-    if (need_ba) grads[4] = ga.sum(0);
-    if (need_wb) grads[5] = at::mm(gb.t(), xn2);
-    if (need_bb) grads[6] = gb.sum(0);
-    xn.reset();
-    if (need_x || need_lw || need_lb) {
-      at::Tensor grad_xn = at::addmm(at::mm(ga, wa), gb, wb).view({B, S, N, C});
-      if (need_lw) grads[1] = (grad_xn * xhat).sum({0, 1, 2});
-      if (need_lb) grads[2] = grad_xn.sum({0, 1, 2});
-      if (need_x) {
-        // rstd (gxhat - mean(gxhat) - xhat mean(gxhat xhat)), in grad_xn's storage
-        at::Tensor gxhat = grad_xn.mul_(lw);
-        const at::Tensor proj = (gxhat * xhat).sum(-1, /*keepdim=*/true).div_(double(C));
-        const at::Tensor mean = gxhat.mean(-1, /*keepdim=*/true);
-        grads[0] = gxhat.sub_(mean).sub_(xhat.mul_(proj)).mul_(rstd);
+    if (need_wo) grads[7] = grad_w;
+    if (need_proj && fused_ln) {
+      const at::Tensor ga = grad_a.to(at::kFloat).contiguous(), gb = grad_b.to(at::kFloat).contiguous();
+      const LnGrads r = ln_projection_backward(ln_in, ga.data_ptr<float>(), gb.data_ptr<float>(), want, ln_regs,
+                                               ln_mma_fits(ln_in.msa, follow16, prec != kHighest, C, H, dev), dev);
+      grads[0] = r.x, grads[1] = r.ln_w, grads[2] = r.ln_b, grads[3] = r.w_a, grads[5] = r.w_b;
+      if (need_ba) grads[4] = r.b_a;
+      if (need_bb) grads[6] = r.b_b;
+    } else if (need_proj) {
+      const at::Tensor ga = grad_a.mul_(m).reshape({-1, H});
+      const at::Tensor gb = grad_b.mul_(m).reshape({-1, H});
+      const at::Tensor xn2 = xn.reshape({-1, C});
+      if (need_wa) grads[3] = at::mm(ga.t(), xn2);
+      if (need_ba) grads[4] = ga.sum(0);
+      if (need_wb) grads[5] = at::mm(gb.t(), xn2);
+      if (need_bb) grads[6] = gb.sum(0);
+      xn.reset();
+      if (need_x || need_lw || need_lb) {
+        at::Tensor grad_xn = at::addmm(at::mm(ga, wa), gb, wb).view({B, S, N, C});
+        if (need_lw) grads[1] = (grad_xn * xhat).sum({0, 1, 2});
+        if (need_lb) grads[2] = grad_xn.sum({0, 1, 2});
+        if (need_x) {
+          // rstd (gxhat - mean(gxhat) - xhat mean(gxhat xhat)), in grad_xn's storage
+          at::Tensor gxhat = grad_xn.mul_(lw);
+          const at::Tensor proj = (gxhat * xhat).sum(-1, /*keepdim=*/true).div_(double(C));
+          const at::Tensor mean = gxhat.mean(-1, /*keepdim=*/true);
+          grads[0] = gxhat.sub_(mean).sub_(xhat.mul_(proj)).mul_(rstd);
+        }
       }
     }
   }

@@ -59,7 +59,15 @@ __global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_side_kernel(const BwdSi
       for (int u = 0; u < kBwK * kBwSideCols / 4 / kBwThreads; ++u) {  // W: 32 d x 128 (h1, h2)
         const int idx = tid + u * kBwThreads, k = idx >> 5, n4 = (idx & 31) * 4;
         const bool ok = d0 + k < D;
-        cp_async16z(Y + k * kBwLdN + n4, ok ? p.w + (d0 + k) * HH + hc0 * H + n4 : p.w, ok);
+        if (p.w_swapped) {
+          // the four columns share h1; in W[d, h2, h1] their h2 are H floats apart
+          const int h1 = hc0 + n4 / H, h2 = n4 % H;
+          const float* src = p.w + (d0 + k) * HH + int64_t(h2) * H + h1;
+#pragma unroll
+          for (int e = 0; e < 4; ++e) cp_async4(Y + k * kBwLdN + n4 + e, ok ? src + e * H : p.w, ok);
+        } else {
+          cp_async16z(Y + k * kBwLdN + n4, ok ? p.w + (d0 + k) * HH + hc0 * H + n4 : p.w, ok);
+        }
       }
     } else {
       const int k20 = (r - n1) * kBwK;  // k of GEMM 2: (jl, h2) = (k2 / H, k2 % H)

@@ -718,13 +718,16 @@ constexpr int kBwWSmemFloats = kBwStages * kBwWStageFloats + kBwWPairs * kBwLd64
 
 struct BwdSideArgs {
   const float* g;    // rows r, columns c: g + b·gs_b + r·gs_r + c·gs_c, Dp floats each
-  const float* w;    // (D, H, H) as this side sees it (h1 = its own hidden index)
+  const float* w;    // (D, H, H) as this side sees it (h1 = its own hidden index), or with h1 and
+                     // h2 swapped where w_swapped (read in 4-byte pieces: small problems, where a
+                     // transposed copy costs more host time than the narrower loads cost GPU time)
   const float* y;    // (B, S, Nc, H): the other side's projection
   float* grad;       // (jsplits, B, S, Nr, H): one partial sum per split of the columns
   int64_t gs_b, gs_r, gs_c;
   int B, S, Nr, Nc, H, D, Dp;
   int n_sblocks;     // blocks of kBwSB along s
   int jsplits;       // blocks sharing the columns of one row block (column tiles jt = split mod jsplits)
+  int w_swapped;
 };
 
 struct BwdWArgs {
