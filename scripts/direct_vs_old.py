@@ -1,6 +1,6 @@
 """Host time of the backward op and of a training step at one shape: the direct backward (temporaries
 in two allocations, the contractions launched from C++) against the tensor-per-temporary form
-(FLASHOPM_BACKWARD_DIRECT=0, FLASHOPM_BWD_W_SWAPPED=0), in alternation within one process (the
+(FLASHOPM_BACKWARD_DIRECT=0), in alternation within one process (the
 kernels read the switches on every call), each call timed from an idle GPU.
     usage: python scripts/direct_vs_old.py [B,S,N,C,H,D]      (default: the specification's shape)"""
 import os
@@ -16,7 +16,7 @@ from flashopm.ops import FOLLOW_PYTORCH, outer_product_mean_backward_op
 from flashopm.testing import Shape, make_problem
 
 FORMS = {"direct": {"FLASHOPM_BACKWARD_DIRECT": "1"},
-         "old": {"FLASHOPM_BACKWARD_DIRECT": "0", "FLASHOPM_BWD_W_SWAPPED": "0"}}
+         "old": {"FLASHOPM_BACKWARD_DIRECT": "0"}}
 ROUNDS, CALLS = 60, 20
 
 
@@ -34,8 +34,6 @@ def host_and_wall_us(fn):
 
 
 def use_form(name):
-    for key in ("FLASHOPM_BACKWARD_DIRECT", "FLASHOPM_BWD_W_SWAPPED"):
-        os.environ.pop(key, None)
     os.environ.update(FORMS[name])
 
 

@@ -4,7 +4,8 @@
 # overhead, and the benchmarks (forward at the spec shape, float32 under each precision and
 # bfloat16 models at the tensor-core issue's shapes, the 16-bit kernel's forms, training steps,
 # backward) and the three conventions at N = 1536, the conventions' epilogue cost and the op's
-# host time by stage (the op's, the entry against torch.ops, the backward's stages, a training step's parts);
+# host time by stage (the op's, the entry against torch.ops, the backward's stages and its two forms,
+# a training step's parts);
 # logs and results packed into OUTDIR/results.tgz.  Steps past the time budget (BUDGET_S, default
 # 540 s from the start) are skipped so that the results are always packed; steps named in SKIP
 # (space-separated, e.g. SKIP="tests tests_backward") are skipped too.
@@ -57,6 +58,7 @@ step host_breakdown $py scripts/host_breakdown.py
 step host_paired $py scripts/host_paired.py
 step host_ops $py scripts/host_ops.py training float32 2,8,32,64,32,64
 TAIL=30 step backward_stages $py scripts/backward_stages.py
+step direct_vs_old $py scripts/direct_vs_old.py
 step step_host $py scripts/step_host.py
 for mod in openfold boltz; do
   step bench_n1536_$mod $py -m flashopm bench --module $mod --shapes "1,512,1536,256,32,128" --impls eager,flashopm \

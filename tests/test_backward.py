@@ -3,8 +3,9 @@
     out[b,i,j,d] = sum_(h1,h2) W[d, h1*H + h2] sum_s a[b,s,i,h1] b[b,s,j,h2]
 
 its three gradients against a float64 reference over awkward sizes (1, primes, the tile edges of
-16 rows and 4-8 columns, S across the 128-wide s blocks, D across the 128-wide d blocks and not a
-multiple of 4), every element written, bitwise-repeatable results, and the argument checks."""
+16 rows and 4-8 columns, S across the 128-wide s blocks and within them at 1-4 tiles of 8 per warp,
+D across the 128-wide d blocks and not a multiple of 4), every element written, bitwise-repeatable
+results, and the argument checks."""
 import pytest
 import torch
 
@@ -32,6 +33,7 @@ SHAPES = [
     (1, 40, 65, 3, 64, 130),
     (2, 31, 32, 65, 64, 129),
     (1, 64, 97, 97, 32, 256),
+    (1, 100, 20, 18, 32, 40),  # 13 of the s block's 16 tiles of 8: the last warp's GEMM 2 on one of four
 ]
 
 

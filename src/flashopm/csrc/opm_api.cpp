@@ -1098,18 +1098,12 @@ at::Tensor outer_product_mean_rows_cuda(const at::Tensor& a_in, const at::Tensor
   return out;
 }
 
-// Pairs (B·Nr·Nc) up to which the side kernel for grad_b reads W with h1 and h2 swapped in 4-byte
-// pieces instead of from a transposed copy: there the copy's launch, allocation and dispatch cost
-// more host time than the narrower loads cost the GPU.  FLASHOPM_BWD_W_SWAPPED=1 or 0 takes one
-// form everywhere, to compare and to test both.
-constexpr int64_t kBwSwappedReadMaxPairs = int64_t(1) << 14;
-
 // The fused contraction backward's launches for one problem: its grids' splits, and the float32
-// scratch it needs besides its outputs (each split's partial sums, and W with h1 and h2 swapped
-// where grad_b's kernel does not read it swapped), in chunks of whole 256-byte lines.
+// scratch it needs besides its outputs (each split's partial sums, and W with h1 and h2 swapped for
+// grad_b's side), in chunks of whole 256-byte lines.
 struct ContractBackwardPlan {
   int64_t B = 0, S = 0, Nr = 0, Nc = 0, H = 0, D = 0, Dp = 0;
-  bool need_ab = false, need_w = false, w_swapped_reads = false;
+  bool need_ab = false, need_w = false;
   int64_t n_sb = 0, jsplits = 1, splits = 1;
   int64_t part_a_floats = 0, part_b_floats = 0, ws_floats = 0, wt_floats = 0;
   int64_t scratch_floats() const { return part_a_floats + part_b_floats + ws_floats + wt_floats; }
@@ -1138,9 +1132,7 @@ ContractBackwardPlan plan_contract_backward(int64_t B, int64_t S, int64_t Nr, in
       p.part_a_floats = round_up_line(p.jsplits * B * S * Nr * H);
       p.part_b_floats = round_up_line(p.jsplits * B * S * Nc * H);
     }
-    p.w_swapped_reads = env_is("FLASHOPM_BWD_W_SWAPPED", "1") ||
-                        (!env_is("FLASHOPM_BWD_W_SWAPPED", "0") && B * Nr * Nc <= kBwSwappedReadMaxPairs);
-    if (!p.w_swapped_reads) p.wt_floats = round_up_line(D * H * H);
+    p.wt_floats = round_up_line(D * H * H);
   }
   if (need_w) {
     const int64_t hc = kBwWCols / H, ti = H, tj = kBwWCols / H;
@@ -1158,8 +1150,8 @@ ContractBackwardPlan plan_contract_backward(int64_t B, int64_t S, int64_t Nr, in
 // and b) and grad_w (D, H·H) are written where the plan asks for them; scratch holds
 // plan.scratch_floats() floats, 16-byte aligned, and nothing of it is read before it is written.
 void run_contract_backward(const ContractBackwardPlan& p, const float* g, const float* a, const float* b,
-                           const at::Tensor& w, float* grad_a, float* grad_b, float* grad_w, float* scratch,
-                           int terms, cudaStream_t stream) {
+                           const float* w, float* grad_a, float* grad_b, float* grad_w, float* scratch, int terms,
+                           int sm_count, cudaStream_t stream) {
   SumPartsArgs parts{};
   const auto add_parts = [&parts](const float* in, float* out, int64_t n, int64_t n_parts) {
     const int k = parts.count++;
@@ -1178,17 +1170,12 @@ void run_contract_backward(const ContractBackwardPlan& p, const float* g, const 
     side.g = g;
     side.gs_b = Nr * Nc * Dp;
     // grad_a: rows i, columns j, W as is, y = b
-    side.w = w.data_ptr<float>(), side.y = b, side.grad = p.jsplits == 1 ? grad_a : part_a;
+    side.w = w, side.y = b, side.grad = p.jsplits == 1 ? grad_a : part_a;
     side.Nr = int(Nr), side.Nc = int(Nc), side.gs_r = Nc * Dp, side.gs_c = Dp;
     launch_bwd_side(side, terms, stream);
     // grad_b: rows j, columns i, W with h1 and h2 swapped, y = a
-    if (p.w_swapped_reads) {
-      side.w_swapped = 1;
-    } else {
-      at::from_blob(w_t, {D, H, H}, w.options()).copy_(w.view({D, H, H}).transpose(1, 2));
-      side.w = w_t;
-    }
-    side.y = a, side.grad = p.jsplits == 1 ? grad_b : part_b;
+    launch_transpose_hh(w, w_t, int(H), D, sm_count, stream);
+    side.w = w_t, side.y = a, side.grad = p.jsplits == 1 ? grad_b : part_b;
     side.Nr = int(Nc), side.Nc = int(Nr), side.gs_r = Dp, side.gs_c = Nc * Dp;
     launch_bwd_side(side, terms, stream);
     if (p.jsplits > 1) {
@@ -1262,10 +1249,10 @@ std::vector<at::Tensor> outer_contract_backward_cuda(const at::Tensor& g_in, con
   // The scratch stays allocated until its last reader is queued (a tensor freed earlier could be
   // handed to the next allocation on this stream and overwritten first).
   const at::Tensor scratch = plan.scratch_floats() > 0 ? at::empty({plan.scratch_floats()}, a.options()) : at::Tensor();
-  run_contract_backward(plan, g.data_ptr<float>(), a.data_ptr<float>(), b.data_ptr<float>(), w,
+  run_contract_backward(plan, g.data_ptr<float>(), a.data_ptr<float>(), b.data_ptr<float>(), w.data_ptr<float>(),
                         need_ab ? grad_a.data_ptr<float>() : nullptr, need_ab ? grad_b.data_ptr<float>() : nullptr,
                         need_w ? grad_w.data_ptr<float>() : nullptr,
-                        scratch.defined() ? scratch.data_ptr<float>() : nullptr, terms,
+                        scratch.defined() ? scratch.data_ptr<float>() : nullptr, terms, device_info(dev).sm_count,
                         c10::cuda::getCurrentCUDAStream(dev).stream());
   return {grad_a, grad_b, grad_w};
 }

@@ -82,10 +82,17 @@ struct OuterProductMeanFunction : public torch::autograd::Function<OuterProductM
     c10::List<bool> output_mask;
     output_mask.reserve(kGradInputs);
     for (const bool need : needs) output_mask.push_back(need);
+    // A plain backward runs with gradients off: then the call goes below autograd at once, past
+    // PyTorch's boxed fallback for ops without a derivative (which would pack and unpack all
+    // sixteen arguments to find that nothing needs one).  With create_graph=True it takes that
+    // fallback as before, whose node on the gradients says that their own derivative is missing.
+    std::optional<at::AutoDispatchBelowADInplaceOrView> below_autograd;
+    if (!at::GradMode::is_enabled()) below_autograd.emplace();
     const std::vector<at::Tensor> computed = backward_op().call(
         grad_out, msa, mask, ln_w, ln_b, ctx->saved_data["ln_eps"].toDouble(), w_a, b_a, w_b, b_b, w_out, b_out,
         ctx->saved_data["normalization"].toInt(), ctx->saved_data["norm_eps"].toDouble(),
         output_mask, ctx->saved_data["precision"].toInt());
+    below_autograd.reset();
     for (int g = 0; g < kGradInputs; ++g) {
       if (needs[g]) grads[grad_arg[g]] = computed[g];
     }

@@ -386,8 +386,9 @@ void backward_direct(const DirectBackward& d, const at::Tensor& grad_out, const 
     } else if (need_bo) {
       grads[8] = bias_grad;
     }
-    run_contract_backward(plan, g, a, b, d.w_out, grad_a, grad_b, need_wo ? grad_w.data_ptr<float>() : nullptr,
-                          g + gn, d.prec == kHighest ? 3 : 1, stream);
+    run_contract_backward(plan, g, a, b, d.w_out.data_ptr<float>(), grad_a, grad_b,
+                          need_wo ? grad_w.data_ptr<float>() : nullptr, g + gn, d.prec == kHighest ? 3 : 1,
+                          device_info(dev).sm_count, stream);
   }
   if (need_wo) grads[7] = grad_w;
   if (need_proj) {

@@ -59,15 +59,7 @@ __global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_side_kernel(const BwdSi
       for (int u = 0; u < kBwK * kBwSideCols / 4 / kBwThreads; ++u) {  // W: 32 d x 128 (h1, h2)
         const int idx = tid + u * kBwThreads, k = idx >> 5, n4 = (idx & 31) * 4;
         const bool ok = d0 + k < D;
-        if (p.w_swapped) {
-          // the four columns share h1; in W[d, h2, h1] their h2 are H floats apart
-          const int h1 = hc0 + n4 / H, h2 = n4 % H;
-          const float* src = p.w + (d0 + k) * HH + int64_t(h2) * H + h1;
-#pragma unroll
-          for (int e = 0; e < 4; ++e) cp_async4(Y + k * kBwLdN + n4 + e, ok ? src + e * H : p.w, ok);
-        } else {
-          cp_async16z(Y + k * kBwLdN + n4, ok ? p.w + (d0 + k) * HH + hc0 * H + n4 : p.w, ok);
-        }
+        cp_async16z(Y + k * kBwLdN + n4, ok ? p.w + (d0 + k) * HH + hc0 * H + n4 : p.w, ok);
       }
     } else {
       const int k20 = (r - n1) * kBwK;  // k of GEMM 2: (jl, h2) = (k2 / H, k2 % H)
@@ -222,8 +214,14 @@ __global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_w_kernel(const BwdWArgs
     const float* X = smem + int(step % kBwStages) * kBwWStageFloats;
     const int r = int(step % spt);
     if (r < n1) {
-      warp_mma_tf32<kTerms, 2, 4, false, false, kBwK / 8>(acc1, X + wm * 32, kBwLd64,
-                                                          X + kBwK * kBwLd64 + wn * 32, kBwLd64, g, t);
+      // the last chunk of s: its k-steps of 8 that hold s < S
+      const int k_lim = r == n1 - 1 ? (S - r * kBwK + 7) / 8 : kBwK / 8;
+      if (k_lim == kBwK / 8)
+        warp_mma_tf32<kTerms, 2, 4, false, false, kBwK / 8>(acc1, X + wm * 32, kBwLd64,
+                                                            X + kBwK * kBwLd64 + wn * 32, kBwLd64, g, t);
+      else
+        warp_mma_tf32<kTerms, 2, 4, false, false, kBwK / 8>(acc1, X + wm * 32, kBwLd64,
+                                                            X + kBwK * kBwLd64 + wn * 32, kBwLd64, g, t, k_lim);
       if (r == n1 - 1) {
         // O to shared memory as GEMM 2's A: row (pair q = il·TJ + jl), column k = h1c·H + h2
 #pragma unroll
@@ -420,6 +418,19 @@ __global__ void __launch_bounds__(kSumPartsThreads) opm_sum_parts_kernel(const S
 #pragma unroll 4
     for (int q = 0; q < parts; ++q) sum += in[int64_t(q) * n + e];
     out[e] = sum;
+  }
+}
+
+// y[d, h2, h1] = x[d, h1, h2] for n = D·H·H elements: out_proj's weight as grad_b's side kernel reads
+// it.  Consecutive threads write consecutive elements.
+__global__ void __launch_bounds__(kSumPartsThreads) opm_transpose_hh_kernel(const float* __restrict__ x,
+                                                                           float* __restrict__ y, int H, int64_t n) {
+  const int64_t HH = int64_t(H) * H;
+  for (int64_t o = int64_t(blockIdx.x) * kSumPartsThreads + threadIdx.x; o < n;
+       o += int64_t(gridDim.x) * kSumPartsThreads) {
+    const int64_t d = o / HH;
+    const int r = int(o - d * HH), h2 = r / H, h1 = r - h2 * H;
+    y[o] = x[d * HH + int64_t(h1) * H + h2];
   }
 }
 

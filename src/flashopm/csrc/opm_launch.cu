@@ -536,6 +536,14 @@ void launch_sum_parts(const SumPartsArgs& args, cudaStream_t stream) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+void launch_transpose_hh(const float* x, float* y, int H, int64_t D, int sm_count, cudaStream_t stream) {
+  const int64_t n = D * H * H;
+  if (n == 0) return;
+  const int64_t blocks = std::min<int64_t>((n + kSumPartsThreads - 1) / kSumPartsThreads, int64_t(sm_count) * 8);
+  opm_transpose_hh_kernel<<<unsigned(blocks), kSumPartsThreads, 0, stream>>>(x, y, H, n);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 void launch_swap_middle(const SwapMiddleArgs& args, int sm_count, cudaStream_t stream) {
   if (args.total == 0) return;
   const int64_t per_block = int64_t(kSwapThreads) * kSwapPieces;

@@ -100,19 +100,23 @@ __device__ __forceinline__ void tf32_b_frag(uint32_t (&hi)[2], uint32_t (&lo)[2]
 
 // c[mt][nt] += A·B over kSteps k-steps of 8, for a warp's kMT x kNT m16n8 tiles: A at the warp's
 // first row and k, B at its first column and k (layouts as for tf32_a_frag / tf32_b_frag).  With
-// three terms every k-step's products are added to c in float32 (mma_split_add).
+// three terms every k-step's products are added to c in float32 (mma_split_add).  k_steps and
+// n_tiles (warp-uniform) cut the k-steps and n tiles to those that hold data, at the edges of small
+// problems; callers pass them only there, so that whole tiles keep the unguarded loop.
 template <int kTerms, int kMT, int kNT, bool kAKMajor, bool kBKMajor, int kSteps>
 __device__ __forceinline__ void warp_mma_tf32(float (&c)[kMT][kNT][4], const float* A, int lda, const float* B,
-                                              int ldb, int g, int t) {
+                                              int ldb, int g, int t, int k_steps = kSteps, int n_tiles = kNT) {
 #pragma unroll
   for (int ks = 0; ks < kSteps; ++ks) {
+    if (ks >= k_steps) break;
     // all of the k-step's B fragments, then one A fragment at a time: fewer live registers than
     // the other way round when kMT >= kNT / 2
     uint32_t b_hi[kNT][2], b_lo[kNT][2];
 #pragma unroll
     for (int nt = 0; nt < kNT; ++nt)
-      tf32_b_frag<kTerms, kBKMajor>(b_hi[nt], b_lo[nt], B + (kBKMajor ? nt * 8 * ldb + ks * 8 : ks * 8 * ldb + nt * 8),
-                                    ldb, g, t);
+      if (nt < n_tiles)
+        tf32_b_frag<kTerms, kBKMajor>(b_hi[nt], b_lo[nt],
+                                      B + (kBKMajor ? nt * 8 * ldb + ks * 8 : ks * 8 * ldb + nt * 8), ldb, g, t);
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt) {
       uint32_t a_hi[4], a_lo[4];
@@ -120,7 +124,8 @@ __device__ __forceinline__ void warp_mma_tf32(float (&c)[kMT][kNT][4], const flo
                                     g, t);
 #pragma unroll
       for (int nt = 0; nt < kNT; ++nt)
-        mma_split_add<kTerms>(c[mt][nt], a_hi, a_lo, b_hi[nt][0], b_hi[nt][1], b_lo[nt][0], b_lo[nt][1]);
+        if (nt < n_tiles)
+          mma_split_add<kTerms>(c[mt][nt], a_hi, a_lo, b_hi[nt][0], b_hi[nt][1], b_lo[nt][0], b_lo[nt][1]);
     }
   }
 }

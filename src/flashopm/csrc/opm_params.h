@@ -718,16 +718,13 @@ constexpr int kBwWSmemFloats = kBwStages * kBwWStageFloats + kBwWPairs * kBwLd64
 
 struct BwdSideArgs {
   const float* g;    // rows r, columns c: g + b·gs_b + r·gs_r + c·gs_c, Dp floats each
-  const float* w;    // (D, H, H) as this side sees it (h1 = its own hidden index), or with h1 and
-                     // h2 swapped where w_swapped (read in 4-byte pieces: small problems, where a
-                     // transposed copy costs more host time than the narrower loads cost GPU time)
+  const float* w;    // (D, H, H) as this side sees it (h1 = its own hidden index)
   const float* y;    // (B, S, Nc, H): the other side's projection
   float* grad;       // (jsplits, B, S, Nr, H): one partial sum per split of the columns
   int64_t gs_b, gs_r, gs_c;
   int B, S, Nr, Nc, H, D, Dp;
   int n_sblocks;     // blocks of kBwSB along s
   int jsplits;       // blocks sharing the columns of one row block (column tiles jt = split mod jsplits)
-  int w_swapped;
 };
 
 struct BwdWArgs {
@@ -799,6 +796,8 @@ struct SumPartsArgs {
 };
 constexpr int kSumPartsThreads = 256;
 void launch_sum_parts(const SumPartsArgs& args, cudaStream_t stream);
+// y (D, H, H) = x (D, H, H) with the last two axes swapped, both contiguous float32.
+void launch_transpose_hh(const float* x, float* y, int H, int64_t D, int sm_count, cudaStream_t stream);
 // The two middle axes of a contiguous (P, V, U, L) tensor swapped: y (P, U, V, L), contiguous,
 // with each run of L elements a whole number of 16-byte pieces (`run` of them), both pointers
 // 16-byte aligned (opm_swap_middle_kernel).  total = P * U * V * run pieces.
