@@ -13,10 +13,9 @@ from torch.profiler import ProfilerActivity, profile
 
 import flashopm
 from flashopm.bench import warm_gpu
-from flashopm.ops import FOLLOW_PYTORCH, outer_product_mean_backward_op
-from flashopm.testing import Shape, make_problem
+from flashopm.testing import Shape
 
-from step_host import call_host_us
+from step_host import StepParts, call_host_us
 
 CALLS = 200
 
@@ -40,21 +39,11 @@ def profile_rows(name, call, top=30):
 def main(shape):
     flashopm.load()
     warm_gpu()
-    x, m, p = make_problem(shape, "masked_positions", seed=0)
-    x, m, p = x.cuda(), m.cuda(), {k: v.cuda() for k, v in p.items()}
-    g = torch.randn(shape.B, shape.N, shape.N, shape.D, device="cuda")
-    args = (g, x, m, p["ln_weight"], p["ln_bias"], 1e-5, p["w_a"], p["b_a"], p["w_b"], p["b_b"], p["w_out"],
-            p["b_out"], 0, 1e-3, [True] * 9, FOLLOW_PYTORCH)
-    torch.manual_seed(0)
-    model = flashopm.ModelNew(shape.C, shape.D, shape.H).cuda()
-    xg = x.clone().requires_grad_()
-    leaves = [xg, *model.parameters()]
-    out = model(xg, m)
+    sp = StepParts(shape)
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  {shape}")
-    profile_rows("backward op", lambda: outer_product_mean_backward_op(*args))
-    profile_rows("autograd.grad, retained graph", lambda: torch.autograd.grad(out, leaves, g, retain_graph=True))
-    profile_rows("training step", lambda: torch.autograd.grad(model(xg, m), leaves, g))
-
+    profile_rows("backward op", sp.backward_op)
+    profile_rows("autograd.grad, retained graph", sp.grad_retained)
+    profile_rows("training step", sp.step)
 
 if __name__ == "__main__":
     args = sys.argv[1:]

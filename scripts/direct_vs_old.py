@@ -1,7 +1,7 @@
 """Host time of the backward op and of a training step at one shape: the direct backward (temporaries
 in two allocations, the contractions launched from C++) against the tensor-per-temporary form
-(FLASHOPM_BACKWARD_DIRECT=0), in alternation within one process (the
-kernels read the switches on every call), each call timed from an idle GPU.
+(FLASHOPM_BACKWARD_DIRECT=0), in alternation within one process (the op reads the switch on
+every call), each call timed from an idle GPU.
     usage: python scripts/direct_vs_old.py [B,S,N,C,H,D]      (default: the specification's shape)"""
 import os
 import statistics
@@ -12,8 +12,9 @@ import torch
 
 import flashopm
 from flashopm.bench import warm_gpu
-from flashopm.ops import FOLLOW_PYTORCH, outer_product_mean_backward_op
-from flashopm.testing import Shape, make_problem
+from flashopm.testing import Shape
+
+from step_host import StepParts
 
 FORMS = {"direct": {"FLASHOPM_BACKWARD_DIRECT": "1"},
          "old": {"FLASHOPM_BACKWARD_DIRECT": "0"}}
@@ -40,17 +41,8 @@ def use_form(name):
 def main(shape):
     flashopm.load()
     warm_gpu()
-    x, m, p = make_problem(shape, "masked_positions", seed=0)
-    x, m, p = x.cuda(), m.cuda(), {k: v.cuda() for k, v in p.items()}
-    g = torch.randn(shape.B, shape.N, shape.N, shape.D, device="cuda")
-    args = (g, x, m, p["ln_weight"], p["ln_bias"], 1e-5, p["w_a"], p["b_a"], p["w_b"], p["b_b"], p["w_out"],
-            p["b_out"], 0, 1e-3, [True] * 9, FOLLOW_PYTORCH)
-    torch.manual_seed(0)
-    model = flashopm.ModelNew(shape.C, shape.D, shape.H).cuda()
-    xg = x.clone().requires_grad_()
-    leaves = [xg, *model.parameters()]
-    parts = {"backward op": lambda: outer_product_mean_backward_op(*args),
-             "step": lambda: torch.autograd.grad(model(xg, m), leaves, g)}
+    sp = StepParts(shape)
+    parts = {"backward op": sp.backward_op, "step": sp.step}
     print(torch.cuda.get_device_name(), torch.__version__, shape)
     for part, fn in parts.items():
         times = {f: [] for f in FORMS}

@@ -50,20 +50,40 @@ def kernels_us(fn, steps=20):
     return sum(e.device_time_total for e in rows) / steps, sum(e.count for e in rows) / steps
 
 
+class StepParts:
+    """A training step at `shape` on CUDA and its parts: ModelNew (seed 0), x (requiring grad) and
+    the mask from make_problem, a random gradient g of the output; `backward_op` calls the backward
+    op directly on the model's parameters, `grad_retained` torch.autograd.grad through one retained
+    graph of the forward, `step` the whole step (forward + torch.autograd.grad)."""
+
+    def __init__(self, shape):
+        x, m, _ = make_problem(shape, "masked_positions", seed=0)
+        self.x, self.m = x.cuda().requires_grad_(), m.cuda()
+        torch.manual_seed(0)
+        self.model = flashopm.ModelNew(shape.C, shape.D, shape.H).cuda()
+        self.leaves = [self.x, *self.model.parameters()]
+        self.g = torch.randn(shape.B, shape.N, shape.N, shape.D, device="cuda")
+        self.out = self.model(self.x, self.m)
+        ln, pa, pb, po = self.model.layer_norm, self.model.proj_a, self.model.proj_b, self.model.out_proj
+        self.backward_args = (self.g, self.x.detach(), self.m, ln.weight.detach(), ln.bias.detach(), ln.eps,
+                              pa.weight.detach(), pa.bias.detach(), pb.weight.detach(), pb.bias.detach(),
+                              po.weight.detach(), po.bias.detach(), 0, 1e-3, [True] * 9, FOLLOW_PYTORCH)
+
+    def backward_op(self):
+        return outer_product_mean_backward_op(*self.backward_args)
+
+    def grad_retained(self):
+        return torch.autograd.grad(self.out, self.leaves, self.g, retain_graph=True)
+
+    def step(self):
+        return torch.autograd.grad(self.model(self.x, self.m), self.leaves, self.g)
+
+
 def main(shape):
     flashopm.load()
     warm_gpu()
-    x, m, _ = make_problem(shape, "masked_positions", seed=0)
-    x, m = x.cuda().requires_grad_(), m.cuda()
-    torch.manual_seed(0)
-    model = flashopm.ModelNew(shape.C, shape.D, shape.H).cuda()
-    leaves = [x, *model.parameters()]
-    g = torch.randn(shape.B, shape.N, shape.N, shape.D, device="cuda")
-    out = model(x, m)
-    ln, pa, pb, po = model.layer_norm, model.proj_a, model.proj_b, model.out_proj
-    bwd_args = (g, x.detach(), m, ln.weight.detach(), ln.bias.detach(), ln.eps, pa.weight.detach(),
-                pa.bias.detach(), pb.weight.detach(), pb.bias.detach(), po.weight.detach(), po.bias.detach(), 0,
-                1e-3, [True] * 9, FOLLOW_PYTORCH)
+    sp = StepParts(shape)
+    model, x, m = sp.model, sp.x, sp.m
     y_floor = x * 2.0
 
     def fwd_nograd():
@@ -73,9 +93,9 @@ def main(shape):
     parts = [
         ("forward, no grad", fwd_nograd),
         ("forward, grad mode", lambda: model(x, m)),
-        ("backward op alone", lambda: outer_product_mean_backward_op(*bwd_args)),
-        ("autograd.grad of the forward's graph", lambda: torch.autograd.grad(out, leaves, g, retain_graph=True)),
-        ("training step", lambda: torch.autograd.grad(model(x, m), leaves, g)),
+        ("backward op alone", sp.backward_op),
+        ("autograd.grad of the forward's graph", sp.grad_retained),
+        ("training step", sp.step),
         ("floor: autograd.grad of x * 2", lambda: torch.autograd.grad(y_floor, [x], y_floor, retain_graph=True)),
     ]
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  {shape}")
