@@ -1167,6 +1167,8 @@ void run_contract_backward(const ContractBackwardPlan& p, const float* g, const 
     BwdSideArgs side{};
     side.B = int(B), side.S = int(S), side.H = int(H), side.D = int(D), side.Dp = int(Dp);
     side.n_sblocks = int(p.n_sb), side.jsplits = int(p.jsplits);
+    // FLASHOPM_BWD_SIDE_INCR=1: the side kernel's form with its copy addresses kept per thread
+    side.incr_addresses = env_is("FLASHOPM_BWD_SIDE_INCR", "1");
     side.g = g;
     side.gs_b = Nr * Nc * Dp;
     // grad_a: rows i, columns j, W as is, y = b

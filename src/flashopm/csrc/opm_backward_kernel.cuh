@@ -19,7 +19,10 @@ namespace flashopm {
 //   GEMM 1 (per tile): dO[(i,j), (h1,h2)] = sum_d g[i,j,d] W[d,h1,h2]      M = 64 pairs, N = 128, K = D
 //   GEMM 2:            grad[(i,h1), s]   += sum_(j,h2) dO[(i,h1),(j,h2)] y[s,j,h2]    M = 64, N = kBwSB, K = 128
 // Four warps side by side along n (64 x 32 each) in both GEMMs.
-template <int kTerms, int kH>
+// kIncr: each thread's copy addresses from bases and strides set once, and the step's (tile, chunk)
+// kept as counters, in place of rebuilding every address from the step index (about 500
+// instructions per step, most of them index arithmetic, against ~900 for the step's GEMM).
+template <int kTerms, int kH, bool kIncr>
 __global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_side_kernel(const BwdSideArgs p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   extern __shared__ float4 smem_f4[];
@@ -73,22 +76,69 @@ __global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_side_kernel(const BwdSi
     }
   };
 
+  // kIncr: the thread's fixed part of each copy.  g: rows q = q0 + 16u (il = il0 + u·16/TJ, the same
+  // jl), 16 bytes at k4g; W: rows k = kw0 + 4u at column n4w; y: rows sl = q0 + 16u at k4y, whose
+  // element (s, j0 + jl, h2) with jl·H + h2 = k20 + k4y sits at s·Nc·H + j0·H + k20 + k4y.
+  const int q0 = tid >> 3, k4 = (tid & 7) * 4, il0 = q0 / TJ, jlg = q0 - il0 * TJ, kw0 = tid >> 5;
+  const float* g_row0 = g_b + int64_t(i0 + il0) * p.gs_r + int64_t(jlg) * p.gs_c + k4;
+  const int64_t g_rstep = int64_t(16 / TJ) * p.gs_r, y_rstep = int64_t(16) * Nc * H;
+  const float* w_row0 = p.w + kw0 * HH + hc0 * H + (tid & 31) * 4;
+  const float* y_row0 = y_b + int64_t(s0 + q0) * Nc * H + k4;
+  int ld_r = 0, ld_j0 = split * TJ;  // the next step to load: its chunk and its tile's first column
+  auto load_step_incr = [&](int buf) {
+    float* X = smem + buf * kBwSideStageFloats;
+    if (ld_r < n1) {
+      const int d0 = ld_r * kBwK;
+      const bool cols_ok = ld_j0 + jlg < Nc && d0 + k4 < Dp;
+      const float* src = g_row0 + int64_t(ld_j0) * p.gs_c + d0;
+#pragma unroll
+      for (int u = 0; u < kBwSideRows * kBwK / 4 / kBwThreads; ++u) {  // g: 64 pairs x 32 d
+        const bool ok = cols_ok && i0 + il0 + u * (16 / TJ) < Nr;
+        cp_async16z(X + (q0 + 16 * u) * kBwLdK + k4, ok ? src + u * g_rstep : p.g, ok);
+      }
+      float* Y = X + kBwSideXFloats + kw0 * kBwLdN + (tid & 31) * 4;
+      const float* w_src = w_row0 + d0 * HH;
+#pragma unroll
+      for (int u = 0; u < kBwK * kBwSideCols / 4 / kBwThreads; ++u) {  // W: 32 d x 128 (h1, h2)
+        const bool ok = d0 + kw0 + 4 * u < D;
+        cp_async16z(Y + 4 * u * kBwLdN, ok ? w_src + 4 * u * HH : p.w, ok);
+      }
+    } else {
+      const int k20 = (ld_r - n1) * kBwK;
+      const bool col_ok = ld_j0 + (k20 + k4) / H < Nc;
+      const float* src = y_row0 + int64_t(ld_j0) * H + k20;
+#pragma unroll
+      for (int u = 0; u < kBwSB * kBwK / 4 / kBwThreads; ++u) {  // y: kBwSB s x 32 (j, h2)
+        const bool ok = col_ok && s0 + q0 + 16 * u < S;
+        cp_async16z(X + (q0 + 16 * u) * kBwLdK + k4, ok ? src + u * y_rstep : p.y, ok);
+      }
+    }
+    if (++ld_r == spt) ld_r = 0, ld_j0 += p.jsplits * TJ;
+  };
+
   float acc1[4][4][4], acc2[4][4][4];
   zero_tiles(acc1);
   zero_tiles(acc2);
 #pragma unroll
   for (int st = 0; st < kBwStages - 1; ++st) {
-    if (st < total) load_step(st, st);
+    if (st < total) {
+      if constexpr (kIncr) load_step_incr(st);
+      else load_step(st, st);
+    }
     cp_async_commit();
   }
+  int r = 0;  // the current step's chunk: GEMM 1's chunks of d, then GEMM 2's of (j, h2)
   for (int step = 0; step < total; ++step) {
     cp_async_wait<kBwStages - 2>();
     __syncthreads();
     const int next = step + kBwStages - 1;
-    if (next < total) load_step(next % kBwStages, next);
+    if (next < total) {
+      if constexpr (kIncr) load_step_incr(next % kBwStages);
+      else load_step(next % kBwStages, next);
+    }
     cp_async_commit();
     const float* X = smem + (step % kBwStages) * kBwSideStageFloats;
-    const int r = step % spt;
+    if constexpr (!kIncr) r = step % spt;
     if (r < n1) {
       warp_mma_tf32<kTerms, 4, 4, true, false, kBwK / 8>(acc1, X, kBwLdK, X + kBwSideXFloats + wn * 32, kBwLdN, g, t);
       if (r == n1 - 1) {
@@ -111,6 +161,7 @@ __global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_side_kernel(const BwdSi
       warp_mma_tf32<kTerms, 4, 4, true, true, kBwK / 8>(acc2, Ds + (r - n1) * kBwK, kBwLdDs, X + wn * 32 * kBwLdK,
                                                         kBwLdK, g, t);
     }
+    if constexpr (kIncr) r = r + 1 == spt ? 0 : r + 1;
   }
   cp_async_wait_all();
 

@@ -725,6 +725,7 @@ struct BwdSideArgs {
   int B, S, Nr, Nc, H, D, Dp;
   int n_sblocks;     // blocks of kBwSB along s
   int jsplits;       // blocks sharing the columns of one row block (column tiles jt = split mod jsplits)
+  int incr_addresses;  // the kernel's form with per-thread copy bases and step counters (kIncr)
 };
 
 struct BwdWArgs {
