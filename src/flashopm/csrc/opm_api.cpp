@@ -1190,6 +1190,8 @@ void run_contract_backward(const ContractBackwardPlan& p, const float* g, const 
     BwdWArgs wa{};
     wa.g = g, wa.a = a, wa.b = b, wa.ws = p.splits == 1 ? grad_w : ws;
     wa.B = int(B), wa.S = int(S), wa.Nr = int(Nr), wa.Nc = int(Nc), wa.H = int(H), wa.D = int(D), wa.Dp = int(Dp);
+    // FLASHOPM_BWD_W_INCR=1: the W kernel's form with its copy addresses kept per thread
+    wa.incr_addresses = env_is("FLASHOPM_BWD_W_INCR", "1");
     launch_bwd_w(wa, int(p.splits), terms, stream);
     if (p.splits > 1) add_parts(ws, grad_w, D * H * H, p.splits);
   }

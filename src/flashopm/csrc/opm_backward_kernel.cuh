@@ -189,7 +189,9 @@ __global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_side_kernel(const BwdSi
 //   GEMM 1 (per tile): O[(i,h1), (j,h2)] = sum_s a[s,i,h1] b[s,j,h2]        M = 64, N = 64, K = S
 //   GEMM 2:            acc[k, d]        += sum_(i,j) O[(i,j), k] g[i,j,d]    M = 64, N = 128, K = 64 pairs
 // Four warps: 2 x 2 tiles of 32 x 32 in GEMM 1, side by side along d (64 x 32 each) in GEMM 2.
-template <int kTerms, int kH>
+// kIncr: as the side kernel's (each thread's copy addresses from bases set once per tile, the
+// step's chunk as a counter), in place of decomposing the step index with 64-bit divisions.
+template <int kTerms, int kH, bool kIncr>
 __global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_w_kernel(const BwdWArgs p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   extern __shared__ float4 smem_f4[];
@@ -248,22 +250,82 @@ __global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_w_kernel(const BwdWArgs
     }
   };
 
+  // kIncr: the thread's fixed part of each copy.  a: rows k = ka0 + u·(128/P) of P pieces each, at
+  // column m; b: rows kb0 + 8u at n4b; g: rows kg0 + 4u (pairs q of the chunk; jl = kg0 % TJ in
+  // every one) at n4g.  The tile's bases are set when the tile starts.
+  constexpr int P = kBwWCols / kPiece;
+  const int ka0 = tid / P, ma = (tid % P) * kPiece, ila = ma / HC, hma = ma - ila * HC;
+  const int kb0 = tid >> 4, n4b = (tid & 15) * 4, kg0 = tid >> 5, n4g = (tid & 31) * 4;
+  const int jlg = kg0 % TJ, ilg0 = kg0 / TJ;
+  const int64_t NrH = int64_t(Nr) * H, NcH = int64_t(Nc) * H, NcDp = int64_t(Nc) * Dp;
+  int ld_r = 0, ld_i0 = 0, ld_j0 = 0;
+  int64_t ld_tile = split;
+  const float *a_tile = p.a, *b_tile = p.b, *g_tile = p.g;
+  const auto start_tile = [&]() {
+    const int bb = int(ld_tile / (int64_t(n_it) * n_jt));
+    const int rem = int(ld_tile - int64_t(bb) * n_it * n_jt), it = rem / n_jt;
+    ld_i0 = it * TI, ld_j0 = (rem - it * n_jt) * TJ;
+    a_tile = p.a + (int64_t(bb) * S * Nr + ld_i0 + ila) * H + hc0 + hma + ka0 * NrH;
+    b_tile = p.b + (int64_t(bb) * S * Nc + ld_j0) * H + n4b + kb0 * NcH;
+    g_tile = p.g + ((int64_t(bb) * Nr + ld_i0 + ilg0) * Nc + ld_j0 + jlg) * Dp + d0 + n4g;
+  };
+  auto load_step_incr = [&](int buf) {
+    float* X = smem + buf * kBwWStageFloats;
+    if (ld_r == 0) start_tile();
+    if (ld_r < n1) {
+      const int sk0 = ld_r * kBwK;
+      const float* a_src = a_tile + sk0 * NrH;
+      const bool a_ok = ld_i0 + ila < Nr;
+#pragma unroll
+      for (int u = 0; u < kBwK * P / kBwThreads; ++u) {  // a: 32 s x 64 (il, h1c)
+        const bool ok = a_ok && sk0 + ka0 + u * (kBwThreads / P) < S;
+        cp_async_n<kPiece * 4>(X + (ka0 + u * (kBwThreads / P)) * kBwLd64 + ma,
+                               ok ? a_src + u * (kBwThreads / P) * NrH : p.a, ok);
+      }
+      float* Y = X + kBwK * kBwLd64;
+      const float* b_src = b_tile + sk0 * NcH;
+      const bool b_ok = ld_j0 + n4b / H < Nc;
+#pragma unroll
+      for (int u = 0; u < kBwK * kBwWCols / 4 / kBwThreads; ++u) {  // b: 32 s x 64 (jl, h2)
+        const bool ok = b_ok && sk0 + kb0 + 8 * u < S;
+        cp_async16z(Y + (kb0 + 8 * u) * kBwLd64 + n4b, ok ? b_src + 8 * u * NcH : p.b, ok);
+      }
+    } else {
+      const int q0 = (ld_r - n1) * kBwK;  // the chunk's first pair: il = q0 / TJ + (kg0 + 4u) / TJ
+      const float* g_src = g_tile + (q0 / TJ) * NcDp;
+      const bool g_ok = ld_j0 + jlg < Nc && d0 + n4g < Dp;
+#pragma unroll
+      for (int u = 0; u < kBwK * kBwWDG / 4 / kBwThreads; ++u) {  // g: 32 pairs x 128 d
+        const bool ok = g_ok && ld_i0 + (q0 + kg0 + 4 * u) / TJ < Nr;
+        cp_async16z(X + (kg0 + 4 * u) * kBwWGLd + n4g, ok ? g_src + (4 * u / TJ) * NcDp : p.g, ok);
+      }
+    }
+    if (++ld_r == spt) ld_r = 0, ld_tile += splits;
+  };
+
   float acc1[2][4][4], accw[4][4][4];
   zero_tiles(acc1);
   zero_tiles(accw);
 #pragma unroll
   for (int st = 0; st < kBwStages - 1; ++st) {
-    if (st < total) load_step(st, st);
+    if (st < total) {
+      if constexpr (kIncr) load_step_incr(st);
+      else load_step(st, st);
+    }
     cp_async_commit();
   }
+  int r = 0;  // the current step's chunk: GEMM 1's chunks of s, then GEMM 2's of pairs
   for (int64_t step = 0; step < total; ++step) {
     cp_async_wait<kBwStages - 2>();
     __syncthreads();
     const int64_t next = step + kBwStages - 1;
-    if (next < total) load_step(int(next % kBwStages), next);
+    if (next < total) {
+      if constexpr (kIncr) load_step_incr(int(next % kBwStages));
+      else load_step(int(next % kBwStages), next);
+    }
     cp_async_commit();
     const float* X = smem + int(step % kBwStages) * kBwWStageFloats;
-    const int r = int(step % spt);
+    if constexpr (!kIncr) r = int(step % spt);
     if (r < n1) {
       // the last chunk of s: its k-steps of 8 that hold s < S
       const int k_lim = r == n1 - 1 ? (S - r * kBwK + 7) / 8 : kBwK / 8;
@@ -293,6 +355,7 @@ __global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_w_kernel(const BwdWArgs
       warp_mma_tf32<kTerms, 4, 4, false, false, kBwK / 8>(accw, Os + (r - n1) * kBwK * kBwLd64, kBwLd64,
                                                           X + warp * 32, kBwWGLd, g, t);
     }
+    if constexpr (kIncr) r = r + 1 == spt ? 0 : r + 1;
   }
   cp_async_wait_all();
 

@@ -734,6 +734,7 @@ struct BwdWArgs {
   const float* b;    // (B, S, Nc, H)
   float* ws;         // (splits, D, H·H): one partial sum per split of the tiles
   int B, S, Nr, Nc, H, D, Dp;
+  int incr_addresses;  // the kernel's form with per-thread copy bases and step counters (kIncr)
 };
 
 void launch_bwd_side(const BwdSideArgs& args, int terms, cudaStream_t stream);
