@@ -1111,6 +1111,18 @@ struct ContractBackwardPlan {
 
 inline int64_t round_up_line(int64_t floats) { return (floats + 63) / 64 * 64; }
 
+// t contiguous and 16-byte aligned (the fused backward's kernels copy 16 bytes at a time).
+at::Tensor contiguous_aligned16(const at::Tensor& t) {
+  const at::Tensor c = t.contiguous();
+  return reinterpret_cast<uintptr_t>(c.data_ptr()) % 16 == 0 ? c : c.clone();
+}
+
+// The device can run the fused backward's kernels.
+void check_fused_backward(int dev) {
+  FLASHOPM_CHECK(device_info(dev).cc_major >= 8, "flashopm: the fused backward needs compute capability 8.0 or newer");
+  check_smem(std::max(bwd_side_smem_bytes(), bwd_w_smem_bytes()), dev, "backward");
+}
+
 // B, S, Nr, Nc, D >= 1; H 16, 32 or 64.
 ContractBackwardPlan plan_contract_backward(int64_t B, int64_t S, int64_t Nr, int64_t Nc, int64_t H, int64_t D,
                                             bool need_ab, bool need_w, int dev) {
@@ -1237,17 +1249,12 @@ std::vector<at::Tensor> outer_contract_backward_cuda(const at::Tensor& g_in, con
   }
   if ((!need_ab && !need_w) || no_pairs) return {grad_a, grad_b, grad_w};
 
-  auto aligned = [](const at::Tensor& t) {
-    const at::Tensor c = t.contiguous();
-    return reinterpret_cast<uintptr_t>(c.data_ptr()) % 16 == 0 ? c : c.clone();
-  };
   // Rows of g padded to a multiple of 4 floats: the kernels copy them in 16-byte pieces.
   const int64_t Dp = (D + 3) / 4 * 4;
-  const at::Tensor g = aligned(Dp == D ? g_in : at::constant_pad_nd(g_in, {0, Dp - D}));
-  const at::Tensor a = aligned(a_in), b = aligned(b_in), w = aligned(w_in);
+  const at::Tensor g = contiguous_aligned16(Dp == D ? g_in : at::constant_pad_nd(g_in, {0, Dp - D}));
+  const at::Tensor a = contiguous_aligned16(a_in), b = contiguous_aligned16(b_in), w = contiguous_aligned16(w_in);
   const int dev = a.get_device();
-  FLASHOPM_CHECK(device_info(dev).cc_major >= 8, "flashopm: the fused backward needs compute capability 8.0 or newer");
-  check_smem(std::max(bwd_side_smem_bytes(), bwd_w_smem_bytes()), dev, "backward");
+  check_fused_backward(dev);
   const int terms = resolve_precision(precision) == kHighest ? 3 : 1;
   const ContractBackwardPlan plan = plan_contract_backward(B, S, Nr, Nc, H, D, need_ab, need_w, dev);
   // The scratch stays allocated until its last reader is queued (a tensor freed earlier could be

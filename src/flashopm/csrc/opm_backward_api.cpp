@@ -350,13 +350,13 @@ struct DirectBackward {
 // than through their op.  At small sizes a step's time is the host's, and each allocation,
 // dispatch and launch costs about as much host time as a kernel takes on the GPU; the two
 // allocations keep what lives at once what it was with a tensor for each.
+// want: the gradients asked for, those of absent biases not among them.
 void backward_direct(const DirectBackward& d, const at::Tensor& grad_out, const at::Tensor& mask,
                      const std::array<bool, 9>& want, std::vector<at::Tensor>& grads, int dev) {
   const at::Tensor& msa = d.ln_in->msa;
   const int64_t B = msa.size(0), S = msa.size(1), N = msa.size(2), C = msa.size(3);
   const int64_t H = d.ln_in->wa.size(0), D = d.w_out.size(0);
-  const bool need_proj = want[0] || want[1] || want[2] || want[3] || (want[4] && d.b_a) || want[5] ||
-                         (want[6] && d.b_b);
+  const bool need_proj = want[0] || want[1] || want[2] || want[3] || want[4] || want[5] || want[6];
   const bool need_wo = want[7], need_bo = want[8];
   const at::TensorOptions opts = msa.options().dtype(at::kFloat);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dev).stream();
@@ -379,13 +379,11 @@ void backward_direct(const DirectBackward& d, const at::Tensor& grad_out, const 
     project_masked(*d.ln_in, d.b_a, d.b_b, a, b, dev);
     at::Tensor bias_grad;
     scale_grad(grad_out, mask, d.normalization, d.norm_eps, at::kFloat, need_bo, bias_grad, dev, g);
-    if (need_bo && !bias_grad.defined()) {
-      // columns past what the division's threads hold (pair_dim > 4 * kGradScaleThreads)
-      const at::Tensor g_t = at::from_blob(g, {B, N, N, D}, opts);
-      grads[8] = at::sum(d.normalization == 1 ? g_t : grad_out, {0, 1, 2}, false, at::kFloat);
-    } else if (need_bo) {
-      grads[8] = bias_grad;
-    }
+    // ATen's sum where the division's threads do not hold every column (pair_dim > 4 * kGradScaleThreads)
+    if (need_bo)
+      grads[8] = bias_grad.defined() ? bias_grad
+                                     : at::sum(d.normalization == 1 ? at::from_blob(g, {B, N, N, D}, opts) : grad_out,
+                                               {0, 1, 2}, false, at::kFloat);
     run_contract_backward(plan, g, a, b, d.w_out.data_ptr<float>(), grad_a, grad_b,
                           need_wo ? grad_w.data_ptr<float>() : nullptr, g + gn, d.prec == kHighest ? 3 : 1,
                           device_info(dev).sm_count, stream);
@@ -393,9 +391,8 @@ void backward_direct(const DirectBackward& d, const at::Tensor& grad_out, const 
   if (need_wo) grads[7] = grad_w;
   if (need_proj) {
     const LnGrads r = ln_projection_backward(*d.ln_in, grad_a, grad_b, want, d.ln_regs, d.ln_mma, dev, grad_b + ab);
-    grads[0] = r.x, grads[1] = r.ln_w, grads[2] = r.ln_b, grads[3] = r.w_a, grads[5] = r.w_b;
-    if (want[4] && d.b_a) grads[4] = r.b_a;
-    if (want[6] && d.b_b) grads[6] = r.b_b;
+    grads[0] = r.x, grads[1] = r.ln_w, grads[2] = r.ln_b, grads[3] = r.w_a, grads[4] = r.b_a;
+    grads[5] = r.w_b, grads[6] = r.b_b;
   }
 }
 
@@ -497,13 +494,11 @@ std::vector<at::Tensor> outer_product_mean_backward_cuda(const at::Tensor& grad_
   // Every stage in our kernels, temporaries in two allocations (backward_direct); FLASHOPM_BACKWARD_DIRECT=0
   // takes the tensor-per-temporary form below, to compare.
   const bool direct = fused_ln && scale_in_kernel && fused_contract && D % 4 == 0 && (need_proj || need_wo) &&
-                      B * S * N > 0 && device_info(dev).cc_major >= 8 && !env_is("FLASHOPM_BACKWARD_DIRECT", "0");
+                      B * S * N > 0 && !env_is("FLASHOPM_BACKWARD_DIRECT", "0");
   std::vector<at::Tensor> grads(9);
   if (direct) {
-    check_smem(std::max(bwd_side_smem_bytes(), bwd_w_smem_bytes()), dev, "backward");
-    const at::Tensor wo_c = wo.contiguous();
-    const at::Tensor w16 = reinterpret_cast<uintptr_t>(wo_c.data_ptr()) % 16 == 0 ? wo_c : wo_c.clone();
-    const DirectBackward d{&ln_in, ba, bb, w16, normalization, norm_eps, prec, ln_regs,
+    check_fused_backward(dev);
+    const DirectBackward d{&ln_in, ba, bb, contiguous_aligned16(wo), normalization, norm_eps, prec, ln_regs,
                            need_proj && ln_mma_fits(ln_in.msa, follow16, prec != kHighest, C, H, dev)};
     std::array<bool, 9> need = want;
     need[4] = need_ba, need[6] = need_bb, need[8] = need_bo;
