@@ -1153,6 +1153,9 @@ ContractBackwardPlan plan_contract_backward(int64_t B, int64_t S, int64_t Nr, in
     // Each split sums its own tiles; the splits' partial sums are added last.
     p.splits = std::max<int64_t>(1, std::min<int64_t>({tiles, slots / per_split, 65535}));
     if (p.splits > 1) p.ws_floats = round_up_line(p.splits * D * H * H);
+    const int64_t steps = (tiles + p.splits - 1) / p.splits * ((S + kBwK - 1) / kBwK + kBwWPairs / kBwK);
+    FLASHOPM_CHECK(steps < INT32_MAX - kBwStages, "flashopm: the fused backward's W kernel takes fewer than 2^31 - 3 steps per "
+                   "block, got ", steps, " (B = ", B, ", Nr = ", Nr, ", Nc = ", Nc, ", S = ", S, ")");
   }
   return p;
 }
@@ -1179,8 +1182,6 @@ void run_contract_backward(const ContractBackwardPlan& p, const float* g, const 
     BwdSideArgs side{};
     side.B = int(B), side.S = int(S), side.H = int(H), side.D = int(D), side.Dp = int(Dp);
     side.n_sblocks = int(p.n_sb), side.jsplits = int(p.jsplits);
-    // FLASHOPM_BWD_SIDE_INCR=1: the side kernel's form with its copy addresses kept per thread
-    side.incr_addresses = env_is("FLASHOPM_BWD_SIDE_INCR", "1");
     side.g = g;
     side.gs_b = Nr * Nc * Dp;
     // grad_a: rows i, columns j, W as is, y = b
@@ -1202,8 +1203,6 @@ void run_contract_backward(const ContractBackwardPlan& p, const float* g, const 
     BwdWArgs wa{};
     wa.g = g, wa.a = a, wa.b = b, wa.ws = p.splits == 1 ? grad_w : ws;
     wa.B = int(B), wa.S = int(S), wa.Nr = int(Nr), wa.Nc = int(Nc), wa.H = int(H), wa.D = int(D), wa.Dp = int(Dp);
-    // FLASHOPM_BWD_W_INCR=1: the W kernel's form with its copy addresses kept per thread
-    wa.incr_addresses = env_is("FLASHOPM_BWD_W_INCR", "1");
     launch_bwd_w(wa, int(p.splits), terms, stream);
     if (p.splits > 1) add_parts(ws, grad_w, D * H * H, p.splits);
   }

@@ -19,10 +19,10 @@ namespace flashopm {
 //   GEMM 1 (per tile): dO[(i,j), (h1,h2)] = sum_d g[i,j,d] W[d,h1,h2]      M = 64 pairs, N = 128, K = D
 //   GEMM 2:            grad[(i,h1), s]   += sum_(j,h2) dO[(i,h1),(j,h2)] y[s,j,h2]    M = 64, N = kBwSB, K = 128
 // Four warps side by side along n (64 x 32 each) in both GEMMs.
-// kIncr: each thread's copy addresses from bases and strides set once, and the step's (tile, chunk)
-// kept as counters, in place of rebuilding every address from the step index (about 500
-// instructions per step, most of them index arithmetic, against ~900 for the step's GEMM).
-template <int kTerms, int kH, bool kIncr>
+// Each thread's copy addresses come from bases and strides set once, with the step's (tile, chunk)
+// kept as counters: rebuilt from the step index they cost ~560 instructions per step against ~900
+// for the step's GEMM (and 4% more time at the training crop).
+template <int kTerms, int kH>
 __global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_side_kernel(const BwdSideArgs p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   extern __shared__ float4 smem_f4[];
@@ -45,38 +45,7 @@ __global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_side_kernel(const BwdSi
   const float* g_b = p.g + int64_t(b) * p.gs_b;
   const float* y_b = p.y + int64_t(b) * S * Nc * H;
 
-  auto load_step = [&](int buf, int step) {
-    float* X = smem + buf * kBwSideStageFloats;
-    const int tl = step / spt, r = step - tl * spt, j0 = (split + tl * p.jsplits) * TJ;
-    if (r < n1) {
-      const int d0 = r * kBwK;
-#pragma unroll
-      for (int u = 0; u < kBwSideRows * kBwK / 4 / kBwThreads; ++u) {  // g: 64 pairs x 32 d
-        const int idx = tid + u * kBwThreads, q = idx >> 3, k4 = (idx & 7) * 4;
-        const int il = q / TJ, jl = q - il * TJ, i = i0 + il, j = j0 + jl;
-        const bool ok = i < Nr && j < Nc && d0 + k4 < Dp;
-        cp_async16z(X + q * kBwLdK + k4, ok ? g_b + i * p.gs_r + j * p.gs_c + d0 + k4 : p.g, ok);
-      }
-      float* Y = X + kBwSideXFloats;
-#pragma unroll
-      for (int u = 0; u < kBwK * kBwSideCols / 4 / kBwThreads; ++u) {  // W: 32 d x 128 (h1, h2)
-        const int idx = tid + u * kBwThreads, k = idx >> 5, n4 = (idx & 31) * 4;
-        const bool ok = d0 + k < D;
-        cp_async16z(Y + k * kBwLdN + n4, ok ? p.w + (d0 + k) * HH + hc0 * H + n4 : p.w, ok);
-      }
-    } else {
-      const int k20 = (r - n1) * kBwK;  // k of GEMM 2: (jl, h2) = (k2 / H, k2 % H)
-#pragma unroll
-      for (int u = 0; u < kBwSB * kBwK / 4 / kBwThreads; ++u) {  // y: kBwSB s x 32 (j, h2)
-        const int idx = tid + u * kBwThreads, sl = idx >> 3, k4 = (idx & 7) * 4;
-        const int k2 = k20 + k4, jl = k2 / H, j = j0 + jl, s = s0 + sl;
-        const bool ok = s < S && j < Nc;
-        cp_async16z(X + sl * kBwLdK + k4, ok ? y_b + (int64_t(s) * Nc + j) * H + (k2 - jl * H) : p.y, ok);
-      }
-    }
-  };
-
-  // kIncr: the thread's fixed part of each copy.  g: rows q = q0 + 16u (il = il0 + u·16/TJ, the same
+  // The thread's fixed part of each copy.  g: rows q = q0 + 16u (il = il0 + u·16/TJ, the same
   // jl), 16 bytes at k4g; W: rows k = kw0 + 4u at column n4w; y: rows sl = q0 + 16u at k4y, whose
   // element (s, j0 + jl, h2) with jl·H + h2 = k20 + k4y sits at s·Nc·H + j0·H + k20 + k4y.
   const int q0 = tid >> 3, k4 = (tid & 7) * 4, il0 = q0 / TJ, jlg = q0 - il0 * TJ, kw0 = tid >> 5;
@@ -85,7 +54,7 @@ __global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_side_kernel(const BwdSi
   const float* w_row0 = p.w + kw0 * HH + hc0 * H + (tid & 31) * 4;
   const float* y_row0 = y_b + int64_t(s0 + q0) * Nc * H + k4;
   int ld_r = 0, ld_j0 = split * TJ;  // the next step to load: its chunk and its tile's first column
-  auto load_step_incr = [&](int buf) {
+  auto load_step = [&](int buf) {
     float* X = smem + buf * kBwSideStageFloats;
     if (ld_r < n1) {
       const int d0 = ld_r * kBwK;
@@ -122,23 +91,19 @@ __global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_side_kernel(const BwdSi
 #pragma unroll
   for (int st = 0; st < kBwStages - 1; ++st) {
     if (st < total) {
-      if constexpr (kIncr) load_step_incr(st);
-      else load_step(st, st);
+      load_step(st);
     }
     cp_async_commit();
   }
-  int r = 0;  // the current step's chunk: GEMM 1's chunks of d, then GEMM 2's of (j, h2)
+  // the current step's chunk (GEMM 1's chunks of d, then GEMM 2's of (j, h2)) and its stage; the
+  // stage kBwStages - 1 steps ahead is the one before it
+  int r = 0, buf = 0;
   for (int step = 0; step < total; ++step) {
     cp_async_wait<kBwStages - 2>();
     __syncthreads();
-    const int next = step + kBwStages - 1;
-    if (next < total) {
-      if constexpr (kIncr) load_step_incr(next % kBwStages);
-      else load_step(next % kBwStages, next);
-    }
+    if (step + kBwStages - 1 < total) load_step(buf == 0 ? kBwStages - 1 : buf - 1);
     cp_async_commit();
-    const float* X = smem + (step % kBwStages) * kBwSideStageFloats;
-    if constexpr (!kIncr) r = step % spt;
+    const float* X = smem + buf * kBwSideStageFloats;
     if (r < n1) {
       warp_mma_tf32<kTerms, 4, 4, true, false, kBwK / 8>(acc1, X, kBwLdK, X + kBwSideXFloats + wn * 32, kBwLdN, g, t);
       if (r == n1 - 1) {
@@ -161,7 +126,8 @@ __global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_side_kernel(const BwdSi
       warp_mma_tf32<kTerms, 4, 4, true, true, kBwK / 8>(acc2, Ds + (r - n1) * kBwK, kBwLdDs, X + wn * 32 * kBwLdK,
                                                         kBwLdK, g, t);
     }
-    if constexpr (kIncr) r = r + 1 == spt ? 0 : r + 1;
+    r = r + 1 == spt ? 0 : r + 1;
+    buf = buf + 1 == kBwStages ? 0 : buf + 1;
   }
   cp_async_wait_all();
 
@@ -189,9 +155,9 @@ __global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_side_kernel(const BwdSi
 //   GEMM 1 (per tile): O[(i,h1), (j,h2)] = sum_s a[s,i,h1] b[s,j,h2]        M = 64, N = 64, K = S
 //   GEMM 2:            acc[k, d]        += sum_(i,j) O[(i,j), k] g[i,j,d]    M = 64, N = 128, K = 64 pairs
 // Four warps: 2 x 2 tiles of 32 x 32 in GEMM 1, side by side along d (64 x 32 each) in GEMM 2.
-// kIncr: as the side kernel's (each thread's copy addresses from bases set once per tile, the
-// step's chunk as a counter), in place of decomposing the step index with 64-bit divisions.
-template <int kTerms, int kH, bool kIncr>
+// Copy addresses as in the side kernel: bases set once per tile, the step's chunk as a counter (the
+// step index decomposed with 64-bit divisions every step cost 7-11% more time).
+template <int kTerms, int kH>
 __global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_w_kernel(const BwdWArgs p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   extern __shared__ float4 smem_f4[];
@@ -210,47 +176,9 @@ __global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_w_kernel(const BwdWArgs
   const int my_tiles = split < tiles ? int((tiles - 1 - split) / splits + 1) : 0;
   const int n1 = (S + kBwK - 1) / kBwK;
   const int spt = n1 + kBwWPairs / kBwK;  // GEMM 1's chunks of s, then GEMM 2's of pairs
-  const int64_t total = int64_t(my_tiles) * spt;
+  const int total = my_tiles * spt;  // < 2^31: plan_contract_backward checks
 
-  auto load_step = [&](int buf, int64_t step) {
-    float* X = smem + buf * kBwWStageFloats;
-    const int64_t tl = step / spt;
-    const int r = int(step - tl * spt);
-    const int64_t tile = split + tl * splits;
-    const int b = int(tile / (int64_t(n_it) * n_jt));
-    const int rem = int(tile - int64_t(b) * n_it * n_jt), it = rem / n_jt, jt = rem - it * n_jt;
-    const int i0 = it * TI, j0 = jt * TJ;
-    if (r < n1) {
-      const int sk0 = r * kBwK;
-#pragma unroll
-      for (int u = 0; u < kBwK * kBwWCols / kPiece / kBwThreads; ++u) {  // a: 32 s x 64 (il, h1c)
-        const int idx = tid + u * kBwThreads, k = idx / (kBwWCols / kPiece), m = idx % (kBwWCols / kPiece) * kPiece;
-        const int il = m / HC, i = i0 + il, s = sk0 + k;
-        const bool ok = s < S && i < Nr;
-        cp_async_n<kPiece * 4>(X + k * kBwLd64 + m,
-                               ok ? p.a + ((int64_t(b) * S + s) * Nr + i) * H + hc0 + (m - il * HC) : p.a, ok);
-      }
-      float* Y = X + kBwK * kBwLd64;
-#pragma unroll
-      for (int u = 0; u < kBwK * kBwWCols / 4 / kBwThreads; ++u) {  // b: 32 s x 64 (jl, h2), contiguous per s
-        const int idx = tid + u * kBwThreads, k = idx >> 4, n4 = (idx & 15) * 4;
-        const int jl = n4 / H, j = j0 + jl, s = sk0 + k;
-        const bool ok = s < S && j < Nc;
-        cp_async16z(Y + k * kBwLd64 + n4, ok ? p.b + ((int64_t(b) * S + s) * Nc + j) * H + (n4 - jl * H) : p.b, ok);
-      }
-    } else {
-      const int q0 = (r - n1) * kBwK;
-#pragma unroll
-      for (int u = 0; u < kBwK * kBwWDG / 4 / kBwThreads; ++u) {  // g: 32 pairs x 128 d
-        const int idx = tid + u * kBwThreads, k = idx >> 5, n4 = (idx & 31) * 4;
-        const int q = q0 + k, il = q / TJ, jl = q - il * TJ, i = i0 + il, j = j0 + jl;
-        const bool ok = i < Nr && j < Nc && d0 + n4 < Dp;
-        cp_async16z(X + k * kBwWGLd + n4, ok ? p.g + ((int64_t(b) * Nr + i) * Nc + j) * Dp + d0 + n4 : p.g, ok);
-      }
-    }
-  };
-
-  // kIncr: the thread's fixed part of each copy.  a: rows k = ka0 + u·(128/P) of P pieces each, at
+  // The thread's fixed part of each copy.  a: rows k = ka0 + u·(128/P) of P pieces each, at
   // column m; b: rows kb0 + 8u at n4b; g: rows kg0 + 4u (pairs q of the chunk; jl = kg0 % TJ in
   // every one) at n4g.  The tile's bases are set when the tile starts.
   constexpr int P = kBwWCols / kPiece;
@@ -259,17 +187,20 @@ __global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_w_kernel(const BwdWArgs
   const int jlg = kg0 % TJ, ilg0 = kg0 / TJ;
   const int64_t NrH = int64_t(Nr) * H, NcH = int64_t(Nc) * H, NcDp = int64_t(Nc) * Dp;
   int ld_r = 0, ld_i0 = 0, ld_j0 = 0;
-  int64_t ld_tile = split;
+  int ld_tl = 0;  // the next step's tile among this split's: split + ld_tl·splits
   const float *a_tile = p.a, *b_tile = p.b, *g_tile = p.g;
   const auto start_tile = [&]() {
-    const int bb = int(ld_tile / (int64_t(n_it) * n_jt));
-    const int rem = int(ld_tile - int64_t(bb) * n_it * n_jt), it = rem / n_jt;
+    // splits as gridDim.z here, once per tile: a register holding it was spilled and reloaded
+    // every step
+    const int64_t tile = split + int64_t(ld_tl) * gridDim.z;
+    const int bb = int(tile / (int64_t(n_it) * n_jt));
+    const int rem = int(tile - int64_t(bb) * n_it * n_jt), it = rem / n_jt;
     ld_i0 = it * TI, ld_j0 = (rem - it * n_jt) * TJ;
     a_tile = p.a + (int64_t(bb) * S * Nr + ld_i0 + ila) * H + hc0 + hma + ka0 * NrH;
     b_tile = p.b + (int64_t(bb) * S * Nc + ld_j0) * H + n4b + kb0 * NcH;
     g_tile = p.g + ((int64_t(bb) * Nr + ld_i0 + ilg0) * Nc + ld_j0 + jlg) * Dp + d0 + n4g;
   };
-  auto load_step_incr = [&](int buf) {
+  auto load_step = [&](int buf) {
     float* X = smem + buf * kBwWStageFloats;
     if (ld_r == 0) start_tile();
     if (ld_r < n1) {
@@ -300,7 +231,7 @@ __global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_w_kernel(const BwdWArgs
         cp_async16z(X + (kg0 + 4 * u) * kBwWGLd + n4g, ok ? g_src + (4 * u / TJ) * NcDp : p.g, ok);
       }
     }
-    if (++ld_r == spt) ld_r = 0, ld_tile += splits;
+    if (++ld_r == spt) ld_r = 0, ++ld_tl;
   };
 
   float acc1[2][4][4], accw[4][4][4];
@@ -309,23 +240,19 @@ __global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_w_kernel(const BwdWArgs
 #pragma unroll
   for (int st = 0; st < kBwStages - 1; ++st) {
     if (st < total) {
-      if constexpr (kIncr) load_step_incr(st);
-      else load_step(st, st);
+      load_step(st);
     }
     cp_async_commit();
   }
-  int r = 0;  // the current step's chunk: GEMM 1's chunks of s, then GEMM 2's of pairs
-  for (int64_t step = 0; step < total; ++step) {
+  // the current step's chunk (GEMM 1's chunks of s, then GEMM 2's of pairs) and its stage, as in
+  // the side kernel
+  int r = 0, buf = 0;
+  for (int step = 0; step < total; ++step) {
     cp_async_wait<kBwStages - 2>();
     __syncthreads();
-    const int64_t next = step + kBwStages - 1;
-    if (next < total) {
-      if constexpr (kIncr) load_step_incr(int(next % kBwStages));
-      else load_step(int(next % kBwStages), next);
-    }
+    if (step + kBwStages - 1 < total) load_step(buf == 0 ? kBwStages - 1 : buf - 1);
     cp_async_commit();
-    const float* X = smem + int(step % kBwStages) * kBwWStageFloats;
-    if constexpr (!kIncr) r = int(step % spt);
+    const float* X = smem + buf * kBwWStageFloats;
     if (r < n1) {
       // the last chunk of s: its k-steps of 8 that hold s < S
       const int k_lim = r == n1 - 1 ? (S - r * kBwK + 7) / 8 : kBwK / 8;
@@ -355,7 +282,8 @@ __global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_w_kernel(const BwdWArgs
       warp_mma_tf32<kTerms, 4, 4, false, false, kBwK / 8>(accw, Os + (r - n1) * kBwK * kBwLd64, kBwLd64,
                                                           X + warp * 32, kBwWGLd, g, t);
     }
-    if constexpr (kIncr) r = r + 1 == spt ? 0 : r + 1;
+    r = r + 1 == spt ? 0 : r + 1;
+    buf = buf + 1 == kBwStages ? 0 : buf + 1;
   }
   cp_async_wait_all();
 

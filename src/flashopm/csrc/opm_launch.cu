@@ -456,34 +456,24 @@ int bwd_side_smem_bytes() { return kBwSideSmemFloats * int(sizeof(float)); }
 int bwd_w_smem_bytes() { return kBwWSmemFloats * int(sizeof(float)); }
 
 namespace {
-template <int kTerms, int kH, bool kIncr>
-void launch_bwd_side_form(const BwdSideArgs& args, cudaStream_t stream) {
+template <int kTerms, int kH>
+void launch_bwd_side_t(const BwdSideArgs& args, cudaStream_t stream) {
   constexpr int hc = kBwSideCols / kH, ti = kBwSideRows / hc;
   const dim3 grid(unsigned((args.Nr + ti - 1) / ti), unsigned(kH / hc),
                   unsigned(args.B * args.n_sblocks * args.jsplits));
-  constexpr auto kernel = opm_bwd_side_kernel<kTerms, kH, kIncr>;
+  constexpr auto kernel = opm_bwd_side_kernel<kTerms, kH>;
   allow_smem<kernel>();
   kernel<<<grid, kBwThreads, bwd_side_smem_bytes(), stream>>>(args);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 template <int kTerms, int kH>
-void launch_bwd_side_t(const BwdSideArgs& args, cudaStream_t stream) {
-  if (args.incr_addresses) return launch_bwd_side_form<kTerms, kH, true>(args, stream);
-  launch_bwd_side_form<kTerms, kH, false>(args, stream);
-}
-template <int kTerms, int kH, bool kIncr>
-void launch_bwd_w_form(const BwdWArgs& args, int splits, cudaStream_t stream) {
+void launch_bwd_w_t(const BwdWArgs& args, int splits, cudaStream_t stream) {
   constexpr int hc = kBwWCols / kH;
   const dim3 grid(unsigned(kH / hc), unsigned((args.D + kBwWDG - 1) / kBwWDG), unsigned(splits));
-  constexpr auto kernel = opm_bwd_w_kernel<kTerms, kH, kIncr>;
+  constexpr auto kernel = opm_bwd_w_kernel<kTerms, kH>;
   allow_smem<kernel>();
   kernel<<<grid, kBwThreads, bwd_w_smem_bytes(), stream>>>(args);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-template <int kTerms, int kH>
-void launch_bwd_w_t(const BwdWArgs& args, int splits, cudaStream_t stream) {
-  if (args.incr_addresses) return launch_bwd_w_form<kTerms, kH, true>(args, splits, stream);
-  launch_bwd_w_form<kTerms, kH, false>(args, splits, stream);
 }
 template <int kTerms>
 void launch_bwd_side_h(const BwdSideArgs& args, cudaStream_t stream) {

@@ -725,7 +725,6 @@ struct BwdSideArgs {
   int B, S, Nr, Nc, H, D, Dp;
   int n_sblocks;     // blocks of kBwSB along s
   int jsplits;       // blocks sharing the columns of one row block (column tiles jt = split mod jsplits)
-  int incr_addresses;  // the kernel's form with per-thread copy bases and step counters (kIncr)
 };
 
 struct BwdWArgs {
@@ -734,7 +733,6 @@ struct BwdWArgs {
   const float* b;    // (B, S, Nc, H)
   float* ws;         // (splits, D, H·H): one partial sum per split of the tiles
   int B, S, Nr, Nc, H, D, Dp;
-  int incr_addresses;  // the kernel's form with per-thread copy bases and step counters (kIncr)
 };
 
 void launch_bwd_side(const BwdSideArgs& args, int terms, cudaStream_t stream);
