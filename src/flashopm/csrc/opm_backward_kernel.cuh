@@ -234,9 +234,6 @@ __global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_w_kernel(const BwdWArgs
     if (++ld_r == spt) ld_r = 0, ++ld_tl;
   };
 
-  static_assert(16 % HC == 0 && (H >= 32 || 32 % H == 0), "w kernel: O's store offsets");
-  const int o_m0 = wm * 32 + g;
-  float* const o_store = Os + (o_m0 / HC * TJ + wn * 32 / H) * kBwLd64 + (o_m0 % HC) * H + wn * 32 % H + 2 * t;
   float acc1[2][4][4], accw[4][4][4];
   zero_tiles(acc1);
   zero_tiles(accw);
@@ -249,13 +246,11 @@ __global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_w_kernel(const BwdWArgs
   }
   // the current step's chunk (GEMM 1's chunks of s, then GEMM 2's of pairs) and its stage, as in
   // the side kernel
-  // the steps left as one count down: with the step index and the total both kept, the total was
-  // spilled and reloaded for the prefetch test every step
   int r = 0, buf = 0;
-  for (int left = total; left > 0; --left) {
+  for (int step = 0; step < total; ++step) {
     cp_async_wait<kBwStages - 2>();
     __syncthreads();
-    if (left > kBwStages - 1) load_step(buf == 0 ? kBwStages - 1 : buf - 1);
+    if (step + kBwStages - 1 < total) load_step(buf == 0 ? kBwStages - 1 : buf - 1);
     cp_async_commit();
     const float* X = smem + buf * kBwWStageFloats;
     if (r < n1) {
@@ -268,20 +263,16 @@ __global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_w_kernel(const BwdWArgs
         warp_mma_tf32<kTerms, 2, 4, false, false, kBwK / 8>(acc1, X + wm * 32, kBwLd64,
                                                             X + kBwK * kBwLd64 + wn * 32, kBwLd64, g, t, k_lim);
       if (r == n1 - 1) {
-        // O to shared memory as GEMM 2's A: row (pair q = il·TJ + jl), column k = h1c·H + h2, where
-        // m = m0 + dm (il = m / HC, h1c = m % HC) and n = wn·32 + dn + 2t (jl = n / H, h2 = n % H).
-        // dm (a multiple of HC) and dn (no carry into jl past wn·32 / H, for H = 16, 32, 64) only
-        // move il and jl, so every store is the thread's base plus a constant: as 16 addresses
-        // computed once the compiler kept them in registers it then spilled.
+        // O to shared memory as GEMM 2's A: row (pair q = il·TJ + jl), column k = h1c·H + h2
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
           for (int half = 0; half < 2; ++half) {
-            const int dm = mt * 16 + 8 * half;
+            const int m = wm * 32 + mt * 16 + g + 8 * half, il = m / HC, h1c = m - il * HC;
 #pragma unroll
             for (int nt = 0; nt < 4; ++nt) {
-              const int dn = nt * 8;
-              *reinterpret_cast<float2*>(o_store + (dm / HC * TJ + dn / H) * kBwLd64 + dn % H) =
+              const int n = wn * 32 + nt * 8 + 2 * t, jl = n / H, h2 = n - jl * H;
+              *reinterpret_cast<float2*>(Os + (il * TJ + jl) * kBwLd64 + h1c * H + h2) =
                   make_float2(acc1[mt][nt][2 * half], acc1[mt][nt][2 * half + 1]);
             }
           }
