@@ -4,14 +4,9 @@
 # instruction and the pipes' utilisation of one launch of each, and each kernel's per-instruction
 # stall samples, summarised by scripts/ncu_source_summary.py.
 #   usage: scripts/ncu_backward.sh OUTDIR [B,S,N,C,H,D]      (default: the training crop)
-out=${1:?usage: scripts/ncu_backward.sh OUTDIR [B,S,N,C,H,D]}
+out=$(mkdir -p "${1:?usage: scripts/ncu_backward.sh OUTDIR [B,S,N,C,H,D]}" && cd "$1" && pwd) || exit 1
 shape=${2:-1,128,256,256,32,128}
-mkdir -p "$out"
-cd "$(dirname "$0")/.."
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" MAX_JOBS=${MAX_JOBS:-16}
-export FLASHOPM_CACHE_DIR=${FLASHOPM_CACHE_DIR:-$PWD/.cache/flashopm}
-py=${PYTHON:-python3}
-$py -c "import flashopm._build as b; print(b.load())" >"$out/build.log" 2>&1 || { tail -5 "$out/build.log"; exit 1; }
+. "$(dirname "$0")/gpu_env.sh" "$out" || { tail -5 "$out/build.log"; exit 1; }
 prog=(scripts/ncu_backward_step.py "$shape")
 # the second step's launches (grad_a's side, grad_b's side, W), after the first step's three
 stalls=$(printf 'smsp__average_warps_issue_stalled_%s_per_issue_active.ratio,' long_scoreboard short_scoreboard \

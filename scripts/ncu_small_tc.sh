@@ -4,14 +4,9 @@
 # and shared-memory metrics, and the second kernel's per-instruction stall samples, summarised by
 # scripts/ncu_source_summary.py into the stretches between its block barriers (its phases).
 #   usage: scripts/ncu_small_tc.sh OUTDIR [B,S,N,C,H,D]      (default: the specification's shape)
-out=${1:?usage: scripts/ncu_small_tc.sh OUTDIR [B,S,N,C,H,D]}
+out=$(mkdir -p "${1:?usage: scripts/ncu_small_tc.sh OUTDIR [B,S,N,C,H,D]}" && cd "$1" && pwd) || exit 1
 shape=${2:-2,8,32,64,32,64}
-mkdir -p "$out"
-cd "$(dirname "$0")/.."
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" MAX_JOBS=${MAX_JOBS:-16}
-export FLASHOPM_CACHE_DIR=${FLASHOPM_CACHE_DIR:-$PWD/.cache/flashopm}
-py=${PYTHON:-python3}
-$py -c "import flashopm._build as b; print(b.load())" >"$out/build.log" 2>&1 || { tail -5 "$out/build.log"; exit 1; }
+. "$(dirname "$0")/gpu_env.sh" "$out" || { tail -5 "$out/build.log"; exit 1; }
 prog="$out/one_call.py"
 cat >"$prog" <<PY
 import torch, flashopm
