@@ -1,0 +1,101 @@
+"""Accuracy of a float16 split form for the fused backward's GEMMs with scales per chunk of K,
+emulated on the CPU: the design NOTES.md's "Sketch: the backward in the float16 split form"
+proposes for "highest" on wgmma.
+
+A GEMM C = A·B over K is cut into chunks of `chunk` k.  In each chunk, A is scaled per row (its
+largest magnitude in the chunk into [2^14, 2^15)) and B either once for the chunk or per column
+over the whole of K (whose factor is applied at the end), each split into float16 high and low
+parts; the products lo·hi + hi·lo + hi·hi are exact (float64) and summed in float64 within the
+chunk (the zeroed accumulator), rounded to float32, multiplied by the chunk's inverse scales and
+added to the float32 sums (one FFMA per element at each retirement).  The tensor core's own
+truncation inside a chunk is not modelled.  For the side kernel's two GEMMs (dO = g·W over d, then
+grad_a = dO·b over (j, h2)) and the W kernel's (O = a·b over s, then grad_W = gᵀ·O over pairs),
+prints the normwise error against float64 next to eager float32's (CPU matmul), overall and for
+the worst output column, with g and the weights at unit scale and at scales far apart, a third of
+W's columns scaled down by up to 1e-6 and a fifth of b's columns zero.
+
+    PYTHONPATH=src python scripts/f16_split_backward_emulation.py
+"""
+import torch
+
+TOP = 14
+
+
+def chunk_exponents(amax: torch.Tensor) -> torch.Tensor:
+    """e with amax·2^e in [2^14, 2^15); 0 where amax is 0."""
+    e = TOP - torch.floor(torch.log2(amax.double().clamp(min=1e-300)))
+    return torch.where(amax > 0, e.clamp(-113, 126), torch.zeros_like(e))
+
+
+def split16(x: torch.Tensor, e: torch.Tensor):
+    xs = (x.double() * torch.exp2(e)).float()
+    hi = xs.half()
+    lo = (xs - hi.float()).half()
+    return hi.double(), lo.double()
+
+
+def split_gemm(a: torch.Tensor, b: torch.Tensor, chunk: int, b_per_column: bool) -> torch.Tensor:
+    """a (M, K) float32, b (K, N) float32 -> (M, N) float32 in the chunked split form: A scaled per
+    (row, chunk); B once per chunk, or (b_per_column) per column over the whole of K, whose factor
+    then applies once at the end."""
+    M, K = a.shape
+    acc = torch.zeros(M, b.shape[1], dtype=torch.float32)
+    eb_col = chunk_exponents(b.abs().amax(dim=0))[None, :] if b_per_column else None
+    for k0 in range(0, K, chunk):
+        ac, bc = a[:, k0:k0 + chunk], b[k0:k0 + chunk]
+        ea = chunk_exponents(ac.abs().amax(dim=1))[:, None]  # per row of A
+        eb = eb_col if b_per_column else chunk_exponents(bc.abs().amax())
+        ah, al = split16(ac, ea)
+        bh, bl = split16(bc, eb)
+        part = (al @ bh + ah @ bl + ah @ bh).float()          # the chunk's zeroed accumulator
+        acc = acc + part * torch.exp2(-(ea if b_per_column else ea + eb)).float()
+    return (acc.double() * torch.exp2(-eb_col)).float() if b_per_column else acc
+
+
+def rel(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((x.double() - ref).norm() / ref.norm())
+
+
+def worst_column(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """The largest normwise error of one output column (columns of small magnitude show what one
+    scale for B's whole chunk costs them)."""
+    return float(((x.double() - ref).norm(dim=0) / ref.norm(dim=0).clamp(min=1e-300)).max())
+
+
+def report(name: str, a: torch.Tensor, b: torch.Tensor, chunk: int) -> None:
+    ref = a.double() @ b.double()
+    eager = a @ b
+    line = f"  {name:28s} K={a.shape[1]:5d}  eager {rel(eager, ref):.2e} (worst column {worst_column(eager, ref):.2e})"
+    for per_column in (False, True):
+        ours = split_gemm(a, b, chunk, per_column)
+        line += f";  B per {'column' if per_column else 'chunk'}: {rel(ours, ref):.2e} ({worst_column(ours, ref):.2e})"
+    print(line)
+
+
+def main() -> None:
+    gen = torch.Generator().manual_seed(0)
+
+    def randn(*shape, scale=1.0):
+        return torch.randn(*shape, generator=gen) * scale
+
+    N, S, H, D = 48, 128, 16, 128
+    for g_scale, w_scale, ab_scale in ((1.0, 1.0, 1.0), (1e-6, 30.0, 1e-3), (1e4, 1e-4, 50.0)):
+        print(f"g x{g_scale:g}, W x{w_scale:g}, a and b x{ab_scale:g}:")
+        g = randn(N * N, D, scale=g_scale)                    # pairs (i, j) x d
+        g[::7] *= 1e-3                                        # rows of other magnitudes (masked pairs)
+        w = randn(D, H * H, scale=w_scale)                    # d x (h1, h2)
+        w[:, ::3] *= 10.0 ** -torch.randint(0, 7, (w[:, ::3].shape[1],), generator=gen).float()  # columns 1e-6..1
+        a, b = randn(S, N * H, scale=ab_scale), randn(S, N * H, scale=ab_scale)
+        b[:, ::5] = 0.0                                       # fully masked columns
+        report("side 1: dO = g.W", g, w, 16)
+        dO = (g.double() @ w.double()).float()                # (i, j) x (h1, h2)
+        dO_rows = dO.reshape(N, N, H, H).permute(0, 2, 1, 3).reshape(N * H, N * H)  # (i, h1) x (j, h2)
+        report("side 2: grad_a = dO.b", dO_rows, b.t().contiguous(), 32)
+        o = (a.t().double() @ b.double()).float()             # (i, h1) x (j, h2), exact-ish
+        report("W 1: O = a.b over s", a.t().contiguous(), b, 16)
+        o_pairs = o.reshape(N, H, N, H).permute(0, 2, 1, 3).reshape(N * N, H * H)
+        report("W 2: grad_W = g^T.O", g.t().contiguous(), o_pairs, 32)
+
+
+if __name__ == "__main__":
+    main()
