@@ -8,17 +8,21 @@ over the whole of K (whose factor is applied at the end), each split into float1
 parts; the products lo·hi + hi·lo + hi·hi are exact (float64) and summed in float64 within the
 chunk (the zeroed accumulator), rounded to float32, multiplied by the chunk's inverse scales and
 added to the float32 sums (one FFMA per element at each retirement).  The tensor core's own
-truncation inside a chunk is not modelled.  For the side kernel's two GEMMs (dO = g·W over d, then
+truncation inside a chunk is not modelled, unless --cuda runs each chunk's products as one float16
+GEMM on the GPU.  For the side kernel's two GEMMs (dO = g·W over d, then
 grad_a = dO·b over (j, h2)) and the W kernel's (O = a·b over s, then grad_W = gᵀ·O over pairs),
 prints the normwise error against float64 next to eager float32's (CPU matmul), overall and for
 the worst output column, with g and the weights at unit scale and at scales far apart, a third of
 W's columns scaled down by up to 1e-6 and a fifth of b's columns zero.
 
-    PYTHONPATH=src python scripts/f16_split_backward_emulation.py
+    python scripts/f16_split_backward_emulation.py [--cuda]
 """
+import sys
+
 import torch
 
 TOP = 14
+CUDA = "--cuda" in sys.argv
 
 
 def chunk_exponents(amax: torch.Tensor) -> torch.Tensor:
@@ -34,6 +38,17 @@ def split16(x: torch.Tensor, e: torch.Tensor):
     return hi.double(), lo.double()
 
 
+def chunk_products(al, ah, bh, bl) -> torch.Tensor:
+    """lo·hi + hi·lo + hi·hi of one chunk in float32: exact products summed in float64 on the CPU;
+    with --cuda, one float16 GEMM over the three products' K on the GPU's tensor cores with float32
+    accumulation (cuBLAS), which adds their own rounding inside the chunk."""
+    if CUDA:
+        x = torch.cat([al, ah, ah], 1).half().cuda()
+        y = torch.cat([bh, bl, bh], 0).half().cuda()
+        return torch.mm(x, y, out_dtype=torch.float32).cpu()
+    return (al @ bh + ah @ bl + ah @ bh).float()
+
+
 def split_gemm(a: torch.Tensor, b: torch.Tensor, chunk: int, b_per_column: bool) -> torch.Tensor:
     """a (M, K) float32, b (K, N) float32 -> (M, N) float32 in the chunked split form: A scaled per
     (row, chunk); B once per chunk, or (b_per_column) per column over the whole of K, whose factor
@@ -47,7 +62,7 @@ def split_gemm(a: torch.Tensor, b: torch.Tensor, chunk: int, b_per_column: bool)
         eb = eb_col if b_per_column else chunk_exponents(bc.abs().amax())
         ah, al = split16(ac, ea)
         bh, bl = split16(bc, eb)
-        part = (al @ bh + ah @ bl + ah @ bh).float()          # the chunk's zeroed accumulator
+        part = chunk_products(al, ah, bh, bl)                 # the chunk's zeroed accumulator
         acc = acc + part * torch.exp2(-(ea if b_per_column else ea + eb)).float()
     return (acc.double() * torch.exp2(-eb_col)).float() if b_per_column else acc
 
