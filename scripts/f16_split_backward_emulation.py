@@ -13,7 +13,8 @@ GEMM on the GPU.  For the side kernel's two GEMMs (dO = g·W over d, then
 grad_a = dO·b over (j, h2)) and the W kernel's (O = a·b over s, then grad_W = gᵀ·O over pairs),
 prints the normwise error against float64 next to eager float32's (CPU matmul), overall and for
 the worst output column, with g and the weights at unit scale and at scales far apart, a third of
-W's columns scaled down by up to 1e-6 and a fifth of b's columns zero.
+W's columns scaled down by up to 1e-6 and a fifth of b's columns zero; then with residues masked
+by fractions far apart, B per column as given and with the K index's scale moved into B.
 
     python scripts/f16_split_backward_emulation.py [--cuda]
 """
@@ -87,6 +88,44 @@ def report(name: str, a: torch.Tensor, b: torch.Tensor, chunk: int) -> None:
     print(line)
 
 
+def report_balanced(name: str, a: torch.Tensor, b: torch.Tensor, chunk: int, k_exp: torch.Tensor) -> None:
+    """As report, B per column, as given and with each K index's power of two 2^k_exp moved from A
+    into B (A·2^-k_exp, B·2^k_exp: the same product, B flat along K)."""
+    ref = a.double() @ b.double()
+    eager = a @ b
+    a2 = (a.double() * torch.exp2(-k_exp)[None, :]).float()
+    b2 = (b.double() * torch.exp2(k_exp)[:, None]).float()
+    plain, moved = split_gemm(a, b, chunk, True), split_gemm(a2, b2, chunk, True)
+    print(f"  {name:28s} K={a.shape[1]:5d}  eager {rel(eager, ref):.2e} (worst column {worst_column(eager, ref):.2e});"
+          f"  B as given: {rel(plain, ref):.2e} ({worst_column(plain, ref):.2e});"
+          f"  K's scales in B: {rel(moved, ref):.2e} ({worst_column(moved, ref):.2e})")
+
+
+def masked_residues(randn, gen) -> None:
+    """OpenFold's convention with residues masked by fractions 1e-6..10 (a tenth fully): a and b
+    shrink with the mask, g = grad_out / (1e-3 + sum_s m_si m_sj) grows, so the K index of the two
+    second GEMMs (residue j; pair (i, j)) carries magnitudes 1e12 apart in B."""
+    N, S, H, D = 40, 96, 16, 64
+    r = 10.0 ** (torch.rand(N, generator=gen) * 7 - 6)
+    r[::10] = 0.0
+    m = r[None, :] * (torch.rand(S, N, generator=gen) > 0.2).float()             # (s, residue)
+    a = randn(S, N, H) * m[..., None]
+    b = randn(S, N, H) * m[..., None]
+    den = 1e-3 + m.t().double() @ m.double()                                     # (i, j)
+    g = (randn(N, N, D).double() / den[..., None]).float()                       # (i, j, d)
+    w = randn(D, H * H)
+    print("masked residues (OpenFold's convention):")
+    dO = (g.reshape(N * N, D).double() @ w.double()).float()
+    dO_rows = dO.reshape(N, N, H, H).permute(0, 2, 1, 3).reshape(N * H, N * H)   # (i, h1) x (j, h2)
+    b_rows = b.reshape(S, N * H).t().contiguous()                                # (j, h2) x s
+    e_j = chunk_exponents(b.abs().amax(dim=(0, 2)))                              # per residue j
+    report_balanced("side 2: grad_a = dO.b", dO_rows, b_rows, 32, e_j.repeat_interleave(H))
+    o = (a.reshape(S, N * H).t().double() @ b.reshape(S, N * H).double()).float()
+    o_pairs = o.reshape(N, H, N, H).permute(0, 2, 1, 3).reshape(N * N, H * H)    # (i, j) x (h1, h2)
+    e_pair = chunk_exponents(a.abs().amax(dim=(0, 2))[:, None] * b.abs().amax(dim=(0, 2))[None, :]).reshape(-1)
+    report_balanced("W 2: grad_W = g^T.O", g.reshape(N * N, D).t().contiguous(), o_pairs, 32, e_pair)
+
+
 def main() -> None:
     gen = torch.Generator().manual_seed(0)
 
@@ -110,6 +149,7 @@ def main() -> None:
         report("W 1: O = a.b over s", a.t().contiguous(), b, 16)
         o_pairs = o.reshape(N, H, N, H).permute(0, 2, 1, 3).reshape(N * N, H * H)
         report("W 2: grad_W = g^T.O", g.t().contiguous(), o_pairs, 32)
+    masked_residues(randn, gen)
 
 
 if __name__ == "__main__":
