@@ -3,9 +3,9 @@ emulated on the CPU: the design NOTES.md's "Sketch: the backward in the float16 
 proposes for "highest" on wgmma.
 
 A GEMM C = A·B over K is cut into chunks of `chunk` k.  In each chunk, A is scaled per row (its
-largest magnitude in the chunk into [2^14, 2^15)) and B either once for the chunk or per column
-over the whole of K (whose factor is applied at the end), each split into float16 high and low
-parts; the products lo·hi + hi·lo + hi·hi are exact (float64) and summed in float64 within the
+largest magnitude in the chunk into [2^14, 2^15)) and B once for the chunk, per column over the
+whole of K (whose factor is applied at the end) or per (column, chunk), each split into float16
+high and low parts; the products lo·hi + hi·lo + hi·hi are exact (float64) and summed in float64 within the
 chunk (the zeroed accumulator), rounded to float32, multiplied by the chunk's inverse scales and
 added to the float32 sums (one FFMA per element at each retirement).  The tensor core's own
 truncation inside a chunk is not modelled, unless --cuda runs each chunk's products as one float16
@@ -50,22 +50,24 @@ def chunk_products(al, ah, bh, bl) -> torch.Tensor:
     return (al @ bh + ah @ bl + ah @ bh).float()
 
 
-def split_gemm(a: torch.Tensor, b: torch.Tensor, chunk: int, b_per_column: bool) -> torch.Tensor:
+def split_gemm(a: torch.Tensor, b: torch.Tensor, chunk: int, b_scales: str) -> torch.Tensor:
     """a (M, K) float32, b (K, N) float32 -> (M, N) float32 in the chunked split form: A scaled per
-    (row, chunk); B once per chunk, or (b_per_column) per column over the whole of K, whose factor
-    then applies once at the end."""
+    (row, chunk); B (b_scales) once per chunk ("chunk"), per column over the whole of K ("column",
+    a factor applied once at the end), or per (column, chunk) ("column-chunk": each retirement's
+    factor then differs per element)."""
     M, K = a.shape
     acc = torch.zeros(M, b.shape[1], dtype=torch.float32)
-    eb_col = chunk_exponents(b.abs().amax(dim=0))[None, :] if b_per_column else None
+    eb_col = chunk_exponents(b.abs().amax(dim=0))[None, :] if b_scales == "column" else None
     for k0 in range(0, K, chunk):
         ac, bc = a[:, k0:k0 + chunk], b[k0:k0 + chunk]
         ea = chunk_exponents(ac.abs().amax(dim=1))[:, None]  # per row of A
-        eb = eb_col if b_per_column else chunk_exponents(bc.abs().amax())
+        eb = {"column": eb_col, "chunk": chunk_exponents(bc.abs().amax()),
+              "column-chunk": chunk_exponents(bc.abs().amax(dim=0))[None, :]}[b_scales]
         ah, al = split16(ac, ea)
         bh, bl = split16(bc, eb)
         part = chunk_products(al, ah, bh, bl)                 # the chunk's zeroed accumulator
-        acc = acc + part * torch.exp2(-(ea if b_per_column else ea + eb)).float()
-    return (acc.double() * torch.exp2(-eb_col)).float() if b_per_column else acc
+        acc = acc + part * torch.exp2(-(ea if b_scales == "column" else ea + eb)).float()
+    return (acc.double() * torch.exp2(-eb_col)).float() if b_scales == "column" else acc
 
 
 def rel(x: torch.Tensor, ref: torch.Tensor) -> float:
@@ -82,23 +84,25 @@ def report(name: str, a: torch.Tensor, b: torch.Tensor, chunk: int) -> None:
     ref = a.double() @ b.double()
     eager = a @ b
     line = f"  {name:28s} K={a.shape[1]:5d}  eager {rel(eager, ref):.2e} (worst column {worst_column(eager, ref):.2e})"
-    for per_column in (False, True):
-        ours = split_gemm(a, b, chunk, per_column)
-        line += f";  B per {'column' if per_column else 'chunk'}: {rel(ours, ref):.2e} ({worst_column(ours, ref):.2e})"
+    for scales in ("chunk", "column", "column-chunk"):
+        ours = split_gemm(a, b, chunk, scales)
+        line += f";  B per {scales}: {rel(ours, ref):.2e} ({worst_column(ours, ref):.2e})"
     print(line)
 
 
 def report_balanced(name: str, a: torch.Tensor, b: torch.Tensor, chunk: int, k_exp: torch.Tensor) -> None:
-    """As report, B per column, as given and with each K index's power of two 2^k_exp moved from A
-    into B (A·2^-k_exp, B·2^k_exp: the same product, B flat along K)."""
+    """As report, then B per column with each K index's power of two 2^k_exp moved from A into B
+    (A·2^-k_exp, B·2^k_exp: the same product, B flat along K)."""
     ref = a.double() @ b.double()
     eager = a @ b
     a2 = (a.double() * torch.exp2(-k_exp)[None, :]).float()
     b2 = (b.double() * torch.exp2(k_exp)[:, None]).float()
-    plain, moved = split_gemm(a, b, chunk, True), split_gemm(a2, b2, chunk, True)
-    print(f"  {name:28s} K={a.shape[1]:5d}  eager {rel(eager, ref):.2e} (worst column {worst_column(eager, ref):.2e});"
-          f"  B as given: {rel(plain, ref):.2e} ({worst_column(plain, ref):.2e});"
-          f"  K's scales in B: {rel(moved, ref):.2e} ({worst_column(moved, ref):.2e})")
+    line = f"  {name:28s} K={a.shape[1]:5d}  eager {rel(eager, ref):.2e} (worst column {worst_column(eager, ref):.2e})"
+    for scales in ("chunk", "column", "column-chunk"):
+        ours = split_gemm(a, b, chunk, scales)
+        line += f";  B per {scales}: {rel(ours, ref):.2e} ({worst_column(ours, ref):.2e})"
+    moved = split_gemm(a2, b2, chunk, "column")
+    print(line + f";  K's scales in B: {rel(moved, ref):.2e} ({worst_column(moved, ref):.2e})")
 
 
 def masked_residues(randn, gen) -> None:
