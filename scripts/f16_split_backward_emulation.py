@@ -119,6 +119,8 @@ def masked_residues(randn, gen) -> None:
     g = (randn(N, N, D).double() / den[..., None]).float()                       # (i, j, d)
     w = randn(D, H * H)
     print("masked residues (OpenFold's convention):")
+    report("side 1: dO = g.W", g.reshape(N * N, D), w, 16)
+    report("W 1: O = a.b over s", a.reshape(S, N * H).t().contiguous(), b.reshape(S, N * H), 16)
     dO = (g.reshape(N * N, D).double() @ w.double()).float()
     dO_rows = dO.reshape(N, N, H, H).permute(0, 2, 1, 3).reshape(N * H, N * H)   # (i, h1) x (j, h2)
     b_rows = b.reshape(S, N * H).t().contiguous()                                # (j, h2) x s
