@@ -16,27 +16,19 @@ the worst output column, with g and the weights at unit scale and at scales far 
 W's columns scaled down by up to 1e-6 and a fifth of b's columns zero; then with residues masked
 by fractions far apart, B per column as given and with the K index's scale moved into B.
 
-    python scripts/f16_split_backward_emulation.py [--cuda]
+    PYTHONPATH=src python scripts/f16_split_backward_emulation.py [--cuda]
 """
 import sys
 
 import torch
+from f16_split_emulation import scale_exp, split16  # the forward's emulation: the same scaling and split
 
-TOP = 14
 CUDA = "--cuda" in sys.argv
 
 
 def chunk_exponents(amax: torch.Tensor) -> torch.Tensor:
-    """e with amax·2^e in [2^14, 2^15); 0 where amax is 0."""
-    e = TOP - torch.floor(torch.log2(amax.double().clamp(min=1e-300)))
-    return torch.where(amax > 0, e.clamp(-113, 126), torch.zeros_like(e))
-
-
-def split16(x: torch.Tensor, e: torch.Tensor):
-    xs = (x.double() * torch.exp2(e)).float()
-    hi = xs.half()
-    lo = (xs - hi.float()).half()
-    return hi.double(), lo.double()
+    """e with amax·2^e in [2^14, 2^15) (float64); 0 where amax is 0."""
+    return scale_exp(amax, 126).double()
 
 
 def chunk_products(al, ah, bh, bl) -> torch.Tensor:
