@@ -76,6 +76,75 @@ def test_gradients_against_fp64(shape):
         assert err <= max(2 * err_eager, 4 * torch.finfo(torch.float32).eps), f"{name}: {err:.3g} vs eager {err_eager:.3g}"
 
 
+def _set_side_form(monkeypatch, form):
+    """FLASHOPM_BWD_SIDE_FORM=form for the calls that follow; skips where the float16 split form
+    cannot run (no sm_90 GPU or no sm_90a code in the extension)."""
+    monkeypatch.setenv("FLASHOPM_BWD_SIDE_FORM", form)
+    if form == "f16_split":
+        g, a, b, w = (t.cuda() for t in _problem(1, 2, 3, 4, 32, 5))
+        try:
+            outer_contract_backward_op(g, a, b, w, True, False)
+        except RuntimeError as exc:
+            if "needs hidden_dim 32" not in str(exc):
+                raise
+            pytest.skip(str(exc))
+
+
+# Operand magnitudes the float16 split form's scales must absorb: each case scales g, a, b or W's
+# columns far apart (its powers of two are per (pair, chunk of d), per W column, per (row, chunk)
+# of dO and per s of the other side's projection).
+def _scaled(case, g, a, b, w):
+    g, a, b, w = g.clone(), a.clone(), b.clone(), w.clone()
+    if case == "g_tiny":
+        g *= 1e-6
+    elif case == "g_huge":
+        g *= 1e4
+    elif case == "g_pairs_apart":  # OpenFold's normaliser: pairs divided by counts far apart
+        g[:, ::3] *= 1e-4
+        g[:, :, 1::4] *= 1e3
+    elif case == "w_columns_apart":
+        w[:, ::3] *= 1e-6
+        w[:, 1::5] *= 1e3
+    elif case == "residues_apart":  # fractional masks: residues (and sequences) of a and b far apart
+        a[:, :, ::4] *= 1e-5
+        b[:, :, 1::3] *= 1e-3
+        b[:, ::2] *= 1e2
+    return g, a, b, w
+
+
+@requires_cuda
+@pytest.mark.parametrize("case", ["unit", "g_tiny", "g_huge", "g_pairs_apart", "w_columns_apart", "residues_apart"])
+@pytest.mark.parametrize("shape", [(1, 129, 33, 31, 32, 128), (2, 7, 20, 37, 32, 45), (1, 300, 9, 64, 32, 64)],
+                         ids=lambda s: "B{}_S{}_Nr{}_Nc{}_H{}_D{}".format(*s))
+def test_side_f16_form_against_fp64(monkeypatch, case, shape):
+    """The side kernels' float16 split form: grad_a and grad_b within twice eager float32's error
+    against float64, with operands scaled far apart; and not the mma.sync form's bits (it ran)."""
+    g, a, b, w = _scaled(case, *_problem(*shape, seed=sum(shape)))
+    ref = contract_outer_blocks_backward(g.double(), a.double(), b.double(), w.double(), True, False)
+    eager = contract_outer_blocks_backward(g.cuda(), a.cuda(), b.cuda(), w.cuda(), True, False)
+    _set_side_form(monkeypatch, "f16_split")
+    ours = outer_contract_backward_op(g.cuda(), a.cuda(), b.cuda(), w.cuda(), True, False)
+    monkeypatch.setenv("FLASHOPM_BWD_SIDE_FORM", "mma_sync")
+    other = outer_contract_backward_op(g.cuda(), a.cuda(), b.cuda(), w.cuda(), True, False)
+    for name, o, e, r, x in zip(("grad_a", "grad_b"), ours, eager, ref, other):
+        assert torch.isfinite(o).all(), name
+        err, err_eager = rel_error(o.cpu(), r), rel_error(e.cpu(), r)
+        assert err <= max(2 * err_eager, 4 * torch.finfo(torch.float32).eps), f"{name}: {err:.3g} vs eager {err_eager:.3g}"
+        assert not torch.equal(o, x), f"{name}: the float16 split form gave the mma.sync form's bits"
+
+
+@requires_cuda
+def test_side_form_switch_is_checked(monkeypatch):
+    g, a, b, w = (t.cuda() for t in _problem(1, 2, 3, 4, 32, 5))
+    monkeypatch.setenv("FLASHOPM_BWD_SIDE_FORM", "fast")
+    with pytest.raises(RuntimeError, match="FLASHOPM_BWD_SIDE_FORM must be mma_sync or f16_split"):
+        outer_contract_backward_op(g, a, b, w, True, False)
+    monkeypatch.setenv("FLASHOPM_BWD_SIDE_FORM", "f16_split")
+    g, a, b, w = (t.cuda() for t in _problem(1, 2, 3, 4, 16, 5))
+    with pytest.raises(RuntimeError, match="needs hidden_dim 32"):
+        outer_contract_backward_op(g, a, b, w, True, False)
+
+
 @requires_cuda
 def test_tf32_precision_is_close():
     g, a, b, w = _problem(1, 33, 40, 37, 32, 64, seed=3)

@@ -1101,12 +1101,18 @@ at::Tensor outer_product_mean_rows_cuda(const at::Tensor& a_in, const at::Tensor
 // The fused contraction backward's launches for one problem: its grids' splits, and the float32
 // scratch it needs besides its outputs (each split's partial sums, and W with h1 and h2 swapped for
 // grad_b's side), in chunks of whole 256-byte lines.
+// side_f16: the side kernels in the float16 split form, which read W and the projections split
+// (w_split, w_inv; y_split, y_inv: one set for both sides, in turn) instead of W transposed.
 struct ContractBackwardPlan {
   int64_t B = 0, S = 0, Nr = 0, Nc = 0, H = 0, D = 0, Dp = 0;
-  bool need_ab = false, need_w = false;
+  bool need_ab = false, need_w = false, side_f16 = false;
   int64_t n_sb = 0, jsplits = 1, splits = 1;
   int64_t part_a_floats = 0, part_b_floats = 0, ws_floats = 0, wt_floats = 0;
-  int64_t scratch_floats() const { return part_a_floats + part_b_floats + ws_floats + wt_floats; }
+  int64_t w_split_floats = 0, w_inv_floats = 0, y_split_floats = 0, y_inv_floats = 0;
+  int64_t scratch_floats() const {
+    return part_a_floats + part_b_floats + ws_floats + wt_floats + w_split_floats + w_inv_floats + y_split_floats +
+           y_inv_floats;
+  }
 };
 
 inline int64_t round_up_line(int64_t floats) { return (floats + 63) / 64 * 64; }
@@ -1121,14 +1127,33 @@ at::Tensor contiguous_aligned16(const at::Tensor& t) {
 void check_fused_backward(int dev) {
   FLASHOPM_CHECK(device_info(dev).cc_major >= 8, "flashopm: the fused backward needs compute capability 8.0 or newer");
   check_smem(std::max(bwd_side_smem_bytes(), bwd_w_smem_bytes()), dev, "backward");
+  if (wgmma_runs_on(dev)) check_smem(kBsfSmemBytes, dev, "backward");
+}
+
+// The side kernels' form: the float16 split form on warpgroup MMAs (opm_bwd_side_f16_kernel) under
+// "highest" (terms = 3) for hidden_dim 32 where the extension holds sm_90a code and the GPU is
+// sm_90, else mma.sync.  FLASHOPM_BWD_SIDE_FORM=mma_sync or =f16_split asks for one of them (to
+// compare them; f16_split under "high" too, where it is more accurate than asked).
+bool side_f16_form(int64_t H, int terms, int dev) {
+  const char* env = std::getenv("FLASHOPM_BWD_SIDE_FORM");
+  const std::string form = env ? env : "";
+  FLASHOPM_CHECK(form.empty() || form == "mma_sync" || form == "f16_split",
+                 "flashopm: FLASHOPM_BWD_SIDE_FORM must be mma_sync or f16_split (or unset), got '", form, "'");
+  const bool fits = H == 32 && wgmma_runs_on(dev);
+  FLASHOPM_CHECK(form != "f16_split" || fits,
+                 "flashopm: FLASHOPM_BWD_SIDE_FORM=f16_split needs hidden_dim 32 (got ", H,
+                 "), an sm_90 GPU and the extension built with sm_90a code");
+  if (form == "mma_sync") return false;
+  return fits && (terms == 3 || form == "f16_split");
 }
 
 // B, S, Nr, Nc, D >= 1; H 16, 32 or 64.
 ContractBackwardPlan plan_contract_backward(int64_t B, int64_t S, int64_t Nr, int64_t Nc, int64_t H, int64_t D,
-                                            bool need_ab, bool need_w, int dev) {
+                                            bool need_ab, bool need_w, int terms, int dev) {
   ContractBackwardPlan p;
   p.B = B, p.S = S, p.Nr = Nr, p.Nc = Nc, p.H = H, p.D = D, p.Dp = (D + 3) / 4 * 4;
   p.need_ab = need_ab, p.need_w = need_w;
+  p.side_f16 = need_ab && side_f16_form(H, terms, dev);
   // Two blocks per SM: the grids are sized to fill them once (partial sums added at the end, all
   // in one launch).
   const int64_t slots = 2 * int64_t(device_info(dev).sm_count);
@@ -1144,7 +1169,14 @@ ContractBackwardPlan plan_contract_backward(int64_t B, int64_t S, int64_t Nr, in
       p.part_a_floats = round_up_line(p.jsplits * B * S * Nr * H);
       p.part_b_floats = round_up_line(p.jsplits * B * S * Nc * H);
     }
-    p.wt_floats = round_up_line(D * H * H);
+    if (p.side_f16) {
+      p.w_split_floats = round_up_line((D + 31) / 32 * H * H * 32);
+      p.w_inv_floats = round_up_line(H * H);
+      p.y_split_floats = round_up_line(B * S * std::max(Nr, Nc) * H);
+      p.y_inv_floats = round_up_line(B * S);
+    } else {
+      p.wt_floats = round_up_line(D * H * H);
+    }
   }
   if (need_w) {
     const int64_t hc = kBwWCols / H, ti = H, tj = kBwWCols / H;
@@ -1176,6 +1208,10 @@ void run_contract_backward(const ContractBackwardPlan& p, const float* g, const 
   float* part_b = part_a + p.part_a_floats;
   float* ws = part_b + p.part_b_floats;
   float* w_t = ws + p.ws_floats;
+  uint32_t* w_split = reinterpret_cast<uint32_t*>(w_t + p.wt_floats);
+  float* w_inv = reinterpret_cast<float*>(w_split + p.w_split_floats);
+  uint32_t* y_split = reinterpret_cast<uint32_t*>(w_inv + p.w_inv_floats);
+  float* y_inv = reinterpret_cast<float*>(y_split + p.y_split_floats);
   const int64_t B = p.B, S = p.S, Nr = p.Nr, Nc = p.Nc, H = p.H, D = p.D, Dp = p.Dp;
   if (p.need_ab) {
     RECORD_USER_SCOPE("flashopm::outer_contract_backward/grad_ab");
@@ -1187,12 +1223,19 @@ void run_contract_backward(const ContractBackwardPlan& p, const float* g, const 
     // grad_a: rows i, columns j, W as is, y = b
     side.w = w, side.y = b, side.grad = p.jsplits == 1 ? grad_a : part_a;
     side.Nr = int(Nr), side.Nc = int(Nc), side.gs_r = Nc * Dp, side.gs_c = Dp;
-    launch_bwd_side(side, terms, stream);
+    side.w_split = w_split, side.w_inv = w_inv, side.y_split = y_split, side.y_inv = y_inv;
+    if (p.side_f16) launch_bwd_side_f16(side, false, stream);
+    else launch_bwd_side(side, terms, stream);
     // grad_b: rows j, columns i, W with h1 and h2 swapped, y = a
-    launch_transpose_hh(w, w_t, int(H), D, sm_count, stream);
-    side.w = w_t, side.y = a, side.grad = p.jsplits == 1 ? grad_b : part_b;
+    side.y = a, side.grad = p.jsplits == 1 ? grad_b : part_b;
     side.Nr = int(Nc), side.Nc = int(Nr), side.gs_r = Dp, side.gs_c = Nc * Dp;
-    launch_bwd_side(side, terms, stream);
+    if (p.side_f16) {
+      launch_bwd_side_f16(side, true, stream);  // its splits follow the first side's kernel on the stream
+    } else {
+      launch_transpose_hh(w, w_t, int(H), D, sm_count, stream);
+      side.w = w_t;
+      launch_bwd_side(side, terms, stream);
+    }
     if (p.jsplits > 1) {
       add_parts(part_a, grad_a, B * S * Nr * H, p.jsplits);
       add_parts(part_b, grad_b, B * S * Nc * H, p.jsplits);
@@ -1255,7 +1298,7 @@ std::vector<at::Tensor> outer_contract_backward_cuda(const at::Tensor& g_in, con
   const int dev = a.get_device();
   check_fused_backward(dev);
   const int terms = resolve_precision(precision) == kHighest ? 3 : 1;
-  const ContractBackwardPlan plan = plan_contract_backward(B, S, Nr, Nc, H, D, need_ab, need_w, dev);
+  const ContractBackwardPlan plan = plan_contract_backward(B, S, Nr, Nc, H, D, need_ab, need_w, terms, dev);
   // The scratch stays allocated until its last reader is queued (a tensor freed earlier could be
   // handed to the next allocation on this stream and overwritten first).
   const at::Tensor scratch = plan.scratch_floats() > 0 ? at::empty({plan.scratch_floats()}, a.options()) : at::Tensor();

@@ -150,6 +150,328 @@ __global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_side_kernel(const BwdSi
 #endif
 }
 
+// The side kernel's float16 split form (BwdSideArgs, kBsf* in opm_params.h): the tile and sums of
+// opm_bwd_side_kernel on warpgroup MMAs, the block one warpgroup.  Per tile:
+//   GEMM 1, per chunk of 32 d: each thread reads its A fragments of g (rows 16·warp + g, + 8) as
+//     float32 from the stage, scales each row's chunk by the power of two of its largest magnitude
+//     (four lanes hold a row's 32 values), splits them into float16 high and low parts in registers
+//     and issues lo·hi + hi·lo + hi·hi (wgmma m64n128k16, A from registers, B = W's split slot)
+//     into a zeroed accumulator, added to acc1 in float32 times the row's inverse scale (the tensor
+//     core truncates as it accumulates, so no accumulator spans more than one chunk).
+//   dO = acc1 times W's column scales, split per (row (i, h1), chunk of 32 (j, h2)) into shared
+//     memory, the 16-byte pieces of chunk c rotated by c % 4 as y's are, so that the stores of a
+//     warp (four chunks at once) meet no bank conflicts.
+//   GEMM 2, per chunk: 6 wgmma m64n128k16 (both operands in shared memory) into a zeroed
+//     accumulator, added to acc2 times the row's inverse scale; y's column scales in the epilogue.
+// The loop runs tiles, then each tile's chunks, so that acc1 lives only through GEMM 1.
+template <int kH>
+__global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_side_f16_kernel(const BwdSideArgs p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  static_assert(kH == 32, "the float16 split side kernel's dO chunks are one column j each");
+  static_assert(kBwThreads == kBwSideCols, "one W column scale per thread");
+  extern __shared__ float4 smem_f4[];
+  char* smem = align_smem_1k(reinterpret_cast<char*>(smem_f4));
+  char* dos = smem + kBwStages * kBsfStageBytes;  // dO split: chunk c (column jl = c) at c·8 KB
+  float* do_inv = reinterpret_cast<float*>(dos + kBsfDoBytes);  // [row (il, h1c)][chunk]: 2^-e
+  float* w_inv_s = do_inv + kBwSideRows * kBsfDoChunks;         // [column (h1c, h2)]: 2^-e
+  constexpr int H = kH, HC = kBwSideCols / H, TI = kBwSideRows / HC, TJ = kBwSideCols / H;
+  constexpr int kChunks2 = kBsfDoChunks;  // GEMM 2's chunks per tile
+  const int Nr = p.Nr, Nc = p.Nc, S = p.S, D = p.D, Dp = p.Dp;
+  const int i0 = blockIdx.x * TI, hc0 = blockIdx.y * HC;
+  const int zs = blockIdx.z / p.jsplits, split = blockIdx.z - zs * p.jsplits;
+  const int b = zs / p.n_sblocks, s0 = (zs - b * p.n_sblocks) * kBwSB;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int n1 = (D + kBwK - 1) / kBwK;
+  const int spt = n1 + kChunks2;
+  const int n_jt = (Nc + TJ - 1) / TJ;
+  const int my_tiles = split < n_jt ? (n_jt - 1 - split) / p.jsplits + 1 : 0;
+  const int total = my_tiles * spt;
+  const int n_kc = Nc * H / 32;  // y's chunks of k
+
+  w_inv_s[tid] = p.w_inv[hc0 * H + tid];
+
+  // Copies.  g: rows q = q0 + 16u (il = il0 + u·16/TJ, the same jl), 16 bytes at k4.  Split slots
+  // (W's chunk: columns hc0·H + row; y's: s = s0 + row): rows r = tid / 8 + 16u, 16-byte piece
+  // tid % 8, swizzled as the 128-byte K-major atoms (16 rows on, the same phase: + 2 KB).
+  const int q0 = tid >> 3, k4 = (tid & 7) * 4, il0 = q0 / TJ, jlg = q0 - il0 * TJ;
+  const float* g_row0 = p.g + int64_t(b) * p.gs_b + int64_t(i0 + il0) * p.gs_r + int64_t(jlg) * p.gs_c + k4;
+  const int64_t g_rstep = int64_t(16 / TJ) * p.gs_r;
+  const int sr = tid >> 3, sp = tid & 7;
+  const uint32_t slot_dst = uint32_t(sr >> 3) * 1024u + uint32_t(sr & 7) * 128u + uint32_t((sp ^ (sr & 7)) << 4);
+  const uint32_t* w_src0 = p.w_split + (int64_t(hc0) * H + sr) * 32 + sp * 4;
+  const uint32_t* y_src0 = p.y_split + (int64_t(b) * n_kc * S + s0 + sr) * 32 + sp * 4;
+  int ld_r = 0, ld_j0 = split * TJ;  // the next step to load: its chunk and its tile's first column
+  auto load_step = [&](int buf) {
+    char* st = smem + buf * kBsfStageBytes;
+    if (ld_r < n1) {
+      const int d0 = ld_r * kBwK;
+      float* G = reinterpret_cast<float*>(st + kBsfSlotBytes);
+      const bool cols_ok = ld_j0 + jlg < Nc && d0 + k4 < Dp;
+      const float* src = g_row0 + int64_t(ld_j0) * p.gs_c + d0;
+#pragma unroll
+      for (int u = 0; u < kBwSideRows * kBwK / 4 / kBwThreads; ++u) {  // g: 64 pairs x 32 d
+        const bool ok = cols_ok && i0 + il0 + u * (16 / TJ) < Nr;
+        cp_async16z(G + (q0 + 16 * u) * kBsfGLd + k4, ok ? src + u * g_rstep : p.g, ok);
+      }
+      const uint32_t* w_src = w_src0 + int64_t(ld_r) * H * H * 32;  // chunks padded with zeros past D
+#pragma unroll
+      for (int u = 0; u < kBwSideCols / 16; ++u) cp_async16z(st + slot_dst + 2048u * u, w_src + u * 16 * 32, true);
+    } else {
+      const int c = ld_j0 * H / 32 + (ld_r - n1);
+      const bool c_ok = c < n_kc;
+      const uint32_t* y_src = y_src0 + int64_t(c) * S * 32;
+#pragma unroll
+      for (int u = 0; u < kBwSB / 16; ++u) {
+        const bool ok = c_ok && s0 + sr + 16 * u < S;
+        cp_async16z(st + slot_dst + 2048u * u, ok ? y_src + u * 16 * 32 : p.y_split, ok);
+      }
+    }
+    if (++ld_r == spt) ld_r = 0, ld_j0 += p.jsplits * TJ;
+  };
+
+#pragma unroll
+  for (int st = 0; st < kBwStages - 1; ++st) {
+    if (st < total) load_step(st);
+    cp_async_commit();
+  }
+  int step = 0, buf = 0;
+  // The current step's stage, once its copies (every thread's) are visible to the tensor cores;
+  // the copies of the step kBwStages - 1 ahead go out into the stage the previous step read.
+  const auto next_stage = [&]() {
+    cp_async_wait<kBwStages - 2>();
+    fence_proxy_async_smem();
+    __syncthreads();
+    if (step + kBwStages - 1 < total) load_step(buf == 0 ? kBwStages - 1 : buf - 1);
+    cp_async_commit();
+    const char* st = smem + buf * kBsfStageBytes;
+    ++step;
+    buf = buf + 1 == kBwStages ? 0 : buf + 1;
+    return st;
+  };
+
+  float acc2[64];
+#pragma unroll
+  for (int e = 0; e < 64; ++e) acc2[e] = 0.f;
+  for (int tile = 0; tile < my_tiles; ++tile) {
+    // ---- GEMM 1: acc1[(pair), (h1c, h2)], rows 16·warp + g (+8), columns 8j + 2t (+1) ----
+    float acc1[64];
+#pragma unroll
+    for (int e = 0; e < 64; ++e) acc1[e] = 0.f;
+    for (int r = 0; r < n1; ++r) {
+      const char* st = next_stage();
+      const float* G = reinterpret_cast<const float*>(st + kBsfSlotBytes) + (16 * warp + g) * kBsfGLd + 2 * t;
+      float2 v[2][2][2];  // [row half][k step][k + 8x]
+#pragma unroll
+      for (int half = 0; half < 2; ++half)
+#pragma unroll
+        for (int kk = 0; kk < 2; ++kk)
+#pragma unroll
+          for (int x = 0; x < 2; ++x)
+            v[half][kk][x] = *reinterpret_cast<const float2*>(G + 8 * half * kBsfGLd + 16 * kk + 8 * x);
+      uint32_t a_hi[2][4], a_lo[2][4];
+      float inv[2];
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        float m = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < 2; ++kk)
+#pragma unroll
+          for (int x = 0; x < 2; ++x) m = fmaxf(m, fmaxf(fabsf(v[half][kk][x].x), fabsf(v[half][kk][x].y)));
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+        const int e = split_scale_exp_bits(m);
+        const float f = exp2_int(e);
+        inv[half] = exp2_int(-e);
+#pragma unroll
+        for (int kk = 0; kk < 2; ++kk)
+#pragma unroll
+          for (int x = 0; x < 2; ++x)
+            split_f16x2(v[half][kk][x].x * f, v[half][kk][x].y * f, a_hi[kk][half + 2 * x], a_lo[kk][half + 2 * x]);
+      }
+      float part[64];
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < 2; ++kk) {
+        const uint64_t w_hi = wgmma_desc(st + 32 * kk, 16, 1024), w_lo = wgmma_desc(st + 64 + 32 * kk, 16, 1024);
+        wgmma_m64n128k16_f16_rs(part, a_lo[kk], w_hi, kk);
+        wgmma_m64n128k16_f16_rs(part, a_hi[kk], w_lo, 1);
+        wgmma_m64n128k16_f16_rs(part, a_hi[kk], w_hi, 1);
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+#pragma unroll
+      for (int j = 0; j < 16; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc1[4 * j + e] = fmaf(part[4 * j + e], inv[e >> 1], acc1[4 * j + e]);
+    }
+
+    // ---- dO into shared memory: row (il, h1c), chunk jl, k = h2 ----
+    // acc1's row q = 16·warp + g + 8·half is pair (il, jl) = (q / TJ, q % TJ); column 8j + 2t + e is
+    // (h1c, h2) = (j / 4, 8 (j % 4) + 2t + e).  A row's chunk is four lanes' 8 values.
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      const float2 f = *reinterpret_cast<const float2*>(w_inv_s + 8 * j + 2 * t);
+#pragma unroll
+      for (int half = 0; half < 2; ++half) acc1[4 * j + 2 * half] *= f.x, acc1[4 * j + 2 * half + 1] *= f.y;
+    }
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int q = 16 * warp + g + 8 * half, il = q / TJ, jl = q - il * TJ;
+      char* dc = dos + jl * (kBwSideRows * 128);
+#pragma unroll
+      for (int h1c = 0; h1c < HC; ++h1c) {
+        float m = 0.f;
+#pragma unroll
+        for (int jj = 0; jj < 4; ++jj)
+          m = fmaxf(m, fmaxf(fabsf(acc1[4 * (4 * h1c + jj) + 2 * half]), fabsf(acc1[4 * (4 * h1c + jj) + 2 * half + 1])));
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+        const int e = split_scale_exp_bits(m);
+        const float f = exp2_int(e);
+        const int row = il * HC + h1c;
+        if (t == 0) do_inv[row * kChunks2 + jl] = exp2_int(-e);
+#pragma unroll
+        for (int jj = 0; jj < 4; ++jj) {
+          const int j = 4 * h1c + jj, pos = (8 * jj + 2 * t + 8 * jl) & 31;
+          uint32_t hi, lo;
+          split_f16x2(acc1[4 * j + 2 * half] * f, acc1[4 * j + 2 * half + 1] * f, hi, lo);
+          *reinterpret_cast<uint32_t*>(dc + kmajor_split16_offset(row, pos, 1024, 0)) = hi;
+          *reinterpret_cast<uint32_t*>(dc + kmajor_split16_offset(row, pos, 1024, 1)) = lo;
+        }
+      }
+    }
+    fence_proxy_async_smem();  // dO visible to the tensor cores after the next step's barrier
+
+    // ---- GEMM 2: acc2[(il, h1c), s] += dO chunk · y chunk ----
+#pragma unroll 1
+    for (int c = 0; c < kChunks2; ++c) {
+      const char* st = next_stage();
+      const char* dc = dos + c * (kBwSideRows * 128);
+      float part[64];
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < 2; ++kk) {
+        const uint64_t d_hi = wgmma_desc(dc + 32 * kk, 16, 1024), d_lo = wgmma_desc(dc + 64 + 32 * kk, 16, 1024);
+        const uint64_t y_hi = wgmma_desc(st + 32 * kk, 16, 1024), y_lo = wgmma_desc(st + 64 + 32 * kk, 16, 1024);
+        wgmma_m64n128k16_f16(part, d_lo, y_hi, kk);
+        wgmma_m64n128k16_f16(part, d_hi, y_lo, 1);
+        wgmma_m64n128k16_f16(part, d_hi, y_hi, 1);
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+      const float f0 = do_inv[(16 * warp + g) * kChunks2 + c], f1 = do_inv[(16 * warp + g + 8) * kChunks2 + c];
+#pragma unroll
+      for (int j = 0; j < 16; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc2[4 * j + e] = fmaf(part[4 * j + e], e < 2 ? f0 : f1, acc2[4 * j + e]);
+    }
+  }
+  cp_async_wait_all();
+
+  // acc2: row m = 16·warp + g + 8·half = (il, h1c), column s0 + 8j + 2t + e; y's scale out.
+  float* grad_b = p.grad + (int64_t(split) * p.B + b) * S * Nr * H;
+  const float* y_inv = p.y_inv + int64_t(b) * S;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int m = 16 * warp + g + 8 * half, il = m / HC, i = i0 + il;
+    if (i >= Nr) continue;
+    float* dst = grad_b + int64_t(i) * H + hc0 + (m - il * HC);
+#pragma unroll
+    for (int j = 0; j < 16; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int s = s0 + 8 * j + 2 * t + e;
+        if (s < S) dst[int64_t(s) * Nr * H] = acc2[4 * j + 2 * half + e] * y_inv[s];
+      }
+  }
+#endif
+}
+
+// W (D, H·H) float32 as opm_bwd_side_f16_kernel reads it (BwdSideArgs::w_split, w_inv): column
+// n = h1·H + h2 of this side's view (swap: W[d, h2·H + h1]) scaled by 2^e_n, split_scale_exp of
+// its largest magnitude over d (2^-e_n to w_inv[n]); per chunk c of 32 d, row (c, n) of 128 bytes:
+// the 32 float16 high parts, then the 32 low parts (zero past D).  Blocks of 8 warps over 32
+// columns (lane = column): the warps share the maxima, then take the chunks in turn.
+__global__ void __launch_bounds__(256) opm_split_side_w_kernel(const float* __restrict__ w,
+                                                              uint32_t* __restrict__ w_split,
+                                                              float* __restrict__ w_inv, int H, int D, bool swap) {
+  __shared__ float red[8][32];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, HH = H * H;
+  const int n = blockIdx.x * 32 + lane;  // HH is a multiple of 32 (H = 32)
+  const int col = swap ? (n % H) * H + n / H : n;
+  float m = 0.f;
+  for (int d = warp; d < D; d += 8) m = fmaxf(m, fabsf(w[int64_t(d) * HH + col]));
+  red[warp][lane] = m;
+  __syncthreads();
+#pragma unroll
+  for (int k = 0; k < 8; ++k) m = fmaxf(m, red[k][lane]);
+  const int e = split_scale_exp(m);
+  const float f = exp2_int(e);
+  if (warp == 0) w_inv[n] = exp2_int(-e);
+  const int n_dc = (D + 31) / 32;
+  for (int c = warp; c < n_dc; c += 8) {
+    uint4* row = reinterpret_cast<uint4*>(w_split + (int64_t(c) * HH + n) * 32);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      float v[8];
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        const int d = 32 * c + 8 * q + k;
+        v[k] = d < D ? w[int64_t(d) * HH + col] * f : 0.f;
+      }
+      uint4 hi, lo;
+      split_f16x2(v[0], v[1], hi.x, lo.x);
+      split_f16x2(v[2], v[3], hi.y, lo.y);
+      split_f16x2(v[4], v[5], hi.z, lo.z);
+      split_f16x2(v[6], v[7], hi.w, lo.w);
+      row[q] = hi;
+      row[4 + q] = lo;
+    }
+  }
+}
+
+// y (B, S, Nc, H) float32, contiguous, as opm_bwd_side_f16_kernel reads it (BwdSideArgs::y_split,
+// y_inv): row (b, s) scaled by 2^e, split_scale_exp of its largest magnitude over its K = Nc·H values
+// (2^-e to y_inv[b·S + s]); chunk c of 32 consecutive k = j·H + h2 as the row ((b·n_kc + c)·S + s)
+// of 128 bytes, 16 bytes of high parts per 8 k, then the low parts 64 bytes on, the piece of
+// k % 32 / 8 at position (k % 32 / 8 + c) % 4.  One block of 128 threads per row (b, s).
+__global__ void __launch_bounds__(128) opm_split_side_y_kernel(const float* __restrict__ y,
+                                                              uint32_t* __restrict__ y_split,
+                                                              float* __restrict__ y_inv, int S, int K) {
+  __shared__ float red[4];
+  const int64_t row = blockIdx.x;
+  const int b = int(row / S), s = int(row - int64_t(b) * S), tid = threadIdx.x;
+  const float4* src = reinterpret_cast<const float4*>(y + row * K);
+  float m = 0.f;
+  for (int k4 = tid; k4 < K / 4; k4 += 128) {
+    const float4 v = src[k4];
+    m = fmaxf(m, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+  if ((tid & 31) == 0) red[tid >> 5] = m;
+  __syncthreads();
+  m = fmaxf(fmaxf(red[0], red[1]), fmaxf(red[2], red[3]));
+  const int e = split_scale_exp(m);
+  const float f = exp2_int(e);
+  if (tid == 0) y_inv[row] = exp2_int(-e);
+  const int n_kc = K / 32;
+  for (int piece = tid; piece < n_kc * 4; piece += 128) {
+    const int c = piece >> 2, q = piece & 3;
+    const float4 v0 = src[8 * c + 2 * q], v1 = src[8 * c + 2 * q + 1];
+    uint4 hi, lo;
+    split_f16x2(v0.x * f, v0.y * f, hi.x, lo.x);
+    split_f16x2(v0.z * f, v0.w * f, hi.y, lo.y);
+    split_f16x2(v1.x * f, v1.y * f, hi.z, lo.z);
+    split_f16x2(v1.z * f, v1.w * f, hi.w, lo.w);
+    uint4* dst = reinterpret_cast<uint4*>(y_split + ((int64_t(b) * n_kc + c) * S + s) * 32);
+    const int pos = (q + c) & 3;
+    dst[pos] = hi;
+    dst[4 + pos] = lo;
+  }
+}
+
 // Partial grad_W[d, (h1,h2)] for HC values of h1 (HC·H = 64 columns k), 128 values of d, over
 // every tile of TI x TJ pairs (TI = H, TJ·H = 64) this split owns (tiles split, split + splits, ...):
 //   GEMM 1 (per tile): O[(i,h1), (j,h2)] = sum_s a[s,i,h1] b[s,j,h2]        M = 64, N = 64, K = S

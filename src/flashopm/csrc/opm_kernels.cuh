@@ -23,6 +23,20 @@
 
 namespace flashopm {
 
+// The float16 split forms' scale exponent for a block of values whose largest magnitude is m:
+// m·2^e in [2^14, 2^15) (kSplitTopExp), clamped; 0 where m is 0, NaN or Inf (those propagate).
+__device__ __forceinline__ int split_scale_exp(float m) {
+  if (!(m > 0.f) || !isfinite(m)) return 0;
+  return min(max(kSplitTopExp - ilogbf(m), kSplitMinExp), kSplitMaxExp);
+}
+// split_scale_exp from the exponent bits alone, without branches (the backward's inner loops): the
+// same for normal and subnormal m > 0 (the clamp covers the latter); for m = 0 kSplitMaxExp (zeros
+// stay zero) and for Inf kSplitMinExp (it stays Inf).  m >= 0.
+__device__ __forceinline__ int split_scale_exp_bits(float m) {
+  return min(max(kSplitTopExp + 127 - (__float_as_int(m) >> 23), kSplitMinExp), kSplitMaxExp);
+}
+__device__ __forceinline__ float exp2_int(int e) { return __int_as_float((127 + e) << 23); }  // |e| <= 126
+
 // ---------------------------------------------------------------------------------------------
 // Small helpers
 // ---------------------------------------------------------------------------------------------

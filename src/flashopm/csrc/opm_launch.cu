@@ -495,6 +495,24 @@ void launch_bwd_side(const BwdSideArgs& args, int terms, cudaStream_t stream) {
   launch_bwd_side_h<1>(args, stream);
 }
 
+void launch_bwd_side_f16(const BwdSideArgs& args, bool swap_hh, cudaStream_t stream) {
+  const int HH = args.H * args.H;
+  opm_split_side_w_kernel<<<unsigned(HH / 32), 256, 0, stream>>>(args.w, const_cast<uint32_t*>(args.w_split),
+                                                                 const_cast<float*>(args.w_inv), args.H, args.D,
+                                                                 swap_hh);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  opm_split_side_y_kernel<<<unsigned(int64_t(args.B) * args.S), 128, 0, stream>>>(
+      args.y, const_cast<uint32_t*>(args.y_split), const_cast<float*>(args.y_inv), args.S, args.Nc * args.H);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  constexpr int kH = 32, hc = kBwSideCols / kH, ti = kBwSideRows / hc;
+  const dim3 grid(unsigned((args.Nr + ti - 1) / ti), unsigned(kH / hc),
+                  unsigned(args.B * args.n_sblocks * args.jsplits));
+  constexpr auto kernel = opm_bwd_side_f16_kernel<kH>;
+  allow_smem<kernel>();
+  kernel<<<grid, kBwThreads, kBsfSmemBytes, stream>>>(args);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 void launch_bwd_w(const BwdWArgs& args, int splits, int terms, cudaStream_t stream) {
   if (terms == 3) return launch_bwd_w_h<3>(args, splits, stream);
   launch_bwd_w_h<1>(args, splits, stream);

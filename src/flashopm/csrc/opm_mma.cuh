@@ -410,6 +410,23 @@ __device__ __forceinline__ void wgmma_m64n32k16_f16(float (&d)[16], uint64_t des
 #endif
 }
 
+// As wgmma_m64n128k16_f16 with A from registers: warp w of the warpgroup holds rows 16w .. 16w + 15,
+// a[0..3] = (row 16w + g, k 2t, 2t + 1), (row + 8, the same k), (row, k 2t + 8, 2t + 9), (row + 8,
+// those k), two float16 values per register, the lower k in the low half (the layout of mma.sync
+// m16n8k16's A).
+__device__ __forceinline__ void wgmma_m64n128k16_f16_rs(float (&d)[64], const uint32_t (&a)[4], uint64_t desc_b,
+                                                        int accumulate) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {"
+      FLASHOPM_ACC_NAMES64 "}, "
+      "{%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
+      : FLASHOPM_ACC64(d)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
+#endif
+}
+
 // Byte offset of element (row, k) of a float16 split operand in shared memory: the 128-byte
 // swizzled K-major layout of kmajor_tf32_offset, each row's 128 bytes holding the high parts of
 // its 32 k (bytes 0-63) and then their low parts (bytes 64-127); `part` 0 or 1.

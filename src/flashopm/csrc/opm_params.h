@@ -725,7 +725,35 @@ struct BwdSideArgs {
   int B, S, Nr, Nc, H, D, Dp;
   int n_sblocks;     // blocks of kBwSB along s
   int jsplits;       // blocks sharing the columns of one row block (column tiles jt = split mod jsplits)
+  // The float16 split form (opm_bwd_side_f16_kernel) reads W and y split instead of w and y:
+  const uint32_t* w_split;  // (ceil(D / 32), H·H, 32) from opm_split_side_w_kernel
+  const float* w_inv;       // (H·H,)
+  const uint32_t* y_split;  // (B, Nc·H / 32, S, 32) from opm_split_side_y_kernel
+  const float* y_inv;       // (B, S)
 };
+
+// The side kernel's float16 split form on warpgroup MMAs (sm_90a, hidden_dim 32, "highest"): the
+// sums of opm_bwd_side_kernel with float32 accuracy from three float16 MMAs per product, as the
+// forward's split form.  Scales (powers of two, see kSplitTopExp), each constant along the K of
+// the MMAs that use it between two float32 retirements:
+//   GEMM 1 (dO = g·W over d): g per (pair, chunk of 32 d), formed in the kernel from float32 g;
+//     W per column (h1, h2) over all d (opm_split_side_w_kernel), taken out as dO is formed.
+//   GEMM 2 (grad = dO·y over (j, h2)): dO per (row (i, h1), chunk of 32 (j, h2)) as the kernel
+//     stores it; y per s over all (j, h2) (opm_split_side_y_kernel), taken out in the epilogue.
+// Shared memory (bytes from a 1 KB boundary): kBwStages stages, each a 16 KB slot of split rows
+// (W: 128 columns x 32 d; y: 128 s x 32 k) and g's float32 chunk (64 pairs x 32 d, rows of
+// kBsfGLd floats); dO split (4 chunks of 64 rows x 128 bytes); dO's inverse scales (64 x 4
+// floats); W's inverse scales for the block's 128 columns.
+constexpr int kBsfSlotBytes = kBwSideCols * 128;
+constexpr int kBsfGLd = kBwK + 8;  // = 8 (mod 32): 8-byte fragment loads without bank conflicts
+constexpr int kBsfGBytes = kBwSideRows * kBsfGLd * 4;
+constexpr int kBsfStageBytes = kBsfSlotBytes + kBsfGBytes;
+static_assert(kBsfStageBytes % 1024 == 0, "side kernel f16: every stage's slot on a 1 KB boundary");
+constexpr int kBsfDoChunks = kBwSideCols / 32;
+constexpr int kBsfDoBytes = kBsfDoChunks * kBwSideRows * 128;
+constexpr int kBsfSmemBytes =
+    1024 + kBwStages * kBsfStageBytes + kBsfDoBytes + (kBwSideRows * kBsfDoChunks + kBwSideCols) * 4;
+static_assert(kBsfSmemBytes <= 113 * 1024, "side kernel f16: two blocks per SM");
 
 struct BwdWArgs {
   const float* g;    // (B, Nr, Nc, Dp)
@@ -736,6 +764,11 @@ struct BwdWArgs {
 };
 
 void launch_bwd_side(const BwdSideArgs& args, int terms, cudaStream_t stream);
+// The float16 split form of the side kernel and the splits it reads (hidden_dim 32, sm_90a):
+//   args.w (D, H·H) as given, in its side's view (swap_hh: h1 and h2 exchanged, as for grad_b), into
+//   args.w_split / args.w_inv,
+//   y (B, S, Nc, H) into args.y_split / args.y_inv, then the kernel.
+void launch_bwd_side_f16(const BwdSideArgs& args, bool swap_hh, cudaStream_t stream);
 void launch_bwd_w(const BwdWArgs& args, int splits, int terms, cudaStream_t stream);
 
 // g = grad_out / divisor in one pass over grad_out (opm_grad_scale_kernel); the divisor of pair

@@ -667,14 +667,6 @@ __global__ void opm_round_tf32_kernel(float* __restrict__ w, int64_t n) {
 #endif
 }
 
-// The float16 split form's scale exponent for a block of values whose largest magnitude is m:
-// m·2^e in [2^14, 2^15) (kSplitTopExp), clamped; 0 where m is 0, NaN or Inf (those propagate).
-__device__ __forceinline__ int split_scale_exp(float m) {
-  if (!(m > 0.f) || !isfinite(m)) return 0;
-  return min(max(kSplitTopExp - ilogbf(m), kSplitMinExp), kSplitMaxExp);
-}
-__device__ __forceinline__ float exp2_int(int e) { return __int_as_float((127 + e) << 23); }  // |e| <= 126
-
 // a or b in the kAbF32Rows32 layout (per batch, chunks of 32 s; per chunk, rows (n, h) of 32
 // floats), rewritten in place for the float16 split form: each residue n's values scaled by 2^e
 // (split_scale_exp of their largest magnitude over s and h, written to exp_out[b·rows_n + n]),
