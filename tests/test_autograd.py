@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import flashopm
-from conftest import requires_cuda
+from conftest import f16_backward_form_or_skip, requires_cuda
 from flashopm.ops import NORMALIZATIONS
 from flashopm.reference import GRAD_INPUTS
 from flashopm.testing import Shape, make_problem, rel_error
@@ -183,6 +183,17 @@ def test_cuda_gradients_every_normalization(normalization, shape, with_bias):
     few dozen positions their error ratio to eager's varies from 0.4 to 2 between seeds for the
     same math in any order, so the smallest shapes are left to the float64 gradcheck on the CPU.)"""
     _check_gradients_against_eager(shape, normalization, with_bias)
+
+
+@requires_cuda
+@pytest.mark.parametrize("normalization", [0, 1, 2], ids=["row", "openfold", "boltz"])
+@pytest.mark.parametrize("shape", [Shape(2, 9, 23, 16, 32, 20), Shape(1, 130, 37, 8, 32, 64)], ids=str)
+def test_cuda_gradients_f16_split_forms(monkeypatch, normalization, shape):
+    """The whole backward with the contractions in their float16 split forms (by default only on
+    large problems) for each normalisation, fractional and fully masked positions included: error
+    against float64 at most twice eager fp32's."""
+    f16_backward_form_or_skip(monkeypatch)
+    _check_gradients_against_eager(shape, normalization, True)
 
 
 def _check_gradients_against_eager(shape, normalization, with_bias, skip=()):

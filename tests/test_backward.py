@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import flashopm
-from conftest import requires_cuda
+from conftest import f16_backward_form_or_skip, requires_cuda
 from flashopm.ops import FUSED_BACKWARD_HIDDEN, contract_backward, outer_contract_backward_op
 from flashopm.reference import contract_outer_blocks_backward
 from flashopm.testing import rel_error
@@ -76,23 +76,10 @@ def test_gradients_against_fp64(shape):
         assert err <= max(2 * err_eager, 4 * torch.finfo(torch.float32).eps), f"{name}: {err:.3g} vs eager {err_eager:.3g}"
 
 
-def _set_side_form(monkeypatch, form):
-    """FLASHOPM_BWD_SIDE_FORM=form for the calls that follow; skips where the float16 split form
-    cannot run (no sm_90 GPU or no sm_90a code in the extension)."""
-    monkeypatch.setenv("FLASHOPM_BWD_SIDE_FORM", form)
-    if form == "f16_split":
-        g, a, b, w = (t.cuda() for t in _problem(1, 2, 3, 4, 32, 5))
-        try:
-            outer_contract_backward_op(g, a, b, w, True, False)
-        except RuntimeError as exc:
-            if "needs hidden_dim 32" not in str(exc):
-                raise
-            pytest.skip(str(exc))
-
-
-# Operand magnitudes the float16 split form's scales must absorb: each case scales g, a, b or W's
-# columns far apart (its powers of two are per (pair, chunk of d), per W column, per (row, chunk)
-# of dO and per s of the other side's projection).
+# Operand magnitudes the float16 split forms' scales must absorb: each case scales g, a, b or W's
+# columns far apart (the side kernels' powers of two are per (pair, chunk of d), per W column, per
+# (row, chunk) of dO and per s of the other side's projection; the W kernel's per residue of a and
+# b, one for O, and per (d, chunk of pairs) of g).
 def _scaled(case, g, a, b, w):
     g, a, b, w = g.clone(), a.clone(), b.clone(), w.clone()
     if case == "g_tiny":
@@ -109,24 +96,29 @@ def _scaled(case, g, a, b, w):
         a[:, :, ::4] *= 1e-5
         b[:, :, 1::3] *= 1e-3
         b[:, ::2] *= 1e2
+    elif case == "hidden_apart":  # projection columns far apart: O's columns (h1, h2) too
+        a[..., ::5] *= 1e-4
+        b[..., 1::3] *= 1e3
     return g, a, b, w
 
 
 @requires_cuda
-@pytest.mark.parametrize("case", ["unit", "g_tiny", "g_huge", "g_pairs_apart", "w_columns_apart", "residues_apart"])
-@pytest.mark.parametrize("shape", [(1, 129, 33, 31, 32, 128), (2, 7, 20, 37, 32, 45), (1, 300, 9, 64, 32, 64)],
+@pytest.mark.parametrize("case", ["unit", "g_tiny", "g_huge", "g_pairs_apart", "w_columns_apart", "residues_apart",
+                                  "hidden_apart"])
+@pytest.mark.parametrize("shape", [(1, 129, 33, 31, 32, 128), (2, 7, 20, 37, 32, 45), (1, 300, 9, 64, 32, 64),
+                                   (1, 33, 70, 5, 32, 200)],
                          ids=lambda s: "B{}_S{}_Nr{}_Nc{}_H{}_D{}".format(*s))
-def test_side_f16_form_against_fp64(monkeypatch, case, shape):
-    """The side kernels' float16 split form: grad_a and grad_b within twice eager float32's error
-    against float64, with operands scaled far apart; and not the mma.sync form's bits (it ran)."""
+def test_f16_forms_against_fp64(monkeypatch, case, shape):
+    """The contractions' float16 split forms: each gradient within twice eager float32's error
+    against float64, with operands scaled far apart; and not the mma.sync forms' bits (they ran)."""
     g, a, b, w = _scaled(case, *_problem(*shape, seed=sum(shape)))
-    ref = contract_outer_blocks_backward(g.double(), a.double(), b.double(), w.double(), True, False)
-    eager = contract_outer_blocks_backward(g.cuda(), a.cuda(), b.cuda(), w.cuda(), True, False)
-    _set_side_form(monkeypatch, "f16_split")
-    ours = outer_contract_backward_op(g.cuda(), a.cuda(), b.cuda(), w.cuda(), True, False)
-    monkeypatch.setenv("FLASHOPM_BWD_SIDE_FORM", "mma_sync")
-    other = outer_contract_backward_op(g.cuda(), a.cuda(), b.cuda(), w.cuda(), True, False)
-    for name, o, e, r, x in zip(("grad_a", "grad_b"), ours, eager, ref, other):
+    ref = contract_outer_blocks_backward(g.double(), a.double(), b.double(), w.double(), True, True)
+    eager = contract_outer_blocks_backward(g.cuda(), a.cuda(), b.cuda(), w.cuda(), True, True)
+    f16_backward_form_or_skip(monkeypatch)
+    ours = outer_contract_backward_op(g.cuda(), a.cuda(), b.cuda(), w.cuda(), True, True)
+    monkeypatch.setenv("FLASHOPM_BWD_FORM", "mma_sync")
+    other = outer_contract_backward_op(g.cuda(), a.cuda(), b.cuda(), w.cuda(), True, True)
+    for name, o, e, r, x in zip(("grad_a", "grad_b", "grad_w"), ours, eager, ref, other):
         assert torch.isfinite(o).all(), name
         err, err_eager = rel_error(o.cpu(), r), rel_error(e.cpu(), r)
         assert err <= max(2 * err_eager, 4 * torch.finfo(torch.float32).eps), f"{name}: {err:.3g} vs eager {err_eager:.3g}"
@@ -134,12 +126,45 @@ def test_side_f16_form_against_fp64(monkeypatch, case, shape):
 
 
 @requires_cuda
-def test_side_form_switch_is_checked(monkeypatch):
+@pytest.mark.parametrize("shape", [s for s in SHAPES if s[4] == 32], ids=lambda s: "B{}_S{}_Nr{}_Nc{}_H{}_D{}".format(*s))
+def test_f16_forms_every_shape(monkeypatch, shape):
+    """test_gradients_against_fp64's hidden-32 shapes in the float16 split forms, under "highest" and
+    "high" (which they serve too)."""
+    g, a, b, w = _problem(*shape, seed=sum(shape))
+    ref = contract_outer_blocks_backward(g.double(), a.double(), b.double(), w.double(), True, True)
+    eager = contract_outer_blocks_backward(g.cuda(), a.cuda(), b.cuda(), w.cuda(), True, True)
+    f16_backward_form_or_skip(monkeypatch)
+    for precision in (0, 1):
+        ours = outer_contract_backward_op(g.cuda(), a.cuda(), b.cuda(), w.cuda(), True, True, precision)
+        for name, o, e, r in zip(("grad_a", "grad_b", "grad_w"), ours, eager, ref):
+            err, err_eager = rel_error(o.cpu(), r), rel_error(e.cpu(), r)
+            assert err <= max(2 * err_eager, 4 * torch.finfo(torch.float32).eps), f"{name}: {err:.3g} vs {err_eager:.3g}"
+
+
+@requires_cuda
+def test_f16_forms_every_element_written_and_repeatable(monkeypatch):
+    """As test_every_element_written_and_repeatable, in the float16 split forms, with the grid's
+    splits (partial sums) and several tiles per block."""
+    f16_backward_form_or_skip(monkeypatch)
+    g, a, b, w = (t.cuda() for t in _problem(2, 70, 45, 61, 32, 36, seed=6))
+    first = outer_contract_backward_op(g, a, b, w, True, True)
+    poison = [torch.full_like(t, float("nan")) for t in first]
+    ptrs = [p.data_ptr() for p in poison]
+    del poison
+    second = outer_contract_backward_op(g, a, b, w, True, True)
+    assert [t.data_ptr() for t in second] == ptrs, "the NaN-poisoned blocks were not reused; the check proves nothing"
+    for x, y in zip(first, second):
+        assert torch.isfinite(y).all()
+        assert torch.equal(x, y), "two identical calls differ"
+
+
+@requires_cuda
+def test_form_switch_is_checked(monkeypatch):
     g, a, b, w = (t.cuda() for t in _problem(1, 2, 3, 4, 32, 5))
-    monkeypatch.setenv("FLASHOPM_BWD_SIDE_FORM", "fast")
-    with pytest.raises(RuntimeError, match="FLASHOPM_BWD_SIDE_FORM must be mma_sync or f16_split"):
+    monkeypatch.setenv("FLASHOPM_BWD_FORM", "fast")
+    with pytest.raises(RuntimeError, match="FLASHOPM_BWD_FORM must be mma_sync or f16_split"):
         outer_contract_backward_op(g, a, b, w, True, False)
-    monkeypatch.setenv("FLASHOPM_BWD_SIDE_FORM", "f16_split")
+    monkeypatch.setenv("FLASHOPM_BWD_FORM", "f16_split")
     g, a, b, w = (t.cuda() for t in _problem(1, 2, 3, 4, 16, 5))
     with pytest.raises(RuntimeError, match="needs hidden_dim 32"):
         outer_contract_backward_op(g, a, b, w, True, False)

@@ -1102,16 +1102,19 @@ at::Tensor outer_product_mean_rows_cuda(const at::Tensor& a_in, const at::Tensor
 // scratch it needs besides its outputs (each split's partial sums, and W with h1 and h2 swapped for
 // grad_b's side), in chunks of whole 256-byte lines.
 // side_f16: the side kernels in the float16 split form, which read W and the projections split
-// (w_split, w_inv; y_split, y_inv: one set for both sides, in turn) instead of W transposed.
+// (w_split, w_inv; y_split, y_inv: one set for both sides, in turn) instead of W transposed; w_f16:
+// the W kernel in the float16 split form, which reads a and b split (ab_split: a's, then b's;
+// ab_inv likewise).
 struct ContractBackwardPlan {
   int64_t B = 0, S = 0, Nr = 0, Nc = 0, H = 0, D = 0, Dp = 0;
-  bool need_ab = false, need_w = false, side_f16 = false;
+  bool need_ab = false, need_w = false, side_f16 = false, w_f16 = false;
   int64_t n_sb = 0, jsplits = 1, splits = 1;
   int64_t part_a_floats = 0, part_b_floats = 0, ws_floats = 0, wt_floats = 0;
   int64_t w_split_floats = 0, w_inv_floats = 0, y_split_floats = 0, y_inv_floats = 0;
+  int64_t ab_split_floats = 0, ab_inv_floats = 0;
   int64_t scratch_floats() const {
     return part_a_floats + part_b_floats + ws_floats + wt_floats + w_split_floats + w_inv_floats + y_split_floats +
-           y_inv_floats;
+           y_inv_floats + ab_split_floats + ab_inv_floats;
   }
 };
 
@@ -1127,33 +1130,38 @@ at::Tensor contiguous_aligned16(const at::Tensor& t) {
 void check_fused_backward(int dev) {
   FLASHOPM_CHECK(device_info(dev).cc_major >= 8, "flashopm: the fused backward needs compute capability 8.0 or newer");
   check_smem(std::max(bwd_side_smem_bytes(), bwd_w_smem_bytes()), dev, "backward");
-  if (wgmma_runs_on(dev)) check_smem(kBsfSmemBytes, dev, "backward");
+  if (wgmma_runs_on(dev)) check_smem(std::max(kBsfSmemBytes, kBwfSmemBytes), dev, "backward");
 }
 
-// The side kernels' form: the float16 split form on warpgroup MMAs (opm_bwd_side_f16_kernel) under
-// "highest" (terms = 3) for hidden_dim 32 where the extension holds sm_90a code and the GPU is
-// sm_90, else mma.sync.  FLASHOPM_BWD_SIDE_FORM=mma_sync or =f16_split asks for one of them (to
-// compare them; f16_split under "high" too, where it is more accurate than asked).
-bool side_f16_form(int64_t H, int terms, int dev) {
-  const char* env = std::getenv("FLASHOPM_BWD_SIDE_FORM");
+// The contraction kernels' form: the float16 split forms on warpgroup MMAs
+// (opm_bwd_side_f16_kernel, opm_bwd_w_f16_kernel) for hidden_dim 32 where the extension holds
+// sm_90a code, the GPU is sm_90 and the problem is large enough (B·S·Nr·Nc >= kBwF16MinWork: at the
+// specification's shape their extra launches and per-step retirements cost more than they give);
+// else mma.sync.  They keep float32 accuracy, so they serve "high" too, where they are faster than
+// TF32 on mma.sync.  FLASHOPM_BWD_FORM=mma_sync or =f16_split asks for one of them (to compare them).
+constexpr int64_t kBwF16MinWork = int64_t(1) << 20;
+bool backward_f16_form(int64_t B, int64_t S, int64_t Nr, int64_t Nc, int64_t H, int dev) {
+  const char* env = std::getenv("FLASHOPM_BWD_FORM");
   const std::string form = env ? env : "";
   FLASHOPM_CHECK(form.empty() || form == "mma_sync" || form == "f16_split",
-                 "flashopm: FLASHOPM_BWD_SIDE_FORM must be mma_sync or f16_split (or unset), got '", form, "'");
+                 "flashopm: FLASHOPM_BWD_FORM must be mma_sync or f16_split (or unset), got '", form, "'");
   const bool fits = H == 32 && wgmma_runs_on(dev);
   FLASHOPM_CHECK(form != "f16_split" || fits,
-                 "flashopm: FLASHOPM_BWD_SIDE_FORM=f16_split needs hidden_dim 32 (got ", H,
+                 "flashopm: FLASHOPM_BWD_FORM=f16_split needs hidden_dim 32 (got ", H,
                  "), an sm_90 GPU and the extension built with sm_90a code");
-  if (form == "mma_sync") return false;
-  return fits && (terms == 3 || form == "f16_split");
+  if (!form.empty()) return form == "f16_split";
+  return fits && B * S * Nr * Nc >= kBwF16MinWork;
 }
 
 // B, S, Nr, Nc, D >= 1; H 16, 32 or 64.
 ContractBackwardPlan plan_contract_backward(int64_t B, int64_t S, int64_t Nr, int64_t Nc, int64_t H, int64_t D,
-                                            bool need_ab, bool need_w, int terms, int dev) {
+                                            bool need_ab, bool need_w, int dev) {
   ContractBackwardPlan p;
   p.B = B, p.S = S, p.Nr = Nr, p.Nc = Nc, p.H = H, p.D = D, p.Dp = (D + 3) / 4 * 4;
   p.need_ab = need_ab, p.need_w = need_w;
-  p.side_f16 = need_ab && side_f16_form(H, terms, dev);
+  const bool f16 = backward_f16_form(B, S, Nr, Nc, H, dev);
+  p.side_f16 = need_ab && f16;
+  p.w_f16 = need_w && f16;
   // Two blocks per SM: the grids are sized to fill them once (partial sums added at the end, all
   // in one launch).
   const int64_t slots = 2 * int64_t(device_info(dev).sm_count);
@@ -1185,6 +1193,11 @@ ContractBackwardPlan plan_contract_backward(int64_t B, int64_t S, int64_t Nr, in
     // Each split sums its own tiles; the splits' partial sums are added last.
     p.splits = std::max<int64_t>(1, std::min<int64_t>({tiles, slots / per_split, 65535}));
     if (p.splits > 1) p.ws_floats = round_up_line(p.splits * D * H * H);
+    if (p.w_f16) {
+      const int64_t s32 = (S + 31) / 32 * 32;
+      p.ab_split_floats = round_up_line(B * s32 * Nr * H) + round_up_line(B * s32 * Nc * H);
+      p.ab_inv_floats = round_up_line(B * Nr) + round_up_line(B * Nc);
+    }
     const int64_t steps = (tiles + p.splits - 1) / p.splits * ((S + kBwK - 1) / kBwK + kBwWPairs / kBwK);
     FLASHOPM_CHECK(steps < INT32_MAX - kBwStages, "flashopm: the fused backward's W kernel takes fewer than 2^31 - 3 steps per "
                    "block, got ", steps, " (B = ", B, ", Nr = ", Nr, ", Nc = ", Nc, ", S = ", S, ")");
@@ -1212,6 +1225,10 @@ void run_contract_backward(const ContractBackwardPlan& p, const float* g, const 
   float* w_inv = reinterpret_cast<float*>(w_split + p.w_split_floats);
   uint32_t* y_split = reinterpret_cast<uint32_t*>(w_inv + p.w_inv_floats);
   float* y_inv = reinterpret_cast<float*>(y_split + p.y_split_floats);
+  uint32_t* a_split = reinterpret_cast<uint32_t*>(y_inv + p.y_inv_floats);
+  uint32_t* b_split = p.w_f16 ? a_split + round_up_line(p.B * ((p.S + 31) / 32 * 32) * p.Nr * p.H) : nullptr;
+  float* a_inv = reinterpret_cast<float*>(a_split + p.ab_split_floats);
+  float* b_inv = p.w_f16 ? a_inv + round_up_line(p.B * p.Nr) : nullptr;
   const int64_t B = p.B, S = p.S, Nr = p.Nr, Nc = p.Nc, H = p.H, D = p.D, Dp = p.Dp;
   if (p.need_ab) {
     RECORD_USER_SCOPE("flashopm::outer_contract_backward/grad_ab");
@@ -1246,7 +1263,12 @@ void run_contract_backward(const ContractBackwardPlan& p, const float* g, const 
     BwdWArgs wa{};
     wa.g = g, wa.a = a, wa.b = b, wa.ws = p.splits == 1 ? grad_w : ws;
     wa.B = int(B), wa.S = int(S), wa.Nr = int(Nr), wa.Nc = int(Nc), wa.H = int(H), wa.D = int(D), wa.Dp = int(Dp);
-    launch_bwd_w(wa, int(p.splits), terms, stream);
+    if (p.w_f16) {
+      wa.a_split = a_split, wa.b_split = b_split, wa.a_inv = a_inv, wa.b_inv = b_inv;
+      launch_bwd_w_f16(wa, int(p.splits), stream);
+    } else {
+      launch_bwd_w(wa, int(p.splits), terms, stream);
+    }
     if (p.splits > 1) add_parts(ws, grad_w, D * H * H, p.splits);
   }
   launch_sum_parts(parts, stream);
@@ -1298,7 +1320,7 @@ std::vector<at::Tensor> outer_contract_backward_cuda(const at::Tensor& g_in, con
   const int dev = a.get_device();
   check_fused_backward(dev);
   const int terms = resolve_precision(precision) == kHighest ? 3 : 1;
-  const ContractBackwardPlan plan = plan_contract_backward(B, S, Nr, Nc, H, D, need_ab, need_w, terms, dev);
+  const ContractBackwardPlan plan = plan_contract_backward(B, S, Nr, Nc, H, D, need_ab, need_w, dev);
   // The scratch stays allocated until its last reader is queued (a tensor freed earlier could be
   // handed to the next allocation on this stream and overwritten first).
   const at::Tensor scratch = plan.scratch_floats() > 0 ? at::empty({plan.scratch_floats()}, a.options()) : at::Tensor();

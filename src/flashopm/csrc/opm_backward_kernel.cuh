@@ -627,6 +627,289 @@ __global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_w_kernel(const BwdWArgs
 #endif
 }
 
+// The W kernel's float16 split form (BwdWArgs, kBwf* in opm_params.h): the tile and sums of
+// opm_bwd_w_kernel on warpgroup MMAs, the block one warpgroup.  Per tile of 32 i x 2 j:
+//   GEMM 1, per chunk of 32 s: O'[(il, h1c), (jl, h2)] = sum_s a'·b' (a and b split per residue,
+//     both K-major), six wgmma m64n64k16 into a zeroed accumulator added to acc1 in float32.
+//   O'·2^o_exp (its bound) split into shared memory as [pair][k], GEMM 2's B (MN-major).
+//   GEMM 2, per chunk of 32 pairs: each thread takes one row d of g's float32 chunk, times the
+//     pairs' factors 2^-(e_i + e_j), scales it by the power of two of its largest magnitude and
+//     splits it (pairs of adjacent d through a shuffle) as A (MN-major, [pair][d]); two halves of
+//     64 d, six wgmma m64n64k16 each, into zeroed accumulators added to acc in float32 times the
+//     row's inverse scale.  The tile's O' is the same for both chunks.
+template <int kH>
+__global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_w_f16_kernel(const BwdWArgs p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  static_assert(kH == 32, "the float16 split W kernel splits a and b with one lane per h");
+  static_assert(kBwThreads == kBwWDG, "one row d of g's chunk per thread");
+  extern __shared__ float4 smem_f4[];
+  char* smem = align_smem_1k(reinterpret_cast<char*>(smem_f4));
+  char* gs = smem + kBwStages * kBwfStageBytes;  // g split: [part][d / 64][pair (32)][128 bytes]
+  char* os = gs + kBwfGsBytes;                   // O' split: [part][pair (64)][128 bytes: 64 k]
+  float* pair_f = reinterpret_cast<float*>(os + kBwfOsBytes);  // [pair]: 2^-(e_i + e_j)
+  float* g_inv = pair_f + 64;                                  // [d]: 2^-e of the chunk's row d
+  constexpr int H = kH, HC = kBwWCols / H, TI = H, TJ = kBwWCols / H;
+  constexpr int kChunks2 = kBwWPairs / 32;
+  constexpr uint32_t kHalf = 8192;  // the low parts' offset in gs and os
+  const int Nr = p.Nr, Nc = p.Nc, S = p.S, D = p.D, Dp = p.Dp;
+  const int hc0 = blockIdx.x * HC, d0 = blockIdx.y * kBwWDG;
+  const int split = blockIdx.z;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int n_it = (Nr + TI - 1) / TI, n_jt = (Nc + TJ - 1) / TJ;
+  const int64_t tiles = int64_t(p.B) * n_it * n_jt;
+  const int my_tiles = split < tiles ? int((tiles - 1 - split) / gridDim.z + 1) : 0;
+  const int n1 = (S + 31) / 32;  // chunks of s
+  const int spt = n1 + kChunks2;
+  const int total = my_tiles * spt;  // < 2^31: plan_contract_backward checks
+  const int lg = 32 - __clz(S - 1);  // 2^lg >= S
+  const float o_scale = exp2_int(-(kSplitTopExp + 1) - lg);  // |O'| < S·2^30 <= 2^(30 + lg)
+
+  // Copies.  a: rows r = sr + 16u = (il, h1c) = (r / 2, r % 2); b: rows r = (jl, h2), consecutive
+  // rows of b's split; each 16-byte piece sp, swizzled as K-major atoms (+16 rows: + 2 KB).  g: pairs
+  // q = kg0 + 4u of the chunk (jl = kg0 % 2), 16 bytes at n4g, rows of 128 floats.
+  const int sr = tid >> 3, sp = tid & 7;
+  const uint32_t slot_dst = uint32_t(sr >> 3) * 1024u + uint32_t(sr & 7) * 128u + uint32_t((sp ^ (sr & 7)) << 4);
+  const int kg0 = tid >> 5, n4g = (tid & 31) * 4, jlg = kg0 & 1;
+  const int64_t a_cstride = int64_t(Nr) * H * 32, b_cstride = int64_t(Nc) * H * 32;
+  int ld_r = 0, ld_tl = 0, ld_i0 = 0, ld_j0 = 0;
+  const uint32_t *a_tile = p.a_split, *b_tile = p.b_split;
+  const float* g_tile = p.g;
+  const auto start_tile = [&]() {
+    const int64_t tile = split + int64_t(ld_tl) * gridDim.z;
+    const int bb = int(tile / (int64_t(n_it) * n_jt));
+    const int rem = int(tile - int64_t(bb) * n_it * n_jt), it = rem / n_jt;
+    ld_i0 = it * TI, ld_j0 = (rem - it * n_jt) * TJ;
+    a_tile = p.a_split + ((int64_t(bb) * n1 * Nr + ld_i0 + (sr >> 1)) * H + hc0 + (sr & 1)) * 32 + sp * 4;
+    b_tile = p.b_split + ((int64_t(bb) * n1 * Nc + ld_j0) * H + sr) * 32 + sp * 4;
+    g_tile = p.g + ((int64_t(bb) * Nr + ld_i0 + (kg0 >> 1)) * Nc + ld_j0 + jlg) * Dp + d0 + n4g;
+  };
+  auto load_step = [&](int buf) {
+    char* st = smem + buf * kBwfStageBytes;
+    if (ld_r == 0) start_tile();
+    if (ld_r < n1) {
+      const uint32_t* a_src = a_tile + ld_r * a_cstride;
+      const uint32_t* b_src = b_tile + ld_r * b_cstride;
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const bool a_ok = ld_i0 + (sr >> 1) + 8 * u < Nr;
+        cp_async16z(st + slot_dst + 2048u * u, a_ok ? a_src + u * 8 * H * 32 : p.a_split, a_ok);
+        const bool b_ok = ld_j0 + (sr + 16 * u) / H < Nc;
+        cp_async16z(st + 8192 + slot_dst + 2048u * u, b_ok ? b_src + u * 16 * 32 : p.b_split, b_ok);
+      }
+    } else {
+      const int q0 = (ld_r - n1) * 32;  // the chunk's first pair: il = q0 / 2 + kg0 / 2 + 2u
+      float* X = reinterpret_cast<float*>(st);
+      const float* g_src = g_tile + int64_t(q0 / TJ) * Nc * Dp;
+      const bool g_ok = ld_j0 + jlg < Nc && d0 + n4g < Dp;
+#pragma unroll
+      for (int u = 0; u < 8; ++u) {
+        const bool ok = g_ok && ld_i0 + q0 / TJ + (kg0 >> 1) + 2 * u < Nr;
+        cp_async16z(X + (kg0 + 4 * u) * kBwWDG + n4g, ok ? g_src + int64_t(2 * u) * Nc * Dp : p.g, ok);
+      }
+    }
+    if (++ld_r == spt) ld_r = 0, ++ld_tl;
+  };
+
+#pragma unroll
+  for (int st = 0; st < kBwStages - 1; ++st) {
+    if (st < total) load_step(st);
+    cp_async_commit();
+  }
+  int step = 0, buf = 0;
+  const auto next_stage = [&]() {
+    cp_async_wait<kBwStages - 2>();
+    fence_proxy_async_smem();
+    __syncthreads();
+    if (step + kBwStages - 1 < total) load_step(buf == 0 ? kBwStages - 1 : buf - 1);
+    cp_async_commit();
+    const char* st = smem + buf * kBwfStageBytes;
+    ++step;
+    buf = buf + 1 == kBwStages ? 0 : buf + 1;
+    return st;
+  };
+
+  float acc[2][32];  // rows d = d0 + 64h + 16·warp + g (+8), columns k = hc0·H + 8j + 2t (+1)
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int e = 0; e < 32; ++e) acc[h][e] = 0.f;
+  for (int tl = 0; tl < my_tiles; ++tl) {
+    {
+      // the tile's pair factors, read by the conversions after the next barrier (the last readers
+      // of the previous tile's passed a barrier since)
+      const int64_t tile = split + int64_t(tl) * gridDim.z;
+      const int bb = int(tile / (int64_t(n_it) * n_jt));
+      const int rem = int(tile - int64_t(bb) * n_it * n_jt), it = rem / n_jt;
+      const int i = it * TI + (tid >> 1), j = (rem - it * n_jt) * TJ + (tid & 1);
+      if (tid < kBwWPairs)
+        pair_f[tid] = i < Nr && j < Nc ? p.a_inv[int64_t(bb) * Nr + i] * p.b_inv[int64_t(bb) * Nc + j] : 0.f;
+    }
+    // ---- GEMM 1 ----
+    float acc1[32];
+#pragma unroll
+    for (int e = 0; e < 32; ++e) acc1[e] = 0.f;
+    for (int r = 0; r < n1; ++r) {
+      const char* st = next_stage();
+      float part[32];
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < 2; ++kk) {
+        const uint64_t a_hi = wgmma_desc(st + 32 * kk, 16, 1024), a_lo = wgmma_desc(st + 64 + 32 * kk, 16, 1024);
+        const uint64_t b_hi = wgmma_desc(st + 8192 + 32 * kk, 16, 1024),
+                       b_lo = wgmma_desc(st + 8192 + 64 + 32 * kk, 16, 1024);
+        wgmma_m64n64k16_f16<0, 0>(part, a_lo, b_hi, kk);
+        wgmma_m64n64k16_f16<0, 0>(part, a_hi, b_lo, 1);
+        wgmma_m64n64k16_f16<0, 0>(part, a_hi, b_hi, 1);
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+#pragma unroll
+      for (int e = 0; e < 32; ++e) acc1[e] += part[e];
+    }
+    // ---- O' into shared memory: acc1's row m = 16·warp + g + 8·half is (il, h1c) = (m / 2, m % 2),
+    // column 8j + 2t + e is (jl, h2) = (j / 4, 8 (j % 4) + 2t + e); pair il·2 + jl, k h1c·H + h2 ----
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int m = 16 * warp + g + 8 * half;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int pr = (m & ~1) + (j >> 2), k = (m & 1) * H + 8 * (j & 3) + 2 * t;
+        const uint32_t off = uint32_t(pr >> 3) * 1024u + uint32_t(pr & 7) * 128u +
+                             uint32_t(((k >> 3) ^ (pr & 7)) << 4) + uint32_t(k & 7) * 2u;
+        uint32_t hi, lo;
+        split_f16x2(acc1[4 * j + 2 * half] * o_scale, acc1[4 * j + 2 * half + 1] * o_scale, hi, lo);
+        *reinterpret_cast<uint32_t*>(os + off) = hi;
+        *reinterpret_cast<uint32_t*>(os + kHalf + off) = lo;
+      }
+    }
+    fence_proxy_async_smem();
+
+    // ---- GEMM 2 ----
+#pragma unroll 1
+    for (int c = 0; c < kChunks2; ++c) {
+      const char* st = next_stage();
+      {
+        const float* raw = reinterpret_cast<const float*>(st) + tid;
+        const float* pf = pair_f + 32 * c;
+        float v[32];
+        float m = 0.f;
+#pragma unroll
+        for (int q = 0; q < 32; ++q) {
+          v[q] = raw[q * kBwWDG] * pf[q];
+          m = fmaxf(m, fabsf(v[q]));
+        }
+        const int e = split_scale_exp_bits(m);
+        const float f = exp2_int(e);
+        g_inv[tid] = exp2_int(-e);
+        const bool odd = lane & 1;
+        const int dd = tid & ~1;
+        const uint32_t d_off = uint32_t(dd >> 6) * 4096u + uint32_t(dd & 7) * 2u;
+#pragma unroll
+        for (int q = 0; q < 32; q += 2) {
+          const float x = __shfl_xor_sync(0xffffffffu, (odd ? v[q] : v[q + 1]) * f, 1);
+          const float v0 = odd ? x : v[q] * f, v1 = odd ? v[q + 1] * f : x;  // d = dd, dd + 1
+          const int row = q + (odd ? 1 : 0);
+          const uint32_t off = d_off + uint32_t(row >> 3) * 1024u + uint32_t(row & 7) * 128u +
+                               uint32_t((((dd & 63) >> 3) ^ (row & 7)) << 4);
+          uint32_t hi, lo;
+          split_f16x2(v0, v1, hi, lo);
+          *reinterpret_cast<uint32_t*>(gs + off) = hi;
+          *reinterpret_cast<uint32_t*>(gs + kHalf + off) = lo;
+        }
+      }
+      fence_proxy_async_smem();
+      __syncthreads();
+      float part[2][32];
+      wgmma_fence();
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int kk = 0; kk < 2; ++kk) {
+          const uint64_t g_hi = wgmma_desc(gs + h * 4096 + kk * 2048, 4096, 1024),
+                         g_lo = wgmma_desc(gs + kHalf + h * 4096 + kk * 2048, 4096, 1024);
+          const uint64_t o_hi = wgmma_desc(os + c * 4096 + kk * 2048, 4096, 1024),
+                         o_lo = wgmma_desc(os + kHalf + c * 4096 + kk * 2048, 4096, 1024);
+          wgmma_m64n64k16_f16<1, 1>(part[h], g_lo, o_hi, kk);
+          wgmma_m64n64k16_f16<1, 1>(part[h], g_hi, o_lo, 1);
+          wgmma_m64n64k16_f16<1, 1>(part[h], g_hi, o_hi, 1);
+        }
+      wgmma_commit();
+      wgmma_wait<0>();
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float f0 = g_inv[64 * h + 16 * warp + g], f1 = g_inv[64 * h + 16 * warp + g + 8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[h][4 * j + e] = fmaf(part[h][4 * j + e], e < 2 ? f0 : f1, acc[h][4 * j + e]);
+      }
+    }
+  }
+  cp_async_wait_all();
+
+  const float o_unscale = exp2_int(kSplitTopExp + 1 + lg);
+  const int64_t HH = int64_t(H) * H;
+  float* ws = p.ws + int64_t(split) * D * HH + hc0 * H;
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int d = d0 + 64 * h + 16 * warp + g + 8 * half;
+      if (d >= D) continue;
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        *reinterpret_cast<float2*>(ws + int64_t(d) * HH + 8 * j + 2 * t) =
+            make_float2(acc[h][4 * j + 2 * half] * o_unscale, acc[h][4 * j + 2 * half + 1] * o_unscale);
+    }
+#endif
+}
+
+// a or b (B, S, N, H) float32, contiguous, as opm_bwd_w_f16_kernel reads it (BwdWArgs::a_split,
+// a_inv; b_split, b_inv): residue (b, n) scaled by 2^e, split_scale_exp of its largest magnitude
+// over (s, h) (2^-e to inv[b·N + n]); chunk c of 32 s as rows ((b·n_sc + c)·N + n)·H + h of 128
+// bytes: the 32 float16 high parts, then the 32 low parts (zero past S).  One warp per residue,
+// lane = h (H = 32).
+__global__ void __launch_bounds__(256) opm_split_ab_f16_kernel(const float* __restrict__ x,
+                                                              uint32_t* __restrict__ out,
+                                                              float* __restrict__ inv, int B, int S, int N) {
+  constexpr int H = 32;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t res = int64_t(blockIdx.x) * 8 + warp;
+  if (res >= int64_t(B) * N) return;
+  const int b = int(res / N), n = int(res - int64_t(b) * N);
+  const int64_t s_stride = int64_t(N) * H;
+  const float* src = x + (int64_t(b) * S * N + n) * H + lane;
+  float m = 0.f;
+#pragma unroll 8
+  for (int s = 0; s < S; ++s) m = fmaxf(m, fabsf(src[s * s_stride]));
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+  const int e = split_scale_exp(m);
+  const float f = exp2_int(e);
+  if (lane == 0) inv[res] = exp2_int(-e);
+  const int n_sc = (S + 31) / 32;
+  for (int c = 0; c < n_sc; ++c) {
+    float v[32];
+#pragma unroll
+    for (int k = 0; k < 32; ++k) {
+      const int s = 32 * c + k;
+      v[k] = s < S ? src[s * s_stride] * f : 0.f;
+    }
+    uint4* row = reinterpret_cast<uint4*>(out + (((int64_t(b) * n_sc + c) * N + n) * H + lane) * 32);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      uint4 hi, lo;
+      split_f16x2(v[8 * q], v[8 * q + 1], hi.x, lo.x);
+      split_f16x2(v[8 * q + 2], v[8 * q + 3], hi.y, lo.y);
+      split_f16x2(v[8 * q + 4], v[8 * q + 5], hi.z, lo.z);
+      split_f16x2(v[8 * q + 6], v[8 * q + 7], hi.w, lo.w);
+      row[q] = hi;
+      row[4 + q] = lo;
+    }
+  }
+}
+
 // Four consecutive elements (idx a multiple of 4, aligned) of a float32, float16 or bfloat16 tensor.
 __device__ __forceinline__ void load4_as_float(const void* base, int64_t idx, int kind, float (&v)[4]) {
   if (kind == kMaskFloat) {

@@ -513,6 +513,21 @@ void launch_bwd_side_f16(const BwdSideArgs& args, bool swap_hh, cudaStream_t str
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+void launch_bwd_w_f16(const BwdWArgs& args, int splits, cudaStream_t stream) {
+  opm_split_ab_f16_kernel<<<unsigned((int64_t(args.B) * args.Nr + 7) / 8), 256, 0, stream>>>(
+      args.a, const_cast<uint32_t*>(args.a_split), const_cast<float*>(args.a_inv), args.B, args.S, args.Nr);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  opm_split_ab_f16_kernel<<<unsigned((int64_t(args.B) * args.Nc + 7) / 8), 256, 0, stream>>>(
+      args.b, const_cast<uint32_t*>(args.b_split), const_cast<float*>(args.b_inv), args.B, args.S, args.Nc);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  constexpr int kH = 32, hc = kBwWCols / kH;
+  const dim3 grid(unsigned(kH / hc), unsigned((args.D + kBwWDG - 1) / kBwWDG), unsigned(splits));
+  constexpr auto kernel = opm_bwd_w_f16_kernel<kH>;
+  allow_smem<kernel>();
+  kernel<<<grid, kBwThreads, kBwfSmemBytes, stream>>>(args);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 void launch_bwd_w(const BwdWArgs& args, int splits, int terms, cudaStream_t stream) {
   if (terms == 3) return launch_bwd_w_h<3>(args, splits, stream);
   launch_bwd_w_h<1>(args, splits, stream);

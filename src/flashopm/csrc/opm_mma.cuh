@@ -427,6 +427,23 @@ __device__ __forceinline__ void wgmma_m64n128k16_f16_rs(float (&d)[64], const ui
 #endif
 }
 
+// d (64 x 64 per warpgroup, float32) = A (64 x 16) · B (16 x 64) + (accumulate ? d : 0), float16
+// operands in shared memory, K-major (kTransA / kTransB = 0: rows of m or n, 128 bytes of k) or
+// MN-major (1: rows of 64 m or n per k, 8 rows of k to a 1 KB atom; see wgmma_desc).  The
+// accumulator layout of wgmma_m64n256k16's first 8 column tiles.
+template <int kTransA, int kTransB>
+__device__ __forceinline__ void wgmma_m64n64k16_f16(float (&d)[32], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {"
+      FLASHOPM_ACC_NAMES32 "}, "
+      "%32, %33, p, 1, 1, %35, %36;\n}\n"
+      : FLASHOPM_ACC32(d)
+      : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(kTransA), "n"(kTransB));
+#endif
+}
+
 // Byte offset of element (row, k) of a float16 split operand in shared memory: the 128-byte
 // swizzled K-major layout of kmajor_tf32_offset, each row's 128 bytes holding the high parts of
 // its 32 k (bytes 0-63) and then their low parts (bytes 64-127); `part` 0 or 1.

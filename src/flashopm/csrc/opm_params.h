@@ -761,7 +761,30 @@ struct BwdWArgs {
   const float* b;    // (B, S, Nc, H)
   float* ws;         // (splits, D, H·H): one partial sum per split of the tiles
   int B, S, Nr, Nc, H, D, Dp;
+  // The float16 split form (opm_bwd_w_f16_kernel) reads a and b split instead
+  // (opm_split_ab_f16_kernel): (B, ceil(S / 32), N, H, 32) and their inverse scales (B, N).
+  const uint32_t* a_split;
+  const uint32_t* b_split;
+  const float* a_inv;
+  const float* b_inv;
 };
+
+// The W kernel's float16 split form on warpgroup MMAs (sm_90a, hidden_dim 32): the tile and sums
+// of opm_bwd_w_kernel, one warpgroup per block.  Scales (powers of two, see kSplitTopExp):
+//   GEMM 1 (O = a·b over s): a and b per residue over (s, h) (opm_split_ab_f16_kernel), so a
+//     chunk's products add to O' = O·2^(e_i + e_j) without a factor; O' by its bound
+//     |O'| < S·2^30 (one power of two) as GEMM 2's B.
+//   GEMM 2 (grad_W[d, k] = sum over pairs of g[pair, d]·O[pair, k]): g·2^-(e_i + e_j) per
+//     (d, chunk of 32 pairs), split in the kernel from float32 g, as A (rows d).
+// Shared memory (bytes from a 1 KB boundary): kBwStages stages of 16 KB (a's and b's split rows
+// for 32 s, or g's float32 chunk of 32 pairs x 128 d); g's split chunk (two halves of 64 d, hi
+// then lo, 16 KB); O' split (64 pairs x 64 k, hi then lo, 16 KB); the tile's pair factors (64
+// floats) and the chunk's row factors (128 floats).
+constexpr int kBwfStageBytes = 16384;
+constexpr int kBwfGsBytes = 16384;
+constexpr int kBwfOsBytes = 16384;
+constexpr int kBwfSmemBytes = 1024 + kBwStages * kBwfStageBytes + kBwfGsBytes + kBwfOsBytes + (64 + kBwWDG) * 4;
+static_assert(kBwfSmemBytes <= 113 * 1024, "w kernel f16: two blocks per SM");
 
 void launch_bwd_side(const BwdSideArgs& args, int terms, cudaStream_t stream);
 // The float16 split form of the side kernel and the splits it reads (hidden_dim 32, sm_90a):
@@ -769,6 +792,9 @@ void launch_bwd_side(const BwdSideArgs& args, int terms, cudaStream_t stream);
 //   args.w_split / args.w_inv,
 //   y (B, S, Nc, H) into args.y_split / args.y_inv, then the kernel.
 void launch_bwd_side_f16(const BwdSideArgs& args, bool swap_hh, cudaStream_t stream);
+// The float16 split form of the W kernel (hidden_dim 32, sm_90a): a and b split into
+// args.a_split / a_inv and b_split / b_inv, then the kernel over `splits` splits of the tiles.
+void launch_bwd_w_f16(const BwdWArgs& args, int splits, cudaStream_t stream);
 void launch_bwd_w(const BwdWArgs& args, int splits, int terms, cudaStream_t stream);
 
 // g = grad_out / divisor in one pass over grad_out (opm_grad_scale_kernel); the divisor of pair
