@@ -96,6 +96,11 @@ def _scaled(case, g, a, b, w):
         a[:, :, ::4] *= 1e-5
         b[:, :, 1::3] *= 1e-3
         b[:, ::2] *= 1e2
+    elif case == "masked_residues":  # residues masked at every s, OpenFold's large g at their pairs
+        a[:, :, 2::5] = 0
+        b[:, :, ::4] = 0
+        g[:, 2::5] *= 1e3
+        g[:, :, ::4] *= 1e3
     elif case == "hidden_apart":  # projection columns far apart: O's columns (h1, h2) too
         a[..., ::5] *= 1e-4
         b[..., 1::3] *= 1e3
@@ -104,7 +109,7 @@ def _scaled(case, g, a, b, w):
 
 @requires_cuda
 @pytest.mark.parametrize("case", ["unit", "g_tiny", "g_huge", "g_pairs_apart", "w_columns_apart", "residues_apart",
-                                  "hidden_apart"])
+                                  "masked_residues", "hidden_apart"])
 @pytest.mark.parametrize("shape", [(1, 129, 33, 31, 32, 128), (2, 7, 20, 37, 32, 45), (1, 300, 9, 64, 32, 64),
                                    (1, 33, 70, 5, 32, 200)],
                          ids=lambda s: "B{}_S{}_Nr{}_Nc{}_H{}_D{}".format(*s))

@@ -867,7 +867,7 @@ __global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_w_f16_kernel(const BwdW
 
 // a or b (B, S, N, H) float32, contiguous, as opm_bwd_w_f16_kernel reads it (BwdWArgs::a_split,
 // a_inv; b_split, b_inv): residue (b, n) scaled by 2^e, split_scale_exp of its largest magnitude
-// over (s, h) (2^-e to inv[b·N + n]); chunk c of 32 s as rows ((b·n_sc + c)·N + n)·H + h of 128
+// over (s, h) (2^-e to inv[b·N + n], 0 for a residue of zeros); chunk c of 32 s as rows ((b·n_sc + c)·N + n)·H + h of 128
 // bytes: the 32 float16 high parts, then the 32 low parts (zero past S).  One warp per residue,
 // lane = h (H = 32).
 __global__ void __launch_bounds__(256) opm_split_ab_f16_kernel(const float* __restrict__ x,
@@ -887,7 +887,10 @@ __global__ void __launch_bounds__(256) opm_split_ab_f16_kernel(const float* __re
   for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
   const int e = split_scale_exp(m);
   const float f = exp2_int(e);
-  if (lane == 0) inv[res] = exp2_int(-e);
+  // A residue of zeros (masked at every s) gives the W kernel's pairs with it the factor 0: their
+  // O is 0, and g's values there (large where OpenFold's normaliser is eps) must not set the
+  // scale of the other pairs' values in their chunk.
+  if (lane == 0) inv[res] = m > 0.f ? exp2_int(-e) : 0.f;
   const int n_sc = (S + 31) / 32;
   for (int c = 0; c < n_sc; ++c) {
     float v[32];
