@@ -867,32 +867,38 @@ __global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_w_f16_kernel(const BwdW
 
 // a or b (B, S, N, H) float32, contiguous, as opm_bwd_w_f16_kernel reads it (BwdWArgs::a_split,
 // a_inv; b_split, b_inv): residue (b, n) scaled by 2^e, split_scale_exp of its largest magnitude
-// over (s, h) (2^-e to inv[b·N + n], 0 for a residue of zeros); chunk c of 32 s as rows ((b·n_sc + c)·N + n)·H + h of 128
-// bytes: the 32 float16 high parts, then the 32 low parts (zero past S).  One warp per residue,
-// lane = h (H = 32).
+// over (s, h) (2^-e to inv[b·N + n], 0 for a residue of zeros); chunk c of 32 s as rows
+// ((b·n_sc + c)·N + n)·H + h of 128 bytes: the 32 float16 high parts, then the 32 low parts (zero
+// past S).  One block of 8 warps per residue (lane = h, H = 32), the warps over s for the largest
+// magnitude and over the chunks for the splits: one warp per residue left 2 warps per SM at the
+// training crop, waiting on one load after another (22 us a launch).
 __global__ void __launch_bounds__(256) opm_split_ab_f16_kernel(const float* __restrict__ x,
                                                               uint32_t* __restrict__ out,
-                                                              float* __restrict__ inv, int B, int S, int N) {
-  constexpr int H = 32;
+                                                              float* __restrict__ inv, int S, int N) {
+  constexpr int H = 32, kWarps = 8;
+  __shared__ float red[kWarps];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int64_t res = int64_t(blockIdx.x) * 8 + warp;
-  if (res >= int64_t(B) * N) return;
+  const int64_t res = blockIdx.x;
   const int b = int(res / N), n = int(res - int64_t(b) * N);
   const int64_t s_stride = int64_t(N) * H;
   const float* src = x + (int64_t(b) * S * N + n) * H + lane;
   float m = 0.f;
-#pragma unroll 8
-  for (int s = 0; s < S; ++s) m = fmaxf(m, fabsf(src[s * s_stride]));
+#pragma unroll 4
+  for (int s = warp; s < S; s += kWarps) m = fmaxf(m, fabsf(src[s * s_stride]));
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+  if (lane == 0) red[warp] = m;
+  __syncthreads();
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) m = fmaxf(m, red[w]);
   const int e = split_scale_exp(m);
   const float f = exp2_int(e);
   // A residue of zeros (masked at every s) gives the W kernel's pairs with it the factor 0: their
   // O is 0, and g's values there (large where OpenFold's normaliser is eps) must not set the
   // scale of the other pairs' values in their chunk.
-  if (lane == 0) inv[res] = m > 0.f ? exp2_int(-e) : 0.f;
+  if (threadIdx.x == 0) inv[res] = m > 0.f ? exp2_int(-e) : 0.f;
   const int n_sc = (S + 31) / 32;
-  for (int c = 0; c < n_sc; ++c) {
+  for (int c = warp; c < n_sc; c += kWarps) {
     float v[32];
 #pragma unroll
     for (int k = 0; k < 32; ++k) {

@@ -514,11 +514,11 @@ void launch_bwd_side_f16(const BwdSideArgs& args, bool swap_hh, cudaStream_t str
 }
 
 void launch_bwd_w_f16(const BwdWArgs& args, int splits, cudaStream_t stream) {
-  opm_split_ab_f16_kernel<<<unsigned((int64_t(args.B) * args.Nr + 7) / 8), 256, 0, stream>>>(
-      args.a, const_cast<uint32_t*>(args.a_split), const_cast<float*>(args.a_inv), args.B, args.S, args.Nr);
+  opm_split_ab_f16_kernel<<<unsigned(int64_t(args.B) * args.Nr), 256, 0, stream>>>(
+      args.a, const_cast<uint32_t*>(args.a_split), const_cast<float*>(args.a_inv), args.S, args.Nr);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  opm_split_ab_f16_kernel<<<unsigned((int64_t(args.B) * args.Nc + 7) / 8), 256, 0, stream>>>(
-      args.b, const_cast<uint32_t*>(args.b_split), const_cast<float*>(args.b_inv), args.B, args.S, args.Nc);
+  opm_split_ab_f16_kernel<<<unsigned(int64_t(args.B) * args.Nc), 256, 0, stream>>>(
+      args.b, const_cast<uint32_t*>(args.b_split), const_cast<float*>(args.b_inv), args.S, args.Nc);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   constexpr int kH = 32, hc = kBwWCols / kH;
   const dim3 grid(unsigned(kH / hc), unsigned((args.D + kBwWDG - 1) / kBwWDG), unsigned(splits));
