@@ -373,6 +373,31 @@ def test_tiled_projection_tf32_under_high(H):
     assert err_highest <= max(2 * err_eager, FP64_FLOOR), f"{err_highest:.3g} vs eager fp32 {err_eager:.3g}"
 
 
+@pytest.mark.parametrize("H", [8, 32, 64])
+@pytest.mark.parametrize("scale", [1.0, 10.0])
+def test_tiled_projection_3xtf32_under_highest(H, scale, monkeypatch):
+    """float32 under "highest": the tiled projection kernel's tensor-core form in 3xTF32 (split
+    operands, float32 sums) within the float32 bars (error against float64 at most 2x eager
+    float32's, weights scaled x10 too), and FLASHOPM_PROJECTION_MMA=0 takes the float32 FMA form,
+    whose other rounding gives other bits: the switch (and so the form) is live."""
+    shape = Shape(1, _rows_above_tiled_projection_threshold(1, 29, 50), 29, 64, H, 16)
+    x, m, p = make_problem(shape, "fractional", seed=H + 1, scale=scale)
+    xc, mc, pc = x.cuda(), m.cuda(), _cuda_params(p)
+    ref64 = reference(xc, mc, pc, dtype=torch.float64).cpu()
+    ref32 = reference(xc, mc, pc).cpu()
+    err_eager = rel_error(ref32, ref64)
+    out = _run(xc, mc, pc, "outer", precision="highest").cpu()
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, ref32, atol=1e-4, rtol=1e-4)
+    err = rel_error(out, ref64)
+    assert err <= max(2 * err_eager, FP64_FLOOR), f"3xTF32: {err:.3g} vs eager fp32 {err_eager:.3g}"
+    monkeypatch.setenv("FLASHOPM_PROJECTION_MMA", "0")
+    fma = _run(xc, mc, pc, "outer", precision="highest").cpu()
+    err_fma = rel_error(fma, ref64)
+    assert err_fma <= max(2 * err_eager, FP64_FLOOR), f"FMA form: {err_fma:.3g} vs eager fp32 {err_eager:.3g}"
+    assert not torch.equal(out, fma), "FLASHOPM_PROJECTION_MMA=0 changed nothing: the form switch is dead"
+
+
 HALF_SHAPES = [
     SPEC,
     Shape(1, 128, 64, 64, 32, 128),  # outer-first on tensor cores

@@ -12,7 +12,8 @@ half-precision inputs, non-contiguous x, subsets of the gradients, and repeatabi
 is at most 256 and hidden_dim at most 32 the kernel's register form runs
 (FLASHOPM_LN_BACKWARD_REGS=0 asks for the other one there: both are checked).  A 16-bit model
 whose matmuls follow PyTorch's in its type takes the tensor-core form where msa_dim is 64, 128 or
-256 and hidden_dim at most 32; a float32 model under "high" takes its TF32 form there."""
+256 and hidden_dim at most 32; a float32 model takes its TF32 form there under "high" and its 3xTF32
+form (float32 sums) under "highest"; FLASHOPM_LN_BACKWARD_MMA=0 asks for the FMA forms."""
 import pytest
 import torch
 
@@ -218,6 +219,43 @@ def test_tf32_form_strided_x_explicit_precision_and_switch(monkeypatch):
     monkeypatch.setenv("FLASHOPM_LN_BACKWARD_MMA", "0")
     fma = _op(g, x, m, p, precision=1)
     assert not torch.equal(tf32[GRAD_INPUTS.index("w_a")], fma[GRAD_INPUTS.index("w_a")])
+
+
+# The 3xTF32 form (float32 x under "highest", the default): the TF32 form's shapes and masks
+# against float64 with eager float32's bar, weights scaled x10 too.
+@pytest.mark.parametrize("shape", TF32_SHAPES, ids=str)
+def test_3xtf32_form(shape):
+    _check_against_fp64(shape, seed=shape.N + shape.C + 1)
+
+
+@pytest.mark.parametrize("mask_kind", ["binary", "fractional", "bool"])
+def test_3xtf32_form_masks(mask_kind):
+    _check_against_fp64(Shape(2, 6, 21, 128, 32, 8), mask_kind, seed=5)
+
+
+def test_3xtf32_form_is_float32_accurate_and_switches(monkeypatch):
+    """Under "highest" the 3xTF32 form meets eager float32's bar, which precision="high" (the TF32
+    form, and TF32 contractions) misses at this shape, so the bar can fail; FLASHOPM_LN_BACKWARD_MMA=0
+    takes the float32 FMA form (other bits, the same bar), so the switch is live."""
+    shape = Shape(1, 7, 23, 256, 32, 6)
+    x, m, p = make_problem(shape, "fractional", seed=21, scale=10.0)
+    g = torch.randn(1, 23, 23, 6, generator=torch.Generator().manual_seed(22))
+    ref = _reference(g.double(), x.double(), m.double(), {k: v.double() for k, v in p.items()})
+    xc, mc, gc, pc = x.cuda(), m.cuda(), g.cuda(), {k: v.cuda() for k, v in p.items()}
+    eager = _reference(gc, xc, mc, pc)
+    three = _op(gc, xc, mc, pc)
+    assert all(torch.equal(a, b) for a, b in zip(three, _op(gc, xc, mc, pc)))  # repeatable
+    one = _op(gc, xc, mc, pc, precision=1)
+    monkeypatch.setenv("FLASHOPM_LN_BACKWARD_MMA", "0")
+    fma = _op(gc, xc, mc, pc)
+    for name in ("msa_repr", "w_a", "w_b", "ln_weight"):
+        k = GRAD_INPUTS.index(name)
+        r = ref[k]
+        err_eager = rel_error(eager[k].cpu(), r)
+        assert rel_error(three[k].cpu(), r) <= max(2 * err_eager, 4 * torch.finfo(torch.float32).eps), name
+        assert rel_error(fma[k].cpu(), r) <= max(2 * err_eager, 4 * torch.finfo(torch.float32).eps), name
+        assert rel_error(one[k].cpu(), r) > 2 * err_eager, f"{name}: TF32 alone within float32's bar"
+    assert not torch.equal(three[GRAD_INPUTS.index("w_a")], fma[GRAD_INPUTS.index("w_a")])
 
 
 @pytest.mark.parametrize("layout", ["strided_c", "permuted_sn"])

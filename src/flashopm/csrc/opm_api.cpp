@@ -391,6 +391,14 @@ bool plan_small(int64_t B, int64_t S, int64_t N, int64_t C, int64_t H, int64_t D
   return found.first;
 }
 
+// The tiled projection kernel's products (PrepArgs::mma_terms): TF32 where PyTorch's linear layers
+// take TF32 (or 16-bit) products, 3xTF32 under "highest" (float32 accuracy on tensor cores), float32
+// FMAs with FLASHOPM_PROJECTION_MMA=0 (to compare the forms).
+int projection_mma_terms(bool half_in, Precision prec) {
+  if (half_in || prec != kHighest) return 1;
+  return env_is("FLASHOPM_PROJECTION_MMA", "0") ? 0 : 3;
+}
+
 // Problems with rows enough for a block of kProjRows per SM take the register-tiled kernel.  Else
 // opm_prep_kernel: four rows per warp amortise the weight reads; one row per warp when that leaves
 // too few blocks to fill the GPU.
@@ -837,8 +845,7 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
   pa.x_kind = x_kind;
   pa.a_rows = int(N);
   pa.o_chunks = o_chunks;
-  // PyTorch's linear layers take TF32 (or 16-bit) products at these precisions
-  pa.mma_tf32 = half_in || prec != kHighest;
+  pa.mma_terms = projection_mma_terms(half_in, prec);
 
   if (project_first) {
     // workspace: a as (B, N, S, H) | c as (B, S, H, N, D)

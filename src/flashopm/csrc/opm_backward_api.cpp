@@ -147,9 +147,9 @@ void set_ln_inputs(Args& args, const LnInputs& in) {
 }
 
 // LayerNorm, the projections and the mask recomputed in one launch: a and b, each (B, S, N, H)
-// float32 contiguous, as the forward computes them, into a_out and b_out.
-void project_masked(const LnInputs& in, const OptTensor& b_a, const OptTensor& b_b, float* a_out, float* b_out,
-                    int dev) {
+// float32 contiguous, as the forward computes them at precision `prec`, into a_out and b_out.
+void project_masked(const LnInputs& in, const OptTensor& b_a, const OptTensor& b_b, Precision prec, float* a_out,
+                    float* b_out, int dev) {
   RECORD_USER_SCOPE("flashopm::backward/project");
   const int64_t B = in.msa.size(0), S = in.msa.size(1), N = in.msa.size(2), C = in.msa.size(3), H = in.wa.size(0);
   const auto f32 = [](const at::Tensor& t) { return t.to(at::kFloat).contiguous(); };
@@ -161,15 +161,16 @@ void project_masked(const LnInputs& in, const OptTensor& b_a, const OptTensor& b
   pa.a_sb = pa.b_sb = S * N * H, pa.a_ss = pa.b_ss = N * H, pa.a_sn = pa.b_sn = H;
   pa.a_rows = int(N), pa.o_chunks = 1;
   pa.B = int(B), pa.S = int(S), pa.N = int(N), pa.C = int(C), pa.H = int(H), pa.D = 1;
+  pa.mma_terms = projection_mma_terms(pa.x_kind != kMaskFloat, prec);
   run_prep(pa, false, dev, c10::cuda::getCurrentCUDAStream(dev).stream());
 }
 
 std::pair<at::Tensor, at::Tensor> project_masked(const LnInputs& in, const OptTensor& b_a, const OptTensor& b_b,
-                                                 int dev) {
+                                                 Precision prec, int dev) {
   const int64_t B = in.msa.size(0), S = in.msa.size(1), N = in.msa.size(2), H = in.wa.size(0);
   at::Tensor a = at::empty({B, S, N, H}, in.msa.options().dtype(at::kFloat));
   at::Tensor b = at::empty({B, S, N, H}, in.msa.options().dtype(at::kFloat));
-  project_masked(in, b_a, b_b, a.data_ptr<float>(), b.data_ptr<float>(), dev);
+  project_masked(in, b_a, b_b, prec, a.data_ptr<float>(), b.data_ptr<float>(), dev);
   return {a, b};
 }
 
@@ -186,19 +187,22 @@ bool fused_ln_fits(const at::Tensor& msa, const at::Tensor& mask, int64_t rows, 
          ln_backward_smem_bytes(int(C), int(H), ln_regs) <= device_info(dev).smem_optin;
 }
 
-// Whether a tensor-core form of the LayerNorm backward takes this problem: a 16-bit model whose
-// matmuls follow PyTorch's in its type, or a float32 one under "high" (TF32, as PyTorch's matmuls
-// there), msa_dim and hidden as ln_backward_mma_form allows, x's rows 16-byte aligned, and not
-// turned off (FLASHOPM_LN_BACKWARD_MMA=0, to compare the forms).
-bool ln_mma_fits(const at::Tensor& msa, bool follow16, bool tf32, int64_t C, int64_t H, int dev) {
+// The tensor-core form of the LayerNorm backward that takes this problem, as LnBackwardArgs.mma
+// counts it: 1 for a 16-bit model whose matmuls follow PyTorch's in its type, or a float32 one
+// under "high" (TF32, as PyTorch's matmuls there); 3 for a float32 one under "highest" (3xTF32
+// with float32 sums); 0 for none (msa_dim and hidden not as ln_backward_mma_form allows, x's rows
+// not 16-byte aligned, or turned off by FLASHOPM_LN_BACKWARD_MMA=0, to compare the forms).
+int ln_mma_fits(const at::Tensor& msa, bool follow16, Precision prec, int64_t C, int64_t H, int dev) {
   const int64_t per16 = 16 / msa.element_size();
   const bool aligned = reinterpret_cast<uintptr_t>(msa.data_ptr()) % 16 == 0 && msa.stride(0) % per16 == 0 &&
                        msa.stride(1) % per16 == 0 && msa.stride(2) % per16 == 0;
   const bool half = msa.scalar_type() == at::kHalf || msa.scalar_type() == at::kBFloat16;
-  const bool tf32_form = tf32 && msa.scalar_type() == at::kFloat;
-  return ((follow16 && half) || tf32_form) && ln_backward_mma_form(int(C), int(H)) && aligned &&
-         ln_backward_mma_smem_bytes(int(C), tf32_form) <= device_info(dev).smem_optin &&
-         !env_is("FLASHOPM_LN_BACKWARD_MMA", "0");
+  const bool f32 = msa.scalar_type() == at::kFloat;
+  const int terms = follow16 && half ? 1 : f32 ? (prec == kHighest ? 3 : 1) : 0;
+  const bool fits = terms > 0 && ln_backward_mma_form(int(C), int(H)) && aligned &&
+                    ln_backward_mma_smem_bytes(int(C), f32) <= device_info(dev).smem_optin &&
+                    !env_is("FLASHOPM_LN_BACKWARD_MMA", "0");
+  return fits ? terms : 0;
 }
 
 // Whether opm_grad_scale_kernel takes g = grad_out / divisor (else ATen does).
@@ -269,7 +273,7 @@ struct LnGrads {
 
 // The LayerNorm backward's grid: blocks resident at once over the rows' tiles.  regs: the kernel's
 // register form (ln_backward_regs); mma: its tensor-core form (ln_mma_fits), which takes precedence.
-int ln_backward_blocks(const at::Tensor& msa, int64_t H, bool regs, bool mma, int dev) {
+int ln_backward_blocks(const at::Tensor& msa, int64_t H, bool regs, int mma, int dev) {
   const int64_t rows = msa.size(0) * msa.size(1) * msa.size(2), C = msa.size(3);
   const int lanes = ln_backward_col_lanes(int(C));
   const int tile_rows =
@@ -289,7 +293,7 @@ int ln_backward_blocks(const at::Tensor& msa, int64_t H, bool regs, bool mma, in
 // blocks' parameter sums, which go to `partial` (ln_backward_blocks x ln_backward_partial_floats
 // floats) where given, else to a tensor of their own.
 LnGrads ln_projection_backward(const LnInputs& in, const float* grad_a, const float* grad_b,
-                               const std::array<bool, 9>& want, bool regs, bool mma, int dev,
+                               const std::array<bool, 9>& want, bool regs, int mma, int dev,
                                float* partial_ws = nullptr) {
   RECORD_USER_SCOPE("flashopm::backward/layernorm");
   const at::Tensor& msa = in.msa;
@@ -340,7 +344,8 @@ struct DirectBackward {
   int64_t normalization;
   double norm_eps;
   Precision prec;
-  bool ln_regs, ln_mma;
+  bool ln_regs;
+  int ln_mma;  // LnBackwardArgs.mma
 };
 
 // The backward where every stage runs in our kernels (a float32 model; LayerNorm, the division and
@@ -376,7 +381,7 @@ void backward_direct(const DirectBackward& d, const at::Tensor& grad_out, const 
     float* a = first.data_ptr<float>();
     float* b = a + ab;
     float* g = b + ab;
-    project_masked(*d.ln_in, d.b_a, d.b_b, a, b, dev);
+    project_masked(*d.ln_in, d.b_a, d.b_b, d.prec, a, b, dev);
     at::Tensor bias_grad;
     scale_grad(grad_out, mask, d.normalization, d.norm_eps, at::kFloat, need_bo, bias_grad, dev, g);
     // ATen's sum where the division's threads do not hold every column (pair_dim > 4 * kGradScaleThreads)
@@ -499,7 +504,7 @@ std::vector<at::Tensor> outer_product_mean_backward_cuda(const at::Tensor& grad_
   if (direct) {
     check_fused_backward(dev);
     const DirectBackward d{&ln_in, ba, bb, contiguous_aligned16(wo), normalization, norm_eps, prec, ln_regs,
-                           need_proj && ln_mma_fits(ln_in.msa, follow16, prec != kHighest, C, H, dev)};
+                           need_proj ? ln_mma_fits(ln_in.msa, follow16, prec, C, H, dev) : 0};
     std::array<bool, 9> need = want;
     need[4] = need_ba, need[6] = need_bb, need[8] = need_bo;
     backward_direct(d, grad_out, mask, need, grads, dev);
@@ -511,7 +516,7 @@ std::vector<at::Tensor> outer_product_mean_backward_cuda(const at::Tensor& grad_
       // a, b and g (B, N, N, D) live only for the contractions
       at::Tensor a, b;
       if (fused_ln) {
-        std::tie(a, b) = project_masked(ln_in, ba, bb, dev);
+        std::tie(a, b) = project_masked(ln_in, ba, bb, prec, dev);
       } else {
         const at::Tensor x = msa.to(work);
         const auto [var, mu] = at::var_mean(x, {-1}, /*correction=*/0, /*keepdim=*/true);
@@ -544,7 +549,7 @@ std::vector<at::Tensor> outer_product_mean_backward_cuda(const at::Tensor& grad_
     if (need_proj && fused_ln) {
       const at::Tensor ga = grad_a.to(at::kFloat).contiguous(), gb = grad_b.to(at::kFloat).contiguous();
       const LnGrads r = ln_projection_backward(ln_in, ga.data_ptr<float>(), gb.data_ptr<float>(), want, ln_regs,
-                                               ln_mma_fits(ln_in.msa, follow16, prec != kHighest, C, H, dev), dev);
+                                               ln_mma_fits(ln_in.msa, follow16, prec, C, H, dev), dev);
       grads[0] = r.x, grads[1] = r.ln_w, grads[2] = r.ln_b, grads[3] = r.w_a, grads[5] = r.w_b;
       if (need_ba) grads[4] = r.b_a;
       if (need_bb) grads[6] = r.b_b;

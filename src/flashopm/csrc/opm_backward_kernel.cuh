@@ -1061,15 +1061,31 @@ __global__ void __launch_bounds__(kGradScaleThreads) opm_bias_grad_reduce_kernel
   bias[d] = float(sum);
 }
 
-// SumPartsArgs: tensor blockIdx.y, its elements grid-strided along x.
+// SumPartsArgs: tensor blockIdx.y, its elements grid-strided along x, four at a time where n and
+// both pointers keep 16-byte vectors aligned (the same sums in the same order, a quarter of the
+// load instructions and four times the bytes in flight per thread).
 __global__ void __launch_bounds__(kSumPartsThreads) opm_sum_parts_kernel(const SumPartsArgs p) {
   const int k = blockIdx.y;
   const int64_t n = p.n[k];
   const int parts = p.parts[k];
-  const float* in = p.in[k];
-  float* out = p.out[k];
-  for (int64_t e = int64_t(blockIdx.x) * kSumPartsThreads + threadIdx.x; e < n;
-       e += int64_t(gridDim.x) * kSumPartsThreads) {
+  const float* __restrict__ in = p.in[k];
+  float* __restrict__ out = p.out[k];
+  const int64_t stride = int64_t(gridDim.x) * kSumPartsThreads;
+  if (n % 4 == 0 && reinterpret_cast<uintptr_t>(in) % 16 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0) {
+    const int64_t n4 = n / 4;
+    const float4* in4 = reinterpret_cast<const float4*>(in);
+    for (int64_t e = int64_t(blockIdx.x) * kSumPartsThreads + threadIdx.x; e < n4; e += stride) {
+      float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 4
+      for (int q = 0; q < parts; ++q) {
+        const float4 v = __ldg(in4 + int64_t(q) * n4 + e);
+        sum.x += v.x, sum.y += v.y, sum.z += v.z, sum.w += v.w;
+      }
+      reinterpret_cast<float4*>(out)[e] = sum;
+    }
+    return;
+  }
+  for (int64_t e = int64_t(blockIdx.x) * kSumPartsThreads + threadIdx.x; e < n; e += stride) {
     float sum = 0.f;
 #pragma unroll 4
     for (int q = 0; q < parts; ++q) sum += in[int64_t(q) * n + e];

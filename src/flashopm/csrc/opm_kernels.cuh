@@ -641,11 +641,16 @@ __global__ void __launch_bounds__(kPrepThreads, RW == 1 && Q <= 2 && !kProjectW 
 // CT outputs per thread: 3 shared-memory vector loads per 32 FMAs at CT = 4) for problems with
 // enough rows to fill the GPU.  kVec: x read as 16-byte vectors (rows and msa_dim aligned to
 // them), the normalised rows then stored with an XOR swizzle of 4-row pieces so that the
-// transposing stores stay free of bank conflicts.  The tensor-core form runs three blocks per SM
-// (80 registers, a few spills): it is bound by the latency of its global loads, and at two blocks
-// (124 registers) it took 19% longer at N = 1536 in bfloat16.
-template <int CT, typename XT, bool kVec, bool kMma>  // XT: x's element type (p.x_kind); kMma: tensor cores
-__global__ void __launch_bounds__(kProjThreads, kMma && CT <= 4 ? 3 : CT >= 8 ? 1 : 2) opm_project_rows_kernel(const PrepArgs p) {
+// transposing stores stay free of bank conflicts.  The tensor-core form (kMmaTerms = 1: TF32
+// products) runs three blocks per SM (80 registers, a few spills): it is bound by the latency of its
+// global loads, and at two blocks (124 registers) it took 19% longer at N = 1536 in bfloat16.  With
+// kMmaTerms = 3 (float32 x under "highest") each k-step is three TF32 products of split operands
+// into a zeroed fragment, added to the sums in float32 (warp_mma_tf32), at two blocks per SM.
+template <int CT, typename XT, bool kVec, int kMmaTerms>  // XT: x's element type (p.x_kind); kMmaTerms: 0 FMA form
+__global__ void __launch_bounds__(kProjThreads, kMmaTerms == 1 && CT <= 4 ? 3 : CT >= 8 ? 1 : 2)
+    opm_project_rows_kernel(const PrepArgs p) {
+  constexpr bool kMma = kMmaTerms > 0;
+  static_assert(kMmaTerms == 0 || kMmaTerms == 1 || kMmaTerms == 3, "no tensor cores, one TF32 term or three");
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;\n" ::);  // as opm_prep_kernel
 #endif
@@ -894,7 +899,8 @@ __global__ void __launch_bounds__(kProjThreads, kMma && CT <= 4 ? 3 : CT >= 8 ? 
       // one k-step at a time: all of a step's fragments are live at once (registers)
 #pragma unroll 1
       for (int ks = 0; ks < KC / 8; ++ks)
-        warp_mma_tf32<1, 1, kNT, true, true, 1>(acc_t, xs + warp * 16 * LDK + ks * 8, LDK, wcur + ks * 8, LDK, g, tq);
+        warp_mma_tf32<kMma ? kMmaTerms : 1, 1, kNT, true, true, 1>(acc_t, xs + warp * 16 * LDK + ks * 8, LDK, wcur + ks * 8,
+                                                                  LDK, g, tq);
     } else {
 #pragma unroll 4
       for (int k = 0; k < KC; ++k) {

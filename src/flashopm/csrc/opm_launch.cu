@@ -111,38 +111,44 @@ bool project_rows_vec(const PrepArgs& args) {
   return reinterpret_cast<uintptr_t>(args.x) % 16 == 0 && args.C % V == 0 && args.x_sb % V == 0 &&
          args.x_ss % V == 0 && args.x_sn % V == 0;
 }
-// The tensor-core form (with vector loads): 16-bit x, or where TF32 products are allowed.
-bool project_rows_mma(const PrepArgs& args) {
-  return (args.x_kind == kMaskHalf || args.x_kind == kMaskBFloat16 || args.mma_tf32) && project_rows_vec(args);
+// The tensor-core form's TF32 terms per product (with vector loads): one for 16-bit x, mma_terms for
+// float32 x; 0 for the FMA form.
+int project_rows_mma(const PrepArgs& args) {
+  if (!project_rows_vec(args)) return 0;
+  return args.x_kind == kMaskHalf || args.x_kind == kMaskBFloat16 ? 1 : args.mma_terms;
 }
 }  // namespace
 
 int project_rows_smem_bytes(const PrepArgs& args) {
-  return int(project_rows_smem_floats(args.H, project_rows_mma(args)) * sizeof(float));
+  return int(project_rows_smem_floats(args.H, project_rows_mma(args) > 0) * sizeof(float));
 }
 
 namespace {
-template <int CT, typename XT, bool kVec, bool kMma>
+template <int CT, typename XT, bool kVec, int kMmaTerms>
 void launch_project_rows_t(const PrepArgs& args, cudaStream_t stream) {
   const int64_t rows = int64_t(args.B) * args.S * args.N;
-  constexpr auto kernel = opm_project_rows_kernel<CT, XT, kVec, kMma>;
+  constexpr auto kernel = opm_project_rows_kernel<CT, XT, kVec, kMmaTerms>;
   allow_smem<kernel, true>();
   kernel<<<unsigned((rows + kProjRows - 1) / kProjRows), kProjThreads, project_rows_smem_bytes(args), stream>>>(args);
 }
-template <typename XT, bool kVec, bool kMma>
+template <typename XT, bool kVec, int kMmaTerms>
 void launch_project_rows_v(const PrepArgs& args, cudaStream_t stream) {
   switch (proj_cols_per_thread(args.H)) {
-    case 1: return launch_project_rows_t<1, XT, kVec, kMma>(args, stream);
-    case 2: return launch_project_rows_t<2, XT, kVec, kMma>(args, stream);
-    case 4: return launch_project_rows_t<4, XT, kVec, kMma>(args, stream);
-    default: return launch_project_rows_t<8, XT, kVec, kMma>(args, stream);
+    case 1: return launch_project_rows_t<1, XT, kVec, kMmaTerms>(args, stream);
+    case 2: return launch_project_rows_t<2, XT, kVec, kMmaTerms>(args, stream);
+    case 4: return launch_project_rows_t<4, XT, kVec, kMmaTerms>(args, stream);
+    default: return launch_project_rows_t<8, XT, kVec, kMmaTerms>(args, stream);
   }
 }
 template <typename XT>
 void launch_project_rows_x(const PrepArgs& args, cudaStream_t stream) {
-  if (!project_rows_vec(args)) return launch_project_rows_v<XT, false, false>(args, stream);
-  if (project_rows_mma(args)) return launch_project_rows_v<XT, true, true>(args, stream);
-  launch_project_rows_v<XT, true, false>(args, stream);
+  if (!project_rows_vec(args)) return launch_project_rows_v<XT, false, 0>(args, stream);
+  const int terms = project_rows_mma(args);
+  if constexpr (std::is_same_v<XT, float>) {
+    if (terms == 3) return launch_project_rows_v<XT, true, 3>(args, stream);
+  }
+  if (terms > 0) return launch_project_rows_v<XT, true, 1>(args, stream);
+  launch_project_rows_v<XT, true, 0>(args, stream);
 }
 }  // namespace
 
@@ -279,10 +285,15 @@ void launch_ln_backward_mma(const LnBackwardArgs& args, int blocks, cudaStream_t
   allow_smem<opm_ln_backward_mma_kernel<XT, kMT>>();
   opm_ln_backward_mma_kernel<XT, kMT><<<blocks, kLnBwdThreads, LnMmaLayout<kMT>::bytes, stream>>>(args);
 }
+template <int kMT, int kTerms>
+void launch_ln_backward_tf32_t(const LnBackwardArgs& args, int blocks, cudaStream_t stream) {
+  allow_smem<opm_ln_backward_tf32_kernel<kMT, kTerms>>();
+  opm_ln_backward_tf32_kernel<kMT, kTerms><<<blocks, kLnBwdThreads, LnTf32Layout<kMT>::bytes, stream>>>(args);
+}
 template <int kMT>
 void launch_ln_backward_tf32(const LnBackwardArgs& args, int blocks, cudaStream_t stream) {
-  allow_smem<opm_ln_backward_tf32_kernel<kMT>>();
-  opm_ln_backward_tf32_kernel<kMT><<<blocks, kLnBwdThreads, LnTf32Layout<kMT>::bytes, stream>>>(args);
+  if (args.mma == 3) launch_ln_backward_tf32_t<kMT, 3>(args, blocks, stream);
+  else launch_ln_backward_tf32_t<kMT, 1>(args, blocks, stream);
 }
 template <typename XT>
 void launch_ln_backward_x(const LnBackwardArgs& args, int blocks, cudaStream_t stream) {
@@ -563,7 +574,8 @@ void launch_bias_grad_reduce(const double* part, int blocks, int D, float* bias,
 }
 
 void launch_sum_parts(const SumPartsArgs& args, cudaStream_t stream) {
-  const int64_t blocks = per_tensor_blocks(args, kSumPartsThreads, 2048);
+  // a thread per four elements where they go as vectors (the others grid-stride over the same blocks)
+  const int64_t blocks = (per_tensor_blocks(args, kSumPartsThreads, 8192) + 3) / 4;
   if (blocks == 0) return;
   opm_sum_parts_kernel<<<dim3(unsigned(blocks), unsigned(args.count)), kSumPartsThreads, 0, stream>>>(args);
   C10_CUDA_KERNEL_LAUNCH_CHECK();

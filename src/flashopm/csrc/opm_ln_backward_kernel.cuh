@@ -872,6 +872,11 @@ __global__ void __launch_bounds__(kLnBwdThreads, 1) opm_ln_backward_mma_kernel(c
 // part of dW.  ldmatrix cannot transpose 32-bit elements: fragments come from 32-bit shared loads,
 // from rows C + 8 floats apart (x, m·xn, W) and 72 apart (G), which puts each load's 32 lanes
 // on distinct banks (G's K-major reads in GEMM 1 excepted: two ways).  C = 64·kMT, H <= 32.
+// kTerms = 3 is the form for "highest": the tiles stay float32 and each fragment is split into a
+// TF32 high part and the remainder as it is loaded (split_tf32), three MMAs per product, and each
+// k-step's products are formed in a zeroed fragment and added to the sums in float32
+// (mma_split_add), so that the sums keep float32's accuracy (the tensor core truncates as it
+// accumulates).
 template <int kMT>
 struct LnTf32Layout {
   static constexpr int C = 64 * kMT, TR = 32, XS = C + 8, GS = 72, CW = C / 4;
@@ -885,8 +890,11 @@ struct LnTf32Layout {
   static_assert(gf_bytes >= (2 * C + 32 * 64) * 4, "the gradient buffers hold d ln_w, d ln_b and d b at the end");
 };
 
-template <int kMT>
+template <int kMT, int kTerms>
 __global__ void __launch_bounds__(kLnBwdThreads, 1) opm_ln_backward_tf32_kernel(const LnBackwardArgs p) {
+  static_assert(kTerms == 1 || kTerms == 3, "one TF32 term or three");
+  // operands as the tiles hold them: rounded to TF32 once (one term), or float32 split per fragment
+  const auto tile_value = [](float v) { return kTerms == 1 ? __uint_as_float(to_tf32(v)) : v; };
   using L = LnTf32Layout<kMT>;
   constexpr int C = L::C, TR = L::TR, XS = L::XS, GS = L::GS, CW = L::CW;
   constexpr int NT = CW / 8;        // n-tiles of 8 columns per warp
@@ -914,7 +922,7 @@ __global__ void __launch_bounds__(kLnBwdThreads, 1) opm_ln_backward_tf32_kernel(
   for (int idx = tid; idx < 64 * C; idx += kLnBwdThreads) {
     const int h = idx / C, c = idx - h * C;
     const float w = h < H ? p.wa[int64_t(h) * C + c] : h < H2 ? p.wb[int64_t(h - H) * C + c] : 0.f;
-    w_s[h * XS + c] = __uint_as_float(to_tf32(w));
+    w_s[h * XS + c] = tile_value(w);
   }
 
   // A tile's x rows and gradients into buffer buf: thread tid takes row tid / 8.
@@ -958,8 +966,8 @@ __global__ void __launch_bounds__(kLnBwdThreads, 1) opm_ln_backward_tf32_kernel(
 #pragma unroll
       for (int k = 0; k < VEC; k += 2) {
         float2 f;
-        f.x = __uint_as_float(to_tf32(mv * fmaf(v[k] * rstd, lw_v[k], lb_v[k])));
-        f.y = __uint_as_float(to_tf32(mv * fmaf(v[k + 1] * rstd, lw_v[k + 1], lb_v[k + 1])));
+        f.x = tile_value(mv * fmaf(v[k] * rstd, lw_v[k], lb_v[k]));
+        f.y = tile_value(mv * fmaf(v[k + 1] * rstd, lw_v[k + 1], lb_v[k + 1]));
         *reinterpret_cast<float2*>(xn_s + r * XS + lane * VEC + k) = f;
       }
       if (lane == 0) stat_s[2 * r] = mean, stat_s[2 * r + 1] = rstd;
@@ -976,8 +984,7 @@ __global__ void __launch_bounds__(kLnBwdThreads, 1) opm_ln_backward_tf32_kernel(
         dbias[4 * half + 2] = fmaf(v.z, mv, dbias[4 * half + 2]);
         dbias[4 * half + 3] = fmaf(v.w, mv, dbias[4 * half + 3]);
         float4 r4;
-        r4.x = __uint_as_float(to_tf32(v.x)), r4.y = __uint_as_float(to_tf32(v.y));
-        r4.z = __uint_as_float(to_tf32(v.z)), r4.w = __uint_as_float(to_tf32(v.w));
+        r4.x = tile_value(v.x), r4.y = tile_value(v.y), r4.z = tile_value(v.z), r4.w = tile_value(v.w);
         *reinterpret_cast<float4*>(g_s + r * GS + h + 4 * half) = r4;
       }
     }
@@ -994,31 +1001,69 @@ __global__ void __launch_bounds__(kLnBwdThreads, 1) opm_ln_backward_tf32_kernel(
       uint32_t af[4];
       af[0] = g_u[(r0 + g) * GS + k0 + t], af[1] = g_u[(r0 + g + 8) * GS + k0 + t];
       af[2] = g_u[(r0 + g) * GS + k0 + t + 4], af[3] = g_u[(r0 + g + 8) * GS + k0 + t + 4];
+      if constexpr (kTerms == 1) {
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        const int c = c0 + nt * 8 + g;
-        mma_tf32(acc1[0][nt], af, w_u[(k0 + t) * XS + c], w_u[(k0 + t + 4) * XS + c]);
+        for (int nt = 0; nt < NT; ++nt) {
+          const int c = c0 + nt * 8 + g;
+          mma_tf32(acc1[0][nt], af, w_u[(k0 + t) * XS + c], w_u[(k0 + t + 4) * XS + c]);
+        }
+      } else {
+        uint32_t a_hi[4], a_lo[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) split_tf32<3>(__uint_as_float(af[e]), a_hi[e], a_lo[e]);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          const int c = c0 + nt * 8 + g;
+          uint32_t b_hi0, b_lo0, b_hi1, b_lo1;
+          split_tf32<3>(w_s[(k0 + t) * XS + c], b_hi0, b_lo0);
+          split_tf32<3>(w_s[(k0 + t + 4) * XS + c], b_hi1, b_lo1);
+          mma_split_add<3>(acc1[0][nt], a_hi, a_lo, b_hi0, b_hi1, b_lo0, b_lo1);
+        }
       }
     }
     // GEMM 2: acc2 += Gᵀ · (m xn) over the tile's 32 rows, for rows 32 wr .. of [dW_a; dW_b]
 #pragma unroll
     for (int kk = 0; kk < TR / 8; ++kk) {
       const int k0 = kk * 8;
-      uint32_t bf[NT][2];
+      if constexpr (kTerms == 3) {
+        // both m tiles' A fragments split once, then one column tile's B at a time (registers)
+        uint32_t a_hi[2][4], a_lo[2][4];
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        const int c = c0 + nt * 8 + g;
-        bf[nt][0] = xn_u[(k0 + t) * XS + c], bf[nt][1] = xn_u[(k0 + t + 4) * XS + c];
-      }
+        for (int mt = 0; mt < 2; ++mt) {
+          const int m0 = wr * 32 + mt * 16;
+          split_tf32<3>(g_s[(k0 + t) * GS + m0 + g], a_hi[mt][0], a_lo[mt][0]);
+          split_tf32<3>(g_s[(k0 + t) * GS + m0 + g + 8], a_hi[mt][1], a_lo[mt][1]);
+          split_tf32<3>(g_s[(k0 + t + 4) * GS + m0 + g], a_hi[mt][2], a_lo[mt][2]);
+          split_tf32<3>(g_s[(k0 + t + 4) * GS + m0 + g + 8], a_hi[mt][3], a_lo[mt][3]);
+        }
 #pragma unroll
-      for (int mt = 0; mt < 2; ++mt) {
-        const int m0 = wr * 32 + mt * 16;
-        if (m0 >= K2) break;
-        uint32_t af[4];
-        af[0] = g_u[(k0 + t) * GS + m0 + g], af[1] = g_u[(k0 + t) * GS + m0 + g + 8];
-        af[2] = g_u[(k0 + t + 4) * GS + m0 + g], af[3] = g_u[(k0 + t + 4) * GS + m0 + g + 8];
+        for (int nt = 0; nt < NT; ++nt) {
+          const int c = c0 + nt * 8 + g;
+          uint32_t b_hi0, b_lo0, b_hi1, b_lo1;
+          split_tf32<3>(xn_s[(k0 + t) * XS + c], b_hi0, b_lo0);
+          split_tf32<3>(xn_s[(k0 + t + 4) * XS + c], b_hi1, b_lo1);
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) mma_tf32(acc2[mt][nt], af, bf[nt][0], bf[nt][1]);
+          for (int mt = 0; mt < 2; ++mt)
+            if (wr * 32 + mt * 16 < K2)
+              mma_split_add<3>(acc2[mt][nt], a_hi[mt], a_lo[mt], b_hi0, b_hi1, b_lo0, b_lo1);
+        }
+      } else {
+        uint32_t bf[NT][2];
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          const int c = c0 + nt * 8 + g;
+          bf[nt][0] = xn_u[(k0 + t) * XS + c], bf[nt][1] = xn_u[(k0 + t + 4) * XS + c];
+        }
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+          const int m0 = wr * 32 + mt * 16;
+          if (m0 >= K2) break;
+          uint32_t af[4];
+          af[0] = g_u[(k0 + t) * GS + m0 + g], af[1] = g_u[(k0 + t) * GS + m0 + g + 8];
+          af[2] = g_u[(k0 + t + 4) * GS + m0 + g], af[3] = g_u[(k0 + t + 4) * GS + m0 + g + 8];
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) mma_tf32(acc2[mt][nt], af, bf[nt][0], bf[nt][1]);
+        }
       }
     }
 

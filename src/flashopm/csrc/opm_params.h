@@ -100,7 +100,7 @@ struct PrepArgs {
   float* c_out;  // project-first only: (B, S, H, N, D)
   int B, S, N, C, H, D;  // N: rows of this launch
   int o_chunks;  // project-first: columns (h1, d) handled in chunks of kPrepThreads per block
-  int mma_tf32;  // the projections may take TF32 products (opm_project_rows_kernel's tensor-core form)
+  int mma_terms;  // opm_project_rows_kernel's products for float32 x: 0 float32 FMAs, 1 TF32, 3 3xTF32
 };
 
 constexpr int kPrepWarps = 8;
@@ -135,8 +135,8 @@ FLASHOPM_HD inline int64_t prep_smem_floats(int H, int rows_per_warp, bool proje
 // consecutive rows r = (b, s, n) and all 2H outputs; 256 threads as 16 row groups x 16 column
 // groups, each kProjRT rows x CT outputs (CT = 1, 2, 4 or 8, so that 16 CT >= 2H); C in chunks of
 // kProjKC, the normalised rows and the weights staged in shared memory.  Its tensor-core form
-// (16-bit x, whose linear layers PyTorch runs on 16-bit products, or PrepArgs::mma_tf32: products in
-// TF32) gives each warp 16 rows and all 16·CT columns as mma.sync m16n8k8 tiles.
+// (16-bit x, whose linear layers PyTorch runs on 16-bit products, or float32 x as PrepArgs::mma_terms
+// asks: TF32 or 3xTF32 products) gives each warp 16 rows and all 16·CT columns as mma.sync m16n8k8 tiles.
 constexpr int kProjThreads = 256;
 constexpr int kProjRT = 8;                       // rows per thread
 constexpr int kProjRows = 16 * kProjRT;          // rows per block
@@ -907,7 +907,8 @@ struct LnBackwardArgs {
   int64_t rows;         // B * S * N
   int col_lanes;        // 32, 64, 128 or 256: threads sharing one row's columns
   int regs;             // the register form runs (ln_backward_regs), else the shared-memory one
-  int mma;              // a tensor-core form runs (16-bit x, or float32 x in TF32; ln_mma_fits), over the others
+  int mma;              // a tensor-core form runs over the others (ln_mma_fits): 1 one term (16-bit x, or float32
+                        // x in TF32), 3 float32 x in 3xTF32; 0 none
 };
 
 // Layout of one block's partial sums: [dW_a (H, C) | dW_b (H, C) | d ln_w (C) | d ln_b (C) |
@@ -969,7 +970,7 @@ int ln_backward_smem_bytes(int C, int H, bool regs);
 // FLASHOPM_LN_BACKWARD_REGS=0 (to compare the forms).  Asked once per backward call.
 bool ln_backward_regs(int C, int H);
 // The tensor-core forms (opm_ln_backward_mma_kernel for 16-bit x, opm_ln_backward_tf32_kernel for
-// float32 x under "high"): msa_dim 64, 128 or 256 and H <= 32; shared memory per block and rows
+// float32 x, in TF32 under "high" and 3xTF32 under "highest"): msa_dim 64, 128 or 256 and H <= 32; shared memory per block and rows
 // per tile of each.
 FLASHOPM_HD inline bool ln_backward_mma_form(int C, int H) { return (C == 64 || C == 128 || C == 256) && H >= 1 && H <= 32; }
 int ln_backward_mma_smem_bytes(int C, bool tf32);
