@@ -196,6 +196,32 @@ def test_cuda_gradients_f16_split_forms(monkeypatch, normalization, shape):
     _check_gradients_against_eager(shape, normalization, True)
 
 
+@requires_cuda
+@pytest.mark.parametrize("normalization", [0, 1], ids=["row", "openfold"])
+def test_cuda_gradients_past_s256_in_f16_split_forms(monkeypatch, normalization):
+    """Past S = 256 a float32 backward large enough for the float16 split forms takes the fused
+    kernels by default (three blocks of s, dO recomputed per block), not ATen's blocks: the bits
+    of the forced split forms, other bits than FLASHOPM_BACKWARD_BLOCKS=1's, and every gradient
+    within twice eager fp32's error against float64."""
+    shape = Shape(1, 300, 21, 16, 32, 8)  # B·S·N² = 132300 >= 2^17: the split forms' default
+    f16_backward_form_or_skip(monkeypatch)
+    forced = _flashopm_grads(*_cuda_problem(shape, 23), normalization=("row", "openfold")[normalization])
+    monkeypatch.delenv("FLASHOPM_BWD_FORM")
+    default = _flashopm_grads(*_cuda_problem(shape, 23), normalization=("row", "openfold")[normalization])
+    monkeypatch.setenv("FLASHOPM_BACKWARD_BLOCKS", "1")
+    blocks = _flashopm_grads(*_cuda_problem(shape, 23), normalization=("row", "openfold")[normalization])
+    monkeypatch.delenv("FLASHOPM_BACKWARD_BLOCKS")
+    assert all(torch.equal(f, d) for f, d in zip(forced, default))
+    assert not torch.equal(default[GRAD_INPUTS.index("w_out")], blocks[GRAD_INPUTS.index("w_out")])
+    _check_gradients_against_eager(shape, normalization, True)
+
+
+def _cuda_problem(shape, seed):
+    x, m, p = make_problem(shape, "masked_positions", seed=seed)
+    g = torch.randn(shape.B, shape.N, shape.N, shape.D, generator=torch.Generator().manual_seed(seed + 1))
+    return x.cuda(), m.cuda(), {k: v.cuda() for k, v in p.items()}, g.cuda()
+
+
 def _check_gradients_against_eager(shape, normalization, with_bias, skip=()):
     """Every gradient (but those named in skip) of the fused CUDA op against float64: error at most
     twice eager fp32's."""

@@ -216,7 +216,8 @@ outer_contract_backward_op = torch.ops.flashopm.outer_contract_backward.default
 
 # hidden_dim values the fused CUDA backward supports (a block owns 128 columns (h1, h2)), and the
 # deepest MSA it is used for: it recomputes dO for every 128 values of s, which past S = 256 costs
-# more than PyTorch's blocks (the same rule as csrc/opm_backward_api.cpp).
+# more than PyTorch's blocks in the kernels' mma.sync forms (csrc/opm_backward_api.cpp keeps the
+# fused kernels past S = 256 where it knows their float16 split forms run).
 FUSED_BACKWARD_HIDDEN = (16, 32, 64)
 FUSED_BACKWARD_MAX_S = 256
 

@@ -479,8 +479,10 @@ std::vector<at::Tensor> outer_product_mean_backward_cuda(const at::Tensor& grad_
   const OptTensor &ba = params.t[3], &bb = params.t[5];
   const LnInputs ln_in = fused_ln ? ln_inputs(msa, mask, lw, lb, ln_eps, wa, wb) : LnInputs{};
   // The fused kernels recompute dO = g·W for every 128 values of s; past S = 256 that costs more
-  // than PyTorch's blocks save (H200: 79 against 54 ms at S = 512, N = 768), which then win on
-  // speed, at more memory (blocks of 16M-64M elements).  ops.contract_backward, the same rule.
+  // than PyTorch's blocks save in their mma.sync forms (H200: 79 against 54 ms at S = 512, N = 768),
+  // so the blocks take those problems, at more memory (blocks of 16M-64M elements); the float16
+  // split forms (backward_f16_form) stay faster at any S, since the recomputation at most doubles
+  // the side kernels' work.  ops.contract_backward, the same rule where the forms are not known.
   // A 16-bit model's contractions run in ATen blocks on 16-bit tensor cores, which beat the
   // fused kernels' TF32 form (H200, training crop: 1.74 against 2.38 ms a step).
   // Under PyTorch's "high" the blocks' GEMMs take TF32 from cuBLAS and beat the fused kernels'
@@ -495,7 +497,8 @@ std::vector<at::Tensor> outer_product_mean_backward_cuda(const at::Tensor& grad_
                            at::globalContext().float32MatmulPrecision() != at::Float32MatmulPrecision::HIGHEST &&
                            !env_is("FLASHOPM_BACKWARD_BLOCKS", "0");
   const bool fused_contract = work == at::kFloat && blocks_type == at::kFloat && (H == 16 || H == 32 || H == 64) &&
-                              S <= 256 && !tf32_blocks && !env_is("FLASHOPM_BACKWARD_BLOCKS", "1");
+                              (S <= 256 || (H == 32 && backward_f16_form(B, S, N, N, H, dev))) && !tf32_blocks &&
+                              !env_is("FLASHOPM_BACKWARD_BLOCKS", "1");
   // Every stage in our kernels, temporaries in two allocations (backward_direct); FLASHOPM_BACKWARD_DIRECT=0
   // takes the tensor-per-temporary form below, to compare.
   const bool direct = fused_ln && scale_in_kernel && fused_contract && D % 4 == 0 && (need_proj || need_wo) &&
