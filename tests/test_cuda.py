@@ -240,8 +240,8 @@ def test_small_tc_local_a_form_with_unaligned_parameters(monkeypatch):
 @pytest.mark.parametrize("shape", [Shape(67, 8, 41, 20, 8, 16), Shape(61, 7, 43, 20, 8, 16)], ids=str)
 def test_small_tc_fma_layouts_from_tiled_projection(shape, local_a, monkeypatch):
     """a and b in the FMA form's layouts (rows of positions per h, and per (s, h)) from the
-    register-tiled projection kernel, which takes over past 128 rows per SM; N, and in the second
-    shape S and N·S, not multiples of 4."""
+    register-tiled projection kernel, which takes over from a block of 128 rows on every other SM;
+    N, and in the second shape S and N·S, not multiples of 4."""
     monkeypatch.setenv("FLASHOPM_SMALL_TC_LOCAL_A", local_a)
     _check(shape, "masked_positions", "small-tc", seed=11, may_not_fit=False)
 
@@ -307,8 +307,9 @@ def test_auto_uses_small_tc_on_spec():
 
 def _rows_above_tiled_projection_threshold(B, N, extra):
     """S such that B*S*N passes the rows at which the LayerNorm/projection stage switches to its
-    register-tiled kernel (128 rows per SM), by `extra` rows or more, and is not a multiple of 128."""
-    threshold = 128 * torch.cuda.get_device_properties(0).multi_processor_count
+    register-tiled kernel (a block of 128 rows on every other SM), by `extra` rows or more, and is
+    not a multiple of 128."""
+    threshold = 64 * torch.cuda.get_device_properties(0).multi_processor_count
     S = (threshold + extra) // (B * N) + 1
     while (B * S * N) % 128 == 0:
         S += 1
