@@ -374,6 +374,72 @@ def test_tiled_projection_tf32_under_high(H):
     assert err_highest <= max(2 * err_eager, FP64_FLOOR), f"{err_highest:.3g} vs eager fp32 {err_eager:.3g}"
 
 
+def _projection_kernels_run(fn):
+    """Names of the LayerNorm/projection kernels that `fn` launches."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return {e.name.split("<")[0].split("(")[0].replace("void ", "").replace("flashopm::", "")
+            for e in prof.events() if "opm_pro" in e.name or "opm_prep" in e.name}
+
+
+# (B, N, C, H, D, mask kind, rows past the threshold): the persistent projection kernel's hidden
+# sizes (16, 32), msa_dim 8 (one k-step of 8) to 256, row counts off its 32-row tiles, several tiles
+# per block, every mask kind; float32 under "highest" (3xTF32), "high" (TF32) and bfloat16.
+PERSISTENT_PROJECTION = [
+    (1, 33, 8, 16, 5, "binary", 7),
+    (2, 29, 256, 32, 7, "fractional", 100),
+    (1, 19, 40, 32, 4, "masked_positions", 3000),
+    (3, 7, 64, 16, 3, "bool", 41),
+]
+
+
+@pytest.mark.parametrize("precision", ["highest", "high", "bfloat16"])
+@pytest.mark.parametrize("case", PERSISTENT_PROJECTION, ids=lambda c: "B{}_N{}_C{}_H{}_D{}_{}_{}".format(*c))
+def test_persistent_projection_kernel(case, precision, monkeypatch):
+    """The persistent projection kernel (whole 32-row tiles of x in shared memory, two in flight)
+    runs where it fits, and its output meets the bars of the chunked kernel it stands for
+    (FLASHOPM_PROJECTION_KERNEL=rows): float32 within 2x eager's error against float64 ("highest")
+    or eager TF32's ("high"), bfloat16 within 2x eager bfloat16's against float32."""
+    B, N, C, H, D, mask_kind, extra = case
+    shape = Shape(B, _rows_above_tiled_projection_threshold(B, N, extra), N, C, H, D)
+    x, m, p = make_problem(shape, mask_kind, seed=C + H + extra)
+    xc, mc, pc = x.cuda(), m.cuda(), _cuda_params(p)
+    if precision == "bfloat16":
+        xc, pc = xc.bfloat16(), {k: v.bfloat16() for k, v in pc.items()}
+        mc = mc if mc.dtype == torch.bool else mc.bfloat16()
+        ref = reference(xc, mc, pc, dtype=torch.float32).cpu()
+        err_eager = rel_error(reference(xc, mc, pc).float().cpu(), ref)
+        bar = max(2 * err_eager, 2 * torch.finfo(torch.bfloat16).eps)
+        call = lambda: _run(xc, mc, pc, "auto")  # noqa: E731
+    else:
+        ref = reference(xc, mc, pc, dtype=torch.float64).cpu()
+        err_eager = rel_error(_eager_tf32(xc, mc, pc) if precision == "high" else reference(xc, mc, pc).cpu(), ref)
+        bar = max(2 * err_eager, FP64_FLOOR)
+        call = lambda: _run(xc, mc, pc, "outer", precision=precision)  # noqa: E731
+    assert "opm_project_tile_kernel" in _projection_kernels_run(call)
+    out = call()
+    again = call()
+    assert torch.isfinite(out).all() and torch.equal(out, again)
+    err = rel_error(out.float().cpu(), ref)
+    assert err <= bar, f"{err:.3g} vs eager {err_eager:.3g}"
+    monkeypatch.setenv("FLASHOPM_PROJECTION_KERNEL", "rows")
+    assert "opm_project_tile_kernel" not in _projection_kernels_run(call)
+    err_chunked = rel_error(call().float().cpu(), ref)
+    assert err_chunked <= bar, f"chunked kernel: {err_chunked:.3g} vs eager {err_eager:.3g}"
+
+
+def test_persistent_projection_kernel_in_row_blocks():
+    """a projected for blocks of rows (n_offset > 0, a_rows < N) by the persistent kernel: b for all
+    256 residues at S = 1056 and hidden 32 passes the workspace budget, so rows are blocked (240,
+    then 16)."""
+    shape = Shape(1, 1056, 256, 24, 32, 8)
+    x, m, p = make_problem(shape, "masked_positions", seed=6)
+    xc, mc, pc = x.cuda(), m.cuda(), _cuda_params(p)
+    assert "opm_project_tile_kernel" in _projection_kernels_run(lambda: _run(xc, mc, pc, "auto"))
+    _check(shape, "masked_positions", "auto", seed=6)
+
+
 @pytest.mark.parametrize("H", [8, 32, 64])
 @pytest.mark.parametrize("scale", [1.0, 10.0])
 def test_tiled_projection_3xtf32_under_highest(H, scale, monkeypatch):

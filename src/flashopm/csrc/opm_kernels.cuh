@@ -1017,6 +1017,169 @@ __global__ void __launch_bounds__(kProjThreads, kMmaTerms == 1 && CT <= 4 ? 3 : 
   }
 }
 
+// The persistent form of the tiled projection (see kPtThreads): the layouts of opm_prep_kernel
+// without kProjectW, so the kernels are interchangeable.  opm_project_rows_kernel stages x in chunks
+// of 32 features with one chunk in flight and reads each row three times; this one has two whole
+// tiles in flight while it works on a third and reads x once.  Per tile: LayerNorm's statistics and
+// output (a warp per four rows, from the staged rows) into xn, then [a | b] = xn · [W_a; W_b]ᵀ on
+// mma.sync (8 warps as 2 row slices x 4 column slices), then bias, mask and stores.
+template <typename XT, int kH, int kTerms>
+__global__ void __launch_bounds__(kPtThreads, 1) opm_project_tile_kernel(const PrepArgs p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::);  // as opm_prep_kernel
+#endif
+  static_assert(kH == 16 || kH == 32, "hidden 16 or 32");
+  constexpr int TR = kPtRows, V = 16 / int(sizeof(XT)), NC = 2 * kH, kNT = NC / 32;
+  constexpr int kSlots = (kPtMaxC / V + 31) / 32;  // 16-byte pieces of a row per lane
+  extern __shared__ float4 smem_f4[];
+  char* smem = reinterpret_cast<char*>(smem_f4);
+  const int C = p.C, LD = C + 4, pieces = C / V;
+  XT* xs = reinterpret_cast<XT*>(smem);  // [kPtStages][TR][C]
+  float* xn = reinterpret_cast<float*>(smem + size_t(kPtStages) * TR * C * sizeof(XT));  // [TR][LD]
+  float* ws = xn + TR * LD;                                                              // [NC][LD]
+  float* lnw = ws + NC * LD;
+  float* lnb = lnw + C;
+  int64_t* aoff_s = reinterpret_cast<int64_t*>(lnb + C);  // [TR]; -1: not written
+  int64_t* boff_s = aoff_s + TR;
+  float* mask_s = reinterpret_cast<float*>(boff_s + TR);
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, tq = lane & 3;
+  const int64_t rows = int64_t(p.B) * p.S * p.N;
+  const int64_t ntiles = (rows + TR - 1) / TR;
+  const int64_t step = gridDim.x;
+
+  for (int idx = tid; idx < NC * (C / 4); idx += kPtThreads) {
+    const int o = idx / (C / 4), c = (idx - o * (C / 4)) * 4;
+    cp_async16z(ws + o * LD + c, (o < kH ? p.wa + int64_t(o) * C : p.wb + int64_t(o - kH) * C) + c, true);
+  }
+  for (int c = tid; c < C; c += kPtThreads) lnw[c] = p.ln_w[c], lnb[c] = p.ln_b[c];
+
+  // Row tid / 8 of a tile, 16-byte pieces tid % 8, + 8, ...; rows past the last zero-filled.
+  const auto issue_tile = [&](int64_t tile, int stage) {
+    if (tile >= ntiles) return;
+    const int r = tid >> 3;
+    const int64_t row = tile * TR + r;
+    const bool ok = row < rows;
+    int64_t xo = 0;
+    if (ok) {
+      const int64_t bs = row / p.N;
+      const int n = int(row - bs * p.N), s = int(bs % p.S), b = int(bs / p.S);
+      xo = int64_t(b) * p.x_sb + int64_t(s) * p.x_ss + int64_t(n + p.n_offset) * p.x_sn;
+    }
+    const XT* src = static_cast<const XT*>(p.x) + xo;
+    XT* dst = xs + (size_t(stage) * TR + r) * C;
+    for (int q = tid & 7; q < pieces; q += 8) cp_async16z(dst + q * V, src + q * V, ok);
+  };
+
+  int64_t tile = blockIdx.x;
+  issue_tile(tile, 0);
+  cp_async_commit();  // W and the first tile
+#pragma unroll
+  for (int st = 1; st < kPtStages - 1; ++st) {
+    issue_tile(tile + st * step, st);
+    cp_async_commit();
+  }
+  const bool pair_out = p.ab_kind < kAbTf32 &&
+                        reinterpret_cast<uintptr_t>(p.a_out) % (p.ab_kind == kMaskFloat ? 8 : 4) == 0 &&
+                        (p.b_out == nullptr || reinterpret_cast<uintptr_t>(p.b_out) % (p.ab_kind == kMaskFloat ? 8 : 4) == 0) &&
+                        ((p.a_sb | p.a_ss | p.a_sn | p.b_sb | p.b_ss | p.b_sn) & 1) == 0;
+  const int rg = warp & 1, cg = warp >> 1;
+  for (int it = 0; tile < ntiles; ++it, tile += step) {
+    const int stage = it % kPtStages;
+    cp_async_wait<kPtStages - 2>();
+    __syncthreads();  // this tile's x (and W) in; the last tile's products and stores done
+    issue_tile(tile + (kPtStages - 1) * step, (it + kPtStages - 1) % kPtStages);
+    cp_async_commit();
+    if (tid < TR) {
+      const int64_t row = tile * TR + tid;
+      int64_t ao = -1, bo = -1;
+      float mv = 0.f;
+      if (row < rows) {
+        const int64_t bs = row / p.N;
+        const int n = int(row - bs * p.N), s = int(bs % p.S), b = int(bs / p.S);
+        mv = mask_at(p.mask, b, s, n + p.n_offset);
+        if (n < p.a_rows) ao = ab_row_offset(p.a_sb, p.a_sc, p.a_ss, p.a_sn, p.s_chunk, b, s, n);
+        if (p.b_out) bo = ab_row_offset(p.b_sb, p.b_sc, p.b_ss, p.b_sn, p.s_chunk, b, s, n);
+      }
+      aoff_s[tid] = ao, boff_s[tid] = bo, mask_s[tid] = mv;
+    }
+    // LayerNorm of rows warp·TR/8 ..: lane holds pieces lane, lane + 32, ...
+#pragma unroll 1
+    for (int i = 0; i < TR / 8; ++i) {
+      const int r = warp * (TR / 8) + i;
+      const XT* xr = xs + (size_t(stage) * TR + r) * C;
+      float v[kSlots][V];
+      float sum = 0.f;
+#pragma unroll
+      for (int k = 0; k < kSlots; ++k) {
+        const int q = lane + 32 * k;
+        if (q < pieces) {
+          unpack16<XT>(*reinterpret_cast<const uint4*>(xr + q * V), v[k]);
+#pragma unroll
+          for (int j = 0; j < V; ++j) sum += v[k][j];
+        }
+      }
+      const float mean = warp_sum(sum) / C;
+      float sq = 0.f;
+#pragma unroll
+      for (int k = 0; k < kSlots; ++k)
+        if (lane + 32 * k < pieces)
+#pragma unroll
+          for (int j = 0; j < V; ++j) sq = fmaf(v[k][j] - mean, v[k][j] - mean, sq);
+      const float rstd = rsqrtf(warp_sum(sq) / C + p.ln_eps);
+#pragma unroll
+      for (int k = 0; k < kSlots; ++k) {
+        const int q = lane + 32 * k;
+        if (q < pieces) {
+#pragma unroll
+          for (int j = 0; j < V; j += 4) {
+            const int c = q * V + j;
+            st_shared_v4(xn + r * LD + c, fmaf((v[k][j] - mean) * rstd, lnw[c], lnb[c]),
+                         fmaf((v[k][j + 1] - mean) * rstd, lnw[c + 1], lnb[c + 1]),
+                         fmaf((v[k][j + 2] - mean) * rstd, lnw[c + 2], lnb[c + 2]),
+                         fmaf((v[k][j + 3] - mean) * rstd, lnw[c + 3], lnb[c + 3]));
+          }
+        }
+      }
+    }
+    __syncthreads();  // xn and the rows' offsets
+
+    float acc[1][kNT][4];
+    zero_tiles(acc);
+#pragma unroll 2
+    for (int ks = 0; ks < C / 8; ++ks)
+      warp_mma_tf32<kTerms, 1, kNT, true, true, 1>(acc, xn + rg * 16 * LD + ks * 8, LD, ws + cg * kNT * 8 * LD + ks * 8,
+                                                   LD, g, tq);
+    // Bias, mask, store (a for outputs o < H, b for H <= o < 2H), as opm_project_rows_kernel.
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = rg * 16 + g + 8 * half;
+      const float mv = mask_s[r];
+      const int64_t ao = aoff_s[r], bo = boff_s[r];
+#pragma unroll
+      for (int nt = 0; nt < kNT; ++nt) {
+        const int o = (cg * kNT + nt) * 8 + 2 * tq;  // o, o + 1 on one side (H is even)
+        const bool is_a = o < kH;
+        const int h = is_a ? o : o - kH;
+        const float* bias = is_a ? p.ba : p.bb;
+        const float v0 = (acc[0][nt][2 * half] + (bias ? bias[h] : 0.f)) * mv;
+        const float v1 = (acc[0][nt][2 * half + 1] + (bias ? bias[h + 1] : 0.f)) * mv;
+        const int64_t off = is_a ? ao : bo;
+        if (off < 0) continue;
+        void* dst = is_a ? p.a_out : p.b_out;
+        if (pair_out) {
+          store_out2(dst, off + h, v0, v1, p.ab_kind);
+        } else {
+          const int64_t hs = is_a ? p.a_hs : p.b_hs;
+          store_ab(dst, off, h, v0, p.ab_kind, hs);
+          store_ab(dst, off, h + 1, v1, p.ab_kind, hs);
+        }
+      }
+    }
+  }
+  cp_async_wait_all();
+}
+
 // ---------------------------------------------------------------------------------------------
 // Kernel 2a (outer-first): per block a tile of Ti x Tj pairs (i, j).
 //   phase 1: O[(i,h1), (j,h2)] = sum_s a[s,i,h1] b[s,j,h2], a (Ti·H <= 128) x (Tj·H <= 256) GEMM
