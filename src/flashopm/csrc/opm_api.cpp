@@ -400,16 +400,13 @@ int projection_mma_terms(bool half_in, Precision prec) {
 }
 
 // Problems with rows enough for a block of kProjRows on every other SM take the register-tiled
-// kernel (H200: 16384 rows took 63 us in opm_prep_kernel, 32768 rows 64 us in this one), or its
-// persistent form where that fits (FLASHOPM_PROJECTION_KERNEL=rows asks for the first).  Else
+// kernel (H200: 16384 rows took 63 us in opm_prep_kernel, 32768 rows 64 us in this one).  Else
 // opm_prep_kernel: four rows per warp amortise the weight reads; one row per warp when that leaves
 // too few blocks to fill the GPU.
 void run_prep(const PrepArgs& args, bool project_w, int dev, cudaStream_t stream) {
   const int64_t rows = int64_t(args.B) * args.S * args.N;
   if (!project_w && 2 * rows >= int64_t(kProjRows) * device_info(dev).sm_count &&
       rows / kProjRows < int64_t(1) << 31) {
-    if (project_tile_fits(args, device_info(dev).smem_optin))
-      return launch_project_tile(args, device_info(dev).sm_count, stream);
     check_smem(project_rows_smem_bytes(args), dev, "LayerNorm/projection");
     return launch_project_rows(args, stream);
   }

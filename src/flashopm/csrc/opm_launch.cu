@@ -157,43 +157,6 @@ void launch_project_rows(const PrepArgs& args, cudaStream_t stream) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-bool project_tile_fits(const PrepArgs& args, int smem_optin) {
-  const auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
-  const int x_bytes = args.x_kind == kMaskFloat ? 4 : 2;
-  return project_rows_mma(args) > 0 && (args.H == 16 || args.H == 32) && args.C % 8 == 0 && args.C <= kPtMaxC &&
-         aligned(args.wa) && aligned(args.wb) && project_tile_smem_bytes(args.C, args.H, x_bytes) <= smem_optin &&
-         !env_is("FLASHOPM_PROJECTION_KERNEL", "rows");
-}
-
-namespace {
-template <typename XT, int kH, int kTerms>
-void launch_project_tile_t(const PrepArgs& args, int blocks, cudaStream_t stream) {
-  constexpr auto kernel = opm_project_tile_kernel<XT, kH, kTerms>;
-  allow_smem<kernel, true>();
-  kernel<<<unsigned(blocks), kPtThreads, size_t(project_tile_smem_bytes(args.C, args.H, int(sizeof(XT)))), stream>>>(
-      args);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-template <typename XT, int kTerms>
-void launch_project_tile_h(const PrepArgs& args, int blocks, cudaStream_t stream) {
-  if (args.H == 16) launch_project_tile_t<XT, 16, kTerms>(args, blocks, stream);
-  else launch_project_tile_t<XT, 32, kTerms>(args, blocks, stream);
-}
-}  // namespace
-
-void launch_project_tile(const PrepArgs& args, int blocks, cudaStream_t stream) {
-  const int64_t tiles = (int64_t(args.B) * args.S * args.N + kPtRows - 1) / kPtRows;
-  blocks = int(std::min<int64_t>(blocks, tiles));
-  if (blocks == 0) return;
-  with_x_type(args.x_kind, [&](auto t) {
-    using XT = typename decltype(t)::type;
-    if constexpr (std::is_same_v<XT, float>) {
-      if (project_rows_mma(args) == 3) return launch_project_tile_h<XT, 3>(args, blocks, stream);
-    }
-    launch_project_tile_h<XT, 1>(args, blocks, stream);
-  });
-}
-
 int outer_smem_bytes() { return kOuterSmemBytes; }
 
 void launch_outer(const OuterArgs& args, cudaStream_t stream) {

@@ -155,23 +155,6 @@ FLASHOPM_HD inline int64_t project_rows_smem_floats(int H, bool mma) {
          + 2 * 3 * kProjRows;   // offsets of x, a and b per row (int64)
 }
 
-// The persistent form of the same stage (opm_project_tile_kernel): one block of kPtThreads per SM
-// loops over tiles of kPtRows rows, each tile's x copied whole into shared memory kPtStages - 1
-// tiles ahead; W ([W_a; W_b], rows of C + 4 floats) and LayerNorm's parameters are copied once per
-// block.  Tensor cores only (16-bit x, or float32 x in TF32 or 3xTF32), msa_dim a multiple of 8 up
-// to kPtMaxC, hidden 16 or 32.
-constexpr int kPtThreads = 256;
-constexpr int kPtRows = 32;
-constexpr int kPtStages = 3;
-constexpr int kPtMaxC = 256;
-FLASHOPM_HD inline int64_t project_tile_smem_bytes(int C, int H, int x_bytes) {
-  const int64_t ld = C + 4;
-  return int64_t(kPtStages) * kPtRows * C * x_bytes  // x, one tile per stage
-         + (kPtRows + 2 * int64_t(H)) * ld * 4        // LayerNorm's output, then W
-         + 2 * int64_t(C) * 4                         // ln_w, ln_b
-         + kPtRows * (8 + 8 + 4);                     // a's and b's row offsets, the mask
-}
-
 constexpr int kOuterThreads = 256;
 constexpr int kOuterMT = 128;          // phase-1 tile rows (i, h1)
 constexpr int kOuterNT = 256;          // phase-1 tile cols (j, h2)
@@ -394,10 +377,6 @@ void launch_prep(const PrepArgs& args, bool project_w, int rows_per_warp, int wa
 // opm_project_rows_kernel over all B * S * N rows (project_w = false layouts)
 void launch_project_rows(const PrepArgs& args, cudaStream_t stream);
 int project_rows_smem_bytes(const PrepArgs& args);
-// Whether opm_project_tile_kernel takes these arguments (see kPtThreads; x and the weights 16-byte
-// aligned), and its launch over at most `blocks` blocks.
-bool project_tile_fits(const PrepArgs& args, int smem_optin);
-void launch_project_tile(const PrepArgs& args, int blocks, cudaStream_t stream);
 int prep_smem_bytes(int H, int rows_per_warp, bool project_w);
 void launch_outer(const OuterArgs& args, cudaStream_t stream);
 void launch_row_denominators(const RowDenArgs& args, cudaStream_t stream);
