@@ -192,7 +192,7 @@ bool fused_ln_fits(const at::Tensor& msa, const at::Tensor& mask, int64_t rows, 
 // under "high" (TF32, as PyTorch's matmuls there); 3 for a float32 one under "highest" (3xTF32
 // with float32 sums); 0 for none (msa_dim and hidden not as ln_backward_mma_form allows, x's rows
 // not 16-byte aligned, or turned off by FLASHOPM_LN_BACKWARD_MMA=0, to compare the forms).
-int ln_mma_fits(const at::Tensor& msa, bool follow16, Precision prec, int64_t C, int64_t H, int dev) {
+int ln_mma_terms(const at::Tensor& msa, bool follow16, Precision prec, int64_t C, int64_t H, int dev) {
   const int64_t per16 = 16 / msa.element_size();
   const bool aligned = reinterpret_cast<uintptr_t>(msa.data_ptr()) % 16 == 0 && msa.stride(0) % per16 == 0 &&
                        msa.stride(1) % per16 == 0 && msa.stride(2) % per16 == 0;
@@ -272,7 +272,7 @@ struct LnGrads {
 };
 
 // The LayerNorm backward's grid: blocks resident at once over the rows' tiles.  regs: the kernel's
-// register form (ln_backward_regs); mma: its tensor-core form (ln_mma_fits), which takes precedence.
+// register form (ln_backward_regs); mma: its tensor-core form (ln_mma_terms), which takes precedence.
 int ln_backward_blocks(const at::Tensor& msa, int64_t H, bool regs, int mma, int dev) {
   const int64_t rows = msa.size(0) * msa.size(1) * msa.size(2), C = msa.size(3);
   const int lanes = ln_backward_col_lanes(int(C));
@@ -507,7 +507,7 @@ std::vector<at::Tensor> outer_product_mean_backward_cuda(const at::Tensor& grad_
   if (direct) {
     check_fused_backward(dev);
     const DirectBackward d{&ln_in, ba, bb, contiguous_aligned16(wo), normalization, norm_eps, prec, ln_regs,
-                           need_proj ? ln_mma_fits(ln_in.msa, follow16, prec, C, H, dev) : 0};
+                           need_proj ? ln_mma_terms(ln_in.msa, follow16, prec, C, H, dev) : 0};
     std::array<bool, 9> need = want;
     need[4] = need_ba, need[6] = need_bb, need[8] = need_bo;
     backward_direct(d, grad_out, mask, need, grads, dev);
@@ -552,7 +552,7 @@ std::vector<at::Tensor> outer_product_mean_backward_cuda(const at::Tensor& grad_
     if (need_proj && fused_ln) {
       const at::Tensor ga = grad_a.to(at::kFloat).contiguous(), gb = grad_b.to(at::kFloat).contiguous();
       const LnGrads r = ln_projection_backward(ln_in, ga.data_ptr<float>(), gb.data_ptr<float>(), want, ln_regs,
-                                               ln_mma_fits(ln_in.msa, follow16, prec, C, H, dev), dev);
+                                               ln_mma_terms(ln_in.msa, follow16, prec, C, H, dev), dev);
       grads[0] = r.x, grads[1] = r.ln_w, grads[2] = r.ln_b, grads[3] = r.w_a, grads[5] = r.w_b;
       if (need_ba) grads[4] = r.b_a;
       if (need_bb) grads[6] = r.b_b;

@@ -907,7 +907,7 @@ struct LnBackwardArgs {
   int64_t rows;         // B * S * N
   int col_lanes;        // 32, 64, 128 or 256: threads sharing one row's columns
   int regs;             // the register form runs (ln_backward_regs), else the shared-memory one
-  int mma;              // a tensor-core form runs over the others (ln_mma_fits): 1 one term (16-bit x, or float32
+  int mma;              // a tensor-core form runs over the others (ln_mma_terms): 1 one term (16-bit x, or float32
                         // x in TF32), 3 float32 x in 3xTF32; 0 none
 };
 
