@@ -338,7 +338,7 @@ def test_tiled_projection_kernel(case):
 
 def test_tiled_projection_in_row_blocks():
     """a projected for blocks of rows (n_offset > 0): b for all 128 residues at S = 1100 and hidden 64
-    passes the workspace budget, so rows are blocked (110, then 18)."""
+    passes the workspace budget, so rows are blocked (two blocks of 64)."""
     _check(Shape(1, 1100, 128, 24, 64, 8), "masked_positions", "auto", seed=4)
 
 
@@ -516,6 +516,37 @@ def test_large_shape_correct_with_bounded_memory():
     extra = torch.cuda.memory_stats()["requested_bytes.all.peak"] - base
     assert extra <= 1.25 * shape.out_bytes, f"peak extra {extra} B vs output {shape.out_bytes} B"
     torch.testing.assert_close(out.cpu(), ref_cpu, atol=1e-4, rtol=1e-4)
+
+
+def _peak_extra_bytes(xc, mc, pc):
+    """Bytes the op asks for at its peak beyond what was allocated before (the output included)."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_stats()["requested_bytes.all.current"]
+    out = _run(xc, mc, pc, poison=False)
+    torch.cuda.synchronize()
+    return torch.cuda.memory_stats()["requested_bytes.all.peak"] - base, out
+
+
+def test_peak_bound_1_1_row_blocks(monkeypatch):
+    """FLASHOPM_PEAK_BOUND=1.1: where b for all residues leaves room, a comes in blocks of rows so
+    that the peak extra memory stays within 1.1x the output ((1,128,512,64,32,128): a and b together
+    would be 0.25x it, so three blocks), with the same bits as the default's one block, which
+    passes 1.1x (so the bound is the blocks')."""
+    shape = Shape(1, 128, 512, 64, 32, 128)
+    x, m, p = make_problem(shape, "masked_positions", seed=12)
+    xc, mc, pc = x.cuda(), m.cuda(), _cuda_params(p)
+    ref32 = reference(xc, mc, pc).cpu()
+    ref64 = reference(xc, mc, pc, dtype=torch.float64).cpu()
+    loose, out_loose = _peak_extra_bytes(xc, mc, pc)
+    assert loose > 1.1 * shape.out_bytes, f"one block: peak extra {loose} B vs output {shape.out_bytes} B"
+    monkeypatch.setenv("FLASHOPM_PEAK_BOUND", "1.1")
+    extra, out = _peak_extra_bytes(xc, mc, pc)
+    out = out.cpu()
+    assert extra <= 1.1 * shape.out_bytes, f"peak extra {extra} B vs output {shape.out_bytes} B"
+    torch.testing.assert_close(out, ref32, atol=1e-4, rtol=1e-4)
+    assert rel_error(out, ref64) <= max(2 * rel_error(ref32, ref64), FP64_FLOOR)
+    torch.testing.assert_close(out_loose.cpu(), out, atol=0, rtol=0)
 
 
 def test_current_stream_is_used():

@@ -913,19 +913,54 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
       const int64_t col_blocks = B * ((N + col_pairs - 1) / col_pairs);
       const int64_t fill = ti_full * ((4 * device_info(dev).sm_count + col_blocks - 1) / col_blocks);
       rows = std::min<int64_t>(std::max(rows / ti_full * ti_full, std::max(fill, ti_full)), N);
+      // balanced blocks: a last block of a few rows would take a launch sequence of its own for a
+      // fraction of a wave ((1,1100,128,24,64,8): 64 and 64 rows, not 108 and 20)
+      const int64_t blocks = (N + rows - 1) / rows;
+      rows = std::min<int64_t>(((N + blocks - 1) / blocks + ti_full - 1) / ti_full * ti_full, N);
     }
-    // Peak extra memory within 1.25x the output where b leaves room for it: when a, b and W's
-    // copy (the wgmma forms of phase 2) would pass a quarter of the output, a comes in balanced
-    // blocks of rows (the training crop (1,128,256,256,32,128) in float32: W's copy alone would
-    // pass the bound).
-    if (!operands16) {
-      const int64_t w_copy = kmajor && (half_split || tc_terms == 1) ? D * H * H + D : 0;
-      const int64_t room = out.numel() / 4 - w_copy - B * N - (int64_t(64) << 10);  // float32 elements
-      if (b_elems + per_row * rows > room && b_elems + per_row * ti_full <= room) {
-        const int64_t blocks = (N + (room - b_elems) / per_row - 1) / ((room - b_elems) / per_row);
+    // Peak extra memory in float32: within 1.25x the output where b for all residues leaves room
+    // for a in blocks of rows (the training crop: W's copy for the wgmma forms of phase 2 would
+    // pass the bound there without blocks).  FLASHOPM_PEAK_BOUND=1.1 asks for 1.1x (16-bit
+    // operands too) where b leaves room for blocks that still fill the GPU: at
+    // (1,512,1536,256,32,128) 14 blocks, 1.09x the output, but 8% slower in float32 and 24% in
+    // bfloat16 (H200), so it is not the default.  Rows come in balanced blocks.
+    {
+      const int64_t elem = operands16 ? 2 : 4;  // bytes per workspace element
+      // W's copies: in the operand type (none for a module already in it) and blocked (16-bit
+      // kernel); blocked and rounded or split (float32 wgmma forms)
+      const bool w16_converted = w_out_in.scalar_type() != (operand_kind == kMaskHalf ? at::kHalf : at::kBFloat16);
+      const int64_t w_copy = operands16 ? (int64_t(w16_converted) + int64_t(H % 8 == 0 && requested_tc16_form(dev) ==
+                                                                                 kT16WgmmaBoth)) *
+                                              D * H * H * 2
+                             : kmajor && (half_split || tc_terms == 1) ? (D * H * H + D) * 4
+                                                                        : 0;
+      // per row of a beyond its elements: its scale exponent or denominator, its pair counts
+      const int64_t per_row_extra = B * 4 + (normalization == kNormRow ? 0 : B * N * 4);
+      const int64_t fixed = w_copy + (B * N + D) * 4 + (int64_t(64) << 10);
+      auto rows_within = [&](int64_t room_bytes) -> int64_t {  // 0: no block of whole row tiles fits
+        const int64_t row_bytes = per_row * elem + per_row_extra;
+        const int64_t left = room_bytes - fixed - b_elems * elem;
+        if (left < row_bytes * ti_full) return 0;
+        const int64_t fit = left / row_bytes;
+        if (fit >= N) return N;
+        const int64_t blocks = (N + fit - 1) / fit;
         const int64_t per_block = (N + blocks - 1) / blocks;
-        rows = std::min<int64_t>((per_block + ti_full - 1) / ti_full * ti_full, N);
-        if (b_elems + per_row * rows > room) rows = std::max<int64_t>(rows - ti_full, ti_full);
+        int64_t r = std::min<int64_t>((per_block + ti_full - 1) / ti_full * ti_full, N);
+        if (r > fit) r = std::max<int64_t>(r - ti_full, ti_full);
+        return r;
+      };
+      const int64_t out_bytes = out.numel() * int64_t(out.element_size());
+      // at least four waves of blocks per launch, as above
+      const int64_t col_pairs = std::min<int64_t>(kOuterNT / H, N) * (operands16 ? kT16JSub : 1);
+      const int64_t min_rows = std::min<int64_t>(
+          N, ti_full * ((4 * device_info(dev).sm_count + B * ((N + col_pairs - 1) / col_pairs) - 1) /
+                        (B * ((N + col_pairs - 1) / col_pairs))));
+      const int64_t tight = env_is("FLASHOPM_PEAK_BOUND", "1.1") ? rows_within(out_bytes / 10 - out_bytes / 100) : 0;
+      if (tight >= min_rows) {
+        rows = std::min(rows, tight);
+      } else if (!operands16) {
+        const int64_t loose = rows_within(out_bytes / 4);
+        if (loose > 0) rows = std::min(rows, loose);
       }
     }
     const at::ScalarType ws_type = operand_kind == kMaskBFloat16 ? at::kBFloat16
