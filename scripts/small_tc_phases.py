@@ -36,14 +36,12 @@ BLK = "((blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x)"
 CLK = lambda i: (f"\n  __syncthreads(); if (threadIdx.x == 0) g_tc_clk[{BLK} * 16 + {i}] = clock64();\n")  # noqa: E731
 GT = lambda i: (f"\n  if (threadIdx.x == 0) {{ unsigned long long t_; asm volatile(\"mov.u64 %0, %globaltimer;\" : \"=l\"(t_));"  # noqa: E731
                 f" g_tc_clk[{BLK} * 16 + {i}] = (long long)t_; }}\n")
-k = patch(k, "template <int kTerms, bool kFused, bool kLocalA, bool kCluster = false>\n__global__",
-          "__device__ long long g_tc_clk[1 << 18];\n", before=True)
+k = patch(k, "template <int kTerms, bool kFused, bool kLocalA>\n__global__", "__device__ long long g_tc_clk[1 << 18];\n",
+          before=True)
 k = patch(k, "  float* den_s = smem + L.den;\n", GT(8) + CLK(0))
 k = patch(k, "  if constexpr (kLocalA) {\n    small_tc_project_a(", CLK(6), before=True)
 k = patch(k, "    small_tc_project_a(p, ti, as, L.lda, local_a, smem);\n", CLK(7))
 k = patch(k, "    phase_p();\n  }\n", CLK(11))
-k = patch(k, "    small_tc_cluster_project(p, cluster_rows, cluster_in, L, as, bs, smem);\n", CLK(12))
-k = patch(k, '    asm volatile("barrier.cluster.wait.acquire.aligned;\\n" ::: "memory");\n', GT(9) + CLK(13))
 k = patch(k, '    asm volatile("griddepcontrol.wait;\\n" ::: "memory");\n', GT(9) + CLK(1))
 k = patch(k, "  if constexpr (!kLocalA) phase_p();\n", CLK(2), before=True)
 k = patch(k, "  cp_async_wait_all();\n  __syncthreads();\n\n  if constexpr (kFma) {\n    // ---- phase O", CLK(3) + "\n",
@@ -82,10 +80,10 @@ void dbg_copy_tc(void* dst, void* dst2) {
 src["opm_launch.cu"] = lc
 a = src["opm_api.cpp"]
 a = a.replace("namespace flashopm {\nnamespace {", "namespace flashopm {\nvoid dbg_copy_tc(void*, void*);\nnamespace {", 1)
-a = patch(a, "    if (!fused && cluster == 0) run_prep(pa, false, dev, stream);\n\n    SmallTcArgs ta{};",
+a = patch(a, "    if (!fused) run_prep(pa, false, dev, stream);\n\n    SmallTcArgs ta{};",
           "    const char* skip_ = std::getenv(\"DBG_SKIP\");\n", before=True)
-a = a.replace("    if (!fused && cluster == 0) run_prep(pa, false, dev, stream);\n\n    SmallTcArgs ta{};",
-              "    if (!fused && cluster == 0 && (!skip_ || std::string(skip_) != \"k1\")) run_prep(pa, false, dev, stream);\n\n"
+a = a.replace("    if (!fused) run_prep(pa, false, dev, stream);\n\n    SmallTcArgs ta{};",
+              "    if (!fused && (!skip_ || std::string(skip_) != \"k1\")) run_prep(pa, false, dev, stream);\n\n"
               "    SmallTcArgs ta{};", 1)
 a = a.replace("    launch_small_tc(ta, tc_terms, stream);\n",
               "    if (!skip_ || std::string(skip_) != \"k2\") launch_small_tc(ta, tc_terms, stream);\n", 1)
@@ -152,10 +150,7 @@ def clocks(label, graph=False):
     prep = raw[1 << 18:].view(-1, 8)
     prep = prep[prep[:, 0] > 0].double()
     med = lambda hi, lo: (tc[:, hi] - tc[:, lo]).median().item()  # noqa: E731
-    if (tc[:, 12] > 0).all():  # cluster form: one kernel, a and b projected by the cluster's blocks
-        phases = [("prologue", med(6, 0)), ("project+scatter", med(12, 6)), ("cluster barrier", med(13, 12)),
-                  ("to phase P", med(2, 13)), ("phase P", med(3, 2)), ("phase O", med(4, 3)), ("epilogue", med(5, 4))]
-    elif (tc[:, 7] > 0).all():  # local a: prologue, projection of a and phase P come before the wait
+    if (tc[:, 7] > 0).all():  # local a: prologue, projection of a and phase P come before the wait
         phases = [("prologue", med(6, 0)), ("project a", med(7, 6)), ("phase P", med(11, 7)), ("wait", med(1, 11)),
                   ("issue b copies", med(2, 1)), ("phase O (b arriving)", med(4, 2)), ("epilogue", med(5, 4))]
     else:
@@ -165,12 +160,6 @@ def clocks(label, graph=False):
     mode = "graph replay" if graph else "eager"
     print(f"{label} ({mode}), shape {shape}: {len(tc)} blocks in the second kernel, {len(prep)} in the first")
     print("  second kernel, cycles (median over blocks): " + "  ".join(f"{n}={c:.0f}" for n, c in phases))
-    if len(prep) == 0:  # one kernel
-        t0 = tc[:, 8].min()
-        print(f"  ns from the first block's start: entry {tc[:, 8].min() - t0:.0f}..{tc[:, 8].max() - t0:.0f}, past "
-              f"the cluster barrier {tc[:, 9].min() - t0:.0f}..{tc[:, 9].max() - t0:.0f}, exit "
-              f"{tc[:, 10].min() - t0:.0f}..{tc[:, 10].max() - t0:.0f}")
-        return
     pm = lambda hi, lo: (prep[:, hi] - prep[:, lo]).median().item()  # noqa: E731
     print(f"  first kernel, cycles (median, thread 0): statistics={pm(3, 2):.0f}  projections={pm(4, 3):.0f}  "
           f"stores={pm(5, 4):.0f}  total={pm(5, 2):.0f}")
@@ -187,9 +176,6 @@ with torch.no_grad():
         os.environ["FLASHOPM_SMALL_TC_LOCAL_A"] = "1"
         clocks("FMA form, each block projecting its rows of a", graph)
         os.environ.pop("FLASHOPM_SMALL_TC_LOCAL_A")
-        os.environ["FLASHOPM_SMALL_TC_CLUSTER"] = "1"
-        clocks("FMA form in one launch of clusters", graph)
-        os.environ.pop("FLASHOPM_SMALL_TC_CLUSTER")
         os.environ["FLASHOPM_SMALL_TC_FMA"] = "0"
         clocks("mma.sync form", graph)
         os.environ.pop("FLASHOPM_SMALL_TC_FMA")
@@ -198,13 +184,11 @@ with torch.no_grad():
                 ({"DBG_NOPDL": "1"}, "second kernel launched without programmatic dependency"),
                 ({"DBG_KNOB": "1"}, "no row denominators"),
                 ({"FLASHOPM_SMALL_TC_LOCAL_A": "1"}, "FMA form, each block projecting its rows of a"),
-                ({"FLASHOPM_SMALL_TC_CLUSTER": "1"}, "FMA form in one launch of clusters"),
                 ({"FLASHOPM_SMALL_TC_FMA": "0"}, "mma.sync form"),
                 ({"FLASHOPM_SMALL_TC_FMA": "0", "DBG_KNOB": "2"}, "mma.sync form, no W loads before the wait")]
     variants += [({"DBG_PLAN": plan}, f"tiling TI,Dc = {plan}") for plan in sys.argv[2:]]
     for env, what in variants:
-        for var in ("DBG_SKIP", "DBG_NOPDL", "DBG_KNOB", "DBG_PLAN", "FLASHOPM_SMALL_TC_FMA", "FLASHOPM_SMALL_TC_LOCAL_A",
-                    "FLASHOPM_SMALL_TC_CLUSTER"):
+        for var in ("DBG_SKIP", "DBG_NOPDL", "DBG_KNOB", "DBG_PLAN", "FLASHOPM_SMALL_TC_FMA", "FLASHOPM_SMALL_TC_LOCAL_A"):
             os.environ.pop(var, None)
         os.environ.update(env)
         print(f"graph, {what}: {time_graph(lambda: model(x, m), n=50)}")

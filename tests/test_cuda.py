@@ -236,53 +236,6 @@ def test_small_tc_local_a_form_with_unaligned_parameters(monkeypatch):
     assert torch.allclose(out, reference(xc, mc, pc).cpu(), atol=1e-4, rtol=1e-4)
 
 
-# The FMA form in one launch of clusters along d (FLASHOPM_SMALL_TC_CLUSTER=1, where the blocks
-# along d have a divisor from 2 to 8 and the staged inputs fit): the blocks of a cluster project a
-# and b between them into each other's shared memory.  Where the form does not apply the two
-# launches run, so each shape also says whether it ran.
-@pytest.mark.parametrize("shape", SMALL_TC_SHAPES, ids=str)
-def test_small_tc_cluster_form(shape, monkeypatch):
-    monkeypatch.setenv("FLASHOPM_SMALL_TC_CLUSTER", "1")
-    _check(shape, "fractional", "small-tc", seed=zlib.crc32(f"{shape}-cluster".encode()) % 1000, may_not_fit=False)
-
-
-# Tilings of the cluster form: clusters of 8 (Dc = 8 at D = 64), 4, 2, 5 and 3 (D = 70 at Dc 16
-# and 32; 9 blocks at Dc = 8), rows per block 1 to 8, ragged rows i (N = 13) and d.  (At TI = 1,
-# Dc = 32 W's chunk does not fit the FMA form: the mma.sync form runs there.)
-SMALL_TC_CLUSTER_TILINGS = [(Shape(2, 8, 32, 64, 32, 64), tile) for tile in [(1, 8), (2, 16), (4, 8), (8, 8)]] + [
-    (Shape(2, 3, 13, 9, 8, 70), tile) for tile in [(2, 32), (4, 16), (8, 8)]]
-
-
-@pytest.mark.parametrize("shape,tile", SMALL_TC_CLUSTER_TILINGS, ids=lambda v: str(v))
-@pytest.mark.parametrize("mask_kind", ["masked_positions", "bool"])
-def test_small_tc_cluster_tilings(shape, tile, mask_kind, monkeypatch):
-    monkeypatch.setenv("FLASHOPM_SMALL_TC_CLUSTER", "1")
-    monkeypatch.setenv("FLASHOPM_SMALL_TC_TILE", f"{tile[0]},{tile[1]}")
-    x, m, p = make_problem(shape, mask_kind, seed=3)
-    kernels = _flashopm_kernels(lambda: _run(x.cuda(), m.cuda(), _cuda_params(p), "small-tc", poison=False))
-    assert len(kernels) == 1 and "opm_small_tc_kernel<0, false, false, true>" in kernels[0], kernels
-    _check(shape, mask_kind, "small-tc", seed=zlib.crc32(f"{shape}-{tile}-cluster".encode()) % 1000,
-           may_not_fit=False)
-
-
-def test_small_tc_cluster_form_with_unaligned_inputs(monkeypatch):
-    """LayerNorm's parameters and the projections' weights 4 bytes past an aligned address, and x a
-    non-contiguous view: the cluster form copies its inputs in 4-byte pieces there."""
-    monkeypatch.setenv("FLASHOPM_SMALL_TC_CLUSTER", "1")
-    x, m, p = make_problem(SPEC, "masked_positions", seed=22)
-    xc, mc, pc = x.cuda(), m.cuda(), _cuda_params(p)
-    for name in ("ln_weight", "ln_bias", "w_a", "w_b"):
-        flat = torch.empty(pc[name].numel() + 1, device="cuda")
-        flat[1:] = pc[name].flatten()
-        pc[name] = flat[1:].view_as(pc[name])
-    wide = torch.empty(*xc.shape[:3], xc.shape[3] + 3, device="cuda")
-    wide[..., 1:-2] = xc
-    xv = wide[..., 1:-2]
-    assert not xv.is_contiguous() and xv.data_ptr() % 16 != 0
-    out = _run(xv, mc, pc, "small-tc", may_not_fit=False).cpu()
-    torch.testing.assert_close(out, reference(xc, mc, pc).cpu(), atol=1e-4, rtol=1e-4)
-
-
 @pytest.mark.parametrize("local_a", ["0", "1"])
 @pytest.mark.parametrize("shape", [Shape(67, 8, 41, 20, 8, 16), Shape(61, 7, 43, 20, 8, 16)], ids=str)
 def test_small_tc_fma_layouts_from_tiled_projection(shape, local_a, monkeypatch):
@@ -312,18 +265,14 @@ def test_small_tc_launches(monkeypatch):
     xc, mc, pc = x.cuda(), m.cuda(), _cuda_params(p)
     two = _flashopm_kernels(lambda: _run(xc, mc, pc, "small-tc", poison=False))
     assert len(two) == 2 and any("opm_prep_kernel" in k for k in two), two
-    assert any("opm_small_tc_kernel<0, false, false, false>" in k for k in two), two  # the FMA form under "highest"
+    assert any("opm_small_tc_kernel<0, false, false>" in k for k in two), two  # the FMA form under "highest"
     monkeypatch.setenv("FLASHOPM_SMALL_TC_LOCAL_A", "1")
     local = _flashopm_kernels(lambda: _run(xc, mc, pc, "small-tc", poison=False))
-    assert len(local) == 2 and any("opm_small_tc_kernel<0, false, true, false>" in k for k in local), local
+    assert len(local) == 2 and any("opm_small_tc_kernel<0, false, true>" in k for k in local), local
     monkeypatch.delenv("FLASHOPM_SMALL_TC_LOCAL_A")
     monkeypatch.setenv("FLASHOPM_SMALL_TC_FUSED", "1")
     one = _flashopm_kernels(lambda: _run(xc, mc, pc, "small-tc", poison=False))
-    assert len(one) == 1 and "opm_small_tc_kernel<0, true, false, false>" in one[0], one
-    monkeypatch.delenv("FLASHOPM_SMALL_TC_FUSED")
-    monkeypatch.setenv("FLASHOPM_SMALL_TC_CLUSTER", "1")
-    cluster = _flashopm_kernels(lambda: _run(xc, mc, pc, "small-tc", poison=False))
-    assert len(cluster) == 1 and "opm_small_tc_kernel<0, false, false, true>" in cluster[0], cluster
+    assert len(one) == 1 and "opm_small_tc_kernel<0, true, false>" in one[0], one
 
 
 # Tilings of the two-launch path forced one by one: rows per block 1 to 8 (ragged at N = 13),

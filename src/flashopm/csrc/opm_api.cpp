@@ -366,34 +366,6 @@ bool small_tc_local_a(const PrepArgs& pa, const SmallTcPlan& plan, bool fma, boo
          small_tc_local_a_fits(small_tc_fma_layout(pa.S, pa.N, pa.H, plan.TI, plan.Dc), pa.C, pa.H, plan.TI * pa.S);
 }
 
-// The FMA form in one launch of thread-block clusters (opm_small_tc_kernel's kCluster): the blocks
-// of a cluster share a row tile and batch element and take the largest divisor (2-8) of the
-// grid's blocks along d; they project a and b between them into each other's shared memory, so
-// that neither the first kernel nor the workspace is needed.  Float32 x, W 16-byte aligned (its
-// chunk is staged in 16-byte loads), and room for the staged inputs in the regions phase P does not
-// use yet.  Returns the cluster size, or 0 where the form does not apply or is not asked for:
-// FLASHOPM_SMALL_TC_CLUSTER=1 asks for it, =0 declines it.
-constexpr bool kSmallTcClusterByDefault = false;
-int small_tc_cluster(const PrepArgs& pa, const SmallTcPlan& plan, bool fma, bool fused, bool local_a,
-                     const float* w_out) {
-  const char* env = std::getenv("FLASHOPM_SMALL_TC_CLUSTER");
-  const bool asked = env != nullptr && *env != 0 ? std::string(env) == "1" : kSmallTcClusterByDefault;
-  if (!asked || !fma || fused || local_a || pa.x_kind != kMaskFloat || reinterpret_cast<uintptr_t>(w_out) % 16 != 0 ||
-      (pa.H * pa.H) % 4 != 0)
-    return 0;
-  const int blocks_d = (pa.D + plan.Dc - 1) / plan.Dc;
-  int cs = 0;
-  for (int c = 8; c >= 2; --c)
-    if (blocks_d % c == 0) {
-      cs = c;
-      break;
-    }
-  if (cs == 0) return 0;
-  const SmallTcLayout L = small_tc_fma_layout(pa.S, pa.N, pa.H, plan.TI, plan.Dc);
-  const SmallTcCluster A = small_tc_cluster_layout(L, pa.C, pa.H, small_tc_cluster_rows(pa.S, pa.N, plan.TI, cs));
-  return A.end <= int64_t(L.pair) ? cs : 0;
-}
-
 // Whether the local-a form may copy its projections' weights, LayerNorm's parameters and the rows
 // of x in 16-byte pieces.
 bool small_tc_local_a_vec(const PrepArgs& pa) {
@@ -785,20 +757,17 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     const bool fma = small_tc_fma(small_tc, tc_terms);
     const bool fused = small_tc_fused(pa, small_tc, fma, dev);
     const bool local_a = small_tc_local_a(pa, small_tc, fma, fused, w_out.data_ptr<float>());
-    const int cluster = small_tc_cluster(pa, small_tc, fma, fused, local_a, w_out.data_ptr<float>());
     // The FMA form of two launches takes b as (B, S, H, N4) and a as (B, H, NS4) (none when each
-    // block projects its own), so that it copies rows of both in 16-byte pieces; the cluster form
-    // takes neither.
+    // block projects its own), so that it copies rows of both in 16-byte pieces.
     const bool rows16 = fma && !fused;
     const int64_t N4 = (N + 3) / 4 * 4, NS4 = (N * S + 3) / 4 * 4;
-    const int64_t b_elems = cluster > 0 ? 0 : rows16 ? B * S * H * N4 : ab_elems;
-    const int64_t a_elems = local_a || cluster > 0 ? 0 : rows16 ? B * H * NS4 : ab_elems;
+    const int64_t b_elems = rows16 ? B * S * H * N4 : ab_elems;
+    const int64_t a_elems = local_a ? 0 : rows16 ? B * H * NS4 : ab_elems;
     // Workspace straight from the caching allocator (no tensor: host time), released on return
     // and reused in stream order, as a tensor's storage would be.  b first: both stay 16-byte
     // aligned.
-    const c10::DataPtr ws = cluster > 0 ? c10::DataPtr()
-                                        : c10::cuda::CUDACachingAllocator::get()->allocate(
-                                              size_t(b_elems + a_elems) * sizeof(float));
+    const c10::DataPtr ws =
+        c10::cuda::CUDACachingAllocator::get()->allocate(size_t(b_elems + a_elems) * sizeof(float));
     float* const b_ws = static_cast<float*>(ws.get());
     float* const a_ws = local_a ? nullptr : b_ws + b_elems;
     if (rows16) {
@@ -822,15 +791,13 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
       pa.a_ss = pa.b_ss = H;
       pa.a_sn = pa.b_sn = S * H;
     }
-    if (!fused && cluster == 0) run_prep(pa, false, dev, stream);
+    if (!fused) run_prep(pa, false, dev, stream);
 
     SmallTcArgs ta{};
     ta.fma = fma;
     ta.fused = fused;
     ta.local_a = local_a;
     ta.local_a_vec = local_a && small_tc_local_a_vec(pa);
-    ta.cluster = cluster;
-    ta.cluster_vec = cluster > 0 && small_tc_local_a_vec(pa);
     ta.prep = pa;
     ta.a = a_ws;
     ta.b = b_ws;

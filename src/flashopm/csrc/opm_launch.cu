@@ -441,12 +441,7 @@ void launch_small_tc(const SmallTcArgs& args, int terms, cudaStream_t stream) {
   cfg.dynamicSmemBytes = size_t(small_tc_smem_bytes(args.S, args.N, args.H, args.TI, args.Dc, args.fma != 0));
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
-  if (args.cluster > 0) {
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = unsigned(args.cluster);
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-  } else if (args.fused) {
+  if (args.fused) {
     attr[0].id = cudaLaunchAttributeCooperative;
     attr[0].val.cooperative = 1;
   } else {
@@ -456,8 +451,7 @@ void launch_small_tc(const SmallTcArgs& args, int terms, cudaStream_t stream) {
   cfg.attrs = attr;
   cfg.numAttrs = 1;
   if (args.fma) {
-    if (args.cluster > 0) launch_small_tc_t<opm_small_tc_kernel<0, false, false, true>>(cfg, args);
-    else if (args.fused) launch_small_tc_t<opm_small_tc_kernel<0, true, false>>(cfg, args);
+    if (args.fused) launch_small_tc_t<opm_small_tc_kernel<0, true, false>>(cfg, args);
     else if (args.local_a) launch_small_tc_t<opm_small_tc_kernel<0, false, true>>(cfg, args);
     else launch_small_tc_t<opm_small_tc_kernel<0, false, false>>(cfg, args);
   } else if (terms == 3) {

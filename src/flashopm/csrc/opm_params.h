@@ -551,11 +551,7 @@ struct SmallTcArgs {
   int local_a;    // the FMA form projects its own rows of a and runs phase P before the wait
                   // (float32 x; the first kernel writes b alone)
   int local_a_vec;  // ... with its weights, LayerNorm's parameters and x's rows copied in 16-byte pieces
-  int cluster;      // the FMA form in one launch of clusters of this many blocks along d (one row
-                    // tile and batch element), which project a and b between them into each other's
-                    // shared memory (float32 x; no first kernel, no workspace); 0: not
-  int cluster_vec;  // ... with its inputs copied in 16-byte pieces, as local_a_vec
-  PrepArgs prep;  // the projections' inputs, when fused, local_a or cluster
+  PrepArgs prep;  // the projections' inputs, when fused or local_a
 };
 
 // Shared-memory layout (floats; every region 16-byte aligned).  Leading dimensions of 4 (mod 32)
@@ -678,33 +674,6 @@ FLASHOPM_HD inline SmallTcLocalA small_tc_local_a_layout(const SmallTcLayout& L,
 }
 FLASHOPM_HD inline bool small_tc_local_a_fits(const SmallTcLayout& L, int C, int H, int rows) {
   return small_tc_local_a_layout(L, C, H, rows, 0).end <= int64_t(L.pair);
-}
-
-// The cluster form (SmallTcArgs::cluster): block rank k of a cluster of cs projects rows
-// [TI·S·k/cs, TI·S·(k+1)/cs) of the tile's a (r = il·S + s) and [S·N·k/cs, S·N·(k+1)/cs) of b
-// (r = s·N + j), its a rows first.  Its inputs, in the regions of P and the K parts (not used
-// before phase P, and never written by the other blocks of the cluster, which store into a and b):
-// W_a then W_b as w[o][c] (rows 4 mod 8 floats apart), the rows of x as [rows][ldx], LayerNorm's
-// weight and bias (ldx each), b_a then b_b (2H), the rows' mask values (rows).  end: one past the last.
-FLASHOPM_HD inline int small_tc_cluster_rows(int S, int N, int TI, int cs) {
-  return (TI * S + cs - 1) / cs + (S * N + cs - 1) / cs;
-}
-struct SmallTcCluster {
-  int64_t w, xs, lnw, lnb, bias, mask, end;
-  int ldw, ldx;
-};
-FLASHOPM_HD inline SmallTcCluster small_tc_cluster_layout(const SmallTcLayout& L, int C, int H, int rows) {
-  SmallTcCluster A{};
-  A.ldw = round_up4_odd_quad(C);
-  A.ldx = round_up4(C);
-  A.w = L.p;
-  A.xs = A.w + int64_t(2 * H) * A.ldw;
-  A.lnw = A.xs + int64_t(rows) * A.ldx;
-  A.lnb = A.lnw + A.ldx;
-  A.bias = A.lnb + A.ldx;
-  A.mask = A.bias + round_up4(2 * H);
-  A.end = A.mask + round_up4(rows);
-  return A;
 }
 
 // Launches the second kernel of the pair (after launch_prep on the same stream) as a

@@ -298,173 +298,9 @@ __device__ __forceinline__ void small_tc_project_a(const SmallTcArgs& p, int ti,
   }
 }
 
-// The cluster form's rows of this block (see small_tc_cluster_layout): a rows [a0, a0 + na) of the
-// tile, b rows [b0, b0 + nb) of batch element b.
-struct SmallTcClusterRows {
-  int a0, na, b0, nb;
-};
-__device__ __forceinline__ SmallTcClusterRows small_tc_cluster_rows_of(int S, int N, int ti, int rank, int cs) {
-  SmallTcClusterRows R;
-  R.a0 = ti * S * rank / cs;
-  R.na = ti * S * (rank + 1) / cs - R.a0;
-  R.b0 = S * N * rank / cs;
-  R.nb = S * N * (rank + 1) / cs - R.b0;
-  return R;
-}
-
-// The cluster form's inputs into shared memory (small_tc_cluster_layout), one group of
-// asynchronous copies (16-byte pieces where A.vec), and the rows' mask values.
-__device__ __forceinline__ void small_tc_stage_cluster_inputs(const SmallTcArgs& p, int b, int i0,
-                                                              const SmallTcClusterRows& R, const SmallTcCluster& A,
-                                                              float* smem) {
-  const PrepArgs& q = p.prep;
-  const int C = q.C, C4 = round_up4(C), H = q.H, S = q.S, N = q.N, tid = threadIdx.x, rows = R.na + R.nb;
-  float* w = smem + A.w;
-  float* xs = smem + A.xs;
-  const float* x = static_cast<const float*>(q.x) + int64_t(b) * q.x_sb;
-  // x row r of this block: (s, n) of batch element b
-  const auto row_src = [&](int r) {
-    int s, n;
-    if (r < R.na) {
-      const int rr = R.a0 + r, il = rr / S;
-      s = rr - il * S, n = i0 + il;
-    } else {
-      const int rr = R.b0 + r - R.na;
-      s = rr / N, n = rr - s * N;
-    }
-    return x + int64_t(s) * q.x_ss + int64_t(n) * q.x_sn;
-  };
-  if (p.cluster_vec) {
-    const int q_row = C / 4;
-    for (int idx = tid; idx < 2 * H * q_row; idx += kSmallTcThreads) {
-      const int o = idx / q_row, c = 4 * (idx - o * q_row);
-      cp_async16(&w[o * A.ldw + c], (o < H ? q.wa + int64_t(o) * C : q.wb + int64_t(o - H) * C) + c);
-    }
-    for (int idx = tid; idx < rows * q_row; idx += kSmallTcThreads) {
-      const int r = idx / q_row, c = 4 * (idx - r * q_row);
-      cp_async16(&xs[r * A.ldx + c], row_src(r) + c);
-    }
-    for (int idx = tid; idx < 2 * q_row; idx += kSmallTcThreads) {
-      const int c = 4 * (idx < q_row ? idx : idx - q_row);
-      cp_async16(smem + (idx < q_row ? A.lnw : A.lnb) + c, (idx < q_row ? q.ln_w : q.ln_b) + c);
-    }
-  } else {
-    for (int idx = tid; idx < 2 * H * C4; idx += kSmallTcThreads) {
-      const int o = idx / C4, c = idx - o * C4;
-      if (c < C) cp_async4(&w[o * A.ldw + c], (o < H ? q.wa + int64_t(o) * C : q.wb + int64_t(o - H) * C) + c, true);
-      else w[o * A.ldw + c] = 0.f;
-    }
-    for (int idx = tid; idx < rows * C; idx += kSmallTcThreads) {
-      const int r = idx / C, c = idx - r * C;
-      cp_async4(&xs[r * A.ldx + c], row_src(r) + c, true);
-    }
-    for (int c = tid; c < C; c += kSmallTcThreads) {
-      cp_async4(smem + A.lnw + c, q.ln_w + c, true);
-      cp_async4(smem + A.lnb + c, q.ln_b + c, true);
-    }
-  }
-  cp_async_commit();
-  for (int o = tid; o < 2 * H; o += kSmallTcThreads) {
-    const float* bias = o < H ? q.ba : q.bb;
-    smem[A.bias + o] = bias != nullptr ? bias[o < H ? o : o - H] : 0.f;
-  }
-  for (int r = tid; r < rows; r += kSmallTcThreads) {
-    int s, n;
-    if (r < R.na) {
-      const int rr = R.a0 + r, il = rr / S;
-      s = rr - il * S, n = i0 + il;
-    } else {
-      const int rr = R.b0 + r - R.na;
-      s = rr / N, n = rr - s * N;
-    }
-    smem[A.mask + r] = mask_at(p.mask, b, s, n);
-  }
-}
-
-// The cluster form's LayerNorm, projections and mask of this block's rows (staged by
-// small_tc_stage_cluster_inputs, the only copy group in flight), each value stored into a or b of
-// every block of the cluster: a as as[h][il·S + s], b as bs[s·H + h][j] (the FMA form's layouts).
-// One warp per row normalises it in place (padding columns zero); then each thread takes one h
-// for two rows of a, or of b (float4 reads of w and of x).  The caller arrived on the cluster
-// barrier (relaxed) at its start: the wait here makes sure that every block of the cluster runs
-// before its shared memory is written.  Same sums as small_tc_project_a.
-__device__ __forceinline__ void small_tc_cluster_project(const SmallTcArgs& p, const SmallTcClusterRows& R,
-                                                         const SmallTcCluster& A, const SmallTcLayout& L, float* as,
-                                                         float* bs, float* smem) {
-  const PrepArgs& q = p.prep;
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int S = q.S, N = q.N, C = q.C, C4 = round_up4(C), H = q.H, rows = R.na + R.nb;
-  float* xs = smem + A.xs;
-  const float* lnw = smem + A.lnw;
-  const float* lnb = smem + A.lnb;
-  cp_async_wait_all();
-  __syncthreads();
-  for (int r = warp; r < rows; r += kSmallTcWarps) {
-    float* xr = xs + r * A.ldx;
-    float mean, rstd;
-    warp_layernorm_stats([&](int c) { return xr[c]; }, C, q.ln_eps, lane, mean, rstd);
-    for (int c = lane; c < C4; c += 32) xr[c] = c < C ? (xr[c] - mean) * rstd * lnw[c] + lnb[c] : 0.f;
-  }
-  __syncthreads();
-  cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
-  const int cs = int(cluster.num_blocks());
-  asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");  // every block of the cluster runs
-  const int pairs_a = (R.na + 1) / 2, pairs_b = (R.nb + 1) / 2;
-  for (int idx = tid; idx < (pairs_a + pairs_b) * H; idx += kSmallTcThreads) {
-    const int rp = idx / H, h = idx - rp * H;
-    const bool is_a = rp < pairs_a;
-    const int first = is_a ? 0 : R.na, count = is_a ? R.na : R.nb;
-    const int l0 = 2 * (is_a ? rp : rp - pairs_a), l1 = min(l0 + 1, count - 1);  // rows within a or b
-    const float* w = smem + A.w + (is_a ? h : H + h) * A.ldw;
-    const float* x0 = xs + (first + l0) * A.ldx;
-    const float* x1 = xs + (first + l1) * A.ldx;
-    float acc0 = 0.f, acc1 = 0.f;
-    for (int c0 = 0; c0 < C4; c0 += kPrepKC) {
-      const int ce = min(C4, c0 + kPrepKC);
-      float part0 = 0.f, part1 = 0.f;
-#pragma unroll 4
-      for (int c = c0; c < ce; c += 4) {
-        const float4 wv = *reinterpret_cast<const float4*>(w + c);
-        const float4 xa = *reinterpret_cast<const float4*>(x0 + c);
-        const float4 xb = *reinterpret_cast<const float4*>(x1 + c);
-        part0 = fmaf(xa.x, wv.x, part0), part1 = fmaf(xb.x, wv.x, part1);
-        part0 = fmaf(xa.y, wv.y, part0), part1 = fmaf(xb.y, wv.y, part1);
-        part0 = fmaf(xa.z, wv.z, part0), part1 = fmaf(xb.z, wv.z, part1);
-        part0 = fmaf(xa.w, wv.w, part0), part1 = fmaf(xb.w, wv.w, part1);
-      }
-      acc0 += part0, acc1 += part1;
-    }
-    const float bias = smem[A.bias + (is_a ? h : H + h)];
-    const float v0 = (acc0 + bias) * smem[A.mask + first + l0];
-    const float v1 = (acc1 + bias) * smem[A.mask + first + l1];
-    const bool two = l0 + 1 < count;
-    // destinations in this block's shared memory, the same offsets in every other block's
-    int off0, off1;
-    float* base;
-    if (is_a) {
-      base = as;
-      off0 = h * L.lda + R.a0 + l0;
-      off1 = off0 + 1;
-    } else {
-      base = bs;
-      const int r0 = R.b0 + l0, s0 = r0 / N, j0 = r0 - s0 * N;
-      const int r1 = r0 + 1, s1 = r1 / N, j1 = r1 - s1 * N;
-      off0 = (s0 * H + h) * L.ldb + j0;
-      off1 = (s1 * H + h) * L.ldb + j1;
-    }
-    for (int k = 0; k < cs; ++k) {
-      float* dst = cluster.map_shared_rank(base, k);
-      dst[off0] = v0;
-      if (two) dst[off1] = v1;
-    }
-  }
-  (void)S;
-}
-
-template <int kTerms, bool kFused, bool kLocalA, bool kCluster = false>
+template <int kTerms, bool kFused, bool kLocalA>
 __global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_tc_kernel(const SmallTcArgs p) {
   static_assert(!kLocalA || (kTerms == 0 && !kFused), "the local-a form is a form of the two-launch FMA kernel");
-  static_assert(!kCluster || (kTerms == 0 && !kFused && !kLocalA), "the cluster form is a form of the FMA kernel");
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   extern __shared__ float4 smem_f4[];
   float* smem = reinterpret_cast<float*>(smem_f4);
@@ -484,7 +320,6 @@ __global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_tc_kernel(const 
   float* pair_s = smem + L.pair;  // [TI][N16]
   float* bias_s = smem + L.bias;
   float* den_s = smem + L.den;
-  if constexpr (kCluster) asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
 
   // ---- prologue: independent of the first kernel ----
   // The fused form's scratch, in P and the K parts (not used before phase P): wt, then xn.
@@ -508,16 +343,7 @@ __global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_tc_kernel(const 
   const SmallTcLocalA local_a = small_tc_local_a_layout(L, p.prep.C, H, TI * S, p.local_a_vec);
   float4 w_first[kSmallTcWBatch];
   float mask_row = 0.f;  // the mask value of row tid (TI·S <= kSmallTcThreads: small_tc_local_a)
-  const int cluster_size = kCluster ? int(cooperative_groups::this_cluster().num_blocks()) : 1;
-  const SmallTcClusterRows cluster_rows =
-      small_tc_cluster_rows_of(S, N, ti, kCluster ? int(cooperative_groups::this_cluster().block_rank()) : 0,
-                               cluster_size);
-  const SmallTcCluster cluster_in =
-      small_tc_cluster_layout(L, p.prep.C, H, small_tc_cluster_rows(S, N, TI, cluster_size));
-  if constexpr (kCluster) {
-    small_tc_w_chunk_load(p, d0, Dc, tid, w_first);
-    small_tc_stage_cluster_inputs(p, b, i0, cluster_rows, cluster_in, smem);
-  } else if constexpr (kLocalA) {
+  if constexpr (kLocalA) {
     small_tc_w_chunk_load(p, d0, Dc, tid, w_first);
     small_tc_stage_a_inputs(p, b, i0, ti, local_a, smem);
     if (tid < ti * S) mask_row = mask_at(p.mask, b, tid % S, i0 + tid / S);
@@ -554,7 +380,6 @@ __global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_tc_kernel(const 
     small_tc_w_chunk_store(p, d0, Dc, L.ldw, smem + L.w, w_first);
     if (tid < ti * S) smem[local_a.mask + tid] = mask_row;
   }
-  if constexpr (kCluster) small_tc_w_chunk_store(p, d0, Dc, L.ldw, smem + L.w, w_first);
   if constexpr (!kFma) {
     // Zero padding rows (never written by the copies below).
     for (int idx = tid; idx < (L.R8 - ti * S) * L.lda; idx += kSmallTcThreads) as[ti * S * L.lda + idx] = 0.f;
@@ -637,16 +462,8 @@ __global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_tc_kernel(const 
     __syncthreads();
     phase_p();
   }
-  if constexpr (kCluster) {
-    small_tc_cluster_project(p, cluster_rows, cluster_in, L, as, bs, smem);
-    // a and b complete in this block's shared memory (every block's stores released, acquired
-    // here); this block's own reads of its inputs (in P's region) done
-    asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
-    asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-  }
 
-  if constexpr (kCluster) {
-  } else if constexpr (kFused) {
+  if constexpr (kFused) {
     // ps and red are not used before phase P: the normalised rows pass through them.
     const int64_t rows = int64_t(p.B) * S * N;
     const int64_t blocks = int64_t(gridDim.x) * gridDim.y * gridDim.z;
@@ -659,8 +476,7 @@ __global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_tc_kernel(const 
 
   // ---- a[b, i0 : i0 + ti] and b[b, :] into shared memory (rows of H and S·H floats); phase P
   // needs only a, so b is waited for after it ----
-  if constexpr (kCluster) {
-  } else if constexpr (kFma && !kFused) {
+  if constexpr (kFma && !kFused) {
     // The first kernel's kAbF32HStride layouts, rows in 16-byte pieces: a[b] as (H, NS4) (the
     // block's columns (i, s) are contiguous in each row; 4-byte pieces where TI·S leaves their
     // start unaligned), b[b] as (S·H, N4).  Columns past ti·S and N, read along with the last
