@@ -403,7 +403,9 @@ int projection_mma_terms(bool half_in, Precision prec) {
 // kernel (H200: 16384 rows took 63 us in opm_prep_kernel, 32768 rows 64 us in this one).  Else
 // opm_prep_kernel: four rows per warp amortise the weight reads; one row per warp when that leaves
 // too few blocks to fill the GPU.
-void run_prep(const PrepArgs& args, bool project_w, int dev, cudaStream_t stream) {
+void run_prep(const PrepArgs& args_in, bool project_w, int dev, cudaStream_t stream) {
+  PrepArgs args = args_in;
+  args.weights_late = !env_is("FLASHOPM_PREP_WEIGHTS_FIRST", "1");
   const int64_t rows = int64_t(args.B) * args.S * args.N;
   if (!project_w && 2 * rows >= int64_t(kProjRows) * device_info(dev).sm_count &&
       rows / kProjRows < int64_t(1) << 31) {

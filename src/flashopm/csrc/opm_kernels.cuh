@@ -432,8 +432,11 @@ __global__ void __launch_bounds__(kPrepThreads, RW == 1 && Q <= 2 && !kProjectW 
     cp_async_commit();
   };
   // The first two chunks' latency overlaps the statistics.
-  stage_weights(0);
-  if (n_chunks > 1) stage_weights(1);
+  const auto stage_first_weights = [&]() {
+    stage_weights(0);
+    if (n_chunks > 1) stage_weights(1);
+  };
+  if (!p.weights_late) stage_first_weights();
   // The epilogue's mask values and biases, loaded now so that their latency does too.
   float mask_v[RW], bias_v[Q];
 #pragma unroll
@@ -473,6 +476,10 @@ __global__ void __launch_bounds__(kPrepThreads, RW == 1 && Q <= 2 && !kProjectW 
       const int c = j * kPrepKC + lane;
       x_c[r][j] = c < C ? x_at(r, c) : 0.f;
     }
+  }
+  if (p.weights_late) stage_first_weights();
+#pragma unroll
+  for (int r = 0; r < RW; ++r) {
     float sum = 0.f;
 #pragma unroll
     for (int j = 0; j < kCached; ++j)

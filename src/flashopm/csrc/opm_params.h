@@ -101,6 +101,7 @@ struct PrepArgs {
   int B, S, N, C, H, D;  // N: rows of this launch
   int o_chunks;  // project-first: columns (h1, d) handled in chunks of kPrepThreads per block
   int mma_terms;  // opm_project_rows_kernel's products for float32 x: 0 float32 FMAs, 1 TF32, 3 3xTF32
+  int weights_late;  // opm_prep_kernel: the weights' copies issued after the loads of x, not before
 };
 
 constexpr int kPrepWarps = 8;
