@@ -275,6 +275,19 @@ def test_small_tc_launches(monkeypatch):
     assert len(one) == 1 and "opm_small_tc_kernel<0, true, false>" in one[0], one
 
 
+@pytest.mark.parametrize("shape", [SPEC, Shape(1, 48, 24, 40, 16, 8), Shape(3, 2, 5, 9, 16, 13)], ids=str)
+def test_prep_weight_copies_order_keeps_the_bits(shape, monkeypatch):
+    """The first kernel issues its weight copies after the rows' loads; issued first
+    (FLASHOPM_PREP_WEIGHTS_FIRST=1) the same sums give the same bits."""
+    x, m, p = make_problem(shape, "masked_positions", seed=8)
+    xc, mc, pc = x.cuda(), m.cuda(), _cuda_params(p)
+    late = _run(xc, mc, pc, "small-tc", may_not_fit=False)
+    monkeypatch.setenv("FLASHOPM_PREP_WEIGHTS_FIRST", "1")
+    first = _run(xc, mc, pc, "small-tc", may_not_fit=False)
+    assert torch.equal(late, first)
+    torch.testing.assert_close(late.cpu(), reference(xc, mc, pc).cpu(), atol=1e-4, rtol=1e-4)
+
+
 # Tilings of the two-launch path forced one by one: rows per block 1 to 8 (ragged at N = 13),
 # chunks of d from 8 to 64 (ragged at D = 70), phase O's columns (i, d) in one group or several;
 # TI·S a multiple of 4 or not (a's copies in 16- or 4-byte pieces in the FMA form).
