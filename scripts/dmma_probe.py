@@ -17,6 +17,22 @@ import os
 import torch
 from torch.utils.cpp_extension import load_inline
 
+# Float32 FFMA at 16 independent chains per thread, the pipe the tensor-core rates are set against
+# (scripts/mma_sync_probe.py uses it too).
+FFMA_RATE_CUDA = r"""
+__global__ void ffma_rate_kernel(float* out, int iters, float seed) {
+  float acc[16];
+  for (int i = 0; i < 16; ++i) acc[i] = seed + i;
+  const float x = seed * 0.5f, y = 1.0001f;
+  for (int it = 0; it < iters; ++it)
+#pragma unroll
+    for (int i = 0; i < 16; ++i) acc[i] = fmaf(acc[i], y, x);
+  float s = 0;
+  for (int i = 0; i < 16; ++i) s += acc[i];
+  out[blockIdx.x * blockDim.x + threadIdx.x] = s;
+}
+"""
+
 CUDA = r"""
 #include <torch/extension.h>
 #include <c10/cuda/CUDAStream.h>
@@ -61,18 +77,7 @@ __global__ void dmma_rate_kernel(double* out, int iters, double seed) {
   out[blockIdx.x * blockDim.x + threadIdx.x] = s;
 }
 
-__global__ void ffma_rate_kernel(float* out, int iters, float seed) {
-  float acc[16];
-  for (int i = 0; i < 16; ++i) acc[i] = seed + i;
-  const float x = seed * 0.5f, y = 1.0001f;
-  for (int it = 0; it < iters; ++it)
-#pragma unroll
-    for (int i = 0; i < 16; ++i) acc[i] = fmaf(acc[i], y, x);
-  float s = 0;
-  for (int i = 0; i < 16; ++i) s += acc[i];
-  out[blockIdx.x * blockDim.x + threadIdx.x] = s;
-}
-
+""" + FFMA_RATE_CUDA + r"""
 __global__ void cvt_rate_kernel(double* out, int iters, float seed) {
   float v[8];
   double s[8];

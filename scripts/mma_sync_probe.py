@@ -13,6 +13,8 @@ import os
 import torch
 from torch.utils.cpp_extension import load_inline
 
+from dmma_probe import FFMA_RATE_CUDA
+
 CUDA = r"""
 #include <torch/extension.h>
 #include <c10/cuda/CUDAStream.h>
@@ -56,18 +58,7 @@ __global__ void mma_rate_kernel(float* out, int iters, uint32_t seed) {
   out[blockIdx.x * blockDim.x + threadIdx.x] = s;
 }
 
-__global__ void ffma_rate_kernel(float* out, int iters, float seed) {
-  float acc[16];
-  for (int i = 0; i < 16; ++i) acc[i] = seed + i;
-  const float x = seed * 0.5f, y = 1.0001f;
-  for (int it = 0; it < iters; ++it)
-#pragma unroll
-    for (int i = 0; i < 16; ++i) acc[i] = fmaf(acc[i], y, x);
-  float s = 0.f;
-  for (int i = 0; i < 16; ++i) s += acc[i];
-  out[blockIdx.x * blockDim.x + threadIdx.x] = s;
-}
-
+""" + FFMA_RATE_CUDA + r"""
 template <bool kF16>
 void launch_mma(int chains, int blocks, int threads, int iters, float* out, cudaStream_t stream) {
   switch (chains) {
