@@ -906,20 +906,23 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     int64_t rows = N;
     if (2 * b_elems > budget) rows = std::max<int64_t>((budget - b_elems) / per_row, 1);
     const int64_t ti_full = std::min<int64_t>(kOuterMT / H, N);
-    if (rows < N) {
-      // At least four waves of blocks per launch: when b alone takes most of the budget (deep
-      // MSAs, few residues) the rows the budget leaves would fill a fraction of the GPU, while
-      // a for a few more rows costs little next to b (S=2048, N=768 in bfloat16: 4 rows per
-      // launch ran 6x slower than one launch).
-      const int64_t col_pairs = std::min<int64_t>(kOuterNT / H, N) * (operands16 ? kT16JSub : 1);
-      const int64_t col_blocks = B * ((N + col_pairs - 1) / col_pairs);
-      const int64_t fill = ti_full * ((4 * device_info(dev).sm_count + col_blocks - 1) / col_blocks);
-      rows = std::min<int64_t>(std::max(rows / ti_full * ti_full, std::max(fill, ti_full)), N);
-      // balanced blocks: a last block of a few rows would take a launch sequence of its own for a
-      // fraction of a wave ((1,1100,128,24,64,8): 64 and 64 rows, not 108 and 20)
-      const int64_t blocks = (N + rows - 1) / rows;
-      rows = std::min<int64_t>(((N + blocks - 1) / blocks + ti_full - 1) / ti_full * ti_full, N);
-    }
+    // At least four waves of blocks per launch: when b alone takes most of the budget (deep MSAs,
+    // few residues) the rows the budget leaves would fill a fraction of the GPU, while a for a few
+    // more rows costs little next to b (S=2048, N=768 in bfloat16: 4 rows per launch ran 6x slower
+    // than one launch).
+    const int64_t col_pairs = std::min<int64_t>(kOuterNT / H, N) * (operands16 ? kT16JSub : 1);
+    const int64_t col_blocks = B * ((N + col_pairs - 1) / col_pairs);
+    const int64_t fill = ti_full * ((4 * device_info(dev).sm_count + col_blocks - 1) / col_blocks);
+    // Rows per block for blocks of at most `limit` rows, balanced (a last block of a few rows would
+    // take a launch sequence of its own for a fraction of a wave: (1,1100,128,24,64,8) takes 64 and
+    // 64 rows, not 108 and 20), in whole row tiles.
+    auto balanced_rows = [&](int64_t limit) {
+      const int64_t blocks = (N + limit - 1) / limit;
+      int64_t r = std::min<int64_t>(((N + blocks - 1) / blocks + ti_full - 1) / ti_full * ti_full, N);
+      if (r > limit) r = std::max<int64_t>(r - ti_full, ti_full);
+      return r;
+    };
+    if (rows < N) rows = balanced_rows(std::min<int64_t>(std::max(rows / ti_full * ti_full, std::max(fill, ti_full)), N));
     // Peak extra memory in float32: within 1.25x the output where b for all residues leaves room
     // for a in blocks of rows (the training crop: W's copy for the wgmma forms of phase 2 would
     // pass the bound there without blocks).  FLASHOPM_PEAK_BOUND=1.1 asks for 1.1x (16-bit
@@ -943,22 +946,11 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
         const int64_t row_bytes = per_row * elem + per_row_extra;
         const int64_t left = room_bytes - fixed - b_elems * elem;
         if (left < row_bytes * ti_full) return 0;
-        const int64_t fit = left / row_bytes;
-        if (fit >= N) return N;
-        const int64_t blocks = (N + fit - 1) / fit;
-        const int64_t per_block = (N + blocks - 1) / blocks;
-        int64_t r = std::min<int64_t>((per_block + ti_full - 1) / ti_full * ti_full, N);
-        if (r > fit) r = std::max<int64_t>(r - ti_full, ti_full);
-        return r;
+        return balanced_rows(std::min<int64_t>(left / row_bytes, N));
       };
       const int64_t out_bytes = out.numel() * int64_t(out.element_size());
-      // at least four waves of blocks per launch, as above
-      const int64_t col_pairs = std::min<int64_t>(kOuterNT / H, N) * (operands16 ? kT16JSub : 1);
-      const int64_t min_rows = std::min<int64_t>(
-          N, ti_full * ((4 * device_info(dev).sm_count + B * ((N + col_pairs - 1) / col_pairs) - 1) /
-                        (B * ((N + col_pairs - 1) / col_pairs))));
       const int64_t tight = env_is("FLASHOPM_PEAK_BOUND", "1.1") ? rows_within(out_bytes / 10 - out_bytes / 100) : 0;
-      if (tight >= min_rows) {
+      if (tight >= std::min(N, fill)) {  // at least four waves of blocks per launch, as above
         rows = std::min(rows, tight);
       } else if (!operands16) {
         const int64_t loose = rows_within(out_bytes / 4);

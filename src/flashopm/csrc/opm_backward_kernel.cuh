@@ -164,6 +164,38 @@ __global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_side_kernel(const BwdSi
 //   GEMM 2, per chunk: 6 wgmma m64n128k16 (both operands in shared memory) into a zeroed
 //     accumulator, added to acc2 times the row's inverse scale; y's column scales in the epilogue.
 // The loop runs tiles, then each tile's chunks, so that acc1 lives only through GEMM 1.
+// The float16 split kernels' ring of kBwStages stages of kStageBytes each, filled by asynchronous
+// copies kBwStages - 1 steps ahead: load_step(stage) issues one step's copies into a stage; total
+// steps in all.
+template <int kStageBytes>
+struct BwStageRing {
+  const char* smem;
+  int total;
+  int step = 0, buf = 0;
+  template <typename LoadStep>
+  __device__ __forceinline__ void prime(LoadStep& load_step) {
+#pragma unroll
+    for (int st = 0; st < kBwStages - 1; ++st) {
+      if (st < total) load_step(st);
+      cp_async_commit();
+    }
+  }
+  // The current step's stage, once its copies (every thread's) are visible to the tensor cores;
+  // the copies of the step kBwStages - 1 ahead go out into the stage the previous step read.
+  template <typename LoadStep>
+  __device__ __forceinline__ const char* next(LoadStep& load_step) {
+    cp_async_wait<kBwStages - 2>();
+    fence_proxy_async_smem();
+    __syncthreads();
+    if (step + kBwStages - 1 < total) load_step(buf == 0 ? kBwStages - 1 : buf - 1);
+    cp_async_commit();
+    const char* st = smem + buf * kStageBytes;
+    ++step;
+    buf = buf + 1 == kBwStages ? 0 : buf + 1;
+    return st;
+  }
+};
+
 template <int kH>
 __global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_side_f16_kernel(const BwdSideArgs p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -230,25 +262,9 @@ __global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_side_f16_kernel(const B
     if (++ld_r == spt) ld_r = 0, ld_j0 += p.jsplits * TJ;
   };
 
-#pragma unroll
-  for (int st = 0; st < kBwStages - 1; ++st) {
-    if (st < total) load_step(st);
-    cp_async_commit();
-  }
-  int step = 0, buf = 0;
-  // The current step's stage, once its copies (every thread's) are visible to the tensor cores;
-  // the copies of the step kBwStages - 1 ahead go out into the stage the previous step read.
-  const auto next_stage = [&]() {
-    cp_async_wait<kBwStages - 2>();
-    fence_proxy_async_smem();
-    __syncthreads();
-    if (step + kBwStages - 1 < total) load_step(buf == 0 ? kBwStages - 1 : buf - 1);
-    cp_async_commit();
-    const char* st = smem + buf * kBsfStageBytes;
-    ++step;
-    buf = buf + 1 == kBwStages ? 0 : buf + 1;
-    return st;
-  };
+  BwStageRing<kBsfStageBytes> ring{smem, total};
+  ring.prime(load_step);
+  const auto next_stage = [&]() { return ring.next(load_step); };
 
   float acc2[64];
 #pragma unroll
@@ -711,23 +727,9 @@ __global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_w_f16_kernel(const BwdW
     if (++ld_r == spt) ld_r = 0, ++ld_tl;
   };
 
-#pragma unroll
-  for (int st = 0; st < kBwStages - 1; ++st) {
-    if (st < total) load_step(st);
-    cp_async_commit();
-  }
-  int step = 0, buf = 0;
-  const auto next_stage = [&]() {
-    cp_async_wait<kBwStages - 2>();
-    fence_proxy_async_smem();
-    __syncthreads();
-    if (step + kBwStages - 1 < total) load_step(buf == 0 ? kBwStages - 1 : buf - 1);
-    cp_async_commit();
-    const char* st = smem + buf * kBwfStageBytes;
-    ++step;
-    buf = buf + 1 == kBwStages ? 0 : buf + 1;
-    return st;
-  };
+  BwStageRing<kBwfStageBytes> ring{smem, total};
+  ring.prime(load_step);
+  const auto next_stage = [&]() { return ring.next(load_step); };
 
   float acc[2][32];  // rows d = d0 + 64h + 16·warp + g (+8), columns k = hc0·H + 8j + 2t (+1)
 #pragma unroll
