@@ -246,7 +246,42 @@ def test_small_tc_fma_layouts_from_tiled_projection(shape, local_a, monkeypatch)
     _check(shape, "masked_positions", "small-tc", seed=11, may_not_fit=False)
 
 
-# The mma.sync form (the FMA form runs by default under "highest" where W's chunk fits).
+# The float32 FMA form (the float16 split form runs by default under "highest" where hidden % 16
+# == 0 and its regions fit; the FMA form elsewhere, where W's chunk fits).
+@pytest.mark.parametrize("shape", SMALL_TC_SHAPES, ids=str)
+def test_small_tc_fma_form(shape, monkeypatch):
+    monkeypatch.setenv("FLASHOPM_SMALL_TC_F16", "0")
+    _check(shape, "masked_positions", "small-tc", seed=zlib.crc32(f"{shape}-fma".encode()) % 1000,
+           may_not_fit=False)
+
+
+@pytest.mark.parametrize("scale", [1e-12, 1e12])
+@pytest.mark.parametrize("shape", [SPEC, Shape(1, 6, 48, 40, 64, 16), Shape(3, 2, 5, 9, 16, 13)], ids=str)
+def test_small_tc_f16_form_far_from_one(shape, scale):
+    """The float16 split form scales its operands by powers of two: projections scaled by 1e-12 or
+    1e12 (W by the inverse, no output bias) stay within the float32 bars, where unscaled float16
+    parts would underflow or overflow."""
+    x, m, p = make_problem(shape, "fractional", seed=17)
+    for name in ("w_a", "b_a", "w_b", "b_b"):
+        p[name] = p[name] * scale
+    p["w_out"] = p["w_out"] / scale
+    p["b_out"] = torch.zeros_like(p["b_out"])
+    xc, mc, pc = x.cuda(), m.cuda(), _cuda_params(p)
+    ref64 = reference(xc, mc, pc, dtype=torch.float64).cpu()
+    ref32 = reference(xc, mc, pc).cpu()
+    kernels = _flashopm_kernels(lambda: _run(xc, mc, pc, "small-tc", poison=False, may_not_fit=False))
+    assert any("opm_small_f16_kernel" in k for k in kernels), kernels
+    out = _run(xc, mc, pc, "small-tc", may_not_fit=False).cpu()
+    assert not out.isnan().any() and out.abs().max() > 0
+    err, err_eager = rel_error(out, ref64), rel_error(ref32, ref64)
+    assert err <= max(2 * err_eager, FP64_FLOOR), f"normwise error {err:.3g} vs eager fp32 {err_eager:.3g}"
+
+
+def test_small_tc_f16_form_nan_inf_propagate():
+    _check_nan_inf_propagate(Shape(1, 4, 9, 16, 16, 8), 3, "small-tc")
+
+
+# The mma.sync form.
 @pytest.mark.parametrize("shape", SMALL_TC_SHAPES, ids=str)
 def test_small_tc_mma_sync_form(shape, monkeypatch):
     monkeypatch.setenv("FLASHOPM_SMALL_TC_FMA", "0")
@@ -265,7 +300,11 @@ def test_small_tc_launches(monkeypatch):
     xc, mc, pc = x.cuda(), m.cuda(), _cuda_params(p)
     two = _flashopm_kernels(lambda: _run(xc, mc, pc, "small-tc", poison=False))
     assert len(two) == 2 and any("opm_prep_kernel" in k for k in two), two
-    assert any("opm_small_tc_kernel<0, false, false>" in k for k in two), two  # the FMA form under "highest"
+    assert any("opm_small_f16_kernel" in k for k in two), two  # the float16 split form under "highest"
+    monkeypatch.setenv("FLASHOPM_SMALL_TC_F16", "0")
+    fma = _flashopm_kernels(lambda: _run(xc, mc, pc, "small-tc", poison=False))
+    assert len(fma) == 2 and any("opm_small_tc_kernel<0, false, false>" in k for k in fma), fma
+    monkeypatch.delenv("FLASHOPM_SMALL_TC_F16")
     monkeypatch.setenv("FLASHOPM_SMALL_TC_LOCAL_A", "1")
     local = _flashopm_kernels(lambda: _run(xc, mc, pc, "small-tc", poison=False))
     assert len(local) == 2 and any("opm_small_tc_kernel<0, false, true>" in k for k in local), local
@@ -292,13 +331,15 @@ def test_prep_weight_copies_order_keeps_the_bits(shape, monkeypatch):
 # chunks of d from 8 to 64 (ragged at D = 70), phase O's columns (i, d) in one group or several;
 # TI·S a multiple of 4 or not (a's copies in 16- or 4-byte pieces in the FMA form).
 SMALL_TC_TILINGS = [(Shape(2, 8, 32, 64, 32, 64), tile) for tile in [(1, 8), (1, 32), (1, 64), (2, 16), (4, 8), (8, 8)]] + [
-    (Shape(2, 3, 13, 9, 8, 70), tile) for tile in [(1, 64), (2, 32), (4, 16), (8, 8), (8, 64)]]
+    (Shape(2, 3, 13, 9, H, 70), tile) for H in (8, 16) for tile in [(1, 64), (2, 32), (4, 16), (8, 8), (8, 64)]]
 
 
-@pytest.mark.parametrize("form", ["fma", "mma_sync"])
+@pytest.mark.parametrize("form", ["default", "fma", "mma_sync"])
 @pytest.mark.parametrize("shape,tile", SMALL_TC_TILINGS, ids=lambda v: str(v))
 def test_small_tc_tilings(shape, tile, form, monkeypatch):
     monkeypatch.setenv("FLASHOPM_SMALL_TC_TILE", f"{tile[0]},{tile[1]}")
+    if form == "fma":
+        monkeypatch.setenv("FLASHOPM_SMALL_TC_F16", "0")
     if form == "mma_sync":
         monkeypatch.setenv("FLASHOPM_SMALL_TC_FMA", "0")
     _check(shape, "masked_positions", "small-tc", seed=zlib.crc32(f"{shape}-{tile}".encode()) % 1000,

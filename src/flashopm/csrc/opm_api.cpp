@@ -257,6 +257,7 @@ bool search_small_plan(int64_t B, int64_t S, int64_t N, int64_t C, int64_t H, in
 struct SmallTcPlan {
   int TI = 0, Dc = 0;
   bool fma = false;  // W's chunk fits in shared memory for the float32 FMA form (small_tc_fma_layout)
+  bool f16 = false;  // the float16 split form applies and fits (small_f16_layout)
 };
 
 SmallTcPlan requested_small_tc_tile() {
@@ -296,8 +297,11 @@ SmallTcPlan search_small_tc_plan(int64_t B, int64_t S, int64_t N, int64_t H, int
       }
     }
   }
-  if (best.TI != 0)
+  if (best.TI != 0) {
     best.fma = small_tc_smem_bytes(int(S), int(N), int(H), best.TI, best.Dc, true) <= info.smem_optin;
+    best.f16 = H % 16 == 0 && H <= 64 &&
+               small_f16_layout(int(S), int(N), int(H), best.TI, best.Dc).total <= info.smem_optin;
+  }
   return best;
 }
 
@@ -332,6 +336,17 @@ enum PlanKind : int64_t { kPlanSmall = 0, kPlanSmallTc = 1 };
 // FLASHOPM_SMALL_TC_FMA=0 asks for the mma.sync form (to compare the forms).
 bool small_tc_fma(const SmallTcPlan& plan, int tc_terms) {
   return plan.fma && tc_terms == 3 && !env_is("FLASHOPM_SMALL_TC_FMA", "0");
+}
+
+// The small-problem path's float16 split form (opm_small_f16_kernel), under "highest" where
+// hidden % 16 == 0 and its regions fit: float32 accuracy (three float16 MMAs per product, operands
+// scaled by powers of two) at ~3.4x the FMA pipe's rate for phases P and O.  Each of
+// FLASHOPM_SMALL_TC_F16=0 (the FMA form), FLASHOPM_SMALL_TC_FMA=0 (mma.sync), FLASHOPM_SMALL_TC_FUSED=1
+// and FLASHOPM_SMALL_TC_LOCAL_A=1 asks for another form.
+bool small_tc_f16(const SmallTcPlan& plan, int tc_terms, const float* w_out) {
+  return plan.f16 && tc_terms == 3 && reinterpret_cast<uintptr_t>(w_out) % 16 == 0 &&
+         !env_is("FLASHOPM_SMALL_TC_F16", "0") && !env_is("FLASHOPM_SMALL_TC_FMA", "0") &&
+         !env_is("FLASHOPM_SMALL_TC_FUSED", "1") && !env_is("FLASHOPM_SMALL_TC_LOCAL_A", "1");
 }
 
 // The small-problem path in one cooperative launch (opm_small_tc_kernel's kFused), where
@@ -756,8 +771,9 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     set_inputs(pa, msa);
     pa.x_kind = x_kind;
     pa.o_chunks = 1;
-    const bool fma = small_tc_fma(small_tc, tc_terms);
-    const bool fused = small_tc_fused(pa, small_tc, fma, dev);
+    const bool f16 = small_tc_f16(small_tc, tc_terms, w_out.data_ptr<float>());
+    const bool fma = !f16 && small_tc_fma(small_tc, tc_terms);
+    const bool fused = !f16 && small_tc_fused(pa, small_tc, fma, dev);
     const bool local_a = small_tc_local_a(pa, small_tc, fma, fused, w_out.data_ptr<float>());
     // The FMA form of two launches takes b as (B, S, H, N4) and a as (B, H, NS4) (none when each
     // block projects its own), so that it copies rows of both in 16-byte pieces.
@@ -797,6 +813,7 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
 
     SmallTcArgs ta{};
     ta.fma = fma;
+    ta.f16 = f16;
     ta.fused = fused;
     ta.local_a = local_a;
     ta.local_a_vec = local_a && small_tc_local_a_vec(pa);

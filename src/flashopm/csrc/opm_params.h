@@ -548,6 +548,7 @@ struct SmallTcArgs {
   int TI;  // rows i per block: 1, 2, 4 or 8
   int Dc;  // columns d per block: 8, 16, 32 or 64
   int fma;        // the float32 FMA form (small_tc_fma_layout) rather than mma.sync
+  int f16;        // the float16 split form (opm_small_f16_kernel, small_f16_layout)
   int fused;      // the kernel projects the rows itself (cooperative launch, float32 x)
   int local_a;    // the FMA form projects its own rows of a and runs phase P before the wait
                   // (float32 x; the first kernel writes b alone)
@@ -639,6 +640,49 @@ FLASHOPM_HD inline SmallTcLayout small_tc_fma_layout(int S, int N, int H, int TI
   L.p = o;    o += SH * L.ldp;
   L.red = o;  o += L.kparts * L.N16 * L.ldr;
   small_tc_layout_tail(L, o, TI, Dc);
+  return L;
+}
+
+// The float16 split form (opm_small_f16_kernel; hidden % 16 == 0): phases P and O on mma.sync
+// m16n8k16 with every operand split into float16 high and low parts after scaling by a power of
+// two (see kSplitTopExp), three MMAs per product.  Regions (byte offsets; 16-bit rows padded by 8
+// elements, so that the eight 16-byte rows an ldmatrix reads fall in distinct banks):
+//   w   [2][Dc·H][ldw = H + 8]        W[d0 + d, h1·H + h2] at (d·H + h1)·ldw + h2, high then low parts
+//   a   [2][R16][lda = H + 8]         a[i0 + r / S, r % S, h1] at r·lda + h1
+//   b   [2][N16][ldk = S·H + 8]       b[j, s, h2] at j·ldk + s·H + h2
+//   p   [2][NP][ldk]                  P[i, d, s, h2] at (i·Dc + d)·ldk + s·H + h2 (NP: columns (i, d)
+//                                     rounded up to a group of phase O's n tiles)
+//   red [kparts][N16][ldr] floats     phase O's K parts, over W's region (W is dead after phase P)
+//   then the floats of small_tc_layout_tail and two warps' worth of scratch for the block maxima.
+constexpr int kSmallF16GroupN = 4;  // phase O's n tiles (8 columns (i, d) each) per warp item
+struct SmallF16Layout {
+  int R16, N16, NP, lda, ldw, ldk, ldr, kparts;
+  int w, a, b, p, red, pair, bias, den, scratch, total;  // bytes
+};
+FLASHOPM_HD inline SmallF16Layout small_f16_layout(int S, int N, int H, int TI, int Dc) {
+  SmallF16Layout L{};
+  const int cols = TI * Dc, group = 8 * kSmallF16GroupN;
+  L.R16 = (TI * S + 15) / 16 * 16;
+  L.N16 = (N + 15) / 16 * 16;
+  L.NP = (cols + group - 1) / group * group;
+  L.lda = L.ldw = H + 8;
+  L.ldk = S * H + 8;
+  L.ldr = cols + (8 - cols % 32 + 32) % 32;  // 8 (mod 32): phase O's 8-byte stores meet no conflicts
+  const int tiles = (L.N16 / 16) * ((cols / 8 + kSmallF16GroupN - 1) / kSmallF16GroupN);
+  const int ksteps = S * H / 16;
+  const int kp = kSmallTcWarps / tiles;
+  L.kparts = kp < 1 ? 1 : kp < ksteps ? kp : ksteps;
+  const int w_bytes = 2 * Dc * H * L.ldw * 2, red_bytes = L.kparts * L.N16 * L.ldr * 4;
+  int o = 0;
+  L.w = L.red = o;  o += w_bytes > red_bytes ? w_bytes : red_bytes;
+  L.a = o;          o += 2 * L.R16 * L.lda * 2;
+  L.b = o;          o += 2 * L.N16 * L.ldk * 2;
+  L.p = o;          o += 2 * L.NP * L.ldk * 2;
+  L.pair = o;       o += TI * L.N16 * 4;
+  L.bias = o;       o += round_up4(Dc) * 4;
+  L.den = o;        o += kSmallTcMaxTI * 4;
+  L.scratch = o;    o += 3 * kSmallTcWarps * 4;
+  L.total = o;
   return L;
 }
 

@@ -298,6 +298,74 @@ __device__ __forceinline__ void small_tc_project_a(const SmallTcArgs& p, int ti,
   }
 }
 
+// The epilogue's inputs, independent of the first kernel: the chunk's bias (zeros past D), and the
+// block's row denominators (kNormRow) or pair counts sum_s m[s, i] m[s, j] ([ti][N16], in order of s).
+__device__ __forceinline__ void small_tc_stage_norm(const SmallTcArgs& p, int b, int i0, int d0, int ti, int N16,
+                                                    float* bias_s, float* den_s, float* pair_s) {
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int S = p.S, N = p.N;
+  for (int dl = tid; dl < p.Dc; dl += kSmallTcThreads)
+    bias_s[dl] = (p.bias != nullptr && d0 + dl < p.D) ? p.bias[d0 + dl] : 0.f;
+  if (p.norm.kind == kNormRow) {
+    if (warp < ti) {
+      const float den = mask_denominator(p.mask, b, i0 + warp, S, lane);
+      if (lane == 0) den_s[warp] = den;
+    }
+  } else {
+    for (int idx = tid; idx < ti * N16; idx += kSmallTcThreads) {
+      const int il = idx / N16, j = idx - il * N16;
+      float sum = 0.f;  // sum_s m[s, i] m[s, j], in order of s
+      if (j < N)
+        for (int s = 0; s < S; ++s) sum += mask_at(p.mask, b, s, i0 + il) * mask_at(p.mask, b, s, j);
+      pair_s[idx] = sum;
+    }
+  }
+}
+
+// Epilogue: out[b, i0 + il, j, d0 + dl] = normalise(sum over the K parts, in order, of
+// red[kp][j][il·Dc + dl]), rows of Dc floats in 16-byte stores where D allows.  kScaled: the sums
+// carry a factor 2^out_exp (the float16 split form's scales), taken out exactly first.
+template <bool kScaled>
+__device__ __forceinline__ void small_tc_store_out(const SmallTcArgs& p, const float* red, int ldr, int N16,
+                                                   int kparts, const float* bias_s, const float* den_s,
+                                                   const float* pair_s, int b, int i0, int d0, int ti, int out_exp) {
+  const int N = p.N, Dc = p.Dc;
+  const int dvalid = min(Dc, p.D - d0);
+  const int quads = Dc / 4;
+  const bool vec_out = (p.D % 4) == 0;
+  for (int idx = threadIdx.x; idx < ti * N * quads; idx += kSmallTcThreads) {
+    const int row = idx / quads, dl = 4 * (idx - row * quads);  // row = il·N + j
+    if (dl >= dvalid) continue;
+    const int il = row / N, j = row - il * N;
+    const float* src = red + j * ldr + il * Dc + dl;
+    float4 v = *reinterpret_cast<const float4*>(src);
+    for (int kp = 1; kp < kparts; ++kp) {
+      const float4 w = *reinterpret_cast<const float4*>(src + kp * N16 * ldr);
+      v.x += w.x, v.y += w.y, v.z += w.z, v.w += w.w;
+    }
+    float r[4] = {v.x, v.y, v.z, v.w};
+    if constexpr (kScaled) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) r[c] = scalbnf(r[c], -out_exp);
+    }
+    if (p.norm.kind == kNormRow) {
+      const float inv_den = 1.f / den_s[il];
+#pragma unroll
+      for (int c = 0; c < 4; ++c) r[c] = r[c] * inv_den + bias_s[dl + c];
+    } else {
+      const float pair = pair_s[il * N16 + j];
+#pragma unroll
+      for (int c = 0; c < 4; ++c) r[c] = normalise(r[c], bias_s[dl + c], 0.f, pair, p.norm);
+    }
+    const int64_t dst = ((int64_t(b) * N + i0 + il) * N + j) * p.D + d0 + dl;
+    if (vec_out && dl + 4 <= dvalid) {
+      store_out4(p.out, dst, r, p.out_kind);
+    } else {
+      for (int c = 0; c < 4 && dl + c < dvalid; ++c) store_out(p.out, dst + c, r[c], p.out_kind);
+    }
+  }
+}
+
 template <int kTerms, bool kFused, bool kLocalA>
 __global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_tc_kernel(const SmallTcArgs p) {
   static_assert(!kLocalA || (kTerms == 0 && !kFused), "the local-a form is a form of the two-launch FMA kernel");
@@ -360,22 +428,7 @@ __global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_tc_kernel(const 
   } else {
     if (warp < items_p) load_w_batch((warp % groups_p) * 4, 0);
   }
-  for (int dl = tid; dl < Dc; dl += kSmallTcThreads)
-    bias_s[dl] = (p.bias != nullptr && d0 + dl < p.D) ? p.bias[d0 + dl] : 0.f;
-  if (p.norm.kind == kNormRow) {
-    if (warp < ti) {
-      const float den = mask_denominator(p.mask, b, i0 + warp, S, lane);
-      if (lane == 0) den_s[warp] = den;
-    }
-  } else {
-    for (int idx = tid; idx < ti * L.N16; idx += kSmallTcThreads) {
-      const int il = idx / L.N16, j = idx - il * L.N16;
-      float sum = 0.f;  // sum_s m[s, i] m[s, j], in order of s
-      if (j < N)
-        for (int s = 0; s < S; ++s) sum += mask_at(p.mask, b, s, i0 + il) * mask_at(p.mask, b, s, j);
-      pair_s[idx] = sum;
-    }
-  }
+  small_tc_stage_norm(p, b, i0, d0, ti, L.N16, bias_s, den_s, pair_s);
   if constexpr (kLocalA) {
     small_tc_w_chunk_store(p, d0, Dc, L.ldw, smem + L.w, w_first);
     if (tid < ti * S) smem[local_a.mask + tid] = mask_row;
@@ -615,37 +668,7 @@ __global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_tc_kernel(const 
   }
   __syncthreads();
 
-  // ---- epilogue: sum the K parts in order, normalise, store rows of Dc floats ----
-  const int dvalid = min(Dc, p.D - d0);
-  const int quads = Dc / 4;
-  const bool vec_out = (p.D % 4) == 0;
-  for (int idx = tid; idx < ti * N * quads; idx += kSmallTcThreads) {
-    const int row = idx / quads, dl = 4 * (idx - row * quads);  // row = il·N + j
-    if (dl >= dvalid) continue;
-    const int il = row / N, j = row - il * N;
-    const float* src = red + j * L.ldr + il * Dc + dl;
-    float4 v = *reinterpret_cast<const float4*>(src);
-    for (int kp = 1; kp < L.kparts; ++kp) {
-      const float4 w = *reinterpret_cast<const float4*>(src + kp * L.N16 * L.ldr);
-      v.x += w.x, v.y += w.y, v.z += w.z, v.w += w.w;
-    }
-    float r[4] = {v.x, v.y, v.z, v.w};
-    if (p.norm.kind == kNormRow) {
-      const float inv_den = 1.f / den_s[il];
-#pragma unroll
-      for (int c = 0; c < 4; ++c) r[c] = r[c] * inv_den + bias_s[dl + c];
-    } else {
-      const float pair = pair_s[il * L.N16 + j];
-#pragma unroll
-      for (int c = 0; c < 4; ++c) r[c] = normalise(r[c], bias_s[dl + c], 0.f, pair, p.norm);
-    }
-    const int64_t dst = ((int64_t(b) * N + i0 + il) * N + j) * p.D + d0 + dl;
-    if (vec_out && dl + 4 <= dvalid) {
-      store_out4(p.out, dst, r, p.out_kind);
-    } else {
-      for (int c = 0; c < 4 && dl + c < dvalid; ++c) store_out(p.out, dst + c, r[c], p.out_kind);
-    }
-  }
+  small_tc_store_out<false>(p, red, L.ldr, L.N16, L.kparts, bias_s, den_s, pair_s, b, i0, d0, ti, 0);
 #endif
 }
 

@@ -1,0 +1,278 @@
+// Second kernel of the two-launch path for small problems, float16 split form (hidden % 16 == 0,
+// hidden <= 64; regions in SmallF16Layout, opm_params.h).  The same block and the same sums as
+// opm_small_tc_kernel, with phases P and O on mma.sync m16n8k16:
+//
+// Block (d chunk, tile of TI rows i, batch b), 16 warps:
+//   prologue  W's chunk into registers, its largest magnitude over the block, then split into
+//             shared memory; bias, row denominators or pair counts (small_tc_stage_norm): nothing
+//             here depends on the first kernel, so it overlaps it;
+//   wait      griddepcontrol.wait (a and b, as (B, N, S, H), complete and visible);
+//   load      the block's rows of a and all of b[b] into registers, their largest magnitudes over
+//             the block, then split into shared memory;
+//   phase P   for each d: P[(i, s), h2] = sum_h1 a[(i, s), h1] · W[d, h1·H + h2]   (M = TI·S, N = K = H)
+//             stored split as rows (i, d) of k = (s, h2);
+//   phase O   out[j, (i, d)] = sum_k b[j, k] · P[(i, d), k]                       (M = N, N = TI·Dc, K = S·H)
+//             K split over warps, the parts summed in order by the epilogue;
+//   epilogue  the scales taken out, normalisation and bias (small_tc_store_out).
+//
+// Scales (powers of two, kSplitTopExp): one for the block's chunk of W (e_w), one for its rows of a
+// (e_a), one for b[b] (e_b), each from the largest magnitude; P from the bound
+// |sum_h1 a'·W'| < H·2^30, so that one factor holds along phase O's K.  With every scaled operand
+// below 2^15, the largest products are exact and the sums far from float32's range; values far
+// below their block's largest lose bits only below 2^-25 of the scaled bound, under float32's
+// rounding of the sums they enter.
+#pragma once
+
+#include "opm_small_tc_kernel.cuh"
+
+namespace flashopm {
+
+constexpr int kSmallF16VecW = 4;  // float4 of W, a and b per thread kept in registers between
+constexpr int kSmallF16VecA = 2;  // their maximum and their split (the rest are loaded again)
+constexpr int kSmallF16VecB = 4;
+
+__device__ __forceinline__ float abs_max4(float m, const float4& v) {
+  return fmaxf(fmaxf(m, fmaxf(fabsf(v.x), fabsf(v.y))), fmaxf(fabsf(v.z), fabsf(v.w)));
+}
+
+// The thread's first kV float4 of n4 (float4 tid, tid + T, ...; zeros past n4).
+template <int kV, typename Load>
+__device__ __forceinline__ void load_own_vec4(Load load, int n4, float4 (&v)[kV]) {
+#pragma unroll
+  for (int k = 0; k < kV; ++k) {
+    const int idx = threadIdx.x + k * kSmallTcThreads;
+    v[k] = idx < n4 ? load(idx) : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+}
+
+// Largest magnitude of the thread's share of n4 float4, the first kV from v (NaN ignored: it
+// propagates through the split values, not through the scale).
+template <int kV, typename Load>
+__device__ __forceinline__ float own_abs_max(Load load, int n4, const float4 (&v)[kV]) {
+  float m = 0.f;
+#pragma unroll
+  for (int k = 0; k < kV; ++k) m = abs_max4(m, v[k]);
+  for (int idx = threadIdx.x + kV * kSmallTcThreads; idx < n4; idx += kSmallTcThreads) m = abs_max4(m, load(idx));
+  return m;
+}
+
+// The largest of each thread's m[c] over the block, for kC values at once (scratch: kC warps'
+// worth of floats; one barrier).
+template <int kC>
+__device__ __forceinline__ void block_abs_max(float (&m)[kC], float* scratch) {
+  const int warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int c = 0; c < kC; ++c) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m[c] = fmaxf(m[c], __shfl_xor_sync(0xffffffffu, m[c], o));
+    if ((threadIdx.x & 31) == 0) scratch[c * kSmallTcWarps + warp] = m[c];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int c = 0; c < kC; ++c) {
+    m[c] = 0.f;
+    for (int w = 0; w < kSmallTcWarps; ++w) m[c] = fmaxf(m[c], scratch[c * kSmallTcWarps + w]);
+  }
+}
+
+// Four consecutive values times f (a power of two) split into float16 high and low parts, stored
+// as four halves at hi + off and lo + off.
+__device__ __forceinline__ void store_split4(__half* hi, __half* lo, int off, const float4& v, float f) {
+  uint32_t h0, l0, h1, l1;
+  split_f16x2(v.x * f, v.y * f, h0, l0);
+  split_f16x2(v.z * f, v.w * f, h1, l1);
+  *reinterpret_cast<uint2*>(hi + off) = make_uint2(h0, h1);
+  *reinterpret_cast<uint2*>(lo + off) = make_uint2(l0, l1);
+}
+
+// Rows of `len` floats (len % 4 == 0), n4 float4 in all, scaled by f and split into rows of ld
+// halves: float4 idx lands at (4·idx / len)·ld + 4·idx % len.
+template <int kV, typename Load>
+__device__ __forceinline__ void split_rows(Load load, int n4, const float4 (&v)[kV], float f, int len, int ld,
+                                           __half* hi, __half* lo) {
+  const auto off = [&](int idx) {
+    const int flat = 4 * idx, row = flat / len;
+    return row * ld + (flat - row * len);
+  };
+#pragma unroll
+  for (int k = 0; k < kV; ++k) {
+    const int idx = threadIdx.x + k * kSmallTcThreads;
+    if (idx < n4) store_split4(hi, lo, off(idx), v[k], f);
+  }
+  for (int idx = threadIdx.x + kV * kSmallTcThreads; idx < n4; idx += kSmallTcThreads)
+    store_split4(hi, lo, off(idx), load(idx), f);
+}
+
+__global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_f16_kernel(const SmallTcArgs p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  extern __shared__ float4 smem_f4[];
+  char* smem = reinterpret_cast<char*>(smem_f4);
+  const int S = p.S, N = p.N, H = p.H, TI = p.TI, Dc = p.Dc, SH = S * H, HH = H * H;
+  const SmallF16Layout L = small_f16_layout(S, N, H, TI, Dc);
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int d0 = blockIdx.x * Dc, i0 = blockIdx.y * TI, b = blockIdx.z;
+  const int ti = min(TI, N - i0);      // rows i of this block
+  const int dvalid = min(Dc, p.D - d0);  // columns d of this block
+  __half* const w_hi = reinterpret_cast<__half*>(smem + L.w);
+  __half* const w_lo = w_hi + Dc * H * L.ldw;
+  __half* const a_hi = reinterpret_cast<__half*>(smem + L.a);
+  __half* const a_lo = a_hi + L.R16 * L.lda;
+  __half* const b_hi = reinterpret_cast<__half*>(smem + L.b);
+  __half* const b_lo = b_hi + L.N16 * L.ldk;
+  __half* const p_hi = reinterpret_cast<__half*>(smem + L.p);
+  __half* const p_lo = p_hi + L.NP * L.ldk;
+  float* const red = reinterpret_cast<float*>(smem + L.red);
+  float* const pair_s = reinterpret_cast<float*>(smem + L.pair);
+  float* const bias_s = reinterpret_cast<float*>(smem + L.bias);
+  float* const den_s = reinterpret_cast<float*>(smem + L.den);
+  float* const scratch = reinterpret_cast<float*>(smem + L.scratch);  // [3][kSmallTcWarps]
+
+  // ---- prologue: independent of the first kernel ----
+  const float4* const w_src = reinterpret_cast<const float4*>(p.w_out + int64_t(d0) * HH);
+  const auto load_w = [&](int idx) { return __ldg(w_src + idx); };
+  const int w4 = dvalid * HH / 4;
+  float4 wv[kSmallF16VecW];
+  load_own_vec4(load_w, w4, wv);
+  small_tc_stage_norm(p, b, i0, d0, ti, L.N16, bias_s, den_s, pair_s);
+  float w_max[1] = {own_abs_max(load_w, w4, wv)};
+  block_abs_max(w_max, scratch);
+  const int e_w = split_scale_exp(w_max[0]);
+  split_rows(load_w, w4, wv, exp2_int(e_w), H, L.ldw, w_hi, w_lo);
+  // Rows of d past D: zeros (their columns of P and of the output are never stored).
+  for (int idx = tid; idx < (Dc - dvalid) * HH / 4; idx += kSmallTcThreads) {
+    const int flat = dvalid * HH + 4 * idx, row = flat / H;
+    const int off = row * L.ldw + (flat - row * H);
+    *reinterpret_cast<uint2*>(w_hi + off) = make_uint2(0u, 0u);
+    *reinterpret_cast<uint2*>(w_lo + off) = make_uint2(0u, 0u);
+  }
+
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+
+  // ---- the block's rows of a and b[b] (written by the first kernel: loads through L2) ----
+  const float4* const a_src = reinterpret_cast<const float4*>(p.a + (int64_t(b) * N + i0) * SH);
+  const float4* const b_src = reinterpret_cast<const float4*>(p.b + int64_t(b) * N * SH);
+  const auto load_a = [&](int idx) { return __ldcg(a_src + idx); };
+  const auto load_b = [&](int idx) { return __ldcg(b_src + idx); };
+  const int a4 = ti * SH / 4, b4 = N * SH / 4;
+  float4 av[kSmallF16VecA], bv[kSmallF16VecB];
+  load_own_vec4(load_a, a4, av);
+  load_own_vec4(load_b, b4, bv);
+  float ab_max[2] = {own_abs_max(load_a, a4, av), own_abs_max(load_b, b4, bv)};
+  block_abs_max(ab_max, scratch + kSmallTcWarps);
+  const int e_a = split_scale_exp(ab_max[0]), e_b = split_scale_exp(ab_max[1]);
+  split_rows(load_a, a4, av, exp2_int(e_a), H, L.lda, a_hi, a_lo);
+  split_rows(load_b, b4, bv, exp2_int(e_b), SH, L.ldk, b_hi, b_lo);
+  __syncthreads();
+
+  // ---- phase P: items (d, 16 rows (i, s), 32 columns h2), k-steps of 16 h1 ----
+  const int lg_h = 32 - __clz(H - 1);
+  const int p_exp = -(kSplitTopExp + 1) - lg_h;  // |P'| < H·2^30·2^p_exp <= 2^15
+  {
+    const float p_scale = exp2_int(p_exp);
+    const int mtiles = L.R16 / 16, hgroups = (H + 31) / 32;
+    for (int item = warp; item < Dc * mtiles * hgroups; item += kSmallTcWarps) {
+      const int hg = item % hgroups, rest = item / hgroups;
+      const int mt = rest % mtiles, dl = rest / mtiles;
+      const int n_valid = min(4, (H - hg * 32) / 8);  // even: H % 16 == 0
+      float acc[4][4];
+#pragma unroll
+      for (int n = 0; n < 4; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[n][e] = 0.f;
+      const int a_off = (mt * 16 + (lane & 15)) * L.lda + (lane >> 4) * 8;
+      const int mi = lane >> 3;  // ldmatrix.trans of W: matrices (k 0-7 | 8-15) x (n tile 2q | 2q + 1)
+      const int w_off = (dl * H + (mi & 1) * 8 + (lane & 7)) * L.ldw + hg * 32 + (mi >> 1) * 8;
+      for (int ks = 0; ks < H / 16; ++ks) {
+        uint32_t ah[4], al[4], bh[4][2], bl[4][2];
+        ldmatrix_x4(ah, a_hi + a_off + ks * 16);
+        ldmatrix_x4(al, a_lo + a_off + ks * 16);
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+          if (2 * q < n_valid) {
+            uint32_t r[4];
+            const int off = w_off + ks * 16 * L.ldw + q * 16;
+            ldmatrix_x4_trans(r, w_hi + off);
+            bh[2 * q][0] = r[0], bh[2 * q][1] = r[1], bh[2 * q + 1][0] = r[2], bh[2 * q + 1][1] = r[3];
+            ldmatrix_x4_trans(r, w_lo + off);
+            bl[2 * q][0] = r[0], bl[2 * q][1] = r[1], bl[2 * q + 1][0] = r[2], bl[2 * q + 1][1] = r[3];
+          }
+        }
+        mma_f16_split_add<4>(acc, ah, al, bh, bl, n_valid);
+      }
+      // acc[n] = (row g | g + 8, columns 2t, 2t + 1) of n tile n: rows r = (i, s), columns h2.
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int r = mt * 16 + g + 8 * half;
+        if (r >= ti * S) continue;
+        const int il = r / S, s = r - il * S;
+        const int row_off = (il * Dc + dl) * L.ldk + s * H + hg * 32 + 2 * t;
+#pragma unroll
+        for (int n = 0; n < 4; ++n) {
+          if (n < n_valid) {
+            uint32_t hi, lo;
+            split_f16x2(acc[n][2 * half] * p_scale, acc[n][2 * half + 1] * p_scale, hi, lo);
+            *reinterpret_cast<uint32_t*>(p_hi + row_off + n * 8) = hi;
+            *reinterpret_cast<uint32_t*>(p_lo + row_off + n * 8) = lo;
+          }
+        }
+      }
+    }
+  }
+  __syncthreads();
+
+  // ---- phase O: items (16 rows j, kSmallF16GroupN n tiles of columns (i, d), part of K) ----
+  {
+    const int mtiles = L.N16 / 16, ksteps = SH / 16;
+    const int tiles_n = ti * Dc / 8;  // columns of rows i past N are not formed
+    const int groups = (TI * Dc / 8 + kSmallF16GroupN - 1) / kSmallF16GroupN;
+    for (int item = warp; item < groups * mtiles * L.kparts; item += kSmallTcWarps) {
+      const int kp = item / (groups * mtiles), rest = item - kp * groups * mtiles;
+      const int cg = rest / mtiles, mt = rest - cg * mtiles;
+      const int n_valid = min(kSmallF16GroupN, tiles_n - cg * kSmallF16GroupN);
+      if (n_valid <= 0) continue;
+      const int k0 = ksteps * kp / L.kparts, k1 = ksteps * (kp + 1) / L.kparts;
+      float acc[kSmallF16GroupN][4];
+#pragma unroll
+      for (int n = 0; n < kSmallF16GroupN; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[n][e] = 0.f;
+      const int a_off = (mt * 16 + (lane & 15)) * L.ldk + (lane >> 4) * 8;
+      const int mi = lane >> 3;  // ldmatrix of P: matrices (n tile 2q | 2q + 1) x (k 0-7 | 8-15)
+      const int p_off = ((cg * kSmallF16GroupN + (mi >> 1)) * 8 + (lane & 7)) * L.ldk + (mi & 1) * 8;
+      for (int ks = k0; ks < k1; ++ks) {
+        uint32_t ah[4], al[4], bh[kSmallF16GroupN][2], bl[kSmallF16GroupN][2];
+        ldmatrix_x4(ah, b_hi + a_off + ks * 16);
+        ldmatrix_x4(al, b_lo + a_off + ks * 16);
+#pragma unroll
+        for (int q = 0; q < kSmallF16GroupN / 2; ++q) {
+          if (2 * q < n_valid) {
+            uint32_t r[4];
+            const int off = p_off + q * 16 * L.ldk + ks * 16;
+            ldmatrix_x4(r, p_hi + off);
+            bh[2 * q][0] = r[0], bh[2 * q][1] = r[1], bh[2 * q + 1][0] = r[2], bh[2 * q + 1][1] = r[3];
+            ldmatrix_x4(r, p_lo + off);
+            bl[2 * q][0] = r[0], bl[2 * q][1] = r[1], bl[2 * q + 1][0] = r[2], bl[2 * q + 1][1] = r[3];
+          }
+        }
+        mma_f16_split_add<kSmallF16GroupN>(acc, ah, al, bh, bl, n_valid);
+      }
+      float* const r0 = red + (kp * L.N16 + mt * 16 + g) * L.ldr + cg * kSmallF16GroupN * 8 + 2 * t;
+#pragma unroll
+      for (int n = 0; n < kSmallF16GroupN; ++n) {
+        if (n < n_valid) {
+          *reinterpret_cast<float2*>(r0 + n * 8) = make_float2(acc[n][0], acc[n][1]);
+          *reinterpret_cast<float2*>(r0 + 8 * L.ldr + n * 8) = make_float2(acc[n][2], acc[n][3]);
+        }
+      }
+    }
+  }
+  __syncthreads();
+
+  // out' = out·2^(e_b + e_a + e_w + p_exp)
+  small_tc_store_out<true>(p, red, L.ldr, L.N16, L.kparts, bias_s, den_s, pair_s, b, i0, d0, ti,
+                           e_b + e_a + e_w + p_exp);
+#endif
+}
+
+}  // namespace flashopm
