@@ -46,7 +46,7 @@ k = patch(k, '    asm volatile("griddepcontrol.wait;\\n" ::: "memory");\n', GT(9
 k = patch(k, "  if constexpr (!kLocalA) phase_p();\n", CLK(2), before=True)
 k = patch(k, "  cp_async_wait_all();\n  __syncthreads();\n\n  if constexpr (kFma) {\n    // ---- phase O", CLK(3) + "\n",
           before=True)
-k = patch(k, "  // ---- epilogue:", CLK(4), before=True)
+k = patch(k, "  small_tc_store_out<false>(", CLK(4), before=True)
 k = k.replace("  if (p.norm.kind == kNormRow) {\n    if (warp < ti) {", "  if (p.norm.kind == kNormRow) {\n    if (warp < ti && p.norm.eps != 1.f) {", 1)
 k = k.replace("    if (warp < items_p) load_w_batch(", "    if (warp < items_p && p.norm.eps != 2.f) load_w_batch(", 1)
 k = k.replace("      if (item != warp) load_w_batch(mt0, 0);", "      if (item != warp || p.norm.eps == 2.f) load_w_batch(mt0, 0);", 1)
@@ -54,6 +54,18 @@ k = k.replace("      const float inv_den = 1.f / den_s[il];", "      const float
 idx = k.rindex("#endif\n}")
 k = k[:idx] + CLK(5) + GT(10) + k[idx:]
 src["opm_small_tc_kernel.cuh"] = k
+# The float16 split form (opm_small_f16_kernel.cuh includes the header above, whose g_tc_clk it uses):
+# slot 12 marks the end of its prologue, so that its rows tell the forms apart.
+f = src["opm_small_f16_kernel.cuh"]
+f = patch(f, "  float* const scratch = reinterpret_cast<float*>(smem + L.scratch);  // [3][kSmallTcWarps]\n", GT(8) + CLK(0))
+f = patch(f, '  asm volatile("griddepcontrol.wait;\\n" ::: "memory");\n', CLK(12), before=True)
+f = patch(f, '  asm volatile("griddepcontrol.wait;\\n" ::: "memory");\n', GT(9) + CLK(1))
+f = patch(f, "  // ---- phase P: items", CLK(2), before=True)
+f = patch(f, "  // ---- phase O: items", CLK(3), before=True)
+f = patch(f, "  // out' = out", CLK(4), before=True)
+idx = f.rindex("#endif\n}")
+f = f[:idx] + CLK(5) + GT(10) + f[idx:]
+src["opm_small_f16_kernel.cuh"] = f
 kk = src["opm_kernels.cuh"]
 PB = "((blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x)"
 PGT = lambda i: (f"\n  if (threadIdx.x == 0) {{ unsigned long long t_; asm volatile(\"mov.u64 %0, %globaltimer;\" : \"=l\"(t_));"  # noqa: E731
@@ -66,7 +78,7 @@ kk = patch(kk, "  // Bias, mask, store.  In project-first", PCLK(4), before=True
 kk = patch(kk, "  if constexpr (kProjectW) {\n    // c[b, s, h1, n, d]", PCLK(5) + PGT(1), before=True)
 src["opm_kernels.cuh"] = kk
 lc = src["opm_launch.cu"]
-lc = patch(lc, "  cfg.numAttrs = 1;\n  if (args.fma) {", "  cfg.numAttrs = std::getenv(\"DBG_NOPDL\") ? 0 : 1;\n")
+lc = patch(lc, "  cfg.numAttrs = 1;\n  if (args.f16) {", "  cfg.numAttrs = std::getenv(\"DBG_NOPDL\") ? 0 : 1;\n")
 lc = lc.replace("  cfg.numAttrs = 1;\n  cfg.numAttrs = std::getenv", "  cfg.numAttrs = std::getenv", 1)
 lc = lc.replace("#include <array>", "#include <array>\n#include <cstdlib>", 1)
 lc = lc.replace("\n}  // namespace flashopm", """
@@ -150,7 +162,10 @@ def clocks(label, graph=False):
     prep = raw[1 << 18:].view(-1, 8)
     prep = prep[prep[:, 0] > 0].double()
     med = lambda hi, lo: (tc[:, hi] - tc[:, lo]).median().item()  # noqa: E731
-    if (tc[:, 7] > 0).all():  # local a: prologue, projection of a and phase P come before the wait
+    if (tc[:, 12] > 0).all():  # the float16 split form
+        phases = [("prologue", med(12, 0)), ("wait", med(1, 12)), ("load and split a, b", med(2, 1)),
+                  ("phase P", med(3, 2)), ("phase O", med(4, 3)), ("epilogue", med(5, 4))]
+    elif (tc[:, 7] > 0).all():  # local a: prologue, projection of a and phase P come before the wait
         phases = [("prologue", med(6, 0)), ("project a", med(7, 6)), ("phase P", med(11, 7)), ("wait", med(1, 11)),
                   ("issue b copies", med(2, 1)), ("phase O (b arriving)", med(4, 2)), ("epilogue", med(5, 4))]
     else:
@@ -172,7 +187,10 @@ def clocks(label, graph=False):
 
 with torch.no_grad():
     for graph in (False, True):
+        clocks("default form", graph)
+        os.environ["FLASHOPM_SMALL_TC_F16"] = "0"
         clocks("FMA form", graph)
+        os.environ.pop("FLASHOPM_SMALL_TC_F16")
         os.environ["FLASHOPM_SMALL_TC_LOCAL_A"] = "1"
         clocks("FMA form, each block projecting its rows of a", graph)
         os.environ.pop("FLASHOPM_SMALL_TC_LOCAL_A")
@@ -183,12 +201,14 @@ with torch.no_grad():
                 ({"DBG_SKIP": "k2"}, "without the second kernel"),
                 ({"DBG_NOPDL": "1"}, "second kernel launched without programmatic dependency"),
                 ({"DBG_KNOB": "1"}, "no row denominators"),
+                ({"FLASHOPM_SMALL_TC_F16": "0"}, "FMA form"),
                 ({"FLASHOPM_SMALL_TC_LOCAL_A": "1"}, "FMA form, each block projecting its rows of a"),
                 ({"FLASHOPM_SMALL_TC_FMA": "0"}, "mma.sync form"),
                 ({"FLASHOPM_SMALL_TC_FMA": "0", "DBG_KNOB": "2"}, "mma.sync form, no W loads before the wait")]
     variants += [({"DBG_PLAN": plan}, f"tiling TI,Dc = {plan}") for plan in sys.argv[2:]]
     for env, what in variants:
-        for var in ("DBG_SKIP", "DBG_NOPDL", "DBG_KNOB", "DBG_PLAN", "FLASHOPM_SMALL_TC_FMA", "FLASHOPM_SMALL_TC_LOCAL_A"):
+        for var in ("DBG_SKIP", "DBG_NOPDL", "DBG_KNOB", "DBG_PLAN", "FLASHOPM_SMALL_TC_FMA", "FLASHOPM_SMALL_TC_LOCAL_A",
+                    "FLASHOPM_SMALL_TC_F16"):
             os.environ.pop(var, None)
         os.environ.update(env)
         print(f"graph, {what}: {time_graph(lambda: model(x, m), n=50)}")

@@ -256,7 +256,7 @@ def test_small_tc_fma_form(shape, monkeypatch):
 
 
 @pytest.mark.parametrize("scale", [1e-12, 1e12])
-@pytest.mark.parametrize("shape", [SPEC, Shape(1, 6, 48, 40, 64, 16), Shape(3, 2, 5, 9, 16, 13)], ids=str)
+@pytest.mark.parametrize("shape", [SPEC, Shape(1, 2, 20, 24, 64, 8), Shape(3, 2, 5, 9, 16, 13)], ids=str)
 def test_small_tc_f16_form_far_from_one(shape, scale):
     """The float16 split form scales its operands by powers of two: projections scaled by 1e-12 or
     1e12 (W by the inverse, no output bias) stay within the float32 bars, where unscaled float16

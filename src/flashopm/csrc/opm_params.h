@@ -655,6 +655,15 @@ FLASHOPM_HD inline SmallTcLayout small_tc_fma_layout(int S, int N, int H, int TI
 //   red [kparts][N16][ldr] floats     phase O's K parts, over W's region (W is dead after phase P)
 //   then the floats of small_tc_layout_tail and two warps' worth of scratch for the block maxima.
 constexpr int kSmallF16GroupN = 4;  // phase O's n tiles (8 columns (i, d) each) per warp item
+// float4 of W's chunk, a's rows and b[b] per thread kept in registers between their largest
+// magnitude and their split (any more are loaded again: the form is chosen where b fits, see
+// small_f16_b_in_registers).
+constexpr int kSmallF16VecW = 4;
+constexpr int kSmallF16VecA = 2;
+constexpr int kSmallF16VecB = 8;
+FLASHOPM_HD inline bool small_f16_b_in_registers(int S, int N, int H) {
+  return int64_t(N) * S * H <= int64_t(4) * kSmallF16VecB * kSmallTcThreads;
+}
 struct SmallF16Layout {
   int R16, N16, NP, lda, ldw, ldk, ldr, kparts;
   int w, a, b, p, red, pair, bias, den, scratch, total;  // bytes

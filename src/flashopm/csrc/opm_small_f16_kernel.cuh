@@ -27,10 +27,6 @@
 
 namespace flashopm {
 
-constexpr int kSmallF16VecW = 4;  // float4 of W, a and b per thread kept in registers between
-constexpr int kSmallF16VecA = 2;  // their maximum and their split (the rest are loaded again)
-constexpr int kSmallF16VecB = 4;
-
 __device__ __forceinline__ float abs_max4(float m, const float4& v) {
   return fmaxf(fmaxf(m, fmaxf(fabsf(v.x), fabsf(v.y))), fmaxf(fabsf(v.z), fabsf(v.w)));
 }
@@ -86,21 +82,27 @@ __device__ __forceinline__ void store_split4(__half* hi, __half* lo, int off, co
 }
 
 // Rows of `len` floats (len % 4 == 0), n4 float4 in all, scaled by f and split into rows of ld
-// halves: float4 idx lands at (4·idx / len)·ld + 4·idx % len.
+// halves: float4 idx lands at (4·idx / len)·ld + 4·idx % len.  The thread's float4 lie a fixed
+// step apart, so its row and column advance by fixed amounts: one division per thread.
 template <int kV, typename Load>
 __device__ __forceinline__ void split_rows(Load load, int n4, const float4 (&v)[kV], float f, int len, int ld,
                                            __half* hi, __half* lo) {
-  const auto off = [&](int idx) {
-    const int flat = 4 * idx, row = flat / len;
-    return row * ld + (flat - row * len);
+  constexpr int kStep = 4 * kSmallTcThreads;
+  const int step_row = kStep / len, step_col = kStep - step_row * len;
+  int row = 4 * int(threadIdx.x) / len, col = 4 * int(threadIdx.x) - row * len;
+  const auto advance = [&] {
+    row += step_row, col += step_col;
+    if (col >= len) col -= len, ++row;
   };
 #pragma unroll
   for (int k = 0; k < kV; ++k) {
-    const int idx = threadIdx.x + k * kSmallTcThreads;
-    if (idx < n4) store_split4(hi, lo, off(idx), v[k], f);
+    if (int(threadIdx.x) + k * kSmallTcThreads < n4) store_split4(hi, lo, row * ld + col, v[k], f);
+    advance();
   }
-  for (int idx = threadIdx.x + kV * kSmallTcThreads; idx < n4; idx += kSmallTcThreads)
-    store_split4(hi, lo, off(idx), load(idx), f);
+  for (int idx = threadIdx.x + kV * kSmallTcThreads; idx < n4; idx += kSmallTcThreads) {
+    store_split4(hi, lo, row * ld + col, load(idx), f);
+    advance();
+  }
 }
 
 __global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_f16_kernel(const SmallTcArgs p) {
@@ -175,48 +177,53 @@ __global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_f16_kernel(const
       const int hg = item % hgroups, rest = item / hgroups;
       const int mt = rest % mtiles, dl = rest / mtiles;
       const int n_valid = min(4, (H - hg * 32) / 8);  // even: H % 16 == 0
-      float acc[4][4];
+      // n tiles past n_valid are skipped; the whole group (the common case) without predicates
+      const auto item_p = [&](auto nv) {
+        float acc[4][4];
 #pragma unroll
-      for (int n = 0; n < 4; ++n)
+        for (int n = 0; n < 4; ++n)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) acc[n][e] = 0.f;
-      const int a_off = (mt * 16 + (lane & 15)) * L.lda + (lane >> 4) * 8;
-      const int mi = lane >> 3;  // ldmatrix.trans of W: matrices (k 0-7 | 8-15) x (n tile 2q | 2q + 1)
-      const int w_off = (dl * H + (mi & 1) * 8 + (lane & 7)) * L.ldw + hg * 32 + (mi >> 1) * 8;
-      for (int ks = 0; ks < H / 16; ++ks) {
-        uint32_t ah[4], al[4], bh[4][2], bl[4][2];
-        ldmatrix_x4(ah, a_hi + a_off + ks * 16);
-        ldmatrix_x4(al, a_lo + a_off + ks * 16);
+          for (int e = 0; e < 4; ++e) acc[n][e] = 0.f;
+        const int a_off = (mt * 16 + (lane & 15)) * L.lda + (lane >> 4) * 8;
+        const int mi = lane >> 3;  // ldmatrix.trans of W: matrices (k 0-7 | 8-15) x (n tile 2q | 2q + 1)
+        const int w_off = (dl * H + (mi & 1) * 8 + (lane & 7)) * L.ldw + hg * 32 + (mi >> 1) * 8;
+        for (int ks = 0; ks < H / 16; ++ks) {
+          uint32_t ah[4], al[4], bh[4][2], bl[4][2];
+          ldmatrix_x4(ah, a_hi + a_off + ks * 16);
+          ldmatrix_x4(al, a_lo + a_off + ks * 16);
 #pragma unroll
-        for (int q = 0; q < 2; ++q) {
-          if (2 * q < n_valid) {
-            uint32_t r[4];
-            const int off = w_off + ks * 16 * L.ldw + q * 16;
-            ldmatrix_x4_trans(r, w_hi + off);
-            bh[2 * q][0] = r[0], bh[2 * q][1] = r[1], bh[2 * q + 1][0] = r[2], bh[2 * q + 1][1] = r[3];
-            ldmatrix_x4_trans(r, w_lo + off);
-            bl[2 * q][0] = r[0], bl[2 * q][1] = r[1], bl[2 * q + 1][0] = r[2], bl[2 * q + 1][1] = r[3];
+          for (int q = 0; q < 2; ++q) {
+            if (2 * q < nv) {
+              uint32_t r[4];
+              const int off = w_off + ks * 16 * L.ldw + q * 16;
+              ldmatrix_x4_trans(r, w_hi + off);
+              bh[2 * q][0] = r[0], bh[2 * q][1] = r[1], bh[2 * q + 1][0] = r[2], bh[2 * q + 1][1] = r[3];
+              ldmatrix_x4_trans(r, w_lo + off);
+              bl[2 * q][0] = r[0], bl[2 * q][1] = r[1], bl[2 * q + 1][0] = r[2], bl[2 * q + 1][1] = r[3];
+            }
+          }
+          mma_f16_split_add<4>(acc, ah, al, bh, bl, nv);
+        }
+        // acc[n] = (row g | g + 8, columns 2t, 2t + 1) of n tile n: rows r = (i, s), columns h2.
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int r = mt * 16 + g + 8 * half;
+          if (r >= ti * S) continue;
+          const int il = r / S, s = r - il * S;
+          const int row_off = (il * Dc + dl) * L.ldk + s * H + hg * 32 + 2 * t;
+#pragma unroll
+          for (int n = 0; n < 4; ++n) {
+            if (n < nv) {
+              uint32_t hi, lo;
+              split_f16x2(acc[n][2 * half] * p_scale, acc[n][2 * half + 1] * p_scale, hi, lo);
+              *reinterpret_cast<uint32_t*>(p_hi + row_off + n * 8) = hi;
+              *reinterpret_cast<uint32_t*>(p_lo + row_off + n * 8) = lo;
+            }
           }
         }
-        mma_f16_split_add<4>(acc, ah, al, bh, bl, n_valid);
-      }
-      // acc[n] = (row g | g + 8, columns 2t, 2t + 1) of n tile n: rows r = (i, s), columns h2.
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int r = mt * 16 + g + 8 * half;
-        if (r >= ti * S) continue;
-        const int il = r / S, s = r - il * S;
-        const int row_off = (il * Dc + dl) * L.ldk + s * H + hg * 32 + 2 * t;
-#pragma unroll
-        for (int n = 0; n < 4; ++n) {
-          if (n < n_valid) {
-            uint32_t hi, lo;
-            split_f16x2(acc[n][2 * half] * p_scale, acc[n][2 * half + 1] * p_scale, hi, lo);
-            *reinterpret_cast<uint32_t*>(p_hi + row_off + n * 8) = hi;
-            *reinterpret_cast<uint32_t*>(p_lo + row_off + n * 8) = lo;
-          }
-        }
-      }
+      };
+      if (n_valid == 4) item_p(std::integral_constant<int, 4>{});
+      else item_p(n_valid);
     }
   }
   __syncthreads();
@@ -232,39 +239,43 @@ __global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_f16_kernel(const
       const int n_valid = min(kSmallF16GroupN, tiles_n - cg * kSmallF16GroupN);
       if (n_valid <= 0) continue;
       const int k0 = ksteps * kp / L.kparts, k1 = ksteps * (kp + 1) / L.kparts;
-      float acc[kSmallF16GroupN][4];
+      const auto item_o = [&](auto nv) {
+        float acc[kSmallF16GroupN][4];
 #pragma unroll
-      for (int n = 0; n < kSmallF16GroupN; ++n)
+        for (int n = 0; n < kSmallF16GroupN; ++n)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) acc[n][e] = 0.f;
-      const int a_off = (mt * 16 + (lane & 15)) * L.ldk + (lane >> 4) * 8;
-      const int mi = lane >> 3;  // ldmatrix of P: matrices (n tile 2q | 2q + 1) x (k 0-7 | 8-15)
-      const int p_off = ((cg * kSmallF16GroupN + (mi >> 1)) * 8 + (lane & 7)) * L.ldk + (mi & 1) * 8;
-      for (int ks = k0; ks < k1; ++ks) {
-        uint32_t ah[4], al[4], bh[kSmallF16GroupN][2], bl[kSmallF16GroupN][2];
-        ldmatrix_x4(ah, b_hi + a_off + ks * 16);
-        ldmatrix_x4(al, b_lo + a_off + ks * 16);
+          for (int e = 0; e < 4; ++e) acc[n][e] = 0.f;
+        const int a_off = (mt * 16 + (lane & 15)) * L.ldk + (lane >> 4) * 8;
+        const int mi = lane >> 3;  // ldmatrix of P: matrices (n tile 2q | 2q + 1) x (k 0-7 | 8-15)
+        const int p_off = ((cg * kSmallF16GroupN + (mi >> 1)) * 8 + (lane & 7)) * L.ldk + (mi & 1) * 8;
+        for (int ks = k0; ks < k1; ++ks) {
+          uint32_t ah[4], al[4], bh[kSmallF16GroupN][2], bl[kSmallF16GroupN][2];
+          ldmatrix_x4(ah, b_hi + a_off + ks * 16);
+          ldmatrix_x4(al, b_lo + a_off + ks * 16);
 #pragma unroll
-        for (int q = 0; q < kSmallF16GroupN / 2; ++q) {
-          if (2 * q < n_valid) {
-            uint32_t r[4];
-            const int off = p_off + q * 16 * L.ldk + ks * 16;
-            ldmatrix_x4(r, p_hi + off);
-            bh[2 * q][0] = r[0], bh[2 * q][1] = r[1], bh[2 * q + 1][0] = r[2], bh[2 * q + 1][1] = r[3];
-            ldmatrix_x4(r, p_lo + off);
-            bl[2 * q][0] = r[0], bl[2 * q][1] = r[1], bl[2 * q + 1][0] = r[2], bl[2 * q + 1][1] = r[3];
+          for (int q = 0; q < kSmallF16GroupN / 2; ++q) {
+            if (2 * q < nv) {
+              uint32_t r[4];
+              const int off = p_off + q * 16 * L.ldk + ks * 16;
+              ldmatrix_x4(r, p_hi + off);
+              bh[2 * q][0] = r[0], bh[2 * q][1] = r[1], bh[2 * q + 1][0] = r[2], bh[2 * q + 1][1] = r[3];
+              ldmatrix_x4(r, p_lo + off);
+              bl[2 * q][0] = r[0], bl[2 * q][1] = r[1], bl[2 * q + 1][0] = r[2], bl[2 * q + 1][1] = r[3];
+            }
+          }
+          mma_f16_split_add<kSmallF16GroupN>(acc, ah, al, bh, bl, nv);
+        }
+        float* const r0 = red + (kp * L.N16 + mt * 16 + g) * L.ldr + cg * kSmallF16GroupN * 8 + 2 * t;
+#pragma unroll
+        for (int n = 0; n < kSmallF16GroupN; ++n) {
+          if (n < nv) {
+            *reinterpret_cast<float2*>(r0 + n * 8) = make_float2(acc[n][0], acc[n][1]);
+            *reinterpret_cast<float2*>(r0 + 8 * L.ldr + n * 8) = make_float2(acc[n][2], acc[n][3]);
           }
         }
-        mma_f16_split_add<kSmallF16GroupN>(acc, ah, al, bh, bl, n_valid);
-      }
-      float* const r0 = red + (kp * L.N16 + mt * 16 + g) * L.ldr + cg * kSmallF16GroupN * 8 + 2 * t;
-#pragma unroll
-      for (int n = 0; n < kSmallF16GroupN; ++n) {
-        if (n < n_valid) {
-          *reinterpret_cast<float2*>(r0 + n * 8) = make_float2(acc[n][0], acc[n][1]);
-          *reinterpret_cast<float2*>(r0 + 8 * L.ldr + n * 8) = make_float2(acc[n][2], acc[n][3]);
-        }
-      }
+      };
+      if (n_valid == kSmallF16GroupN) item_o(std::integral_constant<int, kSmallF16GroupN>{});
+      else item_o(n_valid);
     }
   }
   __syncthreads();

@@ -333,6 +333,9 @@ __device__ __forceinline__ void small_tc_store_out(const SmallTcArgs& p, const f
   const int dvalid = min(Dc, p.D - d0);
   const int quads = Dc / 4;
   const bool vec_out = (p.D % 4) == 0;
+  // 2^-out_exp as one factor where it is a normal float (the same rounding as scalbnf)
+  const bool one_factor = out_exp >= -126 && out_exp <= 126;
+  const float factor = one_factor ? exp2_int(-out_exp) : 1.f;
   for (int idx = threadIdx.x; idx < ti * N * quads; idx += kSmallTcThreads) {
     const int row = idx / quads, dl = 4 * (idx - row * quads);  // row = il·N + j
     if (dl >= dvalid) continue;
@@ -346,7 +349,7 @@ __device__ __forceinline__ void small_tc_store_out(const SmallTcArgs& p, const f
     float r[4] = {v.x, v.y, v.z, v.w};
     if constexpr (kScaled) {
 #pragma unroll
-      for (int c = 0; c < 4; ++c) r[c] = scalbnf(r[c], -out_exp);
+      for (int c = 0; c < 4; ++c) r[c] = one_factor ? r[c] * factor : scalbnf(r[c], -out_exp);
     }
     if (p.norm.kind == kNormRow) {
       const float inv_den = 1.f / den_s[il];
