@@ -57,7 +57,7 @@ src["opm_small_tc_kernel.cuh"] = k
 # The float16 split form (opm_small_f16_kernel.cuh includes the header above, whose g_tc_clk it uses):
 # slot 12 marks the end of its prologue, so that its rows tell the forms apart.
 f = src["opm_small_f16_kernel.cuh"]
-f = patch(f, "  float* const scratch = reinterpret_cast<float*>(smem + L.scratch);  // [3][kSmallTcWarps]\n", GT(8) + CLK(0))
+f = patch(f, "  // ---- prologue: independent of the first kernel ----\n", GT(8) + CLK(0), before=True)
 f = patch(f, '  asm volatile("griddepcontrol.wait;\\n" ::: "memory");\n', CLK(12), before=True)
 f = patch(f, '  asm volatile("griddepcontrol.wait;\\n" ::: "memory");\n', GT(9) + CLK(1))
 f = patch(f, "  // ---- phase P: items", CLK(2), before=True)
@@ -163,8 +163,8 @@ def clocks(label, graph=False):
     prep = prep[prep[:, 0] > 0].double()
     med = lambda hi, lo: (tc[:, hi] - tc[:, lo]).median().item()  # noqa: E731
     if (tc[:, 12] > 0).all():  # the float16 split form
-        phases = [("prologue", med(12, 0)), ("wait", med(1, 12)), ("load and split a, b", med(2, 1)),
-                  ("phase P", med(3, 2)), ("phase O", med(4, 3)), ("epilogue", med(5, 4))]
+        phases = [("prologue", med(12, 0)), ("wait", med(1, 12)), ("copy and split a", med(2, 1)),
+                  ("phase P, split b", med(3, 2)), ("phase O", med(4, 3)), ("epilogue", med(5, 4))]
     elif (tc[:, 7] > 0).all():  # local a: prologue, projection of a and phase P come before the wait
         phases = [("prologue", med(6, 0)), ("project a", med(7, 6)), ("phase P", med(11, 7)), ("wait", med(1, 11)),
                   ("issue b copies", med(2, 1)), ("phase O (b arriving)", med(4, 2)), ("epilogue", med(5, 4))]

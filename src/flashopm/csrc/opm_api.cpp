@@ -299,7 +299,7 @@ SmallTcPlan search_small_tc_plan(int64_t B, int64_t S, int64_t N, int64_t H, int
   }
   if (best.TI != 0) {
     best.fma = small_tc_smem_bytes(int(S), int(N), int(H), best.TI, best.Dc, true) <= info.smem_optin;
-    best.f16 = H % 16 == 0 && H <= 64 && small_f16_b_in_registers(int(S), int(N), int(H)) &&
+    best.f16 = (H == 16 || H == 32 || H == 64) &&
                small_f16_layout(int(S), int(N), int(H), best.TI, best.Dc).total <= info.smem_optin;
   }
   return best;
@@ -339,7 +339,7 @@ bool small_tc_fma(const SmallTcPlan& plan, int tc_terms) {
 }
 
 // The small-problem path's float16 split form (opm_small_f16_kernel), under "highest" where
-// hidden % 16 == 0, b[b] fits in the threads' registers and the regions in shared memory: float32 accuracy (three float16 MMAs per product, operands
+// hidden is 16, 32 or 64 and its regions fit in shared memory: float32 accuracy (three float16 MMAs per product, operands
 // scaled by powers of two) at ~3.4x the FMA pipe's rate for phases P and O.  Each of
 // FLASHOPM_SMALL_TC_F16=0 (the FMA form), FLASHOPM_SMALL_TC_FMA=0 (mma.sync), FLASHOPM_SMALL_TC_FUSED=1
 // and FLASHOPM_SMALL_TC_LOCAL_A=1 asks for another form.

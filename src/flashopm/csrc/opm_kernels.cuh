@@ -37,6 +37,15 @@ __device__ __forceinline__ int split_scale_exp_bits(float m) {
 }
 __device__ __forceinline__ float exp2_int(int e) { return __int_as_float((127 + e) << 23); }  // |e| <= 126
 
+// n / d for 0 <= n < 2^22 through a float reciprocal, a few instructions instead of an integer
+// division: (n + 1/2)/d lies at least 1/(2d) from an integer, farther than the two roundings'
+// error (< 2^-23 (n + 1/2)/d).
+struct SmallDiv {
+  float inv;
+  __device__ __forceinline__ explicit SmallDiv(int d) : inv(1.f / float(d)) {}
+  __device__ __forceinline__ int operator()(int n) const { return int((float(n) + 0.5f) * inv); }
+};
+
 // ---------------------------------------------------------------------------------------------
 // Small helpers
 // ---------------------------------------------------------------------------------------------

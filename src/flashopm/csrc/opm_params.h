@@ -643,30 +643,24 @@ FLASHOPM_HD inline SmallTcLayout small_tc_fma_layout(int S, int N, int H, int TI
   return L;
 }
 
-// The float16 split form (opm_small_f16_kernel; hidden % 16 == 0): phases P and O on mma.sync
+// The float16 split form (opm_small_f16_kernel; hidden 16, 32 or 64): phases P and O on mma.sync
 // m16n8k16 with every operand split into float16 high and low parts after scaling by a power of
-// two (see kSplitTopExp), three MMAs per product.  Regions (byte offsets; 16-bit rows padded by 8
-// elements, so that the eight 16-byte rows an ldmatrix reads fall in distinct banks):
-//   w   [2][Dc·H][ldw = H + 8]        W[d0 + d, h1·H + h2] at (d·H + h1)·ldw + h2, high then low parts
-//   a   [2][R16][lda = H + 8]         a[i0 + r / S, r % S, h1] at r·lda + h1
-//   b   [2][N16][ldk = S·H + 8]       b[j, s, h2] at j·ldk + s·H + h2
-//   p   [2][NP][ldk]                  P[i, d, s, h2] at (i·Dc + d)·ldk + s·H + h2 (NP: columns (i, d)
-//                                     rounded up to a group of phase O's n tiles)
-//   red [kparts][N16][ldr] floats     phase O's K parts, over W's region (W is dead after phase P)
-//   then the floats of small_tc_layout_tail and two warps' worth of scratch for the block maxima.
+// two (see kSplitTopExp), three MMAs per product.  Regions (byte offsets; 16-bit rows padded so
+// that the eight 16-byte rows an ldmatrix reads fall in distinct banks):
+//   w    [2][Dc·H][ldw = H + 8]      W[d0 + d, h1·H + h2] at (d·H + h1)·ldw + h2, high then low parts
+//   a    [2][R16][lda = H + 8]       a[i0 + r / S, r % S, h1] at r·lda + h1
+//   b    [2][N16][ldk]               b[j, s, h2] at j·ldk + s·(H + 8) + h2
+//   p    [2][NP][ldk]                P[i, d, s, h2] at (i·Dc + d)·ldk + s·(H + 8) + h2 (NP: columns
+//                                    (i, d) rounded up to a group of phase O's n tiles)
+//   red  [kparts][N16][ldr] floats   phase O's K parts, over W's region (W is dead after phase P)
+//   a_st [TI·S·H], b_st [N·S·H]      the float32 rows of a and b as copied
+//   then the floats of small_tc_layout_tail and the scale exponents of a's rows i and b's rows j.
+// k = (s, h2) runs in blocks of H padded by 8, so that phase P's stores (lanes along s) meet no
+// bank conflicts; ldk is an odd number of 16-byte pieces.
 constexpr int kSmallF16GroupN = 4;  // phase O's n tiles (8 columns (i, d) each) per warp item
-// float4 of W's chunk, a's rows and b[b] per thread kept in registers between their largest
-// magnitude and their split (any more are loaded again: the form is chosen where b fits, see
-// small_f16_b_in_registers).
-constexpr int kSmallF16VecW = 4;
-constexpr int kSmallF16VecA = 2;
-constexpr int kSmallF16VecB = 8;
-FLASHOPM_HD inline bool small_f16_b_in_registers(int S, int N, int H) {
-  return int64_t(N) * S * H <= int64_t(4) * kSmallF16VecB * kSmallTcThreads;
-}
 struct SmallF16Layout {
   int R16, N16, NP, lda, ldw, ldk, ldr, kparts;
-  int w, a, b, p, red, pair, bias, den, scratch, total;  // bytes
+  int w, a, b, p, red, a_st, b_st, pair, bias, den, e_a, e_b, total;  // bytes
 };
 FLASHOPM_HD inline SmallF16Layout small_f16_layout(int S, int N, int H, int TI, int Dc) {
   SmallF16Layout L{};
@@ -675,8 +669,8 @@ FLASHOPM_HD inline SmallF16Layout small_f16_layout(int S, int N, int H, int TI, 
   L.N16 = (N + 15) / 16 * 16;
   L.NP = (cols + group - 1) / group * group;
   L.lda = L.ldw = H + 8;
-  L.ldk = S * H + 8;
-  L.ldr = cols + (8 - cols % 32 + 32) % 32;  // 8 (mod 32): phase O's 8-byte stores meet no conflicts
+  L.ldk = S * (H + 8) + (S % 2 == 0 ? 8 : 0);  // S·(H + 8) / 8 has the parity of S (H % 16 == 0)
+  L.ldr = cols + (8 - cols % 32 + 32) % 32;    // 8 (mod 32): phase O's 8-byte stores meet no conflicts
   const int tiles = (L.N16 / 16) * ((cols / 8 + kSmallF16GroupN - 1) / kSmallF16GroupN);
   const int ksteps = S * H / 16;
   const int kp = kSmallTcWarps / tiles;
@@ -687,10 +681,13 @@ FLASHOPM_HD inline SmallF16Layout small_f16_layout(int S, int N, int H, int TI, 
   L.a = o;          o += 2 * L.R16 * L.lda * 2;
   L.b = o;          o += 2 * L.N16 * L.ldk * 2;
   L.p = o;          o += 2 * L.NP * L.ldk * 2;
+  L.a_st = o;       o += TI * S * H * 4;
+  L.b_st = o;       o += N * S * H * 4;
   L.pair = o;       o += TI * L.N16 * 4;
   L.bias = o;       o += round_up4(Dc) * 4;
   L.den = o;        o += kSmallTcMaxTI * 4;
-  L.scratch = o;    o += 3 * kSmallTcWarps * 4;
+  L.e_a = o;        o += kSmallTcMaxTI * 4;
+  L.e_b = o;        o += L.N16 * 4;
   L.total = o;
   return L;
 }

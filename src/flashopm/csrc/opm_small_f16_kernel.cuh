@@ -1,5 +1,5 @@
-// Second kernel of the two-launch path for small problems, float16 split form (hidden % 16 == 0,
-// hidden <= 64; regions in SmallF16Layout, opm_params.h).  The same block and the same sums as
+// Second kernel of the two-launch path for small problems, float16 split form (hidden 16, 32 or
+// 64; regions in SmallF16Layout, opm_params.h).  The same block and the same sums as
 // opm_small_tc_kernel, with phases P and O on mma.sync m16n8k16:
 //
 // Block (d chunk, tile of TI rows i, batch b), 16 warps:
@@ -7,25 +7,29 @@
 //             shared memory; bias, row denominators or pair counts (small_tc_stage_norm): nothing
 //             here depends on the first kernel, so it overlaps it;
 //   wait      griddepcontrol.wait (a and b, as (B, N, S, H), complete and visible);
-//   load      the block's rows of a and all of b[b] into registers, their largest magnitudes over
-//             the block, then split into shared memory;
+//   copy      each warp copies its rows of a (row i: warp i) and of b (rows j = warp + 16k) into
+//             shared memory; a's rows are scaled and split as soon as they arrive, b's after
+//             phase P, so that their copies overlap it; no block barrier: every warp splits
+//             the rows it copied;
 //   phase P   for each d: P[(i, s), h2] = sum_h1 a[(i, s), h1] · W[d, h1·H + h2]   (M = TI·S, N = K = H)
 //             stored split as rows (i, d) of k = (s, h2);
 //   phase O   out[j, (i, d)] = sum_k b[j, k] · P[(i, d), k]                       (M = N, N = TI·Dc, K = S·H)
 //             K split over warps, the parts summed in order by the epilogue;
 //   epilogue  the scales taken out, normalisation and bias (small_tc_store_out).
 //
-// Scales (powers of two, kSplitTopExp): one for the block's chunk of W (e_w), one for its rows of a
-// (e_a), one for b[b] (e_b), each from the largest magnitude; P from the bound
-// |sum_h1 a'·W'| < H·2^30, so that one factor holds along phase O's K.  With every scaled operand
-// below 2^15, the largest products are exact and the sums far from float32's range; values far
-// below their block's largest lose bits only below 2^-25 of the scaled bound, under float32's
-// rounding of the sums they enter.
+// Scales (powers of two, kSplitTopExp): one for the block's chunk of W (e_w), one per row i of a
+// (e_a[i], over s and h1) and one per row j of b (e_b[j], over s and h2); P from the bound
+// |sum_h1 a'·W'| < H·2^30, so that one factor holds along phase O's K for each column (i, d).
+// With every scaled operand below 2^15, the largest products are exact and the sums far from
+// float32's range; values far below their row's largest lose bits only below 2^-25 of the scaled
+// bound, under float32's rounding of the sums they enter.
 #pragma once
 
 #include "opm_small_tc_kernel.cuh"
 
 namespace flashopm {
+
+constexpr int kSmallF16VecW = 4;  // float4 of W's chunk per thread kept in registers (more are loaded again)
 
 __device__ __forceinline__ float abs_max4(float m, const float4& v) {
   return fmaxf(fmaxf(m, fmaxf(fabsf(v.x), fabsf(v.y))), fmaxf(fabsf(v.z), fabsf(v.w)));
@@ -105,16 +109,41 @@ __device__ __forceinline__ void split_rows(Load load, int n4, const float4 (&v)[
   }
 }
 
+// Row `row` of `len` floats (len = S·H, H = 2^lg_h) at src (shared memory) scaled by 2^e and split
+// into 16-bit rows at hi / lo + off(s, h) (four halves per float4), e from the row's largest
+// magnitude: by one warp, without a block barrier.  Returns e.
+template <typename Off>
+__device__ __forceinline__ int split_row_warp(const float* src, int len, int lg_h, __half* hi, __half* lo, Off off) {
+  const int lane = threadIdx.x & 31;
+  const float4* src4 = reinterpret_cast<const float4*>(src);
+  float m = 0.f;
+  for (int c = lane; c < len / 4; c += 32) m = abs_max4(m, src4[c]);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  const int e = split_scale_exp_bits(m);
+  const float f = exp2_int(e);
+  const int hmask = (1 << lg_h) - 1;
+  for (int c = lane; c < len / 4; c += 32) {
+    const int col = 4 * c;
+    store_split4(hi, lo, off(col >> lg_h, col & hmask), src4[c], f);
+  }
+  return e;
+}
+
+__device__ __forceinline__ void cp_async_wait_pending1() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_pending0() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+
 __global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_f16_kernel(const SmallTcArgs p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   extern __shared__ float4 smem_f4[];
   char* smem = reinterpret_cast<char*>(smem_f4);
   const int S = p.S, N = p.N, H = p.H, TI = p.TI, Dc = p.Dc, SH = S * H, HH = H * H;
+  const int lg_h = 31 - __clz(H), hk = H + 8;  // H = 2^lg_h; k blocks of H padded to hk
   const SmallF16Layout L = small_f16_layout(S, N, H, TI, Dc);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;
   const int d0 = blockIdx.x * Dc, i0 = blockIdx.y * TI, b = blockIdx.z;
-  const int ti = min(TI, N - i0);      // rows i of this block
+  const int ti = min(TI, N - i0);        // rows i of this block
   const int dvalid = min(Dc, p.D - d0);  // columns d of this block
   __half* const w_hi = reinterpret_cast<__half*>(smem + L.w);
   __half* const w_lo = w_hi + Dc * H * L.ldw;
@@ -124,11 +153,16 @@ __global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_f16_kernel(const
   __half* const b_lo = b_hi + L.N16 * L.ldk;
   __half* const p_hi = reinterpret_cast<__half*>(smem + L.p);
   __half* const p_lo = p_hi + L.NP * L.ldk;
+  float* const a_st = reinterpret_cast<float*>(smem + L.a_st);
+  float* const b_st = reinterpret_cast<float*>(smem + L.b_st);
   float* const red = reinterpret_cast<float*>(smem + L.red);
   float* const pair_s = reinterpret_cast<float*>(smem + L.pair);
   float* const bias_s = reinterpret_cast<float*>(smem + L.bias);
   float* const den_s = reinterpret_cast<float*>(smem + L.den);
-  float* const scratch = reinterpret_cast<float*>(smem + L.scratch);  // [3][kSmallTcWarps]
+  int* const e_a_s = reinterpret_cast<int*>(smem + L.e_a);
+  int* const e_b_s = reinterpret_cast<int*>(smem + L.e_b);
+  // The W maximum's warp values: e_b is first written after the barrier that ends a's splits.
+  float* const scratch = reinterpret_cast<float*>(e_b_s);
 
   // ---- prologue: independent of the first kernel ----
   const float4* const w_src = reinterpret_cast<const float4*>(p.w_out + int64_t(d0) * HH);
@@ -139,43 +173,48 @@ __global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_f16_kernel(const
   small_tc_stage_norm(p, b, i0, d0, ti, L.N16, bias_s, den_s, pair_s);
   float w_max[1] = {own_abs_max(load_w, w4, wv)};
   block_abs_max(w_max, scratch);
-  const int e_w = split_scale_exp(w_max[0]);
+  const int e_w = split_scale_exp_bits(w_max[0]);
   split_rows(load_w, w4, wv, exp2_int(e_w), H, L.ldw, w_hi, w_lo);
   // Rows of d past D: zeros (their columns of P and of the output are never stored).
   for (int idx = tid; idx < (Dc - dvalid) * HH / 4; idx += kSmallTcThreads) {
-    const int flat = dvalid * HH + 4 * idx, row = flat / H;
-    const int off = row * L.ldw + (flat - row * H);
+    const int flat = dvalid * HH + 4 * idx, row = flat >> lg_h;
+    const int off = row * L.ldw + (flat & (H - 1));
     *reinterpret_cast<uint2*>(w_hi + off) = make_uint2(0u, 0u);
     *reinterpret_cast<uint2*>(w_lo + off) = make_uint2(0u, 0u);
   }
 
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
 
-  // ---- the block's rows of a and b[b] (written by the first kernel: loads through L2) ----
-  const float4* const a_src = reinterpret_cast<const float4*>(p.a + (int64_t(b) * N + i0) * SH);
-  const float4* const b_src = reinterpret_cast<const float4*>(p.b + int64_t(b) * N * SH);
-  const auto load_a = [&](int idx) { return __ldcg(a_src + idx); };
-  const auto load_b = [&](int idx) { return __ldcg(b_src + idx); };
-  const int a4 = ti * SH / 4, b4 = N * SH / 4;
-  float4 av[kSmallF16VecA], bv[kSmallF16VecB];
-  load_own_vec4(load_a, a4, av);
-  load_own_vec4(load_b, b4, bv);
-  float ab_max[2] = {own_abs_max(load_a, a4, av), own_abs_max(load_b, b4, bv)};
-  block_abs_max(ab_max, scratch + kSmallTcWarps);
-  const int e_a = split_scale_exp(ab_max[0]), e_b = split_scale_exp(ab_max[1]);
-  split_rows(load_a, a4, av, exp2_int(e_a), H, L.lda, a_hi, a_lo);
-  split_rows(load_b, b4, bv, exp2_int(e_b), SH, L.ldk, b_hi, b_lo);
+  // ---- copies: warp w takes row i0 + w of a (w < ti) and rows j = w + 16k of b ----
+  const int sh4 = SH / 4;
+  if (warp < ti) {
+    const float* src = p.a + (int64_t(b) * N + i0 + warp) * SH;
+    for (int c = lane; c < sh4; c += 32) cp_async16(a_st + warp * SH + 4 * c, src + 4 * c);
+  }
+  cp_async_commit();
+  for (int j = warp; j < N; j += kSmallTcWarps) {
+    const float* src = p.b + (int64_t(b) * N + j) * SH;
+    for (int c = lane; c < sh4; c += 32) cp_async16(b_st + j * SH + 4 * c, src + 4 * c);
+  }
+  cp_async_commit();
+  cp_async_wait_pending1();
+  __syncwarp();
+  if (warp < ti) {
+    const int e = split_row_warp(a_st + warp * SH, SH, lg_h, a_hi, a_lo,
+                                 [&](int s, int h) { return (warp * S + s) * L.lda + h; });
+    if (lane == 0) e_a_s[warp] = e;
+  }
   __syncthreads();
 
   // ---- phase P: items (d, 16 rows (i, s), 32 columns h2), k-steps of 16 h1 ----
-  const int lg_h = 32 - __clz(H - 1);
-  const int p_exp = -(kSplitTopExp + 1) - lg_h;  // |P'| < H·2^30·2^p_exp <= 2^15
+  const int p_exp = -(kSplitTopExp + 1) - lg_h;  // |P'| < H·2^30·2^p_exp = 2^15
   {
     const float p_scale = exp2_int(p_exp);
     const int mtiles = L.R16 / 16, hgroups = (H + 31) / 32;
+    const SmallDiv div_mtiles(mtiles), div_s(S);
     for (int item = warp; item < Dc * mtiles * hgroups; item += kSmallTcWarps) {
-      const int hg = item % hgroups, rest = item / hgroups;
-      const int mt = rest % mtiles, dl = rest / mtiles;
+      const int hg = hgroups == 1 ? 0 : item & 1, rest = hgroups == 1 ? item : item >> 1;
+      const int dl = div_mtiles(rest), mt = rest - dl * mtiles;
       const int n_valid = min(4, (H - hg * 32) / 8);  // even: H % 16 == 0
       // n tiles past n_valid are skipped; the whole group (the common case) without predicates
       const auto item_p = [&](auto nv) {
@@ -209,8 +248,8 @@ __global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_f16_kernel(const
         for (int half = 0; half < 2; ++half) {
           const int r = mt * 16 + g + 8 * half;
           if (r >= ti * S) continue;
-          const int il = r / S, s = r - il * S;
-          const int row_off = (il * Dc + dl) * L.ldk + s * H + hg * 32 + 2 * t;
+          const int il = div_s(r), s = r - il * S;
+          const int row_off = (il * Dc + dl) * L.ldk + s * hk + hg * 32 + 2 * t;
 #pragma unroll
           for (int n = 0; n < 4; ++n) {
             if (n < nv) {
@@ -226,6 +265,15 @@ __global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_f16_kernel(const
       else item_p(n_valid);
     }
   }
+
+  // ---- b's rows, copied while phase P ran ----
+  cp_async_wait_pending0();
+  __syncwarp();
+  for (int j = warp; j < N; j += kSmallTcWarps) {
+    const int e = split_row_warp(b_st + j * SH, SH, lg_h, b_hi, b_lo,
+                                 [&](int s, int h) { return j * L.ldk + s * hk + h; });
+    if (lane == 0) e_b_s[j] = e;
+  }
   __syncthreads();
 
   // ---- phase O: items (16 rows j, kSmallF16GroupN n tiles of columns (i, d), part of K) ----
@@ -233,9 +281,10 @@ __global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_f16_kernel(const
     const int mtiles = L.N16 / 16, ksteps = SH / 16;
     const int tiles_n = ti * Dc / 8;  // columns of rows i past N are not formed
     const int groups = (TI * Dc / 8 + kSmallF16GroupN - 1) / kSmallF16GroupN;
+    const SmallDiv div_items(groups * mtiles), div_mtiles(mtiles);
     for (int item = warp; item < groups * mtiles * L.kparts; item += kSmallTcWarps) {
-      const int kp = item / (groups * mtiles), rest = item - kp * groups * mtiles;
-      const int cg = rest / mtiles, mt = rest - cg * mtiles;
+      const int kp = div_items(item), rest = item - kp * groups * mtiles;
+      const int cg = div_mtiles(rest), mt = rest - cg * mtiles;
       const int n_valid = min(kSmallF16GroupN, tiles_n - cg * kSmallF16GroupN);
       if (n_valid <= 0) continue;
       const int k0 = ksteps * kp / L.kparts, k1 = ksteps * (kp + 1) / L.kparts;
@@ -249,14 +298,15 @@ __global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_f16_kernel(const
         const int mi = lane >> 3;  // ldmatrix of P: matrices (n tile 2q | 2q + 1) x (k 0-7 | 8-15)
         const int p_off = ((cg * kSmallF16GroupN + (mi >> 1)) * 8 + (lane & 7)) * L.ldk + (mi & 1) * 8;
         for (int ks = k0; ks < k1; ++ks) {
+          const int kpos = (ks * 16 >> lg_h) * hk + (ks * 16 & (H - 1));  // k = 16·ks in the padded blocks
           uint32_t ah[4], al[4], bh[kSmallF16GroupN][2], bl[kSmallF16GroupN][2];
-          ldmatrix_x4(ah, b_hi + a_off + ks * 16);
-          ldmatrix_x4(al, b_lo + a_off + ks * 16);
+          ldmatrix_x4(ah, b_hi + a_off + kpos);
+          ldmatrix_x4(al, b_lo + a_off + kpos);
 #pragma unroll
           for (int q = 0; q < kSmallF16GroupN / 2; ++q) {
             if (2 * q < nv) {
               uint32_t r[4];
-              const int off = p_off + q * 16 * L.ldk + ks * 16;
+              const int off = p_off + q * 16 * L.ldk + kpos;
               ldmatrix_x4(r, p_hi + off);
               bh[2 * q][0] = r[0], bh[2 * q][1] = r[1], bh[2 * q + 1][0] = r[2], bh[2 * q + 1][1] = r[3];
               ldmatrix_x4(r, p_lo + off);
@@ -280,9 +330,9 @@ __global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_f16_kernel(const
   }
   __syncthreads();
 
-  // out' = out·2^(e_b + e_a + e_w + p_exp)
-  small_tc_store_out<true>(p, red, L.ldr, L.N16, L.kparts, bias_s, den_s, pair_s, b, i0, d0, ti,
-                           e_b + e_a + e_w + p_exp);
+  // out' = out·2^(e_b[j] + e_a[i] + e_w + p_exp)
+  small_tc_store_out<true>(p, red, L.ldr, L.N16, L.kparts, bias_s, den_s, pair_s, b, i0, d0, ti, e_a_s, e_b_s,
+                           e_w + p_exp);
 #endif
 }
 

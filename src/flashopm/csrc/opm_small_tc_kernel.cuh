@@ -324,22 +324,23 @@ __device__ __forceinline__ void small_tc_stage_norm(const SmallTcArgs& p, int b,
 
 // Epilogue: out[b, i0 + il, j, d0 + dl] = normalise(sum over the K parts, in order, of
 // red[kp][j][il·Dc + dl]), rows of Dc floats in 16-byte stores where D allows.  kScaled: the sums
-// carry a factor 2^out_exp (the float16 split form's scales), taken out exactly first.
+// carry a factor 2^(e_b[j] + e_a[il] + e_common) (the float16 split form's scales), taken out
+// exactly first.
 template <bool kScaled>
 __device__ __forceinline__ void small_tc_store_out(const SmallTcArgs& p, const float* red, int ldr, int N16,
                                                    int kparts, const float* bias_s, const float* den_s,
-                                                   const float* pair_s, int b, int i0, int d0, int ti, int out_exp) {
+                                                   const float* pair_s, int b, int i0, int d0, int ti,
+                                                   const int* e_a = nullptr, const int* e_b = nullptr,
+                                                   int e_common = 0) {
   const int N = p.N, Dc = p.Dc;
   const int dvalid = min(Dc, p.D - d0);
-  const int quads = Dc / 4;
+  const int lg_quads = 29 - __clz(Dc);  // Dc / 4 = 2^lg_quads
   const bool vec_out = (p.D % 4) == 0;
-  // 2^-out_exp as one factor where it is a normal float (the same rounding as scalbnf)
-  const bool one_factor = out_exp >= -126 && out_exp <= 126;
-  const float factor = one_factor ? exp2_int(-out_exp) : 1.f;
-  for (int idx = threadIdx.x; idx < ti * N * quads; idx += kSmallTcThreads) {
-    const int row = idx / quads, dl = 4 * (idx - row * quads);  // row = il·N + j
+  const SmallDiv div_n(N);
+  for (int idx = threadIdx.x; idx < (ti * N) << lg_quads; idx += kSmallTcThreads) {
+    const int row = idx >> lg_quads, dl = 4 * (idx - (row << lg_quads));  // row = il·N + j
     if (dl >= dvalid) continue;
-    const int il = row / N, j = row - il * N;
+    const int il = div_n(row), j = row - il * N;
     const float* src = red + j * ldr + il * Dc + dl;
     float4 v = *reinterpret_cast<const float4*>(src);
     for (int kp = 1; kp < kparts; ++kp) {
@@ -348,8 +349,16 @@ __device__ __forceinline__ void small_tc_store_out(const SmallTcArgs& p, const f
     }
     float r[4] = {v.x, v.y, v.z, v.w};
     if constexpr (kScaled) {
+      // 2^-e as one factor where it is a normal float (the same rounding as scalbnf)
+      const int e = e_b[j] + e_a[il] + e_common;
+      if (e >= -126 && e <= 126) {
+        const float factor = exp2_int(-e);
 #pragma unroll
-      for (int c = 0; c < 4; ++c) r[c] = one_factor ? r[c] * factor : scalbnf(r[c], -out_exp);
+        for (int c = 0; c < 4; ++c) r[c] *= factor;
+      } else {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) r[c] = scalbnf(r[c], -e);
+      }
     }
     if (p.norm.kind == kNormRow) {
       const float inv_den = 1.f / den_s[il];
@@ -671,7 +680,7 @@ __global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_tc_kernel(const 
   }
   __syncthreads();
 
-  small_tc_store_out<false>(p, red, L.ldr, L.N16, L.kparts, bias_s, den_s, pair_s, b, i0, d0, ti, 0);
+  small_tc_store_out<false>(p, red, L.ldr, L.N16, L.kparts, bias_s, den_s, pair_s, b, i0, d0, ti);
 #endif
 }
 
