@@ -133,7 +133,7 @@ __device__ __forceinline__ int split_row_warp(const float* src, int len, int lg_
 __device__ __forceinline__ void cp_async_wait_pending1() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }
 __device__ __forceinline__ void cp_async_wait_pending0() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 
-__global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_f16_kernel(const SmallTcArgs p) {
+__global__ void __maxnreg__(96) opm_small_f16_kernel(const SmallTcArgs p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   extern __shared__ float4 smem_f4[];
   char* smem = reinterpret_cast<char*>(smem_f4);
