@@ -246,8 +246,15 @@ def test_small_tc_fma_layouts_from_tiled_projection(shape, local_a, monkeypatch)
     _check(shape, "masked_positions", "small-tc", seed=11, may_not_fit=False)
 
 
-# The float32 FMA form (the float16 split form runs by default under "highest" where hidden % 16
-# == 0 and its regions fit; the FMA form elsewhere, where W's chunk fits).
+# The float16 split form wherever it applies (hidden 16, 32 or 64; by default only where a block
+# has enough work), and the float32 FMA form (the default elsewhere, where W's chunk fits).
+@pytest.mark.parametrize("shape", SMALL_TC_SHAPES, ids=str)
+def test_small_tc_f16_form(shape, monkeypatch):
+    monkeypatch.setenv("FLASHOPM_SMALL_TC_F16", "1")
+    _check(shape, "masked_positions", "small-tc", seed=zlib.crc32(f"{shape}-f16".encode()) % 1000,
+           may_not_fit=False)
+
+
 @pytest.mark.parametrize("shape", SMALL_TC_SHAPES, ids=str)
 def test_small_tc_fma_form(shape, monkeypatch):
     monkeypatch.setenv("FLASHOPM_SMALL_TC_F16", "0")
@@ -257,7 +264,7 @@ def test_small_tc_fma_form(shape, monkeypatch):
 
 @pytest.mark.parametrize("scale", [1e-12, 1e12])
 @pytest.mark.parametrize("shape", [SPEC, Shape(1, 2, 20, 24, 64, 8), Shape(3, 2, 5, 9, 16, 13)], ids=str)
-def test_small_tc_f16_form_far_from_one(shape, scale):
+def test_small_tc_f16_form_far_from_one(shape, scale, monkeypatch):
     """The float16 split form scales its operands by powers of two: projections scaled by 1e-12 or
     1e12 (W by the inverse, no output bias) stay within the float32 bars, where unscaled float16
     parts would underflow or overflow."""
@@ -266,6 +273,7 @@ def test_small_tc_f16_form_far_from_one(shape, scale):
         p[name] = p[name] * scale
     p["w_out"] = p["w_out"] / scale
     p["b_out"] = torch.zeros_like(p["b_out"])
+    monkeypatch.setenv("FLASHOPM_SMALL_TC_F16", "1")
     xc, mc, pc = x.cuda(), m.cuda(), _cuda_params(p)
     ref64 = reference(xc, mc, pc, dtype=torch.float64).cpu()
     ref32 = reference(xc, mc, pc).cpu()
@@ -277,7 +285,8 @@ def test_small_tc_f16_form_far_from_one(shape, scale):
     assert err <= max(2 * err_eager, FP64_FLOOR), f"normwise error {err:.3g} vs eager fp32 {err_eager:.3g}"
 
 
-def test_small_tc_f16_form_nan_inf_propagate():
+def test_small_tc_f16_form_nan_inf_propagate(monkeypatch):
+    monkeypatch.setenv("FLASHOPM_SMALL_TC_F16", "1")
     _check_nan_inf_propagate(Shape(1, 4, 9, 16, 16, 8), 3, "small-tc")
 
 
@@ -305,6 +314,10 @@ def test_small_tc_launches(monkeypatch):
     fma = _flashopm_kernels(lambda: _run(xc, mc, pc, "small-tc", poison=False))
     assert len(fma) == 2 and any("opm_small_tc_kernel<0, false, false>" in k for k in fma), fma
     monkeypatch.delenv("FLASHOPM_SMALL_TC_F16")
+    # little work per block: the FMA form by default
+    xs, ms, ps = make_problem(Shape(3, 2, 5, 9, 16, 13), "masked_positions", seed=4)
+    small = _flashopm_kernels(lambda: _run(xs.cuda(), ms.cuda(), _cuda_params(ps), "small-tc", poison=False))
+    assert any("opm_small_tc_kernel<0, false, false>" in k for k in small), small
     monkeypatch.setenv("FLASHOPM_SMALL_TC_LOCAL_A", "1")
     local = _flashopm_kernels(lambda: _run(xc, mc, pc, "small-tc", poison=False))
     assert len(local) == 2 and any("opm_small_tc_kernel<0, false, true>" in k for k in local), local
@@ -334,12 +347,11 @@ SMALL_TC_TILINGS = [(Shape(2, 8, 32, 64, 32, 64), tile) for tile in [(1, 8), (1,
     (Shape(2, 3, 13, 9, H, 70), tile) for H in (8, 16) for tile in [(1, 64), (2, 32), (4, 16), (8, 8), (8, 64)]]
 
 
-@pytest.mark.parametrize("form", ["default", "fma", "mma_sync"])
+@pytest.mark.parametrize("form", ["f16", "fma", "mma_sync"])
 @pytest.mark.parametrize("shape,tile", SMALL_TC_TILINGS, ids=lambda v: str(v))
 def test_small_tc_tilings(shape, tile, form, monkeypatch):
     monkeypatch.setenv("FLASHOPM_SMALL_TC_TILE", f"{tile[0]},{tile[1]}")
-    if form == "fma":
-        monkeypatch.setenv("FLASHOPM_SMALL_TC_F16", "0")
+    monkeypatch.setenv("FLASHOPM_SMALL_TC_F16", "1" if form == "f16" else "0")
     if form == "mma_sync":
         monkeypatch.setenv("FLASHOPM_SMALL_TC_FMA", "0")
     _check(shape, "masked_positions", "small-tc", seed=zlib.crc32(f"{shape}-{tile}".encode()) % 1000,

@@ -339,14 +339,21 @@ bool small_tc_fma(const SmallTcPlan& plan, int tc_terms) {
 }
 
 // The small-problem path's float16 split form (opm_small_f16_kernel), under "highest" where
-// hidden is 16, 32 or 64 and its regions fit in shared memory: float32 accuracy (three float16 MMAs per product, operands
-// scaled by powers of two) at ~3.4x the FMA pipe's rate for phases P and O.  Each of
-// FLASHOPM_SMALL_TC_F16=0 (the FMA form), FLASHOPM_SMALL_TC_FMA=0 (mma.sync), FLASHOPM_SMALL_TC_FUSED=1
-// and FLASHOPM_SMALL_TC_LOCAL_A=1 asks for another form.
-bool small_tc_f16(const SmallTcPlan& plan, int tc_terms, const float* w_out) {
-  return plan.f16 && tc_terms == 3 && reinterpret_cast<uintptr_t>(w_out) % 16 == 0 &&
-         !env_is("FLASHOPM_SMALL_TC_F16", "0") && !env_is("FLASHOPM_SMALL_TC_FMA", "0") &&
-         !env_is("FLASHOPM_SMALL_TC_FUSED", "1") && !env_is("FLASHOPM_SMALL_TC_LOCAL_A", "1");
+// hidden is 16, 32 or 64 and its regions fit in shared memory: float32 accuracy (three float16
+// MMAs per product, operands scaled by powers of two) at ~3.4x the FMA pipe's rate for phases P
+// and O, for fixed costs per block (W's largest magnitude and split, the rows' scales and splits)
+// that the FMA form does not pay.  By default it runs where a block's multiply-adds in P and O,
+// TI·Dc·S·H·(H + N16), pass kSmallF16MinMacs.  FLASHOPM_SMALL_TC_F16=1 asks for it wherever it
+// applies, =0 for the FMA form; FLASHOPM_SMALL_TC_FMA=0 (mma.sync), FLASHOPM_SMALL_TC_FUSED=1 and
+// FLASHOPM_SMALL_TC_LOCAL_A=1 ask for other forms.
+constexpr int64_t kSmallF16MinMacs = int64_t(1) << 18;
+bool small_tc_f16(const SmallTcPlan& plan, int tc_terms, const float* w_out, int64_t S, int64_t N, int64_t H) {
+  if (!plan.f16 || tc_terms != 3 || reinterpret_cast<uintptr_t>(w_out) % 16 != 0 ||
+      env_is("FLASHOPM_SMALL_TC_F16", "0") || env_is("FLASHOPM_SMALL_TC_FMA", "0") ||
+      env_is("FLASHOPM_SMALL_TC_FUSED", "1") || env_is("FLASHOPM_SMALL_TC_LOCAL_A", "1"))
+    return false;
+  const int64_t block_macs = int64_t(plan.TI) * plan.Dc * S * H * (H + (N + 15) / 16 * 16);
+  return env_is("FLASHOPM_SMALL_TC_F16", "1") || block_macs > kSmallF16MinMacs;
 }
 
 // The small-problem path in one cooperative launch (opm_small_tc_kernel's kFused), where
@@ -771,7 +778,7 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     set_inputs(pa, msa);
     pa.x_kind = x_kind;
     pa.o_chunks = 1;
-    const bool f16 = small_tc_f16(small_tc, tc_terms, w_out.data_ptr<float>());
+    const bool f16 = small_tc_f16(small_tc, tc_terms, w_out.data_ptr<float>(), S, N, H);
     const bool fma = !f16 && small_tc_fma(small_tc, tc_terms);
     const bool fused = !f16 && small_tc_fused(pa, small_tc, fma, dev);
     const bool local_a = small_tc_local_a(pa, small_tc, fma, fused, w_out.data_ptr<float>());
