@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Nsight Compute of the small path's two kernels (LayerNorm/projection, then opm_small_tc_kernel)
-# at one shape, warm caches: the warp-state sections with their details, the raw stall-reason
+# Nsight Compute of the small path's two kernels (LayerNorm/projection, then opm_small_f16_kernel
+# or opm_small_tc_kernel) at one shape, warm caches: the warp-state sections with their details, the raw stall-reason
 # and shared-memory metrics, and the second kernel's per-instruction stall samples, summarised by
 # scripts/ncu_source_summary.py into the stretches between its block barriers (its phases).
 #   usage: scripts/ncu_small_tc.sh OUTDIR [B,S,N,C,H,D]      (default: the specification's shape)
@@ -29,7 +29,7 @@ ncu "${common[@]}" --metrics "regex:smsp__average_warps_issue_stalled_.*_per_iss
     $py "$prog" >"$out/stall_reasons.txt" 2>&1
 ncu "${common[@]}" --metrics smsp__inst_executed.sum,sm__sass_thread_inst_executed_op_ffma_pred_on.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_st.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum \
     $py "$prog" >"$out/counts.txt" 2>&1
-ncu --clock-control none --cache-control none -k regex:opm_small_tc --launch-skip 3 --launch-count 1 \
+ncu --clock-control none --cache-control none -k "regex:opm_small_(tc|f16)" --launch-skip 3 --launch-count 1 \
     --section SourceCounters --section WarpStateStats --page source --print-source sass --csv \
     $py "$prog" >"$out/source_sass.csv" 2>"$out/source_sass.err"
 $py scripts/ncu_source_summary.py "$out/source_sass.csv" >"$out/source_summary.txt" 2>&1
