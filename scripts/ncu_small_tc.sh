@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Nsight Compute of the small path's two kernels (LayerNorm/projection, then opm_small_f16_kernel
-# or opm_small_tc_kernel) at one shape, warm caches: the warp-state sections with their details, the raw stall-reason
-# and shared-memory metrics, and the second kernel's per-instruction stall samples, summarised by
-# scripts/ncu_source_summary.py into the stretches between its block barriers (its phases).
+# or opm_small_tc_kernel) at one shape, warm caches: the warp-state sections with their details,
+# the raw stall-reason and shared-memory metrics, and the second kernel's per-instruction stall
+# samples, summarised by scripts/ncu_source_summary.py into the stretches between its block
+# barriers (its phases).
 #   usage: scripts/ncu_small_tc.sh OUTDIR [B,S,N,C,H,D]      (default: the specification's shape)
 out=$(mkdir -p "${1:?usage: scripts/ncu_small_tc.sh OUTDIR [B,S,N,C,H,D]}" && cd "$1" && pwd) || exit 1
 shape=${2:-2,8,32,64,32,64}
