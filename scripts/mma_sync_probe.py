@@ -15,27 +15,15 @@ from torch.utils.cpp_extension import load_inline
 
 from dmma_probe import FFMA_RATE_CUDA
 
+CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src", "flashopm", "csrc")  # opm_mma.cuh
+
 CUDA = r"""
 #include <torch/extension.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include "opm_mma.cuh"
+
 namespace {
-
-__device__ __forceinline__ void hmma16816(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-
-__device__ __forceinline__ void tf32mma1688(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
 
 // kChains independent accumulators per warp, iters MMAs each; kF16: m16n8k16 float16, else
 // m16n8k8 TF32.  The sums are written so that nothing is optimised away.
@@ -50,8 +38,8 @@ __global__ void mma_rate_kernel(float* out, int iters, uint32_t seed) {
   for (int it = 0; it < iters; ++it)
 #pragma unroll
     for (int c = 0; c < kChains; ++c) {
-      if constexpr (kF16) hmma16816(d[c], a, b);
-      else tf32mma1688(d[c], a, b);
+      if constexpr (kF16) flashopm::mma_16bit<__half>(d[c], a, b[0], b[1]);
+      else flashopm::mma_tf32(d[c], a, b[0], b[1]);
     }
   float s = 0.f;
   for (int c = 0; c < kChains; ++c) s += d[c][0] + d[c][1] + d[c][2] + d[c][3];
@@ -87,7 +75,7 @@ CPP = "void run_rate(int64_t which, int64_t chains, int64_t blocks, int64_t thre
 def main() -> None:
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0a")
     ext = load_inline("flashopm_mma_sync_probe", cpp_sources=CPP, cuda_sources=CUDA, functions=["run_rate"],
-                      extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a"])
+                      extra_include_paths=[CSRC], extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a"])
     if not torch.cuda.is_available():
         print("built; no GPU here")
         return

@@ -56,23 +56,15 @@ __device__ __forceinline__ float own_abs_max(Load load, int n4, const float4 (&v
   return m;
 }
 
-// The largest of each thread's m[c] over the block, for kC values at once (scratch: kC warps'
-// worth of floats; one barrier).
-template <int kC>
-__device__ __forceinline__ void block_abs_max(float (&m)[kC], float* scratch) {
-  const int warp = threadIdx.x >> 5;
+// The largest of each thread's m over the block (scratch: a warp's worth of floats; one barrier).
+__device__ __forceinline__ float block_abs_max(float m, float* scratch) {
 #pragma unroll
-  for (int c = 0; c < kC; ++c) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) m[c] = fmaxf(m[c], __shfl_xor_sync(0xffffffffu, m[c], o));
-    if ((threadIdx.x & 31) == 0) scratch[c * kSmallTcWarps + warp] = m[c];
-  }
+  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = m;
   __syncthreads();
-#pragma unroll
-  for (int c = 0; c < kC; ++c) {
-    m[c] = 0.f;
-    for (int w = 0; w < kSmallTcWarps; ++w) m[c] = fmaxf(m[c], scratch[c * kSmallTcWarps + w]);
-  }
+  m = 0.f;
+  for (int w = 0; w < kSmallTcWarps; ++w) m = fmaxf(m, scratch[w]);
+  return m;
 }
 
 // Four consecutive values times f (a power of two) split into float16 high and low parts, stored
@@ -171,9 +163,7 @@ __global__ void __maxnreg__(96) opm_small_f16_kernel(const SmallTcArgs p) {
   float4 wv[kSmallF16VecW];
   load_own_vec4(load_w, w4, wv);
   small_tc_stage_norm(p, b, i0, d0, ti, L.N16, bias_s, den_s, pair_s);
-  float w_max[1] = {own_abs_max(load_w, w4, wv)};
-  block_abs_max(w_max, scratch);
-  const int e_w = split_scale_exp_bits(w_max[0]);
+  const int e_w = split_scale_exp_bits(block_abs_max(own_abs_max(load_w, w4, wv), scratch));
   split_rows(load_w, w4, wv, exp2_int(e_w), H, L.ldw, w_hi, w_lo);
   // Rows of d past D: zeros (their columns of P and of the output are never stored).
   for (int idx = tid; idx < (Dc - dvalid) * HH / 4; idx += kSmallTcThreads) {
