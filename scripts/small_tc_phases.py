@@ -78,8 +78,8 @@ kk = patch(kk, "  // Bias, mask, store.  In project-first", PCLK(4), before=True
 kk = patch(kk, "  if constexpr (kProjectW) {\n    // c[b, s, h1, n, d]", PCLK(5) + PGT(1), before=True)
 src["opm_kernels.cuh"] = kk
 lc = src["opm_launch.cu"]
-lc = patch(lc, "  cfg.numAttrs = 1;\n  if (args.f16) {", "  cfg.numAttrs = std::getenv(\"DBG_NOPDL\") ? 0 : 1;\n")
-lc = lc.replace("  cfg.numAttrs = 1;\n  cfg.numAttrs = std::getenv", "  cfg.numAttrs = std::getenv", 1)
+lc = lc.replace("    attr[0].val.programmaticStreamSerializationAllowed = 1;",
+                "    attr[0].val.programmaticStreamSerializationAllowed = std::getenv(\"DBG_NOPDL\") ? 0 : 1;", 1)
 lc = lc.replace("#include <array>", "#include <array>\n#include <cstdlib>", 1)
 lc = lc.replace("\n}  // namespace flashopm", """
 void dbg_copy_tc(void* dst, void* dst2) {

@@ -356,6 +356,25 @@ bool small_tc_f16(const SmallTcPlan& plan, int tc_terms, const float* w_out, int
   return env_is("FLASHOPM_SMALL_TC_F16", "1") || block_macs > kSmallF16MinMacs;
 }
 
+// Blocks per cluster of the float16 split form, along the tiles of i: each copies a share of b's
+// rows (B·N·S·H floats, the same for every block of a batch) into all of them, so that L2 serves b
+// once per cluster instead of once per block.  FLASHOPM_SMALL_F16_CLUSTER (1, 2, 4 or 8) sets the
+// size, kSmallF16Cluster by default; smaller where the tiles of i do not divide into it or the
+// device cannot run such clusters.
+constexpr int kSmallF16Cluster = 1;
+int small_f16_cluster(const SmallTcPlan& plan, int64_t S, int64_t N, int64_t H) {
+  int cl = kSmallF16Cluster;
+  if (const char* env = std::getenv("FLASHOPM_SMALL_F16_CLUSTER"); env != nullptr && *env != 0) {
+    cl = std::atoi(env);
+    FLASHOPM_CHECK(cl == 1 || cl == 2 || cl == 4 || cl == 8, "flashopm: FLASHOPM_SMALL_F16_CLUSTER must be 1, 2, 4 or 8, got '",
+                   env, "'");
+  }
+  const int64_t tiles_i = (N + plan.TI - 1) / plan.TI;
+  const int smem = small_f16_layout(int(S), int(N), int(H), plan.TI, plan.Dc).total;
+  while (cl > 1 && (tiles_i % cl != 0 || small_f16_max_active_clusters(cl, smem) == 0)) cl /= 2;
+  return cl;
+}
+
 // The small-problem path in one cooperative launch (opm_small_tc_kernel's kFused), where
 // FLASHOPM_SMALL_TC_FUSED=1 asks for it: float32 x, every block resident at once (one per SM), at
 // most kSmallTcFusedMaxRows rows of projections per block, and room for the projection weights and
@@ -824,6 +843,7 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     ta.fused = fused;
     ta.local_a = local_a;
     ta.local_a_vec = local_a && small_tc_local_a_vec(pa);
+    ta.cluster = f16 ? small_f16_cluster(small_tc, S, N, H) : 1;
     ta.prep = pa;
     ta.a = a_ws;
     ta.b = b_ws;
@@ -1405,6 +1425,19 @@ std::vector<int64_t> single_launch_plan_cuda(const at::Tensor& like, int64_t B, 
   return {plan.TI, plan.Dc, plan.CL, plan.smem_bytes, small_max_active_clusters(plan.CL, plan.smem_bytes)};
 }
 
+// The two-launch path's tiling for a float32 problem under "highest" with a 16-byte aligned W:
+// [rows i per block, columns d per block, 1 for the float16 split form, blocks per cluster of
+// that form], or [] when the path does not fit.
+std::vector<int64_t> small_tc_plan_cuda(const at::Tensor& like, int64_t B, int64_t S, int64_t N, int64_t H,
+                                        int64_t D) {
+  const c10::cuda::CUDAGuard guard(like.device());
+  if (B < 1 || S < 1 || N < 1 || H < 1 || H > kMaxHidden || H % 8 != 0 || D < 1) return {};
+  const SmallTcPlan plan = plan_small_tc(B, S, N, H, D, like.get_device());
+  if (plan.TI == 0) return {};
+  const bool f16 = small_tc_f16(plan, 3, nullptr, S, N, H);
+  return {plan.TI, plan.Dc, f16 ? 1 : 0, f16 ? small_f16_cluster(plan, S, N, H) : 1};
+}
+
 // Does nothing: the benchmark's measure of one bare call into the extension.
 void noop_cuda(const at::Tensor&) {}
 
@@ -1416,4 +1449,5 @@ TORCH_LIBRARY_IMPL(flashopm, CUDA, m) {
   m.impl("outer_contract_backward", &flashopm::outer_contract_backward_cuda);
   m.impl("_noop", &flashopm::noop_cuda);
   m.impl("_single_launch_plan", &flashopm::single_launch_plan_cuda);
+  m.impl("_small_tc_plan", &flashopm::small_tc_plan_cuda);
 }

@@ -207,6 +207,72 @@ __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wai
 template <int kPending>  // wait until at most kPending committed groups are still in flight
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending)); }
 
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// Split cluster barrier: arrive early (nothing to publish), wait just before the first remote
+// access, so that the wait for peers to start costs nothing.
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory"); }
+// Full barrier: remote stores before it are visible to every block of the cluster after it.
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+  asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+// The same in two halves: what this thread wrote before the arrive (an mbarrier's initialisation
+// included) is visible to the cluster's threads and copies after their wait.
+__device__ __forceinline__ void cluster_arrive_release() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait_acquire() { asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ unsigned cluster_blocks() {
+  unsigned n;
+  asm("mov.u32 %0, %%cluster_nctarank;\n" : "=r"(n));
+  return n;
+}
+__device__ __forceinline__ unsigned cluster_rank() {
+  unsigned r;
+  asm("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return r;
+}
+
+// A shared-memory mbarrier for bulk copies: one arrival (the thread that announces the bytes)
+// and the bytes themselves complete its phase.
+__device__ __forceinline__ void mbarrier_init(uint64_t* bar, unsigned arrivals) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(bar))),
+               "r"(arrivals) : "memory");
+  // The initialisation, visible to the async proxy and to the cluster's blocks (with a barrier).
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+__device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n"
+               ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(bar))), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbarrier_wait_parity(uint64_t* bar, unsigned parity) {
+  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(bar));
+  unsigned done = 0;
+  while (!done) {
+    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(done) : "r"(addr), "r"(parity) : "memory");
+  }
+}
+// `bytes` (a multiple of 16, both addresses 16-byte aligned) from global memory to dst in this
+// block, or, with a mask of several blocks, to dst's offset in each of the cluster's blocks in the
+// mask; each destination's mbarrier at bar's offset counts the bytes.
+__device__ __forceinline__ void bulk_copy_g2s(void* dst, const void* src, unsigned bytes, uint64_t* bar,
+                                              unsigned short cta_mask) {
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  const unsigned m = static_cast<unsigned>(__cvta_generic_to_shared(bar));
+  if (cta_mask == 1) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+                 ::"r"(d), "l"(src), "r"(bytes), "r"(m) : "memory");
+  } else {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1], %2, [%3], %4;\n"
+                 ::"r"(d), "l"(src), "r"(bytes), "r"(m), "h"(cta_mask) : "memory");
+  }
+}
+#endif
+
 
 __device__ __forceinline__ float mask_at(const MaskView& m, int b, int s, int n) {
   return load_mask(m.ptr, int64_t(b) * m.sb + int64_t(s) * m.ss + int64_t(n) * m.sn, m.kind);

@@ -399,27 +399,40 @@ void launch_small(const SmallArgs& args, int smem_bytes, cudaStream_t stream) {
   }
 }
 
-int small_max_active_clusters(int cluster_size, int smem_bytes) {
-  // Asked once per (device, cluster size, shared memory): the answer depends on the GPU's
-  // partition into GPCs, which no formula gives.
+namespace {
+// Clusters of `cluster_size` blocks of Kernel (`threads` threads, `smem_bytes` each) that the
+// device runs at once, 0 where none can run.  Asked once per (device, cluster size, shared
+// memory): the answer depends on the GPU's partition into GPCs, which no formula gives.
+template <auto Kernel>
+int max_active_clusters(int cluster_size, int threads, int smem_bytes) {
   static std::mutex mu;
-  static std::map<std::pair<int, std::pair<int, int>>, int> cache;
+  static std::map<std::array<int, 3>, int> cache;
   int dev = 0;
   C10_CUDA_CHECK(cudaGetDevice(&dev));
-  const auto key = std::make_pair(dev, std::make_pair(cluster_size, smem_bytes));
+  const std::array<int, 3> key{dev, cluster_size, smem_bytes};
   std::lock_guard<std::mutex> lock(mu);
   const auto it = cache.find(key);
   if (it != cache.end()) return it->second;
-  allow_smem<opm_small_kernel<true>>();
+  allow_smem<Kernel>();
   cudaLaunchAttribute attr[1];
-  const cudaLaunchConfig_t cfg = small_config(dim3(unsigned(cluster_size)), cluster_size, smem_bytes, nullptr, attr);
+  cudaLaunchConfig_t cfg = small_config(dim3(unsigned(cluster_size)), cluster_size, smem_bytes, nullptr, attr);
+  cfg.blockDim = dim3(unsigned(threads));
   int n = 0;
-  if (cudaOccupancyMaxActiveClusters(&n, opm_small_kernel<true>, &cfg) != cudaSuccess) {
+  if (cudaOccupancyMaxActiveClusters(&n, Kernel, &cfg) != cudaSuccess) {
     (void)cudaGetLastError();  // not runnable with this configuration: report none
     n = 0;
   }
   cache.emplace(key, n);
   return n;
+}
+}  // namespace
+
+int small_max_active_clusters(int cluster_size, int smem_bytes) {
+  return max_active_clusters<opm_small_kernel<true>>(cluster_size, kSmallThreads, smem_bytes);
+}
+
+int small_f16_max_active_clusters(int cluster_size, int smem_bytes) {
+  return max_active_clusters<opm_small_f16_kernel>(cluster_size, kSmallTcThreads, smem_bytes);
 }
 
 int small_tc_smem_bytes(int S, int N, int H, int TI, int Dc, bool fma) {
@@ -442,7 +455,7 @@ void launch_small_tc(const SmallTcArgs& args, int terms, cudaStream_t stream) {
   cfg.dynamicSmemBytes = size_t(args.f16 ? small_f16_layout(args.S, args.N, args.H, args.TI, args.Dc).total
                                            : small_tc_smem_bytes(args.S, args.N, args.H, args.TI, args.Dc, args.fma != 0));
   cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
+  cudaLaunchAttribute attr[2];
   if (args.fused) {
     attr[0].id = cudaLaunchAttributeCooperative;
     attr[0].val.cooperative = 1;
@@ -452,6 +465,13 @@ void launch_small_tc(const SmallTcArgs& args, int terms, cudaStream_t stream) {
   }
   cfg.attrs = attr;
   cfg.numAttrs = 1;
+  if (args.f16 && args.cluster > 1) {
+    attr[1].id = cudaLaunchAttributeClusterDimension;
+    attr[1].val.clusterDim.x = 1;
+    attr[1].val.clusterDim.y = unsigned(args.cluster);
+    attr[1].val.clusterDim.z = 1;
+    cfg.numAttrs = 2;
+  }
   if (args.f16) {
     launch_small_tc_t<opm_small_f16_kernel>(cfg, args);
   } else if (args.fma) {

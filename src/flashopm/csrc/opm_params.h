@@ -553,6 +553,7 @@ struct SmallTcArgs {
   int local_a;    // the FMA form projects its own rows of a and runs phase P before the wait
                   // (float32 x; the first kernel writes b alone)
   int local_a_vec;  // ... with its weights, LayerNorm's parameters and x's rows copied in 16-byte pieces
+  int cluster;    // the float16 split form: blocks per cluster along the tiles of i (they share b's copies)
   PrepArgs prep;  // the projections' inputs, when fused or local_a
 };
 
@@ -660,7 +661,7 @@ FLASHOPM_HD inline SmallTcLayout small_tc_fma_layout(int S, int N, int H, int TI
 constexpr int kSmallF16GroupN = 4;  // phase O's n tiles (8 columns (i, d) each) per warp item
 struct SmallF16Layout {
   int R16, N16, NP, lda, ldw, ldk, ldr, kparts;
-  int w, a, b, p, red, a_st, b_st, pair, bias, den, e_a, e_b, total;  // bytes
+  int w, a, b, p, red, a_st, b_st, pair, bias, den, e_a, e_b, bar, total;  // bytes
 };
 FLASHOPM_HD inline SmallF16Layout small_f16_layout(int S, int N, int H, int TI, int Dc) {
   SmallF16Layout L{};
@@ -688,6 +689,7 @@ FLASHOPM_HD inline SmallF16Layout small_f16_layout(int S, int N, int H, int TI, 
   L.den = o;        o += kSmallTcMaxTI * 4;
   L.e_a = o;        o += kSmallTcMaxTI * 4;
   L.e_b = o;        o += L.N16 * 4;
+  L.bar = (o + 7) / 8 * 8;  o = L.bar + 8;  // an mbarrier
   L.total = o;
   return L;
 }
@@ -731,6 +733,9 @@ FLASHOPM_HD inline bool small_tc_local_a_fits(const SmallTcLayout& L, int C, int
 // programmatic dependent of the first, or (args.fused) alone as a cooperative launch whose grid
 // the device holds at once; terms as for launch_outer_tc.
 void launch_small_tc(const SmallTcArgs& args, int terms, cudaStream_t stream);
+// Clusters of `cluster_size` blocks of the float16 split form with `smem_bytes` each that the
+// device runs at once (0: none).
+int small_f16_max_active_clusters(int cluster_size, int smem_bytes);
 int small_tc_smem_bytes(int S, int N, int H, int TI, int Dc, bool fma);
 
 // ---- Backward of the outer-first contraction (opm_backward_kernel.cuh) ----

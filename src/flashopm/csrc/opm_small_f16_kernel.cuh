@@ -7,10 +7,12 @@
 //             shared memory; bias, row denominators or pair counts (small_tc_stage_norm): nothing
 //             here depends on the first kernel, so it overlaps it;
 //   wait      griddepcontrol.wait (a and b, as (B, N, S, H), complete and visible);
-//   copy      each warp copies its rows of a (row i: warp i) and of b (rows j = warp + 16k) into
-//             shared memory; a's rows are scaled and split as soon as they arrive, b's after
-//             phase P, so that their copies overlap it; no block barrier: every warp splits
-//             the rows it copied;
+//   copy      each warp copies its row of a (row i: warp i) into shared memory, scales and splits
+//             it as soon as it arrives (no block barrier); b's rows, the same for every block of
+//             a batch, arrive in bulk copies counted by an mbarrier: in a cluster of blocks along
+//             the tiles of i, each block copies a share of them into every block of the cluster
+//             (multicast), so that L2 serves b once per cluster; b's rows are split after phase
+//             P, so that their copies overlap it (rows j = warp + 16k by warp);
 //   phase P   for each d: P[(i, s), h2] = sum_h1 a[(i, s), h1] · W[d, h1·H + h2]   (M = TI·S, N = K = H)
 //             stored split as rows (i, d) of k = (s, h2);
 //   phase O   out[j, (i, d)] = sum_k b[j, k] · P[(i, d), k]                       (M = N, N = TI·Dc, K = S·H)
@@ -122,7 +124,7 @@ __device__ __forceinline__ int split_row_warp(const float* src, int len, int lg_
   return e;
 }
 
-__device__ __forceinline__ void cp_async_wait_pending1() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }
+// Waits for this thread's copies (a compiler barrier too: shared-memory reads stay after it).
 __device__ __forceinline__ void cp_async_wait_pending0() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 
 __global__ void __maxnreg__(96) opm_small_f16_kernel(const SmallTcArgs p) {
@@ -153,10 +155,15 @@ __global__ void __maxnreg__(96) opm_small_f16_kernel(const SmallTcArgs p) {
   float* const den_s = reinterpret_cast<float*>(smem + L.den);
   int* const e_a_s = reinterpret_cast<int*>(smem + L.e_a);
   int* const e_b_s = reinterpret_cast<int*>(smem + L.e_b);
+  uint64_t* const b_bar = reinterpret_cast<uint64_t*>(smem + L.bar);  // b's bytes have arrived
   // The W maximum's warp values: e_b is first written after the barrier that ends a's splits.
   float* const scratch = reinterpret_cast<float*>(e_b_s);
 
   // ---- prologue: independent of the first kernel ----
+  const unsigned cl_blocks = cluster_blocks();
+  if (tid == 0) mbarrier_init(b_bar, 1);
+  // The peers' copies into this block count on its mbarrier: initialised before any is issued.
+  if (cl_blocks > 1) cluster_arrive_release();
   const float4* const w_src = reinterpret_cast<const float4*>(p.w_out + int64_t(d0) * HH);
   const auto load_w = [&](int idx) { return __ldg(w_src + idx); };
   const int w4 = dvalid * HH / 4;
@@ -182,12 +189,18 @@ __global__ void __maxnreg__(96) opm_small_f16_kernel(const SmallTcArgs p) {
     for (int c = lane; c < sh4; c += 32) cp_async16(a_st + warp * SH + 4 * c, src + 4 * c);
   }
   cp_async_commit();
-  for (int j = warp; j < N; j += kSmallTcWarps) {
-    const float* src = p.b + (int64_t(b) * N + j) * SH;
-    for (int c = lane; c < sh4; c += 32) cp_async16(b_st + j * SH + 4 * c, src + 4 * c);
+  if (cl_blocks > 1) cluster_wait_acquire();
+  if (tid == 0) {
+    // This block's share of b's rows, [j0, j1), into every block of the cluster; N·SH·4 bytes
+    // arrive here in all.
+    const unsigned rank = cluster_rank();
+    const int j0 = int(int64_t(N) * rank / cl_blocks), j1 = int(int64_t(N) * (rank + 1) / cl_blocks);
+    mbarrier_arrive_expect_tx(b_bar, unsigned(N) * unsigned(SH) * 4u);
+    if (j1 > j0)
+      bulk_copy_g2s(b_st + j0 * SH, p.b + (int64_t(b) * N + j0) * SH, unsigned(j1 - j0) * unsigned(SH) * 4u, b_bar,
+                    static_cast<unsigned short>((1u << cl_blocks) - 1u));
   }
-  cp_async_commit();
-  cp_async_wait_pending1();
+  cp_async_wait_pending0();
   __syncwarp();
   if (warp < ti) {
     const int e = split_row_warp(a_st + warp * SH, SH, lg_h, a_hi, a_lo,
@@ -257,13 +270,15 @@ __global__ void __maxnreg__(96) opm_small_f16_kernel(const SmallTcArgs p) {
   }
 
   // ---- b's rows, copied while phase P ran ----
-  cp_async_wait_pending0();
-  __syncwarp();
+  mbarrier_wait_parity(b_bar, 0);
   for (int j = warp; j < N; j += kSmallTcWarps) {
     const int e = split_row_warp(b_st + j * SH, SH, lg_h, b_hi, b_lo,
                                  [&](int s, int h) { return j * L.ldk + s * hk + h; });
     if (lane == 0) e_b_s[j] = e;
   }
+  // Every block of the cluster has all of b's rows (no copy into it is still in flight) once
+  // every block has passed this point: the barrier's wait before the exit.
+  if (cl_blocks > 1) cluster_arrive_relaxed();
   __syncthreads();
 
   // ---- phase O: items (16 rows j, kSmallF16GroupN n tiles of columns (i, d), part of K) ----
@@ -323,6 +338,7 @@ __global__ void __maxnreg__(96) opm_small_f16_kernel(const SmallTcArgs p) {
   // out' = out·2^(e_b[j] + e_a[i] + e_w + p_exp)
   small_tc_store_out<true>(p, red, L.ldr, L.N16, L.kparts, bias_s, den_s, pair_s, b, i0, d0, ti, e_a_s, e_b_s,
                            e_w + p_exp);
+  if (cl_blocks > 1) cluster_wait();
 #endif
 }
 
