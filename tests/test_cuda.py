@@ -285,46 +285,30 @@ def test_small_tc_f16_form_far_from_one(shape, scale, monkeypatch):
     assert err <= max(2 * err_eager, FP64_FLOOR), f"normwise error {err:.3g} vs eager fp32 {err_eager:.3g}"
 
 
-# Clusters of the float16 split form along the tiles of i, in which each block copies a share of
-# b's rows into every block (multicast): the same sums in the same order as without clusters, so
-# the same bits.  Ragged shares (N not a multiple of the cluster) and a ragged last tile of i;
-# hidden 16 and 32.
-F16_CLUSTER_CASES = [(SPEC, (4, 8)), (SPEC, (1, 32)), (Shape(1, 5, 31, 24, 32, 40), (4, 8)),
-                     (Shape(2, 3, 24, 9, 16, 70), (1, 64))]
+# The float16 split form where it is asked for, checked to be the form that ran: kernel 1 writes
+# a's and b's rows split, each with its own scale; rows of i ragged in their last tile; hidden 16,
+# 32 and 64; four rows per warp in kernel 1 (B·S blocks of 32 positions past two per SM).
+F16_FORM_CASES = [(SPEC, None), (Shape(1, 5, 31, 24, 32, 40), (4, 8)), (Shape(2, 3, 24, 9, 16, 70), (1, 64)),
+                  (Shape(1, 2, 20, 24, 64, 8), None), (Shape(33, 8, 16, 12, 16, 8), None)]
 
 
-@pytest.mark.parametrize("cluster", [2, 4, 8])
-@pytest.mark.parametrize("shape,tile", F16_CLUSTER_CASES, ids=lambda v: str(v))
-def test_small_tc_f16_clusters_keep_the_bits(shape, tile, cluster, monkeypatch):
+@pytest.mark.parametrize("shape,tile", F16_FORM_CASES, ids=lambda v: str(v))
+def test_small_tc_f16_form_runs(shape, tile, monkeypatch):
     monkeypatch.setenv("FLASHOPM_SMALL_TC_F16", "1")
-    monkeypatch.setenv("FLASHOPM_SMALL_TC_TILE", f"{tile[0]},{tile[1]}")
-    x, m, p = make_problem(shape, "masked_positions", seed=zlib.crc32(f"{shape}-{tile}-cl".encode()) % 1000)
-    xc, mc, pc = x.cuda(), m.cuda(), _cuda_params(p)
-    monkeypatch.setenv("FLASHOPM_SMALL_F16_CLUSTER", "1")
-    assert torch.ops.flashopm._small_tc_plan(xc, shape.B, shape.S, shape.N, shape.H, shape.D) == [tile[0], tile[1], 1, 1]
-    alone = _run(xc, mc, pc, "small-tc", may_not_fit=False)
-    monkeypatch.setenv("FLASHOPM_SMALL_F16_CLUSTER", str(cluster))
-    assert torch.ops.flashopm._small_tc_plan(xc, shape.B, shape.S, shape.N, shape.H, shape.D) == [tile[0], tile[1], 1, cluster]
-    clustered = _run(xc, mc, pc, "small-tc", may_not_fit=False)
-    assert torch.equal(clustered, alone)
-    assert torch.equal(_run(xc, mc, pc, "small-tc", may_not_fit=False), clustered)
-    torch.testing.assert_close(clustered.cpu(), reference(xc, mc, pc).cpu(), atol=1e-4, rtol=1e-4)
-
-
-def test_small_tc_f16_cluster_falls_back_and_is_checked(monkeypatch):
-    """Tiles of i that the cluster does not divide (13 rows, one per block) take the largest size
-    that does (here none); a size that is not 1, 2, 4 or 8 is an error that names the setting."""
-    monkeypatch.setenv("FLASHOPM_SMALL_TC_F16", "1")
-    monkeypatch.setenv("FLASHOPM_SMALL_TC_TILE", "1,64")
-    monkeypatch.setenv("FLASHOPM_SMALL_F16_CLUSTER", "4")
+    if tile is not None:
+        monkeypatch.setenv("FLASHOPM_SMALL_TC_TILE", f"{tile[0]},{tile[1]}")
     like = torch.empty(1, device="cuda")
-    assert torch.ops.flashopm._small_tc_plan(like, 2, 3, 13, 16, 70) == [1, 64, 1, 1]
-    assert torch.ops.flashopm._small_tc_plan(like, 2, 3, 14, 16, 70) == [1, 64, 1, 2]
-    _check(Shape(2, 3, 14, 9, 16, 70), "fractional", "small-tc", seed=5, may_not_fit=False)
-    monkeypatch.setenv("FLASHOPM_SMALL_F16_CLUSTER", "3")
-    x, m, p = make_problem(SPEC, "masked_positions", seed=2)
-    with pytest.raises(RuntimeError, match="FLASHOPM_SMALL_F16_CLUSTER"):
-        _run(x.cuda(), m.cuda(), _cuda_params(p), "small-tc")
+    plan = torch.ops.flashopm._small_tc_plan(like, shape.B, shape.S, shape.N, shape.H, shape.D)
+    assert len(plan) == 3 and plan[2] == 1, plan
+    if tile is not None:
+        assert plan[:2] == list(tile)
+    x, m, p = make_problem(shape, "masked_positions", seed=zlib.crc32(f"{shape}-f16-runs".encode()) % 1000)
+    xc, mc, pc = x.cuda(), m.cuda(), _cuda_params(p)
+    kernels = _flashopm_kernels(lambda: _run(xc, mc, pc, "small-tc", poison=False, may_not_fit=False))
+    assert any("opm_small_f16_kernel" in k for k in kernels), kernels
+    _check(shape, "masked_positions", "small-tc", seed=zlib.crc32(f"{shape}-f16-runs".encode()) % 1000,
+           may_not_fit=False)
+    _check(shape, "fractional", "small-tc", seed=3, scale=10.0, may_not_fit=False)
 
 
 def test_small_tc_f16_form_nan_inf_propagate(monkeypatch):

@@ -74,8 +74,8 @@ SCHEMAS = {
     # clusters resident at once], or [] when the problem does not fit in shared memory.
     "_single_launch_plan": "_single_launch_plan(Tensor like, int B, int S, int N, int C, int H, int D) -> int[]",
     # The two-launch path's tiling for a float32 problem under "highest" (CUDA only; for tests and
-    # the benchmark): [rows i per block, columns d per block, 1 for the float16 split form, blocks
-    # per cluster of that form], or [] when the path does not fit.
+    # the benchmark): [rows i per block, columns d per block, 1 for the float16 split form], or []
+    # when the path does not fit.
     "_small_tc_plan": "_small_tc_plan(Tensor like, int B, int S, int N, int H, int D) -> int[]",
 }
 

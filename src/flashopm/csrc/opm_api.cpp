@@ -356,25 +356,6 @@ bool small_tc_f16(const SmallTcPlan& plan, int tc_terms, const float* w_out, int
   return env_is("FLASHOPM_SMALL_TC_F16", "1") || block_macs > kSmallF16MinMacs;
 }
 
-// Blocks per cluster of the float16 split form, along the tiles of i: each copies a share of b's
-// rows (B·N·S·H floats, the same for every block of a batch) into all of them, so that L2 serves b
-// once per cluster instead of once per block.  FLASHOPM_SMALL_F16_CLUSTER (1, 2, 4 or 8) sets the
-// size, kSmallF16Cluster by default; smaller where the tiles of i do not divide into it or the
-// device cannot run such clusters.
-constexpr int kSmallF16Cluster = 1;
-int small_f16_cluster(const SmallTcPlan& plan, int64_t S, int64_t N, int64_t H) {
-  int cl = kSmallF16Cluster;
-  if (const char* env = std::getenv("FLASHOPM_SMALL_F16_CLUSTER"); env != nullptr && *env != 0) {
-    cl = std::atoi(env);
-    FLASHOPM_CHECK(cl == 1 || cl == 2 || cl == 4 || cl == 8, "flashopm: FLASHOPM_SMALL_F16_CLUSTER must be 1, 2, 4 or 8, got '",
-                   env, "'");
-  }
-  const int64_t tiles_i = (N + plan.TI - 1) / plan.TI;
-  const int smem = small_f16_layout(int(S), int(N), int(H), plan.TI, plan.Dc).total;
-  while (cl > 1 && (tiles_i % cl != 0 || small_f16_max_active_clusters(cl, smem) == 0)) cl /= 2;
-  return cl;
-}
-
 // The small-problem path in one cooperative launch (opm_small_tc_kernel's kFused), where
 // FLASHOPM_SMALL_TC_FUSED=1 asks for it: float32 x, every block resident at once (one per SM), at
 // most kSmallTcFusedMaxRows rows of projections per block, and room for the projection weights and
@@ -448,7 +429,7 @@ void run_prep(const PrepArgs& args_in, bool project_w, int dev, cudaStream_t str
   PrepArgs args = args_in;
   args.weights_late = !env_is("FLASHOPM_PREP_WEIGHTS_FIRST", "1");
   const int64_t rows = int64_t(args.B) * args.S * args.N;
-  if (!project_w && 2 * rows >= int64_t(kProjRows) * device_info(dev).sm_count &&
+  if (!project_w && args.ab_kind != kAbF16Split && 2 * rows >= int64_t(kProjRows) * device_info(dev).sm_count &&
       rows / kProjRows < int64_t(1) << 31) {
     check_smem(project_rows_smem_bytes(args), dev, "LayerNorm/projection");
     return launch_project_rows(args, stream);
@@ -797,7 +778,14 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     set_inputs(pa, msa);
     pa.x_kind = x_kind;
     pa.o_chunks = 1;
-    const bool f16 = small_tc_f16(small_tc, tc_terms, w_out.data_ptr<float>(), S, N, H);
+    // The float16 split form's workspace (kAbF16Split): b's and a's rows split, then their
+    // exponents; each region's size a multiple of 16 bytes, so that every block's rows are
+    // 16-byte aligned for its bulk copies.
+    const SmallF16Layout f16_layout = small_f16_layout(int(S), int(N), int(H), small_tc.TI, small_tc.Dc);
+    const int64_t b16_halves = B * N * f16_layout.ldk, a16_halves = B * N * S * f16_layout.lda;
+    const int64_t f16_ws_bytes = 4 * (b16_halves + a16_halves + B * f16_layout.NS4 + B * round_up4(int(N * S)));
+    const bool f16 = small_tc_f16(small_tc, tc_terms, w_out.data_ptr<float>(), S, N, H) &&
+                     f16_ws_bytes / 4 <= budget_elems;
     const bool fma = !f16 && small_tc_fma(small_tc, tc_terms);
     const bool fused = !f16 && small_tc_fused(pa, small_tc, fma, dev);
     const bool local_a = small_tc_local_a(pa, small_tc, fma, fused, w_out.data_ptr<float>());
@@ -805,8 +793,8 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     // block projects its own), so that it copies rows of both in 16-byte pieces.
     const bool rows16 = fma && !fused;
     const int64_t N4 = (N + 3) / 4 * 4, NS4 = (N * S + 3) / 4 * 4;
-    const int64_t b_elems = rows16 ? B * S * H * N4 : ab_elems;
-    const int64_t a_elems = local_a ? 0 : rows16 ? B * H * NS4 : ab_elems;
+    const int64_t b_elems = f16 ? f16_ws_bytes / 4 : rows16 ? B * S * H * N4 : ab_elems;
+    const int64_t a_elems = local_a || f16 ? 0 : rows16 ? B * H * NS4 : ab_elems;
     // Workspace straight from the caching allocator (no tensor: host time), released on return
     // and reused in stream order, as a tensor's storage would be.  b first: both stay 16-byte
     // aligned.
@@ -814,7 +802,29 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
         c10::cuda::CUDACachingAllocator::get()->allocate(size_t(b_elems + a_elems) * sizeof(float));
     float* const b_ws = static_cast<float*>(ws.get());
     float* const a_ws = local_a ? nullptr : b_ws + b_elems;
-    if (rows16) {
+    // kAbF16Split's regions: b's high and low parts, a's, b's exponents, a's.
+    uint16_t* const b16 = reinterpret_cast<uint16_t*>(b_ws);
+    uint16_t* const a16 = b16 + 2 * b16_halves;
+    int* const b_exp = reinterpret_cast<int*>(a16 + 2 * a16_halves);
+    int* const a_exp = b_exp + B * f16_layout.NS4;
+    if (f16) {
+      pa.ab_kind = kAbF16Split;
+      pa.a_rows = int(N);
+      pa.a_out = a16;
+      pa.a_sb = N * S * f16_layout.lda;
+      pa.a_ss = f16_layout.lda;
+      pa.a_sn = S * f16_layout.lda;
+      pa.a_lo_off = a16_halves;
+      pa.b_out = b16;
+      pa.b_sb = N * f16_layout.ldk;
+      pa.b_ss = H + 8;
+      pa.b_sn = f16_layout.ldk;
+      pa.b_lo_off = b16_halves;
+      pa.a_exp = a_exp;
+      pa.b_exp = b_exp;
+      pa.a_exp_sb = N * S;
+      pa.b_exp_sb = f16_layout.NS4;
+    } else if (rows16) {
       pa.ab_kind = kAbF32HStride;
       pa.b_out = b_ws;
       pa.b_sb = S * H * N4;
@@ -843,10 +853,17 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     ta.fused = fused;
     ta.local_a = local_a;
     ta.local_a_vec = local_a && small_tc_local_a_vec(pa);
-    ta.cluster = f16 ? small_f16_cluster(small_tc, S, N, H) : 1;
     ta.prep = pa;
     ta.a = a_ws;
     ta.b = b_ws;
+    if (f16) {
+      ta.a16 = a16;
+      ta.b16 = b16;
+      ta.a16_lo = a16_halves;
+      ta.b16_lo = b16_halves;
+      ta.a_exp = a_exp;
+      ta.b_exp = b_exp;
+    }
     ta.mask = mask_view;
     ta.w_out = w_out.data_ptr<float>();
     ta.bias = opt_ptr(b_out);
@@ -1426,16 +1443,15 @@ std::vector<int64_t> single_launch_plan_cuda(const at::Tensor& like, int64_t B, 
 }
 
 // The two-launch path's tiling for a float32 problem under "highest" with a 16-byte aligned W:
-// [rows i per block, columns d per block, 1 for the float16 split form, blocks per cluster of
-// that form], or [] when the path does not fit.
+// [rows i per block, columns d per block, 1 for the float16 split form], or [] when the path does
+// not fit.
 std::vector<int64_t> small_tc_plan_cuda(const at::Tensor& like, int64_t B, int64_t S, int64_t N, int64_t H,
                                         int64_t D) {
   const c10::cuda::CUDAGuard guard(like.device());
   if (B < 1 || S < 1 || N < 1 || H < 1 || H > kMaxHidden || H % 8 != 0 || D < 1) return {};
   const SmallTcPlan plan = plan_small_tc(B, S, N, H, D, like.get_device());
   if (plan.TI == 0) return {};
-  const bool f16 = small_tc_f16(plan, 3, nullptr, S, N, H);
-  return {plan.TI, plan.Dc, f16 ? 1 : 0, f16 ? small_f16_cluster(plan, S, N, H) : 1};
+  return {plan.TI, plan.Dc, small_tc_f16(plan, 3, nullptr, S, N, H) ? 1 : 0};
 }
 
 // Does nothing: the benchmark's measure of one bare call into the extension.

@@ -36,6 +36,15 @@ __device__ __forceinline__ int split_scale_exp_bits(float m) {
   return min(max(kSplitTopExp + 127 - (__float_as_int(m) >> 23), kSplitMinExp), kSplitMaxExp);
 }
 __device__ __forceinline__ float exp2_int(int e) { return __int_as_float((127 + e) << 23); }  // |e| <= 126
+// 2^e for e <= 126, zero below the normal range.
+__device__ __forceinline__ float exp2_int_or_zero(int e) { return e < -126 ? 0.f : exp2_int(e); }
+
+// x split into float16 high and low parts, stored at hi and hi + lo_off.
+__device__ __forceinline__ void store_split_f16(__half* hi, int64_t lo_off, float x) {
+  const __half h = __float2half_rn(x);
+  hi[0] = h;
+  hi[lo_off] = __float2half_rn(x - __half2float(h));
+}
 
 // n / d for 0 <= n < 2^22 through a float reciprocal, a few instructions instead of an integer
 // division: (n + 1/2)/d lies at least 1/(2d) from an integer, farther than the two roundings'
@@ -219,29 +228,12 @@ __device__ __forceinline__ void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
   asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }
-// The same in two halves: what this thread wrote before the arrive (an mbarrier's initialisation
-// included) is visible to the cluster's threads and copies after their wait.
-__device__ __forceinline__ void cluster_arrive_release() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ void cluster_wait_acquire() { asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ unsigned cluster_blocks() {
-  unsigned n;
-  asm("mov.u32 %0, %%cluster_nctarank;\n" : "=r"(n));
-  return n;
-}
-__device__ __forceinline__ unsigned cluster_rank() {
-  unsigned r;
-  asm("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
-  return r;
-}
-
 // A shared-memory mbarrier for bulk copies: one arrival (the thread that announces the bytes)
 // and the bytes themselves complete its phase.
 __device__ __forceinline__ void mbarrier_init(uint64_t* bar, unsigned arrivals) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(bar))),
                "r"(arrivals) : "memory");
-  // The initialisation, visible to the async proxy and to the cluster's blocks (with a barrier).
+  // The initialisation, visible to the async proxy (the bulk copies' completions).
   asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 }
 __device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* bar, unsigned bytes) {
@@ -256,20 +248,12 @@ __device__ __forceinline__ void mbarrier_wait_parity(uint64_t* bar, unsigned par
                  : "=r"(done) : "r"(addr), "r"(parity) : "memory");
   }
 }
-// `bytes` (a multiple of 16, both addresses 16-byte aligned) from global memory to dst in this
-// block, or, with a mask of several blocks, to dst's offset in each of the cluster's blocks in the
-// mask; each destination's mbarrier at bar's offset counts the bytes.
-__device__ __forceinline__ void bulk_copy_g2s(void* dst, const void* src, unsigned bytes, uint64_t* bar,
-                                              unsigned short cta_mask) {
-  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  const unsigned m = static_cast<unsigned>(__cvta_generic_to_shared(bar));
-  if (cta_mask == 1) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
-                 ::"r"(d), "l"(src), "r"(bytes), "r"(m) : "memory");
-  } else {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1], %2, [%3], %4;\n"
-                 ::"r"(d), "l"(src), "r"(bytes), "r"(m), "h"(cta_mask) : "memory");
-  }
+// `bytes` (a multiple of 16, both addresses 16-byte aligned) from global memory to dst in shared
+// memory, counted on the mbarrier bar.
+__device__ __forceinline__ void bulk_copy_g2s(void* dst, const void* src, unsigned bytes, uint64_t* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+               ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(dst))), "l"(src), "r"(bytes),
+               "r"(static_cast<unsigned>(__cvta_generic_to_shared(bar))) : "memory");
 }
 #endif
 
@@ -637,6 +621,52 @@ __global__ void __launch_bounds__(kPrepThreads, RW == 1 && Q <= 2 && !kProjectW 
     for (int r = 0; r < RW; ++r)
 #pragma unroll
       for (int q = 0; q < Q; ++q) acc[r][q] += part[r][q];
+  }
+
+  if constexpr (!kProjectW) {
+    if (p.ab_kind == kAbF16Split) {
+      // Each row of a and of b scaled by its own power of two and split into float16 parts
+      // (kAbF16Split); the scale from the row's largest magnitude, over the whole warp.
+#pragma unroll
+      for (int r = 0; r < RW; ++r) {
+        const int n = n_base + warp * RW + r;
+        float v[Q];
+        float max_a = 0.f, max_b = 0.f;
+#pragma unroll
+        for (int q = 0; q < Q; ++q) {
+          const int o = lane + 32 * q;
+          v[q] = (acc[r][q] + bias_v[q]) * mask_v[r];
+          if (o < H) max_a = fmaxf(max_a, fabsf(v[q]));
+          else if (o < H2) max_b = fmaxf(max_b, fabsf(v[q]));
+        }
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) {
+          max_a = fmaxf(max_a, __shfl_xor_sync(0xffffffffu, max_a, off));
+          max_b = fmaxf(max_b, __shfl_xor_sync(0xffffffffu, max_b, off));
+        }
+        if (n >= p.N) continue;
+        const int e_a = split_scale_exp_bits(max_a), e_b = split_scale_exp_bits(max_b);
+        const float f_a = exp2_int(e_a), f_b = exp2_int(e_b);
+        const int64_t row = int64_t(n) * p.S + s;
+        __half* const a_row = static_cast<__half*>(p.a_out) + b * p.a_sb + row * p.a_ss;
+        __half* const b_row = static_cast<__half*>(p.b_out) + b * p.b_sb + int64_t(n) * p.b_sn + int64_t(s) * p.b_ss;
+        const bool store_a = n < p.a_rows;
+#pragma unroll
+        for (int q = 0; q < Q; ++q) {
+          const int o = lane + 32 * q;
+          if (o < H) {
+            if (store_a) store_split_f16(a_row + o, p.a_lo_off, v[q] * f_a);
+          } else if (o < H2) {
+            store_split_f16(b_row + (o - H), p.b_lo_off, v[q] * f_b);
+          }
+        }
+        if (lane == 0) {
+          if (store_a) p.a_exp[b * p.a_exp_sb + row] = e_a;
+          p.b_exp[b * p.b_exp_sb + row] = e_b;
+        }
+      }
+      return;
+    }
   }
 
   // Bias, mask, store.  In project-first mode b stays in shared memory (zero rows past N).

@@ -431,10 +431,6 @@ int small_max_active_clusters(int cluster_size, int smem_bytes) {
   return max_active_clusters<opm_small_kernel<true>>(cluster_size, kSmallThreads, smem_bytes);
 }
 
-int small_f16_max_active_clusters(int cluster_size, int smem_bytes) {
-  return max_active_clusters<opm_small_f16_kernel>(cluster_size, kSmallTcThreads, smem_bytes);
-}
-
 int small_tc_smem_bytes(int S, int N, int H, int TI, int Dc, bool fma) {
   return (fma ? small_tc_fma_layout(S, N, H, TI, Dc) : small_tc_layout(S, N, H, TI, Dc)).total * int(sizeof(float));
 }
@@ -455,7 +451,7 @@ void launch_small_tc(const SmallTcArgs& args, int terms, cudaStream_t stream) {
   cfg.dynamicSmemBytes = size_t(args.f16 ? small_f16_layout(args.S, args.N, args.H, args.TI, args.Dc).total
                                            : small_tc_smem_bytes(args.S, args.N, args.H, args.TI, args.Dc, args.fma != 0));
   cfg.stream = stream;
-  cudaLaunchAttribute attr[2];
+  cudaLaunchAttribute attr[1];
   if (args.fused) {
     attr[0].id = cudaLaunchAttributeCooperative;
     attr[0].val.cooperative = 1;
@@ -465,13 +461,6 @@ void launch_small_tc(const SmallTcArgs& args, int terms, cudaStream_t stream) {
   }
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  if (args.f16 && args.cluster > 1) {
-    attr[1].id = cudaLaunchAttributeClusterDimension;
-    attr[1].val.clusterDim.x = 1;
-    attr[1].val.clusterDim.y = unsigned(args.cluster);
-    attr[1].val.clusterDim.z = 1;
-    cfg.numAttrs = 2;
-  }
   if (args.f16) {
     launch_small_tc_t<opm_small_f16_kernel>(cfg, args);
   } else if (args.fma) {

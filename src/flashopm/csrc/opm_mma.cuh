@@ -193,6 +193,36 @@ __device__ __forceinline__ void mma_f16_split_add(float (&acc)[kNT][4], const ui
     for (int e = 0; e < 4; ++e) acc[n][e] += c[n][e];
 }
 
+// The same with the k-step's sums scaled per row: acc[n] rows g by f_g, rows g + 8 by f_g8
+// (one fused multiply-add each instead of an add).
+template <int kNT>
+__device__ __forceinline__ void mma_f16_split_fma_rows(float (&acc)[kNT][4], const uint32_t (&a_hi)[4],
+                                                       const uint32_t (&a_lo)[4], const uint32_t (&b_hi)[kNT][2],
+                                                       const uint32_t (&b_lo)[kNT][2], int n_valid, float f_g,
+                                                       float f_g8) {
+  float c[kNT][4];
+#pragma unroll
+  for (int n = 0; n < kNT; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) c[n][e] = 0.f;
+#pragma unroll
+  for (int n = 0; n < kNT; ++n)
+    if (n < n_valid) mma_16bit<__half>(c[n], a_lo, b_hi[n][0], b_hi[n][1]);
+#pragma unroll
+  for (int n = 0; n < kNT; ++n)
+    if (n < n_valid) mma_16bit<__half>(c[n], a_hi, b_lo[n][0], b_lo[n][1]);
+#pragma unroll
+  for (int n = 0; n < kNT; ++n)
+    if (n < n_valid) mma_16bit<__half>(c[n], a_hi, b_hi[n][0], b_hi[n][1]);
+#pragma unroll
+  for (int n = 0; n < kNT; ++n) {
+    acc[n][0] = fmaf(c[n][0], f_g, acc[n][0]);
+    acc[n][1] = fmaf(c[n][1], f_g, acc[n][1]);
+    acc[n][2] = fmaf(c[n][2], f_g8, acc[n][2]);
+    acc[n][3] = fmaf(c[n][3], f_g8, acc[n][3]);
+  }
+}
+
 // Zeroes a warp's kMT x kNT accumulator tiles.
 template <int kMT, int kNT>
 __device__ __forceinline__ void zero_tiles(float (&acc)[kMT][kNT][4]) {

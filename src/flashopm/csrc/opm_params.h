@@ -44,7 +44,15 @@ enum MaskKind : int { kMaskFloat = 0, kMaskBool = 1, kMaskHalf = 2, kMaskBFloat1
 //   kAbF32HStride: float32, element h of a row at h·a_hs (a) or h·b_hs (b): a as (B, H, NS4) with
 //                  (n, s) at n·S + s and NS4 = round_up4(N·S), b as (B, S, H, N4) with
 //                  N4 = round_up4(N)
-enum AbKind : int { kAbTf32 = 4, kAbF32Rows16 = 5, kAbF32Rows32 = 6, kAbF32HStride = 7 };
+// And one for its float16 split form (opm_small_f16_kernel), in that kernel's shared-memory
+// layouts so that a block's rows arrive in a few bulk copies:
+//   kAbF16Split:   each row (b, s, n) of a and of b scaled by its own power of two 2^e (e from the
+//                  row's largest magnitude, split_scale_exp_bits) and split into float16 high and
+//                  low parts; element h of a at a_out + b·a_sb + (n·S + s)·a_ss + h (a_ss = H + 8
+//                  halves), of b at b_out + b·b_sb + n·b_sn + s·b_ss + h (b_ss = H + 8, b_sn =
+//                  SmallF16Layout::ldk); the low parts a_lo_off (b_lo_off) halves further on; e at
+//                  a_exp + b·a_exp_sb + n·S + s (b_exp alike)
+enum AbKind : int { kAbTf32 = 4, kAbF32Rows16 = 5, kAbF32Rows32 = 6, kAbF32HStride = 7, kAbF16Split = 8 };
 FLASHOPM_HD constexpr int kmajor_row_floats(int terms) { return terms == 3 ? 16 : 32; }
 FLASHOPM_HD constexpr int ab_kind_row_floats(int kind) { return kind == kAbF32Rows16 ? 16 : 32; }
 
@@ -96,6 +104,10 @@ struct PrepArgs {
   int ab_kind;   // kMaskFloat, kMaskBFloat16/kMaskHalf (the 16-bit kernel), or an AbKind
   int64_t a_hs, b_hs;  // kAbF32HStride: the strides of h
   int64_t b_sb, b_ss, b_sn, b_sc;
+  int64_t a_lo_off, b_lo_off;  // kAbF16Split: the low parts' offset (halves) from the high parts'
+  int* a_exp;                  // kAbF16Split: the rows' scale exponents
+  int* b_exp;
+  int64_t a_exp_sb, b_exp_sb;
   int s_chunk;
   float* c_out;  // project-first only: (B, S, H, N, D)
   int B, S, N, C, H, D;  // N: rows of this launch
@@ -538,6 +550,14 @@ struct SmallTcArgs {
   // by the kernel itself when fused.
   float* a;
   float* b;
+  // The float16 split form: a and b as kernel 1 writes them in kAbF16Split (a16 with the strides
+  // (N·S·lda, lda) for batch and row (n, s), b16 with (N·ldk, ldk) for batch and n; the low parts
+  // a16_lo (b16_lo) halves on; exponents at a_exp + b·N·S + n·S + s and b_exp + b·NS4 + n·S + s).
+  const void* a16;
+  const void* b16;
+  int64_t a16_lo, b16_lo;
+  const int* a_exp;
+  const int* b_exp;
   MaskView mask;
   const float* w_out;  // (D, H*H) contiguous, 8-byte aligned
   const float* bias;   // (D) or null
@@ -553,7 +573,6 @@ struct SmallTcArgs {
   int local_a;    // the FMA form projects its own rows of a and runs phase P before the wait
                   // (float32 x; the first kernel writes b alone)
   int local_a_vec;  // ... with its weights, LayerNorm's parameters and x's rows copied in 16-byte pieces
-  int cluster;    // the float16 split form: blocks per cluster along the tiles of i (they share b's copies)
   PrepArgs prep;  // the projections' inputs, when fused or local_a
 };
 
@@ -660,8 +679,8 @@ FLASHOPM_HD inline SmallTcLayout small_tc_fma_layout(int S, int N, int H, int TI
 // bank conflicts; ldk is an odd number of 16-byte pieces.
 constexpr int kSmallF16GroupN = 4;  // phase O's n tiles (8 columns (i, d) each) per warp item
 struct SmallF16Layout {
-  int R16, N16, NP, lda, ldw, ldk, ldr, kparts;
-  int w, a, b, p, red, a_st, b_st, pair, bias, den, e_a, e_b, bar, total;  // bytes
+  int R16, N16, NP, lda, ldw, ldk, ldr, kparts, NS4;
+  int w, a, b, p, red, e_b_st, p_f, b_f, pair, bias, den, e_a, e_b, bars, total;  // bytes
 };
 FLASHOPM_HD inline SmallF16Layout small_f16_layout(int S, int N, int H, int TI, int Dc) {
   SmallF16Layout L{};
@@ -682,14 +701,16 @@ FLASHOPM_HD inline SmallF16Layout small_f16_layout(int S, int N, int H, int TI, 
   L.a = o;          o += 2 * L.R16 * L.lda * 2;
   L.b = o;          o += 2 * L.N16 * L.ldk * 2;
   L.p = o;          o += 2 * L.NP * L.ldk * 2;
-  L.a_st = o;       o += TI * S * H * 4;
-  L.b_st = o;       o += N * S * H * 4;
+  L.NS4 = round_up4(N * S);
+  L.e_b_st = o;     o += L.NS4 * 4;         // b's rows' exponents as kernel 1 wrote them
+  L.p_f = o;        o += L.R16 * 4;          // phase P's factor per row (i, s)
+  L.b_f = o;        o += S * L.N16 * 4;      // phase O's factor per (s, row j)
   L.pair = o;       o += TI * L.N16 * 4;
   L.bias = o;       o += round_up4(Dc) * 4;
   L.den = o;        o += kSmallTcMaxTI * 4;
   L.e_a = o;        o += kSmallTcMaxTI * 4;
   L.e_b = o;        o += L.N16 * 4;
-  L.bar = (o + 7) / 8 * 8;  o = L.bar + 8;  // an mbarrier
+  L.bars = (o + 7) / 8 * 8;  o = L.bars + 16;  // two mbarriers: a's copies, b's
   L.total = o;
   return L;
 }
@@ -733,9 +754,6 @@ FLASHOPM_HD inline bool small_tc_local_a_fits(const SmallTcLayout& L, int C, int
 // programmatic dependent of the first, or (args.fused) alone as a cooperative launch whose grid
 // the device holds at once; terms as for launch_outer_tc.
 void launch_small_tc(const SmallTcArgs& args, int terms, cudaStream_t stream);
-// Clusters of `cluster_size` blocks of the float16 split form with `smem_bytes` each that the
-// device runs at once (0: none).
-int small_f16_max_active_clusters(int cluster_size, int smem_bytes);
 int small_tc_smem_bytes(int S, int N, int H, int TI, int Dc, bool fma);
 
 // ---- Backward of the outer-first contraction (opm_backward_kernel.cuh) ----

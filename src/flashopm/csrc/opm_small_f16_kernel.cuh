@@ -6,25 +6,26 @@
 //   prologue  W's chunk into registers, its largest magnitude over the block, then split into
 //             shared memory; bias, row denominators or pair counts (small_tc_stage_norm): nothing
 //             here depends on the first kernel, so it overlaps it;
-//   wait      griddepcontrol.wait (a and b, as (B, N, S, H), complete and visible);
-//   copy      each warp copies its row of a (row i: warp i) into shared memory, scales and splits
-//             it as soon as it arrives (no block barrier); b's rows, the same for every block of
-//             a batch, arrive in bulk copies counted by an mbarrier: in a cluster of blocks along
-//             the tiles of i, each block copies a share of them into every block of the cluster
-//             (multicast), so that L2 serves b once per cluster; b's rows are split after phase
-//             P, so that their copies overlap it (rows j = warp + 16k by warp);
+//   wait      griddepcontrol.wait (a and b complete and visible: kernel 1 wrote them already split
+//             into float16 parts, in this kernel's shared-memory layouts, kAbF16Split);
+//   copy      bulk copies, each counted by an mbarrier: the block's rows (i, s) of a, then all of
+//             b's rows j and their exponents, which arrive while phase P runs;
 //   phase P   for each d: P[(i, s), h2] = sum_h1 a[(i, s), h1] · W[d, h1·H + h2]   (M = TI·S, N = K = H)
 //             stored split as rows (i, d) of k = (s, h2);
 //   phase O   out[j, (i, d)] = sum_k b[j, k] · P[(i, d), k]                       (M = N, N = TI·Dc, K = S·H)
 //             K split over warps, the parts summed in order by the epilogue;
 //   epilogue  the scales taken out, normalisation and bias (small_tc_store_out).
 //
-// Scales (powers of two, kSplitTopExp): one for the block's chunk of W (e_w), one per row i of a
-// (e_a[i], over s and h1) and one per row j of b (e_b[j], over s and h2); P from the bound
-// |sum_h1 a'·W'| < H·2^30, so that one factor holds along phase O's K for each column (i, d).
-// With every scaled operand below 2^15, the largest products are exact and the sums far from
-// float32's range; values far below their row's largest lose bits only below 2^-25 of the scaled
-// bound, under float32's rounding of the sums they enter.
+// Scales (powers of two, kSplitTopExp): one for the block's chunk of W (e_w), and one per row
+// (i, s) of a and per row (j, s) of b, chosen by kernel 1 from the row's largest magnitude.  Row
+// i's common exponent e_i is the smallest of its e_(i, s): phase P multiplies row (i, s) of its
+// sums by 2^(p_exp + e_i - e_(i, s)), p_exp from the bound |sum_h1 a'·W'| < H·2^30, so that
+// one factor, 2^(e_w + p_exp + e_i), holds along phase O's K for each column (i, d).  Phase O
+// sums each k-step (a single s) in a zeroed fragment and adds it to the accumulator times
+// 2^(e_j - e_(j, s)), e_j the smallest of row j's: the accumulator then carries 2^e_j.  With every
+// scaled operand below 2^15, the largest products are exact and the sums far from float32's
+// range; values far below their row's largest lose bits only below 2^-25 of the scaled bound,
+// under float32's rounding of the sums they enter.
 #pragma once
 
 #include "opm_small_tc_kernel.cuh"
@@ -103,30 +104,6 @@ __device__ __forceinline__ void split_rows(Load load, int n4, const float4 (&v)[
   }
 }
 
-// Row `row` of `len` floats (len = S·H, H = 2^lg_h) at src (shared memory) scaled by 2^e and split
-// into 16-bit rows at hi / lo + off(s, h) (four halves per float4), e from the row's largest
-// magnitude: by one warp, without a block barrier.  Returns e.
-template <typename Off>
-__device__ __forceinline__ int split_row_warp(const float* src, int len, int lg_h, __half* hi, __half* lo, Off off) {
-  const int lane = threadIdx.x & 31;
-  const float4* src4 = reinterpret_cast<const float4*>(src);
-  float m = 0.f;
-  for (int c = lane; c < len / 4; c += 32) m = abs_max4(m, src4[c]);
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-  const int e = split_scale_exp_bits(m);
-  const float f = exp2_int(e);
-  const int hmask = (1 << lg_h) - 1;
-  for (int c = lane; c < len / 4; c += 32) {
-    const int col = 4 * c;
-    store_split4(hi, lo, off(col >> lg_h, col & hmask), src4[c], f);
-  }
-  return e;
-}
-
-// Waits for this thread's copies (a compiler barrier too: shared-memory reads stay after it).
-__device__ __forceinline__ void cp_async_wait_pending0() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
-
 __global__ void __maxnreg__(96) opm_small_f16_kernel(const SmallTcArgs p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   extern __shared__ float4 smem_f4[];
@@ -147,23 +124,25 @@ __global__ void __maxnreg__(96) opm_small_f16_kernel(const SmallTcArgs p) {
   __half* const b_lo = b_hi + L.N16 * L.ldk;
   __half* const p_hi = reinterpret_cast<__half*>(smem + L.p);
   __half* const p_lo = p_hi + L.NP * L.ldk;
-  float* const a_st = reinterpret_cast<float*>(smem + L.a_st);
-  float* const b_st = reinterpret_cast<float*>(smem + L.b_st);
+  int* const e_b_st = reinterpret_cast<int*>(smem + L.e_b_st);  // exponents of b's rows (j, s)
+  float* const p_f = reinterpret_cast<float*>(smem + L.p_f);     // [R16] phase P's row factors
+  float* const b_f = reinterpret_cast<float*>(smem + L.b_f);     // [S][N16] phase O's factors
   float* const red = reinterpret_cast<float*>(smem + L.red);
   float* const pair_s = reinterpret_cast<float*>(smem + L.pair);
   float* const bias_s = reinterpret_cast<float*>(smem + L.bias);
   float* const den_s = reinterpret_cast<float*>(smem + L.den);
   int* const e_a_s = reinterpret_cast<int*>(smem + L.e_a);
   int* const e_b_s = reinterpret_cast<int*>(smem + L.e_b);
-  uint64_t* const b_bar = reinterpret_cast<uint64_t*>(smem + L.bar);  // b's bytes have arrived
+  uint64_t* const a_bar = reinterpret_cast<uint64_t*>(smem + L.bars);  // a's bytes have arrived
+  uint64_t* const b_bar = a_bar + 1;                                    // b's and its exponents
   // The W maximum's warp values: e_b is first written after the barrier that ends a's splits.
   float* const scratch = reinterpret_cast<float*>(e_b_s);
 
   // ---- prologue: independent of the first kernel ----
-  const unsigned cl_blocks = cluster_blocks();
-  if (tid == 0) mbarrier_init(b_bar, 1);
-  // The peers' copies into this block count on its mbarrier: initialised before any is issued.
-  if (cl_blocks > 1) cluster_arrive_release();
+  if (tid == 0) {
+    mbarrier_init(a_bar, 1);
+    mbarrier_init(b_bar, 1);
+  }
   const float4* const w_src = reinterpret_cast<const float4*>(p.w_out + int64_t(d0) * HH);
   const auto load_w = [&](int idx) { return __ldg(w_src + idx); };
   const int w4 = dvalid * HH / 4;
@@ -182,37 +161,37 @@ __global__ void __maxnreg__(96) opm_small_f16_kernel(const SmallTcArgs p) {
 
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
 
-  // ---- copies: warp w takes row i0 + w of a (w < ti) and rows j = w + 16k of b ----
-  const int sh4 = SH / 4;
-  if (warp < ti) {
-    const float* src = p.a + (int64_t(b) * N + i0 + warp) * SH;
-    for (int c = lane; c < sh4; c += 32) cp_async16(a_st + warp * SH + 4 * c, src + 4 * c);
-  }
-  cp_async_commit();
-  if (cl_blocks > 1) cluster_wait_acquire();
+  // ---- copies: a's rows (i, s) of this block and all of b's, as kernel 1 split them ----
   if (tid == 0) {
-    // This block's share of b's rows, [j0, j1), into every block of the cluster; N·SH·4 bytes
-    // arrive here in all.
-    const unsigned rank = cluster_rank();
-    const int j0 = int(int64_t(N) * rank / cl_blocks), j1 = int(int64_t(N) * (rank + 1) / cl_blocks);
-    mbarrier_arrive_expect_tx(b_bar, unsigned(N) * unsigned(SH) * 4u);
-    if (j1 > j0)
-      bulk_copy_g2s(b_st + j0 * SH, p.b + (int64_t(b) * N + j0) * SH, unsigned(j1 - j0) * unsigned(SH) * 4u, b_bar,
-                    static_cast<unsigned short>((1u << cl_blocks) - 1u));
+    const int64_t a_row0 = (int64_t(b) * N + i0) * S;
+    const unsigned a_bytes = unsigned(ti * S * L.lda) * 2u, b_bytes = unsigned(N * L.ldk) * 2u;
+    const __half* const a_src = static_cast<const __half*>(p.a16) + a_row0 * L.lda;
+    const __half* const b_src = static_cast<const __half*>(p.b16) + int64_t(b) * N * L.ldk;
+    mbarrier_arrive_expect_tx(a_bar, 2u * a_bytes);
+    bulk_copy_g2s(a_hi, a_src, a_bytes, a_bar);
+    bulk_copy_g2s(a_lo, a_src + p.a16_lo, a_bytes, a_bar);
+    mbarrier_arrive_expect_tx(b_bar, 2u * b_bytes + unsigned(L.NS4) * 4u);
+    bulk_copy_g2s(b_hi, b_src, b_bytes, b_bar);
+    bulk_copy_g2s(b_lo, b_src + p.b16_lo, b_bytes, b_bar);
+    bulk_copy_g2s(e_b_st, p.b_exp + int64_t(b) * L.NS4, unsigned(L.NS4) * 4u, b_bar);
   }
-  cp_async_wait_pending0();
-  __syncwarp();
+  const int p_exp = -(kSplitTopExp + 1) - lg_h;  // |P'| < H·2^30·2^p_exp = 2^15
+  // Row i's common exponent e_i, the smallest of its rows (i, s) (the largest magnitude); phase P
+  // takes each row's own scale out and puts e_i in: factor 2^(p_exp + e_i - e_(i,s)) <= 2^p_exp.
   if (warp < ti) {
-    const int e = split_row_warp(a_st + warp * SH, SH, lg_h, a_hi, a_lo,
-                                 [&](int s, int h) { return (warp * S + s) * L.lda + h; });
-    if (lane == 0) e_a_s[warp] = e;
+    const int* const e_src = p.a_exp + (int64_t(b) * N + i0 + warp) * S;
+    int e_min = kSplitMaxExp;
+    for (int s = lane; s < S; s += 32) e_min = min(e_min, e_src[s]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) e_min = min(e_min, __shfl_xor_sync(0xffffffffu, e_min, o));
+    for (int s = lane; s < S; s += 32) p_f[warp * S + s] = exp2_int_or_zero(p_exp + e_min - e_src[s]);
+    if (lane == 0) e_a_s[warp] = e_min;
   }
+  mbarrier_wait_parity(a_bar, 0);
   __syncthreads();
 
   // ---- phase P: items (d, 16 rows (i, s), 32 columns h2), k-steps of 16 h1 ----
-  const int p_exp = -(kSplitTopExp + 1) - lg_h;  // |P'| < H·2^30·2^p_exp = 2^15
   {
-    const float p_scale = exp2_int(p_exp);
     const int mtiles = L.R16 / 16, hgroups = (H + 31) / 32;
     const SmallDiv div_mtiles(mtiles), div_s(S);
     for (int item = warp; item < Dc * mtiles * hgroups; item += kSmallTcWarps) {
@@ -253,11 +232,12 @@ __global__ void __maxnreg__(96) opm_small_f16_kernel(const SmallTcArgs p) {
           if (r >= ti * S) continue;
           const int il = div_s(r), s = r - il * S;
           const int row_off = (il * Dc + dl) * L.ldk + s * hk + hg * 32 + 2 * t;
+          const float f = p_f[r];
 #pragma unroll
           for (int n = 0; n < 4; ++n) {
             if (n < nv) {
               uint32_t hi, lo;
-              split_f16x2(acc[n][2 * half] * p_scale, acc[n][2 * half + 1] * p_scale, hi, lo);
+              split_f16x2(acc[n][2 * half] * f, acc[n][2 * half + 1] * f, hi, lo);
               *reinterpret_cast<uint32_t*>(p_hi + row_off + n * 8) = hi;
               *reinterpret_cast<uint32_t*>(p_lo + row_off + n * 8) = lo;
             }
@@ -269,16 +249,21 @@ __global__ void __maxnreg__(96) opm_small_f16_kernel(const SmallTcArgs p) {
     }
   }
 
-  // ---- b's rows, copied while phase P ran ----
+  // ---- b's exponents (copied while phase P ran): row j's common e_j, the smallest of its rows
+  // (j, s); phase O scales each k-step's sums over row (j, s) by 2^(e_j - e_(j, s)) <= 1 ----
   mbarrier_wait_parity(b_bar, 0);
-  for (int j = warp; j < N; j += kSmallTcWarps) {
-    const int e = split_row_warp(b_st + j * SH, SH, lg_h, b_hi, b_lo,
-                                 [&](int s, int h) { return j * L.ldk + s * hk + h; });
-    if (lane == 0) e_b_s[j] = e;
+  for (int j = warp; j < L.N16; j += kSmallTcWarps) {
+    if (j < N) {
+      int e_min = kSplitMaxExp;
+      for (int s = lane; s < S; s += 32) e_min = min(e_min, e_b_st[j * S + s]);
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) e_min = min(e_min, __shfl_xor_sync(0xffffffffu, e_min, o));
+      for (int s = lane; s < S; s += 32) b_f[s * L.N16 + j] = exp2_int_or_zero(e_min - e_b_st[j * S + s]);
+      if (lane == 0) e_b_s[j] = e_min;
+    } else {
+      for (int s = lane; s < S; s += 32) b_f[s * L.N16 + j] = 0.f;  // rows past N: never stored
+    }
   }
-  // Every block of the cluster has all of b's rows (no copy into it is still in flight) once
-  // every block has passed this point: the barrier's wait before the exit.
-  if (cl_blocks > 1) cluster_arrive_relaxed();
   __syncthreads();
 
   // ---- phase O: items (16 rows j, kSmallF16GroupN n tiles of columns (i, d), part of K) ----
@@ -318,7 +303,8 @@ __global__ void __maxnreg__(96) opm_small_f16_kernel(const SmallTcArgs p) {
               bl[2 * q][0] = r[0], bl[2 * q][1] = r[1], bl[2 * q + 1][0] = r[2], bl[2 * q + 1][1] = r[3];
             }
           }
-          mma_f16_split_add<kSmallF16GroupN>(acc, ah, al, bh, bl, nv);
+          const float* const f = b_f + (ks * 16 >> lg_h) * L.N16 + mt * 16 + g;
+          mma_f16_split_fma_rows<kSmallF16GroupN>(acc, ah, al, bh, bl, nv, f[0], f[8]);
         }
         float* const r0 = red + (kp * L.N16 + mt * 16 + g) * L.ldr + cg * kSmallF16GroupN * 8 + 2 * t;
 #pragma unroll
@@ -338,7 +324,6 @@ __global__ void __maxnreg__(96) opm_small_f16_kernel(const SmallTcArgs p) {
   // out' = out·2^(e_b[j] + e_a[i] + e_w + p_exp)
   small_tc_store_out<true>(p, red, L.ldr, L.N16, L.kparts, bias_s, den_s, pair_s, b, i0, d0, ti, e_a_s, e_b_s,
                            e_w + p_exp);
-  if (cl_blocks > 1) cluster_wait();
 #endif
 }
 
