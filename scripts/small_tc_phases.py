@@ -63,6 +63,13 @@ f = patch(f, '  asm volatile("griddepcontrol.wait;\\n" ::: "memory");\n', GT(9) 
 f = patch(f, "  // ---- phase P: items", CLK(2), before=True)
 f = patch(f, "  // ---- phase O: items", CLK(3), before=True)
 f = patch(f, "  // out' = out", CLK(4), before=True)
+# DBG_KNOB=4: the float16 split form without b's copies (b's values undefined: timing only)
+f = f.replace("    mbarrier_arrive_expect_tx(b_bar, 2u * b_bytes + unsigned(L.NS4) * 4u);\n"
+              "    bulk_copy_g2s(b_hi, b_src, b_bytes, b_bar);\n    bulk_copy_g2s(b_lo, b_src + p.b16_lo, b_bytes, b_bar);\n",
+              "    const bool copy_b_ = p.norm.eps != 4.f;\n"
+              "    mbarrier_arrive_expect_tx(b_bar, (copy_b_ ? 2u * b_bytes : 0u) + unsigned(L.NS4) * 4u);\n"
+              "    if (copy_b_) { bulk_copy_g2s(b_hi, b_src, b_bytes, b_bar); bulk_copy_g2s(b_lo, b_src + p.b16_lo, b_bytes, b_bar); }\n", 1)
+assert "copy_b_" in f
 idx = f.rindex("#endif\n}")
 f = f[:idx] + CLK(5) + GT(10) + f[idx:]
 src["opm_small_f16_kernel.cuh"] = f
@@ -74,6 +81,8 @@ PCLK = lambda i: f"\n  if (threadIdx.x == 0) g_prep_t[{PB} * 8 + {i}] = clock64(
 kk = patch(kk, "template <int Q, int RW, bool kProjectW, typename XT>", "__device__ long long g_prep_t[1 << 16];\n", before=True)
 kk = patch(kk, "  const int n_base = nblk * block_rows;\n", PGT(0) + PCLK(2))
 kk = patch(kk, "  float acc[RW][Q];\n", PCLK(3), before=True)
+kk = patch(kk, "  if constexpr (!kProjectW) {\n    if (p.ab_kind == kAbF16Split) {", PCLK(4), before=True)
+kk = patch(kk, "      }\n      return;\n    }\n  }\n", PCLK(5) + PGT(1), before=True)
 kk = patch(kk, "  // Bias, mask, store.  In project-first", PCLK(4), before=True)
 kk = patch(kk, "  if constexpr (kProjectW) {\n    // c[b, s, h1, n, d]", PCLK(5) + PGT(1), before=True)
 src["opm_kernels.cuh"] = kk
@@ -197,10 +206,14 @@ with torch.no_grad():
         os.environ["FLASHOPM_SMALL_TC_FMA"] = "0"
         clocks("mma.sync form", graph)
         os.environ.pop("FLASHOPM_SMALL_TC_FMA")
+        os.environ["DBG_KNOB"] = "4"
+        clocks("default form without b's copies (timing only)", graph)
+        os.environ.pop("DBG_KNOB")
     variants = [({}, "both kernels"), ({"DBG_SKIP": "k1"}, "without the first kernel"),
                 ({"DBG_SKIP": "k2"}, "without the second kernel"),
                 ({"DBG_NOPDL": "1"}, "second kernel launched without programmatic dependency"),
                 ({"DBG_KNOB": "1"}, "no row denominators"),
+                ({"DBG_KNOB": "4"}, "float16 split form without b's copies (timing only)"),
                 ({"FLASHOPM_SMALL_TC_F16": "0"}, "FMA form"),
                 ({"FLASHOPM_SMALL_TC_LOCAL_A": "1"}, "FMA form, each block projecting its rows of a"),
                 ({"FLASHOPM_SMALL_TC_FMA": "0"}, "mma.sync form"),
