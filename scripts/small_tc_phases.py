@@ -63,6 +63,13 @@ f = patch(f, '  asm volatile("griddepcontrol.wait;\\n" ::: "memory");\n', GT(9) 
 f = patch(f, "  // ---- phase P: items", CLK(2), before=True)
 f = patch(f, "  // ---- phase O: items", CLK(3), before=True)
 f = patch(f, "  // out' = out", CLK(4), before=True)
+# Thread 0's own clocks inside the phases (no barrier): after a's copies arrive (slot 6), after its
+# phase-P item's MMAs (13) and stores (14), after b's copies arrive (15).
+T0 = lambda i: f"\n  if (threadIdx.x == 0) g_tc_clk[{BLK} * 16 + {i}] = clock64();\n"  # noqa: E731
+f = patch(f, "  mbarrier_wait_parity(a_bar, 0);\n", T0(6))
+f = patch(f, "        // acc[n] = (row g | g + 8, columns 2t, 2t + 1) of n tile n", T0(13), before=True)
+f = patch(f, "  // ---- b's exponents (copied while phase P ran)", T0(14), before=True)
+f = patch(f, "  mbarrier_wait_parity(b_bar, 0);\n", T0(15))
 # DBG_KNOB=4: the float16 split form without b's copies (b's values undefined: timing only)
 f = f.replace("    mbarrier_arrive_expect_tx(b_bar, 2u * b_bytes + unsigned(L.NS4) * 4u);\n"
               "    bulk_copy_g2s(b_hi, b_src, b_bytes, b_bar);\n    bulk_copy_g2s(b_lo, b_src + p.b16_lo, b_bytes, b_bar);\n",
@@ -173,7 +180,9 @@ def clocks(label, graph=False):
     med = lambda hi, lo: (tc[:, hi] - tc[:, lo]).median().item()  # noqa: E731
     if (tc[:, 12] > 0).all():  # the float16 split form
         phases = [("prologue", med(12, 0)), ("wait", med(1, 12)), ("copy and split a", med(2, 1)),
-                  ("phase P, split b", med(3, 2)), ("phase O", med(4, 3)), ("epilogue", med(5, 4))]
+                  ("phase P, split b", med(3, 2)), ("phase O", med(4, 3)), ("epilogue", med(5, 4)),
+                  ("[thread 0: a arrives", med(6, 1)), ("P's MMAs", med(13, 2)), ("P's stores", med(14, 13)),
+                  ("b arrives", med(15, 14)), ("b's factors and barrier]", med(3, 15))]
     elif (tc[:, 7] > 0).all():  # local a: prologue, projection of a and phase P come before the wait
         phases = [("prologue", med(6, 0)), ("project a", med(7, 6)), ("phase P", med(11, 7)), ("wait", med(1, 11)),
                   ("issue b copies", med(2, 1)), ("phase O (b arriving)", med(4, 2)), ("epilogue", med(5, 4))]
