@@ -164,16 +164,15 @@ __device__ __forceinline__ void mma_16bit(float (&c)[4], const uint32_t (&a)[4],
   }
 }
 
-// acc[n] += a·b[n] for one k-step of m16n8k16 over the first n_valid of kNT n tiles (warp-uniform),
+// c[n] = a·b[n] for one k-step of m16n8k16 over the first n_valid of kNT n tiles (warp-uniform),
 // float16 split operands (x = x_hi + x_lo): lo·hi + hi·lo + hi·hi, small terms first, formed in
-// zeroed fragments and added to acc in float32 (as mma_split_add, against the tensor core's
-// truncating accumulation).  Each term goes to every tile before the next, so that consecutive
-// MMAs are independent.  b_hi[n] / b_lo[n]: the tile's two B registers.
+// zeroed fragments, to be added to an accumulator in float32 (as mma_split_add, against the
+// tensor core's truncating accumulation).  Each term goes to every tile before the next, so that
+// consecutive MMAs are independent.  b_hi[n] / b_lo[n]: the tile's two B registers.
 template <int kNT>
-__device__ __forceinline__ void mma_f16_split_add(float (&acc)[kNT][4], const uint32_t (&a_hi)[4],
-                                                  const uint32_t (&a_lo)[4], const uint32_t (&b_hi)[kNT][2],
-                                                  const uint32_t (&b_lo)[kNT][2], int n_valid) {
-  float c[kNT][4];
+__device__ __forceinline__ void mma_f16_split_kstep(float (&c)[kNT][4], const uint32_t (&a_hi)[4],
+                                                    const uint32_t (&a_lo)[4], const uint32_t (&b_hi)[kNT][2],
+                                                    const uint32_t (&b_lo)[kNT][2], int n_valid) {
 #pragma unroll
   for (int n = 0; n < kNT; ++n)
 #pragma unroll
@@ -187,13 +186,22 @@ __device__ __forceinline__ void mma_f16_split_add(float (&acc)[kNT][4], const ui
 #pragma unroll
   for (int n = 0; n < kNT; ++n)
     if (n < n_valid) mma_16bit<__half>(c[n], a_hi, b_hi[n][0], b_hi[n][1]);
+}
+
+// acc[n] += a·b[n] (mma_f16_split_kstep's sums added in float32).
+template <int kNT>
+__device__ __forceinline__ void mma_f16_split_add(float (&acc)[kNT][4], const uint32_t (&a_hi)[4],
+                                                  const uint32_t (&a_lo)[4], const uint32_t (&b_hi)[kNT][2],
+                                                  const uint32_t (&b_lo)[kNT][2], int n_valid) {
+  float c[kNT][4];
+  mma_f16_split_kstep(c, a_hi, a_lo, b_hi, b_lo, n_valid);
 #pragma unroll
   for (int n = 0; n < kNT; ++n)
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc[n][e] += c[n][e];
 }
 
-// The same with the k-step's sums scaled per row: acc[n] rows g by f_g, rows g + 8 by f_g8
+// The same with the k-step's sums scaled per row: rows g of acc[n] by f_g, rows g + 8 by f_g8
 // (one fused multiply-add each instead of an add).
 template <int kNT>
 __device__ __forceinline__ void mma_f16_split_fma_rows(float (&acc)[kNT][4], const uint32_t (&a_hi)[4],
@@ -201,19 +209,7 @@ __device__ __forceinline__ void mma_f16_split_fma_rows(float (&acc)[kNT][4], con
                                                        const uint32_t (&b_lo)[kNT][2], int n_valid, float f_g,
                                                        float f_g8) {
   float c[kNT][4];
-#pragma unroll
-  for (int n = 0; n < kNT; ++n)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) c[n][e] = 0.f;
-#pragma unroll
-  for (int n = 0; n < kNT; ++n)
-    if (n < n_valid) mma_16bit<__half>(c[n], a_lo, b_hi[n][0], b_hi[n][1]);
-#pragma unroll
-  for (int n = 0; n < kNT; ++n)
-    if (n < n_valid) mma_16bit<__half>(c[n], a_hi, b_lo[n][0], b_lo[n][1]);
-#pragma unroll
-  for (int n = 0; n < kNT; ++n)
-    if (n < n_valid) mma_16bit<__half>(c[n], a_hi, b_hi[n][0], b_hi[n][1]);
+  mma_f16_split_kstep(c, a_hi, a_lo, b_hi, b_lo, n_valid);
 #pragma unroll
   for (int n = 0; n < kNT; ++n) {
     acc[n][0] = fmaf(c[n][0], f_g, acc[n][0]);
