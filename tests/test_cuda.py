@@ -318,6 +318,37 @@ def test_small_tc_f16_form_runs(shape, tile, monkeypatch):
     assert err <= max(2 * err_eager, FP64_FLOOR), f"normwise error {err:.3g} vs eager fp32 {err_eager:.3g}"
 
 
+# The float16 split form's epilogue in items of two columns with the K parts read at once
+# (FLASHOPM_SMALL_TC_EPILOGUE=pairs): the same sums in the same order, so the same bits, in the
+# specification's normalisation and Boltz's (pair counts); D odd, a ragged last chunk of d.
+@pytest.mark.parametrize("normalization,norm_code", [("row", 0), ("boltz", 2)])
+@pytest.mark.parametrize("shape,tile", [(SPEC, None), (Shape(1, 5, 31, 24, 32, 41), (4, 8)),
+                                        (Shape(2, 3, 24, 9, 16, 70), (1, 64))], ids=lambda v: str(v))
+def test_small_tc_f16_epilogue_pairs_keeps_the_bits(shape, tile, normalization, norm_code, monkeypatch):
+    monkeypatch.setenv("FLASHOPM_SMALL_TC_F16", "1")
+    if tile is not None:
+        monkeypatch.setenv("FLASHOPM_SMALL_TC_TILE", f"{tile[0]},{tile[1]}")
+    x, m, p = make_problem(shape, "fractional", seed=zlib.crc32(f"{shape}-pairs-{normalization}".encode()) % 1000)
+    xc, mc, pc = x.cuda(), m.cuda(), _cuda_params(p)
+    assert torch.ops.flashopm._small_tc_plan(xc, shape.B, shape.S, shape.N, shape.H, shape.D)[2] == 1
+
+    def call():
+        out = torch.full((shape.B, shape.N, shape.N, shape.D), float("nan"), device="cuda")
+        del out  # the output reuses the poisoned block
+        return flashopm.outer_product_mean(xc, mc, pc["ln_weight"], pc["ln_bias"], pc["w_a"], pc["b_a"], pc["w_b"],
+                                           pc["b_b"], pc["w_out"], pc["b_out"], algorithm="small-tc",
+                                           normalization=normalization)
+
+    quads = call()
+    monkeypatch.setenv("FLASHOPM_SMALL_TC_EPILOGUE", "pairs")
+    pairs = call()
+    assert not pairs.isnan().any()
+    assert torch.equal(pairs, quads)
+    assert torch.equal(call(), pairs)
+    ref = reference(xc, mc, pc, normalization=norm_code).cpu()
+    torch.testing.assert_close(pairs.cpu(), ref, atol=1e-4, rtol=1e-4)
+
+
 def test_small_tc_f16_form_nan_inf_propagate(monkeypatch):
     monkeypatch.setenv("FLASHOPM_SMALL_TC_F16", "1")
     _check_nan_inf_propagate(Shape(1, 4, 9, 16, 16, 8), 3, "small-tc")

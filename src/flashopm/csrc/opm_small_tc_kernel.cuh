@@ -323,57 +323,73 @@ __device__ __forceinline__ void small_tc_stage_norm(const SmallTcArgs& p, int b,
 }
 
 // Epilogue: out[b, i0 + il, j, d0 + dl] = normalise(sum over the K parts, in order, of
-// red[kp][j][il·Dc + dl]), rows of Dc floats in 16-byte stores where D allows.  kScaled: the sums
-// carry a factor 2^(e_b[j] + e_a[il] + e_common) (the float16 split form's scales), taken out
-// exactly first.
-template <bool kScaled>
+// red[kp][j][il·Dc + dl]), kOut consecutive columns d per thread item, in vector stores where D
+// allows.  kOut = 4: the parts read one after another; kOut = 2: twice the items (every thread of
+// the block busy at the spec shape), each item's parts read at once before they are added (the
+// same sums in the same order).  kScaled: the sums carry a factor 2^(e_b[j] + e_a[il] + e_common)
+// (the float16 split form's scales), taken out exactly first.
+template <bool kScaled, int kOut = 4>
 __device__ __forceinline__ void small_tc_store_out(const SmallTcArgs& p, const float* red, int ldr, int N16,
                                                    int kparts, const float* bias_s, const float* den_s,
                                                    const float* pair_s, int b, int i0, int d0, int ti,
                                                    const int* e_a = nullptr, const int* e_b = nullptr,
                                                    int e_common = 0) {
+  static_assert(kOut == 4 || kOut == 2, "the epilogue stores 4 or 2 columns per item");
   const int N = p.N, Dc = p.Dc;
   const int dvalid = min(Dc, p.D - d0);
-  const int lg_quads = 29 - __clz(Dc);  // Dc / 4 = 2^lg_quads
-  const bool vec_out = (p.D % 4) == 0;
+  const int lg_items = (kOut == 4 ? 29 : 30) - __clz(Dc);  // Dc / kOut = 2^lg_items
+  const bool vec_out = (p.D % kOut) == 0;
   const SmallDiv div_n(N);
-  for (int idx = threadIdx.x; idx < (ti * N) << lg_quads; idx += kSmallTcThreads) {
-    const int row = idx >> lg_quads, dl = 4 * (idx - (row << lg_quads));  // row = il·N + j
+  for (int idx = threadIdx.x; idx < (ti * N) << lg_items; idx += kSmallTcThreads) {
+    const int row = idx >> lg_items, dl = kOut * (idx - (row << lg_items));  // row = il·N + j
     if (dl >= dvalid) continue;
     const int il = div_n(row), j = row - il * N;
     const float* src = red + j * ldr + il * Dc + dl;
-    float4 v = *reinterpret_cast<const float4*>(src);
-    for (int kp = 1; kp < kparts; ++kp) {
-      const float4 w = *reinterpret_cast<const float4*>(src + kp * N16 * ldr);
-      v.x += w.x, v.y += w.y, v.z += w.z, v.w += w.w;
+    float r[kOut];
+    if constexpr (kOut == 4) {
+      float4 v = *reinterpret_cast<const float4*>(src);
+      for (int kp = 1; kp < kparts; ++kp) {
+        const float4 w = *reinterpret_cast<const float4*>(src + kp * N16 * ldr);
+        v.x += w.x, v.y += w.y, v.z += w.z, v.w += w.w;
+      }
+      r[0] = v.x, r[1] = v.y, r[2] = v.z, r[3] = v.w;
+    } else {
+      float2 part[kSmallTcWarps];
+#pragma unroll
+      for (int kp = 0; kp < kSmallTcWarps; ++kp)
+        if (kp < kparts) part[kp] = *reinterpret_cast<const float2*>(src + kp * N16 * ldr);
+      r[0] = part[0].x, r[1] = part[0].y;
+#pragma unroll
+      for (int kp = 1; kp < kSmallTcWarps; ++kp)
+        if (kp < kparts) r[0] += part[kp].x, r[1] += part[kp].y;
     }
-    float r[4] = {v.x, v.y, v.z, v.w};
     if constexpr (kScaled) {
       // 2^-e as one factor where it is a normal float (the same rounding as scalbnf)
       const int e = e_b[j] + e_a[il] + e_common;
       if (e >= -126 && e <= 126) {
         const float factor = exp2_int(-e);
 #pragma unroll
-        for (int c = 0; c < 4; ++c) r[c] *= factor;
+        for (int c = 0; c < kOut; ++c) r[c] *= factor;
       } else {
 #pragma unroll
-        for (int c = 0; c < 4; ++c) r[c] = scalbnf(r[c], -e);
+        for (int c = 0; c < kOut; ++c) r[c] = scalbnf(r[c], -e);
       }
     }
     if (p.norm.kind == kNormRow) {
       const float inv_den = 1.f / den_s[il];
 #pragma unroll
-      for (int c = 0; c < 4; ++c) r[c] = r[c] * inv_den + bias_s[dl + c];
+      for (int c = 0; c < kOut; ++c) r[c] = r[c] * inv_den + bias_s[dl + c];
     } else {
       const float pair = pair_s[il * N16 + j];
 #pragma unroll
-      for (int c = 0; c < 4; ++c) r[c] = normalise(r[c], bias_s[dl + c], 0.f, pair, p.norm);
+      for (int c = 0; c < kOut; ++c) r[c] = normalise(r[c], bias_s[dl + c], 0.f, pair, p.norm);
     }
     const int64_t dst = ((int64_t(b) * N + i0 + il) * N + j) * p.D + d0 + dl;
-    if (vec_out && dl + 4 <= dvalid) {
-      store_out4(p.out, dst, r, p.out_kind);
+    if (vec_out && dl + kOut <= dvalid) {
+      if constexpr (kOut == 4) store_out4(p.out, dst, r, p.out_kind);
+      else store_out2(p.out, dst, r[0], r[1], p.out_kind);
     } else {
-      for (int c = 0; c < 4 && dl + c < dvalid; ++c) store_out(p.out, dst + c, r[c], p.out_kind);
+      for (int c = 0; c < kOut && dl + c < dvalid; ++c) store_out(p.out, dst + c, r[c], p.out_kind);
     }
   }
 }
