@@ -853,9 +853,6 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     ta.fused = fused;
     ta.local_a = local_a;
     ta.local_a_vec = local_a && small_tc_local_a_vec(pa);
-    // FLASHOPM_SMALL_TC_EPILOGUE=pairs: the float16 split form's epilogue in items of two columns
-    // with the K parts read at once (to compare the two).
-    ta.epilogue_pairs = f16 && env_is("FLASHOPM_SMALL_TC_EPILOGUE", "pairs");
     ta.prep = pa;
     ta.a = a_ws;
     ta.b = b_ws;

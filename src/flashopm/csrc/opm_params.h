@@ -573,7 +573,6 @@ struct SmallTcArgs {
   int local_a;    // the FMA form projects its own rows of a and runs phase P before the wait
                   // (float32 x; the first kernel writes b alone)
   int local_a_vec;  // ... with its weights, LayerNorm's parameters and x's rows copied in 16-byte pieces
-  int epilogue_pairs;  // the float16 split form's epilogue in items of two columns (small_tc_store_out)
   PrepArgs prep;  // the projections' inputs, when fused or local_a
 };
 
