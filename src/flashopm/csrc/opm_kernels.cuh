@@ -240,11 +240,12 @@ __device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* bar, unsigne
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n"
                ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(bar))), "r"(bytes) : "memory");
 }
+// Spins until the phase of the given parity has completed (test_wait: a probe that never blocks).
 __device__ __forceinline__ void mbarrier_wait_parity(uint64_t* bar, unsigned parity) {
   const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(bar));
   unsigned done = 0;
   while (!done) {
-    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+    asm volatile("{\n .reg .pred p;\n mbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
                  : "=r"(done) : "r"(addr), "r"(parity) : "memory");
   }
 }
