@@ -217,17 +217,6 @@ template <int kPending>  // wait until at most kPending committed groups are sti
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending)); }
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-// Split cluster barrier: arrive early (nothing to publish), wait just before the first remote
-// access, so that the wait for peers to start costs nothing.
-__device__ __forceinline__ void cluster_arrive_relaxed() {
-  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory"); }
-// Full barrier: remote stores before it are visible to every block of the cluster after it.
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
-  asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-}
 // A shared-memory mbarrier for bulk copies: one arrival (the thread that announces the bytes)
 // and the bytes themselves complete its phase.
 __device__ __forceinline__ void mbarrier_init(uint64_t* bar, unsigned arrivals) {

@@ -399,36 +399,27 @@ void launch_small(const SmallArgs& args, int smem_bytes, cudaStream_t stream) {
   }
 }
 
-namespace {
-// Clusters of `cluster_size` blocks of Kernel (`threads` threads, `smem_bytes` each) that the
-// device runs at once, 0 where none can run.  Asked once per (device, cluster size, shared
-// memory): the answer depends on the GPU's partition into GPCs, which no formula gives.
-template <auto Kernel>
-int max_active_clusters(int cluster_size, int threads, int smem_bytes) {
+int small_max_active_clusters(int cluster_size, int smem_bytes) {
+  // Asked once per (device, cluster size, shared memory): the answer depends on the GPU's
+  // partition into GPCs, which no formula gives.
   static std::mutex mu;
-  static std::map<std::array<int, 3>, int> cache;
+  static std::map<std::pair<int, std::pair<int, int>>, int> cache;
   int dev = 0;
   C10_CUDA_CHECK(cudaGetDevice(&dev));
-  const std::array<int, 3> key{dev, cluster_size, smem_bytes};
+  const auto key = std::make_pair(dev, std::make_pair(cluster_size, smem_bytes));
   std::lock_guard<std::mutex> lock(mu);
   const auto it = cache.find(key);
   if (it != cache.end()) return it->second;
-  allow_smem<Kernel>();
+  allow_smem<opm_small_kernel<true>>();
   cudaLaunchAttribute attr[1];
-  cudaLaunchConfig_t cfg = small_config(dim3(unsigned(cluster_size)), cluster_size, smem_bytes, nullptr, attr);
-  cfg.blockDim = dim3(unsigned(threads));
+  const cudaLaunchConfig_t cfg = small_config(dim3(unsigned(cluster_size)), cluster_size, smem_bytes, nullptr, attr);
   int n = 0;
-  if (cudaOccupancyMaxActiveClusters(&n, Kernel, &cfg) != cudaSuccess) {
+  if (cudaOccupancyMaxActiveClusters(&n, opm_small_kernel<true>, &cfg) != cudaSuccess) {
     (void)cudaGetLastError();  // not runnable with this configuration: report none
     n = 0;
   }
   cache.emplace(key, n);
   return n;
-}
-}  // namespace
-
-int small_max_active_clusters(int cluster_size, int smem_bytes) {
-  return max_active_clusters<opm_small_kernel<true>>(cluster_size, kSmallThreads, smem_bytes);
 }
 
 int small_tc_smem_bytes(int S, int N, int H, int TI, int Dc, bool fma) {
