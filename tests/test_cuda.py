@@ -318,6 +318,32 @@ def test_small_tc_f16_form_runs(shape, tile, monkeypatch):
     assert err <= max(2 * err_eager, FP64_FLOOR), f"normwise error {err:.3g} vs eager fp32 {err_eager:.3g}"
 
 
+# The float16 split form's row factors taken by each thread itself (FLASHOPM_SMALL_F16_OPTS: 1 b's
+# in phase O, 2 a's in phase P) give the same bits as the passes over the rows' exponents.
+@pytest.mark.parametrize("normalization", ["row", "boltz"])
+@pytest.mark.parametrize("shape,tile", F16_FORM_CASES + [(Shape(2, 7, 13, 9, 32, 24), None)], ids=lambda v: str(v))
+def test_small_tc_f16_own_factors(shape, tile, normalization, monkeypatch):
+    monkeypatch.setenv("FLASHOPM_SMALL_TC_F16", "1")
+    if tile is not None:
+        monkeypatch.setenv("FLASHOPM_SMALL_TC_TILE", f"{tile[0]},{tile[1]}")
+    x, m, p = make_problem(shape, "masked_positions", seed=zlib.crc32(f"{shape}-own".encode()) % 1000)
+    xc, mc, pc = x.cuda(), m.cuda(), _cuda_params(p)
+    assert torch.ops.flashopm._small_tc_plan(xc, shape.B, shape.S, shape.N, shape.H, shape.D)[2] == 1
+    outs = {}
+    for opts in ("0", "1", "2", "3"):
+        monkeypatch.setenv("FLASHOPM_SMALL_F16_OPTS", opts)
+        out = flashopm.outer_product_mean(xc, mc, pc["ln_weight"], pc["ln_bias"], pc["w_a"], pc["b_a"], pc["w_b"],
+                                          pc["b_b"], pc["w_out"], pc["b_out"], algorithm="small-tc",
+                                          normalization=normalization)
+        assert not out.isnan().any()
+        outs[opts] = out
+    for opts in ("1", "2", "3"):
+        assert torch.equal(outs[opts], outs["0"]), (opts, (outs[opts] - outs["0"]).abs().max().item())
+    norm_code = {"row": 0, "boltz": 2}[normalization]
+    ref32 = reference(xc, mc, pc, normalization=norm_code).cpu()
+    torch.testing.assert_close(outs["3"].cpu(), ref32, atol=1e-4, rtol=1e-4)
+
+
 # The float16 split form's epilogue (items of two columns, the K parts read at once) in the
 # specification's normalisation and Boltz's (pair counts); D odd, a ragged last chunk of d.
 @pytest.mark.parametrize("normalization,norm_code", [("row", 0), ("boltz", 2)])

@@ -651,7 +651,7 @@ __global__ void __launch_bounds__(kPrepThreads, RW == 1 && Q <= 2 && !kProjectW 
           }
         }
         if (lane == 0) {
-          if (store_a) p.a_exp[b * p.a_exp_sb + row] = e_a;
+          if (store_a) p.a_exp[b * p.a_exp_sb + int64_t(n) * p.a_exp_sn + s] = e_a;
           p.b_exp[b * p.b_exp_sb + row] = e_b;
         }
       }

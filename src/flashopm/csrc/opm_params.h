@@ -51,7 +51,7 @@ enum MaskKind : int { kMaskFloat = 0, kMaskBool = 1, kMaskHalf = 2, kMaskBFloat1
 //                  low parts; element h of a at a_out + b·a_sb + (n·S + s)·a_ss + h (a_ss = H + 8
 //                  halves), of b at b_out + b·b_sb + n·b_sn + s·b_ss + h (b_ss = H + 8, b_sn =
 //                  SmallF16Layout::ldk); the low parts a_lo_off (b_lo_off) halves further on; e at
-//                  a_exp + b·a_exp_sb + n·S + s (b_exp alike)
+//                  a_exp + b·a_exp_sb + n·a_exp_sn + s (b_exp: + n·S + s)
 enum AbKind : int { kAbTf32 = 4, kAbF32Rows16 = 5, kAbF32Rows32 = 6, kAbF32HStride = 7, kAbF16Split = 8 };
 FLASHOPM_HD constexpr int kmajor_row_floats(int terms) { return terms == 3 ? 16 : 32; }
 FLASHOPM_HD constexpr int ab_kind_row_floats(int kind) { return kind == kAbF32Rows16 ? 16 : 32; }
@@ -108,6 +108,7 @@ struct PrepArgs {
   int* a_exp;                  // kAbF16Split: the rows' scale exponents
   int* b_exp;
   int64_t a_exp_sb, b_exp_sb;
+  int a_exp_sn;                // kAbF16Split: a's exponents of residue n, a_exp_sn apart (S rounded up to 4)
   int s_chunk;
   float* c_out;  // project-first only: (B, S, H, N, D)
   int B, S, N, C, H, D;  // N: rows of this launch
@@ -552,7 +553,8 @@ struct SmallTcArgs {
   float* b;
   // The float16 split form: a and b as kernel 1 writes them in kAbF16Split (a16 with the strides
   // (N·S·lda, lda) for batch and row (n, s), b16 with (N·ldk, ldk) for batch and n; the low parts
-  // a16_lo (b16_lo) halves on; exponents at a_exp + b·N·S + n·S + s and b_exp + b·NS4 + n·S + s).
+  // a16_lo (b16_lo) halves on; exponents at a_exp + (b·N + n)·S4 + s (S4 = S rounded up to 4) and
+  // b_exp + b·NS4 + n·S + s).
   const void* a16;
   const void* b16;
   int64_t a16_lo, b16_lo;
@@ -567,6 +569,7 @@ struct SmallTcArgs {
   int B, S, N, H, D;
   int TI;  // rows i per block: 1, 2, 4 or 8
   int Dc;  // columns d per block: 8, 16, 32 or 64
+  int f16_opts;   // the float16 split form's factors: 1 b's per thread in phase O, 2 a's per thread in P
   int fma;        // the float32 FMA form (small_tc_fma_layout) rather than mma.sync
   int f16;        // the float16 split form (opm_small_f16_kernel, small_f16_layout)
   int fused;      // the kernel projects the rows itself (cooperative launch, float32 x)
@@ -680,7 +683,7 @@ FLASHOPM_HD inline SmallTcLayout small_tc_fma_layout(int S, int N, int H, int TI
 constexpr int kSmallF16GroupN = 4;  // phase O's n tiles (8 columns (i, d) each) per warp item
 struct SmallF16Layout {
   int R16, N16, NP, lda, ldw, ldk, ldr, kparts, NS4;
-  int w, a, b, p, red, e_b_st, p_f, b_f, pair, bias, den, e_a, e_b, bars, total;  // bytes
+  int w, a, b, p, red, e_b_st, e_a_st, p_f, b_f, pair, bias, den, e_a, e_b, bars, total;  // bytes
 };
 FLASHOPM_HD inline SmallF16Layout small_f16_layout(int S, int N, int H, int TI, int Dc) {
   SmallF16Layout L{};
@@ -703,6 +706,7 @@ FLASHOPM_HD inline SmallF16Layout small_f16_layout(int S, int N, int H, int TI, 
   L.p = o;          o += 2 * L.NP * L.ldk * 2;
   L.NS4 = round_up4(N * S);
   L.e_b_st = o;     o += L.NS4 * 4;         // b's rows' exponents as kernel 1 wrote them
+  L.e_a_st = o;     o += TI * round_up4(S) * 4;  // the block's rows of a's exponents, likewise
   L.p_f = o;        o += L.R16 * 4;          // phase P's factor per row (i, s)
   L.b_f = o;        o += S * L.N16 * 4;      // phase O's factor per (s, row j)
   L.pair = o;       o += TI * L.N16 * 4;

@@ -25,7 +25,9 @@
 // 2^(e_j - e_(j, s)), e_j the smallest of row j's: the accumulator then carries 2^e_j.  With every
 // scaled operand below 2^15, the largest products are exact and the sums far from float32's
 // range; values far below their row's largest lose bits only below 2^-25 of the scaled bound,
-// under float32's rounding of the sums they enter.
+// under float32's rounding of the sums they enter.  Each thread takes the factors of its own rows
+// from the copied exponents (a's copied with a's rows, as [TI][S4]), so that no pass over them
+// stands between a's arrival and phase P, or between phases P and O (SmallTcArgs::f16_opts).
 #pragma once
 
 #include "opm_small_tc_kernel.cuh"
@@ -104,6 +106,27 @@ __device__ __forceinline__ void split_rows(Load load, int n4, const float4 (&v)[
   }
 }
 
+// The smallest of n exponents row[0 .. n) (kSplitMaxExp if none), in 16-byte loads where vec (row
+// 16-byte aligned): all the loads go out before the first minimum waits for one.
+__device__ __forceinline__ int min_exp_row(const int* row, int n, bool vec) {
+  int m = kSplitMaxExp;
+  if (vec) {
+    const int4* const row4 = reinterpret_cast<const int4*>(row);
+#pragma unroll 4
+    for (int q = 0; q < (n + 3) / 4; ++q) {
+      const int4 v = row4[q];
+      m = min(m, v.x);  // 4q < n
+      if (4 * q + 1 < n) m = min(m, v.y);
+      if (4 * q + 2 < n) m = min(m, v.z);
+      if (4 * q + 3 < n) m = min(m, v.w);
+    }
+  } else {
+#pragma unroll 4
+    for (int q = 0; q < n; ++q) m = min(m, row[q]);
+  }
+  return m;
+}
+
 __global__ void __maxnreg__(96) opm_small_f16_kernel(const SmallTcArgs p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   extern __shared__ float4 smem_f4[];
@@ -125,6 +148,9 @@ __global__ void __maxnreg__(96) opm_small_f16_kernel(const SmallTcArgs p) {
   __half* const p_hi = reinterpret_cast<__half*>(smem + L.p);
   __half* const p_lo = p_hi + L.NP * L.ldk;
   int* const e_b_st = reinterpret_cast<int*>(smem + L.e_b_st);  // exponents of b's rows (j, s)
+  int* const e_a_st = reinterpret_cast<int*>(smem + L.e_a_st);  // of the block's rows (i, s) of a, [TI][S4]
+  const int S4 = round_up4(S);
+  const bool own_a_factors = (p.f16_opts & 2) != 0, own_b_factors = (p.f16_opts & 1) != 0;
   float* const p_f = reinterpret_cast<float*>(smem + L.p_f);     // [R16] phase P's row factors
   float* const b_f = reinterpret_cast<float*>(smem + L.b_f);     // [S][N16] phase O's factors
   float* const red = reinterpret_cast<float*>(smem + L.red);
@@ -165,11 +191,13 @@ __global__ void __maxnreg__(96) opm_small_f16_kernel(const SmallTcArgs p) {
   if (tid == 0) {
     const int64_t a_row0 = (int64_t(b) * N + i0) * S;
     const unsigned a_bytes = unsigned(ti * S * L.lda) * 2u, b_bytes = unsigned(N * L.ldk) * 2u;
+    const unsigned ea_bytes = unsigned(ti * S4) * 4u;
     const __half* const a_src = static_cast<const __half*>(p.a16) + a_row0 * L.lda;
     const __half* const b_src = static_cast<const __half*>(p.b16) + int64_t(b) * N * L.ldk;
-    mbarrier_arrive_expect_tx(a_bar, 2u * a_bytes);
+    mbarrier_arrive_expect_tx(a_bar, 2u * a_bytes + ea_bytes);
     bulk_copy_g2s(a_hi, a_src, a_bytes, a_bar);
     bulk_copy_g2s(a_lo, a_src + p.a16_lo, a_bytes, a_bar);
+    bulk_copy_g2s(e_a_st, p.a_exp + (int64_t(b) * N + i0) * S4, ea_bytes, a_bar);
     mbarrier_arrive_expect_tx(b_bar, 2u * b_bytes + unsigned(L.NS4) * 4u);
     bulk_copy_g2s(b_hi, b_src, b_bytes, b_bar);
     bulk_copy_g2s(b_lo, b_src + p.b16_lo, b_bytes, b_bar);
@@ -178,8 +206,8 @@ __global__ void __maxnreg__(96) opm_small_f16_kernel(const SmallTcArgs p) {
   const int p_exp = -(kSplitTopExp + 1) - lg_h;  // |P'| < H·2^30·2^p_exp = 2^15
   // Row i's common exponent e_i, the smallest of its rows (i, s) (the largest magnitude); phase P
   // takes each row's own scale out and puts e_i in: factor 2^(p_exp + e_i - e_(i,s)) <= 2^p_exp.
-  if (warp < ti) {
-    const int* const e_src = p.a_exp + (int64_t(b) * N + i0 + warp) * S;
+  if (warp < ti && !own_a_factors) {
+    const int* const e_src = p.a_exp + (int64_t(b) * N + i0 + warp) * S4;
     int e_min = kSplitMaxExp;
     for (int s = lane; s < S; s += 32) e_min = min(e_min, e_src[s]);
 #pragma unroll
@@ -232,7 +260,17 @@ __global__ void __maxnreg__(96) opm_small_f16_kernel(const SmallTcArgs p) {
           if (r >= ti * S) continue;
           const int il = div_s(r), s = r - il * S;
           const int row_off = (il * Dc + dl) * L.ldk + s * hk + hg * 32 + 2 * t;
-          const float f = p_f[r];
+          float f;
+          if (own_a_factors) {
+            // The thread's own factor from the copied exponents of row i: no pass over them
+            // between a's arrival and phase P.
+            const int* const e_row = e_a_st + il * S4;
+            const int e_min = min_exp_row(e_row, S, true);
+            f = exp2_int_or_zero(p_exp + e_min - e_row[s]);
+            if (t == 0 && s == 0) e_a_s[il] = e_min;
+          } else {
+            f = p_f[r];
+          }
 #pragma unroll
           for (int n = 0; n < 4; ++n) {
             if (n < nv) {
@@ -252,7 +290,7 @@ __global__ void __maxnreg__(96) opm_small_f16_kernel(const SmallTcArgs p) {
   // ---- b's exponents (copied while phase P ran): row j's common e_j, the smallest of its rows
   // (j, s); phase O scales each k-step's sums over row (j, s) by 2^(e_j - e_(j, s)) <= 1 ----
   mbarrier_wait_parity(b_bar, 0);
-  for (int j = warp; j < L.N16; j += kSmallTcWarps) {
+  for (int j = warp; j < L.N16 && !own_b_factors; j += kSmallTcWarps) {
     if (j < N) {
       int e_min = kSplitMaxExp;
       for (int s = lane; s < S; s += 32) e_min = min(e_min, e_b_st[j * S + s]);
@@ -284,6 +322,18 @@ __global__ void __maxnreg__(96) opm_small_f16_kernel(const SmallTcArgs p) {
         for (int n = 0; n < kSmallF16GroupN; ++n)
 #pragma unroll
           for (int e = 0; e < 4; ++e) acc[n][e] = 0.f;
+        // Rows j0 = 16·mt + g and j0 + 8: their common exponents (the smallest of their rows (j, s)),
+        // the thread's own when own_b_factors (rows past N: factor 0, never stored).
+        const int j0 = mt * 16 + g, j1 = j0 + 8;
+        int e_j0 = kSplitMaxExp, e_j1 = kSplitMaxExp;
+        if (own_b_factors) {
+          if (j0 < N) e_j0 = min_exp_row(e_b_st + j0 * S, S, S % 4 == 0);
+          if (j1 < N) e_j1 = min_exp_row(e_b_st + j1 * S, S, S % 4 == 0);
+          if (t == 0 && kp == 0 && cg == 0) {
+            if (j0 < N) e_b_s[j0] = e_j0;
+            if (j1 < N) e_b_s[j1] = e_j1;
+          }
+        }
         const int a_off = (mt * 16 + (lane & 15)) * L.ldk + (lane >> 4) * 8;
         const int mi = lane >> 3;  // ldmatrix of P: matrices (n tile 2q | 2q + 1) x (k 0-7 | 8-15)
         const int p_off = ((cg * kSmallF16GroupN + (mi >> 1)) * 8 + (lane & 7)) * L.ldk + (mi & 1) * 8;
@@ -303,8 +353,16 @@ __global__ void __maxnreg__(96) opm_small_f16_kernel(const SmallTcArgs p) {
               bl[2 * q][0] = r[0], bl[2 * q][1] = r[1], bl[2 * q + 1][0] = r[2], bl[2 * q + 1][1] = r[3];
             }
           }
-          const float* const f = b_f + (ks * 16 >> lg_h) * L.N16 + mt * 16 + g;
-          mma_f16_split_fma_rows<kSmallF16GroupN>(acc, ah, al, bh, bl, nv, f[0], f[8]);
+          const int s = ks * 16 >> lg_h;
+          float f0, f8;
+          if (own_b_factors) {
+            f0 = j0 < N ? exp2_int_or_zero(e_j0 - e_b_st[j0 * S + s]) : 0.f;
+            f8 = j1 < N ? exp2_int_or_zero(e_j1 - e_b_st[j1 * S + s]) : 0.f;
+          } else {
+            const float* const f = b_f + s * L.N16 + mt * 16 + g;
+            f0 = f[0], f8 = f[8];
+          }
+          mma_f16_split_fma_rows<kSmallF16GroupN>(acc, ah, al, bh, bl, nv, f0, f8);
         }
         float* const r0 = red + (kp * L.N16 + mt * 16 + g) * L.ldr + cg * kSmallF16GroupN * 8 + 2 * t;
 #pragma unroll
