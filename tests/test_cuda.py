@@ -318,17 +318,24 @@ def test_small_tc_f16_form_runs(shape, tile, monkeypatch):
     assert err <= max(2 * err_eager, FP64_FLOOR), f"normwise error {err:.3g} vs eager fp32 {err_eager:.3g}"
 
 
+def _f16_form_problem(shape, tile, mask_kind, seed_text, monkeypatch):
+    """A problem on the GPU for the float16 split form, asked for (with `tile` = (TI, Dc) if given)
+    and checked to be the form that the plan chooses; the seed from `seed_text`."""
+    monkeypatch.setenv("FLASHOPM_SMALL_TC_F16", "1")
+    if tile is not None:
+        monkeypatch.setenv("FLASHOPM_SMALL_TC_TILE", f"{tile[0]},{tile[1]}")
+    x, m, p = make_problem(shape, mask_kind, seed=zlib.crc32(seed_text.encode()) % 1000)
+    xc, mc, pc = x.cuda(), m.cuda(), _cuda_params(p)
+    assert torch.ops.flashopm._small_tc_plan(xc, shape.B, shape.S, shape.N, shape.H, shape.D)[2] == 1
+    return xc, mc, pc
+
+
 # The float16 split form's row factors taken by each thread itself (FLASHOPM_SMALL_F16_OPTS: 1 b's
 # in phase O, 2 a's in phase P) give the same bits as the passes over the rows' exponents.
 @pytest.mark.parametrize("normalization", ["row", "boltz"])
 @pytest.mark.parametrize("shape,tile", F16_FORM_CASES + [(Shape(2, 7, 13, 9, 32, 24), None)], ids=lambda v: str(v))
 def test_small_tc_f16_own_factors(shape, tile, normalization, monkeypatch):
-    monkeypatch.setenv("FLASHOPM_SMALL_TC_F16", "1")
-    if tile is not None:
-        monkeypatch.setenv("FLASHOPM_SMALL_TC_TILE", f"{tile[0]},{tile[1]}")
-    x, m, p = make_problem(shape, "masked_positions", seed=zlib.crc32(f"{shape}-own".encode()) % 1000)
-    xc, mc, pc = x.cuda(), m.cuda(), _cuda_params(p)
-    assert torch.ops.flashopm._small_tc_plan(xc, shape.B, shape.S, shape.N, shape.H, shape.D)[2] == 1
+    xc, mc, pc = _f16_form_problem(shape, tile, "masked_positions", f"{shape}-own", monkeypatch)
     outs = {}
     for opts in ("0", "1", "2", "3"):
         monkeypatch.setenv("FLASHOPM_SMALL_F16_OPTS", opts)
@@ -350,12 +357,7 @@ def test_small_tc_f16_own_factors(shape, tile, normalization, monkeypatch):
 @pytest.mark.parametrize("shape,tile", [(SPEC, None), (Shape(1, 5, 31, 24, 32, 41), (4, 8)),
                                         (Shape(2, 3, 24, 9, 16, 70), (1, 64))], ids=lambda v: str(v))
 def test_small_tc_f16_epilogue(shape, tile, normalization, norm_code, monkeypatch):
-    monkeypatch.setenv("FLASHOPM_SMALL_TC_F16", "1")
-    if tile is not None:
-        monkeypatch.setenv("FLASHOPM_SMALL_TC_TILE", f"{tile[0]},{tile[1]}")
-    x, m, p = make_problem(shape, "fractional", seed=zlib.crc32(f"{shape}-pairs-{normalization}".encode()) % 1000)
-    xc, mc, pc = x.cuda(), m.cuda(), _cuda_params(p)
-    assert torch.ops.flashopm._small_tc_plan(xc, shape.B, shape.S, shape.N, shape.H, shape.D)[2] == 1
+    xc, mc, pc = _f16_form_problem(shape, tile, "fractional", f"{shape}-pairs-{normalization}", monkeypatch)
 
     def call():
         poison = torch.full((shape.B, shape.N, shape.N, shape.D), float("nan"), device="cuda")
