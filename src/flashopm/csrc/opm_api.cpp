@@ -783,7 +783,7 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     // 16-byte aligned for its bulk copies.
     const SmallF16Layout f16_layout = small_f16_layout(int(S), int(N), int(H), small_tc.TI, small_tc.Dc);
     const int64_t b16_halves = B * N * f16_layout.ldk, a16_halves = B * N * S * f16_layout.lda;
-    const int64_t f16_ws_bytes = 4 * (b16_halves + a16_halves + B * f16_layout.NS4 + B * N * round_up4(int(S)));
+    const int64_t f16_ws_bytes = 4 * (b16_halves + a16_halves + B * f16_layout.NS4 + B * N * f16_layout.S4);
     const bool f16 = small_tc_f16(small_tc, tc_terms, w_out.data_ptr<float>(), S, N, H) &&
                      f16_ws_bytes / 4 <= budget_elems;
     const bool fma = !f16 && small_tc_fma(small_tc, tc_terms);
@@ -822,8 +822,8 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
       pa.b_lo_off = b16_halves;
       pa.a_exp = a_exp;
       pa.b_exp = b_exp;
-      pa.a_exp_sb = N * round_up4(int(S));
-      pa.a_exp_sn = round_up4(int(S));
+      pa.a_exp_sb = N * f16_layout.S4;
+      pa.a_exp_sn = f16_layout.S4;
       pa.b_exp_sb = f16_layout.NS4;
     } else if (rows16) {
       pa.ab_kind = kAbF32HStride;

@@ -683,6 +683,7 @@ FLASHOPM_HD inline SmallTcLayout small_tc_fma_layout(int S, int N, int H, int TI
 constexpr int kSmallF16GroupN = 4;  // phase O's n tiles (8 columns (i, d) each) per warp item
 struct SmallF16Layout {
   int R16, N16, NP, lda, ldw, ldk, ldr, kparts, NS4;
+  int S4;  // S rounded up to 4: a's exponents per residue n, in the workspace and in e_a_st
   int w, a, b, p, red, e_b_st, e_a_st, p_f, b_f, pair, bias, den, e_a, e_b, bars, total;  // bytes
 };
 FLASHOPM_HD inline SmallF16Layout small_f16_layout(int S, int N, int H, int TI, int Dc) {
@@ -706,7 +707,8 @@ FLASHOPM_HD inline SmallF16Layout small_f16_layout(int S, int N, int H, int TI, 
   L.p = o;          o += 2 * L.NP * L.ldk * 2;
   L.NS4 = round_up4(N * S);
   L.e_b_st = o;     o += L.NS4 * 4;         // b's rows' exponents as kernel 1 wrote them
-  L.e_a_st = o;     o += TI * round_up4(S) * 4;  // the block's rows of a's exponents, likewise
+  L.S4 = round_up4(S);
+  L.e_a_st = o;     o += TI * L.S4 * 4;      // the block's rows of a's exponents, likewise
   L.p_f = o;        o += L.R16 * 4;          // phase P's factor per row (i, s)
   L.b_f = o;        o += S * L.N16 * 4;      // phase O's factor per (s, row j)
   L.pair = o;       o += TI * L.N16 * 4;
