@@ -80,6 +80,22 @@ assert "copy_b_" in f
 idx = f.rindex("#endif\n}")
 f = f[:idx] + CLK(5) + GT(10) + f[idx:]
 src["opm_small_f16_kernel.cuh"] = f
+# The chained float16 split form: slot 11 marks it (-5); thread 0's clocks after a's copies arrive
+# (6), after its first phase-P tile is split (13), after b's copies arrive (15), after its items (14).
+c = src["opm_small_f16_chain_kernel.cuh"]
+c = patch(c, "  // ---- prologue: independent of the first kernel ----\n", GT(8) + CLK(0)
+          + f"\n  if (threadIdx.x == 0) g_tc_clk[{BLK} * 16 + 11] = -5;\n", before=True)
+c = patch(c, '  asm volatile("griddepcontrol.wait;\\n" ::: "memory");\n', CLK(12), before=True)
+c = patch(c, '  asm volatile("griddepcontrol.wait;\\n" ::: "memory");\n', GT(9) + CLK(1))
+c = patch(c, "    mbarrier_wait_parity(a_bar, 0);\n", T0(6))
+c = patch(c, "      if (!b_arrived) {\n        mbarrier_wait_parity(b_bar, 0);\n",
+          "\n  if (threadIdx.x == 0 && !b_arrived) g_tc_clk[" + BLK + " * 16 + 13] = clock64();\n", before=True)
+c = patch(c, "        mbarrier_wait_parity(b_bar, 0);\n", T0(15))
+c = patch(c, "    // The item's part of the sums: rows j", T0(14), before=True)
+c = patch(c, "  // out' = out", CLK(4), before=True)
+idx = c.rindex("#endif\n}")
+c = c[:idx] + CLK(5) + GT(10) + c[idx:]
+src["opm_small_f16_chain_kernel.cuh"] = c
 kk = src["opm_kernels.cuh"]
 PB = "((blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x)"
 PGT = lambda i: (f"\n  if (threadIdx.x == 0) {{ unsigned long long t_; asm volatile(\"mov.u64 %0, %globaltimer;\" : \"=l\"(t_));"  # noqa: E731
@@ -178,7 +194,11 @@ def clocks(label, graph=False):
     prep = raw[1 << 18:].view(-1, 8)
     prep = prep[prep[:, 0] > 0].double()
     med = lambda hi, lo: (tc[:, hi] - tc[:, lo]).median().item()  # noqa: E731
-    if (tc[:, 12] > 0).all():  # the float16 split form
+    if (tc[:, 11] == -5).all():  # the chained float16 split form
+        phases = [("prologue", med(12, 0)), ("wait", med(1, 12)), ("items", med(4, 1)), ("epilogue", med(5, 4)),
+                  ("[thread 0: a arrives", med(6, 1)), ("first P tile", med(13, 6)), ("b arrives", med(15, 13)),
+                  ("rest of its items", med(14, 15)), ("barrier]", med(4, 14))]
+    elif (tc[:, 12] > 0).all():  # the float16 split form
         phases = [("prologue", med(12, 0)), ("wait", med(1, 12)), ("copy and split a", med(2, 1)),
                   ("phase P, split b", med(3, 2)), ("phase O", med(4, 3)), ("epilogue", med(5, 4)),
                   ("[thread 0: a arrives", med(6, 1)), ("P's MMAs", med(13, 2)), ("P's stores", med(14, 13)),
@@ -206,6 +226,9 @@ def clocks(label, graph=False):
 with torch.no_grad():
     for graph in (False, True):
         clocks("default form", graph)
+        os.environ["FLASHOPM_SMALL_F16_CHAIN"] = "0"
+        clocks("staged float16 split form", graph)
+        os.environ.pop("FLASHOPM_SMALL_F16_CHAIN")
         os.environ["FLASHOPM_SMALL_TC_F16"] = "0"
         clocks("FMA form", graph)
         os.environ.pop("FLASHOPM_SMALL_TC_F16")
@@ -220,6 +243,9 @@ with torch.no_grad():
         os.environ.pop("DBG_KNOB")
     variants = [({}, "both kernels"), ({"DBG_SKIP": "k1"}, "without the first kernel"),
                 ({"DBG_SKIP": "k2"}, "without the second kernel"),
+                ({"FLASHOPM_SMALL_F16_CHAIN": "0"}, "staged float16 split form"),
+                ({"FLASHOPM_SMALL_F16_CHAIN": "0", "DBG_SKIP": "k1"}, "staged float16 split form without the first kernel"),
+                ({"FLASHOPM_SMALL_F16_CHAIN": "0", "DBG_SKIP": "k2"}, "staged float16 split form without the second kernel"),
                 ({"DBG_NOPDL": "1"}, "second kernel launched without programmatic dependency"),
                 ({"DBG_KNOB": "1"}, "no row denominators"),
                 ({"DBG_KNOB": "4"}, "float16 split form without b's copies (timing only)"),
@@ -230,7 +256,7 @@ with torch.no_grad():
     variants += [({"DBG_PLAN": plan}, f"tiling TI,Dc = {plan}") for plan in sys.argv[2:]]
     for env, what in variants:
         for var in ("DBG_SKIP", "DBG_NOPDL", "DBG_KNOB", "DBG_PLAN", "FLASHOPM_SMALL_TC_FMA", "FLASHOPM_SMALL_TC_LOCAL_A",
-                    "FLASHOPM_SMALL_TC_F16"):
+                    "FLASHOPM_SMALL_TC_F16", "FLASHOPM_SMALL_F16_CHAIN"):
             os.environ.pop(var, None)
         os.environ.update(env)
         print(f"graph, {what}: {time_graph(lambda: model(x, m), n=50)}")

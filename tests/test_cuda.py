@@ -278,7 +278,7 @@ def test_small_tc_f16_form_far_from_one(shape, scale, monkeypatch):
     ref64 = reference(xc, mc, pc, dtype=torch.float64).cpu()
     ref32 = reference(xc, mc, pc).cpu()
     kernels = _flashopm_kernels(lambda: _run(xc, mc, pc, "small-tc", poison=False, may_not_fit=False))
-    assert any("opm_small_f16_kernel" in k for k in kernels), kernels
+    assert any("opm_small_f16_" in k for k in kernels), kernels
     out = _run(xc, mc, pc, "small-tc", may_not_fit=False).cpu()
     assert not out.isnan().any() and out.abs().max() > 0
     err, err_eager = rel_error(out, ref64), rel_error(ref32, ref64)
@@ -305,7 +305,7 @@ def test_small_tc_f16_form_runs(shape, tile, monkeypatch):
     x, m, p = make_problem(shape, "masked_positions", seed=zlib.crc32(f"{shape}-f16-runs".encode()) % 1000)
     xc, mc, pc = x.cuda(), m.cuda(), _cuda_params(p)
     kernels = _flashopm_kernels(lambda: _run(xc, mc, pc, "small-tc", poison=False, may_not_fit=False))
-    assert any("opm_small_f16_kernel" in k for k in kernels), kernels
+    assert any("opm_small_f16_" in k for k in kernels), kernels
     _check(shape, "masked_positions", "small-tc", seed=zlib.crc32(f"{shape}-f16-runs".encode()) % 1000,
            may_not_fit=False)
     # weights x10: the output scales as 10^3, and eager float32's own error with it
@@ -318,10 +318,13 @@ def test_small_tc_f16_form_runs(shape, tile, monkeypatch):
     assert err <= max(2 * err_eager, FP64_FLOOR), f"normwise error {err:.3g} vs eager fp32 {err_eager:.3g}"
 
 
-def _f16_form_problem(shape, tile, mask_kind, seed_text, monkeypatch):
-    """A problem on the GPU for the float16 split form, asked for (with `tile` = (TI, Dc) if given)
-    and checked to be the form that the plan chooses; the seed from `seed_text`."""
+def _f16_form_problem(shape, tile, mask_kind, seed_text, monkeypatch, staged=False):
+    """A problem on the GPU for the float16 split form, asked for (with `tile` = (TI, Dc) if given;
+    its staged form if `staged`) and checked to be the form that the plan chooses; the seed from
+    `seed_text`."""
     monkeypatch.setenv("FLASHOPM_SMALL_TC_F16", "1")
+    if staged:
+        monkeypatch.setenv("FLASHOPM_SMALL_F16_CHAIN", "0")
     if tile is not None:
         monkeypatch.setenv("FLASHOPM_SMALL_TC_TILE", f"{tile[0]},{tile[1]}")
     x, m, p = make_problem(shape, mask_kind, seed=zlib.crc32(seed_text.encode()) % 1000)
@@ -330,12 +333,12 @@ def _f16_form_problem(shape, tile, mask_kind, seed_text, monkeypatch):
     return xc, mc, pc
 
 
-# The float16 split form's row factors taken by each thread itself (FLASHOPM_SMALL_F16_OPTS: 1 b's
-# in phase O, 2 a's in phase P) give the same bits as the passes over the rows' exponents.
+# The staged float16 split form's row factors taken by each thread itself (FLASHOPM_SMALL_F16_OPTS:
+# 1 b's in phase O, 2 a's in phase P) give the same bits as the passes over the rows' exponents.
 @pytest.mark.parametrize("normalization", ["row", "boltz"])
 @pytest.mark.parametrize("shape,tile", F16_FORM_CASES + [(Shape(2, 7, 13, 9, 32, 24), None)], ids=lambda v: str(v))
 def test_small_tc_f16_own_factors(shape, tile, normalization, monkeypatch):
-    xc, mc, pc = _f16_form_problem(shape, tile, "masked_positions", f"{shape}-own", monkeypatch)
+    xc, mc, pc = _f16_form_problem(shape, tile, "masked_positions", f"{shape}-own", monkeypatch, staged=True)
     outs = {}
     for opts in ("0", "1", "2", "3"):
         monkeypatch.setenv("FLASHOPM_SMALL_F16_OPTS", opts)
@@ -351,13 +354,15 @@ def test_small_tc_f16_own_factors(shape, tile, normalization, monkeypatch):
     torch.testing.assert_close(outs["3"].cpu(), ref32, atol=1e-4, rtol=1e-4)
 
 
-# The float16 split form's epilogue (items of two columns, the K parts read at once) in the
+# The float16 split forms' epilogue (items of two columns, the K parts read at once) in the
 # specification's normalisation and Boltz's (pair counts); D odd, a ragged last chunk of d.
+@pytest.mark.parametrize("staged", [False, True], ids=["chained", "staged"])
 @pytest.mark.parametrize("normalization,norm_code", [("row", 0), ("boltz", 2)])
 @pytest.mark.parametrize("shape,tile", [(SPEC, None), (Shape(1, 5, 31, 24, 32, 41), (4, 8)),
                                         (Shape(2, 3, 24, 9, 16, 70), (1, 64))], ids=lambda v: str(v))
-def test_small_tc_f16_epilogue(shape, tile, normalization, norm_code, monkeypatch):
-    xc, mc, pc = _f16_form_problem(shape, tile, "fractional", f"{shape}-pairs-{normalization}", monkeypatch)
+def test_small_tc_f16_epilogue(shape, tile, normalization, norm_code, staged, monkeypatch):
+    xc, mc, pc = _f16_form_problem(shape, tile, "fractional", f"{shape}-pairs-{normalization}", monkeypatch,
+                                   staged=staged)
 
     def call():
         poison = torch.full((shape.B, shape.N, shape.N, shape.D), float("nan"), device="cuda")
@@ -379,9 +384,37 @@ def test_small_tc_f16_epilogue(shape, tile, normalization, norm_code, monkeypatc
     assert err <= max(2 * err_eager, FP64_FLOOR), f"normwise error {err:.3g} vs eager fp32 {err_eager:.3g}"
 
 
-def test_small_tc_f16_form_nan_inf_propagate(monkeypatch):
+@pytest.mark.parametrize("hidden", [16, 32])
+def test_small_tc_f16_form_nan_inf_propagate(hidden, monkeypatch):
     monkeypatch.setenv("FLASHOPM_SMALL_TC_F16", "1")
-    _check_nan_inf_propagate(Shape(1, 4, 9, 16, 16, 8), 3, "small-tc")
+    _check_nan_inf_propagate(Shape(1, 4, 9, 16, hidden, 8), 3, "small-tc")
+
+
+# The chained float16 split form (hidden 32, N <= 64; the default there) and the staged one
+# (FLASHOPM_SMALL_F16_CHAIN=0), each checked to be the kernel that ran: S past one chunk of eight
+# and not a multiple of it, N past 32 (four m tiles of j) and ragged, one row i per block (an item's
+# second row empty), eight rows i per block, chunks of d ragged (D = 70, 130), N = S = 1.
+F16_CHAIN_CASES = [(SPEC, None), (Shape(1, 5, 31, 24, 32, 40), (4, 8)), (Shape(1, 8, 64, 16, 32, 24), (4, 8)),
+                   (Shape(3, 5, 33, 20, 32, 70), (1, 16)), (Shape(1, 12, 31, 8, 32, 130), (8, 8)),
+                   (Shape(2, 1, 1, 3, 32, 8), None), (Shape(1, 3, 2, 5, 32, 9), (2, 8))]
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["chained", "staged"])
+@pytest.mark.parametrize("shape,tile", F16_CHAIN_CASES, ids=lambda v: str(v))
+def test_small_tc_f16_chained_form(shape, tile, staged, monkeypatch):
+    xc, mc, pc = _f16_form_problem(shape, tile, "masked_positions", f"{shape}-chain", monkeypatch, staged=staged)
+    kernels = _flashopm_kernels(lambda: _run(xc, mc, pc, "small-tc", poison=False, may_not_fit=False))
+    name = "opm_small_f16_kernel" if staged else "opm_small_f16_chain_kernel"
+    assert any(name in k for k in kernels), kernels
+    _check(shape, "masked_positions", "small-tc", seed=zlib.crc32(f"{shape}-chain".encode()) % 1000,
+           may_not_fit=False)
+    x, m, p = make_problem(shape, "fractional", seed=5, scale=10.0)
+    xc, mc, pc = x.cuda(), m.cuda(), _cuda_params(p)
+    out = _run(xc, mc, pc, "small-tc", may_not_fit=False).cpu()
+    ref64, ref32 = reference(xc, mc, pc, dtype=torch.float64).cpu(), reference(xc, mc, pc).cpu()
+    torch.testing.assert_close(out, ref32, atol=1e-4 * 10.0**3, rtol=1e-4)
+    err, err_eager = rel_error(out, ref64), rel_error(ref32, ref64)
+    assert err <= max(2 * err_eager, FP64_FLOOR), f"normwise error {err:.3g} vs eager fp32 {err_eager:.3g}"
 
 
 # The mma.sync form.
@@ -403,7 +436,7 @@ def test_small_tc_launches(monkeypatch):
     xc, mc, pc = x.cuda(), m.cuda(), _cuda_params(p)
     two = _flashopm_kernels(lambda: _run(xc, mc, pc, "small-tc", poison=False))
     assert len(two) == 2 and any("opm_prep_kernel" in k for k in two), two
-    assert any("opm_small_f16_kernel" in k for k in two), two  # the float16 split form under "highest"
+    assert any("opm_small_f16_chain_kernel" in k for k in two), two  # the chained float16 split form under "highest"
     monkeypatch.setenv("FLASHOPM_SMALL_TC_F16", "0")
     fma = _flashopm_kernels(lambda: _run(xc, mc, pc, "small-tc", poison=False))
     assert len(fma) == 2 and any("opm_small_tc_kernel<0, false, false>" in k for k in fma), fma

@@ -258,6 +258,7 @@ struct SmallTcPlan {
   int TI = 0, Dc = 0;
   bool fma = false;  // W's chunk fits in shared memory for the float32 FMA form (small_tc_fma_layout)
   bool f16 = false;  // the float16 split form applies and fits (small_f16_layout)
+  bool f16_chain = false;  // ... and its chained form (hidden 32, N <= 64, small_f16_chain_layout)
 };
 
 SmallTcPlan requested_small_tc_tile() {
@@ -301,6 +302,8 @@ SmallTcPlan search_small_tc_plan(int64_t B, int64_t S, int64_t N, int64_t H, int
     best.fma = small_tc_smem_bytes(int(S), int(N), int(H), best.TI, best.Dc, true) <= info.smem_optin;
     best.f16 = (H == 16 || H == 32 || H == 64) &&
                small_f16_layout(int(S), int(N), int(H), best.TI, best.Dc).total <= info.smem_optin;
+    best.f16_chain = best.f16 && H == 32 && N <= kSmallF16ChainMaxN &&
+                     small_f16_chain_layout(int(S), int(N), int(H), best.TI, best.Dc).total <= info.smem_optin;
   }
   return best;
 }
@@ -781,8 +784,13 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     // The float16 split form's workspace (kAbF16Split): b's and a's rows split, then their
     // exponents; each region's size a multiple of 16 bytes, so that every block's rows are
     // 16-byte aligned for its bulk copies.
+    // The chained form (phase P's tile straight into phase O's operands) where it applies, unless
+    // FLASHOPM_SMALL_F16_CHAIN=0 asks for the staged one; b's rows run along (s / 8, h, s % 8) there.
+    const bool chain = small_tc.f16_chain && !env_is("FLASHOPM_SMALL_F16_CHAIN", "0");
     const SmallF16Layout f16_layout = small_f16_layout(int(S), int(N), int(H), small_tc.TI, small_tc.Dc);
-    const int64_t b16_halves = B * N * f16_layout.ldk, a16_halves = B * N * S * f16_layout.lda;
+    const SmallF16ChainLayout chain_layout = small_f16_chain_layout(int(S), int(N), int(H), small_tc.TI, small_tc.Dc);
+    const int64_t b16_ldk = chain ? chain_layout.ldk : f16_layout.ldk;
+    const int64_t b16_halves = B * N * b16_ldk, a16_halves = B * N * S * f16_layout.lda;
     const int64_t f16_ws_bytes = 4 * (b16_halves + a16_halves + B * f16_layout.NS4 + B * N * f16_layout.S4);
     const bool f16 = small_tc_f16(small_tc, tc_terms, w_out.data_ptr<float>(), S, N, H) &&
                      f16_ws_bytes / 4 <= budget_elems;
@@ -816,9 +824,17 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
       pa.a_sn = S * f16_layout.lda;
       pa.a_lo_off = a16_halves;
       pa.b_out = b16;
-      pa.b_sb = N * f16_layout.ldk;
-      pa.b_ss = H + 8;
-      pa.b_sn = f16_layout.ldk;
+      pa.b_sb = N * b16_ldk;
+      pa.b_sn = b16_ldk;
+      if (chain) {
+        pa.s_chunk = 8;
+        pa.b_sc = 8 * H;
+        pa.b_ss = 1;
+        pa.b_hs = 8;
+      } else {
+        pa.b_ss = H + 8;
+        pa.b_hs = 1;
+      }
       pa.b_lo_off = b16_halves;
       pa.a_exp = a_exp;
       pa.b_exp = b_exp;
@@ -851,6 +867,7 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     SmallTcArgs ta{};
     ta.fma = fma;
     ta.f16 = f16;
+    ta.f16_chain = f16 && chain ? ((N + 15) / 16 <= 2 ? 2 : 4) : 0;
     ta.fused = fused;
     ta.local_a = local_a;
     ta.local_a_vec = local_a && small_tc_local_a_vec(pa);

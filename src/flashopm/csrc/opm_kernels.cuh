@@ -639,7 +639,10 @@ __global__ void __launch_bounds__(kPrepThreads, RW == 1 && Q <= 2 && !kProjectW 
         const float f_a = exp2_int(e_a), f_b = exp2_int(e_b);
         const int64_t row = int64_t(n) * p.S + s;
         __half* const a_row = static_cast<__half*>(p.a_out) + b * p.a_sb + row * p.a_ss;
-        __half* const b_row = static_cast<__half*>(p.b_out) + b * p.b_sb + int64_t(n) * p.b_sn + int64_t(s) * p.b_ss;
+        // b's rows along k = (s, h) (s_chunk 0, h stride 1), or along (s / s_chunk, h, s % s_chunk)
+        // (the chained form: h stride s_chunk, s past S zero to the end of its chunk)
+        __half* const b_base = static_cast<__half*>(p.b_out);
+        __half* const b_row = b_base + ab_row_offset(p.b_sb, p.b_sc, p.b_ss, p.b_sn, p.s_chunk, b, s, n);
         const bool store_a = n < p.a_rows;
 #pragma unroll
         for (int q = 0; q < Q; ++q) {
@@ -647,7 +650,13 @@ __global__ void __launch_bounds__(kPrepThreads, RW == 1 && Q <= 2 && !kProjectW 
           if (o < H) {
             if (store_a) store_split_f16(a_row + o, p.a_lo_off, v[q] * f_a);
           } else if (o < H2) {
-            store_split_f16(b_row + (o - H), p.b_lo_off, v[q] * f_b);
+            store_split_f16(b_row + (o - H) * p.b_hs, p.b_lo_off, v[q] * f_b);
+            if (p.s_chunk > 0 && s == p.S - 1) {
+              for (int sp = p.S; sp % p.s_chunk != 0; ++sp) {
+                __half* const pad = b_base + ab_row_offset(p.b_sb, p.b_sc, p.b_ss, p.b_sn, p.s_chunk, b, sp, n);
+                store_split_f16(pad + (o - H) * p.b_hs, p.b_lo_off, 0.f);
+              }
+            }
           }
         }
         if (lane == 0) {

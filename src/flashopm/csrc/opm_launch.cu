@@ -16,6 +16,7 @@
 #include "opm_kernels.cuh"
 #include "opm_ln_backward_kernel.cuh"
 #include "opm_small_kernel.cuh"
+#include "opm_small_f16_chain_kernel.cuh"
 #include "opm_small_f16_kernel.cuh"
 #include "opm_small_tc_kernel.cuh"
 #include "opm_tc16_kernel.cuh"
@@ -439,8 +440,10 @@ void launch_small_tc(const SmallTcArgs& args, int terms, cudaStream_t stream) {
   cfg.gridDim = dim3(unsigned((args.D + args.Dc - 1) / args.Dc), unsigned((args.N + args.TI - 1) / args.TI),
                      unsigned(args.B));
   cfg.blockDim = dim3(kSmallTcThreads);
-  cfg.dynamicSmemBytes = size_t(args.f16 ? small_f16_layout(args.S, args.N, args.H, args.TI, args.Dc).total
-                                           : small_tc_smem_bytes(args.S, args.N, args.H, args.TI, args.Dc, args.fma != 0));
+  cfg.dynamicSmemBytes =
+      size_t(args.f16_chain ? small_f16_chain_layout(args.S, args.N, args.H, args.TI, args.Dc).total
+             : args.f16     ? small_f16_layout(args.S, args.N, args.H, args.TI, args.Dc).total
+                            : small_tc_smem_bytes(args.S, args.N, args.H, args.TI, args.Dc, args.fma != 0));
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
   if (args.fused) {
@@ -452,7 +455,11 @@ void launch_small_tc(const SmallTcArgs& args, int terms, cudaStream_t stream) {
   }
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  if (args.f16) {
+  if (args.f16_chain == 2) {
+    launch_small_tc_t<opm_small_f16_chain_kernel<2>>(cfg, args);
+  } else if (args.f16_chain) {
+    launch_small_tc_t<opm_small_f16_chain_kernel<4>>(cfg, args);
+  } else if (args.f16) {
     launch_small_tc_t<opm_small_f16_kernel>(cfg, args);
   } else if (args.fma) {
     if (args.fused) launch_small_tc_t<opm_small_tc_kernel<0, true, false>>(cfg, args);

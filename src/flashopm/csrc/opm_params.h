@@ -572,6 +572,7 @@ struct SmallTcArgs {
   int f16_opts;   // the float16 split form's factors: 1 b's per thread in phase O, 2 a's per thread in P
   int fma;        // the float32 FMA form (small_tc_fma_layout) rather than mma.sync
   int f16;        // the float16 split form (opm_small_f16_kernel, small_f16_layout)
+  int f16_chain;  // ... chained (opm_small_f16_chain_kernel<f16_chain>, small_f16_chain_layout): m tiles of j, 2 or 4
   int fused;      // the kernel projects the rows itself (cooperative launch, float32 x)
   int local_a;    // the FMA form projects its own rows of a and runs phase P before the wait
                   // (float32 x; the first kernel writes b alone)
@@ -717,6 +718,59 @@ FLASHOPM_HD inline SmallF16Layout small_f16_layout(int S, int N, int H, int TI, 
   L.e_a = o;        o += kSmallTcMaxTI * 4;
   L.e_b = o;        o += L.N16 * 4;
   L.bars = (o + 7) / 8 * 8;  o = L.bars + 16;  // two mbarriers: a's copies, b's
+  L.total = o;
+  return L;
+}
+
+// The chained float16 split form (opm_small_f16_chain_kernel; hidden 32, N <= 64): phase P's tile
+// goes from its accumulators straight into phase O's operands, so P is never stored.  Phase P per
+// warp item is P[(h2, d), s] = sum_h1 W[d, h1·H + h2] a[(i, s), h1] for a pair of h2 and eight d
+// (M = 16) and eight s (N = 8); its accumulator fragment is, element for element, the B fragment of
+// out[j, d] += sum_k b[j, k] P[k, d] over k = (h2 pair, eight s).  So b's rows run along
+// k = (s / 8, h2, s % 8) (ldk halves, S padded to S8 with zeros by kernel 1), W's chunk is staged
+// as rows (h2, d) of h1 (each quad of h2 wq_skew halves further on, so that the prologue's
+// stores of four h2 quads meet no bank conflicts), and a's rows (i, s) are as in the staged
+// form.  Regions (bytes, each a
+// multiple of 16): W's high and low parts, the K parts, a's parts (TI·S rows), a zero row (a's
+// rows past S), b's parts, b's and a's exponents, then the tail of small_f16_layout.
+constexpr int kSmallF16ChainIG = 2;     // rows i per warp item (their P fragments share W's)
+constexpr int kSmallF16ChainMaxN = 64;  // rows j per warp item: all of them, in m tiles of 16
+constexpr int kSmallF16ChainSkew = 16;  // halves between W's rows of consecutive h2 quads, past ldw
+struct SmallF16ChainLayout {
+  int N16, S8, RA, lda, ldw, ldk, ldr, kparts, NS4, S4;
+  int wq;  // halves per part (high, low) of W's chunk: H·Dc rows and the quads' skews
+  int w, red, a, zero, b, e_b_st, e_a_st, pair, bias, den, e_a, e_b, bars, total;  // bytes
+};
+FLASHOPM_HD inline SmallF16ChainLayout small_f16_chain_layout(int S, int N, int H, int TI, int Dc) {
+  SmallF16ChainLayout L{};
+  L.N16 = (N + 15) / 16 * 16;
+  L.S8 = (S + 7) / 8 * 8;
+  L.RA = TI * S;
+  L.lda = L.ldw = H + 8;  // an odd number of 16-byte pieces: the fragments' rows meet no conflicts
+  L.ldk = L.S8 * H + 8;   // S8·H / 8 is even
+  const int cols = TI * Dc;
+  L.ldr = cols + (8 - cols % 32 + 32) % 32;
+  const int groups = (TI + kSmallF16ChainIG - 1) / kSmallF16ChainIG * (Dc / 8);
+  const int ksteps = H / 2 * (L.S8 / 8);
+  const int kp = kSmallTcWarps / groups;
+  L.kparts = kp < 1 ? 1 : kp < ksteps ? kp : ksteps;
+  int o = 0;
+  L.wq = H * Dc * L.ldw + H / 4 * kSmallF16ChainSkew;
+  L.w = o;       o += 2 * L.wq * 2;
+  L.red = o;     o += L.kparts * L.N16 * L.ldr * 4;
+  L.a = o;       o += 2 * L.RA * L.lda * 2;
+  L.zero = o;    o += L.lda * 2;
+  L.b = o;       o += 2 * L.N16 * L.ldk * 2;
+  L.NS4 = round_up4(N * S);
+  L.e_b_st = o;  o += L.NS4 * 4;
+  L.S4 = round_up4(S);
+  L.e_a_st = o;  o += TI * L.S4 * 4;
+  L.pair = o;    o += TI * L.N16 * 4;
+  L.bias = o;    o += round_up4(Dc) * 4;
+  L.den = o;     o += kSmallTcMaxTI * 4;
+  L.e_a = o;     o += kSmallTcMaxTI * 4;
+  L.e_b = o;     o += L.N16 * 4;
+  L.bars = (o + 7) / 8 * 8;  o = L.bars + 16;
   L.total = o;
   return L;
 }
