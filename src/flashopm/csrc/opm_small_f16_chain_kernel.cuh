@@ -173,7 +173,7 @@ __global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_f16_chain_kernel
     const int ia = ig * kIG;
     if (ia >= ti || 8 * doct >= dvalid) continue;
     const int k0 = ksteps * kp / kparts, k1 = ksteps * (kp + 1) / kparts;
-    mbarrier_wait_parity(a_bar, 0);
+    mbarrier_wait_parity_suspend(a_bar, 0);
     // Rows i's common exponents (the smallest of their rows (i, s)), from the copied exponents.
     int e_i[kIG];
 #pragma unroll
@@ -210,56 +210,63 @@ __global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_f16_chain_kernel
           fb[mt][r] = *reinterpret_cast<const uint32_t*>(&h);
         }
     };
-    for (int ks = k0; ks < k1; ++ks) {
-      const int sc = ks >> (kLgH - 1), hp = ks & (kH / 2 - 1);
-      if (sc != cur_sc) {
-        cur_sc = sc;
-        const int s = 8 * sc + (lane & 7);
+    // k-steps in pairs: both P tiles first (independent chains, and b's copy more time to land),
+    // then both steps of phase O.
+    int fb_sc = -1;
+    for (int kb = k0; kb < k1; kb += 2) {
+      uint32_t ph[2][kIG][2], pl[2][kIG][2];
 #pragma unroll
-        for (int i = 0; i < kIG; ++i) {
-          const bool ok = ia + i < ti && s < S;
-          const int off = ((ia + i) * S + s) * L.lda;
-          ldmatrix_x4(ah[i], (ok ? a_hi + off : zero_row) + (lane >> 3) * 8);
-          ldmatrix_x4(al[i], (ok ? a_lo + off : zero_row) + (lane >> 3) * 8);
+      for (int u = 0; u < 2; ++u) {
+        if (kb + u < k1) {
+          const int ks = kb + u, sc = ks >> (kLgH - 1), hp = ks & (kH / 2 - 1);
+          if (sc != cur_sc) {
+            cur_sc = sc;
+            const int s = 8 * sc + (lane & 7);
 #pragma unroll
-          for (int c = 0; c < 2; ++c) {
-            const int sf = 8 * sc + 2 * t + c;
-            fp[i][c] = ia + i < ti && sf < S
-                           ? exp2_int_or_zero(p_exp + e_i[i] - e_a_st[(ia + i) * L.S4 + sf])
-                           : 0.f;
+            for (int i = 0; i < kIG; ++i) {
+              const bool ok = ia + i < ti && s < S;
+              const int off = ((ia + i) * S + s) * L.lda;
+              ldmatrix_x4(ah[i], (ok ? a_hi + off : zero_row) + (lane >> 3) * 8);
+              ldmatrix_x4(al[i], (ok ? a_lo + off : zero_row) + (lane >> 3) * 8);
+#pragma unroll
+              for (int c = 0; c < 2; ++c) {
+                const int sf = 8 * sc + 2 * t + c;
+                fp[i][c] = ia + i < ti && sf < S
+                               ? exp2_int_or_zero(p_exp + e_i[i] - e_a_st[(ia + i) * L.S4 + sf])
+                               : 0.f;
+              }
+            }
+          }
+          // Phase P: rows (h2 pair, eight d) of W as A, the item's rows i as n tiles.
+          float c[kIG][4];
+#pragma unroll
+          for (int i = 0; i < kIG; ++i)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) c[i][e] = 0.f;
+          const int w_off = w_lane + (2 * hp * Dc + 8 * doct) * L.ldw + (hp >> 1) * kSmallF16ChainSkew;
+#pragma unroll
+          for (int kk = 0; kk < kKS; ++kk) {
+            uint32_t wh[4], wl[4], bh[kIG][2], bl[kIG][2];
+            ldmatrix_x4(wh, w_hi + w_off + 16 * kk);
+            ldmatrix_x4(wl, w_lo + w_off + 16 * kk);
+#pragma unroll
+            for (int i = 0; i < kIG; ++i) {
+              bh[i][0] = ah[i][2 * kk], bh[i][1] = ah[i][2 * kk + 1];
+              bl[i][0] = al[i][2 * kk], bl[i][1] = al[i][2 * kk + 1];
+            }
+            mma_f16_split_add<kIG>(c, wh, wl, bh, bl, kIG);
+          }
+          // P's fragment scaled per column s and split: rows (h2 = 2hp, d = g) give k = (2hp, s),
+          // rows g + 8 (h2 = 2hp + 1) give k + 8: phase O's B fragment for n = d.
+#pragma unroll
+          for (int i = 0; i < kIG; ++i) {
+            split_f16x2(c[i][0] * fp[i][0], c[i][1] * fp[i][1], ph[u][i][0], pl[u][i][0]);
+            split_f16x2(c[i][2] * fp[i][0], c[i][3] * fp[i][1], ph[u][i][1], pl[u][i][1]);
           }
         }
-        if (b_arrived) b_factors(sc);
-      }
-      // Phase P: rows (h2 pair, eight d) of W as A, the item's rows i as n tiles.
-      float c[kIG][4];
-#pragma unroll
-      for (int i = 0; i < kIG; ++i)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) c[i][e] = 0.f;
-      const int w_off = w_lane + (2 * hp * Dc + 8 * doct) * L.ldw + (hp >> 1) * kSmallF16ChainSkew;
-#pragma unroll
-      for (int kk = 0; kk < kKS; ++kk) {
-        uint32_t wh[4], wl[4], bh[kIG][2], bl[kIG][2];
-        ldmatrix_x4(wh, w_hi + w_off + 16 * kk);
-        ldmatrix_x4(wl, w_lo + w_off + 16 * kk);
-#pragma unroll
-        for (int i = 0; i < kIG; ++i) {
-          bh[i][0] = ah[i][2 * kk], bh[i][1] = ah[i][2 * kk + 1];
-          bl[i][0] = al[i][2 * kk], bl[i][1] = al[i][2 * kk + 1];
-        }
-        mma_f16_split_add<kIG>(c, wh, wl, bh, bl, kIG);
-      }
-      // P's fragment scaled per column s and split: rows (h2 = 2hp, d = g) give k = (2hp, s), rows
-      // g + 8 (h2 = 2hp + 1) give k + 8: phase O's B fragment for n = d.
-      uint32_t ph[kIG][2], pl[kIG][2];
-#pragma unroll
-      for (int i = 0; i < kIG; ++i) {
-        split_f16x2(c[i][0] * fp[i][0], c[i][1] * fp[i][1], ph[i][0], pl[i][0]);
-        split_f16x2(c[i][2] * fp[i][0], c[i][3] * fp[i][1], ph[i][1], pl[i][1]);
       }
       if (!b_arrived) {
-        mbarrier_wait_parity(b_bar, 0);
+        mbarrier_wait_parity_suspend(b_bar, 0);
         b_arrived = true;
 #pragma unroll
         for (int mt = 0; mt < kJT; ++mt)
@@ -269,22 +276,31 @@ __global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_f16_chain_kernel
             e_j[mt][r] = mt < jt && j < N ? min_exp_row(e_b_st + j * S, S, S % 4 == 0) : 0;
             if (ig == 0 && doct == 0 && kp == 0 && t == 0 && mt < jt && j < N) e_b_s[j] = e_j[mt][r];
           }
-        b_factors(sc);
       }
-      // Phase O: b's rows j as A (k = (h2 pair, eight s) contiguous), P's fragments as B.
-      const int kpos = 8 * kH * sc + 16 * hp;
 #pragma unroll
-      for (int mt = 0; mt < kJT; ++mt) {
-        if (mt < jt) {
-          uint32_t bh[4], bl[4];
-          ldmatrix_x4(bh, b_hi + b_lane + 16 * mt * L.ldk + kpos);
-          ldmatrix_x4(bl, b_lo + b_lane + 16 * mt * L.ldk + kpos);
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            bh[e] = hmul2_bits(bh[e], fb[mt][e & 1]);
-            bl[e] = hmul2_bits(bl[e], fb[mt][e & 1]);
+      for (int u = 0; u < 2; ++u) {
+        if (kb + u < k1) {
+          const int ks = kb + u, sc = ks >> (kLgH - 1), hp = ks & (kH / 2 - 1);
+          if (sc != fb_sc) {
+            fb_sc = sc;
+            b_factors(sc);
           }
-          mma_f16_split_add<kIG>(acc[mt], bh, bl, ph, pl, kIG);
+          // Phase O: b's rows j as A (k = (h2 pair, eight s) contiguous), P's fragments as B.
+          const int kpos = 8 * kH * sc + 16 * hp;
+#pragma unroll
+          for (int mt = 0; mt < kJT; ++mt) {
+            if (mt < jt) {
+              uint32_t bh[4], bl[4];
+              ldmatrix_x4(bh, b_hi + b_lane + 16 * mt * L.ldk + kpos);
+              ldmatrix_x4(bl, b_lo + b_lane + 16 * mt * L.ldk + kpos);
+#pragma unroll
+              for (int e = 0; e < 4; ++e) {
+                bh[e] = hmul2_bits(bh[e], fb[mt][e & 1]);
+                bl[e] = hmul2_bits(bl[e], fb[mt][e & 1]);
+              }
+              mma_f16_split_add<kIG>(acc[mt], bh, bl, ph[u], pl[u], kIG);
+            }
+          }
         }
       }
     }
