@@ -81,16 +81,16 @@ idx = f.rindex("#endif\n}")
 f = f[:idx] + CLK(5) + GT(10) + f[idx:]
 src["opm_small_f16_kernel.cuh"] = f
 # The chained float16 split form: slot 11 marks it (-5); thread 0's clocks after a's copies arrive
-# (6), after its first phase-P tile is split (13), after b's copies arrive (15), after its items (14).
+# (6), after its first pair of phase-P tiles is split (13), after b's copies arrive (15), after its items (14).
 c = src["opm_small_f16_chain_kernel.cuh"]
 c = patch(c, "  // ---- prologue: independent of the first kernel ----\n", GT(8) + CLK(0)
           + f"\n  if (threadIdx.x == 0) g_tc_clk[{BLK} * 16 + 11] = -5;\n", before=True)
 c = patch(c, '  asm volatile("griddepcontrol.wait;\\n" ::: "memory");\n', CLK(12), before=True)
 c = patch(c, '  asm volatile("griddepcontrol.wait;\\n" ::: "memory");\n', GT(9) + CLK(1))
-c = patch(c, "    mbarrier_wait_parity(a_bar, 0);\n", T0(6))
-c = patch(c, "      if (!b_arrived) {\n        mbarrier_wait_parity(b_bar, 0);\n",
+c = patch(c, "    mbarrier_wait_parity_suspend(a_bar, 0);\n", T0(6))
+c = patch(c, "      if (!b_arrived) {\n        mbarrier_wait_parity_suspend(b_bar, 0);\n",
           "\n  if (threadIdx.x == 0 && !b_arrived) g_tc_clk[" + BLK + " * 16 + 13] = clock64();\n", before=True)
-c = patch(c, "        mbarrier_wait_parity(b_bar, 0);\n", T0(15))
+c = patch(c, "        mbarrier_wait_parity_suspend(b_bar, 0);\n", T0(15))
 c = patch(c, "    // The item's part of the sums: rows j", T0(14), before=True)
 c = patch(c, "  // out' = out", CLK(4), before=True)
 idx = c.rindex("#endif\n}")
