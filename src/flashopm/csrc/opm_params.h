@@ -44,14 +44,17 @@ enum MaskKind : int { kMaskFloat = 0, kMaskBool = 1, kMaskHalf = 2, kMaskBFloat1
 //   kAbF32HStride: float32, element h of a row at h·a_hs (a) or h·b_hs (b): a as (B, H, NS4) with
 //                  (n, s) at n·S + s and NS4 = round_up4(N·S), b as (B, S, H, N4) with
 //                  N4 = round_up4(N)
-// And one for its float16 split form (opm_small_f16_kernel), in that kernel's shared-memory
-// layouts so that a block's rows arrive in a few bulk copies:
+// And one for its float16 split forms (opm_small_f16_kernel, opm_small_f16_chain_kernel), in
+// their shared-memory layouts so that a block's rows arrive in a few bulk copies:
 //   kAbF16Split:   each row (b, s, n) of a and of b scaled by its own power of two 2^e (e from the
 //                  row's largest magnitude, split_scale_exp_bits) and split into float16 high and
 //                  low parts; element h of a at a_out + b·a_sb + (n·S + s)·a_ss + h (a_ss = H + 8
-//                  halves), of b at b_out + b·b_sb + n·b_sn + s·b_ss + h (b_ss = H + 8, b_sn =
-//                  SmallF16Layout::ldk); the low parts a_lo_off (b_lo_off) halves further on; e at
-//                  a_exp + b·a_exp_sb + n·a_exp_sn + s (b_exp: + n·S + s)
+//                  halves), of b at b_out + ab_row_offset(b, s, n) + h·b_hs: the staged form's
+//                  b_ss = H + 8, b_sn = SmallF16Layout::ldk, b_hs = 1, no chunks of s; the chained
+//                  form's chunks of 8 s (b_sc = 8·H, b_ss = 1, b_hs = 8, b_sn =
+//                  SmallF16ChainLayout::ldk, zeros for s past S in the last chunk); the low parts
+//                  a_lo_off (b_lo_off) halves further on; e at a_exp + b·a_exp_sb + n·a_exp_sn + s
+//                  (b_exp: + n·S + s)
 enum AbKind : int { kAbTf32 = 4, kAbF32Rows16 = 5, kAbF32Rows32 = 6, kAbF32HStride = 7, kAbF16Split = 8 };
 FLASHOPM_HD constexpr int kmajor_row_floats(int terms) { return terms == 3 ? 16 : 32; }
 FLASHOPM_HD constexpr int ab_kind_row_floats(int kind) { return kind == kAbF32Rows16 ? 16 : 32; }
@@ -552,7 +555,7 @@ struct SmallTcArgs {
   float* a;
   float* b;
   // The float16 split form: a and b as kernel 1 writes them in kAbF16Split (a16 with the strides
-  // (N·S·lda, lda) for batch and row (n, s), b16 with (N·ldk, ldk) for batch and n; the low parts
+  // (N·S·lda, lda) for batch and row (n, s), b16 with (N·ldk, ldk), ldk the form's layout's, for batch and n; the low parts
   // a16_lo (b16_lo) halves on; exponents at a_exp + (b·N + n)·S4 + s (S4 = S rounded up to 4) and
   // b_exp + b·NS4 + n·S + s).
   const void* a16;
