@@ -554,10 +554,10 @@ struct SmallTcArgs {
   // by the kernel itself when fused.
   float* a;
   float* b;
-  // The float16 split form: a and b as kernel 1 writes them in kAbF16Split (a16 with the strides
-  // (N·S·lda, lda) for batch and row (n, s), b16 with (N·ldk, ldk), ldk the form's layout's, for batch and n; the low parts
-  // a16_lo (b16_lo) halves on; exponents at a_exp + (b·N + n)·S4 + s (S4 = S rounded up to 4) and
-  // b_exp + b·NS4 + n·S + s).
+  // The float16 split forms: a and b as kernel 1 writes them in kAbF16Split (a16 with the strides
+  // (N·S·lda, lda) for batch and row (n, s), b16 with (N·ldk, ldk) for batch and n, ldk of the
+  // form's layout; the low parts a16_lo (b16_lo) halves on; exponents at a_exp + (b·N + n)·S4 + s
+  // (S4 = S rounded up to 4) and b_exp + b·NS4 + n·S + s).
   const void* a16;
   const void* b16;
   int64_t a16_lo, b16_lo;
