@@ -21,8 +21,8 @@ import torch
 CSRC_DIR = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("opm_params.h", "opm_kernels.cuh", "opm_mma.cuh", "opm_small_kernel.cuh", "opm_small_tc_kernel.cuh",
            "opm_small_f16_kernel.cuh", "opm_small_f16_chain_kernel.cuh", "opm_tc_kernel.cuh", "opm_tc16_kernel.cuh",
-           "opm_backward_kernel.cuh", "opm_ln_backward_kernel.cuh", "opm_launch.cu", "opm_op_handles.h", "opm_api.cpp", "opm_backward_api.cpp",
-           "opm_autograd.cpp", "opm_python.cpp")
+           "opm_backward_kernel.cuh", "opm_ln_backward_kernel.cuh", "opm_launch.cu", "opm_op_handles.h", "opm_api.cpp",
+           "opm_backward_api.cpp", "opm_autograd.cpp", "opm_python.cpp")
 NVCC_FLAGS = ("-O3", "-lineinfo", "--expt-relaxed-constexpr")
 
 _lock = threading.Lock()

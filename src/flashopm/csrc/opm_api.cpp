@@ -788,8 +788,8 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     // FLASHOPM_SMALL_F16_CHAIN=0 asks for the staged one; b's rows run along (s / 8, h, s % 8) there.
     const bool chain = small_tc.f16_chain && !env_is("FLASHOPM_SMALL_F16_CHAIN", "0");
     const SmallF16Layout f16_layout = small_f16_layout(int(S), int(N), int(H), small_tc.TI, small_tc.Dc);
-    const SmallF16ChainLayout chain_layout = small_f16_chain_layout(int(S), int(N), int(H), small_tc.TI, small_tc.Dc);
-    const int64_t b16_ldk = chain ? chain_layout.ldk : f16_layout.ldk;
+    const int64_t b16_ldk =
+        chain ? small_f16_chain_layout(int(S), int(N), int(H), small_tc.TI, small_tc.Dc).ldk : f16_layout.ldk;
     const int64_t b16_halves = B * N * b16_ldk, a16_halves = B * N * S * f16_layout.lda;
     const int64_t f16_ws_bytes = 4 * (b16_halves + a16_halves + B * f16_layout.NS4 + B * N * f16_layout.S4);
     const bool f16 = small_tc_f16(small_tc, tc_terms, w_out.data_ptr<float>(), S, N, H) &&

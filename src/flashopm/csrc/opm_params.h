@@ -575,7 +575,8 @@ struct SmallTcArgs {
   int f16_opts;   // the float16 split form's factors: 1 b's per thread in phase O, 2 a's per thread in P
   int fma;        // the float32 FMA form (small_tc_fma_layout) rather than mma.sync
   int f16;        // the float16 split form (opm_small_f16_kernel, small_f16_layout)
-  int f16_chain;  // ... chained (opm_small_f16_chain_kernel<f16_chain>, small_f16_chain_layout): m tiles of j, 2 or 4
+  int f16_chain;  // ... chained (opm_small_f16_chain_kernel<f16_chain>, small_f16_chain_layout):
+                  // its m tiles of j, 2 or 4; 0 for the staged form
   int fused;      // the kernel projects the rows itself (cooperative launch, float32 x)
   int local_a;    // the FMA form projects its own rows of a and runs phase P before the wait
                   // (float32 x; the first kernel writes b alone)
@@ -731,11 +732,11 @@ FLASHOPM_HD inline SmallF16Layout small_f16_layout(int S, int N, int H, int TI, 
 // (M = 16) and eight s (N = 8); its accumulator fragment is, element for element, the B fragment of
 // out[j, d] += sum_k b[j, k] P[k, d] over k = (h2 pair, eight s).  So b's rows run along
 // k = (s / 8, h2, s % 8) (ldk halves, S padded to S8 with zeros by kernel 1), W's chunk is staged
-// as rows (h2, d) of h1 (each quad of h2 wq_skew halves further on, so that the prologue's
-// stores of four h2 quads meet no bank conflicts), and a's rows (i, s) are as in the staged
-// form.  Regions (bytes, each a
-// multiple of 16): W's high and low parts, the K parts, a's parts (TI·S rows), a zero row (a's
-// rows past S), b's parts, b's and a's exponents, then the tail of small_f16_layout.
+// as rows (h2, d) of h1 (each quad of h2 kSmallF16ChainSkew halves further on, so that the
+// prologue's stores of four h2 quads meet no bank conflicts), and a's rows (i, s) are as in the
+// staged form.  Regions (bytes, each a multiple of 16): W's high and low parts, the K parts, a's
+// parts (TI·S rows), a zero row (a's rows past S), b's parts, b's and a's exponents, then the
+// tail of small_f16_layout.
 constexpr int kSmallF16ChainIG = 2;     // rows i per warp item (their P fragments share W's)
 constexpr int kSmallF16ChainMaxN = 64;  // rows j per warp item: all of them, in m tiles of 16
 constexpr int kSmallF16ChainSkew = 16;  // halves between W's rows of consecutive h2 quads, past ldw

@@ -29,7 +29,9 @@
 namespace flashopm {
 
 // Component e (0-3) of v.
-__device__ __forceinline__ float f4_at(const float4& v, int e) { return e == 0 ? v.x : e == 1 ? v.y : e == 2 ? v.z : v.w; }
+__device__ __forceinline__ float f4_at(const float4& v, int e) {
+  return e == 0 ? v.x : e == 1 ? v.y : e == 2 ? v.z : v.w;
+}
 
 // a · f for two halves packed in 32 bits, f two halves as well.
 __device__ __forceinline__ uint32_t hmul2_bits(uint32_t a, uint32_t f) {
