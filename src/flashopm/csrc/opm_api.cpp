@@ -867,7 +867,7 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     SmallTcArgs ta{};
     ta.fma = fma;
     ta.f16 = f16;
-    ta.f16_chain = f16 && chain ? ((N + 15) / 16 <= 2 ? 2 : 4) : 0;
+    ta.f16_chain = f16 && chain ? int((N + 15) / 16) : 0;
     ta.fused = fused;
     ta.local_a = local_a;
     ta.local_a_vec = local_a && small_tc_local_a_vec(pa);

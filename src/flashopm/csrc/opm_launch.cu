@@ -455,8 +455,12 @@ void launch_small_tc(const SmallTcArgs& args, int terms, cudaStream_t stream) {
   }
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  if (args.f16_chain == 2) {
+  if (args.f16_chain == 1) {
+    launch_small_tc_t<opm_small_f16_chain_kernel<1>>(cfg, args);
+  } else if (args.f16_chain == 2) {
     launch_small_tc_t<opm_small_f16_chain_kernel<2>>(cfg, args);
+  } else if (args.f16_chain == 3) {
+    launch_small_tc_t<opm_small_f16_chain_kernel<3>>(cfg, args);
   } else if (args.f16_chain) {
     launch_small_tc_t<opm_small_f16_chain_kernel<4>>(cfg, args);
   } else if (args.f16) {

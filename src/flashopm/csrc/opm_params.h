@@ -576,7 +576,7 @@ struct SmallTcArgs {
   int fma;        // the float32 FMA form (small_tc_fma_layout) rather than mma.sync
   int f16;        // the float16 split form (opm_small_f16_kernel, small_f16_layout)
   int f16_chain;  // ... chained (opm_small_f16_chain_kernel<f16_chain>, small_f16_chain_layout):
-                  // its m tiles of j, 2 or 4; 0 for the staged form
+                  // its m tiles of j, 1-4; 0 for the staged form
   int fused;      // the kernel projects the rows itself (cooperative launch, float32 x)
   int local_a;    // the FMA form projects its own rows of a and runs phase P before the wait
                   // (float32 x; the first kernel writes b alone)
@@ -756,6 +756,8 @@ FLASHOPM_HD inline SmallF16ChainLayout small_f16_chain_layout(int S, int N, int 
   L.ldr = cols + (8 - cols % 32 + 32) % 32;
   const int groups = (TI + kSmallF16ChainIG - 1) / kSmallF16ChainIG * (Dc / 8);
   const int ksteps = H / 2 * (L.S8 / 8);
+  // groups and kSmallTcWarps are powers of two, and ksteps a multiple of 16: kparts is a power of
+  // two that divides ksteps
   const int kp = kSmallTcWarps / groups;
   L.kparts = kp < 1 ? 1 : kp < ksteps ? kp : ksteps;
   int o = 0;

@@ -39,6 +39,7 @@ __device__ __forceinline__ uint32_t hmul2_bits(uint32_t a, uint32_t f) {
   return *reinterpret_cast<const uint32_t*>(&r);
 }
 
+// kJT: m tiles of 16 rows j, exactly N16 / 16 (no predicates on them).
 template <int kJT>
 __global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_f16_chain_kernel(const SmallTcArgs p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -160,8 +161,10 @@ __global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_f16_chain_kernel
     bulk_copy_g2s(e_b_st, p.b_exp + int64_t(b) * L.NS4, unsigned(L.NS4) * 4u, b_bar);
   }
   const int p_exp = -(kSplitTopExp + 1) - kLgH;  // |P'| < H·2^30·2^p_exp = 2^15
-  const int jt = L.N16 / 16;                     // m tiles of rows j (<= kJT)
+  // Items (row pair ig, chunk of eight d doct, K part kp), kp fastest; the counts are powers of
+  // two, so the item's coordinates and its k-steps come from shifts.
   const int n_doct = Dc / 8, n_ig = (TI + kIG - 1) / kIG, kparts = L.kparts;
+  const int lg_kparts = 31 - __clz(kparts), lg_doct = 31 - __clz(n_doct);
   const int ksteps = kH / 2 * (L.S8 / 8);  // k-steps (h2 pair, chunk of eight s), h2 pairs fastest
   // Fragment rows of this lane: W's rows (h2 = 2·hp + (lane / 8) % 2, d = 8·doct + lane % 8) at h1
   // 8·(lane / 16) (+ 16 per k16 step); a's row s = 8·sc + lane % 8 at h1 8·(lane / 8); b's row
@@ -170,17 +173,19 @@ __global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_f16_chain_kernel
   const int b_lane = (lane & 15) * L.ldk + (lane >> 4) * 8;
 
   for (int item = warp; item < n_ig * n_doct * kparts; item += kSmallTcWarps) {
-    const int kp = item % kparts, rest = item / kparts;
-    const int doct = rest % n_doct, ig = rest / n_doct;
+    const int kp = item & (kparts - 1), rest = item >> lg_kparts;
+    const int doct = rest & (n_doct - 1), ig = rest >> lg_doct;
     const int ia = ig * kIG;
     if (ia >= ti || 8 * doct >= dvalid) continue;
-    const int k0 = ksteps * kp / kparts, k1 = ksteps * (kp + 1) / kparts;
+    const int k0 = (ksteps >> lg_kparts) * kp, k1 = k0 + (ksteps >> lg_kparts);  // kparts divides ksteps
     mbarrier_wait_parity_suspend(a_bar, 0);
     // Rows i's common exponents (the smallest of their rows (i, s)), from the copied exponents.
     int e_i[kIG];
 #pragma unroll
     for (int i = 0; i < kIG; ++i) {
-      e_i[i] = ia + i < ti ? min_exp_row(e_a_st + (ia + i) * L.S4, S, true) : 0;
+      e_i[i] = ia + i < ti ? (S % 4 == 0 ? min_exp_row4(e_a_st + (ia + i) * L.S4, S)
+                                         : min_exp_row(e_a_st + (ia + i) * L.S4, S, true))
+                           : 0;
       if (kp == 0 && doct == 0 && lane == 0 && ia + i < ti) e_a_s[ia + i] = e_i[i];
     }
     float acc[kJT][kIG][4];
@@ -204,7 +209,7 @@ __global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_f16_chain_kernel
         for (int r = 0; r < 2; ++r) {
           const int j = 16 * mt + g + 8 * r;
           float f0 = 0.f, f1 = 0.f;
-          if (mt < jt && j < N) {
+          if (j < N) {
             if (s0 < S) f0 = exp2_int_or_zero(e_j[mt][r] - e_b_st[j * S + s0]);
             if (s0 + 1 < S) f1 = exp2_int_or_zero(e_j[mt][r] - e_b_st[j * S + s0 + 1]);
           }
@@ -275,8 +280,8 @@ __global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_f16_chain_kernel
 #pragma unroll
           for (int r = 0; r < 2; ++r) {
             const int j = 16 * mt + g + 8 * r;
-            e_j[mt][r] = mt < jt && j < N ? min_exp_row(e_b_st + j * S, S, S % 4 == 0) : 0;
-            if (ig == 0 && doct == 0 && kp == 0 && t == 0 && mt < jt && j < N) e_b_s[j] = e_j[mt][r];
+            e_j[mt][r] = j < N ? (S % 4 == 0 ? min_exp_row4(e_b_st + j * S, S) : min_exp_row(e_b_st + j * S, S, false)) : 0;
+            if (ig == 0 && doct == 0 && kp == 0 && t == 0 && j < N) e_b_s[j] = e_j[mt][r];
           }
       }
 #pragma unroll
@@ -291,17 +296,15 @@ __global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_f16_chain_kernel
           const int kpos = 8 * kH * sc + 16 * hp;
 #pragma unroll
           for (int mt = 0; mt < kJT; ++mt) {
-            if (mt < jt) {
-              uint32_t bh[4], bl[4];
-              ldmatrix_x4(bh, b_hi + b_lane + 16 * mt * L.ldk + kpos);
-              ldmatrix_x4(bl, b_lo + b_lane + 16 * mt * L.ldk + kpos);
+            uint32_t bh[4], bl[4];
+            ldmatrix_x4(bh, b_hi + b_lane + 16 * mt * L.ldk + kpos);
+            ldmatrix_x4(bl, b_lo + b_lane + 16 * mt * L.ldk + kpos);
 #pragma unroll
-              for (int e = 0; e < 4; ++e) {
-                bh[e] = hmul2_bits(bh[e], fb[mt][e & 1]);
-                bl[e] = hmul2_bits(bl[e], fb[mt][e & 1]);
-              }
-              mma_f16_split_add<kIG>(acc[mt], bh, bl, ph[u], pl[u], kIG);
+            for (int e = 0; e < 4; ++e) {
+              bh[e] = hmul2_bits(bh[e], fb[mt][e & 1]);
+              bl[e] = hmul2_bits(bl[e], fb[mt][e & 1]);
             }
+            mma_f16_split_add<kIG>(acc[mt], bh, bl, ph[u], pl[u], kIG);
           }
         }
       }
@@ -311,7 +314,7 @@ __global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_f16_chain_kernel
     for (int mt = 0; mt < kJT; ++mt)
 #pragma unroll
       for (int i = 0; i < kIG; ++i)
-        if (mt < jt && ia + i < ti) {
+        if (ia + i < ti) {
           float* const r0 = red + (kp * L.N16 + 16 * mt + g) * L.ldr + (ia + i) * Dc + 8 * doct + 2 * t;
           *reinterpret_cast<float2*>(r0) = make_float2(acc[mt][i][0], acc[mt][i][1]);
           *reinterpret_cast<float2*>(r0 + 8 * L.ldr) = make_float2(acc[mt][i][2], acc[mt][i][3]);
