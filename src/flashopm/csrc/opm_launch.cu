@@ -433,6 +433,26 @@ void launch_small_tc_t(const cudaLaunchConfig_t& cfg, const SmallTcArgs& args) {
   allow_smem<Kernel>();
   C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, Kernel, args));
 }
+
+// The chained float16 split form: the exact number of m tiles of j, and whole tiles (no row of i,
+// j or position s past the problem's in any block) or not.
+void launch_small_f16_chain(const cudaLaunchConfig_t& cfg, const SmallTcArgs& args) {
+  const bool whole = args.N % args.TI == 0 && args.N % 16 == 0 && args.S % 8 == 0 && args.D % args.Dc == 0;
+  if (whole) {
+    switch (args.f16_chain) {
+      case 1: return launch_small_tc_t<opm_small_f16_chain_kernel<1, true>>(cfg, args);
+      case 2: return launch_small_tc_t<opm_small_f16_chain_kernel<2, true>>(cfg, args);
+      case 3: return launch_small_tc_t<opm_small_f16_chain_kernel<3, true>>(cfg, args);
+      default: return launch_small_tc_t<opm_small_f16_chain_kernel<4, true>>(cfg, args);
+    }
+  }
+  switch (args.f16_chain) {
+    case 1: return launch_small_tc_t<opm_small_f16_chain_kernel<1, false>>(cfg, args);
+    case 2: return launch_small_tc_t<opm_small_f16_chain_kernel<2, false>>(cfg, args);
+    case 3: return launch_small_tc_t<opm_small_f16_chain_kernel<3, false>>(cfg, args);
+    default: return launch_small_tc_t<opm_small_f16_chain_kernel<4, false>>(cfg, args);
+  }
+}
 }  // namespace
 
 void launch_small_tc(const SmallTcArgs& args, int terms, cudaStream_t stream) {
@@ -455,14 +475,8 @@ void launch_small_tc(const SmallTcArgs& args, int terms, cudaStream_t stream) {
   }
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  if (args.f16_chain == 1) {
-    launch_small_tc_t<opm_small_f16_chain_kernel<1>>(cfg, args);
-  } else if (args.f16_chain == 2) {
-    launch_small_tc_t<opm_small_f16_chain_kernel<2>>(cfg, args);
-  } else if (args.f16_chain == 3) {
-    launch_small_tc_t<opm_small_f16_chain_kernel<3>>(cfg, args);
-  } else if (args.f16_chain) {
-    launch_small_tc_t<opm_small_f16_chain_kernel<4>>(cfg, args);
+  if (args.f16_chain) {
+    launch_small_f16_chain(cfg, args);
   } else if (args.f16) {
     launch_small_tc_t<opm_small_f16_kernel>(cfg, args);
   } else if (args.fma) {

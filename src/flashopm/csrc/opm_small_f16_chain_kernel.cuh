@@ -39,8 +39,10 @@ __device__ __forceinline__ uint32_t hmul2_bits(uint32_t a, uint32_t f) {
   return *reinterpret_cast<const uint32_t*>(&r);
 }
 
-// kJT: m tiles of 16 rows j, exactly N16 / 16 (no predicates on them).
-template <int kJT>
+// kJT: m tiles of 16 rows j, exactly N16 / 16 (no predicates on them).  kWhole: every block's
+// tile is whole (N % TI == 0, N % 16 == 0, S % 8 == 0, D % Dc == 0), so that no row i, j or
+// position s of an item needs a test.
+template <int kJT, bool kWhole>
 __global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_f16_chain_kernel(const SmallTcArgs p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int kH = 32, kHH = kH * kH, kKS = kH / 16, kIG = kSmallF16ChainIG;
@@ -176,17 +178,17 @@ __global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_f16_chain_kernel
     const int kp = item & (kparts - 1), rest = item >> lg_kparts;
     const int doct = rest & (n_doct - 1), ig = rest >> lg_doct;
     const int ia = ig * kIG;
-    if (ia >= ti || 8 * doct >= dvalid) continue;
+    if (!kWhole && (ia >= ti || 8 * doct >= dvalid)) continue;
     const int k0 = (ksteps >> lg_kparts) * kp, k1 = k0 + (ksteps >> lg_kparts);  // kparts divides ksteps
     mbarrier_wait_parity_suspend(a_bar, 0);
     // Rows i's common exponents (the smallest of their rows (i, s)), from the copied exponents.
     int e_i[kIG];
 #pragma unroll
     for (int i = 0; i < kIG; ++i) {
-      e_i[i] = ia + i < ti ? (S % 4 == 0 ? min_exp_row4(e_a_st + (ia + i) * L.S4, S)
+      e_i[i] = kWhole || ia + i < ti ? (S % 4 == 0 ? min_exp_row4(e_a_st + (ia + i) * L.S4, S)
                                          : min_exp_row(e_a_st + (ia + i) * L.S4, S, true))
                            : 0;
-      if (kp == 0 && doct == 0 && lane == 0 && ia + i < ti) e_a_s[ia + i] = e_i[i];
+      if (kp == 0 && doct == 0 && lane == 0 && (kWhole || ia + i < ti)) e_a_s[ia + i] = e_i[i];
     }
     float acc[kJT][kIG][4];
 #pragma unroll
@@ -209,9 +211,9 @@ __global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_f16_chain_kernel
         for (int r = 0; r < 2; ++r) {
           const int j = 16 * mt + g + 8 * r;
           float f0 = 0.f, f1 = 0.f;
-          if (j < N) {
-            if (s0 < S) f0 = exp2_int_or_zero(e_j[mt][r] - e_b_st[j * S + s0]);
-            if (s0 + 1 < S) f1 = exp2_int_or_zero(e_j[mt][r] - e_b_st[j * S + s0 + 1]);
+          if (kWhole || j < N) {
+            if (kWhole || s0 < S) f0 = exp2_int_or_zero(e_j[mt][r] - e_b_st[j * S + s0]);
+            if (kWhole || s0 + 1 < S) f1 = exp2_int_or_zero(e_j[mt][r] - e_b_st[j * S + s0 + 1]);
           }
           const __half2 h = __floats2half2_rn(f0, f1);
           fb[mt][r] = *reinterpret_cast<const uint32_t*>(&h);
@@ -231,14 +233,14 @@ __global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_f16_chain_kernel
             const int s = 8 * sc + (lane & 7);
 #pragma unroll
             for (int i = 0; i < kIG; ++i) {
-              const bool ok = ia + i < ti && s < S;
+              const bool ok = kWhole || (ia + i < ti && s < S);
               const int off = ((ia + i) * S + s) * L.lda;
               ldmatrix_x4(ah[i], (ok ? a_hi + off : zero_row) + (lane >> 3) * 8);
               ldmatrix_x4(al[i], (ok ? a_lo + off : zero_row) + (lane >> 3) * 8);
 #pragma unroll
               for (int c = 0; c < 2; ++c) {
                 const int sf = 8 * sc + 2 * t + c;
-                fp[i][c] = ia + i < ti && sf < S
+                fp[i][c] = kWhole || (ia + i < ti && sf < S)
                                ? exp2_int_or_zero(p_exp + e_i[i] - e_a_st[(ia + i) * L.S4 + sf])
                                : 0.f;
               }
@@ -280,8 +282,8 @@ __global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_f16_chain_kernel
 #pragma unroll
           for (int r = 0; r < 2; ++r) {
             const int j = 16 * mt + g + 8 * r;
-            e_j[mt][r] = j < N ? (S % 4 == 0 ? min_exp_row4(e_b_st + j * S, S) : min_exp_row(e_b_st + j * S, S, false)) : 0;
-            if (ig == 0 && doct == 0 && kp == 0 && t == 0 && j < N) e_b_s[j] = e_j[mt][r];
+            e_j[mt][r] = kWhole || j < N ? (S % 4 == 0 ? min_exp_row4(e_b_st + j * S, S) : min_exp_row(e_b_st + j * S, S, false)) : 0;
+            if (ig == 0 && doct == 0 && kp == 0 && t == 0 && (kWhole || j < N)) e_b_s[j] = e_j[mt][r];
           }
       }
 #pragma unroll
@@ -314,7 +316,7 @@ __global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_f16_chain_kernel
     for (int mt = 0; mt < kJT; ++mt)
 #pragma unroll
       for (int i = 0; i < kIG; ++i)
-        if (ia + i < ti) {
+        if (kWhole || ia + i < ti) {
           float* const r0 = red + (kp * L.N16 + 16 * mt + g) * L.ldr + (ia + i) * Dc + 8 * doct + 2 * t;
           *reinterpret_cast<float2*>(r0) = make_float2(acc[mt][i][0], acc[mt][i][1]);
           *reinterpret_cast<float2*>(r0 + 8 * L.ldr) = make_float2(acc[mt][i][2], acc[mt][i][3]);
