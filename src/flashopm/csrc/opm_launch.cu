@@ -435,9 +435,11 @@ void launch_small_tc_t(const cudaLaunchConfig_t& cfg, const SmallTcArgs& args) {
 }
 
 // The chained float16 split form: the exact number of m tiles of j, and whole tiles (no row of i,
-// j or position s past the problem's in any block) or not.
+// j or position s past the problem's in any block, and both rows i of every item in its tile) or
+// not.
 void launch_small_f16_chain(const cudaLaunchConfig_t& cfg, const SmallTcArgs& args) {
-  const bool whole = args.N % args.TI == 0 && args.N % 16 == 0 && args.S % 8 == 0 && args.D % args.Dc == 0;
+  const bool whole = args.N % args.TI == 0 && args.TI % kSmallF16ChainIG == 0 && args.N % 16 == 0 &&
+                     args.S % 8 == 0 && args.D % args.Dc == 0;
   if (whole) {
     switch (args.f16_chain) {
       case 1: return launch_small_tc_t<opm_small_f16_chain_kernel<1, true>>(cfg, args);

@@ -40,8 +40,8 @@ __device__ __forceinline__ uint32_t hmul2_bits(uint32_t a, uint32_t f) {
 }
 
 // kJT: m tiles of 16 rows j, exactly N16 / 16 (no predicates on them).  kWhole: every block's
-// tile is whole (N % TI == 0, N % 16 == 0, S % 8 == 0, D % Dc == 0), so that no row i, j or
-// position s of an item needs a test.
+// tile is whole (N % TI == 0, TI % 2 == 0, N % 16 == 0, S % 8 == 0, D % Dc == 0), so that no row
+// i, j or position s of an item needs a test.
 template <int kJT, bool kWhole>
 __global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_f16_chain_kernel(const SmallTcArgs p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
