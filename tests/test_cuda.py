@@ -421,21 +421,6 @@ def test_small_tc_f16_chained_form(shape, tile, staged, monkeypatch):
     _check_weights_x10(shape, seed=5)
 
 
-# The chained form's K parts capped (FLASHOPM_SMALL_F16_CHAIN_KPARTS): fewer, longer items, the
-# same sums; a cap that is not a power of two from 1 to 16 is refused.
-@pytest.mark.parametrize("kparts", ["1", "4"])
-@pytest.mark.parametrize("shape", [SPEC, Shape(1, 12, 31, 8, 32, 40)], ids=str)
-def test_small_tc_f16_chain_kparts(shape, kparts, monkeypatch):
-    xc, mc, pc = _f16_form_problem(shape, None, "fractional", f"{shape}-kparts", monkeypatch)
-    monkeypatch.setenv("FLASHOPM_SMALL_F16_CHAIN_KPARTS", kparts)
-    kernels = _flashopm_kernels(lambda: _run(xc, mc, pc, "small-tc", poison=False, may_not_fit=False))
-    assert any("opm_small_f16_chain_kernel" in k for k in kernels), kernels
-    _check(shape, "masked_positions", "small-tc", seed=int(kparts), may_not_fit=False)
-    monkeypatch.setenv("FLASHOPM_SMALL_F16_CHAIN_KPARTS", "3")
-    with pytest.raises(RuntimeError, match="FLASHOPM_SMALL_F16_CHAIN_KPARTS"):
-        _run(xc, mc, pc, "small-tc", poison=False, may_not_fit=False)
-
-
 # The mma.sync form.
 @pytest.mark.parametrize("shape", SMALL_TC_SHAPES, ids=str)
 def test_small_tc_mma_sync_form(shape, monkeypatch):

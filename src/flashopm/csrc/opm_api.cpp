@@ -868,16 +868,6 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     ta.fma = fma;
     ta.f16 = f16;
     ta.f16_chain = f16 && chain ? int((N + 15) / 16) : 0;
-    // FLASHOPM_SMALL_F16_CHAIN_KPARTS caps the chained form's K parts (1, 2, 4, 8 or 16), to compare
-    // longer items on fewer warps.
-    ta.f16_chain_kparts = kSmallTcWarps;
-    if (const char* e = std::getenv("FLASHOPM_SMALL_F16_CHAIN_KPARTS"); ta.f16_chain && e != nullptr && *e != 0) {
-      const int cap = std::atoi(e);
-      FLASHOPM_CHECK(cap >= 1 && cap <= kSmallTcWarps && (cap & (cap - 1)) == 0,
-                     "flashopm: FLASHOPM_SMALL_F16_CHAIN_KPARTS must be a power of two from 1 to ", kSmallTcWarps,
-                     ", got '", e, "'");
-      ta.f16_chain_kparts = cap;
-    }
     ta.fused = fused;
     ta.local_a = local_a;
     ta.local_a_vec = local_a && small_tc_local_a_vec(pa);

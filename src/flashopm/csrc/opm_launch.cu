@@ -463,7 +463,7 @@ void launch_small_tc(const SmallTcArgs& args, int terms, cudaStream_t stream) {
                      unsigned(args.B));
   cfg.blockDim = dim3(kSmallTcThreads);
   cfg.dynamicSmemBytes =
-      size_t(args.f16_chain ? small_f16_chain_layout(args.S, args.N, args.H, args.TI, args.Dc, args.f16_chain_kparts).total
+      size_t(args.f16_chain ? small_f16_chain_layout(args.S, args.N, args.H, args.TI, args.Dc).total
              : args.f16     ? small_f16_layout(args.S, args.N, args.H, args.TI, args.Dc).total
                             : small_tc_smem_bytes(args.S, args.N, args.H, args.TI, args.Dc, args.fma != 0));
   cfg.stream = stream;

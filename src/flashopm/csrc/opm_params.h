@@ -577,7 +577,6 @@ struct SmallTcArgs {
   int f16;        // the float16 split form (opm_small_f16_kernel, small_f16_layout)
   int f16_chain;  // ... chained (opm_small_f16_chain_kernel<f16_chain>, small_f16_chain_layout):
                   // its m tiles of j, 1-4; 0 for the staged form
-  int f16_chain_kparts;  // ... its most K parts (small_f16_chain_layout's max_kparts)
   int fused;      // the kernel projects the rows itself (cooperative launch, float32 x)
   int local_a;    // the FMA form projects its own rows of a and runs phase P before the wait
                   // (float32 x; the first kernel writes b alone)
@@ -746,10 +745,7 @@ struct SmallF16ChainLayout {
   int wq;  // halves per part (high, low) of W's chunk: H·Dc rows and the quads' skews
   int w, red, a, zero, b, e_b_st, e_a_st, pair, bias, den, e_a, e_b, bars, total;  // bytes
 };
-// max_kparts: the most K parts (a power of two); fewer leave warps without items, each item
-// longer.
-FLASHOPM_HD inline SmallF16ChainLayout small_f16_chain_layout(int S, int N, int H, int TI, int Dc,
-                                                             int max_kparts = kSmallTcWarps) {
+FLASHOPM_HD inline SmallF16ChainLayout small_f16_chain_layout(int S, int N, int H, int TI, int Dc) {
   SmallF16ChainLayout L{};
   L.N16 = (N + 15) / 16 * 16;
   L.S8 = (S + 7) / 8 * 8;
@@ -762,7 +758,7 @@ FLASHOPM_HD inline SmallF16ChainLayout small_f16_chain_layout(int S, int N, int 
   const int ksteps = H / 2 * (L.S8 / 8);
   // groups and kSmallTcWarps are powers of two, and ksteps a multiple of 16: kparts is a power of
   // two that divides ksteps
-  const int kp = kSmallTcWarps / groups < max_kparts ? kSmallTcWarps / groups : max_kparts;
+  const int kp = kSmallTcWarps / groups;
   L.kparts = kp < 1 ? 1 : kp < ksteps ? kp : ksteps;
   int o = 0;
   L.wq = H * Dc * L.ldw + H / 4 * kSmallF16ChainSkew;

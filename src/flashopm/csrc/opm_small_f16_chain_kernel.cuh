@@ -50,7 +50,7 @@ __global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_f16_chain_kernel
   extern __shared__ float4 smem_f4[];
   char* smem = reinterpret_cast<char*>(smem_f4);
   const int S = p.S, N = p.N, TI = p.TI, Dc = p.Dc;
-  const SmallF16ChainLayout L = small_f16_chain_layout(S, N, kH, TI, Dc, p.f16_chain_kparts);
+  const SmallF16ChainLayout L = small_f16_chain_layout(S, N, kH, TI, Dc);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;
   const int d0 = blockIdx.x * Dc, i0 = blockIdx.y * TI, b = blockIdx.z;
