@@ -42,8 +42,11 @@ __device__ __forceinline__ uint32_t hmul2_bits(uint32_t a, uint32_t f) {
 // kJT: m tiles of 16 rows j, exactly N16 / 16 (no predicates on them).  kWhole: every block's
 // tile is whole (N % TI == 0, TI % 2 == 0, N % 16 == 0, S % 8 == 0, D % Dc == 0), so that no row
 // i, j or position s of an item needs a test.
+// At most 112 registers up to three m tiles: 512 x 112 leaves room on an SM for a block of the
+// first kernel (128 x 56), so that this kernel's blocks start beside it, as its programmatic
+// dependent, and stage W before the first kernel ends; with 128 they can start only once it ends.
 template <int kJT, bool kWhole>
-__global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_f16_chain_kernel(const SmallTcArgs p) {
+__global__ void __maxnreg__(kJT <= 3 ? 112 : 128) opm_small_f16_chain_kernel(const SmallTcArgs p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int kH = 32, kHH = kH * kH, kKS = kH / 16, kIG = kSmallF16ChainIG;
   constexpr int kLgH = 5;
