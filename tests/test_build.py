@@ -3,7 +3,11 @@
 Runs wherever torch is a CUDA build and nvcc is found, GPU or not (CI builds it on a CPU machine
 with TORCH_CUDA_ARCH_LIST set).
 """
+import math
 import os
+import re
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -76,3 +80,39 @@ def test_nvcc_major_mismatch_is_reported(monkeypatch):
     monkeypatch.setattr(_build, "nvcc_version", lambda home: (1, 0))
     with pytest.raises(_build.BuildError, match=r"nvcc at /opt/some-cuda is CUDA 1\.0 but torch .* CUDA"):
         _build.check_toolchain()
+
+
+def _cuobjdump():
+    """cuobjdump from the toolkit, or from triton's wheel (which carries one where a toolkit does not)."""
+    candidates = [Path(_build.cuda_home(), "bin", "cuobjdump")]
+    try:
+        import triton.backends.nvidia as triton_nvidia
+
+        candidates.append(Path(triton_nvidia.__file__).parent / "bin" / "cuobjdump")
+    except ImportError:
+        pass
+    for path in candidates:
+        if path.exists():
+            return path
+    pytest.skip("no cuobjdump (neither the toolkit nor triton has one)")
+
+
+def test_small_path_kernels_fit_one_sm_together():
+    """The small path's second kernel starts as the first kernel's programmatic dependent and stages
+    W while the first kernel runs, but only if one block of each fits an SM's 64K registers: 512
+    threads of the chained form (up to three m tiles of j) or of the staged form, beside 128 of the
+    first kernel (one row per warp, at most two projection outputs per lane).  Registers are
+    allocated to a warp in units of 8 per thread."""
+    toolchain_or_skip()
+    path = _build.load()
+    out = subprocess.run([str(_cuobjdump()), "-res-usage", path], capture_output=True, text=True, check=True).stdout
+    regs = {name: int(r) for name, r in re.findall(r"Function (\S+):\s*\n\s*REG:(\d+)", out)}
+    second = {n: r for n, r in regs.items()
+              if re.match(r"_ZN8flashopm26opm_small_f16_chain_kernelILi[123]ELb[01]EEEvNS_11SmallTcArgsE$", n)
+              or n == "_ZN8flashopm20opm_small_f16_kernelENS_11SmallTcArgsE"}
+    first = {n: r for n, r in regs.items() if re.match(r"_ZN8flashopm15opm_prep_kernelILi[12]ELi1ELb0E", n)}
+    assert len(second) == 7 and first, (sorted(second), sorted(first))
+    alloc = lambda r: math.ceil(r / 8) * 8  # noqa: E731
+    for name_2, r2 in second.items():
+        for name_1, r1 in first.items():
+            assert alloc(r2) * 512 + alloc(r1) * 128 <= 65536, (name_2, r2, name_1, r1)

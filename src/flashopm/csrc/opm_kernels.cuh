@@ -445,7 +445,8 @@ __device__ __forceinline__ void warp_layernorm_stats(Load x_at, int C, float eps
 // chunk of kPrepThreads output columns (h1, d) of c.
 // Q = ceil(2H/32) projection outputs per lane, RW rows per warp.  At RW = 1 and Q <= 2 at most 64
 // registers, so that a block shares an SM with one of the small-problem kernel's (512 threads x
-// 96), which starts as this kernel's programmatic dependent.
+// 96, or x 112 in the chained form), which starts as this kernel's programmatic dependent
+// (tests/test_build.py checks the pairs).
 template <int Q, int RW, bool kProjectW, typename XT>  // XT: x's element type (p.x_kind)
 __global__ void __launch_bounds__(kPrepThreads, RW == 1 && Q <= 2 && !kProjectW ? 4 : 2)
     opm_prep_kernel(const PrepArgs p) {
