@@ -398,9 +398,9 @@ def test_small_tc_f16_form_nan_inf_propagate(hidden, monkeypatch):
 # The chained float16 split form (hidden 32, N <= 64; the default there) and the staged one
 # (FLASHOPM_SMALL_F16_CHAIN=0), each checked to be the kernel that ran: S past one chunk of eight
 # and not a multiple of it, N past 32 (four m tiles of j) and ragged, one row i per block (an item's
-# second row empty), chunks of d ragged (D = 70, 130), N = S = 1; whole tiles (N a multiple of 16 and
-# of the tile's rows, S of 8, D of the chunk) with one to four m tiles of j; one row i per tile (not
-# whole: an item's second row is empty) and four m tiles not whole.
+# second row empty; at N = 16 too, where the tile is otherwise whole), chunks of d ragged (D = 70,
+# 130), N = S = 1; whole tiles (N a multiple of 16 and of the tile's even rows, S of 8, D of the
+# chunk) with one to four m tiles of j, and four m tiles not whole.
 F16_CHAIN_CASES = [(SPEC, None), (Shape(1, 5, 31, 24, 32, 40), (4, 8)), (Shape(1, 8, 64, 16, 32, 24), (4, 8)),
                    (Shape(3, 5, 33, 20, 32, 70), (1, 16)), (Shape(1, 12, 31, 8, 32, 130), (4, 8)),
                    (Shape(2, 1, 1, 3, 32, 8), None), (Shape(1, 3, 2, 5, 32, 9), (2, 8)),

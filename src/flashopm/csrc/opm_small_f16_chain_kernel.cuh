@@ -188,9 +188,7 @@ __global__ void __maxnreg__(kJT <= 3 ? 112 : 128) opm_small_f16_chain_kernel(con
     int e_i[kIG];
 #pragma unroll
     for (int i = 0; i < kIG; ++i) {
-      e_i[i] = kWhole || ia + i < ti ? (S % 4 == 0 ? min_exp_row4(e_a_st + (ia + i) * L.S4, S)
-                                         : min_exp_row(e_a_st + (ia + i) * L.S4, S, true))
-                           : 0;
+      e_i[i] = kWhole || ia + i < ti ? min_exp_row_any(e_a_st + (ia + i) * L.S4, S, true) : 0;
       if (kp == 0 && doct == 0 && lane == 0 && (kWhole || ia + i < ti)) e_a_s[ia + i] = e_i[i];
     }
     float acc[kJT][kIG][4];
@@ -285,7 +283,7 @@ __global__ void __maxnreg__(kJT <= 3 ? 112 : 128) opm_small_f16_chain_kernel(con
 #pragma unroll
           for (int r = 0; r < 2; ++r) {
             const int j = 16 * mt + g + 8 * r;
-            e_j[mt][r] = kWhole || j < N ? (S % 4 == 0 ? min_exp_row4(e_b_st + j * S, S) : min_exp_row(e_b_st + j * S, S, false)) : 0;
+            e_j[mt][r] = kWhole || j < N ? min_exp_row_any(e_b_st + j * S, S, S % 4 == 0) : 0;
             if (ig == 0 && doct == 0 && kp == 0 && t == 0 && (kWhole || j < N)) e_b_s[j] = e_j[mt][r];
           }
       }

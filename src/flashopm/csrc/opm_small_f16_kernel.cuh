@@ -127,8 +127,9 @@ __device__ __forceinline__ int min_exp_row(const int* row, int n, bool vec) {
   return m;
 }
 
-// The same for n a multiple of 4 (row 16-byte aligned): no tests on the positions.
-__device__ __forceinline__ int min_exp_row4(const int* row, int n) {
+// The same, where n is a multiple of 4 and row 16-byte aligned without tests on the positions.
+__device__ __forceinline__ int min_exp_row_any(const int* row, int n, bool aligned) {
+  if (!(aligned && n % 4 == 0)) return min_exp_row(row, n, aligned);
   int m = kSplitMaxExp;
   const int4* const row4 = reinterpret_cast<const int4*>(row);
 #pragma unroll 4
