@@ -875,6 +875,10 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     // over the rows' exponents between the phases; FLASHOPM_SMALL_F16_OPTS (a mask of 1 for b's, 2
     // for a's) asks for the passes instead, for comparison: both give the same bits.
     ta.f16_opts = 3;
+    // The chained form's prologue delayed (FLASHOPM_SMALL_PROLOGUE_DELAY nanoseconds), to measure
+    // what its blocks' work beside the first kernel's costs that kernel.
+    if (const char* e = std::getenv("FLASHOPM_SMALL_PROLOGUE_DELAY"); e != nullptr && *e != 0)
+      ta.prologue_delay_ns = std::atoi(e);
     if (const char* e = std::getenv("FLASHOPM_SMALL_F16_OPTS"); f16 && e != nullptr && *e != 0) ta.f16_opts = std::atoi(e);
     ta.prep = pa;
     ta.a = a_ws;

@@ -577,6 +577,8 @@ struct SmallTcArgs {
   int f16;        // the float16 split form (opm_small_f16_kernel, small_f16_layout)
   int f16_chain;  // ... chained (opm_small_f16_chain_kernel<f16_chain>, small_f16_chain_layout):
                   // its m tiles of j, 1-4; 0 for the staged form
+  int prologue_delay_ns;  // the chained form's blocks sleep this long before their prologue
+                          // (FLASHOPM_SMALL_PROLOGUE_DELAY, to compare; 0 by default)
   int fused;      // the kernel projects the rows itself (cooperative launch, float32 x)
   int local_a;    // the FMA form projects its own rows of a and runs phase P before the wait
                   // (float32 x; the first kernel writes b alone)

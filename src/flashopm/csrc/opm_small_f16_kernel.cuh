@@ -140,6 +140,66 @@ __device__ __forceinline__ int min_exp_row_any(const int* row, int n, bool align
   return m;
 }
 
+// The float16 split forms' epilogue: small_tc_store_out<true, 2>'s sums, scales, normalisation and
+// stores, bit for bit, in fewer instructions: kNormRow's den_s holds reciprocals
+// (small_tc_stage_norm<true>), an item's output offset is its row (il·N + j) of the block's tile
+// times D, and the K parts' addresses step by one stride.
+__device__ __forceinline__ void small_f16_store_out(const SmallTcArgs& p, const float* red, int ldr, int N16,
+                                                    int kparts, const float* bias_s, const float* inv_den_s,
+                                                    const float* pair_s, int b, int i0, int d0, int ti,
+                                                    const int* e_a, const int* e_b, int e_common) {
+  const int N = p.N, Dc = p.Dc, D = p.D;
+  const int dvalid = min(Dc, D - d0);
+  const int lg_items = 30 - __clz(Dc);  // two columns per item: Dc / 2 = 2^lg_items items per row
+  const int stride = N16 * ldr;
+  const bool vec_out = D % 2 == 0;
+  const bool row_norm = p.norm.kind == kNormRow;
+  const SmallDiv div_n(N);
+  const int64_t out0 = (int64_t(b) * N + i0) * N * D + d0;  // the block's tile: rows (il·N + j) of D
+  for (int idx = threadIdx.x; idx < (ti * N) << lg_items; idx += kSmallTcThreads) {
+    const int row = idx >> lg_items, dl = 2 * (idx - (row << lg_items));  // row = il·N + j
+    if (dl >= dvalid) continue;
+    const int il = div_n(row), j = row - il * N;
+    const float* const src = red + j * ldr + il * Dc + dl;
+    // The K parts in order, each load predicated on the count (a loop over a count known here
+    // only would hold a register of its own through the items, and their allocation is tight)
+    float2 v = *reinterpret_cast<const float2*>(src);
+    {
+      float2 part[kSmallTcWarps];
+      const float* q = src;
+#pragma unroll
+      for (int kp = 1; kp < kSmallTcWarps; ++kp) {
+        q += stride;
+        if (kp < kparts) part[kp] = *reinterpret_cast<const float2*>(q);
+      }
+#pragma unroll
+      for (int kp = 1; kp < kSmallTcWarps; ++kp)
+        if (kp < kparts) v.x += part[kp].x, v.y += part[kp].y;
+    }
+    float r[2] = {v.x, v.y};
+    const int e = e_b[j] + e_a[il] + e_common;
+    if (e >= -126 && e <= 126) {
+      const float factor = exp2_int(-e);
+      r[0] *= factor, r[1] *= factor;
+    } else {
+      r[0] = scalbnf(r[0], -e), r[1] = scalbnf(r[1], -e);
+    }
+    if (row_norm) {
+      const float inv_den = inv_den_s[il];
+      r[0] = r[0] * inv_den + bias_s[dl], r[1] = r[1] * inv_den + bias_s[dl + 1];
+    } else {
+      const float pair = pair_s[il * N16 + j];
+      r[0] = normalise(r[0], bias_s[dl], 0.f, pair, p.norm), r[1] = normalise(r[1], bias_s[dl + 1], 0.f, pair, p.norm);
+    }
+    const int64_t dst = out0 + int64_t(row) * D + dl;
+    if (vec_out && dl + 2 <= dvalid) {
+      store_out2(p.out, dst, r[0], r[1], p.out_kind);
+    } else {
+      for (int c = 0; c < 2 && dl + c < dvalid; ++c) store_out(p.out, dst + c, r[c], p.out_kind);
+    }
+  }
+}
+
 __global__ void __maxnreg__(96) opm_small_f16_kernel(const SmallTcArgs p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   extern __shared__ float4 smem_f4[];

@@ -300,6 +300,9 @@ __device__ __forceinline__ void small_tc_project_a(const SmallTcArgs& p, int ti,
 
 // The epilogue's inputs, independent of the first kernel: the chunk's bias (zeros past D), and the
 // block's row denominators (kNormRow) or pair counts sum_s m[s, i] m[s, j] ([ti][N16], in order of s).
+// kReciprocal: den_s holds 1 / den, the factor the epilogue multiplies by (the same bits as its
+// taking the reciprocal there).
+template <bool kReciprocal = false>
 __device__ __forceinline__ void small_tc_stage_norm(const SmallTcArgs& p, int b, int i0, int d0, int ti, int N16,
                                                     float* bias_s, float* den_s, float* pair_s) {
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -309,7 +312,7 @@ __device__ __forceinline__ void small_tc_stage_norm(const SmallTcArgs& p, int b,
   if (p.norm.kind == kNormRow) {
     if (warp < ti) {
       const float den = mask_denominator(p.mask, b, i0 + warp, S, lane);
-      if (lane == 0) den_s[warp] = den;
+      if (lane == 0) den_s[warp] = kReciprocal ? 1.f / den : den;
     }
   } else {
     for (int idx = tid; idx < ti * N16; idx += kSmallTcThreads) {
