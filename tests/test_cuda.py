@@ -395,18 +395,18 @@ def test_small_tc_f16_form_nan_inf_propagate(hidden, monkeypatch):
     _check_nan_inf_propagate(Shape(1, 4, 9, 16, hidden, 8), 3, "small-tc")
 
 
-# The chained float16 split form (hidden 32, N <= 64; the default there) and the staged one
+# The chained float16 split form (hidden 32, N <= 48; the default there) and the staged one
 # (FLASHOPM_SMALL_F16_CHAIN=0), each checked to be the kernel that ran: S past one chunk of eight
-# and not a multiple of it, N past 32 (four m tiles of j) and ragged, one row i per block (an item's
+# and not a multiple of it, N past 32 (three m tiles of j) and ragged, one row i per block (an item's
 # second row empty; at N = 16 too, where the tile is otherwise whole), chunks of d ragged (D = 70,
 # 130), N = S = 1; whole tiles (N a multiple of 16 and of the tile's even rows, S of 8, D of the
-# chunk) with one to four m tiles of j, and four m tiles not whole.
-F16_CHAIN_CASES = [(SPEC, None), (Shape(1, 5, 31, 24, 32, 40), (4, 8)), (Shape(1, 8, 64, 16, 32, 24), (4, 8)),
+# chunk) with one to three m tiles of j, and three m tiles not whole.
+F16_CHAIN_CASES = [(SPEC, None), (Shape(1, 5, 31, 24, 32, 40), (4, 8)), (Shape(1, 8, 47, 16, 32, 24), (4, 8)),
                    (Shape(3, 5, 33, 20, 32, 70), (1, 16)), (Shape(1, 12, 31, 8, 32, 130), (4, 8)),
                    (Shape(2, 1, 1, 3, 32, 8), None), (Shape(1, 3, 2, 5, 32, 9), (2, 8)),
                    (Shape(1, 16, 16, 12, 32, 16), None), (Shape(1, 16, 16, 12, 32, 16), (1, 8)),
                    (Shape(2, 8, 48, 8, 32, 32), (4, 8)),
-                   (Shape(1, 5, 64, 8, 32, 16), (4, 8)), (Shape(1, 8, 49, 8, 32, 24), (4, 8))]
+                   (Shape(1, 5, 48, 8, 32, 16), (4, 8)), (Shape(1, 8, 41, 8, 32, 24), (4, 8))]
 
 
 @pytest.mark.parametrize("staged", [False, True], ids=["chained", "staged"])
@@ -419,6 +419,19 @@ def test_small_tc_f16_chained_form(shape, tile, staged, monkeypatch):
     _check(shape, "masked_positions", "small-tc", seed=zlib.crc32(f"{shape}-chain".encode()) % 1000,
            may_not_fit=False)
     _check_weights_x10(shape, seed=5)
+
+
+# Past N = 48 (four m tiles of j) the float16 split form is the staged one: the chained form stops
+# at three.
+@pytest.mark.parametrize("shape", [Shape(1, 8, 49, 16, 32, 24), Shape(1, 8, 64, 64, 32, 64)], ids=str)
+def test_small_tc_f16_staged_past_three_m_tiles(shape, monkeypatch):
+    monkeypatch.setenv("FLASHOPM_SMALL_TC_F16", "1")
+    x, m, p = make_problem(shape, "masked_positions", seed=7)
+    xc, mc, pc = x.cuda(), m.cuda(), _cuda_params(p)
+    kernels = _flashopm_kernels(lambda: _run(xc, mc, pc, "small-tc", poison=False, may_not_fit=False))
+    assert any("opm_small_f16_kernel" in k for k in kernels), kernels
+    assert not any("opm_small_f16_chain_kernel" in k for k in kernels), kernels
+    _check(shape, "masked_positions", "small-tc", seed=7, may_not_fit=False)
 
 
 # The mma.sync form.

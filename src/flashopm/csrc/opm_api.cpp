@@ -258,7 +258,7 @@ struct SmallTcPlan {
   int TI = 0, Dc = 0;
   bool fma = false;  // W's chunk fits in shared memory for the float32 FMA form (small_tc_fma_layout)
   bool f16 = false;  // the float16 split form applies and fits (small_f16_layout)
-  bool f16_chain = false;  // ... and its chained form (hidden 32, N <= 64, small_f16_chain_layout)
+  bool f16_chain = false;  // ... and its chained form (hidden 32, N <= 48, small_f16_chain_layout)
 };
 
 SmallTcPlan requested_small_tc_tile() {
@@ -875,10 +875,6 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     // over the rows' exponents between the phases; FLASHOPM_SMALL_F16_OPTS (a mask of 1 for b's, 2
     // for a's) asks for the passes instead, for comparison: both give the same bits.
     ta.f16_opts = 3;
-    // The chained form's prologue delayed (FLASHOPM_SMALL_PROLOGUE_DELAY nanoseconds), to measure
-    // what its blocks' work beside the first kernel's costs that kernel.
-    if (const char* e = std::getenv("FLASHOPM_SMALL_PROLOGUE_DELAY"); e != nullptr && *e != 0)
-      ta.prologue_delay_ns = std::atoi(e);
     if (const char* e = std::getenv("FLASHOPM_SMALL_F16_OPTS"); f16 && e != nullptr && *e != 0) ta.f16_opts = std::atoi(e);
     ta.prep = pa;
     ta.a = a_ws;

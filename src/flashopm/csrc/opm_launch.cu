@@ -442,8 +442,7 @@ void launch_small_f16_chain_t(const cudaLaunchConfig_t& cfg, const SmallTcArgs& 
   switch (args.f16_chain) {
     case 1: return launch_small_tc_t<opm_small_f16_chain_kernel<1, kWhole>>(cfg, args);
     case 2: return launch_small_tc_t<opm_small_f16_chain_kernel<2, kWhole>>(cfg, args);
-    case 3: return launch_small_tc_t<opm_small_f16_chain_kernel<3, kWhole>>(cfg, args);
-    default: return launch_small_tc_t<opm_small_f16_chain_kernel<4, kWhole>>(cfg, args);
+    default: return launch_small_tc_t<opm_small_f16_chain_kernel<3, kWhole>>(cfg, args);
   }
 }
 void launch_small_f16_chain(const cudaLaunchConfig_t& cfg, const SmallTcArgs& args) {

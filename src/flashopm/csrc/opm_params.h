@@ -576,9 +576,7 @@ struct SmallTcArgs {
   int fma;        // the float32 FMA form (small_tc_fma_layout) rather than mma.sync
   int f16;        // the float16 split form (opm_small_f16_kernel, small_f16_layout)
   int f16_chain;  // ... chained (opm_small_f16_chain_kernel<f16_chain>, small_f16_chain_layout):
-                  // its m tiles of j, 1-4; 0 for the staged form
-  int prologue_delay_ns;  // the chained form's blocks sleep this long before their prologue
-                          // (FLASHOPM_SMALL_PROLOGUE_DELAY, to compare; 0 by default)
+                  // its m tiles of j, 1-3; 0 for the staged form
   int fused;      // the kernel projects the rows itself (cooperative launch, float32 x)
   int local_a;    // the FMA form projects its own rows of a and runs phase P before the wait
                   // (float32 x; the first kernel writes b alone)
@@ -728,7 +726,7 @@ FLASHOPM_HD inline SmallF16Layout small_f16_layout(int S, int N, int H, int TI, 
   return L;
 }
 
-// The chained float16 split form (opm_small_f16_chain_kernel; hidden 32, N <= 64): phase P's tile
+// The chained float16 split form (opm_small_f16_chain_kernel; hidden 32, N <= 48): phase P's tile
 // goes from its accumulators straight into phase O's operands, so P is never stored.  Phase P per
 // warp item is P[(h2, d), s] = sum_h1 W[d, h1·H + h2] a[(i, s), h1] for a pair of h2 and eight d
 // (M = 16) and eight s (N = 8); its accumulator fragment is, element for element, the B fragment of
@@ -740,7 +738,10 @@ FLASHOPM_HD inline SmallF16Layout small_f16_layout(int S, int N, int H, int TI, 
 // parts (TI·S rows), a zero row (a's rows past S), b's parts, b's and a's exponents, then the
 // tail of small_f16_layout.
 constexpr int kSmallF16ChainIG = 2;     // rows i per warp item (their P fragments share W's)
-constexpr int kSmallF16ChainMaxN = 64;  // rows j per warp item: all of them, in m tiles of 16
+// Rows j per warp item: all of them, in m tiles of 16.  Up to three tiles, since at four (128
+// registers, which leave no room for the first kernel's blocks beside this kernel's) the staged
+// form was faster: 12.9 against 14.6 us at (1,8,64,64,32,64), even at B = 2.
+constexpr int kSmallF16ChainMaxN = 48;
 constexpr int kSmallF16ChainSkew = 16;  // halves between W's rows of consecutive h2 quads, past ldw
 struct SmallF16ChainLayout {
   int N16, S8, RA, lda, ldw, ldk, ldr, kparts, NS4, S4;

@@ -1,5 +1,5 @@
 // Second kernel of the two-launch path for small problems, the chained float16 split form
-// (hidden 32, N <= 64; regions in SmallF16ChainLayout, opm_params.h).  The same sums as
+// (hidden 32, N <= 48; regions in SmallF16ChainLayout, opm_params.h).  The same sums as
 // opm_small_f16_kernel, but phase P's tile never leaves the registers: for a pair of h2 and eight
 // s, P's accumulator fragment (rows (h2, d), columns s) is element for element phase O's B
 // fragment for k = (h2 pair, eight s), so each warp item runs both products in one loop over k.
@@ -42,11 +42,13 @@ __device__ __forceinline__ uint32_t hmul2_bits(uint32_t a, uint32_t f) {
 // kJT: m tiles of 16 rows j, exactly N16 / 16 (no predicates on them).  kWhole: every block's
 // tile is whole (N % TI == 0, TI % 2 == 0, N % 16 == 0, S % 8 == 0, D % Dc == 0), so that no row
 // i, j or position s of an item needs a test.
-// At most 112 registers up to three m tiles: 512 x 112 leaves room on an SM for a block of the
-// first kernel (128 x 56), so that this kernel's blocks start beside it, as its programmatic
-// dependent, and stage W before the first kernel ends; with 128 they can start only once it ends.
+// At most 112 registers: 512 x 112 leaves room on an SM for a block of the first kernel
+// (128 x 56), so that this kernel's blocks start beside it, as its programmatic dependent, and
+// stage W before the first kernel ends; with 128 they can start only once it ends.  Four m tiles
+// would need 128 (spills of 144 bytes at 112), which is why the form stops at three.
 template <int kJT, bool kWhole>
-__global__ void __maxnreg__(kJT <= 3 ? 112 : 128) opm_small_f16_chain_kernel(const SmallTcArgs p) {
+__global__ void __maxnreg__(112) opm_small_f16_chain_kernel(const SmallTcArgs p) {
+  static_assert(kJT >= 1 && kJT <= 3, "the chained form takes one to three m tiles of j (N <= 48)");
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int kH = 32, kHH = kH * kH, kKS = kH / 16, kIG = kSmallF16ChainIG;
   constexpr int kLgH = 5;
@@ -82,7 +84,6 @@ __global__ void __maxnreg__(kJT <= 3 ? 112 : 128) opm_small_f16_chain_kernel(con
   float* const scratch = reinterpret_cast<float*>(e_b_s);
 
   // ---- prologue: independent of the first kernel ----
-  if (p.prologue_delay_ns > 0) __nanosleep(unsigned(p.prologue_delay_ns));
   if (tid == 0) {
     mbarrier_init(a_bar, 1);
     mbarrier_init(b_bar, 1);
