@@ -10,7 +10,6 @@ call; GPU time per call in graphs of 20, 100 and 400 calls; and ModelNew's cold 
 """
 import statistics
 import sys
-import time
 
 import torch
 
@@ -18,18 +17,7 @@ import flashopm
 from flashopm.bench import L2Flusher, time_graph, time_wall, warm_gpu
 from flashopm.reference import Model
 from flashopm.testing import Shape
-
-
-def host_us(fn, calls=200, repeats=15):
-    per = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        per.append((time.perf_counter() - t0) / calls * 1e6)
-    torch.cuda.synchronize()
-    return statistics.median(per)
+from spec_paths import host_us
 
 
 def timed(fn, before, n=200):
@@ -62,26 +50,26 @@ def one_call_graph(fn):
     return g
 
 
+def models_and_inputs(sh, seed):
+    """The reference Model and ModelNew with the same weights (from `seed`), and an input and mask."""
+    torch.manual_seed(seed)
+    ref = Model(sh.C, sh.D, sh.H).cuda()
+    torch.manual_seed(seed)
+    new = flashopm.ModelNew(sh.C, sh.D, sh.H).cuda()
+    x = torch.randn(sh.B, sh.S, sh.N, sh.C, device="cuda")
+    return ref, new, x, torch.ones(sh.B, sh.S, sh.N, device="cuda")
+
+
 def main() -> None:
     sh = Shape(*(int(v) for v in (sys.argv[1] if len(sys.argv) > 1 else "2,8,32,64,32,64").split(",")))
     flashopm.load()
     warm_gpu()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; {sh}; us per call (medians)")
-    torch.manual_seed(0)
-    ref = Model(sh.C, sh.D, sh.H).cuda()
-    torch.manual_seed(0)
-    new = flashopm.ModelNew(sh.C, sh.D, sh.H).cuda()
-    x = torch.randn(sh.B, sh.S, sh.N, sh.C, device="cuda")
-    m = torch.ones(sh.B, sh.S, sh.N, device="cuda")
+    ref, new, x, m = models_and_inputs(sh, 0)
     # The second model and its inputs in a pool of their own, so that they share no page with the first's
     pool = torch.cuda.MemPool()
     with torch.cuda.use_mem_pool(pool):
-        torch.manual_seed(1)
-        ref2 = Model(sh.C, sh.D, sh.H).cuda()
-        torch.manual_seed(1)
-        new2 = flashopm.ModelNew(sh.C, sh.D, sh.H).cuda()
-        x2 = torch.randn(sh.B, sh.S, sh.N, sh.C, device="cuda")
-        m2 = torch.ones(sh.B, sh.S, sh.N, device="cuda")
+        ref2, new2, x2, m2 = models_and_inputs(sh, 1)
     dummy = torch.empty(1, device="cuda")
     write_flush = L2Flusher()
     read_buf = write_flush.buf
