@@ -740,7 +740,7 @@ FLASHOPM_HD inline SmallF16Layout small_f16_layout(int S, int N, int H, int TI, 
 constexpr int kSmallF16ChainIG = 2;     // rows i per warp item (their P fragments share W's)
 // Rows j per warp item: all of them, in m tiles of 16.  Up to three tiles, since at four (128
 // registers, which leave no room for the first kernel's blocks beside this kernel's) the staged
-// form was faster: 12.9 against 14.6 us at (1,8,64,64,32,64), even at B = 2.
+// form was faster: 12.9 against 14.6 us at (1,8,64,64,32,64), within 0.2 us of it at B = 2.
 constexpr int kSmallF16ChainMaxN = 48;
 constexpr int kSmallF16ChainSkew = 16;  // halves between W's rows of consecutive h2 quads, past ldw
 struct SmallF16ChainLayout {
