@@ -484,6 +484,35 @@ def test_prep_weight_copies_order_keeps_the_bits(shape, monkeypatch):
     torch.testing.assert_close(late.cpu(), reference(xc, mc, pc).cpu(), atol=1e-4, rtol=1e-4)
 
 
+# msa_dim a multiple of 4 up to 64 (whole or partial chunks of 32), one or two projection outputs
+# per lane (2H up to 32, or up to 64), the float16 split form and the FMA form.
+PREP_WHOLE_W_CASES = [(SPEC, "f16"), (SPEC, "fma"), (Shape(1, 48, 24, 40, 16, 8), "f16"),
+                      (Shape(3, 2, 5, 12, 8, 13), "fma"), (Shape(2, 5, 17, 60, 32, 24), "f16"),
+                      (Shape(1, 3, 7, 4, 24, 8), "fma"), (Shape(2, 4, 9, 36, 32, 10), "fma")]
+
+
+@pytest.mark.parametrize("shape,form", PREP_WHOLE_W_CASES, ids=str)
+@pytest.mark.parametrize("weights_first", [False, True], ids=["weights-late", "weights-first"])
+def test_prep_whole_weights_keeps_the_bits(shape, form, weights_first, monkeypatch):
+    """The first kernel stages W_a's and W_b's rows whole where msa_dim allows (one group of copies,
+    no block barriers between chunks); in chunks (FLASHOPM_PREP_WHOLE_W=0) the same products in the
+    same order give the same bits."""
+    monkeypatch.setenv("FLASHOPM_SMALL_TC_F16", "1" if form == "f16" else "0")
+    if weights_first:
+        monkeypatch.setenv("FLASHOPM_PREP_WEIGHTS_FIRST", "1")
+    x, m, p = make_problem(shape, "masked_positions", seed=zlib.crc32(f"{shape}-whole".encode()) % 1000)
+    xc, mc, pc = x.cuda(), m.cuda(), _cuda_params(p)
+    kernels = _flashopm_kernels(lambda: _run(xc, mc, pc, "small-tc", poison=False, may_not_fit=False))
+    assert any("opm_prep_kernel" in k and "float, true>" in k for k in kernels), kernels
+    whole = _run(xc, mc, pc, "small-tc", may_not_fit=False)
+    monkeypatch.setenv("FLASHOPM_PREP_WHOLE_W", "0")
+    kernels = _flashopm_kernels(lambda: _run(xc, mc, pc, "small-tc", poison=False, may_not_fit=False))
+    assert any("opm_prep_kernel" in k and "float, false>" in k for k in kernels), kernels
+    chunked = _run(xc, mc, pc, "small-tc", may_not_fit=False)
+    assert torch.equal(whole, chunked)
+    torch.testing.assert_close(whole.cpu(), reference(xc, mc, pc).cpu(), atol=1e-4, rtol=1e-4)
+
+
 # Tilings of the two-launch path forced one by one: rows per block 1 to 8 (ragged at N = 13),
 # chunks of d from 8 to 64 (ragged at D = 70), phase O's columns (i, d) in one group or several;
 # TI·S a multiple of 4 or not (a's copies in 16- or 4-byte pieces in the FMA form).

@@ -239,7 +239,7 @@ def _timed_call(fn, x, m, mode: str, leaves: list, grad_out):
 def bench_shape(shape: Shape, impls: list[str], n_calls: int, fp64_max_n: int, dtype: torch.dtype,
                 progress=None, module: str = "spec", mode: str = "forward") -> list[dict]:
     """One row per implementation: wall and graph time, memory, error, TFLOP/s (or a status)."""
-    from .bench import is_oom, paired_speedup, peak_extra_bytes, time_graph, time_wall, warm_gpu
+    from .bench import is_oom, paired_speedup, peak_extra_bytes, time_graph_amortised, time_wall, warm_gpu
 
     x, m, p = make_problem(shape, "masked_positions", seed=0)
     ref, new = _models(shape, p, dtype, module)
@@ -282,9 +282,9 @@ def bench_shape(shape: Shape, impls: list[str], n_calls: int, fp64_max_n: int, d
                 wall = time_wall(call, n=n_calls, warmup=3)
                 # GPU time without host gaps matters for short calls only (and 100 replays of a long one
                 # would take minutes)
-                graph = (time_graph(call, n=20)
-                         if mode == "forward" and impl.startswith(("flashopm", "eager")) and wall.median_us < 20_000
-                         else None)
+                graph, graph_calls = (time_graph_amortised(call)
+                                      if mode == "forward" and impl.startswith(("flashopm", "eager"))
+                                      and wall.median_us < 20_000 else (None, 0))
                 if impl.startswith(("flashopm", "eager")) and mode != "backward" and wall.median_us < 20_000:
                     calls[impl] = call  # for the paired timing below (these closures hold no tensors of their own)
                 del call
@@ -307,6 +307,7 @@ def bench_shape(shape: Shape, impls: list[str], n_calls: int, fp64_max_n: int, d
             wall_p10_us=wall.p10_us,
             wall_p90_us=wall.p90_us,
             graph_us=graph.median_us if graph else None,
+            graph_calls=graph_calls if graph else None,
             peak_bytes=extra + inputs_bytes,  # what one call holds in a fresh process
             peak_extra_bytes=extra,
             extra_over_output=extra / (shape.out_bytes * x.element_size() / 4),
@@ -447,7 +448,7 @@ def cmd_plot(args) -> int:
 def _fmt_row(r: dict, eager_us: float | None = None) -> str:
     if r.get("status") != "ok":
         return f"{r['shape']:28s} {r['impl']:13s} {r.get('status')}"
-    g = f"{r['graph_us']:10.1f}" if r.get("graph_us") else f"{'-':>10s}"
+    g = f"{r['graph_us']:10.2f}" if r.get("graph_us") else f"{'-':>10s}"
     e = f"{r['rel_err_fp64']:.1e}" if "rel_err_fp64" in r else "-"
     sp = f"{eager_us / r['wall_us']:6.2f}" if eager_us else f"{'-':>6s}"
     pp = f"{r['x_eager_paired']:6.2f}" if "x_eager_paired" in r else f"{'-':>6s}"

@@ -444,8 +444,16 @@ void run_prep(const PrepArgs& args_in, bool project_w, int dev, cudaStream_t str
   // twice the blocks (this kernel is bound by the latency of its loads and barriers).
   const int64_t blocks_w8 = int64_t(args.B) * args.S * ((args.N + kPrepWarps - 1) / kPrepWarps);
   const int warps = !project_w && rw == 1 && blocks_w8 < sms ? kPrepWarps / 2 : kPrepWarps;
-  check_smem(prep_smem_bytes(args.H, rw, project_w), dev, "LayerNorm/projection");
-  launch_prep(args, project_w, rw, warps, stream);
+  // The whole-weights form where it applies (msa_dim up to 64, one row per warp): the same results
+  // with fewer instructions before the statistics.  FLASHOPM_PREP_WHOLE_W=0 asks for the chunked
+  // form (to compare the forms).
+  const auto aligned16 = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
+  const bool whole_w = !project_w && rw == 1 && args.x_kind == kMaskFloat && 2 * args.H <= 64 && args.C % 4 == 0 &&
+                       args.C <= kPrepWholeMaxC && aligned16(args.wa) && aligned16(args.wb) &&
+                       !env_is("FLASHOPM_PREP_WHOLE_W", "0");
+  check_smem(whole_w ? int(prep_whole_smem_floats(args.C) * sizeof(float)) : prep_smem_bytes(args.H, rw, project_w),
+             dev, "LayerNorm/projection");
+  launch_prep(args, project_w, rw, warps, stream, whole_w);
 }
 
 void check_modes(int64_t precision, int64_t normalization, int64_t B, int64_t S) {

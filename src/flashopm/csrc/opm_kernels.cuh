@@ -447,9 +447,15 @@ __device__ __forceinline__ void warp_layernorm_stats(Load x_at, int C, float eps
 // registers, so that a block shares an SM with one of the small-problem kernel's (512 threads x
 // 96, or x 112 in the chained form), which starts as this kernel's programmatic dependent
 // (tests/test_build.py checks the pairs).
-template <int Q, int RW, bool kProjectW, typename XT>  // XT: x's element type (p.x_kind)
+// kWholeW (one row per warp, C <= kPrepWholeMaxC, C % 4 == 0): W_a's and W_b's rows staged whole
+// in one group of 16-byte copies, each thread's pieces a fixed column quad of rows a constant
+// stride apart (a pointer step per copy), instead of two chunks of copies whose addresses come
+// from a division per piece, with block barriers around each chunk.  The products and their order
+// are the chunked form's, so the results are the same.
+template <int Q, int RW, bool kProjectW, typename XT, bool kWholeW = false>  // XT: x's element type (p.x_kind)
 __global__ void __launch_bounds__(kPrepThreads, RW == 1 && Q <= 2 && !kProjectW ? 4 : 2)
     opm_prep_kernel(const PrepArgs p) {
+  static_assert(!kWholeW || (RW == 1 && Q <= 2 && !kProjectW), "the whole-weights form: one row per warp, 2H <= 64");
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   // A kernel launched as this one's programmatic dependent may start now: it waits for our
   // results itself (griddepcontrol.wait) and meanwhile loads what does not depend on them.
@@ -498,7 +504,30 @@ __global__ void __launch_bounds__(kPrepThreads, RW == 1 && Q <= 2 && !kProjectW 
     stage_weights(0);
     if (n_chunks > 1) stage_weights(1);
   };
-  if (!p.weights_late) stage_first_weights();
+  // The whole-weights form's regions: rows o of W ldw_whole floats apart, the warps' normalised rows.
+  const int ldw_whole = round_up4_odd_quad(C);
+  float* const xs_whole = smem + 64 * ldw_whole;
+  // Thread t copies column quad t % 16 of rows o_first + t / 16 + k·(blockDim / 16): W_a's rows,
+  // then W_b's, source and destination stepped by a constant stride.
+  const auto stage_whole_weights = [&]() {
+    const int quad = threadIdx.x & 15, step = int(blockDim.x >> 4);
+    if (4 * quad < C) {
+      int o = o_first + int(threadIdx.x >> 4);
+      const int64_t src_step = int64_t(step) * C;
+      float* dst = ws + o * ldw_whole + 4 * quad;
+      const float* src = p.wa + int64_t(o) * C + 4 * quad;
+#pragma unroll 4
+      for (; o < H; o += step, src += src_step, dst += step * ldw_whole) cp_async_n<16>(dst, src, true);
+      src = p.wb + int64_t(o - H) * C + 4 * quad;
+#pragma unroll 4
+      for (; o < H2; o += step, src += src_step, dst += step * ldw_whole) cp_async_n<16>(dst, src, true);
+    }
+    cp_async_commit();
+  };
+  if (!p.weights_late) {
+    if constexpr (kWholeW) stage_whole_weights();
+    else stage_first_weights();
+  }
   // The epilogue's mask values and biases, loaded now so that their latency does too.
   float mask_v[RW], bias_v[Q];
 #pragma unroll
@@ -539,7 +568,10 @@ __global__ void __launch_bounds__(kPrepThreads, RW == 1 && Q <= 2 && !kProjectW 
       x_c[r][j] = c < C ? x_at(r, c) : 0.f;
     }
   }
-  if (p.weights_late) stage_first_weights();
+  if (p.weights_late) {
+    if constexpr (kWholeW) stage_whole_weights();
+    else stage_first_weights();
+  }
 #pragma unroll
   for (int r = 0; r < RW; ++r) {
     float sum = 0.f;
@@ -568,7 +600,42 @@ __global__ void __launch_bounds__(kPrepThreads, RW == 1 && Q <= 2 && !kProjectW 
 #pragma unroll
     for (int q = 0; q < Q; ++q) acc[r][q] = 0.f;
 
-  for (int ci = 0; ci < n_chunks; ++ci) {
+  if constexpr (kWholeW) {
+    // The warp's normalised row, all C features (they are all in registers), then the products in
+    // the chunked form's order: per chunk of kPrepKC features in order of k, chunk sums in order.
+    float* const xrow_s = xs_whole + warp * C;
+#pragma unroll
+    for (int j = 0; j < kCached; ++j) {
+      const int c = j * kPrepKC + lane;
+      if (c < C) xrow_s[c] = (x_c[0][j] - mean[0]) * rstd[0] * lnw_c[j] + lnb_c[j];
+    }
+    cp_async_wait_all();
+    __syncthreads();  // every thread's weight copies, and this warp's row
+#pragma unroll
+    for (int j = 0; j < kCached; ++j) {
+      const int c0 = j * kPrepKC;
+      if (c0 >= C) break;
+      const int kc = min(kPrepKC, C - c0);
+      float part[Q];
+#pragma unroll
+      for (int q = 0; q < Q; ++q) part[q] = 0.f;
+#pragma unroll 2
+      for (int k = 0; k < kc; k += 4) {
+        const float4 xv = *reinterpret_cast<const float4*>(&xrow_s[c0 + k]);
+#pragma unroll
+        for (int q = 0; q < Q; ++q) {
+          const float4 w = *reinterpret_cast<const float4*>(&ws[(lane + 32 * q) * ldw_whole + c0 + k]);
+          part[q] = fmaf(xv.x, w.x, part[q]);
+          part[q] = fmaf(xv.y, w.y, part[q]);
+          part[q] = fmaf(xv.z, w.z, part[q]);
+          part[q] = fmaf(xv.w, w.w, part[q]);
+        }
+      }
+#pragma unroll
+      for (int q = 0; q < Q; ++q) acc[0][q] += part[q];
+    }
+  }
+  for (int ci = 0; ci < (kWholeW ? 0 : n_chunks); ++ci) {
     const int c0 = ci * kPrepKC;
     if (ci > 0) {
       __syncthreads();  // the rows and the other buffer's weights (chunk ci - 1) are consumed

@@ -61,14 +61,15 @@ void with_x_type(int x_kind, F&& f) {
   else f(TypeTag<float>{});
 }
 
-template <int Q, int RW, bool kProjectW, typename XT>
+template <int Q, int RW, bool kProjectW, typename XT, bool kWholeW = false>
 void launch_prep_t(const PrepArgs& args, int warps, cudaStream_t stream) {
   const int R = warps * RW;  // launch_prep passes kPrepWarps in project-first mode
   const dim3 grid(unsigned((args.N + R - 1) / R) * unsigned(kProjectW ? args.o_chunks : 1), unsigned(args.S),
                   unsigned(args.B));
-  constexpr auto kernel = opm_prep_kernel<Q, RW, kProjectW, XT>;
+  constexpr auto kernel = opm_prep_kernel<Q, RW, kProjectW, XT, kWholeW>;
   allow_smem<kernel, true>();
-  kernel<<<grid, unsigned(R / RW * 32), prep_smem_bytes(args.H, RW, kProjectW), stream>>>(args);
+  const int smem = kWholeW ? int(prep_whole_smem_floats(args.C) * sizeof(float)) : prep_smem_bytes(args.H, RW, kProjectW);
+  kernel<<<grid, unsigned(R / RW * 32), smem, stream>>>(args);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -97,7 +98,15 @@ int prep_smem_bytes(int H, int rows_per_warp, bool project_w) {
   return int(prep_smem_floats(H, rows_per_warp, project_w) * sizeof(float));
 }
 
-void launch_prep(const PrepArgs& args, bool project_w, int rows_per_warp, int warps, cudaStream_t stream) {
+void launch_prep(const PrepArgs& args, bool project_w, int rows_per_warp, int warps, cudaStream_t stream,
+                 bool whole_w) {
+  if (whole_w) {
+    TORCH_CHECK(!project_w && rows_per_warp == 1 && args.x_kind == kMaskFloat && 2 * args.H <= 64 &&
+                    args.C % 4 == 0 && args.C <= kPrepWholeMaxC,
+                "flashopm: internal error: the whole-weights projection form does not apply here");
+    if (2 * args.H <= 32) return launch_prep_t<1, 1, false, float, true>(args, warps, stream);
+    return launch_prep_t<2, 1, false, float, true>(args, warps, stream);
+  }
   if (project_w) {
     if (rows_per_warp == 4) return launch_prep_q<4, true>(args, kPrepWarps, stream);
     return launch_prep_q<1, true>(args, kPrepWarps, stream);

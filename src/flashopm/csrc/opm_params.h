@@ -125,6 +125,9 @@ constexpr int kPrepThreads = kPrepWarps * 32;
 constexpr int kPrepKC = 32;            // features of C staged per step
 constexpr int kPrepLdW = kPrepKC + 4;  // a weight row of one chunk: 4 (mod 8) floats, for float4 reads
 constexpr int kPrepCachedChunks = 2;  // chunks of x and LayerNorm's parameters kept in registers
+// opm_prep_kernel's whole-weights form (kWholeW): msa_dim up to the features it keeps in registers,
+// a multiple of 4 (W_a's and W_b's rows in 16-byte pieces).
+constexpr int kPrepWholeMaxC = kPrepCachedChunks * kPrepKC;
 constexpr int kPrepWStride = 257;      // odd stride: conflict-free transposed stores
 constexpr int kMaxHidden = 64;
 
@@ -145,6 +148,14 @@ FLASHOPM_HD inline int64_t prep_smem_floats(int H, int rows_per_warp, bool proje
     total = (proj > wsm ? proj : wsm) + int64_t(kPrepWarps) * rows_per_warp * round_up4(H);
   }
   return total;
+}
+
+// Shared memory (floats) of opm_prep_kernel's whole-weights form (one row per warp, at most two
+// outputs per lane): the 64 weight rows o whole, ldw = round_up4_odd_quad(C) floats apart
+// (4 (mod 8): a quarter warp's float4 reads of eight rows fall in distinct banks), then the
+// warps' normalised rows (C floats each).
+FLASHOPM_HD inline int64_t prep_whole_smem_floats(int C) {
+  return int64_t(64) * round_up4_odd_quad(C) + int64_t(kPrepWarps) * C;
 }
 
 // opm_project_rows_kernel: the same LayerNorm/projection/mask stage as opm_prep_kernel (outer-first
@@ -390,7 +401,10 @@ constexpr int kRowDenWarps = 8;
 
 // Launchers (opm_launch.cu).  Each launches one kernel on `stream` and checks the launch.
 // warps: per block, kPrepWarps or fewer (ignored in project-first mode, which takes kPrepWarps).
-void launch_prep(const PrepArgs& args, bool project_w, int rows_per_warp, int warps, cudaStream_t stream);
+// whole_w: the whole-weights form (float32 x, one row per warp, 2·H <= 64, C % 4 == 0,
+// C <= kPrepWholeMaxC, W_a and W_b 16-byte aligned; not project-first).
+void launch_prep(const PrepArgs& args, bool project_w, int rows_per_warp, int warps, cudaStream_t stream,
+                 bool whole_w = false);
 // opm_project_rows_kernel over all B * S * N rows (project_w = false layouts)
 void launch_project_rows(const PrepArgs& args, cudaStream_t stream);
 int project_rows_smem_bytes(const PrepArgs& args);
