@@ -101,7 +101,7 @@ PB = "((blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x)"
 PGT = lambda i: (f"\n  if (threadIdx.x == 0) {{ unsigned long long t_; asm volatile(\"mov.u64 %0, %globaltimer;\" : \"=l\"(t_));"  # noqa: E731
                  f" g_prep_t[{PB} * 8 + {i}] = (long long)t_; }}\n")
 PCLK = lambda i: f"\n  if (threadIdx.x == 0) g_prep_t[{PB} * 8 + {i}] = clock64();\n"  # noqa: E731
-kk = patch(kk, "template <int Q, int RW, bool kProjectW, typename XT>", "__device__ long long g_prep_t[1 << 16];\n", before=True)
+kk = patch(kk, "template <int Q, int RW, bool kProjectW, typename XT, bool kWholeW = false>", "__device__ long long g_prep_t[1 << 16];\n", before=True)
 kk = patch(kk, "  const int n_base = nblk * block_rows;\n", PGT(0) + PCLK(2))
 kk = patch(kk, "  float acc[RW][Q];\n", PCLK(3), before=True)
 kk = patch(kk, "  if constexpr (!kProjectW) {\n    if (p.ab_kind == kAbF16Split) {", PCLK(4), before=True)
@@ -226,6 +226,9 @@ def clocks(label, graph=False):
 with torch.no_grad():
     for graph in (False, True):
         clocks("default form", graph)
+        os.environ["FLASHOPM_PREP_WHOLE_W"] = "0"
+        clocks("default form, the first kernel's weights in chunks", graph)
+        os.environ.pop("FLASHOPM_PREP_WHOLE_W")
         os.environ["FLASHOPM_SMALL_F16_CHAIN"] = "0"
         clocks("staged float16 split form", graph)
         os.environ.pop("FLASHOPM_SMALL_F16_CHAIN")
@@ -246,6 +249,8 @@ with torch.no_grad():
                 ({"FLASHOPM_SMALL_F16_CHAIN": "0"}, "staged float16 split form"),
                 ({"FLASHOPM_SMALL_F16_CHAIN": "0", "DBG_SKIP": "k1"}, "staged float16 split form without the first kernel"),
                 ({"FLASHOPM_SMALL_F16_CHAIN": "0", "DBG_SKIP": "k2"}, "staged float16 split form without the second kernel"),
+                ({"FLASHOPM_PREP_WHOLE_W": "0"}, "the first kernel's weights in chunks"),
+                ({"FLASHOPM_PREP_WHOLE_W": "0", "DBG_SKIP": "k2"}, "the first kernel alone, its weights in chunks"),
                 ({"DBG_NOPDL": "1"}, "second kernel launched without programmatic dependency"),
                 ({"DBG_KNOB": "1"}, "no row denominators"),
                 ({"DBG_KNOB": "4"}, "float16 split form without b's copies (timing only)"),
@@ -256,7 +261,7 @@ with torch.no_grad():
     variants += [({"DBG_PLAN": plan}, f"tiling TI,Dc = {plan}") for plan in sys.argv[2:]]
     for env, what in variants:
         for var in ("DBG_SKIP", "DBG_NOPDL", "DBG_KNOB", "DBG_PLAN", "FLASHOPM_SMALL_TC_FMA", "FLASHOPM_SMALL_TC_LOCAL_A",
-                    "FLASHOPM_SMALL_TC_F16", "FLASHOPM_SMALL_F16_CHAIN"):
+                    "FLASHOPM_SMALL_TC_F16", "FLASHOPM_SMALL_F16_CHAIN", "FLASHOPM_PREP_WHOLE_W"):
             os.environ.pop(var, None)
         os.environ.update(env)
         print(f"graph, {what}: {time_graph(lambda: model(x, m), n=50)}")
