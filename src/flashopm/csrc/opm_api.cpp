@@ -447,12 +447,8 @@ void run_prep(const PrepArgs& args_in, bool project_w, int dev, cudaStream_t str
   // The whole-weights form where it applies (msa_dim up to 64, one row per warp): the same results
   // with fewer instructions before the statistics.  FLASHOPM_PREP_WHOLE_W=0 asks for the chunked
   // form (to compare the forms).
-  const auto aligned16 = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
-  const bool whole_w = !project_w && rw == 1 && args.x_kind == kMaskFloat && 2 * args.H <= 64 && args.C % 4 == 0 &&
-                       args.C <= kPrepWholeMaxC && aligned16(args.wa) && aligned16(args.wb) &&
-                       !env_is("FLASHOPM_PREP_WHOLE_W", "0");
-  check_smem(whole_w ? int(prep_whole_smem_floats(args.C) * sizeof(float)) : prep_smem_bytes(args.H, rw, project_w),
-             dev, "LayerNorm/projection");
+  const bool whole_w = prep_whole_weights_apply(args, project_w, rw) && !env_is("FLASHOPM_PREP_WHOLE_W", "0");
+  check_smem(prep_smem_bytes(args.H, rw, project_w, whole_w, args.C), dev, "LayerNorm/projection");
   launch_prep(args, project_w, rw, warps, stream, whole_w);
 }
 

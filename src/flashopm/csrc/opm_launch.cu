@@ -68,8 +68,7 @@ void launch_prep_t(const PrepArgs& args, int warps, cudaStream_t stream) {
                   unsigned(args.B));
   constexpr auto kernel = opm_prep_kernel<Q, RW, kProjectW, XT, kWholeW>;
   allow_smem<kernel, true>();
-  const int smem = kWholeW ? int(prep_whole_smem_floats(args.C) * sizeof(float)) : prep_smem_bytes(args.H, RW, kProjectW);
-  kernel<<<grid, unsigned(R / RW * 32), smem, stream>>>(args);
+  kernel<<<grid, unsigned(R / RW * 32), prep_smem_bytes(args.H, RW, kProjectW, kWholeW, args.C), stream>>>(args);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -94,15 +93,20 @@ using SmallGemm = ProjectGemmConfig<32, 32, 32, 2, 2, 4>;
 
 }  // namespace
 
-int prep_smem_bytes(int H, int rows_per_warp, bool project_w) {
-  return int(prep_smem_floats(H, rows_per_warp, project_w) * sizeof(float));
+int prep_smem_bytes(int H, int rows_per_warp, bool project_w, bool whole_w, int C) {
+  return int((whole_w ? prep_whole_smem_floats(C) : prep_smem_floats(H, rows_per_warp, project_w)) * sizeof(float));
+}
+
+bool prep_whole_weights_apply(const PrepArgs& args, bool project_w, int rows_per_warp) {
+  const auto aligned16 = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
+  return !project_w && rows_per_warp == 1 && args.x_kind == kMaskFloat && 2 * args.H <= 64 && args.C % 4 == 0 &&
+         args.C <= kPrepWholeMaxC && aligned16(args.wa) && aligned16(args.wb);
 }
 
 void launch_prep(const PrepArgs& args, bool project_w, int rows_per_warp, int warps, cudaStream_t stream,
                  bool whole_w) {
   if (whole_w) {
-    TORCH_CHECK(!project_w && rows_per_warp == 1 && args.x_kind == kMaskFloat && 2 * args.H <= 64 &&
-                    args.C % 4 == 0 && args.C <= kPrepWholeMaxC,
+    TORCH_CHECK(prep_whole_weights_apply(args, project_w, rows_per_warp),
                 "flashopm: internal error: the whole-weights projection form does not apply here");
     if (2 * args.H <= 32) return launch_prep_t<1, 1, false, float, true>(args, warps, stream);
     return launch_prep_t<2, 1, false, float, true>(args, warps, stream);

@@ -401,14 +401,16 @@ constexpr int kRowDenWarps = 8;
 
 // Launchers (opm_launch.cu).  Each launches one kernel on `stream` and checks the launch.
 // warps: per block, kPrepWarps or fewer (ignored in project-first mode, which takes kPrepWarps).
-// whole_w: the whole-weights form (float32 x, one row per warp, 2·H <= 64, C % 4 == 0,
-// C <= kPrepWholeMaxC, W_a and W_b 16-byte aligned; not project-first).
+// whole_w: the whole-weights form, where prep_whole_weights_apply says it may run.
 void launch_prep(const PrepArgs& args, bool project_w, int rows_per_warp, int warps, cudaStream_t stream,
                  bool whole_w = false);
+// Whether opm_prep_kernel's whole-weights form may run: float32 x, one row per warp, 2·H <= 64,
+// C % 4 == 0, C <= kPrepWholeMaxC, W_a and W_b 16-byte aligned, not project-first.
+bool prep_whole_weights_apply(const PrepArgs& args, bool project_w, int rows_per_warp);
 // opm_project_rows_kernel over all B * S * N rows (project_w = false layouts)
 void launch_project_rows(const PrepArgs& args, cudaStream_t stream);
 int project_rows_smem_bytes(const PrepArgs& args);
-int prep_smem_bytes(int H, int rows_per_warp, bool project_w);
+int prep_smem_bytes(int H, int rows_per_warp, bool project_w, bool whole_w = false, int C = 0);
 void launch_outer(const OuterArgs& args, cudaStream_t stream);
 void launch_row_denominators(const RowDenArgs& args, cudaStream_t stream);
 int outer_smem_bytes();
