@@ -6,7 +6,9 @@ and %globaltimer at entry, after the wait and at exit; thread 0 of every block o
 kernel records %globaltimer at entry and exit and clock64() between its stages.  Prints, for an
 eager call and a CUDA-graph replay, the median cycles per phase of each form and the kernels'
 overlap; then the CUDA-graph time of the pair, of the first kernel alone, of the second alone,
-of the pair launched as two plain kernels, and of the other forms.
+of the pair launched as two plain kernels, and of the other forms.  The first kernel's blocks are
+also grouped by the SM they ran on (how many of its blocks and of the second kernel's ran there).
+PHASES_QUICK=1 leaves out the clocks of the forms other than the default.
 
     PYTHONPATH=src python scripts/small_tc_phases.py [B,S,N,C,H,D [TI,Dc ...]]
 
@@ -63,6 +65,9 @@ f = patch(f, '  asm volatile("griddepcontrol.wait;\\n" ::: "memory");\n', GT(9) 
 f = patch(f, "  // ---- phase P: items", CLK(2), before=True)
 f = patch(f, "  // ---- phase O: items", CLK(3), before=True)
 f = patch(f, "  // out' = out", CLK(4), before=True)
+# The SM a block of the chained form ran on, plus one (its slot 3)
+SMID_TC = lambda i: (f"\n  if (threadIdx.x == 0) {{ unsigned s_; asm volatile(\"mov.u32 %0, %smid;\" : \"=r\"(s_));"  # noqa: E731
+                     f" g_tc_clk[{BLK} * 16 + {i}] = (long long)s_ + 1; }}\n")
 # Thread 0's own clocks inside the phases (no barrier): after a's copies arrive (slot 6), after its
 # phase-P item's MMAs (13) and stores (14), after b's copies arrive (15).
 T0 = lambda i: f"\n  if (threadIdx.x == 0) g_tc_clk[{BLK} * 16 + {i}] = clock64();\n"  # noqa: E731
@@ -86,6 +91,7 @@ c = src["opm_small_f16_chain_kernel.cuh"]
 c = patch(c, "  // ---- prologue: independent of the first kernel ----\n", GT(8) + CLK(0)
           + f"\n  if (threadIdx.x == 0) g_tc_clk[{BLK} * 16 + 11] = -5;\n", before=True)
 c = patch(c, '  asm volatile("griddepcontrol.wait;\\n" ::: "memory");\n', CLK(12), before=True)
+c = patch(c, "  // ---- prologue: independent of the first kernel ----\n", SMID_TC(3))
 c = patch(c, '  asm volatile("griddepcontrol.wait;\\n" ::: "memory");\n', GT(9) + CLK(1))
 c = patch(c, "    mbarrier_wait_parity_suspend(a_bar, 0);\n", T0(6))
 c = patch(c, "      if (!b_arrived) {\n        mbarrier_wait_parity_suspend(b_bar, 0);\n",
@@ -101,8 +107,19 @@ PB = "((blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x)"
 PGT = lambda i: (f"\n  if (threadIdx.x == 0) {{ unsigned long long t_; asm volatile(\"mov.u64 %0, %globaltimer;\" : \"=l\"(t_));"  # noqa: E731
                  f" g_prep_t[{PB} * 8 + {i}] = (long long)t_; }}\n")
 PCLK = lambda i: f"\n  if (threadIdx.x == 0) g_prep_t[{PB} * 8 + {i}] = clock64();\n"  # noqa: E731
-kk = patch(kk, "template <int Q, int RW, bool kProjectW, typename XT, bool kWholeW = false>", "__device__ long long g_prep_t[1 << 16];\n", before=True)
+kk = patch(kk, "template <int Q, int RW, bool kProjectW, typename XT, bool kWholeW = false>", "__device__ long long g_prep_t[1 << 16];\n",
+           before=True)
 kk = patch(kk, "  const int n_base = nblk * block_rows;\n", PGT(0) + PCLK(2))
+# slot 6: the SM the block ran on, plus one; slot 7: thread 0's clock once the weights and rows are
+# in shared memory (the whole-weights form)
+SMID = lambda arr, stride, i: (f"\n  if (threadIdx.x == 0) {{ unsigned s_; asm volatile(\"mov.u32 %0, %smid;\" : \"=r\"(s_));"  # noqa: E731
+                                f" {arr}[{PB} * {stride} + {i}] = (long long)s_ + 1; }}\n")
+kk = patch(kk, "  const int n_base = nblk * block_rows;\n", SMID("g_prep_t", 8, 6))
+kk = patch(kk, "    __syncthreads();  // every thread's weight copies, and this warp's row\n", PCLK(7))
+# DBG_K1NOW=1: the whole-weights form without its weight copies (results undefined: timing only)
+kk = kk.replace("  if (p.weights_late) {\n    if constexpr (kWholeW) stage_whole_weights();",
+                "  if (p.weights_late == 2) cp_async_commit();\n  else if (p.weights_late) {\n    if constexpr (kWholeW) stage_whole_weights();", 1)
+assert "p.weights_late == 2" in kk
 kk = patch(kk, "  float acc[RW][Q];\n", PCLK(3), before=True)
 kk = patch(kk, "  if constexpr (!kProjectW) {\n    if (p.ab_kind == kAbF16Split) {", PCLK(4), before=True)
 kk = patch(kk, "      }\n      return;\n    }\n  }\n", PCLK(5) + PGT(1), before=True)
@@ -144,6 +161,9 @@ a = a.replace('TORCH_LIBRARY_IMPL(flashopm, CUDA, m) {', '''at::Tensor dbg_tc(co
 }
 TORCH_LIBRARY_IMPL(flashopm, CUDA, m) {
   m.impl("_dbg_tc", &dbg_tc);''')
+a = a.replace('  args.weights_late = !env_is("FLASHOPM_PREP_WEIGHTS_FIRST", "1");',
+              '  args.weights_late = std::getenv("DBG_K1NOW") ? 2 : !env_is("FLASHOPM_PREP_WEIGHTS_FIRST", "1");', 1)
+assert "DBG_K1NOW" in a
 a = a.replace("#include <algorithm>", "#include <algorithm>\n#include <cstdio>\n#include <cstdlib>\n#include <string>", 1)
 src["opm_api.cpp"] = a
 ops._lib.define("_dbg_tc(Tensor like) -> Tensor")
@@ -221,6 +241,27 @@ def clocks(label, graph=False):
           f"{prep[:, 0].max() - t0:.0f}, end {prep[:, 1].min() - t0:.0f}..{prep[:, 1].max() - t0:.0f}; "
           f"second kernel entry {tc[:, 8].min() - t0:.0f}..{tc[:, 8].max() - t0:.0f}, past the wait "
           f"{tc[:, 9].min() - t0:.0f}..{tc[:, 9].max() - t0:.0f}, exit {tc[:, 10].min() - t0:.0f}..{tc[:, 10].max() - t0:.0f}")
+    if (prep[:, 6] > 0).all():
+        # The first kernel's blocks by their end, against what else ran on their SM
+        k1_per_sm, k2_per_sm = {}, {}
+        for sm in prep[:, 6].long().tolist():
+            k1_per_sm[sm] = k1_per_sm.get(sm, 0) + 1
+        if (tc[:, 11] == -5).all() and (tc[:, 3] > 0).all():
+            for sm in tc[:, 3].long().tolist():
+                k2_per_sm[sm] = k2_per_sm.get(sm, 0) + 1
+        groups = {}
+        for row in prep.tolist():
+            sm = int(row[6])
+            key = (k1_per_sm[sm], k2_per_sm.get(sm, 0))
+            groups.setdefault(key, []).append(row)
+        for (n1, n2), rows in sorted(groups.items()):
+            ends = sorted(r[1] - t0 for r in rows)
+            tot = sorted(r[5] - r[2] for r in rows)
+            wts = sorted(r[7] - r[2] for r in rows if r[7] > 0)
+            mid = lambda v: v[len(v) // 2] if v else float("nan")  # noqa: E731
+            print(f"    first-kernel blocks on SMs with {n1} of its blocks and {n2} of the second's: {len(rows)}, end "
+                  f"{ends[0]:.0f}..{ends[-1]:.0f} ns (median {mid(ends):.0f}), cycles median {mid(tot):.0f} "
+                  f"(weights and rows staged at {mid(wts):.0f})")
 
 
 with torch.no_grad():
@@ -229,6 +270,14 @@ with torch.no_grad():
         os.environ["FLASHOPM_PREP_WHOLE_W"] = "0"
         clocks("default form, the first kernel's weights in chunks", graph)
         os.environ.pop("FLASHOPM_PREP_WHOLE_W")
+        for env, what in [({"FLASHOPM_PREP_WARPS": "8"}, "the first kernel at 8 warps per block"),
+                          ({"DBG_K1NOW": "1"}, "the first kernel without its weight copies (timing only)")]:
+            os.environ.update(env)
+            clocks("default form, " + what, graph)
+            for var in env:
+                os.environ.pop(var)
+        if os.environ.get("PHASES_QUICK"):
+            continue
         os.environ["FLASHOPM_SMALL_F16_CHAIN"] = "0"
         clocks("staged float16 split form", graph)
         os.environ.pop("FLASHOPM_SMALL_F16_CHAIN")
@@ -251,6 +300,10 @@ with torch.no_grad():
                 ({"FLASHOPM_SMALL_F16_CHAIN": "0", "DBG_SKIP": "k2"}, "staged float16 split form without the second kernel"),
                 ({"FLASHOPM_PREP_WHOLE_W": "0"}, "the first kernel's weights in chunks"),
                 ({"FLASHOPM_PREP_WHOLE_W": "0", "DBG_SKIP": "k2"}, "the first kernel alone, its weights in chunks"),
+                ({"FLASHOPM_PREP_WARPS": "8"}, "the first kernel at 8 warps per block"),
+                ({"FLASHOPM_PREP_WARPS": "8", "DBG_SKIP": "k2"}, "the first kernel alone at 8 warps per block"),
+                ({"DBG_K1NOW": "1"}, "the first kernel without its weight copies (timing only)"),
+                ({"DBG_K1NOW": "1", "DBG_SKIP": "k2"}, "the first kernel alone without its weight copies"),
                 ({"DBG_NOPDL": "1"}, "second kernel launched without programmatic dependency"),
                 ({"DBG_KNOB": "1"}, "no row denominators"),
                 ({"DBG_KNOB": "4"}, "float16 split form without b's copies (timing only)"),
@@ -260,8 +313,8 @@ with torch.no_grad():
                 ({"FLASHOPM_SMALL_TC_FMA": "0", "DBG_KNOB": "2"}, "mma.sync form, no W loads before the wait")]
     variants += [({"DBG_PLAN": plan}, f"tiling TI,Dc = {plan}") for plan in sys.argv[2:]]
     for env, what in variants:
-        for var in ("DBG_SKIP", "DBG_NOPDL", "DBG_KNOB", "DBG_PLAN", "FLASHOPM_SMALL_TC_FMA", "FLASHOPM_SMALL_TC_LOCAL_A",
-                    "FLASHOPM_SMALL_TC_F16", "FLASHOPM_SMALL_F16_CHAIN", "FLASHOPM_PREP_WHOLE_W"):
+        for var in ("DBG_SKIP", "DBG_NOPDL", "DBG_KNOB", "DBG_PLAN", "DBG_K1NOW", "FLASHOPM_PREP_WARPS",
+                    "FLASHOPM_SMALL_TC_FMA", "FLASHOPM_SMALL_TC_LOCAL_A", "FLASHOPM_SMALL_TC_F16", "FLASHOPM_SMALL_F16_CHAIN", "FLASHOPM_PREP_WHOLE_W"):
             os.environ.pop(var, None)
         os.environ.update(env)
         print(f"graph, {what}: {time_graph(lambda: model(x, m), n=50)}")

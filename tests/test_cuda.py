@@ -488,7 +488,8 @@ def test_prep_weight_copies_order_keeps_the_bits(shape, monkeypatch):
 # per lane (2H up to 32, or up to 64), the float16 split form and the FMA form.
 PREP_WHOLE_W_CASES = [(SPEC, "f16"), (SPEC, "fma"), (Shape(1, 48, 24, 40, 16, 8), "f16"),
                       (Shape(3, 2, 5, 12, 8, 13), "fma"), (Shape(2, 5, 17, 60, 32, 24), "f16"),
-                      (Shape(1, 3, 7, 4, 24, 8), "fma"), (Shape(2, 4, 9, 36, 32, 10), "fma")]
+                      (Shape(1, 3, 7, 4, 24, 8), "fma"), (Shape(2, 4, 9, 36, 32, 10), "fma"),
+                      (Shape(2, 8, 48, 64, 32, 64), "f16")]
 
 
 @pytest.mark.parametrize("shape,form", PREP_WHOLE_W_CASES, ids=str)
@@ -496,7 +497,8 @@ PREP_WHOLE_W_CASES = [(SPEC, "f16"), (SPEC, "fma"), (Shape(1, 48, 24, 40, 16, 8)
 def test_prep_whole_weights_keeps_the_bits(shape, form, weights_first, monkeypatch):
     """The first kernel stages W_a's and W_b's rows whole where msa_dim allows (one group of copies,
     no block barriers between chunks); in chunks (FLASHOPM_PREP_WHOLE_W=0) the same products in the
-    same order give the same bits."""
+    same order give the same bits.  So does either form at every block size (FLASHOPM_PREP_WARPS):
+    a row is one warp's work whatever the block."""
     monkeypatch.setenv("FLASHOPM_SMALL_TC_F16", "1" if form == "f16" else "0")
     if weights_first:
         monkeypatch.setenv("FLASHOPM_PREP_WEIGHTS_FIRST", "1")
@@ -505,12 +507,26 @@ def test_prep_whole_weights_keeps_the_bits(shape, form, weights_first, monkeypat
     kernels = _flashopm_kernels(lambda: _run(xc, mc, pc, "small-tc", poison=False, may_not_fit=False))
     assert any("opm_prep_kernel" in k and "float, true>" in k for k in kernels), kernels
     whole = _run(xc, mc, pc, "small-tc", may_not_fit=False)
+    for warps in ("2", "4", "8"):
+        monkeypatch.setenv("FLASHOPM_PREP_WARPS", warps)
+        assert torch.equal(_run(xc, mc, pc, "small-tc", may_not_fit=False), whole), warps
+    monkeypatch.delenv("FLASHOPM_PREP_WARPS")
     monkeypatch.setenv("FLASHOPM_PREP_WHOLE_W", "0")
     kernels = _flashopm_kernels(lambda: _run(xc, mc, pc, "small-tc", poison=False, may_not_fit=False))
     assert any("opm_prep_kernel" in k and "float, false>" in k for k in kernels), kernels
     chunked = _run(xc, mc, pc, "small-tc", may_not_fit=False)
     assert torch.equal(whole, chunked)
+    for warps in ("2", "8"):
+        monkeypatch.setenv("FLASHOPM_PREP_WARPS", warps)
+        assert torch.equal(_run(xc, mc, pc, "small-tc", may_not_fit=False), whole), warps
     torch.testing.assert_close(whole.cpu(), reference(xc, mc, pc).cpu(), atol=1e-4, rtol=1e-4)
+
+
+def test_prep_warps_setting_is_checked(monkeypatch):
+    x, m, p = make_problem(SPEC, "masked_positions", seed=3)
+    monkeypatch.setenv("FLASHOPM_PREP_WARPS", "3")
+    with pytest.raises(RuntimeError, match="FLASHOPM_PREP_WARPS"):
+        _run(x.cuda(), m.cuda(), _cuda_params(p), "small-tc", may_not_fit=False)
 
 
 # Tilings of the two-launch path forced one by one: rows per block 1 to 8 (ragged at N = 13),

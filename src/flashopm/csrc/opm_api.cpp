@@ -440,10 +440,20 @@ void run_prep(const PrepArgs& args_in, bool project_w, int dev, cudaStream_t str
   const int sms = device_info(dev).sm_count;
   const int64_t blocks_rw4 = int64_t(args.B) * args.S * ((args.N + 31) / 32) * (project_w ? args.o_chunks : 1);
   const int rw = blocks_rw4 >= 2 * sms ? 4 : 1;
-  // A row per warp that leaves SMs idle at kPrepWarps warps per block: half the warps per block,
-  // twice the blocks (this kernel is bound by the latency of its loads and barriers).
-  const int64_t blocks_w8 = int64_t(args.B) * args.S * ((args.N + kPrepWarps - 1) / kPrepWarps);
-  const int warps = !project_w && rw == 1 && blocks_w8 < sms ? kPrepWarps / 2 : kPrepWarps;
+  // One row per warp: half the warps per block, twice the blocks, where that still puts at most one
+  // block on each SM (this kernel is bound by the latency of its loads and barriers, so more SMs
+  // help).  Past that, two half-size blocks on an SM keep the next kernel's blocks (its programmatic
+  // dependent) off it, and full-size blocks are faster (H200, small path: 13.05 against 14.17 us at
+  // (4,8,32,64,32,64), 14.22 against 14.90 at (2,8,48,64,32,64); 10.57 against 10.90 the other way
+  // at the specification's shape, whose 128 half-size blocks fit).  FLASHOPM_PREP_WARPS (2, 4 or 8)
+  // asks for a block size (to compare them; the results are the same).
+  const int64_t blocks_half = int64_t(args.B) * args.S * ((args.N + kPrepWarps / 2 - 1) / (kPrepWarps / 2));
+  int warps = !project_w && rw == 1 && blocks_half <= sms ? kPrepWarps / 2 : kPrepWarps;
+  if (const char* env = std::getenv("FLASHOPM_PREP_WARPS"); env != nullptr && *env != 0 && !project_w) {
+    warps = std::atoi(env);
+    FLASHOPM_CHECK(warps == 2 || warps == 4 || warps == 8, "flashopm: FLASHOPM_PREP_WARPS must be 2, 4 or 8, got '",
+                   env, "'");
+  }
   // The whole-weights form where it applies (msa_dim up to 64, one row per warp): the same results
   // with fewer instructions before the statistics.  FLASHOPM_PREP_WHOLE_W=0 asks for the chunked
   // form (to compare the forms).
