@@ -65,9 +65,9 @@ f = patch(f, '  asm volatile("griddepcontrol.wait;\\n" ::: "memory");\n', GT(9) 
 f = patch(f, "  // ---- phase P: items", CLK(2), before=True)
 f = patch(f, "  // ---- phase O: items", CLK(3), before=True)
 f = patch(f, "  // out' = out", CLK(4), before=True)
-# The SM a block of the chained form ran on, plus one (its slot 3)
-SMID_TC = lambda i: (f"\n  if (threadIdx.x == 0) {{ unsigned s_; asm volatile(\"mov.u32 %0, %smid;\" : \"=r\"(s_));"  # noqa: E731
-                     f" g_tc_clk[{BLK} * 16 + {i}] = (long long)s_ + 1; }}\n")
+# Thread 0 stores the SM its block runs on, plus one, at slot i of the block's `stride` slots of arr
+SMID = lambda arr, stride, i: (f"\n  if (threadIdx.x == 0) {{ unsigned s_; asm volatile(\"mov.u32 %0, %smid;\" : \"=r\"(s_));"  # noqa: E731
+                                f" {arr}[{BLK} * {stride} + {i}] = (long long)s_ + 1; }}\n")
 # Thread 0's own clocks inside the phases (no barrier): after a's copies arrive (slot 6), after its
 # phase-P item's MMAs (13) and stores (14), after b's copies arrive (15).
 T0 = lambda i: f"\n  if (threadIdx.x == 0) g_tc_clk[{BLK} * 16 + {i}] = clock64();\n"  # noqa: E731
@@ -91,7 +91,7 @@ c = src["opm_small_f16_chain_kernel.cuh"]
 c = patch(c, "  // ---- prologue: independent of the first kernel ----\n", GT(8) + CLK(0)
           + f"\n  if (threadIdx.x == 0) g_tc_clk[{BLK} * 16 + 11] = -5;\n", before=True)
 c = patch(c, '  asm volatile("griddepcontrol.wait;\\n" ::: "memory");\n', CLK(12), before=True)
-c = patch(c, "  // ---- prologue: independent of the first kernel ----\n", SMID_TC(3))
+c = patch(c, "  // ---- prologue: independent of the first kernel ----\n", SMID("g_tc_clk", 16, 3))  # its SM, slot 3
 c = patch(c, '  asm volatile("griddepcontrol.wait;\\n" ::: "memory");\n', GT(9) + CLK(1))
 c = patch(c, "    mbarrier_wait_parity_suspend(a_bar, 0);\n", T0(6))
 c = patch(c, "      if (!b_arrived) {\n        mbarrier_wait_parity_suspend(b_bar, 0);\n",
@@ -112,8 +112,6 @@ kk = patch(kk, "template <int Q, int RW, bool kProjectW, typename XT, bool kWhol
 kk = patch(kk, "  const int n_base = nblk * block_rows;\n", PGT(0) + PCLK(2))
 # slot 6: the SM the block ran on, plus one; slot 7: thread 0's clock once the weights and rows are
 # in shared memory (the whole-weights form)
-SMID = lambda arr, stride, i: (f"\n  if (threadIdx.x == 0) {{ unsigned s_; asm volatile(\"mov.u32 %0, %smid;\" : \"=r\"(s_));"  # noqa: E731
-                                f" {arr}[{PB} * {stride} + {i}] = (long long)s_ + 1; }}\n")
 kk = patch(kk, "  const int n_base = nblk * block_rows;\n", SMID("g_prep_t", 8, 6))
 kk = patch(kk, "    __syncthreads();  // every thread's weight copies, and this warp's row\n", PCLK(7))
 # DBG_K1NOW=1: the whole-weights form without its weight copies (results undefined: timing only)
