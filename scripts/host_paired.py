@@ -1,5 +1,5 @@
-"""Host time of ModelNew's forward and of the op through the extension's direct entry against the
-same through torch.ops, timed in alternation (batches of calls back to back, A then B, many
+"""Host time of ModelNew's forward (through the extension's modules entry, its op entry and
+torch.ops) and of the op through the op entry against torch.ops, timed in alternation (batches of calls back to back, A then B, many
 times), so that both sides meet the same host; the median of the per-pair ratios is the figure,
 as host time on the GPU machine drifts by tens of percent between blocks of calls.
 
@@ -53,18 +53,29 @@ def main(shape):
     dummy = torch.empty(1, device="cuda")
     noop = torch.ops.flashopm._noop.default
 
-    def new_via_torch_ops():
-        flashopm._build.op_entry = declining
+    modules_entry = flashopm._build.modules_entry
+
+    def new_via_op_entry():
+        # ModelNew with its parameters collected in Python (its path before the modules entry)
+        flashopm._build.modules_entry = declining
         try:
             return new(x, m)
         finally:
-            flashopm._build.op_entry = entry
+            flashopm._build.modules_entry = modules_entry
+
+    def new_via_torch_ops():
+        flashopm._build.op_entry = flashopm._build.modules_entry = declining
+        try:
+            return new(x, m)
+        finally:
+            flashopm._build.op_entry, flashopm._build.modules_entry = entry, modules_entry
 
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  {shape}")
     print(f"{'A':>22} {'B':>24}   host us A   host us B   B / A (median of pairs)")
     with torch.no_grad():
         for (na, fa), (nb, fb) in (
             (("op, direct entry", lambda: entry(*args)), ("op, torch.ops", lambda: outer_product_mean_op(*args))),
+            (("ModelNew", lambda: new(x, m)), ("ModelNew via the op entry", new_via_op_entry)),
             (("ModelNew", lambda: new(x, m)), ("ModelNew via torch.ops", new_via_torch_ops)),
             (("empty call", lambda: noop(dummy)), ("ModelNew", lambda: new(x, m))),
             (("ModelNew", lambda: new(x, m)), ("eager Model", lambda: ref(x, m))),

@@ -62,13 +62,15 @@ def main(shapes):
                 p["b_out"], 0)
         entry = flashopm._build.op_entry
 
+        modules_entry = flashopm._build.modules_entry
+
         def new_via_torch_ops():
-            # ModelNew with the extension's direct entry declining every call (its path before the entry)
-            flashopm._build.op_entry = lambda *a: NotImplemented
+            # ModelNew with the extension's direct entries declining every call (its path before them)
+            flashopm._build.op_entry = flashopm._build.modules_entry = lambda *a: NotImplemented
             try:
                 return new(x, m)
             finally:
-                flashopm._build.op_entry = entry
+                flashopm._build.op_entry, flashopm._build.modules_entry = entry, modules_entry
 
         rows = []
         for name, fn, grad in (("eager Model", lambda: ref(x, m), False), ("ModelNew", lambda: new(x, m), False),

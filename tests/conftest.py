@@ -22,6 +22,19 @@ def toolchain_or_skip():
         pytest.skip("no GPU and no TORCH_CUDA_ARCH_LIST")
 
 
+def poison_output_block(call):
+    """Fills with NaN the block of GPU memory that the next `call()`'s output will take, and returns
+    its address, for the caller to check that the output landed there.  A first call says how large
+    the output's storage is (the small path keeps its workspace past the output's elements, so the
+    workspace is poisoned too); the caching allocator hands a freed block of that size out again
+    for a request of that size.  All-ones bytes are a NaN in every float type."""
+    nbytes = call().untyped_storage().nbytes()
+    block = torch.full((nbytes,), 255, dtype=torch.uint8, device="cuda")
+    ptr = block.data_ptr()
+    del block
+    return ptr
+
+
 @pytest.fixture(autouse=True)
 def _exact_fp32_matmul():
     """References run in true fp32 (no TF32), whatever the process default is."""

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import flashopm
-from conftest import requires_cuda
+from conftest import poison_output_block, requires_cuda
 from flashopm.testing import Shape, make_problem, reference, rel_error
 
 PARAM_ORDER = ("ln_weight", "ln_bias", "w_a", "b_a", "w_b", "b_b", "w_out", "b_out")
@@ -149,12 +149,13 @@ def test_cuda_conventions_against_fp64(shape, normalization, algorithm):
     code = flashopm.ops.NORMALIZATIONS[normalization]
     ref64 = reference(xc, mc, pc, dtype=torch.float64, normalization=code).cpu()
     ref32 = reference(xc, mc, pc, normalization=code).cpu()
-    poison = torch.full((shape.B * shape.N * shape.N * shape.D,), float("nan"), device="cuda")
-    poison_ptr = poison.data_ptr()
-    del poison
+    def call():
+        return flashopm.outer_product_mean(xc, mc, *(pc[k] for k in PARAM_ORDER), algorithm=algorithm,
+                                           normalization=normalization)
+
     try:
-        out = flashopm.outer_product_mean(xc, mc, *(pc[k] for k in PARAM_ORDER), algorithm=algorithm,
-                                          normalization=normalization)
+        poison_ptr = poison_output_block(call)
+        out = call()
     except RuntimeError as exc:
         if algorithm == "single" and "does not fit" in str(exc):
             pytest.skip("the single-launch kernel does not fit this problem")

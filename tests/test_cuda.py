@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import flashopm
-from conftest import requires_cuda
+from conftest import poison_output_block, requires_cuda
 from flashopm.testing import MASK_KINDS, Shape, make_problem, reference, rel_error
 
 pytestmark = requires_cuda
@@ -46,16 +46,18 @@ def _run(x, m, p, algorithm="auto", poison=True, may_not_fit=True, precision=Non
     B, S, N, C = x.shape
     D = p["w_out"].shape[0]
     numel = B * N * N * D
-    poison_ptr = None
-    if poison and numel > 0:
-        t = torch.full((numel,), float("nan"), device="cuda", dtype=x.dtype)  # the output's type
-        poison_ptr = t.data_ptr()
-        del t
-    try:
-        out = flashopm.outer_product_mean(
+
+    def call():
+        return flashopm.outer_product_mean(
             x, m, p["ln_weight"], p["ln_bias"], p["w_a"], p["b_a"], p["w_b"], p["b_b"], p["w_out"], p["b_out"],
             algorithm=algorithm, precision=precision,
         )
+
+    poison_ptr = None
+    try:
+        if poison and numel > 0:
+            poison_ptr = poison_output_block(call)
+        out = call()
     except RuntimeError as exc:
         if algorithm in ("single", "small-tc") and "does not fit" in str(exc) and may_not_fit:
             pytest.skip(f"algorithm {algorithm!r} does not fit this problem")
@@ -369,13 +371,14 @@ def test_small_tc_f16_epilogue(shape, tile, normalization, norm_code, staged, mo
     xc, mc, pc = _f16_form_problem(shape, tile, "fractional", f"{shape}-pairs-{normalization}", monkeypatch,
                                    staged=staged)
 
+    def op():
+        return flashopm.outer_product_mean(xc, mc, pc["ln_weight"], pc["ln_bias"], pc["w_a"], pc["b_a"], pc["w_b"],
+                                           pc["b_b"], pc["w_out"], pc["b_out"], algorithm="small-tc",
+                                           normalization=normalization)
+
     def call():
-        poison = torch.full((shape.B, shape.N, shape.N, shape.D), float("nan"), device="cuda")
-        ptr = poison.data_ptr()
-        del poison
-        out = flashopm.outer_product_mean(xc, mc, pc["ln_weight"], pc["ln_bias"], pc["w_a"], pc["b_a"], pc["w_b"],
-                                          pc["b_b"], pc["w_out"], pc["b_out"], algorithm="small-tc",
-                                          normalization=normalization)
+        ptr = poison_output_block(op)
+        out = op()
         assert out.data_ptr() == ptr, "the poisoned block was not reused; the check proves nothing"
         return out
 

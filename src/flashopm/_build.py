@@ -31,6 +31,8 @@ _library_path: str | None = None  # set once the extension is loaded
 # schema's argument parsing, NotImplemented where a call needs it (csrc/opm_python.cpp).  None
 # until the extension is loaded.
 op_entry = None
+# Its `outer_product_mean_modules`: the same with the parameters read from a module's submodules.
+modules_entry = None
 
 
 class BuildError(RuntimeError):
@@ -45,6 +47,12 @@ def load_op_entry():
     """`op_entry`, building and loading the extension first if needed."""
     load()
     return op_entry
+
+
+def load_modules_entry():
+    """`modules_entry`, building and loading the extension first if needed."""
+    load()
+    return modules_entry
 
 
 def cache_root() -> Path:
@@ -154,7 +162,7 @@ def extension_name(sources: dict[str, str], archs: list[str]) -> str:
 
 def load(verbose: bool = False) -> str:
     """Builds (if needed) and loads the extension; returns the path of the shared library."""
-    global _library_path, op_entry
+    global _library_path, op_entry, modules_entry
     with _lock:
         if _library_path is not None:
             return _library_path
@@ -186,6 +194,7 @@ def load(verbose: bool = False) -> str:
             finally:
                 fcntl.flock(lock_file, fcntl.LOCK_UN)
         op_entry = module.outer_product_mean
+        modules_entry = module.outer_product_mean_modules
         _library_path = module.__file__
         return _library_path
 

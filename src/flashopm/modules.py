@@ -4,8 +4,13 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from . import _build
 from .ops import NORMALIZATIONS, call_outer_product_mean
 from .reference import BoltzOuterProductMeanReference, OpenFoldOuterProductMeanReference
+
+
+# ModelNew's LayerNorm and its three linear layers, in the op's order.
+_SUBMODULES = ("layer_norm", "proj_a", "proj_b", "out_proj")
 
 
 class ModelNew(nn.Module):
@@ -39,6 +44,12 @@ class ModelNew(nn.Module):
             return (ln.weight, ln.bias, ln.eps, pa.weight, pa.bias, pb.weight, pb.bias, po.weight, po.bias)
 
     def forward(self, msa_repr: torch.Tensor, msa_mask: torch.Tensor) -> torch.Tensor:
+        if msa_repr.is_cuda and not torch.compiler.is_compiling():
+            # The extension reads the parameters from the submodules itself (fewer Python frames
+            # and lookups per call); NotImplemented where it cannot, as the op's entry answers.
+            out = (_build.modules_entry or _build.load_modules_entry())(self._modules, _SUBMODULES, msa_repr, msa_mask)
+            if out is not NotImplemented:
+                return out
         return call_outer_product_mean(msa_repr, msa_mask, *self._parameters_in_op_order())
 
 

@@ -649,6 +649,21 @@ void run_outer(OuterArgs oa, int64_t i_offset, int64_t rows, int64_t out_rows, i
   }
 }
 
+// A contiguous tensor of `sizes` and `dtype` on the current CUDA device whose storage runs on past
+// its elements by `ws_bytes` of workspace, starting 256 bytes aligned at *ws: one allocation for
+// both, freed with the tensor.
+at::Tensor empty_with_workspace(at::IntArrayRef sizes, at::ScalarType dtype, size_t ws_bytes, void** ws) {
+  const size_t out_bytes = size_t(c10::multiply_integers(sizes)) * c10::elementSize(dtype);
+  const size_t ws_offset = (out_bytes + 255) / 256 * 256;
+  auto storage = c10::make_intrusive<c10::StorageImpl>(c10::StorageImpl::use_byte_size_t(), ws_offset + ws_bytes,
+                                                       c10::cuda::CUDACachingAllocator::get(), /*resizable=*/true);
+  at::Tensor t = at::detail::make_tensor<c10::TensorImpl>(std::move(storage), c10::DispatchKeySet(c10::DispatchKey::CUDA),
+                                                          c10::scalarTypeToTypeMeta(dtype));
+  t.unsafeGetTensorImpl()->set_sizes_contiguous(sizes);
+  *ws = static_cast<char*>(t.storage().mutable_data()) + ws_offset;
+  return t;
+}
+
 }  // namespace
 
 at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& mask,
@@ -705,13 +720,21 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
   // as they store it.
   const bool half_in = in_dtype != at::kFloat;
   const at::TensorOptions f32 = msa_in.options().dtype(at::kFloat);
-  // The allocator directly, past the dispatcher: small problems are bound by host time.
-  at::Tensor out = at::detail::empty_cuda({B, N, N, D}, in_dtype, msa_in.device(), std::nullopt);
-  if (B == 0 || N == 0) return out;
-  if (S == 0) {
+  // The output from the allocator directly, past the dispatcher (small problems are bound by host
+  // time); the small path takes it together with its workspace, below.
+  const std::array<int64_t, 4> out_sizes = {B, N, N, D};
+  const int64_t out_numel = B * N * N * D;
+  if (B == 0 || N == 0 || S == 0) {
+    at::Tensor out = at::detail::empty_cuda(out_sizes, in_dtype, msa_in.device(), std::nullopt);
+    if (out_numel == 0) return out;
     const std::optional<at::Tensor> b_out = b_out_in ? std::optional<at::Tensor>(b_out_in->to(at::kFloat)) : std::nullopt;
     return fill_bias_only(out, b_out, normalization, norm_eps);
   }
+
+  // 16-bit models convert their parameters into a temporary first: the output is taken before it,
+  // as the first request of the call (the workspace then comes on its own).
+  at::Tensor out_first;
+  if (half_in) out_first = at::detail::empty_cuda(out_sizes, in_dtype, msa_in.device(), std::nullopt);
 
   const at::Tensor msa = msa_in.stride(3) == 1 ? msa_in : msa_in.contiguous();
   const int x_kind = elem_kind(msa);
@@ -725,7 +748,7 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
   // ---- contraction order: fewer FLOPs wins, within the workspace budget ----
   // Budget: a fifth of the output (so peak extra memory stays near 1.2x the output), or 64 MiB
   // for small problems.
-  const int64_t budget_elems = std::max<int64_t>(out.numel() / 5, int64_t(16) << 20);
+  const int64_t budget_elems = std::max<int64_t>(out_numel / 5, int64_t(16) << 20);
   const double fB = double(B), fS = double(S), fN = double(N), fH = double(H), fD = double(D), fC = double(C);
   const int o_chunks = int((H * D + kPrepThreads - 1) / kPrepThreads);
   const double flops_outer = fB * fN * fN * fH * fH * (fS + fD);
@@ -817,12 +840,24 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     const int64_t N4 = (N + 3) / 4 * 4, NS4 = (N * S + 3) / 4 * 4;
     const int64_t b_elems = f16 ? f16_ws_bytes / 4 : rows16 ? B * S * H * N4 : ab_elems;
     const int64_t a_elems = local_a || f16 ? 0 : rows16 ? B * H * NS4 : ab_elems;
-    // Workspace straight from the caching allocator (no tensor: host time), released on return
-    // and reused in stream order, as a tensor's storage would be.  b first: both stay 16-byte
-    // aligned.
-    const c10::DataPtr ws =
-        c10::cuda::CUDACachingAllocator::get()->allocate(size_t(b_elems + a_elems) * sizeof(float));
-    float* const b_ws = static_cast<float*>(ws.get());
+    // Where it is at most half the output's size (and the output not taken yet), the workspace is
+    // in the output's allocation, past its end: one call to the allocator and none to give the
+    // workspace back, for host time (it then lives as long as the output).  Else straight from the
+    // caching allocator, released on return and reused in stream order, as a tensor's storage
+    // would be.  b first: both stay 16-byte aligned.
+    const size_t ws_bytes = size_t(b_elems + a_elems) * sizeof(float);
+    void* ws = nullptr;
+    c10::DataPtr ws_own;
+    at::Tensor out;
+    if (!out_first.defined() && ws_bytes <= size_t(out_numel) * c10::elementSize(in_dtype) / 2) {
+      out = empty_with_workspace(out_sizes, in_dtype, ws_bytes, &ws);
+    } else {
+      out = out_first.defined() ? out_first
+                                : at::detail::empty_cuda(out_sizes, in_dtype, msa_in.device(), std::nullopt);
+      ws_own = c10::cuda::CUDACachingAllocator::get()->allocate(ws_bytes);
+      ws = ws_own.get();
+    }
+    float* const b_ws = static_cast<float*>(ws);
     float* const a_ws = local_a ? nullptr : b_ws + b_elems;
     // kAbF16Split's regions: b's high and low parts, a's, b's exponents, a's.
     uint16_t* const b16 = reinterpret_cast<uint16_t*>(b_ws);
@@ -917,6 +952,9 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     launch_small_tc(ta, tc_terms, stream);
     return out;
   }
+
+  at::Tensor out =
+      out_first.defined() ? out_first : at::detail::empty_cuda(out_sizes, in_dtype, msa_in.device(), std::nullopt);
 
   // One launch, no workspace (planned only when the path above did not run).
   SmallPlan small;

@@ -26,6 +26,14 @@ using BackwardSig = std::vector<at::Tensor>(const at::Tensor&, const at::Tensor&
 using ContractBackwardSig = std::vector<at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                     const at::Tensor&, bool, bool, int64_t);
 
+// The op's CUDA kernel (opm_api.cpp), for the Python entry's calls that the dispatcher would take
+// straight to it.
+at::Tensor outer_product_mean_cuda(const at::Tensor& msa, const at::Tensor& mask, const at::Tensor& ln_weight,
+                                   const at::Tensor& ln_bias, double ln_eps, const at::Tensor& w_a,
+                                   const OptTensor& b_a, const at::Tensor& w_b, const OptTensor& b_b,
+                                   const at::Tensor& w_out, const OptTensor& b_out, int64_t algorithm,
+                                   int64_t normalization, double norm_eps, int64_t precision);
+
 inline const c10::TypedOperatorHandle<ForwardSig>& forward_op() {
   static const auto op =
       c10::Dispatcher::singleton().findSchemaOrThrow("flashopm::outer_product_mean", "").typed<ForwardSig>();
