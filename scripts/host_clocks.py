@@ -16,10 +16,8 @@ The anchors below are lines of opm_python.cpp, opm_autograd.cpp, opm_api.cpp and
 when those change, they may need to follow.
 """
 import os
-import pathlib
 import statistics
 import sys
-import tempfile
 import time
 
 os.environ["FLASHOPM_CACHE_DIR"] = os.path.join(os.environ.get("TMPDIR", "/tmp"), "flashopm-host-clocks")
@@ -27,11 +25,7 @@ import torch
 
 import flashopm
 from flashopm import _build
-
-
-def patch(text, anchor, add, before=False):
-    assert anchor in text, anchor
-    return text.replace(anchor, add + anchor if before else anchor + add, 1)
+from patched_build import load_patched, patch
 
 
 CLOCK_DECL = """
@@ -101,11 +95,7 @@ k = k.replace("  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, Kernel, args));\n}\n\n/
               "  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, Kernel, args));\n" + CLK(21) + "}\n\n// The chained", 1)
 src["opm_launch.cu"] = k
 
-patched_dir = pathlib.Path(tempfile.mkdtemp(prefix="flashopm-csrc-"))
-for name, text in src.items():
-    (patched_dir / name).write_text(text)
-_build.CSRC_DIR = patched_dir
-_build.load()
+load_patched(src)
 if not torch.cuda.is_available():
     sys.exit(0)
 

@@ -16,20 +16,14 @@ The anchors below are lines of opm_small_tc_kernel.cuh, opm_kernels.cuh and opm_
 those change, they may need to follow.
 """
 import os
-import pathlib
 import sys
-import tempfile
 
 os.environ["FLASHOPM_CACHE_DIR"] = os.path.join(os.environ.get("TMPDIR", "/tmp"), "flashopm-small-tc-phases")
 import torch
 
 import flashopm
 from flashopm import _build, ops
-
-
-def patch(text, anchor, add, before=False):
-    assert anchor in text, anchor
-    return text.replace(anchor, add + anchor if before else anchor + add, 1)
+from patched_build import load_patched, patch
 
 
 src = _build.read_sources()
@@ -165,12 +159,7 @@ assert "DBG_K1NOW" in a
 a = a.replace("#include <algorithm>", "#include <algorithm>\n#include <cstdio>\n#include <cstdlib>\n#include <string>", 1)
 src["opm_api.cpp"] = a
 ops._lib.define("_dbg_tc(Tensor like) -> Tensor")
-# The patched headers go to a copy of csrc/, which becomes the build's include path.
-patched_dir = pathlib.Path(tempfile.mkdtemp(prefix="flashopm-csrc-"))
-for name, text in src.items():
-    (patched_dir / name).write_text(text)
-_build.CSRC_DIR = patched_dir
-_build.load()
+load_patched(src)
 if not torch.cuda.is_available():
     sys.exit(0)
 

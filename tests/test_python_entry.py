@@ -62,14 +62,21 @@ class _Subclass(torch.Tensor):
     pass
 
 
-class _Recorder(TorchFunctionMode):
+class _Recording:
+    """A mode that records the functions it sees and runs them unchanged."""
+
     def __init__(self):
         super().__init__()
         self.seen = []
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def _run(self, func, args, kwargs):
         self.seen.append(func)
         return func(*args, **(kwargs or {}))
+
+
+class _Recorder(_Recording, TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return self._run(func, args, kwargs)
 
 
 def test_entry_declines_what_torch_ops_must_decide(entry):
@@ -373,14 +380,9 @@ def test_profiler_records_the_op_without_gradients_on_cuda(entry):
     assert names.count("flashopm::outer_product_mean") == 2
 
 
-class _DispatchRecorder(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.seen = []
-
+class _DispatchRecorder(_Recording, TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.seen.append(func)
-        return func(*args, **(kwargs or {}))
+        return self._run(func, args, kwargs)
 
 
 @requires_cuda
