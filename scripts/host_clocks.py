@@ -23,9 +23,8 @@ import time
 os.environ["FLASHOPM_CACHE_DIR"] = os.path.join(os.environ.get("TMPDIR", "/tmp"), "flashopm-host-clocks")
 import torch
 
-import flashopm
 from flashopm import _build
-from patched_build import load_patched, patch
+from patched_build import load_patched, patch, problem_from_argv
 
 
 CLOCK_DECL = """
@@ -104,12 +103,7 @@ from flashopm.bench import L2Flusher, warm_gpu  # noqa: E402
 # The extension module (a module-level function's __self__).
 host_clocks = _build.op_entry.__self__.host_clocks
 
-shape = tuple(int(v) for v in sys.argv[1].split(",")) if len(sys.argv) > 1 else (2, 8, 32, 64, 32, 64)
-B, S, N, C, H, D = shape
-torch.manual_seed(0)
-model = flashopm.ModelNew(C, D, H).cuda()
-x = torch.randn(B, S, N, C, device="cuda")
-m = (torch.rand(B, S, N, device="cuda") > 0.2).float()
+shape, model, x, m = problem_from_argv()
 
 # (label, from, to): slots of the C++ clocks; "py0" / "py1" are Python's clocks around the call.
 STAGES = (

@@ -21,9 +21,8 @@ import sys
 os.environ["FLASHOPM_CACHE_DIR"] = os.path.join(os.environ.get("TMPDIR", "/tmp"), "flashopm-small-tc-phases")
 import torch
 
-import flashopm
 from flashopm import _build, ops
-from patched_build import load_patched, patch
+from patched_build import load_patched, patch, problem_from_argv
 
 
 src = _build.read_sources()
@@ -165,12 +164,7 @@ if not torch.cuda.is_available():
 
 from flashopm.bench import time_graph  # noqa: E402
 
-shape = tuple(int(v) for v in sys.argv[1].split(",")) if len(sys.argv) > 1 else (2, 8, 32, 64, 32, 64)
-B, S, N, C, H, D = shape
-torch.manual_seed(0)
-model = flashopm.ModelNew(C, D, H).cuda()
-x = torch.randn(B, S, N, C, device="cuda")
-m = (torch.rand(B, S, N, device="cuda") > 0.2).float()
+shape, model, x, m = problem_from_argv()
 
 
 def clocks(label, graph=False):
