@@ -724,8 +724,9 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
   // time); the small path takes it together with its workspace, below.
   const std::array<int64_t, 4> out_sizes = {B, N, N, D};
   const int64_t out_numel = B * N * N * D;
+  const auto empty_out = [&] { return at::detail::empty_cuda(out_sizes, in_dtype, msa_in.device(), std::nullopt); };
   if (B == 0 || N == 0 || S == 0) {
-    at::Tensor out = at::detail::empty_cuda(out_sizes, in_dtype, msa_in.device(), std::nullopt);
+    at::Tensor out = empty_out();
     if (out_numel == 0) return out;
     const std::optional<at::Tensor> b_out = b_out_in ? std::optional<at::Tensor>(b_out_in->to(at::kFloat)) : std::nullopt;
     return fill_bias_only(out, b_out, normalization, norm_eps);
@@ -734,7 +735,8 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
   // 16-bit models convert their parameters into a temporary first: the output is taken before it,
   // as the first request of the call (the workspace then comes on its own).
   at::Tensor out_first;
-  if (half_in) out_first = at::detail::empty_cuda(out_sizes, in_dtype, msa_in.device(), std::nullopt);
+  if (half_in) out_first = empty_out();
+  const auto take_out = [&] { return out_first.defined() ? out_first : empty_out(); };
 
   const at::Tensor msa = msa_in.stride(3) == 1 ? msa_in : msa_in.contiguous();
   const int x_kind = elem_kind(msa);
@@ -852,8 +854,7 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     if (!out_first.defined() && ws_bytes <= size_t(out_numel) * c10::elementSize(in_dtype) / 2) {
       out = empty_with_workspace(out_sizes, in_dtype, ws_bytes, &ws);
     } else {
-      out = out_first.defined() ? out_first
-                                : at::detail::empty_cuda(out_sizes, in_dtype, msa_in.device(), std::nullopt);
+      out = take_out();
       ws_own = c10::cuda::CUDACachingAllocator::get()->allocate(ws_bytes);
       ws = ws_own.get();
     }
@@ -953,8 +954,7 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     return out;
   }
 
-  at::Tensor out =
-      out_first.defined() ? out_first : at::detail::empty_cuda(out_sizes, in_dtype, msa_in.device(), std::nullopt);
+  at::Tensor out = take_out();
 
   // One launch, no workspace (planned only when the path above did not run).
   SmallPlan small;

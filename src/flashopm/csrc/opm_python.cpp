@@ -33,9 +33,12 @@ namespace {
 // A plain tensor or parameter; subclasses (which may override __torch_function__) are not.
 bool plain_tensor(PyObject* obj) { return THPVariable_CheckExact(obj); }
 
-bool read_tensor(PyObject* obj, const at::Tensor** out) {
+// Tensors are taken by value (a reference on each), so that they outlive the call even where they
+// were read from a module's dictionaries, which other Python threads may change while the op runs
+// without the GIL.
+bool read_tensor(PyObject* obj, at::Tensor* out) {
   if (!plain_tensor(obj)) return false;
-  *out = &THPVariable_Unpack(obj);
+  *out = THPVariable_Unpack(obj);
   return true;
 }
 
@@ -76,22 +79,13 @@ bool read_int(PyObject* obj, int64_t* out) {
 
 PyObject* not_implemented() { Py_RETURN_NOTIMPLEMENTED; }
 
-// The op's arguments, as the typed call takes them.  Tensors are held by value (a reference on
-// each), so that they outlive the call even where they were read from a module's dictionaries,
-// which other Python threads may change while the op runs without the GIL.
+// The op's arguments, as the typed call takes them.
 struct ForwardArgs {
   at::Tensor msa, mask, ln_w, ln_b, w_a, w_b, w_out;
   OptTensor b_a, b_b, b_out;
   double ln_eps = 0.0, norm_eps = 1e-3;
   int64_t algorithm = 0, normalization = 0, precision = -1;
 };
-
-bool read_tensor_into(PyObject* obj, at::Tensor* out) {
-  const at::Tensor* t = nullptr;
-  if (!read_tensor(obj, &t)) return false;
-  *out = *t;
-  return true;
-}
 
 // The trailing optional arguments (algorithm, normalization, norm_eps, precision), the first
 // `n` of them given.
@@ -110,16 +104,16 @@ bool straight_to_cuda_kernel(const ForwardArgs& f) {
   const at::Tensor* tensors[] = {&f.msa, &f.mask, &f.ln_w, &f.ln_b, &f.w_a, &f.w_b, &f.w_out};
   const OptTensor* optional[] = {&f.b_a, &f.b_b, &f.b_out};
   const bool grad_mode = at::GradMode::is_enabled();
+  bool records_grad = false;
   c10::DispatchKeySet keys;
-  for (const at::Tensor* t : tensors) {
-    if (grad_mode && t->requires_grad()) return false;
-    keys = keys | t->key_set();
-  }
-  for (const OptTensor* t : optional) {
-    if (!t->has_value()) continue;
-    if (grad_mode && (*t)->requires_grad()) return false;
-    keys = keys | (*t)->key_set();
-  }
+  const auto add = [&](const at::Tensor& t) {
+    records_grad = records_grad || (grad_mode && t.requires_grad());
+    keys = keys | t.key_set();
+  };
+  for (const at::Tensor* t : tensors) add(*t);
+  for (const OptTensor* t : optional)
+    if (t->has_value()) add(**t);
+  if (records_grad) return false;
   const c10::impl::LocalDispatchKeySet local = c10::impl::tls_local_dispatch_key_set();
   // With no gradient to record, the autograd kernel and ADInplaceOrView only pass the call on;
   // BackendSelect is in the default local set and has no kernel for this op.
@@ -153,11 +147,11 @@ PyObject* outer_product_mean_entry(PyObject* /*self*/, PyObject* const* args, Py
   if (nargs < 11 || nargs > 15) return not_implemented();
   if (at::impl::torch_function_mode_enabled()) return not_implemented();
   ForwardArgs f;
-  const bool ok = read_tensor_into(args[0], &f.msa) && read_tensor_into(args[1], &f.mask) &&
-                  read_tensor_into(args[2], &f.ln_w) && read_tensor_into(args[3], &f.ln_b) &&
-                  read_double(args[4], &f.ln_eps) && read_tensor_into(args[5], &f.w_a) &&
-                  read_optional_tensor(args[6], &f.b_a) && read_tensor_into(args[7], &f.w_b) &&
-                  read_optional_tensor(args[8], &f.b_b) && read_tensor_into(args[9], &f.w_out) &&
+  const bool ok = read_tensor(args[0], &f.msa) && read_tensor(args[1], &f.mask) &&
+                  read_tensor(args[2], &f.ln_w) && read_tensor(args[3], &f.ln_b) &&
+                  read_double(args[4], &f.ln_eps) && read_tensor(args[5], &f.w_a) &&
+                  read_optional_tensor(args[6], &f.b_a) && read_tensor(args[7], &f.w_b) &&
+                  read_optional_tensor(args[8], &f.b_b) && read_tensor(args[9], &f.w_out) &&
                   read_optional_tensor(args[10], &f.b_out) && read_trailing(args + 11, nargs - 11, f);
   if (!ok) return not_implemented();
   return run_forward(f);
@@ -171,23 +165,21 @@ PyObject* interned(const char* s) {
   return u;
 }
 
-// An nn.Module's parameter `name` from its `_parameters` dictionary (a plain tensor, or None where
-// `optional`), without nn.Module's attribute machinery.  False where the module keeps it any other
-// way (a parametrization, a property, a replaced attribute), for the caller to decline.
-bool read_parameter(PyObject* parameters, PyObject* name, bool optional, at::Tensor* out, OptTensor* opt_out) {
+// An nn.Module's parameter `name` from its `_parameters` dictionary (a plain tensor, or None),
+// without nn.Module's attribute machinery.  False where the module keeps it any other way (a
+// parametrization, a property, a replaced attribute), for the caller to decline.
+bool read_parameter(PyObject* parameters, PyObject* name, OptTensor* out) {
   PyObject* value = PyDict_GetItemWithError(parameters, name);  // borrowed
   if (value == nullptr) {
     PyErr_Clear();
     return false;
   }
-  if (optional) return read_optional_tensor(value, opt_out);
-  return read_tensor_into(value, out);
+  return read_optional_tensor(value, out);
 }
 
 // The weight and bias of submodule `name` of `modules` (an nn.Module's `_modules`), and its eps if
 // asked; false where any of them is not where a plain nn.LayerNorm or nn.Linear keeps it.
-bool read_submodule(PyObject* modules, PyObject* name, at::Tensor* weight, at::Tensor* bias_required,
-                    OptTensor* bias_optional, double* eps) {
+bool read_submodule(PyObject* modules, PyObject* name, OptTensor* weight, OptTensor* bias, double* eps) {
   static PyObject* const k_parameters = interned("_parameters");
   static PyObject* const k_weight = interned("weight");
   static PyObject* const k_bias = interned("bias");
@@ -203,9 +195,8 @@ bool read_submodule(PyObject* modules, PyObject* name, at::Tensor* weight, at::T
     PyErr_Clear();
     return false;
   }
-  bool ok = PyDict_CheckExact(parameters) && read_parameter(parameters, k_weight, false, weight, nullptr) &&
-            (bias_required != nullptr ? read_parameter(parameters, k_bias, false, bias_required, nullptr)
-                                      : read_parameter(parameters, k_bias, true, nullptr, bias_optional));
+  bool ok = PyDict_CheckExact(parameters) && read_parameter(parameters, k_weight, weight) &&
+            read_parameter(parameters, k_bias, bias);
   Py_DECREF(parameters);
   if (ok && eps != nullptr) {
     PyObject* value = PyObject_GetAttr(module, k_eps);
@@ -233,13 +224,16 @@ PyObject* outer_product_mean_modules_entry(PyObject* /*self*/, PyObject* const* 
   PyObject* const names = args[1];
   if (!PyTuple_CheckExact(names) || PyTuple_GET_SIZE(names) != 4) return not_implemented();
   ForwardArgs f;
-  const bool ok = read_tensor_into(args[2], &f.msa) && read_tensor_into(args[3], &f.mask) &&
-                  read_submodule(modules, PyTuple_GET_ITEM(names, 0), &f.ln_w, &f.ln_b, nullptr, &f.ln_eps) &&
-                  read_submodule(modules, PyTuple_GET_ITEM(names, 1), &f.w_a, nullptr, &f.b_a, nullptr) &&
-                  read_submodule(modules, PyTuple_GET_ITEM(names, 2), &f.w_b, nullptr, &f.b_b, nullptr) &&
-                  read_submodule(modules, PyTuple_GET_ITEM(names, 3), &f.w_out, nullptr, &f.b_out, nullptr) &&
+  OptTensor ln_w, ln_b, w_a, w_b, w_out;  // required: None declines
+  const bool ok = read_tensor(args[2], &f.msa) && read_tensor(args[3], &f.mask) &&
+                  read_submodule(modules, PyTuple_GET_ITEM(names, 0), &ln_w, &ln_b, &f.ln_eps) &&
+                  read_submodule(modules, PyTuple_GET_ITEM(names, 1), &w_a, &f.b_a, nullptr) &&
+                  read_submodule(modules, PyTuple_GET_ITEM(names, 2), &w_b, &f.b_b, nullptr) &&
+                  read_submodule(modules, PyTuple_GET_ITEM(names, 3), &w_out, &f.b_out, nullptr) &&
                   read_trailing(args + 4, nargs - 4, f);
-  if (!ok) return not_implemented();
+  if (!ok || !ln_w || !ln_b || !w_a || !w_b || !w_out) return not_implemented();
+  f.ln_w = *std::move(ln_w), f.ln_b = *std::move(ln_b), f.w_a = *std::move(w_a), f.w_b = *std::move(w_b);
+  f.w_out = *std::move(w_out);
   return run_forward(f);
   END_HANDLE_TH_ERRORS
 }
