@@ -3,7 +3,7 @@
 Builds an instrumented copy of the extension (separate cache directory) whose host code stores
 std::chrono::steady_clock at fixed points of a call: the extension's modules entry (ModelNew's
 forward), the autograd kernel (where the dispatcher runs), the CUDA kernel's checks, allocations
-and plan, and each launch (the driver call alone, and what comes before it).  steady_clock and
+and plan, and each launch (the launch call alone, and what comes before it).  steady_clock and
 time.perf_counter_ns read the same clock, so the Python side's share before and after the C++
 entry comes out too.  Prints the median of each stage over many calls, for ModelNew under no_grad
 and with gradients on, warm (calls back to back) and the way the benchmark times a call (an L2
@@ -85,13 +85,12 @@ src["opm_api.cpp"] = a
 
 k = src["opm_launch.cu"]
 k = patch(k, "  constexpr auto kernel = opm_prep_kernel<Q, RW, kProjectW, XT, kWholeW>;\n", CLK(16), before=True)
-k = patch(k, "  kernel<<<grid, unsigned(R / RW * 32), prep_smem_bytes(", CLK(17), before=True)
-k = patch(k, "prep_smem_bytes(args.H, RW, kProjectW, kWholeW, args.C), stream>>>(args);\n  C10_CUDA_KERNEL_LAUNCH_CHECK();\n",
-          CLK(18))
+k = patch(k, "  launch_kernel<kernel>(grid, unsigned(R / RW * 32), prep_smem_bytes(", CLK(17), before=True)
+k = patch(k, "prep_smem_bytes(args.H, RW, kProjectW, kWholeW, args.C), stream,\n                        args);\n", CLK(18))
 k = patch(k, "void launch_small_tc_t(const cudaLaunchConfig_t& cfg, const SmallTcArgs& args) {\n", CLK(19))
-k = patch(k, "  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, Kernel, args));\n}\n\n// The chained", CLK(20), before=True)
-k = k.replace("  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, Kernel, args));\n}\n\n// The chained",
-              "  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, Kernel, args));\n" + CLK(21) + "}\n\n// The chained", 1)
+k = patch(k, "  launch_kernel<Kernel>(cfg, args);\n}\n\n// The chained", CLK(20), before=True)
+k = k.replace("  launch_kernel<Kernel>(cfg, args);\n}\n\n// The chained",
+              "  launch_kernel<Kernel>(cfg, args);\n" + CLK(21) + "}\n\n// The chained", 1)
 src["opm_launch.cu"] = k
 
 load_patched(src)
@@ -120,11 +119,11 @@ STAGES = (
     ("first kernel's arguments", 11, 12),
     ("run_prep before the launch (decisions, env)", 12, 16),
     ("first kernel: allow_smem", 16, 17),
-    ("first kernel: launch (driver)", 17, 18),
+    ("first kernel: launch", 17, 18),
     ("after the first launch", 18, 13),
     ("second kernel's arguments", 13, 14),
-    ("launch_small_tc before the driver", 14, 20),
-    ("second kernel: launch (driver)", 20, 21),
+    ("launch_small_tc before the launch", 14, 20),
+    ("second kernel: launch", 20, 21),
     ("after the second launch", 21, 15),
     ("return: workspace freed, dispatcher, autograd", 15, 2),
     ("take the GIL back", 2, 3),
@@ -207,7 +206,14 @@ def empty_wall(n=300):
 print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  shape {shape}")
 warm_gpu()
 empty_wall()
-report("ModelNew, no_grad, calls back to back", False, False)
-report("ModelNew, gradients on, calls back to back", True, False)
-report("ModelNew, no_grad, benchmark style (L2 flush, synchronize, events)", False, True)
-report("ModelNew, gradients on, benchmark style (L2 flush, synchronize, events)", True, True)
+# Both launch routes (the extension's driver_launch switch): the driver's cuLaunchKernelEx with
+# the handles looked up once, and the runtime's cudaLaunchKernelEx.
+driver_launch = _build.extension().driver_launch
+for driver in (True, False):
+    driver_launch(driver)
+    route = "driver launches" if driver else "runtime launches"
+    report(f"ModelNew, {route}, no_grad, calls back to back", False, False)
+    report(f"ModelNew, {route}, gradients on, calls back to back", True, False)
+    report(f"ModelNew, {route}, no_grad, benchmark style (L2 flush, synchronize, events)", False, True)
+    report(f"ModelNew, {route}, gradients on, benchmark style (L2 flush, synchronize, events)", True, True)
+driver_launch(True)

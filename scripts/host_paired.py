@@ -1,7 +1,9 @@
 """Host time of ModelNew's forward (through the extension's modules entry, its op entry and
-torch.ops) and of the op through the op entry against torch.ops, timed in alternation (batches of calls back to back, A then B, many
-times), so that both sides meet the same host; the median of the per-pair ratios is the figure,
-as host time on the GPU machine drifts by tens of percent between blocks of calls.
+torch.ops; with the kernels launched through the driver, the default, or through the runtime) and
+of the op through the op entry against torch.ops, timed in alternation (batches of calls back to
+back, A then B, many times), so that both sides meet the same host; the median of the per-pair
+ratios is the figure, as host time on the GPU machine drifts by tens of percent between blocks of
+calls.
 
     python scripts/host_paired.py [B,S,N,C,H,D]      (default: the specification's shape)
 """
@@ -70,6 +72,16 @@ def main(shape):
         finally:
             flashopm._build.op_entry, flashopm._build.modules_entry = entry, modules_entry
 
+    driver_launch = flashopm._build.extension().driver_launch
+
+    def new_by_runtime_launches():
+        # the same call with the kernels launched through the runtime's cudaLaunchKernelEx
+        driver_launch(False)
+        try:
+            return new(x, m)
+        finally:
+            driver_launch(True)
+
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  {shape}")
     print(f"{'A':>22} {'B':>24}   host us A   host us B   B / A (median of pairs)")
     with torch.no_grad():
@@ -77,6 +89,7 @@ def main(shape):
             (("op, direct entry", lambda: entry(*args)), ("op, torch.ops", lambda: outer_product_mean_op(*args))),
             (("ModelNew", lambda: new(x, m)), ("ModelNew via the op entry", new_via_op_entry)),
             (("ModelNew", lambda: new(x, m)), ("ModelNew via torch.ops", new_via_torch_ops)),
+            (("ModelNew", lambda: new(x, m)), ("ModelNew, runtime launches", new_by_runtime_launches)),
             (("empty call", lambda: noop(dummy)), ("ModelNew", lambda: new(x, m))),
             (("ModelNew", lambda: new(x, m)), ("eager Model", lambda: ref(x, m))),
         ):

@@ -33,6 +33,7 @@ _library_path: str | None = None  # set once the extension is loaded
 op_entry = None
 # Its `outer_product_mean_modules`: the same with the parameters read from a module's submodules.
 modules_entry = None
+_module = None  # the extension module itself
 
 
 class BuildError(RuntimeError):
@@ -53,6 +54,12 @@ def load_modules_entry():
     """`modules_entry`, building and loading the extension first if needed."""
     load()
     return modules_entry
+
+
+def extension():
+    """The extension module (csrc/opm_python.cpp), building and loading it first if needed."""
+    load()
+    return _module
 
 
 def cache_root() -> Path:
@@ -162,7 +169,7 @@ def extension_name(sources: dict[str, str], archs: list[str]) -> str:
 
 def load(verbose: bool = False) -> str:
     """Builds (if needed) and loads the extension; returns the path of the shared library."""
-    global _library_path, op_entry, modules_entry
+    global _library_path, op_entry, modules_entry, _module
     with _lock:
         if _library_path is not None:
             return _library_path
@@ -195,6 +202,7 @@ def load(verbose: bool = False) -> str:
                 fcntl.flock(lock_file, fcntl.LOCK_UN)
         op_entry = module.outer_product_mean
         modules_entry = module.outer_product_mean_modules
+        _module = module
         _library_path = module.__file__
         return _library_path
 

@@ -262,7 +262,7 @@ struct SmallTcPlan {
 };
 
 SmallTcPlan requested_small_tc_tile() {
-  const char* env = std::getenv("FLASHOPM_SMALL_TC_TILE");
+  const char* env = env_get("FLASHOPM_SMALL_TC_TILE");
   if (env == nullptr || *env == 0) return SmallTcPlan{};
   SmallTcPlan tile;
   char tail = 0;
@@ -400,7 +400,7 @@ bool small_tc_local_a_vec(const PrepArgs& pa) {
 }
 
 SmallTcPlan plan_small_tc(int64_t B, int64_t S, int64_t N, int64_t H, int64_t D, int dev) {
-  if (const char* env = std::getenv("FLASHOPM_SMALL_TC_TILE"); env != nullptr && *env != 0)
+  if (const char* env = env_get("FLASHOPM_SMALL_TC_TILE"); env != nullptr && *env != 0)
     return search_small_tc_plan(B, S, N, H, D, dev);  // a tiling asked for is not cached
   return cached_plan<SmallTcPlan>({B, S, N, 0, H, D, kPlanSmallTc, dev},
                                   [&] { return search_small_tc_plan(B, S, N, H, D, dev); });
@@ -449,7 +449,7 @@ void run_prep(const PrepArgs& args_in, bool project_w, int dev, cudaStream_t str
   // asks for a block size (to compare them; the results are the same).
   const int64_t blocks_half = int64_t(args.B) * args.S * ((args.N + kPrepWarps / 2 - 1) / (kPrepWarps / 2));
   int warps = !project_w && rw == 1 && blocks_half <= sms ? kPrepWarps / 2 : kPrepWarps;
-  if (const char* env = std::getenv("FLASHOPM_PREP_WARPS"); env != nullptr && *env != 0 && !project_w) {
+  if (const char* env = env_get("FLASHOPM_PREP_WARPS"); env != nullptr && *env != 0 && !project_w) {
     warps = std::atoi(env);
     FLASHOPM_CHECK(warps == 2 || warps == 4 || warps == 8, "flashopm: FLASHOPM_PREP_WARPS must be 2, 4 or 8, got '",
                    env, "'");
@@ -537,7 +537,7 @@ bool wgmma_runs_on(int dev) {
 // FLASHOPM_TC16_MMA_SYNC=1 asks for mma.sync throughout and FLASHOPM_TC16_MMA_SYNC=phase2 for
 // mma.sync in phase 2 only (to compare the forms).
 int requested_tc16_form(int dev) {
-  const char* env = std::getenv("FLASHOPM_TC16_MMA_SYNC");
+  const char* env = env_get("FLASHOPM_TC16_MMA_SYNC");
   const std::string mma_sync = env ? env : "";
   if (!wgmma_runs_on(dev) || mma_sync == "1") return kT16MmaSync;
   return mma_sync == "phase2" ? kT16WgmmaPhase1 : kT16WgmmaBoth;
@@ -550,7 +550,7 @@ int requested_tc16_form(int dev) {
 // with 3xTF32 under "highest" where the float16 split form would run.
 enum TcForm : int { kTcFormAuto = 0, kTcFormMmaSync = 1, kTcFormWgmma = 2, kTcFormWgmmaTf32 = 3 };
 TcForm requested_tc_form() {
-  const char* env = std::getenv("FLASHOPM_TC_FORM");
+  const char* env = env_get("FLASHOPM_TC_FORM");
   const std::string form = env ? env : "";
   if (form == "mma_sync") return kTcFormMmaSync;
   if (form == "wgmma") return kTcFormWgmma;
@@ -673,6 +673,7 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
                                    const std::optional<at::Tensor>& b_b_in, const at::Tensor& w_out_in,
                                    const std::optional<at::Tensor>& b_out_in, int64_t algorithm,
                                    int64_t normalization, double norm_eps, int64_t precision) {
+  const EnvScope env_scope;
   // ---- argument checks (messages name the argument, expected vs got) ----
   FLASHOPM_CHECK(msa_in.dim() == 4, "flashopm: msa_repr must have shape (B, S, N, msa_dim), got ",
               msa_in.dim(), " dims ", msa_in.sizes());
@@ -925,7 +926,7 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     // over the rows' exponents between the phases; FLASHOPM_SMALL_F16_OPTS (a mask of 1 for b's, 2
     // for a's) asks for the passes instead, for comparison: both give the same bits.
     ta.f16_opts = 3;
-    if (const char* e = std::getenv("FLASHOPM_SMALL_F16_OPTS"); f16 && e != nullptr && *e != 0) ta.f16_opts = std::atoi(e);
+    if (const char* e = env_get("FLASHOPM_SMALL_F16_OPTS"); f16 && e != nullptr && *e != 0) ta.f16_opts = std::atoi(e);
     ta.prep = pa;
     ta.a = a_ws;
     ta.b = b_ws;
@@ -1187,6 +1188,7 @@ at::Tensor outer_product_mean_rows_cuda(const at::Tensor& a_in, const at::Tensor
                                         int64_t row_offset, const at::Tensor& w_out_in,
                                         const std::optional<at::Tensor>& b_out_in, int64_t normalization,
                                         double norm_eps, int64_t precision) {
+  const EnvScope env_scope;
   FLASHOPM_CHECK(a_in.dim() == 4, "flashopm: a must have shape (B, S, N_rows, hidden), got ", a_in.dim(), " dims ",
                  a_in.sizes());
   FLASHOPM_CHECK(b_in.dim() == 4, "flashopm: b must have shape (B, S, N, hidden), got ", b_in.dim(), " dims ",
@@ -1315,7 +1317,7 @@ void check_fused_backward(int dev) {
 // TF32 on mma.sync.  FLASHOPM_BWD_FORM=mma_sync or =f16_split asks for one of them (to compare them).
 constexpr int64_t kBwF16MinWork = int64_t(1) << 17;
 bool backward_f16_form(int64_t B, int64_t S, int64_t Nr, int64_t Nc, int64_t H, int dev) {
-  const char* env = std::getenv("FLASHOPM_BWD_FORM");
+  const char* env = env_get("FLASHOPM_BWD_FORM");
   const std::string form = env ? env : "";
   FLASHOPM_CHECK(form.empty() || form == "mma_sync" || form == "f16_split",
                  "flashopm: FLASHOPM_BWD_FORM must be mma_sync or f16_split (or unset), got '", form, "'");
@@ -1455,6 +1457,7 @@ void run_contract_backward(const ContractBackwardPlan& p, const float* g, const 
 std::vector<at::Tensor> outer_contract_backward_cuda(const at::Tensor& g_in, const at::Tensor& a_in,
                                                      const at::Tensor& b_in, const at::Tensor& w_in, bool need_ab,
                                                      bool need_w, int64_t precision) {
+  const EnvScope env_scope;
   FLASHOPM_CHECK(g_in.dim() == 4, "flashopm: grad must have shape (B, N_rows, N_cols, pair_dim), got ", g_in.dim(),
                  " dims ", g_in.sizes());
   FLASHOPM_CHECK(a_in.dim() == 4, "flashopm: a must have shape (B, S, N_rows, hidden), got ", a_in.dim(), " dims ",

@@ -411,6 +411,7 @@ std::vector<at::Tensor> outer_product_mean_backward_cuda(const at::Tensor& grad_
                                                          const OptTensor& b_out, int64_t normalization,
                                                          double norm_eps, const c10::List<bool>& output_mask,
                                                          int64_t precision) {
+  const EnvScope env_scope;
   // The math below picks its own types (float32 sums, the GEMMs' operand type): autocast, active
   // when the backward runs inside an autocast region, must not recast the ATen calls.
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);

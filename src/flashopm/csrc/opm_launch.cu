@@ -1,13 +1,18 @@
 // Launchers of the forward kernels: template dispatch, shared-memory opt-in, launch checks.
 // No argument checking here: opm_api.cpp validates everything before calling in.
 #include <c10/cuda/CUDAException.h>
+#include <cuda.h>
+#include <cudaTypedefs.h>
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <mutex>
+#include <tuple>
 
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <map>
 #include <string>
 #include <utility>
@@ -49,6 +54,144 @@ void allow_smem() {
   });
 }
 
+// ---- launches ----
+// Every kernel goes out through launch_kernel.  By default it calls the driver's cuLaunchKernelEx
+// with the kernel's CUfunction, looked up once per device: the runtime's launch finds that handle
+// again on every call, and at the small shapes a call's host time is mostly its launches.  The
+// runtime's launch stays as the fallback: where the driver's entry points are missing, on a
+// thread whose current context is not the device's primary one (the runtime makes it current),
+// and when set_driver_launch(false) or FLASHOPM_RUNTIME_LAUNCH=1 asks for it.
+
+struct DriverLaunchApi {
+  PFN_cuLaunchKernelEx_v11060 launch = nullptr;
+  PFN_cuCtxGetCurrent_v4000 current_context = nullptr;
+  PFN_cuGetErrorString_v6000 error_string = nullptr;
+};
+
+const DriverLaunchApi& driver_launch_api() {
+  static const DriverLaunchApi api = [] {
+    const auto entry = [](const char* name, int version) -> void* {
+      void* fn = nullptr;
+      cudaDriverEntryPointQueryResult found{};
+      if (cudaGetDriverEntryPointByVersion(name, &fn, unsigned(version), cudaEnableDefault, &found) != cudaSuccess ||
+          found != cudaDriverEntryPointSuccess) {
+        (void)cudaGetLastError();
+        return nullptr;
+      }
+      return fn;
+    };
+    DriverLaunchApi a;
+    a.launch = reinterpret_cast<PFN_cuLaunchKernelEx_v11060>(entry("cuLaunchKernelEx", 12000));
+    a.current_context = reinterpret_cast<PFN_cuCtxGetCurrent_v4000>(entry("cuCtxGetCurrent", 12000));
+    a.error_string = reinterpret_cast<PFN_cuGetErrorString_v6000>(entry("cuGetErrorString", 12000));
+    if (a.launch == nullptr || a.current_context == nullptr || a.error_string == nullptr) a = DriverLaunchApi{};
+    return a;
+  }();
+  return api;
+}
+
+std::atomic<bool>& driver_launch_enabled() {
+  static std::atomic<bool> enabled{!env_is("FLASHOPM_RUNTIME_LAUNCH", "1")};
+  return enabled;
+}
+
+// The context in which each device's kernel handles were looked up (its primary context).
+std::array<std::atomic<CUcontext>, kMaxDevices> g_lookup_context{};
+
+// Kernel's CUfunction on device `dev` in the current context, or nullptr where the driver path
+// does not apply (the caller then launches through the runtime).
+template <auto Kernel>
+CUfunction driver_function(int dev) {
+  static std::array<std::atomic<CUfunction>, kMaxDevices> functions{};
+  const DriverLaunchApi& api = driver_launch_api();
+  if (api.launch == nullptr || dev < 0 || dev >= kMaxDevices ||
+      !driver_launch_enabled().load(std::memory_order_relaxed))
+    return nullptr;
+  CUcontext current = nullptr;
+  if (api.current_context(&current) != CUDA_SUCCESS || current == nullptr) return nullptr;
+  CUfunction fn = functions[dev].load(std::memory_order_acquire);
+  if (fn != nullptr) return current == g_lookup_context[dev].load(std::memory_order_acquire) ? fn : nullptr;
+  // First launch of Kernel on dev: the runtime's handle is the driver's CUfunction in the current
+  // context, which is recorded with it; a later launch from another context takes the runtime.
+  cudaFunction_t found = nullptr;
+  if (cudaGetFuncBySymbol(&found, reinterpret_cast<const void*>(Kernel)) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return nullptr;
+  }
+  CUcontext after = nullptr;
+  if (api.current_context(&after) != CUDA_SUCCESS || after != current) return nullptr;
+  CUcontext expected = nullptr;
+  if (!g_lookup_context[dev].compare_exchange_strong(expected, current) && expected != current) return nullptr;
+  fn = reinterpret_cast<CUfunction>(found);
+  functions[dev].store(fn, std::memory_order_release);
+  return fn;
+}
+
+template <typename... P, typename... A>
+CUresult driver_launch(const CUlaunchConfig& config, CUfunction fn, void (*)(P...), const A&... args) {
+  // Each argument converted to the kernel's parameter type, as the runtime's launch template does.
+  std::tuple<std::decay_t<P>...> values(args...);
+  return std::apply(
+      [&](auto&... value) {
+        void* params[] = {static_cast<void*>(&value)...};
+        return driver_launch_api().launch(&config, fn, params, nullptr);
+      },
+      values);
+}
+
+static_assert(sizeof(cudaLaunchAttribute) == sizeof(CUlaunchAttribute) &&
+                  sizeof(cudaLaunchAttributeValue) == sizeof(CUlaunchAttributeValue),
+              "the runtime's and the driver's launch attributes differ in layout");
+static_assert(int(cudaLaunchAttributeClusterDimension) == int(CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION) &&
+                  int(cudaLaunchAttributeCooperative) == int(CU_LAUNCH_ATTRIBUTE_COOPERATIVE) &&
+                  int(cudaLaunchAttributeProgrammaticStreamSerialization) ==
+                      int(CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION),
+              "the runtime's and the driver's launch attribute ids differ");
+
+// Launches Kernel(args...) with cfg (grid, block, dynamic shared memory, stream, attributes) and
+// checks that the launch was taken.
+template <auto Kernel, typename... A>
+void launch_kernel(const cudaLaunchConfig_t& cfg, const A&... args) {
+  int dev = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  if (const CUfunction fn = driver_function<Kernel>(dev)) {
+    std::array<CUlaunchAttribute, 4> attrs{};
+    TORCH_CHECK(cfg.numAttrs <= attrs.size(), "flashopm: internal error: too many launch attributes");
+    for (unsigned k = 0; k < cfg.numAttrs; ++k) {
+      attrs[k].id = CUlaunchAttributeID(cfg.attrs[k].id);
+      std::memcpy(&attrs[k].value, &cfg.attrs[k].val, sizeof(CUlaunchAttributeValue));
+    }
+    CUlaunchConfig config{};
+    config.gridDimX = cfg.gridDim.x, config.gridDimY = cfg.gridDim.y, config.gridDimZ = cfg.gridDim.z;
+    config.blockDimX = cfg.blockDim.x, config.blockDimY = cfg.blockDim.y, config.blockDimZ = cfg.blockDim.z;
+    config.sharedMemBytes = unsigned(cfg.dynamicSmemBytes);
+    config.hStream = reinterpret_cast<CUstream>(cfg.stream);
+    config.attrs = attrs.data();
+    config.numAttrs = cfg.numAttrs;
+    const CUresult r = driver_launch(config, fn, Kernel, args...);
+    if (r != CUDA_SUCCESS) {
+      const char* what = nullptr;
+      if (driver_launch_api().error_string(r, &what) != CUDA_SUCCESS || what == nullptr) what = "unknown error";
+      TORCH_CHECK(false, "flashopm: kernel launch failed (grid ", cfg.gridDim.x, "x", cfg.gridDim.y, "x",
+                  cfg.gridDim.z, ", block ", cfg.blockDim.x, ", ", cfg.dynamicSmemBytes,
+                  " bytes of shared memory): CUDA driver error ", int(r), ": ", what);
+    }
+    return;
+  }
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, Kernel, args...));
+}
+
+// The same without launch attributes.
+template <auto Kernel, typename... A>
+void launch_kernel(dim3 grid, dim3 block, size_t smem_bytes, cudaStream_t stream, const A&... args) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem_bytes;
+  cfg.stream = stream;
+  launch_kernel<Kernel>(cfg, args...);
+}
+
 // Calls f(TypeTag<T>{}) with T the element type of x (kMaskFloat, kMaskHalf or kMaskBFloat16).
 template <typename T>
 struct TypeTag {
@@ -68,8 +211,8 @@ void launch_prep_t(const PrepArgs& args, int warps, cudaStream_t stream) {
                   unsigned(args.B));
   constexpr auto kernel = opm_prep_kernel<Q, RW, kProjectW, XT, kWholeW>;
   allow_smem<kernel, true>();
-  kernel<<<grid, unsigned(R / RW * 32), prep_smem_bytes(args.H, RW, kProjectW, kWholeW, args.C), stream>>>(args);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_kernel<kernel>(grid, unsigned(R / RW * 32), prep_smem_bytes(args.H, RW, kProjectW, kWholeW, args.C), stream,
+                        args);
 }
 
 template <int Q, int RW, bool kProjectW>
@@ -144,7 +287,8 @@ void launch_project_rows_t(const PrepArgs& args, cudaStream_t stream) {
   const int64_t rows = int64_t(args.B) * args.S * args.N;
   constexpr auto kernel = opm_project_rows_kernel<CT, XT, kVec, kMmaTerms>;
   allow_smem<kernel, true>();
-  kernel<<<unsigned((rows + kProjRows - 1) / kProjRows), kProjThreads, project_rows_smem_bytes(args), stream>>>(args);
+  launch_kernel<kernel>(unsigned((rows + kProjRows - 1) / kProjRows), kProjThreads, project_rows_smem_bytes(args),
+                        stream, args);
 }
 template <typename XT, bool kVec, int kMmaTerms>
 void launch_project_rows_v(const PrepArgs& args, cudaStream_t stream) {
@@ -169,7 +313,6 @@ void launch_project_rows_x(const PrepArgs& args, cudaStream_t stream) {
 
 void launch_project_rows(const PrepArgs& args, cudaStream_t stream) {
   with_x_type(args.x_kind, [&](auto t) { launch_project_rows_x<typename decltype(t)::type>(args, stream); });
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 int outer_smem_bytes() { return kOuterSmemBytes; }
@@ -179,12 +322,11 @@ void launch_outer(const OuterArgs& args, cudaStream_t stream) {
                   unsigned(args.B));
   if (args.H % 4 == 0) {
     allow_smem<opm_outer_fused_kernel<true>>();
-    opm_outer_fused_kernel<true><<<grid, kOuterThreads, kOuterSmemBytes, stream>>>(args);
+    launch_kernel<opm_outer_fused_kernel<true>>(grid, kOuterThreads, kOuterSmemBytes, stream, args);
   } else {
     allow_smem<opm_outer_fused_kernel<false>>();
-    opm_outer_fused_kernel<false><<<grid, kOuterThreads, kOuterSmemBytes, stream>>>(args);
+    launch_kernel<opm_outer_fused_kernel<false>>(grid, kOuterThreads, kOuterSmemBytes, stream, args);
   }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 int outer_tc_smem_bytes(int H, int Ti, int Tj, bool wgmma, bool wgmma2) {
@@ -196,7 +338,7 @@ template <int kTerms, bool kWgmma, bool kWgmma2, bool kHalfSplit = false>
 void launch_tc_t(const OuterArgs& args, const dim3& grid, int smem, cudaStream_t stream) {
   constexpr auto kernel = opm_outer_tc_kernel<kTerms, kWgmma, kWgmma2, kHalfSplit>;
   allow_smem<kernel>();
-  kernel<<<grid, kTcThreads, smem, stream>>>(args);
+  launch_kernel<kernel>(grid, kTcThreads, smem, stream, args);
 }
 }  // namespace
 
@@ -216,29 +358,25 @@ void launch_outer_tc(const OuterArgs& args, int terms, bool wgmma, bool wgmma2, 
     if (terms == 3) launch_tc_t<3, false, false>(args, grid, smem, stream);
     else launch_tc_t<1, false, false>(args, grid, smem, stream);
   }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 void launch_split_rows_f16(float* buf, int* exp_out, int64_t B, int64_t rows_n, int H, int64_t n_chunks,
                            cudaStream_t stream) {
   const int64_t warps = B * rows_n;
   if (warps == 0) return;
-  opm_split_rows_f16_kernel<<<unsigned((warps + 7) / 8), 256, 0, stream>>>(buf, exp_out, int(B), int(rows_n), H,
-                                                                           int(n_chunks));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_kernel<opm_split_rows_f16_kernel>(unsigned((warps + 7) / 8), 256, 0, stream, buf, exp_out, int(B), int(rows_n),
+                                           H, int(n_chunks));
 }
 
 void launch_split_w_f16(const float* w, uint32_t* w_split, int* w_exp, int64_t D, int H, cudaStream_t stream) {
   if (D == 0) return;
-  opm_split_w_f16_kernel<<<unsigned(D), 256, 0, stream>>>(w, w_split, w_exp, H);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_kernel<opm_split_w_f16_kernel>(unsigned(D), 256, 0, stream, w, w_split, w_exp, H);
 }
 
 void launch_round_tf32(float* w, int64_t n, cudaStream_t stream) {
   if (n == 0) return;
   const unsigned blocks = unsigned(std::min<int64_t>((n + 255) / 256, 1024));
-  opm_round_tf32_kernel<<<blocks, 256, 0, stream>>>(w, n);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_kernel<opm_round_tf32_kernel>(blocks, 256, 0, stream, w, n);
 }
 
 int outer_tc16_smem_bytes(int H, int Ti, int Tj, int form) { return tc16_layout(H, Ti, Tj, form).total; }
@@ -256,7 +394,7 @@ template <typename T, bool kWgmma, bool kWgmmaBoth>
 void launch_tc16_t(const OuterArgs& args, const dim3& grid, int smem, cudaStream_t stream) {
   constexpr auto kernel = opm_outer_tc16_kernel<T, kWgmma, kWgmmaBoth>;
   allow_smem<kernel>();
-  kernel<<<grid, kTcThreads, smem, stream>>>(args);
+  launch_kernel<kernel>(grid, kTcThreads, smem, stream, args);
 }
 template <typename T>
 void launch_tc16_form(const OuterArgs& args, int form, const dim3& grid, int smem, cudaStream_t stream) {
@@ -273,7 +411,6 @@ void launch_outer_tc16(const OuterArgs& args, int operand_kind, int form, cudaSt
   const int smem = outer_tc16_smem_bytes(args.H, args.Ti, args.Tj, form);
   if (operand_kind == kMaskHalf) launch_tc16_form<__half>(args, form, grid, smem, stream);
   else launch_tc16_form<__nv_bfloat16>(args, form, grid, smem, stream);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 bool ln_backward_regs(int C, int H) {
@@ -293,17 +430,18 @@ namespace {
 template <auto Kernel>
 void launch_ln_backward_k(const LnBackwardArgs& args, int blocks, cudaStream_t stream) {
   allow_smem<Kernel>();
-  Kernel<<<blocks, kLnBwdThreads, ln_backward_smem_bytes(args.C, args.H, args.regs != 0), stream>>>(args);
+  launch_kernel<Kernel>(blocks, kLnBwdThreads, ln_backward_smem_bytes(args.C, args.H, args.regs != 0), stream, args);
 }
 template <typename XT, int kMT>
 void launch_ln_backward_mma(const LnBackwardArgs& args, int blocks, cudaStream_t stream) {
   allow_smem<opm_ln_backward_mma_kernel<XT, kMT>>();
-  opm_ln_backward_mma_kernel<XT, kMT><<<blocks, kLnBwdThreads, LnMmaLayout<kMT>::bytes, stream>>>(args);
+  launch_kernel<opm_ln_backward_mma_kernel<XT, kMT>>(blocks, kLnBwdThreads, LnMmaLayout<kMT>::bytes, stream, args);
 }
 template <int kMT, int kTerms>
 void launch_ln_backward_tf32_t(const LnBackwardArgs& args, int blocks, cudaStream_t stream) {
   allow_smem<opm_ln_backward_tf32_kernel<kMT, kTerms>>();
-  opm_ln_backward_tf32_kernel<kMT, kTerms><<<blocks, kLnBwdThreads, LnTf32Layout<kMT>::bytes, stream>>>(args);
+  launch_kernel<opm_ln_backward_tf32_kernel<kMT, kTerms>>(blocks, kLnBwdThreads, LnTf32Layout<kMT>::bytes, stream,
+                                                          args);
 }
 template <int kMT>
 void launch_ln_backward_tf32(const LnBackwardArgs& args, int blocks, cudaStream_t stream) {
@@ -339,27 +477,23 @@ void launch_ln_backward_x(const LnBackwardArgs& args, int blocks, cudaStream_t s
 
 void launch_ln_backward(const LnBackwardArgs& args, int blocks, cudaStream_t stream) {
   with_x_type(args.x_kind, [&](auto t) { launch_ln_backward_x<typename decltype(t)::type>(args, blocks, stream); });
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 void launch_ln_backward_reduce(const LnBackwardReduceArgs& args, cudaStream_t stream) {
   const int64_t P = ln_backward_partial_floats(args.C, args.H);
-  opm_ln_backward_reduce_kernel<<<unsigned((P + kLnBwdReduceThreads - 1) / kLnBwdReduceThreads),
-                                  kLnBwdReduceThreads, 0, stream>>>(args);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_kernel<opm_ln_backward_reduce_kernel>(unsigned((P + kLnBwdReduceThreads - 1) / kLnBwdReduceThreads),
+                                               kLnBwdReduceThreads, 0, stream, args);
 }
 
 void launch_pair_count(const PairCountArgs& args, cudaStream_t stream) {
   const dim3 grid(unsigned((args.N + kPairTJ - 1) / kPairTJ), unsigned((args.rows + kPairTR - 1) / kPairTR),
                   unsigned(args.B));
-  opm_pair_count_kernel<<<grid, kPairThreads, 0, stream>>>(args);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_kernel<opm_pair_count_kernel>(grid, kPairThreads, 0, stream, args);
 }
 
 void launch_row_denominators(const RowDenArgs& args, cudaStream_t stream) {
   const dim3 grid(unsigned((args.rows + kRowDenWarps - 1) / kRowDenWarps), unsigned(args.B));
-  opm_row_denominator_kernel<<<grid, kRowDenWarps * 32, 0, stream>>>(args);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_kernel<opm_row_denominator_kernel>(grid, kRowDenWarps * 32, 0, stream, args);
 }
 
 int project_gemm_smem_bytes(bool big_tiles) { return big_tiles ? BigGemm::kSmemBytes : SmallGemm::kSmemBytes; }
@@ -369,14 +503,13 @@ void launch_project_gemm(const ProjectArgs& args, bool big_tiles, cudaStream_t s
     constexpr auto kernel = opm_project_gemm_kernel<128, 128, 8, 8, 8, 4>;
     allow_smem<kernel>();
     const dim3 grid(unsigned((args.NC + 127) / 128), unsigned((args.M + 127) / 128), unsigned(args.B));
-    kernel<<<grid, BigGemm::kThreads, BigGemm::kSmemBytes, stream>>>(args);
+    launch_kernel<kernel>(grid, BigGemm::kThreads, BigGemm::kSmemBytes, stream, args);
   } else {
     constexpr auto kernel = opm_project_gemm_kernel<32, 32, 32, 2, 2, 4>;
     allow_smem<kernel>();
     const dim3 grid(unsigned((args.NC + 31) / 32), unsigned((args.M + 31) / 32), unsigned(args.B));
-    kernel<<<grid, SmallGemm::kThreads, SmallGemm::kSmemBytes, stream>>>(args);
+    launch_kernel<kernel>(grid, SmallGemm::kThreads, SmallGemm::kSmemBytes, stream, args);
   }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 namespace {
@@ -406,10 +539,10 @@ void launch_small(const SmallArgs& args, int smem_bytes, cudaStream_t stream) {
   const cudaLaunchConfig_t cfg = small_config(grid, args.CL, smem_bytes, stream, attr);
   if (args.N % 4 == 0) {
     allow_smem<opm_small_kernel<true>>();
-    C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, opm_small_kernel<true>, args));
+    launch_kernel<opm_small_kernel<true>>(cfg, args);
   } else {
     allow_smem<opm_small_kernel<false>>();
-    C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, opm_small_kernel<false>, args));
+    launch_kernel<opm_small_kernel<false>>(cfg, args);
   }
 }
 
@@ -444,7 +577,7 @@ namespace {
 template <auto Kernel>
 void launch_small_tc_t(const cudaLaunchConfig_t& cfg, const SmallTcArgs& args) {
   allow_smem<Kernel>();
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, Kernel, args));
+  launch_kernel<Kernel>(cfg, args);
 }
 
 // The chained float16 split form: the exact number of m tiles of j, and whole tiles (no row of i,
@@ -514,8 +647,7 @@ void launch_bwd_side_t(const BwdSideArgs& args, cudaStream_t stream) {
                   unsigned(args.B * args.n_sblocks * args.jsplits));
   constexpr auto kernel = opm_bwd_side_kernel<kTerms, kH>;
   allow_smem<kernel>();
-  kernel<<<grid, kBwThreads, bwd_side_smem_bytes(), stream>>>(args);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_kernel<kernel>(grid, kBwThreads, bwd_side_smem_bytes(), stream, args);
 }
 template <int kTerms, int kH>
 void launch_bwd_w_t(const BwdWArgs& args, int splits, cudaStream_t stream) {
@@ -523,8 +655,7 @@ void launch_bwd_w_t(const BwdWArgs& args, int splits, cudaStream_t stream) {
   const dim3 grid(unsigned(kH / hc), unsigned((args.D + kBwWDG - 1) / kBwWDG), unsigned(splits));
   constexpr auto kernel = opm_bwd_w_kernel<kTerms, kH>;
   allow_smem<kernel>();
-  kernel<<<grid, kBwThreads, bwd_w_smem_bytes(), stream>>>(args);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_kernel<kernel>(grid, kBwThreads, bwd_w_smem_bytes(), stream, args);
 }
 template <int kTerms>
 void launch_bwd_side_h(const BwdSideArgs& args, cudaStream_t stream) {
@@ -548,35 +679,31 @@ void launch_bwd_side(const BwdSideArgs& args, int terms, cudaStream_t stream) {
 
 void launch_bwd_side_f16(const BwdSideArgs& args, bool swap_hh, cudaStream_t stream) {
   const int HH = args.H * args.H;
-  opm_split_side_w_kernel<<<unsigned(HH / 32), 256, 0, stream>>>(args.w, const_cast<uint32_t*>(args.w_split),
-                                                                 const_cast<float*>(args.w_inv), args.H, args.D,
-                                                                 swap_hh);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  opm_split_side_y_kernel<<<unsigned(int64_t(args.B) * args.S), 128, 0, stream>>>(
-      args.y, const_cast<uint32_t*>(args.y_split), const_cast<float*>(args.y_inv), args.S, args.Nc * args.H);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_kernel<opm_split_side_w_kernel>(unsigned(HH / 32), 256, 0, stream, args.w, const_cast<uint32_t*>(args.w_split),
+                                         const_cast<float*>(args.w_inv), args.H, args.D, swap_hh);
+  launch_kernel<opm_split_side_y_kernel>(unsigned(int64_t(args.B) * args.S), 128, 0, stream, args.y,
+                                         const_cast<uint32_t*>(args.y_split), const_cast<float*>(args.y_inv), args.S,
+                                         args.Nc * args.H);
   constexpr int kH = 32, hc = kBwSideCols / kH, ti = kBwSideRows / hc;
   const dim3 grid(unsigned((args.Nr + ti - 1) / ti), unsigned(kH / hc),
                   unsigned(args.B * args.n_sblocks * args.jsplits));
   constexpr auto kernel = opm_bwd_side_f16_kernel<kH>;
   allow_smem<kernel>();
-  kernel<<<grid, kBwThreads, kBsfSmemBytes, stream>>>(args);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_kernel<kernel>(grid, kBwThreads, kBsfSmemBytes, stream, args);
 }
 
 void launch_bwd_w_f16(const BwdWArgs& args, int splits, cudaStream_t stream) {
-  opm_split_ab_f16_kernel<<<unsigned(int64_t(args.B) * args.Nr), 256, 0, stream>>>(
-      args.a, const_cast<uint32_t*>(args.a_split), const_cast<float*>(args.a_inv), args.S, args.Nr);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  opm_split_ab_f16_kernel<<<unsigned(int64_t(args.B) * args.Nc), 256, 0, stream>>>(
-      args.b, const_cast<uint32_t*>(args.b_split), const_cast<float*>(args.b_inv), args.S, args.Nc);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_kernel<opm_split_ab_f16_kernel>(unsigned(int64_t(args.B) * args.Nr), 256, 0, stream, args.a,
+                                         const_cast<uint32_t*>(args.a_split), const_cast<float*>(args.a_inv), args.S,
+                                         args.Nr);
+  launch_kernel<opm_split_ab_f16_kernel>(unsigned(int64_t(args.B) * args.Nc), 256, 0, stream, args.b,
+                                         const_cast<uint32_t*>(args.b_split), const_cast<float*>(args.b_inv), args.S,
+                                         args.Nc);
   constexpr int kH = 32, hc = kBwWCols / kH;
   const dim3 grid(unsigned(kH / hc), unsigned((args.D + kBwWDG - 1) / kBwWDG), unsigned(splits));
   constexpr auto kernel = opm_bwd_w_f16_kernel<kH>;
   allow_smem<kernel>();
-  kernel<<<grid, kBwThreads, kBwfSmemBytes, stream>>>(args);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_kernel<kernel>(grid, kBwThreads, kBwfSmemBytes, stream, args);
 }
 
 void launch_bwd_w(const BwdWArgs& args, int splits, int terms, cudaStream_t stream) {
@@ -595,38 +722,36 @@ int64_t per_tensor_blocks(const Args& args, int threads, int64_t cap) {
 }
 }  // namespace
 
+bool driver_launch() { return driver_launch_enabled().load(); }
+bool set_driver_launch(bool enabled) { return driver_launch_enabled().exchange(enabled); }
+
 void launch_convert(const ConvertArgs& args, cudaStream_t stream) {
   const int64_t blocks = per_tensor_blocks(args, 256, 1024);
   if (blocks == 0) return;
-  opm_convert_kernel<<<dim3(unsigned(blocks), unsigned(args.count)), 256, 0, stream>>>(args);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_kernel<opm_convert_kernel>(dim3(unsigned(blocks), unsigned(args.count)), 256, 0, stream, args);
 }
 
 void launch_grad_scale(const GradScaleArgs& args, int blocks, cudaStream_t stream) {
-  opm_grad_scale_kernel<<<unsigned(blocks), kGradScaleThreads, 0, stream>>>(args);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_kernel<opm_grad_scale_kernel>(unsigned(blocks), kGradScaleThreads, 0, stream, args);
 }
 
 void launch_bias_grad_reduce(const double* part, int blocks, int D, float* bias, cudaStream_t stream) {
-  opm_bias_grad_reduce_kernel<<<unsigned((D + kGradScaleThreads - 1) / kGradScaleThreads), kGradScaleThreads, 0,
-                                stream>>>(part, blocks, D, bias);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_kernel<opm_bias_grad_reduce_kernel>(unsigned((D + kGradScaleThreads - 1) / kGradScaleThreads),
+                                             kGradScaleThreads, 0, stream, part, blocks, D, bias);
 }
 
 void launch_sum_parts(const SumPartsArgs& args, cudaStream_t stream) {
   // a thread per four elements where they go as vectors (the others grid-stride over the same blocks)
   const int64_t blocks = (per_tensor_blocks(args, kSumPartsThreads, 8192) + 3) / 4;
   if (blocks == 0) return;
-  opm_sum_parts_kernel<<<dim3(unsigned(blocks), unsigned(args.count)), kSumPartsThreads, 0, stream>>>(args);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_kernel<opm_sum_parts_kernel>(dim3(unsigned(blocks), unsigned(args.count)), kSumPartsThreads, 0, stream, args);
 }
 
 void launch_transpose_hh(const float* x, float* y, int H, int64_t D, int sm_count, cudaStream_t stream) {
   const int64_t n = D * H * H;
   if (n == 0) return;
   const int64_t blocks = std::min<int64_t>((n + kSumPartsThreads - 1) / kSumPartsThreads, int64_t(sm_count) * 8);
-  opm_transpose_hh_kernel<<<unsigned(blocks), kSumPartsThreads, 0, stream>>>(x, y, H, n);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_kernel<opm_transpose_hh_kernel>(unsigned(blocks), kSumPartsThreads, 0, stream, x, y, H, n);
 }
 
 void launch_swap_middle(const SwapMiddleArgs& args, int sm_count, cudaStream_t stream) {
@@ -634,10 +759,9 @@ void launch_swap_middle(const SwapMiddleArgs& args, int sm_count, cudaStream_t s
   const int64_t per_block = int64_t(kSwapThreads) * kSwapPieces;
   const int64_t blocks = std::min<int64_t>((args.total + per_block - 1) / per_block, int64_t(sm_count) * 16);
   if (args.total <= int64_t(UINT32_MAX) - per_block)
-    opm_swap_middle_kernel<uint32_t><<<unsigned(blocks), kSwapThreads, 0, stream>>>(args);
+    launch_kernel<opm_swap_middle_kernel<uint32_t>>(unsigned(blocks), kSwapThreads, 0, stream, args);
   else
-    opm_swap_middle_kernel<int64_t><<<unsigned(blocks), kSwapThreads, 0, stream>>>(args);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch_kernel<opm_swap_middle_kernel<int64_t>>(unsigned(blocks), kSwapThreads, 0, stream, args);
 }
 
 }  // namespace flashopm

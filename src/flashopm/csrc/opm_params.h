@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <cuda_runtime_api.h>
+#include <unistd.h>  // environ
 
 #ifdef __CUDACC__
 #define FLASHOPM_HD __host__ __device__
@@ -15,10 +16,50 @@
 
 namespace flashopm {
 
-// Whether environment variable `name` holds exactly `value`: the switches that ask for a kernel
-// form other than the default, to compare the forms.
+// The environment's FLASHOPM_ settings: switches that ask for a kernel form other than the
+// default, to compare the forms.  A call asks about a dozen of them, and std::getenv walks the
+// whole environment each time; so an op's host code opens an EnvScope, which walks it once and
+// keeps the FLASHOPM_ entries, and env_get reads those for the rest of the call on that thread.
+// Outside a scope env_get is std::getenv.
+struct EnvSettings {
+  static constexpr int kMax = 32;
+  const char* entries[kMax];  // "FLASHOPM_NAME=value", pointers into the environment
+  int count = 0;
+  bool overflow = false;  // more than kMax: env_get falls back to std::getenv
+};
+inline thread_local const EnvSettings* t_env_settings = nullptr;
+
+class EnvScope {
+ public:
+  EnvScope() : outer_(t_env_settings) {
+    for (char** e = environ; e != nullptr && *e != nullptr; ++e) {
+      if (std::strncmp(*e, "FLASHOPM_", 9) != 0) continue;
+      if (settings_.count < EnvSettings::kMax) settings_.entries[settings_.count++] = *e;
+      else settings_.overflow = true;
+    }
+    t_env_settings = &settings_;
+  }
+  ~EnvScope() { t_env_settings = outer_; }
+  EnvScope(const EnvScope&) = delete;
+  EnvScope& operator=(const EnvScope&) = delete;
+
+ private:
+  EnvSettings settings_;
+  const EnvSettings* outer_;
+};
+
+inline const char* env_get(const char* name) {
+  const EnvSettings* s = t_env_settings;
+  if (s == nullptr || s->overflow) return std::getenv(name);
+  const size_t n = std::strlen(name);
+  for (int i = 0; i < s->count; ++i)
+    if (std::strncmp(s->entries[i], name, n) == 0 && s->entries[i][n] == '=') return s->entries[i] + n + 1;
+  return nullptr;
+}
+
+// Whether environment variable `name` holds exactly `value`.
 inline bool env_is(const char* name, const char* value) {
-  const char* env = std::getenv(name);
+  const char* env = env_get(name);
   return env != nullptr && std::strcmp(env, value) == 0;
 }
 
@@ -1002,6 +1043,12 @@ struct ConvertArgs {
   int count;
 };
 void launch_convert(const ConvertArgs& args, cudaStream_t stream);
+
+// Whether launches go through the driver's cuLaunchKernelEx (the default) or the runtime's
+// cudaLaunchKernelEx: set_driver_launch returns the previous setting.  Both give the same bits; the
+// switch lets the tests and the host-time measurements compare the two routes in one process.
+bool driver_launch();
+bool set_driver_launch(bool enabled);
 
 // Partial sums of split grids added up, up to four tensors in one launch:
 //   out[k][e] = sum_{q < parts[k]} in[k][q · n[k] + e]   for e < n[k], q in order (deterministic).

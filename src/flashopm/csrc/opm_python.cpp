@@ -24,6 +24,7 @@
 #include <torch/csrc/autograd/python_variable.h>
 
 #include "opm_op_handles.h"
+#include "opm_params.h"
 
 #include <optional>
 
@@ -238,6 +239,21 @@ PyObject* outer_product_mean_modules_entry(PyObject* /*self*/, PyObject* const* 
   END_HANDLE_TH_ERRORS
 }
 
+// driver_launch([enabled]) -> bool: the launch route in use (True: the driver's cuLaunchKernelEx,
+// False: the runtime's cudaLaunchKernelEx); with `enabled`, sets it and returns the previous one.
+PyObject* driver_launch_entry(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  TORCH_CHECK(nargs <= 1, "driver_launch: expected at most one argument (enabled), got ", nargs);
+  bool previous = driver_launch();
+  if (nargs == 1) {
+    TORCH_CHECK(PyBool_Check(args[0]), "driver_launch: expected enabled to be a bool, got ",
+                Py_TYPE(args[0])->tp_name);
+    previous = set_driver_launch(args[0] == Py_True);
+  }
+  return PyBool_FromLong(previous);
+  END_HANDLE_TH_ERRORS
+}
+
 PyMethodDef module_methods[] = {
     {"outer_product_mean", reinterpret_cast<PyCFunction>(reinterpret_cast<void*>(&outer_product_mean_entry)),
      METH_FASTCALL,
@@ -250,6 +266,10 @@ PyMethodDef module_methods[] = {
      "precision]): outer_product_mean with the parameters of the submodules `names` (LayerNorm, then the three "
      "linear layers) of `modules` (an nn.Module's _modules), or NotImplemented where a parameter is not a plain "
      "entry of its module's _parameters"},
+    {"driver_launch", reinterpret_cast<PyCFunction>(reinterpret_cast<void*>(&driver_launch_entry)), METH_FASTCALL,
+     "driver_launch([enabled]) -> bool: whether kernels are launched through the driver's cuLaunchKernelEx "
+     "(True, the default) or the runtime's cudaLaunchKernelEx; with `enabled`, sets it and returns the "
+     "previous setting"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "flashopm_extension",

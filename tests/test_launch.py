@@ -1,0 +1,167 @@
+"""The launch route (csrc/opm_launch.cu): kernels go out through the driver's cuLaunchKernelEx with
+handles looked up once, or through the runtime's cudaLaunchKernelEx.  The two routes must give
+the same bits on every path (the small path's programmatic dependent launch, the cooperative
+single launch, clusters, the tensor-core and CUDA-core kernels, 16-bit inputs, the backward),
+under CUDA-graph capture, and from a thread that never touched the runtime.  The switch itself
+runs wherever the extension builds (CI included); the rest on the GPU machine.
+"""
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+import flashopm
+from flashopm import _build
+from flashopm.ops import ALGORITHMS, outer_product_mean_op
+from flashopm.testing import Shape, make_problem
+
+from conftest import requires_cuda, toolchain_or_skip
+
+
+@pytest.fixture(scope="module")
+def ext():
+    toolchain_or_skip()
+    return _build.extension()
+
+
+@pytest.fixture
+def route(ext):
+    """Sets the launch route for a test and restores the one before it."""
+    before = ext.driver_launch()
+    yield lambda driver: ext.driver_launch(driver)
+    ext.driver_launch(before)
+
+
+def test_driver_route_is_the_default_and_the_switch_returns_the_previous_setting(ext, route):
+    assert ext.driver_launch() is True
+    assert route(False) is True
+    assert ext.driver_launch() is False
+    assert route(True) is False
+    assert ext.driver_launch() is True
+
+
+def test_switch_rejects_other_arguments(ext):
+    with pytest.raises(RuntimeError, match="expected enabled to be a bool, got int"):
+        ext.driver_launch(1)
+    with pytest.raises(RuntimeError, match="expected at most one argument"):
+        ext.driver_launch(True, False)
+
+
+def test_environment_variable_selects_the_runtime_route(ext):
+    code = "from flashopm import _build; print(_build.extension().driver_launch())"
+    env = dict(os.environ, FLASHOPM_RUNTIME_LAUNCH="1", PYTHONPATH=os.pathsep.join(sys.path))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "False"
+
+
+def _cuda_args(shape, mask="masked_positions", dtype=torch.float32, seed=5):
+    x, m, p = make_problem(shape, mask, seed=seed)
+    x = x.to("cuda", dtype)
+    p = {k: v.to("cuda", dtype) for k, v in p.items()}
+    return [x, m.cuda(), p["ln_weight"], p["ln_bias"], 1e-5, p["w_a"], p["b_a"], p["w_b"], p["b_b"], p["w_out"],
+            p["b_out"]]
+
+
+def _both_routes(route, fn):
+    route(False)
+    by_runtime = fn()
+    route(True)
+    by_driver = fn()
+    torch.cuda.synchronize()
+    return by_runtime, by_driver
+
+
+# (shape, algorithm, dtype, environment): one case per launch form the forward has
+FORWARD_CASES = [
+    (Shape(2, 8, 32, 64, 32, 64), "auto", torch.float32, {}),  # two launches, programmatic dependent
+    (Shape(2, 8, 32, 64, 32, 64), "small-tc", torch.float32, {"FLASHOPM_SMALL_TC_FUSED": "1"}),  # cooperative
+    (Shape(1, 3, 7, 17, 8, 5), "single", torch.float32, {}),  # clusters
+    (Shape(1, 64, 97, 64, 32, 128), "outer", torch.float32, {}),  # tensor cores
+    (Shape(1, 5, 33, 17, 12, 9), "outer-fma", torch.float32, {}),  # CUDA cores
+    (Shape(1, 4, 20, 16, 8, 6), "project", torch.float32, {}),
+    (Shape(1, 64, 97, 64, 32, 128), "auto", torch.bfloat16, {}),
+    (Shape(2, 8, 32, 64, 32, 64), "auto", torch.float16, {}),
+]
+
+
+@requires_cuda
+@pytest.mark.parametrize("shape, algorithm, dtype, env", FORWARD_CASES)
+def test_forward_bits_are_the_same_on_both_routes(route, monkeypatch, shape, algorithm, dtype, env):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    args = _cuda_args(shape, dtype=dtype)
+    by_runtime, by_driver = _both_routes(route, lambda: outer_product_mean_op(*args, ALGORITHMS[algorithm]))
+    assert by_driver.isfinite().all()
+    torch.testing.assert_close(by_driver, by_runtime, rtol=0, atol=0)
+
+
+@requires_cuda
+@pytest.mark.parametrize("shape", [Shape(2, 8, 32, 64, 32, 64), Shape(1, 64, 97, 64, 32, 128)])
+def test_gradients_are_the_same_on_both_routes(route, shape):
+    args = _cuda_args(shape)
+    grad_out = None
+
+    def step():
+        nonlocal grad_out
+        leaves = [a.detach().requires_grad_(a.is_floating_point() and i != 1) if isinstance(a, torch.Tensor) else a
+                  for i, a in enumerate(args)]
+        out = outer_product_mean_op(*leaves)
+        if grad_out is None:
+            grad_out = torch.randn_like(out)
+        out.backward(grad_out)
+        return torch.cat([t.grad.flatten() for t in leaves if isinstance(t, torch.Tensor) and t.grad is not None])
+
+    by_runtime, by_driver = _both_routes(route, step)
+    assert by_driver.isfinite().all()
+    torch.testing.assert_close(by_driver, by_runtime, rtol=0, atol=0)
+
+
+@requires_cuda
+def test_graph_capture_on_the_driver_route(route):
+    route(True)
+    torch.manual_seed(0)
+    model = flashopm.ModelNew(*flashopm.get_init_inputs()).cuda()
+    x, m = [t.cuda() for t in flashopm.get_inputs()]
+    m = torch.rand_like(m)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.no_grad():
+        model(x, m)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), torch.no_grad():
+        out = model(x, m)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    route(False)
+    with torch.no_grad():
+        torch.testing.assert_close(out, model(x, m), rtol=0, atol=0)
+
+
+@requires_cuda
+def test_a_new_thread_launches_and_gets_the_same_bits(route):
+    """A thread's first call finds no current context until the runtime makes the device's primary
+    context current; the driver route must then take the runtime's launch or a valid handle."""
+    route(True)
+    args = _cuda_args(Shape(2, 8, 32, 64, 32, 64))
+    expect = outer_product_mean_op(*args)
+    results, errors = [], []
+
+    def work():
+        try:
+            results.append(outer_product_mean_op(*args))
+            results.append(outer_product_mean_op(*args))
+            torch.cuda.synchronize()
+        except Exception as exc:  # reported below, on the test's thread
+            errors.append(exc)
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+    assert not errors, errors
+    for out in results:
+        torch.testing.assert_close(out, expect, rtol=0, atol=0)
