@@ -44,10 +44,11 @@ def test_driver_route_is_the_default_and_the_switch_returns_the_previous_setting
 
 
 def test_switch_rejects_other_arguments(ext):
-    with pytest.raises(RuntimeError, match="expected enabled to be a bool, got int"):
+    with pytest.raises(TypeError, match="expected enabled to be a bool, got int"):
         ext.driver_launch(1)
-    with pytest.raises(RuntimeError, match="expected at most one argument"):
+    with pytest.raises(TypeError, match="expected at most one argument .enabled., got 2"):
         ext.driver_launch(True, False)
+    assert ext.driver_launch() is True
 
 
 def test_environment_variable_selects_the_runtime_route(ext):

@@ -3,6 +3,7 @@
 #include <c10/cuda/CUDAException.h>
 #include <cuda.h>
 #include <cudaTypedefs.h>
+#include <dlfcn.h>
 
 #include <algorithm>
 #include <array>
@@ -68,22 +69,16 @@ struct DriverLaunchApi {
   PFN_cuGetErrorString_v6000 error_string = nullptr;
 };
 
+// The driver library is the one the runtime has loaded already (dlopen hands back that copy);
+// a process without it keeps the runtime's launches.
 const DriverLaunchApi& driver_launch_api() {
   static const DriverLaunchApi api = [] {
-    const auto entry = [](const char* name, int version) -> void* {
-      void* fn = nullptr;
-      cudaDriverEntryPointQueryResult found{};
-      if (cudaGetDriverEntryPointByVersion(name, &fn, unsigned(version), cudaEnableDefault, &found) != cudaSuccess ||
-          found != cudaDriverEntryPointSuccess) {
-        (void)cudaGetLastError();
-        return nullptr;
-      }
-      return fn;
-    };
     DriverLaunchApi a;
-    a.launch = reinterpret_cast<PFN_cuLaunchKernelEx_v11060>(entry("cuLaunchKernelEx", 12000));
-    a.current_context = reinterpret_cast<PFN_cuCtxGetCurrent_v4000>(entry("cuCtxGetCurrent", 12000));
-    a.error_string = reinterpret_cast<PFN_cuGetErrorString_v6000>(entry("cuGetErrorString", 12000));
+    void* const driver = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (driver == nullptr) return a;
+    a.launch = reinterpret_cast<PFN_cuLaunchKernelEx_v11060>(dlsym(driver, "cuLaunchKernelEx"));
+    a.current_context = reinterpret_cast<PFN_cuCtxGetCurrent_v4000>(dlsym(driver, "cuCtxGetCurrent"));
+    a.error_string = reinterpret_cast<PFN_cuGetErrorString_v6000>(dlsym(driver, "cuGetErrorString"));
     if (a.launch == nullptr || a.current_context == nullptr || a.error_string == nullptr) a = DriverLaunchApi{};
     return a;
   }();
@@ -172,9 +167,11 @@ void launch_kernel(const cudaLaunchConfig_t& cfg, const A&... args) {
     if (r != CUDA_SUCCESS) {
       const char* what = nullptr;
       if (driver_launch_api().error_string(r, &what) != CUDA_SUCCESS || what == nullptr) what = "unknown error";
-      TORCH_CHECK(false, "flashopm: kernel launch failed (grid ", cfg.gridDim.x, "x", cfg.gridDim.y, "x",
-                  cfg.gridDim.z, ", block ", cfg.blockDim.x, ", ", cfg.dynamicSmemBytes,
-                  " bytes of shared memory): CUDA driver error ", int(r), ": ", what);
+      // the message assembled with std::to_string, as in opm_api.cpp (no integers through c10::str)
+      TORCH_CHECK(false, "flashopm: kernel launch failed (grid " + std::to_string(cfg.gridDim.x) + "x" +
+                             std::to_string(cfg.gridDim.y) + "x" + std::to_string(cfg.gridDim.z) + ", block " +
+                             std::to_string(cfg.blockDim.x) + ", " + std::to_string(cfg.dynamicSmemBytes) +
+                             " bytes of shared memory): CUDA driver error " + std::to_string(int(r)) + ": " + what);
     }
     return;
   }
@@ -451,8 +448,8 @@ void launch_ln_backward_tf32(const LnBackwardArgs& args, int blocks, cudaStream_
 template <typename XT>
 void launch_ln_backward_x(const LnBackwardArgs& args, int blocks, cudaStream_t stream) {
   if (args.mma) {
-    TORCH_CHECK(ln_backward_mma_form(args.C, args.H), "flashopm: internal: no tensor-core LayerNorm backward for C=",
-                args.C, ", H=", args.H);
+    TORCH_CHECK(ln_backward_mma_form(args.C, args.H), "flashopm: internal: no tensor-core LayerNorm backward for C=" +
+                                                          std::to_string(args.C) + ", H=" + std::to_string(args.H));
     if constexpr (std::is_same_v<XT, float>) {
       if (args.C == 64) launch_ln_backward_tf32<1>(args, blocks, stream);
       else if (args.C == 128) launch_ln_backward_tf32<2>(args, blocks, stream);

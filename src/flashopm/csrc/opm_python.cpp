@@ -242,16 +242,15 @@ PyObject* outer_product_mean_modules_entry(PyObject* /*self*/, PyObject* const* 
 // driver_launch([enabled]) -> bool: the launch route in use (True: the driver's cuLaunchKernelEx,
 // False: the runtime's cudaLaunchKernelEx); with `enabled`, sets it and returns the previous one.
 PyObject* driver_launch_entry(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
-  HANDLE_TH_ERRORS
-  TORCH_CHECK(nargs <= 1, "driver_launch: expected at most one argument (enabled), got ", nargs);
-  bool previous = driver_launch();
-  if (nargs == 1) {
-    TORCH_CHECK(PyBool_Check(args[0]), "driver_launch: expected enabled to be a bool, got ",
-                Py_TYPE(args[0])->tp_name);
-    previous = set_driver_launch(args[0] == Py_True);
+  if (nargs > 1) {
+    PyErr_Format(PyExc_TypeError, "driver_launch: expected at most one argument (enabled), got %zd", nargs);
+    return nullptr;
   }
-  return PyBool_FromLong(previous);
-  END_HANDLE_TH_ERRORS
+  if (nargs == 1 && !PyBool_Check(args[0])) {
+    PyErr_Format(PyExc_TypeError, "driver_launch: expected enabled to be a bool, got %s", Py_TYPE(args[0])->tp_name);
+    return nullptr;
+  }
+  return PyBool_FromLong(nargs == 1 ? set_driver_launch(args[0] == Py_True) : driver_launch());
 }
 
 PyMethodDef module_methods[] = {
