@@ -59,9 +59,10 @@ void allow_smem() {
 // Every kernel goes out through launch_kernel.  By default it calls the driver's cuLaunchKernelEx
 // with the kernel's CUfunction, looked up once per device: the runtime's launch finds that handle
 // again on every call, and at the small shapes a call's host time is mostly its launches.  The
-// runtime's launch stays as the fallback: where the driver's entry points are missing, on a
-// thread whose current context is not the device's primary one (the runtime makes it current),
-// and when set_driver_launch(false) or FLASHOPM_RUNTIME_LAUNCH=1 asks for it.
+// runtime's launch stays as the fallback: where the driver library's functions are not found, on
+// a thread whose current context is not the one the handles came from (or none yet: the
+// runtime's launch makes the device's context current), and when set_driver_launch(false) or
+// FLASHOPM_RUNTIME_LAUNCH=1 asks for it.
 
 struct DriverLaunchApi {
   PFN_cuLaunchKernelEx_v11060 launch = nullptr;
@@ -90,7 +91,7 @@ std::atomic<bool>& driver_launch_enabled() {
   return enabled;
 }
 
-// The context in which each device's kernel handles were looked up (its primary context).
+// The context in which each device's kernel handles were looked up.
 std::array<std::atomic<CUcontext>, kMaxDevices> g_lookup_context{};
 
 // Kernel's CUfunction on device `dev` in the current context, or nullptr where the driver path
