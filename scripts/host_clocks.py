@@ -84,13 +84,13 @@ a = a.replace("    launch_small_tc(ta, tc_terms, stream);\n    return out;\n",
 src["opm_api.cpp"] = a
 
 k = src["opm_launch.cu"]
-k = patch(k, "  constexpr auto kernel = opm_prep_kernel<Q, RW, kProjectW, XT, kWholeW>;\n", CLK(16), before=True)
-k = patch(k, "  launch_kernel<kernel>(grid, unsigned(R / RW * 32), prep_smem_bytes(", CLK(17), before=True)
-k = patch(k, "prep_smem_bytes(args.H, RW, kProjectW, kWholeW, args.C), stream,\n                        args);\n", CLK(18))
+k = patch(k, "  launch_kernel<kernel, SmemSetup::kOptInMaxCarveout>(\n      grid, unsigned(R / RW * 32)", CLK(17),
+          before=True)
+k = patch(k, "prep_smem_bytes(args.H, RW, kProjectW, kWholeW, args.C), stream, args);\n", CLK(18))
 k = patch(k, "void launch_small_tc_t(const cudaLaunchConfig_t& cfg, const SmallTcArgs& args) {\n", CLK(19))
-k = patch(k, "  launch_kernel<Kernel>(cfg, args);\n}\n\n// The chained", CLK(20), before=True)
-k = k.replace("  launch_kernel<Kernel>(cfg, args);\n}\n\n// The chained",
-              "  launch_kernel<Kernel>(cfg, args);\n" + CLK(21) + "}\n\n// The chained", 1)
+k = patch(k, "  launch_kernel<Kernel, SmemSetup::kOptIn>(cfg, args);\n}\n\n// The chained", CLK(20), before=True)
+k = k.replace("  launch_kernel<Kernel, SmemSetup::kOptIn>(cfg, args);\n}\n\n// The chained",
+              "  launch_kernel<Kernel, SmemSetup::kOptIn>(cfg, args);\n" + CLK(21) + "}\n\n// The chained", 1)
 src["opm_launch.cu"] = k
 
 load_patched(src)
@@ -117,13 +117,12 @@ STAGES = (
     ("small path's forms and workspace layout", 10, 23),
     ("output and workspace from the allocator", 23, 11),
     ("first kernel's arguments", 11, 12),
-    ("run_prep before the launch (decisions, env)", 12, 16),
-    ("first kernel: allow_smem", 16, 17),
-    ("first kernel: launch", 17, 18),
+    ("run_prep before the launch (decisions, env)", 12, 17),
+    ("first kernel: shared-memory opt-in check and launch", 17, 18),
     ("after the first launch", 18, 13),
     ("second kernel's arguments", 13, 14),
     ("launch_small_tc before the launch", 14, 20),
-    ("second kernel: launch", 20, 21),
+    ("second kernel: shared-memory opt-in check and launch", 20, 21),
     ("after the second launch", 21, 15),
     ("return: workspace freed, dispatcher, autograd", 15, 2),
     ("take the GIL back", 2, 3),

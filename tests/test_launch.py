@@ -16,7 +16,7 @@ import torch
 import flashopm
 from flashopm import _build
 from flashopm.ops import ALGORITHMS, outer_product_mean_op
-from flashopm.testing import Shape, make_problem
+from flashopm.testing import Shape, make_problem, op_args
 
 from conftest import requires_cuda, toolchain_or_skip
 
@@ -60,10 +60,7 @@ def test_environment_variable_selects_the_runtime_route(ext):
 
 def _cuda_args(shape, mask="masked_positions", dtype=torch.float32, seed=5):
     x, m, p = make_problem(shape, mask, seed=seed)
-    x = x.to("cuda", dtype)
-    p = {k: v.to("cuda", dtype) for k, v in p.items()}
-    return [x, m.cuda(), p["ln_weight"], p["ln_bias"], 1e-5, p["w_a"], p["b_a"], p["w_b"], p["b_b"], p["w_out"],
-            p["b_out"]]
+    return op_args(x.to("cuda", dtype), m.cuda(), {k: v.to("cuda", dtype) for k, v in p.items()})
 
 
 def _both_routes(route, fn):

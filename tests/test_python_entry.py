@@ -19,7 +19,7 @@ import flashopm
 from flashopm import _build
 from flashopm.modules import _SUBMODULES
 from flashopm.ops import outer_product_mean_op
-from flashopm.testing import Shape, make_problem
+from flashopm.testing import Shape, make_problem, op_args
 
 from conftest import requires_cuda, toolchain_or_skip
 
@@ -33,8 +33,7 @@ def entry():
 
 
 def _op_args(device="cpu", shape=Shape(2, 3, 7, 17, 8, 5), mask="masked_positions", biases=True):
-    x, m, p = make_problem(shape, mask, seed=3)
-    args = [x, m, p["ln_weight"], p["ln_bias"], 1e-5, p["w_a"], p["b_a"], p["w_b"], p["b_b"], p["w_out"], p["b_out"]]
+    args = op_args(*make_problem(shape, mask, seed=3))
     if not biases:
         args[6] = args[8] = args[10] = None
     return [a.to(device) if isinstance(a, torch.Tensor) else a for a in args]

@@ -85,6 +85,14 @@ def make_problem(shape: Shape, mask_kind: str = "ones", seed: int = 0, scale: fl
     return msa, mask, make_params(shape, g, scale)
 
 
+def op_args(msa, mask, params, ln_eps: float = 1e-5) -> list:
+    """The first eleven arguments of flashopm::outer_product_mean, in its schema's order: msa_repr,
+    msa_mask, ln_weight, ln_bias, ln_eps, w_a, b_a, w_b, b_b, w_out, b_out."""
+    p = params
+    return [msa, mask, p["ln_weight"], p["ln_bias"], ln_eps, p["w_a"], p["b_a"], p["w_b"], p["b_b"], p["w_out"],
+            p["b_out"]]
+
+
 def reference(msa, mask, params, dtype=None, ln_eps: float = 1e-5, normalization: int = 0,
               norm_eps: float = 1e-3) -> torch.Tensor:
     """The reference evaluated in `dtype` (float64 for ground truth); mask kept bool if bool."""

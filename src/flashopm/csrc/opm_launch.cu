@@ -33,15 +33,13 @@ namespace {
 
 constexpr int kMaxDevices = 64;
 
-// Lets `Kernel` use all the dynamic shared memory the device allows (once per device).  With
+// Lets `Kernel` use all the dynamic shared memory device `dev` allows (once per device).  With
 // kMaxCarveout, the SMs running it are also configured for the most shared memory (a hint): the
 // LayerNorm/projection kernels need little, and on an SM set up for little shared memory their
 // programmatic dependent, which needs much, could only start once the SM had drained.
 template <auto Kernel, bool kMaxCarveout = false>
-void allow_smem() {
+void allow_smem(int dev) {
   static std::array<std::once_flag, kMaxDevices> flags;
-  int dev = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&dev));
   std::call_once(flags[dev % kMaxDevices], [dev] {
     int optin = 0;
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
@@ -144,12 +142,17 @@ static_assert(int(cudaLaunchAttributeClusterDimension) == int(CU_LAUNCH_ATTRIBUT
                       int(CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION),
               "the runtime's and the driver's launch attribute ids differ");
 
+// What a launch sets up for its kernel first, once per device: nothing, the opt-in to all the
+// dynamic shared memory (allow_smem), or that and the carveout hint.
+enum class SmemSetup { kNone, kOptIn, kOptInMaxCarveout };
+
 // Launches Kernel(args...) with cfg (grid, block, dynamic shared memory, stream, attributes) and
 // checks that the launch was taken.
-template <auto Kernel, typename... A>
+template <auto Kernel, SmemSetup kSmem = SmemSetup::kNone, typename... A>
 void launch_kernel(const cudaLaunchConfig_t& cfg, const A&... args) {
   int dev = 0;
   C10_CUDA_CHECK(cudaGetDevice(&dev));
+  if constexpr (kSmem != SmemSetup::kNone) allow_smem<Kernel, kSmem == SmemSetup::kOptInMaxCarveout>(dev);
   if (const CUfunction fn = driver_function<Kernel>(dev)) {
     std::array<CUlaunchAttribute, 4> attrs{};
     TORCH_CHECK(cfg.numAttrs <= attrs.size(), "flashopm: internal error: too many launch attributes");
@@ -180,14 +183,14 @@ void launch_kernel(const cudaLaunchConfig_t& cfg, const A&... args) {
 }
 
 // The same without launch attributes.
-template <auto Kernel, typename... A>
+template <auto Kernel, SmemSetup kSmem = SmemSetup::kNone, typename... A>
 void launch_kernel(dim3 grid, dim3 block, size_t smem_bytes, cudaStream_t stream, const A&... args) {
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = grid;
   cfg.blockDim = block;
   cfg.dynamicSmemBytes = smem_bytes;
   cfg.stream = stream;
-  launch_kernel<Kernel>(cfg, args...);
+  launch_kernel<Kernel, kSmem>(cfg, args...);
 }
 
 // Calls f(TypeTag<T>{}) with T the element type of x (kMaskFloat, kMaskHalf or kMaskBFloat16).
@@ -208,9 +211,8 @@ void launch_prep_t(const PrepArgs& args, int warps, cudaStream_t stream) {
   const dim3 grid(unsigned((args.N + R - 1) / R) * unsigned(kProjectW ? args.o_chunks : 1), unsigned(args.S),
                   unsigned(args.B));
   constexpr auto kernel = opm_prep_kernel<Q, RW, kProjectW, XT, kWholeW>;
-  allow_smem<kernel, true>();
-  launch_kernel<kernel>(grid, unsigned(R / RW * 32), prep_smem_bytes(args.H, RW, kProjectW, kWholeW, args.C), stream,
-                        args);
+  launch_kernel<kernel, SmemSetup::kOptInMaxCarveout>(
+      grid, unsigned(R / RW * 32), prep_smem_bytes(args.H, RW, kProjectW, kWholeW, args.C), stream, args);
 }
 
 template <int Q, int RW, bool kProjectW>
@@ -284,9 +286,8 @@ template <int CT, typename XT, bool kVec, int kMmaTerms>
 void launch_project_rows_t(const PrepArgs& args, cudaStream_t stream) {
   const int64_t rows = int64_t(args.B) * args.S * args.N;
   constexpr auto kernel = opm_project_rows_kernel<CT, XT, kVec, kMmaTerms>;
-  allow_smem<kernel, true>();
-  launch_kernel<kernel>(unsigned((rows + kProjRows - 1) / kProjRows), kProjThreads, project_rows_smem_bytes(args),
-                        stream, args);
+  launch_kernel<kernel, SmemSetup::kOptInMaxCarveout>(unsigned((rows + kProjRows - 1) / kProjRows), kProjThreads,
+                                                      project_rows_smem_bytes(args), stream, args);
 }
 template <typename XT, bool kVec, int kMmaTerms>
 void launch_project_rows_v(const PrepArgs& args, cudaStream_t stream) {
@@ -319,11 +320,9 @@ void launch_outer(const OuterArgs& args, cudaStream_t stream) {
   const dim3 grid(unsigned((args.N + args.Tj - 1) / args.Tj), unsigned((args.Na + args.Ti - 1) / args.Ti),
                   unsigned(args.B));
   if (args.H % 4 == 0) {
-    allow_smem<opm_outer_fused_kernel<true>>();
-    launch_kernel<opm_outer_fused_kernel<true>>(grid, kOuterThreads, kOuterSmemBytes, stream, args);
+    launch_kernel<opm_outer_fused_kernel<true>, SmemSetup::kOptIn>(grid, kOuterThreads, kOuterSmemBytes, stream, args);
   } else {
-    allow_smem<opm_outer_fused_kernel<false>>();
-    launch_kernel<opm_outer_fused_kernel<false>>(grid, kOuterThreads, kOuterSmemBytes, stream, args);
+    launch_kernel<opm_outer_fused_kernel<false>, SmemSetup::kOptIn>(grid, kOuterThreads, kOuterSmemBytes, stream, args);
   }
 }
 
@@ -335,8 +334,7 @@ namespace {
 template <int kTerms, bool kWgmma, bool kWgmma2, bool kHalfSplit = false>
 void launch_tc_t(const OuterArgs& args, const dim3& grid, int smem, cudaStream_t stream) {
   constexpr auto kernel = opm_outer_tc_kernel<kTerms, kWgmma, kWgmma2, kHalfSplit>;
-  allow_smem<kernel>();
-  launch_kernel<kernel>(grid, kTcThreads, smem, stream, args);
+  launch_kernel<kernel, SmemSetup::kOptIn>(grid, kTcThreads, smem, stream, args);
 }
 }  // namespace
 
@@ -391,8 +389,7 @@ namespace {
 template <typename T, bool kWgmma, bool kWgmmaBoth>
 void launch_tc16_t(const OuterArgs& args, const dim3& grid, int smem, cudaStream_t stream) {
   constexpr auto kernel = opm_outer_tc16_kernel<T, kWgmma, kWgmmaBoth>;
-  allow_smem<kernel>();
-  launch_kernel<kernel>(grid, kTcThreads, smem, stream, args);
+  launch_kernel<kernel, SmemSetup::kOptIn>(grid, kTcThreads, smem, stream, args);
 }
 template <typename T>
 void launch_tc16_form(const OuterArgs& args, int form, const dim3& grid, int smem, cudaStream_t stream) {
@@ -427,19 +424,18 @@ int ln_backward_smem_bytes(int C, int H, bool regs) {
 namespace {
 template <auto Kernel>
 void launch_ln_backward_k(const LnBackwardArgs& args, int blocks, cudaStream_t stream) {
-  allow_smem<Kernel>();
-  launch_kernel<Kernel>(blocks, kLnBwdThreads, ln_backward_smem_bytes(args.C, args.H, args.regs != 0), stream, args);
+  const int smem = ln_backward_smem_bytes(args.C, args.H, args.regs != 0);
+  launch_kernel<Kernel, SmemSetup::kOptIn>(blocks, kLnBwdThreads, smem, stream, args);
 }
 template <typename XT, int kMT>
 void launch_ln_backward_mma(const LnBackwardArgs& args, int blocks, cudaStream_t stream) {
-  allow_smem<opm_ln_backward_mma_kernel<XT, kMT>>();
-  launch_kernel<opm_ln_backward_mma_kernel<XT, kMT>>(blocks, kLnBwdThreads, LnMmaLayout<kMT>::bytes, stream, args);
+  launch_kernel<opm_ln_backward_mma_kernel<XT, kMT>, SmemSetup::kOptIn>(blocks, kLnBwdThreads, LnMmaLayout<kMT>::bytes,
+                                                                        stream, args);
 }
 template <int kMT, int kTerms>
 void launch_ln_backward_tf32_t(const LnBackwardArgs& args, int blocks, cudaStream_t stream) {
-  allow_smem<opm_ln_backward_tf32_kernel<kMT, kTerms>>();
-  launch_kernel<opm_ln_backward_tf32_kernel<kMT, kTerms>>(blocks, kLnBwdThreads, LnTf32Layout<kMT>::bytes, stream,
-                                                          args);
+  launch_kernel<opm_ln_backward_tf32_kernel<kMT, kTerms>, SmemSetup::kOptIn>(blocks, kLnBwdThreads,
+                                                                             LnTf32Layout<kMT>::bytes, stream, args);
 }
 template <int kMT>
 void launch_ln_backward_tf32(const LnBackwardArgs& args, int blocks, cudaStream_t stream) {
@@ -499,14 +495,12 @@ int project_gemm_smem_bytes(bool big_tiles) { return big_tiles ? BigGemm::kSmemB
 void launch_project_gemm(const ProjectArgs& args, bool big_tiles, cudaStream_t stream) {
   if (big_tiles) {
     constexpr auto kernel = opm_project_gemm_kernel<128, 128, 8, 8, 8, 4>;
-    allow_smem<kernel>();
     const dim3 grid(unsigned((args.NC + 127) / 128), unsigned((args.M + 127) / 128), unsigned(args.B));
-    launch_kernel<kernel>(grid, BigGemm::kThreads, BigGemm::kSmemBytes, stream, args);
+    launch_kernel<kernel, SmemSetup::kOptIn>(grid, BigGemm::kThreads, BigGemm::kSmemBytes, stream, args);
   } else {
     constexpr auto kernel = opm_project_gemm_kernel<32, 32, 32, 2, 2, 4>;
-    allow_smem<kernel>();
     const dim3 grid(unsigned((args.NC + 31) / 32), unsigned((args.M + 31) / 32), unsigned(args.B));
-    launch_kernel<kernel>(grid, SmallGemm::kThreads, SmallGemm::kSmemBytes, stream, args);
+    launch_kernel<kernel, SmemSetup::kOptIn>(grid, SmallGemm::kThreads, SmallGemm::kSmemBytes, stream, args);
   }
 }
 
@@ -536,11 +530,9 @@ void launch_small(const SmallArgs& args, int smem_bytes, cudaStream_t stream) {
   cudaLaunchAttribute attr[1];
   const cudaLaunchConfig_t cfg = small_config(grid, args.CL, smem_bytes, stream, attr);
   if (args.N % 4 == 0) {
-    allow_smem<opm_small_kernel<true>>();
-    launch_kernel<opm_small_kernel<true>>(cfg, args);
+    launch_kernel<opm_small_kernel<true>, SmemSetup::kOptIn>(cfg, args);
   } else {
-    allow_smem<opm_small_kernel<false>>();
-    launch_kernel<opm_small_kernel<false>>(cfg, args);
+    launch_kernel<opm_small_kernel<false>, SmemSetup::kOptIn>(cfg, args);
   }
 }
 
@@ -555,7 +547,7 @@ int small_max_active_clusters(int cluster_size, int smem_bytes) {
   std::lock_guard<std::mutex> lock(mu);
   const auto it = cache.find(key);
   if (it != cache.end()) return it->second;
-  allow_smem<opm_small_kernel<true>>();
+  allow_smem<opm_small_kernel<true>>(dev);
   cudaLaunchAttribute attr[1];
   const cudaLaunchConfig_t cfg = small_config(dim3(unsigned(cluster_size)), cluster_size, smem_bytes, nullptr, attr);
   int n = 0;
@@ -574,8 +566,7 @@ int small_tc_smem_bytes(int S, int N, int H, int TI, int Dc, bool fma) {
 namespace {
 template <auto Kernel>
 void launch_small_tc_t(const cudaLaunchConfig_t& cfg, const SmallTcArgs& args) {
-  allow_smem<Kernel>();
-  launch_kernel<Kernel>(cfg, args);
+  launch_kernel<Kernel, SmemSetup::kOptIn>(cfg, args);
 }
 
 // The chained float16 split form: the exact number of m tiles of j, and whole tiles (no row of i,
@@ -644,16 +635,14 @@ void launch_bwd_side_t(const BwdSideArgs& args, cudaStream_t stream) {
   const dim3 grid(unsigned((args.Nr + ti - 1) / ti), unsigned(kH / hc),
                   unsigned(args.B * args.n_sblocks * args.jsplits));
   constexpr auto kernel = opm_bwd_side_kernel<kTerms, kH>;
-  allow_smem<kernel>();
-  launch_kernel<kernel>(grid, kBwThreads, bwd_side_smem_bytes(), stream, args);
+  launch_kernel<kernel, SmemSetup::kOptIn>(grid, kBwThreads, bwd_side_smem_bytes(), stream, args);
 }
 template <int kTerms, int kH>
 void launch_bwd_w_t(const BwdWArgs& args, int splits, cudaStream_t stream) {
   constexpr int hc = kBwWCols / kH;
   const dim3 grid(unsigned(kH / hc), unsigned((args.D + kBwWDG - 1) / kBwWDG), unsigned(splits));
   constexpr auto kernel = opm_bwd_w_kernel<kTerms, kH>;
-  allow_smem<kernel>();
-  launch_kernel<kernel>(grid, kBwThreads, bwd_w_smem_bytes(), stream, args);
+  launch_kernel<kernel, SmemSetup::kOptIn>(grid, kBwThreads, bwd_w_smem_bytes(), stream, args);
 }
 template <int kTerms>
 void launch_bwd_side_h(const BwdSideArgs& args, cudaStream_t stream) {
@@ -686,8 +675,7 @@ void launch_bwd_side_f16(const BwdSideArgs& args, bool swap_hh, cudaStream_t str
   const dim3 grid(unsigned((args.Nr + ti - 1) / ti), unsigned(kH / hc),
                   unsigned(args.B * args.n_sblocks * args.jsplits));
   constexpr auto kernel = opm_bwd_side_f16_kernel<kH>;
-  allow_smem<kernel>();
-  launch_kernel<kernel>(grid, kBwThreads, kBsfSmemBytes, stream, args);
+  launch_kernel<kernel, SmemSetup::kOptIn>(grid, kBwThreads, kBsfSmemBytes, stream, args);
 }
 
 void launch_bwd_w_f16(const BwdWArgs& args, int splits, cudaStream_t stream) {
@@ -700,8 +688,7 @@ void launch_bwd_w_f16(const BwdWArgs& args, int splits, cudaStream_t stream) {
   constexpr int kH = 32, hc = kBwWCols / kH;
   const dim3 grid(unsigned(kH / hc), unsigned((args.D + kBwWDG - 1) / kBwWDG), unsigned(splits));
   constexpr auto kernel = opm_bwd_w_f16_kernel<kH>;
-  allow_smem<kernel>();
-  launch_kernel<kernel>(grid, kBwThreads, kBwfSmemBytes, stream, args);
+  launch_kernel<kernel, SmemSetup::kOptIn>(grid, kBwThreads, kBwfSmemBytes, stream, args);
 }
 
 void launch_bwd_w(const BwdWArgs& args, int splits, int terms, cudaStream_t stream) {
