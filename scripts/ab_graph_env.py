@@ -1,9 +1,11 @@
 """A/B of one of flashopm's environment switches on the GPU time of forward calls (CUDA-graph
 replay, bench.time_graph): graphs captured with VAR=VALUE and without it, in alternation over
 several rounds (the switches are read when a call is captured), so that both sides meet the same
-clocks.  Prints each round's GPU time per call and the medians.
+clocks.  Prints each round's GPU time per call and the medians.  With --between, each call is
+preceded by a one-block ATen kernel (an in-place add on a small tensor), as in a model where the
+call follows another layer's kernel rather than itself; its own time is in both sides' figures.
 
-    python scripts/ab_graph_env.py VAR=VALUE [B,S,N,C,H,D ...] [--rounds 6]
+    python scripts/ab_graph_env.py VAR=VALUE [B,S,N,C,H,D ...] [--rounds 6] [--between]
 """
 import argparse
 import os
@@ -21,6 +23,7 @@ def main() -> None:
     ap.add_argument("switch", help="VAR=VALUE")
     ap.add_argument("shapes", nargs="*", default=["2,8,32,64,32,64"])
     ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--between", action="store_true", help="a small ATen kernel before each call")
     args = ap.parse_intermixed_args()
     var, value = args.switch.split("=", 1)
     flashopm.load()
@@ -31,7 +34,11 @@ def main() -> None:
         x, m, p = make_problem(sh, "masked_positions", seed=1)
         x, m, p = x.cuda(), m.cuda(), {k: v.cuda() for k, v in p.items()}
 
+        other = torch.zeros(256, device="cuda")
+
         def call():
+            if args.between:
+                other.add_(1.0)
             return flashopm.outer_product_mean(x, m, p["ln_weight"], p["ln_bias"], p["w_a"], p["b_a"], p["w_b"],
                                                p["b_b"], p["w_out"], p["b_out"])
 
@@ -46,7 +53,7 @@ def main() -> None:
                     os.environ.pop(var, None)
                 (with_ if on else without).append(t.median_us)
         same = torch.equal(call(), call())
-        print(f"{sh}: without {statistics.median(without):7.2f} ({', '.join(f'{v:.2f}' for v in without)}); "
+        print(f"{sh}{' after an add' if args.between else ''}: without {statistics.median(without):7.2f} ({', '.join(f'{v:.2f}' for v in without)}); "
               f"with {var}={value} {statistics.median(with_):7.2f} ({', '.join(f'{v:.2f}' for v in with_)}); "
               f"repeatable: {same}", flush=True)
 

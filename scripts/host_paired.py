@@ -7,6 +7,7 @@ calls.
 
     python scripts/host_paired.py [B,S,N,C,H,D]      (default: the specification's shape)
 """
+import os
 import statistics
 import sys
 import time
@@ -82,6 +83,14 @@ def main(shape):
         finally:
             driver_launch(True)
 
+    def new_with_prep_pdl(value):
+        # the projections launched as the previous kernel's programmatic dependent ("1", the
+        # default) or in plain stream order ("0"); both sides pay for setting the variable
+        def call():
+            os.environ["FLASHOPM_PREP_PDL"] = value
+            return new(x, m)
+        return call
+
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  {shape}")
     print(f"{'A':>22} {'B':>24}   host us A   host us B   B / A (median of pairs)")
     with torch.no_grad():
@@ -92,9 +101,11 @@ def main(shape):
             (("ModelNew", lambda: new(x, m)), ("ModelNew, runtime launches", new_by_runtime_launches)),
             (("empty call", lambda: noop(dummy)), ("ModelNew", lambda: new(x, m))),
             (("ModelNew", lambda: new(x, m)), ("eager Model", lambda: ref(x, m))),
+            (("ModelNew, PREP_PDL=1", new_with_prep_pdl("1")), ("ModelNew, PREP_PDL=0", new_with_prep_pdl("0"))),
         ):
             a, b, r = paired(fa, fb)
             print(f"{na:>22} {nb:>24}   {a:9.2f}   {b:9.2f}   {r:6.3f}")
+    os.environ.pop("FLASHOPM_PREP_PDL", None)
 
 
 if __name__ == "__main__":

@@ -163,3 +163,65 @@ def test_a_new_thread_launches_and_gets_the_same_bits(route):
     assert not errors, errors
     for out in results:
         torch.testing.assert_close(out, expect, rtol=0, atol=0)
+
+
+
+def _second_call_params(D, seed, H=32):
+    """Fresh LayerNorm and projection parameters, and the output bias, for `_second_call_args`."""
+    gen = torch.Generator().manual_seed(seed)
+    rand = lambda *size: torch.randn(*size, generator=gen).cuda()  # noqa: E731
+    return 1.0 + 0.1 * rand(D), 0.1 * rand(D), rand(H, D) / 8, rand(H), rand(H, D) / 8, rand(H), rand(D)
+
+
+def _second_call_args(out1, params, H=32):
+    """A call at (B, S, N, C) = (B1, N1, N1, D1) whose x, mask and output weight are views of the
+    previous call's output: x is that output, the mask its channel 1 (a strided view, values of
+    either sign), the output weight its first D·H·H elements."""
+    D = out1.shape[-1]
+    ln_w, ln_b, w_a, b_a, w_b, b_b, b_out = params
+    w_out = out1.reshape(-1)[: D * H * H].view(D, H * H)
+    return [out1, out1[..., 1], ln_w, ln_b, 1e-5, w_a, b_a, w_b, b_b, w_out, b_out]
+
+
+@requires_cuda
+@pytest.mark.parametrize("trigger", ["0", "1", "2"])
+@pytest.mark.parametrize("normalization", [0, 1, 2])
+@pytest.mark.parametrize("capture", [False, True])
+def test_back_to_back_calls_read_the_previous_call_s_output_complete(monkeypatch, trigger, normalization, capture):
+    """On the small path the first kernel starts as the previous kernel's programmatic dependent,
+    and the second kernel may let its successor start before it ends (FLASHOPM_SMALL_TRIGGER: at
+    its start, before its epilogue, or not before it ends), so that calls back to back overlap. The
+    first kernel must still read x and the weights, and the second the output weight and the mask,
+    only once the kernel before has ended: here they are all the previous call's output, which is
+    written last. The results must be the bits of the same calls made with a synchronize between."""
+    monkeypatch.setenv("FLASHOPM_SMALL_TRIGGER", trigger)
+    shape1 = Shape(2, 8, 32, 64, 32, 64)
+    for seed in range(3):
+        args1 = _cuda_args(shape1, seed=seed)
+        params2 = _second_call_params(shape1.D, seed)
+
+        def both_calls():
+            out1 = outer_product_mean_op(*args1, 0, normalization)
+            return out1, outer_product_mean_op(*_second_call_args(out1, params2), 0, normalization)
+
+        if capture:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                both_calls()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out1, out2 = both_calls()
+            args1[0].copy_(torch.randn_like(args1[0]))
+            graph.replay()
+        else:
+            out1, out2 = both_calls()
+        torch.cuda.synchronize()
+        expect1 = outer_product_mean_op(*args1, 0, normalization)
+        torch.cuda.synchronize()
+        expect2 = outer_product_mean_op(*_second_call_args(expect1.clone(), params2), 0, normalization)
+        torch.cuda.synchronize()
+        assert out2.isfinite().all()
+        torch.testing.assert_close(out1, expect1, rtol=0, atol=0)
+        torch.testing.assert_close(out2, expect2, rtol=0, atol=0)

@@ -457,8 +457,14 @@ __global__ void __launch_bounds__(kPrepThreads, RW == 1 && Q <= 2 && !kProjectW 
     opm_prep_kernel(const PrepArgs p) {
   static_assert(!kWholeW || (RW == 1 && Q <= 2 && !kProjectW), "the whole-weights form: one row per warp, 2H <= 64");
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // Launched as the previous kernel's programmatic dependent (p.after_previous), this block can be
+  // resident before that kernel has ended: nothing in global memory is read before it has (x, the
+  // mask and the weights may be its outputs).  Otherwise the wait returns at once.
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
   // A kernel launched as this one's programmatic dependent may start now: it waits for our
-  // results itself (griddepcontrol.wait) and meanwhile loads what does not depend on them.
+  // results itself (griddepcontrol.wait) and meanwhile loads what does not depend on them.  Only
+  // after the wait above, since what it loads first (the output weight, the mask) may also be
+  // the previous kernel's outputs.
   asm volatile("griddepcontrol.launch_dependents;\n" ::);
 #endif
   extern __shared__ float4 smem_f4[];

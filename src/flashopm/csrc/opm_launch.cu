@@ -211,8 +211,19 @@ void launch_prep_t(const PrepArgs& args, int warps, cudaStream_t stream) {
   const dim3 grid(unsigned((args.N + R - 1) / R) * unsigned(kProjectW ? args.o_chunks : 1), unsigned(args.S),
                   unsigned(args.B));
   constexpr auto kernel = opm_prep_kernel<Q, RW, kProjectW, XT, kWholeW>;
-  launch_kernel<kernel, SmemSetup::kOptInMaxCarveout>(
-      grid, unsigned(R / RW * 32), prep_smem_bytes(args.H, RW, kProjectW, kWholeW, args.C), stream, args);
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(unsigned(R / RW * 32));
+  cfg.dynamicSmemBytes = prep_smem_bytes(args.H, RW, kProjectW, kWholeW, args.C);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  if (args.after_previous) {
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+  }
+  launch_kernel<kernel, SmemSetup::kOptInMaxCarveout>(cfg, args);
 }
 
 template <int Q, int RW, bool kProjectW>

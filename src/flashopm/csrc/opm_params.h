@@ -159,6 +159,9 @@ struct PrepArgs {
   int o_chunks;  // project-first: columns (h1, d) handled in chunks of kPrepThreads per block
   int mma_terms;  // opm_project_rows_kernel's products for float32 x: 0 float32 FMAs, 1 TF32, 3 3xTF32
   int weights_late;  // opm_prep_kernel: the weights' copies issued after the loads of x, not before
+  // opm_prep_kernel (host side): launched as the previous kernel's programmatic dependent, so that
+  // its blocks can be resident before that kernel ends (the kernel waits for it before any load)
+  int after_previous;
 };
 
 constexpr int kPrepWarps = 8;
@@ -638,6 +641,10 @@ struct SmallTcArgs {
   int local_a;    // the FMA form projects its own rows of a and runs phase P before the wait
                   // (float32 x; the first kernel writes b alone)
   int local_a_vec;  // ... with its weights, LayerNorm's parameters and x's rows copied in 16-byte pieces
+  // Where the kernel lets the next kernel on the stream start (griddepcontrol.launch_dependents),
+  // if that one was launched as its programmatic dependent: 0 at the end (no early signal), 1 at
+  // the start, 2 before the epilogue (the chained form; the others at the start)
+  int trigger_next;
   PrepArgs prep;  // the projections' inputs, when fused or local_a
 };
 

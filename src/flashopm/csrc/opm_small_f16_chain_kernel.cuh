@@ -50,6 +50,10 @@ template <int kJT, bool kWhole>
 __global__ void __maxnreg__(112) opm_small_f16_chain_kernel(const SmallTcArgs p) {
   static_assert(kJT >= 1 && kJT <= 3, "the chained form takes one to three m tiles of j (N <= 48)");
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // The next kernel on the stream may become resident now if it was launched as our programmatic
+  // dependent (the next call's projections; p.trigger_next): it waits for our end before it reads
+  // anything.
+  if (p.trigger_next == 1) asm volatile("griddepcontrol.launch_dependents;\n" ::);
   constexpr int kH = 32, kHH = kH * kH, kKS = kH / 16, kIG = kSmallF16ChainIG;
   constexpr int kLgH = 5;
   extern __shared__ float4 smem_f4[];
@@ -326,6 +330,7 @@ __global__ void __maxnreg__(112) opm_small_f16_chain_kernel(const SmallTcArgs p)
         }
   }
   __syncthreads();
+  if (p.trigger_next == 2) asm volatile("griddepcontrol.launch_dependents;\n" ::);
 
   // out' = out·2^(e_b[j] + e_a[i] + e_w + p_exp)
   small_f16_store_out(p, red, L.ldr, L.N16, L.kparts, bias_s, den_s, pair_s, b, i0, d0, ti, e_a_s, e_b_s,

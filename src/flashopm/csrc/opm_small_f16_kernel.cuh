@@ -202,6 +202,10 @@ __device__ __forceinline__ void small_f16_store_out(const SmallTcArgs& p, const 
 
 __global__ void __maxnreg__(96) opm_small_f16_kernel(const SmallTcArgs p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // The next kernel on the stream may become resident now if it was launched as our programmatic
+  // dependent (the next call's projections; p.trigger_next): it waits for our end before it reads
+  // anything.
+  if (p.trigger_next != 0) asm volatile("griddepcontrol.launch_dependents;\n" ::);
   extern __shared__ float4 smem_f4[];
   char* smem = reinterpret_cast<char*>(smem_f4);
   const int S = p.S, N = p.N, H = p.H, TI = p.TI, Dc = p.Dc, SH = S * H, HH = H * H;

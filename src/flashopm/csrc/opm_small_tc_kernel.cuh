@@ -401,6 +401,10 @@ template <int kTerms, bool kFused, bool kLocalA>
 __global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_tc_kernel(const SmallTcArgs p) {
   static_assert(!kLocalA || (kTerms == 0 && !kFused), "the local-a form is a form of the two-launch FMA kernel");
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // The next kernel on the stream may become resident now if it was launched as our programmatic
+  // dependent (the next call's projections; p.trigger_next): it waits for our end before it reads
+  // anything.
+  if (p.trigger_next != 0) asm volatile("griddepcontrol.launch_dependents;\n" ::);
   extern __shared__ float4 smem_f4[];
   float* smem = reinterpret_cast<float*>(smem_f4);
   const int S = p.S, N = p.N, H = p.H, TI = p.TI, Dc = p.Dc;
