@@ -84,9 +84,8 @@ a = a.replace("    launch_small_tc(ta, tc_terms, stream);\n    return out;\n",
 src["opm_api.cpp"] = a
 
 k = src["opm_launch.cu"]
-k = patch(k, "  launch_kernel<kernel, SmemSetup::kOptInMaxCarveout>(\n      grid, unsigned(R / RW * 32)", CLK(17),
-          before=True)
-k = patch(k, "prep_smem_bytes(args.H, RW, kProjectW, kWholeW, args.C), stream, args);\n", CLK(18))
+k = patch(k, "  launch_kernel<kernel, SmemSetup::kOptInMaxCarveout>(cfg, args);\n", CLK(17), before=True)
+k = patch(k, "  launch_kernel<kernel, SmemSetup::kOptInMaxCarveout>(cfg, args);\n", CLK(18))
 k = patch(k, "void launch_small_tc_t(const cudaLaunchConfig_t& cfg, const SmallTcArgs& args) {\n", CLK(19))
 k = patch(k, "  launch_kernel<Kernel, SmemSetup::kOptIn>(cfg, args);\n}\n\n// The chained", CLK(20), before=True)
 k = k.replace("  launch_kernel<Kernel, SmemSetup::kOptIn>(cfg, args);\n}\n\n// The chained",

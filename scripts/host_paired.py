@@ -83,11 +83,10 @@ def main(shape):
         finally:
             driver_launch(True)
 
-    def new_with_prep_pdl(value):
-        # the projections launched as the previous kernel's programmatic dependent ("1", the
-        # default) or in plain stream order ("0"); both sides pay for setting the variable
+    def new_with_env(var, value):
+        # ModelNew with an environment switch set; both sides of a pair pay for setting it
         def call():
-            os.environ["FLASHOPM_PREP_PDL"] = value
+            os.environ[var] = value
             return new(x, m)
         return call
 
@@ -101,11 +100,18 @@ def main(shape):
             (("ModelNew", lambda: new(x, m)), ("ModelNew, runtime launches", new_by_runtime_launches)),
             (("empty call", lambda: noop(dummy)), ("ModelNew", lambda: new(x, m))),
             (("ModelNew", lambda: new(x, m)), ("eager Model", lambda: ref(x, m))),
-            (("ModelNew, PREP_PDL=1", new_with_prep_pdl("1")), ("ModelNew, PREP_PDL=0", new_with_prep_pdl("0"))),
+            # the projections launched as the previous kernel's programmatic dependent (the default)
+            # or in plain stream order
+            (("ModelNew, PREP_PDL=1", new_with_env("FLASHOPM_PREP_PDL", "1")),
+             ("ModelNew, PREP_PDL=0", new_with_env("FLASHOPM_PREP_PDL", "0"))),
+            # the chained form in one cooperative launch or in two
+            (("ModelNew, F16_FUSED=1", new_with_env("FLASHOPM_SMALL_F16_FUSED", "1")),
+             ("ModelNew, F16_FUSED=0", new_with_env("FLASHOPM_SMALL_F16_FUSED", "0"))),
         ):
             a, b, r = paired(fa, fb)
             print(f"{na:>22} {nb:>24}   {a:9.2f}   {b:9.2f}   {r:6.3f}")
     os.environ.pop("FLASHOPM_PREP_PDL", None)
+    os.environ.pop("FLASHOPM_SMALL_F16_FUSED", None)
 
 
 if __name__ == "__main__":

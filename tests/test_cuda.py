@@ -424,6 +424,51 @@ def test_small_tc_f16_chained_form(shape, tile, staged, monkeypatch):
     _check_weights_x10(shape, seed=5)
 
 
+def _chain_fused_applies(shape, plan):
+    """Whether FLASHOPM_SMALL_F16_FUSED=1 takes one cooperative launch (small_f16_chain_fused): every
+    block resident at once, the first kernel's whole-weights form (msa_dim % 4 == 0, at most 64), and
+    the staged weights within the items' sums region (small_f16_chain_layout)."""
+    S, N, C, H = shape.S, shape.N, shape.C, shape.H
+    TI, Dc = plan[0], plan[1]
+    blocks = shape.B * -(-N // TI) * -(-shape.D // Dc)
+    groups = -(-TI // 2) * (Dc // 8)
+    kparts = max(1, min(16 // groups, H // 2 * (-(-S // 8))))
+    ldr = TI * Dc + (8 - (TI * Dc) % 32 + 32) % 32
+    red_bytes = kparts * (-(-N // 16) * 16) * ldr * 4
+    ldw = -(-C // 4) * 4 + (4 if (-(-C // 4) * 4) % 8 == 0 else 0)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    return blocks <= sms and C % 4 == 0 and C <= 64 and red_bytes >= (64 * ldw + 4 * C) * 4
+
+
+# The chained form in one cooperative launch (FLASHOPM_SMALL_F16_FUSED=1): each block's first warps
+# project its share of the rows as the first kernel would, then a grid barrier in place of the
+# second launch's wait. Where it applies it must give the two launches' bits; elsewhere the two
+# launches run.
+@pytest.mark.parametrize("mask_kind", ["masked_positions", "fractional"])
+@pytest.mark.parametrize("shape,tile", F16_CHAIN_CASES, ids=lambda v: str(v))
+def test_small_tc_f16_chained_form_in_one_launch(shape, tile, mask_kind, monkeypatch):
+    seed_text = f"{shape}-{mask_kind}-fused"
+    xc, mc, pc = _f16_form_problem(shape, tile, mask_kind, seed_text, monkeypatch, staged=False)
+    plan = torch.ops.flashopm._small_tc_plan(xc, shape.B, shape.S, shape.N, shape.H, shape.D)
+    two = _run(xc, mc, pc, "small-tc", may_not_fit=False)
+    monkeypatch.setenv("FLASHOPM_SMALL_F16_FUSED", "1")
+    kernels = _flashopm_kernels(lambda: _run(xc, mc, pc, "small-tc", poison=False, may_not_fit=False))
+    if _chain_fused_applies(shape, plan):
+        assert len(kernels) == 1 and "opm_small_f16_chain_kernel" in kernels[0], kernels
+    else:
+        assert len(kernels) == 2, kernels
+    one = _run(xc, mc, pc, "small-tc", may_not_fit=False)
+    assert torch.equal(one, two), (one - two).abs().max().item()
+    _check(shape, mask_kind, "small-tc", seed=zlib.crc32(seed_text.encode()) % 1000, may_not_fit=False)
+
+
+def test_small_tc_f16_chained_form_in_one_launch_applies_at_the_spec_shape(monkeypatch):
+    monkeypatch.setenv("FLASHOPM_SMALL_F16_FUSED", "1")
+    x, m, p = make_problem(SPEC, "masked_positions", seed=4)
+    kernels = _flashopm_kernels(lambda: _run(x.cuda(), m.cuda(), _cuda_params(p), "auto", poison=False))
+    assert len(kernels) == 1 and "opm_small_f16_chain_kernel" in kernels[0], kernels
+
+
 # Past N = 48 (four m tiles of j) the float16 split form is the staged one: the chained form stops
 # at three.
 @pytest.mark.parametrize("shape", [Shape(1, 8, 49, 16, 32, 24), Shape(1, 8, 64, 64, 32, 64)], ids=str)

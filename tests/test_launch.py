@@ -76,6 +76,7 @@ def _both_routes(route, fn):
 FORWARD_CASES = [
     (Shape(2, 8, 32, 64, 32, 64), "auto", torch.float32, {}),  # two launches, programmatic dependent
     (Shape(2, 8, 32, 64, 32, 64), "small-tc", torch.float32, {"FLASHOPM_SMALL_TC_FUSED": "1"}),  # cooperative
+    (Shape(2, 8, 32, 64, 32, 64), "auto", torch.float32, {"FLASHOPM_SMALL_F16_FUSED": "1"}),  # ... chained form
     (Shape(1, 3, 7, 17, 8, 5), "single", torch.float32, {}),  # clusters
     (Shape(1, 64, 97, 64, 32, 128), "outer", torch.float32, {}),  # tensor cores
     (Shape(1, 5, 33, 17, 12, 9), "outer-fma", torch.float32, {}),  # CUDA cores
@@ -184,10 +185,12 @@ def _second_call_args(out1, params, H=32):
 
 
 @requires_cuda
+@pytest.mark.parametrize("fused", ["0", "1"])
 @pytest.mark.parametrize("trigger", ["0", "1", "2"])
 @pytest.mark.parametrize("normalization", [0, 1, 2])
 @pytest.mark.parametrize("capture", [False, True])
-def test_back_to_back_calls_read_the_previous_call_s_output_complete(monkeypatch, trigger, normalization, capture):
+def test_back_to_back_calls_read_the_previous_call_s_output_complete(monkeypatch, fused, trigger, normalization,
+                                                                     capture):
     """On the small path the first kernel starts as the previous kernel's programmatic dependent,
     and the second kernel may let its successor start before it ends (FLASHOPM_SMALL_TRIGGER: at
     its start, before its epilogue, or not before it ends), so that calls back to back overlap. The
@@ -195,6 +198,7 @@ def test_back_to_back_calls_read_the_previous_call_s_output_complete(monkeypatch
     only once the kernel before has ended: here they are all the previous call's output, which is
     written last. The results must be the bits of the same calls made with a synchronize between."""
     monkeypatch.setenv("FLASHOPM_SMALL_TRIGGER", trigger)
+    monkeypatch.setenv("FLASHOPM_SMALL_F16_FUSED", fused)  # the chained form in one cooperative launch
     shape1 = Shape(2, 8, 32, 64, 32, 64)
     for seed in range(3):
         args1 = _cuda_args(shape1, seed=seed)

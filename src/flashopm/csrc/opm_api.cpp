@@ -377,6 +377,21 @@ bool small_tc_fused(const PrepArgs& pa, const SmallTcPlan& plan, bool fma, int d
                              pa.C, pa.H);
 }
 
+// The chained float16 split form in one cooperative launch (SmallTcArgs::fused): each block's
+// first warps project its share of the rows as the first kernel would (the same bits), a grid
+// barrier in place of the second launch's wait.  FLASHOPM_SMALL_F16_FUSED=1 asks for it where it
+// applies: every block resident at once (one per SM), the first kernel's whole-weights form
+// (float32 x, msa_dim % 4 == 0 and at most 64, the weights 16-byte aligned), and room for the
+// staged weights in the items' sums region, which is free until the barrier.
+bool small_f16_chain_fused(const PrepArgs& pa, const SmallTcPlan& plan, int dev) {
+  if (!env_is("FLASHOPM_SMALL_F16_FUSED", "1")) return false;
+  const DeviceInfo& info = device_info(dev);
+  const int64_t blocks = int64_t(pa.B) * ((pa.N + plan.TI - 1) / plan.TI) * ((pa.D + plan.Dc - 1) / plan.Dc);
+  const SmallF16ChainLayout L = small_f16_chain_layout(pa.S, pa.N, pa.H, plan.TI, plan.Dc);
+  return info.cooperative_launch && blocks <= info.sm_count && prep_whole_weights_apply(pa, false, 1) &&
+         L.red % 16 == 0 && L.a - L.red >= small_f16_fused_proj_bytes(pa.C);
+}
+
 // The FMA form with each block projecting its own rows of a and running phase P before it waits
 // for the first kernel, which then computes b alone (opm_small_tc_kernel's kLocalA), where
 // FLASHOPM_SMALL_TC_LOCAL_A=1 asks for it: float32 x, W 16-byte aligned (its chunk is staged in
@@ -835,7 +850,7 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     const bool f16 = small_tc_f16(small_tc, tc_terms, w_out.data_ptr<float>(), S, N, H) &&
                      f16_ws_bytes / 4 <= budget_elems;
     const bool fma = !f16 && small_tc_fma(small_tc, tc_terms);
-    const bool fused = !f16 && small_tc_fused(pa, small_tc, fma, dev);
+    const bool fused = f16 ? chain && small_f16_chain_fused(pa, small_tc, dev) : small_tc_fused(pa, small_tc, fma, dev);
     const bool local_a = small_tc_local_a(pa, small_tc, fma, fused, w_out.data_ptr<float>());
     // The FMA form of two launches takes b as (B, S, H, N4) and a as (B, H, NS4) (none when each
     // block projects its own), so that it copies rows of both in 16-byte pieces.

@@ -807,6 +807,14 @@ constexpr int kSmallF16ChainIG = 2;     // rows i per warp item (their P fragmen
 // form was faster: 12.9 against 14.6 us at (1,8,64,64,32,64), within 0.2 us of it at B = 2.
 constexpr int kSmallF16ChainMaxN = 48;
 constexpr int kSmallF16ChainSkew = 16;  // halves between W's rows of consecutive h2 quads, past ldw
+// The chained form in one cooperative launch (SmallTcArgs::fused): the block's first warps project
+// its share of the rows (b, s, n) while the others split W's chunk.
+constexpr int kSmallF16FusedProjWarps = 4;
+// Shared memory that projection takes (bytes, in the items' sums region): W_a's and W_b's rows
+// whole (opm_prep_kernel's whole-weights layout) and each projecting warp's normalised row.
+FLASHOPM_HD inline int small_f16_fused_proj_bytes(int C) {
+  return (64 * round_up4_odd_quad(C) + kSmallF16FusedProjWarps * C) * 4;
+}
 struct SmallF16ChainLayout {
   int N16, S8, RA, lda, ldw, ldk, ldr, kparts, NS4, S4;
   int wq;  // halves per part (high, low) of W's chunk: H·Dc rows and the quads' skews

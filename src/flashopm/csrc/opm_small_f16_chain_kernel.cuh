@@ -8,6 +8,8 @@
 //   prologue  W's chunk into registers in 4 x 4 units of (h1, h2), its largest magnitude over the
 //             block, then split into rows (h2, d) of h1; bias, row denominators or pair counts;
 //   wait      griddepcontrol.wait (kernel 1 wrote a and b split, b's rows along k = (s/8, h2, s%8));
+//             or, fused (one cooperative launch), the block's first warps project its share of the
+//             rows as kernel 1 would, while the others split W, then the grid's barrier;
 //   copies    bulk copies: the block's rows (i, s) of a and their exponents, then b and its;
 //   items     (two rows i, eight d, a part of k) per warp: per k-step (h2 pair, s chunk)
 //               P[(h2, d), s] = sum_h1 W[d, h1·H + h2] · a[(i, s), h1]   M = 16, N = 8, K = H
@@ -22,6 +24,7 @@
 // only below 2^-24 of its row's largest scaled value, under float32's rounding of the sums.
 #pragma once
 
+#include <cooperative_groups.h>
 #include <cuda_fp16.h>
 
 #include "opm_small_f16_kernel.cuh"
@@ -39,14 +42,144 @@ __device__ __forceinline__ uint32_t hmul2_bits(uint32_t a, uint32_t f) {
   return *reinterpret_cast<const uint32_t*>(&r);
 }
 
+// Barrier `id` (1-15) among `threads` threads of the block (a multiple of 32), those that call it.
+__device__ __forceinline__ void named_barrier(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+// The fused form's projections, run by the block's first kSmallF16FusedProjWarps warps: rows
+// [r0, r1) of the B·S·N rows (b, s, n), a warp per row at a time, into the workspace in
+// kAbF16Split, as opm_prep_kernel's whole-weights form computes and stores them (the same
+// statistics, the same products in the same order: the same bits).  W_a's and W_b's rows are
+// staged whole at ws (ldw = round_up4_odd_quad(C) floats apart), each warp's normalised row at
+// xs + warp·C.  Needs hidden 32, float32 x, C % 4 == 0, C <= kPrepWholeMaxC, the weights 16-byte
+// aligned (checked by the launcher).
+__device__ __forceinline__ void small_f16_project_rows(const PrepArgs& p, int64_t r0, int64_t r1, float* ws,
+                                                       float* xs) {
+  constexpr int kThreads = 32 * kSmallF16FusedProjWarps, kH = 32;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int C = p.C, ldw = round_up4_odd_quad(C);
+  {
+    // Thread t copies column quad t % 16 of rows t / 16 + (kThreads / 16)·k, W_a's then W_b's.
+    const int quad = tid & 15;
+    if (4 * quad < C)
+      for (int o = tid >> 4; o < 2 * kH; o += kThreads / 16) {
+        const float* src = (o < kH ? p.wa + int64_t(o) * C : p.wb + int64_t(o - kH) * C) + 4 * quad;
+        cp_async_n<16>(ws + o * ldw + 4 * quad, src, true);
+      }
+    cp_async_commit();
+  }
+  float lnw[kPrepCachedChunks], lnb[kPrepCachedChunks];
+#pragma unroll
+  for (int j = 0; j < kPrepCachedChunks; ++j) {
+    const int c = j * kPrepKC + lane;
+    lnw[j] = c < C ? p.ln_w[c] : 0.f;
+    lnb[j] = c < C ? p.ln_b[c] : 0.f;
+  }
+  const float bias_a = p.ba ? p.ba[lane] : 0.f, bias_b = p.bb ? p.bb[lane] : 0.f;
+  const int64_t SN = int64_t(p.S) * p.N;
+  float* const xrow_s = xs + warp * C;
+  int b = 0, s = 0, n = 0;
+  float mask_v = 0.f;
+  // Row r's position, mask value and normalised features (into xrow_s).
+  const auto normalise = [&](int64_t r) {
+    b = int(r / SN);
+    s = int((r - b * SN) / p.N);
+    n = int(r - b * SN - int64_t(s) * p.N);
+    const float* const x = static_cast<const float*>(p.x) + int64_t(b) * p.x_sb + int64_t(s) * p.x_ss + int64_t(n) * p.x_sn;
+    float x_c[kPrepCachedChunks];
+#pragma unroll
+    for (int j = 0; j < kPrepCachedChunks; ++j) {
+      const int c = j * kPrepKC + lane;
+      x_c[j] = c < C ? x[c] : 0.f;
+    }
+    mask_v = mask_at(p.mask, b, s, n);
+    float sum = 0.f;
+#pragma unroll
+    for (int j = 0; j < kPrepCachedChunks; ++j)
+      if (j * kPrepKC + lane < C) sum += x_c[j];
+    const float mean = warp_sum(sum) / C;
+    float sq = 0.f;
+#pragma unroll
+    for (int j = 0; j < kPrepCachedChunks; ++j)
+      if (j * kPrepKC + lane < C) {
+        const float d = x_c[j] - mean;
+        sq += d * d;
+      }
+    const float rstd = rsqrtf(warp_sum(sq) / C + p.ln_eps);
+#pragma unroll
+    for (int j = 0; j < kPrepCachedChunks; ++j) {
+      const int c = j * kPrepKC + lane;
+      if (c < C) xrow_s[c] = (x_c[j] - mean) * rstd * lnw[j] + lnb[j];
+    }
+  };
+  int64_t r = r0 + warp;
+  if (r < r1) normalise(r);  // the first row's loads and statistics overlap the weights' copies
+  cp_async_wait_all();
+  named_barrier(2, kThreads);  // every projecting thread's weight copies, and each warp's row
+  for (; r < r1; r += kSmallF16FusedProjWarps) {
+    float acc[2] = {0.f, 0.f};
+#pragma unroll
+    for (int j = 0; j < kPrepCachedChunks; ++j) {
+      const int c0 = j * kPrepKC;
+      if (c0 >= C) break;
+      const int kc = min(kPrepKC, C - c0);
+      float part[2] = {0.f, 0.f};
+#pragma unroll 2
+      for (int k = 0; k < kc; k += 4) {
+        const float4 xv = *reinterpret_cast<const float4*>(&xrow_s[c0 + k]);
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+          const float4 w = *reinterpret_cast<const float4*>(&ws[(lane + 32 * q) * ldw + c0 + k]);
+          part[q] = fmaf(xv.x, w.x, part[q]);
+          part[q] = fmaf(xv.y, w.y, part[q]);
+          part[q] = fmaf(xv.z, w.z, part[q]);
+          part[q] = fmaf(xv.w, w.w, part[q]);
+        }
+      }
+#pragma unroll
+      for (int q = 0; q < 2; ++q) acc[q] += part[q];
+    }
+    const float va = (acc[0] + bias_a) * mask_v, vb = (acc[1] + bias_b) * mask_v;
+    float max_a = fabsf(va), max_b = fabsf(vb);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+      max_a = fmaxf(max_a, __shfl_xor_sync(0xffffffffu, max_a, off));
+      max_b = fmaxf(max_b, __shfl_xor_sync(0xffffffffu, max_b, off));
+    }
+    const int e_a = split_scale_exp_bits(max_a), e_b = split_scale_exp_bits(max_b);
+    const int64_t row = int64_t(n) * p.S + s;
+    __half* const a_row = static_cast<__half*>(p.a_out) + b * p.a_sb + row * p.a_ss;
+    __half* const b_base = static_cast<__half*>(p.b_out);
+    store_split_f16(a_row + lane, p.a_lo_off, va * exp2_int(e_a));
+    store_split_f16(b_base + ab_row_offset(p.b_sb, p.b_sc, p.b_ss, p.b_sn, p.s_chunk, b, s, n) + lane * p.b_hs,
+                    p.b_lo_off, vb * exp2_int(e_b));
+    if (p.s_chunk > 0 && s == p.S - 1)
+      for (int sp = p.S; sp % p.s_chunk != 0; ++sp)  // b's positions past S, to its chunk's end: zeros
+        store_split_f16(b_base + ab_row_offset(p.b_sb, p.b_sc, p.b_ss, p.b_sn, p.s_chunk, b, sp, n) + lane * p.b_hs,
+                        p.b_lo_off, 0.f);
+    if (lane == 0) {
+      p.a_exp[b * p.a_exp_sb + int64_t(n) * p.a_exp_sn + s] = e_a;
+      p.b_exp[b * p.b_exp_sb + row] = e_b;
+    }
+    if (r + kSmallF16FusedProjWarps < r1) {
+      __syncwarp();  // the row is consumed before the next one overwrites it
+      normalise(r + kSmallF16FusedProjWarps);
+      __syncwarp();
+    }
+  }
+}
+
 // kJT: m tiles of 16 rows j, exactly N16 / 16 (no predicates on them).  kWhole: every block's
 // tile is whole (N % TI == 0, TI % 2 == 0, N % 16 == 0, S % 8 == 0, D % Dc == 0), so that no row
-// i, j or position s of an item needs a test.
+// i, j or position s of an item needs a test.  kFused: one cooperative launch (SmallTcArgs::fused),
+// the rows projected by the block's first warps and a grid barrier in place of the wait; a
+// template parameter so that the two-launch form's code carries none of it.
 // At most 112 registers: 512 x 112 leaves room on an SM for a block of the first kernel
 // (128 x 56), so that this kernel's blocks start beside it, as its programmatic dependent, and
 // stage W before the first kernel ends; with 128 they can start only once it ends.  Four m tiles
 // would need 128 (spills of 144 bytes at 112), which is why the form stops at three.
-template <int kJT, bool kWhole>
+template <int kJT, bool kWhole, bool kFused>
 __global__ void __maxnreg__(112) opm_small_f16_chain_kernel(const SmallTcArgs p) {
   static_assert(kJT >= 1 && kJT <= 3, "the chained form takes one to three m tiles of j (N <= 48)");
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -92,6 +225,20 @@ __global__ void __maxnreg__(112) opm_small_f16_chain_kernel(const SmallTcArgs p)
     mbarrier_init(a_bar, 1);
     mbarrier_init(b_bar, 1);
   }
+  // Fused (one cooperative launch, no first kernel): the first kSmallF16FusedProjWarps warps project
+  // the block's share of all the rows (b, s, n) into the workspace, the others split W's chunk.
+  const bool proj_warp = kFused && warp < kSmallF16FusedProjWarps;
+  const int w_first = kFused ? 32 * kSmallF16FusedProjWarps : 0;  // W's threads: w_first and up
+  const int w_threads = kSmallTcThreads - w_first, wt = tid - w_first;
+  if (proj_warp) {
+    const int64_t rows = int64_t(p.B) * S * N, blocks = int64_t(gridDim.x) * gridDim.y * gridDim.z;
+    const int64_t id = blockIdx.x + int64_t(gridDim.x) * (blockIdx.y + int64_t(gridDim.y) * blockIdx.z);
+    float* const ws = reinterpret_cast<float*>(smem + L.red);  // the items' sums come after the barrier
+    small_f16_project_rows(p.prep, rows * id / blocks, rows * (id + 1) / blocks, ws,
+                           ws + 64 * round_up4_odd_quad(p.prep.C));
+    // Other blocks read these rows with bulk copies (the async proxy) after the grid's barrier.
+    asm volatile("fence.proxy.async.global;\n" ::: "memory");
+  }
   // Units of 4 x 4 (h1, h2) of W's chunk: unit u is h2 quad u % 8, then h1 quad, then d, so that a
   // warp's loads are whole 128-byte rows of W and its stores of one h2 (eight quads of h2 on
   // skewed rows, four h1 quads each) fall in distinct banks.
@@ -109,20 +256,36 @@ __global__ void __maxnreg__(112) opm_small_f16_chain_kernel(const SmallTcArgs p)
     for (int r = 0; r < 4; ++r) v[r] = __ldg(w_src + ((d * kHH + (4 * q1 + r) * kH + 4 * q2) >> 2));
   };
   float4 wv[4];
-  const bool has_unit = tid < units;
-  if (has_unit) load_unit(tid, wv);
+  const bool has_unit = !proj_warp && wt < units;
+  if (has_unit) load_unit(wt, wv);
   small_tc_stage_norm<true>(p, b, i0, d0, ti, L.N16, bias_s, den_s, pair_s);  // den_s: reciprocals
   float w_max = 0.f;
   if (has_unit)
 #pragma unroll
     for (int r = 0; r < 4; ++r) w_max = abs_max4(w_max, wv[r]);
-  for (int u = tid + kSmallTcThreads; u < units; u += kSmallTcThreads) {
+  for (int u = wt + w_threads; !proj_warp && u < units; u += w_threads) {
     float4 v[4];
     load_unit(u, v);
 #pragma unroll
     for (int r = 0; r < 4; ++r) w_max = abs_max4(w_max, v[r]);
   }
-  const int e_w = split_scale_exp_bits(block_abs_max(w_max, scratch));
+  // W's largest magnitude: over the block, or (fused) over W's warps, whose values stay in scratch
+  // for the projecting warps to read after the block's barrier below.
+  const auto fused_w_max = [&] {
+    float m = 0.f;
+    for (int w = kSmallF16FusedProjWarps; w < kSmallTcWarps; ++w) m = fmaxf(m, scratch[w]);
+    return m;
+  };
+  int e_w = 0;
+  if constexpr (!kFused) {
+    e_w = split_scale_exp_bits(block_abs_max(w_max, scratch));
+  } else if (!proj_warp) {  // (fused)
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) w_max = fmaxf(w_max, __shfl_xor_sync(0xffffffffu, w_max, o));
+    if (lane == 0) scratch[warp] = w_max;
+    named_barrier(1, w_threads);
+    e_w = split_scale_exp_bits(fused_w_max());
+  }
   const float f_w = exp2_int(e_w);
   const auto store_unit = [&](int u, const float4 (&v)[4]) {
     int d, q1, q2;
@@ -133,8 +296,8 @@ __global__ void __maxnreg__(112) opm_small_f16_chain_kernel(const SmallTcArgs p)
       store_split4(w_hi, w_lo, w_row(4 * q2 + e, d) + 4 * q1, col, f_w);
     }
   };
-  if (has_unit) store_unit(tid, wv);
-  for (int u = tid + kSmallTcThreads; u < units; u += kSmallTcThreads) {
+  if (has_unit) store_unit(wt, wv);
+  for (int u = wt + w_threads; !proj_warp && u < units; u += w_threads) {
     float4 v[4];
     load_unit(u, v);
     store_unit(u, v);
@@ -153,10 +316,16 @@ __global__ void __maxnreg__(112) opm_small_f16_chain_kernel(const SmallTcArgs p)
     *reinterpret_cast<uint4*>(zero_row + 8 * idx) = make_uint4(0u, 0u, 0u, 0u);
   __syncthreads();
 
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  if constexpr (kFused) {
+    if (proj_warp) e_w = split_scale_exp_bits(fused_w_max());
+    cooperative_groups::this_grid().sync();  // every block's rows of a and b stored and visible
+  } else {
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  }
 
-  // ---- copies: a's rows (i, s) of this block and all of b's, as kernel 1 split them ----
+  // ---- copies: a's rows (i, s) of this block and all of b's, as kernel 1 (or the grid) split them ----
   if (tid == 0) {
+    if constexpr (kFused) asm volatile("fence.proxy.async.global;\n" ::: "memory");  // generic stores, then bulk reads
     const int64_t a_row0 = (int64_t(b) * N + i0) * S;
     const unsigned a_bytes = unsigned(ti * S * L.lda) * 2u, b_bytes = unsigned(N * L.ldk) * 2u;
     const unsigned ea_bytes = unsigned(ti * L.S4) * 4u;
