@@ -163,6 +163,7 @@ if not torch.cuda.is_available():
     sys.exit(0)
 
 from flashopm.bench import time_graph  # noqa: E402
+from flashopm.testing import capture_graph  # noqa: E402
 
 shape, model, x, m = problem_from_argv()
 
@@ -172,15 +173,7 @@ def clocks(label, graph=False):
     CUDA-graph replay (the launches as the GPU runs them back to back)."""
     call = lambda: model(x, m)  # noqa: E731
     if graph:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            call()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            call()
-        call = g.replay  # noqa: E731
+        call = capture_graph(call)[0].replay
     for _ in range(5):
         call()
     torch.cuda.synchronize()

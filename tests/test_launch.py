@@ -16,7 +16,7 @@ import torch
 import flashopm
 from flashopm import _build
 from flashopm.ops import ALGORITHMS, outer_product_mean_op
-from flashopm.testing import Shape, make_problem, op_args
+from flashopm.testing import Shape, capture_graph, make_problem, op_args
 
 from conftest import requires_cuda, toolchain_or_skip
 
@@ -125,14 +125,12 @@ def test_graph_capture_on_the_driver_route(route):
     model = flashopm.ModelNew(*flashopm.get_init_inputs()).cuda()
     x, m = [t.cuda() for t in flashopm.get_inputs()]
     m = torch.rand_like(m)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side), torch.no_grad():
-        model(x, m)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph), torch.no_grad():
-        out = model(x, m)
+
+    def forward():
+        with torch.no_grad():
+            return model(x, m)
+
+    graph, out = capture_graph(forward)
     x.copy_(torch.randn_like(x))
     graph.replay()
     torch.cuda.synchronize()
@@ -209,14 +207,7 @@ def test_back_to_back_calls_read_the_previous_call_s_output_complete(monkeypatch
             return out1, outer_product_mean_op(*_second_call_args(out1, params2), 0, normalization)
 
         if capture:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                both_calls()
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                out1, out2 = both_calls()
+            graph, (out1, out2) = capture_graph(both_calls)
             args1[0].copy_(torch.randn_like(args1[0]))
             graph.replay()
         else:

@@ -108,6 +108,21 @@ def reference(msa, mask, params, dtype=None, ln_eps: float = 1e-5, normalization
     )
 
 
+def capture_graph(fn):
+    """A CUDA graph of `fn()` and what the captured call returned.  One call runs first on a side
+    stream, so that lazy setup (the extension's first launch, the allocator's pools) stays out of
+    the capture."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
 def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     """Normwise relative error ||out - ref|| / ||ref|| in float64 (0 when both are empty)."""
     if ref.numel() == 0:

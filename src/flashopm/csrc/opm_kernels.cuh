@@ -440,6 +440,38 @@ __device__ __forceinline__ void warp_layernorm_stats(Load x_at, int C, float eps
 // ---------------------------------------------------------------------------------------------
 
 
+// The whole-weights form's projections of one normalised row (xrow_s, C features in shared
+// memory) for this lane's Q outputs o = lane + 32·q, added into acc: W's rows o at ws, ldw floats
+// apart.  Per chunk of kPrepKC features the products in order of k, then the chunk sums in order
+// (the chunked form's order, so the same bits).
+template <int Q>
+__device__ __forceinline__ void whole_row_products(const float* xrow_s, const float* ws, int ldw, int C, int lane,
+                                                   float (&acc)[Q]) {
+#pragma unroll
+  for (int j = 0; j < kPrepCachedChunks; ++j) {
+    const int c0 = j * kPrepKC;
+    if (c0 >= C) break;
+    const int kc = min(kPrepKC, C - c0);
+    float part[Q];
+#pragma unroll
+    for (int q = 0; q < Q; ++q) part[q] = 0.f;
+#pragma unroll 2
+    for (int k = 0; k < kc; k += 4) {
+      const float4 xv = *reinterpret_cast<const float4*>(&xrow_s[c0 + k]);
+#pragma unroll
+      for (int q = 0; q < Q; ++q) {
+        const float4 w = *reinterpret_cast<const float4*>(&ws[(lane + 32 * q) * ldw + c0 + k]);
+        part[q] = fmaf(xv.x, w.x, part[q]);
+        part[q] = fmaf(xv.y, w.y, part[q]);
+        part[q] = fmaf(xv.z, w.z, part[q]);
+        part[q] = fmaf(xv.w, w.w, part[q]);
+      }
+    }
+#pragma unroll
+    for (int q = 0; q < Q; ++q) acc[q] += part[q];
+  }
+}
+
 // One block: one (b, s), (warps per block)·RW consecutive positions n (kPrepWarps warps, or
 // fewer: see launch_prep); in project-first mode kPrepWarps warps and also one
 // chunk of kPrepThreads output columns (h1, d) of c.
@@ -617,29 +649,7 @@ __global__ void __launch_bounds__(kPrepThreads, RW == 1 && Q <= 2 && !kProjectW 
     }
     cp_async_wait_all();
     __syncthreads();  // every thread's weight copies, and this warp's row
-#pragma unroll
-    for (int j = 0; j < kCached; ++j) {
-      const int c0 = j * kPrepKC;
-      if (c0 >= C) break;
-      const int kc = min(kPrepKC, C - c0);
-      float part[Q];
-#pragma unroll
-      for (int q = 0; q < Q; ++q) part[q] = 0.f;
-#pragma unroll 2
-      for (int k = 0; k < kc; k += 4) {
-        const float4 xv = *reinterpret_cast<const float4*>(&xrow_s[c0 + k]);
-#pragma unroll
-        for (int q = 0; q < Q; ++q) {
-          const float4 w = *reinterpret_cast<const float4*>(&ws[(lane + 32 * q) * ldw_whole + c0 + k]);
-          part[q] = fmaf(xv.x, w.x, part[q]);
-          part[q] = fmaf(xv.y, w.y, part[q]);
-          part[q] = fmaf(xv.z, w.z, part[q]);
-          part[q] = fmaf(xv.w, w.w, part[q]);
-        }
-      }
-#pragma unroll
-      for (int q = 0; q < Q; ++q) acc[0][q] += part[q];
-    }
+    whole_row_products<Q>(xrow_s, ws, ldw_whole, C, lane, acc[0]);
   }
   for (int ci = 0; ci < (kWholeW ? 0 : n_chunks); ++ci) {
     const int c0 = ci * kPrepKC;

@@ -119,27 +119,7 @@ __device__ __forceinline__ void small_f16_project_rows(const PrepArgs& p, int64_
   named_barrier(2, kThreads);  // every projecting thread's weight copies, and each warp's row
   for (; r < r1; r += kSmallF16FusedProjWarps) {
     float acc[2] = {0.f, 0.f};
-#pragma unroll
-    for (int j = 0; j < kPrepCachedChunks; ++j) {
-      const int c0 = j * kPrepKC;
-      if (c0 >= C) break;
-      const int kc = min(kPrepKC, C - c0);
-      float part[2] = {0.f, 0.f};
-#pragma unroll 2
-      for (int k = 0; k < kc; k += 4) {
-        const float4 xv = *reinterpret_cast<const float4*>(&xrow_s[c0 + k]);
-#pragma unroll
-        for (int q = 0; q < 2; ++q) {
-          const float4 w = *reinterpret_cast<const float4*>(&ws[(lane + 32 * q) * ldw + c0 + k]);
-          part[q] = fmaf(xv.x, w.x, part[q]);
-          part[q] = fmaf(xv.y, w.y, part[q]);
-          part[q] = fmaf(xv.z, w.z, part[q]);
-          part[q] = fmaf(xv.w, w.w, part[q]);
-        }
-      }
-#pragma unroll
-      for (int q = 0; q < 2; ++q) acc[q] += part[q];
-    }
+    whole_row_products<2>(xrow_s, ws, ldw, C, lane, acc);
     const float va = (acc[0] + bias_a) * mask_v, vb = (acc[1] + bias_b) * mask_v;
     float max_a = fabsf(va), max_b = fabsf(vb);
 #pragma unroll
