@@ -1,6 +1,7 @@
 """The command line's pieces: the KernelBench export, the chart, the argument parsing."""
 import ast
 import inspect
+import json
 import re
 import struct
 
@@ -74,6 +75,20 @@ def test_parse_shapes():
     assert _parse_shapes("1,2,3,4,5,6; (2,8,32,64,32,64)") == [Shape(1, 2, 3, 4, 5, 6), Shape(2, 8, 32, 64, 32, 64)]
     with pytest.raises(SystemExit, match="expected B,S,N,C,H,D"):
         _parse_shapes("1,2,3")
+
+
+def test_benchmark_times_the_wall_without_the_l2_flush_when_asked(tmp_path):
+    """--no-l2-flush: each call timed after a synchronize alone (CUDA events around it); the results
+    say which way the wall was taken.  Without a GPU the command says it needs one."""
+    code = main(["bench", "--no-l2-flush", "--shapes", "1,2,5,8,8,4", "--impls", "eager,flashopm", "--calls", "3",
+                 "--out", str(tmp_path)])
+    if not torch.cuda.is_available():
+        assert code == 2
+        return
+    assert code == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["environment"]["l2_flush"] is False
+    assert [r["impl"] for r in results["results"]] == ["eager", "flashopm"]
 
 
 def test_info_runs_anywhere(capsys):

@@ -237,8 +237,9 @@ def _timed_call(fn, x, m, mode: str, leaves: list, grad_out):
 
 
 def bench_shape(shape: Shape, impls: list[str], n_calls: int, fp64_max_n: int, dtype: torch.dtype,
-                progress=None, module: str = "spec", mode: str = "forward") -> list[dict]:
-    """One row per implementation: wall and graph time, memory, error, TFLOP/s (or a status)."""
+                progress=None, module: str = "spec", mode: str = "forward", flush_l2: bool = True) -> list[dict]:
+    """One row per implementation: wall and graph time, memory, error, TFLOP/s (or a status).  Wall
+    times are taken after a synchronize, and after an L2 flush where `flush_l2`."""
     from .bench import is_oom, paired_speedup, peak_extra_bytes, time_graph_amortised, time_wall, warm_gpu
 
     x, m, p = make_problem(shape, "masked_positions", seed=0)
@@ -279,7 +280,7 @@ def bench_shape(shape: Shape, impls: list[str], n_calls: int, fp64_max_n: int, d
                 out = out.clone() if mode == "forward" else [g.detach().clone() for g in out]
                 call = _timed_call(fn, x, m, mode, leaves, grad_out)
                 warm_gpu()
-                wall = time_wall(call, n=n_calls, warmup=3)
+                wall = time_wall(call, n=n_calls, warmup=3, flush_l2=flush_l2)
                 # GPU time without host gaps matters for short calls only (and 100 replays of a long one
                 # would take minutes)
                 graph, graph_calls = (time_graph_amortised(call)
@@ -334,7 +335,7 @@ def bench_shape(shape: Shape, impls: list[str], n_calls: int, fp64_max_n: int, d
         base = _eager_peer(impl)
         if impl.startswith("flashopm") and impl in calls and base in calls and row.get("status") == "ok":
             with torch.set_grad_enabled(mode != "forward"):
-                row["x_eager_paired"] = paired_speedup(calls[base], calls[impl], n=n_calls)
+                row["x_eager_paired"] = paired_speedup(calls[base], calls[impl], n=n_calls, flush_l2=flush_l2)
     calls.clear()
     del eager_out, ref64
     torch.cuda.empty_cache()
@@ -358,11 +359,13 @@ def cmd_bench(args) -> int:
     env["dtype"] = args.dtype
     env["module"] = args.module
     env["mode"] = args.mode
+    env["l2_flush"] = not args.no_l2_flush
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     _build.load()
     dummy = torch.empty(1, device="cuda")
-    env["empty_extension_call_us"] = time_wall(lambda: torch.ops.flashopm._noop.default(dummy), n=200).median_us
+    env["empty_extension_call_us"] = time_wall(lambda: torch.ops.flashopm._noop.default(dummy), n=200,
+                                               flush_l2=env["l2_flush"]).median_us
     # The ceilings every rate below is read against, measured now on this GPU (cuBLAS, 8192^3).
     env["gemm_tflops"] = {
         "fp32": gemm_tflops(torch.float32),
@@ -381,13 +384,15 @@ def cmd_bench(args) -> int:
     rows = []
     results = {"environment": env, "results": rows}
     for shape in shapes:
-        rows += bench_shape(shape, impls, args.calls, args.fp64_max_n, dtype, progress, args.module, args.mode)
+        rows += bench_shape(shape, impls, args.calls, args.fp64_max_n, dtype, progress, args.module, args.mode,
+                            env["l2_flush"])
         _write_results(results, out_dir)  # after every shape: a run cut short keeps what it measured
     print(file=sys.stderr)
     render(results, out_dir / "results.png")
     g = env["gemm_tflops"]
+    timing = "after an L2 flush and a synchronize" if env["l2_flush"] else "after a synchronize"
     print(f"{env['gpu']}, torch {env['torch']} (CUDA {env['cuda']}), {env['date']}, {args.dtype}, {args.mode}; "
-          f"empty extension call {env['empty_extension_call_us']:.1f} us; GEMM ceilings (cuBLAS) "
+          f"wall {timing}; empty extension call {env['empty_extension_call_us']:.1f} us; GEMM ceilings (cuBLAS) "
           f"fp32 {g['fp32']:.1f}, tf32 {g['tf32']:.1f}, bf16 {g['bf16']:.1f} TFLOP/s")
     print(_table(rows))
     print(f"wrote {out_dir / 'results.json'}, results.csv, results.png")
@@ -499,6 +504,9 @@ def main(argv=None) -> int:
     b.add_argument("--mode", default="forward", choices=MODES,
                    help="time the forward, the backward alone, or forward and backward (a training step)")
     b.add_argument("--calls", type=int, default=100, help="timed calls per implementation and shape")
+    b.add_argument("--no-l2-flush", action="store_true",
+                   help="time each call after a synchronize alone (by default also after writing a buffer "
+                        "twice the L2 cache, as KernelBench does)")
     b.add_argument("--fp64-max-n", type=int, default=768, help="largest N checked against an fp64 reference")
     b.add_argument("--out", default="bench-results")
     bs = sub.add_parser("bench-sharded", help="scaling of the residue-sharded OPM over processes")
