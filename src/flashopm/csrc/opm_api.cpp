@@ -948,7 +948,11 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     // 3.2 and 0.5 us per call back to back at the spec shape.  FLASHOPM_SMALL_TRIGGER asks for
     // those (to compare; the same results).
     ta.trigger_next = 0;
-    if (const char* e = env_get("FLASHOPM_SMALL_TRIGGER"); e != nullptr && *e != 0) ta.trigger_next = std::atoi(e);
+    if (const char* e = env_get("FLASHOPM_SMALL_TRIGGER"); e != nullptr && *e != 0) {
+      ta.trigger_next = std::atoi(e);
+      FLASHOPM_CHECK(std::strcmp(e, "0") == 0 || std::strcmp(e, "1") == 0 || std::strcmp(e, "2") == 0,
+                     "flashopm: FLASHOPM_SMALL_TRIGGER must be 0, 1 or 2, got '", e, "'");
+    }
     // Each thread takes its own rows' factors (b's in phase O, a's in phase P) rather than passes
     // over the rows' exponents between the phases; FLASHOPM_SMALL_F16_OPTS (a mask of 1 for b's, 2
     // for a's) asks for the passes instead, for comparison: both give the same bits.

@@ -197,9 +197,9 @@ FLASHOPM_HD inline int64_t prep_smem_floats(int H, int rows_per_warp, bool proje
 // Shared memory (floats) of opm_prep_kernel's whole-weights form (one row per warp, at most two
 // outputs per lane): the 64 weight rows o whole, ldw = round_up4_odd_quad(C) floats apart
 // (4 (mod 8): a quarter warp's float4 reads of eight rows fall in distinct banks), then the
-// warps' normalised rows (C floats each).
-FLASHOPM_HD inline int64_t prep_whole_smem_floats(int C) {
-  return int64_t(64) * round_up4_odd_quad(C) + int64_t(kPrepWarps) * C;
+// warps' normalised rows (C floats each; `warps` of them).
+FLASHOPM_HD inline int64_t prep_whole_smem_floats(int C, int warps = kPrepWarps) {
+  return int64_t(64) * round_up4_odd_quad(C) + int64_t(warps) * C;
 }
 
 // opm_project_rows_kernel: the same LayerNorm/projection/mask stage as opm_prep_kernel (outer-first
@@ -810,10 +810,10 @@ constexpr int kSmallF16ChainSkew = 16;  // halves between W's rows of consecutiv
 // The chained form in one cooperative launch (SmallTcArgs::fused): the block's first warps project
 // its share of the rows (b, s, n) while the others split W's chunk.
 constexpr int kSmallF16FusedProjWarps = 4;
-// Shared memory that projection takes (bytes, in the items' sums region): W_a's and W_b's rows
-// whole (opm_prep_kernel's whole-weights layout) and each projecting warp's normalised row.
-FLASHOPM_HD inline int small_f16_fused_proj_bytes(int C) {
-  return (64 * round_up4_odd_quad(C) + kSmallF16FusedProjWarps * C) * 4;
+// Shared memory that projection takes (bytes, in the items' sums region): opm_prep_kernel's
+// whole-weights layout for the projecting warps.
+FLASHOPM_HD inline int64_t small_f16_fused_proj_bytes(int C) {
+  return prep_whole_smem_floats(C, kSmallF16FusedProjWarps) * 4;
 }
 struct SmallF16ChainLayout {
   int N16, S8, RA, lda, ldw, ldk, ldr, kparts, NS4, S4;
