@@ -4,7 +4,7 @@ sides meet the same host and the same clocks.  The switches are read when the op
 variable is set and unset around each call.
 
     python scripts/ab_env.py VAR=VALUE [B,S,N,C,H,D ...] [--dtype bfloat16] [--precision high]
-                             [--mode training|forward] [--calls 20]
+                             [--mode training|forward] [--calls 20] [--no-l2-flush]
 """
 import argparse
 import os
@@ -24,13 +24,15 @@ def main() -> None:
     ap.add_argument("--precision", default="highest", choices=["highest", "high", "medium"])
     ap.add_argument("--mode", default="training", choices=["training", "forward"])
     ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--no-l2-flush", action="store_true", help="a synchronize alone between calls")
     args = ap.parse_intermixed_args()
     var, value = args.switch.split("=", 1)
     dtype = getattr(torch, args.dtype)
     torch.set_float32_matmul_precision(args.precision)
     flashopm.load()
     warm_gpu()
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {args.dtype}, {args.precision}, {args.mode}")
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {args.dtype}, {args.precision}, {args.mode}, "
+          f"L2 {'kept' if args.no_l2_flush else 'flushed'} between calls")
     for text in args.shapes:
         sh = Shape(*map(int, text.split(",")))
         x, m, p = make_problem(sh, "masked_positions", seed=1)
@@ -61,9 +63,10 @@ def main() -> None:
         os.environ.pop(var, None)
         a, b = step(), with_switch()
         same = all(torch.equal(u, v) for u, v in zip(a if isinstance(a, tuple) else (a,), b if isinstance(b, tuple) else (b,)))
-        t_off = time_wall(step, n=args.calls, warmup=3)
-        t_on = time_wall(with_switch, n=args.calls, warmup=3)
-        ratio = paired_speedup(step, with_switch, n=args.calls)
+        flush = not args.no_l2_flush
+        t_off = time_wall(step, n=args.calls, warmup=3, flush_l2=flush)
+        t_on = time_wall(with_switch, n=args.calls, warmup=3, flush_l2=flush)
+        ratio = paired_speedup(step, with_switch, n=args.calls, flush_l2=flush)
         print(f"{sh}: without {t_off.median_us:9.1f} us, with {var}={value} {t_on.median_us:9.1f} us; "
               f"paired (without / with) {ratio:.3f}; same bits: {same}", flush=True)
 

@@ -102,12 +102,12 @@ def main():
         tmp = Path(tmp)
         report = build_cubin(ROOT / CSRC, tmp / "now.cubin")
         now = text_sections(tmp / "now.cubin")
-        old = {}
+        old, old_res = {}, {}
         if args.against:
             archive = subprocess.run(["git", "-C", str(ROOT), "archive", args.against, CSRC], capture_output=True,
                                      check=True).stdout
             subprocess.run(["tar", "-x", "-C", str(tmp)], input=archive, check=True)
-            build_cubin(tmp / CSRC, tmp / "then.cubin")
+            old_res = resources(build_cubin(tmp / CSRC, tmp / "then.cubin"))
             old = text_sections(tmp / "then.cubin")
         counts = opcode_counts(nvdisasm, tmp / "now.cubin") if nvdisasm else {}
         res = resources(report)
@@ -119,8 +119,13 @@ def main():
                 then = name
                 for rule in args.rename:
                     then = then.replace(*rule.split("=", 1))
-                line += "; same as " + args.against if old.get(then) == now[name] else (
-                    "; CHANGED from " + args.against if then in old else "; new since " + args.against)
+                if old.get(then) == now[name]:
+                    line += "; same as " + args.against
+                elif then in old:
+                    line += (f"; CHANGED from {args.against} ({len(old[then]) // 16} instructions; "
+                             f"{old_res.get(then, '')})")
+                else:
+                    line += "; new since " + args.against
             print(line)
             if name in counts:
                 print("   ", "  ".join(f"{op} {n}" for op, n in counts[name].most_common(args.top)))

@@ -9,6 +9,8 @@ overlap; then the CUDA-graph time of the pair, of the first kernel alone, of the
 of the pair launched as two plain kernels, and of the other forms.  The first kernel's blocks are
 also grouped by the SM they ran on (how many of its blocks and of the second kernel's ran there).
 PHASES_QUICK=1 leaves out the clocks of the forms other than the default.
+PHASES_FUSED=1 times the chained form alone: in two launches, in one (FLASHOPM_SMALL_F16_FUSED=1), and
+in two with the second kernel's W loads delayed (DBG_WDELAY, timing only).
 
     PYTHONPATH=src python scripts/small_tc_phases.py [B,S,N,C,H,D [TI,Dc ...]]
 
@@ -42,7 +44,8 @@ k = patch(k, "  if constexpr (!kLocalA) phase_p();\n", CLK(2), before=True)
 k = patch(k, "  cp_async_wait_all();\n  __syncthreads();\n\n  if constexpr (kFma) {\n    // ---- phase O", CLK(3) + "\n",
           before=True)
 k = patch(k, "  small_tc_store_out<false>(", CLK(4), before=True)
-k = k.replace("  if (p.norm.kind == kNormRow) {\n    if (warp < ti) {", "  if (p.norm.kind == kNormRow) {\n    if (warp < ti && p.norm.eps != 1.f) {", 1)
+k = k.replace("      if (warp < ti) row_denominator(warp);", "      if (warp < ti && p.norm.eps != 1.f) row_denominator(warp);", 1)
+assert "p.norm.eps != 1.f" in k
 k = k.replace("    if (warp < items_p) load_w_batch(", "    if (warp < items_p && p.norm.eps != 2.f) load_w_batch(", 1)
 k = k.replace("      if (item != warp) load_w_batch(mt0, 0);", "      if (item != warp || p.norm.eps == 2.f) load_w_batch(mt0, 0);", 1)
 k = k.replace("      const float inv_den = 1.f / den_s[il];", "      const float inv_den = p.norm.eps == 1.f ? 1.f : 1.f / den_s[il];", 1)
@@ -92,6 +95,16 @@ c = patch(c, "      if (!b_arrived) {\n        mbarrier_wait_parity_suspend(b_ba
 c = patch(c, "        mbarrier_wait_parity_suspend(b_bar, 0);\n", T0(15))
 c = patch(c, "    // The item's part of the sums: rows j", T0(14), before=True)
 c = patch(c, "  // out' = out", CLK(4), before=True)
+# The one-launch form (FLASHOPM_SMALL_F16_FUSED=1): thread 0 (a projecting warp's) after its
+# projections (slot 7); the block's clock (12) and %globaltimer (2) before the grid's barrier, after
+# it (1, 9).
+c = patch(c, "        ws + 64 * round_up4_odd_quad(p.prep.C));\n", T0(7))
+c = patch(c, "    cooperative_groups::this_grid().sync();", CLK(12) + GT(2), before=True)
+c = patch(c, "    cooperative_groups::this_grid().sync();  // every block's rows of a and b stored and visible\n", GT(9) + CLK(1))
+# DBG_WDELAY=k: the two-launch form's W loads issued k x 100 ns after the block's entry (timing only:
+# how much the first kernel gains from W's traffic coming later; passed as trigger_next = 100 + k).
+c = patch(c, "  if (has_unit) load_unit(wt, wv);\n", "  if (p.trigger_next >= 100) __nanosleep(100u * unsigned(p.trigger_next - 100));\n",
+          before=True)
 idx = c.rindex("#endif\n}")
 c = c[:idx] + CLK(5) + GT(10) + c[idx:]
 src["opm_small_f16_chain_kernel.cuh"] = c
@@ -142,6 +155,8 @@ a = a.replace("    launch_small_tc(ta, tc_terms, stream);\n",
 # Knobs of this build: DBG_PLAN="TI,Dc" forces a tiling; DBG_KNOB=1 skips the row denominators
 # (den = 1), DBG_KNOB=2 issues no W loads before the wait (passed in norm.eps, unused by the row
 # convention).
+a = patch(a, "    ta.f16_opts = 3;\n", "    if (const char* e_ = std::getenv(\"DBG_WDELAY\")) ta.trigger_next = 100 + std::atoi(e_);\n",
+          before=True)
 a = patch(a, "    ta.Dc = small_tc.Dc;\n", """    if (const char* e = std::getenv("DBG_PLAN")) std::sscanf(e, "%d,%d", &ta.TI, &ta.Dc);
     if (const char* e = std::getenv("DBG_KNOB")) if (ta.norm.kind == kNormRow) ta.norm.eps = float(std::atoi(e));
 """)
@@ -210,6 +225,14 @@ def clocks(label, graph=False):
     pm = lambda hi, lo: (prep[:, hi] - prep[:, lo]).median().item()  # noqa: E731
     print(f"  first kernel, cycles (median, thread 0): statistics={pm(3, 2):.0f}  projections={pm(4, 3):.0f}  "
           f"stores={pm(5, 4):.0f}  total={pm(5, 2):.0f}")
+    if len(prep) == 0:  # one launch: the grid's barrier in place of the first kernel and the wait
+        t0 = tc[:, 8].min()
+        print(f"  one launch, cycles (median): thread 0's projections={med(7, 0):.0f}, block before the barrier="
+              f"{med(12, 0):.0f}, barrier={med(1, 12):.0f}")
+        print(f"  ns from the first block's entry: entry {tc[:, 8].min() - t0:.0f}..{tc[:, 8].max() - t0:.0f}, "
+              f"at the barrier {tc[:, 2].min() - t0:.0f}..{tc[:, 2].max() - t0:.0f}, past it {tc[:, 9].min() - t0:.0f}.."
+              f"{tc[:, 9].max() - t0:.0f}, exit {tc[:, 10].min() - t0:.0f}..{tc[:, 10].max() - t0:.0f}")
+        return
     t0 = prep[:, 0].min()
     print(f"  ns from the first kernel's first block start: first kernel blocks start {prep[:, 0].min() - t0:.0f}.."
           f"{prep[:, 0].max() - t0:.0f}, end {prep[:, 1].min() - t0:.0f}..{prep[:, 1].max() - t0:.0f}; "
@@ -239,6 +262,22 @@ def clocks(label, graph=False):
 
 
 with torch.no_grad():
+    if os.environ.get("PHASES_FUSED"):  # the chained form in two launches and in one
+        forms = [({}, "two launches"), ({"FLASHOPM_SMALL_F16_FUSED": "1"}, "one launch")]
+        forms += [({"DBG_WDELAY": k}, f"two launches, W's loads {k}00 ns late") for k in ("5", "10", "15", "20")]
+        for graph in (False, True):
+            for env, what in forms:
+                os.environ.update(env)
+                clocks(what, graph)
+                for var in env:
+                    os.environ.pop(var)
+        for rnd in range(3):
+            for env, what in forms + [({"DBG_SKIP": "k2"}, "the first kernel alone")]:
+                os.environ.update(env)
+                print(f"graph, {what}: {time_graph(lambda: model(x, m), n=50)}")
+                for var in env:
+                    os.environ.pop(var)
+        sys.exit(0)
     for graph in (False, True):
         clocks("default form", graph)
         os.environ["FLASHOPM_PREP_WHOLE_W"] = "0"

@@ -102,14 +102,14 @@ def test_small_path_kernels_fit_one_sm_together():
     W while the first kernel runs, but only if one block of each fits an SM's 64K registers: 512
     threads of the chained form (up to three m tiles of j) or of the staged form, beside 128 of the
     first kernel (one row per warp, at most two projection outputs per lane).  Registers are
-    allocated to a warp in units of 8 per thread.  (The chained form's one-launch instantiations,
-    kFused, have no first kernel beside them.)"""
+    allocated to a warp in units of 8 per thread.  (The chained form's one-launch kernel,
+    opm_small_f16_chain_fused_kernel, has no first kernel beside it.)"""
     toolchain_or_skip()
     path = _build.load()
     out = subprocess.run([str(_cuobjdump()), "-res-usage", path], capture_output=True, text=True, check=True).stdout
     regs = {name: int(r) for name, r in re.findall(r"Function (\S+):\s*\n\s*REG:(\d+)", out)}
     second = {n: r for n, r in regs.items()
-              if re.match(r"_ZN8flashopm26opm_small_f16_chain_kernelILi[123]ELb[01]ELb0EEEvNS_11SmallTcArgsE$", n)
+              if re.match(r"_ZN8flashopm26opm_small_f16_chain_kernelILi[123]ELb[01]EEEvNS_11SmallTcArgsE$", n)
               or n == "_ZN8flashopm20opm_small_f16_kernelENS_11SmallTcArgsE"}
     first = {n: r for n, r in regs.items() if re.match(r"_ZN8flashopm15opm_prep_kernelILi[12]ELi1ELb0E", n)}
     assert len(second) == 7 and first, (sorted(second), sorted(first))

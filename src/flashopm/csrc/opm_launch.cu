@@ -585,10 +585,18 @@ void launch_small_tc_t(const cudaLaunchConfig_t& cfg, const SmallTcArgs& args) {
 // not.
 template <bool kWhole, bool kFused>
 void launch_small_f16_chain_t(const cudaLaunchConfig_t& cfg, const SmallTcArgs& args) {
-  switch (args.f16_chain) {
-    case 1: return launch_small_tc_t<opm_small_f16_chain_kernel<1, kWhole, kFused>>(cfg, args);
-    case 2: return launch_small_tc_t<opm_small_f16_chain_kernel<2, kWhole, kFused>>(cfg, args);
-    default: return launch_small_tc_t<opm_small_f16_chain_kernel<3, kWhole, kFused>>(cfg, args);
+  if constexpr (kFused) {
+    switch (args.f16_chain) {
+      case 1: return launch_small_tc_t<opm_small_f16_chain_fused_kernel<1, kWhole>>(cfg, args);
+      case 2: return launch_small_tc_t<opm_small_f16_chain_fused_kernel<2, kWhole>>(cfg, args);
+      default: return launch_small_tc_t<opm_small_f16_chain_fused_kernel<3, kWhole>>(cfg, args);
+    }
+  } else {
+    switch (args.f16_chain) {
+      case 1: return launch_small_tc_t<opm_small_f16_chain_kernel<1, kWhole>>(cfg, args);
+      case 2: return launch_small_tc_t<opm_small_f16_chain_kernel<2, kWhole>>(cfg, args);
+      default: return launch_small_tc_t<opm_small_f16_chain_kernel<3, kWhole>>(cfg, args);
+    }
   }
 }
 template <bool kWhole>

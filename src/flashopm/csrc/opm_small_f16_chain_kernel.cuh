@@ -155,12 +155,8 @@ __device__ __forceinline__ void small_f16_project_rows(const PrepArgs& p, int64_
 // i, j or position s of an item needs a test.  kFused: one cooperative launch (SmallTcArgs::fused),
 // the rows projected by the block's first warps and a grid barrier in place of the wait; a
 // template parameter so that the two-launch form's code carries none of it.
-// At most 112 registers: 512 x 112 leaves room on an SM for a block of the first kernel
-// (128 x 56), so that this kernel's blocks start beside it, as its programmatic dependent, and
-// stage W before the first kernel ends; with 128 they can start only once it ends.  Four m tiles
-// would need 128 (spills of 144 bytes at 112), which is why the form stops at three.
 template <int kJT, bool kWhole, bool kFused>
-__global__ void __maxnreg__(112) opm_small_f16_chain_kernel(const SmallTcArgs p) {
+__device__ __forceinline__ void small_f16_chain_body(const SmallTcArgs& p) {
   static_assert(kJT >= 1 && kJT <= 3, "the chained form takes one to three m tiles of j (N <= 48)");
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   // The next kernel on the stream may become resident now if it was launched as our programmatic
@@ -238,7 +234,8 @@ __global__ void __maxnreg__(112) opm_small_f16_chain_kernel(const SmallTcArgs p)
   float4 wv[4];
   const bool has_unit = !proj_warp && wt < units;
   if (has_unit) load_unit(wt, wv);
-  small_tc_stage_norm<true>(p, b, i0, d0, ti, L.N16, bias_s, den_s, pair_s);  // den_s: reciprocals
+  // den_s: reciprocals; fused, by W's warps only (the projecting warps have the longer way)
+  small_tc_stage_norm<true, kFused ? kSmallF16FusedProjWarps : 0>(p, b, i0, d0, ti, L.N16, bias_s, den_s, pair_s);
   float w_max = 0.f;
   if (has_unit)
 #pragma unroll
@@ -485,6 +482,22 @@ __global__ void __maxnreg__(112) opm_small_f16_chain_kernel(const SmallTcArgs p)
   small_f16_store_out(p, red, L.ldr, L.N16, L.kparts, bias_s, den_s, pair_s, b, i0, d0, ti, e_a_s, e_b_s,
                       e_w + p_exp);
 #endif
+}
+
+// The two-launch form: at most 112 registers, because 512 x 112 leaves room on an SM for a block of
+// the first kernel (128 x 56), so that this kernel's blocks start beside it, as its programmatic
+// dependent, and stage W before the first kernel ends; with 128 they can start only once it ends.
+// Four m tiles would need 128 (spills of 144 bytes at 112), which is why the form stops at three.
+template <int kJT, bool kWhole>
+__global__ void __maxnreg__(112) opm_small_f16_chain_kernel(const SmallTcArgs p) {
+  small_f16_chain_body<kJT, kWhole, false>(p);
+}
+
+// The one-launch form: no first kernel to leave room for, so the whole register file (at 112 its
+// projections and items spilled 64-104 bytes).
+template <int kJT, bool kWhole>
+__global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_f16_chain_fused_kernel(const SmallTcArgs p) {
+  small_f16_chain_body<kJT, kWhole, true>(p);
 }
 
 }  // namespace flashopm

@@ -301,21 +301,29 @@ __device__ __forceinline__ void small_tc_project_a(const SmallTcArgs& p, int ti,
 // The epilogue's inputs, independent of the first kernel: the chunk's bias (zeros past D), and the
 // block's row denominators (kNormRow) or pair counts sum_s m[s, i] m[s, j] ([ti][N16], in order of s).
 // kReciprocal: den_s holds 1 / den, the factor the epilogue multiplies by (the same bits as its
-// taking the reciprocal there).
-template <bool kReciprocal = false>
+// taking the reciprocal there).  Warps from kFirstWarp on do the work, so that warps with
+// something longer to do first (the one-launch form's projections) stay off it.
+template <bool kReciprocal = false, int kFirstWarp = 0>
 __device__ __forceinline__ void small_tc_stage_norm(const SmallTcArgs& p, int b, int i0, int d0, int ti, int N16,
                                                     float* bias_s, float* den_s, float* pair_s) {
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  constexpr int kThreads = kSmallTcThreads - 32 * kFirstWarp;
+  const int tid = int(threadIdx.x) - 32 * kFirstWarp, warp = tid >> 5, lane = threadIdx.x & 31;
+  if (kFirstWarp > 0 && tid < 0) return;
   const int S = p.S, N = p.N;
-  for (int dl = tid; dl < p.Dc; dl += kSmallTcThreads)
+  for (int dl = tid; dl < p.Dc; dl += kThreads)
     bias_s[dl] = (p.bias != nullptr && d0 + dl < p.D) ? p.bias[d0 + dl] : 0.f;
+  const auto row_denominator = [&](int il) {
+    const float den = mask_denominator(p.mask, b, i0 + il, S, lane);
+    if (lane == 0) den_s[il] = kReciprocal ? 1.f / den : den;
+  };
   if (p.norm.kind == kNormRow) {
-    if (warp < ti) {
-      const float den = mask_denominator(p.mask, b, i0 + warp, S, lane);
-      if (lane == 0) den_s[warp] = kReciprocal ? 1.f / den : den;
+    if constexpr (kFirstWarp == 0) {
+      if (warp < ti) row_denominator(warp);  // ti <= kSmallTcWarps
+    } else {
+      for (int il = warp; il < ti; il += kThreads / 32) row_denominator(il);
     }
   } else {
-    for (int idx = tid; idx < ti * N16; idx += kSmallTcThreads) {
+    for (int idx = tid; idx < ti * N16; idx += kThreads) {
       const int il = idx / N16, j = idx - il * N16;
       float sum = 0.f;  // sum_s m[s, i] m[s, j], in order of s
       if (j < N)
