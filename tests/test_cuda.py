@@ -431,6 +431,32 @@ def test_small_tc_f16_chained_form(shape, tile, staged, monkeypatch):
     _check_weights_x10(shape, seed=5)
 
 
+# Pairs of blocks along d share the copies after the wait (a cluster of two, each block's half of a's
+# and b's rows multicast to both; by default where N <= 32, FLASHOPM_SMALL_PAIR_COPIES=1 wherever
+# the chunks of d pair up, =0 nowhere): the same bits either way, where the chunks come in pairs
+# (the spec shape, D = 9 with a ragged second chunk, 16 and 32, N = 48) and where they do not.
+@pytest.mark.parametrize("shape,tile", F16_CHAIN_CASES, ids=lambda v: str(v))
+def test_small_tc_f16_chained_form_pair_copies(shape, tile, monkeypatch):
+    xc, mc, pc = _f16_form_problem(shape, tile, "fractional", f"{shape}-pairs", monkeypatch)
+    Dc = torch.ops.flashopm._small_tc_plan(xc, shape.B, shape.S, shape.N, shape.H, shape.D)[1]
+    if shape in (SPEC, Shape(1, 3, 2, 5, 32, 9), Shape(2, 8, 48, 8, 32, 32)):  # cases with pairs
+        assert -(-shape.D // Dc) % 2 == 0, Dc
+    default = _run(xc, mc, pc, "small-tc", may_not_fit=False)
+    monkeypatch.setenv("FLASHOPM_SMALL_PAIR_COPIES", "1")
+    paired = _run(xc, mc, pc, "small-tc", may_not_fit=False)
+    monkeypatch.setenv("FLASHOPM_SMALL_PAIR_COPIES", "0")
+    alone = _run(xc, mc, pc, "small-tc", may_not_fit=False)
+    assert torch.equal(paired, alone), (paired - alone).abs().max().item()
+    assert torch.equal(default, alone), (default - alone).abs().max().item()
+
+
+def test_small_tc_pair_copies_switch_is_checked(monkeypatch):
+    monkeypatch.setenv("FLASHOPM_SMALL_PAIR_COPIES", "2")
+    x, m, p = make_problem(SPEC, "masked_positions", seed=4)
+    with pytest.raises(RuntimeError, match="FLASHOPM_SMALL_PAIR_COPIES must be 0 or 1"):
+        _run(x.cuda(), m.cuda(), _cuda_params(p), "small-tc", poison=False)
+
+
 def _chain_fused_applies(shape, plan):
     """Whether FLASHOPM_SMALL_F16_FUSED=1 takes one cooperative launch (small_f16_chain_fused): every
     block resident at once, the first kernel's whole-weights form (msa_dim % 4 == 0, at most 64), and

@@ -953,6 +953,17 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
       FLASHOPM_CHECK(std::strcmp(e, "0") == 0 || std::strcmp(e, "1") == 0 || std::strcmp(e, "2") == 0,
                      "flashopm: FLASHOPM_SMALL_TRIGGER must be 0, 1 or 2, got '", e, "'");
     }
+    // The chained form's copies after the wait shared by pairs of blocks along d (a cluster of
+    // two), where N <= 32 (one or two m tiles of j).  H200: 9.46 against 10.15 us at the spec shape,
+    // 8.91 against 10.31 at (1,8,32,64,32,128), but 14.65 against 14.04 at (2,8,48,64,32,64), three
+    // m tiles.  FLASHOPM_SMALL_PAIR_COPIES=1 asks for pairs wherever the chunks of d pair up, =0
+    // for none (to compare; the same results).
+    const char* pairs_env = env_get("FLASHOPM_SMALL_PAIR_COPIES");
+    const bool pairs_asked = pairs_env != nullptr && *pairs_env != 0;
+    FLASHOPM_CHECK(!pairs_asked || std::strcmp(pairs_env, "0") == 0 || std::strcmp(pairs_env, "1") == 0,
+                   "flashopm: FLASHOPM_SMALL_PAIR_COPIES must be 0 or 1, got '", pairs_asked ? pairs_env : "", "'");
+    ta.pair_copies = f16 && chain && !fused && ((D + small_tc.Dc - 1) / small_tc.Dc) % 2 == 0 &&
+                     (pairs_asked ? pairs_env[0] == '1' : N <= 32);
     // Each thread takes its own rows' factors (b's in phase O, a's in phase P) rather than passes
     // over the rows' exponents between the phases; FLASHOPM_SMALL_F16_OPTS (a mask of 1 for b's, 2
     // for a's) asks for the passes instead, for comparison: both give the same bits.

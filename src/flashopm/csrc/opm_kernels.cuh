@@ -257,6 +257,14 @@ __device__ __forceinline__ void bulk_copy_g2s(void* dst, const void* src, unsign
                ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(dst))), "l"(src), "r"(bytes),
                "r"(static_cast<unsigned>(__cvta_generic_to_shared(bar))) : "memory");
 }
+// The same into dst of every block of the cluster in cta_mask (the same offset in each), counted
+// on each one's mbarrier at bar's offset.
+__device__ __forceinline__ void bulk_copy_g2s_multicast(void* dst, const void* src, unsigned bytes, uint64_t* bar,
+                                                        uint16_t cta_mask) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1], %2, [%3], %4;\n"
+               ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(dst))), "l"(src), "r"(bytes),
+               "r"(static_cast<unsigned>(__cvta_generic_to_shared(bar))), "h"(cta_mask) : "memory");
+}
 #endif
 
 

@@ -622,7 +622,9 @@ void launch_small_tc(const SmallTcArgs& args, int terms, cudaStream_t stream) {
              : args.f16     ? small_f16_layout(args.S, args.N, args.H, args.TI, args.Dc).total
                             : small_tc_smem_bytes(args.S, args.N, args.H, args.TI, args.Dc, args.fma != 0));
   cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
+  cudaLaunchAttribute attr[2];
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
   if (args.fused) {
     attr[0].id = cudaLaunchAttributeCooperative;
     attr[0].val.cooperative = 1;
@@ -630,8 +632,13 @@ void launch_small_tc(const SmallTcArgs& args, int terms, cudaStream_t stream) {
     attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr[0].val.programmaticStreamSerializationAllowed = 1;
   }
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  if (args.pair_copies) {  // pairs of blocks along d share their copies (SmallTcArgs::pair_copies)
+    attr[1].id = cudaLaunchAttributeClusterDimension;
+    attr[1].val.clusterDim.x = 2;
+    attr[1].val.clusterDim.y = 1;
+    attr[1].val.clusterDim.z = 1;
+    cfg.numAttrs = 2;
+  }
   if (args.f16_chain) {
     launch_small_f16_chain(cfg, args);
   } else if (args.f16) {

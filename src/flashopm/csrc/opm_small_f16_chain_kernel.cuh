@@ -201,6 +201,11 @@ __device__ __forceinline__ void small_f16_chain_body(const SmallTcArgs& p) {
     mbarrier_init(a_bar, 1);
     mbarrier_init(b_bar, 1);
   }
+  // Two-launch form in clusters of two blocks along d (SmallTcArgs::pair_copies): the pair's rows of
+  // a and b are the same, so each block copies half of them into both; the peer's mbarriers must be
+  // initialised before the first copy lands there (the cluster barrier's wait, before the copies).
+  const bool pair_copies = !kFused && p.pair_copies;
+  if (pair_copies) asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
   // Fused (one cooperative launch, no first kernel): the first kSmallF16FusedProjWarps warps project
   // the block's share of all the rows (b, s, n) into the workspace, the others split W's chunk.
   const bool proj_warp = kFused && warp < kSmallF16FusedProjWarps;
@@ -298,6 +303,7 @@ __device__ __forceinline__ void small_f16_chain_body(const SmallTcArgs& p) {
     cooperative_groups::this_grid().sync();  // every block's rows of a and b stored and visible
   } else {
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
+    if (pair_copies) asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
   }
 
   // ---- copies: a's rows (i, s) of this block and all of b's, as kernel 1 (or the grid) split them ----
@@ -309,13 +315,25 @@ __device__ __forceinline__ void small_f16_chain_body(const SmallTcArgs& p) {
     const __half* const a_src = static_cast<const __half*>(p.a16) + a_row0 * L.lda;
     const __half* const b_src = static_cast<const __half*>(p.b16) + int64_t(b) * N * L.ldk;
     mbarrier_arrive_expect_tx(a_bar, 2u * a_bytes + ea_bytes);
-    bulk_copy_g2s(a_hi, a_src, a_bytes, a_bar);
-    bulk_copy_g2s(a_lo, a_src + p.a16_lo, a_bytes, a_bar);
-    bulk_copy_g2s(e_a_st, p.a_exp + (int64_t(b) * N + i0) * L.S4, ea_bytes, a_bar);
     mbarrier_arrive_expect_tx(b_bar, 2u * b_bytes + unsigned(L.NS4) * 4u);
-    bulk_copy_g2s(b_hi, b_src, b_bytes, b_bar);
-    bulk_copy_g2s(b_lo, b_src + p.b16_lo, b_bytes, b_bar);
-    bulk_copy_g2s(e_b_st, p.b_exp + int64_t(b) * L.NS4, unsigned(L.NS4) * 4u, b_bar);
+    const auto copy = [&](void* dst, const void* src, unsigned bytes, uint64_t* bar) {
+      if (!pair_copies) {
+        bulk_copy_g2s(dst, src, bytes, bar);
+        return;
+      }
+      // This block's half (rank 0 the first, at a 16-byte boundary), into both blocks.
+      unsigned rank;
+      asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+      const unsigned half = bytes / 32u * 16u, lo = rank == 0 ? 0u : half, hi = rank == 0 ? half : bytes;
+      if (hi > lo)
+        bulk_copy_g2s_multicast(static_cast<char*>(dst) + lo, static_cast<const char*>(src) + lo, hi - lo, bar, 3);
+    };
+    copy(a_hi, a_src, a_bytes, a_bar);
+    copy(a_lo, a_src + p.a16_lo, a_bytes, a_bar);
+    copy(e_a_st, p.a_exp + (int64_t(b) * N + i0) * L.S4, ea_bytes, a_bar);
+    copy(b_hi, b_src, b_bytes, b_bar);
+    copy(b_lo, b_src + p.b16_lo, b_bytes, b_bar);
+    copy(e_b_st, p.b_exp + int64_t(b) * L.NS4, unsigned(L.NS4) * 4u, b_bar);
   }
   const int p_exp = -(kSplitTopExp + 1) - kLgH;  // |P'| < H·2^30·2^p_exp = 2^15
   // Items (row pair ig, chunk of eight d doct, K part kp), kp fastest; the counts are powers of
@@ -477,10 +495,14 @@ __device__ __forceinline__ void small_f16_chain_body(const SmallTcArgs& p) {
   }
   __syncthreads();
   if (p.trigger_next == 2) asm volatile("griddepcontrol.launch_dependents;\n" ::);
+  // (pair_copies) every copy into this block has landed: the peer may exit once it knows that
+  if (pair_copies) asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
 
   // out' = out·2^(e_b[j] + e_a[i] + e_w + p_exp)
   small_f16_store_out(p, red, L.ldr, L.N16, L.kparts, bias_s, den_s, pair_s, b, i0, d0, ti, e_a_s, e_b_s,
                       e_w + p_exp);
+  // (pair_copies) no block exits while its copies into the peer may still be landing
+  if (pair_copies) asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
 #endif
 }
 
