@@ -10,7 +10,8 @@
 //   wait      griddepcontrol.wait (kernel 1 wrote a and b split, b's rows along k = (s/8, h2, s%8));
 //             or, fused (one cooperative launch), the block's first warps project its share of the
 //             rows as kernel 1 would, while the others split W, then the grid's barrier;
-//   copies    bulk copies: the block's rows (i, s) of a and their exponents, then b and its;
+//   copies    bulk copies: the block's rows (i, s) of a and their exponents, then b and its; in
+//             clusters of two blocks along d (pair_copies), half of each by each block, into both;
 //   items     (two rows i, eight d, a part of k) per warp: per k-step (h2 pair, s chunk)
 //               P[(h2, d), s] = sum_h1 W[d, h1·H + h2] · a[(i, s), h1]   M = 16, N = 8, K = H
 //             times 2^(p_exp + e_i - e_(i, s)) per column s, split into float16 parts, then
