@@ -23,6 +23,7 @@ def _extension_loaded():
     the extension, which an op's first CUDA call loads; a test run alone may query first."""
     flashopm.load()
 
+
 SPEC = Shape(2, 8, 32, 64, 32, 64)
 # Every value of N {1,7,32,33,97,256}, S {1,3,8,128}, C {1,17,64,256}, H {1,8,32,64},
 # D {1,64,128}, B {1,2,3} appears at least once; tile edges (33 = 32+1, 97, 256 = 2·128) included.

@@ -17,6 +17,8 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <initializer_list>
 #include <string>
 #include <type_traits>
 #include <mutex>
@@ -50,6 +52,22 @@ std::string fmt(const Ts&... parts) {
   return out;
 }
 #define FLASHOPM_CHECK(cond, ...) TORCH_CHECK(cond, ::flashopm::fmt(__VA_ARGS__))
+
+// The value of switch `name` when it is one of `allowed` (exactly), nullptr when it is unset or
+// empty; any other value is refused with a message that lists the allowed ones.
+const char* env_choice(const char* name, std::initializer_list<const char*> allowed) {
+  const char* e = env_get(name);
+  if (e == nullptr || *e == 0) return nullptr;
+  std::string listed;
+  size_t i = 0;
+  for (const char* a : allowed) {
+    if (std::strcmp(e, a) == 0) return e;
+    listed += (i == 0 ? "" : i + 1 == allowed.size() ? " or " : ", ") + std::string(a);
+    ++i;
+  }
+  FLASHOPM_CHECK(false, "flashopm: ", name, " must be ", listed, ", got '", e, "'");
+  return nullptr;
+}
 
 constexpr int kMaxDevices = 64;
 
@@ -947,23 +965,16 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     // before its epilogue (2), the next call's projections took blocks' room beside it and cost
     // 3.2 and 0.5 us per call back to back at the spec shape.  FLASHOPM_SMALL_TRIGGER asks for
     // those (to compare; the same results).
-    ta.trigger_next = 0;
-    if (const char* e = env_get("FLASHOPM_SMALL_TRIGGER"); e != nullptr && *e != 0) {
-      ta.trigger_next = std::atoi(e);
-      FLASHOPM_CHECK(std::strcmp(e, "0") == 0 || std::strcmp(e, "1") == 0 || std::strcmp(e, "2") == 0,
-                     "flashopm: FLASHOPM_SMALL_TRIGGER must be 0, 1 or 2, got '", e, "'");
-    }
+    const char* trigger = env_choice("FLASHOPM_SMALL_TRIGGER", {"0", "1", "2"});
+    ta.trigger_next = trigger ? std::atoi(trigger) : 0;
     // The chained form's copies after the wait shared by pairs of blocks along d (a cluster of
     // two), where N <= 32 (one or two m tiles of j).  H200: 9.46 against 10.15 us at the spec shape,
     // 8.91 against 10.31 at (1,8,32,64,32,128), but 14.65 against 14.04 at (2,8,48,64,32,64), three
     // m tiles.  FLASHOPM_SMALL_PAIR_COPIES=1 asks for pairs wherever the chunks of d pair up, =0
     // for none (to compare; the same results).
-    const char* pairs_env = env_get("FLASHOPM_SMALL_PAIR_COPIES");
-    const bool pairs_asked = pairs_env != nullptr && *pairs_env != 0;
-    FLASHOPM_CHECK(!pairs_asked || std::strcmp(pairs_env, "0") == 0 || std::strcmp(pairs_env, "1") == 0,
-                   "flashopm: FLASHOPM_SMALL_PAIR_COPIES must be 0 or 1, got '", pairs_asked ? pairs_env : "", "'");
+    const char* pairs = env_choice("FLASHOPM_SMALL_PAIR_COPIES", {"0", "1"});
     ta.pair_copies = f16 && chain && !fused && ((D + small_tc.Dc - 1) / small_tc.Dc) % 2 == 0 &&
-                     (pairs_asked ? pairs_env[0] == '1' : N <= 32);
+                     (pairs ? pairs[0] == '1' : N <= 32);
     // Each thread takes its own rows' factors (b's in phase O, a's in phase P) rather than passes
     // over the rows' exponents between the phases; FLASHOPM_SMALL_F16_OPTS (a mask of 1 for b's, 2
     // for a's) asks for the passes instead, for comparison: both give the same bits.
