@@ -432,33 +432,29 @@ def test_small_tc_f16_chained_form(shape, tile, staged, monkeypatch):
     _check_weights_x10(shape, seed=5)
 
 
-# Clusters of blocks along d share the copies after the wait (each block's share of a's and b's rows
-# multicast to all; by default pairs where N <= 32, FLASHOPM_SMALL_COPY_CLUSTER=k clusters of k
-# wherever the chunks of d come in groups of k, =1 none): the same bits in every setting, where the
-# chunks group (the spec shape, 8 chunks: 2, 4 and 8; D = 9 with a ragged second chunk, 16 and 32,
-# N = 48) and where they do not.
+# Pairs of blocks along d share the copies after the wait (a cluster of two, each block's half of a's
+# and b's rows multicast to both; by default where N <= 32, FLASHOPM_SMALL_PAIR_COPIES=1 wherever
+# the chunks of d pair up, =0 nowhere): the same bits either way, where the chunks come in pairs
+# (the spec shape, D = 9 with a ragged second chunk, 16 and 32, N = 48) and where they do not.
 @pytest.mark.parametrize("shape,tile", F16_CHAIN_CASES, ids=lambda v: str(v))
-def test_small_tc_f16_chained_form_copy_clusters(shape, tile, monkeypatch):
+def test_small_tc_f16_chained_form_pair_copies(shape, tile, monkeypatch):
     xc, mc, pc = _f16_form_problem(shape, tile, "fractional", f"{shape}-pairs", monkeypatch)
     Dc = torch.ops.flashopm._small_tc_plan(xc, shape.B, shape.S, shape.N, shape.H, shape.D)[1]
     if shape in (SPEC, Shape(1, 3, 2, 5, 32, 9), Shape(2, 8, 48, 8, 32, 32)):  # cases with pairs
         assert -(-shape.D // Dc) % 2 == 0, Dc
-    if shape == SPEC:  # and clusters of eight
-        assert -(-shape.D // Dc) % 8 == 0, Dc
     default = _run(xc, mc, pc, "small-tc", may_not_fit=False)
-    monkeypatch.setenv("FLASHOPM_SMALL_COPY_CLUSTER", "1")
+    monkeypatch.setenv("FLASHOPM_SMALL_PAIR_COPIES", "1")
+    paired = _run(xc, mc, pc, "small-tc", may_not_fit=False)
+    monkeypatch.setenv("FLASHOPM_SMALL_PAIR_COPIES", "0")
     alone = _run(xc, mc, pc, "small-tc", may_not_fit=False)
+    assert torch.equal(paired, alone), (paired - alone).abs().max().item()
     assert torch.equal(default, alone), (default - alone).abs().max().item()
-    for k in ("2", "4", "8"):
-        monkeypatch.setenv("FLASHOPM_SMALL_COPY_CLUSTER", k)
-        shared = _run(xc, mc, pc, "small-tc", may_not_fit=False)
-        assert torch.equal(shared, alone), (k, (shared - alone).abs().max().item())
 
 
-def test_small_tc_copy_cluster_switch_is_checked(monkeypatch):
-    monkeypatch.setenv("FLASHOPM_SMALL_COPY_CLUSTER", "3")
+def test_small_tc_pair_copies_switch_is_checked(monkeypatch):
+    monkeypatch.setenv("FLASHOPM_SMALL_PAIR_COPIES", "2")
     x, m, p = make_problem(SPEC, "masked_positions", seed=4)
-    with pytest.raises(RuntimeError, match="FLASHOPM_SMALL_COPY_CLUSTER must be 1, 2, 4 or 8, got '3'"):
+    with pytest.raises(RuntimeError, match="FLASHOPM_SMALL_PAIR_COPIES must be 0 or 1"):
         _run(x.cuda(), m.cuda(), _cuda_params(p), "small-tc", poison=False)
 
 

@@ -967,17 +967,14 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     // those (to compare; the same results).
     const char* trigger = env_choice("FLASHOPM_SMALL_TRIGGER", {"0", "1", "2"});
     ta.trigger_next = trigger ? std::atoi(trigger) : 0;
-    // The chained form's copies after the wait shared by clusters of blocks along d, pairs where
-    // N <= 32 (one or two m tiles of j).  H200: 9.46 against 10.15 us at the spec shape, 8.91
-    // against 10.31 at (1,8,32,64,32,128), but 14.65 against 14.04 at (2,8,48,64,32,64), three m
-    // tiles.  FLASHOPM_SMALL_COPY_CLUSTER (1, 2, 4 or 8) asks for that many blocks per cluster
-    // wherever the chunks of d come in such groups, 1 for none (to compare; the same results).
-    {
-      const int64_t d_chunks = (D + small_tc.Dc - 1) / small_tc.Dc;
-      const char* cluster = env_choice("FLASHOPM_SMALL_COPY_CLUSTER", {"1", "2", "4", "8"});
-      const int want = cluster ? std::atoi(cluster) : N <= 32 ? 2 : 1;
-      ta.copy_cluster = f16 && chain && !fused && d_chunks % want == 0 ? want : 1;
-    }
+    // The chained form's copies after the wait shared by pairs of blocks along d (a cluster of
+    // two), where N <= 32 (one or two m tiles of j).  H200: 9.46 against 10.15 us at the spec shape,
+    // 8.91 against 10.31 at (1,8,32,64,32,128), but 14.65 against 14.04 at (2,8,48,64,32,64), three
+    // m tiles.  FLASHOPM_SMALL_PAIR_COPIES=1 asks for pairs wherever the chunks of d pair up, =0
+    // for none (to compare; the same results).
+    const char* pairs = env_choice("FLASHOPM_SMALL_PAIR_COPIES", {"0", "1"});
+    ta.pair_copies = f16 && chain && !fused && ((D + small_tc.Dc - 1) / small_tc.Dc) % 2 == 0 &&
+                     (pairs ? pairs[0] == '1' : N <= 32);
     // Each thread takes its own rows' factors (b's in phase O, a's in phase P) rather than passes
     // over the rows' exponents between the phases; FLASHOPM_SMALL_F16_OPTS (a mask of 1 for b's, 2
     // for a's) asks for the passes instead, for comparison: both give the same bits.

@@ -632,9 +632,9 @@ void launch_small_tc(const SmallTcArgs& args, int terms, cudaStream_t stream) {
     attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr[0].val.programmaticStreamSerializationAllowed = 1;
   }
-  if (args.copy_cluster > 1) {  // blocks along d share their copies (SmallTcArgs::copy_cluster)
+  if (args.pair_copies) {  // pairs of blocks along d share their copies (SmallTcArgs::pair_copies)
     attr[1].id = cudaLaunchAttributeClusterDimension;
-    attr[1].val.clusterDim.x = unsigned(args.copy_cluster);
+    attr[1].val.clusterDim.x = 2;
     attr[1].val.clusterDim.y = 1;
     attr[1].val.clusterDim.z = 1;
     cfg.numAttrs = 2;

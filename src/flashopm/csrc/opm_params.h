@@ -645,11 +645,10 @@ struct SmallTcArgs {
   // if that one was launched as its programmatic dependent: 0 at the end (no early signal), 1 at
   // the start, 2 before the epilogue (the chained form; the others at the start)
   int trigger_next;
-  // The chained form in two launches, in clusters of copy_cluster blocks along d (1, 2, 4 or 8,
-  // dividing gridDim.x): the cluster's rows of a and b are the same, so each block copies its
-  // share of them into every block of the cluster (bulk copies multicast), 1/copy_cluster of the
-  // L2 traffic after the wait; 1: each block copies alone, no cluster
-  int copy_cluster;
+  // The chained form in two launches, in clusters of two blocks along d (gridDim.x even): the
+  // pair's rows of a and b are the same, so each block copies half of them into both blocks
+  // (bulk copies multicast to the cluster), half the L2 traffic after the wait
+  int pair_copies;
   PrepArgs prep;  // the projections' inputs, when fused or local_a
 };
 

@@ -11,7 +11,7 @@
 //             or, fused (one cooperative launch), the block's first warps project its share of the
 //             rows as kernel 1 would, while the others split W, then the grid's barrier;
 //   copies    bulk copies: the block's rows (i, s) of a and their exponents, then b and its; in
-//             clusters of 2-8 blocks along d (copy_cluster), a share of each by each block, into all;
+//             clusters of two blocks along d (pair_copies), half of each by each block, into both;
 //   items     (two rows i, eight d, a part of k) per warp: per k-step (h2 pair, s chunk)
 //               P[(h2, d), s] = sum_h1 W[d, h1·H + h2] · a[(i, s), h1]   M = 16, N = 8, K = H
 //             times 2^(p_exp + e_i - e_(i, s)) per column s, split into float16 parts, then
@@ -202,13 +202,11 @@ __device__ __forceinline__ void small_f16_chain_body(const SmallTcArgs& p) {
     mbarrier_init(a_bar, 1);
     mbarrier_init(b_bar, 1);
   }
-  // Two-launch form in clusters of blocks along d (SmallTcArgs::copy_cluster): the cluster's rows of
-  // a and b are the same, so each block copies its share of them into all; the peers' mbarriers
-  // must be initialised before the first copy lands there (the cluster barrier's wait, before the
-  // copies).
-  const int copy_cluster = kFused ? 1 : p.copy_cluster;
-  const bool shared_copies = copy_cluster > 1;
-  if (shared_copies) asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
+  // Two-launch form in clusters of two blocks along d (SmallTcArgs::pair_copies): the pair's rows of
+  // a and b are the same, so each block copies half of them into both; the peer's mbarriers must be
+  // initialised before the first copy lands there (the cluster barrier's wait, before the copies).
+  const bool pair_copies = !kFused && p.pair_copies;
+  if (pair_copies) asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
   // Fused (one cooperative launch, no first kernel): the first kSmallF16FusedProjWarps warps project
   // the block's share of all the rows (b, s, n) into the workspace, the others split W's chunk.
   const bool proj_warp = kFused && warp < kSmallF16FusedProjWarps;
@@ -306,7 +304,7 @@ __device__ __forceinline__ void small_f16_chain_body(const SmallTcArgs& p) {
     cooperative_groups::this_grid().sync();  // every block's rows of a and b stored and visible
   } else {
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
-    if (shared_copies) asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
+    if (pair_copies) asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
   }
 
   // ---- copies: a's rows (i, s) of this block and all of b's, as kernel 1 (or the grid) split them ----
@@ -320,18 +318,16 @@ __device__ __forceinline__ void small_f16_chain_body(const SmallTcArgs& p) {
     mbarrier_arrive_expect_tx(a_bar, 2u * a_bytes + ea_bytes);
     mbarrier_arrive_expect_tx(b_bar, 2u * b_bytes + unsigned(L.NS4) * 4u);
     const auto copy = [&](void* dst, const void* src, unsigned bytes, uint64_t* bar) {
-      if (!shared_copies) {
+      if (!pair_copies) {
         bulk_copy_g2s(dst, src, bytes, bar);
         return;
       }
-      // This block's share (rank r the r-th, in 16-byte pieces; the last rank the rest), into all.
+      // This block's half (rank 0 the first, at a 16-byte boundary), into both blocks.
       unsigned rank;
       asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
-      const unsigned k = unsigned(copy_cluster), share = bytes / (16u * k) * 16u;
-      const unsigned lo = rank * share, hi = rank + 1 == k ? bytes : lo + share;
+      const unsigned half = bytes / 32u * 16u, lo = rank == 0 ? 0u : half, hi = rank == 0 ? half : bytes;
       if (hi > lo)
-        bulk_copy_g2s_multicast(static_cast<char*>(dst) + lo, static_cast<const char*>(src) + lo, hi - lo, bar,
-                                uint16_t((1u << k) - 1u));
+        bulk_copy_g2s_multicast(static_cast<char*>(dst) + lo, static_cast<const char*>(src) + lo, hi - lo, bar, 3);
     };
     copy(a_hi, a_src, a_bytes, a_bar);
     copy(a_lo, a_src + p.a16_lo, a_bytes, a_bar);
@@ -500,14 +496,14 @@ __device__ __forceinline__ void small_f16_chain_body(const SmallTcArgs& p) {
   }
   __syncthreads();
   if (p.trigger_next == 2) asm volatile("griddepcontrol.launch_dependents;\n" ::);
-  // (shared copies) every copy into this block has landed: the peers may exit once they know that
-  if (shared_copies) asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
+  // (pair_copies) every copy into this block has landed: the peer may exit once it knows that
+  if (pair_copies) asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
 
   // out' = out·2^(e_b[j] + e_a[i] + e_w + p_exp)
   small_f16_store_out(p, red, L.ldr, L.N16, L.kparts, bias_s, den_s, pair_s, b, i0, d0, ti, e_a_s, e_b_s,
                       e_w + p_exp);
-  // (shared copies) no block exits while its copies into the peers may still be landing
-  if (shared_copies) asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
+  // (pair_copies) no block exits while its copies into the peer may still be landing
+  if (pair_copies) asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
 #endif
 }
 
