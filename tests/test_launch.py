@@ -164,7 +164,6 @@ def test_a_new_thread_launches_and_gets_the_same_bits(route):
         torch.testing.assert_close(out, expect, rtol=0, atol=0)
 
 
-
 def _second_call_params(D, seed, H=32):
     """Fresh LayerNorm and projection parameters, and the output bias, for `_second_call_args`."""
     gen = torch.Generator().manual_seed(seed)

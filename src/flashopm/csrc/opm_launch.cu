@@ -583,32 +583,24 @@ void launch_small_tc_t(const cudaLaunchConfig_t& cfg, const SmallTcArgs& args) {
 // The chained float16 split form: the exact number of m tiles of j, and whole tiles (no row of i,
 // j or position s past the problem's in any block, and both rows i of every item in its tile) or
 // not.
-template <bool kWhole, bool kFused>
-void launch_small_f16_chain_t(const cudaLaunchConfig_t& cfg, const SmallTcArgs& args) {
-  if constexpr (kFused) {
-    switch (args.f16_chain) {
-      case 1: return launch_small_tc_t<opm_small_f16_chain_fused_kernel<1, kWhole>>(cfg, args);
-      case 2: return launch_small_tc_t<opm_small_f16_chain_fused_kernel<2, kWhole>>(cfg, args);
-      default: return launch_small_tc_t<opm_small_f16_chain_fused_kernel<3, kWhole>>(cfg, args);
-    }
-  } else {
-    switch (args.f16_chain) {
-      case 1: return launch_small_tc_t<opm_small_f16_chain_kernel<1, kWhole>>(cfg, args);
-      case 2: return launch_small_tc_t<opm_small_f16_chain_kernel<2, kWhole>>(cfg, args);
-      default: return launch_small_tc_t<opm_small_f16_chain_kernel<3, kWhole>>(cfg, args);
-    }
-  }
+template <int kJT, bool kWhole>
+void launch_small_f16_chain_jt(const cudaLaunchConfig_t& cfg, const SmallTcArgs& args) {
+  if (args.fused) return launch_small_tc_t<opm_small_f16_chain_fused_kernel<kJT, kWhole>>(cfg, args);
+  launch_small_tc_t<opm_small_f16_chain_kernel<kJT, kWhole>>(cfg, args);
 }
 template <bool kWhole>
-void launch_small_f16_chain_w(const cudaLaunchConfig_t& cfg, const SmallTcArgs& args) {
-  if (args.fused) return launch_small_f16_chain_t<kWhole, true>(cfg, args);
-  launch_small_f16_chain_t<kWhole, false>(cfg, args);
+void launch_small_f16_chain_t(const cudaLaunchConfig_t& cfg, const SmallTcArgs& args) {
+  switch (args.f16_chain) {
+    case 1: return launch_small_f16_chain_jt<1, kWhole>(cfg, args);
+    case 2: return launch_small_f16_chain_jt<2, kWhole>(cfg, args);
+    default: return launch_small_f16_chain_jt<3, kWhole>(cfg, args);
+  }
 }
 void launch_small_f16_chain(const cudaLaunchConfig_t& cfg, const SmallTcArgs& args) {
   const bool whole = args.N % args.TI == 0 && args.TI % kSmallF16ChainIG == 0 && args.N % 16 == 0 &&
                      args.S % 8 == 0 && args.D % args.Dc == 0;
-  if (whole) return launch_small_f16_chain_w<true>(cfg, args);
-  launch_small_f16_chain_w<false>(cfg, args);
+  if (whole) return launch_small_f16_chain_t<true>(cfg, args);
+  launch_small_f16_chain_t<false>(cfg, args);
 }
 }  // namespace
 
