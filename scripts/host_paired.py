@@ -107,11 +107,15 @@ def main(shape):
             # the chained form in one cooperative launch or in two
             (("ModelNew, F16_FUSED=1", new_with_env("FLASHOPM_SMALL_F16_FUSED", "1")),
              ("ModelNew, F16_FUSED=0", new_with_env("FLASHOPM_SMALL_F16_FUSED", "0"))),
+            # the launches as one graph launch (the default) or as kernel launches
+            (("ModelNew, GRAPH_LAUNCH=1", new_with_env("FLASHOPM_GRAPH_LAUNCH", "1")),
+             ("ModelNew, GRAPH_LAUNCH=0", new_with_env("FLASHOPM_GRAPH_LAUNCH", "0"))),
         ):
             a, b, r = paired(fa, fb)
             print(f"{na:>22} {nb:>24}   {a:9.2f}   {b:9.2f}   {r:6.3f}")
     os.environ.pop("FLASHOPM_PREP_PDL", None)
     os.environ.pop("FLASHOPM_SMALL_F16_FUSED", None)
+    os.environ.pop("FLASHOPM_GRAPH_LAUNCH", None)
 
 
 if __name__ == "__main__":

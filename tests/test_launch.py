@@ -2,8 +2,11 @@
 handles looked up once, or through the runtime's cudaLaunchKernelEx.  The two routes must give
 the same bits on every path (the small path's programmatic dependent launch, the cooperative
 single launch, clusters, the tensor-core and CUDA-core kernels, 16-bit inputs, the backward),
-under CUDA-graph capture, and from a thread that never touched the runtime.  The switch itself
-runs wherever the extension builds (CI included); the rest on the GPU machine.
+under CUDA-graph capture, and from a thread that never touched the runtime.  On the small path a
+call's launches go out as one launch of a CUDA graph of them (launch batches): the same bits as
+the kernel launches, one graph per problem shape (a bounded cache), never inside a caller's
+capture, safe from several threads.  The switches themselves run wherever the extension builds
+(CI included); the rest on the GPU machine.
 """
 import os
 import subprocess
@@ -219,3 +222,164 @@ def test_back_to_back_calls_read_the_previous_call_s_output_complete(monkeypatch
         assert out2.isfinite().all()
         torch.testing.assert_close(out1, expect1, rtol=0, atol=0)
         torch.testing.assert_close(out2, expect2, rtol=0, atol=0)
+
+
+# ---- the small path's launches as one CUDA-graph launch (opm_launch.cu, launch batches) ----
+
+@pytest.fixture
+def graphs(ext):
+    """Sets whether a call's launches may go out as one graph launch, and restores the setting."""
+    before = ext.graph_launch()
+    yield lambda enabled: ext.graph_launch(enabled)
+    ext.graph_launch(before)
+
+
+def test_graph_launch_is_the_default_and_the_switch_returns_the_previous_setting(ext, graphs):
+    assert ext.graph_launch() is True
+    assert graphs(False) is True
+    assert ext.graph_launch() is False
+    assert graphs(True) is False
+    assert ext.graph_launch() is True
+    with pytest.raises(TypeError, match="graph_launch: expected enabled to be a bool, got int"):
+        ext.graph_launch(1)
+
+
+def _runtime_calls(fn):
+    """Names of the CUDA runtime calls made by fn() (the profiler's cuda_runtime events)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return {e.name for e in prof.events()}
+
+
+@requires_cuda
+@pytest.mark.parametrize("env", [{}, {"FLASHOPM_SMALL_PAIR_COPIES": "0"}, {"FLASHOPM_SMALL_F16_CHAIN": "0"}])
+def test_the_small_path_goes_out_as_one_graph_launch_unless_switched_off(ext, graphs, monkeypatch, env):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    args = _cuda_args(Shape(2, 8, 32, 64, 32, 64))
+    graphs(True)
+    failed = ext.graph_launch_counts()[2]
+    outer_product_mean_op(*args)  # the graph is built on the first call (if not by an earlier test)
+    built, launched, failed_now, why = ext.graph_launch_counts()
+    assert failed_now == failed, why
+    assert built >= 1
+    assert "cudaGraphLaunch" in _runtime_calls(lambda: outer_product_mean_op(*args))
+    assert ext.graph_launch_counts()[:3] == (built, launched + 1, failed)  # launched again, not built again
+    graphs(False)
+    assert "cudaGraphLaunch" not in _runtime_calls(lambda: outer_product_mean_op(*args))
+    graphs(True)
+    monkeypatch.setenv("FLASHOPM_GRAPH_LAUNCH", "0")
+    assert "cudaGraphLaunch" not in _runtime_calls(lambda: outer_product_mean_op(*args))
+    assert ext.graph_launch_counts()[:3] == (built, launched + 1, failed)
+
+
+@requires_cuda
+def test_a_cooperative_launch_goes_out_as_it_is(ext, graphs, monkeypatch):
+    """The one-launch form is a cooperative launch, whose parameters an instantiated graph cannot
+    take: it is launched directly, with or without the graph switch."""
+    monkeypatch.setenv("FLASHOPM_SMALL_F16_FUSED", "1")
+    args = _cuda_args(Shape(2, 8, 32, 64, 32, 64))
+    graphs(True)
+    counts = ext.graph_launch_counts()
+    out = outer_product_mean_op(*args)
+    assert "cudaGraphLaunch" not in _runtime_calls(lambda: outer_product_mean_op(*args))
+    assert ext.graph_launch_counts() == counts
+    monkeypatch.delenv("FLASHOPM_SMALL_F16_FUSED")
+    torch.testing.assert_close(out, outer_product_mean_op(*args), rtol=0, atol=0)
+
+
+@requires_cuda
+@pytest.mark.parametrize("shape, algorithm, dtype, env", FORWARD_CASES)
+@pytest.mark.parametrize("driver", [True, False])
+def test_forward_bits_are_the_same_with_and_without_the_graph_launch(route, graphs, monkeypatch, shape, algorithm,
+                                                                     dtype, env, driver):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    route(driver)
+    args = _cuda_args(shape, dtype=dtype)
+    graphs(False)
+    direct = outer_product_mean_op(*args, ALGORITHMS[algorithm])
+    graphs(True)
+    by_graph = [outer_product_mean_op(*args, ALGORITHMS[algorithm]) for _ in range(2)]  # built, then reused
+    torch.cuda.synchronize()
+    assert direct.isfinite().all()
+    for out in by_graph:
+        torch.testing.assert_close(out, direct, rtol=0, atol=0)
+
+
+# Small-path shapes, more than a device's cache of graphs holds (32), each with its own grids.
+_MANY_SHAPES = [Shape(b, s, n, 16, 32, d) for b in (1, 2) for s in (1, 8) for n in (5, 16, 32)
+                for d in (16, 24, 40, 64)][:40]
+
+
+@requires_cuda
+def test_more_problem_shapes_than_the_graph_cache_holds(ext, graphs):
+    """Each shape's launches make their own graph; past the cache's size the least recently used
+    go, and a shape seen again builds its graph anew.  Every call must give the direct launches'
+    bits, on the first pass and on the second."""
+    cases = []
+    for k, shape in enumerate(_MANY_SHAPES):
+        args = _cuda_args(shape, seed=k)
+        graphs(False)
+        cases.append((args, outer_product_mean_op(*args)))
+    graphs(True)
+    built = []
+    for _ in range(2):
+        before = ext.graph_launch_counts()[0]
+        for args, direct in cases:
+            torch.testing.assert_close(outer_product_mean_op(*args), direct, rtol=0, atol=0)
+        built.append(ext.graph_launch_counts()[0] - before)
+    # more graphs than the cache holds, so that it evicts; cycling through them, the least recently
+    # used is always the next one needed, so the second pass builds each again
+    assert built[0] > 32
+    assert built[1] == built[0]
+
+
+@requires_cuda
+def test_graph_launches_from_two_threads_on_their_own_streams(graphs):
+    """The same graph launched by two threads at once, each on its own stream, with its own
+    parameters: each call gets its own inputs' result."""
+    graphs(True)
+    shape = Shape(2, 8, 32, 64, 32, 64)
+    cases = [_cuda_args(shape, seed=s) for s in range(2)]
+    graphs(False)
+    expect = [outer_product_mean_op(*args) for args in cases]
+    graphs(True)
+    torch.cuda.synchronize()
+    results, errors = [[], []], []
+
+    def work(k):
+        try:
+            stream = torch.cuda.Stream()
+            with torch.cuda.stream(stream):
+                for _ in range(50):
+                    results[k].append(outer_product_mean_op(*cases[k]))
+            stream.synchronize()
+        except Exception as exc:  # reported below, on the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for k in range(2):
+        assert len(results[k]) == 50
+        for out in results[k]:
+            torch.testing.assert_close(out, expect[k], rtol=0, atol=0)
+
+
+@requires_cuda
+def test_a_captured_call_joins_the_caller_s_graph(graphs):
+    """Under stream capture the launches go into the caller's graph as they are (no graph launch
+    inside a capture): the replay follows new inputs."""
+    graphs(True)
+    args = _cuda_args(Shape(2, 8, 32, 64, 32, 64))
+    graph, out = capture_graph(lambda: outer_product_mean_op(*args))
+    args[0].copy_(torch.randn_like(args[0]))
+    assert "cudaGraphLaunch" in _runtime_calls(graph.replay)  # the caller's own
+    graphs(False)
+    torch.testing.assert_close(out, outer_product_mean_op(*args), rtol=0, atol=0)

@@ -8,6 +8,9 @@
 #include <cuda_runtime_api.h>
 #include <unistd.h>  // environ
 
+#include <string>
+#include <utility>
+
 #ifdef __CUDACC__
 #define FLASHOPM_HD __host__ __device__
 #else
@@ -1068,6 +1071,47 @@ void launch_convert(const ConvertArgs& args, cudaStream_t stream);
 // switch lets the tests and the host-time measurements compare the two routes in one process.
 bool driver_launch();
 bool set_driver_launch(bool enabled);
+
+// Launch batches: between begin_launch_batch and end_launch_batch the launchers above record their
+// launches on the calling thread, and end_launch_batch sends them as one launch of a CUDA graph
+// holding the same launches (instantiated once per sequence of kernels, grids and attributes;
+// each call sets its own parameters).  begin_launch_batch returns false, and the launches go out
+// one by one as they come, where the stream is being captured (they join the caller's graph),
+// under FLASHOPM_GRAPH_LAUNCH=0, or after set_graph_launch(false).  Only launches on `stream`
+// with nothing else enqueued between them may be batched: they run when the batch is sent.
+bool begin_launch_batch(cudaStream_t stream);
+void end_launch_batch(cudaStream_t stream);
+void abandon_launch_batch();
+bool graph_launch();
+bool set_graph_launch(bool enabled);
+// In this process, over all devices: graphs built, graph launches, sequences of launches no graph
+// could be built for (they go out one by one), and the last such failure's step and error.
+struct GraphLaunchCounts {
+  uint64_t built, launched, failed;
+  std::string last_failure;
+};
+GraphLaunchCounts graph_launch_counts();
+
+// The launches made in its lifetime, up to send(), batched as above; a scope left by an
+// exception drops what it recorded.
+class LaunchBatchScope {
+ public:
+  explicit LaunchBatchScope(cudaStream_t stream) : stream_(stream), active_(begin_launch_batch(stream)) {}
+  ~LaunchBatchScope() {
+    if (active_) abandon_launch_batch();
+  }
+  LaunchBatchScope(const LaunchBatchScope&) = delete;
+  LaunchBatchScope& operator=(const LaunchBatchScope&) = delete;
+  void send() {
+    if (!active_) return;
+    active_ = false;
+    end_launch_batch(stream_);
+  }
+
+ private:
+  cudaStream_t stream_;
+  bool active_;
+};
 
 // Partial sums of split grids added up, up to four tensors in one launch:
 //   out[k][e] = sum_{q < parts[k]} in[k][q · n[k] + e]   for e < n[k], q in order (deterministic).

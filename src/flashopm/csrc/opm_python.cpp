@@ -239,18 +239,36 @@ PyObject* outer_product_mean_modules_entry(PyObject* /*self*/, PyObject* const* 
   END_HANDLE_TH_ERRORS
 }
 
-// driver_launch([enabled]) -> bool: the launch route in use (True: the driver's cuLaunchKernelEx,
-// False: the runtime's cudaLaunchKernelEx); with `enabled`, sets it and returns the previous one.
-PyObject* driver_launch_entry(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
+// name([enabled]) -> bool: a process-wide launch switch; with `enabled`, sets it and returns the
+// previous setting.
+PyObject* launch_switch(const char* name, bool (*get)(), bool (*set)(bool), PyObject* const* args, Py_ssize_t nargs) {
   if (nargs > 1) {
-    PyErr_Format(PyExc_TypeError, "driver_launch: expected at most one argument (enabled), got %zd", nargs);
+    PyErr_Format(PyExc_TypeError, "%s: expected at most one argument (enabled), got %zd", name, nargs);
     return nullptr;
   }
   if (nargs == 1 && !PyBool_Check(args[0])) {
-    PyErr_Format(PyExc_TypeError, "driver_launch: expected enabled to be a bool, got %s", Py_TYPE(args[0])->tp_name);
+    PyErr_Format(PyExc_TypeError, "%s: expected enabled to be a bool, got %s", name, Py_TYPE(args[0])->tp_name);
     return nullptr;
   }
-  return PyBool_FromLong(nargs == 1 ? set_driver_launch(args[0] == Py_True) : driver_launch());
+  return PyBool_FromLong(nargs == 1 ? set(args[0] == Py_True) : get());
+}
+
+// driver_launch([enabled]): the launch route (True: the driver's cuLaunchKernelEx, False: the
+// runtime's cudaLaunchKernelEx).
+PyObject* driver_launch_entry(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
+  return launch_switch("driver_launch", &driver_launch, &set_driver_launch, args, nargs);
+}
+
+// graph_launch([enabled]): whether a call's launches may go out as one launch of a CUDA graph.
+PyObject* graph_launch_entry(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
+  return launch_switch("graph_launch", &graph_launch, &set_graph_launch, args, nargs);
+}
+
+// graph_launch_counts() -> (graphs built, graph launches, failed builds, last failure) in this process.
+PyObject* graph_launch_counts_entry(PyObject* /*self*/, PyObject* /*unused*/) {
+  const GraphLaunchCounts c = graph_launch_counts();
+  return Py_BuildValue("(KKKs)", static_cast<unsigned long long>(c.built), static_cast<unsigned long long>(c.launched),
+                       static_cast<unsigned long long>(c.failed), c.last_failure.c_str());
 }
 
 PyMethodDef module_methods[] = {
@@ -269,6 +287,14 @@ PyMethodDef module_methods[] = {
      "driver_launch([enabled]) -> bool: whether kernels are launched through the driver's cuLaunchKernelEx "
      "(True, the default) or the runtime's cudaLaunchKernelEx; with `enabled`, sets it and returns the "
      "previous setting"},
+    {"graph_launch", reinterpret_cast<PyCFunction>(reinterpret_cast<void*>(&graph_launch_entry)), METH_FASTCALL,
+     "graph_launch([enabled]) -> bool: whether a call's launches go out as one launch of a CUDA graph of them "
+     "where they can (True, the default; never under stream capture); with `enabled`, sets it and returns the "
+     "previous setting"},
+    {"graph_launch_counts", reinterpret_cast<PyCFunction>(reinterpret_cast<void*>(&graph_launch_counts_entry)),
+     METH_NOARGS,
+     "graph_launch_counts() -> (graphs built, graph launches, sequences of launches no graph could be built for, "
+     "the last such failure's step and error) in this process"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "flashopm_extension",
