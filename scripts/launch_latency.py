@@ -53,14 +53,25 @@ struct PairGraph {
   cudaGraphNode_t first = nullptr, second = nullptr;
 };
 
-void graph_pair(int64_t blocks, int64_t value) {
-  static PairGraph g;
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
-  Params p{};
-  p.v[2] = value;
+// The pair's grid, its blocks of 512 threads, and its parameters.
+cudaLaunchConfig_t pair_config(int64_t blocks, cudaStream_t stream) {
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(unsigned(blocks));
   cfg.blockDim = dim3(512);
+  cfg.stream = stream;
+  return cfg;
+}
+Params pair_params(int64_t value) {
+  Params p{};
+  p.v[2] = value;
+  return p;
+}
+
+void graph_pair(int64_t blocks, int64_t value) {
+  static PairGraph g;
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  Params p = pair_params(value);
+  cudaLaunchConfig_t cfg = pair_config(blocks, nullptr);
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
@@ -172,13 +183,8 @@ std::string graph_pair_variant(int64_t variant) {
 
 // The same pair launched directly, with the same parameters.
 void direct_pair(int64_t blocks, int64_t value) {
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
-  Params p{};
-  p.v[2] = value;
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(unsigned(blocks));
-  cfg.blockDim = dim3(512);
-  cfg.stream = stream;
+  const Params p = pair_params(value);
+  cudaLaunchConfig_t cfg = pair_config(blocks, c10::cuda::getCurrentCUDAStream().stream());
   C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, empty_kernel_p, p));
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;

@@ -30,28 +30,45 @@ def ext():
     return _build.extension()
 
 
+def _switch_for_the_test(ext, name):
+    """Yields a setter of the extension's launch switch `name` and restores its setting after."""
+    switch = getattr(ext, name)
+    before = switch()
+    yield lambda enabled: switch(enabled)
+    switch(before)
+
+
 @pytest.fixture
 def route(ext):
-    """Sets the launch route for a test and restores the one before it."""
-    before = ext.driver_launch()
-    yield lambda driver: ext.driver_launch(driver)
-    ext.driver_launch(before)
+    """Sets the launch route (True: the driver's cuLaunchKernelEx) for a test."""
+    yield from _switch_for_the_test(ext, "driver_launch")
 
 
-def test_driver_route_is_the_default_and_the_switch_returns_the_previous_setting(ext, route):
-    assert ext.driver_launch() is True
-    assert route(False) is True
-    assert ext.driver_launch() is False
-    assert route(True) is False
-    assert ext.driver_launch() is True
+@pytest.fixture
+def graphs(ext):
+    """Sets whether a call's launches may go out as one graph launch, for a test."""
+    yield from _switch_for_the_test(ext, "graph_launch")
 
 
-def test_switch_rejects_other_arguments(ext):
-    with pytest.raises(TypeError, match="expected enabled to be a bool, got int"):
-        ext.driver_launch(1)
-    with pytest.raises(TypeError, match="expected at most one argument .enabled., got 2"):
-        ext.driver_launch(True, False)
-    assert ext.driver_launch() is True
+@pytest.mark.parametrize("name", ["driver_launch", "graph_launch"])
+def test_switch_is_on_by_default_and_returns_the_previous_setting(ext, name):
+    switch = getattr(ext, name)
+    for setter in _switch_for_the_test(ext, name):
+        assert switch() is True
+        assert setter(False) is True
+        assert switch() is False
+        assert setter(True) is False
+        assert switch() is True
+
+
+@pytest.mark.parametrize("name", ["driver_launch", "graph_launch"])
+def test_switch_rejects_other_arguments(ext, name):
+    switch = getattr(ext, name)
+    with pytest.raises(TypeError, match=f"{name}: expected enabled to be a bool, got int"):
+        switch(1)
+    with pytest.raises(TypeError, match=f"{name}: expected at most one argument .enabled., got 2"):
+        switch(True, False)
+    assert switch() is True
 
 
 def test_environment_variable_selects_the_runtime_route(ext):
@@ -225,24 +242,6 @@ def test_back_to_back_calls_read_the_previous_call_s_output_complete(monkeypatch
 
 
 # ---- the small path's launches as one CUDA-graph launch (opm_launch.cu, launch batches) ----
-
-@pytest.fixture
-def graphs(ext):
-    """Sets whether a call's launches may go out as one graph launch, and restores the setting."""
-    before = ext.graph_launch()
-    yield lambda enabled: ext.graph_launch(enabled)
-    ext.graph_launch(before)
-
-
-def test_graph_launch_is_the_default_and_the_switch_returns_the_previous_setting(ext, graphs):
-    assert ext.graph_launch() is True
-    assert graphs(False) is True
-    assert ext.graph_launch() is False
-    assert graphs(True) is False
-    assert ext.graph_launch() is True
-    with pytest.raises(TypeError, match="graph_launch: expected enabled to be a bool, got int"):
-        ext.graph_launch(1)
-
 
 def _runtime_calls(fn):
     """Names of the CUDA runtime calls made by fn() (the profiler's cuda_runtime events)."""
