@@ -276,8 +276,8 @@ def test_the_small_path_goes_out_as_one_graph_launch_unless_switched_off(ext, gr
 
 @requires_cuda
 def test_a_cooperative_launch_goes_out_as_it_is(ext, graphs, monkeypatch):
-    """The one-launch form is a cooperative launch, whose parameters an instantiated graph cannot
-    take: it is launched directly, with or without the graph switch."""
+    """The one-launch form is a cooperative launch, which is not batched (its graph form is not
+    tested): it is launched directly, with or without the graph switch."""
     monkeypatch.setenv("FLASHOPM_SMALL_F16_FUSED", "1")
     args = _cuda_args(Shape(2, 8, 32, 64, 32, 64))
     graphs(True)
@@ -372,13 +372,17 @@ def test_graph_launches_from_two_threads_on_their_own_streams(graphs):
 
 
 @requires_cuda
-def test_a_captured_call_joins_the_caller_s_graph(graphs):
+def test_a_captured_call_joins_the_caller_s_graph(ext, graphs):
     """Under stream capture the launches go into the caller's graph as they are (no graph launch
     inside a capture): the replay follows new inputs."""
     graphs(True)
     args = _cuda_args(Shape(2, 8, 32, 64, 32, 64))
+    launched = ext.graph_launch_counts()[1]
     graph, out = capture_graph(lambda: outer_product_mean_op(*args))
+    # one graph launch: capture_graph's warm-up call on a side stream; none from the captured call
+    assert ext.graph_launch_counts()[1] == launched + 1
     args[0].copy_(torch.randn_like(args[0]))
     assert "cudaGraphLaunch" in _runtime_calls(graph.replay)  # the caller's own
+    assert ext.graph_launch_counts()[1] == launched + 1
     graphs(False)
     torch.testing.assert_close(out, outer_product_mean_op(*args), rtol=0, atol=0)

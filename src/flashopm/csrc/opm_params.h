@@ -9,7 +9,6 @@
 #include <unistd.h>  // environ
 
 #include <string>
-#include <utility>
 
 #ifdef __CUDACC__
 #define FLASHOPM_HD __host__ __device__
