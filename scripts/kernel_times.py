@@ -1,8 +1,9 @@
 """Where the GPU time goes: a training step (forward + backward through torch.autograd.grad) or a
 forward call of flashopm and of eager PyTorch under torch.profiler, one table of kernels per
 implementation and shape (time per call, launches per call), and the call's wall time next to the
-sum of its kernels.
+sum of its kernels.  PRECISION=high (or medium) sets PyTorch's float32 matmul precision for both.
     usage: python scripts/kernel_times.py {training,forward} {float32,bfloat16} [B,S,N,C,H,D ...]"""
+import os
 import sys
 import time
 
@@ -57,8 +58,10 @@ def main(report=_report, default_shapes=(Shape(2, 8, 32, 64, 32, 64), Shape(1, 1
     """report(name, step) for eager and flashopm at each shape of the command line."""
     flashopm.load()
     mode, dtype = sys.argv[1], getattr(torch, sys.argv[2])
+    torch.set_float32_matmul_precision(os.environ.get("PRECISION", "highest"))
     shapes = [Shape(*(int(v) for v in s.split(","))) for s in sys.argv[3:]] or list(default_shapes)
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {mode}, {dtype}")
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {mode}, {dtype}, "
+          f"{torch.get_float32_matmul_precision()}")
     for shape in shapes:
         print(shape)
         x, m, _ = make_problem(shape, "masked_positions", seed=0)

@@ -484,26 +484,100 @@ def test_compile_modes_on_cuda(mode):
     torch.testing.assert_close(out, expect)
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
-def test_autocast_runs_in_float32(device):
-    """In an autocast region the op takes half-precision activations (cast up) and returns
-    float32, within float32 rounding of the reference on the float32 activations."""
+def _randomized(module, seed):
+    """module with every parameter drawn again (the model inits leave some at zero or one)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * (0.5 if p.dim() == 1 else p.shape[-1] ** -0.5))
+    return module
+
+
+_AUTOCAST_MODULES = {
+    # name: (ours, the reference, constructor arguments for (C, D, H), forward's extra arguments)
+    "spec": (flashopm.ModelNew, flashopm.Model, lambda c, d, h: (c, d, h)),
+    "openfold": (flashopm.OpenFoldOuterProductMean, flashopm.OpenFoldOuterProductMeanReference,
+                 lambda c, d, h: (c, d, h)),
+    "boltz": (flashopm.BoltzOuterProductMean, flashopm.BoltzOuterProductMeanReference, lambda c, d, h: (c, h, d)),
+}
+
+
+def _autocast_run(module, x, m, g, device, dtype):
+    """(output, gradients of x and of every parameter) of module in an autocast region of dtype
+    (none for None)."""
+    module.zero_grad(set_to_none=True)
+    x = x.detach().clone().requires_grad_()
+    with torch.autocast(device_type=device, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+        out = module(x, m)
+    (out.float() * g).sum().backward()
+    return out, [x.grad] + [p.grad for p in module.parameters()]
+
+
+@pytest.mark.parametrize("device, low", [
+    ("cpu", torch.bfloat16),
+    pytest.param("cuda", torch.bfloat16, marks=requires_cuda),
+    pytest.param("cuda", torch.float16, marks=requires_cuda),
+], ids=str)
+@pytest.mark.parametrize("kind", ["spec", "openfold", "boltz"])
+def test_autocast_runs_in_the_region_s_type(device, low, kind):
+    """In an autocast region the op runs as the reference's linear layers and einsum run there: in
+    the region's type (float32 activations cast down, a float32 mask as given), returning that
+    type, with an error against float64 at most twice the reference's own under autocast, for the
+    output and every gradient (which come back in the parameters' float32).  OpenFold's module in
+    a float16 region takes OpenFold's float32 route instead (the test below)."""
+    if kind == "openfold" and low == torch.float16:
+        pytest.skip("OpenFold runs in float32 in float16 regions")
+    ours_cls, ref_cls, args = _AUTOCAST_MODULES[kind]
+    shape = Shape(2, 24, 20, 32, 8, 16)
+    x, m, _ = make_problem(shape, "masked_positions", seed=31)
+    m = m * torch.rand(m.shape, generator=torch.Generator().manual_seed(5))  # fractions too
+    g = torch.randn(shape.B, shape.N, shape.N, shape.D, generator=torch.Generator().manual_seed(7))
+    ours = _randomized(ours_cls(*args(shape.C, shape.D, shape.H)), seed=3)
+    ref = ref_cls(*args(shape.C, shape.D, shape.H))
+    ref.load_state_dict(ours.state_dict())
+    exact = ref_cls(*args(shape.C, shape.D, shape.H)).double()
+    exact.load_state_dict(ours.state_dict())
+    out64, grads64 = _autocast_run(exact, x.double(), m.double(), g.double(), "cpu", None)
+    ours, ref = ours.to(device), ref.to(device)
+    xd, md, gd = x.to(device), m.to(device), g.to(device)
+    out, grads = _autocast_run(ours, xd, md, gd, device, low)
+    out_ref, grads_ref = _autocast_run(ref, xd, md, gd, device, low)
+    assert out.dtype == out_ref.dtype == low
+    names = ["output", "msa_repr"] + [name for name, _ in ours.named_parameters()]
+    for name, o, e, r in zip(names, [out] + grads, [out_ref] + grads_ref, [out64] + grads64):
+        assert o.dtype == e.dtype and torch.isfinite(o).all(), name
+        err, err_ref = rel_error(o.cpu(), r), rel_error(e.cpu(), r)
+        assert err <= max(2 * err_ref, torch.finfo(low).eps), f"{kind} {name}: {err:.3g} vs the reference's {err_ref:.3g}"
+
+
+@requires_cuda
+def test_openfold_runs_in_float32_in_float16_regions():
+    """OpenFold's module leaves a float16 autocast region for float32 (float16's range), and so do
+    ours and its reference: float32 outputs and gradients, at float32's accuracy."""
+    shape = Shape(1, 16, 12, 24, 8, 8)
+    x, m, _ = make_problem(shape, "masked_positions", seed=32)
+    g = torch.randn(shape.B, shape.N, shape.N, shape.D, generator=torch.Generator().manual_seed(8))
+    ours = _randomized(flashopm.OpenFoldOuterProductMean(shape.C, shape.D, shape.H), seed=4).cuda()
+    ref = flashopm.OpenFoldOuterProductMeanReference(shape.C, shape.D, shape.H).cuda()
+    ref.load_state_dict(ours.state_dict())
+    xc, mc, gc = x.cuda(), m.cuda(), g.cuda()
+    out, grads = _autocast_run(ours, xc, mc, gc, "cuda", torch.float16)
+    out_ref, grads_ref = _autocast_run(ref, xc, mc, gc, "cuda", torch.float16)
+    assert out.dtype == out_ref.dtype == torch.float32
+    torch.testing.assert_close(out, out_ref, rtol=1e-4, atol=1e-4)
+    for o, e in zip(grads, grads_ref):
+        torch.testing.assert_close(o, e, rtol=1e-4, atol=1e-4)
+
+
+def test_compile_traces_the_autocast_rule():
+    """torch.compile (fullgraph) in an autocast region gives what the eager call gives there."""
     torch.manual_seed(0)
-    model = flashopm.ModelNew(16, 8, 4).to(device)
-    ref = flashopm.Model(16, 8, 4).to(device)
-    ref.load_state_dict(model.state_dict())
-    x = torch.randn(2, 3, 5, 16, device=device)
-    m = (torch.rand(2, 3, 5, device=device) > 0.3).float()
-    low = torch.bfloat16
-    with torch.autocast(device_type=device, dtype=low):
-        x_low = torch.nn.functional.linear(x, torch.eye(16, device=device))  # a bf16 activation, as autocast makes them
-        assert x_low.dtype == low
-        out = model(x_low, m)
-        out.float().sum().backward()
-    assert out.dtype == torch.float32
-    torch.testing.assert_close(out, ref(x_low.float(), m), rtol=1e-4, atol=1e-4)
-    # the backward computes in float32 too (autocast does not recast its matmuls): the gradients
-    # of the reference on the float32 activations, outside autocast
-    ref(x_low.float(), m).float().sum().backward()
-    for (name, p_ours), p_ref in zip(model.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(p_ours.grad, p_ref.grad, rtol=1e-4, atol=1e-4, msg=name)
+    model = _randomized(flashopm.BoltzOuterProductMean(16, 4, 8), seed=6)
+    x = torch.randn(2, 5, 7, 16)
+    m = (torch.rand(2, 5, 7) > 0.3).float()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expect = model(x, m)
+        out = compiled(x, m)
+    assert out.dtype == expect.dtype == torch.bfloat16
+    torch.testing.assert_close(out, expect, rtol=0, atol=0)

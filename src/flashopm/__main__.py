@@ -114,8 +114,12 @@ def _parse_shapes(text: str | None) -> list[Shape]:
 # eager first: the others are checked against it.  "-tf32": under torch.set_float32_matmul_precision("high"),
 # "-medium": under "medium" (flashopm: bfloat16 operands; PyTorch's CUDA matmuls treat it as "high");
 # a backward or training step runs under the setting as a whole.
-IMPLS = ("eager", "flashopm", "compile", "compile-ro", "chunked", "eager-tf32", "flashopm-tf32", "flashopm-medium")
+IMPLS = ("eager", "flashopm", "compile", "compile-ro", "chunked", "eager-tf32", "flashopm-tf32", "flashopm-medium",
+         "eager-amp", "flashopm-amp", "compile-amp")
 PRECISION_SUFFIXES = {"-tf32": "high", "-medium": "medium"}
+# "-amp": the float32 model's forward in a bfloat16 autocast region (mixed-precision training: the
+# backward runs outside it, as torch.autograd.grad is called there).
+AUTOCAST_SUFFIX, AUTOCAST_DTYPE = "-amp", torch.bfloat16
 DEFAULT_IMPLS = ("eager", "flashopm", "compile", "compile-ro")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Which module is measured: the specification's, or the OpenFold / Boltz convention (flashopm's
@@ -175,7 +179,20 @@ def _with_matmul_precision(fn, precision: str):
     return call
 
 
+def _with_autocast(fn, dtype: torch.dtype):
+    def call(x, m):
+        with torch.autocast("cuda", dtype=dtype):
+            return fn(x, m)
+
+    call.autocast_dtype = dtype
+    return call
+
+
 def _callable(impl: str, ref, new, dtype: torch.dtype = torch.float32):
+    if impl.endswith(AUTOCAST_SUFFIX):
+        if dtype != torch.float32:
+            return None  # a float32 model's mixed precision
+        return _with_autocast(_callable(impl[: -len(AUTOCAST_SUFFIX)], ref, new), AUTOCAST_DTYPE)
     for suffix, precision in PRECISION_SUFFIXES.items():
         if impl.endswith(suffix):
             if dtype != torch.float32:
@@ -230,6 +247,8 @@ def _timed_call(fn, x, m, mode: str, leaves: list, grad_out):
         return step_under_precision
     if mode == "forward":
         return lambda: fn(x, m)
+    if getattr(fn, "autocast_dtype", None) is not None:
+        grad_out = grad_out.to(fn.autocast_dtype)  # the output's type
     if mode == "training":
         return lambda: torch.autograd.grad(fn(x, m), leaves, grad_out)
     out = fn(x, m)  # the backward alone, through this graph each time
@@ -301,6 +320,7 @@ def bench_shape(shape: Shape, impls: list[str], n_calls: int, fp64_max_n: int, d
             continue
         if impl == "eager":
             eager_out = out
+        out_itemsize = AUTOCAST_DTYPE.itemsize if impl.endswith(AUTOCAST_SUFFIX) else x.element_size()
         row.update(
             status="ok",
             calls=wall.n,
@@ -311,7 +331,7 @@ def bench_shape(shape: Shape, impls: list[str], n_calls: int, fp64_max_n: int, d
             graph_calls=graph_calls if graph else None,
             peak_bytes=extra + inputs_bytes,  # what one call holds in a fresh process
             peak_extra_bytes=extra,
-            extra_over_output=extra / (shape.out_bytes * x.element_size() / 4),
+            extra_over_output=extra / (shape.out_bytes * out_itemsize / 4),
             tflops=MODE_FLOPS[mode] * shape.flops / (wall.median_us * 1e-6) / 1e12,
         )
         if ref64 is not None:
@@ -321,7 +341,7 @@ def bench_shape(shape: Shape, impls: list[str], n_calls: int, fp64_max_n: int, d
                 row.update(rel_err_fp64=_grads_error(out, ref64))
         # allclose(1e-4) to eager is a float32 criterion; in half types err64 says more (eager's own
         # error there is ~1e-2)
-        if eager_out is not None and impl != "eager" and dtype == torch.float32:
+        if eager_out is not None and impl != "eager" and dtype == torch.float32 and not impl.endswith(AUTOCAST_SUFFIX):
             outs, refs = (out, eager_out) if mode != "forward" else ([out], [eager_out])
             row["allclose_eager_1e-4"] = all(
                 bool(torch.allclose(a.float(), b.float(), atol=1e-4, rtol=1e-4)) for a, b in zip(outs, refs))
@@ -470,7 +490,10 @@ def _table(rows: list[dict]) -> str:
 
 
 def _eager_peer(impl: str) -> str:
-    """The eager row a row is compared with: flashopm-tf32 with eager-tf32, the others with eager."""
+    """The eager row a row is compared with: flashopm-tf32 with eager-tf32, the autocast rows with
+    eager-amp, the others with eager."""
+    if impl.endswith(AUTOCAST_SUFFIX):
+        return "eager" + AUTOCAST_SUFFIX
     return "eager" + impl[len("flashopm"):] if impl.startswith("flashopm") else "eager"
 
 

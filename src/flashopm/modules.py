@@ -72,6 +72,7 @@ class OpenFoldOuterProductMean(OpenFoldOuterProductMeanReference):
         out = (linear_out(vec(sum_s a_si (x) b_sj))) / (eps + sum_s mask_si mask_sj)
     (the bias is divided too: a fully masked pair gives linear_out.bias / eps).  `chunk_size` and
     `inplace_safe` are accepted for compatibility; the kernel never forms the chunks they bound.
+    In a float16 autocast region it runs in float32 with autocast off, as OpenFold's module does.
     """
 
     def __init__(self, c_m: int, c_z: int, c_hidden: int, eps: float = 1e-3, *, projection_bias: bool = True):
@@ -86,6 +87,9 @@ class OpenFoldOuterProductMean(OpenFoldOuterProductMeanReference):
 
     def forward(self, m: torch.Tensor, mask: torch.Tensor | None = None, chunk_size: int | None = None,
                 inplace_safe: bool = False) -> torch.Tensor:
+        return super().forward(m, mask, chunk_size)
+
+    def _forward(self, m: torch.Tensor, mask: torch.Tensor | None, chunk_size: int | None) -> torch.Tensor:
         if mask is None:
             mask = m.new_ones(m.shape[:-1])
         *batch, S, N, C = m.shape

@@ -153,11 +153,18 @@ def check_inputs(msa_repr, msa_mask, ln_weight, ln_bias, w_a, b_a, w_b, b_b, w_o
     return B, S, N, C, H, D
 
 
+def _mask_in_type(msa_mask, dtype):
+    """A float mask in msa_repr's type, so that the PyTorch math keeps that type throughout (a mask
+    of another float type would promote a and b past the parameters' type); bool masks as given."""
+    return msa_mask.to(dtype) if msa_mask.is_floating_point() and msa_mask.dtype != dtype else msa_mask
+
+
 @torch.library.impl(_lib, "outer_product_mean", "CPU")
 def _outer_product_mean_cpu(msa_repr, msa_mask, ln_weight, ln_bias, ln_eps, w_a, b_a, w_b, b_b, w_out, b_out,
                             algorithm=0, normalization=0, norm_eps=1e-3, precision=FOLLOW_PYTORCH):
     check_inputs(msa_repr, msa_mask, ln_weight, ln_bias, w_a, b_a, w_b, b_b, w_out, b_out, algorithm, normalization,
                  precision)
+    msa_mask = _mask_in_type(msa_mask, msa_repr.dtype)
     out = outer_product_mean_reference(msa_repr, msa_mask, ln_weight, ln_bias, w_a, b_a, w_b, b_b, w_out, b_out, ln_eps,
                                        normalization, norm_eps)
     # The einsum path can return a non-contiguous view for degenerate sizes; the op promises a
@@ -248,7 +255,7 @@ def _outer_product_mean_backward_impl(grad_out, msa_repr, msa_mask, ln_weight, l
     # around the backward must not recast its matmuls.
     with torch.autocast(msa_repr.device.type, enabled=False):
         grads = outer_product_mean_backward_reference(
-            grad_out, msa_repr, msa_mask, ln_weight, ln_bias, w_a, b_a, w_b, b_b, w_out, b_out, ln_eps,
+            grad_out, msa_repr, _mask_in_type(msa_mask, msa_repr.dtype), ln_weight, ln_bias, w_a, b_a, w_b, b_b, w_out, b_out, ln_eps,
             normalization, norm_eps, tuple(output_mask), contract_backward=contract_backward,
         )
     return _grads_as_tensors(grads, (msa_repr, ln_weight, ln_bias, w_a, b_a, w_b, b_b, w_out, b_out))
@@ -298,10 +305,39 @@ torch.library.register_autograd("flashopm::outer_product_mean", _backward, setup
 
 outer_product_mean_backward_op = torch.ops.flashopm.outer_product_mean_backward.default
 
-# Under torch.autocast the op runs in float32, the precision its kernels compute in: inputs that
-# earlier autocast layers produced in half precision are cast up, and the output is float32.
+# Under torch.autocast the op runs as the reference's layers run there: its linear layers and
+# einsum take the region's type (bfloat16 or float16) and return it, so the op takes msa_repr and
+# the parameters in that type and returns that type, which selects its 16-bit kernels (products in
+# that type, float32 sums).  The mask is not cast, as the reference multiplies by it in its own
+# type.  float64 tensors are not cast, as autocast leaves them.  The type is read when the op runs
+# (torch.get_autocast_dtype), so one registration serves every region.
+AUTOCAST_CAST_POSITIONS = (0, 2, 3, 5, 6, 7, 8, 9, 10)
+
+
+def _register_autocast(device_type: str) -> None:
+    key = getattr(torch._C.DispatchKey, "Autocast" + torch._C._dispatch_key_for_device(device_type))
+
+    def run_cast(*args):
+        dtype = torch.get_autocast_dtype(device_type)
+        args = list(args)
+        for k in AUTOCAST_CAST_POSITIONS:
+            t = args[k]
+            if (t is not None and t.is_floating_point() and t.device.type == device_type
+                    and t.dtype not in (torch.float64, dtype)):
+                args[k] = t.to(dtype)
+        with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(key)):
+            return outer_product_mean_op(*args)
+
+    # the Python dispatcher's kernel (torch.compile's tracing) and the dispatcher's
+    if outer_product_mean_op.has_kernel_for_dispatch_key(key):
+        outer_product_mean_op.py_kernels.pop(key)
+    outer_product_mean_op.py_impl(key)(run_cast)
+    _lib.impl("outer_product_mean", lambda _keyset, *args: run_cast(*args), "Autocast" +
+              torch._C._dispatch_key_for_device(device_type), with_keyset=True)
+
+
 for _device in ("cuda", "cpu"):
-    torch.library.register_autocast("flashopm::outer_product_mean", _device, torch.float32)
+    _register_autocast(_device)
 
 
 # ---- rows of the outer-product mean from projections (the sharded OPM's local contraction) ----

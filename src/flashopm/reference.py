@@ -257,6 +257,11 @@ def outer_product_mean_backward_reference(
     return [None if grads[k] is None else grads[k].to(like[k].dtype) for k in GRAD_INPUTS]
 
 
+def openfold_float16_region() -> bool:
+    """Whether a CUDA autocast region in float16 is active, as OpenFold's `is_fp16_enabled` asks."""
+    return torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") == torch.float16
+
+
 class OpenFoldOuterProductMeanReference(nn.Module):
     """OpenFold / AlphaFold2's Outer-Product Mean in plain PyTorch, from its math:
 
@@ -276,6 +281,14 @@ class OpenFoldOuterProductMeanReference(nn.Module):
         self.linear_out = nn.Linear(c_hidden * c_hidden, c_z)
 
     def forward(self, m: torch.Tensor, mask: torch.Tensor | None = None, chunk_size: int | None = None):
+        # OpenFold's own rule: in a float16 autocast region the module runs in float32 with autocast
+        # off (float16's range); in a bfloat16 region it runs under autocast like any layer.
+        if openfold_float16_region():
+            with torch.autocast("cuda", enabled=False):
+                return self._forward(m.float(), mask, chunk_size)
+        return self._forward(m, mask, chunk_size)
+
+    def _forward(self, m: torch.Tensor, mask: torch.Tensor | None, chunk_size: int | None) -> torch.Tensor:
         if mask is None:
             mask = m.new_ones(m.shape[:-1])
         mask = mask.to(m.dtype)
