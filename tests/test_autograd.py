@@ -569,6 +569,25 @@ def test_openfold_runs_in_float32_in_float16_regions():
         torch.testing.assert_close(o, e, rtol=1e-4, atol=1e-4)
 
 
+@requires_cuda
+def test_compiled_training_step_under_autocast_on_cuda():
+    """torch.compile (inductor, fullgraph) of a mixed-precision training step: the op in bfloat16
+    inside the compiled graph, the same output and gradients as the eager step in the region."""
+    shape = Shape(1, 12, 24, 32, 8, 16)
+    x, m, _ = make_problem(shape, "masked_positions", seed=33)
+    g = torch.randn(shape.B, shape.N, shape.N, shape.D, generator=torch.Generator().manual_seed(9)).cuda()
+    model = _randomized(flashopm.BoltzOuterProductMean(shape.C, shape.H, shape.D), seed=7).cuda()
+    xc, mc = x.cuda(), m.cuda()
+    out, grads = _autocast_run(model, xc, mc, g, "cuda", torch.bfloat16)
+    compiled = torch.compile(model, fullgraph=True)
+    for _ in range(2):
+        out_c, grads_c = _autocast_run(compiled, xc, mc, g, "cuda", torch.bfloat16)
+    assert out_c.dtype == torch.bfloat16
+    torch.testing.assert_close(out_c, out, rtol=0, atol=0)
+    for o, e in zip(grads_c, grads):
+        torch.testing.assert_close(o, e, rtol=1e-5, atol=1e-6)
+
+
 def test_compile_traces_the_autocast_rule():
     """torch.compile (fullgraph) in an autocast region gives what the eager call gives there."""
     torch.manual_seed(0)
