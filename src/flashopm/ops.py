@@ -310,11 +310,14 @@ outer_product_mean_backward_op = torch.ops.flashopm.outer_product_mean_backward.
 # the parameters in that type and returns that type, which selects its 16-bit kernels (products in
 # that type, float32 sums).  The mask is not cast, as the reference multiplies by it in its own
 # type.  float64 tensors are not cast, as autocast leaves them.  The type is read when the op runs
-# (torch.get_autocast_dtype), so one registration serves every region.
+# (torch.get_autocast_dtype), so one registration serves every region.  On CUDA the dispatcher's
+# kernel is C++ (csrc/opm_autograd.cpp, the same rule without a Python frame per call), registered
+# with the op's CUDA kernel when the extension loads; the Python one here serves torch.compile's
+# tracing there.
 AUTOCAST_CAST_POSITIONS = (0, 2, 3, 5, 6, 7, 8, 9, 10)
 
 
-def _register_autocast(device_type: str) -> None:
+def _register_autocast(device_type: str, dispatcher_kernel: bool) -> None:
     key = getattr(torch._C.DispatchKey, "Autocast" + torch._C._dispatch_key_for_device(device_type))
 
     def run_cast(*args):
@@ -332,12 +335,13 @@ def _register_autocast(device_type: str) -> None:
     if outer_product_mean_op.has_kernel_for_dispatch_key(key):
         outer_product_mean_op.py_kernels.pop(key)
     outer_product_mean_op.py_impl(key)(run_cast)
-    _lib.impl("outer_product_mean", lambda _keyset, *args: run_cast(*args), "Autocast" +
-              torch._C._dispatch_key_for_device(device_type), with_keyset=True)
+    if dispatcher_kernel:
+        _lib.impl("outer_product_mean", lambda _keyset, *args: run_cast(*args), "Autocast" +
+                  torch._C._dispatch_key_for_device(device_type), with_keyset=True)
 
 
-for _device in ("cuda", "cpu"):
-    _register_autocast(_device)
+_register_autocast("cpu", dispatcher_kernel=True)
+_register_autocast("cuda", dispatcher_kernel=False)
 
 
 # ---- rows of the outer-product mean from projections (the sharded OPM's local contraction) ----

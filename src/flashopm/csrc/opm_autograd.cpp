@@ -1,4 +1,4 @@
-// Autograd of flashopm::outer_product_mean on CUDA, registered from C++.
+// Autograd and autocast of flashopm::outer_product_mean on CUDA, registered from C++.
 //
 // ops.py registers the op's autograd in Python for every device (the CPU path, and CUDA before
 // this extension is loaded).  A Python autograd kernel costs tens of microseconds on every call,
@@ -7,6 +7,7 @@
 // flashopm::outer_product_mean_backward through the dispatcher, so whichever implementation is
 // registered for it (and any tracing mode of torch.compile) sees the call.
 #include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
@@ -117,9 +118,33 @@ at::Tensor outer_product_mean_autograd(const at::Tensor& msa, const at::Tensor& 
                                          normalization, norm_eps, precision);
 }
 
+// In a CUDA autocast region the op runs as the reference's linear layers and einsum run there:
+// msa_repr and the parameters cast to the region's type (the mask as given), then the op below
+// autocast, which returns that type.  The rule of ops.py's autocast kernel (the CPU's, and
+// torch.compile's tracing), here in C++: a Python kernel and its casts cost ~170 us of host time
+// per call (H200, the spec shape).  cached_cast is autocast's own cast: it skips tensors that are
+// not floating, are float64 or already of that type, and reuses a leaf parameter's cast within
+// one region, as nn.Linear's casts do.
+at::Tensor outer_product_mean_autocast(const at::Tensor& msa, const at::Tensor& mask, const at::Tensor& ln_w,
+                                       const at::Tensor& ln_b, double ln_eps, const at::Tensor& w_a,
+                                       const OptTensor& b_a, const at::Tensor& w_b, const OptTensor& b_b,
+                                       const at::Tensor& w_out, const OptTensor& b_out, int64_t algorithm,
+                                       int64_t normalization, double norm_eps, int64_t precision) {
+  const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::DispatchKey::AutocastCUDA);
+  const at::ScalarType type = at::autocast::get_autocast_dtype(at::kCUDA);
+  const auto cast = [type](const at::Tensor& t) { return at::autocast::cached_cast(type, t, c10::DeviceType::CUDA); };
+  const auto cast_opt = [&cast](const OptTensor& t) { return t ? OptTensor(cast(*t)) : OptTensor(); };
+  return forward_op().call(cast(msa), mask, cast(ln_w), cast(ln_b), ln_eps, cast(w_a), cast_opt(b_a), cast(w_b),
+                           cast_opt(b_b), cast(w_out), cast_opt(b_out), algorithm, normalization, norm_eps, precision);
+}
+
 }  // namespace
 }  // namespace flashopm
 
 TORCH_LIBRARY_IMPL(flashopm, AutogradCUDA, m) {
   m.impl("outer_product_mean", &flashopm::outer_product_mean_autograd);
+}
+
+TORCH_LIBRARY_IMPL(flashopm, AutocastCUDA, m) {
+  m.impl("outer_product_mean", &flashopm::outer_product_mean_autocast);
 }
