@@ -2,6 +2,7 @@
 torch.compile tracing, and a few training steps next to the reference module."""
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import flashopm
 from conftest import f16_backward_form_or_skip, requires_cuda
@@ -519,16 +520,17 @@ def _autocast_run(module, x, m, g, device, dtype):
     pytest.param("cuda", torch.float16, marks=requires_cuda),
 ], ids=str)
 @pytest.mark.parametrize("kind", ["spec", "openfold", "boltz"])
-def test_autocast_runs_in_the_region_s_type(device, low, kind):
+@pytest.mark.parametrize("shape", [Shape(2, 24, 20, 32, 8, 16), Shape(1, 40, 150, 64, 32, 24)], ids=str)
+def test_autocast_runs_in_the_region_s_type(device, low, kind, shape):
     """In an autocast region the op runs as the reference's linear layers and einsum run there: in
     the region's type (float32 activations cast down, a float32 mask as given), returning that
     type, with an error against float64 at most twice the reference's own under autocast, for the
     output and every gradient (which come back in the parameters' float32).  OpenFold's module in
-    a float16 region takes OpenFold's float32 route instead (the test below)."""
+    a float16 region takes OpenFold's float32 route instead (the test below).  Two sizes: the small
+    path's, and the outer-first path's on 16-bit tensor cores."""
     if kind == "openfold" and low == torch.float16:
         pytest.skip("OpenFold runs in float32 in float16 regions")
     ours_cls, ref_cls, args = _AUTOCAST_MODULES[kind]
-    shape = Shape(2, 24, 20, 32, 8, 16)
     x, m, _ = make_problem(shape, "masked_positions", seed=31)
     m = m * torch.rand(m.shape, generator=torch.Generator().manual_seed(5))  # fractions too
     g = torch.randn(shape.B, shape.N, shape.N, shape.D, generator=torch.Generator().manual_seed(7))
@@ -548,6 +550,35 @@ def test_autocast_runs_in_the_region_s_type(device, low, kind):
         assert o.dtype == e.dtype and torch.isfinite(o).all(), name
         err, err_ref = rel_error(o.cpu(), r), rel_error(e.cpu(), r)
         assert err <= max(2 * err_ref, torch.finfo(low).eps), f"{kind} {name}: {err:.3g} vs the reference's {err_ref:.3g}"
+
+
+class _OpArgTypes(TorchDispatchMode):
+    """Records the types of the tensors the op is called with, below autocast."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.flashopm.outer_product_mean.default:
+            self.seen.append((args[0].dtype, args[1].dtype, args[5].dtype))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
+def test_autocast_casts_the_parameters_and_keeps_float32_x(device):
+    """In a bfloat16 region the parameters reach the op in bfloat16 and the mask as given;
+    float32 x stays float32 (no copy of x: the LayerNorm reads it), other x takes the region's type."""
+    model = flashopm.ModelNew(16, 4, 8).to(device)
+    m = torch.ones(1, 3, 5, device=device)
+    for x_type, expect in [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                           (torch.float16, torch.bfloat16)]:
+        x = torch.randn(1, 3, 5, 16, device=device, dtype=x_type)
+        recorder = _OpArgTypes()
+        with torch.autocast(device_type=device, dtype=torch.bfloat16), recorder:
+            out = model(x, m)
+        assert out.dtype == torch.bfloat16
+        assert recorder.seen == [(expect, torch.float32, torch.bfloat16)], x_type
 
 
 @requires_cuda

@@ -49,6 +49,24 @@ def test_dtype_errors(device):
         model(x.double(), torch.ones(1, 2, 3, device=device))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_float32_x_goes_with_16_bit_parameters_only(device):
+    """msa_repr has the parameters' type, or is float32 beside 16-bit parameters (the op then
+    computes in theirs, as in a mixed-precision region); other pairs are named."""
+    x = torch.randn(1, 2, 3, 8, device=device)
+    m = torch.ones(1, 2, 3, device=device)
+    assert _model(device).to(torch.bfloat16)(x, m).dtype == torch.bfloat16
+    with pytest.raises((ValueError, RuntimeError), match="must have dtype torch.bfloat16 like proj_a weight, got "
+                                                         "torch.float32|must have dtype BFloat16 like proj_a weight, got Float"):
+        model = _model(device).to(torch.bfloat16)
+        model.out_proj.float()
+        model(x, m)
+    with pytest.raises((ValueError, RuntimeError), match="must have dtype .*like msa_repr"):
+        _model(device).to(torch.bfloat16)(x.half(), m)
+    with pytest.raises((ValueError, RuntimeError), match="must have dtype .*like msa_repr"):
+        _model(device).double()(x, m)
+
+
 @requires_cuda
 def test_cuda_rejects_unsupported_msa_dtype():
     model = _model("cuda").double()

@@ -95,6 +95,14 @@ def _check_modes(precision, normalization):
         raise ValueError(f"flashopm: normalization must be 0 (row), 1 (openfold) or 2 (boltz), got {normalization}")
 
 
+def model_dtype(msa_repr, w_a):
+    """The type the op computes in and returns: msa_repr's, or the parameters' 16-bit type where
+    msa_repr is float32 (a mixed-precision region casts the parameters; LayerNorm reads float32 x)."""
+    if msa_repr.dtype == torch.float32 and w_a.dtype in (torch.float16, torch.bfloat16):
+        return w_a.dtype
+    return msa_repr.dtype
+
+
 def check_inputs(msa_repr, msa_mask, ln_weight, ln_bias, w_a, b_a, w_b, b_b, w_out, b_out, algorithm=0,
                  normalization=0, precision=FOLLOW_PYTORCH):
     """Shape/device/dtype checks of the CPU and fake paths (the CUDA path checks in C++, alike)."""
@@ -135,6 +143,8 @@ def check_inputs(msa_repr, msa_mask, ln_weight, ln_bias, w_a, b_a, w_b, b_b, w_o
         ("proj_b bias", b_b, (H,)),
         ("out_proj bias", b_out, (D,)),
     ]
+    model = model_dtype(msa_repr, w_a)
+    like = "msa_repr" if model == msa_repr.dtype else "proj_a weight"
     for name, t, shape in params:
         if t is None:
             continue
@@ -142,8 +152,8 @@ def check_inputs(msa_repr, msa_mask, ln_weight, ln_bias, w_a, b_a, w_b, b_b, w_o
             raise ValueError(f"flashopm: {name} must have shape {list(shape)}, got {list(t.shape)}")
         if t.device != msa_repr.device:
             raise ValueError(f"flashopm: {name} is on {t.device} but msa_repr is on {msa_repr.device}")
-        if t.dtype != msa_repr.dtype:
-            raise ValueError(f"flashopm: {name} must have dtype {msa_repr.dtype} like msa_repr, got {t.dtype}")
+        if t.dtype != model:
+            raise ValueError(f"flashopm: {name} must have dtype {model} like {like}, got {t.dtype}")
     if algorithm not in ALGORITHMS.values():
         raise ValueError(
             "flashopm: algorithm must be 0 (auto), 1 (outer-first), 2 (project-first), 3 (single launch), "
@@ -164,7 +174,7 @@ def _outer_product_mean_cpu(msa_repr, msa_mask, ln_weight, ln_bias, ln_eps, w_a,
                             algorithm=0, normalization=0, norm_eps=1e-3, precision=FOLLOW_PYTORCH):
     check_inputs(msa_repr, msa_mask, ln_weight, ln_bias, w_a, b_a, w_b, b_b, w_out, b_out, algorithm, normalization,
                  precision)
-    msa_mask = _mask_in_type(msa_mask, msa_repr.dtype)
+    msa_mask = _mask_in_type(msa_mask, model_dtype(msa_repr, w_a))
     out = outer_product_mean_reference(msa_repr, msa_mask, ln_weight, ln_bias, w_a, b_a, w_b, b_b, w_out, b_out, ln_eps,
                                        normalization, norm_eps)
     # The einsum path can return a non-contiguous view for degenerate sizes; the op promises a
@@ -179,7 +189,7 @@ def _outer_product_mean_fake(msa_repr, msa_mask, ln_weight, ln_bias, ln_eps, w_a
                                     normalization, precision)
     if msa_repr.device.type == "cuda":
         _build.load()  # the compiled graph will call the CUDA kernel: have it registered by then
-    return msa_repr.new_empty((B, N, N, D))
+    return msa_repr.new_empty((B, N, N, D), dtype=model_dtype(msa_repr, w_a))
 
 
 outer_product_mean_op = torch.ops.flashopm.outer_product_mean.default
@@ -306,11 +316,13 @@ torch.library.register_autograd("flashopm::outer_product_mean", _backward, setup
 outer_product_mean_backward_op = torch.ops.flashopm.outer_product_mean_backward.default
 
 # Under torch.autocast the op runs as the reference's layers run there: its linear layers and
-# einsum take the region's type (bfloat16 or float16) and return it, so the op takes msa_repr and
-# the parameters in that type and returns that type, which selects its 16-bit kernels (products in
-# that type, float32 sums).  The mask is not cast, as the reference multiplies by it in its own
-# type.  float64 tensors are not cast, as autocast leaves them.  The type is read when the op runs
-# (torch.get_autocast_dtype), so one registration serves every region.  On CUDA the dispatcher's
+# einsum take the region's type (bfloat16 or float16) and return it, so the op takes the parameters
+# in that type and returns that type, which selects its 16-bit kernels (products in that type,
+# float32 sums).  float32 msa_repr stays float32 (the reference's LayerNorm runs in float32 there;
+# the op's reads x in its own type), other msa_repr is cast.  The mask is not cast, as the
+# reference multiplies by it in its own type.  float64 tensors are not cast, as autocast leaves
+# them.  The type is read when the op runs (torch.get_autocast_dtype), so one registration serves
+# every region.  On CUDA the dispatcher's
 # kernel is C++ (csrc/opm_autograd.cpp, the same rule without a Python frame per call), registered
 # with the op's CUDA kernel when the extension loads; the Python one here serves torch.compile's
 # tracing there.
@@ -326,7 +338,7 @@ def _register_autocast(device_type: str, dispatcher_kernel: bool) -> None:
         for k in AUTOCAST_CAST_POSITIONS:
             t = args[k]
             if (t is not None and t.is_floating_point() and t.device.type == device_type
-                    and t.dtype not in (torch.float64, dtype)):
+                    and t.dtype not in (torch.float64, dtype) and not (k == 0 and t.dtype == torch.float32)):
                 args[k] = t.to(dtype)
         with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(key)):
             return outer_product_mean_op(*args)

@@ -12,8 +12,13 @@ import torch.nn.functional as F
 
 
 def masked_projections(msa_repr, msa_mask, ln_weight, ln_bias, w_a, b_a, w_b, b_b, ln_eps=1e-5):
-    """a = (LayerNorm(x) W_a^T + b_a) * m and b likewise, (B, S, N, H) each."""
-    x = F.layer_norm(msa_repr, (msa_repr.shape[-1],), ln_weight, ln_bias, ln_eps)
+    """a = (LayerNorm(x) W_a^T + b_a) * m and b likewise, (B, S, N, H) each.  float32 x with 16-bit
+    parameters (a mixed-precision region) is normalised in float32, then projected in their type."""
+    if msa_repr.dtype != ln_weight.dtype:
+        x = F.layer_norm(msa_repr, (msa_repr.shape[-1],), ln_weight.to(msa_repr.dtype), ln_bias.to(msa_repr.dtype),
+                         ln_eps).to(ln_weight.dtype)
+    else:
+        x = F.layer_norm(msa_repr, (msa_repr.shape[-1],), ln_weight, ln_bias, ln_eps)
     mask = msa_mask.unsqueeze(-1)
     return F.linear(x, w_a, b_a) * mask, F.linear(x, w_b, b_b) * mask
 

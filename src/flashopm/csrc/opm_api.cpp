@@ -120,12 +120,24 @@ int mask_kind_of(const at::Tensor& mask) {
   return t == at::kBool ? kMaskBool : elem_kind(mask);
 }
 
-void check_param(const at::Tensor& t, const char* name, at::IntArrayRef shape, const at::Tensor& msa) {
+// The type the op computes in and returns: msa_repr's, or a 16-bit model's (its parameters') for
+// float32 msa_repr, as in a mixed-precision region, where autocast casts the parameters and the
+// LayerNorm reads float32 x, as the reference's LayerNorm does there.
+at::ScalarType model_type(const at::Tensor& msa, const at::Tensor& w_a) {
+  const at::ScalarType w = w_a.scalar_type();
+  return msa.scalar_type() == at::kFloat && (w == at::kHalf || w == at::kBFloat16) ? w : msa.scalar_type();
+}
+
+void check_param(const at::Tensor& t, const char* name, at::IntArrayRef shape, const at::Tensor& msa,
+                 at::ScalarType model) {
   FLASHOPM_CHECK(t.sizes() == shape, "flashopm: ", name, " must have shape ", shape, ", got ", t.sizes());
   FLASHOPM_CHECK(t.device() == msa.device(), "flashopm: ", name, " is on ", t.device(),
               " but msa_repr is on ", msa.device());
-  FLASHOPM_CHECK(t.scalar_type() == msa.scalar_type(), "flashopm: ", name, " must have dtype ",
-              msa.scalar_type(), " like msa_repr, got ", t.scalar_type());
+  FLASHOPM_CHECK(t.scalar_type() == model, "flashopm: ", name, " must have dtype ", model,
+                 model == msa.scalar_type() ? " like msa_repr" : " like proj_a weight", ", got ", t.scalar_type());
+}
+void check_param(const at::Tensor& t, const char* name, at::IntArrayRef shape, const at::Tensor& msa) {
+  check_param(t, name, shape, msa, msa.scalar_type());
 }
 
 // The op's parameters as contiguous float32 tensors (nullopt where absent): as given for a float32
@@ -732,14 +744,15 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
               w_out_in.sizes());
   const int64_t D = w_out_in.size(0);
   FLASHOPM_CHECK(D >= 1, "flashopm: pair_dim must be >= 1, got ", D);
-  check_param(ln_weight_in, "layer_norm weight", {C}, msa_in);
-  check_param(ln_bias_in, "layer_norm bias", {C}, msa_in);
-  check_param(w_a_in, "proj_a weight", {H, C}, msa_in);
-  check_param(w_b_in, "proj_b weight", {H, C}, msa_in);
-  check_param(w_out_in, "out_proj weight", {D, H * H}, msa_in);
-  if (b_a_in) check_param(*b_a_in, "proj_a bias", {H}, msa_in);
-  if (b_b_in) check_param(*b_b_in, "proj_b bias", {H}, msa_in);
-  if (b_out_in) check_param(*b_out_in, "out_proj bias", {D}, msa_in);
+  const at::ScalarType model = model_type(msa_in, w_a_in);
+  check_param(ln_weight_in, "layer_norm weight", {C}, msa_in, model);
+  check_param(ln_bias_in, "layer_norm bias", {C}, msa_in, model);
+  check_param(w_a_in, "proj_a weight", {H, C}, msa_in, model);
+  check_param(w_b_in, "proj_b weight", {H, C}, msa_in, model);
+  check_param(w_out_in, "out_proj weight", {D, H * H}, msa_in, model);
+  if (b_a_in) check_param(*b_a_in, "proj_a bias", {H}, msa_in, model);
+  if (b_b_in) check_param(*b_b_in, "proj_b bias", {H}, msa_in, model);
+  if (b_out_in) check_param(*b_out_in, "out_proj bias", {D}, msa_in, model);
   FLASHOPM_CHECK(algorithm >= kAuto && algorithm <= kSmallTc,
                  "flashopm: algorithm must be 0 (auto), 1 (outer-first), 2 (project-first), 3 (single launch), "
                  "4 (outer-first on CUDA cores) or 5 (two launches on tensor cores, small problems), got ",
@@ -748,17 +761,17 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
   const Normalizer norm{int(normalization), float(norm_eps)};
 
   const c10::cuda::CUDAGuard guard(msa_in.device());
-  // bfloat16 and float16 inputs: the parameters (small) are converted to float32, x is read in
-  // its own type by the LayerNorm/projection stage, the outer-first contraction multiplies in
-  // that type (the other paths in float32), and the kernels round the output to the input's type
-  // as they store it.
-  const bool half_in = in_dtype != at::kFloat;
+  // bfloat16 and float16 models: the parameters (small) are converted to float32, x is read in
+  // its own type (the model's, or float32) by the LayerNorm/projection stage, the outer-first
+  // contraction multiplies in the model's type (the other paths in float32), and the kernels
+  // round the output to that type as they store it.
+  const bool half_in = model != at::kFloat;
   const at::TensorOptions f32 = msa_in.options().dtype(at::kFloat);
   // The output from the allocator directly, past the dispatcher (small problems are bound by host
   // time); the small path takes it together with its workspace, below.
   const std::array<int64_t, 4> out_sizes = {B, N, N, D};
   const int64_t out_numel = B * N * N * D;
-  const auto empty_out = [&] { return at::detail::empty_cuda(out_sizes, in_dtype, msa_in.device(), std::nullopt); };
+  const auto empty_out = [&] { return at::detail::empty_cuda(out_sizes, model, msa_in.device(), std::nullopt); };
   if (B == 0 || N == 0 || S == 0) {
     at::Tensor out = empty_out();
     if (out_numel == 0) return out;
@@ -802,7 +815,7 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
   const Precision prec = half_in && precision == kFollowPyTorch ? kHigh : resolve_precision(precision);
   const int tc_terms = prec == kHighest ? 3 : 1;
   const bool operands16 = tc_ok && ((half_in && precision == kFollowPyTorch) || prec == kMedium);
-  const int operand_kind = !operands16 ? int(kMaskFloat) : half_in ? x_kind : int(kMaskBFloat16);
+  const int operand_kind = !operands16 ? int(kMaskFloat) : half_in ? elem_kind_of(model) : int(kMaskBFloat16);
   // Per FLOP against the CUDA-core path (H200, AlphaFold sizes).
   const double outer_cost = flops_outer / (operands16 ? 6.0 : tc_ok ? (tc_terms == 3 ? 1.6 : 3.0) : 1.0);
   bool project_first = flops_project < 0.8 * outer_cost && ab_elems + c_elems <= budget_elems;
@@ -885,8 +898,8 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     void* ws = nullptr;
     c10::DataPtr ws_own;
     at::Tensor out;
-    if (!out_first.defined() && ws_bytes <= size_t(out_numel) * c10::elementSize(in_dtype) / 2) {
-      out = empty_with_workspace(out_sizes, in_dtype, ws_bytes, &ws);
+    if (!out_first.defined() && ws_bytes <= size_t(out_numel) * c10::elementSize(model) / 2) {
+      out = empty_with_workspace(out_sizes, model, ws_bytes, &ws);
     } else {
       out = take_out();
       ws_own = c10::cuda::CUDACachingAllocator::get()->allocate(ws_bytes);
@@ -1023,7 +1036,7 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
                  ", N=", N, ", msa_dim=", C, ", hidden=", H, ", pair_dim=", D, ")");
   if (small_ok && (algorithm == kSingleLaunch || flops_small < 2.0e9)) {
     SmallArgs sa{};
-    const at::Tensor x32 = half_in ? msa.to(at::kFloat) : msa;  // this kernel reads float32 x
+    const at::Tensor x32 = msa.scalar_type() != at::kFloat ? msa.to(at::kFloat) : msa;  // this kernel reads float32 x
     set_inputs(sa, x32);
     sa.w_out = w_out.data_ptr<float>();
     sa.bias = opt_ptr(b_out);

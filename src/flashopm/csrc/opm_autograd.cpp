@@ -119,8 +119,9 @@ at::Tensor outer_product_mean_autograd(const at::Tensor& msa, const at::Tensor& 
 }
 
 // In a CUDA autocast region the op runs as the reference's linear layers and einsum run there:
-// msa_repr and the parameters cast to the region's type (the mask as given), then the op below
-// autocast, which returns that type.  The rule of ops.py's autocast kernel (the CPU's, and
+// the parameters cast to the region's type (the mask as given; msa_repr too unless it is float32,
+// which the LayerNorm reads as it is, as the reference's LayerNorm runs in float32 there), then the
+// op below autocast, which returns that type.  The rule of ops.py's autocast kernel (the CPU's, and
 // torch.compile's tracing), here in C++: a Python kernel and its casts cost ~170 us of host time
 // per call (H200, the spec shape).  cached_cast is autocast's own cast: it skips tensors that are
 // not floating, are float64 or already of that type, and reuses a leaf parameter's cast within
@@ -134,7 +135,7 @@ at::Tensor outer_product_mean_autocast(const at::Tensor& msa, const at::Tensor& 
   const at::ScalarType type = at::autocast::get_autocast_dtype(at::kCUDA);
   const auto cast = [type](const at::Tensor& t) { return at::autocast::cached_cast(type, t, c10::DeviceType::CUDA); };
   const auto cast_opt = [&cast](const OptTensor& t) { return t ? OptTensor(cast(*t)) : OptTensor(); };
-  return forward_op().call(cast(msa), mask, cast(ln_w), cast(ln_b), ln_eps, cast(w_a), cast_opt(b_a), cast(w_b),
+  return forward_op().call(msa.scalar_type() == at::kFloat ? msa : cast(msa), mask, cast(ln_w), cast(ln_b), ln_eps, cast(w_a), cast_opt(b_a), cast(w_b),
                            cast_opt(b_b), cast(w_out), cast_opt(b_out), algorithm, normalization, norm_eps, precision);
 }
 

@@ -453,7 +453,13 @@ std::vector<at::Tensor> outer_product_mean_backward_cuda(const at::Tensor& grad_
   const bool need_bb = want[6] && b_b, need_wo = want[7], need_bo = want[8] && b_out;
   const bool need_proj = need_x || need_lw || need_lb || need_wa || need_ba || need_wb || need_bb;
 
-  const bool half = msa.scalar_type() == at::kHalf || msa.scalar_type() == at::kBFloat16;
+  // A 16-bit model is one whose parameters are 16-bit; its x may be float32 (a mixed-precision
+  // region casts the parameters only), which the LayerNorm stages read as it is.
+  const at::ScalarType model = w_a.scalar_type();
+  const bool half = model == at::kHalf || model == at::kBFloat16;
+  FLASHOPM_CHECK(msa.scalar_type() == model || (half && msa.scalar_type() == at::kFloat),
+                 "flashopm: msa_repr must have dtype ", model, " like proj_a weight (or float32 with 16-bit "
+                 "parameters), got ", msa.scalar_type());
   const at::ScalarType work = half ? at::kFloat : msa.scalar_type();
   // The contractions' precision, by the forward's rule: a 16-bit model follows PyTorch's matmuls in
   // its type (16-bit products, float32 sums) unless a precision is asked for, and "medium" takes
@@ -462,7 +468,7 @@ std::vector<at::Tensor> outer_product_mean_backward_cuda(const at::Tensor& grad_
   const bool follow16 = half && precision == kFollowPyTorch;
   const Precision prec = follow16 ? kHigh : resolve_precision(precision);
   const at::ScalarType blocks_type = work != at::kFloat ? work
-                                     : follow16         ? msa.scalar_type()
+                                     : follow16         ? model
                                      : prec == kMedium  ? at::kBFloat16
                                                         : at::kFloat;
   const bool scale_in_kernel = scale_fits(work, grad_out, mask, S);
@@ -590,12 +596,12 @@ std::vector<at::Tensor> outer_product_mean_backward_cuda(const at::Tensor& grad_
   bool one_type = true;
   for (int k = 1; k < 9; ++k) {
     if (!grads[k].defined() || grads[k].scalar_type() == like[k]->scalar_type()) continue;
-    one_type = one_type && like[k]->scalar_type() == msa.scalar_type() && grads[k].scalar_type() == at::kFloat &&
+    one_type = one_type && like[k]->scalar_type() == model && grads[k].scalar_type() == at::kFloat &&
                grads[k].is_contiguous();
     convert[k] = grads[k];
   }
   if (one_type) {
-    const std::vector<at::Tensor> converted = float_tensors_to(convert, msa.scalar_type());
+    const std::vector<at::Tensor> converted = float_tensors_to(convert, model);
     for (int k = 1; k < 9; ++k)
       if (converted[k].defined()) grads[k] = converted[k];
   }
