@@ -69,6 +69,8 @@ def outer_product_mean(
     it is the PyTorch reference.  On CUDA, bfloat16 and float16 inputs (with parameters of the same
     type) are normalised and projected in float32, contracted on tensor cores in their own type
     with float32 sums unless `precision` says otherwise, and the output comes back in that type.
+    16-bit parameters also take float32 msa_repr (normalised in float32, then as above): how the op
+    runs in a torch.autocast region, which casts the parameters to the region's type.
     """
     if algorithm not in ALGORITHMS:
         raise ValueError(f"flashopm: algorithm must be one of {sorted(ALGORITHMS)}, got {algorithm!r}")
