@@ -165,6 +165,7 @@ struct BatchedLaunch {
 
 struct LaunchBatch {
   bool active = false;
+  int dev = 0;  // the device of the recorded launches (the launcher's current device)
   int count = 0;
   size_t used = 0;
   std::array<BatchedLaunch, kBatchMaxLaunches> launches{};
@@ -184,12 +185,14 @@ std::atomic<bool>& graph_launch_enabled() {
 // Records Kernel(args...) with cfg into the thread's batch, each argument converted to the
 // kernel's parameter type (as a launch converts it) and kept until the batch is sent.
 template <auto Kernel, typename... P, typename... A>
-void batch_record(LaunchBatch& batch, const cudaLaunchConfig_t& cfg, void (*)(P...), const A&... args) {
+void batch_record(LaunchBatch& batch, int dev, const cudaLaunchConfig_t& cfg, void (*)(P...), const A&... args) {
   using Values = std::tuple<std::decay_t<P>...>;
   static_assert((std::is_trivially_copyable_v<std::decay_t<P>> && ...) && std::is_trivially_destructible_v<Values>,
                 "kernel parameters are plain values (the arena is reused without destroying them)");
   static_assert(sizeof...(P) <= std::tuple_size_v<decltype(BatchedLaunch::params)>, "too many kernel parameters");
   TORCH_CHECK(batch.count < kBatchMaxLaunches, "flashopm: internal error: too many launches in one batch");
+  TORCH_CHECK(batch.count == 0 || batch.dev == dev, "flashopm: internal error: one batch's launches on two devices");
+  batch.dev = dev;
   TORCH_CHECK(cfg.numAttrs <= 4, "flashopm: internal error: too many launch attributes");
   const size_t offset = (batch.used + alignof(Values) - 1) / alignof(Values) * alignof(Values);
   TORCH_CHECK(offset + sizeof(Values) <= kBatchArenaBytes, "flashopm: internal error: launch parameters past the batch's arena");
@@ -217,7 +220,7 @@ void launch_kernel(const cudaLaunchConfig_t& cfg, const A&... args) {
   int dev = 0;
   C10_CUDA_CHECK(cudaGetDevice(&dev));
   if constexpr (kSmem != SmemSetup::kNone) allow_smem<Kernel, kSmem == SmemSetup::kOptInMaxCarveout>(dev);
-  if (LaunchBatch& batch = thread_batch(); batch.active) return batch_record<Kernel>(batch, cfg, Kernel, args...);
+  if (LaunchBatch& batch = thread_batch(); batch.active) return batch_record<Kernel>(batch, dev, cfg, Kernel, args...);
   if (const CUfunction fn = driver_function<Kernel>(dev)) {
     std::array<CUlaunchAttribute, 4> attrs{};
     TORCH_CHECK(cfg.numAttrs <= attrs.size(), "flashopm: internal error: too many launch attributes");
@@ -859,7 +862,32 @@ struct BatchGraph {
   cudaGraphExec_t exec = nullptr;
   std::array<cudaGraphNode_t, kBatchMaxLaunches> nodes{};  // in launch order
   uint64_t last_use = 0;
+
+  // Frees the instantiation and its graph (an instantiation still running is freed once it ends).
+  void drop() {
+    if (exec != nullptr) (void)cudaGraphExecDestroy(exec);
+    if (graph != nullptr) (void)cudaGraphDestroy(graph);
+    exec = nullptr;
+    graph = nullptr;
+  }
 };
+
+// Makes one recorded launch on `stream`, with its recorded attributes, less its programmatic one
+// where `first_in_graph` (the first kernel of a graph has nothing before it to overlap with; the
+// graph launch follows the stream's earlier work).
+cudaError_t send_launch(const BatchedLaunch& l, cudaStream_t stream, bool first_in_graph = false) {
+  cudaLaunchConfig_t cfg = l.cfg;
+  cfg.stream = stream;
+  std::array<cudaLaunchAttribute, 4> attrs{};
+  if (first_in_graph) {
+    unsigned kept = 0;
+    for (unsigned a = 0; a < cfg.numAttrs; ++a)
+      if (cfg.attrs[a].id != cudaLaunchAttributeProgrammaticStreamSerialization) attrs[kept++] = cfg.attrs[a];
+    cfg.attrs = kept ? attrs.data() : nullptr;
+    cfg.numAttrs = kept;
+  }
+  return cudaLaunchKernelExC(&cfg, l.func, const_cast<void**>(l.params.data()));
+}
 
 // Instantiated graphs, a few per device: each distinct problem shape has its own, so the least
 // recently used goes when a device has kMaxGraphsPerDevice (an instantiated graph still running
@@ -891,23 +919,8 @@ void build_batch_graph(const LaunchBatch& batch, cudaStream_t capture_stream, Ba
     return step == nullptr;
   };
   if (check(cudaStreamBeginCapture(capture_stream, cudaStreamCaptureModeThreadLocal), "cudaStreamBeginCapture")) {
-    for (int i = 0; i < batch.count; ++i) {
-      cudaLaunchConfig_t cfg = batch.launches[i].cfg;
-      cfg.stream = capture_stream;
-      // The first launch has no kernel before it in the graph: its programmatic attribute is left
-      // out (nothing to overlap with; the graph launch follows the stream's earlier work).
-      std::array<cudaLaunchAttribute, 4> attrs{};
-      if (i == 0) {
-        unsigned kept = 0;
-        for (unsigned a = 0; a < cfg.numAttrs; ++a)
-          if (cfg.attrs[a].id != cudaLaunchAttributeProgrammaticStreamSerialization) attrs[kept++] = cfg.attrs[a];
-        cfg.attrs = kept ? attrs.data() : nullptr;
-        cfg.numAttrs = kept;
-      }
-      if (!check(cudaLaunchKernelExC(&cfg, batch.launches[i].func, const_cast<void**>(batch.launches[i].params.data())),
-                 "cudaLaunchKernelExC under capture"))
-        break;
-    }
+    for (int i = 0; i < batch.count; ++i)
+      if (!check(send_launch(batch.launches[i], capture_stream, i == 0), "cudaLaunchKernelExC under capture")) break;
     // The capture ends whatever happened in it.
     const cudaError_t end = cudaStreamEndCapture(capture_stream, &graph);
     check(end, "cudaStreamEndCapture");
@@ -941,10 +954,7 @@ void build_batch_graph(const LaunchBatch& batch, cudaStream_t capture_stream, Ba
   // their parameters are set are the graph's.
   out.graph = graph;
   if (step != nullptr) {
-    if (out.exec != nullptr) (void)cudaGraphExecDestroy(out.exec);
-    if (graph != nullptr) (void)cudaGraphDestroy(graph);
-    out.exec = nullptr;
-    out.graph = nullptr;
+    out.drop();
     (void)cudaGetLastError();
     failure = std::string(step) + ": " + cudaGetErrorString(err);
   }
@@ -952,8 +962,7 @@ void build_batch_graph(const LaunchBatch& batch, cudaStream_t capture_stream, Ba
 
 // Sends the batch as one graph launch on `stream`; false where no graph could be built for it.
 bool launch_batch_graph(const LaunchBatch& batch, cudaStream_t stream) {
-  int dev = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  const int dev = batch.dev;
   if (dev < 0 || dev >= kMaxDevices) return false;
   const GraphKey key = graph_key(batch, dev);
   if (!key.valid) return false;
@@ -976,8 +985,7 @@ bool launch_batch_graph(const LaunchBatch& batch, cudaStream_t stream) {
       auto oldest = cache.graphs.end();
       for (auto it = cache.graphs.begin(); it != cache.graphs.end(); ++it)
         if (it->key.dev == dev && (oldest == cache.graphs.end() || it->last_use < oldest->last_use)) oldest = it;
-      if (oldest->exec != nullptr) (void)cudaGraphExecDestroy(oldest->exec);
-      if (oldest->graph != nullptr) (void)cudaGraphDestroy(oldest->graph);
+      oldest->drop();
       cache.graphs.erase(oldest);
     }
     cache.graphs.push_back(built);
@@ -991,10 +999,7 @@ bool launch_batch_graph(const LaunchBatch& batch, cudaStream_t stream) {
     (void)cudaGetLastError();
     cache.failure = step + ": " + cudaGetErrorString(e);
     ++cache.failed;
-    (void)cudaGraphExecDestroy(found->exec);
-    (void)cudaGraphDestroy(found->graph);
-    found->exec = nullptr;
-    found->graph = nullptr;
+    found->drop();
     return false;
   };
   for (int i = 0; i < batch.count; ++i) {
@@ -1042,11 +1047,7 @@ void end_launch_batch(cudaStream_t stream) {
     ~Reset() { batch.count = 0; }
   } reset{batch};
   if (batch.count == 0 || launch_batch_graph(batch, stream)) return;
-  for (int i = 0; i < batch.count; ++i) {
-    cudaLaunchConfig_t cfg = batch.launches[i].cfg;
-    cfg.stream = stream;
-    C10_CUDA_CHECK(cudaLaunchKernelExC(&cfg, batch.launches[i].func, batch.launches[i].params.data()));
-  }
+  for (int i = 0; i < batch.count; ++i) C10_CUDA_CHECK(send_launch(batch.launches[i], stream));
 }
 
 void abandon_launch_batch() {
