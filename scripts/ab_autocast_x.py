@@ -10,8 +10,8 @@ import argparse
 import torch
 
 import flashopm
-from flashopm.bench import paired_speedup, peak_extra_bytes, time_wall, warm_gpu
-from flashopm.testing import Shape, make_problem
+from ab_problems import gpu_problems
+from flashopm.bench import paired_speedup, peak_extra_bytes, time_wall
 
 
 def main() -> None:
@@ -20,14 +20,9 @@ def main() -> None:
     ap.add_argument("--mode", default="training", choices=["training", "forward"])
     ap.add_argument("--calls", type=int, default=20)
     args = ap.parse_args()
-    flashopm.load()
-    warm_gpu()
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bfloat16 autocast, {args.mode}")
-    for text in args.shapes:
-        sh = Shape(*map(int, text.split(",")))
-        x, m, _ = make_problem(sh, "masked_positions", seed=1)
+    for sh, x, m, _ in gpu_problems(args.shapes, f"bfloat16 autocast, {args.mode}"):
         model = flashopm.ModelNew(sh.C, sh.D, sh.H).cuda()
-        x, m = x.cuda().requires_grad_(args.mode == "training"), m.cuda()
+        x.requires_grad_(args.mode == "training")
         g = torch.randn(sh.B, sh.N, sh.N, sh.D, device="cuda", dtype=torch.bfloat16)
         leaves = [x, *model.parameters()]
 

@@ -14,8 +14,8 @@ import statistics
 import torch
 
 import flashopm
-from flashopm.bench import time_graph, warm_gpu
-from flashopm.testing import Shape, make_problem
+from ab_problems import gpu_problems
+from flashopm.bench import time_graph
 
 
 def main() -> None:
@@ -26,14 +26,7 @@ def main() -> None:
     ap.add_argument("--between", action="store_true", help="a small ATen kernel before each call")
     args = ap.parse_intermixed_args()
     var, value = args.switch.split("=", 1)
-    flashopm.load()
-    warm_gpu()
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; GPU time per call, us")
-    for text in args.shapes:
-        sh = Shape(*map(int, text.split(",")))
-        x, m, p = make_problem(sh, "masked_positions", seed=1)
-        x, m, p = x.cuda(), m.cuda(), {k: v.cuda() for k, v in p.items()}
-
+    for sh, x, m, p in gpu_problems(args.shapes, "GPU time per call, us"):
         other = torch.zeros(256, device="cuda")
 
         def call():
