@@ -164,7 +164,7 @@ def check_inputs(msa_repr, msa_mask, ln_weight, ln_bias, w_a, b_a, w_b, b_b, w_o
 
 
 def _mask_in_type(msa_mask, dtype):
-    """A float mask in msa_repr's type, so that the PyTorch math keeps that type throughout (a mask
+    """A float mask in the model's type, so that the PyTorch math keeps that type throughout (a mask
     of another float type would promote a and b past the parameters' type); bool masks as given."""
     return msa_mask.to(dtype) if msa_mask.is_floating_point() and msa_mask.dtype != dtype else msa_mask
 
@@ -265,7 +265,7 @@ def _outer_product_mean_backward_impl(grad_out, msa_repr, msa_mask, ln_weight, l
     # around the backward must not recast its matmuls.
     with torch.autocast(msa_repr.device.type, enabled=False):
         grads = outer_product_mean_backward_reference(
-            grad_out, msa_repr, _mask_in_type(msa_mask, msa_repr.dtype), ln_weight, ln_bias, w_a, b_a, w_b, b_b, w_out, b_out, ln_eps,
+            grad_out, msa_repr, msa_mask, ln_weight, ln_bias, w_a, b_a, w_b, b_b, w_out, b_out, ln_eps,
             normalization, norm_eps, tuple(output_mask), contract_backward=contract_backward,
         )
     return _grads_as_tensors(grads, (msa_repr, ln_weight, ln_bias, w_a, b_a, w_b, b_b, w_out, b_out))
@@ -322,20 +322,18 @@ outer_product_mean_backward_op = torch.ops.flashopm.outer_product_mean_backward.
 # the op's reads x in its own type), other msa_repr is cast.  The mask is not cast, as the
 # reference multiplies by it in its own type.  float64 tensors are not cast, as autocast leaves
 # them.  The type is read when the op runs (torch.get_autocast_dtype), so one registration serves
-# every region.  On CUDA the dispatcher's
-# kernel is C++ (csrc/opm_autograd.cpp, the same rule without a Python frame per call), registered
-# with the op's CUDA kernel when the extension loads; the Python one here serves torch.compile's
-# tracing there.
-AUTOCAST_CAST_POSITIONS = (0, 2, 3, 5, 6, 7, 8, 9, 10)
-
-
+# every region.  The tensors cast are the differentiable inputs (_GRAD_POSITIONS).  On CUDA the
+# dispatcher's kernel is C++ (csrc/opm_autograd.cpp, the same rule without a Python frame per
+# call), registered with the op's CUDA kernel when the extension loads; the Python one here serves
+# torch.compile's tracing there.
 def _register_autocast(device_type: str, dispatcher_kernel: bool) -> None:
-    key = getattr(torch._C.DispatchKey, "Autocast" + torch._C._dispatch_key_for_device(device_type))
+    key_name = "Autocast" + torch._C._dispatch_key_for_device(device_type)
+    key = getattr(torch._C.DispatchKey, key_name)
 
     def run_cast(*args):
         dtype = torch.get_autocast_dtype(device_type)
         args = list(args)
-        for k in AUTOCAST_CAST_POSITIONS:
+        for k in _GRAD_POSITIONS:
             t = args[k]
             if (t is not None and t.is_floating_point() and t.device.type == device_type
                     and t.dtype not in (torch.float64, dtype) and not (k == 0 and t.dtype == torch.float32)):
@@ -348,8 +346,7 @@ def _register_autocast(device_type: str, dispatcher_kernel: bool) -> None:
         outer_product_mean_op.py_kernels.pop(key)
     outer_product_mean_op.py_impl(key)(run_cast)
     if dispatcher_kernel:
-        _lib.impl("outer_product_mean", lambda _keyset, *args: run_cast(*args), "Autocast" +
-                  torch._C._dispatch_key_for_device(device_type), with_keyset=True)
+        _lib.impl("outer_product_mean", lambda _keyset, *args: run_cast(*args), key_name, with_keyset=True)
 
 
 _register_autocast("cpu", dispatcher_kernel=True)

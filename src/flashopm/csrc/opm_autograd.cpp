@@ -135,8 +135,9 @@ at::Tensor outer_product_mean_autocast(const at::Tensor& msa, const at::Tensor& 
   const at::ScalarType type = at::autocast::get_autocast_dtype(at::kCUDA);
   const auto cast = [type](const at::Tensor& t) { return at::autocast::cached_cast(type, t, c10::DeviceType::CUDA); };
   const auto cast_opt = [&cast](const OptTensor& t) { return t ? OptTensor(cast(*t)) : OptTensor(); };
-  return forward_op().call(msa.scalar_type() == at::kFloat ? msa : cast(msa), mask, cast(ln_w), cast(ln_b), ln_eps, cast(w_a), cast_opt(b_a), cast(w_b),
-                           cast_opt(b_b), cast(w_out), cast_opt(b_out), algorithm, normalization, norm_eps, precision);
+  return forward_op().call(msa.scalar_type() == at::kFloat ? msa : cast(msa), mask, cast(ln_w), cast(ln_b), ln_eps,
+                           cast(w_a), cast_opt(b_a), cast(w_b), cast_opt(b_b), cast(w_out), cast_opt(b_out), algorithm,
+                           normalization, norm_eps, precision);
 }
 
 }  // namespace
