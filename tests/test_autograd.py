@@ -8,9 +8,7 @@ import flashopm
 from conftest import f16_backward_form_or_skip, requires_cuda
 from flashopm.ops import NORMALIZATIONS
 from flashopm.reference import GRAD_INPUTS
-from flashopm.testing import Shape, make_problem, rel_error
-
-PARAM_ORDER = ("ln_weight", "ln_bias", "w_a", "b_a", "w_b", "b_b", "w_out", "b_out")
+from flashopm.testing import PARAM_ORDER, Shape, make_problem, rel_error
 
 
 def _call(x, m, p):

@@ -2,6 +2,7 @@
 import ast
 import inspect
 import json
+import os
 import re
 import struct
 
@@ -112,6 +113,26 @@ def test_benchmark_builds_matching_implementations(module):
             assert module == "spec" and impl == "chunked"
             continue
         torch.testing.assert_close(fn(x, m), expect, rtol=1e-4, atol=1e-4)
+
+
+def test_benchmark_bounded_row_sets_the_bound_for_its_call_only(monkeypatch):
+    """flashopm-bounded runs flashopm's module with FLASHOPM_PEAK_BOUND set for the call alone, and is
+    compared with eager."""
+    from flashopm.__main__ import PEAK_BOUND, _callable, _eager_peer, _models
+    from flashopm.testing import make_problem
+
+    shape = Shape(1, 4, 9, 12, 3, 5)
+    x, m, p = make_problem(shape, "masked_positions", seed=0)
+    ref, new = _models(shape, p, torch.float32, "spec", device="cpu")
+    seen = []
+    monkeypatch.setattr(new, "forward", lambda *a: seen.append(os.environ.get("FLASHOPM_PEAK_BOUND")) or ref(*a))
+    monkeypatch.setenv("FLASHOPM_PEAK_BOUND", "2.5")
+    torch.testing.assert_close(_callable("flashopm-bounded", ref, new)(x, m), ref(x, m))
+    assert seen == [PEAK_BOUND] and os.environ["FLASHOPM_PEAK_BOUND"] == "2.5"
+    monkeypatch.delenv("FLASHOPM_PEAK_BOUND")
+    _callable("flashopm-bounded", ref, new)(x, m)
+    assert seen == [PEAK_BOUND] * 2 and "FLASHOPM_PEAK_BOUND" not in os.environ
+    assert _eager_peer("flashopm-bounded") == "eager"
 
 
 @pytest.mark.parametrize("mode", ["backward", "training"])

@@ -6,9 +6,7 @@ import torch
 
 import flashopm
 from conftest import poison_output_block, requires_cuda
-from flashopm.testing import Shape, make_problem, reference, rel_error
-
-PARAM_ORDER = ("ln_weight", "ln_bias", "w_a", "b_a", "w_b", "b_b", "w_out", "b_out")
+from flashopm.testing import PARAM_ORDER, Shape, make_problem, reference, rel_error
 
 
 def openfold_forward(module, m, mask, eps):

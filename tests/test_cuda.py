@@ -12,7 +12,7 @@ import torch
 
 import flashopm
 from conftest import poison_output_block, requires_cuda
-from flashopm.testing import MASK_KINDS, Shape, make_problem, reference, rel_error
+from flashopm.testing import MASK_KINDS, PARAM_ORDER, Shape, make_problem, reference, rel_error
 
 pytestmark = requires_cuda
 
@@ -884,6 +884,81 @@ def test_peak_bound_1_1_row_blocks(monkeypatch):
     torch.testing.assert_close(out, ref32, atol=1e-4, rtol=1e-4)
     assert rel_error(out, ref64) <= max(2 * rel_error(ref32, ref64), FP64_FLOOR)
     torch.testing.assert_close(out_loose.cpu(), out, atol=0, rtol=0)
+
+
+# (shape, precision, FLASHOPM_TC_FORM, normalization, FLASHOPM_PEAK_PARTS_ROWS): the forms of the
+# outer-first path, with all rows at once or in blocks ("fill": with two batch elements, the
+# normalisers of every row read at each block's offset).  At N = 256 and D = 128, b for all s takes more than a tenth of the output (in the operand
+# type), so a bound of 1.1x leaves the sum over s in parts; S = 100 leaves K-major chunks past the
+# end of a part.
+PARTS_CASES = [
+    (Shape(1, 100, 256, 24, 32, 128), "highest", None, "row", None),         # float16 split, wgmma
+    (Shape(1, 100, 256, 24, 32, 128), "high", None, "openfold", None),       # TF32, wgmma
+    (Shape(1, 100, 256, 24, 32, 128), "highest", "mma_sync", "boltz", None),  # 3xTF32, mma.sync
+    (Shape(2, 70, 200, 24, 24, 128), "highest", None, "row", "fill"),        # 3xTF32 on wgmma (hidden 24)
+    (Shape(1, 400, 256, 24, 12, 128), "highest", None, "boltz", None),       # CUDA cores (hidden 12)
+    (Shape(1, 300, 256, 24, 32, 128), "medium", None, "openfold", None),     # bfloat16 operands
+    (Shape(2, 70, 200, 24, 32, 128), "highest", None, "openfold", "fill"),
+    (Shape(2, 150, 200, 24, 32, 128), "medium", None, "row", "fill"),
+    (Shape(1, 100, 256, 24, 32, 128), "highest", "mma_sync", "row", "fill"),
+    (Shape(1, 100, 256, 24, 32, 128), "highest", None, "boltz", "all"),
+]
+
+
+@pytest.mark.parametrize("shape,precision,tc_form,normalization,parts_rows", PARTS_CASES, ids=str)
+def test_peak_bound_1_1_parts_of_s(shape, precision, tc_form, normalization, parts_rows, monkeypatch):
+    """FLASHOPM_PEAK_BOUND=1.1 where b for all residues passes a tenth of the output: the sum over
+    s runs in parts, each normalised and added to the output (the first with the bias). The peak
+    stays within 1.1x the output (the default passes it, so the bound is the parts'), the result
+    passes allclose(1e-4) against the float32 reference ("highest"), and its error against float64
+    stays within twice the default's, with fully masked rows and columns in the mask."""
+    if tc_form is not None:
+        monkeypatch.setenv("FLASHOPM_TC_FORM", tc_form)
+    if parts_rows is not None:
+        monkeypatch.setenv("FLASHOPM_PEAK_PARTS_ROWS", parts_rows)
+    x, m, p = make_problem(shape, "masked_positions", seed=21)
+    xc, mc, pc = x.cuda(), m.cuda(), _cuda_params(p)
+    code = flashopm.ops.NORMALIZATIONS[normalization]
+    ref32 = reference(xc, mc, pc, normalization=code).cpu()
+    ref64 = reference(xc, mc, pc, dtype=torch.float64, normalization=code).cpu()
+
+    def call():
+        return flashopm.outer_product_mean(xc, mc, *(pc[k] for k in PARAM_ORDER), algorithm="outer",
+                                           normalization=normalization, precision=precision)
+
+    def peak_and_out():
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_stats()["requested_bytes.all.current"]
+        poison_ptr = poison_output_block(call)
+        torch.cuda.reset_peak_memory_stats()
+        out = call()
+        torch.cuda.synchronize()
+        assert out.data_ptr() == poison_ptr, "the poisoned block was not reused; the check proves nothing"
+        return torch.cuda.memory_stats()["requested_bytes.all.peak"] - base, out.cpu()
+
+    loose, out_loose = peak_and_out()
+    assert loose > 1.1 * shape.out_bytes, f"default: peak extra {loose} B vs output {shape.out_bytes} B"
+    monkeypatch.setenv("FLASHOPM_PEAK_BOUND", "1.1")
+    extra, out = peak_and_out()
+    assert extra <= 1.1 * shape.out_bytes, f"peak extra {extra} B vs output {shape.out_bytes} B"
+    assert not out.isnan().any(), "NaN in the output: an element was not written or a part was lost"
+    if precision == "highest":
+        torch.testing.assert_close(out, ref32, atol=1e-4, rtol=1e-4)
+    err, err_loose = rel_error(out, ref64), rel_error(out_loose, ref64)
+    assert err <= max(2 * err_loose, FP64_FLOOR), f"parts: error {err:.3g} against the default's {err_loose:.3g}"
+    _, again = peak_and_out()
+    assert torch.equal(out, again), "two identical calls differ: a race"
+
+
+@pytest.mark.parametrize("value", ["abc", "1.0", "1.1x", "-2"])
+def test_peak_bound_bad_value_is_refused(value, monkeypatch):
+    shape = Shape(1, 100, 256, 24, 32, 128)
+    x, m, p = make_problem(shape, "ones", seed=1)
+    xc, mc, pc = x.cuda(), m.cuda(), _cuda_params(p)
+    monkeypatch.setenv("FLASHOPM_PEAK_BOUND", value)
+    with pytest.raises(RuntimeError, match="FLASHOPM_PEAK_BOUND must be a number >= 1.02"):
+        _run(xc, mc, pc, "outer", poison=False)
 
 
 def test_current_stream_is_used():

@@ -10,9 +10,7 @@ import torch.multiprocessing as mp
 
 import flashopm
 from flashopm.distributed import ShardedOuterProductMean, shard_bounds, sharded_outer_product_mean
-from flashopm.testing import Shape, free_port, make_problem
-
-PARAM_ORDER = ("ln_weight", "ln_bias", "w_a", "b_a", "w_b", "b_b", "w_out", "b_out")
+from flashopm.testing import PARAM_ORDER, Shape, free_port, make_problem
 
 
 def _check_against_unsharded(results, shape, normalization, world, **tol):

@@ -21,12 +21,11 @@ import flashopm
 from conftest import requires_cuda
 from flashopm.ops import outer_product_mean_backward_op
 from flashopm.reference import GRAD_INPUTS, outer_product_mean_backward_reference
-from flashopm.testing import Shape, make_problem, rel_error
+from flashopm.testing import PARAM_ORDER, Shape, make_problem, rel_error
 
 pytestmark = requires_cuda
 
 LN_EPS = 1e-5
-PARAM_ORDER = ("ln_weight", "ln_bias", "w_a", "b_a", "w_b", "b_b", "w_out", "b_out")
 
 
 @pytest.fixture(autouse=True)

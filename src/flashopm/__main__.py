@@ -20,6 +20,7 @@ import contextlib
 import csv
 import datetime
 import json
+import os
 import platform
 import sys
 from pathlib import Path
@@ -115,11 +116,14 @@ def _parse_shapes(text: str | None) -> list[Shape]:
 # "-medium": under "medium" (flashopm: bfloat16 operands; PyTorch's CUDA matmuls treat it as "high");
 # a backward or training step runs under the setting as a whole.
 IMPLS = ("eager", "flashopm", "compile", "compile-ro", "chunked", "eager-tf32", "flashopm-tf32", "flashopm-medium",
-         "eager-amp", "flashopm-amp", "compile-amp")
+         "eager-amp", "flashopm-amp", "compile-amp", "flashopm-bounded")
 PRECISION_SUFFIXES = {"-tf32": "high", "-medium": "medium"}
 # "-amp": the float32 model's forward in a bfloat16 autocast region (mixed-precision training: the
 # backward runs outside it, as torch.autograd.grad is called there).
 AUTOCAST_SUFFIX, AUTOCAST_DTYPE = "-amp", torch.bfloat16
+# "-bounded": flashopm's forward with its peak extra memory bounded (FLASHOPM_PEAK_BOUND, a factor
+# of the output's size, the output included), compared with eager.
+BOUND_SUFFIX, PEAK_BOUND = "-bounded", "1.1"
 DEFAULT_IMPLS = ("eager", "flashopm", "compile", "compile-ro")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Which module is measured: the specification's, or the OpenFold / Boltz convention (flashopm's
@@ -188,7 +192,24 @@ def _with_autocast(fn, dtype: torch.dtype):
     return call
 
 
+def _with_env(fn, var: str, value: str):
+    def call(x, m):
+        before = os.environ.get(var)
+        os.environ[var] = value
+        try:
+            return fn(x, m)
+        finally:
+            if before is None:
+                del os.environ[var]
+            else:
+                os.environ[var] = before
+
+    return call
+
+
 def _callable(impl: str, ref, new, dtype: torch.dtype = torch.float32):
+    if impl == "flashopm" + BOUND_SUFFIX:
+        return _with_env(new, "FLASHOPM_PEAK_BOUND", PEAK_BOUND)
     if impl.endswith(AUTOCAST_SUFFIX):
         if dtype != torch.float32:
             return None  # a float32 model's mixed precision
@@ -494,6 +515,8 @@ def _eager_peer(impl: str) -> str:
     eager-amp, the others with eager."""
     if impl.endswith(AUTOCAST_SUFFIX):
         return "eager" + AUTOCAST_SUFFIX
+    if impl.endswith(BOUND_SUFFIX):
+        return "eager"
     return "eager" + impl[len("flashopm"):] if impl.startswith("flashopm") else "eager"
 
 

@@ -85,6 +85,10 @@ def make_problem(shape: Shape, mask_kind: str = "ones", seed: int = 0, scale: fl
     return msa, mask, make_params(shape, g, scale)
 
 
+# The parameters in the functional API's order (after msa_repr and msa_mask).
+PARAM_ORDER = ("ln_weight", "ln_bias", "w_a", "b_a", "w_b", "b_b", "w_out", "b_out")
+
+
 def op_args(msa, mask, params, ln_eps: float = 1e-5) -> list:
     """The first eleven arguments of flashopm::outer_product_mean, in its schema's order: msa_repr,
     msa_mask, ln_weight, ln_bias, ln_eps, w_a, b_a, w_b, b_b, w_out, b_out."""

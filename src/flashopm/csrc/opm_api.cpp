@@ -564,6 +564,7 @@ OuterArgs outer_args(const void* a, const void* b, const MaskView& mask, const a
   oa.out_kind = elem_kind(out);
   oa.B = int(B);
   oa.S = int(S);
+  oa.S_mask = int(S);
   oa.N = int(N);
   oa.H = int(H);
   oa.D = int(D);
@@ -603,6 +604,19 @@ TcForm requested_tc_form() {
   FLASHOPM_CHECK(form.empty(), "flashopm: FLASHOPM_TC_FORM must be mma_sync, wgmma or wgmma_tf32 (or unset), got '",
                  form, "'");
   return kTcFormAuto;
+}
+
+// FLASHOPM_PEAK_BOUND: the peak extra memory asked for, as a factor of the output's size (the
+// output included), or 0 where unset.
+double requested_peak_bound() {
+  const char* env = env_get("FLASHOPM_PEAK_BOUND");
+  if (env == nullptr || *env == '\0') return 0.0;
+  char* end = nullptr;
+  const double bound = std::strtod(env, &end);
+  FLASHOPM_CHECK(end != env && *end == '\0' && bound >= 1.02,
+                 "flashopm: FLASHOPM_PEAK_BOUND must be a number >= 1.02 (a factor of the output's size, the output "
+                 "included), got '", env, "'");
+  return bound;
 }
 
 // "highest" in the float16 split form (opm_outer_tc_kernel's kHalfSplit): on the wgmma form, for
@@ -659,16 +673,34 @@ at::Tensor kmajor_copy(const at::Tensor& x, int64_t row_floats) {
 // kMaskHalf: a, b and w_out of that type), tensor cores on float32 operands (terms 3: 3xTF32,
 // 1: TF32; kmajor: a and b in the K-major TF32 layout of that many terms, for the wgmma form) or
 // CUDA cores.
+// The launch's normalisers: pair counts (B, rows, N) of the OpenFold/Boltz conventions, or row
+// denominators (B, rows) for the 16-bit kernel under the specification's (the float32 kernels form
+// their own), over the whole mask (S_mask), for rows i_offset .. i_offset + rows.
+struct Normalisers {
+  at::Tensor pair, row_den;
+  int64_t rows = 0;
+};
+Normalisers normalisers(const OuterArgs& oa, int operand_kind, int64_t i_offset, int64_t rows,
+                        const at::TensorOptions& options, cudaStream_t stream) {
+  Normalisers n;
+  n.pair = pair_counts(oa.mask, oa.norm.kind, oa.B, oa.S_mask, oa.N, rows, i_offset, options, stream);
+  if (operand_kind != kMaskFloat)
+    n.row_den = row_denominators(oa.mask, oa.norm.kind, oa.B, oa.S_mask, rows, i_offset, options, stream);
+  n.rows = rows;
+  return n;
+}
+
+// `every_row`: the normalisers of rows 0 .. N, formed once for launches that repeat rows (the sum
+// over s in parts); else this launch forms its own.
 void run_outer(OuterArgs oa, int64_t i_offset, int64_t rows, int64_t out_rows, int64_t out_row0, bool tensor_cores,
                int terms, bool kmajor, bool half_split, int operand_kind, const at::TensorOptions& options, int dev,
-               cudaStream_t stream) {
-  const at::Tensor pair = pair_counts(oa.mask, oa.norm.kind, oa.B, oa.S, oa.N, rows, i_offset, options, stream);
-  oa.pair = pair.defined() ? pair.data_ptr<float>() : nullptr;
-  // the 16-bit kernel reads the row denominators; the float32 kernels form their own
-  const at::Tensor row_den = operand_kind != kMaskFloat
-                                 ? row_denominators(oa.mask, oa.norm.kind, oa.B, oa.S, rows, i_offset, options, stream)
-                                 : at::Tensor();
-  oa.row_den = row_den.defined() ? row_den.data_ptr<float>() : nullptr;
+               cudaStream_t stream, const Normalisers* every_row = nullptr) {
+  const Normalisers own = every_row ? Normalisers{} : normalisers(oa, operand_kind, i_offset, rows, options, stream);
+  const Normalisers& nz = every_row ? *every_row : own;
+  const int64_t first = every_row ? i_offset : 0;  // the launch's first row in nz
+  oa.pair = nz.pair.defined() ? nz.pair.data_ptr<float>() + first * oa.N : nullptr;
+  oa.row_den = nz.row_den.defined() ? nz.row_den.data_ptr<float>() + first : nullptr;
+  oa.norm_rows = int(nz.rows);
   oa.Na = int(rows);
   oa.i_offset = int(i_offset);
   oa.out_rows = int(out_rows);
@@ -1095,7 +1127,8 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     // or the 16-bit operand type; for the float32 kernel's wgmma form, b and a in its K-major
     // layouts (AbKind: S rounded up to whole chunks).  Rows are blocked only when a and b for all
     // rows would pass the budget (in float32 elements); each further block recomputes LayerNorm
-    // and the projection of its rows (a few percent of the work).
+    // and the projection of its rows (a few percent of the work).  Under a peak bound that b for
+    // all s leaves no room for, the sum over s runs in parts too (see below).
     const TcForm tc_form = tc_ok && !operands16 ? requested_tc_form() : kTcFormAuto;
     FLASHOPM_CHECK(tc_form != kTcFormWgmma || wgmma_runs_on(dev),
                    "flashopm: FLASHOPM_TC_FORM=wgmma needs an sm_90 GPU and the extension built with sm_90a code");
@@ -1106,10 +1139,11 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
                         : tc_terms == 3 ? int(kAbF32Rows16)
                                         : int(kAbTf32);
     const int row_floats = kmajor ? ab_kind_row_floats(ab_kind) : 1;  // s per chunk, and floats per row of one
-    const int64_t n_chunks = (S + row_floats - 1) / row_floats;
-    const int64_t s_store = kmajor ? n_chunks * row_floats : S;  // elements per (b, n, h)
-    const int64_t b_elems = B * s_store * N * H;
-    const int64_t per_row = B * s_store * H;
+    // elements per (b, n, h) of a part of s_len values of s
+    auto s_stored = [&](int64_t s_len) { return kmajor ? (s_len + row_floats - 1) / row_floats * row_floats : s_len; };
+    int64_t s_part = S;  // s per part of the sum
+    int64_t b_elems = B * s_stored(S) * N * H;
+    int64_t per_row = B * s_stored(S) * H;
     const int64_t budget = operands16 ? 2 * budget_elems : budget_elems;
     int64_t rows = N;
     if (2 * b_elems > budget) rows = std::max<int64_t>((budget - b_elems) / per_row, 1);
@@ -1133,10 +1167,14 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     if (rows < N) rows = balanced_rows(std::min<int64_t>(std::max(rows / ti_full * ti_full, std::max(fill, ti_full)), N));
     // Peak extra memory in float32: within 1.25x the output where b for all residues leaves room
     // for a in blocks of rows (the training crop: W's copy for the wgmma forms of phase 2 would
-    // pass the bound there without blocks).  FLASHOPM_PEAK_BOUND=1.1 asks for 1.1x (16-bit
-    // operands too) where b leaves room for blocks that still fill the GPU: at
-    // (1,512,1536,256,32,128) 14 blocks, 1.09x the output, but 8% slower in float32 and 24% in
-    // bfloat16 (H200), so it is not the default.  Rows come in balanced blocks.
+    // pass the bound there without blocks).  FLASHOPM_PEAK_BOUND (a factor of the output's size,
+    // the output included: 1.1, say) asks for a tighter bound: rows in blocks that still fill the
+    // GPU where b for all residues leaves room for them (at (1,512,1536,256,32,128) 14 blocks for
+    // 1.1, 1.09x the output, 8% slower in float32 and 24% in bfloat16 on the H200); else, for
+    // float32 outputs, the sum over s in parts of s_part values as well, each part's sums
+    // normalised and added to the output (the first with the bias).  Every part repeats the
+    // contraction with W (2·N²·H²·D FLOPs against the part's 2·N²·H²·s_part), so deep MSAs pay
+    // the most: the bound is a request, not the default.  Rows come in balanced blocks.
     {
       const int64_t elem = operands16 ? 2 : 4;  // bytes per workspace element
       // W's copies: in the operand type (none for a module already in it) and blocked (16-bit
@@ -1157,9 +1195,37 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
         return balanced_rows(std::min<int64_t>(left / row_bytes, N));
       };
       const int64_t out_bytes = out.numel() * int64_t(out.element_size());
-      const int64_t tight = env_is("FLASHOPM_PEAK_BOUND", "1.1") ? rows_within(out_bytes / 10 - out_bytes / 100) : 0;
+      const double bound = requested_peak_bound();
+      // 1% of the output left for what the caching allocator rounds up
+      const int64_t room = bound > 0 ? int64_t((bound - 1.01) * double(out_bytes)) : 0;
+      const int64_t tight = bound > 0 ? rows_within(room) : 0;
       if (tight >= std::min(N, fill)) {  // at least four waves of blocks per launch, as above
         rows = std::min(rows, tight);
+      } else if (bound > 0 && out.scalar_type() == at::kFloat) {
+        // Parts of s: the normalisers of every row are formed once (pair counts, 1/D of the
+        // output; or row denominators), with a's scale exponents; s_part for blocks of r rows is
+        // as large as the room leaves for b and a over it (whole chunks of s for the K-major
+        // layouts; one chunk at the least).
+        const int64_t norm_bytes = (normalization == kNormRow ? 2 * B * N : B * N * N + B * N) * 4;
+        auto part_len = [&](int64_t r) {
+          const int64_t left = room - fixed - norm_bytes;
+          return std::min<int64_t>(
+              S, std::max<int64_t>(left / (B * (N + r) * H * elem) / row_floats * row_floats, row_floats));
+        };
+        auto parts_for = [&](int64_t r) { return (S + part_len(r) - 1) / part_len(r); };
+        // The fewest parts (each repeats the contraction with W), then the fewest blocks of rows
+        // (blocks that fill the GPU, or all rows); FLASHOPM_PEAK_PARTS_ROWS=all or =fill asks
+        // for one of them.
+        const int64_t few = balanced_rows(std::min(N, std::max(fill, ti_full)));
+        const bool all_rows = env_is("FLASHOPM_PEAK_PARTS_ROWS", "all") ||
+                              (!env_is("FLASHOPM_PEAK_PARTS_ROWS", "fill") && parts_for(N) <= parts_for(few));
+        rows = all_rows ? N : few;
+        s_part = part_len(rows);
+        // parts of equal length (a last short part would repeat W's contraction for a few s)
+        const int64_t parts = (S + s_part - 1) / s_part;
+        s_part = std::min<int64_t>(s_stored((S + parts - 1) / parts), S);
+        b_elems = B * s_stored(s_part) * N * H;
+        per_row = B * s_stored(s_part) * H;
       } else if (!operands16) {
         const int64_t loose = rows_within(out_bytes / 4);
         if (loose > 0) rows = std::min(rows, loose);
@@ -1173,15 +1239,6 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     char* a_buf = b_buf + b_elems * int64_t(ws.element_size());
     pa.ab_kind = ab_kind;
     if (kmajor) pa.s_chunk = row_floats;
-    // The K-major layouts' last chunk holds s past S when S is not a whole number of chunks:
-    // zeros there (per batch, the last chunk of `rows_h` rows), which the projections do not write.
-    auto clear_last_chunk = [&](char* buf, int64_t rows_h) {
-      if (!kmajor || S % row_floats == 0) return;
-      const size_t chunk_bytes = size_t(rows_h) * row_floats * sizeof(float);
-      FLASHOPM_CHECK(cudaMemset2DAsync(buf + (n_chunks - 1) * chunk_bytes, n_chunks * chunk_bytes, 0, chunk_bytes,
-                                       size_t(B), stream) == cudaSuccess,
-                     "flashopm: clearing the workspace failed");
-    };
     // W in the operand type (no copy for a module already in that type, unless misaligned)
     at::Tensor w_op = operands16 ? w_out_in.to(ws_type).contiguous() : w_out;
     if (reinterpret_cast<uintptr_t>(w_op.data_ptr()) % 16 != 0) w_op = w_op.clone();
@@ -1199,7 +1256,7 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
       split_exps = at::empty({B * N + B * rows + D}, msa_in.options().dtype(at::kInt));
       b_exp = split_exps.data_ptr<int>();
       a_exp = b_exp + B * N;
-      set_split_scales(oa, a_exp, b_exp, a_exp + B * rows, S);
+      set_split_scales(oa, a_exp, b_exp, a_exp + B * rows, s_part);
     }
     at::Tensor w_blocked;
     if (operands16 && H % 8 == 0 && requested_tc16_form(dev) == kT16WgmmaBoth) {
@@ -1210,41 +1267,68 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
       w_blocked = float32_wgmma_w(w_op, H, half_split, const_cast<int*>(oa.w_exp), stream);
       oa.w_blocked = w_blocked.data_ptr();
     }
-    for (int64_t i_off = 0; i_off < N; i_off += rows) {
-      const int64_t ni = std::min<int64_t>(rows, N - i_off);
-      // First block: all N rows for b, its own rows for a.  Later blocks: their rows, a only.
-      pa.n_offset = int(i_off);
-      pa.N = int(i_off == 0 ? N : ni);
-      pa.a_rows = int(ni);
-      pa.a_out = a_buf;
-      pa.b_out = i_off == 0 ? b_buf : nullptr;
-      if (kmajor) {
-        // element (b, s, n, h) at b·sb + (s / row_floats)·sc + s % row_floats + (n·H + h)·row_floats
-        pa.a_sc = ni * H * row_floats;
-        pa.a_sb = n_chunks * pa.a_sc;
-        pa.a_ss = 1;
-        pa.a_sn = H * row_floats;
-        pa.b_sc = N * H * row_floats;
-        pa.b_sb = n_chunks * pa.b_sc;
-        pa.b_ss = 1;
-        pa.b_sn = H * row_floats;
-        clear_last_chunk(a_buf, ni * H);
-        if (i_off == 0) clear_last_chunk(b_buf, N * H);
-      } else {
-        pa.a_sb = S * ni * H;
-        pa.a_ss = ni * H;
-        pa.a_sn = H;
-        pa.b_sb = S * N * H;
-        pa.b_ss = N * H;
-        pa.b_sn = H;
-      }
-      run_prep(pa, false, dev, stream);
-      if (half_split) {
-        if (i_off == 0) launch_split_rows_f16(reinterpret_cast<float*>(b_buf), b_exp, B, N, int(H), n_chunks, stream);
-        launch_split_rows_f16(reinterpret_cast<float*>(a_buf), a_exp, B, ni, int(H), n_chunks, stream);
-      }
+    // With the sum in parts, the normalisers of every row once (1/D of the output at most)
+    const Normalisers every_row =
+        s_part < S ? normalisers(oa, operand_kind, 0, N, f32, stream) : Normalisers{};
+    const char* x_base = static_cast<const char*>(msa.data_ptr());
+    const char* mask_base = static_cast<const char*>(mask_view.ptr);
+    for (int64_t s0 = 0; s0 < S; s0 += s_part) {
+      const int64_t sl = std::min<int64_t>(s_part, S - s0);
+      const int64_t n_chunks = (sl + row_floats - 1) / row_floats;
+      // The K-major layouts' last chunk holds s past the part's end when it is not a whole
+      // number of chunks: zeros there (per batch, the last chunk of `rows_h` rows), which the
+      // projections do not write.
+      auto clear_last_chunk = [&](char* buf, int64_t rows_h) {
+        if (!kmajor || sl % row_floats == 0) return;
+        const size_t chunk_bytes = size_t(rows_h) * row_floats * sizeof(float);
+        FLASHOPM_CHECK(cudaMemset2DAsync(buf + (n_chunks - 1) * chunk_bytes, n_chunks * chunk_bytes, 0, chunk_bytes,
+                                         size_t(B), stream) == cudaSuccess,
+                       "flashopm: clearing the workspace failed");
+      };
+      // x and the mask from s0 on; the kernels' normalisers read the whole mask (S_mask)
+      pa.x = x_base + s0 * msa.stride(1) * int64_t(msa.element_size());
+      pa.mask.ptr = mask_base + s0 * mask_view.ss * int64_t(mask.element_size());
+      pa.S = int(sl);
+      oa.S = int(sl);
+      oa.bias = s0 == 0 ? opt_ptr(b_out) : nullptr;
+      oa.accumulate = s0 > 0;
+      for (int64_t i_off = 0; i_off < N; i_off += rows) {
+        const int64_t ni = std::min<int64_t>(rows, N - i_off);
+        // First block: all N rows for b, its own rows for a.  Later blocks: their rows, a only.
+        pa.n_offset = int(i_off);
+        pa.N = int(i_off == 0 ? N : ni);
+        pa.a_rows = int(ni);
+        pa.a_out = a_buf;
+        pa.b_out = i_off == 0 ? b_buf : nullptr;
+        if (kmajor) {
+          // element (b, s, n, h) at b·sb + (s / row_floats)·sc + s % row_floats + (n·H + h)·row_floats
+          pa.a_sc = ni * H * row_floats;
+          pa.a_sb = n_chunks * pa.a_sc;
+          pa.a_ss = 1;
+          pa.a_sn = H * row_floats;
+          pa.b_sc = N * H * row_floats;
+          pa.b_sb = n_chunks * pa.b_sc;
+          pa.b_ss = 1;
+          pa.b_sn = H * row_floats;
+          clear_last_chunk(a_buf, ni * H);
+          if (i_off == 0) clear_last_chunk(b_buf, N * H);
+        } else {
+          pa.a_sb = sl * ni * H;
+          pa.a_ss = ni * H;
+          pa.a_sn = H;
+          pa.b_sb = sl * N * H;
+          pa.b_ss = N * H;
+          pa.b_sn = H;
+        }
+        run_prep(pa, false, dev, stream);
+        if (half_split) {
+          if (i_off == 0) launch_split_rows_f16(reinterpret_cast<float*>(b_buf), b_exp, B, N, int(H), n_chunks, stream);
+          launch_split_rows_f16(reinterpret_cast<float*>(a_buf), a_exp, B, ni, int(H), n_chunks, stream);
+        }
 
-      run_outer(oa, i_off, ni, N, i_off, tc_ok, tc_terms, kmajor, half_split, operand_kind, f32, dev, stream);
+        run_outer(oa, i_off, ni, N, i_off, tc_ok, tc_terms, kmajor, half_split, operand_kind, f32, dev, stream,
+                  every_row.rows > 0 ? &every_row : nullptr);
+      }
     }
   }
   return out;

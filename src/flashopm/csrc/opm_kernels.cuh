@@ -351,7 +351,7 @@ __device__ __forceinline__ void stage_pair_row(const OuterArgs& p, int slot, boo
   row_off[slot] = ok ? ((int64_t(b) * p.out_rows + p.out_row0 + i0 + il) * N + j0 + jl) * D : -1;
   const float na = !ok                        ? 0.f
                    : p.norm.kind == kNormRow ? row_den[il]
-                                             : p.pair[(int64_t(b) * p.Na + i0 + il) * N + j0 + jl];
+                                             : p.pair[(int64_t(b) * p.norm_rows + i0 + il) * N + j0 + jl];
   if constexpr (kReciprocal) {
     norm_arg[slot] = !ok                            ? 0.f
                      : p.norm.kind == kNormOpenFold ? 1.f / (p.norm.eps + na)
@@ -417,6 +417,17 @@ __device__ __forceinline__ void store_round(const OuterArgs& p, const float* red
         o[e] = p.norm.kind == kNormOpenFold ? (v[e] + bias[e]) * na : fmaf(v[e], na, bias[e]);
       else
         o[e] = normalise(v[e], bias[e], na, na, p.norm);
+    }
+    if (p.accumulate) {  // a later chunk of s: float32 output
+      const float* prev = static_cast<const float*>(p.out) + row + d;
+      if ((p.D & 3) == 0) {
+        const float4 q = *reinterpret_cast<const float4*>(prev);
+        o[0] += q.x, o[1] += q.y, o[2] += q.z, o[3] += q.w;
+      } else {
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (d + e < p.D) o[e] += prev[e];
+      }
     }
     if ((p.D & 3) == 0) {
       store_out4(p.out, row + d, o, p.out_kind);
@@ -1256,7 +1267,7 @@ __global__ void __launch_bounds__(kOuterThreads, 1) opm_outer_fused_kernel(const
 
   for (int il = tid >> 5; il < p.Ti; il += kOuterThreads / 32) {
     const int i = min(i0 + il, p.Na - 1) + p.i_offset;
-    const float den = mask_denominator(p.mask, b, i, S, tid & 31);
+    const float den = mask_denominator(p.mask, b, i, p.S_mask, tid & 31);
     if ((tid & 31) == 0) den_s[il] = den;
   }
 
@@ -1429,13 +1440,15 @@ __global__ void __launch_bounds__(kOuterThreads, 1) opm_outer_fused_kernel(const
         const int il = pr / p.Tj, j = j0 + pr % p.Tj;
         if (i0 + il >= p.Na || j >= N) continue;
         const float den = den_s[il];
-        const float pair = p.norm.kind == kNormRow ? 0.f : p.pair[(int64_t(b) * p.Na + i0 + il) * N + j];
+        const float pair = p.norm.kind == kNormRow ? 0.f : p.pair[(int64_t(b) * p.norm_rows + i0 + il) * N + j];
         const int64_t dst = ((int64_t(b) * p.out_rows + p.out_row0 + i0 + il) * N + j) * D;
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int d = dg + dgw * 64 + lane + 32 * e;
-          if (d < D) store_out(p.out, dst + d, normalise(acc2[pp][e], p.bias ? p.bias[d] : 0.f, den, pair, p.norm),
-                               p.out_kind);
+          if (d >= D) continue;
+          float o = normalise(acc2[pp][e], p.bias ? p.bias[d] : 0.f, den, pair, p.norm);
+          if (p.accumulate) o += static_cast<const float*>(p.out)[dst + d];  // a later chunk of s
+          store_out(p.out, dst + d, o, p.out_kind);
         }
       }
     }

@@ -261,10 +261,19 @@ struct OuterArgs {
   const float* bias;   // (D) or null
   void* out;           // (B, out_rows, N, D) of out_kind; row i_offset + r of the problem is row out_row0 + r
   int out_kind;
-  const float* pair;   // (B, Na, N): sum_s m[s, i_offset + r] m[s, j] (OpenFold/Boltz conventions), else null
-  const float* row_den;  // (B, Na): max(sum_s m[s, i_offset + r], 1) (the 16-bit kernel, kNormRow)
+  // pair (B, norm_rows, N): sum_s m[s, i_offset + r] m[s, j] at row r (OpenFold/Boltz conventions),
+  // else null; row_den (B, norm_rows): max(sum_s m[s, i_offset + r], 1) (the 16-bit kernel,
+  // kNormRow).  norm_rows is Na, or N where one tensor serves every block of rows (its row 0 the
+  // block's first).
+  const float* pair;
+  const float* row_den;
+  int norm_rows;
   Normalizer norm;
-  int B, S, N, Na, i_offset, H, D;
+  int B, S, N, Na, i_offset, H, D;  // S: the s of a and b (one chunk of s where the sum is split)
+  int S_mask;  // the s of the mask, over which the normalisers are formed (S where s is not split)
+  // out += the normalised sum (no bias): a later chunk of s, the first having stored its own with
+  // the bias (float32 outputs only; every convention's output is linear in the sum)
+  int accumulate;
   int out_rows, out_row0;
   int Ti, Tj;  // pairs per tile along i and j
 };

@@ -53,7 +53,7 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
   const T* b_g = static_cast<const T*>(p.b);
   const T* w_g = static_cast<const T*>(p.w_out);
   // this tile's row denominators (kNormRow): row i0 + il at row_den[il]
-  const float* row_den = p.row_den ? p.row_den + int64_t(b) * p.Na + i0 : nullptr;
+  const float* row_den = p.row_den ? p.row_den + int64_t(b) * p.norm_rows + i0 : nullptr;
 
   // ---------------- phase 1 ----------------
   const int a_lim = min(Ti * H, (p.Na - i0) * H);  // valid columns of the tile (multiples of 8)

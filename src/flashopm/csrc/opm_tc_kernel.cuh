@@ -57,7 +57,7 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const Outer
   auto form_row_denominators = [&]() {
     if (p.norm.kind == kNormRow) {
       for (int il = warp; il < Ti; il += kTcThreads / 32) {
-        const float den = mask_denominator(p.mask, b, min(i0 + il, p.Na - 1) + p.i_offset, S, lane);
+        const float den = mask_denominator(p.mask, b, min(i0 + il, p.Na - 1) + p.i_offset, p.S_mask, lane);
         if (lane == 0) den_s[il] = den;
       }
     }
