@@ -5,6 +5,7 @@ twice that of eager fp32 PyTorch on the same inputs (floored at a few fp32 ulps,
 eager happens to be exact).
 """
 import copy
+import os
 import zlib
 
 import pytest
@@ -949,6 +950,35 @@ def test_peak_bound_1_1_parts_of_s(shape, precision, tc_form, normalization, par
     assert err <= max(2 * err_loose, FP64_FLOOR), f"parts: error {err:.3g} against the default's {err_loose:.3g}"
     _, again = peak_and_out()
     assert torch.equal(out, again), "two identical calls differ: a race"
+
+
+def test_peak_memory_bound_around_a_module():
+    """flashopm.peak_memory_bound(1.1) around an OpenFold module's forward (deep enough that the
+    unbounded peak passes 1.1x): the peak stays within 1.1x the output, the result within
+    allclose(1e-4) of the unbounded one, and the setting is gone after the block."""
+    shape = Shape(1, 100, 256, 24, 32, 128)
+    x, m, _ = make_problem(shape, "masked_positions", seed=5)
+    torch.manual_seed(3)
+    model = flashopm.OpenFoldOuterProductMean(shape.C, shape.D, shape.H).cuda()
+    torch.nn.init.normal_(model.linear_out.weight, std=0.05)  # "final" init starts at zero
+    xc, mc = x.cuda(), m.cuda()
+
+    def peak_of(fn):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_stats()["requested_bytes.all.current"]
+        out = fn()
+        torch.cuda.synchronize()
+        return torch.cuda.memory_stats()["requested_bytes.all.peak"] - base, out
+
+    with torch.no_grad():
+        loose, expect = peak_of(lambda: model(xc, mc))
+        with flashopm.peak_memory_bound(1.1):
+            extra, out = peak_of(lambda: model(xc, mc))
+    assert "FLASHOPM_PEAK_BOUND" not in os.environ
+    assert loose > 1.1 * shape.out_bytes >= extra, f"peak {loose} B unbounded, {extra} B bounded, output {shape.out_bytes} B"
+    assert not torch.equal(out, expect), "the same bits: the bound changed nothing"
+    torch.testing.assert_close(out, expect, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("value", ["abc", "1.0", "1.1x", "-2"])

@@ -1,4 +1,6 @@
 """Bad input gets a clear error naming the argument, expected vs got, on every device."""
+import os
+
 import pytest
 import torch
 
@@ -109,3 +111,28 @@ def test_bad_precision(device):
     for precision in ("highest", "high", "medium", None):  # every valid value is accepted
         out = flashopm.outer_product_mean(x, m, *p, precision=precision)
         assert out.shape == (1, 3, 3, 4)
+
+
+@pytest.mark.parametrize("factor", [1.0, 0.5, float("nan"), -1.1])
+def test_peak_memory_bound_refuses_a_factor_below_its_floor(factor, monkeypatch):
+    monkeypatch.delenv("FLASHOPM_PEAK_BOUND", raising=False)
+    with pytest.raises(ValueError, match=r"peak_memory_bound's factor must be >= 1.02"):
+        with flashopm.peak_memory_bound(factor):
+            pass
+    assert "FLASHOPM_PEAK_BOUND" not in os.environ
+
+
+def test_peak_memory_bound_sets_and_restores_the_setting(monkeypatch):
+    """The bound holds inside its block (nested blocks too, None lifting it) and what was set before
+    comes back after, also when the block raises."""
+    monkeypatch.setenv("FLASHOPM_PEAK_BOUND", "1.5")
+    with flashopm.peak_memory_bound(1.1):
+        assert float(os.environ["FLASHOPM_PEAK_BOUND"]) == 1.1
+        with flashopm.peak_memory_bound(None):
+            assert "FLASHOPM_PEAK_BOUND" not in os.environ
+        assert float(os.environ["FLASHOPM_PEAK_BOUND"]) == 1.1
+    assert os.environ["FLASHOPM_PEAK_BOUND"] == "1.5"
+    with pytest.raises(KeyError):
+        with flashopm.peak_memory_bound(2):
+            raise KeyError("inside")
+    assert os.environ["FLASHOPM_PEAK_BOUND"] == "1.5"

@@ -6,7 +6,7 @@ functional API or a module.  Calling `torch.ops.flashopm.*` on CUDA tensors dire
 """
 from . import ops  # noqa: F401  (registers the op schemas)
 from ._build import load
-from .functional import outer_product_mean, outer_product_mean_rows
+from .functional import outer_product_mean, outer_product_mean_rows, peak_memory_bound
 from .modules import BoltzOuterProductMean, ModelNew, OpenFoldOuterProductMean
 from .reference import (
     BoltzOuterProductMeanReference,
@@ -32,4 +32,5 @@ __all__ = [
     "outer_product_mean",
     "outer_product_mean_rows",
     "outer_product_mean_reference",
+    "peak_memory_bound",
 ]

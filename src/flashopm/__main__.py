@@ -20,7 +20,6 @@ import contextlib
 import csv
 import datetime
 import json
-import os
 import platform
 import sys
 from pathlib import Path
@@ -28,6 +27,7 @@ from pathlib import Path
 import torch
 
 from . import _build
+from .functional import peak_memory_bound
 from .modules import ModelNew
 from .ops import NORMALIZATIONS
 from .reference import Model, get_init_inputs, get_inputs
@@ -121,9 +121,9 @@ PRECISION_SUFFIXES = {"-tf32": "high", "-medium": "medium"}
 # "-amp": the float32 model's forward in a bfloat16 autocast region (mixed-precision training: the
 # backward runs outside it, as torch.autograd.grad is called there).
 AUTOCAST_SUFFIX, AUTOCAST_DTYPE = "-amp", torch.bfloat16
-# "-bounded": flashopm's forward with its peak extra memory bounded (FLASHOPM_PEAK_BOUND, a factor
-# of the output's size, the output included), compared with eager.
-BOUND_SUFFIX, PEAK_BOUND = "-bounded", "1.1"
+# "-bounded": flashopm's forward with its peak extra memory bounded (peak_memory_bound, a factor of
+# the output's size, the output included), compared with eager.
+BOUND_SUFFIX, PEAK_BOUND = "-bounded", 1.1
 DEFAULT_IMPLS = ("eager", "flashopm", "compile", "compile-ro")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Which module is measured: the specification's, or the OpenFold / Boltz convention (flashopm's
@@ -192,24 +192,17 @@ def _with_autocast(fn, dtype: torch.dtype):
     return call
 
 
-def _with_env(fn, var: str, value: str):
+def _with_peak_bound(fn, factor: float):
     def call(x, m):
-        before = os.environ.get(var)
-        os.environ[var] = value
-        try:
+        with peak_memory_bound(factor):
             return fn(x, m)
-        finally:
-            if before is None:
-                del os.environ[var]
-            else:
-                os.environ[var] = before
 
     return call
 
 
 def _callable(impl: str, ref, new, dtype: torch.dtype = torch.float32):
     if impl == "flashopm" + BOUND_SUFFIX:
-        return _with_env(new, "FLASHOPM_PEAK_BOUND", PEAK_BOUND)
+        return _with_peak_bound(new, PEAK_BOUND)
     if impl.endswith(AUTOCAST_SUFFIX):
         if dtype != torch.float32:
             return None  # a float32 model's mixed precision

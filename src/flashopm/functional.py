@@ -1,6 +1,10 @@
 """Functional API of flashopm."""
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Iterator
+
 import torch
 
 from . import _build
@@ -110,3 +114,40 @@ def outer_product_mean_rows(
     if a.is_cuda and not _build.is_loaded():
         _build.load()
     return outer_product_mean_rows_op(a, b, mask, row_offset, w_out, b_out, norm_code, norm_eps, precision_code)
+
+
+PEAK_BOUND_VAR = "FLASHOPM_PEAK_BOUND"
+MIN_PEAK_BOUND = 1.02  # the output itself is 1; the rest leaves room for a part of s at the least
+
+
+@contextlib.contextmanager
+def peak_memory_bound(factor: float | None) -> Iterator[None]:
+    """Bounds the CUDA forward's peak extra memory to `factor` times its output's size (the output
+    included) inside the block; None lifts the bound.  Process-wide, like the FLASHOPM_PEAK_BOUND
+    variable it sets for the block (and restores after it).
+
+    Without a bound the forward holds its output plus the projections a (B, S, rows, H) and
+    b (B, S, N, H): 1.1-1.25x the output where S·H is small next to N·D, several times it for deep
+    MSAs. A bound first takes output rows in blocks, then, for float32 outputs, the sum over s in
+    parts, each part normalised and added to the output. Every part repeats the contraction with
+    W_out (2·B·N²·H²·D FLOPs), so a tight bound at deep MSAs costs several times the unbounded
+    time (README, "Memory"). 16-bit outputs are bounded by the blocks of rows alone.
+
+        with flashopm.peak_memory_bound(1.1):
+            pair_update = model.outer_product_mean(m, mask)
+    """
+    if factor is not None and not factor >= MIN_PEAK_BOUND:
+        raise ValueError(f"flashopm: peak_memory_bound's factor must be >= {MIN_PEAK_BOUND} (a factor of the "
+                         f"output's size, the output included) or None, got {factor!r}")
+    before = os.environ.get(PEAK_BOUND_VAR)
+    if factor is None:
+        os.environ.pop(PEAK_BOUND_VAR, None)
+    else:
+        os.environ[PEAK_BOUND_VAR] = repr(float(factor))
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(PEAK_BOUND_VAR, None)
+        else:
+            os.environ[PEAK_BOUND_VAR] = before
