@@ -856,14 +856,18 @@ def test_large_shape_correct_with_bounded_memory():
     torch.testing.assert_close(out.cpu(), ref_cpu, atol=1e-4, rtol=1e-4)
 
 
-def _peak_extra_bytes(xc, mc, pc):
-    """Bytes the op asks for at its peak beyond what was allocated before (the output included)."""
+def _peak_and_out(call):
+    """Bytes `call()` asks for at its peak beyond what was allocated before (the output included),
+    and its output on the CPU, the output's block poisoned first."""
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_stats()["requested_bytes.all.current"]
-    out = _run(xc, mc, pc, poison=False)
+    poison_ptr = poison_output_block(call)
+    torch.cuda.reset_peak_memory_stats()
+    out = call()
     torch.cuda.synchronize()
-    return torch.cuda.memory_stats()["requested_bytes.all.peak"] - base, out
+    assert out.data_ptr() == poison_ptr, "the poisoned block was not reused; the check proves nothing"
+    return torch.cuda.memory_stats()["requested_bytes.all.peak"] - base, out.cpu()
 
 
 def test_peak_bound_1_1_row_blocks(monkeypatch):
@@ -876,38 +880,38 @@ def test_peak_bound_1_1_row_blocks(monkeypatch):
     xc, mc, pc = x.cuda(), m.cuda(), _cuda_params(p)
     ref32 = reference(xc, mc, pc).cpu()
     ref64 = reference(xc, mc, pc, dtype=torch.float64).cpu()
-    loose, out_loose = _peak_extra_bytes(xc, mc, pc)
+    loose, out_loose = _peak_and_out(lambda: _run(xc, mc, pc, poison=False))
     assert loose > 1.1 * shape.out_bytes, f"one block: peak extra {loose} B vs output {shape.out_bytes} B"
     monkeypatch.setenv("FLASHOPM_PEAK_BOUND", "1.1")
-    extra, out = _peak_extra_bytes(xc, mc, pc)
-    out = out.cpu()
+    extra, out = _peak_and_out(lambda: _run(xc, mc, pc, poison=False))
     assert extra <= 1.1 * shape.out_bytes, f"peak extra {extra} B vs output {shape.out_bytes} B"
     torch.testing.assert_close(out, ref32, atol=1e-4, rtol=1e-4)
     assert rel_error(out, ref64) <= max(2 * rel_error(ref32, ref64), FP64_FLOOR)
-    torch.testing.assert_close(out_loose.cpu(), out, atol=0, rtol=0)
+    torch.testing.assert_close(out_loose, out, atol=0, rtol=0)
 
 
-# (shape, precision, FLASHOPM_TC_FORM, normalization, FLASHOPM_PEAK_PARTS_ROWS): the forms of the
-# outer-first path, with all rows at once or in blocks ("fill": with two batch elements, the
-# normalisers of every row read at each block's offset).  At N = 256 and D = 128, b for all s takes more than a tenth of the output (in the operand
-# type), so a bound of 1.1x leaves the sum over s in parts; S = 100 leaves K-major chunks past the
-# end of a part.
+# (shape, precision, FLASHOPM_TC_FORM, normalization, FLASHOPM_PEAK_PLAN): the forms of the
+# outer-first path.  At N = 200-256 and D = 128, b for all s takes more than a tenth of the output
+# (in the operand type), so a bound of 1.1x needs the sum over s in parts: with blocks of rows and
+# columns where a launch of such blocks still fills the GPU, else with blocks of rows ("rows":
+# blocks of rows alone; with two batch elements, the normalisers of every row read at each
+# block's offset).  S = 100 leaves K-major chunks past the end of a part.
 PARTS_CASES = [
     (Shape(1, 100, 256, 24, 32, 128), "highest", None, "row", None),         # float16 split, wgmma
     (Shape(1, 100, 256, 24, 32, 128), "high", None, "openfold", None),       # TF32, wgmma
     (Shape(1, 100, 256, 24, 32, 128), "highest", "mma_sync", "boltz", None),  # 3xTF32, mma.sync
-    (Shape(2, 70, 200, 24, 24, 128), "highest", None, "row", "fill"),        # 3xTF32 on wgmma (hidden 24)
+    (Shape(1, 100, 256, 24, 32, 128), "highest", "mma_sync", "row", "rows"),
+    (Shape(2, 70, 200, 24, 24, 128), "highest", None, "row", "rows"),        # 3xTF32 on wgmma (hidden 24)
     (Shape(1, 400, 256, 24, 12, 128), "highest", None, "boltz", None),       # CUDA cores (hidden 12)
     (Shape(1, 300, 256, 24, 32, 128), "medium", None, "openfold", None),     # bfloat16 operands
-    (Shape(2, 70, 200, 24, 32, 128), "highest", None, "openfold", "fill"),
-    (Shape(2, 150, 200, 24, 32, 128), "medium", None, "row", "fill"),
-    (Shape(1, 100, 256, 24, 32, 128), "highest", "mma_sync", "row", "fill"),
-    (Shape(1, 100, 256, 24, 32, 128), "highest", None, "boltz", "all"),
+    (Shape(2, 70, 200, 24, 32, 128), "highest", None, "openfold", "rows"),
+    (Shape(2, 150, 200, 24, 32, 128), "medium", None, "row", "rows"),
+    (Shape(1, 100, 256, 24, 32, 128), "highest", None, "boltz", None),
 ]
 
 
-@pytest.mark.parametrize("shape,precision,tc_form,normalization,parts_rows", PARTS_CASES, ids=str)
-def test_peak_bound_1_1_parts_of_s(shape, precision, tc_form, normalization, parts_rows, monkeypatch):
+@pytest.mark.parametrize("shape,precision,tc_form,normalization,plan", PARTS_CASES, ids=str)
+def test_peak_bound_1_1_parts_of_s(shape, precision, tc_form, normalization, plan, monkeypatch):
     """FLASHOPM_PEAK_BOUND=1.1 where b for all residues passes a tenth of the output: the sum over
     s runs in parts, each normalised and added to the output (the first with the bias). The peak
     stays within 1.1x the output (the default passes it, so the bound is the parts'), the result
@@ -915,8 +919,8 @@ def test_peak_bound_1_1_parts_of_s(shape, precision, tc_form, normalization, par
     stays within twice the default's, with fully masked rows and columns in the mask."""
     if tc_form is not None:
         monkeypatch.setenv("FLASHOPM_TC_FORM", tc_form)
-    if parts_rows is not None:
-        monkeypatch.setenv("FLASHOPM_PEAK_PARTS_ROWS", parts_rows)
+    if plan is not None:
+        monkeypatch.setenv("FLASHOPM_PEAK_PLAN", plan)
     x, m, p = make_problem(shape, "masked_positions", seed=21)
     xc, mc, pc = x.cuda(), m.cuda(), _cuda_params(p)
     code = flashopm.ops.NORMALIZATIONS[normalization]
@@ -927,29 +931,48 @@ def test_peak_bound_1_1_parts_of_s(shape, precision, tc_form, normalization, par
         return flashopm.outer_product_mean(xc, mc, *(pc[k] for k in PARAM_ORDER), algorithm="outer",
                                            normalization=normalization, precision=precision)
 
-    def peak_and_out():
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_stats()["requested_bytes.all.current"]
-        poison_ptr = poison_output_block(call)
-        torch.cuda.reset_peak_memory_stats()
-        out = call()
-        torch.cuda.synchronize()
-        assert out.data_ptr() == poison_ptr, "the poisoned block was not reused; the check proves nothing"
-        return torch.cuda.memory_stats()["requested_bytes.all.peak"] - base, out.cpu()
-
-    loose, out_loose = peak_and_out()
+    loose, out_loose = _peak_and_out(call)
     assert loose > 1.1 * shape.out_bytes, f"default: peak extra {loose} B vs output {shape.out_bytes} B"
     monkeypatch.setenv("FLASHOPM_PEAK_BOUND", "1.1")
-    extra, out = peak_and_out()
+    extra, out = _peak_and_out(call)
     assert extra <= 1.1 * shape.out_bytes, f"peak extra {extra} B vs output {shape.out_bytes} B"
     assert not out.isnan().any(), "NaN in the output: an element was not written or a part was lost"
     if precision == "highest":
         torch.testing.assert_close(out, ref32, atol=1e-4, rtol=1e-4)
     err, err_loose = rel_error(out, ref64), rel_error(out_loose, ref64)
     assert err <= max(2 * err_loose, FP64_FLOOR), f"parts: error {err:.3g} against the default's {err_loose:.3g}"
-    _, again = peak_and_out()
+    _, again = _peak_and_out(call)
     assert torch.equal(out, again), "two identical calls differ: a race"
+
+
+# (shape, model type, normalization): b for all residues passes the room a bound of 1.1x leaves,
+# but blocks of rows and columns (3 x 3 with a short last block, 4 x 4; 4 x 4 for a bfloat16 model,
+# whose 16-bit output takes no parts) hold a and b for all of s, so the sum needs no parts: every
+# pair's sums run as without the bound, the same bits.
+BLOCK_CASES = [
+    (Shape(2, 256, 512, 24, 32, 128), torch.float32, "row"),
+    (Shape(2, 256, 512, 24, 32, 128), torch.float32, "openfold"),
+    (Shape(1, 200, 768, 32, 32, 64), torch.bfloat16, "row"),
+]
+
+
+@pytest.mark.parametrize("shape,dtype,normalization", BLOCK_CASES, ids=str)
+def test_peak_bound_1_1_blocks_of_columns(shape, dtype, normalization, monkeypatch):
+    x, m, p = make_problem(shape, "masked_positions", seed=22)
+    xc, mc = x.cuda().to(dtype), m.cuda().to(dtype)
+    pc = {k: v.cuda().to(dtype) for k, v in p.items()}
+
+    def call():
+        return flashopm.outer_product_mean(xc, mc, *(pc[k] for k in PARAM_ORDER), algorithm="outer",
+                                           normalization=normalization)
+
+    out_bytes = shape.out_bytes * dtype.itemsize // 4
+    loose, out_loose = _peak_and_out(call)
+    assert loose > 1.1 * out_bytes, f"default: peak extra {loose} B vs output {out_bytes} B"
+    monkeypatch.setenv("FLASHOPM_PEAK_BOUND", "1.1")
+    extra, out = _peak_and_out(call)
+    assert extra <= 1.1 * out_bytes, f"peak extra {extra} B vs output {out_bytes} B"
+    assert torch.equal(out, out_loose), "blocks of columns changed a pair's sums"
 
 
 def test_peak_memory_bound_around_a_module():
@@ -963,18 +986,10 @@ def test_peak_memory_bound_around_a_module():
     torch.nn.init.normal_(model.linear_out.weight, std=0.05)  # "final" init starts at zero
     xc, mc = x.cuda(), m.cuda()
 
-    def peak_of(fn):
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_stats()["requested_bytes.all.current"]
-        out = fn()
-        torch.cuda.synchronize()
-        return torch.cuda.memory_stats()["requested_bytes.all.peak"] - base, out
-
     with torch.no_grad():
-        loose, expect = peak_of(lambda: model(xc, mc))
+        loose, expect = _peak_and_out(lambda: model(xc, mc))
         with flashopm.peak_memory_bound(1.1):
-            extra, out = peak_of(lambda: model(xc, mc))
+            extra, out = _peak_and_out(lambda: model(xc, mc))
     assert "FLASHOPM_PEAK_BOUND" not in os.environ
     assert loose > 1.1 * shape.out_bytes >= extra, f"peak {loose} B unbounded, {extra} B bounded, output {shape.out_bytes} B"
     assert not torch.equal(out, expect), "the same bits: the bound changed nothing"

@@ -20,6 +20,7 @@
 #include <cstring>
 #include <initializer_list>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <mutex>
 #include <unordered_map>
@@ -566,6 +567,7 @@ OuterArgs outer_args(const void* a, const void* b, const MaskView& mask, const a
   oa.S = int(S);
   oa.S_mask = int(S);
   oa.N = int(N);
+  oa.out_N = int(N);
   oa.H = int(H);
   oa.D = int(D);
   oa.norm = norm;
@@ -690,15 +692,19 @@ Normalisers normalisers(const OuterArgs& oa, int operand_kind, int64_t i_offset,
   return n;
 }
 
-// `every_row`: the normalisers of rows 0 .. N, formed once for launches that repeat rows (the sum
-// over s in parts); else this launch forms its own.
+// `every_row`: the normalisers of rows 0 .. N against every column, formed once for launches that
+// repeat rows or take blocks of columns (the sum over s in parts, a peak bound); else this launch
+// forms its own.  With a block of columns, oa.N is the block's (b holds those residues) and oa.out
+// starts at its first column j_offset, whose rows have oa.out_N columns.
 void run_outer(OuterArgs oa, int64_t i_offset, int64_t rows, int64_t out_rows, int64_t out_row0, bool tensor_cores,
                int terms, bool kmajor, bool half_split, int operand_kind, const at::TensorOptions& options, int dev,
-               cudaStream_t stream, const Normalisers* every_row = nullptr) {
+               cudaStream_t stream, const Normalisers* every_row = nullptr, int64_t j_offset = 0) {
+  FLASHOPM_CHECK(every_row != nullptr || (j_offset == 0 && oa.N == oa.out_N),
+                 "flashopm: a block of columns needs the normalisers of every column");
   const Normalisers own = every_row ? Normalisers{} : normalisers(oa, operand_kind, i_offset, rows, options, stream);
   const Normalisers& nz = every_row ? *every_row : own;
   const int64_t first = every_row ? i_offset : 0;  // the launch's first row in nz
-  oa.pair = nz.pair.defined() ? nz.pair.data_ptr<float>() + first * oa.N : nullptr;
+  oa.pair = nz.pair.defined() ? nz.pair.data_ptr<float>() + first * oa.out_N + j_offset : nullptr;
   oa.row_den = nz.row_den.defined() ? nz.row_den.data_ptr<float>() + first : nullptr;
   oa.norm_rows = int(nz.rows);
   oa.Na = int(rows);
@@ -1142,6 +1148,7 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     // elements per (b, n, h) of a part of s_len values of s
     auto s_stored = [&](int64_t s_len) { return kmajor ? (s_len + row_floats - 1) / row_floats * row_floats : s_len; };
     int64_t s_part = S;  // s per part of the sum
+    int64_t cols = N;    // columns per block (b holds those residues)
     int64_t b_elems = B * s_stored(S) * N * H;
     int64_t per_row = B * s_stored(S) * H;
     const int64_t budget = operands16 ? 2 * budget_elems : budget_elems;
@@ -1199,33 +1206,74 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
       // 1% of the output left for what the caching allocator rounds up
       const int64_t room = bound > 0 ? int64_t((bound - 1.01) * double(out_bytes)) : 0;
       const int64_t tight = bound > 0 ? rows_within(room) : 0;
-      if (tight >= std::min(N, fill)) {  // at least four waves of blocks per launch, as above
-        rows = std::min(rows, tight);
-      } else if (bound > 0 && out.scalar_type() == at::kFloat) {
-        // Parts of s: the normalisers of every row are formed once (pair counts, 1/D of the
-        // output; or row denominators), with a's scale exponents; s_part for blocks of r rows is
-        // as large as the room leaves for b and a over it (whole chunks of s for the K-major
-        // layouts; one chunk at the least).
+      if (bound > 0) {
+        // Plans under the bound, each (blocks of r rows) x (blocks of c columns) x (parts of s):
+        //  - rows only (b for every residue, a in blocks of rows), where b leaves room for blocks
+        //    that fill the GPU;
+        //  - K x K blocks of rows and columns (b for a block of residues; one of a and b projected
+        //    again for each block of the other), K = 1, 2, ... while a launch keeps three waves;
+        //  - all columns with rows in blocks that fill the GPU.
+        // Past what the room holds for s, the sum over s runs in parts (float32 outputs only): the
+        // normalisers of every row are formed once for all blocks and parts (pair counts, 1/D of
+        // the output; or row denominators), and each part's length is what the room leaves for
+        // a and b over it, in whole chunks for the K-major layouts.  The fewest parts win (each
+        // repeats the contraction with W), then b for every residue, then the fewest launches.
+        // FLASHOPM_PEAK_PLAN=rows leaves out the blocks of columns.
         const int64_t norm_bytes = (normalization == kNormRow ? 2 * B * N : B * N * N + B * N) * 4;
-        auto part_len = [&](int64_t r) {
-          const int64_t left = room - fixed - norm_bytes;
-          return std::min<int64_t>(
-              S, std::max<int64_t>(left / (B * (N + r) * H * elem) / row_floats * row_floats, row_floats));
+        struct Plan {
+          int64_t rows, cols, s_part, parts, launches;
         };
-        auto parts_for = [&](int64_t r) { return (S + part_len(r) - 1) / part_len(r); };
-        // The fewest parts (each repeats the contraction with W), then the fewest blocks of rows
-        // (blocks that fill the GPU, or all rows); FLASHOPM_PEAK_PARTS_ROWS=all or =fill asks
-        // for one of them.
-        const int64_t few = balanced_rows(std::min(N, std::max(fill, ti_full)));
-        const bool all_rows = env_is("FLASHOPM_PEAK_PARTS_ROWS", "all") ||
-                              (!env_is("FLASHOPM_PEAK_PARTS_ROWS", "fill") && parts_for(N) <= parts_for(few));
-        rows = all_rows ? N : few;
-        s_part = part_len(rows);
-        // parts of equal length (a last short part would repeat W's contraction for a few s)
-        const int64_t parts = (S + s_part - 1) / s_part;
-        s_part = std::min<int64_t>(s_stored((S + parts - 1) / parts), S);
-        b_elems = B * s_stored(s_part) * N * H;
-        per_row = B * s_stored(s_part) * H;
+        Plan best{0, 0, 0, 0, 0};
+        bool best_fits = false;
+        auto consider = [&](int64_t r, int64_t c, bool whole_s) {
+          int64_t sp = S;
+          bool fits = true;
+          if (!whole_s) {
+            const int64_t fit = (room - fixed - norm_bytes) / (B * (r + c) * H * elem);
+            if (fit < s_stored(S)) {
+              if (out.scalar_type() != at::kFloat) return;  // 16-bit outputs: no parts
+              // (one chunk at the least: past the bound where not even that fits)
+              fits = fit >= row_floats;
+              sp = std::max<int64_t>(fit / row_floats * row_floats, row_floats);
+            }
+          }
+          const int64_t parts = (S + sp - 1) / sp;
+          const int64_t launches = parts * ((N + r - 1) / r) * ((N + c - 1) / c);
+          // Within the bound first; then the fewest parts; then b for every residue (a block of
+          // columns projects a again for each: at N = 1536, 14 blocks of rows ran 2.7% faster
+          // than 2 x 2 blocks); then the fewest launches.
+          const auto key = [](bool f, int64_t p, bool whole_c, int64_t l) { return std::make_tuple(!f, p, !whole_c, l); };
+          if (best.parts == 0 ||
+              key(fits, parts, c == N, launches) < key(best_fits, best.parts, best.cols == N, best.launches)) {
+            best = Plan{r, c, sp, parts, launches};
+            best_fits = fits;
+          }
+        };
+        if (tight >= std::min(N, fill)) consider(tight, N, true);
+        consider(balanced_rows(std::min(N, std::max(fill, ti_full))), N, false);
+        const bool col_blocks_ok = !env_is("FLASHOPM_PEAK_PLAN", "rows");
+        for (int64_t k = 1; k <= 64 && (k == 1 || col_blocks_ok); ++k) {
+          // k blocks each way, in whole tiles (no short block at the end: a launch of a few rows
+          // would project them on a kernel of its own and fill a fraction of the GPU)
+          const int64_t r = std::min(N, ((N + k - 1) / k + ti_full - 1) / ti_full * ti_full);
+          const int64_t c = std::min(N, ((N + k - 1) / k + col_pairs - 1) / col_pairs * col_pairs);
+          const int64_t tiles = B * ((r + ti_full - 1) / ti_full) * ((c + col_pairs - 1) / col_pairs);
+          if (k > 1 && tiles < 3 * device_info(dev).sm_count) break;
+          // (the float16 split form needs a whole column tile in every block, the last one too)
+          const int64_t last_c = N - (N + c - 1) / c * c + c;
+          if (half_split && last_c < kOuterNT / H) continue;
+          consider(r, c, false);
+        }
+        if (best.parts > 0) {
+          rows = best.rows;
+          cols = best.cols;
+          s_part = best.s_part;
+          // parts of equal length (a last short part would repeat W's contraction for a few s)
+          const int64_t parts = (S + s_part - 1) / s_part;
+          s_part = std::min<int64_t>(s_stored((S + parts - 1) / parts), S);
+          b_elems = B * s_stored(s_part) * cols * H;
+          per_row = B * s_stored(s_part) * H;
+        }
       } else if (!operands16) {
         const int64_t loose = rows_within(out_bytes / 4);
         if (loose > 0) rows = std::min(rows, loose);
@@ -1267,11 +1315,13 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
       w_blocked = float32_wgmma_w(w_op, H, half_split, const_cast<int*>(oa.w_exp), stream);
       oa.w_blocked = w_blocked.data_ptr();
     }
-    // With the sum in parts, the normalisers of every row once (1/D of the output at most)
+    // With parts of s or blocks of columns, the normalisers of every row once (1/D of the output
+    // at most)
     const Normalisers every_row =
-        s_part < S ? normalisers(oa, operand_kind, 0, N, f32, stream) : Normalisers{};
+        s_part < S || cols < N ? normalisers(oa, operand_kind, 0, N, f32, stream) : Normalisers{};
     const char* x_base = static_cast<const char*>(msa.data_ptr());
     const char* mask_base = static_cast<const char*>(mask_view.ptr);
+    char* const out_base = static_cast<char*>(out.data_ptr());
     for (int64_t s0 = 0; s0 < S; s0 += s_part) {
       const int64_t sl = std::min<int64_t>(s_part, S - s0);
       const int64_t n_chunks = (sl + row_floats - 1) / row_floats;
@@ -1285,6 +1335,27 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
                                          size_t(B), stream) == cudaSuccess,
                        "flashopm: clearing the workspace failed");
       };
+      // a's and b's strides for na rows of a and nb residues of b
+      auto set_strides = [&](int64_t na, int64_t nb) {
+        if (kmajor) {
+          // element (b, s, n, h) at b·sb + (s / row_floats)·sc + s % row_floats + (n·H + h)·row_floats
+          pa.a_sc = na * H * row_floats;
+          pa.a_sb = n_chunks * pa.a_sc;
+          pa.a_ss = 1;
+          pa.a_sn = H * row_floats;
+          pa.b_sc = nb * H * row_floats;
+          pa.b_sb = n_chunks * pa.b_sc;
+          pa.b_ss = 1;
+          pa.b_sn = H * row_floats;
+        } else {
+          pa.a_sb = sl * na * H;
+          pa.a_ss = na * H;
+          pa.a_sn = H;
+          pa.b_sb = sl * nb * H;
+          pa.b_ss = nb * H;
+          pa.b_sn = H;
+        }
+      };
       // x and the mask from s0 on; the kernels' normalisers read the whole mask (S_mask)
       pa.x = x_base + s0 * msa.stride(1) * int64_t(msa.element_size());
       pa.mask.ptr = mask_base + s0 * mask_view.ss * int64_t(mask.element_size());
@@ -1292,42 +1363,43 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
       oa.S = int(sl);
       oa.bias = s0 == 0 ? opt_ptr(b_out) : nullptr;
       oa.accumulate = s0 > 0;
-      for (int64_t i_off = 0; i_off < N; i_off += rows) {
-        const int64_t ni = std::min<int64_t>(rows, N - i_off);
-        // First block: all N rows for b, its own rows for a.  Later blocks: their rows, a only.
-        pa.n_offset = int(i_off);
-        pa.N = int(i_off == 0 ? N : ni);
-        pa.a_rows = int(ni);
-        pa.a_out = a_buf;
-        pa.b_out = i_off == 0 ? b_buf : nullptr;
-        if (kmajor) {
-          // element (b, s, n, h) at b·sb + (s / row_floats)·sc + s % row_floats + (n·H + h)·row_floats
-          pa.a_sc = ni * H * row_floats;
-          pa.a_sb = n_chunks * pa.a_sc;
-          pa.a_ss = 1;
-          pa.a_sn = H * row_floats;
-          pa.b_sc = N * H * row_floats;
-          pa.b_sb = n_chunks * pa.b_sc;
-          pa.b_ss = 1;
-          pa.b_sn = H * row_floats;
+      for (int64_t j_off = 0; j_off < N; j_off += cols) {
+        const int64_t nj = std::min<int64_t>(cols, N - j_off);
+        // b for every residue comes with the first block of rows' a; a block of columns has its
+        // own launch
+        const bool every_col = nj == N;
+        if (!every_col) {
+          pa.n_offset = int(j_off);
+          pa.N = int(nj);
+          pa.a_rows = 0;
+          pa.a_out = a_buf;
+          pa.b_out = b_buf;
+          set_strides(0, nj);
+          clear_last_chunk(b_buf, nj * H);
+          run_prep(pa, false, dev, stream);
+          if (half_split) launch_split_rows_f16(reinterpret_cast<float*>(b_buf), b_exp, B, nj, int(H), n_chunks, stream);
+        }
+        oa.N = int(nj);
+        oa.out = out_base + j_off * D * int64_t(out.element_size());
+        for (int64_t i_off = 0; i_off < N; i_off += rows) {
+          const int64_t ni = std::min<int64_t>(rows, N - i_off);
+          const bool with_b = every_col && i_off == 0;
+          pa.n_offset = int(i_off);
+          pa.N = int(with_b ? N : ni);
+          pa.a_rows = int(ni);
+          pa.a_out = a_buf;
+          pa.b_out = with_b ? b_buf : nullptr;
+          set_strides(ni, nj);
           clear_last_chunk(a_buf, ni * H);
-          if (i_off == 0) clear_last_chunk(b_buf, N * H);
-        } else {
-          pa.a_sb = sl * ni * H;
-          pa.a_ss = ni * H;
-          pa.a_sn = H;
-          pa.b_sb = sl * N * H;
-          pa.b_ss = N * H;
-          pa.b_sn = H;
+          if (with_b) clear_last_chunk(b_buf, N * H);
+          run_prep(pa, false, dev, stream);
+          if (half_split) {
+            if (with_b) launch_split_rows_f16(reinterpret_cast<float*>(b_buf), b_exp, B, N, int(H), n_chunks, stream);
+            launch_split_rows_f16(reinterpret_cast<float*>(a_buf), a_exp, B, ni, int(H), n_chunks, stream);
+          }
+          run_outer(oa, i_off, ni, N, i_off, tc_ok, tc_terms, kmajor, half_split, operand_kind, f32, dev, stream,
+                    every_row.rows > 0 ? &every_row : nullptr, j_off);
         }
-        run_prep(pa, false, dev, stream);
-        if (half_split) {
-          if (i_off == 0) launch_split_rows_f16(reinterpret_cast<float*>(b_buf), b_exp, B, N, int(H), n_chunks, stream);
-          launch_split_rows_f16(reinterpret_cast<float*>(a_buf), a_exp, B, ni, int(H), n_chunks, stream);
-        }
-
-        run_outer(oa, i_off, ni, N, i_off, tc_ok, tc_terms, kmajor, half_split, operand_kind, f32, dev, stream,
-                  every_row.rows > 0 ? &every_row : nullptr);
       }
     }
   }

@@ -348,10 +348,10 @@ template <bool kReciprocal>
 __device__ __forceinline__ void stage_pair_row(const OuterArgs& p, int slot, bool ok, int b, int i0, int il, int j0,
                                                int jl, int N, int D, const float* row_den, int64_t* row_off,
                                                float* norm_arg) {
-  row_off[slot] = ok ? ((int64_t(b) * p.out_rows + p.out_row0 + i0 + il) * N + j0 + jl) * D : -1;
+  row_off[slot] = ok ? ((int64_t(b) * p.out_rows + p.out_row0 + i0 + il) * p.out_N + j0 + jl) * D : -1;
   const float na = !ok                        ? 0.f
                    : p.norm.kind == kNormRow ? row_den[il]
-                                             : p.pair[(int64_t(b) * p.norm_rows + i0 + il) * N + j0 + jl];
+                                             : p.pair[(int64_t(b) * p.norm_rows + i0 + il) * p.out_N + j0 + jl];
   if constexpr (kReciprocal) {
     norm_arg[slot] = !ok                            ? 0.f
                      : p.norm.kind == kNormOpenFold ? 1.f / (p.norm.eps + na)
@@ -1440,8 +1440,8 @@ __global__ void __launch_bounds__(kOuterThreads, 1) opm_outer_fused_kernel(const
         const int il = pr / p.Tj, j = j0 + pr % p.Tj;
         if (i0 + il >= p.Na || j >= N) continue;
         const float den = den_s[il];
-        const float pair = p.norm.kind == kNormRow ? 0.f : p.pair[(int64_t(b) * p.norm_rows + i0 + il) * N + j];
-        const int64_t dst = ((int64_t(b) * p.out_rows + p.out_row0 + i0 + il) * N + j) * D;
+        const float pair = p.norm.kind == kNormRow ? 0.f : p.pair[(int64_t(b) * p.norm_rows + i0 + il) * p.out_N + j];
+        const int64_t dst = ((int64_t(b) * p.out_rows + p.out_row0 + i0 + il) * p.out_N + j) * D;
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int d = dg + dgw * 64 + lane + 32 * e;

@@ -275,6 +275,9 @@ struct OuterArgs {
   // the bias (float32 outputs only; every convention's output is linear in the sum)
   int accumulate;
   int out_rows, out_row0;
+  // Columns per row of out and pair: N, or more where the launch takes a block of N columns (b
+  // holds those residues; out and pair then start at the block's first column)
+  int out_N;
   int Ti, Tj;  // pairs per tile along i and j
 };
 
