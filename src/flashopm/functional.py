@@ -128,10 +128,11 @@ def peak_memory_bound(factor: float | None) -> Iterator[None]:
 
     Without a bound the forward holds its output plus the projections a (B, S, rows, H) and
     b (B, S, N, H): 1.1-1.25x the output where S·H is small next to N·D, several times it for deep
-    MSAs. A bound first takes output rows in blocks, then, for float32 outputs, the sum over s in
-    parts, each part normalised and added to the output. Every part repeats the contraction with
-    W_out (2·B·N²·H²·D FLOPs), so a tight bound at deep MSAs costs several times the unbounded
-    time (README, "Memory"). 16-bit outputs are bounded by the blocks of rows alone.
+    MSAs. A bound takes the output in blocks of rows, or of rows and columns (b for a block of
+    residues), and, for float32 outputs, the sum over s in parts where even that passes it, each
+    part normalised and added to the output. Every part repeats the contraction with W_out
+    (2·B·N²·H²·D FLOPs), so a tight bound at deep MSAs costs several times the unbounded time
+    (README, "Latest"). 16-bit outputs are bounded by the blocks alone.
 
         with flashopm.peak_memory_bound(1.1):
             pair_update = model.outer_product_mean(m, mask)
