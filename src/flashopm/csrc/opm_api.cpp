@@ -669,12 +669,6 @@ at::Tensor kmajor_copy(const at::Tensor& x, int64_t row_floats) {
   return out;
 }
 
-// One launch of the outer-first contraction for rows i_offset .. i_offset + rows of the problem
-// (a holds those rows) against all N columns, written from row out_row0 of an output with
-// out_rows rows per batch: tensor cores with 16-bit operands (operand_kind kMaskBFloat16 or
-// kMaskHalf: a, b and w_out of that type), tensor cores on float32 operands (terms 3: 3xTF32,
-// 1: TF32; kmajor: a and b in the K-major TF32 layout of that many terms, for the wgmma form) or
-// CUDA cores.
 // The launch's normalisers: pair counts (B, rows, N) of the OpenFold/Boltz conventions, or row
 // denominators (B, rows) for the 16-bit kernel under the specification's (the float32 kernels form
 // their own), over the whole mask (S_mask), for rows i_offset .. i_offset + rows.
@@ -692,6 +686,12 @@ Normalisers normalisers(const OuterArgs& oa, int operand_kind, int64_t i_offset,
   return n;
 }
 
+// One launch of the outer-first contraction for rows i_offset .. i_offset + rows of the problem
+// (a holds those rows) against oa.N columns (b holds those residues), written from row out_row0
+// of an output with out_rows rows per batch: tensor cores with 16-bit operands (operand_kind
+// kMaskBFloat16 or kMaskHalf: a, b and w_out of that type), tensor cores on float32 operands
+// (terms 3: 3xTF32, 1: TF32; kmajor: a and b in the K-major TF32 layout of that many terms, for
+// the wgmma form) or CUDA cores.
 // `every_row`: the normalisers of rows 0 .. N against every column, formed once for launches that
 // repeat rows or take blocks of columns (the sum over s in parts, a peak bound); else this launch
 // forms its own.  With a block of columns, oa.N is the block's (b holds those residues) and oa.out
@@ -1133,8 +1133,8 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     // or the 16-bit operand type; for the float32 kernel's wgmma form, b and a in its K-major
     // layouts (AbKind: S rounded up to whole chunks).  Rows are blocked only when a and b for all
     // rows would pass the budget (in float32 elements); each further block recomputes LayerNorm
-    // and the projection of its rows (a few percent of the work).  Under a peak bound that b for
-    // all s leaves no room for, the sum over s runs in parts too (see below).
+    // and the projection of its rows (a few percent of the work).  A peak bound may also take
+    // blocks of columns and the sum over s in parts (the plans below).
     const TcForm tc_form = tc_ok && !operands16 ? requested_tc_form() : kTcFormAuto;
     FLASHOPM_CHECK(tc_form != kTcFormWgmma || wgmma_runs_on(dev),
                    "flashopm: FLASHOPM_TC_FORM=wgmma needs an sm_90 GPU and the extension built with sm_90a code");
@@ -1175,13 +1175,9 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     // Peak extra memory in float32: within 1.25x the output where b for all residues leaves room
     // for a in blocks of rows (the training crop: W's copy for the wgmma forms of phase 2 would
     // pass the bound there without blocks).  FLASHOPM_PEAK_BOUND (a factor of the output's size,
-    // the output included: 1.1, say) asks for a tighter bound: rows in blocks that still fill the
-    // GPU where b for all residues leaves room for them (at (1,512,1536,256,32,128) 14 blocks for
-    // 1.1, 1.09x the output, 8% slower in float32 and 24% in bfloat16 on the H200); else, for
-    // float32 outputs, the sum over s in parts of s_part values as well, each part's sums
-    // normalised and added to the output (the first with the bias).  Every part repeats the
-    // contraction with W (2·N²·H²·D FLOPs against the part's 2·N²·H²·s_part), so deep MSAs pay
-    // the most: the bound is a request, not the default.  Rows come in balanced blocks.
+    // the output included: 1.1, say) asks for a tighter bound, met by one of the plans below.
+    // Every part of s repeats the contraction with W (2·N²·H²·D FLOPs against the part's
+    // 2·N²·H²·s_part), so deep MSAs pay the most: the bound is a request, not the default.
     {
       const int64_t elem = operands16 ? 2 : 4;  // bytes per workspace element
       // W's copies: in the operand type (none for a module already in it) and blocked (16-bit

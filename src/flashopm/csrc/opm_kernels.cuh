@@ -418,7 +418,7 @@ __device__ __forceinline__ void store_round(const OuterArgs& p, const float* red
       else
         o[e] = normalise(v[e], bias[e], na, na, p.norm);
     }
-    if (p.accumulate) {  // a later chunk of s: float32 output
+    if (p.accumulate) {  // a later part of s: float32 output
       const float* prev = static_cast<const float*>(p.out) + row + d;
       if ((p.D & 3) == 0) {
         const float4 q = *reinterpret_cast<const float4*>(prev);
@@ -1447,7 +1447,7 @@ __global__ void __launch_bounds__(kOuterThreads, 1) opm_outer_fused_kernel(const
           const int d = dg + dgw * 64 + lane + 32 * e;
           if (d >= D) continue;
           float o = normalise(acc2[pp][e], p.bias ? p.bias[d] : 0.f, den, pair, p.norm);
-          if (p.accumulate) o += static_cast<const float*>(p.out)[dst + d];  // a later chunk of s
+          if (p.accumulate) o += static_cast<const float*>(p.out)[dst + d];  // a later part of s
           store_out(p.out, dst + d, o, p.out_kind);
         }
       }

@@ -259,7 +259,7 @@ struct OuterArgs {
   float o_scale;
   int o_exp;
   const float* bias;   // (D) or null
-  void* out;           // (B, out_rows, N, D) of out_kind; row i_offset + r of the problem is row out_row0 + r
+  void* out;           // (B, out_rows, out_N, D) of out_kind; row i_offset + r of the problem is row out_row0 + r
   int out_kind;
   // pair (B, norm_rows, N): sum_s m[s, i_offset + r] m[s, j] at row r (OpenFold/Boltz conventions),
   // else null; row_den (B, norm_rows): max(sum_s m[s, i_offset + r], 1) (the 16-bit kernel,
@@ -269,9 +269,9 @@ struct OuterArgs {
   const float* row_den;
   int norm_rows;
   Normalizer norm;
-  int B, S, N, Na, i_offset, H, D;  // S: the s of a and b (one chunk of s where the sum is split)
+  int B, S, N, Na, i_offset, H, D;  // S: the s of a and b (one part of s where the sum is split)
   int S_mask;  // the s of the mask, over which the normalisers are formed (S where s is not split)
-  // out += the normalised sum (no bias): a later chunk of s, the first having stored its own with
+  // out += the normalised sum (no bias): a later part of s, the first having stored its own with
   // the bias (float32 outputs only; every convention's output is linear in the sum)
   int accumulate;
   int out_rows, out_row0;
