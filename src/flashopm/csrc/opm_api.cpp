@@ -363,7 +363,7 @@ Plan cached_plan(const std::array<int64_t, 8>& key, Search search) {
   return plan;
 }
 
-enum PlanKind : int64_t { kPlanSmall = 0, kPlanSmallTc = 1 };
+enum PlanKind : int64_t { kPlanSmall = 0, kPlanSmallTc = 1, kPlanBands = 2 };
 
 // The small-problem path's float32 FMA form, under "highest" where W's chunk fits in shared memory:
 // exact float32 sums, and at these sizes faster than three TF32 mma.sync per product.
@@ -474,11 +474,18 @@ int projection_mma_terms(bool half_in, Precision prec) {
 // kernel (H200: 16384 rows took 63 us in opm_prep_kernel, 32768 rows 64 us in this one).  Else
 // opm_prep_kernel: four rows per warp amortise the weight reads; one row per warp when that leaves
 // too few blocks to fill the GPU.
-void run_prep(const PrepArgs& args_in, bool project_w, int dev, cudaStream_t stream) {
+// Whether the LayerNorm/projection of `rows` rows (s, n) runs on the row-tiled GEMM kernel.
+bool projects_on_rows_kernel(const PrepArgs& args, int64_t rows, int dev) {
+  return args.ab_kind != kAbF16Split && 2 * rows >= int64_t(kProjRows) * device_info(dev).sm_count;
+}
+
+// rows_kernel: the row-tiled GEMM kernel for any number of rows (a block of a problem whose whole
+// projection takes it: the same bits for a row whichever block it falls in).
+void run_prep(const PrepArgs& args_in, bool project_w, int dev, cudaStream_t stream, bool rows_kernel = false) {
   PrepArgs args = args_in;
   args.weights_late = !env_is("FLASHOPM_PREP_WEIGHTS_FIRST", "1");
   const int64_t rows = int64_t(args.B) * args.S * args.N;
-  if (!project_w && args.ab_kind != kAbF16Split && 2 * rows >= int64_t(kProjRows) * device_info(dev).sm_count &&
+  if (!project_w && (rows_kernel || projects_on_rows_kernel(args, rows, dev)) && args.ab_kind != kAbF16Split &&
       rows / kProjRows < int64_t(1) << 31) {
     check_smem(project_rows_smem_bytes(args), dev, "LayerNorm/projection");
     return launch_project_rows(args, stream);
@@ -730,6 +737,127 @@ void run_outer(OuterArgs oa, int64_t i_offset, int64_t rows, int64_t out_rows, i
     check_smem(outer_smem_bytes(), dev, "outer-product");
     launch_outer(oa, stream);
   }
+}
+
+// Bands: a plan for the outer-first path under a peak bound (one batch element).  The output's
+// rows are written band after band, in order; while a band runs, the rows after it hold nothing
+// yet, so a band's a and b may lie there (its "tail") instead of in the workspace the bound
+// leaves.  A band of R rows takes blocks of c columns (b holds c residues) and the sum over s in
+// parts of s_part where even the larger of its tail and the workspace cannot hold a and b for all
+// s.  The first bands have long tails and take a and b for every residue and all of s; the last
+// take blocks of columns or parts from the workspace.  With b_kept, b for every residue and all
+// of s stays in the workspace for every band (projected once) and only a moves.
+struct Band {
+  int64_t r0, rows, cols, s_part;
+  bool tail;  // a and b in the output's rows after the band, else in the workspace
+};
+struct BandPlan {
+  std::vector<Band> bands;
+  bool b_kept = false;
+  int64_t ws_bytes = 0;  // for a and b (b_kept: b first)
+  double cost = 0;       // estimated microseconds
+};
+
+// What the band search needs to know of a problem (B = 1).
+struct BandProblem {
+  int64_t N, S, C, H, D;
+  int64_t row_floats;     // s per chunk of the K-major layouts (1: none)
+  int64_t elem, x_elem;   // bytes per element of a/b and of x
+  int64_t out_row_bytes;  // bytes of one row i of the output (N·D elements)
+  int64_t ab_room;        // bytes the bound leaves for a and b in the workspace
+  int64_t ti, tj;         // a tile's rows and columns
+  int64_t sms;
+  double wave_step_us;    // one wave of tiles over one s (or one d of phase 2)
+  bool parts_ok, col_blocks_ok, tail_ok, whole_last_col_tile;
+
+  int64_t s_stored(int64_t s_len) const { return (s_len + row_floats - 1) / row_floats * row_floats; }
+  int64_t tail_bytes(int64_t r_end) const { return tail_ok ? std::max<int64_t>((N - r_end) * out_row_bytes - 256, 0) : 0; }
+};
+
+// Estimated microseconds of one band: per part, a's projection, b's (unless kept) and one launch
+// per block of columns.  The launches' cost is their waves of tiles times (s + D) steps (phase 1
+// runs over s, phase 2 over D with the same work per step), plus a fixed cost per launch; the
+// projections read x (bandwidth-bound).
+double band_cost(const BandProblem& q, int64_t rows, int64_t cols, int64_t s_part, bool b_kept) {
+  constexpr double kLaunchUs = 8.0, kProjLaunchUs = 4.0, kBytesPerUs = 2.5e6;
+  const int64_t parts = (q.S + s_part - 1) / s_part;
+  const double proj_row = double(q.C * q.x_elem + q.H * q.elem) / kBytesPerUs;  // per (s, residue)
+  double per_part = kProjLaunchUs + proj_row * double(rows * s_part);
+  if (!b_kept) per_part += kProjLaunchUs * double((q.N + cols - 1) / cols) + proj_row * double(q.N * s_part);
+  for (int64_t j = 0; j < q.N; j += cols) {
+    const int64_t nj = std::min(cols, q.N - j);
+    const int64_t tiles = ((rows + q.ti - 1) / q.ti) * ((nj + q.tj - 1) / q.tj);
+    const int64_t waves = (tiles + q.sms - 1) / q.sms;
+    per_part += kLaunchUs + double(waves) * double(q.s_stored(s_part) + q.D) * q.wave_step_us;
+  }
+  return per_part * double(parts);
+}
+
+// The cheapest bands by the estimate (dynamic programming over where each band ends, in whole row
+// tiles), or no bands where none fits.  b_kept: b for every residue kept in the workspace.
+BandPlan search_bands(const BandProblem& q, bool b_kept) {
+  BandPlan none;
+  const int64_t N = q.N;
+  const int64_t b_kept_bytes = b_kept ? q.s_stored(q.S) * N * q.H * q.elem : 0;
+  if (b_kept && b_kept_bytes > q.ab_room) return none;
+  const int64_t ws_room = q.ab_room - b_kept_bytes;
+  // Band ends in steps of whole row tiles, at most ~64 of them (the search is cached per shape).
+  const int64_t step = q.ti * std::max<int64_t>(1, (N + q.ti * 64 - 1) / (q.ti * 64));
+  std::vector<int64_t> ends;
+  for (int64_t r = step; r < N; r += step) ends.push_back(r);
+  ends.push_back(N);
+  const int n_ends = int(ends.size());
+  // cost[e]: the cheapest bands for rows ends[e] .. N; index n_ends stands for row 0, the start
+  constexpr double kNone = 1e300;
+  std::vector<double> cost(n_ends + 1, kNone);
+  std::vector<Band> choice(n_ends + 1);
+  std::vector<int> next(n_ends + 1, -1);
+  cost[n_ends - 1] = 0;  // from row N on: nothing left
+  for (int from = n_ends - 2; from >= -1; --from) {
+    const int e = from < 0 ? n_ends : from;
+    const int64_t r0 = from < 0 ? 0 : ends[from];
+    for (int f = from + 1; f < n_ends; ++f) {
+      if (cost[f] >= kNone) continue;
+      const int64_t rows = ends[f] - r0;
+      const int64_t tail = q.tail_bytes(ends[f]);
+      const bool in_tail = tail >= ws_room;
+      const int64_t avail = std::max(tail, ws_room);
+      for (int64_t k = 1; k <= 16; ++k) {
+        if (k > 1 && (b_kept || !q.col_blocks_ok)) break;
+        const int64_t cols = std::min(N, ((N + k - 1) / k + q.tj - 1) / q.tj * q.tj);
+        if (k > 1 && cols == N) continue;
+        if (k > 1 && q.whole_last_col_tile && N - (N + cols - 1) / cols * cols + cols < q.tj) continue;
+        const int64_t per_s = ((b_kept ? 0 : cols) + rows) * q.H * q.elem;  // bytes per stored s
+        const int64_t fit = avail / per_s;
+        int64_t s_part = q.S;
+        if (fit < q.s_stored(q.S)) {
+          if (!q.parts_ok || b_kept || fit < q.row_floats) continue;
+          const int64_t sp = fit / q.row_floats * q.row_floats;
+          const int64_t parts = (q.S + sp - 1) / sp;
+          s_part = std::min(q.s_stored((q.S + parts - 1) / parts), q.S);  // parts of equal length
+        }
+        const double c = band_cost(q, rows, cols, s_part, b_kept) + cost[f];
+        if (c < cost[e]) {
+          cost[e] = c;
+          choice[e] = Band{r0, rows, cols, s_part, in_tail};
+          next[e] = f;
+        }
+      }
+    }
+  }
+  if (cost[n_ends] >= kNone) return none;
+  BandPlan plan;
+  plan.b_kept = b_kept;
+  plan.cost = cost[n_ends];
+  int64_t ws_bytes = 0;
+  for (int e = n_ends; e != n_ends - 1; e = next[e]) {
+    const Band& bd = choice[e];
+    plan.bands.push_back(bd);
+    if (!bd.tail) ws_bytes = std::max(ws_bytes, ((b_kept ? 0 : bd.cols) + bd.rows) * q.s_stored(bd.s_part) * q.H * q.elem);
+  }
+  if (b_kept) plan.cost += 4.0 + double(q.N * q.S * (q.C * q.x_elem + q.H * q.elem)) / 2.5e6;
+  plan.ws_bytes = b_kept_bytes + ws_bytes;
+  return plan;
 }
 
 // A contiguous tensor of `sizes` and `dtype` on the current CUDA device whose storage runs on past
@@ -1172,6 +1300,7 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
       return r;
     };
     if (rows < N) rows = balanced_rows(std::min<int64_t>(std::max(rows / ti_full * ti_full, std::max(fill, ti_full)), N));
+    BandPlan band_plan;  // under a peak bound with one batch element, where it beats the plans below
     // Peak extra memory in float32: within 1.25x the output where b for all residues leaves room
     // for a in blocks of rows (the training crop: W's copy for the wgmma forms of phase 2 would
     // pass the bound there without blocks).  FLASHOPM_PEAK_BOUND (a factor of the output's size,
@@ -1270,6 +1399,50 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
           b_elems = B * s_stored(s_part) * cols * H;
           per_row = B * s_stored(s_part) * H;
         }
+        // Bands (one batch element: the rows after a band are one piece of memory): a and b in the
+        // output's rows not written yet where those hold more than the workspace.  Taken where no
+        // plan above fits or where the estimate says the bands are faster.  FLASHOPM_PEAK_TAIL=0
+        // leaves them out.
+        if (B == 1 && !env_is("FLASHOPM_PEAK_TAIL", "0")) {
+          BandProblem q{};
+          q.N = N;
+          q.S = S;
+          q.C = C;
+          q.H = H;
+          q.D = D;
+          q.row_floats = row_floats;
+          q.elem = elem;
+          q.x_elem = msa.element_size();
+          q.out_row_bytes = N * D * int64_t(out.element_size());
+          q.ab_room = room - fixed - norm_bytes;
+          q.ti = ti_full;
+          q.tj = col_pairs;
+          q.sms = device_info(dev).sm_count;
+          q.wave_step_us = !tc_ok ? 0.3 : operands16 || tc_terms == 1 ? 0.035 : half_split ? 0.064 : 0.1;
+          q.parts_ok = out.scalar_type() == at::kFloat;
+          q.col_blocks_ok = col_blocks_ok;
+          q.tail_ok = true;
+          q.whole_last_col_tile = half_split;
+          const std::array<int64_t, 8> key = {
+              kPlanBands, N, S, C | (H << 20) | (D << 40),
+              row_floats | (elem << 8) | (q.x_elem << 16) | (ti_full << 24) | (col_pairs << 40), q.out_row_bytes,
+              q.ab_room,
+              q.sms | (int64_t(q.wave_step_us * 1e4) << 16) |
+                  (int64_t(q.parts_ok) | int64_t(q.col_blocks_ok) << 1 | int64_t(q.whole_last_col_tile) << 2) << 48};
+          const BandPlan bands = cached_plan<BandPlan>(key, [&] {
+            BandPlan kept = search_bands(q, true), moved = search_bands(q, false);
+            if (kept.bands.empty() || (!moved.bands.empty() && moved.cost < kept.cost)) return moved;
+            return kept;
+          });
+          // the plan above by the same estimate (b for every residue projected once per part)
+          double above = 0;
+          if (best.parts > 0) {
+            for (int64_t r0 = 0; r0 < N; r0 += rows)
+              above += band_cost(q, std::min(rows, N - r0), cols, s_part, cols == N);
+            if (cols == N) above += double(best.parts) * (4.0 + double(N * S * (C * q.x_elem + H * elem)) / 2.5e6);
+          }
+          if (!bands.bands.empty() && (!best_fits || bands.cost < above)) band_plan = bands;
+        }
       } else if (!operands16) {
         const int64_t loose = rows_within(out_bytes / 4);
         if (loose > 0) rows = std::min(rows, loose);
@@ -1278,7 +1451,15 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     const at::ScalarType ws_type = operand_kind == kMaskBFloat16 ? at::kBFloat16
                                    : operand_kind == kMaskHalf   ? at::kHalf
                                                                  : at::kFloat;
-    const at::Tensor ws = at::empty({b_elems + per_row * rows}, msa_in.options().dtype(ws_type));
+    const bool banded = !band_plan.bands.empty();
+    if (banded) {
+      rows = 0;  // the largest band, for the float16 split form's exponents
+      for (const Band& bd : band_plan.bands) rows = std::max(rows, bd.rows);
+    }
+    const int64_t ws_elems = banded ? (band_plan.ws_bytes + int64_t(c10::elementSize(ws_type)) - 1) /
+                                          int64_t(c10::elementSize(ws_type))
+                                    : b_elems + per_row * rows;
+    const at::Tensor ws = at::empty({ws_elems}, msa_in.options().dtype(ws_type));
     char* b_buf = static_cast<char*>(ws.data_ptr());
     char* a_buf = b_buf + b_elems * int64_t(ws.element_size());
     pa.ab_kind = ab_kind;
@@ -1313,11 +1494,115 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     }
     // With parts of s or blocks of columns, the normalisers of every row once (1/D of the output
     // at most)
-    const Normalisers every_row =
-        s_part < S || cols < N ? normalisers(oa, operand_kind, 0, N, f32, stream) : Normalisers{};
+    const Normalisers every_row = banded || s_part < S || cols < N ? normalisers(oa, operand_kind, 0, N, f32, stream)
+                                                                   : Normalisers{};
     const char* x_base = static_cast<const char*>(msa.data_ptr());
     const char* mask_base = static_cast<const char*>(mask_view.ptr);
     char* const out_base = static_cast<char*>(out.data_ptr());
+    // The whole problem's projection kernel for every band, block and part (one kernel for all
+    // rows, so that the bits do not depend on the plan).
+    const bool rows_kernel = projects_on_rows_kernel(pa, B * S * N, dev);
+    if (banded) {
+      const int64_t out_row_bytes = N * D * int64_t(out.element_size());
+      const int64_t ws_elem = int64_t(ws.element_size());
+      auto chunks_of = [&](int64_t sl) { return (sl + row_floats - 1) / row_floats; };
+      // the K-major layouts' last chunk past a part's end: zeros there (the projections do not
+      // write them)
+      auto clear_tail_chunk = [&](char* buf, int64_t rows_h, int64_t sl) {
+        if (!kmajor || sl % row_floats == 0) return;
+        const size_t chunk_bytes = size_t(rows_h) * row_floats * sizeof(float);
+        FLASHOPM_CHECK(cudaMemsetAsync(buf + (chunks_of(sl) - 1) * chunk_bytes, 0, chunk_bytes, stream) == cudaSuccess,
+                       "flashopm: clearing the workspace failed");
+      };
+      // a (na rows) or b (nb residues) strides for a part of sl values of s
+      auto set_band_strides = [&](int64_t na, int64_t nb, int64_t sl) {
+        if (kmajor) {
+          pa.a_sc = na * H * row_floats;
+          pa.a_sb = chunks_of(sl) * pa.a_sc;
+          pa.a_ss = 1;
+          pa.a_sn = H * row_floats;
+          pa.b_sc = nb * H * row_floats;
+          pa.b_sb = chunks_of(sl) * pa.b_sc;
+          pa.b_ss = 1;
+          pa.b_sn = H * row_floats;
+        } else {
+          pa.a_sb = sl * na * H;
+          pa.a_ss = na * H;
+          pa.a_sn = H;
+          pa.b_sb = sl * nb * H;
+          pa.b_ss = nb * H;
+          pa.b_sn = H;
+        }
+      };
+      // x and the mask from s0 on, sl values of s
+      auto set_part = [&](int64_t s0, int64_t sl) {
+        pa.x = x_base + s0 * msa.stride(1) * int64_t(msa.element_size());
+        pa.mask.ptr = mask_base + s0 * mask_view.ss * int64_t(mask.element_size());
+        pa.S = int(sl);
+      };
+      // b for residues n0 .. n0 + nb over one part into buf
+      auto project_b = [&](char* buf, int64_t n0, int64_t nb, int64_t sl) {
+        pa.n_offset = int(n0);
+        pa.N = int(nb);
+        pa.a_rows = 0;
+        pa.a_out = buf;
+        pa.b_out = buf;
+        set_band_strides(0, nb, sl);
+        clear_tail_chunk(buf, nb * H, sl);
+        run_prep(pa, false, dev, stream, rows_kernel);
+        if (half_split) launch_split_rows_f16(reinterpret_cast<float*>(buf), b_exp, B, nb, int(H), chunks_of(sl), stream);
+      };
+      char* const ws_base = static_cast<char*>(ws.data_ptr());
+      char* b_kept = nullptr;
+      if (band_plan.b_kept) {
+        b_kept = ws_base;
+        set_part(0, S);
+        project_b(b_kept, 0, N, S);
+      }
+      const int64_t b_kept_bytes = band_plan.b_kept ? s_stored(S) * N * H * ws_elem : 0;
+      for (const Band& bd : band_plan.bands) {
+        // the band's a and b: in the rows after it (256-byte aligned), or in the workspace
+        const int64_t r_end = bd.r0 + bd.rows;
+        char* const base = bd.tail ? out_base + ((r_end * out_row_bytes + 255) / 256 * 256) : ws_base + b_kept_bytes;
+        const int64_t sp = bd.s_part;
+        const int64_t b_bytes = band_plan.b_kept ? 0 : s_stored(sp) * bd.cols * H * ws_elem;
+        char* const b_buf = band_plan.b_kept ? b_kept : base;
+        char* const a_buf = base + b_bytes;
+        if (half_split) set_split_scales(oa, a_exp, b_exp, a_exp + B * rows, sp);
+        for (int64_t s0 = 0; s0 < S; s0 += sp) {
+          const int64_t sl = std::min<int64_t>(sp, S - s0);
+          set_part(s0, sl);
+          oa.S = int(sl);
+          oa.bias = s0 == 0 ? opt_ptr(b_out) : nullptr;
+          oa.accumulate = s0 > 0;
+          // a for the band's rows, once per part for every block of columns
+          pa.n_offset = int(bd.r0);
+          pa.N = int(bd.rows);
+          pa.a_rows = int(bd.rows);
+          pa.a_out = a_buf;
+          pa.b_out = nullptr;
+          set_band_strides(bd.rows, 0, sl);
+          clear_tail_chunk(a_buf, bd.rows * H, sl);
+          run_prep(pa, false, dev, stream, rows_kernel);
+          if (half_split)
+            launch_split_rows_f16(reinterpret_cast<float*>(a_buf), a_exp, B, bd.rows, int(H), chunks_of(sl), stream);
+          for (int64_t j_off = 0; j_off < N; j_off += bd.cols) {
+            const int64_t nj = std::min<int64_t>(bd.cols, N - j_off);
+            if (!band_plan.b_kept) {
+              set_part(s0, sl);
+              project_b(b_buf, j_off, nj, sl);
+            }
+            oa.a = a_buf;
+            oa.b = b_buf;
+            oa.N = int(band_plan.b_kept ? N : nj);
+            oa.out = out_base + j_off * D * int64_t(out.element_size());
+            run_outer(oa, bd.r0, bd.rows, N, bd.r0, tc_ok, tc_terms, kmajor, half_split, operand_kind, f32, dev,
+                      stream, &every_row, j_off);
+          }
+        }
+      }
+      return out;
+    }
     for (int64_t s0 = 0; s0 < S; s0 += s_part) {
       const int64_t sl = std::min<int64_t>(s_part, S - s0);
       const int64_t n_chunks = (sl + row_floats - 1) / row_floats;
@@ -1372,7 +1657,7 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
           pa.b_out = b_buf;
           set_strides(0, nj);
           clear_last_chunk(b_buf, nj * H);
-          run_prep(pa, false, dev, stream);
+          run_prep(pa, false, dev, stream, rows_kernel);
           if (half_split) launch_split_rows_f16(reinterpret_cast<float*>(b_buf), b_exp, B, nj, int(H), n_chunks, stream);
         }
         oa.N = int(nj);
@@ -1388,7 +1673,7 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
           set_strides(ni, nj);
           clear_last_chunk(a_buf, ni * H);
           if (with_b) clear_last_chunk(b_buf, N * H);
-          run_prep(pa, false, dev, stream);
+          run_prep(pa, false, dev, stream, rows_kernel);
           if (half_split) {
             if (with_b) launch_split_rows_f16(reinterpret_cast<float*>(b_buf), b_exp, B, N, int(H), n_chunks, stream);
             launch_split_rows_f16(reinterpret_cast<float*>(a_buf), a_exp, B, ni, int(H), n_chunks, stream);
