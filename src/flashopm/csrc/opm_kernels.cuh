@@ -898,16 +898,27 @@ __global__ void __launch_bounds__(kProjThreads, kMmaTerms == 1 && CT <= 4 ? 3 : 
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int H = p.H, H2 = 2 * H, C = p.C;
-  const int64_t rows = int64_t(p.B) * p.S * p.N;
+  const int64_t rows = project_rows_count(p);
   const int64_t row0 = int64_t(blockIdx.x) * TR;
 
   if (tid < TR) {
     const int64_t row = row0 + tid;
     int64_t xo = -1, ao = -1, bo = -1;
     float mv = 0.f;
-    if (row < rows) {
+    int b = 0, s = p.S, n = 0;
+    if (row < rows && p.s_chunk > 1) {
+      const int sc = p.s_chunk, chunks = (p.S + sc - 1) / sc;
+      const int64_t per_chunk = int64_t(p.N) * sc;
+      const int64_t bc = row / per_chunk;  // b·chunks + chunk
+      const int64_t rem = row - bc * per_chunk;
+      b = int(bc / chunks);
+      n = int(rem / sc);
+      s = int(bc - int64_t(b) * chunks) * sc + int(rem - int64_t(n) * sc);  // S or more: past the end
+    } else if (row < rows) {
       const int64_t bs = row / p.N;
-      const int n = int(row - bs * p.N), s = int(bs % p.S), b = int(bs / p.S);
+      n = int(row - bs * p.N), s = int(bs % p.S), b = int(bs / p.S);
+    }
+    if (s < p.S) {
       xo = int64_t(b) * p.x_sb + int64_t(s) * p.x_ss + int64_t(n + p.n_offset) * p.x_sn;
       mv = mask_at(p.mask, b, s, n + p.n_offset);
       if (n < p.a_rows) ao = ab_row_offset(p.a_sb, p.a_sc, p.a_ss, p.a_sn, p.s_chunk, b, s, n);

@@ -363,7 +363,7 @@ int project_rows_smem_bytes(const PrepArgs& args) {
 namespace {
 template <int CT, typename XT, bool kVec, int kMmaTerms>
 void launch_project_rows_t(const PrepArgs& args, cudaStream_t stream) {
-  const int64_t rows = int64_t(args.B) * args.S * args.N;
+  const int64_t rows = project_rows_count(args);
   constexpr auto kernel = opm_project_rows_kernel<CT, XT, kVec, kMmaTerms>;
   launch_kernel<kernel, SmemSetup::kOptInMaxCarveout>(unsigned((rows + kProjRows - 1) / kProjRows), kProjThreads,
                                                       project_rows_smem_bytes(args), stream, args);
@@ -437,10 +437,12 @@ void launch_outer_tc(const OuterArgs& args, int terms, bool wgmma, bool wgmma2, 
 
 void launch_split_rows_f16(float* buf, int* exp_out, int64_t B, int64_t rows_n, int H, int64_t n_chunks,
                            cudaStream_t stream) {
-  const int64_t warps = B * rows_n;
-  if (warps == 0) return;
-  launch_kernel<opm_split_rows_f16_kernel>(unsigned((warps + 7) / 8), 256, 0, stream, buf, exp_out, int(B), int(rows_n),
-                                           H, int(n_chunks));
+  const int64_t blocks = B * rows_n;
+  if (blocks == 0) return;
+  // a warp per chunk, up to 8 (the chunks of a residue share a block)
+  const int warps = int(std::min<int64_t>(std::max<int64_t>(n_chunks, 1), 8));
+  launch_kernel<opm_split_rows_f16_kernel>(unsigned(blocks), unsigned(32 * warps), 0, stream, buf, exp_out, int(B),
+                                           int(rows_n), H, int(n_chunks));
 }
 
 void launch_split_w_f16(const float* w, uint32_t* w_split, int* w_exp, int64_t D, int H, cudaStream_t stream) {

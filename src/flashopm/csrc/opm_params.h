@@ -166,6 +166,15 @@ struct PrepArgs {
   int after_previous;
 };
 
+// opm_project_rows_kernel's rows: (b, s, n), n fastest; for the K-major kinds (s_chunk > 1)
+// (b, chunk of s, n, s within the chunk), s fastest, so that a warp's stores of one (n, h) are whole
+// 32-byte pieces along s rather than one float each, the last chunk's rows past S counted and left
+// out.
+FLASHOPM_HD inline int64_t project_rows_count(const PrepArgs& p) {
+  if (p.s_chunk > 1) return int64_t(p.B) * ((p.S + p.s_chunk - 1) / p.s_chunk) * p.s_chunk * p.N;
+  return int64_t(p.B) * p.S * p.N;
+}
+
 constexpr int kPrepWarps = 8;
 constexpr int kPrepThreads = kPrepWarps * 32;
 constexpr int kPrepKC = 32;            // features of C staged per step

@@ -670,21 +670,23 @@ __global__ void opm_round_tf32_kernel(float* __restrict__ w, int64_t n) {
 // a or b in the kAbF32Rows32 layout (per batch, chunks of 32 s; per chunk, rows (n, h) of 32
 // floats), rewritten in place for the float16 split form: each residue n's values scaled by 2^e
 // (split_scale_exp of their largest magnitude over s and h, written to exp_out[b·rows_n + n]),
-// each row of 32 floats becoming 32 float16 high parts and then the 32 low parts.  One warp per
-// residue: a pass for the largest magnitude, then a pass over each chunk that reads all of the
-// chunk's rows it takes (four rows per step, 8 lanes per row) before it writes any: the loads of a
-// chunk are in flight together, and a row is read whole before its lanes overwrite it.
+// each row of 32 floats becoming 32 float16 high parts and then the 32 low parts.  One block per
+// residue, its warps taking every (blockDim / 32)-th chunk: a pass for the largest magnitude
+// (reduced over the block), then a pass over each chunk that reads all of the chunk's rows it takes
+// (four rows per step, 8 lanes per row) before it writes any: the loads of a chunk are in flight
+// together, and a row is read whole before its lanes overwrite it.  (One warp per residue left
+// most SMs idle for deep MSAs: 32 chunks each, a few hundred residues.)
 __global__ void opm_split_rows_f16_kernel(float* __restrict__ buf, int* __restrict__ exp_out, int B, int rows_n,
                                           int H, int n_chunks) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int64_t row = int64_t(blockIdx.x) * (blockDim.x >> 5) + warp;  // b·rows_n + n
-  if (row >= int64_t(B) * rows_n) return;
+  __shared__ float red[32];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+  const int64_t row = blockIdx.x;  // b·rows_n + n
   const int64_t bi = row / rows_n, n = row - bi * rows_n;
   const int64_t chunk = int64_t(rows_n) * H * 32;  // floats per chunk
   float* base = buf + bi * n_chunks * chunk + n * H * 32;
   float m = 0.f;
-  for (int c = 0; c < n_chunks; ++c) {
+  for (int c = warp; c < n_chunks; c += warps) {
     const float4* src = reinterpret_cast<const float4*>(base + c * chunk);
 #pragma unroll 8
     for (int q = lane; q < H * 8; q += 32) {
@@ -694,12 +696,16 @@ __global__ void opm_split_rows_f16_kernel(float* __restrict__ buf, int* __restri
   }
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+  if (lane == 0) red[warp] = m;
+  __syncthreads();  // every warp's maximum; the reads of the first pass are done before any write
+  m = 0.f;
+  for (int w = 0; w < warps; ++w) m = fmaxf(m, red[w]);
   const int e = split_scale_exp(m);
-  if (lane == 0) exp_out[row] = e;
+  if (threadIdx.x == 0) exp_out[row] = e;
   const float f = exp2_int(e);
   const int q = lane & 7;
   constexpr int kSteps = 8;  // 4·kSteps rows per batch: all of a chunk for H <= 32
-  for (int c = 0; c < n_chunks; ++c) {
+  for (int c = warp; c < n_chunks; c += warps) {
     float* ch = base + c * chunk;
     for (int hb = 0; hb < H; hb += 4 * kSteps) {
       float4 v[kSteps];
