@@ -777,12 +777,16 @@ struct BandProblem {
 // Estimated microseconds of one band: per part, a's projection, b's (unless kept) and one launch
 // per block of columns.  The launches' cost is their waves of tiles times (s + D) steps (phase 1
 // runs over s, phase 2 over D with the same work per step), plus a fixed cost per launch; the
-// projections read x (bandwidth-bound).
-double band_cost(const BandProblem& q, int64_t rows, int64_t cols, int64_t s_part, bool b_kept) {
-  constexpr double kLaunchUs = 8.0, kProjLaunchUs = 4.0, kBytesPerUs = 2.5e6;
+// projections read x (bandwidth-bound) after a fixed cost per launch (H200: 25-50 us for a launch
+// of a few thousand rows, whose blocks each take about that long).
+double band_cost(const BandProblem& q, int64_t r0, int64_t rows, int64_t cols, int64_t s_part, bool b_kept) {
+  constexpr double kLaunchUs = 8.0, kProjLaunchUs = 20.0, kBytesPerUs = 2.5e6;
   const int64_t parts = (q.S + s_part - 1) / s_part;
   const double proj_row = double(q.C * q.x_elem + q.H * q.elem) / kBytesPerUs;  // per (s, residue)
-  double per_part = kProjLaunchUs + proj_row * double(rows * s_part);
+  // a comes with b's projection (the first band's with b kept, or the block of columns that holds
+  // the band's rows)
+  const bool a_with_b = b_kept ? r0 == 0 : r0 / cols == (r0 + rows - 1) / cols;
+  double per_part = a_with_b ? 0.0 : kProjLaunchUs + proj_row * double(rows * s_part);
   if (!b_kept) per_part += kProjLaunchUs * double((q.N + cols - 1) / cols) + proj_row * double(q.N * s_part);
   for (int64_t j = 0; j < q.N; j += cols) {
     const int64_t nj = std::min(cols, q.N - j);
@@ -836,7 +840,7 @@ BandPlan search_bands(const BandProblem& q, bool b_kept) {
           const int64_t parts = (q.S + sp - 1) / sp;
           s_part = std::min(q.s_stored((q.S + parts - 1) / parts), q.S);  // parts of equal length
         }
-        const double c = band_cost(q, rows, cols, s_part, b_kept) + cost[f];
+        const double c = band_cost(q, r0, rows, cols, s_part, b_kept) + cost[f];
         if (c < cost[e]) {
           cost[e] = c;
           choice[e] = Band{r0, rows, cols, s_part, in_tail};
@@ -1438,7 +1442,7 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
           double above = 0;
           if (best.parts > 0) {
             for (int64_t r0 = 0; r0 < N; r0 += rows)
-              above += band_cost(q, std::min(rows, N - r0), cols, s_part, cols == N);
+              above += band_cost(q, 1, std::min(rows, N - r0), cols, s_part, cols == N);
             if (cols == N) above += double(best.parts) * (4.0 + double(N * S * (C * q.x_elem + H * elem)) / 2.5e6);
           }
           if (!bands.bands.empty() && (!best_fits || bands.cost < above)) band_plan = bands;
@@ -1540,57 +1544,79 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
         pa.mask.ptr = mask_base + s0 * mask_view.ss * int64_t(mask.element_size());
         pa.S = int(sl);
       };
-      // b for residues n0 .. n0 + nb over one part into buf
-      auto project_b = [&](char* buf, int64_t n0, int64_t nb, int64_t sl) {
+      // b for residues n0 .. n0 + nb over one part into b_buf, and a for rows r0 .. r0 + na of
+      // them (none where na = 0) into a_buf: one launch reads x once for both
+      auto project = [&](char* b_buf, int64_t n0, int64_t nb, char* a_buf, int64_t r0, int64_t na, int64_t sl) {
         pa.n_offset = int(n0);
         pa.N = int(nb);
-        pa.a_rows = 0;
-        pa.a_out = buf;
-        pa.b_out = buf;
-        set_band_strides(0, nb, sl);
-        clear_tail_chunk(buf, nb * H, sl);
+        pa.a_first = int(r0 - n0);
+        pa.a_rows = int(na);
+        pa.a_out = na > 0 ? a_buf : b_buf;
+        pa.b_out = b_buf;
+        set_band_strides(na, nb, sl);
+        clear_tail_chunk(b_buf, nb * H, sl);
+        if (na > 0) clear_tail_chunk(a_buf, na * H, sl);
         run_prep(pa, false, dev, stream, rows_kernel);
-        if (half_split) launch_split_rows_f16(reinterpret_cast<float*>(buf), b_exp, B, nb, int(H), chunks_of(sl), stream);
+        if (half_split) {
+          launch_split_rows_f16(reinterpret_cast<float*>(b_buf), b_exp, B, nb, int(H), chunks_of(sl), stream);
+          if (na > 0)
+            launch_split_rows_f16(reinterpret_cast<float*>(a_buf), a_exp, B, na, int(H), chunks_of(sl), stream);
+        }
       };
+      // a alone, for rows r0 .. r0 + na
+      auto project_a = [&](char* a_buf, int64_t r0, int64_t na, int64_t sl) {
+        pa.n_offset = int(r0);
+        pa.N = int(na);
+        pa.a_first = 0;
+        pa.a_rows = int(na);
+        pa.a_out = a_buf;
+        pa.b_out = nullptr;
+        set_band_strides(na, 0, sl);
+        clear_tail_chunk(a_buf, na * H, sl);
+        run_prep(pa, false, dev, stream, rows_kernel);
+        if (half_split)
+          launch_split_rows_f16(reinterpret_cast<float*>(a_buf), a_exp, B, na, int(H), chunks_of(sl), stream);
+      };
+      // a band's a and b: in the rows after it (256-byte aligned), or in the workspace (after b
+      // where b is kept)
       char* const ws_base = static_cast<char*>(ws.data_ptr());
-      char* b_kept = nullptr;
-      if (band_plan.b_kept) {
-        b_kept = ws_base;
-        set_part(0, S);
-        project_b(b_kept, 0, N, S);
-      }
       const int64_t b_kept_bytes = band_plan.b_kept ? s_stored(S) * N * H * ws_elem : 0;
-      for (const Band& bd : band_plan.bands) {
-        // the band's a and b: in the rows after it (256-byte aligned), or in the workspace
+      auto band_base = [&](const Band& bd) {
         const int64_t r_end = bd.r0 + bd.rows;
-        char* const base = bd.tail ? out_base + ((r_end * out_row_bytes + 255) / 256 * 256) : ws_base + b_kept_bytes;
+        return bd.tail ? out_base + ((r_end * out_row_bytes + 255) / 256 * 256) : ws_base + b_kept_bytes;
+      };
+      if (band_plan.b_kept) {  // b once for every band, with the first band's a
+        const Band& first = band_plan.bands.front();
+        set_part(0, S);
+        project(ws_base, 0, N, band_base(first), first.r0, first.rows, S);
+      }
+      for (const Band& bd : band_plan.bands) {
+        char* const base = band_base(bd);
         const int64_t sp = bd.s_part;
         const int64_t b_bytes = band_plan.b_kept ? 0 : s_stored(sp) * bd.cols * H * ws_elem;
-        char* const b_buf = band_plan.b_kept ? b_kept : base;
+        char* const b_buf = band_plan.b_kept ? ws_base : base;
         char* const a_buf = base + b_bytes;
         if (half_split) set_split_scales(oa, a_exp, b_exp, a_exp + B * rows, sp);
+        // the block of columns that holds the band's rows first, a projected with its b
+        const int64_t n_blocks = (N + bd.cols - 1) / bd.cols;
+        const int64_t a_block = bd.r0 / bd.cols == (bd.r0 + bd.rows - 1) / bd.cols ? bd.r0 / bd.cols : -1;
         for (int64_t s0 = 0; s0 < S; s0 += sp) {
           const int64_t sl = std::min<int64_t>(sp, S - s0);
           set_part(s0, sl);
           oa.S = int(sl);
           oa.bias = s0 == 0 ? opt_ptr(b_out) : nullptr;
           oa.accumulate = s0 > 0;
-          // a for the band's rows, once per part for every block of columns
-          pa.n_offset = int(bd.r0);
-          pa.N = int(bd.rows);
-          pa.a_rows = int(bd.rows);
-          pa.a_out = a_buf;
-          pa.b_out = nullptr;
-          set_band_strides(bd.rows, 0, sl);
-          clear_tail_chunk(a_buf, bd.rows * H, sl);
-          run_prep(pa, false, dev, stream, rows_kernel);
-          if (half_split)
-            launch_split_rows_f16(reinterpret_cast<float*>(a_buf), a_exp, B, bd.rows, int(H), chunks_of(sl), stream);
-          for (int64_t j_off = 0; j_off < N; j_off += bd.cols) {
-            const int64_t nj = std::min<int64_t>(bd.cols, N - j_off);
+          if (band_plan.b_kept) {
+            if (bd.r0 > 0) project_a(a_buf, bd.r0, bd.rows, sl);
+          } else if (a_block < 0) {
+            project_a(a_buf, bd.r0, bd.rows, sl);
+          }
+          for (int64_t t = 0; t < n_blocks; ++t) {
+            const int64_t blk = a_block < 0 ? t : (a_block + t) % n_blocks;
+            const int64_t j_off = blk * bd.cols, nj = std::min<int64_t>(bd.cols, N - j_off);
             if (!band_plan.b_kept) {
-              set_part(s0, sl);
-              project_b(b_buf, j_off, nj, sl);
+              if (blk == a_block) project(b_buf, j_off, nj, a_buf, bd.r0, bd.rows, sl);
+              else project(b_buf, j_off, nj, nullptr, 0, 0, sl);
             }
             oa.a = a_buf;
             oa.b = b_buf;

@@ -796,10 +796,10 @@ __global__ void __launch_bounds__(kPrepThreads, RW == 1 && Q <= 2 && !kProjectW 
     for (int q = 0; q < Q; ++q) {
       const int o = lane + 32 * q;
       if (o < H) {
-        if (valid && ochunk == 0 && n < p.a_rows) {
+        if (valid && ochunk == 0 && unsigned(n - p.a_first) < unsigned(p.a_rows)) {
           const float v = (acc[r][q] + bias_v[q]) * mv;
-          store_ab(p.a_out, ab_row_offset(p.a_sb, p.a_sc, p.a_ss, p.a_sn, p.s_chunk, b, s, n), o, v, p.ab_kind,
-                   p.a_hs);
+          store_ab(p.a_out, ab_row_offset(p.a_sb, p.a_sc, p.a_ss, p.a_sn, p.s_chunk, b, s, n - p.a_first), o, v,
+                   p.ab_kind, p.a_hs);
         }
       } else if (o < H2) {
         const int h = o - H;
@@ -921,7 +921,8 @@ __global__ void __launch_bounds__(kProjThreads, kMmaTerms == 1 && CT <= 4 ? 3 : 
     if (s < p.S) {
       xo = int64_t(b) * p.x_sb + int64_t(s) * p.x_ss + int64_t(n + p.n_offset) * p.x_sn;
       mv = mask_at(p.mask, b, s, n + p.n_offset);
-      if (n < p.a_rows) ao = ab_row_offset(p.a_sb, p.a_sc, p.a_ss, p.a_sn, p.s_chunk, b, s, n);
+      if (unsigned(n - p.a_first) < unsigned(p.a_rows))
+        ao = ab_row_offset(p.a_sb, p.a_sc, p.a_ss, p.a_sn, p.s_chunk, b, s, n - p.a_first);
       if (p.b_out) bo = ab_row_offset(p.b_sb, p.b_sc, p.b_ss, p.b_sn, p.s_chunk, b, s, n);
     }
     xoff_s[tid] = xo;

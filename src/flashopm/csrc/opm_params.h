@@ -133,7 +133,8 @@ struct PrepArgs {
   int64_t x_sb, x_ss, x_sn;
   MaskView mask;     // (B, S, N)
   int n_offset;      // rows n of this launch are positions n_offset + n of x and mask
-  int a_rows;        // a is written for rows n < a_rows only
+  int a_rows;        // a is written for rows a_first <= n < a_first + a_rows only, as a's row n - a_first
+  int a_first;
   const float* ln_w;
   const float* ln_b;
   float ln_eps;
