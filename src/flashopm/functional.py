@@ -128,11 +128,13 @@ def peak_memory_bound(factor: float | None) -> Iterator[None]:
 
     Without a bound the forward holds its output plus the projections a (B, S, rows, H) and
     b (B, S, N, H): 1.1-1.25x the output where S·H is small next to N·D, several times it for deep
-    MSAs. A bound takes the output in blocks of rows, or of rows and columns (b for a block of
-    residues), and, for float32 outputs, the sum over s in parts where even that passes it, each
-    part normalised and added to the output. Every part repeats the contraction with W_out
-    (2·B·N²·H²·D FLOPs), so a tight bound at deep MSAs costs several times the unbounded time
-    (README, "Latest"). 16-bit outputs are bounded by the blocks alone.
+    MSAs. A bound takes the output in bands of rows; with one batch element a band's a and b lie
+    in the output's rows after it, which are not written yet. The last bands, and every block
+    with B > 1, take blocks of columns (b for a block of residues) and, for float32 outputs, the
+    sum over s in parts where even that passes the bound, each part normalised and added to the
+    output. Every part repeats the contraction with W_out (2·B·N²·H²·D FLOPs), so a tight bound
+    at deep MSAs costs up to about three times the unbounded time (README, "Latest"). 16-bit
+    outputs are bounded by the blocks alone.
 
         with flashopm.peak_memory_bound(1.1):
             pair_update = model.outer_product_mean(m, mask)

@@ -1438,7 +1438,8 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
             if (kept.bands.empty() || (!moved.bands.empty() && moved.cost < kept.cost)) return moved;
             return kept;
           });
-          // the plan above by the same estimate (b for every residue projected once per part)
+          // the plan above by the same estimate (b for every residue projected once per part; a
+          // costed apart from b in every block, as row 1 stands for)
           double above = 0;
           if (best.parts > 0) {
             for (int64_t r0 = 0; r0 < N; r0 += rows)
