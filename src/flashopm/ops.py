@@ -77,6 +77,14 @@ SCHEMAS = {
     # the benchmark): [rows i per block, columns d per block, 1 for the float16 split form], or []
     # when the path does not fit.
     "_small_tc_plan": "_small_tc_plan(Tensor like, int B, int S, int N, int H, int D) -> int[]",
+    # The peak bound's bands for one batch element (host code; CPU or CUDA `like`; for tests):
+    # [b kept, workspace bytes, bands, then (r0, rows, cols, s_part, in the output's tail) per
+    # band], or [] where none fit.  flags: 1 parts of s allowed, 2 blocks of columns allowed, 4 the
+    # last block of columns holds a whole column tile.
+    "_peak_band_plan": (
+        "_peak_band_plan(Tensor like, int N, int S, int C, int H, int D, int row_floats, int elem, int x_elem, "
+        "int out_elem, int ab_room, int ti, int tj, int sms, float wave_step_us, int flags) -> int[]"
+    ),
 }
 
 _lib = torch.library.Library("flashopm", "DEF")

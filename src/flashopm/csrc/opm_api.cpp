@@ -864,6 +864,13 @@ BandPlan search_bands(const BandProblem& q, bool b_kept) {
   return plan;
 }
 
+// The cheaper of the two families (b kept in the workspace, or moved with a), or no bands.
+BandPlan best_bands(const BandProblem& q) {
+  BandPlan kept = search_bands(q, true), moved = search_bands(q, false);
+  if (kept.bands.empty() || (!moved.bands.empty() && moved.cost < kept.cost)) return moved;
+  return kept;
+}
+
 // A contiguous tensor of `sizes` and `dtype` on the current CUDA device whose storage runs on past
 // its elements by `ws_bytes` of workspace, starting 256 bytes aligned at *ws: one allocation for
 // both, freed with the tensor.
@@ -1433,11 +1440,7 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
               q.ab_room,
               q.sms | (int64_t(q.wave_step_us * 1e4) << 16) |
                   (int64_t(q.parts_ok) | int64_t(q.col_blocks_ok) << 1 | int64_t(q.whole_last_col_tile) << 2) << 48};
-          const BandPlan bands = cached_plan<BandPlan>(key, [&] {
-            BandPlan kept = search_bands(q, true), moved = search_bands(q, false);
-            if (kept.bands.empty() || (!moved.bands.empty() && moved.cost < kept.cost)) return moved;
-            return kept;
-          });
+          const BandPlan bands = cached_plan<BandPlan>(key, [&] { return best_bands(q); });
           // the plan above by the same estimate (b for every residue projected once per part; a
           // costed apart from b in every block, as row 1 stands for)
           double above = 0;
@@ -2055,6 +2058,44 @@ std::vector<int64_t> single_launch_plan_cuda(const at::Tensor& like, int64_t B, 
   return {plan.TI, plan.Dc, plan.CL, plan.smem_bytes, small_max_active_clusters(plan.CL, plan.smem_bytes)};
 }
 
+// The peak bound's bands for a problem described as BandProblem describes it (host code only, any
+// device; for tests): [b kept, workspace bytes, bands, then r0, rows, cols, s_part, in the tail
+// for each band], or [] where no bands fit.  flags: 1 parts of s allowed, 2 blocks of columns
+// allowed, 4 the last block of columns must hold a whole column tile.
+std::vector<int64_t> peak_band_plan_query(const at::Tensor&, int64_t N, int64_t S, int64_t C, int64_t H, int64_t D,
+                                          int64_t row_floats, int64_t elem, int64_t x_elem, int64_t out_elem,
+                                          int64_t ab_room, int64_t ti, int64_t tj, int64_t sms, double wave_step_us,
+                                          int64_t flags) {
+  FLASHOPM_CHECK(N >= 1 && S >= 1 && C >= 1 && H >= 1 && D >= 1 && row_floats >= 1 && elem >= 1 && x_elem >= 1 &&
+                     out_elem >= 1 && ti >= 1 && tj >= 1 && sms >= 1 && wave_step_us > 0,
+                 "flashopm: _peak_band_plan needs positive sizes, got N=", N, ", S=", S, ", C=", C, ", H=", H, ", D=",
+                 D, ", row_floats=", row_floats, ", elem=", elem, ", ti=", ti, ", tj=", tj, ", sms=", sms);
+  BandProblem q{};
+  q.N = N;
+  q.S = S;
+  q.C = C;
+  q.H = H;
+  q.D = D;
+  q.row_floats = row_floats;
+  q.elem = elem;
+  q.x_elem = x_elem;
+  q.out_row_bytes = N * D * out_elem;
+  q.ab_room = ab_room;
+  q.ti = ti;
+  q.tj = tj;
+  q.sms = sms;
+  q.wave_step_us = wave_step_us;
+  q.parts_ok = (flags & 1) != 0;
+  q.col_blocks_ok = (flags & 2) != 0;
+  q.tail_ok = true;
+  q.whole_last_col_tile = (flags & 4) != 0;
+  const BandPlan plan = best_bands(q);
+  if (plan.bands.empty()) return {};
+  std::vector<int64_t> out = {int64_t(plan.b_kept), plan.ws_bytes, int64_t(plan.bands.size())};
+  for (const Band& bd : plan.bands) out.insert(out.end(), {bd.r0, bd.rows, bd.cols, bd.s_part, int64_t(bd.tail)});
+  return out;
+}
+
 // The two-launch path's tiling for a float32 problem under "highest" with a 16-byte aligned W:
 // [rows i per block, columns d per block, 1 for the float16 split form], or [] when the path does
 // not fit.
@@ -2079,4 +2120,8 @@ TORCH_LIBRARY_IMPL(flashopm, CUDA, m) {
   m.impl("_noop", &flashopm::noop_cuda);
   m.impl("_single_launch_plan", &flashopm::single_launch_plan_cuda);
   m.impl("_small_tc_plan", &flashopm::small_tc_plan_cuda);
+  m.impl("_peak_band_plan", &flashopm::peak_band_plan_query);
 }
+
+// Host code only: the planner's query runs without a GPU (tests on machines without one).
+TORCH_LIBRARY_IMPL(flashopm, CPU, m) { m.impl("_peak_band_plan", &flashopm::peak_band_plan_query); }
