@@ -1415,25 +1415,12 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
         // plan above fits or where the estimate says the bands are faster.  FLASHOPM_PEAK_TAIL=0
         // leaves them out.
         if (B == 1 && !env_is("FLASHOPM_PEAK_TAIL", "0")) {
-          BandProblem q{};
-          q.N = N;
-          q.S = S;
-          q.C = C;
-          q.H = H;
-          q.D = D;
-          q.row_floats = row_floats;
-          q.elem = elem;
-          q.x_elem = msa.element_size();
-          q.out_row_bytes = N * D * int64_t(out.element_size());
-          q.ab_room = room - fixed - norm_bytes;
-          q.ti = ti_full;
-          q.tj = col_pairs;
-          q.sms = device_info(dev).sm_count;
-          q.wave_step_us = !tc_ok ? 0.3 : operands16 || tc_terms == 1 ? 0.035 : half_split ? 0.064 : 0.1;
-          q.parts_ok = out.scalar_type() == at::kFloat;
-          q.col_blocks_ok = col_blocks_ok;
-          q.tail_ok = true;
-          q.whole_last_col_tile = half_split;
+          const double wave_step_us = !tc_ok ? 0.3 : operands16 || tc_terms == 1 ? 0.035 : half_split ? 0.064 : 0.1;
+          const BandProblem q{N, S, C, H, D, row_floats, elem, int64_t(msa.element_size()),
+                              N * D * int64_t(out.element_size()), room - fixed - norm_bytes, ti_full, col_pairs,
+                              int64_t(device_info(dev).sm_count), wave_step_us,
+                              /*parts_ok=*/out.scalar_type() == at::kFloat, col_blocks_ok, /*tail_ok=*/true,
+                              /*whole_last_col_tile=*/half_split};
           const std::array<int64_t, 8> key = {
               kPlanBands, N, S, C | (H << 20) | (D << 40),
               row_floats | (elem << 8) | (q.x_elem << 16) | (ti_full << 24) | (col_pairs << 40), q.out_row_bytes,
@@ -1510,38 +1497,42 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     // The whole problem's projection kernel for every band, block and part (one kernel for all
     // rows, so that the bits do not depend on the plan).
     const bool rows_kernel = projects_on_rows_kernel(pa, B * S * N, dev);
+    auto chunks_of = [&](int64_t sl) { return (sl + row_floats - 1) / row_floats; };
+    // The K-major layouts' last chunk holds s past a part's end when the part is not a whole
+    // number of chunks: zeros there (per batch, the last chunk of `rows_h` rows), which the
+    // projections do not write.
+    auto clear_last_chunk = [&](char* buf, int64_t rows_h, int64_t sl) {
+      if (!kmajor || sl % row_floats == 0) return;
+      const size_t chunk_bytes = size_t(rows_h) * row_floats * sizeof(float);
+      const int64_t n_chunks = chunks_of(sl);
+      FLASHOPM_CHECK(cudaMemset2DAsync(buf + (n_chunks - 1) * chunk_bytes, n_chunks * chunk_bytes, 0, chunk_bytes,
+                                       size_t(B), stream) == cudaSuccess,
+                     "flashopm: clearing the workspace failed");
+    };
+    // a's and b's strides for na rows of a and nb residues of b over a part of sl values of s
+    auto set_strides = [&](int64_t na, int64_t nb, int64_t sl) {
+      if (kmajor) {
+        // element (b, s, n, h) at b·sb + (s / row_floats)·sc + s % row_floats + (n·H + h)·row_floats
+        pa.a_sc = na * H * row_floats;
+        pa.a_sb = chunks_of(sl) * pa.a_sc;
+        pa.a_ss = 1;
+        pa.a_sn = H * row_floats;
+        pa.b_sc = nb * H * row_floats;
+        pa.b_sb = chunks_of(sl) * pa.b_sc;
+        pa.b_ss = 1;
+        pa.b_sn = H * row_floats;
+      } else {
+        pa.a_sb = sl * na * H;
+        pa.a_ss = na * H;
+        pa.a_sn = H;
+        pa.b_sb = sl * nb * H;
+        pa.b_ss = nb * H;
+        pa.b_sn = H;
+      }
+    };
     if (banded) {
       const int64_t out_row_bytes = N * D * int64_t(out.element_size());
       const int64_t ws_elem = int64_t(ws.element_size());
-      auto chunks_of = [&](int64_t sl) { return (sl + row_floats - 1) / row_floats; };
-      // the K-major layouts' last chunk past a part's end: zeros there (the projections do not
-      // write them)
-      auto clear_tail_chunk = [&](char* buf, int64_t rows_h, int64_t sl) {
-        if (!kmajor || sl % row_floats == 0) return;
-        const size_t chunk_bytes = size_t(rows_h) * row_floats * sizeof(float);
-        FLASHOPM_CHECK(cudaMemsetAsync(buf + (chunks_of(sl) - 1) * chunk_bytes, 0, chunk_bytes, stream) == cudaSuccess,
-                       "flashopm: clearing the workspace failed");
-      };
-      // a (na rows) or b (nb residues) strides for a part of sl values of s
-      auto set_band_strides = [&](int64_t na, int64_t nb, int64_t sl) {
-        if (kmajor) {
-          pa.a_sc = na * H * row_floats;
-          pa.a_sb = chunks_of(sl) * pa.a_sc;
-          pa.a_ss = 1;
-          pa.a_sn = H * row_floats;
-          pa.b_sc = nb * H * row_floats;
-          pa.b_sb = chunks_of(sl) * pa.b_sc;
-          pa.b_ss = 1;
-          pa.b_sn = H * row_floats;
-        } else {
-          pa.a_sb = sl * na * H;
-          pa.a_ss = na * H;
-          pa.a_sn = H;
-          pa.b_sb = sl * nb * H;
-          pa.b_ss = nb * H;
-          pa.b_sn = H;
-        }
-      };
       // x and the mask from s0 on, sl values of s
       auto set_part = [&](int64_t s0, int64_t sl) {
         pa.x = x_base + s0 * msa.stride(1) * int64_t(msa.element_size());
@@ -1557,9 +1548,9 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
         pa.a_rows = int(na);
         pa.a_out = na > 0 ? a_buf : b_buf;
         pa.b_out = b_buf;
-        set_band_strides(na, nb, sl);
-        clear_tail_chunk(b_buf, nb * H, sl);
-        if (na > 0) clear_tail_chunk(a_buf, na * H, sl);
+        set_strides(na, nb, sl);
+        clear_last_chunk(b_buf, nb * H, sl);
+        if (na > 0) clear_last_chunk(a_buf, na * H, sl);
         run_prep(pa, false, dev, stream, rows_kernel);
         if (half_split) {
           launch_split_rows_f16(reinterpret_cast<float*>(b_buf), b_exp, B, nb, int(H), chunks_of(sl), stream);
@@ -1575,8 +1566,8 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
         pa.a_rows = int(na);
         pa.a_out = a_buf;
         pa.b_out = nullptr;
-        set_band_strides(na, 0, sl);
-        clear_tail_chunk(a_buf, na * H, sl);
+        set_strides(na, 0, sl);
+        clear_last_chunk(a_buf, na * H, sl);
         run_prep(pa, false, dev, stream, rows_kernel);
         if (half_split)
           launch_split_rows_f16(reinterpret_cast<float*>(a_buf), a_exp, B, na, int(H), chunks_of(sl), stream);
@@ -1635,38 +1626,7 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     }
     for (int64_t s0 = 0; s0 < S; s0 += s_part) {
       const int64_t sl = std::min<int64_t>(s_part, S - s0);
-      const int64_t n_chunks = (sl + row_floats - 1) / row_floats;
-      // The K-major layouts' last chunk holds s past the part's end when it is not a whole
-      // number of chunks: zeros there (per batch, the last chunk of `rows_h` rows), which the
-      // projections do not write.
-      auto clear_last_chunk = [&](char* buf, int64_t rows_h) {
-        if (!kmajor || sl % row_floats == 0) return;
-        const size_t chunk_bytes = size_t(rows_h) * row_floats * sizeof(float);
-        FLASHOPM_CHECK(cudaMemset2DAsync(buf + (n_chunks - 1) * chunk_bytes, n_chunks * chunk_bytes, 0, chunk_bytes,
-                                         size_t(B), stream) == cudaSuccess,
-                       "flashopm: clearing the workspace failed");
-      };
-      // a's and b's strides for na rows of a and nb residues of b
-      auto set_strides = [&](int64_t na, int64_t nb) {
-        if (kmajor) {
-          // element (b, s, n, h) at b·sb + (s / row_floats)·sc + s % row_floats + (n·H + h)·row_floats
-          pa.a_sc = na * H * row_floats;
-          pa.a_sb = n_chunks * pa.a_sc;
-          pa.a_ss = 1;
-          pa.a_sn = H * row_floats;
-          pa.b_sc = nb * H * row_floats;
-          pa.b_sb = n_chunks * pa.b_sc;
-          pa.b_ss = 1;
-          pa.b_sn = H * row_floats;
-        } else {
-          pa.a_sb = sl * na * H;
-          pa.a_ss = na * H;
-          pa.a_sn = H;
-          pa.b_sb = sl * nb * H;
-          pa.b_ss = nb * H;
-          pa.b_sn = H;
-        }
-      };
+      const int64_t n_chunks = chunks_of(sl);
       // x and the mask from s0 on; the kernels' normalisers read the whole mask (S_mask)
       pa.x = x_base + s0 * msa.stride(1) * int64_t(msa.element_size());
       pa.mask.ptr = mask_base + s0 * mask_view.ss * int64_t(mask.element_size());
@@ -1685,8 +1645,8 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
           pa.a_rows = 0;
           pa.a_out = a_buf;
           pa.b_out = b_buf;
-          set_strides(0, nj);
-          clear_last_chunk(b_buf, nj * H);
+          set_strides(0, nj, sl);
+          clear_last_chunk(b_buf, nj * H, sl);
           run_prep(pa, false, dev, stream, rows_kernel);
           if (half_split) launch_split_rows_f16(reinterpret_cast<float*>(b_buf), b_exp, B, nj, int(H), n_chunks, stream);
         }
@@ -1700,9 +1660,9 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
           pa.a_rows = int(ni);
           pa.a_out = a_buf;
           pa.b_out = with_b ? b_buf : nullptr;
-          set_strides(ni, nj);
-          clear_last_chunk(a_buf, ni * H);
-          if (with_b) clear_last_chunk(b_buf, N * H);
+          set_strides(ni, nj, sl);
+          clear_last_chunk(a_buf, ni * H, sl);
+          if (with_b) clear_last_chunk(b_buf, N * H, sl);
           run_prep(pa, false, dev, stream, rows_kernel);
           if (half_split) {
             if (with_b) launch_split_rows_f16(reinterpret_cast<float*>(b_buf), b_exp, B, N, int(H), n_chunks, stream);
@@ -2070,25 +2030,9 @@ std::vector<int64_t> peak_band_plan_query(const at::Tensor&, int64_t N, int64_t 
                      out_elem >= 1 && ti >= 1 && tj >= 1 && sms >= 1 && wave_step_us > 0,
                  "flashopm: _peak_band_plan needs positive sizes, got N=", N, ", S=", S, ", C=", C, ", H=", H, ", D=",
                  D, ", row_floats=", row_floats, ", elem=", elem, ", ti=", ti, ", tj=", tj, ", sms=", sms);
-  BandProblem q{};
-  q.N = N;
-  q.S = S;
-  q.C = C;
-  q.H = H;
-  q.D = D;
-  q.row_floats = row_floats;
-  q.elem = elem;
-  q.x_elem = x_elem;
-  q.out_row_bytes = N * D * out_elem;
-  q.ab_room = ab_room;
-  q.ti = ti;
-  q.tj = tj;
-  q.sms = sms;
-  q.wave_step_us = wave_step_us;
-  q.parts_ok = (flags & 1) != 0;
-  q.col_blocks_ok = (flags & 2) != 0;
-  q.tail_ok = true;
-  q.whole_last_col_tile = (flags & 4) != 0;
+  const BandProblem q{N, S, C, H, D, row_floats, elem, x_elem, N * D * out_elem, ab_room, ti, tj, sms, wave_step_us,
+                      /*parts_ok=*/(flags & 1) != 0, /*col_blocks_ok=*/(flags & 2) != 0, /*tail_ok=*/true,
+                      /*whole_last_col_tile=*/(flags & 4) != 0};
   const BandPlan plan = best_bands(q);
   if (plan.bands.empty()) return {};
   std::vector<int64_t> out = {int64_t(plan.b_kept), plan.ws_bytes, int64_t(plan.bands.size())};
