@@ -768,10 +768,11 @@ struct BandProblem {
   int64_t ti, tj;         // a tile's rows and columns
   int64_t sms;
   double wave_step_us;    // one wave of tiles over one s (or one d of phase 2)
-  bool parts_ok, col_blocks_ok, tail_ok, whole_last_col_tile;
+  bool parts_ok, col_blocks_ok, whole_last_col_tile;
 
   int64_t s_stored(int64_t s_len) const { return (s_len + row_floats - 1) / row_floats * row_floats; }
-  int64_t tail_bytes(int64_t r_end) const { return tail_ok ? std::max<int64_t>((N - r_end) * out_row_bytes - 256, 0) : 0; }
+  // the rows after r_end, less what aligning their start to 256 bytes may take
+  int64_t tail_bytes(int64_t r_end) const { return std::max<int64_t>((N - r_end) * out_row_bytes - 256, 0); }
 };
 
 // Estimated microseconds of one band: per part, a's projection, b's (unless kept) and one launch
@@ -1419,7 +1420,7 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
           const BandProblem q{N, S, C, H, D, row_floats, elem, int64_t(msa.element_size()),
                               N * D * int64_t(out.element_size()), room - fixed - norm_bytes, ti_full, col_pairs,
                               int64_t(device_info(dev).sm_count), wave_step_us,
-                              /*parts_ok=*/out.scalar_type() == at::kFloat, col_blocks_ok, /*tail_ok=*/true,
+                              /*parts_ok=*/out.scalar_type() == at::kFloat, col_blocks_ok,
                               /*whole_last_col_tile=*/half_split};
           const std::array<int64_t, 8> key = {
               kPlanBands, N, S, C | (H << 20) | (D << 40),
@@ -1530,48 +1531,52 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
         pa.b_sn = H;
       }
     };
+    // One part of the sum: x and the mask from s0 on, sl values of s (the kernels' normalisers
+    // read the whole mask, S_mask); the first part stores with the bias, later ones add.
+    auto set_part = [&](int64_t s0, int64_t sl) {
+      pa.x = x_base + s0 * msa.stride(1) * int64_t(msa.element_size());
+      pa.mask.ptr = mask_base + s0 * mask_view.ss * int64_t(mask.element_size());
+      pa.S = int(sl);
+      oa.S = int(sl);
+      oa.bias = s0 == 0 ? opt_ptr(b_out) : nullptr;
+      oa.accumulate = s0 > 0;
+    };
+    // b for residues n0 .. n0 + nb over one part into b_buf, and a for rows r0 .. r0 + na of
+    // them (none where na = 0) into a_buf: one launch reads x once for both
+    auto project = [&](char* b_buf, int64_t n0, int64_t nb, char* a_buf, int64_t r0, int64_t na, int64_t sl) {
+      pa.n_offset = int(n0);
+      pa.N = int(nb);
+      pa.a_first = int(r0 - n0);
+      pa.a_rows = int(na);
+      pa.a_out = na > 0 ? a_buf : b_buf;
+      pa.b_out = b_buf;
+      set_strides(na, nb, sl);
+      clear_last_chunk(b_buf, nb * H, sl);
+      if (na > 0) clear_last_chunk(a_buf, na * H, sl);
+      run_prep(pa, false, dev, stream, rows_kernel);
+      if (half_split) {
+        launch_split_rows_f16(reinterpret_cast<float*>(b_buf), b_exp, B, nb, int(H), chunks_of(sl), stream);
+        if (na > 0)
+          launch_split_rows_f16(reinterpret_cast<float*>(a_buf), a_exp, B, na, int(H), chunks_of(sl), stream);
+      }
+    };
+    // a alone, for rows r0 .. r0 + na
+    auto project_a = [&](char* a_buf, int64_t r0, int64_t na, int64_t sl) {
+      pa.n_offset = int(r0);
+      pa.N = int(na);
+      pa.a_first = 0;
+      pa.a_rows = int(na);
+      pa.a_out = a_buf;
+      pa.b_out = nullptr;
+      set_strides(na, 0, sl);
+      clear_last_chunk(a_buf, na * H, sl);
+      run_prep(pa, false, dev, stream, rows_kernel);
+      if (half_split)
+        launch_split_rows_f16(reinterpret_cast<float*>(a_buf), a_exp, B, na, int(H), chunks_of(sl), stream);
+    };
     if (banded) {
       const int64_t out_row_bytes = N * D * int64_t(out.element_size());
       const int64_t ws_elem = int64_t(ws.element_size());
-      // x and the mask from s0 on, sl values of s
-      auto set_part = [&](int64_t s0, int64_t sl) {
-        pa.x = x_base + s0 * msa.stride(1) * int64_t(msa.element_size());
-        pa.mask.ptr = mask_base + s0 * mask_view.ss * int64_t(mask.element_size());
-        pa.S = int(sl);
-      };
-      // b for residues n0 .. n0 + nb over one part into b_buf, and a for rows r0 .. r0 + na of
-      // them (none where na = 0) into a_buf: one launch reads x once for both
-      auto project = [&](char* b_buf, int64_t n0, int64_t nb, char* a_buf, int64_t r0, int64_t na, int64_t sl) {
-        pa.n_offset = int(n0);
-        pa.N = int(nb);
-        pa.a_first = int(r0 - n0);
-        pa.a_rows = int(na);
-        pa.a_out = na > 0 ? a_buf : b_buf;
-        pa.b_out = b_buf;
-        set_strides(na, nb, sl);
-        clear_last_chunk(b_buf, nb * H, sl);
-        if (na > 0) clear_last_chunk(a_buf, na * H, sl);
-        run_prep(pa, false, dev, stream, rows_kernel);
-        if (half_split) {
-          launch_split_rows_f16(reinterpret_cast<float*>(b_buf), b_exp, B, nb, int(H), chunks_of(sl), stream);
-          if (na > 0)
-            launch_split_rows_f16(reinterpret_cast<float*>(a_buf), a_exp, B, na, int(H), chunks_of(sl), stream);
-        }
-      };
-      // a alone, for rows r0 .. r0 + na
-      auto project_a = [&](char* a_buf, int64_t r0, int64_t na, int64_t sl) {
-        pa.n_offset = int(r0);
-        pa.N = int(na);
-        pa.a_first = 0;
-        pa.a_rows = int(na);
-        pa.a_out = a_buf;
-        pa.b_out = nullptr;
-        set_strides(na, 0, sl);
-        clear_last_chunk(a_buf, na * H, sl);
-        run_prep(pa, false, dev, stream, rows_kernel);
-        if (half_split)
-          launch_split_rows_f16(reinterpret_cast<float*>(a_buf), a_exp, B, na, int(H), chunks_of(sl), stream);
-      };
       // a band's a and b: in the rows after it (256-byte aligned), or in the workspace (after b
       // where b is kept)
       char* const ws_base = static_cast<char*>(ws.data_ptr());
@@ -1598,9 +1603,6 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
         for (int64_t s0 = 0; s0 < S; s0 += sp) {
           const int64_t sl = std::min<int64_t>(sp, S - s0);
           set_part(s0, sl);
-          oa.S = int(sl);
-          oa.bias = s0 == 0 ? opt_ptr(b_out) : nullptr;
-          oa.accumulate = s0 > 0;
           if (band_plan.b_kept) {
             if (bd.r0 > 0) project_a(a_buf, bd.r0, bd.rows, sl);
           } else if (a_block < 0) {
@@ -1626,48 +1628,19 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     }
     for (int64_t s0 = 0; s0 < S; s0 += s_part) {
       const int64_t sl = std::min<int64_t>(s_part, S - s0);
-      const int64_t n_chunks = chunks_of(sl);
-      // x and the mask from s0 on; the kernels' normalisers read the whole mask (S_mask)
-      pa.x = x_base + s0 * msa.stride(1) * int64_t(msa.element_size());
-      pa.mask.ptr = mask_base + s0 * mask_view.ss * int64_t(mask.element_size());
-      pa.S = int(sl);
-      oa.S = int(sl);
-      oa.bias = s0 == 0 ? opt_ptr(b_out) : nullptr;
-      oa.accumulate = s0 > 0;
+      set_part(s0, sl);
       for (int64_t j_off = 0; j_off < N; j_off += cols) {
         const int64_t nj = std::min<int64_t>(cols, N - j_off);
         // b for every residue comes with the first block of rows' a; a block of columns has its
         // own launch
         const bool every_col = nj == N;
-        if (!every_col) {
-          pa.n_offset = int(j_off);
-          pa.N = int(nj);
-          pa.a_rows = 0;
-          pa.a_out = a_buf;
-          pa.b_out = b_buf;
-          set_strides(0, nj, sl);
-          clear_last_chunk(b_buf, nj * H, sl);
-          run_prep(pa, false, dev, stream, rows_kernel);
-          if (half_split) launch_split_rows_f16(reinterpret_cast<float*>(b_buf), b_exp, B, nj, int(H), n_chunks, stream);
-        }
+        if (!every_col) project(b_buf, j_off, nj, nullptr, 0, 0, sl);
         oa.N = int(nj);
         oa.out = out_base + j_off * D * int64_t(out.element_size());
         for (int64_t i_off = 0; i_off < N; i_off += rows) {
           const int64_t ni = std::min<int64_t>(rows, N - i_off);
-          const bool with_b = every_col && i_off == 0;
-          pa.n_offset = int(i_off);
-          pa.N = int(with_b ? N : ni);
-          pa.a_rows = int(ni);
-          pa.a_out = a_buf;
-          pa.b_out = with_b ? b_buf : nullptr;
-          set_strides(ni, nj, sl);
-          clear_last_chunk(a_buf, ni * H, sl);
-          if (with_b) clear_last_chunk(b_buf, N * H, sl);
-          run_prep(pa, false, dev, stream, rows_kernel);
-          if (half_split) {
-            if (with_b) launch_split_rows_f16(reinterpret_cast<float*>(b_buf), b_exp, B, N, int(H), n_chunks, stream);
-            launch_split_rows_f16(reinterpret_cast<float*>(a_buf), a_exp, B, ni, int(H), n_chunks, stream);
-          }
+          if (every_col && i_off == 0) project(b_buf, 0, N, a_buf, 0, ni, sl);
+          else project_a(a_buf, i_off, ni, sl);
           run_outer(oa, i_off, ni, N, i_off, tc_ok, tc_terms, kmajor, half_split, operand_kind, f32, dev, stream,
                     every_row.rows > 0 ? &every_row : nullptr, j_off);
         }
@@ -2031,7 +2004,7 @@ std::vector<int64_t> peak_band_plan_query(const at::Tensor&, int64_t N, int64_t 
                  "flashopm: _peak_band_plan needs positive sizes, got N=", N, ", S=", S, ", C=", C, ", H=", H, ", D=",
                  D, ", row_floats=", row_floats, ", elem=", elem, ", ti=", ti, ", tj=", tj, ", sms=", sms);
   const BandProblem q{N, S, C, H, D, row_floats, elem, x_elem, N * D * out_elem, ab_room, ti, tj, sms, wave_step_us,
-                      /*parts_ok=*/(flags & 1) != 0, /*col_blocks_ok=*/(flags & 2) != 0, /*tail_ok=*/true,
+                      /*parts_ok=*/(flags & 1) != 0, /*col_blocks_ok=*/(flags & 2) != 0,
                       /*whole_last_col_tile=*/(flags & 4) != 0};
   const BandPlan plan = best_bands(q);
   if (plan.bands.empty()) return {};
