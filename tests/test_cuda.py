@@ -1010,6 +1010,48 @@ def test_peak_memory_bound_around_a_module():
     torch.testing.assert_close(out, expect, atol=1e-4, rtol=1e-4)
 
 
+# (shape, precision, dtype): the row-tiled projection's tensor-core forms (3xTF32, TF32, 16-bit x)
+# at hidden sizes whose outputs make 2 (H = 8), 4 (12), 8 (32) and 16 (64) n tiles, msa_dim with a
+# short last chunk (40), a prime N and two batch elements.  Each launch has rows enough for the
+# row-tiled kernel (B·S·N >= 64 x 132).
+PROJ_ROWS_CASES = [
+    (Shape(1, 64, 160, 64, 32, 128), "highest", torch.float32),
+    (Shape(1, 64, 160, 40, 12, 64), "highest", torch.float32),
+    (Shape(2, 40, 131, 64, 64, 32), "high", torch.float32),
+    (Shape(1, 64, 160, 64, 8, 64), "highest", torch.float32),
+    (Shape(1, 64, 160, 64, 32, 128), None, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("shape,precision,dtype", PROJ_ROWS_CASES, ids=str)
+def test_projection_block_rows_give_the_same_bits(shape, precision, dtype, monkeypatch):
+    """FLASHOPM_PROJ_ROWS (blocks of 128, 64 or 32 rows in the row-tiled projection; a size the
+    outputs do not allow runs as 128): every output's sums take the same k-steps in the same order,
+    so the results are bitwise equal, every element written (poisoned output), and within
+    allclose(1e-4) of the float32 reference under "highest"."""
+    x, m, p = make_problem(shape, "masked_positions", seed=31)
+    xc, mc = x.cuda().to(dtype), m.cuda().to(dtype)
+    pc = {k: v.cuda().to(dtype) for k, v in p.items()}
+    outs = {}
+    for rows in ("128", "64", "32"):
+        monkeypatch.setenv("FLASHOPM_PROJ_ROWS", rows)
+        outs[rows] = _run(xc, mc, pc, "outer", precision=precision)
+        assert not outs[rows].isnan().any(), f"rows {rows}: NaN in the output, an element was not written"
+    assert torch.equal(outs["64"], outs["128"]), "blocks of 64 rows changed the projections' bits"
+    assert torch.equal(outs["32"], outs["128"]), "blocks of 32 rows changed the projections' bits"
+    if precision == "highest":
+        ref32 = reference(xc, mc, pc).cpu()
+        torch.testing.assert_close(outs["32"].cpu(), ref32, atol=1e-4, rtol=1e-4)
+
+
+def test_projection_block_rows_bad_value_is_refused(monkeypatch):
+    shape = Shape(1, 64, 160, 64, 32, 128)
+    x, m, p = make_problem(shape, "masked_positions", seed=32)
+    monkeypatch.setenv("FLASHOPM_PROJ_ROWS", "48")
+    with pytest.raises(RuntimeError, match="FLASHOPM_PROJ_ROWS must be 128, 64 or 32, got '48'"):
+        _run(x.cuda(), m.cuda(), _cuda_params(p), "outer", poison=False)
+
+
 @pytest.mark.parametrize("value", ["abc", "1.0", "1.1x", "-2"])
 def test_peak_bound_bad_value_is_refused(value, monkeypatch):
     shape = Shape(1, 100, 256, 24, 32, 128)

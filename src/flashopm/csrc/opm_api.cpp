@@ -479,6 +479,26 @@ bool projects_on_rows_kernel(const PrepArgs& args, int64_t rows, int dev) {
   return args.ab_kind != kAbF16Split && 2 * rows >= int64_t(kProjRows) * device_info(dev).sm_count;
 }
 
+// The row-tiled kernel's rows per block (PrepArgs::block_rows): 128 where a launch has at least
+// two blocks of 128 per SM, else the fewest of 64 and 32 that the outputs allow: a launch of a few
+// thousand rows (a block of rows under a peak bound) is bound by one block's chain of loads and
+// products, so more, smaller blocks finish sooner.  The bits do not change.  FLASHOPM_PROJ_ROWS
+// (128, 64 or 32) asks for one (to compare them; one not allowed falls back to 128).
+int projection_block_rows(const PrepArgs& args, int dev) {
+  if (const char* env = env_get("FLASHOPM_PROJ_ROWS"); env != nullptr && *env != 0) {
+    const int r = std::atoi(env);
+    FLASHOPM_CHECK(r == 128 || r == 64 || r == 32, "flashopm: FLASHOPM_PROJ_ROWS must be 128, 64 or 32, got '", env,
+                   "'");
+    return r;
+  }
+  const int64_t rows = project_rows_count(args);
+  const int64_t fill = 2 * int64_t(device_info(dev).sm_count);
+  const bool x16 = args.x_kind == kMaskHalf || args.x_kind == kMaskBFloat16;
+  if ((rows + kProjRows - 1) / kProjRows >= fill) return kProjRows;
+  if ((rows + 63) / 64 >= fill || !project_rows_block_allowed(32, args.H, x16)) return 64;
+  return 32;
+}
+
 // rows_kernel: the row-tiled GEMM kernel for any number of rows (a block of a problem whose whole
 // projection takes it: the same bits for a row whichever block it falls in).
 void run_prep(const PrepArgs& args_in, bool project_w, int dev, cudaStream_t stream, bool rows_kernel = false) {
@@ -487,6 +507,7 @@ void run_prep(const PrepArgs& args_in, bool project_w, int dev, cudaStream_t str
   const int64_t rows = int64_t(args.B) * args.S * args.N;
   if (!project_w && (rows_kernel || projects_on_rows_kernel(args, rows, dev)) && args.ab_kind != kAbF16Split &&
       rows / kProjRows < int64_t(1) << 31) {
+    args.block_rows = projection_block_rows(args, dev);
     check_smem(project_rows_smem_bytes(args), dev, "LayerNorm/projection");
     return launch_project_rows(args, stream);
   }

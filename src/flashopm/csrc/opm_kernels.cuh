@@ -872,17 +872,23 @@ __global__ void __launch_bounds__(kPrepThreads, RW == 1 && Q <= 2 && !kProjectW 
 // global loads, and at two blocks (124 registers) it took 19% longer at N = 1536 in bfloat16.  With
 // kMmaTerms = 3 (float32 x under "highest") each k-step is three TF32 products of split operands
 // into a zeroed fragment, added to the sums in float32 (warp_mma_tf32), at two blocks per SM.
-template <int CT, typename XT, bool kVec, int kMmaTerms>  // XT: x's element type (p.x_kind); kMmaTerms: 0 FMA form
-__global__ void __launch_bounds__(kProjThreads, kMmaTerms == 1 && CT <= 4 ? 3 : CT >= 8 ? 1 : 2)
+// kRows (the tensor-core form only): rows per block, 128, 64 or 32.  The warps then split the
+// columns too (kRows / 16 groups of rows x 128 / kRows groups of columns), so that a launch of a
+// few thousand rows still spreads over the SMs; every output's sum runs through the same k-steps
+// in the same order whatever kRows is, so the bits do not depend on it.
+template <int CT, typename XT, bool kVec, int kMmaTerms, int kRows = kProjRows>  // XT: x's element type (p.x_kind); kMmaTerms: 0 FMA form
+__global__ void __launch_bounds__(kProjThreads, kMmaTerms == 1 && CT <= 4 ? 3 : CT >= 8 ? 1 : kRows < kProjRows && CT <= 4 ? 3 : 2)
     opm_project_rows_kernel(const PrepArgs p) {
   constexpr bool kMma = kMmaTerms > 0;
   static_assert(kMmaTerms == 0 || kMmaTerms == 1 || kMmaTerms == 3, "no tensor cores, one TF32 term or three");
+  static_assert(kRows == kProjRows || (kMma && kVec && (kRows == 64 || kRows == 32)),
+                "blocks of fewer rows in the tensor-core form only");
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;\n" ::);  // as opm_prep_kernel
 #endif
   extern __shared__ float4 smem_f4[];
   float* smem = reinterpret_cast<float*>(smem_f4);
-  constexpr int TR = kProjRows, RT = kProjRT, KC = kProjKC, LDX = kProjLdX;
+  constexpr int TR = kRows, RT = kProjRT, KC = kProjKC, LDX = kProjLdX;
   constexpr int NC = 16 * CT, LDW = 16 * CT + 8, LDK = kProjLdK;
   // xs: normalised x, [KC][LDX] (k-major) or [TR][LDK] (kMma); ws: weights, double-buffered,
   // [2][KC][LDW] (k-major) or [2][NC][LDK] (kMma)
@@ -938,6 +944,7 @@ __global__ void __launch_bounds__(kProjThreads, kMmaTerms == 1 && CT <= 4 ? 3 : 
   constexpr int V = 16 / int(sizeof(XT));
   constexpr int VKG = KC / V;                                  // vectors per row and chunk
   constexpr int XRows = kVec ? TR * VKG / kProjThreads : TR / 32;  // row slots per thread
+  static_assert(XRows >= 1, "every thread stages a row's vector");
   constexpr int XKG = kVec ? 1 : KC / 8;                       // scalar k groups per thread
   const auto slot_row = [&](int q) {
     return kVec ? (q * 8 + warp) * (32 / VKG) + lane / VKG : (q * 8 + warp) * 4 + (lane >> 3);
@@ -1041,8 +1048,12 @@ __global__ void __launch_bounds__(kProjThreads, kMmaTerms == 1 && CT <= 4 ? 3 : 
 #pragma unroll
     for (int j = 0; j < CT; ++j) acc[i][j] = 0.f;
   const int rg = tid >> 4, cg = tid & 15;
-  // kMma: rows 16·warp + g (+8), columns 8·nt + 2t (+1) of m16n8 tile nt
-  constexpr int kNT = NC / 8;
+  // kMma: warp (row group wr, column group wc) holds rows 16·wr + g (+8) and columns
+  // 8·(wc·kNT + nt) + 2t (+1) of its m16n8 tile nt
+  constexpr int kRowGroups = TR / 16, kColGroups = kProjThreads / 32 / kRowGroups;
+  static_assert(!kMma || (NC / 8) % kColGroups == 0, "the column groups split the n tiles evenly");
+  constexpr int kNT = NC / 8 / (kMma ? kColGroups : 1);
+  const int wr = warp % kRowGroups, wc = warp / kRowGroups;
   float acc_t[1][kNT][4];
   const int g = lane >> 2, tq = lane & 3;
   const int chunks = (C + KC - 1) / KC;
@@ -1137,8 +1148,8 @@ __global__ void __launch_bounds__(kProjThreads, kMmaTerms == 1 && CT <= 4 ? 3 : 
       // one k-step at a time: all of a step's fragments are live at once (registers)
 #pragma unroll 1
       for (int ks = 0; ks < KC / 8; ++ks)
-        warp_mma_tf32<kMma ? kMmaTerms : 1, 1, kNT, true, true, 1>(acc_t, xs + warp * 16 * LDK + ks * 8, LDK, wcur + ks * 8,
-                                                                  LDK, g, tq);
+        warp_mma_tf32<kMma ? kMmaTerms : 1, 1, kNT, true, true, 1>(
+            acc_t, xs + wr * 16 * LDK + ks * 8, LDK, wcur + wc * kNT * 8 * LDK + ks * 8, LDK, g, tq);
     } else {
 #pragma unroll 4
       for (int k = 0; k < KC; ++k) {
@@ -1176,12 +1187,12 @@ __global__ void __launch_bounds__(kProjThreads, kMmaTerms == 1 && CT <= 4 ? 3 : 
                           ((p.a_sb | p.a_ss | p.a_sn | p.b_sb | p.b_ss | p.b_sn) & 1) == 0;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const int r = warp * 16 + g + 8 * half;
+      const int r = wr * 16 + g + 8 * half;
       const float mv = mask_s[r];
       const int64_t ao = aoff_s[r], bo = boff_s[r];
 #pragma unroll
       for (int nt = 0; nt < kNT; ++nt) {
-        const int o = nt * 8 + 2 * tq;
+        const int o = (wc * kNT + nt) * 8 + 2 * tq;
         float v[2];
 #pragma unroll
         for (int e = 0; e < 2; ++e) {

@@ -356,17 +356,39 @@ int project_rows_mma(const PrepArgs& args) {
 }
 }  // namespace
 
+namespace {
+// The block's rows as launched: args.block_rows in the tensor-core form where it is allowed, else 128.
+int project_rows_block(const PrepArgs& args) {
+  const bool x16 = args.x_kind == kMaskHalf || args.x_kind == kMaskBFloat16;
+  if (project_rows_mma(args) == 0 || args.block_rows <= 0 || !project_rows_block_allowed(args.block_rows, args.H, x16))
+    return kProjRows;
+  return args.block_rows;
+}
+}  // namespace
+
 int project_rows_smem_bytes(const PrepArgs& args) {
-  return int(project_rows_smem_floats(args.H, project_rows_mma(args) > 0) * sizeof(float));
+  return int(project_rows_smem_floats(args.H, project_rows_mma(args) > 0, project_rows_block(args)) * sizeof(float));
 }
 
 namespace {
+template <int CT, typename XT, bool kVec, int kMmaTerms, int kRows>
+void launch_project_rows_r(const PrepArgs& args, cudaStream_t stream) {
+  const int64_t rows = project_rows_count(args);
+  constexpr auto kernel = opm_project_rows_kernel<CT, XT, kVec, kMmaTerms, kRows>;
+  launch_kernel<kernel, SmemSetup::kOptInMaxCarveout>(unsigned((rows + kRows - 1) / kRows), kProjThreads,
+                                                      project_rows_smem_bytes(args), stream, args);
+}
 template <int CT, typename XT, bool kVec, int kMmaTerms>
 void launch_project_rows_t(const PrepArgs& args, cudaStream_t stream) {
-  const int64_t rows = project_rows_count(args);
-  constexpr auto kernel = opm_project_rows_kernel<CT, XT, kVec, kMmaTerms>;
-  launch_kernel<kernel, SmemSetup::kOptInMaxCarveout>(unsigned((rows + kProjRows - 1) / kProjRows), kProjThreads,
-                                                      project_rows_smem_bytes(args), stream, args);
+  if constexpr (kMmaTerms > 0 && kVec) {
+    const int rows = project_rows_block(args);
+    if (rows == 64) return launch_project_rows_r<CT, XT, kVec, kMmaTerms, 64>(args, stream);
+    // 32 only where allowed: 2H > 16 (CT >= 2) and 32-bit x
+    if constexpr (CT >= 2 && sizeof(XT) == 4) {
+      if (rows == 32) return launch_project_rows_r<CT, XT, kVec, kMmaTerms, 32>(args, stream);
+    }
+  }
+  launch_project_rows_r<CT, XT, kVec, kMmaTerms, kProjRows>(args, stream);
 }
 template <typename XT, bool kVec, int kMmaTerms>
 void launch_project_rows_v(const PrepArgs& args, cudaStream_t stream) {

@@ -162,6 +162,9 @@ struct PrepArgs {
   int o_chunks;  // project-first: columns (h1, d) handled in chunks of kPrepThreads per block
   int mma_terms;  // opm_project_rows_kernel's products for float32 x: 0 float32 FMAs, 1 TF32, 3 3xTF32
   int weights_late;  // opm_prep_kernel: the weights' copies issued after the loads of x, not before
+  // opm_project_rows_kernel's rows per block (tensor-core form): 128 (or 0), 64 or 32, as
+  // project_rows_block_allowed permits
+  int block_rows;
   // opm_prep_kernel (host side): launched as the previous kernel's programmatic dependent, so that
   // its blocks can be resident before that kernel ends (the kernel waits for it before any load)
   int after_previous;
@@ -231,12 +234,23 @@ FLASHOPM_HD inline int proj_ld_w(int ct) { return 16 * ct + 8; }  // ws[k][o]: s
 // The tensor-core form (mma): xs[row][k] and ws[o][k], rows of kProjKC + 4 floats (fragment reads
 // of 8 rows x 4 k hit 32 banks).
 constexpr int kProjLdK = kProjKC + 4;
-FLASHOPM_HD inline int64_t project_rows_smem_floats(int H, bool mma) {
+FLASHOPM_HD inline int64_t project_rows_smem_floats(int H, bool mma, int block_rows = kProjRows) {
   const int nc = 16 * proj_cols_per_thread(H);
-  const int64_t tiles = mma ? int64_t(kProjRows) * kProjLdK + 2 * int64_t(nc) * kProjLdK
+  const int64_t tiles = mma ? int64_t(block_rows) * kProjLdK + 2 * int64_t(nc) * kProjLdK
                             : int64_t(kProjKC) * kProjLdX + 2 * int64_t(kProjKC) * proj_ld_w(proj_cols_per_thread(H));
-  return tiles + 3 * kProjRows  // mean, rstd, mask per row
-         + 2 * 3 * kProjRows;   // offsets of x, a and b per row (int64)
+  return tiles + 3 * block_rows  // mean, rstd, mask per row
+         + 2 * 3 * block_rows;   // offsets of x, a and b per row (int64)
+}
+// The rows per block that opm_project_rows_kernel's tensor-core form can take: 64 for any H; 32
+// where 2H > 16 (four column groups need at least four n tiles) and x is 32-bit (its 256 threads
+// then stage one 16-byte vector each per chunk: 32 rows x 8 vectors).
+FLASHOPM_HD inline bool project_rows_block_allowed(int block_rows, int H, bool x_is_16bit) {
+  if (block_rows == kProjRows) return true;
+  const int n_tiles = 2 * proj_cols_per_thread(H);  // (16 CT) / 8
+  const int col_groups = 8 / (block_rows / 16);
+  if (block_rows == 64) return n_tiles % col_groups == 0;
+  if (block_rows == 32) return n_tiles % col_groups == 0 && !x_is_16bit;
+  return false;
 }
 
 constexpr int kOuterThreads = 256;
