@@ -479,11 +479,13 @@ bool projects_on_rows_kernel(const PrepArgs& args, int64_t rows, int dev) {
   return args.ab_kind != kAbF16Split && 2 * rows >= int64_t(kProjRows) * device_info(dev).sm_count;
 }
 
-// The row-tiled kernel's rows per block (PrepArgs::block_rows): 128 where a launch has at least
-// two blocks of 128 per SM, else the fewest of 64 and 32 that the outputs allow: a launch of a few
-// thousand rows (a block of rows under a peak bound) is bound by one block's chain of loads and
-// products, so more, smaller blocks finish sooner.  The bits do not change.  FLASHOPM_PROJ_ROWS
-// (128, 64 or 32) asks for one (to compare them; one not allowed falls back to 128).
+// The row-tiled kernel's rows per block (PrepArgs::block_rows) for its tensor-core form: the size
+// with the least estimated time, its waves of blocks (project_rows_min_blocks per SM) times one
+// block's time relative to a 128-row block's: 0.65 for 64 rows, 0.48 for 32 (H200, sweeps of
+// msa_dim 64 and 256 from 9K to 1M rows, scripts/projection_rows_sweep.py).  Small launches (a
+// band's rows under a peak bound) take 32 or 64 rows, where 128-row blocks would leave SMs idle,
+// and large 3xTF32 ones 64 (three blocks per SM against two).  The bits do not depend on it.
+// FLASHOPM_PROJ_ROWS (128, 64 or 32) asks for one (to compare them; one not allowed runs as 128).
 int projection_block_rows(const PrepArgs& args, int dev) {
   if (const char* env = env_get("FLASHOPM_PROJ_ROWS"); env != nullptr && *env != 0) {
     const int r = std::atoi(env);
@@ -491,12 +493,24 @@ int projection_block_rows(const PrepArgs& args, int dev) {
                    "'");
     return r;
   }
-  const int64_t rows = project_rows_count(args);
-  const int64_t fill = 2 * int64_t(device_info(dev).sm_count);
   const bool x16 = args.x_kind == kMaskHalf || args.x_kind == kMaskBFloat16;
-  if ((rows + kProjRows - 1) / kProjRows >= fill) return kProjRows;
-  if ((rows + 63) / 64 >= fill || !project_rows_block_allowed(32, args.H, x16)) return 64;
-  return 32;
+  const int terms = x16 ? 1 : args.mma_terms;
+  if (terms == 0) return kProjRows;  // the FMA form: 128 rows only
+  const int64_t rows = project_rows_count(args), sms = device_info(dev).sm_count;
+  const int ct = proj_cols_per_thread(args.H);
+  constexpr int kSizes[3] = {kProjRows, 64, 32};
+  constexpr double kBlockTime[3] = {1.0, 0.65, 0.48};
+  int best = kProjRows;
+  double best_time = 0;
+  for (int i = 0; i < 3; ++i) {
+    const int r = kSizes[i];
+    if (!project_rows_block_allowed(r, args.H, x16)) continue;
+    const int64_t slots = int64_t(project_rows_min_blocks(ct, terms, r)) * sms;
+    const int64_t waves = ((rows + r - 1) / r + slots - 1) / slots;
+    const double t = double(waves) * kBlockTime[i];
+    if (i == 0 || t < best_time) best = r, best_time = t;
+  }
+  return best;
 }
 
 // rows_kernel: the row-tiled GEMM kernel for any number of rows (a block of a problem whose whole

@@ -877,7 +877,7 @@ __global__ void __launch_bounds__(kPrepThreads, RW == 1 && Q <= 2 && !kProjectW 
 // few thousand rows still spreads over the SMs; every output's sum runs through the same k-steps
 // in the same order whatever kRows is, so the bits do not depend on it.
 template <int CT, typename XT, bool kVec, int kMmaTerms, int kRows = kProjRows>  // XT: x's element type (p.x_kind); kMmaTerms: 0 FMA form
-__global__ void __launch_bounds__(kProjThreads, kMmaTerms == 1 && CT <= 4 ? 3 : CT >= 8 ? 1 : kRows < kProjRows && CT <= 4 ? 3 : 2)
+__global__ void __launch_bounds__(kProjThreads, project_rows_min_blocks(CT, kMmaTerms, kRows))
     opm_project_rows_kernel(const PrepArgs p) {
   constexpr bool kMma = kMmaTerms > 0;
   static_assert(kMmaTerms == 0 || kMmaTerms == 1 || kMmaTerms == 3, "no tensor cores, one TF32 term or three");

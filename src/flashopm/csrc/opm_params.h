@@ -241,6 +241,14 @@ FLASHOPM_HD inline int64_t project_rows_smem_floats(int H, bool mma, int block_r
   return tiles + 3 * block_rows  // mean, rstd, mask per row
          + 2 * 3 * block_rows;   // offsets of x, a and b per row (int64)
 }
+// opm_project_rows_kernel's blocks per SM: its __launch_bounds__ minimum, which its register counts
+// meet exactly (ptxas, sm_90: 3xTF32 at CT = 4 takes 128 registers with 128 rows, 80 with 64 or 32).
+FLASHOPM_HD constexpr int project_rows_min_blocks(int CT, int mma_terms, int block_rows) {
+  return mma_terms == 1 && CT <= 4 ? 3
+         : CT >= 8                 ? (block_rows < kProjRows ? 2 : 1)
+         : block_rows < kProjRows  ? 3
+                                   : 2;
+}
 // The rows per block that opm_project_rows_kernel's tensor-core form can take: 64 for any H; 32
 // where 2H > 16 (four column groups need at least four n tiles) and x is 32-bit (its 256 threads
 // then stage one 16-byte vector each per chunk: 32 rows x 8 vectors).
