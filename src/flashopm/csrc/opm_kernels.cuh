@@ -996,10 +996,20 @@ __global__ void __launch_bounds__(kProjThreads, project_rows_min_blocks(CT, kMma
         float v[V];
         unpack16<XT>(xraw[q], v);
         const int r = slot_row(q);
+        float y[V];
 #pragma unroll
-        for (int j = 0; j < V; ++j) {
-          const float y = x_row[q] >= 0 && c_in ? fmaf((v[j] - x_mean[q]) * x_rstd[q], lw[j], lb[j]) : 0.f;
-          xs[xs_at(xk + j, r)] = y;
+        for (int j = 0; j < V; ++j)
+          y[j] = x_row[q] >= 0 && c_in ? fmaf((v[j] - x_mean[q]) * x_rstd[q], lw[j], lb[j]) : 0.f;
+        if constexpr (kMma) {
+          // the lane's V features of row r are consecutive in xs (16-byte aligned: LDK and xk are
+          // multiples of 4): 16-byte stores, a quarter warp's covering one row's 128 bytes, where
+          // single floats from four rows at once met 4-way bank conflicts
+#pragma unroll
+          for (int j = 0; j < V; j += 4)
+            *reinterpret_cast<float4*>(&xs[xs_at(xk + j, r)]) = make_float4(y[j], y[j + 1], y[j + 2], y[j + 3]);
+        } else {
+#pragma unroll
+          for (int j = 0; j < V; ++j) xs[xs_at(xk + j, r)] = y[j];
         }
       }
     } else {
