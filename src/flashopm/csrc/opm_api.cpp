@@ -493,8 +493,7 @@ int projection_block_rows(const PrepArgs& args, int dev) {
                    "'");
     return r;
   }
-  const bool x16 = args.x_kind == kMaskHalf || args.x_kind == kMaskBFloat16;
-  const int terms = x16 ? 1 : args.mma_terms;
+  const int terms = project_rows_mma_terms(args);
   if (terms == 0) return kProjRows;  // the FMA form: 128 rows only
   const int64_t rows = project_rows_count(args), sms = device_info(dev).sm_count;
   const int ct = proj_cols_per_thread(args.H);
@@ -504,7 +503,7 @@ int projection_block_rows(const PrepArgs& args, int dev) {
   double best_time = 0;
   for (int i = 0; i < 3; ++i) {
     const int r = kSizes[i];
-    if (!project_rows_block_allowed(r, args.H, x16)) continue;
+    if (!project_rows_block_allowed(r, args.H, x_is_16bit(args))) continue;
     const int64_t slots = int64_t(project_rows_min_blocks(ct, terms, r)) * sms;
     const int64_t waves = ((rows + r - 1) / r + slots - 1) / slots;
     const double t = double(waves) * kBlockTime[i];

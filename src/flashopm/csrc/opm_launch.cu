@@ -348,26 +348,22 @@ bool project_rows_vec(const PrepArgs& args) {
   return reinterpret_cast<uintptr_t>(args.x) % 16 == 0 && args.C % V == 0 && args.x_sb % V == 0 &&
          args.x_ss % V == 0 && args.x_sn % V == 0;
 }
-// The tensor-core form's TF32 terms per product (with vector loads): one for 16-bit x, mma_terms for
-// float32 x; 0 for the FMA form.
-int project_rows_mma(const PrepArgs& args) {
-  if (!project_rows_vec(args)) return 0;
-  return args.x_kind == kMaskHalf || args.x_kind == kMaskBFloat16 ? 1 : args.mma_terms;
-}
-}  // namespace
-
-namespace {
 // The block's rows as launched: args.block_rows in the tensor-core form where it is allowed, else 128.
 int project_rows_block(const PrepArgs& args) {
-  const bool x16 = args.x_kind == kMaskHalf || args.x_kind == kMaskBFloat16;
-  if (project_rows_mma(args) == 0 || args.block_rows <= 0 || !project_rows_block_allowed(args.block_rows, args.H, x16))
+  if (project_rows_mma_terms(args) == 0 || args.block_rows <= 0 ||
+      !project_rows_block_allowed(args.block_rows, args.H, x_is_16bit(args)))
     return kProjRows;
   return args.block_rows;
 }
 }  // namespace
 
+int project_rows_mma_terms(const PrepArgs& args) {
+  if (!project_rows_vec(args)) return 0;
+  return x_is_16bit(args) ? 1 : args.mma_terms;
+}
+
 int project_rows_smem_bytes(const PrepArgs& args) {
-  return int(project_rows_smem_floats(args.H, project_rows_mma(args) > 0, project_rows_block(args)) * sizeof(float));
+  return int(project_rows_smem_floats(args.H, project_rows_mma_terms(args) > 0, project_rows_block(args)) * sizeof(float));
 }
 
 namespace {
@@ -402,7 +398,7 @@ void launch_project_rows_v(const PrepArgs& args, cudaStream_t stream) {
 template <typename XT>
 void launch_project_rows_x(const PrepArgs& args, cudaStream_t stream) {
   if (!project_rows_vec(args)) return launch_project_rows_v<XT, false, 0>(args, stream);
-  const int terms = project_rows_mma(args);
+  const int terms = project_rows_mma_terms(args);
   if constexpr (std::is_same_v<XT, float>) {
     if (terms == 3) return launch_project_rows_v<XT, true, 3>(args, stream);
   }

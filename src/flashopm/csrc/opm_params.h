@@ -170,6 +170,9 @@ struct PrepArgs {
   int after_previous;
 };
 
+// Whether x is float16 or bfloat16 (PrepArgs::x_kind).
+FLASHOPM_HD inline bool x_is_16bit(const PrepArgs& p) { return p.x_kind == kMaskHalf || p.x_kind == kMaskBFloat16; }
+
 // opm_project_rows_kernel's rows: (b, s, n), n fastest; for the K-major kinds (s_chunk > 1)
 // (b, chunk of s, n, s within the chunk), s fastest, so that a warp's stores of one (n, h) are whole
 // 32-byte pieces along s rather than one float each, the last chunk's rows past S counted and left
@@ -252,12 +255,12 @@ FLASHOPM_HD constexpr int project_rows_min_blocks(int CT, int mma_terms, int blo
 // The rows per block that opm_project_rows_kernel's tensor-core form can take: 64 for any H; 32
 // where 2H > 16 (four column groups need at least four n tiles) and x is 32-bit (its 256 threads
 // then stage one 16-byte vector each per chunk: 32 rows x 8 vectors).
-FLASHOPM_HD inline bool project_rows_block_allowed(int block_rows, int H, bool x_is_16bit) {
+FLASHOPM_HD inline bool project_rows_block_allowed(int block_rows, int H, bool x16) {
   if (block_rows == kProjRows) return true;
   const int n_tiles = 2 * proj_cols_per_thread(H);  // (16 CT) / 8
   const int col_groups = 8 / (block_rows / 16);
   if (block_rows == 64) return n_tiles % col_groups == 0;
-  if (block_rows == 32) return n_tiles % col_groups == 0 && !x_is_16bit;
+  if (block_rows == 32) return n_tiles % col_groups == 0 && !x16;
   return false;
 }
 
@@ -500,6 +503,9 @@ bool prep_whole_weights_apply(const PrepArgs& args, bool project_w, int rows_per
 // opm_project_rows_kernel over all B * S * N rows (project_w = false layouts)
 void launch_project_rows(const PrepArgs& args, cudaStream_t stream);
 int project_rows_smem_bytes(const PrepArgs& args);
+// opm_project_rows_kernel's TF32 terms per product: 0 for its FMA form (x not in 16-byte vectors,
+// or FLASHOPM_PROJECTION_MMA=0), 1 for 16-bit x, else PrepArgs::mma_terms.
+int project_rows_mma_terms(const PrepArgs& args);
 int prep_smem_bytes(int H, int rows_per_warp, bool project_w, bool whole_w = false, int C = 0);
 void launch_outer(const OuterArgs& args, cudaStream_t stream);
 void launch_row_denominators(const RowDenArgs& args, cudaStream_t stream);
