@@ -470,6 +470,45 @@ def test_pytorch_high_takes_tf32_blocks(monkeypatch):
 
 
 @requires_cuda
+@pytest.mark.parametrize("past_s256", [False, True], ids=["S=8", "S=260"])
+def test_pytorch_high_keeps_f16_split_forms_with_one_term(monkeypatch, past_s256):
+    """Under PyTorch's "high" a float32 backward with hidden_dim 32, large enough for the float16
+    split forms, takes the fused kernels with the high parts' products alone: the bits of an
+    explicit precision="high", other bits than ATen's blocks (FLASHOPM_BACKWARD_BLOCKS=1) and than
+    "highest"; out_proj's gradient off float64 by TF32's rounding (so the one-term form ran), and
+    every gradient within twice eager TF32's error against float64."""
+    f16_backward_form_or_skip(monkeypatch)
+    monkeypatch.delenv("FLASHOPM_BWD_FORM")
+    # B·S·N² >= 2^17; at S = 8, B·N² >= 24576, where "high" past S = 256 takes ATen's blocks
+    shape = Shape(1, 260, 40, 16, 32, 8) if past_s256 else Shape(1, 8, 157, 16, 32, 8)
+    x, m, p = make_problem(shape, "masked_positions", seed=31)
+    g = torch.randn(shape.B, shape.N, shape.N, shape.D, generator=torch.Generator().manual_seed(9))
+    ref64 = _reference_grads(x.double(), m.double(), {k: v.double() for k, v in p.items()}, g.double())
+    xc, mc, gc = x.cuda(), m.cuda(), g.cuda()
+    pc = {k: v.cuda() for k, v in p.items()}
+    explicit = _flashopm_grads(xc, mc, pc, gc, precision="high")  # PyTorch's setting still "highest"
+    highest = _flashopm_grads(xc, mc, pc, gc)
+    torch.set_float32_matmul_precision("high")
+    try:
+        eager_tf32 = _reference_grads(xc, mc, pc, gc)
+        ours = _flashopm_grads(xc, mc, pc, gc)
+        monkeypatch.setenv("FLASHOPM_BACKWARD_BLOCKS", "1")
+        blocks = _flashopm_grads(xc, mc, pc, gc)
+    finally:
+        torch.set_float32_matmul_precision("highest")
+    w_out = GRAD_INPUTS.index("w_out")
+    assert all(torch.equal(o, e) for o, e in zip(ours, explicit))
+    assert not torch.equal(ours[w_out], blocks[w_out])
+    assert not torch.equal(ours[w_out], highest[w_out])
+    assert rel_error(ours[w_out].cpu(), ref64[w_out]) > 1e-5
+    assert rel_error(highest[w_out].cpu(), ref64[w_out]) < 1e-5
+    for name, o, e, r in zip(GRAD_INPUTS, ours, eager_tf32, ref64):
+        assert torch.isfinite(o).all(), name
+        err, err_eager = rel_error(o.cpu(), r), rel_error(e.cpu(), r)
+        assert err <= max(2 * err_eager, 4 * torch.finfo(torch.float32).eps), f"{name}: {err:.3g} vs eager {err_eager:.3g}"
+
+
+@requires_cuda
 @pytest.mark.parametrize("mode", [None, "reduce-overhead"])
 def test_compile_modes_on_cuda(mode):
     torch.manual_seed(0)

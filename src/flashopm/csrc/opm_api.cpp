@@ -1818,8 +1818,8 @@ void check_fused_backward(int dev) {
 // sm_90a code, the GPU is sm_90 and the problem is large enough (B·S·Nr·Nc >= kBwF16MinWork: at the
 // specification's shape, 2^14, their extra launches and per-step retirements cost 7 us more than
 // they give; at (1,32,96,96) they take 0.60x the mma.sync forms' time);
-// else mma.sync.  They keep float32 accuracy, so they serve "high" too, where they are faster than
-// TF32 on mma.sync.  FLASHOPM_BWD_FORM=mma_sync or =f16_split asks for one of them (to compare them).
+// else mma.sync.  Under "highest" they take three products of the split parts (float32 accuracy),
+// under "high" the high parts' alone (TF32's rounding).  FLASHOPM_BWD_FORM=mma_sync or =f16_split asks for one of them (to compare them).
 constexpr int64_t kBwF16MinWork = int64_t(1) << 17;
 bool backward_f16_form(int64_t B, int64_t S, int64_t Nr, int64_t Nc, int64_t H, int dev) {
   const char* env = env_get("FLASHOPM_BWD_FORM");
@@ -1922,13 +1922,13 @@ void run_contract_backward(const ContractBackwardPlan& p, const float* g, const 
     side.w = w, side.y = b, side.grad = p.jsplits == 1 ? grad_a : part_a;
     side.Nr = int(Nr), side.Nc = int(Nc), side.gs_r = Nc * Dp, side.gs_c = Dp;
     side.w_split = w_split, side.w_inv = w_inv, side.y_split = y_split, side.y_inv = y_inv;
-    if (p.side_f16) launch_bwd_side_f16(side, false, stream);
+    if (p.side_f16) launch_bwd_side_f16(side, false, terms, stream);
     else launch_bwd_side(side, terms, stream);
     // grad_b: rows j, columns i, W with h1 and h2 swapped, y = a
     side.y = a, side.grad = p.jsplits == 1 ? grad_b : part_b;
     side.Nr = int(Nc), side.Nc = int(Nr), side.gs_r = Dp, side.gs_c = Nc * Dp;
     if (p.side_f16) {
-      launch_bwd_side_f16(side, true, stream);  // its splits follow the first side's kernel on the stream
+      launch_bwd_side_f16(side, true, terms, stream);  // its splits follow the first side's kernel on the stream
     } else {
       launch_transpose_hh(w, w_t, int(H), D, sm_count, stream);
       side.w = w_t;
@@ -1946,7 +1946,7 @@ void run_contract_backward(const ContractBackwardPlan& p, const float* g, const 
     wa.B = int(B), wa.S = int(S), wa.Nr = int(Nr), wa.Nc = int(Nc), wa.H = int(H), wa.D = int(D), wa.Dp = int(Dp);
     if (p.w_f16) {
       wa.a_split = a_split, wa.b_split = b_split, wa.a_inv = a_inv, wa.b_inv = b_inv;
-      launch_bwd_w_f16(wa, int(p.splits), stream);
+      launch_bwd_w_f16(wa, int(p.splits), terms, stream);
     } else {
       launch_bwd_w(wa, int(p.splits), terms, stream);
     }

@@ -497,11 +497,16 @@ std::vector<at::Tensor> outer_product_mean_backward_cuda(const at::Tensor& grad_
   // (1,128,181,256,32,128), 1.81 against 2.40 ms at the crop (1,128,256,256,32,128)); at 2^14
   // pairs the blocks' launches still cost more than they save (1.07 against 0.94 ms at
   // (1,64,128,128,32,128)).  An explicit precision="high" under PyTorch's "highest" keeps the
-  // fused kernels, whose TF32 it asks for.
+  // fused kernels, whose TF32 it asks for.  Where the float16 split forms run (hidden_dim 32,
+  // sm_90a, large problems) and S <= 256, "high" keeps the fused kernels too, with the high parts'
+  // products alone (TF32's rounding, a third of the MMAs of "highest"): a training step at the
+  // crop (1,128,256,256,32,128) took 0.81x the blocks' time; at S = 512 (N = 768), where the side
+  // kernels form dO again for every 128 values of s, 1.19x.
   // FLASHOPM_BACKWARD_BLOCKS=1 takes the blocks everywhere, =0 the fused kernels wherever they
   // apply, to compare the two.
   const bool tf32_blocks = prec == kHigh && B * N * N >= kHighBlocksMinPairs &&
                            at::globalContext().float32MatmulPrecision() != at::Float32MatmulPrecision::HIGHEST &&
+                           !(H == 32 && S <= 256 && backward_f16_form(B, S, N, N, H, dev)) &&
                            !env_is("FLASHOPM_BACKWARD_BLOCKS", "0");
   const bool fused_contract = work == at::kFloat && blocks_type == at::kFloat && (H == 16 || H == 32 || H == 64) &&
                               (S <= 256 || (H == 32 && backward_f16_form(B, S, N, N, H, dev))) && !tf32_blocks &&

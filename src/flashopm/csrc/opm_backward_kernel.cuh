@@ -164,6 +164,8 @@ __global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_side_kernel(const BwdSi
 //   GEMM 2, per chunk: 6 wgmma m64n128k16 (both operands in shared memory) into a zeroed
 //     accumulator, added to acc2 times the row's inverse scale; y's column scales in the epilogue.
 // The loop runs tiles, then each tile's chunks, so that acc1 lives only through GEMM 1.
+// kTerms = 1 (PyTorch's "high"): hi·hi alone, each operand rounded to float16's 11 bits after its
+// power-of-two scale, TF32's rounding; the low parts are neither stored nor read.
 // The float16 split kernels' ring of kBwStages stages of kStageBytes each, filled by asynchronous
 // copies kBwStages - 1 steps ahead: load_step(stage) issues one step's copies into a stage; total
 // steps in all.
@@ -196,9 +198,10 @@ struct BwStageRing {
   }
 };
 
-template <int kH>
+template <int kTerms, int kH>
 __global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_side_f16_kernel(const BwdSideArgs p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  static_assert(kTerms == 1 || kTerms == 3, "the high parts' products alone, or with both cross terms");
   static_assert(kH == 32, "the float16 split side kernel's dO chunks are one column j each");
   static_assert(kBwThreads == kBwSideCols, "one W column scale per thread");
   extern __shared__ float4 smem_f4[];
@@ -310,9 +313,11 @@ __global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_side_f16_kernel(const B
 #pragma unroll
       for (int kk = 0; kk < 2; ++kk) {
         const uint64_t w_hi = wgmma_desc(st + 32 * kk, 16, 1024), w_lo = wgmma_desc(st + 64 + 32 * kk, 16, 1024);
-        wgmma_m64n128k16_f16_rs(part, a_lo[kk], w_hi, kk);
-        wgmma_m64n128k16_f16_rs(part, a_hi[kk], w_lo, 1);
-        wgmma_m64n128k16_f16_rs(part, a_hi[kk], w_hi, 1);
+        if constexpr (kTerms == 3) {
+          wgmma_m64n128k16_f16_rs(part, a_lo[kk], w_hi, kk);
+          wgmma_m64n128k16_f16_rs(part, a_hi[kk], w_lo, 1);
+        }
+        wgmma_m64n128k16_f16_rs(part, a_hi[kk], w_hi, kTerms == 3 ? 1 : kk);
       }
       wgmma_commit();
       wgmma_wait<0>();
@@ -353,7 +358,7 @@ __global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_side_f16_kernel(const B
           uint32_t hi, lo;
           split_f16x2(acc1[4 * j + 2 * half] * f, acc1[4 * j + 2 * half + 1] * f, hi, lo);
           *reinterpret_cast<uint32_t*>(dc + kmajor_split16_offset(row, pos, 1024, 0)) = hi;
-          *reinterpret_cast<uint32_t*>(dc + kmajor_split16_offset(row, pos, 1024, 1)) = lo;
+          if constexpr (kTerms == 3) *reinterpret_cast<uint32_t*>(dc + kmajor_split16_offset(row, pos, 1024, 1)) = lo;
         }
       }
     }
@@ -370,9 +375,11 @@ __global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_side_f16_kernel(const B
       for (int kk = 0; kk < 2; ++kk) {
         const uint64_t d_hi = wgmma_desc(dc + 32 * kk, 16, 1024), d_lo = wgmma_desc(dc + 64 + 32 * kk, 16, 1024);
         const uint64_t y_hi = wgmma_desc(st + 32 * kk, 16, 1024), y_lo = wgmma_desc(st + 64 + 32 * kk, 16, 1024);
-        wgmma_m64n128k16_f16(part, d_lo, y_hi, kk);
-        wgmma_m64n128k16_f16(part, d_hi, y_lo, 1);
-        wgmma_m64n128k16_f16(part, d_hi, y_hi, 1);
+        if constexpr (kTerms == 3) {
+          wgmma_m64n128k16_f16(part, d_lo, y_hi, kk);
+          wgmma_m64n128k16_f16(part, d_hi, y_lo, 1);
+        }
+        wgmma_m64n128k16_f16(part, d_hi, y_hi, kTerms == 3 ? 1 : kk);
       }
       wgmma_commit();
       wgmma_wait<0>();
@@ -653,9 +660,11 @@ __global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_w_kernel(const BwdWArgs
 //     splits it (pairs of adjacent d through a shuffle) as A (MN-major, [pair][d]); two halves of
 //     64 d, six wgmma m64n64k16 each, into zeroed accumulators added to acc in float32 times the
 //     row's inverse scale.  The tile's O' is the same for both chunks.
-template <int kH>
+// kTerms = 1: hi·hi alone in both GEMMs (TF32's rounding, as for the side kernel).
+template <int kTerms, int kH>
 __global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_w_f16_kernel(const BwdWArgs p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  static_assert(kTerms == 1 || kTerms == 3, "the high parts' products alone, or with both cross terms");
   static_assert(kH == 32, "the float16 split W kernel splits a and b with one lane per h");
   static_assert(kBwThreads == kBwWDG, "one row d of g's chunk per thread");
   extern __shared__ float4 smem_f4[];
@@ -760,9 +769,11 @@ __global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_w_f16_kernel(const BwdW
         const uint64_t a_hi = wgmma_desc(st + 32 * kk, 16, 1024), a_lo = wgmma_desc(st + 64 + 32 * kk, 16, 1024);
         const uint64_t b_hi = wgmma_desc(st + 8192 + 32 * kk, 16, 1024),
                        b_lo = wgmma_desc(st + 8192 + 64 + 32 * kk, 16, 1024);
-        wgmma_m64n64k16_f16<0, 0>(part, a_lo, b_hi, kk);
-        wgmma_m64n64k16_f16<0, 0>(part, a_hi, b_lo, 1);
-        wgmma_m64n64k16_f16<0, 0>(part, a_hi, b_hi, 1);
+        if constexpr (kTerms == 3) {
+          wgmma_m64n64k16_f16<0, 0>(part, a_lo, b_hi, kk);
+          wgmma_m64n64k16_f16<0, 0>(part, a_hi, b_lo, 1);
+        }
+        wgmma_m64n64k16_f16<0, 0>(part, a_hi, b_hi, kTerms == 3 ? 1 : kk);
       }
       wgmma_commit();
       wgmma_wait<0>();
@@ -782,7 +793,7 @@ __global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_w_f16_kernel(const BwdW
         uint32_t hi, lo;
         split_f16x2(acc1[4 * j + 2 * half] * o_scale, acc1[4 * j + 2 * half + 1] * o_scale, hi, lo);
         *reinterpret_cast<uint32_t*>(os + off) = hi;
-        *reinterpret_cast<uint32_t*>(os + kHalf + off) = lo;
+        if constexpr (kTerms == 3) *reinterpret_cast<uint32_t*>(os + kHalf + off) = lo;
       }
     }
     fence_proxy_async_smem();
@@ -817,7 +828,7 @@ __global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_w_f16_kernel(const BwdW
           uint32_t hi, lo;
           split_f16x2(v0, v1, hi, lo);
           *reinterpret_cast<uint32_t*>(gs + off) = hi;
-          *reinterpret_cast<uint32_t*>(gs + kHalf + off) = lo;
+          if constexpr (kTerms == 3) *reinterpret_cast<uint32_t*>(gs + kHalf + off) = lo;
         }
       }
       fence_proxy_async_smem();
@@ -832,9 +843,11 @@ __global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_w_f16_kernel(const BwdW
                          g_lo = wgmma_desc(gs + kHalf + h * 4096 + kk * 2048, 4096, 1024);
           const uint64_t o_hi = wgmma_desc(os + c * 4096 + kk * 2048, 4096, 1024),
                          o_lo = wgmma_desc(os + kHalf + c * 4096 + kk * 2048, 4096, 1024);
-          wgmma_m64n64k16_f16<1, 1>(part[h], g_lo, o_hi, kk);
-          wgmma_m64n64k16_f16<1, 1>(part[h], g_hi, o_lo, 1);
-          wgmma_m64n64k16_f16<1, 1>(part[h], g_hi, o_hi, 1);
+          if constexpr (kTerms == 3) {
+            wgmma_m64n64k16_f16<1, 1>(part[h], g_lo, o_hi, kk);
+            wgmma_m64n64k16_f16<1, 1>(part[h], g_hi, o_lo, 1);
+          }
+          wgmma_m64n64k16_f16<1, 1>(part[h], g_hi, o_hi, kTerms == 3 ? 1 : kk);
         }
       wgmma_commit();
       wgmma_wait<0>();

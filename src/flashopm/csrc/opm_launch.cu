@@ -775,7 +775,7 @@ void launch_bwd_side(const BwdSideArgs& args, int terms, cudaStream_t stream) {
   launch_bwd_side_h<1>(args, stream);
 }
 
-void launch_bwd_side_f16(const BwdSideArgs& args, bool swap_hh, cudaStream_t stream) {
+void launch_bwd_side_f16(const BwdSideArgs& args, bool swap_hh, int terms, cudaStream_t stream) {
   const int HH = args.H * args.H;
   launch_kernel<opm_split_side_w_kernel>(unsigned(HH / 32), 256, 0, stream, args.w, const_cast<uint32_t*>(args.w_split),
                                          const_cast<float*>(args.w_inv), args.H, args.D, swap_hh);
@@ -785,11 +785,16 @@ void launch_bwd_side_f16(const BwdSideArgs& args, bool swap_hh, cudaStream_t str
   constexpr int kH = 32, hc = kBwSideCols / kH, ti = kBwSideRows / hc;
   const dim3 grid(unsigned((args.Nr + ti - 1) / ti), unsigned(kH / hc),
                   unsigned(args.B * args.n_sblocks * args.jsplits));
-  constexpr auto kernel = opm_bwd_side_f16_kernel<kH>;
-  launch_kernel<kernel, SmemSetup::kOptIn>(grid, kBwThreads, kBsfSmemBytes, stream, args);
+  if (terms == 3) {
+    constexpr auto kernel = opm_bwd_side_f16_kernel<3, kH>;
+    launch_kernel<kernel, SmemSetup::kOptIn>(grid, kBwThreads, kBsfSmemBytes, stream, args);
+  } else {
+    constexpr auto kernel = opm_bwd_side_f16_kernel<1, kH>;
+    launch_kernel<kernel, SmemSetup::kOptIn>(grid, kBwThreads, kBsfSmemBytes, stream, args);
+  }
 }
 
-void launch_bwd_w_f16(const BwdWArgs& args, int splits, cudaStream_t stream) {
+void launch_bwd_w_f16(const BwdWArgs& args, int splits, int terms, cudaStream_t stream) {
   launch_kernel<opm_split_ab_f16_kernel>(unsigned(int64_t(args.B) * args.Nr), 256, 0, stream, args.a,
                                          const_cast<uint32_t*>(args.a_split), const_cast<float*>(args.a_inv), args.S,
                                          args.Nr);
@@ -798,8 +803,13 @@ void launch_bwd_w_f16(const BwdWArgs& args, int splits, cudaStream_t stream) {
                                          args.Nc);
   constexpr int kH = 32, hc = kBwWCols / kH;
   const dim3 grid(unsigned(kH / hc), unsigned((args.D + kBwWDG - 1) / kBwWDG), unsigned(splits));
-  constexpr auto kernel = opm_bwd_w_f16_kernel<kH>;
-  launch_kernel<kernel, SmemSetup::kOptIn>(grid, kBwThreads, kBwfSmemBytes, stream, args);
+  if (terms == 3) {
+    constexpr auto kernel = opm_bwd_w_f16_kernel<3, kH>;
+    launch_kernel<kernel, SmemSetup::kOptIn>(grid, kBwThreads, kBwfSmemBytes, stream, args);
+  } else {
+    constexpr auto kernel = opm_bwd_w_f16_kernel<1, kH>;
+    launch_kernel<kernel, SmemSetup::kOptIn>(grid, kBwThreads, kBwfSmemBytes, stream, args);
+  }
 }
 
 void launch_bwd_w(const BwdWArgs& args, int splits, int terms, cudaStream_t stream) {

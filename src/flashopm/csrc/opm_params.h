@@ -1062,10 +1062,12 @@ void launch_bwd_side(const BwdSideArgs& args, int terms, cudaStream_t stream);
 //   args.w (D, H·H) as given, in its side's view (swap_hh: h1 and h2 exchanged, as for grad_b), into
 //   args.w_split / args.w_inv,
 //   y (B, S, Nc, H) into args.y_split / args.y_inv, then the kernel.
-void launch_bwd_side_f16(const BwdSideArgs& args, bool swap_hh, cudaStream_t stream);
+// terms: 3 (float32 accuracy) or 1 (the high parts alone: TF32's rounding, for "high").
+void launch_bwd_side_f16(const BwdSideArgs& args, bool swap_hh, int terms, cudaStream_t stream);
 // The float16 split form of the W kernel (hidden_dim 32, sm_90a): a and b split into
-// args.a_split / a_inv and b_split / b_inv, then the kernel over `splits` splits of the tiles.
-void launch_bwd_w_f16(const BwdWArgs& args, int splits, cudaStream_t stream);
+// args.a_split / a_inv and b_split / b_inv, then the kernel over `splits` splits of the tiles;
+// terms as for the side kernel.
+void launch_bwd_w_f16(const BwdWArgs& args, int splits, int terms, cudaStream_t stream);
 void launch_bwd_w(const BwdWArgs& args, int splits, int terms, cudaStream_t stream);
 
 // g = grad_out / divisor in one pass over grad_out (opm_grad_scale_kernel); the divisor of pair
