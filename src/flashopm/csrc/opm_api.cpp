@@ -481,10 +481,12 @@ bool projects_on_rows_kernel(const PrepArgs& args, int64_t rows, int dev) {
 
 // The row-tiled kernel's rows per block (PrepArgs::block_rows) for its tensor-core form: the size
 // with the least estimated time, its waves of blocks (project_rows_min_blocks per SM) times one
-// block's time relative to a 128-row block's: 0.65 for 64 rows, 0.48 for 32 (H200, sweeps of
-// msa_dim 64 and 256 from 9K to 1M rows, scripts/projection_rows_sweep.py).  Small launches (a
-// band's rows under a peak bound) take 32 or 64 rows, where 128-row blocks would leave SMs idle,
-// and large 3xTF32 ones 64 (three blocks per SM against two).  The bits do not depend on it.
+// block's time relative to a 128-row block's (H200, sweeps of msa_dim 64 and 256 from 9K to 1M
+// rows, scripts/projection_rows_sweep.py): 3xTF32 0.65 for 64 rows and 0.48 for 32; TF32 with
+// float32 x 0.43 and 0.28 (three blocks per SM at every size, and the 128-row form spills); 16-bit
+// x 0.5 for 64.  Small launches (a band's rows under a peak bound) take 32 or 64 rows, where
+// 128-row blocks would leave SMs idle, and large 3xTF32 and TF32 ones 64.  The bits do not
+// depend on it.
 // FLASHOPM_PROJ_ROWS (128, 64 or 32) asks for one (to compare them; one not allowed runs as 128).
 int projection_block_rows(const PrepArgs& args, int dev) {
   if (const char* env = env_get("FLASHOPM_PROJ_ROWS"); env != nullptr && *env != 0) {
@@ -498,7 +500,9 @@ int projection_block_rows(const PrepArgs& args, int dev) {
   const int64_t rows = project_rows_count(args), sms = device_info(dev).sm_count;
   const int ct = proj_cols_per_thread(args.H);
   constexpr int kSizes[3] = {kProjRows, 64, 32};
-  constexpr double kBlockTime[3] = {1.0, 0.65, 0.48};
+  constexpr double kBlockTime3[3] = {1.0, 0.65, 0.48}, kBlockTime1[3] = {1.0, 0.43, 0.28},
+                   kBlockTime16[3] = {1.0, 0.5, 0.5};
+  const double* kBlockTime = terms == 3 ? kBlockTime3 : x_is_16bit(args) ? kBlockTime16 : kBlockTime1;
   int best = kProjRows;
   double best_time = 0;
   for (int i = 0; i < 3; ++i) {

@@ -871,7 +871,9 @@ __global__ void __launch_bounds__(kPrepThreads, RW == 1 && Q <= 2 && !kProjectW 
 // products) runs three blocks per SM (80 registers, a few spills): it is bound by the latency of its
 // global loads, and at two blocks (124 registers) it took 19% longer at N = 1536 in bfloat16.  With
 // kMmaTerms = 3 (float32 x under "highest") each k-step is three TF32 products of split operands
-// into a zeroed fragment, added to the sums in float32 (warp_mma_tf32), at two blocks per SM.
+// into a zeroed fragment, added to the sums in float32 (warp_mma_tf32_presplit), at two blocks per
+// SM.  The tensor-core forms split x and W (split_tf32) once, as they store them in shared memory,
+// not per fragment in every warp: the same fragments, so the same bits.
 // kRows (the tensor-core form only): rows per block, 128, 64 or 32.  The warps then split the
 // columns too (kRows / 16 groups of rows x 128 / kRows groups of columns), so that a launch of a
 // few thousand rows still spreads over the SMs; every output's sum runs through the same k-steps
@@ -890,12 +892,15 @@ __global__ void __launch_bounds__(kProjThreads, project_rows_min_blocks(CT, kMma
   float* smem = reinterpret_cast<float*>(smem_f4);
   constexpr int TR = kRows, RT = kProjRT, KC = kProjKC, LDX = kProjLdX;
   constexpr int NC = 16 * CT, LDW = 16 * CT + 8, LDK = kProjLdK;
-  // xs: normalised x, [KC][LDX] (k-major) or [TR][LDK] (kMma); ws: weights, double-buffered,
-  // [2][KC][LDW] (k-major) or [2][NC][LDK] (kMma)
-  constexpr int kXsFloats = kMma ? TR * LDK : KC * LDX, kWsFloats = kMma ? NC * LDK : KC * LDW;
+  // xs: normalised x, [KC][LDX] (k-major); ws: weights, double-buffered, [2][KC][LDW] (k-major).
+  // kMma: both split for the MMAs as they are stored (each element once, where splitting every
+  // fragment as it is read split W's chunk again in every warp): xs [TR][LDK] high parts, then as
+  // many low parts for three terms; ws one buffer, [NC][LDK] high parts, then the low parts.
+  constexpr int kParts = kMmaTerms == 3 ? 2 : 1;
+  constexpr int kXsFloats = kMma ? kParts * TR * LDK : KC * LDX, kWsFloats = kMma ? kParts * NC * LDK : 2 * KC * LDW;
   float* xs = smem;
   float* ws = xs + kXsFloats;
-  float* mean_s = ws + 2 * kWsFloats;         // [TR]
+  float* mean_s = ws + kWsFloats;             // [TR]
   float* rstd_s = mean_s + TR;
   float* mask_s = rstd_s + TR;
   int64_t* xoff_s = reinterpret_cast<int64_t*>(mask_s + TR);  // [TR]; -1: past the last row
@@ -1005,8 +1010,15 @@ __global__ void __launch_bounds__(kProjThreads, project_rows_min_blocks(CT, kMma
           // multiples of 4): 16-byte stores, a quarter warp's covering one row's 128 bytes, where
           // single floats from four rows at once met 4-way bank conflicts
 #pragma unroll
-          for (int j = 0; j < V; j += 4)
-            *reinterpret_cast<float4*>(&xs[xs_at(xk + j, r)]) = make_float4(y[j], y[j + 1], y[j + 2], y[j + 3]);
+          for (int j = 0; j < V; j += 4) {
+            float4 hi, lo;
+            split_tf32_f<kMma ? kMmaTerms : 1>(y[j], hi.x, lo.x);
+            split_tf32_f<kMma ? kMmaTerms : 1>(y[j + 1], hi.y, lo.y);
+            split_tf32_f<kMma ? kMmaTerms : 1>(y[j + 2], hi.z, lo.z);
+            split_tf32_f<kMma ? kMmaTerms : 1>(y[j + 3], hi.w, lo.w);
+            *reinterpret_cast<float4*>(&xs[xs_at(xk + j, r)]) = hi;
+            if constexpr (kMmaTerms == 3) *reinterpret_cast<float4*>(&xs[TR * LDK + xs_at(xk + j, r)]) = lo;
+          }
         } else {
 #pragma unroll
           for (int j = 0; j < V; ++j) xs[xs_at(xk + j, r)] = y[j];
@@ -1040,16 +1052,44 @@ __global__ void __launch_bounds__(kProjThreads, project_rows_min_blocks(CT, kMma
     w_ok[oi] = o < H2;
     w_src[oi] = o < H ? p.wa + int64_t(o) * C : o < H2 ? p.wb + int64_t(o - H) * C : p.wa;
   }
-  const auto load_w = [&](int c0, float* dst) {
+  const auto w_k = [&](int g) { return wk0 + g * (NC >= 64 ? 4 : 4 * (64 / NC)); };
+  const auto load_w = [&](int c0, float* dst) {  // k-major form: copies into a buffer
 #pragma unroll
     for (int oi = 0; oi < WOuts; ++oi)
 #pragma unroll
       for (int g = 0; g < WKG; ++g) {
-        const int k = wk0 + g * (NC >= 64 ? 4 : 4 * (64 / NC)), c = c0 + k;
+        const int k = w_k(g), c = c0 + k;
         const bool ok = w_ok[oi] && c < C;
-        cp_async4(&dst[kMma ? w_o[oi] * LDK + k : k * LDW + w_o[oi]], ok ? w_src[oi] + c : p.wa, ok);
+        cp_async4(&dst[k * LDW + w_o[oi]], ok ? w_src[oi] + c : p.wa, ok);
       }
     cp_async_commit();
+  };
+  // kMma: the chunk's weights through registers (loaded during the previous chunk's products),
+  // split as they are stored
+  float wv[kMma ? WOuts : 1][kMma ? WKG : 1];
+  const auto load_w_regs = [&](int c0) {
+    if constexpr (kMma) {
+#pragma unroll
+      for (int oi = 0; oi < WOuts; ++oi)
+#pragma unroll
+        for (int g = 0; g < WKG; ++g) {
+          const int c = c0 + w_k(g);
+          wv[oi][g] = w_ok[oi] && c < C ? w_src[oi][c] : 0.f;
+        }
+    }
+  };
+  const auto store_w = [&]() {
+    if constexpr (kMma) {
+#pragma unroll
+      for (int oi = 0; oi < WOuts; ++oi)
+#pragma unroll
+        for (int g = 0; g < WKG; ++g) {
+          float hi, lo;
+          split_tf32_f<kMma ? kMmaTerms : 1>(wv[oi][g], hi, lo);
+          ws[w_o[oi] * LDK + w_k(g)] = hi;
+          if constexpr (kMmaTerms == 3) ws[NC * LDK + w_o[oi] * LDK + w_k(g)] = lo;
+        }
+    }
   };
 
   float acc[RT][CT];
@@ -1067,7 +1107,7 @@ __global__ void __launch_bounds__(kProjThreads, project_rows_min_blocks(CT, kMma
   float acc_t[1][kNT][4];
   const int g = lane >> 2, tq = lane & 3;
   const int chunks = (C + KC - 1) / KC;
-  load_w(0, ws);
+  if constexpr (!kMma) load_w(0, ws);
   load_x(0);
   // LayerNorm statistics while the first chunk's loads are in flight: two passes (the second hits
   // L1), each warp four rows at a time so that many loads are in flight per lane.  The loads are
@@ -1136,6 +1176,10 @@ __global__ void __launch_bounds__(kProjThreads, project_rows_min_blocks(CT, kMma
       }
     }
   }
+  // (kMma: W's first chunk now, not before the statistics, and the next one after each chunk's
+  // products, so that it holds no registers through either: W is a few KB that every block reads,
+  // an L1 or L2 hit)
+  load_w_regs(0);
   __syncthreads();  // mean_s, rstd_s
   zero_tiles(acc_t);  // here, not before the statistics: fewer registers live through them
 #pragma unroll
@@ -1145,21 +1189,27 @@ __global__ void __launch_bounds__(kProjThreads, project_rows_min_blocks(CT, kMma
   }
   for (int t = 0; t < chunks; ++t) {
     store_x(t * KC);
-    if (t + 1 < chunks) {
-      load_w((t + 1) * KC, ws + ((t + 1) & 1) * kWsFloats);
+    if constexpr (kMma) {
+      store_w();
+      if (t + 1 < chunks) load_x((t + 1) * KC);  // in flight during this chunk's products
+    } else if (t + 1 < chunks) {
+      load_w((t + 1) * KC, ws + ((t + 1) & 1) * (KC * LDW));
       load_x((t + 1) * KC);  // in flight during this chunk's products
       cp_async_wait<1>();
     } else {
       cp_async_wait_all();
     }
     __syncthreads();
-    const float* wcur = ws + (t & 1) * kWsFloats;
+    const float* wcur = ws + (kMma ? 0 : (t & 1) * (KC * LDW));
     if constexpr (kMma) {
       // one k-step at a time: all of a step's fragments are live at once (registers)
+      const float* x_hi = xs + wr * 16 * LDK;
+      const float* w_hi = wcur + wc * kNT * 8 * LDK;
 #pragma unroll 1
       for (int ks = 0; ks < KC / 8; ++ks)
-        warp_mma_tf32<kMma ? kMmaTerms : 1, 1, kNT, true, true, 1>(
-            acc_t, xs + wr * 16 * LDK + ks * 8, LDK, wcur + wc * kNT * 8 * LDK + ks * 8, LDK, g, tq);
+        warp_mma_tf32_presplit<kMma ? kMmaTerms : 1, kNT>(acc_t, x_hi + ks * 8, x_hi + TR * LDK + ks * 8, LDK,
+                                                          w_hi + ks * 8, w_hi + NC * LDK + ks * 8, LDK, g, tq);
+      if (t + 1 < chunks) load_w_regs((t + 1) * KC);
     } else {
 #pragma unroll 4
       for (int k = 0; k < KC; ++k) {

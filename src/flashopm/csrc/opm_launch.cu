@@ -363,7 +363,7 @@ int project_rows_mma_terms(const PrepArgs& args) {
 }
 
 int project_rows_smem_bytes(const PrepArgs& args) {
-  return int(project_rows_smem_floats(args.H, project_rows_mma_terms(args) > 0, project_rows_block(args)) * sizeof(float));
+  return int(project_rows_smem_floats(args.H, project_rows_mma_terms(args), project_rows_block(args)) * sizeof(float));
 }
 
 namespace {

@@ -130,6 +130,40 @@ __device__ __forceinline__ void warp_mma_tf32(float (&c)[kMT][kNT][4], const flo
   }
 }
 
+// One k-step of warp_mma_tf32<kTerms, 1, kNT, true, true, 1> from operands split beforehand
+// (split_tf32<kTerms>, stored as float bit patterns): A's high and low parts K-major at A_hi /
+// A_lo (16 rows), B's at B_hi / B_lo (kNT tiles of 8 columns, K-major).  The same fragments, so
+// the same bits, as splitting each fragment as it is read; the low parts are not read for one term.
+template <int kTerms, int kNT>
+__device__ __forceinline__ void warp_mma_tf32_presplit(float (&c)[1][kNT][4], const float* A_hi, const float* A_lo,
+                                                       int lda, const float* B_hi, const float* B_lo, int ldb, int g,
+                                                       int t) {
+  const auto u = [](float v) { return __float_as_uint(v); };
+  uint32_t b_hi[kNT][2], b_lo[kNT][2];
+#pragma unroll
+  for (int nt = 0; nt < kNT; ++nt) {
+    const int o = (nt * 8 + g) * ldb + t;
+    b_hi[nt][0] = u(B_hi[o]), b_hi[nt][1] = u(B_hi[o + 4]);
+    b_lo[nt][0] = kTerms == 3 ? u(B_lo[o]) : 0u, b_lo[nt][1] = kTerms == 3 ? u(B_lo[o + 4]) : 0u;
+  }
+  const int r0 = g * lda + t, r1 = (g + 8) * lda + t;
+  const uint32_t a_hi[4] = {u(A_hi[r0]), u(A_hi[r1]), u(A_hi[r0 + 4]), u(A_hi[r1 + 4])};
+  uint32_t a_lo[4] = {0u, 0u, 0u, 0u};
+  if constexpr (kTerms == 3) a_lo[0] = u(A_lo[r0]), a_lo[1] = u(A_lo[r1]), a_lo[2] = u(A_lo[r0 + 4]), a_lo[3] = u(A_lo[r1 + 4]);
+#pragma unroll
+  for (int nt = 0; nt < kNT; ++nt)
+    mma_split_add<kTerms>(c[0][nt], a_hi, a_lo, b_hi[nt][0], b_hi[nt][1], b_lo[nt][0], b_lo[nt][1]);
+}
+
+// x's high part (and low part, for three terms) as split_tf32 forms them, as floats.
+template <int kTerms>
+__device__ __forceinline__ void split_tf32_f(float x, float& hi, float& lo) {
+  uint32_t h, l = 0u;
+  split_tf32<kTerms>(x, h, l);
+  hi = __uint_as_float(h);
+  lo = __uint_as_float(l);
+}
+
 // Four 8x8 matrices of 16-bit elements from shared memory; lane l gives the address of row l % 8
 // of matrix l / 8 (16 contiguous bytes).  Without .trans lane l receives elements (l/4, 2(l%4))
 // and (l/4, 2(l%4)+1) of each matrix; with .trans, elements (2(l%4), l/4) and (2(l%4)+1, l/4).

@@ -237,10 +237,13 @@ FLASHOPM_HD inline int proj_ld_w(int ct) { return 16 * ct + 8; }  // ws[k][o]: s
 // The tensor-core form (mma): xs[row][k] and ws[o][k], rows of kProjKC + 4 floats (fragment reads
 // of 8 rows x 4 k hit 32 banks).
 constexpr int kProjLdK = kProjKC + 4;
-FLASHOPM_HD inline int64_t project_rows_smem_floats(int H, bool mma, int block_rows = kProjRows) {
+// mma_terms: 0 (FMA form), 1 or 3 (tensor-core form: x's tile and one buffer of W's chunk, each
+// with its low parts too for three terms)
+FLASHOPM_HD inline int64_t project_rows_smem_floats(int H, int mma_terms, int block_rows = kProjRows) {
   const int nc = 16 * proj_cols_per_thread(H);
-  const int64_t tiles = mma ? int64_t(block_rows) * kProjLdK + 2 * int64_t(nc) * kProjLdK
-                            : int64_t(kProjKC) * kProjLdX + 2 * int64_t(kProjKC) * proj_ld_w(proj_cols_per_thread(H));
+  const int64_t parts = mma_terms == 3 ? 2 : 1;
+  const int64_t tiles = mma_terms > 0 ? parts * (int64_t(block_rows) + nc) * kProjLdK
+                                      : int64_t(kProjKC) * kProjLdX + 2 * int64_t(kProjKC) * proj_ld_w(proj_cols_per_thread(H));
   return tiles + 3 * block_rows  // mean, rstd, mask per row
          + 2 * 3 * block_rows;   // offsets of x, a and b per row (int64)
 }
