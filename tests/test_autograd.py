@@ -447,24 +447,41 @@ def test_pytorch_high_takes_tf32_blocks(monkeypatch):
     finally:
         torch.set_float32_matmul_precision("highest")
     assert all(torch.equal(a, b) for a, b in zip(below, _flashopm_grads(xs, ms, ps, gs, precision="high")))
-    shape = Shape(2, 8, 128, 16, 16, 8)
-    x, m, p = make_problem(shape, "masked_positions", seed=21)
-    g = torch.randn(shape.B, shape.N, shape.N, shape.D, generator=torch.Generator().manual_seed(6))
-    ref64 = _reference_grads(x.double(), m.double(), {k: v.double() for k, v in p.items()}, g.double())
-    xc, mc, gc = x.cuda(), m.cuda(), g.cuda()
-    pc = {k: v.cuda() for k, v in p.items()}
+    ref64, (xc, mc, pc, gc) = _problem_with_fp64_grads(Shape(2, 8, 128, 16, 16, 8), seed=21, grad_seed=6)
     fused = _flashopm_grads(xc, mc, pc, gc, precision="high")  # PyTorch's setting still "highest"
+    eager_tf32, ours, forced = _grads_under_pytorch_high(monkeypatch, xc, mc, pc, gc)
+    assert all(torch.equal(o, f) for o, f in zip(ours, forced))
+    assert not all(torch.equal(o, f) for o, f in zip(ours, fused))
+    _assert_within_twice_eager(ours, eager_tf32, ref64)
+
+
+def _problem_with_fp64_grads(shape, seed, grad_seed):
+    """A masked problem's float64 reference gradients (CPU) and its (x, mask, params, grad_out)
+    on CUDA in float32."""
+    x, m, p = make_problem(shape, "masked_positions", seed=seed)
+    g = torch.randn(shape.B, shape.N, shape.N, shape.D, generator=torch.Generator().manual_seed(grad_seed))
+    ref64 = _reference_grads(x.double(), m.double(), {k: v.double() for k, v in p.items()}, g.double())
+    return ref64, (x.cuda(), m.cuda(), {k: v.cuda() for k, v in p.items()}, g.cuda())
+
+
+def _grads_under_pytorch_high(monkeypatch, xc, mc, pc, gc):
+    """Under PyTorch's "high": eager's gradients, flashopm's, and flashopm's with ATen's blocks
+    forced (FLASHOPM_BACKWARD_BLOCKS=1, left set for the rest of the test)."""
     torch.set_float32_matmul_precision("high")
     try:
         eager_tf32 = _reference_grads(xc, mc, pc, gc)
         ours = _flashopm_grads(xc, mc, pc, gc)
         monkeypatch.setenv("FLASHOPM_BACKWARD_BLOCKS", "1")
-        forced = _flashopm_grads(xc, mc, pc, gc)
+        blocks = _flashopm_grads(xc, mc, pc, gc)
     finally:
         torch.set_float32_matmul_precision("highest")
-    assert all(torch.equal(o, f) for o, f in zip(ours, forced))
-    assert not all(torch.equal(o, f) for o, f in zip(ours, fused))
-    for name, o, e, r in zip(GRAD_INPUTS, ours, eager_tf32, ref64):
+    return eager_tf32, ours, blocks
+
+
+def _assert_within_twice_eager(ours, eager, ref64):
+    """Every gradient finite and off float64 by at most twice eager's error (or 4 ulp)."""
+    for name, o, e, r in zip(GRAD_INPUTS, ours, eager, ref64):
+        assert torch.isfinite(o).all(), name
         err, err_eager = rel_error(o.cpu(), r), rel_error(e.cpu(), r)
         assert err <= max(2 * err_eager, 4 * torch.finfo(torch.float32).eps), f"{name}: {err:.3g} vs eager {err_eager:.3g}"
 
@@ -481,31 +498,17 @@ def test_pytorch_high_keeps_f16_split_forms_with_one_term(monkeypatch, past_s256
     monkeypatch.delenv("FLASHOPM_BWD_FORM")
     # B·S·N² >= 2^17; at S = 8, B·N² >= 24576, where "high" past S = 256 takes ATen's blocks
     shape = Shape(1, 260, 40, 16, 32, 8) if past_s256 else Shape(1, 8, 157, 16, 32, 8)
-    x, m, p = make_problem(shape, "masked_positions", seed=31)
-    g = torch.randn(shape.B, shape.N, shape.N, shape.D, generator=torch.Generator().manual_seed(9))
-    ref64 = _reference_grads(x.double(), m.double(), {k: v.double() for k, v in p.items()}, g.double())
-    xc, mc, gc = x.cuda(), m.cuda(), g.cuda()
-    pc = {k: v.cuda() for k, v in p.items()}
+    ref64, (xc, mc, pc, gc) = _problem_with_fp64_grads(shape, seed=31, grad_seed=9)
     explicit = _flashopm_grads(xc, mc, pc, gc, precision="high")  # PyTorch's setting still "highest"
     highest = _flashopm_grads(xc, mc, pc, gc)
-    torch.set_float32_matmul_precision("high")
-    try:
-        eager_tf32 = _reference_grads(xc, mc, pc, gc)
-        ours = _flashopm_grads(xc, mc, pc, gc)
-        monkeypatch.setenv("FLASHOPM_BACKWARD_BLOCKS", "1")
-        blocks = _flashopm_grads(xc, mc, pc, gc)
-    finally:
-        torch.set_float32_matmul_precision("highest")
+    eager_tf32, ours, blocks = _grads_under_pytorch_high(monkeypatch, xc, mc, pc, gc)
     w_out = GRAD_INPUTS.index("w_out")
     assert all(torch.equal(o, e) for o, e in zip(ours, explicit))
     assert not torch.equal(ours[w_out], blocks[w_out])
     assert not torch.equal(ours[w_out], highest[w_out])
     assert rel_error(ours[w_out].cpu(), ref64[w_out]) > 1e-5
     assert rel_error(highest[w_out].cpu(), ref64[w_out]) < 1e-5
-    for name, o, e, r in zip(GRAD_INPUTS, ours, eager_tf32, ref64):
-        assert torch.isfinite(o).all(), name
-        err, err_eager = rel_error(o.cpu(), r), rel_error(e.cpu(), r)
-        assert err <= max(2 * err_eager, 4 * torch.finfo(torch.float32).eps), f"{name}: {err:.3g} vs eager {err_eager:.3g}"
+    _assert_within_twice_eager(ours, eager_tf32, ref64)
 
 
 @requires_cuda

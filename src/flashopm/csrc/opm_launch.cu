@@ -775,6 +775,16 @@ void launch_bwd_side(const BwdSideArgs& args, int terms, cudaStream_t stream) {
   launch_bwd_side_h<1>(args, stream);
 }
 
+namespace {
+// The float16 split kernels' launch: kKernel3 for three terms, else kKernel1 (one block of
+// kBwThreads per grid cell, opted-in shared memory).
+template <auto kKernel3, auto kKernel1, typename Args>
+void launch_by_terms(int terms, const dim3& grid, int smem_bytes, cudaStream_t stream, const Args& args) {
+  if (terms == 3) return launch_kernel<kKernel3, SmemSetup::kOptIn>(grid, kBwThreads, smem_bytes, stream, args);
+  launch_kernel<kKernel1, SmemSetup::kOptIn>(grid, kBwThreads, smem_bytes, stream, args);
+}
+}  // namespace
+
 void launch_bwd_side_f16(const BwdSideArgs& args, bool swap_hh, int terms, cudaStream_t stream) {
   const int HH = args.H * args.H;
   launch_kernel<opm_split_side_w_kernel>(unsigned(HH / 32), 256, 0, stream, args.w, const_cast<uint32_t*>(args.w_split),
@@ -785,13 +795,8 @@ void launch_bwd_side_f16(const BwdSideArgs& args, bool swap_hh, int terms, cudaS
   constexpr int kH = 32, hc = kBwSideCols / kH, ti = kBwSideRows / hc;
   const dim3 grid(unsigned((args.Nr + ti - 1) / ti), unsigned(kH / hc),
                   unsigned(args.B * args.n_sblocks * args.jsplits));
-  if (terms == 3) {
-    constexpr auto kernel = opm_bwd_side_f16_kernel<3, kH>;
-    launch_kernel<kernel, SmemSetup::kOptIn>(grid, kBwThreads, kBsfSmemBytes, stream, args);
-  } else {
-    constexpr auto kernel = opm_bwd_side_f16_kernel<1, kH>;
-    launch_kernel<kernel, SmemSetup::kOptIn>(grid, kBwThreads, kBsfSmemBytes, stream, args);
-  }
+  launch_by_terms<opm_bwd_side_f16_kernel<3, kH>, opm_bwd_side_f16_kernel<1, kH>>(terms, grid, kBsfSmemBytes, stream,
+                                                                                  args);
 }
 
 void launch_bwd_w_f16(const BwdWArgs& args, int splits, int terms, cudaStream_t stream) {
@@ -803,13 +808,7 @@ void launch_bwd_w_f16(const BwdWArgs& args, int splits, int terms, cudaStream_t 
                                          args.Nc);
   constexpr int kH = 32, hc = kBwWCols / kH;
   const dim3 grid(unsigned(kH / hc), unsigned((args.D + kBwWDG - 1) / kBwWDG), unsigned(splits));
-  if (terms == 3) {
-    constexpr auto kernel = opm_bwd_w_f16_kernel<3, kH>;
-    launch_kernel<kernel, SmemSetup::kOptIn>(grid, kBwThreads, kBwfSmemBytes, stream, args);
-  } else {
-    constexpr auto kernel = opm_bwd_w_f16_kernel<1, kH>;
-    launch_kernel<kernel, SmemSetup::kOptIn>(grid, kBwThreads, kBwfSmemBytes, stream, args);
-  }
+  launch_by_terms<opm_bwd_w_f16_kernel<3, kH>, opm_bwd_w_f16_kernel<1, kH>>(terms, grid, kBwfSmemBytes, stream, args);
 }
 
 void launch_bwd_w(const BwdWArgs& args, int splits, int terms, cudaStream_t stream) {
