@@ -504,12 +504,12 @@ std::vector<at::Tensor> outer_product_mean_backward_cuda(const at::Tensor& grad_
   // kernels form dO again for every 128 values of s, 1.19x.
   // FLASHOPM_BACKWARD_BLOCKS=1 takes the blocks everywhere, =0 the fused kernels wherever they
   // apply, to compare the two.
+  const bool f16_forms = H == 32 && backward_f16_form(B, S, N, N, H, dev);
   const bool tf32_blocks = prec == kHigh && B * N * N >= kHighBlocksMinPairs &&
                            at::globalContext().float32MatmulPrecision() != at::Float32MatmulPrecision::HIGHEST &&
-                           !(H == 32 && S <= 256 && backward_f16_form(B, S, N, N, H, dev)) &&
-                           !env_is("FLASHOPM_BACKWARD_BLOCKS", "0");
+                           !(S <= 256 && f16_forms) && !env_is("FLASHOPM_BACKWARD_BLOCKS", "0");
   const bool fused_contract = work == at::kFloat && blocks_type == at::kFloat && (H == 16 || H == 32 || H == 64) &&
-                              (S <= 256 || (H == 32 && backward_f16_form(B, S, N, N, H, dev))) && !tf32_blocks &&
+                              (S <= 256 || f16_forms) && !tf32_blocks &&
                               !env_is("FLASHOPM_BACKWARD_BLOCKS", "1");
   // Every stage in our kernels, temporaries in two allocations (backward_direct); FLASHOPM_BACKWARD_DIRECT=0
   // takes the tensor-per-temporary form below, to compare.

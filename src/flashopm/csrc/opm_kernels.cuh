@@ -897,6 +897,7 @@ __global__ void __launch_bounds__(kProjThreads, project_rows_min_blocks(CT, kMma
   // fragment as it is read split W's chunk again in every warp): xs [TR][LDK] high parts, then as
   // many low parts for three terms; ws one buffer, [NC][LDK] high parts, then the low parts.
   constexpr int kParts = kMmaTerms == 3 ? 2 : 1;
+  constexpr int kSplitTerms = kMma ? kMmaTerms : 1;  // split_tf32's terms (the FMA form splits nothing)
   constexpr int kXsFloats = kMma ? kParts * TR * LDK : KC * LDX, kWsFloats = kMma ? kParts * NC * LDK : 2 * KC * LDW;
   float* xs = smem;
   float* ws = xs + kXsFloats;
@@ -1012,10 +1013,10 @@ __global__ void __launch_bounds__(kProjThreads, project_rows_min_blocks(CT, kMma
 #pragma unroll
           for (int j = 0; j < V; j += 4) {
             float4 hi, lo;
-            split_tf32_f<kMma ? kMmaTerms : 1>(y[j], hi.x, lo.x);
-            split_tf32_f<kMma ? kMmaTerms : 1>(y[j + 1], hi.y, lo.y);
-            split_tf32_f<kMma ? kMmaTerms : 1>(y[j + 2], hi.z, lo.z);
-            split_tf32_f<kMma ? kMmaTerms : 1>(y[j + 3], hi.w, lo.w);
+            split_tf32_f<kSplitTerms>(y[j], hi.x, lo.x);
+            split_tf32_f<kSplitTerms>(y[j + 1], hi.y, lo.y);
+            split_tf32_f<kSplitTerms>(y[j + 2], hi.z, lo.z);
+            split_tf32_f<kSplitTerms>(y[j + 3], hi.w, lo.w);
             *reinterpret_cast<float4*>(&xs[xs_at(xk + j, r)]) = hi;
             if constexpr (kMmaTerms == 3) *reinterpret_cast<float4*>(&xs[TR * LDK + xs_at(xk + j, r)]) = lo;
           }
@@ -1085,7 +1086,7 @@ __global__ void __launch_bounds__(kProjThreads, project_rows_min_blocks(CT, kMma
 #pragma unroll
         for (int g = 0; g < WKG; ++g) {
           float hi, lo;
-          split_tf32_f<kMma ? kMmaTerms : 1>(wv[oi][g], hi, lo);
+          split_tf32_f<kSplitTerms>(wv[oi][g], hi, lo);
           ws[w_o[oi] * LDK + w_k(g)] = hi;
           if constexpr (kMmaTerms == 3) ws[NC * LDK + w_o[oi] * LDK + w_k(g)] = lo;
         }
@@ -1207,8 +1208,8 @@ __global__ void __launch_bounds__(kProjThreads, project_rows_min_blocks(CT, kMma
       const float* w_hi = wcur + wc * kNT * 8 * LDK;
 #pragma unroll 1
       for (int ks = 0; ks < KC / 8; ++ks)
-        warp_mma_tf32_presplit<kMma ? kMmaTerms : 1, kNT>(acc_t, x_hi + ks * 8, x_hi + TR * LDK + ks * 8, LDK,
-                                                          w_hi + ks * 8, w_hi + NC * LDK + ks * 8, LDK, g, tq);
+        warp_mma_tf32_presplit<kSplitTerms, kNT>(acc_t, x_hi + ks * 8, x_hi + TR * LDK + ks * 8, LDK, w_hi + ks * 8,
+                                                 w_hi + NC * LDK + ks * 8, LDK, g, tq);
       if (t + 1 < chunks) load_w_regs((t + 1) * KC);
     } else {
 #pragma unroll 4
