@@ -322,6 +322,41 @@ def test_half_precision_model_gradients(dtype, shape, normalization):
 
 
 @requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("past_s256", [False, True], ids=["S=8", "S=260"])
+def test_half_model_in_the_one_term_f16_split_forms_on_request(monkeypatch, dtype, past_s256):
+    """A 16-bit model with hidden_dim 32, large enough for the float16 split forms, contracts in
+    ATen's blocks in its type by default (the bits of FLASHOPM_BACKWARD_BLOCKS=1) and in the fused
+    kernels' one-term form with FLASHOPM_BACKWARD_BLOCKS=0 (other bits), S past 256 too; every
+    gradient of both in the model's type and within twice eager's error against float64 on the
+    same 16-bit model."""
+    f16_backward_form_or_skip(monkeypatch)
+    monkeypatch.delenv("FLASHOPM_BWD_FORM")
+    shape = Shape(1, 260, 40, 16, 32, 8) if past_s256 else Shape(1, 8, 157, 16, 32, 8)  # B·S·N² >= 2^17
+    x, m, p = make_problem(shape, "masked_positions", seed=37)
+    g = torch.randn(shape.B, shape.N, shape.N, shape.D, generator=torch.Generator().manual_seed(8))
+    x, m, g = x.to(dtype), m.to(dtype), g.to(dtype)
+    p = {k: v.to(dtype) for k, v in p.items()}
+    ref64 = _reference_grads(x.double(), m.double(), {k: v.double() for k, v in p.items()}, g.double())
+    xc, mc, gc = x.cuda(), m.cuda(), g.cuda()
+    pc = {k: v.cuda() for k, v in p.items()}
+    eager = _reference_grads(xc, mc, pc, gc)
+    default = _flashopm_grads(xc, mc, pc, gc)
+    monkeypatch.setenv("FLASHOPM_BACKWARD_BLOCKS", "1")
+    blocks = _flashopm_grads(xc, mc, pc, gc)
+    monkeypatch.setenv("FLASHOPM_BACKWARD_BLOCKS", "0")
+    fused = _flashopm_grads(xc, mc, pc, gc)
+    w_out = GRAD_INPUTS.index("w_out")
+    assert all(torch.equal(d, b) for d, b in zip(default, blocks))
+    assert not torch.equal(fused[w_out], blocks[w_out])
+    for ours in (default, fused):
+        for name, o, e, r in zip(GRAD_INPUTS, ours, eager, ref64):
+            assert o.dtype == dtype and torch.isfinite(o).all(), name
+            err, err_eager = rel_error(o.cpu(), r), rel_error(e.cpu(), r)
+            assert err <= max(2 * err_eager, 4 * torch.finfo(dtype).eps), f"{name}: {err:.3g} vs eager {err_eager:.3g}"
+
+
+@requires_cuda
 @pytest.mark.parametrize("dtype, shape", [
     (torch.float32, Shape(1, 5, 7, 8, 8, 6)),     # runs of 32 bytes: 2 pieces
     (torch.float32, Shape(2, 3, 33, 5, 12, 7)),   # 48 bytes: 3 pieces

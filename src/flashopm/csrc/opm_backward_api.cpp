@@ -491,7 +491,8 @@ std::vector<at::Tensor> outer_product_mean_backward_cuda(const at::Tensor& grad_
   // split forms (backward_f16_form) stay faster at any S, since the recomputation at most doubles
   // the side kernels' work.  ops.contract_backward, the same rule where the forms are not known.
   // A 16-bit model's contractions run in ATen blocks on 16-bit tensor cores, which beat the
-  // fused kernels' TF32 form (H200, training crop: 1.74 against 2.38 ms a step).
+  // fused kernels' mma.sync TF32 form (H200, training crop: 1.74 against 2.38 ms a step) and
+  // their float16 split form (below).
   // Under PyTorch's "high" the blocks' GEMMs take TF32 from cuBLAS and beat the fused kernels'
   // TF32 form too from ~2^15 pairs (H200, a training step: 1.31 against 1.79 ms at
   // (1,128,181,256,32,128), 1.81 against 2.40 ms at the crop (1,128,256,256,32,128)); at 2^14
@@ -502,14 +503,20 @@ std::vector<at::Tensor> outer_product_mean_backward_cuda(const at::Tensor& grad_
   // products alone (TF32's rounding, a third of the MMAs of "highest"): a training step at the
   // crop (1,128,256,256,32,128) took 0.81x the blocks' time; at S = 512 (N = 768), where the side
   // kernels form dO again for every 128 values of s, 1.19x.
+  // A 16-bit model (follow16) keeps the blocks in its type even where the one-term kernels run:
+  // cuBLAS's 16-bit GEMMs beat them (H200, a bfloat16 model's training step at the crop: 1034
+  // against 1319 us; at (1,256,256,256,32,128) 1100 against 1767; the fused kernels' side and W
+  // launches ran at 195 and 115 TFLOP/s).
   // FLASHOPM_BACKWARD_BLOCKS=1 takes the blocks everywhere, =0 the fused kernels wherever they
-  // apply, to compare the two.
+  // apply (a 16-bit model's too, in the one-term form), to compare the two.
   const bool f16_forms = H == 32 && backward_f16_form(B, S, N, N, H, dev);
+  const bool blocks_off = env_is("FLASHOPM_BACKWARD_BLOCKS", "0");
   const bool tf32_blocks = prec == kHigh && B * N * N >= kHighBlocksMinPairs &&
                            at::globalContext().float32MatmulPrecision() != at::Float32MatmulPrecision::HIGHEST &&
-                           !(S <= 256 && f16_forms) && !env_is("FLASHOPM_BACKWARD_BLOCKS", "0");
-  const bool fused_contract = work == at::kFloat && blocks_type == at::kFloat && (H == 16 || H == 32 || H == 64) &&
-                              (S <= 256 || f16_forms) && !tf32_blocks &&
+                           !(S <= 256 && f16_forms) && !blocks_off;
+  const bool f16_model_fused = follow16 && f16_forms && blocks_off;
+  const bool fused_contract = work == at::kFloat && (blocks_type == at::kFloat || f16_model_fused) &&
+                              (H == 16 || H == 32 || H == 64) && (S <= 256 || f16_forms) && !tf32_blocks &&
                               !env_is("FLASHOPM_BACKWARD_BLOCKS", "1");
   // Every stage in our kernels, temporaries in two allocations (backward_direct); FLASHOPM_BACKWARD_DIRECT=0
   // takes the tensor-per-temporary form below, to compare.
@@ -541,12 +548,12 @@ std::vector<at::Tensor> outer_product_mean_backward_cuda(const at::Tensor& grad_
         a = at::linear(xn, wa, ba).mul_(m);
         b = at::linear(xn, wb, bb).mul_(m);
       }
-      // g in the 16-bit model's type when the contractions run in that type (as PyTorch divides in
-      // it), else in the working type.
+      // g in the 16-bit model's type when the contractions run in ATen blocks in that type (as
+      // PyTorch divides in it), else in the working type.
       at::Tensor bias_grad;
+      const at::ScalarType g_type = follow16 && !fused_contract ? blocks_type : work;
       const at::Tensor g = scale_in_kernel
-                               ? scale_grad(grad_out, mask, normalization, norm_eps, follow16 ? blocks_type : work,
-                                            need_bo, bias_grad, dev)
+                               ? scale_grad(grad_out, mask, normalization, norm_eps, g_type, need_bo, bias_grad, dev)
                                : grad_out.to(work).div(output_divisor(m.squeeze(-1), normalization, norm_eps));
       if (need_bo)
         grads[8] = bias_grad.defined() ? bias_grad : at::sum(normalization == 1 ? g : grad_out, {0, 1, 2}, false, work);
