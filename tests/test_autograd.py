@@ -441,6 +441,57 @@ def test_direct_backward_matches_the_tensor_per_temporary_form(monkeypatch, norm
         assert torch.equal(o, a), f"{name}: the two forms differ"
 
 
+def _kernel_names(fn):
+    """Names of the CUDA kernels fn() launches (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA}
+
+
+@requires_cuda
+@pytest.mark.parametrize("precision", ["highest", "high"])
+@pytest.mark.parametrize("normalization, shape", [
+    ("row", Shape(1, 9, 64, 16, 32, 128)),       # one tile row of 32 twice; one block of d
+    ("openfold", Shape(2, 40, 32, 8, 32, 256)),  # two batch elements, two blocks of d
+    ("boltz", Shape(1, 3, 96, 8, 32, 128)),
+], ids=str)
+def test_w_kernel_takes_g_split_in_place(monkeypatch, precision, normalization, shape):
+    """The direct backward splits g in place once for the W kernel's float16 split form where its
+    units are whole (the split kernel runs; FLASHOPM_W_G_SPLIT=0 leaves the conversion in the W
+    kernel): the same bits as that and as the tensor-per-temporary form, whose contraction op
+    converts g in the kernel, after NaN in the allocator's cached blocks; every gradient within
+    1e-5 (highest) of float64."""
+    f16_backward_form_or_skip(monkeypatch)
+    x, m, p = make_problem(shape, "masked_positions", seed=41)
+    g = torch.randn(shape.B, shape.N, shape.N, shape.D, generator=torch.Generator().manual_seed(10))
+    xc, mc, gc = x.cuda(), m.cuda(), g.cuda()
+    pc = {k: v.cuda() for k, v in p.items()}
+    results, names = {}, {}
+    for env in ({}, {"FLASHOPM_W_G_SPLIT": "0"}, {"FLASHOPM_BACKWARD_DIRECT": "0"}):
+        key = next(iter(env), "default")
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        _poison_cached_memory()
+        names[key] = _kernel_names(lambda: results.__setitem__(
+            key, _flashopm_grads(xc, mc, pc, gc, normalization=normalization, precision=precision)))
+        for k in env:
+            monkeypatch.delenv(k)
+    assert any("opm_split_w_g_kernel" in n for n in names["default"])
+    assert not any("opm_split_w_g_kernel" in n for n in names["FLASHOPM_W_G_SPLIT"] | names["FLASHOPM_BACKWARD_DIRECT"])
+    for name, a, b, c in zip(GRAD_INPUTS, results["default"], results["FLASHOPM_W_G_SPLIT"],
+                             results["FLASHOPM_BACKWARD_DIRECT"]):
+        assert torch.isfinite(a).all(), name
+        assert torch.equal(a, b) and torch.equal(a, c), f"{name}: the g split changed the bits"
+    if precision == "highest":
+        ref64 = _reference_grads(x.double(), m.double(), {k: v.double() for k, v in p.items()}, g.double(),
+                                 normalization=NORMALIZATIONS[normalization])
+        for name, o, r in zip(GRAD_INPUTS, results["default"], ref64):
+            assert rel_error(o.cpu(), r) < 1e-5, name
+
+
 @requires_cuda
 @pytest.mark.parametrize("shape", [Shape(1, 24, 40, 32, 32, 16), Shape(1, 260, 21, 16, 32, 8)], ids=str)
 def test_explicit_precision_reaches_the_backward(shape):

@@ -1788,17 +1788,18 @@ at::Tensor outer_product_mean_rows_cuda(const at::Tensor& a_in, const at::Tensor
 // side_f16: the side kernels in the float16 split form, which read W and the projections split
 // (w_split, w_inv; y_split, y_inv: one set for both sides, in turn) instead of W transposed; w_f16:
 // the W kernel in the float16 split form, which reads a and b split (ab_split: a's, then b's;
-// ab_inv likewise).
+// ab_inv likewise); w_g_split: g split in place for it once (g the caller's to overwrite), its
+// row factors in g_inv.
 struct ContractBackwardPlan {
   int64_t B = 0, S = 0, Nr = 0, Nc = 0, H = 0, D = 0, Dp = 0;
-  bool need_ab = false, need_w = false, side_f16 = false, w_f16 = false;
+  bool need_ab = false, need_w = false, side_f16 = false, w_f16 = false, w_g_split = false;
   int64_t n_sb = 0, jsplits = 1, splits = 1;
   int64_t part_a_floats = 0, part_b_floats = 0, ws_floats = 0, wt_floats = 0;
   int64_t w_split_floats = 0, w_inv_floats = 0, y_split_floats = 0, y_inv_floats = 0;
-  int64_t ab_split_floats = 0, ab_inv_floats = 0;
+  int64_t ab_split_floats = 0, ab_inv_floats = 0, g_inv_floats = 0;
   int64_t scratch_floats() const {
     return part_a_floats + part_b_floats + ws_floats + wt_floats + w_split_floats + w_inv_floats + y_split_floats +
-           y_inv_floats + ab_split_floats + ab_inv_floats;
+           y_inv_floats + ab_split_floats + ab_inv_floats + g_inv_floats;
   }
 };
 
@@ -1838,9 +1839,12 @@ bool backward_f16_form(int64_t B, int64_t S, int64_t Nr, int64_t Nc, int64_t H, 
   return fits && B * S * Nr * Nc >= kBwF16MinWork;
 }
 
-// B, S, Nr, Nc, D >= 1; H 16, 32 or 64.
+// B, S, Nr, Nc, D >= 1; H 16, 32 or 64.  g_owned: the caller's g may be overwritten once the side
+// kernels have read it, so the W kernel's float16 split form takes it split in place where its
+// units are whole (w_g_split_fits; FLASHOPM_W_G_SPLIT=0 leaves the conversion in the kernel, to
+// compare: the same bits).
 ContractBackwardPlan plan_contract_backward(int64_t B, int64_t S, int64_t Nr, int64_t Nc, int64_t H, int64_t D,
-                                            bool need_ab, bool need_w, int dev) {
+                                            bool need_ab, bool need_w, int dev, bool g_owned = false) {
   ContractBackwardPlan p;
   p.B = B, p.S = S, p.Nr = Nr, p.Nc = Nc, p.H = H, p.D = D, p.Dp = (D + 3) / 4 * 4;
   p.need_ab = need_ab, p.need_w = need_w;
@@ -1882,6 +1886,8 @@ ContractBackwardPlan plan_contract_backward(int64_t B, int64_t S, int64_t Nr, in
       const int64_t s32 = (S + 31) / 32 * 32;
       p.ab_split_floats = round_up_line(B * s32 * Nr * H) + round_up_line(B * s32 * Nc * H);
       p.ab_inv_floats = round_up_line(B * Nr) + round_up_line(B * Nc);
+      p.w_g_split = g_owned && w_g_split_fits(Nr, Nc, p.Dp) && !env_is("FLASHOPM_W_G_SPLIT", "0");
+      if (p.w_g_split) p.g_inv_floats = round_up_line(w_g_split_units(B, Nr, Nc, p.Dp) * kBwWDG);
     }
     const int64_t steps = (tiles + p.splits - 1) / p.splits * ((S + kBwK - 1) / kBwK + kBwWPairs / kBwK);
     FLASHOPM_CHECK(steps < INT32_MAX - kBwStages, "flashopm: the fused backward's W kernel takes fewer than 2^31 - 3 steps per "
@@ -1894,6 +1900,7 @@ ContractBackwardPlan plan_contract_backward(int64_t B, int64_t S, int64_t Nr, in
 // Nc, H) and w (D, H·H): float32, contiguous, 16-byte aligned.  grad_a, grad_b (contiguous like a
 // and b) and grad_w (D, H·H) are written where the plan asks for them; scratch holds
 // plan.scratch_floats() floats, 16-byte aligned, and nothing of it is read before it is written.
+// With the plan's w_g_split, g is overwritten (split in place) after the side kernels read it.
 void run_contract_backward(const ContractBackwardPlan& p, const float* g, const float* a, const float* b,
                            const float* w, float* grad_a, float* grad_b, float* grad_w, float* scratch, int terms,
                            int sm_count, cudaStream_t stream) {
@@ -1914,6 +1921,7 @@ void run_contract_backward(const ContractBackwardPlan& p, const float* g, const 
   uint32_t* b_split = p.w_f16 ? a_split + round_up_line(p.B * ((p.S + 31) / 32 * 32) * p.Nr * p.H) : nullptr;
   float* a_inv = reinterpret_cast<float*>(a_split + p.ab_split_floats);
   float* b_inv = p.w_f16 ? a_inv + round_up_line(p.B * p.Nr) : nullptr;
+  float* g_inv = p.w_g_split ? a_inv + p.ab_inv_floats : nullptr;
   const int64_t B = p.B, S = p.S, Nr = p.Nr, Nc = p.Nc, H = p.H, D = p.D, Dp = p.Dp;
   if (p.need_ab) {
     RECORD_USER_SCOPE("flashopm::outer_contract_backward/grad_ab");
@@ -1950,6 +1958,7 @@ void run_contract_backward(const ContractBackwardPlan& p, const float* g, const 
     wa.B = int(B), wa.S = int(S), wa.Nr = int(Nr), wa.Nc = int(Nc), wa.H = int(H), wa.D = int(D), wa.Dp = int(Dp);
     if (p.w_f16) {
       wa.a_split = a_split, wa.b_split = b_split, wa.a_inv = a_inv, wa.b_inv = b_inv;
+      wa.g_inv_split = g_inv;  // set: g split in place (the plan's w_g_split)
       launch_bwd_w_f16(wa, int(p.splits), terms, stream);
     } else {
       launch_bwd_w(wa, int(p.splits), terms, stream);

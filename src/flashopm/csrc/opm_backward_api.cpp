@@ -365,7 +365,8 @@ void backward_direct(const DirectBackward& d, const at::Tensor& grad_out, const 
   const bool need_wo = want[7], need_bo = want[8];
   const at::TensorOptions opts = msa.options().dtype(at::kFloat);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dev).stream();
-  const ContractBackwardPlan plan = plan_contract_backward(B, S, N, N, H, D, need_proj, need_wo, dev);
+  // g (in `first`, below) is read by nothing after the contractions, so the W kernel may split it in place
+  const ContractBackwardPlan plan = plan_contract_backward(B, S, N, N, H, D, need_proj, need_wo, dev, true);
   const int64_t ab = round_up_line(B * S * N * H), gn = round_up_line(B * N * N * D);
   at::Tensor grad_w = need_wo ? at::empty({D, H * H}, opts) : at::Tensor();
   at::Tensor second;  // grad_a, grad_b, the LayerNorm backward's block sums

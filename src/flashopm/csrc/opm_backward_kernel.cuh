@@ -661,7 +661,10 @@ __global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_w_kernel(const BwdWArgs
 //     64 d, six wgmma m64n64k16 each, into zeroed accumulators added to acc in float32 times the
 //     row's inverse scale.  The tile's O' is the same for both chunks.
 // kTerms = 1: hi·hi alone in both GEMMs (TF32's rounding, as for the side kernel).
-template <int kTerms, int kH>
+// kGSplit: g arrives split (opm_split_w_g_kernel, the same arithmetic once per chunk instead of in
+// each of the 16 blocks along h1): GEMM 2's step copies the chunk's pieces to where A has them and
+// reads its row factors from p.g_inv_split, so the step is the copies and the MMAs; the same bits.
+template <int kTerms, int kH, bool kGSplit = false>
 __global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_w_f16_kernel(const BwdWArgs p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   static_assert(kTerms == 1 || kTerms == 3, "the high parts' products alone, or with both cross terms");
@@ -724,13 +727,30 @@ __global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_w_f16_kernel(const BwdW
       }
     } else {
       const int q0 = (ld_r - n1) * 32;  // the chunk's first pair: il = q0 / 2 + kg0 / 2 + 2u
-      float* X = reinterpret_cast<float*>(st);
       const float* g_src = g_tile + int64_t(q0 / TJ) * Nc * Dp;
       const bool g_ok = ld_j0 + jlg < Nc && d0 + n4g < Dp;
+      if constexpr (kGSplit) {
+        // piece pc = (part, half of 64 d, group of 8 d) of pair row q, to A's (part, half, row q,
+        // swizzled 16-byte column); with one term the low parts stay where they are
+        const int pc = tid & 31;
+        if (kTerms == 3 || pc < 16) {
+          const uint32_t part_half = uint32_t(pc >> 4) * kHalf + uint32_t((pc >> 3) & 1) * 4096u;
 #pragma unroll
-      for (int u = 0; u < 8; ++u) {
-        const bool ok = g_ok && ld_i0 + q0 / TJ + (kg0 >> 1) + 2 * u < Nr;
-        cp_async16z(X + (kg0 + 4 * u) * kBwWDG + n4g, ok ? g_src + int64_t(2 * u) * Nc * Dp : p.g, ok);
+          for (int u = 0; u < 8; ++u) {
+            const int q = kg0 + 4 * u;
+            const bool ok = g_ok && ld_i0 + q0 / TJ + (kg0 >> 1) + 2 * u < Nr;
+            cp_async16z(st + part_half + uint32_t(q >> 3) * 1024u + uint32_t(q & 7) * 128u +
+                            uint32_t(((pc & 7) ^ (q & 7)) << 4),
+                        ok ? g_src + int64_t(2 * u) * Nc * Dp : p.g, ok);
+          }
+        }
+      } else {
+        float* X = reinterpret_cast<float*>(st);
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+          const bool ok = g_ok && ld_i0 + q0 / TJ + (kg0 >> 1) + 2 * u < Nr;
+          cp_async16z(X + (kg0 + 4 * u) * kBwWDG + n4g, ok ? g_src + int64_t(2 * u) * Nc * Dp : p.g, ok);
+        }
       }
     }
     if (++ld_r == spt) ld_r = 0, ++ld_tl;
@@ -746,10 +766,10 @@ __global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_w_f16_kernel(const BwdW
 #pragma unroll
     for (int e = 0; e < 32; ++e) acc[h][e] = 0.f;
   for (int tl = 0; tl < my_tiles; ++tl) {
-    {
+    const int64_t tile = split + int64_t(tl) * gridDim.z;
+    if constexpr (!kGSplit) {
       // the tile's pair factors, read by the conversions after the next barrier (the last readers
       // of the previous tile's passed a barrier since)
-      const int64_t tile = split + int64_t(tl) * gridDim.z;
       const int bb = int(tile / (int64_t(n_it) * n_jt));
       const int rem = int(tile - int64_t(bb) * n_it * n_jt), it = rem / n_jt;
       const int i = it * TI + (tid >> 1), j = (rem - it * n_jt) * TJ + (tid & 1);
@@ -802,7 +822,14 @@ __global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_w_f16_kernel(const BwdW
 #pragma unroll 1
     for (int c = 0; c < kChunks2; ++c) {
       const char* st = next_stage();
-      {
+      // A: g's split chunk, in the stage (kGSplit) or converted from it into gs; f: its rows' factors
+      const char* ga = kGSplit ? st : gs;
+      float f_row[2][2];
+      if constexpr (kGSplit) {
+        const float* gi = p.g_inv_split + ((tile * kChunks2 + c) * gridDim.y + blockIdx.y) * kBwWDG;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) f_row[h][0] = gi[64 * h + 16 * warp + g], f_row[h][1] = gi[64 * h + 16 * warp + g + 8];
+      } else {
         const float* raw = reinterpret_cast<const float*>(st) + tid;
         const float* pf = pair_f + 32 * c;
         float v[32];
@@ -830,17 +857,17 @@ __global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_w_f16_kernel(const BwdW
           *reinterpret_cast<uint32_t*>(gs + off) = hi;
           if constexpr (kTerms == 3) *reinterpret_cast<uint32_t*>(gs + kHalf + off) = lo;
         }
+        fence_proxy_async_smem();
+        __syncthreads();
       }
-      fence_proxy_async_smem();
-      __syncthreads();
       float part[2][32];
       wgmma_fence();
 #pragma unroll
       for (int h = 0; h < 2; ++h)
 #pragma unroll
         for (int kk = 0; kk < 2; ++kk) {
-          const uint64_t g_hi = wgmma_desc(gs + h * 4096 + kk * 2048, 4096, 1024),
-                         g_lo = wgmma_desc(gs + kHalf + h * 4096 + kk * 2048, 4096, 1024);
+          const uint64_t g_hi = wgmma_desc(ga + h * 4096 + kk * 2048, 4096, 1024),
+                         g_lo = wgmma_desc(ga + kHalf + h * 4096 + kk * 2048, 4096, 1024);
           const uint64_t o_hi = wgmma_desc(os + c * 4096 + kk * 2048, 4096, 1024),
                          o_lo = wgmma_desc(os + kHalf + c * 4096 + kk * 2048, 4096, 1024);
           if constexpr (kTerms == 3) {
@@ -853,7 +880,8 @@ __global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_w_f16_kernel(const BwdW
       wgmma_wait<0>();
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const float f0 = g_inv[64 * h + 16 * warp + g], f1 = g_inv[64 * h + 16 * warp + g + 8];
+        const float f0 = kGSplit ? f_row[h][0] : g_inv[64 * h + 16 * warp + g];
+        const float f1 = kGSplit ? f_row[h][1] : g_inv[64 * h + 16 * warp + g + 8];
 #pragma unroll
         for (int j = 0; j < 8; ++j)
 #pragma unroll
@@ -878,6 +906,64 @@ __global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_w_f16_kernel(const BwdW
             make_float2(acc[h][4 * j + 2 * half] * o_unscale, acc[h][4 * j + 2 * half + 1] * o_unscale);
     }
 #endif
+}
+
+// g (B, Nr, Nc, Dp) float32 split in place for opm_bwd_w_f16_kernel<kTerms, 32, true>: per unit (a
+// tile's chunk c of 32 pairs q, i = i0 + 16c + q / 2 and j = j0 + q % 2, for one block of kBwWDG
+// d), each d's 32 values times the pairs' factors 2^-(e_i + e_j), scaled by the power of two of
+// their largest magnitude (2^-e to g_inv[unit·kBwWDG + d]) and split, with the arithmetic of the
+// W kernel's own conversion (so the same parts).  Pair q's kBwWDG floats of the block then hold 32
+// pieces of 16 bytes: piece (part, half of 64 d, group of 8 d) = (pc / 16, pc / 8 % 2, pc % 8), the
+// 8 float16 parts of its group; with one term the low pieces keep what was there.  One block per
+// unit (every unit whole: w_g_split_fits), a thread per d: all reads before one barrier, all
+// writes after it, so the unit's bytes are rewritten in place.
+template <int kTerms>
+__global__ void __launch_bounds__(kBwWDG) opm_split_w_g_kernel(const BwdWArgs p, float* __restrict__ g,
+                                                              float* __restrict__ g_inv) {
+  constexpr int H = 32, TI = H, TJ = kBwWCols / H, kChunks2 = kBwWPairs / 32;
+  const int Nr = p.Nr, Nc = p.Nc, Dp = p.Dp;
+  const int n_it = Nr / TI, n_jt = Nc / TJ;
+  const int64_t chunk = blockIdx.x;  // tile · kChunks2 + c
+  const int64_t tile = chunk / kChunks2;
+  const int c = int(chunk - tile * kChunks2);
+  const int bb = int(tile / (int64_t(n_it) * n_jt));
+  const int rem = int(tile - int64_t(bb) * n_it * n_jt), it = rem / n_jt;
+  const int i0 = it * TI + 16 * c, j0 = (rem - it * n_jt) * TJ;
+  const int d = threadIdx.x, lane = d & 31;
+  const int64_t row_stride = int64_t(Nc) * Dp;  // pair q at (q / 2)·row_stride + (q % 2)·Dp
+  float* base = g + (int64_t(bb) * Nr + i0) * row_stride + int64_t(j0) * Dp + int64_t(blockIdx.y) * kBwWDG;
+  const float* a_inv = p.a_inv + int64_t(bb) * Nr + i0;
+  const float* b_inv = p.b_inv + int64_t(bb) * Nc + j0;
+  float v[32];
+  float m = 0.f;
+#pragma unroll
+  for (int q = 0; q < 32; ++q) {
+    const float pf = a_inv[q >> 1] * b_inv[q & 1];
+    v[q] = base[(q >> 1) * row_stride + (q & 1) * Dp + d] * pf;
+    m = fmaxf(m, fabsf(v[q]));
+  }
+  const int e = split_scale_exp_bits(m);
+  const float f = exp2_int(e);
+  g_inv[(chunk * gridDim.y + blockIdx.y) * kBwWDG + d] = exp2_int(-e);
+  const bool odd = lane & 1;
+  const int dd = d & ~1;
+  uint32_t hi[16], lo[16];
+#pragma unroll
+  for (int q = 0; q < 32; q += 2) {  // rows q (even lanes) and q + 1 (odd), d = dd and dd + 1
+    const float x = __shfl_xor_sync(0xffffffffu, (odd ? v[q] : v[q + 1]) * f, 1);
+    const float v0 = odd ? x : v[q] * f, v1 = odd ? v[q + 1] * f : x;
+    split_f16x2(v0, v1, hi[q / 2], lo[q / 2]);
+  }
+  __syncthreads();  // every read of the unit done
+  char* bytes = reinterpret_cast<char*>(base);
+  const int piece = ((dd >> 6) << 3) + ((dd & 63) >> 3);  // of the high parts; the low parts' + 16
+#pragma unroll
+  for (int k = 0; k < 16; ++k) {
+    const int row = 2 * k + (odd ? 1 : 0);
+    char* dst = bytes + ((row >> 1) * row_stride + (row & 1) * Dp) * 4 + piece * 16 + (dd & 7) * 2;
+    *reinterpret_cast<uint32_t*>(dst) = hi[k];
+    if constexpr (kTerms == 3) *reinterpret_cast<uint32_t*>(dst + 16 * 16) = lo[k];
+  }
 }
 
 // a or b (B, S, N, H) float32, contiguous, as opm_bwd_w_f16_kernel reads it (BwdWArgs::a_split,

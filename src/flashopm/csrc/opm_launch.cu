@@ -808,7 +808,21 @@ void launch_bwd_w_f16(const BwdWArgs& args, int splits, int terms, cudaStream_t 
                                          args.Nc);
   constexpr int kH = 32, hc = kBwWCols / kH;
   const dim3 grid(unsigned(kH / hc), unsigned((args.D + kBwWDG - 1) / kBwWDG), unsigned(splits));
-  launch_by_terms<opm_bwd_w_f16_kernel<3, kH>, opm_bwd_w_f16_kernel<1, kH>>(terms, grid, kBwfSmemBytes, stream, args);
+  if (args.g_inv_split == nullptr) {
+    launch_by_terms<opm_bwd_w_f16_kernel<3, kH>, opm_bwd_w_f16_kernel<1, kH>>(terms, grid, kBwfSmemBytes, stream, args);
+    return;
+  }
+  // g split in place once (after the side kernels, which read it as float32), then the kernel
+  // that reads it split
+  const int64_t chunks = w_g_split_units(args.B, args.Nr, args.Nc, args.Dp) / (args.Dp / kBwWDG);
+  TORCH_CHECK(w_g_split_fits(args.Nr, args.Nc, args.Dp) && chunks <= INT32_MAX,
+              "flashopm: internal error: g split for the W kernel with units that are not whole");
+  const dim3 split_grid(unsigned(chunks), unsigned(args.Dp / kBwWDG));
+  float* g = const_cast<float*>(args.g);
+  if (terms == 3) launch_kernel<opm_split_w_g_kernel<3>>(split_grid, kBwWDG, 0, stream, args, g, args.g_inv_split);
+  else launch_kernel<opm_split_w_g_kernel<1>>(split_grid, kBwWDG, 0, stream, args, g, args.g_inv_split);
+  launch_by_terms<opm_bwd_w_f16_kernel<3, kH, true>, opm_bwd_w_f16_kernel<1, kH, true>>(terms, grid, kBwfSmemBytes,
+                                                                                        stream, args);
 }
 
 void launch_bwd_w(const BwdWArgs& args, int splits, int terms, cudaStream_t stream) {

@@ -1041,6 +1041,11 @@ struct BwdWArgs {
   const uint32_t* b_split;
   const float* a_inv;
   const float* b_inv;
+  // Non-null: g is the caller's to overwrite, and launch_bwd_w_f16 splits it in place once
+  // (opm_split_w_g_kernel) into the pieces the W kernel's GEMM 2 reads, with each piece's row
+  // factors here ([unit][kBwWDG], w_g_split_units units), where every block along h1 converted
+  // each chunk of g itself.  Only where w_g_split_fits.
+  float* g_inv_split;
 };
 
 // The W kernel's float16 split form on warpgroup MMAs (sm_90a, hidden_dim 32): the tile and sums
@@ -1059,6 +1064,15 @@ constexpr int kBwfGsBytes = 16384;
 constexpr int kBwfOsBytes = 16384;
 constexpr int kBwfSmemBytes = 1024 + kBwStages * kBwfStageBytes + kBwfGsBytes + kBwfOsBytes + (64 + kBwWDG) * 4;
 static_assert(kBwfSmemBytes <= 113 * 1024, "w kernel f16: two blocks per SM");
+// g split once for the W kernel's float16 split form (hidden_dim 32): a unit is one tile's chunk
+// of 32 pairs (16 i x 2 j) for one block of kBwWDG d; the split needs every unit whole (rows
+// in whole tiles of 32, columns in pairs, d in whole blocks).
+inline bool w_g_split_fits(int64_t Nr, int64_t Nc, int64_t Dp) {
+  return Nr % 32 == 0 && Nc % 2 == 0 && Dp % kBwWDG == 0;
+}
+inline int64_t w_g_split_units(int64_t B, int64_t Nr, int64_t Nc, int64_t Dp) {
+  return B * (Nr / 32) * (Nc / 2) * (kBwWPairs / 32) * (Dp / kBwWDG);
+}
 
 void launch_bwd_side(const BwdSideArgs& args, int terms, cudaStream_t stream);
 // The float16 split form of the side kernel and the splits it reads (hidden_dim 32, sm_90a):
@@ -1068,8 +1082,8 @@ void launch_bwd_side(const BwdSideArgs& args, int terms, cudaStream_t stream);
 // terms: 3 (float32 accuracy) or 1 (the high parts alone: TF32's rounding, for "high").
 void launch_bwd_side_f16(const BwdSideArgs& args, bool swap_hh, int terms, cudaStream_t stream);
 // The float16 split form of the W kernel (hidden_dim 32, sm_90a): a and b split into
-// args.a_split / a_inv and b_split / b_inv, then the kernel over `splits` splits of the tiles;
-// terms as for the side kernel.
+// args.a_split / a_inv and b_split / b_inv, then (args.g_inv_split set) g split in place, then
+// the kernel over `splits` splits of the tiles; terms as for the side kernel.
 void launch_bwd_w_f16(const BwdWArgs& args, int splits, int terms, cudaStream_t stream);
 void launch_bwd_w(const BwdWArgs& args, int splits, int terms, cudaStream_t stream);
 
