@@ -1054,7 +1054,8 @@ struct BwdWArgs {
 //     chunk's products add to O' = O·2^(e_i + e_j) without a factor; O' by its bound
 //     |O'| < S·2^30 (one power of two) as GEMM 2's B.
 //   GEMM 2 (grad_W[d, k] = sum over pairs of g[pair, d]·O[pair, k]): g·2^-(e_i + e_j) per
-//     (d, chunk of 32 pairs), split in the kernel from float32 g, as A (rows d).
+//     (d, chunk of 32 pairs), split in the kernel from float32 g (or once before it, in place:
+//     opm_split_w_g_kernel, BwdWArgs::g_inv_split), as A (rows d).
 // Shared memory (bytes from a 1 KB boundary): kBwStages stages of 16 KB (a's and b's split rows
 // for 32 s, or g's float32 chunk of 32 pairs x 128 d); g's split chunk (two halves of 64 d, hi
 // then lo, 16 KB); O' split (64 pairs x 64 k, hi then lo, 16 KB); the tile's pair factors (64
