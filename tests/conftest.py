@@ -35,6 +35,14 @@ def poison_output_block(call):
     return ptr
 
 
+def flashopm_kernels(fn):
+    """Names of flashopm's CUDA kernels that fn() runs (torch.profiler), one per kernel."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.key for e in prof.key_averages() if "flashopm::" in e.key and e.device_time_total > 0]
+
+
 @pytest.fixture(autouse=True)
 def _exact_fp32_matmul():
     """References run in true fp32 (no TF32), whatever the process default is."""

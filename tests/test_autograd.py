@@ -5,7 +5,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import flashopm
-from conftest import f16_backward_form_or_skip, requires_cuda
+from conftest import f16_backward_form_or_skip, flashopm_kernels, requires_cuda
 from flashopm.ops import NORMALIZATIONS
 from flashopm.reference import GRAD_INPUTS
 from flashopm.testing import PARAM_ORDER, Shape, make_problem, rel_error
@@ -441,16 +441,6 @@ def test_direct_backward_matches_the_tensor_per_temporary_form(monkeypatch, norm
         assert torch.equal(o, a), f"{name}: the two forms differ"
 
 
-def _kernel_names(fn):
-    """Names of the CUDA kernels fn() launches (torch.profiler)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA}
-
-
 @requires_cuda
 @pytest.mark.parametrize("precision", ["highest", "high"])
 @pytest.mark.parametrize("normalization, shape", [
@@ -475,12 +465,12 @@ def test_w_kernel_takes_g_split_in_place(monkeypatch, precision, normalization, 
         for k, v in env.items():
             monkeypatch.setenv(k, v)
         _poison_cached_memory()
-        names[key] = _kernel_names(lambda: results.__setitem__(
+        names[key] = flashopm_kernels(lambda: results.__setitem__(
             key, _flashopm_grads(xc, mc, pc, gc, normalization=normalization, precision=precision)))
         for k in env:
             monkeypatch.delenv(k)
     assert any("opm_split_w_g_kernel" in n for n in names["default"])
-    assert not any("opm_split_w_g_kernel" in n for n in names["FLASHOPM_W_G_SPLIT"] | names["FLASHOPM_BACKWARD_DIRECT"])
+    assert not any("opm_split_w_g_kernel" in n for n in names["FLASHOPM_W_G_SPLIT"] + names["FLASHOPM_BACKWARD_DIRECT"])
     for name, a, b, c in zip(GRAD_INPUTS, results["default"], results["FLASHOPM_W_G_SPLIT"],
                              results["FLASHOPM_BACKWARD_DIRECT"]):
         assert torch.isfinite(a).all(), name

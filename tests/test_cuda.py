@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import flashopm
-from conftest import poison_output_block, requires_cuda
+from conftest import flashopm_kernels, poison_output_block, requires_cuda
 from flashopm.testing import MASK_KINDS, PARAM_ORDER, Shape, make_problem, reference, rel_error
 
 pytestmark = requires_cuda
@@ -288,7 +288,7 @@ def test_small_tc_f16_form_far_from_one(shape, scale, monkeypatch):
     xc, mc, pc = x.cuda(), m.cuda(), _cuda_params(p)
     ref64 = reference(xc, mc, pc, dtype=torch.float64).cpu()
     ref32 = reference(xc, mc, pc).cpu()
-    kernels = _flashopm_kernels(lambda: _run(xc, mc, pc, "small-tc", poison=False, may_not_fit=False))
+    kernels = flashopm_kernels(lambda: _run(xc, mc, pc, "small-tc", poison=False, may_not_fit=False))
     assert any("opm_small_f16_" in k for k in kernels), kernels
     out = _run(xc, mc, pc, "small-tc", may_not_fit=False).cpu()
     assert not out.isnan().any() and out.abs().max() > 0
@@ -315,7 +315,7 @@ def test_small_tc_f16_form_runs(shape, tile, monkeypatch):
         assert plan[:2] == list(tile)
     x, m, p = make_problem(shape, "masked_positions", seed=zlib.crc32(f"{shape}-f16-runs".encode()) % 1000)
     xc, mc, pc = x.cuda(), m.cuda(), _cuda_params(p)
-    kernels = _flashopm_kernels(lambda: _run(xc, mc, pc, "small-tc", poison=False, may_not_fit=False))
+    kernels = flashopm_kernels(lambda: _run(xc, mc, pc, "small-tc", poison=False, may_not_fit=False))
     assert any("opm_small_f16_" in k for k in kernels), kernels
     _check(shape, "masked_positions", "small-tc", seed=zlib.crc32(f"{shape}-f16-runs".encode()) % 1000,
            may_not_fit=False)
@@ -425,7 +425,7 @@ F16_CHAIN_CASES = [(SPEC, None), (Shape(1, 5, 31, 24, 32, 40), (4, 8)), (Shape(1
 @pytest.mark.parametrize("shape,tile", F16_CHAIN_CASES, ids=lambda v: str(v))
 def test_small_tc_f16_chained_form(shape, tile, staged, monkeypatch):
     xc, mc, pc = _f16_form_problem(shape, tile, "masked_positions", f"{shape}-chain", monkeypatch, staged=staged)
-    kernels = _flashopm_kernels(lambda: _run(xc, mc, pc, "small-tc", poison=False, may_not_fit=False))
+    kernels = flashopm_kernels(lambda: _run(xc, mc, pc, "small-tc", poison=False, may_not_fit=False))
     name = "opm_small_f16_kernel" if staged else "opm_small_f16_chain_kernel"
     assert any(name in k for k in kernels), kernels
     _check(shape, "masked_positions", "small-tc", seed=zlib.crc32(f"{shape}-chain".encode()) % 1000,
@@ -487,7 +487,7 @@ def test_small_tc_f16_chained_form_in_one_launch(shape, tile, mask_kind, monkeyp
     plan = torch.ops.flashopm._small_tc_plan(xc, shape.B, shape.S, shape.N, shape.H, shape.D)
     two = _run(xc, mc, pc, "small-tc", may_not_fit=False)
     monkeypatch.setenv("FLASHOPM_SMALL_F16_FUSED", "1")
-    kernels = _flashopm_kernels(lambda: _run(xc, mc, pc, "small-tc", poison=False, may_not_fit=False))
+    kernels = flashopm_kernels(lambda: _run(xc, mc, pc, "small-tc", poison=False, may_not_fit=False))
     if _chain_fused_applies(shape, plan):
         assert len(kernels) == 1 and "opm_small_f16_chain_fused_kernel" in kernels[0], kernels
     else:
@@ -500,7 +500,7 @@ def test_small_tc_f16_chained_form_in_one_launch(shape, tile, mask_kind, monkeyp
 def test_small_tc_f16_chained_form_in_one_launch_applies_at_the_spec_shape(monkeypatch):
     monkeypatch.setenv("FLASHOPM_SMALL_F16_FUSED", "1")
     x, m, p = make_problem(SPEC, "masked_positions", seed=4)
-    kernels = _flashopm_kernels(lambda: _run(x.cuda(), m.cuda(), _cuda_params(p), "auto", poison=False))
+    kernels = flashopm_kernels(lambda: _run(x.cuda(), m.cuda(), _cuda_params(p), "auto", poison=False))
     assert len(kernels) == 1 and "opm_small_f16_chain_fused_kernel" in kernels[0], kernels
 
 
@@ -511,7 +511,7 @@ def test_small_tc_f16_staged_past_three_m_tiles(shape, monkeypatch):
     monkeypatch.setenv("FLASHOPM_SMALL_TC_F16", "1")
     x, m, p = make_problem(shape, "masked_positions", seed=7)
     xc, mc, pc = x.cuda(), m.cuda(), _cuda_params(p)
-    kernels = _flashopm_kernels(lambda: _run(xc, mc, pc, "small-tc", poison=False, may_not_fit=False))
+    kernels = flashopm_kernels(lambda: _run(xc, mc, pc, "small-tc", poison=False, may_not_fit=False))
     assert any("opm_small_f16_kernel" in k for k in kernels), kernels
     assert not any("opm_small_f16_chain_kernel" in k for k in kernels), kernels
     _check(shape, "masked_positions", "small-tc", seed=7, may_not_fit=False)
@@ -524,33 +524,26 @@ def test_small_tc_mma_sync_form(shape, monkeypatch):
     _check(shape, "bool", "small-tc", seed=zlib.crc32(f"{shape}-mma".encode()) % 1000, may_not_fit=False)
 
 
-def _flashopm_kernels(fn):
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return [e.key for e in prof.key_averages() if "flashopm::" in e.key and e.device_time_total > 0]
-
-
 def test_small_tc_launches(monkeypatch):
     x, m, p = make_problem(SPEC, "masked_positions", seed=4)
     xc, mc, pc = x.cuda(), m.cuda(), _cuda_params(p)
-    two = _flashopm_kernels(lambda: _run(xc, mc, pc, "small-tc", poison=False))
+    two = flashopm_kernels(lambda: _run(xc, mc, pc, "small-tc", poison=False))
     assert len(two) == 2 and any("opm_prep_kernel" in k for k in two), two
     assert any("opm_small_f16_chain_kernel" in k for k in two), two  # the chained float16 split form under "highest"
     monkeypatch.setenv("FLASHOPM_SMALL_TC_F16", "0")
-    fma = _flashopm_kernels(lambda: _run(xc, mc, pc, "small-tc", poison=False))
+    fma = flashopm_kernels(lambda: _run(xc, mc, pc, "small-tc", poison=False))
     assert len(fma) == 2 and any("opm_small_tc_kernel<0, false, false>" in k for k in fma), fma
     monkeypatch.delenv("FLASHOPM_SMALL_TC_F16")
     # little work per block: the FMA form by default
     xs, ms, ps = make_problem(Shape(3, 2, 5, 9, 16, 13), "masked_positions", seed=4)
-    small = _flashopm_kernels(lambda: _run(xs.cuda(), ms.cuda(), _cuda_params(ps), "small-tc", poison=False))
+    small = flashopm_kernels(lambda: _run(xs.cuda(), ms.cuda(), _cuda_params(ps), "small-tc", poison=False))
     assert any("opm_small_tc_kernel<0, false, false>" in k for k in small), small
     monkeypatch.setenv("FLASHOPM_SMALL_TC_LOCAL_A", "1")
-    local = _flashopm_kernels(lambda: _run(xc, mc, pc, "small-tc", poison=False))
+    local = flashopm_kernels(lambda: _run(xc, mc, pc, "small-tc", poison=False))
     assert len(local) == 2 and any("opm_small_tc_kernel<0, false, true>" in k for k in local), local
     monkeypatch.delenv("FLASHOPM_SMALL_TC_LOCAL_A")
     monkeypatch.setenv("FLASHOPM_SMALL_TC_FUSED", "1")
-    one = _flashopm_kernels(lambda: _run(xc, mc, pc, "small-tc", poison=False))
+    one = flashopm_kernels(lambda: _run(xc, mc, pc, "small-tc", poison=False))
     assert len(one) == 1 and "opm_small_tc_kernel<0, true, false>" in one[0], one
 
 
@@ -587,7 +580,7 @@ def test_prep_whole_weights_keeps_the_bits(shape, form, weights_first, monkeypat
         monkeypatch.setenv("FLASHOPM_PREP_WEIGHTS_FIRST", "1")
     x, m, p = make_problem(shape, "masked_positions", seed=zlib.crc32(f"{shape}-whole".encode()) % 1000)
     xc, mc, pc = x.cuda(), m.cuda(), _cuda_params(p)
-    kernels = _flashopm_kernels(lambda: _run(xc, mc, pc, "small-tc", poison=False, may_not_fit=False))
+    kernels = flashopm_kernels(lambda: _run(xc, mc, pc, "small-tc", poison=False, may_not_fit=False))
     assert any("opm_prep_kernel" in k and "float, true>" in k for k in kernels), kernels
     whole = _run(xc, mc, pc, "small-tc", may_not_fit=False)
     for warps in ("2", "4", "8"):
@@ -595,7 +588,7 @@ def test_prep_whole_weights_keeps_the_bits(shape, form, weights_first, monkeypat
         assert torch.equal(_run(xc, mc, pc, "small-tc", may_not_fit=False), whole), warps
     monkeypatch.delenv("FLASHOPM_PREP_WARPS")
     monkeypatch.setenv("FLASHOPM_PREP_WHOLE_W", "0")
-    kernels = _flashopm_kernels(lambda: _run(xc, mc, pc, "small-tc", poison=False, may_not_fit=False))
+    kernels = flashopm_kernels(lambda: _run(xc, mc, pc, "small-tc", poison=False, may_not_fit=False))
     assert any("opm_prep_kernel" in k and "float, false>" in k for k in kernels), kernels
     chunked = _run(xc, mc, pc, "small-tc", may_not_fit=False)
     assert torch.equal(whole, chunked)

@@ -1887,7 +1887,7 @@ ContractBackwardPlan plan_contract_backward(int64_t B, int64_t S, int64_t Nr, in
       p.ab_split_floats = round_up_line(B * s32 * Nr * H) + round_up_line(B * s32 * Nc * H);
       p.ab_inv_floats = round_up_line(B * Nr) + round_up_line(B * Nc);
       p.w_g_split = g_owned && w_g_split_fits(Nr, Nc, p.Dp) && !env_is("FLASHOPM_W_G_SPLIT", "0");
-      if (p.w_g_split) p.g_inv_floats = round_up_line(w_g_split_units(B, Nr, Nc, p.Dp) * kBwWDG);
+      if (p.w_g_split) p.g_inv_floats = round_up_line(w_g_split_chunks(B, Nr, Nc) * p.Dp);
     }
     const int64_t steps = (tiles + p.splits - 1) / p.splits * ((S + kBwK - 1) / kBwK + kBwWPairs / kBwK);
     FLASHOPM_CHECK(steps < INT32_MAX - kBwStages, "flashopm: the fused backward's W kernel takes fewer than 2^31 - 3 steps per "

@@ -650,6 +650,15 @@ __global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_w_kernel(const BwdWArgs
 #endif
 }
 
+// g's split for the W kernel's GEMM 2, two rows at a time: lanes 2l and 2l + 1 hold d = dd and dd + 1
+// (their values vq, vq1 at rows q, q + 1, and their scale f); the even lane gets row q's (d, d + 1)
+// as one float16 pair, the odd lane row q + 1's, through one shuffle.
+__device__ __forceinline__ void split_adjacent_d(float vq, float vq1, float f, bool odd, uint32_t& hi, uint32_t& lo) {
+  const float x = __shfl_xor_sync(0xffffffffu, (odd ? vq : vq1) * f, 1);
+  const float v0 = odd ? x : vq * f, v1 = odd ? vq1 * f : x;  // d = dd, dd + 1
+  split_f16x2(v0, v1, hi, lo);
+}
+
 // The W kernel's float16 split form (BwdWArgs, kBwf* in opm_params.h): the tile and sums of
 // opm_bwd_w_kernel on warpgroup MMAs, the block one warpgroup.  Per tile of 32 i x 2 j:
 //   GEMM 1, per chunk of 32 s: O'[(il, h1c), (jl, h2)] = sum_s a'·b' (a and b split per residue,
@@ -847,13 +856,11 @@ __global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_w_f16_kernel(const BwdW
         const uint32_t d_off = uint32_t(dd >> 6) * 4096u + uint32_t(dd & 7) * 2u;
 #pragma unroll
         for (int q = 0; q < 32; q += 2) {
-          const float x = __shfl_xor_sync(0xffffffffu, (odd ? v[q] : v[q + 1]) * f, 1);
-          const float v0 = odd ? x : v[q] * f, v1 = odd ? v[q + 1] * f : x;  // d = dd, dd + 1
           const int row = q + (odd ? 1 : 0);
           const uint32_t off = d_off + uint32_t(row >> 3) * 1024u + uint32_t(row & 7) * 128u +
                                uint32_t((((dd & 63) >> 3) ^ (row & 7)) << 4);
           uint32_t hi, lo;
-          split_f16x2(v0, v1, hi, lo);
+          split_adjacent_d(v[q], v[q + 1], f, odd, hi, lo);
           *reinterpret_cast<uint32_t*>(gs + off) = hi;
           if constexpr (kTerms == 3) *reinterpret_cast<uint32_t*>(gs + kHalf + off) = lo;
         }
@@ -949,11 +956,7 @@ __global__ void __launch_bounds__(kBwWDG) opm_split_w_g_kernel(const BwdWArgs p,
   const int dd = d & ~1;
   uint32_t hi[16], lo[16];
 #pragma unroll
-  for (int q = 0; q < 32; q += 2) {  // rows q (even lanes) and q + 1 (odd), d = dd and dd + 1
-    const float x = __shfl_xor_sync(0xffffffffu, (odd ? v[q] : v[q + 1]) * f, 1);
-    const float v0 = odd ? x : v[q] * f, v1 = odd ? v[q + 1] * f : x;
-    split_f16x2(v0, v1, hi[q / 2], lo[q / 2]);
-  }
+  for (int q = 0; q < 32; q += 2) split_adjacent_d(v[q], v[q + 1], f, odd, hi[q / 2], lo[q / 2]);
   __syncthreads();  // every read of the unit done
   char* bytes = reinterpret_cast<char*>(base);
   const int piece = ((dd >> 6) << 3) + ((dd & 63) >> 3);  // of the high parts; the low parts' + 16

@@ -814,7 +814,7 @@ void launch_bwd_w_f16(const BwdWArgs& args, int splits, int terms, cudaStream_t 
   }
   // g split in place once (after the side kernels, which read it as float32), then the kernel
   // that reads it split
-  const int64_t chunks = w_g_split_units(args.B, args.Nr, args.Nc, args.Dp) / (args.Dp / kBwWDG);
+  const int64_t chunks = w_g_split_chunks(args.B, args.Nr, args.Nc);
   TORCH_CHECK(w_g_split_fits(args.Nr, args.Nc, args.Dp) && chunks <= INT32_MAX,
               "flashopm: internal error: g split for the W kernel with units that are not whole");
   const dim3 split_grid(unsigned(chunks), unsigned(args.Dp / kBwWDG));

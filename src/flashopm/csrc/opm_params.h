@@ -1043,7 +1043,7 @@ struct BwdWArgs {
   const float* b_inv;
   // Non-null: g is the caller's to overwrite, and launch_bwd_w_f16 splits it in place once
   // (opm_split_w_g_kernel) into the pieces the W kernel's GEMM 2 reads, with each piece's row
-  // factors here ([unit][kBwWDG], w_g_split_units units), where every block along h1 converted
+  // factors here ([chunk][Dp], w_g_split_chunks chunks), where every block along h1 converted
   // each chunk of g itself.  Only where w_g_split_fits.
   float* g_inv_split;
 };
@@ -1067,13 +1067,12 @@ constexpr int kBwfSmemBytes = 1024 + kBwStages * kBwfStageBytes + kBwfGsBytes + 
 static_assert(kBwfSmemBytes <= 113 * 1024, "w kernel f16: two blocks per SM");
 // g split once for the W kernel's float16 split form (hidden_dim 32): a unit is one tile's chunk
 // of 32 pairs (16 i x 2 j) for one block of kBwWDG d; the split needs every unit whole (rows
-// in whole tiles of 32, columns in pairs, d in whole blocks).
+// in whole tiles of 32, columns in pairs, d in whole blocks).  Its row factors: Dp floats per
+// chunk of pairs.
 inline bool w_g_split_fits(int64_t Nr, int64_t Nc, int64_t Dp) {
   return Nr % 32 == 0 && Nc % 2 == 0 && Dp % kBwWDG == 0;
 }
-inline int64_t w_g_split_units(int64_t B, int64_t Nr, int64_t Nc, int64_t Dp) {
-  return B * (Nr / 32) * (Nc / 2) * (kBwWPairs / 32) * (Dp / kBwWDG);
-}
+inline int64_t w_g_split_chunks(int64_t B, int64_t Nr, int64_t Nc) { return B * (Nr / 32) * (Nc / 2) * (kBwWPairs / 32); }
 
 void launch_bwd_side(const BwdSideArgs& args, int terms, cudaStream_t stream);
 // The float16 split form of the side kernel and the splits it reads (hidden_dim 32, sm_90a):
