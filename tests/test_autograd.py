@@ -443,25 +443,32 @@ def test_direct_backward_matches_the_tensor_per_temporary_form(monkeypatch, norm
 
 @requires_cuda
 @pytest.mark.parametrize("precision", ["highest", "high"])
-@pytest.mark.parametrize("normalization, shape", [
-    ("row", Shape(1, 9, 64, 16, 32, 128)),       # one tile row of 32 twice; one block of d
-    ("openfold", Shape(2, 40, 32, 8, 32, 256)),  # two batch elements, two blocks of d
-    ("boltz", Shape(1, 3, 96, 8, 32, 128)),
+@pytest.mark.parametrize("normalization, shape, w_split", [
+    ("row", Shape(1, 9, 64, 16, 32, 128), True),       # one tile row of 32 twice; one block of d
+    ("openfold", Shape(2, 40, 32, 8, 32, 256), True),  # two batch elements, two blocks of d
+    ("boltz", Shape(1, 3, 96, 8, 32, 128), True),
+    ("row", Shape(1, 131, 37, 8, 32, 96), False),      # two blocks of s; tiles cut at both edges; d not in blocks of 128
+    ("openfold", Shape(2, 5, 19, 8, 32, 32), False),   # one chunk of d
 ], ids=str)
-def test_w_kernel_takes_g_split_in_place(monkeypatch, precision, normalization, shape):
-    """The direct backward splits g in place once for the W kernel's float16 split form where its
-    units are whole (the split kernel runs; FLASHOPM_W_G_SPLIT=0 leaves the conversion in the W
-    kernel): the same bits as that and as the tensor-per-temporary form, whose contraction op
-    converts g in the kernel, after NaN in the allocator's cached blocks; every gradient within
-    1e-5 (highest) of float64."""
+def test_contractions_take_g_split_once(monkeypatch, precision, normalization, shape, w_split):
+    """The direct backward splits g once for the float16 split forms: in place for the W kernel
+    where its units are whole (FLASHOPM_W_G_SPLIT=0 leaves the conversion in the W kernel), and,
+    with FLASHOPM_SIDE_G_SPLIT=1 where pair_dim is a multiple of 32, for both side kernels,
+    written again from grad_out once the W kernel has read g (by default the side kernels split
+    their own chunks). The split kernels run where they apply; the bits equal each of those
+    forms' and the tensor-per-temporary form's, whose contraction op splits g in the kernels,
+    after NaN in the allocator's cached blocks; every gradient within 1e-5 (highest) of
+    float64."""
     f16_backward_form_or_skip(monkeypatch)
     x, m, p = make_problem(shape, "masked_positions", seed=41)
     g = torch.randn(shape.B, shape.N, shape.N, shape.D, generator=torch.Generator().manual_seed(10))
     xc, mc, gc = x.cuda(), m.cuda(), g.cuda()
     pc = {k: v.cuda() for k, v in p.items()}
+    side = {"FLASHOPM_SIDE_G_SPLIT": "1"}
+    forms = {"both": side, "side only": {**side, "FLASHOPM_W_G_SPLIT": "0"}, "default": {},
+             "tensor per temporary": {**side, "FLASHOPM_BACKWARD_DIRECT": "0"}}
     results, names = {}, {}
-    for env in ({}, {"FLASHOPM_W_G_SPLIT": "0"}, {"FLASHOPM_BACKWARD_DIRECT": "0"}):
-        key = next(iter(env), "default")
+    for key, env in forms.items():
         for k, v in env.items():
             monkeypatch.setenv(k, v)
         _poison_cached_memory()
@@ -469,17 +476,46 @@ def test_w_kernel_takes_g_split_in_place(monkeypatch, precision, normalization, 
             key, _flashopm_grads(xc, mc, pc, gc, normalization=normalization, precision=precision)))
         for k in env:
             monkeypatch.delenv(k)
-    assert any("opm_split_w_g_kernel" in n for n in names["default"])
-    assert not any("opm_split_w_g_kernel" in n for n in names["FLASHOPM_W_G_SPLIT"] + names["FLASHOPM_BACKWARD_DIRECT"])
-    for name, a, b, c in zip(GRAD_INPUTS, results["default"], results["FLASHOPM_W_G_SPLIT"],
-                             results["FLASHOPM_BACKWARD_DIRECT"]):
-        assert torch.isfinite(a).all(), name
-        assert torch.equal(a, b) and torch.equal(a, c), f"{name}: the g split changed the bits"
+
+    def runs(kernel, key):
+        return any(kernel in n for n in names[key])
+
+    w_g, side_g = "opm_split_w_g_kernel", "opm_grad_scale_kernel<true>"
+    assert runs(w_g, "both") == w_split and runs(w_g, "default") == w_split
+    assert runs(side_g, "both") and runs(side_g, "side only")
+    assert not runs(w_g, "side only") and not runs(side_g, "default")
+    assert not runs(w_g, "tensor per temporary") and not runs(side_g, "tensor per temporary")
+    for name, *grads in zip(GRAD_INPUTS, *results.values()):
+        assert torch.isfinite(grads[0]).all(), name
+        for other in grads[1:]:
+            assert torch.equal(grads[0], other), f"{name}: a g split changed the bits"
     if precision == "highest":
         ref64 = _reference_grads(x.double(), m.double(), {k: v.double() for k, v in p.items()}, g.double(),
                                  normalization=NORMALIZATIONS[normalization])
-        for name, o, r in zip(GRAD_INPUTS, results["default"], ref64):
+        for name, o, r in zip(GRAD_INPUTS, results["both"], ref64):
             assert rel_error(o.cpu(), r) < 1e-5, name
+
+
+@requires_cuda
+def test_side_split_leaves_strided_grad_out_alone(monkeypatch):
+    """A grad_out that is not contiguous (here a transposed view) takes no side split
+    (FLASHOPM_SIDE_G_SPLIT=1), whose second pass would keep grad_out's contiguous copy alive; the
+    gradients are those of the same values contiguous."""
+    f16_backward_form_or_skip(monkeypatch)
+    monkeypatch.setenv("FLASHOPM_SIDE_G_SPLIT", "1")
+    shape = Shape(1, 7, 40, 8, 32, 64)
+    x, m, p = make_problem(shape, "masked_positions", seed=3)
+    g = torch.randn(shape.B, shape.N, shape.N, shape.D, generator=torch.Generator().manual_seed(2)).cuda()
+    g_strided = g.transpose(1, 2).contiguous().transpose(1, 2)
+    assert not g_strided.is_contiguous() and torch.equal(g_strided, g)
+    xc, mc, pc = x.cuda(), m.cuda(), {k: v.cuda() for k, v in p.items()}
+    got = {}
+    names = {key: flashopm_kernels(lambda key=key, go=go: got.__setitem__(key, _flashopm_grads(xc, mc, pc, go)))
+             for key, go in (("contiguous", g), ("strided", g_strided))}
+    assert any("opm_grad_scale_kernel<true>" in n for n in names["contiguous"])
+    assert not any("opm_grad_scale_kernel<true>" in n for n in names["strided"])
+    for name, a, b in zip(GRAD_INPUTS, got["contiguous"], got["strided"]):
+        assert torch.equal(a, b), name
 
 
 @requires_cuda

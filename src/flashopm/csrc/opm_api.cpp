@@ -18,6 +18,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <initializer_list>
 #include <string>
 #include <tuple>
@@ -1789,10 +1790,11 @@ at::Tensor outer_product_mean_rows_cuda(const at::Tensor& a_in, const at::Tensor
 // (w_split, w_inv; y_split, y_inv: one set for both sides, in turn) instead of W transposed; w_f16:
 // the W kernel in the float16 split form, which reads a and b split (ab_split: a's, then b's;
 // ab_inv likewise); w_g_split: g split in place for it once (g the caller's to overwrite), its
-// row factors in g_inv.
+// row factors in g_inv; side_g_split: room in g_inv for the side kernels' factors too, where the
+// caller may split g for them (run_contract_backward's split_g_for_side).
 struct ContractBackwardPlan {
   int64_t B = 0, S = 0, Nr = 0, Nc = 0, H = 0, D = 0, Dp = 0;
-  bool need_ab = false, need_w = false, side_f16 = false, w_f16 = false, w_g_split = false;
+  bool need_ab = false, need_w = false, side_f16 = false, w_f16 = false, w_g_split = false, side_g_split = false;
   int64_t n_sb = 0, jsplits = 1, splits = 1;
   int64_t part_a_floats = 0, part_b_floats = 0, ws_floats = 0, wt_floats = 0;
   int64_t w_split_floats = 0, w_inv_floats = 0, y_split_floats = 0, y_inv_floats = 0;
@@ -1842,7 +1844,9 @@ bool backward_f16_form(int64_t B, int64_t S, int64_t Nr, int64_t Nc, int64_t H, 
 // B, S, Nr, Nc, D >= 1; H 16, 32 or 64.  g_owned: the caller's g may be overwritten once the side
 // kernels have read it, so the W kernel's float16 split form takes it split in place where its
 // units are whole (w_g_split_fits; FLASHOPM_W_G_SPLIT=0 leaves the conversion in the kernel, to
-// compare: the same bits).
+// compare: the same bits), and, on request (FLASHOPM_SIDE_G_SPLIT=1, until it has been measured
+// on the GPU), the side kernels' float16 split form may take it split once for both sides where D
+// is a multiple of 32 (otherwise each block splits its own chunks: the same arithmetic).
 ContractBackwardPlan plan_contract_backward(int64_t B, int64_t S, int64_t Nr, int64_t Nc, int64_t H, int64_t D,
                                             bool need_ab, bool need_w, int dev, bool g_owned = false) {
   ContractBackwardPlan p;
@@ -1871,6 +1875,7 @@ ContractBackwardPlan plan_contract_backward(int64_t B, int64_t S, int64_t Nr, in
       p.w_inv_floats = round_up_line(H * H);
       p.y_split_floats = round_up_line(B * S * std::max(Nr, Nc) * H);
       p.y_inv_floats = round_up_line(B * S);
+      p.side_g_split = g_owned && p.Dp % 32 == 0 && env_is("FLASHOPM_SIDE_G_SPLIT", "1");
     } else {
       p.wt_floats = round_up_line(D * H * H);
     }
@@ -1893,6 +1898,8 @@ ContractBackwardPlan plan_contract_backward(int64_t B, int64_t S, int64_t Nr, in
     FLASHOPM_CHECK(steps < INT32_MAX - kBwStages, "flashopm: the fused backward's W kernel takes fewer than 2^31 - 3 steps per "
                    "block, got ", steps, " (B = ", B, ", Nr = ", Nr, ", Nc = ", Nc, ", S = ", S, ")");
   }
+  // one factor per pair and chunk of 32 d, in the W kernel's factors' room (read before the side split)
+  if (p.side_g_split) p.g_inv_floats = std::max(p.g_inv_floats, round_up_line(B * Nr * Nc * (p.Dp / 32)));
   return p;
 }
 
@@ -1901,9 +1908,13 @@ ContractBackwardPlan plan_contract_backward(int64_t B, int64_t S, int64_t Nr, in
 // and b) and grad_w (D, H·H) are written where the plan asks for them; scratch holds
 // plan.scratch_floats() floats, 16-byte aligned, and nothing of it is read before it is written.
 // With the plan's w_g_split, g is overwritten (split in place) after the side kernels read it.
+// With the plan's side_g_split and split_g_for_side given, the W kernel runs first, then
+// split_g_for_side(factors) writes g's bytes split for the side kernels (BwdSideArgs::g_inv), with
+// one factor per pair and chunk of 32 d into `factors`, and the side kernels read that.
 void run_contract_backward(const ContractBackwardPlan& p, const float* g, const float* a, const float* b,
                            const float* w, float* grad_a, float* grad_b, float* grad_w, float* scratch, int terms,
-                           int sm_count, cudaStream_t stream) {
+                           int sm_count, cudaStream_t stream,
+                           const std::function<void(float* factors)>& split_g_for_side = nullptr) {
   SumPartsArgs parts{};
   const auto add_parts = [&parts](const float* in, float* out, int64_t n, int64_t n_parts) {
     const int k = parts.count++;
@@ -1921,9 +1932,10 @@ void run_contract_backward(const ContractBackwardPlan& p, const float* g, const 
   uint32_t* b_split = p.w_f16 ? a_split + round_up_line(p.B * ((p.S + 31) / 32 * 32) * p.Nr * p.H) : nullptr;
   float* a_inv = reinterpret_cast<float*>(a_split + p.ab_split_floats);
   float* b_inv = p.w_f16 ? a_inv + round_up_line(p.B * p.Nr) : nullptr;
-  float* g_inv = p.w_g_split ? a_inv + p.ab_inv_floats : nullptr;
+  float* g_inv = p.g_inv_floats > 0 ? a_inv + p.ab_inv_floats : nullptr;
   const int64_t B = p.B, S = p.S, Nr = p.Nr, Nc = p.Nc, H = p.H, D = p.D, Dp = p.Dp;
-  if (p.need_ab) {
+  const bool side_g_split = p.need_ab && p.side_g_split && split_g_for_side;
+  const auto run_side = [&]() {
     RECORD_USER_SCOPE("flashopm::outer_contract_backward/grad_ab");
     BwdSideArgs side{};
     side.B = int(B), side.S = int(S), side.H = int(H), side.D = int(D), side.Dp = int(Dp);
@@ -1934,6 +1946,10 @@ void run_contract_backward(const ContractBackwardPlan& p, const float* g, const 
     side.w = w, side.y = b, side.grad = p.jsplits == 1 ? grad_a : part_a;
     side.Nr = int(Nr), side.Nc = int(Nc), side.gs_r = Nc * Dp, side.gs_c = Dp;
     side.w_split = w_split, side.w_inv = w_inv, side.y_split = y_split, side.y_inv = y_inv;
+    if (side_g_split) {
+      split_g_for_side(g_inv);
+      side.g_inv = g_inv;
+    }
     if (p.side_f16) launch_bwd_side_f16(side, false, terms, stream);
     else launch_bwd_side(side, terms, stream);
     // grad_b: rows j, columns i, W with h1 and h2 swapped, y = a
@@ -1950,20 +1966,28 @@ void run_contract_backward(const ContractBackwardPlan& p, const float* g, const 
       add_parts(part_a, grad_a, B * S * Nr * H, p.jsplits);
       add_parts(part_b, grad_b, B * S * Nc * H, p.jsplits);
     }
-  }
-  if (p.need_w) {
+  };
+  const auto run_w = [&]() {
     RECORD_USER_SCOPE("flashopm::outer_contract_backward/grad_w");
     BwdWArgs wa{};
     wa.g = g, wa.a = a, wa.b = b, wa.ws = p.splits == 1 ? grad_w : ws;
     wa.B = int(B), wa.S = int(S), wa.Nr = int(Nr), wa.Nc = int(Nc), wa.H = int(H), wa.D = int(D), wa.Dp = int(Dp);
     if (p.w_f16) {
       wa.a_split = a_split, wa.b_split = b_split, wa.a_inv = a_inv, wa.b_inv = b_inv;
-      wa.g_inv_split = g_inv;  // set: g split in place (the plan's w_g_split)
+      wa.g_inv_split = p.w_g_split ? g_inv : nullptr;  // set: g split in place
       launch_bwd_w_f16(wa, int(p.splits), terms, stream);
     } else {
       launch_bwd_w(wa, int(p.splits), terms, stream);
     }
     if (p.splits > 1) add_parts(ws, grad_w, D * H * H, p.splits);
+  };
+  // The W kernel reads float32 g (or splits it in place itself); the side split overwrites it.
+  if (side_g_split) {
+    if (p.need_w) run_w();
+    run_side();
+  } else {
+    if (p.need_ab) run_side();
+    if (p.need_w) run_w();
   }
   launch_sum_parts(parts, stream);
 }

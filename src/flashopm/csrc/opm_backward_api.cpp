@@ -220,8 +220,21 @@ bool scale_fits(at::ScalarType work, const at::Tensor& grad_out, const at::Tenso
 // puts it in bias_grad (float32, (D,)); elsewhere bias_grad stays undefined.
 // FLASHOPM_BIAS_GRAD_KERNEL=0 leaves the bias gradient to the caller, to compare.
 // g_out: where g goes (contiguous, aligned to 16 bytes; nothing is returned then), else a new tensor.
+// side_split, if given, gets the division's pass that writes g split for the side kernels instead
+// (launch_grad_scale_side_split), to run later, where it fits.
+struct GradScaleSideSplit {
+  GradScaleArgs args{};
+  int blocks = 0;
+  at::Tensor go, pair;  // what args reads
+  bool fits = false;
+  void run(float* factors, cudaStream_t stream) {
+    args.side_inv = factors;
+    launch_grad_scale_side_split(args, blocks, stream);
+  }
+};
 at::Tensor scale_grad(const at::Tensor& go_in, const at::Tensor& mask, int64_t normalization, double norm_eps,
-                      at::ScalarType type, bool want_bias, at::Tensor& bias_grad, int dev, void* g_out = nullptr) {
+                      at::ScalarType type, bool want_bias, at::Tensor& bias_grad, int dev, void* g_out = nullptr,
+                      GradScaleSideSplit* side_split = nullptr) {
   RECORD_USER_SCOPE("flashopm::backward/scale_grad");
   const at::Tensor go = go_in.contiguous();
   const int64_t B = go.size(0), N = go.size(1), D = go.size(3), S = mask.size(1);
@@ -261,6 +274,16 @@ at::Tensor scale_grad(const at::Tensor& go_in, const at::Tensor& mask, int64_t n
       bias_part = at::empty({blocks, D}, go.options().dtype(at::kDouble));
       args.bias_part = bias_part.data_ptr<double>();
     }
+  }
+  if (side_split != nullptr) {
+    GradScaleArgs& sa = side_split->args;
+    sa = args;
+    sa.bias_part = nullptr, sa.bias_out = nullptr;
+    sa.chunk_rows = int(std::clamp<int64_t>(rows / max_blocks, 1, kGradScaleMaxChunkRows));
+    side_split->blocks = int(std::min<int64_t>((rows + sa.chunk_rows - 1) / sa.chunk_rows, max_blocks));
+    side_split->go = go, side_split->pair = pair;
+    // a copy of grad_out kept for it would add to the step's peak
+    side_split->fits = go_in.is_contiguous() && N <= (int64_t(1) << 24) && grad_scale_side_split_fits(sa);
   }
   launch_grad_scale(args, blocks, stream);
   if (bias_part.defined()) launch_bias_grad_reduce(args.bias_part, blocks, int(D), bias_grad.data_ptr<float>(), stream);
@@ -384,15 +407,19 @@ void backward_direct(const DirectBackward& d, const at::Tensor& grad_out, const 
     float* g = b + ab;
     project_masked(*d.ln_in, d.b_a, d.b_b, d.prec, a, b, dev);
     at::Tensor bias_grad;
-    scale_grad(grad_out, mask, d.normalization, d.norm_eps, at::kFloat, need_bo, bias_grad, dev, g);
+    GradScaleSideSplit side_split;
+    scale_grad(grad_out, mask, d.normalization, d.norm_eps, at::kFloat, need_bo, bias_grad, dev, g, &side_split);
     // ATen's sum where the division's threads do not hold every column (pair_dim > 4 * kGradScaleThreads)
     if (need_bo)
       grads[8] = bias_grad.defined() ? bias_grad
                                      : at::sum(d.normalization == 1 ? at::from_blob(g, {B, N, N, D}, opts) : grad_out,
                                                {0, 1, 2}, false, at::kFloat);
+    // The side kernels take g split once (g written again from grad_out once the W kernel has read it).
+    const auto split_g_for_side = [&](float* factors) { side_split.run(factors, stream); };
     run_contract_backward(plan, g, a, b, d.w_out.data_ptr<float>(), grad_a, grad_b,
                           need_wo ? grad_w.data_ptr<float>() : nullptr, g + gn, d.prec == kHighest ? 3 : 1,
-                          device_info(dev).sm_count, stream);
+                          device_info(dev).sm_count, stream,
+                          side_split.fits ? std::function<void(float*)>(split_g_for_side) : nullptr);
   }
   if (need_wo) grads[7] = grad_w;
   if (need_proj) {

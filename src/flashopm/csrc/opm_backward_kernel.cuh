@@ -166,6 +166,9 @@ __global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_side_kernel(const BwdSi
 // The loop runs tiles, then each tile's chunks, so that acc1 lives only through GEMM 1.
 // kTerms = 1 (PyTorch's "high"): hi·hi alone, each operand rounded to float16's 11 bits after its
 // power-of-two scale, TF32's rounding; the low parts are neither stored nor read.
+// kGSplit: g arrives split once for both sides (opm_grad_scale_kernel's side form, BwdSideArgs::
+// g_inv): the copies place each pair's 128-byte piece of the chunk as W's rows are placed and
+// GEMM 1 reads both operands from shared memory; the same parts and factors, so the same sums.
 // The float16 split kernels' ring of kBwStages stages of kStageBytes each, filled by asynchronous
 // copies kBwStages - 1 steps ahead: load_step(stage) issues one step's copies into a stage; total
 // steps in all.
@@ -198,7 +201,7 @@ struct BwStageRing {
   }
 };
 
-template <int kTerms, int kH>
+template <int kTerms, int kH, bool kGSplit = false>
 __global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_side_f16_kernel(const BwdSideArgs p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   static_assert(kTerms == 1 || kTerms == 3, "the high parts' products alone, or with both cross terms");
@@ -247,7 +250,9 @@ __global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_side_f16_kernel(const B
 #pragma unroll
       for (int u = 0; u < kBwSideRows * kBwK / 4 / kBwThreads; ++u) {  // g: 64 pairs x 32 d
         const bool ok = cols_ok && i0 + il0 + u * (16 / TJ) < Nr;
-        cp_async16z(G + (q0 + 16 * u) * kBsfGLd + k4, ok ? src + u * g_rstep : p.g, ok);
+        // split: row q0 + 16u is the slot's row sr + 16u, its 16-byte piece sp = k4 / 4
+        if constexpr (kGSplit) cp_async16z(st + kBsfSlotBytes + slot_dst + 2048u * u, ok ? src + u * g_rstep : p.g, ok);
+        else cp_async16z(G + (q0 + 16 * u) * kBsfGLd + k4, ok ? src + u * g_rstep : p.g, ok);
       }
       const uint32_t* w_src = w_src0 + int64_t(ld_r) * H * H * 32;  // chunks padded with zeros past D
 #pragma unroll
@@ -277,54 +282,90 @@ __global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_side_f16_kernel(const B
     float acc1[64];
 #pragma unroll
     for (int e = 0; e < 64; ++e) acc1[e] = 0.f;
-    for (int r = 0; r < n1; ++r) {
-      const char* st = next_stage();
-      const float* G = reinterpret_cast<const float*>(st + kBsfSlotBytes) + (16 * warp + g) * kBsfGLd + 2 * t;
-      float2 v[2][2][2];  // [row half][k step][k + 8x]
-#pragma unroll
-      for (int half = 0; half < 2; ++half)
-#pragma unroll
-        for (int kk = 0; kk < 2; ++kk)
-#pragma unroll
-          for (int x = 0; x < 2; ++x)
-            v[half][kk][x] = *reinterpret_cast<const float2*>(G + 8 * half * kBsfGLd + 16 * kk + 8 * x);
-      uint32_t a_hi[2][4], a_lo[2][4];
-      float inv[2];
+    if constexpr (kGSplit) {
+      // rows 16·warp + g (+8): pair (il, jl); each chunk's factor 2^-e at the pair's g offset / 32
+      const int j0 = (split + tile * p.jsplits) * TJ;
+      const float* inv_row[2];
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        float m = 0.f;
-#pragma unroll
-        for (int kk = 0; kk < 2; ++kk)
-#pragma unroll
-          for (int x = 0; x < 2; ++x) m = fmaxf(m, fmaxf(fabsf(v[half][kk][x].x), fabsf(v[half][kk][x].y)));
-        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
-        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-        const int e = split_scale_exp_bits(m);
-        const float f = exp2_int(e);
-        inv[half] = exp2_int(-e);
-#pragma unroll
-        for (int kk = 0; kk < 2; ++kk)
-#pragma unroll
-          for (int x = 0; x < 2; ++x)
-            split_f16x2(v[half][kk][x].x * f, v[half][kk][x].y * f, a_hi[kk][half + 2 * x], a_lo[kk][half + 2 * x]);
+        const int q = 16 * warp + g + 8 * half, il = q / TJ, jl = q - il * TJ;
+        inv_row[half] = i0 + il < Nr && j0 + jl < Nc
+                            ? p.g_inv + ((int64_t(b) * p.gs_b + int64_t(i0 + il) * p.gs_r + int64_t(j0 + jl) * p.gs_c) >> 5)
+                            : nullptr;
       }
-      float part[64];
-      wgmma_fence();
+      for (int r = 0; r < n1; ++r) {
+        const char* st = next_stage();
+        const char* gsl = st + kBsfSlotBytes;
+        const float inv0 = inv_row[0] ? inv_row[0][r] : 0.f, inv1 = inv_row[1] ? inv_row[1][r] : 0.f;
+        float part[64];
+        wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < 2; ++kk) {
-        const uint64_t w_hi = wgmma_desc(st + 32 * kk, 16, 1024), w_lo = wgmma_desc(st + 64 + 32 * kk, 16, 1024);
-        if constexpr (kTerms == 3) {
-          wgmma_m64n128k16_f16_rs(part, a_lo[kk], w_hi, kk);
-          wgmma_m64n128k16_f16_rs(part, a_hi[kk], w_lo, 1);
+        for (int kk = 0; kk < 2; ++kk) {
+          const uint64_t w_hi = wgmma_desc(st + 32 * kk, 16, 1024), w_lo = wgmma_desc(st + 64 + 32 * kk, 16, 1024);
+          const uint64_t g_hi = wgmma_desc(gsl + 32 * kk, 16, 1024), g_lo = wgmma_desc(gsl + 64 + 32 * kk, 16, 1024);
+          if constexpr (kTerms == 3) {
+            wgmma_m64n128k16_f16(part, g_lo, w_hi, kk);
+            wgmma_m64n128k16_f16(part, g_hi, w_lo, 1);
+          }
+          wgmma_m64n128k16_f16(part, g_hi, w_hi, kTerms == 3 ? 1 : kk);
         }
-        wgmma_m64n128k16_f16_rs(part, a_hi[kk], w_hi, kTerms == 3 ? 1 : kk);
+        wgmma_commit();
+        wgmma_wait<0>();
+#pragma unroll
+        for (int j = 0; j < 16; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc1[4 * j + e] = fmaf(part[4 * j + e], e < 2 ? inv0 : inv1, acc1[4 * j + e]);
       }
-      wgmma_commit();
-      wgmma_wait<0>();
+    } else {
+      for (int r = 0; r < n1; ++r) {
+        const char* st = next_stage();
+        const float* G = reinterpret_cast<const float*>(st + kBsfSlotBytes) + (16 * warp + g) * kBsfGLd + 2 * t;
+        float2 v[2][2][2];  // [row half][k step][k + 8x]
 #pragma unroll
-      for (int j = 0; j < 16; ++j)
+        for (int half = 0; half < 2; ++half)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) acc1[4 * j + e] = fmaf(part[4 * j + e], inv[e >> 1], acc1[4 * j + e]);
+          for (int kk = 0; kk < 2; ++kk)
+#pragma unroll
+            for (int x = 0; x < 2; ++x)
+              v[half][kk][x] = *reinterpret_cast<const float2*>(G + 8 * half * kBsfGLd + 16 * kk + 8 * x);
+        uint32_t a_hi[2][4], a_lo[2][4];
+        float inv[2];
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          float m = 0.f;
+#pragma unroll
+          for (int kk = 0; kk < 2; ++kk)
+#pragma unroll
+            for (int x = 0; x < 2; ++x) m = fmaxf(m, fmaxf(fabsf(v[half][kk][x].x), fabsf(v[half][kk][x].y)));
+          m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+          m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+          const int e = split_scale_exp_bits(m);
+          const float f = exp2_int(e);
+          inv[half] = exp2_int(-e);
+#pragma unroll
+          for (int kk = 0; kk < 2; ++kk)
+#pragma unroll
+            for (int x = 0; x < 2; ++x)
+              split_f16x2(v[half][kk][x].x * f, v[half][kk][x].y * f, a_hi[kk][half + 2 * x], a_lo[kk][half + 2 * x]);
+        }
+        float part[64];
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < 2; ++kk) {
+          const uint64_t w_hi = wgmma_desc(st + 32 * kk, 16, 1024), w_lo = wgmma_desc(st + 64 + 32 * kk, 16, 1024);
+          if constexpr (kTerms == 3) {
+            wgmma_m64n128k16_f16_rs(part, a_lo[kk], w_hi, kk);
+            wgmma_m64n128k16_f16_rs(part, a_hi[kk], w_lo, 1);
+          }
+          wgmma_m64n128k16_f16_rs(part, a_hi[kk], w_hi, kTerms == 3 ? 1 : kk);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+#pragma unroll
+        for (int j = 0; j < 16; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc1[4 * j + e] = fmaf(part[4 * j + e], inv[e >> 1], acc1[4 * j + e]);
+      }
     }
 
     // ---- dO into shared memory: row (il, h1c), chunk jl, k = h2 ----
@@ -1049,6 +1090,9 @@ __device__ __forceinline__ void load4_as_float(const void* base, int64_t idx, in
 // thread loads kGradScaleBatch pairs before it stores any: g may alias nothing the loads read, but
 // the compiler cannot know that, and one load in flight per thread left a single block waiting on
 // memory latency for ~120 us at the specification's shape.
+// kSideSplit (launch_grad_scale_side_split): each pair's chunk of 32 columns, eight consecutive
+// threads' values, is split in its own bytes for the side kernels instead of stored as float32.
+template <bool kSideSplit>
 __global__ void __launch_bounds__(kGradScaleThreads) opm_grad_scale_kernel(const GradScaleArgs p) {
   constexpr int kBatch = kGradScaleBatch, kWarps = kGradScaleThreads / 32;
   __shared__ float row_den[kGradScaleMaxChunkRows];
@@ -1110,8 +1154,27 @@ __global__ void __launch_bounds__(kGradScaleThreads) opm_grad_scale_kernel(const
             v[u][k] = v[u][k] / den[u];
             if (sums && openfold) bsum[k] += double(v[u][k]);
           }
-          if (p.vec4) store_out4(p.g, e, v[u], p.g_kind);
-          else store_out(p.g, e, v[u][0], p.g_kind);
+          if constexpr (kSideSplit) {
+            // the side kernels' arithmetic: the chunk's largest magnitude, its power of two, the splits
+            const unsigned group = 0xffu << (lane & 24);
+            float m = fmaxf(fmaxf(fabsf(v[u][0]), fabsf(v[u][1])), fmaxf(fabsf(v[u][2]), fabsf(v[u][3])));
+            m = fmaxf(m, __shfl_xor_sync(group, m, 1));
+            m = fmaxf(m, __shfl_xor_sync(group, m, 2));
+            m = fmaxf(m, __shfl_xor_sync(group, m, 4));
+            const int ex = split_scale_exp_bits(m);
+            const float f = exp2_int(ex);
+            uint2 hi, lo;
+            split_f16x2(v[u][0] * f, v[u][1] * f, hi.x, lo.x);
+            split_f16x2(v[u][2] * f, v[u][3] * f, hi.y, lo.y);
+            const int k8 = col & 7;
+            char* chunk = static_cast<char*>(p.g) + (e - 4 * k8) * 4;
+            *reinterpret_cast<uint2*>(chunk + 8 * k8) = hi;
+            *reinterpret_cast<uint2*>(chunk + 64 + 8 * k8) = lo;
+            if (k8 == 0) p.side_inv[e >> 5] = exp2_int(-ex);
+          } else {
+            if (p.vec4) store_out4(p.g, e, v[u], p.g_kind);
+            else store_out(p.g, e, v[u][0], p.g_kind);
+          }
         }
       }
     } else {

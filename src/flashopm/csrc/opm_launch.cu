@@ -786,6 +786,8 @@ void launch_by_terms(int terms, const dim3& grid, int smem_bytes, cudaStream_t s
 }  // namespace
 
 void launch_bwd_side_f16(const BwdSideArgs& args, bool swap_hh, int terms, cudaStream_t stream) {
+  TORCH_CHECK(args.g_inv == nullptr || args.Dp % 32 == 0,
+              "flashopm: internal error: g split for the side kernels with pair_dim ", args.Dp, ", not a multiple of 32");
   const int HH = args.H * args.H;
   launch_kernel<opm_split_side_w_kernel>(unsigned(HH / 32), 256, 0, stream, args.w, const_cast<uint32_t*>(args.w_split),
                                          const_cast<float*>(args.w_inv), args.H, args.D, swap_hh);
@@ -795,8 +797,12 @@ void launch_bwd_side_f16(const BwdSideArgs& args, bool swap_hh, int terms, cudaS
   constexpr int kH = 32, hc = kBwSideCols / kH, ti = kBwSideRows / hc;
   const dim3 grid(unsigned((args.Nr + ti - 1) / ti), unsigned(kH / hc),
                   unsigned(args.B * args.n_sblocks * args.jsplits));
-  launch_by_terms<opm_bwd_side_f16_kernel<3, kH>, opm_bwd_side_f16_kernel<1, kH>>(terms, grid, kBsfSmemBytes, stream,
-                                                                                  args);
+  if (args.g_inv == nullptr)
+    launch_by_terms<opm_bwd_side_f16_kernel<3, kH>, opm_bwd_side_f16_kernel<1, kH>>(terms, grid, kBsfSmemBytes, stream,
+                                                                                    args);
+  else
+    launch_by_terms<opm_bwd_side_f16_kernel<3, kH, true>, opm_bwd_side_f16_kernel<1, kH, true>>(terms, grid,
+                                                                                                kBsfSmemBytes, stream, args);
 }
 
 void launch_bwd_w_f16(const BwdWArgs& args, int splits, int terms, cudaStream_t stream) {
@@ -1117,7 +1123,13 @@ void launch_convert(const ConvertArgs& args, cudaStream_t stream) {
 }
 
 void launch_grad_scale(const GradScaleArgs& args, int blocks, cudaStream_t stream) {
-  launch_kernel<opm_grad_scale_kernel>(unsigned(blocks), kGradScaleThreads, 0, stream, args);
+  launch_kernel<opm_grad_scale_kernel<false>>(unsigned(blocks), kGradScaleThreads, 0, stream, args);
+}
+
+void launch_grad_scale_side_split(const GradScaleArgs& args, int blocks, cudaStream_t stream) {
+  TORCH_CHECK(grad_scale_side_split_fits(args) && args.side_inv != nullptr,
+              "flashopm: internal error: g split for the side kernels where its chunks are not whole");
+  launch_kernel<opm_grad_scale_kernel<true>>(unsigned(blocks), kGradScaleThreads, 0, stream, args);
 }
 
 void launch_bias_grad_reduce(const double* part, int blocks, int D, float* bias, cudaStream_t stream) {
