@@ -144,6 +144,47 @@ def test_compile_fullgraph_forward_and_backward(device):
     torch.testing.assert_close(torch.tensor(compiled_losses), torch.tensor(eager_losses), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
+@pytest.mark.parametrize("module", ["ModelNew", "OpenFoldOuterProductMean", "BoltzOuterProductMean"])
+def test_torch_export_with_dynamic_sizes(device, module, tmp_path):
+    """torch.export (S and N dynamic) gives a graph with the op in it once; the program, and the
+    same program saved and loaded, gives the module's bits at other sizes, gradients included."""
+    torch.manual_seed(0)
+    model = {"ModelNew": lambda: flashopm.ModelNew(16, 4, 8),
+             "OpenFoldOuterProductMean": lambda: flashopm.OpenFoldOuterProductMean(16, 4, 8),
+             "BoltzOuterProductMean": lambda: flashopm.BoltzOuterProductMean(16, 8, 4)}[module]().to(device)
+    for q in model.parameters():  # the checkpoints' output projections start at zero
+        torch.nn.init.normal_(q)
+    gen = torch.Generator().manual_seed(5)
+
+    def problem(S, N):
+        x = torch.randn(2, S, N, 16, generator=gen).to(device)
+        m = (torch.rand(2, S, N, generator=gen) > 0.3).float().to(device)
+        m[:, :, 1] = 0  # a fully masked residue
+        return x, m
+
+    S, N = torch.export.Dim("S"), torch.export.Dim("N")
+    exported = torch.export.export(model, problem(5, 7), dynamic_shapes=({1: S, 2: N}, {1: S, 2: N}))
+    calls = [n.target for n in exported.graph.nodes if n.op == "call_function"]
+    assert calls == [torch.ops.flashopm.outer_product_mean.default], calls
+    torch.export.save(exported, tmp_path / "opm.pt2")
+    loaded = torch.export.load(tmp_path / "opm.pt2")
+    x, m = problem(9, 11)
+    g = torch.randn(2, 11, 11, 4, generator=gen).to(device)
+    results = {}
+    for form, fn in (("module", model), ("exported", exported.module()), ("loaded", loaded.module())):
+        xr = x.clone().requires_grad_()
+        out = fn(xr, m)
+        params = dict(fn.named_parameters())
+        grads = torch.autograd.grad(out, [xr, *params.values()], g)
+        results[form] = {"out": out, "msa": grads[0], **dict(zip(params, grads[1:]))}
+    assert len(results["module"]) == 2 + len(list(model.parameters()))
+    for form in ("exported", "loaded"):
+        assert results[form].keys() == results["module"].keys(), form
+        for name, a in results["module"].items():
+            assert torch.equal(a, results[form][name]), f"{form}: {name}"
+
+
 @requires_cuda
 @pytest.mark.parametrize("shape", [Shape(2, 8, 32, 64, 32, 64), Shape(1, 5, 37, 24, 16, 40), Shape(1, 16, 70, 32, 8, 16)],
                          ids=str)
