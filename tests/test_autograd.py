@@ -538,6 +538,39 @@ def test_contractions_take_g_split_once(monkeypatch, precision, normalization, s
 
 
 @requires_cuda
+@pytest.mark.parametrize("precision", ["highest", "high"])
+@pytest.mark.parametrize("shape", [
+    Shape(1, 9, 64, 8, 32, 128),     # one chunk of s; g split for the W kernel
+    Shape(1, 40, 33, 8, 32, 40),     # two chunks; units not whole (the W kernel splits g)
+    Shape(2, 70, 32, 8, 32, 128),    # three chunks, two batch elements
+    Shape(1, 128, 40, 8, 32, 64),    # four chunks
+    Shape(1, 131, 19, 8, 32, 16),    # five chunks
+], ids=str)
+def test_w_kernel_overlap_keeps_the_bits(monkeypatch, precision, shape):
+    """FLASHOPM_W_OVERLAP=1 (the W kernel's GEMM 1 chunks in pairs, the second issued before the
+    first is retired, one stage more) runs the overlapped kernel and gives every gradient the
+    default's bits, over odd and even numbers of chunks of s, after NaN in the allocator's cached
+    blocks."""
+    f16_backward_form_or_skip(monkeypatch)
+    x, m, p = make_problem(shape, "masked_positions", seed=23)
+    g = torch.randn(shape.B, shape.N, shape.N, shape.D, generator=torch.Generator().manual_seed(8))
+    xc, mc, gc = x.cuda(), m.cuda(), g.cuda()
+    pc = {k: v.cuda() for k, v in p.items()}
+    results, overlapped = {}, {}
+    for value in ("0", "1"):
+        monkeypatch.setenv("FLASHOPM_W_OVERLAP", value)
+        _poison_cached_memory()
+        names = flashopm_kernels(lambda: results.__setitem__(value, _flashopm_grads(xc, mc, pc, gc, precision=precision)))
+        w_kernels = [n for n in names if "opm_bwd_w_f16_kernel<" in n]
+        assert len(w_kernels) == 1, names
+        overlapped[value] = ", true>(" in w_kernels[0]  # the last template argument, kOverlap
+    assert overlapped == {"0": False, "1": True}
+    for name, a, b in zip(GRAD_INPUTS, results["0"], results["1"]):
+        assert torch.isfinite(a).all(), name
+        assert torch.equal(a, b), f"{name}: the overlap changed the bits"
+
+
+@requires_cuda
 def test_side_split_leaves_strided_grad_out_alone(monkeypatch):
     """A grad_out that is not contiguous (here a transposed view) takes no side split
     (FLASHOPM_SIDE_G_SPLIT=1), whose second pass would keep grad_out's contiguous copy alive; the

@@ -1791,10 +1791,13 @@ at::Tensor outer_product_mean_rows_cuda(const at::Tensor& a_in, const at::Tensor
 // the W kernel in the float16 split form, which reads a and b split (ab_split: a's, then b's;
 // ab_inv likewise); w_g_split: g split in place for it once (g the caller's to overwrite), its
 // row factors in g_inv; side_g_split: room in g_inv for the side kernels' factors too, where the
-// caller may split g for them (run_contract_backward's split_g_for_side).
+// caller may split g for them (run_contract_backward's split_g_for_side); w_overlap: the W kernel's
+// GEMM 1 chunks in pairs, the second issued before the first is retired (on request,
+// FLASHOPM_W_OVERLAP=1, until it has been measured on the GPU; the same bits).
 struct ContractBackwardPlan {
   int64_t B = 0, S = 0, Nr = 0, Nc = 0, H = 0, D = 0, Dp = 0;
   bool need_ab = false, need_w = false, side_f16 = false, w_f16 = false, w_g_split = false, side_g_split = false;
+  bool w_overlap = false;
   int64_t n_sb = 0, jsplits = 1, splits = 1;
   int64_t part_a_floats = 0, part_b_floats = 0, ws_floats = 0, wt_floats = 0;
   int64_t w_split_floats = 0, w_inv_floats = 0, y_split_floats = 0, y_inv_floats = 0;
@@ -1817,7 +1820,7 @@ at::Tensor contiguous_aligned16(const at::Tensor& t) {
 void check_fused_backward(int dev) {
   FLASHOPM_CHECK(device_info(dev).cc_major >= 8, "flashopm: the fused backward needs compute capability 8.0 or newer");
   check_smem(std::max(bwd_side_smem_bytes(), bwd_w_smem_bytes()), dev, "backward");
-  if (wgmma_runs_on(dev)) check_smem(std::max(kBsfSmemBytes, kBwfSmemBytes), dev, "backward");
+  if (wgmma_runs_on(dev)) check_smem(std::max({kBsfSmemBytes, kBwfSmemBytes, kBwfOverlapSmemBytes}), dev, "backward");
 }
 
 // The contraction kernels' form: the float16 split forms on warpgroup MMAs
@@ -1892,6 +1895,7 @@ ContractBackwardPlan plan_contract_backward(int64_t B, int64_t S, int64_t Nr, in
       p.ab_split_floats = round_up_line(B * s32 * Nr * H) + round_up_line(B * s32 * Nc * H);
       p.ab_inv_floats = round_up_line(B * Nr) + round_up_line(B * Nc);
       p.w_g_split = g_owned && w_g_split_fits(Nr, Nc, p.Dp) && !env_is("FLASHOPM_W_G_SPLIT", "0");
+      p.w_overlap = env_is("FLASHOPM_W_OVERLAP", "1");
       if (p.w_g_split) p.g_inv_floats = round_up_line(w_g_split_chunks(B, Nr, Nc) * p.Dp);
     }
     const int64_t steps = (tiles + p.splits - 1) / p.splits * ((S + kBwK - 1) / kBwK + kBwWPairs / kBwK);
@@ -1975,7 +1979,7 @@ void run_contract_backward(const ContractBackwardPlan& p, const float* g, const 
     if (p.w_f16) {
       wa.a_split = a_split, wa.b_split = b_split, wa.a_inv = a_inv, wa.b_inv = b_inv;
       wa.g_inv_split = p.w_g_split ? g_inv : nullptr;  // set: g split in place
-      launch_bwd_w_f16(wa, int(p.splits), terms, stream);
+      launch_bwd_w_f16(wa, int(p.splits), terms, p.w_overlap, stream);
     } else {
       launch_bwd_w(wa, int(p.splits), terms, stream);
     }

@@ -169,34 +169,40 @@ __global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_side_kernel(const BwdSi
 // kGSplit: g arrives split once for both sides (opm_grad_scale_kernel's side form, BwdSideArgs::
 // g_inv): the copies place each pair's 128-byte piece of the chunk as W's rows are placed and
 // GEMM 1 reads both operands from shared memory; the same parts and factors, so the same sums.
-// The float16 split kernels' ring of kBwStages stages of kStageBytes each, filled by asynchronous
-// copies kBwStages - 1 steps ahead: load_step(stage) issues one step's copies into a stage; total
-// steps in all.
-template <int kStageBytes>
+// The float16 split kernels' ring of kStages stages of kStageBytes each, filled by asynchronous
+// copies kAhead steps ahead: load_step(stage) issues one step's copies into a stage; total steps in
+// all.  With kAhead = kStages - 1 each step's copies go into the stage the previous step read, so
+// that step's MMAs must be complete by the next step's barrier; with fewer, the stages of the
+// kStages - 1 - kAhead steps before it may still be read by MMAs in flight.
+template <int kStageBytes, int kStages = kBwStages, int kAhead = kStages - 1>
 struct BwStageRing {
+  static_assert(kAhead >= 1 && kAhead < kStages, "copies at least one step ahead, into a stage no step in flight reads");
   const char* smem;
   int total;
   int step = 0, buf = 0;
   template <typename LoadStep>
   __device__ __forceinline__ void prime(LoadStep& load_step) {
 #pragma unroll
-    for (int st = 0; st < kBwStages - 1; ++st) {
+    for (int st = 0; st < kAhead; ++st) {
       if (st < total) load_step(st);
       cp_async_commit();
     }
   }
   // The current step's stage, once its copies (every thread's) are visible to the tensor cores;
-  // the copies of the step kBwStages - 1 ahead go out into the stage the previous step read.
+  // the copies of the step kAhead ahead go out after the barrier.
   template <typename LoadStep>
   __device__ __forceinline__ const char* next(LoadStep& load_step) {
-    cp_async_wait<kBwStages - 2>();
+    cp_async_wait<kAhead - 1>();
     fence_proxy_async_smem();
     __syncthreads();
-    if (step + kBwStages - 1 < total) load_step(buf == 0 ? kBwStages - 1 : buf - 1);
+    if (step + kAhead < total) {
+      if constexpr (kAhead == kStages - 1) load_step(buf == 0 ? kStages - 1 : buf - 1);
+      else load_step(buf + kAhead < kStages ? buf + kAhead : buf + kAhead - kStages);
+    }
     cp_async_commit();
     const char* st = smem + buf * kStageBytes;
     ++step;
-    buf = buf + 1 == kBwStages ? 0 : buf + 1;
+    buf = buf + 1 == kStages ? 0 : buf + 1;
     return st;
   }
 };
@@ -714,15 +720,20 @@ __device__ __forceinline__ void split_adjacent_d(float vq, float vq1, float f, b
 // kGSplit: g arrives split (opm_split_w_g_kernel, the same arithmetic once per chunk instead of in
 // each of the 16 blocks along h1): GEMM 2's step copies the chunk's pieces to where A has them and
 // reads its row factors from p.g_inv_split, so the step is the copies and the MMAs; the same bits.
-template <int kTerms, int kH, bool kGSplit = false>
+// kOverlap: GEMM 1's chunks in pairs, the second issued before the first is retired (two
+// accumulators), so the tensor cores work through the second's barrier and the first's
+// retirement; the ring then has kBwfOverlapStages stages, copies still two steps ahead, so that no
+// copy lands in a stage an MMA in flight reads.  The same sums in the same order: the same bits.
+template <int kTerms, int kH, bool kGSplit = false, bool kOverlap = false>
 __global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_w_f16_kernel(const BwdWArgs p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   static_assert(kTerms == 1 || kTerms == 3, "the high parts' products alone, or with both cross terms");
   static_assert(kH == 32, "the float16 split W kernel splits a and b with one lane per h");
   static_assert(kBwThreads == kBwWDG, "one row d of g's chunk per thread");
+  constexpr int kStages = kOverlap ? kBwfOverlapStages : kBwStages;
   extern __shared__ float4 smem_f4[];
   char* smem = align_smem_1k(reinterpret_cast<char*>(smem_f4));
-  char* gs = smem + kBwStages * kBwfStageBytes;  // g split: [part][d / 64][pair (32)][128 bytes]
+  char* gs = smem + kStages * kBwfStageBytes;  // g split: [part][d / 64][pair (32)][128 bytes]
   char* os = gs + kBwfGsBytes;                   // O' split: [part][pair (64)][128 bytes: 64 k]
   float* pair_f = reinterpret_cast<float*>(os + kBwfOsBytes);  // [pair]: 2^-(e_i + e_j)
   float* g_inv = pair_f + 64;                                  // [d]: 2^-e of the chunk's row d
@@ -806,7 +817,7 @@ __global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_w_f16_kernel(const BwdW
     if (++ld_r == spt) ld_r = 0, ++ld_tl;
   };
 
-  BwStageRing<kBwfStageBytes> ring{smem, total};
+  BwStageRing<kBwfStageBytes, kStages, kBwStages - 1> ring{smem, total};
   ring.prime(load_step);
   const auto next_stage = [&]() { return ring.next(load_step); };
 
@@ -830,25 +841,68 @@ __global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_w_f16_kernel(const BwdW
     float acc1[32];
 #pragma unroll
     for (int e = 0; e < 32; ++e) acc1[e] = 0.f;
-    for (int r = 0; r < n1; ++r) {
-      const char* st = next_stage();
-      float part[32];
-      wgmma_fence();
+    if constexpr (kOverlap) {
+      // chunk r's products into part, issued and committed (a zeroed accumulator: the first
+      // MMA's scale-d is 0)
+      const auto issue_chunk = [&](float (&part)[32]) {
+        const char* st = next_stage();
+        wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < 2; ++kk) {
-        const uint64_t a_hi = wgmma_desc(st + 32 * kk, 16, 1024), a_lo = wgmma_desc(st + 64 + 32 * kk, 16, 1024);
-        const uint64_t b_hi = wgmma_desc(st + 8192 + 32 * kk, 16, 1024),
-                       b_lo = wgmma_desc(st + 8192 + 64 + 32 * kk, 16, 1024);
-        if constexpr (kTerms == 3) {
-          wgmma_m64n64k16_f16<0, 0>(part, a_lo, b_hi, kk);
-          wgmma_m64n64k16_f16<0, 0>(part, a_hi, b_lo, 1);
+        for (int kk = 0; kk < 2; ++kk) {
+          const uint64_t a_hi = wgmma_desc(st + 32 * kk, 16, 1024), a_lo = wgmma_desc(st + 64 + 32 * kk, 16, 1024);
+          const uint64_t b_hi = wgmma_desc(st + 8192 + 32 * kk, 16, 1024),
+                         b_lo = wgmma_desc(st + 8192 + 64 + 32 * kk, 16, 1024);
+          if constexpr (kTerms == 3) {
+            wgmma_m64n64k16_f16<0, 0>(part, a_lo, b_hi, kk);
+            wgmma_m64n64k16_f16<0, 0>(part, a_hi, b_lo, 1);
+          }
+          wgmma_m64n64k16_f16<0, 0>(part, a_hi, b_hi, kTerms == 3 ? 1 : kk);
         }
-        wgmma_m64n64k16_f16<0, 0>(part, a_hi, b_hi, kTerms == 3 ? 1 : kk);
-      }
-      wgmma_commit();
-      wgmma_wait<0>();
+        wgmma_commit();
+      };
+      const auto retire = [&](const float (&part)[32]) {
 #pragma unroll
-      for (int e = 0; e < 32; ++e) acc1[e] += part[e];
+        for (int e = 0; e < 32; ++e) acc1[e] += part[e];
+      };
+      // Chunks in pairs: r's MMAs run through r + 1's barrier and issue, r + 1's through r's
+      // retirement.  Each pass ends with nothing in flight: with an accumulator in flight across
+      // the loop's back edge, ptxas serializes the MMAs (C7514).
+      float part0[32], part1[32];
+      int r = 0;
+      for (; r + 1 < n1; r += 2) {
+        issue_chunk(part0);
+        issue_chunk(part1);
+        wgmma_wait<1>();
+        retire(part0);
+        wgmma_wait<0>();
+        retire(part1);
+      }
+      if (r < n1) {  // n1 odd: the last chunk alone
+        issue_chunk(part0);
+        wgmma_wait<0>();
+        retire(part0);
+      }
+    } else {
+      for (int r = 0; r < n1; ++r) {
+        const char* st = next_stage();
+        float part[32];
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < 2; ++kk) {
+          const uint64_t a_hi = wgmma_desc(st + 32 * kk, 16, 1024), a_lo = wgmma_desc(st + 64 + 32 * kk, 16, 1024);
+          const uint64_t b_hi = wgmma_desc(st + 8192 + 32 * kk, 16, 1024),
+                         b_lo = wgmma_desc(st + 8192 + 64 + 32 * kk, 16, 1024);
+          if constexpr (kTerms == 3) {
+            wgmma_m64n64k16_f16<0, 0>(part, a_lo, b_hi, kk);
+            wgmma_m64n64k16_f16<0, 0>(part, a_hi, b_lo, 1);
+          }
+          wgmma_m64n64k16_f16<0, 0>(part, a_hi, b_hi, kTerms == 3 ? 1 : kk);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+#pragma unroll
+        for (int e = 0; e < 32; ++e) acc1[e] += part[e];
+      }
     }
     // ---- O' into shared memory: acc1's row m = 16·warp + g + 8·half is (il, h1c) = (m / 2, m % 2),
     // column 8j + 2t + e is (jl, h2) = (j / 4, 8 (j % 4) + 2t + e); pair il·2 + jl, k h1c·H + h2 ----

@@ -805,7 +805,21 @@ void launch_bwd_side_f16(const BwdSideArgs& args, bool swap_hh, int terms, cudaS
                                                                                                 kBsfSmemBytes, stream, args);
 }
 
-void launch_bwd_w_f16(const BwdWArgs& args, int splits, int terms, cudaStream_t stream) {
+namespace {
+// The W kernel's float16 split form for terms, g split or not, overlapped or not.
+template <bool kGSplit>
+void launch_bwd_w_f16_kernel(const dim3& grid, int terms, bool overlap, cudaStream_t stream, const BwdWArgs& args) {
+  constexpr int kH = 32;
+  if (overlap)
+    launch_by_terms<opm_bwd_w_f16_kernel<3, kH, kGSplit, true>, opm_bwd_w_f16_kernel<1, kH, kGSplit, true>>(
+        terms, grid, kBwfOverlapSmemBytes, stream, args);
+  else
+    launch_by_terms<opm_bwd_w_f16_kernel<3, kH, kGSplit>, opm_bwd_w_f16_kernel<1, kH, kGSplit>>(terms, grid, kBwfSmemBytes,
+                                                                                               stream, args);
+}
+}  // namespace
+
+void launch_bwd_w_f16(const BwdWArgs& args, int splits, int terms, bool overlap, cudaStream_t stream) {
   launch_kernel<opm_split_ab_f16_kernel>(unsigned(int64_t(args.B) * args.Nr), 256, 0, stream, args.a,
                                          const_cast<uint32_t*>(args.a_split), const_cast<float*>(args.a_inv), args.S,
                                          args.Nr);
@@ -814,12 +828,9 @@ void launch_bwd_w_f16(const BwdWArgs& args, int splits, int terms, cudaStream_t 
                                          args.Nc);
   constexpr int kH = 32, hc = kBwWCols / kH;
   const dim3 grid(unsigned(kH / hc), unsigned((args.D + kBwWDG - 1) / kBwWDG), unsigned(splits));
-  if (args.g_inv_split == nullptr) {
-    launch_by_terms<opm_bwd_w_f16_kernel<3, kH>, opm_bwd_w_f16_kernel<1, kH>>(terms, grid, kBwfSmemBytes, stream, args);
-    return;
-  }
-  // g split in place once (after the side kernels, which read it as float32), then the kernel
-  // that reads it split
+  if (args.g_inv_split == nullptr) return launch_bwd_w_f16_kernel<false>(grid, terms, overlap, stream, args);
+  // g split in place once (after the side kernels have read it as float32, or before the side
+  // split writes it again from grad_out), then the kernel that reads it split
   const int64_t chunks = w_g_split_chunks(args.B, args.Nr, args.Nc);
   TORCH_CHECK(w_g_split_fits(args.Nr, args.Nc, args.Dp) && chunks <= INT32_MAX,
               "flashopm: internal error: g split for the W kernel with units that are not whole");
@@ -827,8 +838,7 @@ void launch_bwd_w_f16(const BwdWArgs& args, int splits, int terms, cudaStream_t 
   float* g = const_cast<float*>(args.g);
   if (terms == 3) launch_kernel<opm_split_w_g_kernel<3>>(split_grid, kBwWDG, 0, stream, args, g, args.g_inv_split);
   else launch_kernel<opm_split_w_g_kernel<1>>(split_grid, kBwWDG, 0, stream, args, g, args.g_inv_split);
-  launch_by_terms<opm_bwd_w_f16_kernel<3, kH, true>, opm_bwd_w_f16_kernel<1, kH, true>>(terms, grid, kBwfSmemBytes,
-                                                                                        stream, args);
+  launch_bwd_w_f16_kernel<true>(grid, terms, overlap, stream, args);
 }
 
 void launch_bwd_w(const BwdWArgs& args, int splits, int terms, cudaStream_t stream) {

@@ -1070,6 +1070,10 @@ constexpr int kBwfGsBytes = 16384;
 constexpr int kBwfOsBytes = 16384;
 constexpr int kBwfSmemBytes = 1024 + kBwStages * kBwfStageBytes + kBwfGsBytes + kBwfOsBytes + (64 + kBwWDG) * 4;
 static_assert(kBwfSmemBytes <= 113 * 1024, "w kernel f16: two blocks per SM");
+// With GEMM 1's chunks in overlapping pairs (the kernel's kOverlap): one stage more.
+constexpr int kBwfOverlapStages = kBwStages + 1;
+constexpr int kBwfOverlapSmemBytes = kBwfSmemBytes + kBwfStageBytes;
+static_assert(kBwfOverlapSmemBytes <= 113 * 1024, "w kernel f16, overlapped: two blocks per SM");
 // g split once for the W kernel's float16 split form (hidden_dim 32): a unit is one tile's chunk
 // of 32 pairs (16 i x 2 j) for one block of kBwWDG d; the split needs every unit whole (rows
 // in whole tiles of 32, columns in pairs, d in whole blocks).  Its row factors: Dp floats per
@@ -1089,7 +1093,9 @@ void launch_bwd_side_f16(const BwdSideArgs& args, bool swap_hh, int terms, cudaS
 // The float16 split form of the W kernel (hidden_dim 32, sm_90a): a and b split into
 // args.a_split / a_inv and b_split / b_inv, then (args.g_inv_split set) g split in place, then
 // the kernel over `splits` splits of the tiles; terms as for the side kernel.
-void launch_bwd_w_f16(const BwdWArgs& args, int splits, int terms, cudaStream_t stream);
+// overlap: GEMM 1's chunks in overlapping pairs (opm_bwd_w_f16_kernel's kOverlap;
+// kBwfOverlapSmemBytes of shared memory).
+void launch_bwd_w_f16(const BwdWArgs& args, int splits, int terms, bool overlap, cudaStream_t stream);
 void launch_bwd_w(const BwdWArgs& args, int splits, int terms, cudaStream_t stream);
 
 // g = grad_out / divisor in one pass over grad_out (opm_grad_scale_kernel); the divisor of pair
