@@ -145,6 +145,35 @@ def test_compile_fullgraph_forward_and_backward(device):
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
+def test_compile_dynamic_sizes_trace_once(device):
+    """torch.compile(dynamic=True, fullgraph=True) over crops of other sizes (S and N, as training
+    crops vary) traces one graph and gives eager's bits, gradients included."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    model = flashopm.OpenFoldOuterProductMean(16, 4, 8).to(device)
+    for q in model.parameters():
+        torch.nn.init.normal_(q)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, backend="aot_eager", dynamic=True, fullgraph=True)
+    gen = torch.Generator().manual_seed(7)
+    for S, N in ((5, 7), (9, 11), (3, 13)):
+        x = torch.randn(2, S, N, 16, generator=gen).to(device)
+        m = (torch.rand(2, S, N, generator=gen) > 0.3).float().to(device)
+        g = torch.randn(2, N, N, 4, generator=gen).to(device)
+        results = []
+        for fn in (model, compiled):
+            xr = x.clone().requires_grad_()
+            out = fn(xr, m)
+            results.append((out, *torch.autograd.grad(out, [xr, *model.parameters()], g)))
+        for a, b in zip(*results):
+            assert torch.equal(a, b), (S, N)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
 @pytest.mark.parametrize("module", ["ModelNew", "OpenFoldOuterProductMean", "BoltzOuterProductMean"])
 def test_torch_export_with_dynamic_sizes(device, module, tmp_path):
     """torch.export (S and N dynamic) gives a graph with the op in it once; the program, and the
