@@ -213,15 +213,9 @@ bool scale_fits(at::ScalarType work, const at::Tensor& grad_out, const at::Tenso
          (mt == at::kFloat || mt == at::kHalf || mt == at::kBFloat16 || mt == at::kBool);
 }
 
-// g = grad_out / divisor, (B, N, N, D) in `type`, in one launch (and one more for the pair counts
-// of the OpenFold and Boltz conventions) in place of ATen's reduction, clamp and division;
-// grad_out is read in its own type.  With want_bias, the same pass sums out_proj's bias gradient
-// where its columns fit the kernel's threads (one more small launch adds the blocks' sums) and
-// puts it in bias_grad (float32, (D,)); elsewhere bias_grad stays undefined.
-// FLASHOPM_BIAS_GRAD_KERNEL=0 leaves the bias gradient to the caller, to compare.
-// g_out: where g goes (contiguous, aligned to 16 bytes; nothing is returned then), else a new tensor.
-// side_split, if given, gets the division's pass that writes g split for the side kernels instead
-// (launch_grad_scale_side_split), to run later, where it fits.
+// A second pass of the division that writes g split for the side kernels instead of float32
+// (launch_grad_scale_side_split), to run after the W kernel has read g; fits: it applies (grad_out
+// contiguous, the first pass by pair with vectors of four, pair_dim a multiple of 32).
 struct GradScaleSideSplit {
   GradScaleArgs args{};
   int blocks = 0;
@@ -232,6 +226,15 @@ struct GradScaleSideSplit {
     launch_grad_scale_side_split(args, blocks, stream);
   }
 };
+
+// g = grad_out / divisor, (B, N, N, D) in `type`, in one launch (and one more for the pair counts
+// of the OpenFold and Boltz conventions) in place of ATen's reduction, clamp and division;
+// grad_out is read in its own type.  With want_bias, the same pass sums out_proj's bias gradient
+// where its columns fit the kernel's threads (one more small launch adds the blocks' sums) and
+// puts it in bias_grad (float32, (D,)); elsewhere bias_grad stays undefined.
+// FLASHOPM_BIAS_GRAD_KERNEL=0 leaves the bias gradient to the caller, to compare.
+// g_out: where g goes (contiguous, aligned to 16 bytes; nothing is returned then), else a new tensor.
+// side_split, if given, gets the second pass's arguments (the same divisors and grid rule).
 at::Tensor scale_grad(const at::Tensor& go_in, const at::Tensor& mask, int64_t normalization, double norm_eps,
                       at::ScalarType type, bool want_bias, at::Tensor& bias_grad, int dev, void* g_out = nullptr,
                       GradScaleSideSplit* side_split = nullptr) {
