@@ -1,10 +1,10 @@
-"""A/B of one of flashopm's environment switches in one process: a training step (or a forward
-call) with VAR=VALUE and without it, timed in alternation (bench.paired_speedup), so that both
-sides meet the same host and the same clocks.  The switches are read when the op runs, so the
-variable is set and unset around each call.
+"""A/B of flashopm's environment switches in one process: a training step (or a forward call)
+with VAR=VALUE (several: VAR=VALUE,VAR2=VALUE2) and without, timed in alternation
+(bench.paired_speedup), so that both sides meet the same host and the same clocks.  The switches
+are read when the op runs, so the variables are set and unset around each call.
 
-    python scripts/ab_env.py VAR=VALUE [B,S,N,C,H,D ...] [--dtype bfloat16] [--precision high]
-                             [--mode training|forward] [--calls 20] [--no-l2-flush]
+    python scripts/ab_env.py VAR=VALUE[,VAR2=VALUE2] [B,S,N,C,H,D ...] [--dtype bfloat16]
+                             [--precision high] [--mode training|forward] [--calls 20] [--no-l2-flush]
 """
 import argparse
 import os
@@ -18,7 +18,7 @@ from flashopm.testing import Shape, make_problem
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("switch", help="VAR=VALUE")
+    ap.add_argument("switch", help="VAR=VALUE, or several separated by commas")
     ap.add_argument("shapes", nargs="*", default=["1,128,256,256,32,128"])
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--precision", default="highest", choices=["highest", "high", "medium"])
@@ -26,7 +26,7 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--no-l2-flush", action="store_true", help="a synchronize alone between calls")
     args = ap.parse_intermixed_args()
-    var, value = args.switch.split("=", 1)
+    switches = dict(item.split("=", 1) for item in args.switch.split(","))
     dtype = getattr(torch, args.dtype)
     torch.set_float32_matmul_precision(args.precision)
     flashopm.load()
@@ -54,20 +54,22 @@ def main() -> None:
             return torch.autograd.grad(model(x, m), leaves, g)
 
         def with_switch():
-            os.environ[var] = value
+            os.environ.update(switches)
             try:
                 return step()
             finally:
-                del os.environ[var]
+                for var in switches:
+                    del os.environ[var]
 
-        os.environ.pop(var, None)
+        for var in switches:
+            os.environ.pop(var, None)
         a, b = step(), with_switch()
         same = all(torch.equal(u, v) for u, v in zip(a if isinstance(a, tuple) else (a,), b if isinstance(b, tuple) else (b,)))
         flush = not args.no_l2_flush
         t_off = time_wall(step, n=args.calls, warmup=3, flush_l2=flush)
         t_on = time_wall(with_switch, n=args.calls, warmup=3, flush_l2=flush)
         ratio = paired_speedup(step, with_switch, n=args.calls, flush_l2=flush)
-        print(f"{sh}: without {t_off.median_us:9.1f} us, with {var}={value} {t_on.median_us:9.1f} us; "
+        print(f"{sh}: without {t_off.median_us:9.1f} us, with {args.switch} {t_on.median_us:9.1f} us; "
               f"paired (without / with) {ratio:.3f}; same bits: {same}", flush=True)
 
 
