@@ -31,6 +31,17 @@ def _reference_grads(x, m, p, grad_out, normalization=0):
     return torch.autograd.grad(out, [leaves[k] for k in GRAD_INPUTS], grad_out)
 
 
+def _problem(shape, seed, grad_seed, mask_kind="masked_positions"):
+    """(x, mask, params, grad_out) in float32 on the CPU, from make_problem and a seeded grad_out."""
+    x, m, p = make_problem(shape, mask_kind, seed=seed)
+    g = torch.randn(shape.B, shape.N, shape.N, shape.D, generator=torch.Generator().manual_seed(grad_seed))
+    return x, m, p, g
+
+
+def _on_cuda(x, m, p, g):
+    return x.cuda(), m.cuda(), {k: v.cuda() for k, v in p.items()}, g.cuda()
+
+
 @pytest.mark.parametrize("shape", [Shape(2, 3, 5, 7, 4, 6), Shape(1, 1, 1, 1, 1, 1), Shape(2, 4, 9, 5, 3, 2)], ids=str)
 @pytest.mark.parametrize("mask_kind", ["masked_positions", "bool", "fractional"])
 def test_gradcheck_float64_cpu(shape, mask_kind):
@@ -220,12 +231,10 @@ def test_torch_export_with_dynamic_sizes(device, module, tmp_path):
 @pytest.mark.parametrize("mask_kind", ["masked_positions", "bool"])
 def test_cuda_gradients_against_fp64(shape, mask_kind):
     """Every gradient's error against a float64 reference is at most twice eager fp32's."""
-    x, m, p = make_problem(shape, mask_kind, seed=9)
-    g = torch.randn(shape.B, shape.N, shape.N, shape.D, generator=torch.Generator().manual_seed(2))
+    x, m, p, g = _problem(shape, 9, 2, mask_kind)
     m64 = m if m.dtype == torch.bool else m.double()
     ref64 = _reference_grads(x.double(), m64, {k: v.double() for k, v in p.items()}, g.double())
-    xc, mc, gc = x.cuda(), m.cuda(), g.cuda()
-    pc = {k: v.cuda() for k, v in p.items()}
+    xc, mc, pc, gc = _on_cuda(x, m, p, g)
     eager32 = _reference_grads(xc, mc, pc, gc)
     ours = _flashopm_grads(xc, mc, pc, gc)
     for name, o, e, r in zip(GRAD_INPUTS, ours, eager32, ref64):
@@ -286,9 +295,7 @@ def test_cuda_gradients_past_s256_in_f16_split_forms(monkeypatch, normalization)
 
 
 def _cuda_problem(shape, seed):
-    x, m, p = make_problem(shape, "masked_positions", seed=seed)
-    g = torch.randn(shape.B, shape.N, shape.N, shape.D, generator=torch.Generator().manual_seed(seed + 1))
-    return x.cuda(), m.cuda(), {k: v.cuda() for k, v in p.items()}, g.cuda()
+    return _on_cuda(*_problem(shape, seed, seed + 1))
 
 
 def _check_gradients_against_eager(shape, normalization, with_bias, skip=()):
@@ -492,10 +499,8 @@ def test_direct_backward_matches_the_tensor_per_temporary_form(monkeypatch, norm
     contraction op (FLASHOPM_BACKWARD_DIRECT=0): the same kernels on the same values, after NaN in
     the allocator's cached blocks.  The third shape has two blocks of s; the fourth more columns
     than the division sums out_proj's bias gradient in (ATen's sum of g or grad_out)."""
-    x, m, p = make_problem(shape, "masked_positions", seed=23)
-    g = torch.randn(shape.B, shape.N, shape.N, shape.D, generator=torch.Generator().manual_seed(6))
-    xc, mc, gc = x.cuda(), m.cuda(), g.cuda()
-    pc = {k: v.cuda() for k, v in p.items()}
+    x, m, p, g = _problem(shape, 23, 6)
+    xc, mc, pc, gc = _on_cuda(x, m, p, g)
     results = {}
     for direct in ("1", "0"):
         monkeypatch.setenv("FLASHOPM_BACKWARD_DIRECT", direct)
@@ -530,10 +535,8 @@ def test_contractions_take_g_split_once(monkeypatch, precision, normalization, s
     after NaN in the allocator's cached blocks; every gradient within 1e-5 (highest) of
     float64."""
     f16_backward_form_or_skip(monkeypatch)
-    x, m, p = make_problem(shape, "masked_positions", seed=41)
-    g = torch.randn(shape.B, shape.N, shape.N, shape.D, generator=torch.Generator().manual_seed(10))
-    xc, mc, gc = x.cuda(), m.cuda(), g.cuda()
-    pc = {k: v.cuda() for k, v in p.items()}
+    x, m, p, g = _problem(shape, 41, 10)
+    xc, mc, pc, gc = _on_cuda(x, m, p, g)
     side = {"FLASHOPM_SIDE_G_SPLIT": "1"}
     forms = {"both": side, "side only": {**side, "FLASHOPM_W_G_SPLIT": "0"}, "default": {},
              "tensor per temporary": {**side, "FLASHOPM_BACKWARD_DIRECT": "0"}}
@@ -581,10 +584,7 @@ def test_w_kernel_overlap_keeps_the_bits(monkeypatch, precision, shape):
     default's bits, over odd and even numbers of chunks of s, after NaN in the allocator's cached
     blocks."""
     f16_backward_form_or_skip(monkeypatch)
-    x, m, p = make_problem(shape, "masked_positions", seed=23)
-    g = torch.randn(shape.B, shape.N, shape.N, shape.D, generator=torch.Generator().manual_seed(8))
-    xc, mc, gc = x.cuda(), m.cuda(), g.cuda()
-    pc = {k: v.cuda() for k, v in p.items()}
+    xc, mc, pc, gc = _on_cuda(*_problem(shape, 23, 8))
     results, overlapped = {}, {}
     for value in ("0", "1"):
         monkeypatch.setenv("FLASHOPM_W_OVERLAP", value)
@@ -607,11 +607,9 @@ def test_side_split_leaves_strided_grad_out_alone(monkeypatch):
     f16_backward_form_or_skip(monkeypatch)
     monkeypatch.setenv("FLASHOPM_SIDE_G_SPLIT", "1")
     shape = Shape(1, 7, 40, 8, 32, 64)
-    x, m, p = make_problem(shape, "masked_positions", seed=3)
-    g = torch.randn(shape.B, shape.N, shape.N, shape.D, generator=torch.Generator().manual_seed(2)).cuda()
+    xc, mc, pc, g = _on_cuda(*_problem(shape, 3, 2))
     g_strided = g.transpose(1, 2).contiguous().transpose(1, 2)
     assert not g_strided.is_contiguous() and torch.equal(g_strided, g)
-    xc, mc, pc = x.cuda(), m.cuda(), {k: v.cuda() for k, v in p.items()}
     got = {}
     names = {key: flashopm_kernels(lambda key=key, go=go: got.__setitem__(key, _flashopm_grads(xc, mc, pc, go)))
              for key, go in (("contiguous", g), ("strided", g_strided))}
@@ -628,11 +626,7 @@ def test_explicit_precision_reaches_the_backward(shape):
     "highest"): TF32 there, so out_proj's gradient is off float64 by TF32's rounding, not float32's,
     and every gradient within twice eager PyTorch's error with TF32 allowed."""
     assert torch.get_float32_matmul_precision() == "highest"
-    x, m, p = make_problem(shape, "masked_positions", seed=17)
-    g = torch.randn(shape.B, shape.N, shape.N, shape.D, generator=torch.Generator().manual_seed(4))
-    ref64 = _reference_grads(x.double(), m.double(), {k: v.double() for k, v in p.items()}, g.double())
-    xc, mc, gc = x.cuda(), m.cuda(), g.cuda()
-    pc = {k: v.cuda() for k, v in p.items()}
+    ref64, (xc, mc, pc, gc) = _problem_with_fp64_grads(shape, 17, 4)
     torch.set_float32_matmul_precision("high")
     try:
         eager_tf32 = _reference_grads(xc, mc, pc, gc)
@@ -673,10 +667,9 @@ def test_pytorch_high_takes_tf32_blocks(monkeypatch):
 def _problem_with_fp64_grads(shape, seed, grad_seed):
     """A masked problem's float64 reference gradients (CPU) and its (x, mask, params, grad_out)
     on CUDA in float32."""
-    x, m, p = make_problem(shape, "masked_positions", seed=seed)
-    g = torch.randn(shape.B, shape.N, shape.N, shape.D, generator=torch.Generator().manual_seed(grad_seed))
+    x, m, p, g = _problem(shape, seed, grad_seed)
     ref64 = _reference_grads(x.double(), m.double(), {k: v.double() for k, v in p.items()}, g.double())
-    return ref64, (x.cuda(), m.cuda(), {k: v.cuda() for k, v in p.items()}, g.cuda())
+    return ref64, _on_cuda(x, m, p, g)
 
 
 def _grads_under_pytorch_high(monkeypatch, xc, mc, pc, gc):

@@ -313,11 +313,7 @@ __global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_side_f16_kernel(const B
         for (int kk = 0; kk < 2; ++kk) {
           const uint64_t w_hi = wgmma_desc(st + 32 * kk, 16, 1024), w_lo = wgmma_desc(st + 64 + 32 * kk, 16, 1024);
           const uint64_t g_hi = wgmma_desc(gsl + 32 * kk, 16, 1024), g_lo = wgmma_desc(gsl + 64 + 32 * kk, 16, 1024);
-          if constexpr (kTerms == 3) {
-            wgmma_m64n128k16_f16(part, g_lo, w_hi, kk);
-            wgmma_m64n128k16_f16(part, g_hi, w_lo, 1);
-          }
-          wgmma_m64n128k16_f16(part, g_hi, w_hi, kTerms == 3 ? 1 : kk);
+          wgmma_split_m64n128k16<kTerms>(part, g_hi, g_lo, w_hi, w_lo, kk);
         }
         wgmma_commit();
         wgmma_wait<0>();
@@ -426,11 +422,7 @@ __global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_side_f16_kernel(const B
       for (int kk = 0; kk < 2; ++kk) {
         const uint64_t d_hi = wgmma_desc(dc + 32 * kk, 16, 1024), d_lo = wgmma_desc(dc + 64 + 32 * kk, 16, 1024);
         const uint64_t y_hi = wgmma_desc(st + 32 * kk, 16, 1024), y_lo = wgmma_desc(st + 64 + 32 * kk, 16, 1024);
-        if constexpr (kTerms == 3) {
-          wgmma_m64n128k16_f16(part, d_lo, y_hi, kk);
-          wgmma_m64n128k16_f16(part, d_hi, y_lo, 1);
-        }
-        wgmma_m64n128k16_f16(part, d_hi, y_hi, kTerms == 3 ? 1 : kk);
+        wgmma_split_m64n128k16<kTerms>(part, d_hi, d_lo, y_hi, y_lo, kk);
       }
       wgmma_commit();
       wgmma_wait<0>();
@@ -845,29 +837,25 @@ __global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_w_f16_kernel(const BwdW
     float acc1[32];
 #pragma unroll
     for (int e = 0; e < 32; ++e) acc1[e] = 0.f;
+    // chunk r's products into part, issued and committed (a zeroed accumulator: the first MMA's
+    // scale-d is 0), and added to acc1 once complete
+    const auto issue_chunk = [&](float (&part)[32]) {
+      const char* st = next_stage();
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < 2; ++kk) {
+        const uint64_t a_hi = wgmma_desc(st + 32 * kk, 16, 1024), a_lo = wgmma_desc(st + 64 + 32 * kk, 16, 1024);
+        const uint64_t b_hi = wgmma_desc(st + 8192 + 32 * kk, 16, 1024),
+                       b_lo = wgmma_desc(st + 8192 + 64 + 32 * kk, 16, 1024);
+        wgmma_split_m64n64k16<kTerms, 0, 0>(part, a_hi, a_lo, b_hi, b_lo, kk);
+      }
+      wgmma_commit();
+    };
+    const auto retire = [&](const float (&part)[32]) {
+#pragma unroll
+      for (int e = 0; e < 32; ++e) acc1[e] += part[e];
+    };
     if constexpr (kOverlap) {
-      // chunk r's products into part, issued and committed (a zeroed accumulator: the first
-      // MMA's scale-d is 0)
-      const auto issue_chunk = [&](float (&part)[32]) {
-        const char* st = next_stage();
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < 2; ++kk) {
-          const uint64_t a_hi = wgmma_desc(st + 32 * kk, 16, 1024), a_lo = wgmma_desc(st + 64 + 32 * kk, 16, 1024);
-          const uint64_t b_hi = wgmma_desc(st + 8192 + 32 * kk, 16, 1024),
-                         b_lo = wgmma_desc(st + 8192 + 64 + 32 * kk, 16, 1024);
-          if constexpr (kTerms == 3) {
-            wgmma_m64n64k16_f16<0, 0>(part, a_lo, b_hi, kk);
-            wgmma_m64n64k16_f16<0, 0>(part, a_hi, b_lo, 1);
-          }
-          wgmma_m64n64k16_f16<0, 0>(part, a_hi, b_hi, kTerms == 3 ? 1 : kk);
-        }
-        wgmma_commit();
-      };
-      const auto retire = [&](const float (&part)[32]) {
-#pragma unroll
-        for (int e = 0; e < 32; ++e) acc1[e] += part[e];
-      };
       // Chunks in pairs: r's MMAs run through r + 1's barrier and issue, r + 1's through r's
       // retirement.  Each pass ends with nothing in flight: with an accumulator in flight across
       // the loop's back edge, ptxas serializes the MMAs (C7514).
@@ -888,26 +876,13 @@ __global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_w_f16_kernel(const BwdW
       }
     } else {
       for (int r = 0; r < n1; ++r) {
-        const char* st = next_stage();
         float part[32];
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < 2; ++kk) {
-          const uint64_t a_hi = wgmma_desc(st + 32 * kk, 16, 1024), a_lo = wgmma_desc(st + 64 + 32 * kk, 16, 1024);
-          const uint64_t b_hi = wgmma_desc(st + 8192 + 32 * kk, 16, 1024),
-                         b_lo = wgmma_desc(st + 8192 + 64 + 32 * kk, 16, 1024);
-          if constexpr (kTerms == 3) {
-            wgmma_m64n64k16_f16<0, 0>(part, a_lo, b_hi, kk);
-            wgmma_m64n64k16_f16<0, 0>(part, a_hi, b_lo, 1);
-          }
-          wgmma_m64n64k16_f16<0, 0>(part, a_hi, b_hi, kTerms == 3 ? 1 : kk);
-        }
-        wgmma_commit();
+        issue_chunk(part);
         wgmma_wait<0>();
-#pragma unroll
-        for (int e = 0; e < 32; ++e) acc1[e] += part[e];
+        retire(part);
       }
     }
+
     // ---- O' into shared memory: acc1's row m = 16·warp + g + 8·half is (il, h1c) = (m / 2, m % 2),
     // column 8j + 2t + e is (jl, h2) = (j / 4, 8 (j % 4) + 2t + e); pair il·2 + jl, k h1c·H + h2 ----
 #pragma unroll
@@ -976,11 +951,7 @@ __global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_w_f16_kernel(const BwdW
                          g_lo = wgmma_desc(ga + kHalf + h * 4096 + kk * 2048, 4096, 1024);
           const uint64_t o_hi = wgmma_desc(os + c * 4096 + kk * 2048, 4096, 1024),
                          o_lo = wgmma_desc(os + kHalf + c * 4096 + kk * 2048, 4096, 1024);
-          if constexpr (kTerms == 3) {
-            wgmma_m64n64k16_f16<1, 1>(part[h], g_lo, o_hi, kk);
-            wgmma_m64n64k16_f16<1, 1>(part[h], g_hi, o_lo, 1);
-          }
-          wgmma_m64n64k16_f16<1, 1>(part[h], g_hi, o_hi, kTerms == 3 ? 1 : kk);
+          wgmma_split_m64n64k16<kTerms, 1, 1>(part[h], g_hi, g_lo, o_hi, o_lo, kk);
         }
       wgmma_commit();
       wgmma_wait<0>();

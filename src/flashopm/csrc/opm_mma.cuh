@@ -541,6 +541,28 @@ __device__ __forceinline__ uint32_t kmajor_split16_offset(int row, int k, uint32
          uint32_t(((((k & 31) >> 3) + 4 * part) ^ (row & 7)) << 4) + uint32_t(k & 7) * 2u;
 }
 
+// One k16 step of a float16 split product, both operands in shared memory: part += a_lo·b_hi +
+// a_hi·b_lo + a_hi·b_hi with three terms, a_hi·b_hi alone with one (the low parts unread); the
+// step's first MMA starts from zero where kk == 0 (each chunk's products in a fresh accumulator).
+template <int kTerms>
+__device__ __forceinline__ void wgmma_split_m64n128k16(float (&part)[64], uint64_t a_hi, uint64_t a_lo, uint64_t b_hi,
+                                                       uint64_t b_lo, int kk) {
+  if constexpr (kTerms == 3) {
+    wgmma_m64n128k16_f16(part, a_lo, b_hi, kk);
+    wgmma_m64n128k16_f16(part, a_hi, b_lo, 1);
+  }
+  wgmma_m64n128k16_f16(part, a_hi, b_hi, kTerms == 3 ? 1 : kk);
+}
+template <int kTerms, int kTransA, int kTransB>
+__device__ __forceinline__ void wgmma_split_m64n64k16(float (&part)[32], uint64_t a_hi, uint64_t a_lo, uint64_t b_hi,
+                                                      uint64_t b_lo, int kk) {
+  if constexpr (kTerms == 3) {
+    wgmma_m64n64k16_f16<kTransA, kTransB>(part, a_lo, b_hi, kk);
+    wgmma_m64n64k16_f16<kTransA, kTransB>(part, a_hi, b_lo, 1);
+  }
+  wgmma_m64n64k16_f16<kTransA, kTransB>(part, a_hi, b_hi, kTerms == 3 ? 1 : kk);
+}
+
 // x = hi + lo in float16 (x already scaled into float16's range): hi rounded to nearest, lo the
 // rest rounded to nearest, two pairs packed as half2 (first value in the low half).
 __device__ __forceinline__ void split_f16x2(float x0, float x1, uint32_t& hi, uint32_t& lo) {
