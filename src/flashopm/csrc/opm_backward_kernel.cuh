@@ -207,6 +207,22 @@ struct BwStageRing {
   }
 };
 
+// One chunk of 32 k of a float16 split product into a fresh accumulator (64 x 128), waited for:
+// both operands split slots (rows of 128 bytes, the 32 high parts then the 32 low parts, K-major
+// in 1 KB swizzle atoms), A's 64 rows at a, B's 128 at b.
+template <int kTerms>
+__device__ __forceinline__ void split_slots_product(float (&part)[64], const char* a, const char* b) {
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < 2; ++kk) {
+    const uint64_t a_hi = wgmma_desc(a + 32 * kk, 16, 1024), a_lo = wgmma_desc(a + 64 + 32 * kk, 16, 1024);
+    const uint64_t b_hi = wgmma_desc(b + 32 * kk, 16, 1024), b_lo = wgmma_desc(b + 64 + 32 * kk, 16, 1024);
+    wgmma_split_m64n128k16<kTerms>(part, a_hi, a_lo, b_hi, b_lo, kk);
+  }
+  wgmma_commit();
+  wgmma_wait<0>();
+}
+
 template <int kTerms, int kH, bool kGSplit = false>
 __global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_side_f16_kernel(const BwdSideArgs p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -308,15 +324,7 @@ __global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_side_f16_kernel(const B
         const char* gsl = st + kBsfSlotBytes;
         const float inv0 = inv_row[0] ? inv_row[0][r] : 0.f, inv1 = inv_row[1] ? inv_row[1][r] : 0.f;
         float part[64];
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < 2; ++kk) {
-          const uint64_t w_hi = wgmma_desc(st + 32 * kk, 16, 1024), w_lo = wgmma_desc(st + 64 + 32 * kk, 16, 1024);
-          const uint64_t g_hi = wgmma_desc(gsl + 32 * kk, 16, 1024), g_lo = wgmma_desc(gsl + 64 + 32 * kk, 16, 1024);
-          wgmma_split_m64n128k16<kTerms>(part, g_hi, g_lo, w_hi, w_lo, kk);
-        }
-        wgmma_commit();
-        wgmma_wait<0>();
+        split_slots_product<kTerms>(part, gsl, st);
 #pragma unroll
         for (int j = 0; j < 16; ++j)
 #pragma unroll
@@ -417,15 +425,7 @@ __global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_side_f16_kernel(const B
       const char* st = next_stage();
       const char* dc = dos + c * (kBwSideRows * 128);
       float part[64];
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < 2; ++kk) {
-        const uint64_t d_hi = wgmma_desc(dc + 32 * kk, 16, 1024), d_lo = wgmma_desc(dc + 64 + 32 * kk, 16, 1024);
-        const uint64_t y_hi = wgmma_desc(st + 32 * kk, 16, 1024), y_lo = wgmma_desc(st + 64 + 32 * kk, 16, 1024);
-        wgmma_split_m64n128k16<kTerms>(part, d_hi, d_lo, y_hi, y_lo, kk);
-      }
-      wgmma_commit();
-      wgmma_wait<0>();
+      split_slots_product<kTerms>(part, dc, st);
       const float f0 = do_inv[(16 * warp + g) * kChunks2 + c], f1 = do_inv[(16 * warp + g + 8) * kChunks2 + c];
 #pragma unroll
       for (int j = 0; j < 16; ++j)
