@@ -10,7 +10,12 @@ nvdisasm is not in every toolkit; the `nvidia-cuda-nvdisasm` wheel carries it
 (pip download --no-deps nvidia-cuda-nvdisasm, unzip, nvidia/cu*/bin/nvdisasm); give its path in
 $NVDISASM or put it on PATH.  Torch's headers come from the torch that runs this script.
 
-    python scripts/sass_counts.py [--against REV] [--top 12] PATTERN ...
+With --loops it also lists each kernel's loops that hold MMAs (a backward branch and the
+instructions from its target to it): their size and the opcodes that say what an iteration does
+besides its MMAs (barriers, shuffles, conversions, shared, global and local loads, copies), to
+compare a loop's work per iteration across changes.
+
+    python scripts/sass_counts.py [--against REV] [--top 12] [--loops] PATTERN ...
     e.g. python scripts/sass_counts.py --against HEAD~1 bwd_side_kernelILi3ELi32 bwd_w_kernel
          python scripts/sass_counts.py --against 8edc17f --rename ELb0EEEvNS=EEEvNS bwd_side_kernel
 """
@@ -73,6 +78,44 @@ def opcode_counts(nvdisasm: str, cubin: Path) -> dict[str, collections.Counter]:
     return counts
 
 
+LOOP_OPCODES = ("HGMMA", "HMMA", "BAR", "SHFL", "F2FP", "FMNMX", "FFMA", "LDS", "LDG", "LDL", "STL", "LDGSTS")
+
+
+def mma_loops(nvdisasm: str, cubin: Path) -> dict[str, list[collections.Counter]]:
+    """Kernel -> its loops that hold MMAs, innermost first as they appear: opcode counts of the
+    instructions from a backward branch's target label to the branch ("instructions": all)."""
+    listing = subprocess.run([nvdisasm, "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
+    out, kernel, ops, labels = {}, None, [], {}
+
+    def close():
+        if kernel is None:
+            return
+        loops = []
+        for i, (op, target) in enumerate(ops):
+            if op == "BRA" and labels.get(target, i + 1) <= i:
+                body = collections.Counter(o for o, _ in ops[labels[target]:i + 1])
+                if body["HGMMA"] or body["HMMA"]:
+                    body["instructions"] = i + 1 - labels[target]
+                    loops.append(body)
+        out[kernel] = loops
+
+    for line in listing.splitlines():
+        if line.startswith(".text."):
+            close()
+            kernel, ops, labels = line[len(".text."):].rstrip(":"), [], {}
+            continue
+        m = re.match(r"^\.(L_x_\d+):", line.strip())
+        if m:
+            labels[m.group(1)] = len(ops)
+            continue
+        m = re.match(r"\s+/\*[0-9a-f]{4,6}\*/\s+(?:@!?U?P[0-9T]\s+)?([A-Z][A-Z0-9_]*)(\.\S+)?(.*)", line)
+        if m:
+            target = re.search(r"\(\.(L_x_\d+)\)", m.group(3))
+            ops.append((m.group(1), target.group(1) if target else None))
+    close()
+    return out
+
+
 def resources(report: str) -> dict[str, str]:
     """Kernel -> 'R registers, S bytes spilled' from ptxas's -v lines."""
     out, name = {}, None
@@ -96,6 +139,7 @@ def main():
     parser.add_argument("--rename", action="append", default=[], metavar="FROM=TO",
                         help="replace FROM by TO in a kernel's name to find it in --against's build")
     parser.add_argument("--top", type=int, default=12)
+    parser.add_argument("--loops", action="store_true", help="each kernel's loops that hold MMAs (needs nvdisasm)")
     args = parser.parse_args()
     nvdisasm = os.environ.get("NVDISASM") or shutil.which("nvdisasm")
     with tempfile.TemporaryDirectory() as tmp:
@@ -110,6 +154,7 @@ def main():
             old_res = resources(build_cubin(tmp / CSRC, tmp / "then.cubin"))
             old = text_sections(tmp / "then.cubin")
         counts = opcode_counts(nvdisasm, tmp / "now.cubin") if nvdisasm else {}
+        loops = mma_loops(nvdisasm, tmp / "now.cubin") if nvdisasm and args.loops else {}
         res = resources(report)
         for name in sorted(now):
             if not any(p in name for p in args.patterns):
@@ -129,6 +174,9 @@ def main():
             print(line)
             if name in counts:
                 print("   ", "  ".join(f"{op} {n}" for op, n in counts[name].most_common(args.top)))
+            for body in loops.get(name, []):
+                print("    loop:", body["instructions"], "instructions,",
+                      "  ".join(f"{op} {body[op]}" for op in LOOP_OPCODES if body[op]))
         if not nvdisasm:
             print("(no nvdisasm: opcode counts left out; see the docstring)")
 
