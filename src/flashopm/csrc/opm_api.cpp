@@ -1913,8 +1913,8 @@ ContractBackwardPlan plan_contract_backward(int64_t B, int64_t S, int64_t Nr, in
 // plan.scratch_floats() floats, 16-byte aligned, and nothing of it is read before it is written.
 // With the plan's w_g_split, g is overwritten (split in place) after the side kernels read it.
 // With the plan's side_g_split and split_g_for_side given, the W kernel runs first, then
-// split_g_for_side(factors) writes g's bytes split for the side kernels (BwdSideArgs::g_inv), with
-// one factor per pair and chunk of 32 d into `factors`, and the side kernels read that.
+// split_g_for_side(factors) writes g's bytes split for the side kernels, with one factor per pair
+// and chunk of 32 d into `factors` (launch_bwd_side_f16's g_inv), and the side kernels read that.
 void run_contract_backward(const ContractBackwardPlan& p, const float* g, const float* a, const float* b,
                            const float* w, float* grad_a, float* grad_b, float* grad_w, float* scratch, int terms,
                            int sm_count, cudaStream_t stream,
@@ -1950,17 +1950,15 @@ void run_contract_backward(const ContractBackwardPlan& p, const float* g, const 
     side.w = w, side.y = b, side.grad = p.jsplits == 1 ? grad_a : part_a;
     side.Nr = int(Nr), side.Nc = int(Nc), side.gs_r = Nc * Dp, side.gs_c = Dp;
     side.w_split = w_split, side.w_inv = w_inv, side.y_split = y_split, side.y_inv = y_inv;
-    if (side_g_split) {
-      split_g_for_side(g_inv);
-      side.g_inv = g_inv;
-    }
-    if (p.side_f16) launch_bwd_side_f16(side, false, terms, stream);
+    if (side_g_split) split_g_for_side(g_inv);
+    const float* side_g_inv = side_g_split ? g_inv : nullptr;
+    if (p.side_f16) launch_bwd_side_f16(side, side_g_inv, false, terms, stream);
     else launch_bwd_side(side, terms, stream);
     // grad_b: rows j, columns i, W with h1 and h2 swapped, y = a
     side.y = a, side.grad = p.jsplits == 1 ? grad_b : part_b;
     side.Nr = int(Nc), side.Nc = int(Nr), side.gs_r = Dp, side.gs_c = Nc * Dp;
     if (p.side_f16) {
-      launch_bwd_side_f16(side, true, terms, stream);  // its splits follow the first side's kernel on the stream
+      launch_bwd_side_f16(side, side_g_inv, true, terms, stream);  // its splits follow the first side's kernel on the stream
     } else {
       launch_transpose_hh(w, w_t, int(H), D, sm_count, stream);
       side.w = w_t;

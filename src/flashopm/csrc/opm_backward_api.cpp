@@ -411,7 +411,8 @@ void backward_direct(const DirectBackward& d, const at::Tensor& grad_out, const 
     project_masked(*d.ln_in, d.b_a, d.b_b, d.prec, a, b, dev);
     at::Tensor bias_grad;
     GradScaleSideSplit side_split;
-    scale_grad(grad_out, mask, d.normalization, d.norm_eps, at::kFloat, need_bo, bias_grad, dev, g, &side_split);
+    scale_grad(grad_out, mask, d.normalization, d.norm_eps, at::kFloat, need_bo, bias_grad, dev, g,
+               plan.side_g_split ? &side_split : nullptr);
     // ATen's sum where the division's threads do not hold every column (pair_dim > 4 * kGradScaleThreads)
     if (need_bo)
       grads[8] = bias_grad.defined() ? bias_grad

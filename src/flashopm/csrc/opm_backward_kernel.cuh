@@ -166,9 +166,11 @@ __global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_side_kernel(const BwdSi
 // The loop runs tiles, then each tile's chunks, so that acc1 lives only through GEMM 1.
 // kTerms = 1 (PyTorch's "high"): hi·hi alone, each operand rounded to float16's 11 bits after its
 // power-of-two scale, TF32's rounding; the low parts are neither stored nor read.
-// kGSplit: g arrives split once for both sides (opm_grad_scale_kernel's side form, BwdSideArgs::
-// g_inv): the copies place each pair's 128-byte piece of the chunk as W's rows are placed and
-// GEMM 1 reads both operands from shared memory; the same parts and factors, so the same sums.
+// kGSplit (opm_bwd_side_f16_g_split_kernel): g arrives split once for both sides
+// (opm_grad_scale_kernel's side form), each pair's chunk of 32 d as its 128 bytes of float16 high
+// then low parts, and the chunk's factor 2^-e at g_inv[(offset of the chunk in g) / 32]: the copies
+// place each 128-byte piece as W's rows are placed and GEMM 1 reads both operands from shared
+// memory; the same parts and factors, so the same sums.
 // The float16 split kernels' ring of kStages stages of kStageBytes each, filled by asynchronous
 // copies kAhead steps ahead: load_step(stage) issues one step's copies into a stage; total steps in
 // all.  With kAhead = kStages - 1 each step's copies go into the stage the previous step read, so
@@ -223,8 +225,8 @@ __device__ __forceinline__ void split_slots_product(float (&part)[64], const cha
   wgmma_wait<0>();
 }
 
-template <int kTerms, int kH, bool kGSplit = false>
-__global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_side_f16_kernel(const BwdSideArgs p) {
+template <int kTerms, int kH, bool kGSplit>
+__device__ __forceinline__ void bwd_side_f16(const BwdSideArgs& p, const float* __restrict__ g_inv) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   static_assert(kTerms == 1 || kTerms == 3, "the high parts' products alone, or with both cross terms");
   static_assert(kH == 32, "the float16 split side kernel's dO chunks are one column j each");
@@ -313,7 +315,7 @@ __global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_side_f16_kernel(const B
       for (int half = 0; half < 2; ++half) {
         const int q = 16 * warp + g + 8 * half, il = q / TJ, jl = q - il * TJ;
         inv_row[half] = i0 + il < Nr && j0 + jl < Nc
-                            ? p.g_inv + ((int64_t(b) * p.gs_b + int64_t(i0 + il) * p.gs_r + int64_t(j0 + jl) * p.gs_c) >> 5)
+                            ? g_inv + ((int64_t(b) * p.gs_b + int64_t(i0 + il) * p.gs_r + int64_t(j0 + jl) * p.gs_c) >> 5)
                             : nullptr;
       }
       for (int r = 0; r < n1; ++r) {
@@ -449,6 +451,16 @@ __global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_side_f16_kernel(const B
       }
   }
 #endif
+}
+
+template <int kTerms, int kH>
+__global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_side_f16_kernel(const BwdSideArgs p) {
+  bwd_side_f16<kTerms, kH, false>(p, nullptr);
+}
+template <int kTerms, int kH>
+__global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_side_f16_g_split_kernel(const BwdSideArgs p,
+                                                                                 const float* __restrict__ g_inv) {
+  bwd_side_f16<kTerms, kH, true>(p, g_inv);
 }
 
 // W (D, H·H) float32 as opm_bwd_side_f16_kernel reads it (BwdSideArgs::w_split, w_inv): column

@@ -778,15 +778,15 @@ void launch_bwd_side(const BwdSideArgs& args, int terms, cudaStream_t stream) {
 namespace {
 // The float16 split kernels' launch: kKernel3 for three terms, else kKernel1 (one block of
 // kBwThreads per grid cell, opted-in shared memory).
-template <auto kKernel3, auto kKernel1, typename Args>
-void launch_by_terms(int terms, const dim3& grid, int smem_bytes, cudaStream_t stream, const Args& args) {
-  if (terms == 3) return launch_kernel<kKernel3, SmemSetup::kOptIn>(grid, kBwThreads, smem_bytes, stream, args);
-  launch_kernel<kKernel1, SmemSetup::kOptIn>(grid, kBwThreads, smem_bytes, stream, args);
+template <auto kKernel3, auto kKernel1, typename... Args>
+void launch_by_terms(int terms, const dim3& grid, int smem_bytes, cudaStream_t stream, const Args&... args) {
+  if (terms == 3) return launch_kernel<kKernel3, SmemSetup::kOptIn>(grid, kBwThreads, smem_bytes, stream, args...);
+  launch_kernel<kKernel1, SmemSetup::kOptIn>(grid, kBwThreads, smem_bytes, stream, args...);
 }
 }  // namespace
 
-void launch_bwd_side_f16(const BwdSideArgs& args, bool swap_hh, int terms, cudaStream_t stream) {
-  TORCH_CHECK(args.g_inv == nullptr || args.Dp % 32 == 0,
+void launch_bwd_side_f16(const BwdSideArgs& args, const float* g_inv, bool swap_hh, int terms, cudaStream_t stream) {
+  TORCH_CHECK(g_inv == nullptr || args.Dp % 32 == 0,
               "flashopm: internal error: g split for the side kernels with pair_dim ", args.Dp, ", not a multiple of 32");
   const int HH = args.H * args.H;
   launch_kernel<opm_split_side_w_kernel>(unsigned(HH / 32), 256, 0, stream, args.w, const_cast<uint32_t*>(args.w_split),
@@ -797,12 +797,12 @@ void launch_bwd_side_f16(const BwdSideArgs& args, bool swap_hh, int terms, cudaS
   constexpr int kH = 32, hc = kBwSideCols / kH, ti = kBwSideRows / hc;
   const dim3 grid(unsigned((args.Nr + ti - 1) / ti), unsigned(kH / hc),
                   unsigned(args.B * args.n_sblocks * args.jsplits));
-  if (args.g_inv == nullptr)
+  if (g_inv == nullptr)
     launch_by_terms<opm_bwd_side_f16_kernel<3, kH>, opm_bwd_side_f16_kernel<1, kH>>(terms, grid, kBsfSmemBytes, stream,
                                                                                     args);
   else
-    launch_by_terms<opm_bwd_side_f16_kernel<3, kH, true>, opm_bwd_side_f16_kernel<1, kH, true>>(terms, grid,
-                                                                                                kBsfSmemBytes, stream, args);
+    launch_by_terms<opm_bwd_side_f16_g_split_kernel<3, kH>, opm_bwd_side_f16_g_split_kernel<1, kH>>(
+        terms, grid, kBsfSmemBytes, stream, args, g_inv);
 }
 
 namespace {

@@ -1004,10 +1004,6 @@ struct BwdSideArgs {
   const float* w_inv;       // (H·H,)
   const uint32_t* y_split;  // (B, Nc·H / 32, S, 32) from opm_split_side_y_kernel
   const float* y_inv;       // (B, S)
-  // Non-null: g arrives split for both sides (opm_grad_scale_kernel's side form), each pair's
-  // chunk of 32 d as its 128 bytes of float16 high then low parts, and the chunk's factor 2^-e
-  // at g_inv[(offset of the chunk in g) / 32] (Dp a multiple of 32).
-  const float* g_inv;
 };
 
 // The side kernel's float16 split form on warpgroup MMAs (sm_90a, hidden_dim 32, "highest"): the
@@ -1015,7 +1011,7 @@ struct BwdSideArgs {
 // forward's split form.  Scales (powers of two, see kSplitTopExp), each constant along the K of
 // the MMAs that use it between two float32 retirements:
 //   GEMM 1 (dO = g·W over d): g per (pair, chunk of 32 d), formed in the kernel from float32 g
-//     (or once for both sides before them: BwdSideArgs::g_inv);
+//     (or once for both sides before them: launch_bwd_side_f16's g_inv);
 //     W per column (h1, h2) over all d (opm_split_side_w_kernel), taken out as dO is formed.
 //   GEMM 2 (grad = dO·y over (j, h2)): dO per (row (i, h1), chunk of 32 (j, h2)) as the kernel
 //     stores it; y per s over all (j, h2) (opm_split_side_y_kernel), taken out in the epilogue.
@@ -1089,7 +1085,10 @@ void launch_bwd_side(const BwdSideArgs& args, int terms, cudaStream_t stream);
 //   args.w_split / args.w_inv,
 //   y (B, S, Nc, H) into args.y_split / args.y_inv, then the kernel.
 // terms: 3 (float32 accuracy) or 1 (the high parts alone: TF32's rounding, for "high").
-void launch_bwd_side_f16(const BwdSideArgs& args, bool swap_hh, int terms, cudaStream_t stream);
+// g_inv, if not null: g arrives split for both sides (launch_grad_scale_side_split), each pair's
+// chunk of 32 d as its 128 bytes of float16 high then low parts, the chunk's factor 2^-e at
+// g_inv[(offset of the chunk in g) / 32] (Dp a multiple of 32).
+void launch_bwd_side_f16(const BwdSideArgs& args, const float* g_inv, bool swap_hh, int terms, cudaStream_t stream);
 // The float16 split form of the W kernel (hidden_dim 32, sm_90a): a and b split into
 // args.a_split / a_inv and b_split / b_inv, then (args.g_inv_split set) g split in place, then
 // the kernel over `splits` splits of the tiles; terms as for the side kernel.
@@ -1121,7 +1120,7 @@ struct GradScaleArgs {
   int chunk_rows;     // rows (b, i) per block at a time, <= kGradScaleMaxChunkRows, chunk_rows * N < 2^31
   bool vec4, by_pair;
   // Non-null: the side form (launch_grad_scale_side_split): g's bytes get the split for the side
-  // kernels (BwdSideArgs::g_inv) instead of float32 g, the factors here.
+  // kernels (launch_bwd_side_f16's g_inv) instead of float32 g, the factors here.
   float* side_inv;
 };
 constexpr int kGradScaleThreads = 256;
@@ -1134,7 +1133,7 @@ constexpr int64_t kGradScaleOneBlockElems = int64_t(1) << 15;
 void launch_grad_scale(const GradScaleArgs& args, int blocks, cudaStream_t stream);
 // g = grad_out / divisor as launch_grad_scale forms it (the same bits), each pair's chunk of 32
 // columns then scaled by the power of two of its largest magnitude and split as
-// opm_bwd_side_f16_kernel splits it (BwdSideArgs::g_inv): 128 bytes, the 32 float16 high parts then
+// opm_bwd_side_f16_kernel splits it (launch_bwd_side_f16's g_inv): 128 bytes, the 32 float16 high parts then
 // the 32 low parts, in the chunk's own bytes of g; 2^-e to args.side_inv[pair·D / 32 + chunk].
 // Needs by_pair, vec4, float32 g, D a multiple of 32 and no bias sums.
 inline bool grad_scale_side_split_fits(const GradScaleArgs& args) {
