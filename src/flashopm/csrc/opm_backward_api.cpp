@@ -262,12 +262,12 @@ at::Tensor scale_grad(const at::Tensor& go_in, const at::Tensor& mask, int64_t n
   // Small problems in one block that writes the bias gradient itself: a launch and an allocation
   // less, where the step's time is the host's.
   const bool one_block = bias_here && go.numel() <= kGradScaleOneBlockElems;
-  // Chunks of rows: enough of them for four blocks per SM where the rows allow.
+  // Chunks of rows: enough of them for four blocks per SM where the rows allow (chunk_rows * N < 2^31).
   const int64_t rows = B * N, max_blocks = 4 * int64_t(device_info(dev).sm_count);
-  args.chunk_rows = N > (int64_t(1) << 24) ? 1
-                    : one_block            ? int(std::min<int64_t>(rows, kGradScaleMaxChunkRows))
-                                           : int(std::clamp<int64_t>(rows / max_blocks, 1, kGradScaleMaxChunkRows));
-  const int blocks = one_block ? 1 : int(std::min<int64_t>((rows + args.chunk_rows - 1) / args.chunk_rows, max_blocks));
+  const int spread_rows = N > (int64_t(1) << 24) ? 1 : int(std::clamp<int64_t>(rows / max_blocks, 1, kGradScaleMaxChunkRows));
+  const int spread_blocks = int(std::min<int64_t>((rows + spread_rows - 1) / spread_rows, max_blocks));
+  args.chunk_rows = one_block ? int(std::min<int64_t>(rows, kGradScaleMaxChunkRows)) : spread_rows;
+  const int blocks = one_block ? 1 : spread_blocks;
   at::Tensor bias_part;
   if (bias_here) {
     bias_grad = at::empty({D}, go.options().dtype(at::kFloat));
@@ -282,11 +282,11 @@ at::Tensor scale_grad(const at::Tensor& go_in, const at::Tensor& mask, int64_t n
     GradScaleArgs& sa = side_split->args;
     sa = args;
     sa.bias_part = nullptr, sa.bias_out = nullptr;
-    sa.chunk_rows = int(std::clamp<int64_t>(rows / max_blocks, 1, kGradScaleMaxChunkRows));
-    side_split->blocks = int(std::min<int64_t>((rows + sa.chunk_rows - 1) / sa.chunk_rows, max_blocks));
+    sa.chunk_rows = spread_rows;
+    side_split->blocks = spread_blocks;
     side_split->go = go, side_split->pair = pair;
     // a copy of grad_out kept for it would add to the step's peak
-    side_split->fits = go_in.is_contiguous() && N <= (int64_t(1) << 24) && grad_scale_side_split_fits(sa);
+    side_split->fits = go_in.is_contiguous() && grad_scale_side_split_fits(sa);
   }
   launch_grad_scale(args, blocks, stream);
   if (bias_part.defined()) launch_bias_grad_reduce(args.bias_part, blocks, int(D), bias_grad.data_ptr<float>(), stream);
