@@ -14,7 +14,7 @@ import torch
 
 from flashopm import _build
 
-from conftest import toolchain_or_skip
+from conftest import requires_cuda, toolchain_or_skip
 
 
 def test_gencode_flags():
@@ -26,8 +26,46 @@ def test_gencode_flags():
         "-gencode=arch=compute_90,code=compute_90",
         "-DFLASHOPM_SM90A",
     ]
+    assert _build.gencode_flags(["8.0+PTX"]) == [
+        "-gencode=arch=compute_80,code=sm_80",
+        "-gencode=arch=compute_80,code=compute_80",
+    ]
+    assert _build.gencode_flags(["10.0", "12.0"]) == [
+        "-gencode=arch=compute_100,code=sm_100",
+        "-gencode=arch=compute_120,code=sm_120",
+    ]
     with pytest.raises(_build.BuildError, match="cannot read architecture 'sm90'"):
         _build.gencode_flags(["sm90"])
+
+
+@pytest.mark.parametrize("archs, capability, expected", [
+    (["9.0"], (9, 0), (90, "sass")),
+    (["9.0"], (10, 0), None),  # sm_90a machine code runs on 9.0 alone
+    (["9.0+PTX"], (10, 0), (90, "ptx")),
+    (["8.0"], (8, 6), (80, "sass")),  # sm_80 machine code runs on 8.x
+    (["8.0", "8.6"], (8, 6), (86, "sass")),
+    (["8.0", "8.6"], (8, 0), (80, "sass")),
+    (["8.6"], (8, 0), None),
+    (["8.6+PTX"], (8, 0), None),  # PTX newer than the GPU
+    (["8.0"], (9, 0), None),
+    (["8.0+PTX"], (9, 0), (80, "ptx")),  # what the sm_80 forms run on an H100 or H200
+    (["8.0+PTX", "9.0"], (9, 0), (90, "sass")),
+    (["8.0+PTX", "8.6+PTX"], (12, 0), (86, "ptx")),
+    (["10.0a"], (10, 3), None),
+    (["10.0"], (10, 3), (100, "sass")),
+])
+def test_code_for_device(archs, capability, expected):
+    assert _build.code_for_device(archs, capability) == expected
+
+
+def test_flashopm_arch_list_comes_before_torch_s(monkeypatch):
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "7.5 8.0 8.6 8.9 9.0+PTX")
+    monkeypatch.delenv("FLASHOPM_CUDA_ARCH_LIST", raising=False)
+    assert _build.arch_list() == ["7.5", "8.0", "8.6", "8.9", "9.0+PTX"]
+    monkeypatch.setenv("FLASHOPM_CUDA_ARCH_LIST", "9.0")
+    assert _build.arch_list() == ["9.0"]
+    monkeypatch.setenv("FLASHOPM_CUDA_ARCH_LIST", "  ")
+    assert _build.arch_list() == ["7.5", "8.0", "8.6", "8.9", "9.0+PTX"]
 
 
 def test_every_source_file_is_hashed():
@@ -71,6 +109,24 @@ def test_cuda_extension_builds_and_registers_the_op():
     assert os.path.exists(path)
     assert torch._C._dispatch_has_kernel_for_dispatch_key("flashopm::outer_product_mean", "CUDA")
     assert _build.is_loaded()
+
+
+@requires_cuda
+def test_the_kernels_use_what_the_code_the_driver_loaded_has():
+    """The extension reads the architecture of the code the driver loaded for the GPU (the
+    build's machine code for it, or PTX of an older target that the driver compiled) and keeps the
+    forms that need newer instructions off: the same answer as the build list gives.  Built with
+    FLASHOPM_CUDA_ARCH_LIST="8.0+PTX" on an sm_90 GPU, every test then runs the sm_80 forms."""
+    toolchain_or_skip()
+    _build.load()
+    x = torch.empty(1, device="cuda")
+    major, minor, arch, wgmma, _, _ = torch.ops.flashopm._device_code(x)
+    assert (major, minor) == torch.cuda.get_device_capability()
+    expected = _build.code_for_device(_build.arch_list(), (major, minor))
+    assert expected is not None
+    assert arch == expected[0]
+    sm90a = "-DFLASHOPM_SM90A" in _build.gencode_flags(_build.arch_list())
+    assert wgmma == int(sm90a and (major, minor) == (9, 0) and arch == 90)
 
 
 def test_nvcc_major_mismatch_is_reported(monkeypatch):

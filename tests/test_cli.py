@@ -97,6 +97,15 @@ def test_info_runs_anywhere(capsys):
     assert "torch" in capsys.readouterr().out
 
 
+def test_info_says_what_the_build_runs_on_a_gpu():
+    from flashopm.__main__ import _describe_code
+
+    assert _describe_code(["9.0"], (9, 0)) == "sm_90a machine code"
+    assert _describe_code(["8.0", "8.6"], (8, 9)) == "sm_86 machine code (older than the GPU's 8.9: forms that need newer instructions stay off)"
+    assert _describe_code(["8.0+PTX"], (9, 0)).startswith("compute_80 PTX, compiled by the driver (older than")
+    assert _describe_code(["9.0"], (10, 0)) == "nothing: no target in the list runs on compute capability 10.0; add 10.0 to it"
+
+
 @pytest.mark.parametrize("module", ["spec", "openfold", "boltz"])
 def test_benchmark_builds_matching_implementations(module):
     """The modules the benchmark times compute the same function (on the CPU here)."""

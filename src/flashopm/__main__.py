@@ -513,6 +513,20 @@ def _eager_peer(impl: str) -> str:
     return "eager" + impl[len("flashopm"):] if impl.startswith("flashopm") else "eager"
 
 
+def _describe_code(archs: list[str], capability: tuple[int, int]) -> str:
+    """What a build for `archs` runs on a GPU of `capability`, in words."""
+    found = _build.code_for_device(archs, capability)
+    cc = f"{capability[0]}.{capability[1]}"
+    if found is None:
+        return f"nothing: no target in the list runs on compute capability {cc}; add {cc} to it"
+    arch, kind = found
+    what = f"sm_{arch}{'a' if arch == 90 and kind == 'sass' else ''} machine code" if kind == "sass" else \
+        f"compute_{arch} PTX, compiled by the driver"
+    if arch < 10 * capability[0] + capability[1]:
+        what += f" (older than the GPU's {cc}: forms that need newer instructions stay off)"
+    return what
+
+
 def cmd_info(args) -> int:
     env = environment()
     for k, v in env.items():
@@ -521,9 +535,13 @@ def cmd_info(args) -> int:
     try:
         home = _build.check_toolchain()
         print(f"{'nvcc':12s} {home} (CUDA {'.'.join(map(str, _build.nvcc_version(home)))})")
-        name = _build.extension_name(_build.read_sources(), _build.arch_list())
+        archs = _build.arch_list()
+        name = _build.extension_name(_build.read_sources(), archs)
         built = (_build.cache_root() / name / f"{name}.so").exists()
         print(f"{'extension':12s} {name} ({'built' if built else 'not built yet'})")
+        print(f"{'archs':12s} {';'.join(archs)} ({' '.join(_build.gencode_flags(archs))})")
+        if torch.cuda.is_available():
+            print(f"{'runs here':12s} {_describe_code(archs, torch.cuda.get_device_capability())}")
     except _build.BuildError as exc:
         print(f"{'toolchain':12s} {exc}")
     return 0

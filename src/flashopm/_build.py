@@ -69,10 +69,13 @@ def cache_root() -> Path:
 
 
 def arch_list() -> list[str]:
-    """Target architectures: $TORCH_CUDA_ARCH_LIST if set, else the current device's capability."""
-    env = os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip()
-    if env:
-        return [a for a in re.split(r"[;\s]+", env) if a]
+    """Target architectures: $FLASHOPM_CUDA_ARCH_LIST if set (flashopm's own, for environments
+    whose TORCH_CUDA_ARCH_LIST names many GPUs: each target adds minutes of build), else
+    $TORCH_CUDA_ARCH_LIST if set, else the current device's capability."""
+    for var in ("FLASHOPM_CUDA_ARCH_LIST", "TORCH_CUDA_ARCH_LIST"):
+        env = os.environ.get(var, "").strip()
+        if env:
+            return [a for a in re.split(r"[;\s]+", env) if a]
     if not torch.cuda.is_available():
         raise BuildError(
             "flashopm: no CUDA device is visible and TORCH_CUDA_ARCH_LIST is not set; "
@@ -82,25 +85,54 @@ def arch_list() -> list[str]:
     return [f"{major}.{minor}"]
 
 
+def parse_arch(arch: str) -> tuple[int, int, str, bool]:
+    """'8.6' -> (8, 6, '', False); '9.0' -> (9, 0, 'a', False): 9.0 is always built as sm_90a;
+    '10.0a+PTX' -> (10, 0, 'a', True)."""
+    m = re.fullmatch(r"(\d+)\.(\d+)([af]?)(\+PTX)?", arch)
+    if not m:
+        raise BuildError(f"flashopm: cannot read architecture {arch!r} in the architecture list")
+    major, minor = int(m.group(1)), int(m.group(2))
+    suffix = m.group(3) or ("a" if (major, minor) == (9, 0) else "")
+    return major, minor, suffix, m.group(4) is not None
+
+
 def gencode_flags(archs: list[str]) -> list[str]:
     """'8.0' -> sm_80 machine code; '9.0' and '9.0a' -> sm_90a (the warpgroup MMAs exist only in
     the arch-specific target, whose code runs on every compute capability 9.0 GPU); '+PTX' adds
     PTX for the portable target.  With sm_90a code the kernels are told so (FLASHOPM_SM90A)."""
     flags = []
     for arch in archs:
-        ptx = arch.endswith("+PTX")
-        num = arch.replace("+PTX", "")
-        m = re.fullmatch(r"(\d+)\.(\d+)([af]?)", num)
-        if not m:
-            raise BuildError(f"flashopm: cannot read architecture {arch!r} in TORCH_CUDA_ARCH_LIST")
-        cc = f"{m.group(1)}{m.group(2)}"
-        suffix = m.group(3) or ("a" if cc == "90" else "")
+        major, minor, suffix, ptx = parse_arch(arch)
+        cc = f"{major}{minor}"
         flags.append(f"-gencode=arch=compute_{cc}{suffix},code=sm_{cc}{suffix}")
         if ptx:
             flags.append(f"-gencode=arch=compute_{cc},code=compute_{cc}")
     if any("code=sm_90a" in f for f in flags):
         flags.append("-DFLASHOPM_SM90A")
     return flags
+
+
+def code_for_device(archs: list[str], capability: tuple[int, int]) -> tuple[int, str] | None:
+    """What the driver runs on a GPU of `capability` from a build for `archs`: (the target as
+    __CUDA_ARCH__ / 10, "sass" for machine code or "ptx" for PTX it compiles), or None where the
+    build holds nothing that GPU runs.  Machine code for X.Y runs on X.Z for Z >= Y, that of an
+    arch-specific target (X.Ya, 9.0 among them) on X.Y alone; without any, the newest PTX not newer
+    than the GPU.  Where the target is below the GPU's own, the kernels lack what it adds (sm_90's
+    clusters and programmatic launches, sm_90a's warpgroup MMAs) and flashopm runs its other forms."""
+    major, minor = capability
+    sass, ptx = [], []
+    for arch in archs:
+        a_major, a_minor, suffix, with_ptx = parse_arch(arch)
+        runs = a_major == major and (a_minor == minor if suffix == "a" else a_minor <= minor)
+        if runs:
+            sass.append(10 * a_major + a_minor)
+        if with_ptx and (a_major, a_minor) <= (major, minor):
+            ptx.append(10 * a_major + a_minor)
+    if sass:
+        return max(sass), "sass"
+    if ptx:
+        return max(ptx), "ptx"
+    return None
 
 
 def cuda_home() -> str:

@@ -77,6 +77,12 @@ SCHEMAS = {
     # the benchmark): [rows i per block, columns d per block, 1 for the float16 split form], or []
     # when the path does not fit.
     "_small_tc_plan": "_small_tc_plan(Tensor like, int B, int S, int N, int H, int D) -> int[]",
+    # The GPU of `like` and the kernel code that runs there (CUDA only; for tests and
+    # contract_backward): [compute capability major, minor, what the kernels use there as
+    # __CUDA_ARCH__ / 10 (below the capability's where the build holds only PTX of an older
+    # target, which the driver compiles), 1 where the warpgroup-MMA (sm_90a) forms run, 1 where
+    # the fused backward's kernels fit, the shared memory a block may opt in to (bytes)].
+    "_device_code": "_device_code(Tensor like) -> int[]",
     # The peak bound's bands for one batch element (host code; CPU or CUDA `like`; for tests):
     # [b kept, workspace bytes, bands, then (r0, rows, cols, s_part, in the output's tail) per
     # band], or [] where none fit.  flags: 1 parts of s allowed, 2 blocks of columns allowed, 4 the
@@ -251,14 +257,26 @@ FUSED_BACKWARD_HIDDEN = (16, 32, 64)
 FUSED_BACKWARD_MAX_S = 256
 
 
+_fused_backward_fits: dict[int, bool] = {}
+
+
+def fused_backward_fits(device: torch.device) -> bool:
+    """The fused backward's kernels run on this GPU (compute capability 8.0 or newer, and the
+    shared memory they take: not on 99 KB GPUs such as sm_86 and sm_89)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _fused_backward_fits:
+        _build.load()
+        like = torch.empty(0, device=torch.device("cuda", index))
+        _fused_backward_fits[index] = bool(torch.ops.flashopm._device_code(like)[4])
+    return _fused_backward_fits[index]
+
+
 def contract_backward(g, a, b, w_out, need_ab, need_w):
     """(grad_a, grad_b, grad_w_out) of the outer-first contraction, None where not needed: the
-    fused CUDA kernels for float32 CUDA tensors with hidden_dim 16, 32 or 64 and S <= 256, else
-    PyTorch in blocks of rows (reference.contract_outer_blocks_backward)."""
+    fused CUDA kernels for float32 CUDA tensors with hidden_dim 16, 32 or 64 and S <= 256 where
+    they fit the GPU, else PyTorch in blocks of rows (reference.contract_outer_blocks_backward)."""
     if (g.is_cuda and a.dtype == torch.float32 and a.shape[-1] in FUSED_BACKWARD_HIDDEN
-            and a.shape[1] <= FUSED_BACKWARD_MAX_S):
-        if not _build.is_loaded():
-            _build.load()
+            and a.shape[1] <= FUSED_BACKWARD_MAX_S and fused_backward_fits(g.device)):
         ga, gb, gw = outer_contract_backward_op(g, a, b, w_out, need_ab, need_w)
         return (ga if need_ab else None, gb if need_ab else None, gw if need_w else None)
     return contract_outer_blocks_backward(g, a, b, w_out, need_ab, need_w)

@@ -80,6 +80,10 @@ struct DeviceInfo {
   int cc_major = 0;
   int cc_minor = 0;
   int cooperative_launch = 0;
+  // What the kernels may use here, as __CUDA_ARCH__ / 10: the device's capability, or the
+  // architecture of the code the driver loaded for it where that is older (PTX of an older target
+  // compiled by the driver, whose kernels lack clusters, programmatic launches and warpgroup MMAs).
+  int arch = 0;
 };
 
 const DeviceInfo& device_info(int dev) {
@@ -96,6 +100,23 @@ const DeviceInfo& device_info(int dev) {
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&infos[dev].cc_minor, cudaDevAttrComputeCapabilityMinor, dev));
     C10_CUDA_CHECK(
         cudaDeviceGetAttribute(&infos[dev].cooperative_launch, cudaDevAttrCooperativeLaunch, dev));
+    // FLASHOPM_SMEM_LIMIT (smem_limit_setting): plans as on a GPU whose blocks may opt in to that
+    // much shared memory (its SMs 1 KB more).  Read once per process.
+    if (const char* e = std::getenv("FLASHOPM_SMEM_LIMIT"); e != nullptr && *e != 0) {
+      const long limit = smem_limit_setting();
+      FLASHOPM_CHECK(limit > 0, "flashopm: FLASHOPM_SMEM_LIMIT must be a number of bytes of at least 49152, got '",
+                     e, "'");
+      infos[dev].smem_optin = std::min(infos[dev].smem_optin, int(limit));
+      infos[dev].smem_per_sm = std::min(infos[dev].smem_per_sm, int(limit) + 1024);
+    }
+    const int device_arch = infos[dev].cc_major * 10 + infos[dev].cc_minor;
+    const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(dev));
+    const int code_arch = loaded_code_arch();
+    FLASHOPM_CHECK(code_arch != -1, "flashopm: the extension holds no kernel code that runs on device ", dev,
+                   " (compute capability ", infos[dev].cc_major, ".", infos[dev].cc_minor,
+                   "): build it for that GPU, with TORCH_CUDA_ARCH_LIST unset (the device's own) or naming ",
+                   infos[dev].cc_major, ".", infos[dev].cc_minor, " (`python -m flashopm info` shows the build's list)");
+    infos[dev].arch = code_arch > 0 ? std::min(device_arch, code_arch) : device_arch;
   });
   return infos[dev];
 }
@@ -240,7 +261,7 @@ struct SmallPlan {
 
 bool search_small_plan(int64_t B, int64_t S, int64_t N, int64_t C, int64_t H, int64_t D, int dev, SmallPlan& best) {
   const DeviceInfo& info = device_info(dev);
-  if (info.cc_major < 9) return false;  // distributed shared memory: sm_90 and later
+  if (info.arch < 90) return false;  // distributed shared memory: sm_90 and later
   // Keeps every int in the kernel's index arithmetic far from overflow.
   // (and rules out what cannot fit before any layout is computed).
   if (S * H * ((N + 3) / 4 * 4) + 8 * C > info.smem_optin / 4 || D > (int64_t(1) << 24)) return false;
@@ -306,7 +327,7 @@ SmallTcPlan requested_small_tc_tile() {
 SmallTcPlan search_small_tc_plan(int64_t B, int64_t S, int64_t N, int64_t H, int64_t D, int dev) {
   const DeviceInfo& info = device_info(dev);
   SmallTcPlan best;
-  if (info.cc_major < 9 || H % 8 != 0) return best;
+  if (info.arch < 90 || H % 8 != 0) return best;  // programmatic launches and bulk copies: sm_90
   // Rules out what cannot fit before any int layout arithmetic (b alone is N·S·H floats).
   if (S * H * (N + 16 + 8) > info.smem_optin / 4) return best;
   const SmallTcPlan forced = requested_small_tc_tile();
@@ -620,10 +641,32 @@ OuterArgs outer_args(const void* a, const void* b, const MaskView& mask, const a
   return oa;
 }
 
-// Warpgroup MMAs run here: the extension holds sm_90a code and the GPU is sm_90.
+// The outer-first tensor-core kernels' column tile (residues j per block) in their mma.sync forms:
+// kOuterNT / H (phase 1's columns), fewer where N is smaller, halved until a block of Ti rows
+// fits the GPU's shared memory (an A100's 163 KB takes 4 of 8 columns at hidden 32 in float32,
+// 1 with 16-bit operands); 0 where not even one column fits (99 KB GPUs: sm_86, sm_89, sm_120).
+int64_t mma_sync_tile_cols(int64_t H, int64_t N, int64_t Ti, bool operands16, int dev) {
+  const int optin = device_info(dev).smem_optin;
+  for (int64_t tj = std::max<int64_t>(std::min<int64_t>(kOuterNT / H, N), 1);; tj = (tj + 1) / 2) {
+    const int bytes = operands16 ? outer_tc16_smem_bytes(int(H), int(Ti), int(tj), kT16MmaSync)
+                                 : outer_tc_smem_bytes(int(H), int(Ti), int(tj), false, false);
+    if (bytes <= optin) return tj;
+    if (tj == 1) return 0;
+  }
+}
+
+// The float32 tensor-core kernel's wgmma forms (K-major a and b) fit the GPU's shared memory at
+// their full tile: on every sm_90 GPU, not under a lower FLASHOPM_SMEM_LIMIT.
+bool wgmma_tile_fits(int64_t H, int64_t N, int dev) {
+  const int Ti = int(kOuterMT / H), Tj = int(std::min<int64_t>(kOuterNT / H, N));
+  return std::max(outer_tc_smem_bytes(int(H), Ti, Tj, true, false), outer_tc_smem_bytes(int(H), Ti, Tj, true, true)) <=
+         device_info(dev).smem_optin;
+}
+
+// Warpgroup MMAs run here: the extension holds sm_90a code, the GPU is sm_90 and runs that code.
 bool wgmma_runs_on(int dev) {
   const DeviceInfo& info = device_info(dev);
-  return outer_tc16_wgmma_built() && info.cc_major == 9 && info.cc_minor == 0;
+  return outer_tc16_wgmma_built() && info.cc_major == 9 && info.cc_minor == 0 && info.arch == 90;
 }
 
 // The 16-bit kernel's form for this GPU before the tile is known: warpgroup MMAs where the
@@ -763,12 +806,19 @@ void run_outer(OuterArgs oa, int64_t i_offset, int64_t rows, int64_t out_rows, i
   oa.Tj = std::min(kOuterNT / oa.H, oa.N);
   FLASHOPM_CHECK((rows + oa.Ti - 1) / oa.Ti <= 65535, "flashopm: too many rows for one launch (", rows, " rows of ",
                  oa.N, ")");
+  const int optin = device_info(dev).smem_optin;
   if (operand_kind != kMaskFloat) {
     int form = tc16_form(oa.Ti, oa.Tj, requested_tc16_form(dev));
     if (form == kT16WgmmaBoth && oa.w_blocked == nullptr) form = kT16WgmmaPhase1;
+    if (outer_tc16_smem_bytes(oa.H, oa.Ti, oa.Tj, form) > optin) {  // less shared memory than sm_90's
+      form = kT16MmaSync;
+      oa.Tj = int(std::max<int64_t>(mma_sync_tile_cols(oa.H, oa.N, oa.Ti, true, dev), 1));
+    }
     check_smem(outer_tc16_smem_bytes(oa.H, oa.Ti, oa.Tj, form), dev, "16-bit tensor-core outer-product");
     launch_outer_tc16(oa, operand_kind, form, stream);
   } else if (tensor_cores) {
+    if (!kmajor && outer_tc_smem_bytes(oa.H, oa.Ti, oa.Tj, false, false) > optin)  // less than sm_90's
+      oa.Tj = int(std::max<int64_t>(mma_sync_tile_cols(oa.H, oa.N, oa.Ti, false, dev), 1));
     const bool wgmma2 = half_split || (tc_phase2_wgmma(terms, kmajor, oa.Ti, oa.Tj) && oa.w_blocked != nullptr);
     check_smem(outer_tc_smem_bytes(oa.H, oa.Ti, oa.Tj, kmajor, wgmma2), dev, "tensor-core outer-product");
     launch_outer_tc(oa, terms, kmajor, wgmma2, half_split, stream);
@@ -1024,18 +1074,24 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
   const int dev = msa.get_device();
   // Tensor cores for the outer-first contraction: per FLOP, 3xTF32 takes about 1/1.6 of the FMA
   // path's time and TF32 about 1/3 (measured on the H200 at AlphaFold sizes).
-  const bool tc_ok = H % 8 == 0 && device_info(dev).cc_major >= 8 && algorithm != kOuterFirstFma &&
-                     reinterpret_cast<uintptr_t>(w_out.data_ptr()) % 16 == 0;
+  const int64_t tile_rows = std::min<int64_t>(kOuterMT / H, N);
+  const bool tc_ok = H % 8 == 0 && device_info(dev).arch >= 80 && algorithm != kOuterFirstFma &&
+                     reinterpret_cast<uintptr_t>(w_out.data_ptr()) % 16 == 0 &&
+                     mma_sync_tile_cols(H, N, tile_rows, false, dev) > 0;
   // Half-precision inputs follow PyTorch's matmuls in those types (products of the input type,
   // float32 sums) unless a precision is asked for explicitly; "medium" takes bfloat16 operands.
   // The small paths have float32 operands only: TF32 there for half-precision inputs.
   const Precision prec = half_in && precision == kFollowPyTorch ? kHigh : resolve_precision(precision);
   const int tc_terms = prec == kHighest ? 3 : 1;
-  const bool operands16 = tc_ok && ((half_in && precision == kFollowPyTorch) || prec == kMedium);
+  const bool operands16 = tc_ok && ((half_in && precision == kFollowPyTorch) || prec == kMedium) &&
+                          mma_sync_tile_cols(H, N, tile_rows, true, dev) > 0;
   const int operand_kind = !operands16 ? int(kMaskFloat) : half_in ? elem_kind_of(model) : int(kMaskBFloat16);
   // Per FLOP against the CUDA-core path (H200, AlphaFold sizes).
   const double outer_cost = flops_outer / (operands16 ? 6.0 : tc_ok ? (tc_terms == 3 ? 1.6 : 3.0) : 1.0);
   bool project_first = flops_project < 0.8 * outer_cost && ab_elems + c_elems <= budget_elems;
+  // Where neither tensor-core kernel nor the CUDA-core one fits the GPU's shared memory (99 KB
+  // GPUs), the project-first path (small tiles) takes what the small paths do not.
+  if (!tc_ok && outer_smem_bytes() > device_info(dev).smem_optin) project_first = true;
   if (algorithm == kOuterFirst || algorithm == kOuterFirstFma) project_first = false;
   if (algorithm == kProjectFirst) project_first = true;
 
@@ -1317,7 +1373,8 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     const TcForm tc_form = tc_ok && !operands16 ? requested_tc_form() : kTcFormAuto;
     FLASHOPM_CHECK(tc_form != kTcFormWgmma || wgmma_runs_on(dev),
                    "flashopm: FLASHOPM_TC_FORM=wgmma needs an sm_90 GPU and the extension built with sm_90a code");
-    const bool kmajor = tc_ok && !operands16 && tc_form != kTcFormMmaSync && wgmma_runs_on(dev);
+    const bool kmajor = tc_ok && !operands16 && tc_form != kTcFormMmaSync && wgmma_runs_on(dev) &&
+                        wgmma_tile_fits(H, N, dev);
     const bool half_split = kmajor && tc_terms == 3 && tc_form != kTcFormWgmmaTf32 && half_split_fits(H, N);
     const int ab_kind = !kmajor ? operand_kind
                         : half_split ? int(kAbF32Rows32)
@@ -1740,7 +1797,8 @@ at::Tensor outer_product_mean_rows_cuda(const at::Tensor& a_in, const at::Tensor
   const std::optional<at::Tensor> b_out =
       b_out_in ? std::optional<at::Tensor>(b_out_in->contiguous()) : std::nullopt;
   const int dev = a.get_device();
-  const bool tc_ok = H % 8 == 0 && device_info(dev).cc_major >= 8;
+  const bool tc_ok = H % 8 == 0 && device_info(dev).arch >= 80 &&
+                     mma_sync_tile_cols(H, N, std::min<int64_t>(kOuterMT / H, Nr), false, dev) > 0;
 
   const MaskView mask_view{mask.data_ptr(), mask.stride(0), mask.stride(1), mask.stride(2), mask_kind};
   OuterArgs oa = outer_args(a.data_ptr<float>(), b.data_ptr<float>(), mask_view, w_out, b_out, out, B, S, N, H, D,
@@ -1753,7 +1811,7 @@ at::Tensor outer_product_mean_rows_cuda(const at::Tensor& a_in, const at::Tensor
   const TcForm tc_form = tc_ok ? requested_tc_form() : kTcFormAuto;
   FLASHOPM_CHECK(tc_form != kTcFormWgmma || wgmma_runs_on(dev),
                  "flashopm: FLASHOPM_TC_FORM=wgmma needs an sm_90 GPU and the extension built with sm_90a code");
-  const bool kmajor = tc_ok && tc_form != kTcFormMmaSync && wgmma_runs_on(dev);
+  const bool kmajor = tc_ok && tc_form != kTcFormMmaSync && wgmma_runs_on(dev) && wgmma_tile_fits(H, N, dev);
   const bool half_split = kmajor && terms == 3 && tc_form != kTcFormWgmmaTf32 && half_split_fits(H, N);
   at::Tensor ka, kb, split_exps, w_wgmma;
   if (kmajor) {
@@ -1816,9 +1874,16 @@ at::Tensor contiguous_aligned16(const at::Tensor& t) {
   return reinterpret_cast<uintptr_t>(c.data_ptr()) % 16 == 0 ? c : c.clone();
 }
 
-// The device can run the fused backward's kernels.
+// The device can run the fused backward's kernels (compute capability 8.0 and the mma.sync forms'
+// shared memory, which 99 KB GPUs lack; the float16 split forms' too where they run).
+bool fused_backward_fits(int dev) {
+  const DeviceInfo& info = device_info(dev);
+  return info.arch >= 80 && std::max(bwd_side_smem_bytes(), bwd_w_smem_bytes()) <= info.smem_optin &&
+         (!wgmma_runs_on(dev) || std::max({kBsfSmemBytes, kBwfSmemBytes, kBwfOverlapSmemBytes}) <= info.smem_optin);
+}
+
 void check_fused_backward(int dev) {
-  FLASHOPM_CHECK(device_info(dev).cc_major >= 8, "flashopm: the fused backward needs compute capability 8.0 or newer");
+  FLASHOPM_CHECK(device_info(dev).arch >= 80, "flashopm: the fused backward needs compute capability 8.0 or newer");
   check_smem(std::max(bwd_side_smem_bytes(), bwd_w_smem_bytes()), dev, "backward");
   if (wgmma_runs_on(dev)) check_smem(std::max({kBsfSmemBytes, kBwfSmemBytes, kBwfOverlapSmemBytes}), dev, "backward");
 }
@@ -2098,6 +2163,16 @@ std::vector<int64_t> small_tc_plan_cuda(const at::Tensor& like, int64_t B, int64
   return {plan.TI, plan.Dc, small_tc_f16(plan, 3, nullptr, S, N, H) ? 1 : 0};
 }
 
+// [compute capability major, minor, DeviceInfo::arch, 1 where wgmma_runs_on, 1 where
+// fused_backward_fits, the shared memory a block may opt in to] of like's GPU.
+std::vector<int64_t> device_code_cuda(const at::Tensor& like) {
+  const c10::cuda::CUDAGuard guard(like.device());
+  const int dev = like.get_device();
+  const DeviceInfo& info = device_info(dev);
+  return {info.cc_major, info.cc_minor, info.arch, wgmma_runs_on(dev) ? 1 : 0, fused_backward_fits(dev) ? 1 : 0,
+          info.smem_optin};
+}
+
 // Does nothing: the benchmark's measure of one bare call into the extension.
 void noop_cuda(const at::Tensor&) {}
 
@@ -2110,6 +2185,7 @@ TORCH_LIBRARY_IMPL(flashopm, CUDA, m) {
   m.impl("_noop", &flashopm::noop_cuda);
   m.impl("_single_launch_plan", &flashopm::single_launch_plan_cuda);
   m.impl("_small_tc_plan", &flashopm::small_tc_plan_cuda);
+  m.impl("_device_code", &flashopm::device_code_cuda);
   m.impl("_peak_band_plan", &flashopm::peak_band_plan_query);
 }
 

@@ -549,7 +549,7 @@ std::vector<at::Tensor> outer_product_mean_backward_cuda(const at::Tensor& grad_
   const bool f16_model_fused = follow16 && f16_forms && blocks_off;
   const bool fused_contract = work == at::kFloat && (blocks_type == at::kFloat || f16_model_fused) &&
                               (H == 16 || H == 32 || H == 64) && (S <= 256 || f16_forms) && !tf32_blocks &&
-                              !env_is("FLASHOPM_BACKWARD_BLOCKS", "1");
+                              fused_backward_fits(dev) && !env_is("FLASHOPM_BACKWARD_BLOCKS", "1");
   // Every stage in our kernels, temporaries in two allocations (backward_direct); FLASHOPM_BACKWARD_DIRECT=0
   // takes the tensor-per-temporary form below, to compare.
   const bool direct = fused_ln && scale_in_kernel && fused_contract && D % 4 == 0 && (need_proj || need_wo) &&

@@ -147,6 +147,8 @@ __global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_side_kernel(const BwdSi
           if (s < S) dst[int64_t(s) * Nr * H] = acc2[mt][nt][2 * half + e];
         }
     }
+#else
+  target_lacks_instructions();
 #endif
 }
 
@@ -450,6 +452,8 @@ __device__ __forceinline__ void bwd_side_f16(const BwdSideArgs& p, const float* 
         if (s < S) dst[int64_t(s) * Nr * H] = acc2[4 * j + 2 * half + e] * y_inv[s];
       }
   }
+#else
+  target_lacks_instructions();
 #endif
 }
 
@@ -699,6 +703,8 @@ __global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_w_kernel(const BwdWArgs
           if (d < D) ws[int64_t(d) * HH + k] = accw[mt][nt][2 * half + e];
         }
     }
+#else
+  target_lacks_instructions();
 #endif
 }
 
@@ -991,6 +997,8 @@ __global__ void __launch_bounds__(kBwThreads, 2) opm_bwd_w_f16_kernel(const BwdW
         *reinterpret_cast<float2*>(ws + int64_t(d) * HH + 8 * j + 2 * t) =
             make_float2(acc[h][4 * j + 2 * half] * o_unscale, acc[h][4 * j + 2 * half + 1] * o_unscale);
     }
+#else
+  target_lacks_instructions();
 #endif
 }
 

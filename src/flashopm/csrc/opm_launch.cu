@@ -46,6 +46,7 @@ void allow_smem(int dev) {
   std::call_once(flags[dev % kMaxDevices], [dev] {
     int optin = 0;
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+    if (const long limit = smem_limit_setting(); limit > 0 && limit < optin) optin = int(limit);
     cudaFuncAttributes attr{};
     C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, Kernel));
     C10_CUDA_CHECK(cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -482,6 +483,16 @@ bool outer_tc16_wgmma_built() {
 #else
   return false;
 #endif
+}
+
+int loaded_code_arch() {
+  // Any kernel serves: the driver picks one target of the build for the whole module.
+  cudaFuncAttributes attr{};
+  if (cudaFuncGetAttributes(&attr, opm_round_tf32_kernel) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return -1;
+  }
+  return attr.ptxVersion;
 }
 
 namespace {

@@ -11,6 +11,13 @@
 
 namespace flashopm {
 
+// The #else of a kernel body (or a warpgroup MMA step) that its compilation target lacks the
+// instructions for: clusters and programmatic launches before sm_90, warpgroup MMAs outside
+// sm_90a, tensor-core MMAs before sm_80.  The host launches such a kernel only where the code the
+// driver loaded has them (DeviceInfo::arch, wgmma_runs_on); launched anyway, it stops the grid
+// rather than leave its outputs unwritten.
+__device__ __forceinline__ void target_lacks_instructions() { __trap(); }
+
 __device__ __forceinline__ uint32_t to_tf32(float x) {
   uint32_t r;
   asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
@@ -302,11 +309,15 @@ __device__ __forceinline__ uint64_t wgmma_desc(const void* smem, uint32_t lbo, u
 __device__ __forceinline__ void wgmma_fence() {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#else
+  target_lacks_instructions();
 #endif
 }
 __device__ __forceinline__ void wgmma_commit() {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#else
+  target_lacks_instructions();
 #endif
 }
 __device__ __forceinline__ void wgmma_wait_all() {

@@ -65,6 +65,19 @@ inline bool env_is(const char* name, const char* value) {
   return env != nullptr && std::strcmp(env, value) == 0;
 }
 
+// FLASHOPM_SMEM_LIMIT: the shared memory (bytes) a block may take, below the GPU's own, so that
+// the forms GPUs with less than this one's take run here (A100 166912; sm_86, sm_89 and sm_120
+// 101376); 0 where unset or not a number of at least 49152 bytes (device_info refuses those).
+// The planners read it through device_info, and allow_smem sets each kernel's limit to it, so
+// that a launch past it fails as it would on such a GPU.
+inline long smem_limit_setting() {
+  const char* e = std::getenv("FLASHOPM_SMEM_LIMIT");
+  if (e == nullptr || *e == 0) return 0;
+  char* end = nullptr;
+  const long limit = std::strtol(e, &end, 10);
+  return end != e && *end == '\0' && limit >= 49152 && limit <= (1L << 30) ? limit : 0;
+}
+
 // Element types of masks, x and the output (x and the output are never bool).
 enum MaskKind : int { kMaskFloat = 0, kMaskBool = 1, kMaskHalf = 2, kMaskBFloat16 = 3 };
 
@@ -540,6 +553,11 @@ int outer_tc_smem_bytes(int H, int Ti, int Tj, bool wgmma, bool wgmma2);
 void launch_outer_tc16(const OuterArgs& args, int operand_kind, int form, cudaStream_t stream);
 int outer_tc16_smem_bytes(int H, int Ti, int Tj, int form);
 bool outer_tc16_wgmma_built();  // the extension holds sm_90a code
+// The architecture the current device's kernel code was compiled for, as __CUDA_ARCH__ / 10 (80,
+// 90, ...): below the device's own where the build holds no machine code for it and the driver
+// compiled PTX of an older target, whose kernels leave out what that target lacks (clusters,
+// programmatic launches, warpgroup MMAs); -1 where the build holds no code the device runs.
+int loaded_code_arch();
 void launch_project_gemm(const ProjectArgs& args, bool big_tiles, cudaStream_t stream);
 void launch_pair_count(const PairCountArgs& args, cudaStream_t stream);
 int project_gemm_smem_bytes(bool big_tiles);

@@ -504,6 +504,8 @@ __device__ __forceinline__ void small_f16_chain_body(const SmallTcArgs& p) {
                       e_w + p_exp);
   // (pair_copies) no block exits while its copies into the peer may still be landing
   if (pair_copies) asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
+#else
+  target_lacks_instructions();
 #endif
 }
 

@@ -460,6 +460,8 @@ __global__ void __maxnreg__(96) opm_small_f16_kernel(const SmallTcArgs p) {
   // Items of two columns: at the spec shape every thread of the block has one (run 203).
   small_tc_store_out<true, 2>(p, red, L.ldr, L.N16, L.kparts, bias_s, den_s, pair_s, b, i0, d0, ti, e_a_s, e_b_s,
                               e_w + p_exp);
+#else
+  target_lacks_instructions();
 #endif
 }
 

@@ -450,6 +450,8 @@ __global__ void __launch_bounds__(kSmallThreads, 1) opm_small_kernel(const Small
         });
     __syncthreads();
   }
+#else
+  target_lacks_instructions();
 #endif
 }
 

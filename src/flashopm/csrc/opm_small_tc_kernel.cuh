@@ -712,6 +712,8 @@ __global__ void __launch_bounds__(kSmallTcThreads, 1) opm_small_tc_kernel(const 
   __syncthreads();
 
   small_tc_store_out<false>(p, red, L.ldr, L.N16, L.kparts, bias_s, den_s, pair_s, b, i0, d0, ti);
+#else
+  target_lacks_instructions();
 #endif
 }
 

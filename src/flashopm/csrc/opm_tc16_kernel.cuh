@@ -496,6 +496,8 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
       store_round<kT16RoundRows, true>(p, red, kRedLd, row_off, norm_arg, dg, tid, kTcThreads);
     }
   }
+#else
+  target_lacks_instructions();
 #endif
 }
 

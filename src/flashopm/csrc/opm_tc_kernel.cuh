@@ -655,6 +655,8 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const Outer
       store_round<kTcRoundRows, false>(p, red, kRedLd, row_off, norm_arg, dg, tid, kTcThreads);
     }
   }
+#else
+  target_lacks_instructions();
 #endif
 }
 
@@ -664,6 +666,8 @@ __global__ void opm_round_tf32_kernel(float* __restrict__ w, int64_t n) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
     w[i] = __uint_as_float(to_tf32(w[i]));
+#else
+  target_lacks_instructions();
 #endif
 }
 
@@ -730,6 +734,8 @@ __global__ void opm_split_rows_f16_kernel(float* __restrict__ buf, int* __restri
       __syncwarp();
     }
   }
+#else
+  target_lacks_instructions();
 #endif
 }
 
@@ -767,6 +773,8 @@ __global__ void opm_split_w_f16_kernel(const float* __restrict__ w, uint32_t* __
     out[(pos >> 5) * 32 + ((pos & 31) >> 1)] = hi;
     out[(pos >> 5) * 32 + 16 + ((pos & 31) >> 1)] = lo;
   }
+#else
+  target_lacks_instructions();
 #endif
 }
 

@@ -1,0 +1,179 @@
+"""The forms that GPUs with less shared memory than sm_90's take, run on this GPU.
+
+A block may take 227 KB of shared memory on an H100 or H200, 163 KB (166912 bytes) on an A100
+and 99 KB (101376 bytes) on sm_86, sm_89 and sm_120 GPUs.  FLASHOPM_SMEM_LIMIT makes flashopm
+plan as on such a GPU and caps every kernel's shared memory at it, so that a launch past it fails
+here as it would there.  flashopm reads it once per process: each limit runs in a process of its
+own, this file run as a script, which prints one JSON line per case.  Built with
+FLASHOPM_CUDA_ARCH_LIST="8.0+PTX" on an sm_90 GPU, the same cases run the code an A100 runs
+(the driver compiles its PTX; no clusters, programmatic launches or warpgroup MMAs).
+
+Each case is held to the foundation's rules: float32 "highest" within allclose(1e-4) of the
+float32 reference and at most 2x eager float32's error against float64; "high" at most 2x eager
+TF32's; a bfloat16 model at most 2x eager bfloat16's against float32; gradients at most 2x
+eager's against float64.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import requires_cuda, toolchain_or_skip
+
+A100_SMEM = 166912
+SMALL_SMEM = 101376  # sm_86, sm_89, sm_120
+
+# (B, S, N, C, H, D): tiles past N and not whole, every hidden size the tensor cores take, one
+# they do not (5), the specification's shape
+SHAPES = [(1, 24, 70, 48, 32, 40), (2, 9, 33, 20, 16, 24), (1, 5, 20, 16, 64, 8), (1, 7, 45, 16, 8, 12),
+          (2, 8, 32, 64, 32, 64), (1, 3, 7, 17, 5, 9)]
+TRAINING_SHAPES = [(1, 24, 70, 48, 32, 40), (2, 9, 33, 20, 16, 24), (1, 5, 20, 16, 64, 8)]
+
+
+def _problem(shape, seed, dtype=torch.float32, mask_kind="masked_positions"):
+    from flashopm.testing import Shape, make_problem
+
+    x, m, p = make_problem(Shape(*shape), mask_kind, seed=seed)
+    return x.cuda(), m.cuda(), {k: v.cuda() for k, v in p.items()}
+
+
+def _params(p, dtype):
+    from flashopm.testing import PARAM_ORDER
+
+    return [p[k].to(dtype) for k in PARAM_ORDER]
+
+
+def _reference(x, m, p, dtype, normalization="row", tf32=False):
+    from flashopm.ops import NORMALIZATIONS
+    from flashopm.testing import reference
+
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    try:
+        return reference(x, m, p, dtype=dtype, normalization=NORMALIZATIONS[normalization])
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev
+
+
+def _forward_case(shape, algorithm, precision, normalization, dtype):
+    import flashopm
+    from flashopm.testing import rel_error
+
+    x, m, p = _problem(shape, seed=sum(shape))
+    out = flashopm.outer_product_mean(x.to(dtype), m, *_params(p, dtype), algorithm=algorithm,
+                                      normalization=normalization, precision=precision)
+    if dtype != torch.float32:  # against float32 on the same rounded inputs, next to eager in dtype
+        xd, pd = x.to(dtype), {k: v.to(dtype) for k, v in p.items()}
+        truth = _reference(xd, m, pd, torch.float32, normalization)
+        eager = _reference(xd, m, pd, None, normalization)
+        err, eager_err = rel_error(out.float(), truth), rel_error(eager.float(), truth)
+        return {"err": err, "eager_err": eager_err, "ok": err <= 2 * eager_err + 1e-6}
+    truth = _reference(x, m, p, torch.float64, normalization)
+    eager = _reference(x, m, p, None, normalization, tf32=precision == "high")
+    err, eager_err = rel_error(out, truth), rel_error(eager, truth)
+    ok = err <= 2 * eager_err + 1e-7
+    if precision == "highest":
+        ok = ok and torch.allclose(out, _reference(x, m, p, None, normalization), atol=1e-4, rtol=1e-4)
+    return {"err": err, "eager_err": eager_err, "ok": bool(ok)}
+
+
+def _training_case(shape):
+    import flashopm
+    from flashopm.testing import rel_error
+
+    x, m, p = _problem(shape, seed=3 * sum(shape))
+    g = torch.randn(shape[0], shape[2], shape[2], shape[5], device="cuda")
+
+    def grads(dtype, fused):
+        leaves = [x.to(dtype).requires_grad_()] + [t.to(dtype).requires_grad_() for t in _params(p, dtype)]
+        if fused:
+            out = flashopm.outer_product_mean(leaves[0], m, *leaves[1:], precision="highest")
+        else:
+            from flashopm.reference import outer_product_mean_reference
+
+            out = outer_product_mean_reference(leaves[0], m.to(dtype), *leaves[1:], 1e-5, 0, 1e-3)
+        out.backward(g.to(dtype))
+        return [t.grad for t in leaves]
+
+    truth, eager, ours = grads(torch.float64, False), grads(torch.float32, False), grads(torch.float32, True)
+    errs = [(rel_error(o, t), rel_error(e, t)) for o, e, t in zip(ours, eager, truth)]
+    return {"err": max(e for e, _ in errs), "ok": all(e <= 2 * ee + 1e-6 for e, ee in errs)}
+
+
+def _rows_case(shape):
+    from flashopm.functional import outer_product_mean_rows
+    from flashopm.reference import outer_product_mean_rows_reference
+    from flashopm.testing import rel_error
+
+    B, S, N, C, H, D = shape
+    gen = torch.Generator().manual_seed(11)
+    a, b = (torch.randn(B, S, n, H, generator=gen).cuda() for n in (N // 2, N))
+    m = (torch.rand(B, S, N, generator=gen) < 0.8).float().cuda()
+    w, bias = torch.randn(D, H * H, generator=gen).cuda() / H, torch.randn(D, generator=gen).cuda()
+    out = outer_product_mean_rows(a, b, m, 3, w, bias, precision="highest")
+    ref = outer_product_mean_rows_reference(a.double(), b.double(), m.double(), 3, w.double(), bias.double())
+    return {"err": rel_error(out, ref), "ok": rel_error(out, ref) < 1e-6}
+
+
+def run_cases() -> list[dict]:
+    import flashopm
+
+    flashopm.load()
+    code = torch.ops.flashopm._device_code(torch.empty(0, device="cuda"))
+    results = [{"case": "device", "code": list(code), "ok": True}]
+
+    def record(name, fn, *args):
+        try:
+            results.append({"case": name, **fn(*args)})
+        except RuntimeError as exc:  # a launch past the limit, or a form refused
+            results.append({"case": name, "ok": False, "error": str(exc).splitlines()[0]})
+
+    for shape in SHAPES:
+        for algorithm in ("auto", "outer"):
+            record(f"forward {shape} {algorithm}", _forward_case, shape, algorithm, "highest", "row", torch.float32)
+        record(f"forward {shape} high", _forward_case, shape, "auto", "high", "row", torch.float32)
+    for normalization in ("openfold", "boltz"):
+        record(f"forward {normalization}", _forward_case, SHAPES[0], "auto", "highest", normalization, torch.float32)
+    for shape in SHAPES[:2]:
+        record(f"forward {shape} bfloat16", _forward_case, shape, "auto", None, "row", torch.bfloat16)
+    for shape in TRAINING_SHAPES:
+        record(f"training {shape}", _training_case, shape)
+    record("rows", _rows_case, SHAPES[0])
+    torch.cuda.synchronize()
+    return results
+
+
+def _run_with_limit(limit: int) -> dict[str, dict]:
+    env = dict(os.environ, FLASHOPM_SMEM_LIMIT=str(limit), PYTHONPATH=os.pathsep.join(sys.path))
+    out = subprocess.run([sys.executable, str(Path(__file__).resolve())], env=env, capture_output=True, text=True,
+                         timeout=900)
+    assert out.returncode == 0, out.stderr[-4000:]
+    lines = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    return {r["case"]: r for r in lines}
+
+
+@requires_cuda
+@pytest.mark.parametrize("limit", [A100_SMEM, SMALL_SMEM])
+def test_forms_for_less_shared_memory_match_the_reference(limit):
+    toolchain_or_skip()
+    results = _run_with_limit(limit)
+    major, minor, arch, wgmma, fused_backward, smem = results.pop("device")["code"]
+    assert smem == min(limit, torch.cuda.get_device_properties(0).shared_memory_per_block_optin)
+    # the fused backward's mma.sync kernels take 111 KB: an A100 runs them, a 99 KB GPU the blocks
+    assert fused_backward == int(limit >= A100_SMEM and arch >= 80)
+    rows = results.pop("rows")
+    if limit >= A100_SMEM:
+        assert rows["ok"], rows
+    else:  # neither contraction kernel of the rows op fits 99 KB: refused with what it needs
+        assert not rows["ok"] and "shared memory" in rows.get("error", ""), rows
+    failed = {name: r for name, r in results.items() if not r["ok"]}
+    assert not failed, failed
+
+
+if __name__ == "__main__":
+    for result in run_cases():
+        print(json.dumps(result), flush=True)
