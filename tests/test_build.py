@@ -59,13 +59,31 @@ def test_code_for_device(archs, capability, expected):
 
 
 def test_flashopm_arch_list_comes_before_torch_s(monkeypatch):
-    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "7.5 8.0 8.6 8.9 9.0+PTX")
+    # (targets older than 8.0 in torch's list are left out: the kernels need cp.async and the
+    # TF32 MMAs; nvcc refuses those there)
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "7.0 7.5 8.0 8.6 8.9 9.0+PTX")
     monkeypatch.delenv("FLASHOPM_CUDA_ARCH_LIST", raising=False)
-    assert _build.arch_list() == ["7.5", "8.0", "8.6", "8.9", "9.0+PTX"]
+    assert _build.arch_list() == ["8.0", "8.6", "8.9", "9.0+PTX"]
     monkeypatch.setenv("FLASHOPM_CUDA_ARCH_LIST", "9.0")
     assert _build.arch_list() == ["9.0"]
     monkeypatch.setenv("FLASHOPM_CUDA_ARCH_LIST", "  ")
-    assert _build.arch_list() == ["7.5", "8.0", "8.6", "8.9", "9.0+PTX"]
+    assert _build.arch_list() == ["8.0", "8.6", "8.9", "9.0+PTX"]
+
+
+def test_targets_older_than_the_kernels_need_are_refused(monkeypatch):
+    monkeypatch.setenv("FLASHOPM_CUDA_ARCH_LIST", "7.5;9.0")
+    with pytest.raises(_build.BuildError, match=r"FLASHOPM_CUDA_ARCH_LIST names 7\.5; .* 8\.0 or newer"):
+        _build.arch_list()
+    monkeypatch.delenv("FLASHOPM_CUDA_ARCH_LIST")
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "7.0 7.5")
+    with pytest.raises(_build.BuildError, match=r"names no GPU of compute capability 8\.0 or newer"):
+        _build.arch_list()
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (7, 5))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Tesla T4")
+    with pytest.raises(_build.BuildError, match=r"Tesla T4\) has compute capability 7\.5; .* need 8\.0 or newer"):
+        _build.arch_list()
 
 
 def test_every_source_file_is_hashed():

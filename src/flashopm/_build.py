@@ -68,20 +68,42 @@ def cache_root() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "flashopm"
 
 
+# The oldest GPUs the kernels run on: every kernel family copies with cp.async and multiplies on
+# the tensor cores' TF32 or 16-bit MMAs, which sm_80 introduced.
+MIN_CAPABILITY = (8, 0)
+
+
 def arch_list() -> list[str]:
     """Target architectures: $FLASHOPM_CUDA_ARCH_LIST if set (flashopm's own, for environments
     whose TORCH_CUDA_ARCH_LIST names many GPUs: each target adds minutes of build), else
-    $TORCH_CUDA_ARCH_LIST if set, else the current device's capability."""
-    for var in ("FLASHOPM_CUDA_ARCH_LIST", "TORCH_CUDA_ARCH_LIST"):
-        env = os.environ.get(var, "").strip()
-        if env:
-            return [a for a in re.split(r"[;\s]+", env) if a]
+    $TORCH_CUDA_ARCH_LIST if set, less the targets older than MIN_CAPABILITY, else the current
+    device's capability."""
+    oldest = ".".join(map(str, MIN_CAPABILITY))
+    own = os.environ.get("FLASHOPM_CUDA_ARCH_LIST", "").strip()
+    if own:
+        archs = [a for a in re.split(r"[;\s]+", own) if a]
+        old = [a for a in archs if parse_arch(a)[:2] < MIN_CAPABILITY]
+        if old:
+            raise BuildError(f"flashopm: FLASHOPM_CUDA_ARCH_LIST names {', '.join(old)}; "
+                             f"flashopm's kernels need compute capability {oldest} or newer")
+        return archs
+    torchs = os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip()
+    if torchs:
+        archs = [a for a in re.split(r"[;\s]+", torchs) if a]
+        kept = [a for a in archs if parse_arch(a)[:2] >= MIN_CAPABILITY]
+        if not kept:
+            raise BuildError(f"flashopm: TORCH_CUDA_ARCH_LIST ({torchs}) names no GPU of compute capability "
+                             f"{oldest} or newer, which flashopm's kernels need; set FLASHOPM_CUDA_ARCH_LIST")
+        return kept
     if not torch.cuda.is_available():
         raise BuildError(
             "flashopm: no CUDA device is visible and TORCH_CUDA_ARCH_LIST is not set; "
             "set it (e.g. TORCH_CUDA_ARCH_LIST=9.0) to build without a GPU"
         )
     major, minor = torch.cuda.get_device_capability()
+    if (major, minor) < MIN_CAPABILITY:
+        raise BuildError(f"flashopm: this GPU ({torch.cuda.get_device_name()}) has compute capability "
+                         f"{major}.{minor}; flashopm's CUDA kernels need {oldest} or newer")
     return [f"{major}.{minor}"]
 
 
