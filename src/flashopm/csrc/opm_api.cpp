@@ -641,17 +641,26 @@ OuterArgs outer_args(const void* a, const void* b, const MaskView& mask, const a
   return oa;
 }
 
-// The outer-first tensor-core kernels' column tile (residues j per block) in their mma.sync forms:
-// kOuterNT / H (phase 1's columns), fewer where N is smaller, halved until a block of Ti rows
-// fits the GPU's shared memory (an A100's 163 KB takes 4 of 8 columns at hidden 32 in float32,
-// 1 with 16-bit operands); 0 where not even one column fits (99 KB GPUs: sm_86, sm_89, sm_120).
-int64_t mma_sync_tile_cols(int64_t H, int64_t N, int64_t Ti, bool operands16, int dev) {
+// The outer-first tensor-core kernels' column tile (residues j per block) in their mma.sync forms,
+// and whether their stages take half the s: kOuterNT / H columns (phase 1's), fewer where N is
+// smaller, halved until a block of Ti rows fits the GPU's shared memory, at each width full
+// stages first (the same sums either way).  At hidden 32: an A100's 163 KB takes 4 of 8 columns
+// (float32 with full stages, 16-bit operands with half), a 99 KB GPU (sm_86, sm_89, sm_120) 2 with
+// half stages.  {0, false} where not even one column fits.
+struct MmaSyncTile {
+  int64_t cols = 0;
+  bool half_stages = false;
+};
+MmaSyncTile mma_sync_tile(int64_t H, int64_t N, int64_t Ti, bool operands16, int dev) {
   const int optin = device_info(dev).smem_optin;
   for (int64_t tj = std::max<int64_t>(std::min<int64_t>(kOuterNT / H, N), 1);; tj = (tj + 1) / 2) {
-    const int bytes = operands16 ? outer_tc16_smem_bytes(int(H), int(Ti), int(tj), kT16MmaSync)
-                                 : outer_tc_smem_bytes(int(H), int(Ti), int(tj), false, false);
-    if (bytes <= optin) return tj;
-    if (tj == 1) return 0;
+    for (const bool half : {false, true}) {
+      const int bytes =
+          operands16 ? outer_tc16_smem_bytes(int(H), int(Ti), int(tj), half ? kT16MmaSyncHalfStages : kT16MmaSync)
+                     : outer_tc_smem_bytes(int(H), int(Ti), int(tj), false, false, half);
+      if (bytes <= optin) return {tj, half};
+    }
+    if (tj == 1) return {};
   }
 }
 
@@ -811,17 +820,22 @@ void run_outer(OuterArgs oa, int64_t i_offset, int64_t rows, int64_t out_rows, i
     int form = tc16_form(oa.Ti, oa.Tj, requested_tc16_form(dev));
     if (form == kT16WgmmaBoth && oa.w_blocked == nullptr) form = kT16WgmmaPhase1;
     if (outer_tc16_smem_bytes(oa.H, oa.Ti, oa.Tj, form) > optin) {  // less shared memory than sm_90's
-      form = kT16MmaSync;
-      oa.Tj = int(std::max<int64_t>(mma_sync_tile_cols(oa.H, oa.N, oa.Ti, true, dev), 1));
+      const MmaSyncTile tile = mma_sync_tile(oa.H, oa.N, oa.Ti, true, dev);
+      form = tile.half_stages ? kT16MmaSyncHalfStages : kT16MmaSync;
+      oa.Tj = int(std::max<int64_t>(tile.cols, 1));
     }
     check_smem(outer_tc16_smem_bytes(oa.H, oa.Ti, oa.Tj, form), dev, "16-bit tensor-core outer-product");
     launch_outer_tc16(oa, operand_kind, form, stream);
   } else if (tensor_cores) {
-    if (!kmajor && outer_tc_smem_bytes(oa.H, oa.Ti, oa.Tj, false, false) > optin)  // less than sm_90's
-      oa.Tj = int(std::max<int64_t>(mma_sync_tile_cols(oa.H, oa.N, oa.Ti, false, dev), 1));
+    bool half_stages = false;
+    if (!kmajor && outer_tc_smem_bytes(oa.H, oa.Ti, oa.Tj, false, false) > optin) {  // less than sm_90's
+      const MmaSyncTile tile = mma_sync_tile(oa.H, oa.N, oa.Ti, false, dev);
+      oa.Tj = int(std::max<int64_t>(tile.cols, 1));
+      half_stages = tile.half_stages;
+    }
     const bool wgmma2 = half_split || (tc_phase2_wgmma(terms, kmajor, oa.Ti, oa.Tj) && oa.w_blocked != nullptr);
-    check_smem(outer_tc_smem_bytes(oa.H, oa.Ti, oa.Tj, kmajor, wgmma2), dev, "tensor-core outer-product");
-    launch_outer_tc(oa, terms, kmajor, wgmma2, half_split, stream);
+    check_smem(outer_tc_smem_bytes(oa.H, oa.Ti, oa.Tj, kmajor, wgmma2, half_stages), dev, "tensor-core outer-product");
+    launch_outer_tc(oa, terms, kmajor, wgmma2, half_split, half_stages, stream);
   } else {
     check_smem(outer_smem_bytes(), dev, "outer-product");
     launch_outer(oa, stream);
@@ -1077,14 +1091,14 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
   const int64_t tile_rows = std::min<int64_t>(kOuterMT / H, N);
   const bool tc_ok = H % 8 == 0 && device_info(dev).arch >= 80 && algorithm != kOuterFirstFma &&
                      reinterpret_cast<uintptr_t>(w_out.data_ptr()) % 16 == 0 &&
-                     mma_sync_tile_cols(H, N, tile_rows, false, dev) > 0;
+                     mma_sync_tile(H, N, tile_rows, false, dev).cols > 0;
   // Half-precision inputs follow PyTorch's matmuls in those types (products of the input type,
   // float32 sums) unless a precision is asked for explicitly; "medium" takes bfloat16 operands.
   // The small paths have float32 operands only: TF32 there for half-precision inputs.
   const Precision prec = half_in && precision == kFollowPyTorch ? kHigh : resolve_precision(precision);
   const int tc_terms = prec == kHighest ? 3 : 1;
   const bool operands16 = tc_ok && ((half_in && precision == kFollowPyTorch) || prec == kMedium) &&
-                          mma_sync_tile_cols(H, N, tile_rows, true, dev) > 0;
+                          mma_sync_tile(H, N, tile_rows, true, dev).cols > 0;
   const int operand_kind = !operands16 ? int(kMaskFloat) : half_in ? elem_kind_of(model) : int(kMaskBFloat16);
   // Per FLOP against the CUDA-core path (H200, AlphaFold sizes).
   const double outer_cost = flops_outer / (operands16 ? 6.0 : tc_ok ? (tc_terms == 3 ? 1.6 : 3.0) : 1.0);
@@ -1798,7 +1812,7 @@ at::Tensor outer_product_mean_rows_cuda(const at::Tensor& a_in, const at::Tensor
       b_out_in ? std::optional<at::Tensor>(b_out_in->contiguous()) : std::nullopt;
   const int dev = a.get_device();
   const bool tc_ok = H % 8 == 0 && device_info(dev).arch >= 80 &&
-                     mma_sync_tile_cols(H, N, std::min<int64_t>(kOuterMT / H, Nr), false, dev) > 0;
+                     mma_sync_tile(H, N, std::min<int64_t>(kOuterMT / H, Nr), false, dev).cols > 0;
 
   const MaskView mask_view{mask.data_ptr(), mask.stride(0), mask.stride(1), mask.stride(2), mask_kind};
   OuterArgs oa = outer_args(a.data_ptr<float>(), b.data_ptr<float>(), mask_view, w_out, b_out, out, B, S, N, H, D,

@@ -424,24 +424,28 @@ void launch_outer(const OuterArgs& args, cudaStream_t stream) {
   }
 }
 
-int outer_tc_smem_bytes(int H, int Ti, int Tj, bool wgmma, bool wgmma2) {
-  return tc_layout(H, Ti, Tj, wgmma, wgmma2).total * int(sizeof(float));
+int outer_tc_smem_bytes(int H, int Ti, int Tj, bool wgmma, bool wgmma2, bool half_stages) {
+  return tc_layout(H, Ti, Tj, wgmma, wgmma2, half_stages ? kTcBKSmall : kTcBK).total * int(sizeof(float));
 }
 
 namespace {
-template <int kTerms, bool kWgmma, bool kWgmma2, bool kHalfSplit = false>
+template <int kTerms, bool kWgmma, bool kWgmma2, bool kHalfSplit = false, int kBK = kTcBK>
 void launch_tc_t(const OuterArgs& args, const dim3& grid, int smem, cudaStream_t stream) {
-  constexpr auto kernel = opm_outer_tc_kernel<kTerms, kWgmma, kWgmma2, kHalfSplit>;
+  constexpr auto kernel = opm_outer_tc_kernel<kTerms, kWgmma, kWgmma2, kHalfSplit, kBK>;
   launch_kernel<kernel, SmemSetup::kOptIn>(grid, kTcThreads, smem, stream, args);
 }
 }  // namespace
 
-void launch_outer_tc(const OuterArgs& args, int terms, bool wgmma, bool wgmma2, bool half_split,
+void launch_outer_tc(const OuterArgs& args, int terms, bool wgmma, bool wgmma2, bool half_split, bool half_stages,
                      cudaStream_t stream) {
   const dim3 grid(unsigned((args.N + args.Tj - 1) / args.Tj), unsigned((args.Na + args.Ti - 1) / args.Ti),
                   unsigned(args.B));
-  const int smem = outer_tc_smem_bytes(args.H, args.Ti, args.Tj, wgmma, wgmma2);
-  if (half_split) {
+  const int smem = outer_tc_smem_bytes(args.H, args.Ti, args.Tj, wgmma, wgmma2, half_stages);
+  TORCH_CHECK(!half_stages || !wgmma, "flashopm: internal error: half stages for the mma.sync form alone");
+  if (half_stages) {
+    if (terms == 3) launch_tc_t<3, false, false, false, kTcBKSmall>(args, grid, smem, stream);
+    else launch_tc_t<1, false, false, false, kTcBKSmall>(args, grid, smem, stream);
+  } else if (half_split) {
     launch_tc_t<3, true, true, true>(args, grid, smem, stream);
   } else if (wgmma2) {
     launch_tc_t<1, true, true>(args, grid, smem, stream);
@@ -496,15 +500,16 @@ int loaded_code_arch() {
 }
 
 namespace {
-template <typename T, bool kWgmma, bool kWgmmaBoth>
+template <typename T, bool kWgmma, bool kWgmmaBoth, int kBK = kT16BK>
 void launch_tc16_t(const OuterArgs& args, const dim3& grid, int smem, cudaStream_t stream) {
-  constexpr auto kernel = opm_outer_tc16_kernel<T, kWgmma, kWgmmaBoth>;
+  constexpr auto kernel = opm_outer_tc16_kernel<T, kWgmma, kWgmmaBoth, kBK>;
   launch_kernel<kernel, SmemSetup::kOptIn>(grid, kTcThreads, smem, stream, args);
 }
 template <typename T>
 void launch_tc16_form(const OuterArgs& args, int form, const dim3& grid, int smem, cudaStream_t stream) {
   if (form == kT16WgmmaBoth) launch_tc16_t<T, true, true>(args, grid, smem, stream);
   else if (form == kT16WgmmaPhase1) launch_tc16_t<T, true, false>(args, grid, smem, stream);
+  else if (form == kT16MmaSyncHalfStages) launch_tc16_t<T, false, false, kT16BKSmall>(args, grid, smem, stream);
   else launch_tc16_t<T, false, false>(args, grid, smem, stream);
 }
 }  // namespace

@@ -342,6 +342,11 @@ constexpr int kTcStages = 3;
 constexpr int kTcLdA = kTcMT + 8;  // leading dimensions = 8 (mod 32): conflict-free fragments
 constexpr int kTcLdB = kTcNT + 8;
 constexpr int kTcStageFloats = kTcBK * (kTcLdA + kTcLdB);
+// GPUs whose blocks take less shared memory than sm_90's (99 KB: sm_86, sm_89, sm_120) get half
+// the s per stage: kTcStages stages of kTcBKSmall take 76.8 KB where those of kTcBK take 153.6.
+// The same k-steps in the same order: the same sums.
+constexpr int kTcBKSmall = kTcBK / 2;
+FLASHOPM_HD constexpr int tc_stage_floats(int bk) { return bk * (kTcLdA + kTcLdB); }
 constexpr int kTcDG = 128;
 constexpr int kTcKC = 32;
 constexpr int kTcLdW = kTcKC + 4;  // = 4 (mod 32)
@@ -373,7 +378,8 @@ constexpr int kTcWg2ChunkBytes = kTcDG * 128;
 FLASHOPM_HD inline bool tc_phase2_wgmma(int terms, bool wgmma, int Ti, int Tj) {
   return wgmma && terms == 1 && (Ti * Tj) % kTcRoundRows == 0;
 }
-FLASHOPM_HD inline TcLayout tc_layout(int H, int Ti, int Tj, bool wgmma, bool wgmma2 = false) {
+// bk: s per stage of phase 1's mma.sync form (kTcBK, or kTcBKSmall).
+FLASHOPM_HD inline TcLayout tc_layout(int H, int Ti, int Tj, bool wgmma, bool wgmma2 = false, int bk = kTcBK) {
   TcLayout L{};
   L.ldo = H * H + 4;
   L.w = Ti * Tj * L.ldo;
@@ -381,7 +387,7 @@ FLASHOPM_HD inline TcLayout tc_layout(int H, int Ti, int Tj, bool wgmma, bool wg
   const int w_floats = wgmma2 && kTcWg2Stages * kTcWg2ChunkBytes / 4 > kTcWFloats ? kTcWg2Stages * kTcWg2ChunkBytes / 4
                                                                                    : kTcWFloats;
   int o = L.w + w_floats;
-  const int stages = wgmma ? kTcWgStages * kTcWgStageBytes / 4 : kTcStages * kTcStageFloats;
+  const int stages = wgmma ? kTcWgStages * kTcWgStageBytes / 4 : kTcStages * tc_stage_floats(bk);
   if (o < stages) o = stages;
   L.den = o;
   o += round_up4(Ti);
@@ -400,6 +406,10 @@ constexpr int kT16Stages = 3;
 constexpr int kT16LdA = kTcMT + 8;  // row strides of 16 bytes (mod 128): conflict-free ldmatrix
 constexpr int kT16LdB = kTcNT + 8;
 constexpr int kT16StageElems = kT16BK * (kT16LdA + kT16LdB);
+// Half the s per stage for GPUs with less shared memory than sm_90's (as kTcBKSmall): 76.8 KB of
+// stages where kT16BK's take 153.6.  The same k-steps in the same order.
+constexpr int kT16BKSmall = kT16BK / 2;
+FLASHOPM_HD constexpr int tc16_stage_elems(int bk) { return bk * (kT16LdA + kT16LdB); }
 constexpr int kT16KC = 64;
 constexpr int kT16LdW = kT16KC + 8;
 constexpr int kT16WStages = 3;
@@ -417,8 +427,9 @@ constexpr int kT16WgABytes = (kTcMT / 64) * kT16WgGroupBytes;
 constexpr int kT16WgStageBytes = kT16WgABytes + (kTcNT / 64) * kT16WgGroupBytes;
 
 // Forms of the 16-bit kernel: mma.sync throughout; phase 1 on wgmma; both phases on wgmma (needs
-// the block's pairs in whole rounds of kT16RoundRows).
-enum Tc16Form : int { kT16MmaSync = 0, kT16WgmmaPhase1 = 1, kT16WgmmaBoth = 2 };
+// the block's pairs in whole rounds of kT16RoundRows); mma.sync with stages of kT16BKSmall (GPUs
+// with less shared memory than sm_90's).
+enum Tc16Form : int { kT16MmaSync = 0, kT16WgmmaPhase1 = 1, kT16WgmmaBoth = 2, kT16MmaSyncHalfStages = 3 };
 // Phase 2 of the last form: W chunks of 64 k for kTcDG rows of d (128-byte rows, swizzled),
 // kT16Wg2Stages deep.
 constexpr int kT16Wg2ChunkBytes = kTcDG * 128;
@@ -437,6 +448,7 @@ struct Tc16Layout {
 };
 FLASHOPM_HD inline int round_up1k(int x) { return (x + 1023) & ~1023; }
 FLASHOPM_HD inline Tc16Layout tc16_layout(int H, int Ti, int Tj, int form) {
+  const int bk = form == kT16MmaSyncHalfStages ? kT16BKSmall : kT16BK;  // s per stage of mma.sync
   Tc16Layout L{};
   L.ldo = H * H + 8;
   int end;
@@ -457,7 +469,7 @@ FLASHOPM_HD inline Tc16Layout tc16_layout(int H, int Ti, int Tj, int form) {
     const int red = L.w + kT16RoundRows * (kTcDG + 4) * 4;
     if (end < red) end = red;
     const int stages_end = form == kT16WgmmaPhase1 ? L.stages + 1024 + kT16WgStages * kT16WgStageBytes
-                                                   : L.stages + kT16Stages * kT16StageElems * 2;
+                                                   : L.stages + kT16Stages * tc16_stage_elems(bk) * 2;
     if (end < stages_end) end = stages_end;
   }
   L.rows = end;  // 16-byte aligned
@@ -535,7 +547,8 @@ int outer_smem_bytes();
 // half_split: the float16 split form of "highest" (terms 3, wgmma and wgmma2; a and b in the
 // kAbF32Rows32 layout rewritten by launch_split_rows_f16, args.w_blocked from launch_split_w_f16,
 // args.a_exp / b_exp / w_exp / o_scale / o_exp set).
-void launch_outer_tc(const OuterArgs& args, int terms, bool wgmma, bool wgmma2, bool half_split,
+// half_stages: the mma.sync form (not wgmma) with stages of kTcBKSmall s.
+void launch_outer_tc(const OuterArgs& args, int terms, bool wgmma, bool wgmma2, bool half_split, bool half_stages,
                      cudaStream_t stream);
 // a or b (rows_n residues, kAbF32Rows32 layout with n_chunks chunks per batch) split in place into
 // float16 high and low parts, each residue's scale exponent to exp_out (B, rows_n).
@@ -546,7 +559,8 @@ void launch_split_rows_f16(float* buf, int* exp_out, int64_t B, int64_t rows_n, 
 void launch_split_w_f16(const float* w, uint32_t* w_split, int* w_exp, int64_t D, int H, cudaStream_t stream);
 // w (n floats, in place) rounded to TF32: w_blocked for wgmma2, which reads W as it arrives
 void launch_round_tf32(float* w, int64_t n, cudaStream_t stream);
-int outer_tc_smem_bytes(int H, int Ti, int Tj, bool wgmma, bool wgmma2);
+// half_stages: the mma.sync form with stages of kTcBKSmall (GPUs with less shared memory than sm_90's)
+int outer_tc_smem_bytes(int H, int Ti, int Tj, bool wgmma, bool wgmma2, bool half_stages = false);
 // operand_kind: kMaskBFloat16 or kMaskHalf, the element type of a, b and w_out
 // form: a Tc16Form, as tc16_form gives it (the wgmma forms need outer_tc16_wgmma_built() and a
 // compute capability 9.0 GPU)

@@ -23,16 +23,19 @@
 
 namespace flashopm {
 
-template <typename T, bool kWgmma, bool kWgmmaBoth>
+// kBK: s per stage of the mma.sync form (kT16BK; kT16BKSmall on GPUs with less shared memory).
+template <typename T, bool kWgmma, bool kWgmmaBoth, int kBK = kT16BK>
 __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const OuterArgs p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   static_assert(kWgmma || !kWgmmaBoth, "phase 2 on wgmma needs phase 1 on wgmma");
+  static_assert(kBK == kT16BK || (kBK == kT16BKSmall && !kWgmma), "half stages for the mma.sync form alone");
   extern __shared__ float4 smem_f4[];
   char* smem = reinterpret_cast<char*>(smem_f4);
   if constexpr (kWgmmaBoth)  // the swizzle follows address bits 4-9: every tile from a 1 KB boundary
     smem = align_smem_1k(smem);
   const Tc16Layout L =
-      tc16_layout(p.H, p.Ti, p.Tj, kWgmmaBoth ? kT16WgmmaBoth : kWgmma ? kT16WgmmaPhase1 : kT16MmaSync);
+      tc16_layout(p.H, p.Ti, p.Tj,
+                  kWgmmaBoth ? kT16WgmmaBoth : kWgmma ? kT16WgmmaPhase1 : kBK == kT16BK ? kT16MmaSync : kT16MmaSyncHalfStages);
   T* Os = reinterpret_cast<T*>(smem);                  // [P][ldo]
   T* stages = reinterpret_cast<T*>(smem + L.stages);   // mma.sync: [kT16Stages][BK][LdA + LdB]
   T* Wst = reinterpret_cast<T*>(smem + L.w);           // [kT16WStages][DG][LdW]
@@ -244,7 +247,8 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
   } else {
   // warps 2 (m) x 4 (n), 64 x 64 each, mma.sync fed by ldmatrix
   const int wm = warp & 1, wn = warp >> 1;
-  const int n_k = (S + kT16BK - 1) / kT16BK;
+  constexpr int kStageElems = tc16_stage_elems(kBK);
+  const int n_k = (S + kBK - 1) / kBK;
   // Lane offsets of the transposed fragment loads: A's matrices are (k 0-7 | 8-15) x (m 0-7 | 8-15)
   // in the order a0..a3 of the MMA; B's are (k 0-7, n 0-7), (k 8-15, n 0-7), then n 8-15.
   const int a_off = ((lq >> 1) * 8 + lr) * kT16LdA + wm * 64 + (lq & 1) * 8;
@@ -253,12 +257,12 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
   // This thread's 16-byte pieces of a stage: A rows k = tid/16 + 16u at column m, B rows
   // k = tid/32 + 8u at column n.  Sources advance by a stage's rows per stage issued; a piece past
   // S, past the tile's valid columns, or of a stage past the last is zero-filled (and not read).
-  constexpr int kAPieces = kT16BK * kTcMT / 8 / kTcThreads, kBPieces = kT16BK * kTcNT / 8 / kTcThreads;
+  constexpr int kAPieces = kBK * kTcMT / 8 / kTcThreads, kBPieces = kBK * kTcNT / 8 / kTcThreads;
   constexpr int kARowStep = kTcThreads / (kTcMT / 8), kBRowStep = kTcThreads / (kTcNT / 8);
   const int a_k = tid / (kTcMT / 8), a_m = (tid % (kTcMT / 8)) * 8;
   const int b_k = tid / (kTcNT / 8), b_n = (tid % (kTcNT / 8)) * 8;
   const bool a_col_ok = a_m < a_lim;
-  const int a_dst = a_k * kT16LdA + a_m, b_dst = kT16BK * kT16LdA + b_k * kT16LdB + b_n;
+  const int a_dst = a_k * kT16LdA + a_m, b_dst = kBK * kT16LdA + b_k * kT16LdB + b_n;
 
   for (int js = 0; js < kT16JSub; ++js) {
     const int jt0 = j0 + js * Tj;
@@ -267,7 +271,7 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
     const T* b_src = b_g + int64_t(b) * S * NH + int64_t(jt0) * H + int64_t(b_k) * NH + b_n;
     int s_next = 0;  // first s of the next stage to issue
     auto issue_stage = [&](int buf) {
-      T* st = stages + buf * kT16StageElems;
+      T* st = stages + buf * kStageElems;
 #pragma unroll
       for (int u = 0; u < kAPieces; ++u) {
         const bool ok = a_col_ok && s_next + a_k + u * kARowStep < S;
@@ -278,9 +282,9 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
         const bool ok = b_col_ok && s_next + b_k + u * kBRowStep < S;
         cp_async16z(st + b_dst + u * kBRowStep * kT16LdB, ok ? b_src + int64_t(u * kBRowStep) * NH : b_g, ok);
       }
-      s_next += kT16BK;
-      a_src += int64_t(kT16BK) * NaH;
-      b_src += int64_t(kT16BK) * NH;
+      s_next += kBK;
+      a_src += int64_t(kBK) * NaH;
+      b_src += int64_t(kBK) * NH;
     };
 
 #pragma unroll
@@ -297,10 +301,10 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
       __syncthreads();
       issue_stage((kt + kT16Stages - 1) % kT16Stages);
       cp_async_commit();
-      const T* As = stages + (kt % kT16Stages) * kT16StageElems;
-      const T* Bs = As + kT16BK * kT16LdA;
+      const T* As = stages + (kt % kT16Stages) * kStageElems;
+      const T* Bs = As + kBK * kT16LdA;
 #pragma unroll
-      for (int kk = 0; kk < kT16BK; kk += 16) {
+      for (int kk = 0; kk < kBK; kk += 16) {
         uint32_t af[4][4], bf[4][4];
 #pragma unroll
         for (int mt = 0; mt < 4; ++mt) ldmatrix_x4_trans(af[mt], As + kk * kT16LdA + a_off + mt * 16);

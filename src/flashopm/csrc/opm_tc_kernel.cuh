@@ -29,16 +29,18 @@
 
 namespace flashopm {
 
-template <int kTerms, bool kWgmma, bool kWgmma2, bool kHalfSplit = false>
+// kBK: s per stage of phase 1's mma.sync form (kTcBK; kTcBKSmall on GPUs with less shared memory).
+template <int kTerms, bool kWgmma, bool kWgmma2, bool kHalfSplit = false, int kBK = kTcBK>
 __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const OuterArgs p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   static_assert(!kWgmma2 || (kWgmma && (kTerms == 1 || kHalfSplit)), "phase 2 on wgmma: TF32 after phase 1 on wgmma");
   static_assert(!kHalfSplit || (kWgmma2 && kTerms == 3), "the float16 split form runs both phases on wgmma");
+  static_assert(kBK == kTcBK || (kBK == kTcBKSmall && !kWgmma), "half stages for the mma.sync form alone");
   extern __shared__ float4 smem_f4[];
   float* smem = reinterpret_cast<float*>(smem_f4);
   if constexpr (kWgmma)  // the swizzle follows address bits 4-9: stages from a 1 KB boundary
     smem = reinterpret_cast<float*>(align_smem_1k(reinterpret_cast<char*>(smem)));
-  const TcLayout L = tc_layout(p.H, p.Ti, p.Tj, kWgmma, kWgmma2);
+  const TcLayout L = tc_layout(p.H, p.Ti, p.Tj, kWgmma, kWgmma2, kBK);
   float* den_s = smem + L.den;
   int64_t* row_off = reinterpret_cast<int64_t*>(smem + L.rows);         // [kTcRoundRows]
   float* norm_arg = reinterpret_cast<float*>(row_off + kTcRoundRows);   // [kTcRoundRows]
@@ -345,18 +347,19 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const Outer
   const float* a_base = static_cast<const float*>(p.a) + int64_t(b) * S * NaH + int64_t(i0) * H;
   const float* b_base = static_cast<const float*>(p.b) + int64_t(b) * S * NH + int64_t(j0) * H;
 
+  constexpr int kStageFloats = tc_stage_floats(kBK);
   auto load_stage = [&](int buf, int s0) {
-    float* As = smem + buf * kTcStageFloats;  // [BK][LdA]
-    float* Bs = As + kTcBK * kTcLdA;          // [BK][LdB]
+    float* As = smem + buf * kStageFloats;  // [BK][LdA]
+    float* Bs = As + kBK * kTcLdA;          // [BK][LdB]
 #pragma unroll
-    for (int u = 0; u < kTcBK * kTcMT / 4 / kTcThreads; ++u) {
+    for (int u = 0; u < kBK * kTcMT / 4 / kTcThreads; ++u) {
       const int idx = tid + u * kTcThreads;
       const int k = idx / (kTcMT / 4), m = (idx % (kTcMT / 4)) * 4;
       const bool ok = (s0 + k < S) && (m < a_lim);
       cp_async16z(&As[k * kTcLdA + m], ok ? a_base + int64_t(s0 + k) * NaH + m : a_base, ok);
     }
 #pragma unroll
-    for (int u = 0; u < kTcBK * kTcNT / 4 / kTcThreads; ++u) {
+    for (int u = 0; u < kBK * kTcNT / 4 / kTcThreads; ++u) {
       const int idx = tid + u * kTcThreads;
       const int k = idx / (kTcNT / 4), n = (idx % (kTcNT / 4)) * 4;
       const bool ok = (s0 + k < S) && (n < b_lim);
@@ -364,10 +367,10 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const Outer
     }
   };
 
-  const int n_k = (S + kTcBK - 1) / kTcBK;
+  const int n_k = (S + kBK - 1) / kBK;
 #pragma unroll
   for (int st = 0; st < kTcStages - 1; ++st) {
-    if (st < n_k) load_stage(st, st * kTcBK);
+    if (st < n_k) load_stage(st, st * kBK);
     cp_async_commit();
   }
   form_row_denominators();
@@ -376,12 +379,12 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const Outer
     cp_async_wait<kTcStages - 2>();
     __syncthreads();
     const int next = kt + kTcStages - 1;
-    if (next < n_k) load_stage(next % kTcStages, next * kTcBK);
+    if (next < n_k) load_stage(next % kTcStages, next * kBK);
     cp_async_commit();
-    const float* As = smem + (kt % kTcStages) * kTcStageFloats + wm * 64 + g;
-    const float* Bs = smem + (kt % kTcStages) * kTcStageFloats + kTcBK * kTcLdA + wn * 64 + g;
+    const float* As = smem + (kt % kTcStages) * kStageFloats + wm * 64 + g;
+    const float* Bs = smem + (kt % kTcStages) * kStageFloats + kBK * kTcLdA + wn * 64 + g;
 #pragma unroll
-    for (int kk = 0; kk < kTcBK; kk += 8) {
+    for (int kk = 0; kk < kBK; kk += 8) {
       uint32_t a_hi[4][4], a_lo[4][4];
 #pragma unroll
       for (int mt = 0; mt < 4; ++mt) {
