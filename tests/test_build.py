@@ -7,6 +7,7 @@ import math
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -145,6 +146,25 @@ def test_the_kernels_use_what_the_code_the_driver_loaded_has():
     assert arch == expected[0]
     sm90a = "-DFLASHOPM_SM90A" in _build.gencode_flags(_build.arch_list())
     assert wgmma == int(sm90a and (major, minor) == (9, 0) and arch == 90)
+
+
+def test_a_built_extension_loads_without_the_toolkit():
+    """A library in the cache is imported as it is: no nvcc, ninja or build step, so that a cache
+    built on a machine with the toolkit serves machines without one."""
+    toolchain_or_skip()
+    _build.load()  # built (or found) here first
+    code = (
+        "import flashopm._build as b, torch\n"
+        "def missing(*a, **k):\n"
+        "    raise b.BuildError('no toolkit here')\n"
+        "b.cuda_home = b.check_toolchain = b._load_inline = missing\n"
+        "print(b.load())\n"
+        "assert torch._C._dispatch_has_kernel_for_dispatch_key('flashopm::outer_product_mean', 'CUDA')\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().endswith(".so") and "compiling" not in out.stderr
 
 
 def test_nvcc_major_mismatch_is_reported(monkeypatch):

@@ -20,6 +20,7 @@ import contextlib
 import csv
 import datetime
 import json
+import os
 import platform
 import sys
 from pathlib import Path
@@ -527,6 +528,17 @@ def _describe_code(archs: list[str], capability: tuple[int, int]) -> str:
     return what
 
 
+def cmd_build(args) -> int:
+    if args.arch_list:
+        os.environ["FLASHOPM_CUDA_ARCH_LIST"] = args.arch_list
+    try:
+        print(_build.load(verbose=args.verbose))
+    except _build.BuildError as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    return 0
+
+
 def cmd_info(args) -> int:
     env = environment()
     for k, v in env.items():
@@ -582,11 +594,17 @@ def main(argv=None) -> int:
     pl.add_argument("results")
     pl.add_argument("--out", help="PNG path (default: next to the JSON)")
     sub.add_parser("info", help="GPU, versions and build cache")
+    bd = sub.add_parser("build", help="build the CUDA extension into the cache now (where nvcc is), for the "
+                                      "architectures of --arch-list, else FLASHOPM_CUDA_ARCH_LIST, "
+                                      "TORCH_CUDA_ARCH_LIST or this GPU")
+    bd.add_argument("--arch-list", help='e.g. "8.0;9.0": FLASHOPM_CUDA_ARCH_LIST for this build (set the same '
+                                        "where it is loaded, or it looks for a build of its own list)")
+    bd.add_argument("--verbose", action="store_true", help="show the compiler's commands")
     args = parser.parse_args(argv)
     if args.cmd is None:
         args = parser.parse_args(["check", *(argv or sys.argv[1:])])
     commands = {"check": cmd_check, "bench": cmd_bench, "bench-sharded": cmd_bench_sharded,
-                "export-kernelbench": cmd_export, "plot": cmd_plot, "info": cmd_info}
+                "export-kernelbench": cmd_export, "plot": cmd_plot, "info": cmd_info, "build": cmd_build}
     return commands[args.cmd](args)
 
 

@@ -222,12 +222,17 @@ def extension_name(sources: dict[str, str], archs: list[str]) -> str:
 
 
 def load(verbose: bool = False) -> str:
-    """Builds (if needed) and loads the extension; returns the path of the shared library."""
+    """Builds (if needed) and loads the extension; returns the path of the shared library.
+
+    A library already in the cache is imported as it is, with no toolkit: a cache built where
+    nvcc is (`python -m flashopm build`, FLASHOPM_CACHE_DIR on a shared file system) serves
+    machines without one that have the same torch."""
     global _library_path, op_entry, modules_entry, _module
     with _lock:
         if _library_path is not None:
             return _library_path
-        check_toolchain()
+        if torch.version.cuda is None:
+            check_toolchain()  # says that this torch is a CPU-only build
         archs = arch_list()
         sources = read_sources()
         name = extension_name(sources, archs)
@@ -237,7 +242,14 @@ def load(verbose: bool = False) -> str:
         with open(build_dir / "flashopm.lock", "w") as lock_file:
             fcntl.flock(lock_file, fcntl.LOCK_EX)
             try:
-                if not library.exists():
+                if library.exists():
+                    try:
+                        module = _import_built(name, library)
+                    except ImportError as exc:
+                        raise BuildError(f"flashopm: the built extension {library} could not be loaded ({exc}); "
+                                         f"delete {build_dir} to build it again") from exc
+                else:
+                    check_toolchain()
                     print(
                         f"flashopm: compiling the CUDA extension for sm {','.join(archs)} "
                         f"into {build_dir} (once; a few minutes)",
@@ -247,7 +259,7 @@ def load(verbose: bool = False) -> str:
                     # torch's own build lock: under ours nobody else is building, so a leftover
                     # one is stale (its process died) and would block forever.
                     (build_dir / "lock").unlink(missing_ok=True)
-                module = _load_inline(name, sources, archs, build_dir, verbose)
+                    module = _load_inline(name, sources, archs, build_dir, verbose)
             except BuildError:
                 raise
             except Exception as exc:  # the compiler's message is in exc
@@ -259,6 +271,17 @@ def load(verbose: bool = False) -> str:
         _module = module
         _library_path = module.__file__
         return _library_path
+
+
+def _import_built(name: str, library: Path):
+    """Imports a library the cache holds (loading it registers the CUDA kernels), as load_inline
+    would once its build had nothing left to do, without the toolkit that a build needs."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, library)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _load_inline(name: str, sources: dict[str, str], archs: list[str], build_dir: Path, verbose: bool):
