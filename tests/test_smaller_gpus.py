@@ -156,7 +156,9 @@ def run_cases() -> list[dict]:
             results.append({"case": name, "ok": False, "error": str(exc).splitlines()[0]})
 
     for shape in SHAPES:
-        for algorithm in ("auto", "outer"):
+        # ("outer" asks for the outer-first kernels: for a hidden size the tensor cores do not take,
+        # the CUDA-core one, which needs 162 KB)
+        for algorithm in ("auto", "outer") if shape[4] % 8 == 0 else ("auto",):
             record(f"forward {shape} {algorithm}", _forward_case, shape, algorithm, "highest", "row", torch.float32)
         record(f"forward {shape} high", _forward_case, shape, "auto", "high", "row", torch.float32)
     for normalization in ("openfold", "boltz"):
@@ -191,7 +193,7 @@ def test_forms_for_less_shared_memory_match_the_reference(limit):
     toolchain_or_skip()
     results = dict(_run_with_limit(limit)[0])
     major, minor, arch, wgmma, fused_backward, smem = results.pop("device")["code"]
-    assert smem == min(limit, torch.cuda.get_device_properties(0).shared_memory_per_block_optin)
+    assert smem == min(limit, getattr(torch.cuda.get_device_properties(0), "shared_memory_per_block_optin", limit))
     # the fused backward's mma.sync kernels take 111 KB: an A100 runs them, a 99 KB GPU the blocks
     assert fused_backward == int(limit >= A100_SMEM and arch >= 80)
     failed = {name: r for name, r in results.items() if not r["ok"]}
