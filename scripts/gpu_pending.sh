@@ -1,0 +1,54 @@
+# What has been built but not yet run on a GPU (NOTES.md, "Next GPU run", steps 0o and 0n), as
+# one device call each, logs under OUTDIR/r (also packed into OUTDIR/r.tgz after every step, so
+# that a call cut short still returns what it did).
+#   usage: bash scripts/gpu_pending.sh OUTDIR default   # the default build: 0o's tests and 0n's (1)
+#          bash scripts/gpu_pending.sh OUTDIR ab        # 0n's (2)-(4): the on-request settings timed
+#          bash scripts/gpu_pending.sh OUTDIR sm80      # a build of sm_80 PTX only: an A100's code
+# Each phase fits one call of under ten minutes, the build (~2 min) included.
+# steps.txt lists each step's exit status; a failing test step stops the call.
+OUT=$1
+PHASE=${2:-default}
+case "$PHASE" in default | ab | sm80) ;; *) echo "phase must be default, ab or sm80, got '$PHASE'" >&2; exit 2 ;; esac
+R=$OUT/r
+mkdir -p "$R"
+pack() { tar -C "$OUT" -czf "$OUT/r.tgz" r; }
+export FLASHOPM_SPLIT_COMPILE=1
+if [ "$PHASE" = sm80 ]; then
+  # the driver compiles the PTX at first use; its cache must hold every kernel between processes
+  export FLASHOPM_CUDA_ARCH_LIST="8.0+PTX" CUDA_CACHE_MAXSIZE=4294967296
+fi
+. "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh" "$R" || { pack; exit 1; }
+export PYTHONPATH="$PYTHONPATH:$PWD/scripts"
+T() {
+  local n=$1 t=$2
+  shift 2
+  (time timeout "$t" "$@") >"$R/$n.log" 2>&1
+  local rc=$?
+  echo "$n rc=$rc" >>"$R/steps.txt"
+  pack
+  return $rc
+}
+device_code="import flashopm, torch; flashopm.load(); print(torch.ops.flashopm._device_code(torch.empty(0, device='cuda')))"
+
+if [ "$PHASE" = sm80 ]; then
+  T code80 300 $py -c "$device_code" || exit 1
+  T t80 500 $py -m pytest -x -q tests/test_build.py -k "kernels_use" tests/test_smaller_gpus.py tests/test_conventions.py
+  exit 0
+fi
+
+if [ "$PHASE" = default ]; then
+  T code 60 $py -c "$device_code" || exit 1
+  T t_arch 60 $py -m pytest -x -q tests/test_build.py -k "kernels_use or without_the_toolkit" || exit 1
+  T t_smem 240 $py -m pytest -x -q tests/test_smaller_gpus.py
+  T t_new 150 $py -m pytest -x -q tests/test_autograd.py -k "g_split_once or strided_grad_out or w_kernel_overlap or dynamic or export"
+  exit 0
+fi
+
+S="1,128,256,256,32,128 1,512,256,256,32,128"
+B=FLASHOPM_SIDE_G_SPLIT=1,FLASHOPM_W_OVERLAP=1
+T ab_side 60 $py scripts/ab_env.py FLASHOPM_SIDE_G_SPLIT=1 $S --calls 10
+T ab_overlap 60 $py scripts/ab_env.py FLASHOPM_W_OVERLAP=1 $S --calls 10
+T ab_both 60 $py scripts/ab_env.py $B $S --calls 10
+T ab_both_high 60 $py scripts/ab_env.py $B $S --precision high --calls 10
+FLASHOPM_SIDE_G_SPLIT=1 FLASHOPM_W_OVERLAP=1 T kt_both 60 $py scripts/kernel_times.py training float32 1,128,256,256,32,128
+T t_bwd 120 $py -m pytest -q tests/test_autograd.py tests/test_backward.py tests/test_ln_backward.py
