@@ -172,6 +172,58 @@ def run_cases() -> list[dict]:
     return results
 
 
+H200_SMEM = 232448
+
+
+@pytest.mark.parametrize("limit, H, operands16, expected", [
+    # [columns, half stages, bytes] at N = 256 (scripts/smem_table.py lists every layout)
+    (H200_SMEM, 32, False, [8, 0, 187280]),
+    (H200_SMEM, 32, True, [8, 0, 220416]),
+    (A100_SMEM, 32, False, [4, 0, 154000]),
+    (A100_SMEM, 32, True, [4, 1, 122112]),
+    (SMALL_SMEM, 32, False, [2, 1, 88592]),
+    (SMALL_SMEM, 32, True, [2, 1, 94080]),
+    (SMALL_SMEM, 64, False, [1, 1, 88496]),
+    (SMALL_SMEM, 64, True, [1, 1, 93984]),
+    (SMALL_SMEM, 8, False, [8, 1, 90560]),
+    (60000, 32, False, []),
+])
+def test_the_column_tile_is_the_widest_that_fits(limit, H, operands16, expected):
+    """The planner's choice on the host (no GPU needed): the widest column tile whose block fits,
+    full stages before half ones at each width."""
+    toolchain_or_skip()
+    from flashopm import _build
+
+    _build.load()
+    assert torch.ops.flashopm._mma_sync_tile(torch.empty(0), H, 256, 128 // H, operands16, limit) == expected
+
+
+def test_the_column_tile_stays_within_the_limit_and_n():
+    toolchain_or_skip()
+    from flashopm import _build
+
+    _build.load()
+    for limit in (H200_SMEM, A100_SMEM, SMALL_SMEM):
+        for H in (8, 16, 24, 32, 40, 48, 56, 64):
+            for N in (1, 2, 3, 7, 33, 256):
+                for operands16 in (False, True):
+                    Ti = min(128 // H, N)
+                    got = torch.ops.flashopm._mma_sync_tile(torch.empty(0), H, N, Ti, operands16, limit)
+                    assert got, (limit, H, N, operands16)  # every hidden size fits 99 KB at one column
+                    cols, half, size = got
+                    assert 1 <= cols <= min(256 // H, N) and size <= limit, (limit, H, N, operands16, got)
+                    assert half == 0 or limit < H200_SMEM
+
+
+def test_the_column_tile_query_refuses_what_the_kernels_do_not_take():
+    toolchain_or_skip()
+    from flashopm import _build
+
+    _build.load()
+    with pytest.raises(RuntimeError, match="_mma_sync_tile needs hidden a multiple of 8"):
+        torch.ops.flashopm._mma_sync_tile(torch.empty(0), 12, 64, 4, False, A100_SMEM)
+
+
 @functools.lru_cache(maxsize=None)
 def _run_with_limit(limit: int) -> tuple[dict[str, dict], dict[str, torch.Tensor]]:
     """This file as a script under FLASHOPM_SMEM_LIMIT=limit (once per limit): its cases' results

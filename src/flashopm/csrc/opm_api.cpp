@@ -651,8 +651,7 @@ struct MmaSyncTile {
   int64_t cols = 0;
   bool half_stages = false;
 };
-MmaSyncTile mma_sync_tile(int64_t H, int64_t N, int64_t Ti, bool operands16, int dev) {
-  const int optin = device_info(dev).smem_optin;
+MmaSyncTile mma_sync_tile_within(int64_t H, int64_t N, int64_t Ti, bool operands16, int64_t optin) {
   for (int64_t tj = std::max<int64_t>(std::min<int64_t>(kOuterNT / H, N), 1);; tj = (tj + 1) / 2) {
     for (const bool half : {false, true}) {
       const int bytes =
@@ -662,6 +661,9 @@ MmaSyncTile mma_sync_tile(int64_t H, int64_t N, int64_t Ti, bool operands16, int
     }
     if (tj == 1) return {};
   }
+}
+MmaSyncTile mma_sync_tile(int64_t H, int64_t N, int64_t Ti, bool operands16, int dev) {
+  return mma_sync_tile_within(H, N, Ti, operands16, device_info(dev).smem_optin);
 }
 
 // The float32 tensor-core kernel's wgmma forms (K-major a and b) fit the GPU's shared memory at
@@ -2177,6 +2179,22 @@ std::vector<int64_t> small_tc_plan_cuda(const at::Tensor& like, int64_t B, int64
   return {plan.TI, plan.Dc, small_tc_f16(plan, 3, nullptr, S, N, H) ? 1 : 0};
 }
 
+// mma_sync_tile for a block that may take smem_optin bytes (host code only, any device; for
+// tests): [columns, 1 with half stages, the block's shared memory in bytes], or [] where none fits.
+std::vector<int64_t> mma_sync_tile_query(const at::Tensor&, int64_t H, int64_t N, int64_t Ti, bool operands16,
+                                         int64_t smem_optin) {
+  FLASHOPM_CHECK(H >= 8 && H % 8 == 0 && H <= kMaxHidden && N >= 1 && Ti >= 1 && Ti * H <= kOuterMT && smem_optin > 0,
+                 "flashopm: _mma_sync_tile needs hidden a multiple of 8 up to ", kMaxHidden,
+                 ", N >= 1, 1 <= Ti <= 128 / hidden and smem_optin > 0, got hidden=", H, ", N=", N, ", Ti=", Ti,
+                 ", smem_optin=", smem_optin);
+  const MmaSyncTile t = mma_sync_tile_within(H, N, Ti, operands16, smem_optin);
+  if (t.cols == 0) return {};
+  const int bytes = operands16 ? outer_tc16_smem_bytes(int(H), int(Ti), int(t.cols),
+                                                       t.half_stages ? kT16MmaSyncHalfStages : kT16MmaSync)
+                               : outer_tc_smem_bytes(int(H), int(Ti), int(t.cols), false, false, t.half_stages);
+  return {t.cols, t.half_stages ? 1 : 0, bytes};
+}
+
 // [compute capability major, minor, DeviceInfo::arch, 1 where wgmma_runs_on, 1 where
 // fused_backward_fits, the shared memory a block may opt in to] of like's GPU.
 std::vector<int64_t> device_code_cuda(const at::Tensor& like) {
@@ -2200,8 +2218,12 @@ TORCH_LIBRARY_IMPL(flashopm, CUDA, m) {
   m.impl("_single_launch_plan", &flashopm::single_launch_plan_cuda);
   m.impl("_small_tc_plan", &flashopm::small_tc_plan_cuda);
   m.impl("_device_code", &flashopm::device_code_cuda);
+  m.impl("_mma_sync_tile", &flashopm::mma_sync_tile_query);
   m.impl("_peak_band_plan", &flashopm::peak_band_plan_query);
 }
 
 // Host code only: the planner's query runs without a GPU (tests on machines without one).
-TORCH_LIBRARY_IMPL(flashopm, CPU, m) { m.impl("_peak_band_plan", &flashopm::peak_band_plan_query); }
+TORCH_LIBRARY_IMPL(flashopm, CPU, m) {
+  m.impl("_peak_band_plan", &flashopm::peak_band_plan_query);
+  m.impl("_mma_sync_tile", &flashopm::mma_sync_tile_query);
+}
