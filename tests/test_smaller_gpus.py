@@ -123,17 +123,20 @@ def _rows_case(shape):
 
 
 # The float32 tensor-core kernel's mma.sync form sums in the same order whatever its column tile
-# and stage depth: the narrower tiles and half stages of smaller GPUs give the full tile's bits.
+# and stage depth: the narrower tiles and half stages of smaller GPUs give the full tile's bits
+# (with the same W chunks: half ones change the partial sums).
 BITS_SHAPES = [(1, 24, 70, 48, 32, 40), (2, 9, 33, 20, 16, 24), (1, 5, 20, 16, 64, 8)]
 
 
-def bits_outputs() -> dict[str, torch.Tensor]:
-    """The mma.sync form's outputs ("outer", FLASHOPM_TC_FORM=mma_sync) for BITS_SHAPES under
-    both float32 precisions, by case name."""
+def bits_outputs(before_shape=None) -> dict[str, torch.Tensor]:
+    """The mma.sync form's outputs ("outer" in float32) for BITS_SHAPES under both float32
+    precisions, by case name; before_shape(shape) runs before each shape's calls."""
     import flashopm
 
     outs = {}
     for shape in BITS_SHAPES:
+        if before_shape is not None:
+            before_shape(shape)
         x, m, p = _problem(shape, seed=7 + sum(shape))
         for precision in ("highest", "high"):
             out = flashopm.outer_product_mean(x, m, *_params(p, torch.float32), algorithm="outer",
@@ -176,21 +179,23 @@ H200_SMEM = 232448
 
 
 @pytest.mark.parametrize("limit, H, operands16, expected", [
-    # [columns, half stages, bytes] at N = 256 (scripts/smem_table.py lists every layout)
-    (H200_SMEM, 32, False, [8, 0, 187280]),
-    (H200_SMEM, 32, True, [8, 0, 220416]),
-    (A100_SMEM, 32, False, [4, 0, 154000]),
-    (A100_SMEM, 32, True, [4, 1, 122112]),
-    (SMALL_SMEM, 32, False, [2, 1, 88592]),
-    (SMALL_SMEM, 32, True, [2, 1, 94080]),
-    (SMALL_SMEM, 64, False, [1, 1, 88496]),
-    (SMALL_SMEM, 64, True, [1, 1, 93984]),
-    (SMALL_SMEM, 8, False, [8, 1, 90560]),
+    # [columns, half stages, half W chunks, bytes] at N = 256 (scripts/smem_table.py lists every
+    # layout)
+    (H200_SMEM, 32, False, [8, 0, 0, 187280]),
+    (H200_SMEM, 32, True, [8, 0, 0, 220416]),
+    (A100_SMEM, 32, False, [8, 0, 1, 162704]),
+    (A100_SMEM, 32, True, [4, 1, 0, 122112]),
+    (A100_SMEM, 8, False, [16, 0, 0, 154048]),
+    (SMALL_SMEM, 32, False, [4, 1, 1, 96912]),
+    (SMALL_SMEM, 32, True, [2, 1, 0, 94080]),
+    (SMALL_SMEM, 64, False, [2, 1, 1, 96720]),
+    (SMALL_SMEM, 64, True, [1, 1, 0, 93984]),
+    (SMALL_SMEM, 8, False, [16, 1, 1, 100800]),
     (60000, 32, False, []),
 ])
 def test_the_column_tile_is_the_widest_that_fits(limit, H, operands16, expected):
     """The planner's choice on the host (no GPU needed): the widest column tile whose block fits,
-    full stages before half ones at each width."""
+    at each width full stages and W chunks first, then half stages, then half W chunks."""
     toolchain_or_skip()
     from flashopm import _build
 
@@ -210,9 +215,9 @@ def test_the_column_tile_stays_within_the_limit_and_n():
                     Ti = min(128 // H, N)
                     got = torch.ops.flashopm._mma_sync_tile(torch.empty(0), H, N, Ti, operands16, limit)
                     assert got, (limit, H, N, operands16)  # every hidden size fits 99 KB at one column
-                    cols, half, size = got
+                    cols, half_stages, half_w, size = got
                     assert 1 <= cols <= min(256 // H, N) and size <= limit, (limit, H, N, operands16, got)
-                    assert half == 0 or limit < H200_SMEM
+                    assert (half_stages == half_w == 0 or limit < H200_SMEM) and not (operands16 and half_w)
 
 
 def test_the_column_tile_query_refuses_what_the_kernels_do_not_take():
@@ -258,7 +263,16 @@ def test_narrower_tiles_and_half_stages_keep_the_bits(limit, monkeypatch):
     toolchain_or_skip()
     theirs = _run_with_limit(limit)[1]
     monkeypatch.setenv("FLASHOPM_TC_FORM", "mma_sync")  # this process: the full tile and stages
-    ours = bits_outputs()
+
+    def same_w_chunks(shape):  # the W chunks the limited process took for this shape
+        B, S, N, C, H, D = shape
+        tile = torch.ops.flashopm._mma_sync_tile(torch.empty(0), H, N, min(128 // H, N), False, limit)
+        if tile[2]:
+            monkeypatch.setenv("FLASHOPM_TC_W_CHUNK", "16")
+        else:
+            monkeypatch.delenv("FLASHOPM_TC_W_CHUNK", raising=False)
+
+    ours = bits_outputs(same_w_chunks)
     assert theirs.keys() == ours.keys()
     for name, out in ours.items():
         assert torch.equal(out, theirs[name]), name

@@ -642,22 +642,25 @@ OuterArgs outer_args(const void* a, const void* b, const MaskView& mask, const a
 }
 
 // The outer-first tensor-core kernels' column tile (residues j per block) in their mma.sync forms,
-// and whether their stages take half the s: kOuterNT / H columns (phase 1's), fewer where N is
-// smaller, halved until a block of Ti rows fits the GPU's shared memory, at each width full
-// stages first (the same sums either way).  At hidden 32: an A100's 163 KB takes 4 of 8 columns
-// (float32 with full stages, 16-bit operands with half), a 99 KB GPU (sm_86, sm_89, sm_120) 2 with
-// half stages.  {0, false} where not even one column fits.
+// with their stage and W chunk sizes (TcMmaSyncStaging; 16-bit operands: stages only):
+// kOuterNT / H columns (phase 1's), fewer where N is smaller, halved until a block of Ti rows fits
+// the GPU's shared memory; at each width full stages and W chunks first, then half stages (the
+// same sums), then half W chunks.  At hidden 32: an A100's 163 KB takes all 8 columns in float32
+// (half W chunks), 4 with 16-bit operands (half stages); a 99 KB GPU (sm_86, sm_89, sm_120) 4 in
+// float32 (both halved) and 2 with 16-bit operands.  cols 0 where not even one column fits.
 struct MmaSyncTile {
   int64_t cols = 0;
-  bool half_stages = false;
+  TcMmaSyncStaging staging;
 };
 MmaSyncTile mma_sync_tile_within(int64_t H, int64_t N, int64_t Ti, bool operands16, int64_t optin) {
+  constexpr TcMmaSyncStaging kOrder[4] = {{false, false}, {true, false}, {false, true}, {true, true}};
   for (int64_t tj = std::max<int64_t>(std::min<int64_t>(kOuterNT / H, N), 1);; tj = (tj + 1) / 2) {
-    for (const bool half : {false, true}) {
-      const int bytes =
-          operands16 ? outer_tc16_smem_bytes(int(H), int(Ti), int(tj), half ? kT16MmaSyncHalfStages : kT16MmaSync)
-                     : outer_tc_smem_bytes(int(H), int(Ti), int(tj), false, false, half);
-      if (bytes <= optin) return {tj, half};
+    for (const TcMmaSyncStaging& staging : kOrder) {
+      if (operands16 && staging.half_w) continue;  // the 16-bit kernel keeps its W chunks
+      const int bytes = operands16 ? outer_tc16_smem_bytes(int(H), int(Ti), int(tj),
+                                                           staging.half_stages ? kT16MmaSyncHalfStages : kT16MmaSync)
+                                   : outer_tc_smem_bytes(int(H), int(Ti), int(tj), false, false, staging);
+      if (bytes <= optin) return {tj, staging};
     }
     if (tj == 1) return {};
   }
@@ -823,21 +826,25 @@ void run_outer(OuterArgs oa, int64_t i_offset, int64_t rows, int64_t out_rows, i
     if (form == kT16WgmmaBoth && oa.w_blocked == nullptr) form = kT16WgmmaPhase1;
     if (outer_tc16_smem_bytes(oa.H, oa.Ti, oa.Tj, form) > optin) {  // less shared memory than sm_90's
       const MmaSyncTile tile = mma_sync_tile(oa.H, oa.N, oa.Ti, true, dev);
-      form = tile.half_stages ? kT16MmaSyncHalfStages : kT16MmaSync;
+      form = tile.staging.half_stages ? kT16MmaSyncHalfStages : kT16MmaSync;
       oa.Tj = int(std::max<int64_t>(tile.cols, 1));
     }
     check_smem(outer_tc16_smem_bytes(oa.H, oa.Ti, oa.Tj, form), dev, "16-bit tensor-core outer-product");
     launch_outer_tc16(oa, operand_kind, form, stream);
   } else if (tensor_cores) {
-    bool half_stages = false;
-    if (!kmajor && outer_tc_smem_bytes(oa.H, oa.Ti, oa.Tj, false, false) > optin) {  // less than sm_90's
+    TcMmaSyncStaging staging;
+    // FLASHOPM_TC_W_CHUNK=16 asks for the mma.sync form's half W chunks (to compare their bits
+    // with those of the forms smaller GPUs take; 32, the default, for the full ones)
+    const char* w_chunk = env_choice("FLASHOPM_TC_W_CHUNK", {"16", "32"});
+    if (!kmajor && w_chunk != nullptr && std::strcmp(w_chunk, "16") == 0) staging.half_w = true;
+    if (!kmajor && outer_tc_smem_bytes(oa.H, oa.Ti, oa.Tj, false, false, staging) > optin) {  // less than sm_90's
       const MmaSyncTile tile = mma_sync_tile(oa.H, oa.N, oa.Ti, false, dev);
       oa.Tj = int(std::max<int64_t>(tile.cols, 1));
-      half_stages = tile.half_stages;
+      staging = tile.staging;
     }
     const bool wgmma2 = half_split || (tc_phase2_wgmma(terms, kmajor, oa.Ti, oa.Tj) && oa.w_blocked != nullptr);
-    check_smem(outer_tc_smem_bytes(oa.H, oa.Ti, oa.Tj, kmajor, wgmma2, half_stages), dev, "tensor-core outer-product");
-    launch_outer_tc(oa, terms, kmajor, wgmma2, half_split, half_stages, stream);
+    check_smem(outer_tc_smem_bytes(oa.H, oa.Ti, oa.Tj, kmajor, wgmma2, staging), dev, "tensor-core outer-product");
+    launch_outer_tc(oa, terms, kmajor, wgmma2, half_split, staging, stream);
   } else {
     check_smem(outer_smem_bytes(), dev, "outer-product");
     launch_outer(oa, stream);
@@ -2180,7 +2187,8 @@ std::vector<int64_t> small_tc_plan_cuda(const at::Tensor& like, int64_t B, int64
 }
 
 // mma_sync_tile for a block that may take smem_optin bytes (host code only, any device; for
-// tests): [columns, 1 with half stages, the block's shared memory in bytes], or [] where none fits.
+// tests): [columns, 1 with half stages, 1 with half W chunks, the block's shared memory in bytes],
+// or [] where none fits.
 std::vector<int64_t> mma_sync_tile_query(const at::Tensor&, int64_t H, int64_t N, int64_t Ti, bool operands16,
                                          int64_t smem_optin) {
   FLASHOPM_CHECK(H >= 8 && H % 8 == 0 && H <= kMaxHidden && N >= 1 && Ti >= 1 && Ti * H <= kOuterMT && smem_optin > 0,
@@ -2190,9 +2198,9 @@ std::vector<int64_t> mma_sync_tile_query(const at::Tensor&, int64_t H, int64_t N
   const MmaSyncTile t = mma_sync_tile_within(H, N, Ti, operands16, smem_optin);
   if (t.cols == 0) return {};
   const int bytes = operands16 ? outer_tc16_smem_bytes(int(H), int(Ti), int(t.cols),
-                                                       t.half_stages ? kT16MmaSyncHalfStages : kT16MmaSync)
-                               : outer_tc_smem_bytes(int(H), int(Ti), int(t.cols), false, false, t.half_stages);
-  return {t.cols, t.half_stages ? 1 : 0, bytes};
+                                                       t.staging.half_stages ? kT16MmaSyncHalfStages : kT16MmaSync)
+                               : outer_tc_smem_bytes(int(H), int(Ti), int(t.cols), false, false, t.staging);
+  return {t.cols, t.staging.half_stages ? 1 : 0, t.staging.half_w ? 1 : 0, bytes};
 }
 
 // [compute capability major, minor, DeviceInfo::arch, 1 where wgmma_runs_on, 1 where

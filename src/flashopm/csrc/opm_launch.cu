@@ -424,37 +424,48 @@ void launch_outer(const OuterArgs& args, cudaStream_t stream) {
   }
 }
 
-int outer_tc_smem_bytes(int H, int Ti, int Tj, bool wgmma, bool wgmma2, bool half_stages) {
-  return tc_layout(H, Ti, Tj, wgmma, wgmma2, half_stages ? kTcBKSmall : kTcBK).total * int(sizeof(float));
+int outer_tc_smem_bytes(int H, int Ti, int Tj, bool wgmma, bool wgmma2, TcMmaSyncStaging staging) {
+  return tc_layout(H, Ti, Tj, wgmma, wgmma2, staging.half_stages ? kTcBKSmall : kTcBK,
+                   staging.half_w ? kTcKCSmall : kTcKC)
+             .total *
+         int(sizeof(float));
 }
 
 namespace {
-template <int kTerms, bool kWgmma, bool kWgmma2, bool kHalfSplit = false, int kBK = kTcBK>
+template <int kTerms, bool kWgmma, bool kWgmma2, bool kHalfSplit = false, int kBK = kTcBK, int kKC = kTcKC>
 void launch_tc_t(const OuterArgs& args, const dim3& grid, int smem, cudaStream_t stream) {
-  constexpr auto kernel = opm_outer_tc_kernel<kTerms, kWgmma, kWgmma2, kHalfSplit, kBK>;
+  constexpr auto kernel = opm_outer_tc_kernel<kTerms, kWgmma, kWgmma2, kHalfSplit, kBK, kKC>;
   launch_kernel<kernel, SmemSetup::kOptIn>(grid, kTcThreads, smem, stream, args);
+}
+// The mma.sync form with its stage and W chunk sizes.
+template <int kTerms>
+void launch_tc_mma_sync(const OuterArgs& args, TcMmaSyncStaging staging, const dim3& grid, int smem,
+                        cudaStream_t stream) {
+  if (staging.half_stages && staging.half_w)
+    launch_tc_t<kTerms, false, false, false, kTcBKSmall, kTcKCSmall>(args, grid, smem, stream);
+  else if (staging.half_stages) launch_tc_t<kTerms, false, false, false, kTcBKSmall>(args, grid, smem, stream);
+  else if (staging.half_w) launch_tc_t<kTerms, false, false, false, kTcBK, kTcKCSmall>(args, grid, smem, stream);
+  else launch_tc_t<kTerms, false, false>(args, grid, smem, stream);
 }
 }  // namespace
 
-void launch_outer_tc(const OuterArgs& args, int terms, bool wgmma, bool wgmma2, bool half_split, bool half_stages,
-                     cudaStream_t stream) {
+void launch_outer_tc(const OuterArgs& args, int terms, bool wgmma, bool wgmma2, bool half_split,
+                     TcMmaSyncStaging staging, cudaStream_t stream) {
   const dim3 grid(unsigned((args.N + args.Tj - 1) / args.Tj), unsigned((args.Na + args.Ti - 1) / args.Ti),
                   unsigned(args.B));
-  const int smem = outer_tc_smem_bytes(args.H, args.Ti, args.Tj, wgmma, wgmma2, half_stages);
-  TORCH_CHECK(!half_stages || !wgmma, "flashopm: internal error: half stages for the mma.sync form alone");
-  if (half_stages) {
-    if (terms == 3) launch_tc_t<3, false, false, false, kTcBKSmall>(args, grid, smem, stream);
-    else launch_tc_t<1, false, false, false, kTcBKSmall>(args, grid, smem, stream);
+  const int smem = outer_tc_smem_bytes(args.H, args.Ti, args.Tj, wgmma, wgmma2, staging);
+  TORCH_CHECK(!wgmma || (!staging.half_stages && !staging.half_w),
+              "flashopm: internal error: smaller stages for the mma.sync form alone");
+  if (!wgmma) {
+    if (terms == 3) launch_tc_mma_sync<3>(args, staging, grid, smem, stream);
+    else launch_tc_mma_sync<1>(args, staging, grid, smem, stream);
   } else if (half_split) {
     launch_tc_t<3, true, true, true>(args, grid, smem, stream);
   } else if (wgmma2) {
     launch_tc_t<1, true, true>(args, grid, smem, stream);
-  } else if (wgmma) {
+  } else {
     if (terms == 3) launch_tc_t<3, true, false>(args, grid, smem, stream);
     else launch_tc_t<1, true, false>(args, grid, smem, stream);
-  } else {
-    if (terms == 3) launch_tc_t<3, false, false>(args, grid, smem, stream);
-    else launch_tc_t<1, false, false>(args, grid, smem, stream);
   }
 }
 

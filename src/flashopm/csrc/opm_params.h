@@ -342,16 +342,26 @@ constexpr int kTcStages = 3;
 constexpr int kTcLdA = kTcMT + 8;  // leading dimensions = 8 (mod 32): conflict-free fragments
 constexpr int kTcLdB = kTcNT + 8;
 constexpr int kTcStageFloats = kTcBK * (kTcLdA + kTcLdB);
-// GPUs whose blocks take less shared memory than sm_90's (99 KB: sm_86, sm_89, sm_120) get half
-// the s per stage: kTcStages stages of kTcBKSmall take 76.8 KB where those of kTcBK take 153.6.
-// The same k-steps in the same order: the same sums.
-constexpr int kTcBKSmall = kTcBK / 2;
-FLASHOPM_HD constexpr int tc_stage_floats(int bk) { return bk * (kTcLdA + kTcLdB); }
 constexpr int kTcDG = 128;
 constexpr int kTcKC = 32;
 constexpr int kTcLdW = kTcKC + 4;  // = 4 (mod 32)
 constexpr int kTcWStages = 3;
 constexpr int kTcWFloats = kTcWStages * kTcDG * kTcLdW;
+// On GPUs whose blocks take less shared memory than sm_90's (A100 163 KB; sm_86, sm_89, sm_120
+// 99 KB) the mma.sync form may take half the s per phase-1 stage (kTcBKSmall: 76.8 KB of stages
+// where kTcBK's take 153.6; the same k-steps in the same order, so the same sums) and half the k
+// per W chunk of phase 2 (kTcKCSmall: 30.7 KB of W stages where kTcKC's take 55.3, which lets an
+// A100 take the full column tile at hidden 32; each chunk's partial sums are then of 8 k, not 16,
+// so the results round differently).  Row stride kTcKCSmall + 4 = 20 keeps the fragment reads
+// conflict-free.
+constexpr int kTcBKSmall = kTcBK / 2;
+constexpr int kTcKCSmall = kTcKC / 2;
+FLASHOPM_HD constexpr int tc_stage_floats(int bk) { return bk * (kTcLdA + kTcLdB); }
+FLASHOPM_HD constexpr int tc_w_floats(int kc) { return kTcWStages * kTcDG * (kc + 4); }
+struct TcMmaSyncStaging {
+  bool half_stages = false;  // kTcBKSmall
+  bool half_w = false;       // kTcKCSmall
+};
 
 // Phase 1 of the tensor-core kernel on warpgroup MMAs (sm_90a; a and b in the K-major TF32
 // layouts, see AbKind): one chunk of s per stage, A (kTcMT rows) then B (kTcNT rows) of 128 bytes
@@ -378,14 +388,16 @@ constexpr int kTcWg2ChunkBytes = kTcDG * 128;
 FLASHOPM_HD inline bool tc_phase2_wgmma(int terms, bool wgmma, int Ti, int Tj) {
   return wgmma && terms == 1 && (Ti * Tj) % kTcRoundRows == 0;
 }
-// bk: s per stage of phase 1's mma.sync form (kTcBK, or kTcBKSmall).
-FLASHOPM_HD inline TcLayout tc_layout(int H, int Ti, int Tj, bool wgmma, bool wgmma2 = false, int bk = kTcBK) {
+// bk, kc: s per stage of phase 1's mma.sync form (kTcBK or kTcBKSmall), k per W chunk of phase 2's
+// (kTcKC or kTcKCSmall).
+FLASHOPM_HD inline TcLayout tc_layout(int H, int Ti, int Tj, bool wgmma, bool wgmma2 = false, int bk = kTcBK,
+                                      int kc = kTcKC) {
   TcLayout L{};
   L.ldo = H * H + 4;
   L.w = Ti * Tj * L.ldo;
   if (wgmma2) L.w = (Ti * Tj * H * H + 255) & ~255;  // unpadded O; W stages from a 1 KB boundary
   const int w_floats = wgmma2 && kTcWg2Stages * kTcWg2ChunkBytes / 4 > kTcWFloats ? kTcWg2Stages * kTcWg2ChunkBytes / 4
-                                                                                   : kTcWFloats;
+                                                                                   : tc_w_floats(kc);
   int o = L.w + w_floats;
   const int stages = wgmma ? kTcWgStages * kTcWgStageBytes / 4 : kTcStages * tc_stage_floats(bk);
   if (o < stages) o = stages;
@@ -547,9 +559,9 @@ int outer_smem_bytes();
 // half_split: the float16 split form of "highest" (terms 3, wgmma and wgmma2; a and b in the
 // kAbF32Rows32 layout rewritten by launch_split_rows_f16, args.w_blocked from launch_split_w_f16,
 // args.a_exp / b_exp / w_exp / o_scale / o_exp set).
-// half_stages: the mma.sync form (not wgmma) with stages of kTcBKSmall s.
-void launch_outer_tc(const OuterArgs& args, int terms, bool wgmma, bool wgmma2, bool half_split, bool half_stages,
-                     cudaStream_t stream);
+// staging: the mma.sync form's (not wgmma's) stage and W chunk sizes.
+void launch_outer_tc(const OuterArgs& args, int terms, bool wgmma, bool wgmma2, bool half_split,
+                     TcMmaSyncStaging staging, cudaStream_t stream);
 // a or b (rows_n residues, kAbF32Rows32 layout with n_chunks chunks per batch) split in place into
 // float16 high and low parts, each residue's scale exponent to exp_out (B, rows_n).
 void launch_split_rows_f16(float* buf, int* exp_out, int64_t B, int64_t rows_n, int H, int64_t n_chunks,
@@ -559,8 +571,8 @@ void launch_split_rows_f16(float* buf, int* exp_out, int64_t B, int64_t rows_n, 
 void launch_split_w_f16(const float* w, uint32_t* w_split, int* w_exp, int64_t D, int H, cudaStream_t stream);
 // w (n floats, in place) rounded to TF32: w_blocked for wgmma2, which reads W as it arrives
 void launch_round_tf32(float* w, int64_t n, cudaStream_t stream);
-// half_stages: the mma.sync form with stages of kTcBKSmall (GPUs with less shared memory than sm_90's)
-int outer_tc_smem_bytes(int H, int Ti, int Tj, bool wgmma, bool wgmma2, bool half_stages = false);
+// staging: the mma.sync form's stage and W chunk sizes (GPUs with less shared memory than sm_90's)
+int outer_tc_smem_bytes(int H, int Ti, int Tj, bool wgmma, bool wgmma2, TcMmaSyncStaging staging = {});
 // operand_kind: kMaskBFloat16 or kMaskHalf, the element type of a, b and w_out
 // form: a Tc16Form, as tc16_form gives it (the wgmma forms need outer_tc16_wgmma_built() and a
 // compute capability 9.0 GPU)

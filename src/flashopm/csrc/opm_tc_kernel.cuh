@@ -29,18 +29,20 @@
 
 namespace flashopm {
 
-// kBK: s per stage of phase 1's mma.sync form (kTcBK; kTcBKSmall on GPUs with less shared memory).
-template <int kTerms, bool kWgmma, bool kWgmma2, bool kHalfSplit = false, int kBK = kTcBK>
+// kBK, kKC: s per stage of phase 1's mma.sync form and k per W chunk of phase 2's (kTcBK and kTcKC;
+// kTcBKSmall and kTcKCSmall on GPUs with less shared memory than sm_90's).
+template <int kTerms, bool kWgmma, bool kWgmma2, bool kHalfSplit = false, int kBK = kTcBK, int kKC = kTcKC>
 __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const OuterArgs p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   static_assert(!kWgmma2 || (kWgmma && (kTerms == 1 || kHalfSplit)), "phase 2 on wgmma: TF32 after phase 1 on wgmma");
   static_assert(!kHalfSplit || (kWgmma2 && kTerms == 3), "the float16 split form runs both phases on wgmma");
   static_assert(kBK == kTcBK || (kBK == kTcBKSmall && !kWgmma), "half stages for the mma.sync form alone");
+  static_assert(kKC == kTcKC || (kKC == kTcKCSmall && !kWgmma), "half W chunks for the mma.sync form alone");
   extern __shared__ float4 smem_f4[];
   float* smem = reinterpret_cast<float*>(smem_f4);
   if constexpr (kWgmma)  // the swizzle follows address bits 4-9: stages from a 1 KB boundary
     smem = reinterpret_cast<float*>(align_smem_1k(reinterpret_cast<char*>(smem)));
-  const TcLayout L = tc_layout(p.H, p.Ti, p.Tj, kWgmma, kWgmma2, kBK);
+  const TcLayout L = tc_layout(p.H, p.Ti, p.Tj, kWgmma, kWgmma2, kBK, kKC);
   float* den_s = smem + L.den;
   int64_t* row_off = reinterpret_cast<int64_t*>(smem + L.rows);         // [kTcRoundRows]
   float* norm_arg = reinterpret_cast<float*>(row_off + kTcRoundRows);   // [kTcRoundRows]
@@ -561,18 +563,20 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const Outer
   }
 
   // ---------------- phase 2: warps 4 (32 d each) x 2 (halves of each k chunk) ----------------
-  const int n_kc = K2 / kTcKC;
+  constexpr int kLdW = kKC + 4;          // kTcLdW for kTcKC
+  constexpr int kStepsPerHalf = kKC / 16;  // k-steps of 8 per warp half of a chunk
+  const int n_kc = K2 / kKC;
   const int dw = warp & 3, kh = warp >> 2;
   float* Wst = smem + L.w;  // [kTcWStages][DG][LdW]; after the k loop, the partial sums [32][DG + 4]
 
   auto load_w = [&](int buf, int dg, int kc0) {
-    float* Ws = Wst + buf * kTcDG * kTcLdW;
+    float* Ws = Wst + buf * kTcDG * kLdW;
 #pragma unroll
-    for (int u = 0; u < kTcDG * kTcKC / 4 / kTcThreads; ++u) {
+    for (int u = 0; u < kTcDG * kKC / 4 / kTcThreads; ++u) {
       const int idx = tid + u * kTcThreads;
-      const int dl = idx / (kTcKC / 4), k = (idx % (kTcKC / 4)) * 4;
+      const int dl = idx / (kKC / 4), k = (idx % (kKC / 4)) * 4;
       const bool ok = dg + dl < D;
-      cp_async16z(&Ws[dl * kTcLdW + k], ok ? w_out + int64_t(dg + dl) * K2 + kc0 + k : w_out, ok);
+      cp_async16z(&Ws[dl * kLdW + k], ok ? w_out + int64_t(dg + dl) * K2 + kc0 + k : w_out, ok);
     }
   };
 
@@ -597,16 +601,16 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const Outer
       // kTcWStages - 1 chunks of W in flight ahead of the one multiplied (W comes from L2)
 #pragma unroll
       for (int st = 0; st < kTcWStages - 1; ++st) {
-        if (st < n_kc) load_w(st, dg, st * kTcKC);
+        if (st < n_kc) load_w(st, dg, st * kKC);
         cp_async_commit();
       }
       for (int kc = 0; kc < n_kc; ++kc) {
         cp_async_wait<kTcWStages - 2>();
         __syncthreads();
         const int next = kc + kTcWStages - 1;
-        if (next < n_kc) load_w(next % kTcWStages, dg, next * kTcKC);
+        if (next < n_kc) load_w(next % kTcWStages, dg, next * kKC);
         cp_async_commit();
-        const float* Ws = Wst + (kc % kTcWStages) * kTcDG * kTcLdW + (dw * 32 + g) * kTcLdW + t;
+        const float* Ws = Wst + (kc % kTcWStages) * kTcDG * kLdW + (dw * 32 + g) * kLdW + t;
         // this chunk's sum in its own fragments (see mma_split_add), added in float32 below
         float part[2][4][4];
 #pragma unroll
@@ -616,9 +620,9 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const Outer
 #pragma unroll
             for (int e = 0; e < 4; ++e) part[mt][nt][e] = 0.f;
 #pragma unroll
-        for (int ks = 0; ks < 2; ++ks) {
-          const int kl = (2 * kh + ks) * 8;  // k within the chunk
-          const int k = kc * kTcKC + kl;
+        for (int ks = 0; ks < kStepsPerHalf; ++ks) {
+          const int kl = (kStepsPerHalf * kh + ks) * 8;  // k within the chunk
+          const int k = kc * kKC + kl;
           uint32_t a_hi[2][4], a_lo[2][4];
 #pragma unroll
           for (int mt = 0; mt < 2; ++mt) {
@@ -629,7 +633,7 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const Outer
           }
 #pragma unroll
           for (int nt = 0; nt < 4; ++nt) {
-            const float* wp = Ws + nt * 8 * kTcLdW + kl;
+            const float* wp = Ws + nt * 8 * kLdW + kl;
             uint32_t bh0, bh1, bl0 = 0, bl1 = 0;
             split_tf32<kTerms>(wp[0], bh0, bl0);
             split_tf32<kTerms>(wp[4], bh1, bl1);
