@@ -247,6 +247,20 @@ def _run_with_limit(limit: int) -> tuple[dict[str, dict], dict[str, torch.Tensor
 
 
 @requires_cuda
+@pytest.mark.parametrize("value", ["abc", "1000", "12KB"])
+def test_a_limit_that_is_not_a_number_of_bytes_is_refused(value):
+    toolchain_or_skip()
+    code = ("import flashopm, torch\n"
+            "x = torch.randn(1, 4, 8, 16, device='cuda')\n"
+            "m = flashopm.ModelNew(16, 8, 8).cuda()\n"
+            "m(x, torch.ones(1, 4, 8, device='cuda'))\n")
+    env = dict(os.environ, FLASHOPM_SMEM_LIMIT=value, PYTHONPATH=os.pathsep.join(sys.path))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode != 0
+    assert f"FLASHOPM_SMEM_LIMIT must be a number of bytes of at least 49152, got '{value}'" in out.stderr
+
+
+@requires_cuda
 @pytest.mark.parametrize("limit", [A100_SMEM, SMALL_SMEM])
 def test_forms_for_less_shared_memory_match_the_reference(limit):
     toolchain_or_skip()
