@@ -554,6 +554,11 @@ def cmd_info(args) -> int:
         print(f"{'archs':12s} {';'.join(archs)} ({' '.join(_build.gencode_flags(archs))})")
         if torch.cuda.is_available():
             print(f"{'runs here':12s} {_describe_code(archs, torch.cuda.get_device_capability())}")
+            if built:  # what the loaded code reports (loading builds nothing here)
+                _build.load()
+                _, _, arch, wgmma, fused_bwd, smem = torch.ops.flashopm._device_code(torch.empty(0, device="cuda"))
+                print(f"{'loaded':12s} kernels for sm_{arch}, warpgroup MMAs {'on' if wgmma else 'off'}, fused "
+                      f"backward {'on' if fused_bwd else 'off'}, {smem} bytes of shared memory per block")
     except _build.BuildError as exc:
         print(f"{'toolchain':12s} {exc}")
     return 0
