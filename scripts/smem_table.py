@@ -5,8 +5,9 @@ without a GPU: compiles a small host program over the layout functions with the 
 
 Prints, per hidden size and column tile (Tj halved from the full tile), the float32 tensor-core
 kernel's mma.sync form (full stages and W chunks; half stages; half W chunks; both halved) and
-wgmma forms, and the 16-bit kernel's mma.sync form (full and half stages); first the fixed sizes
-(the CUDA-core kernel, the backward's kernels).  Opt-in limits: sm_90 and sm_100 232448 bytes,
+wgmma forms, and the 16-bit kernel's mma.sync form (full and half stages; then, where the tile's
+columns fit in it, with phase 1 half as wide); first the fixed sizes (the CUDA-core kernel, the
+backward's kernels).  Opt-in limits: sm_90 and sm_100 232448 bytes,
 A100 166912, sm_86, sm_89 and sm_120 101376.
 """
 import argparse
@@ -27,11 +28,15 @@ int main(int argc, char** argv) {
   for (int k = 1; k < argc; ++k) {
     const int H = std::atoi(argv[k]), Ti = kOuterMT / H;
     for (int tj = kOuterNT / H;; tj = (tj + 1) / 2) {
-      printf("H %2d Ti %2d Tj %2d  float32 mma.sync %6d %6d %6d %6d  wgmma %6d  16-bit mma.sync %6d %6d\n", H, Ti,
-             tj, tc_layout(H, Ti, tj, false).total * 4, tc_layout(H, Ti, tj, false, false, kTcBKSmall).total * 4,
+      printf("H %2d Ti %2d Tj %2d  float32 mma.sync %6d %6d %6d %6d  wgmma %6d  16-bit mma.sync %6d %6d", H, Ti, tj,
+             tc_layout(H, Ti, tj, false).total * 4, tc_layout(H, Ti, tj, false, false, kTcBKSmall).total * 4,
              tc_layout(H, Ti, tj, false, false, kTcBK, kTcKCSmall).total * 4,
              tc_layout(H, Ti, tj, false, false, kTcBKSmall, kTcKCSmall).total * 4, tc_layout(H, Ti, tj, true).total * 4,
              tc16_layout(H, Ti, tj, kT16MmaSync).total, tc16_layout(H, Ti, tj, kT16MmaSyncHalfStages).total);
+      if (tj * H <= kT16NTNarrow)
+        printf(" narrow %6d %6d", tc16_layout(H, Ti, tj, kT16MmaSyncNarrow).total,
+               tc16_layout(H, Ti, tj, kT16MmaSyncNarrowHalfStages).total);
+      printf("\n");
       if (tj == 1) break;
     }
   }

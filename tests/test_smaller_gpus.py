@@ -124,15 +124,15 @@ def _rows_case(shape):
     return {"err": rel_error(out, ref), "ok": rel_error(out, ref) < 1e-6}
 
 
-# The float32 tensor-core kernel's mma.sync form sums in the same order whatever its column tile
-# and stage depth: the narrower tiles and half stages of smaller GPUs give the full tile's bits
-# (with the same W chunks: half ones change the partial sums).
+# The tensor-core kernels' mma.sync forms sum in the same order whatever their column tile, stage
+# depth and phase-1 width: the narrower forms of smaller GPUs give the full tile's bits (in
+# float32 with the same W chunks: half ones change the partial sums).
 BITS_SHAPES = [(1, 24, 70, 48, 32, 40), (2, 9, 33, 20, 16, 24), (1, 5, 20, 16, 64, 8)]
 
 
 def bits_outputs(before_shape=None) -> dict[str, torch.Tensor]:
-    """The mma.sync form's outputs ("outer" in float32) for BITS_SHAPES under both float32
-    precisions, by case name; before_shape(shape) runs before each shape's calls."""
+    """The mma.sync forms' outputs ("outer") for BITS_SHAPES: float32 under both precisions, and a
+    bfloat16 model, by case name; before_shape(shape) runs before each shape's calls."""
     import flashopm
 
     outs = {}
@@ -144,6 +144,9 @@ def bits_outputs(before_shape=None) -> dict[str, torch.Tensor]:
             out = flashopm.outer_product_mean(x, m, *_params(p, torch.float32), algorithm="outer",
                                               precision=precision)
             outs[f"{shape} {precision}"] = out.cpu()
+        bf = torch.bfloat16
+        out = flashopm.outer_product_mean(x.to(bf), m.to(bf), *_params(p, bf), algorithm="outer")
+        outs[f"{shape} bfloat16"] = out.cpu()
     return outs
 
 
@@ -181,23 +184,24 @@ H200_SMEM = 232448
 
 
 @pytest.mark.parametrize("limit, H, operands16, expected", [
-    # [columns, half stages, half W chunks, bytes] at N = 256 (scripts/smem_table.py lists every
-    # layout)
-    (H200_SMEM, 32, False, [8, 0, 0, 187280]),
-    (H200_SMEM, 32, True, [8, 0, 0, 220416]),
-    (A100_SMEM, 32, False, [8, 0, 1, 162704]),
-    (A100_SMEM, 32, True, [4, 1, 0, 122112]),
-    (A100_SMEM, 8, False, [16, 0, 0, 154048]),
-    (SMALL_SMEM, 32, False, [4, 1, 1, 96912]),
-    (SMALL_SMEM, 32, True, [2, 1, 0, 94080]),
-    (SMALL_SMEM, 64, False, [2, 1, 1, 96720]),
-    (SMALL_SMEM, 64, True, [1, 1, 0, 93984]),
-    (SMALL_SMEM, 8, False, [16, 1, 1, 100800]),
+    # [columns, half stages, half W chunks, narrow phase 1, bytes] at N = 256
+    # (scripts/smem_table.py lists every layout)
+    (H200_SMEM, 32, False, [8, 0, 0, 0, 187280]),
+    (H200_SMEM, 32, True, [8, 0, 0, 0, 220416]),
+    (A100_SMEM, 32, False, [8, 0, 1, 0, 162704]),
+    (A100_SMEM, 32, True, [4, 0, 0, 1, 138240]),
+    (A100_SMEM, 8, False, [16, 0, 0, 0, 154048]),
+    (SMALL_SMEM, 32, False, [4, 1, 1, 0, 96912]),
+    (SMALL_SMEM, 32, True, [2, 1, 0, 1, 89088]),
+    (SMALL_SMEM, 64, False, [2, 1, 1, 0, 96720]),
+    (SMALL_SMEM, 64, True, [1, 1, 0, 1, 88896]),
+    (SMALL_SMEM, 8, False, [16, 1, 1, 0, 100800]),
     (60000, 32, False, []),
 ])
 def test_the_column_tile_is_the_widest_that_fits(limit, H, operands16, expected):
     """The planner's choice on the host (no GPU needed): the widest column tile whose block fits,
-    at each width full stages and W chunks first, then half stages, then half W chunks."""
+    at each width full stages and W chunks first, then half stages, then half W chunks; the
+    16-bit kernel's phase 1 half as wide where the tile's columns fit in it."""
     toolchain_or_skip()
     from flashopm import _build
 
@@ -217,9 +221,10 @@ def test_the_column_tile_stays_within_the_limit_and_n():
                     Ti = min(128 // H, N)
                     got = torch.ops.flashopm._mma_sync_tile(torch.empty(0), H, N, Ti, operands16, limit)
                     assert got, (limit, H, N, operands16)  # every hidden size fits 99 KB at one column
-                    cols, half_stages, half_w, size = got
+                    cols, half_stages, half_w, narrow, size = got
                     assert 1 <= cols <= min(256 // H, N) and size <= limit, (limit, H, N, operands16, got)
-                    assert (half_stages == half_w == 0 or limit < H200_SMEM) and not (operands16 and half_w)
+                    assert (half_stages == half_w == 0 or limit < H200_SMEM), (limit, H, N, got)
+                    assert not (operands16 and half_w) and narrow == int(operands16 and cols * H <= 128), got
 
 
 def test_the_column_tile_query_refuses_what_the_kernels_do_not_take():
@@ -275,10 +280,12 @@ def test_forms_for_less_shared_memory_match_the_reference(limit):
 
 @requires_cuda
 @pytest.mark.parametrize("limit", [A100_SMEM, SMALL_SMEM])
-def test_narrower_tiles_and_half_stages_keep_the_bits(limit, monkeypatch):
+def test_narrower_forms_keep_the_bits(limit, monkeypatch):
     toolchain_or_skip()
     theirs = _run_with_limit(limit)[1]
-    monkeypatch.setenv("FLASHOPM_TC_FORM", "mma_sync")  # this process: the full tile and stages
+    # this process: the mma.sync forms at the full tile and stages
+    monkeypatch.setenv("FLASHOPM_TC_FORM", "mma_sync")
+    monkeypatch.setenv("FLASHOPM_TC16_MMA_SYNC", "1")
 
     def same_w_chunks(shape):  # the W chunks the limited process took for this shape
         B, S, N, C, H, D = shape

@@ -85,7 +85,8 @@ SCHEMAS = {
     "_device_code": "_device_code(Tensor like) -> int[]",
     # The tensor-core kernels' mma.sync column tile for a block that may take smem_optin bytes of
     # shared memory (host code; CPU or CUDA `like`; for tests): [columns, 1 with half the s per
-    # stage, 1 with half the k per W chunk, the block's bytes], or [] where none fits.
+    # stage, 1 with half the k per W chunk, 1 with phase 1 half as wide, the block's bytes], or []
+    # where none fits.
     "_mma_sync_tile": "_mma_sync_tile(Tensor like, int H, int N, int Ti, bool operands16, int smem_optin) -> int[]",
     # The peak bound's bands for one batch element (host code; CPU or CUDA `like`; for tests):
     # [b kept, workspace bytes, bands, then (r0, rows, cols, s_part, in the output's tail) per

@@ -641,13 +641,19 @@ OuterArgs outer_args(const void* a, const void* b, const MaskView& mask, const a
   return oa;
 }
 
+// The 16-bit kernel's mma.sync form for a staging (its stage depth and phase-1 width).
+int tc16_staging_form(const TcMmaSyncStaging& staging) {
+  return tc16_mma_sync_form(staging.half_stages ? kT16BKSmall : kT16BK, staging.narrow ? kT16NTNarrow : kTcNT);
+}
+
 // The outer-first tensor-core kernels' column tile (residues j per block) in their mma.sync forms,
-// with their stage and W chunk sizes (TcMmaSyncStaging; 16-bit operands: stages only):
-// kOuterNT / H columns (phase 1's), fewer where N is smaller, halved until a block of Ti rows fits
-// the GPU's shared memory; at each width full stages and W chunks first, then half stages (the
-// same sums), then half W chunks.  At hidden 32: an A100's 163 KB takes all 8 columns in float32
-// (half W chunks), 4 with 16-bit operands (half stages); a 99 KB GPU (sm_86, sm_89, sm_120) 4 in
-// float32 (both halved) and 2 with 16-bit operands.  cols 0 where not even one column fits.
+// with their staging (TcMmaSyncStaging): kOuterNT / H columns (phase 1's), fewer where N is
+// smaller, halved until a block of Ti rows fits the GPU's shared memory; at each width full stages
+// and W chunks first, then half stages (the same sums), then half W chunks (float32).  The 16-bit
+// kernel's phase 1 is kT16NTNarrow wide where the tile's columns fit in that.  At hidden 32: an
+// A100's 163 KB takes all 8 columns in float32 (half W chunks), 4 with 16-bit operands (a narrow
+// phase 1); a 99 KB GPU (sm_86, sm_89, sm_120) 4 in float32 (half stages and W chunks) and 2 with
+// 16-bit operands (narrow, half stages).  cols 0 where not even one column fits.
 struct MmaSyncTile {
   int64_t cols = 0;
   TcMmaSyncStaging staging;
@@ -655,10 +661,10 @@ struct MmaSyncTile {
 MmaSyncTile mma_sync_tile_within(int64_t H, int64_t N, int64_t Ti, bool operands16, int64_t optin) {
   constexpr TcMmaSyncStaging kOrder[4] = {{false, false}, {true, false}, {false, true}, {true, true}};
   for (int64_t tj = std::max<int64_t>(std::min<int64_t>(kOuterNT / H, N), 1);; tj = (tj + 1) / 2) {
-    for (const TcMmaSyncStaging& staging : kOrder) {
+    for (TcMmaSyncStaging staging : kOrder) {
       if (operands16 && staging.half_w) continue;  // the 16-bit kernel keeps its W chunks
-      const int bytes = operands16 ? outer_tc16_smem_bytes(int(H), int(Ti), int(tj),
-                                                           staging.half_stages ? kT16MmaSyncHalfStages : kT16MmaSync)
+      staging.narrow = operands16 && tj * H <= kT16NTNarrow;
+      const int bytes = operands16 ? outer_tc16_smem_bytes(int(H), int(Ti), int(tj), tc16_staging_form(staging))
                                    : outer_tc_smem_bytes(int(H), int(Ti), int(tj), false, false, staging);
       if (bytes <= optin) return {tj, staging};
     }
@@ -826,7 +832,7 @@ void run_outer(OuterArgs oa, int64_t i_offset, int64_t rows, int64_t out_rows, i
     if (form == kT16WgmmaBoth && oa.w_blocked == nullptr) form = kT16WgmmaPhase1;
     if (outer_tc16_smem_bytes(oa.H, oa.Ti, oa.Tj, form) > optin) {  // less shared memory than sm_90's
       const MmaSyncTile tile = mma_sync_tile(oa.H, oa.N, oa.Ti, true, dev);
-      form = tile.staging.half_stages ? kT16MmaSyncHalfStages : kT16MmaSync;
+      form = tc16_staging_form(tile.staging);
       oa.Tj = int(std::max<int64_t>(tile.cols, 1));
     }
     check_smem(outer_tc16_smem_bytes(oa.H, oa.Ti, oa.Tj, form), dev, "16-bit tensor-core outer-product");
@@ -2187,8 +2193,8 @@ std::vector<int64_t> small_tc_plan_cuda(const at::Tensor& like, int64_t B, int64
 }
 
 // mma_sync_tile for a block that may take smem_optin bytes (host code only, any device; for
-// tests): [columns, 1 with half stages, 1 with half W chunks, the block's shared memory in bytes],
-// or [] where none fits.
+// tests): [columns, 1 with half stages, 1 with half W chunks, 1 with a narrow phase 1, the block's
+// shared memory in bytes], or [] where none fits.
 std::vector<int64_t> mma_sync_tile_query(const at::Tensor&, int64_t H, int64_t N, int64_t Ti, bool operands16,
                                          int64_t smem_optin) {
   FLASHOPM_CHECK(H >= 8 && H % 8 == 0 && H <= kMaxHidden && N >= 1 && Ti >= 1 && Ti * H <= kOuterMT && smem_optin > 0,
@@ -2197,10 +2203,9 @@ std::vector<int64_t> mma_sync_tile_query(const at::Tensor&, int64_t H, int64_t N
                  ", smem_optin=", smem_optin);
   const MmaSyncTile t = mma_sync_tile_within(H, N, Ti, operands16, smem_optin);
   if (t.cols == 0) return {};
-  const int bytes = operands16 ? outer_tc16_smem_bytes(int(H), int(Ti), int(t.cols),
-                                                       t.staging.half_stages ? kT16MmaSyncHalfStages : kT16MmaSync)
+  const int bytes = operands16 ? outer_tc16_smem_bytes(int(H), int(Ti), int(t.cols), tc16_staging_form(t.staging))
                                : outer_tc_smem_bytes(int(H), int(Ti), int(t.cols), false, false, t.staging);
-  return {t.cols, t.staging.half_stages ? 1 : 0, t.staging.half_w ? 1 : 0, bytes};
+  return {t.cols, t.staging.half_stages ? 1 : 0, t.staging.half_w ? 1 : 0, t.staging.narrow ? 1 : 0, bytes};
 }
 
 // [compute capability major, minor, DeviceInfo::arch, 1 where wgmma_runs_on, 1 where

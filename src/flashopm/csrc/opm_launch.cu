@@ -511,17 +511,22 @@ int loaded_code_arch() {
 }
 
 namespace {
-template <typename T, bool kWgmma, bool kWgmmaBoth, int kBK = kT16BK>
+template <typename T, bool kWgmma, bool kWgmmaBoth, int kBK = kT16BK, int kNT = kTcNT>
 void launch_tc16_t(const OuterArgs& args, const dim3& grid, int smem, cudaStream_t stream) {
-  constexpr auto kernel = opm_outer_tc16_kernel<T, kWgmma, kWgmmaBoth, kBK>;
+  constexpr auto kernel = opm_outer_tc16_kernel<T, kWgmma, kWgmmaBoth, kBK, kNT>;
   launch_kernel<kernel, SmemSetup::kOptIn>(grid, kTcThreads, smem, stream, args);
 }
 template <typename T>
 void launch_tc16_form(const OuterArgs& args, int form, const dim3& grid, int smem, cudaStream_t stream) {
-  if (form == kT16WgmmaBoth) launch_tc16_t<T, true, true>(args, grid, smem, stream);
-  else if (form == kT16WgmmaPhase1) launch_tc16_t<T, true, false>(args, grid, smem, stream);
-  else if (form == kT16MmaSyncHalfStages) launch_tc16_t<T, false, false, kT16BKSmall>(args, grid, smem, stream);
-  else launch_tc16_t<T, false, false>(args, grid, smem, stream);
+  switch (form) {
+    case kT16WgmmaBoth: return launch_tc16_t<T, true, true>(args, grid, smem, stream);
+    case kT16WgmmaPhase1: return launch_tc16_t<T, true, false>(args, grid, smem, stream);
+    case kT16MmaSyncHalfStages: return launch_tc16_t<T, false, false, kT16BKSmall>(args, grid, smem, stream);
+    case kT16MmaSyncNarrow: return launch_tc16_t<T, false, false, kT16BK, kT16NTNarrow>(args, grid, smem, stream);
+    case kT16MmaSyncNarrowHalfStages:
+      return launch_tc16_t<T, false, false, kT16BKSmall, kT16NTNarrow>(args, grid, smem, stream);
+    default: return launch_tc16_t<T, false, false>(args, grid, smem, stream);
+  }
 }
 }  // namespace
 

@@ -359,8 +359,9 @@ constexpr int kTcKCSmall = kTcKC / 2;
 FLASHOPM_HD constexpr int tc_stage_floats(int bk) { return bk * (kTcLdA + kTcLdB); }
 FLASHOPM_HD constexpr int tc_w_floats(int kc) { return kTcWStages * kTcDG * (kc + 4); }
 struct TcMmaSyncStaging {
-  bool half_stages = false;  // kTcBKSmall
-  bool half_w = false;       // kTcKCSmall
+  bool half_stages = false;  // kTcBKSmall (the 16-bit kernel: kT16BKSmall)
+  bool half_w = false;       // kTcKCSmall (the float32 kernel only)
+  bool narrow = false;       // phase 1 kT16NTNarrow wide (the 16-bit kernel only)
 };
 
 // Phase 1 of the tensor-core kernel on warpgroup MMAs (sm_90a; a and b in the K-major TF32
@@ -418,10 +419,14 @@ constexpr int kT16Stages = 3;
 constexpr int kT16LdA = kTcMT + 8;  // row strides of 16 bytes (mod 128): conflict-free ldmatrix
 constexpr int kT16LdB = kTcNT + 8;
 constexpr int kT16StageElems = kT16BK * (kT16LdA + kT16LdB);
-// Half the s per stage for GPUs with less shared memory than sm_90's (as kTcBKSmall): 76.8 KB of
-// stages where kT16BK's take 153.6.  The same k-steps in the same order.
+// For GPUs with less shared memory than sm_90's the mma.sync form may take half the s per stage
+// (kT16BKSmall: 76.8 KB of stages where kT16BK's take 153.6) and, where a column tile holds at
+// most kT16NTNarrow columns (j, h2), a phase 1 of that width (each warp 64 x 32, half the stage
+// of B): the narrower tiles those GPUs take then leave no MMA unused.  The same k-steps in the
+// same order either way, so the same sums.
 constexpr int kT16BKSmall = kT16BK / 2;
-FLASHOPM_HD constexpr int tc16_stage_elems(int bk) { return bk * (kT16LdA + kT16LdB); }
+constexpr int kT16NTNarrow = kTcNT / 2;
+FLASHOPM_HD constexpr int tc16_stage_elems(int bk, int nt = kTcNT) { return bk * (kT16LdA + nt + 8); }
 constexpr int kT16KC = 64;
 constexpr int kT16LdW = kT16KC + 8;
 constexpr int kT16WStages = 3;
@@ -439,9 +444,25 @@ constexpr int kT16WgABytes = (kTcMT / 64) * kT16WgGroupBytes;
 constexpr int kT16WgStageBytes = kT16WgABytes + (kTcNT / 64) * kT16WgGroupBytes;
 
 // Forms of the 16-bit kernel: mma.sync throughout; phase 1 on wgmma; both phases on wgmma (needs
-// the block's pairs in whole rounds of kT16RoundRows); mma.sync with stages of kT16BKSmall (GPUs
-// with less shared memory than sm_90's).
-enum Tc16Form : int { kT16MmaSync = 0, kT16WgmmaPhase1 = 1, kT16WgmmaBoth = 2, kT16MmaSyncHalfStages = 3 };
+// the block's pairs in whole rounds of kT16RoundRows); then, for GPUs with less shared memory than
+// sm_90's, mma.sync with stages of kT16BKSmall, with phase 1 kT16NTNarrow wide, or both.
+enum Tc16Form : int {
+  kT16MmaSync = 0,
+  kT16WgmmaPhase1 = 1,
+  kT16WgmmaBoth = 2,
+  kT16MmaSyncHalfStages = 3,
+  kT16MmaSyncNarrow = 4,
+  kT16MmaSyncNarrowHalfStages = 5,
+};
+FLASHOPM_HD constexpr int tc16_form_bk(int form) {
+  return form == kT16MmaSyncHalfStages || form == kT16MmaSyncNarrowHalfStages ? kT16BKSmall : kT16BK;
+}
+FLASHOPM_HD constexpr int tc16_form_nt(int form) { return form >= kT16MmaSyncNarrow ? kT16NTNarrow : kTcNT; }
+// The mma.sync form of stage depth bk and phase-1 width nt.
+FLASHOPM_HD constexpr int tc16_mma_sync_form(int bk, int nt) {
+  return nt == kTcNT ? (bk == kT16BK ? kT16MmaSync : kT16MmaSyncHalfStages)
+                     : (bk == kT16BK ? kT16MmaSyncNarrow : kT16MmaSyncNarrowHalfStages);
+}
 // Phase 2 of the last form: W chunks of 64 k for kTcDG rows of d (128-byte rows, swizzled),
 // kT16Wg2Stages deep.
 constexpr int kT16Wg2ChunkBytes = kTcDG * 128;
@@ -460,7 +481,7 @@ struct Tc16Layout {
 };
 FLASHOPM_HD inline int round_up1k(int x) { return (x + 1023) & ~1023; }
 FLASHOPM_HD inline Tc16Layout tc16_layout(int H, int Ti, int Tj, int form) {
-  const int bk = form == kT16MmaSyncHalfStages ? kT16BKSmall : kT16BK;  // s per stage of mma.sync
+  const int bk = tc16_form_bk(form), nt = tc16_form_nt(form);  // the mma.sync forms' stage
   Tc16Layout L{};
   L.ldo = H * H + 8;
   int end;
@@ -481,7 +502,7 @@ FLASHOPM_HD inline Tc16Layout tc16_layout(int H, int Ti, int Tj, int form) {
     const int red = L.w + kT16RoundRows * (kTcDG + 4) * 4;
     if (end < red) end = red;
     const int stages_end = form == kT16WgmmaPhase1 ? L.stages + 1024 + kT16WgStages * kT16WgStageBytes
-                                                   : L.stages + kT16Stages * tc16_stage_elems(bk) * 2;
+                                                   : L.stages + kT16Stages * tc16_stage_elems(bk, nt) * 2;
     if (end < stages_end) end = stages_end;
   }
   L.rows = end;  // 16-byte aligned

@@ -23,19 +23,20 @@
 
 namespace flashopm {
 
-// kBK: s per stage of the mma.sync form (kT16BK; kT16BKSmall on GPUs with less shared memory).
-template <typename T, bool kWgmma, bool kWgmmaBoth, int kBK = kT16BK>
+// kBK, kNT: s per stage and phase 1's columns (j, h2) in the mma.sync form (kT16BK and kTcNT;
+// kT16BKSmall and kT16NTNarrow on GPUs with less shared memory; kNT >= Tj·H).
+template <typename T, bool kWgmma, bool kWgmmaBoth, int kBK = kT16BK, int kNT = kTcNT>
 __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const OuterArgs p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   static_assert(kWgmma || !kWgmmaBoth, "phase 2 on wgmma needs phase 1 on wgmma");
   static_assert(kBK == kT16BK || (kBK == kT16BKSmall && !kWgmma), "half stages for the mma.sync form alone");
+  static_assert(kNT == kTcNT || (kNT == kT16NTNarrow && !kWgmma), "a narrower phase 1 for the mma.sync form alone");
   extern __shared__ float4 smem_f4[];
   char* smem = reinterpret_cast<char*>(smem_f4);
   if constexpr (kWgmmaBoth)  // the swizzle follows address bits 4-9: every tile from a 1 KB boundary
     smem = align_smem_1k(smem);
   const Tc16Layout L =
-      tc16_layout(p.H, p.Ti, p.Tj,
-                  kWgmmaBoth ? kT16WgmmaBoth : kWgmma ? kT16WgmmaPhase1 : kBK == kT16BK ? kT16MmaSync : kT16MmaSyncHalfStages);
+      tc16_layout(p.H, p.Ti, p.Tj, kWgmmaBoth ? kT16WgmmaBoth : kWgmma ? kT16WgmmaPhase1 : tc16_mma_sync_form(kBK, kNT));
   T* Os = reinterpret_cast<T*>(smem);                  // [P][ldo]
   T* stages = reinterpret_cast<T*>(smem + L.stages);   // mma.sync: [kT16Stages][BK][LdA + LdB]
   T* Wst = reinterpret_cast<T*>(smem + L.w);           // [kT16WStages][DG][LdW]
@@ -245,24 +246,26 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
       }
     }
   } else {
-  // warps 2 (m) x 4 (n), 64 x 64 each, mma.sync fed by ldmatrix
+  // warps 2 (m) x 4 (n), 64 x kNT / 4 each, mma.sync fed by ldmatrix
   const int wm = warp & 1, wn = warp >> 1;
-  constexpr int kStageElems = tc16_stage_elems(kBK);
+  constexpr int kLdB = kNT + 8;  // kT16LdB for kTcNT; 16 bytes (mod 128) either way
+  constexpr int kWarpN = kNT / 4, kNTiles = kWarpN / 8;
+  constexpr int kStageElems = tc16_stage_elems(kBK, kNT);
   const int n_k = (S + kBK - 1) / kBK;
   // Lane offsets of the transposed fragment loads: A's matrices are (k 0-7 | 8-15) x (m 0-7 | 8-15)
   // in the order a0..a3 of the MMA; B's are (k 0-7, n 0-7), (k 8-15, n 0-7), then n 8-15.
   const int a_off = ((lq >> 1) * 8 + lr) * kT16LdA + wm * 64 + (lq & 1) * 8;
-  const int b_off = ((lq & 1) * 8 + lr) * kT16LdB + wn * 64 + (lq >> 1) * 8;
+  const int b_off = ((lq & 1) * 8 + lr) * kLdB + wn * kWarpN + (lq >> 1) * 8;
 
   // This thread's 16-byte pieces of a stage: A rows k = tid/16 + 16u at column m, B rows
   // k = tid/32 + 8u at column n.  Sources advance by a stage's rows per stage issued; a piece past
   // S, past the tile's valid columns, or of a stage past the last is zero-filled (and not read).
-  constexpr int kAPieces = kBK * kTcMT / 8 / kTcThreads, kBPieces = kBK * kTcNT / 8 / kTcThreads;
-  constexpr int kARowStep = kTcThreads / (kTcMT / 8), kBRowStep = kTcThreads / (kTcNT / 8);
+  constexpr int kAPieces = kBK * kTcMT / 8 / kTcThreads, kBPieces = kBK * kNT / 8 / kTcThreads;
+  constexpr int kARowStep = kTcThreads / (kTcMT / 8), kBRowStep = kTcThreads / (kNT / 8);
   const int a_k = tid / (kTcMT / 8), a_m = (tid % (kTcMT / 8)) * 8;
-  const int b_k = tid / (kTcNT / 8), b_n = (tid % (kTcNT / 8)) * 8;
+  const int b_k = tid / (kNT / 8), b_n = (tid % (kNT / 8)) * 8;
   const bool a_col_ok = a_m < a_lim;
-  const int a_dst = a_k * kT16LdA + a_m, b_dst = kBK * kT16LdA + b_k * kT16LdB + b_n;
+  const int a_dst = a_k * kT16LdA + a_m, b_dst = kBK * kT16LdA + b_k * kLdB + b_n;
 
   for (int js = 0; js < kT16JSub; ++js) {
     const int jt0 = j0 + js * Tj;
@@ -280,7 +283,7 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
 #pragma unroll
       for (int u = 0; u < kBPieces; ++u) {
         const bool ok = b_col_ok && s_next + b_k + u * kBRowStep < S;
-        cp_async16z(st + b_dst + u * kBRowStep * kT16LdB, ok ? b_src + int64_t(u * kBRowStep) * NH : b_g, ok);
+        cp_async16z(st + b_dst + u * kBRowStep * kLdB, ok ? b_src + int64_t(u * kBRowStep) * NH : b_g, ok);
       }
       s_next += kBK;
       a_src += int64_t(kBK) * NaH;
@@ -293,7 +296,7 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
       cp_async_commit();
     }
 
-    float acc[4][8][4];
+    float acc[4][kNTiles][4];
     zero_tiles(acc);
 
     for (int kt = 0; kt < n_k; ++kt) {
@@ -305,11 +308,11 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
       const T* Bs = As + kBK * kT16LdA;
 #pragma unroll
       for (int kk = 0; kk < kBK; kk += 16) {
-        uint32_t af[4][4], bf[4][4];
+        uint32_t af[4][4], bf[kNTiles / 2][4];
 #pragma unroll
         for (int mt = 0; mt < 4; ++mt) ldmatrix_x4_trans(af[mt], As + kk * kT16LdA + a_off + mt * 16);
 #pragma unroll
-        for (int np = 0; np < 4; ++np) ldmatrix_x4_trans(bf[np], Bs + kk * kT16LdB + b_off + np * 16);
+        for (int np = 0; np < kNTiles / 2; ++np) ldmatrix_x4_trans(bf[np], Bs + kk * kLdB + b_off + np * 16);
         mma_16bit_tiles<T>(acc, af, bf);
       }
     }
@@ -318,10 +321,10 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
 
     // O as [pair][h1·H + h2], pair = js·P1 + il·Tj + jl, rounded to T.
     T* Ot = Os + js * P1 * L.ldo;
-    int col_off[8];  // -1: a column past the tile
+    int col_off[kNTiles];  // -1: a column past the tile
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-      const int n = wn * 64 + nt * 8 + 2 * t;
+    for (int nt = 0; nt < kNTiles; ++nt) {
+      const int n = wn * kWarpN + nt * 8 + 2 * t;
       const int jl = n / H;
       col_off[nt] = jl < Tj ? jl * L.ldo + n - jl * H : -1;
     }
@@ -334,7 +337,7 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
         const bool row_ok = il < Ti;
         T* orow_w = Ot + il * Tj * L.ldo + (m - il * H) * H;
 #pragma unroll
-        for (int nt = 0; nt < 8; ++nt)
+        for (int nt = 0; nt < kNTiles; ++nt)
           if (row_ok && col_off[nt] >= 0)
             *reinterpret_cast<uint32_t*>(orow_w + col_off[nt]) =
                 pack_16bit<T>(acc[mt][nt][2 * half], acc[mt][nt][2 * half + 1]);
