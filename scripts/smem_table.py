@@ -5,9 +5,9 @@ without a GPU: compiles a small host program over the layout functions with the 
 
 Prints, per hidden size and column tile (Tj halved from the full tile), the float32 tensor-core
 kernel's mma.sync form (full stages and W chunks; half stages; half W chunks; both halved) and
-wgmma forms, and the 16-bit kernel's mma.sync form (full and half stages; then, where the tile's
-columns fit in it, with phase 1 half as wide); first the fixed sizes (the CUDA-core kernel, the
-backward's kernels).  Opt-in limits: sm_90 and sm_100 232448 bytes,
+wgmma forms, and the 16-bit kernel's mma.sync form (full and half stages); then, where the
+tile's columns fit in it, both kernels with phase 1 half as wide (16-bit: full and half stages;
+float32 as above); first the fixed sizes (the CUDA-core kernel, the backward's kernels).  Opt-in limits: sm_90 and sm_100 232448 bytes,
 A100 166912, sm_86, sm_89 and sm_120 101376.
 """
 import argparse
@@ -34,8 +34,12 @@ int main(int argc, char** argv) {
              tc_layout(H, Ti, tj, false, false, kTcBKSmall, kTcKCSmall).total * 4, tc_layout(H, Ti, tj, true).total * 4,
              tc16_layout(H, Ti, tj, kT16MmaSync).total, tc16_layout(H, Ti, tj, kT16MmaSyncHalfStages).total);
       if (tj * H <= kT16NTNarrow)
-        printf(" narrow %6d %6d", tc16_layout(H, Ti, tj, kT16MmaSyncNarrow).total,
-               tc16_layout(H, Ti, tj, kT16MmaSyncNarrowHalfStages).total);
+        printf(" narrow %6d %6d; float32 narrow %6d %6d %6d %6d", tc16_layout(H, Ti, tj, kT16MmaSyncNarrow).total,
+               tc16_layout(H, Ti, tj, kT16MmaSyncNarrowHalfStages).total,
+               tc_layout(H, Ti, tj, false, false, kTcBK, kTcKC, kTcNTNarrow).total * 4,
+               tc_layout(H, Ti, tj, false, false, kTcBKSmall, kTcKC, kTcNTNarrow).total * 4,
+               tc_layout(H, Ti, tj, false, false, kTcBK, kTcKCSmall, kTcNTNarrow).total * 4,
+               tc_layout(H, Ti, tj, false, false, kTcBKSmall, kTcKCSmall, kTcNTNarrow).total * 4);
       printf("\n");
       if (tj == 1) break;
     }

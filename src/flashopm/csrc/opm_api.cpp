@@ -649,11 +649,11 @@ int tc16_staging_form(const TcMmaSyncStaging& staging) {
 // The outer-first tensor-core kernels' column tile (residues j per block) in their mma.sync forms,
 // with their staging (TcMmaSyncStaging): kOuterNT / H columns (phase 1's), fewer where N is
 // smaller, halved until a block of Ti rows fits the GPU's shared memory; at each width full stages
-// and W chunks first, then half stages (the same sums), then half W chunks (float32).  The 16-bit
-// kernel's phase 1 is kT16NTNarrow wide where the tile's columns fit in that.  At hidden 32: an
-// A100's 163 KB takes all 8 columns in float32 (half W chunks), 4 with 16-bit operands (a narrow
-// phase 1); a 99 KB GPU (sm_86, sm_89, sm_120) 4 in float32 (half stages and W chunks) and 2 with
-// 16-bit operands (narrow, half stages).  cols 0 where not even one column fits.
+// and W chunks first, then half stages (the same sums), then half W chunks (float32).  Phase 1 is
+// half as wide where the tile's columns fit in that (the same sums).  At hidden 32: an A100's
+// 163 KB takes all 8 columns in float32 (half W chunks), 4 with 16-bit operands (a narrow phase
+// 1); a 99 KB GPU (sm_86, sm_89, sm_120) 4 in float32 (narrow, half stages and W chunks) and 2
+// with 16-bit operands (narrow, half stages).  cols 0 where not even one column fits.
 struct MmaSyncTile {
   int64_t cols = 0;
   TcMmaSyncStaging staging;
@@ -663,7 +663,7 @@ MmaSyncTile mma_sync_tile_within(int64_t H, int64_t N, int64_t Ti, bool operands
   for (int64_t tj = std::max<int64_t>(std::min<int64_t>(kOuterNT / H, N), 1);; tj = (tj + 1) / 2) {
     for (TcMmaSyncStaging staging : kOrder) {
       if (operands16 && staging.half_w) continue;  // the 16-bit kernel keeps its W chunks
-      staging.narrow = operands16 && tj * H <= kT16NTNarrow;
+      staging.narrow = tj * H <= (operands16 ? kT16NTNarrow : kTcNTNarrow);
       const int bytes = operands16 ? outer_tc16_smem_bytes(int(H), int(Ti), int(tj), tc16_staging_form(staging))
                                    : outer_tc_smem_bytes(int(H), int(Ti), int(tj), false, false, staging);
       if (bytes <= optin) return {tj, staging};

@@ -426,26 +426,36 @@ void launch_outer(const OuterArgs& args, cudaStream_t stream) {
 
 int outer_tc_smem_bytes(int H, int Ti, int Tj, bool wgmma, bool wgmma2, TcMmaSyncStaging staging) {
   return tc_layout(H, Ti, Tj, wgmma, wgmma2, staging.half_stages ? kTcBKSmall : kTcBK,
-                   staging.half_w ? kTcKCSmall : kTcKC)
+                   staging.half_w ? kTcKCSmall : kTcKC, staging.narrow ? kTcNTNarrow : kTcNT)
              .total *
          int(sizeof(float));
 }
 
 namespace {
-template <int kTerms, bool kWgmma, bool kWgmma2, bool kHalfSplit = false, int kBK = kTcBK, int kKC = kTcKC>
+template <int kTerms, bool kWgmma, bool kWgmma2, bool kHalfSplit = false, int kBK = kTcBK, int kKC = kTcKC,
+          int kNT = kTcNT>
 void launch_tc_t(const OuterArgs& args, const dim3& grid, int smem, cudaStream_t stream) {
-  constexpr auto kernel = opm_outer_tc_kernel<kTerms, kWgmma, kWgmma2, kHalfSplit, kBK, kKC>;
+  constexpr auto kernel = opm_outer_tc_kernel<kTerms, kWgmma, kWgmma2, kHalfSplit, kBK, kKC, kNT>;
   launch_kernel<kernel, SmemSetup::kOptIn>(grid, kTcThreads, smem, stream, args);
 }
-// The mma.sync form with its stage and W chunk sizes.
+// The mma.sync form with its staging: stage depth, W chunk, phase 1's width.
+template <int kTerms, int kBK, int kKC>
+void launch_tc_mma_sync_nt(const OuterArgs& args, TcMmaSyncStaging staging, const dim3& grid, int smem,
+                           cudaStream_t stream) {
+  if (staging.narrow) launch_tc_t<kTerms, false, false, false, kBK, kKC, kTcNTNarrow>(args, grid, smem, stream);
+  else launch_tc_t<kTerms, false, false, false, kBK, kKC>(args, grid, smem, stream);
+}
+template <int kTerms, int kBK>
+void launch_tc_mma_sync_kc(const OuterArgs& args, TcMmaSyncStaging staging, const dim3& grid, int smem,
+                           cudaStream_t stream) {
+  if (staging.half_w) launch_tc_mma_sync_nt<kTerms, kBK, kTcKCSmall>(args, staging, grid, smem, stream);
+  else launch_tc_mma_sync_nt<kTerms, kBK, kTcKC>(args, staging, grid, smem, stream);
+}
 template <int kTerms>
 void launch_tc_mma_sync(const OuterArgs& args, TcMmaSyncStaging staging, const dim3& grid, int smem,
                         cudaStream_t stream) {
-  if (staging.half_stages && staging.half_w)
-    launch_tc_t<kTerms, false, false, false, kTcBKSmall, kTcKCSmall>(args, grid, smem, stream);
-  else if (staging.half_stages) launch_tc_t<kTerms, false, false, false, kTcBKSmall>(args, grid, smem, stream);
-  else if (staging.half_w) launch_tc_t<kTerms, false, false, false, kTcBK, kTcKCSmall>(args, grid, smem, stream);
-  else launch_tc_t<kTerms, false, false>(args, grid, smem, stream);
+  if (staging.half_stages) launch_tc_mma_sync_kc<kTerms, kTcBKSmall>(args, staging, grid, smem, stream);
+  else launch_tc_mma_sync_kc<kTerms, kTcBK>(args, staging, grid, smem, stream);
 }
 }  // namespace
 
@@ -454,8 +464,10 @@ void launch_outer_tc(const OuterArgs& args, int terms, bool wgmma, bool wgmma2, 
   const dim3 grid(unsigned((args.N + args.Tj - 1) / args.Tj), unsigned((args.Na + args.Ti - 1) / args.Ti),
                   unsigned(args.B));
   const int smem = outer_tc_smem_bytes(args.H, args.Ti, args.Tj, wgmma, wgmma2, staging);
-  TORCH_CHECK(!wgmma || (!staging.half_stages && !staging.half_w),
+  TORCH_CHECK(!wgmma || (!staging.half_stages && !staging.half_w && !staging.narrow),
               "flashopm: internal error: smaller stages for the mma.sync form alone");
+  TORCH_CHECK(!staging.narrow || args.Tj * args.H <= kTcNTNarrow,
+              "flashopm: internal error: a narrow phase 1 for a column tile wider than it");
   if (!wgmma) {
     if (terms == 3) launch_tc_mma_sync<3>(args, staging, grid, smem, stream);
     else launch_tc_mma_sync<1>(args, staging, grid, smem, stream);

@@ -353,15 +353,17 @@ constexpr int kTcWFloats = kTcWStages * kTcDG * kTcLdW;
 // per W chunk of phase 2 (kTcKCSmall: 30.7 KB of W stages where kTcKC's take 55.3, which lets an
 // A100 take the full column tile at hidden 32; each chunk's partial sums are then of 8 k, not 16,
 // so the results round differently).  Row stride kTcKCSmall + 4 = 20 keeps the fragment reads
-// conflict-free.
+// conflict-free.  Where a column tile holds at most kTcNTNarrow columns (j, h2), phase 1 may be
+// that wide (each warp 64 x 32): no MMA unused, half the B stage, the same sums.
 constexpr int kTcBKSmall = kTcBK / 2;
 constexpr int kTcKCSmall = kTcKC / 2;
-FLASHOPM_HD constexpr int tc_stage_floats(int bk) { return bk * (kTcLdA + kTcLdB); }
+constexpr int kTcNTNarrow = kTcNT / 2;
+FLASHOPM_HD constexpr int tc_stage_floats(int bk, int nt = kTcNT) { return bk * (kTcLdA + nt + 8); }
 FLASHOPM_HD constexpr int tc_w_floats(int kc) { return kTcWStages * kTcDG * (kc + 4); }
 struct TcMmaSyncStaging {
   bool half_stages = false;  // kTcBKSmall (the 16-bit kernel: kT16BKSmall)
   bool half_w = false;       // kTcKCSmall (the float32 kernel only)
-  bool narrow = false;       // phase 1 kT16NTNarrow wide (the 16-bit kernel only)
+  bool narrow = false;       // phase 1 kTcNTNarrow wide (the 16-bit kernel: kT16NTNarrow)
 };
 
 // Phase 1 of the tensor-core kernel on warpgroup MMAs (sm_90a; a and b in the K-major TF32
@@ -389,10 +391,10 @@ constexpr int kTcWg2ChunkBytes = kTcDG * 128;
 FLASHOPM_HD inline bool tc_phase2_wgmma(int terms, bool wgmma, int Ti, int Tj) {
   return wgmma && terms == 1 && (Ti * Tj) % kTcRoundRows == 0;
 }
-// bk, kc: s per stage of phase 1's mma.sync form (kTcBK or kTcBKSmall), k per W chunk of phase 2's
-// (kTcKC or kTcKCSmall).
+// bk, kc, nt: s per stage and columns of phase 1's mma.sync form (kTcBK or kTcBKSmall, kTcNT or
+// kTcNTNarrow), k per W chunk of phase 2's (kTcKC or kTcKCSmall).
 FLASHOPM_HD inline TcLayout tc_layout(int H, int Ti, int Tj, bool wgmma, bool wgmma2 = false, int bk = kTcBK,
-                                      int kc = kTcKC) {
+                                      int kc = kTcKC, int nt = kTcNT) {
   TcLayout L{};
   L.ldo = H * H + 4;
   L.w = Ti * Tj * L.ldo;
@@ -400,7 +402,7 @@ FLASHOPM_HD inline TcLayout tc_layout(int H, int Ti, int Tj, bool wgmma, bool wg
   const int w_floats = wgmma2 && kTcWg2Stages * kTcWg2ChunkBytes / 4 > kTcWFloats ? kTcWg2Stages * kTcWg2ChunkBytes / 4
                                                                                    : tc_w_floats(kc);
   int o = L.w + w_floats;
-  const int stages = wgmma ? kTcWgStages * kTcWgStageBytes / 4 : kTcStages * tc_stage_floats(bk);
+  const int stages = wgmma ? kTcWgStages * kTcWgStageBytes / 4 : kTcStages * tc_stage_floats(bk, nt);
   if (o < stages) o = stages;
   L.den = o;
   o += round_up4(Ti);

@@ -29,20 +29,23 @@
 
 namespace flashopm {
 
-// kBK, kKC: s per stage of phase 1's mma.sync form and k per W chunk of phase 2's (kTcBK and kTcKC;
-// kTcBKSmall and kTcKCSmall on GPUs with less shared memory than sm_90's).
-template <int kTerms, bool kWgmma, bool kWgmma2, bool kHalfSplit = false, int kBK = kTcBK, int kKC = kTcKC>
+// kBK, kKC, kNT: s per stage and columns (j, h2) of phase 1's mma.sync form, k per W chunk of phase
+// 2's (kTcBK, kTcKC, kTcNT; kTcBKSmall, kTcKCSmall, kTcNTNarrow on GPUs with less shared memory
+// than sm_90's; kNT >= Tj·H).
+template <int kTerms, bool kWgmma, bool kWgmma2, bool kHalfSplit = false, int kBK = kTcBK, int kKC = kTcKC,
+          int kNT = kTcNT>
 __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const OuterArgs p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   static_assert(!kWgmma2 || (kWgmma && (kTerms == 1 || kHalfSplit)), "phase 2 on wgmma: TF32 after phase 1 on wgmma");
   static_assert(!kHalfSplit || (kWgmma2 && kTerms == 3), "the float16 split form runs both phases on wgmma");
   static_assert(kBK == kTcBK || (kBK == kTcBKSmall && !kWgmma), "half stages for the mma.sync form alone");
   static_assert(kKC == kTcKC || (kKC == kTcKCSmall && !kWgmma), "half W chunks for the mma.sync form alone");
+  static_assert(kNT == kTcNT || (kNT == kTcNTNarrow && !kWgmma), "a narrower phase 1 for the mma.sync form alone");
   extern __shared__ float4 smem_f4[];
   float* smem = reinterpret_cast<float*>(smem_f4);
   if constexpr (kWgmma)  // the swizzle follows address bits 4-9: stages from a 1 KB boundary
     smem = reinterpret_cast<float*>(align_smem_1k(reinterpret_cast<char*>(smem)));
-  const TcLayout L = tc_layout(p.H, p.Ti, p.Tj, kWgmma, kWgmma2, kBK, kKC);
+  const TcLayout L = tc_layout(p.H, p.Ti, p.Tj, kWgmma, kWgmma2, kBK, kKC, kNT);
   float* den_s = smem + L.den;
   int64_t* row_off = reinterpret_cast<int64_t*>(smem + L.rows);         // [kTcRoundRows]
   float* norm_arg = reinterpret_cast<float*>(row_off + kTcRoundRows);   // [kTcRoundRows]
@@ -336,20 +339,22 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const Outer
       }
     }
   } else {
-  // ---------------- phase 1: warps 2 (m) x 4 (n), 64 x 64 each ----------------
+  // ---------------- phase 1: warps 2 (m) x 4 (n), 64 x kNT / 4 each ----------------
   const int wm = warp & 1, wn = warp >> 1;
-  float acc[4][8][4];
+  constexpr int kLdB = kNT + 8;  // kTcLdB for kTcNT; 8 (mod 32) either way
+  constexpr int kWarpN = kNT / 4, kNTiles = kWarpN / 8;
+  float acc[4][kNTiles][4];
 #pragma unroll
   for (int mt = 0; mt < 4; ++mt)
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt)
+    for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.f;
 
   const float* a_base = static_cast<const float*>(p.a) + int64_t(b) * S * NaH + int64_t(i0) * H;
   const float* b_base = static_cast<const float*>(p.b) + int64_t(b) * S * NH + int64_t(j0) * H;
 
-  constexpr int kStageFloats = tc_stage_floats(kBK);
+  constexpr int kStageFloats = tc_stage_floats(kBK, kNT);
   auto load_stage = [&](int buf, int s0) {
     float* As = smem + buf * kStageFloats;  // [BK][LdA]
     float* Bs = As + kBK * kTcLdA;          // [BK][LdB]
@@ -361,11 +366,11 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const Outer
       cp_async16z(&As[k * kTcLdA + m], ok ? a_base + int64_t(s0 + k) * NaH + m : a_base, ok);
     }
 #pragma unroll
-    for (int u = 0; u < kBK * kTcNT / 4 / kTcThreads; ++u) {
+    for (int u = 0; u < kBK * kNT / 4 / kTcThreads; ++u) {
       const int idx = tid + u * kTcThreads;
-      const int k = idx / (kTcNT / 4), n = (idx % (kTcNT / 4)) * 4;
+      const int k = idx / (kNT / 4), n = (idx % (kNT / 4)) * 4;
       const bool ok = (s0 + k < S) && (n < b_lim);
-      cp_async16z(&Bs[k * kTcLdB + n], ok ? b_base + int64_t(s0 + k) * NH + n : b_base, ok);
+      cp_async16z(&Bs[k * kLdB + n], ok ? b_base + int64_t(s0 + k) * NH + n : b_base, ok);
     }
   };
 
@@ -384,7 +389,7 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const Outer
     if (next < n_k) load_stage(next % kTcStages, next * kBK);
     cp_async_commit();
     const float* As = smem + (kt % kTcStages) * kStageFloats + wm * 64 + g;
-    const float* Bs = smem + (kt % kTcStages) * kStageFloats + kBK * kTcLdA + wn * 64 + g;
+    const float* Bs = smem + (kt % kTcStages) * kStageFloats + kBK * kTcLdA + wn * kWarpN + g;
 #pragma unroll
     for (int kk = 0; kk < kBK; kk += 8) {
       uint32_t a_hi[4][4], a_lo[4][4];
@@ -397,11 +402,11 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const Outer
         split_tf32<kTerms>(ap[4 * kTcLdA + 8], a_hi[mt][3], a_lo[mt][3]);
       }
 #pragma unroll
-      for (int nt = 0; nt < 8; ++nt) {
-        const float* bp = Bs + (kk + t) * kTcLdB + nt * 8;
+      for (int nt = 0; nt < kNTiles; ++nt) {
+        const float* bp = Bs + (kk + t) * kLdB + nt * 8;
         uint32_t bh0, bh1, bl0 = 0, bl1 = 0;
         split_tf32<kTerms>(bp[0], bh0, bl0);
-        split_tf32<kTerms>(bp[4 * kTcLdB], bh1, bl1);
+        split_tf32<kTerms>(bp[4 * kLdB], bh1, bl1);
 #pragma unroll
         for (int mt = 0; mt < 4; ++mt) mma_split_add<kTerms>(acc[mt][nt], a_hi[mt], a_lo[mt], bh0, bh1, bl0, bl1);
       }
@@ -413,10 +418,10 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const Outer
   // O as [pair][h1·H + h2], pair = il·Tj + jl: a k-step of phase 2 reads 8 consecutive floats
   // of 16 pairs, conflict-free with the row stride H² + 4.
   {
-    int jl_of[8], h2_of[8];
+    int jl_of[kNTiles], h2_of[kNTiles];
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-      const int n = wn * 64 + nt * 8 + 2 * t;
+    for (int nt = 0; nt < kNTiles; ++nt) {
+      const int n = wn * kWarpN + nt * 8 + 2 * t;
       jl_of[nt] = n / H;
       h2_of[nt] = n - jl_of[nt] * H;
     }
@@ -428,7 +433,7 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const Outer
         const int il = m / H, h1 = m - il * H;
         if (il >= Ti) continue;
 #pragma unroll
-        for (int nt = 0; nt < 8; ++nt) {
+        for (int nt = 0; nt < kNTiles; ++nt) {
           if (jl_of[nt] >= Tj) continue;
           float* dst = Os + (il * Tj + jl_of[nt]) * L.ldo + h1 * H + h2_of[nt];
           *reinterpret_cast<float2*>(dst) = make_float2(acc[mt][nt][2 * half], acc[mt][nt][2 * half + 1]);
