@@ -5,9 +5,9 @@ and 99 KB (101376 bytes) on sm_86, sm_89 and sm_120 GPUs.  FLASHOPM_SMEM_LIMIT m
 plan as on such a GPU and caps every kernel's shared memory at it, so that a launch past it fails
 here as it would there.  flashopm reads it once per process: each limit runs in a process of its
 own, this file run as a script, which prints one JSON line per case and saves the outputs that
-the bits test compares.  Built with
-FLASHOPM_CUDA_ARCH_LIST="8.0+PTX" on an sm_90 GPU, the same cases run the code an A100 runs
-(the driver compiles its PTX; no clusters, programmatic launches or warpgroup MMAs).
+the bits test compares.  Built with FLASHOPM_CUDA_ARCH_LIST="8.0+PTX" on an sm_90 GPU, the same
+cases run the code an A100 runs (the driver compiles its PTX; no clusters, programmatic launches
+or warpgroup MMAs).  The planner's choices themselves are checked on the host, GPU or not.
 
 Each case is held to the foundation's rules: float32 "highest" within allclose(1e-4) of the
 float32 reference and at most 2x eager float32's error against float64; "high" at most 2x eager
@@ -27,6 +27,7 @@ import torch
 
 from conftest import requires_cuda, toolchain_or_skip
 
+H200_SMEM = 232448
 A100_SMEM = 166912
 SMALL_SMEM = 101376  # sm_86, sm_89, sm_120
 
@@ -37,7 +38,7 @@ SHAPES = [(1, 24, 70, 48, 32, 40), (2, 9, 33, 20, 16, 24), (1, 5, 20, 16, 64, 8)
 TRAINING_SHAPES = [(1, 24, 70, 48, 32, 40), (2, 9, 33, 20, 16, 24), (1, 5, 20, 16, 64, 8)]
 
 
-def _problem(shape, seed, dtype=torch.float32, mask_kind="masked_positions"):
+def _problem(shape, seed, mask_kind="masked_positions"):
     from flashopm.testing import Shape, make_problem
 
     x, m, p = make_problem(Shape(*shape), mask_kind, seed=seed)
@@ -178,9 +179,6 @@ def run_cases() -> list[dict]:
     record("rows", _rows_case, SHAPES[0])
     torch.cuda.synchronize()
     return results
-
-
-H200_SMEM = 232448
 
 
 @pytest.mark.parametrize("limit, H, operands16, expected", [
