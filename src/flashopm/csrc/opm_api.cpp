@@ -102,10 +102,9 @@ const DeviceInfo& device_info(int dev) {
         cudaDeviceGetAttribute(&infos[dev].cooperative_launch, cudaDevAttrCooperativeLaunch, dev));
     // FLASHOPM_SMEM_LIMIT (smem_limit_setting): plans as on a GPU whose blocks may opt in to that
     // much shared memory (its SMs 1 KB more).  Read once per process.
-    if (const char* e = std::getenv("FLASHOPM_SMEM_LIMIT"); e != nullptr && *e != 0) {
-      const long limit = smem_limit_setting();
+    if (const long limit = smem_limit_setting(); limit != 0) {
       FLASHOPM_CHECK(limit > 0, "flashopm: FLASHOPM_SMEM_LIMIT must be a number of bytes of at least 49152, got '",
-                     e, "'");
+                     std::getenv("FLASHOPM_SMEM_LIMIT"), "'");
       infos[dev].smem_optin = std::min(infos[dev].smem_optin, int(limit));
       infos[dev].smem_per_sm = std::min(infos[dev].smem_per_sm, int(limit) + 1024);
     }
@@ -657,6 +656,7 @@ int tc16_staging_form(const TcMmaSyncStaging& staging) {
 struct MmaSyncTile {
   int64_t cols = 0;
   TcMmaSyncStaging staging;
+  int bytes = 0;  // the block's shared memory
 };
 MmaSyncTile mma_sync_tile_within(int64_t H, int64_t N, int64_t Ti, bool operands16, int64_t optin) {
   constexpr TcMmaSyncStaging kOrder[4] = {{false, false}, {true, false}, {false, true}, {true, true}};
@@ -666,7 +666,7 @@ MmaSyncTile mma_sync_tile_within(int64_t H, int64_t N, int64_t Ti, bool operands
       staging.narrow = tj * H <= (operands16 ? kT16NTNarrow : kTcNTNarrow);
       const int bytes = operands16 ? outer_tc16_smem_bytes(int(H), int(Ti), int(tj), tc16_staging_form(staging))
                                    : outer_tc_smem_bytes(int(H), int(Ti), int(tj), false, false, staging);
-      if (bytes <= optin) return {tj, staging};
+      if (bytes <= optin) return {tj, staging, bytes};
     }
     if (tj == 1) return {};
   }
@@ -2203,9 +2203,7 @@ std::vector<int64_t> mma_sync_tile_query(const at::Tensor&, int64_t H, int64_t N
                  ", smem_optin=", smem_optin);
   const MmaSyncTile t = mma_sync_tile_within(H, N, Ti, operands16, smem_optin);
   if (t.cols == 0) return {};
-  const int bytes = operands16 ? outer_tc16_smem_bytes(int(H), int(Ti), int(t.cols), tc16_staging_form(t.staging))
-                               : outer_tc_smem_bytes(int(H), int(Ti), int(t.cols), false, false, t.staging);
-  return {t.cols, t.staging.half_stages ? 1 : 0, t.staging.half_w ? 1 : 0, t.staging.narrow ? 1 : 0, bytes};
+  return {t.cols, t.staging.half_stages ? 1 : 0, t.staging.half_w ? 1 : 0, t.staging.narrow ? 1 : 0, t.bytes};
 }
 
 // [compute capability major, minor, DeviceInfo::arch, 1 where wgmma_runs_on, 1 where

@@ -67,15 +67,15 @@ inline bool env_is(const char* name, const char* value) {
 
 // FLASHOPM_SMEM_LIMIT: the shared memory (bytes) a block may take, below the GPU's own, so that
 // the forms GPUs with less than this one's take run here (A100 166912; sm_86, sm_89 and sm_120
-// 101376); 0 where unset or not a number of at least 49152 bytes (device_info refuses those).
-// The planners read it through device_info, and allow_smem sets each kernel's limit to it, so
-// that a launch past it fails as it would on such a GPU.
+// 101376); 0 where unset, -1 where not a number of at least 49152 bytes (device_info refuses
+// that).  The planners read it through device_info, and allow_smem sets each kernel's limit to it,
+// so that a launch past it fails as it would on such a GPU.
 inline long smem_limit_setting() {
   const char* e = std::getenv("FLASHOPM_SMEM_LIMIT");
   if (e == nullptr || *e == 0) return 0;
   char* end = nullptr;
   const long limit = std::strtol(e, &end, 10);
-  return end != e && *end == '\0' && limit >= 49152 && limit <= (1L << 30) ? limit : 0;
+  return end != e && *end == '\0' && limit >= 49152 && limit <= (1L << 30) ? limit : -1;
 }
 
 // Element types of masks, x and the output (x and the output are never bool).
@@ -340,26 +340,24 @@ constexpr int kTcNT = 256;
 constexpr int kTcBK = 32;
 constexpr int kTcStages = 3;
 constexpr int kTcLdA = kTcMT + 8;  // leading dimensions = 8 (mod 32): conflict-free fragments
-constexpr int kTcLdB = kTcNT + 8;
-constexpr int kTcStageFloats = kTcBK * (kTcLdA + kTcLdB);
+FLASHOPM_HD constexpr int tc_ld_b(int nt) { return nt + 8; }  // B's, for phase 1 nt columns wide
 constexpr int kTcDG = 128;
 constexpr int kTcKC = 32;
-constexpr int kTcLdW = kTcKC + 4;  // = 4 (mod 32)
+FLASHOPM_HD constexpr int tc_ld_w(int kc) { return kc + 4; }  // = 4 (mod 32) for kc 32, 20 for 16
 constexpr int kTcWStages = 3;
-constexpr int kTcWFloats = kTcWStages * kTcDG * kTcLdW;
 // On GPUs whose blocks take less shared memory than sm_90's (A100 163 KB; sm_86, sm_89, sm_120
 // 99 KB) the mma.sync form may take half the s per phase-1 stage (kTcBKSmall: 76.8 KB of stages
 // where kTcBK's take 153.6; the same k-steps in the same order, so the same sums) and half the k
 // per W chunk of phase 2 (kTcKCSmall: 30.7 KB of W stages where kTcKC's take 55.3, which lets an
 // A100 take the full column tile at hidden 32; each chunk's partial sums are then of 8 k, not 16,
-// so the results round differently).  Row stride kTcKCSmall + 4 = 20 keeps the fragment reads
+// so the results round differently); their row stride of 20 keeps the fragment reads
 // conflict-free.  Where a column tile holds at most kTcNTNarrow columns (j, h2), phase 1 may be
 // that wide (each warp 64 x 32): no MMA unused, half the B stage, the same sums.
 constexpr int kTcBKSmall = kTcBK / 2;
 constexpr int kTcKCSmall = kTcKC / 2;
 constexpr int kTcNTNarrow = kTcNT / 2;
-FLASHOPM_HD constexpr int tc_stage_floats(int bk, int nt = kTcNT) { return bk * (kTcLdA + nt + 8); }
-FLASHOPM_HD constexpr int tc_w_floats(int kc) { return kTcWStages * kTcDG * (kc + 4); }
+FLASHOPM_HD constexpr int tc_stage_floats(int bk, int nt = kTcNT) { return bk * (kTcLdA + tc_ld_b(nt)); }
+FLASHOPM_HD constexpr int tc_w_floats(int kc) { return kTcWStages * kTcDG * tc_ld_w(kc); }
 struct TcMmaSyncStaging {
   bool half_stages = false;  // kTcBKSmall (the 16-bit kernel: kT16BKSmall)
   bool half_w = false;       // kTcKCSmall (the float32 kernel only)
@@ -399,8 +397,9 @@ FLASHOPM_HD inline TcLayout tc_layout(int H, int Ti, int Tj, bool wgmma, bool wg
   L.ldo = H * H + 4;
   L.w = Ti * Tj * L.ldo;
   if (wgmma2) L.w = (Ti * Tj * H * H + 255) & ~255;  // unpadded O; W stages from a 1 KB boundary
-  const int w_floats = wgmma2 && kTcWg2Stages * kTcWg2ChunkBytes / 4 > kTcWFloats ? kTcWg2Stages * kTcWg2ChunkBytes / 4
-                                                                                   : tc_w_floats(kc);
+  const int w_floats = wgmma2 && kTcWg2Stages * kTcWg2ChunkBytes / 4 > tc_w_floats(kTcKC)
+                           ? kTcWg2Stages * kTcWg2ChunkBytes / 4
+                           : tc_w_floats(kc);
   int o = L.w + w_floats;
   const int stages = wgmma ? kTcWgStages * kTcWgStageBytes / 4 : kTcStages * tc_stage_floats(bk, nt);
   if (o < stages) o = stages;
@@ -419,8 +418,7 @@ constexpr int kT16JSub = 2;
 constexpr int kT16BK = 64;
 constexpr int kT16Stages = 3;
 constexpr int kT16LdA = kTcMT + 8;  // row strides of 16 bytes (mod 128): conflict-free ldmatrix
-constexpr int kT16LdB = kTcNT + 8;
-constexpr int kT16StageElems = kT16BK * (kT16LdA + kT16LdB);
+FLASHOPM_HD constexpr int tc16_ld_b(int nt) { return nt + 8; }  // B's, for phase 1 nt columns wide
 // For GPUs with less shared memory than sm_90's the mma.sync form may take half the s per stage
 // (kT16BKSmall: 76.8 KB of stages where kT16BK's take 153.6) and, where a column tile holds at
 // most kT16NTNarrow columns (j, h2), a phase 1 of that width (each warp 64 x 32, half the stage
@@ -428,7 +426,7 @@ constexpr int kT16StageElems = kT16BK * (kT16LdA + kT16LdB);
 // same order either way, so the same sums.
 constexpr int kT16BKSmall = kT16BK / 2;
 constexpr int kT16NTNarrow = kTcNT / 2;
-FLASHOPM_HD constexpr int tc16_stage_elems(int bk, int nt = kTcNT) { return bk * (kT16LdA + nt + 8); }
+FLASHOPM_HD constexpr int tc16_stage_elems(int bk, int nt = kTcNT) { return bk * (kT16LdA + tc16_ld_b(nt)); }
 constexpr int kT16KC = 64;
 constexpr int kT16LdW = kT16KC + 8;
 constexpr int kT16WStages = 3;

@@ -248,7 +248,7 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
   } else {
   // warps 2 (m) x 4 (n), 64 x kNT / 4 each, mma.sync fed by ldmatrix
   const int wm = warp & 1, wn = warp >> 1;
-  constexpr int kLdB = kNT + 8;  // kT16LdB for kTcNT; 16 bytes (mod 128) either way
+  constexpr int kLdB = tc16_ld_b(kNT);
   constexpr int kWarpN = kNT / 4, kNTiles = kWarpN / 8;
   constexpr int kStageElems = tc16_stage_elems(kBK, kNT);
   const int n_k = (S + kBK - 1) / kBK;

@@ -341,7 +341,7 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const Outer
   } else {
   // ---------------- phase 1: warps 2 (m) x 4 (n), 64 x kNT / 4 each ----------------
   const int wm = warp & 1, wn = warp >> 1;
-  constexpr int kLdB = kNT + 8;  // kTcLdB for kTcNT; 8 (mod 32) either way
+  constexpr int kLdB = tc_ld_b(kNT);
   constexpr int kWarpN = kNT / 4, kNTiles = kWarpN / 8;
   float acc[4][kNTiles][4];
 #pragma unroll
@@ -568,7 +568,7 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const Outer
   }
 
   // ---------------- phase 2: warps 4 (32 d each) x 2 (halves of each k chunk) ----------------
-  constexpr int kLdW = kKC + 4;          // kTcLdW for kTcKC
+  constexpr int kLdW = tc_ld_w(kKC);
   constexpr int kStepsPerHalf = kKC / 16;  // k-steps of 8 per warp half of a chunk
   const int n_kc = K2 / kKC;
   const int dw = warp & 3, kh = warp >> 2;
