@@ -8,6 +8,7 @@ from . import ops  # noqa: F401  (registers the op schemas)
 from ._build import load
 from .functional import outer_product_mean, outer_product_mean_rows, peak_memory_bound
 from .modules import BoltzOuterProductMean, ModelNew, OpenFoldOuterProductMean
+from .replace import convert_outer_product_mean, replace_outer_product_means
 from .reference import (
     BoltzOuterProductMeanReference,
     Model,
@@ -26,6 +27,7 @@ __all__ = [
     "ModelNew",
     "OpenFoldOuterProductMean",
     "OpenFoldOuterProductMeanReference",
+    "convert_outer_product_mean",
     "get_init_inputs",
     "get_inputs",
     "load",
@@ -33,4 +35,5 @@ __all__ = [
     "outer_product_mean_rows",
     "outer_product_mean_reference",
     "peak_memory_bound",
+    "replace_outer_product_means",
 ]
