@@ -462,15 +462,15 @@ def test_blocked_permutes_match_atens(monkeypatch, dtype, shape):
         assert rel_error(o.cpu(), r) < (1e-5 if dtype == torch.float32 else 5e-2), name
 
 
-@requires_cuda
-def test_create_graph_keeps_the_first_derivatives():
-    """With create_graph=True the backward op runs under autograd (a plain backward skips it): the
-    first derivatives are the same bits, and they carry PyTorch's node for an op without a
-    derivative of its own, so that a second derivative through them is not silently zero."""
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
+def test_create_graph_keeps_the_first_derivatives_and_refuses_a_second(device):
+    """With create_graph=True the first derivatives are the same bits as a plain backward's, and
+    they carry a node that raises, naming flashopm, when differentiated again (PyTorch's fallback
+    for an op without a derivative would only warn and take the missing terms as zero)."""
     shape = Shape(2, 5, 9, 16, 8, 12)
     x, m, p = make_problem(shape, "masked_positions", seed=29)
-    g = torch.randn(shape.B, shape.N, shape.N, shape.D, generator=torch.Generator().manual_seed(7)).cuda()
-    xc, mc, pc = x.cuda(), m.cuda(), {k: v.cuda() for k, v in p.items()}
+    g = torch.randn(shape.B, shape.N, shape.N, shape.D, generator=torch.Generator().manual_seed(7))
+    xc, mc, pc, g = x.to(device), m.to(device), {k: v.to(device) for k, v in p.items()}, g.to(device)
     plain = _flashopm_grads(xc, mc, pc, g)
     leaves = [xc.clone().requires_grad_(), *(pc[k].clone().requires_grad_() for k in PARAM_ORDER)]
     out = flashopm.outer_product_mean(leaves[0], mc, *leaves[1:])
@@ -479,6 +479,45 @@ def test_create_graph_keeps_the_first_derivatives():
     for name, a in zip(GRAD_INPUTS, plain):
         assert torch.equal(a, by_name[name].detach()), name
         assert by_name[name].grad_fn is not None, name
+    for name in ("msa_repr", "w_out"):
+        with pytest.raises(RuntimeError, match="not differentiable again"):
+            torch.autograd.grad(by_name[name].square().sum(), leaves)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
+@pytest.mark.parametrize("use_reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_activation_checkpointing_gives_the_same_gradients(device, use_reentrant):
+    """torch.utils.checkpoint around the module (as OpenFold's and Boltz's blocks are run): the op
+    runs again in the backward and the gradients are the same bits."""
+    torch.manual_seed(11)
+    model = flashopm.OpenFoldOuterProductMean(16, 12, 8).to(device)
+    for q in model.parameters():  # "final" init leaves linear_out at zero
+        torch.nn.init.normal_(q, std=0.3)
+    x = torch.randn(2, 5, 9, 16, device=device)
+    mask = (torch.rand(2, 5, 9, device=device) > 0.3).float()
+    g = torch.randn(2, 9, 9, 12, device=device)
+    grads = []
+    for wrap in (False, True):
+        leaf = x.clone().requires_grad_()
+        out = (torch.utils.checkpoint.checkpoint(model, leaf, mask, use_reentrant=use_reentrant) if wrap
+               else model(leaf, mask))
+        grads.append(torch.autograd.grad(out, [leaf, *model.parameters()], g))
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
+def test_rows_op_refuses_a_second_derivative():
+    g = torch.Generator().manual_seed(3)
+    a, b = torch.randn(1, 4, 3, 5, generator=g), torch.randn(1, 4, 7, 5, generator=g)
+    w = torch.randn(6, 25, generator=g).requires_grad_()
+    a.requires_grad_()
+    out = flashopm.outer_product_mean_rows(a, b, torch.ones(1, 4, 7), 2, w, None)
+    ga, gw = torch.autograd.grad(out.square().sum(), [a, w], create_graph=True)
+    ref = torch.autograd.grad(flashopm.outer_product_mean_rows(a, b, torch.ones(1, 4, 7), 2, w, None).square().sum(),
+                              [a, w])
+    assert torch.equal(ga.detach(), ref[0]) and torch.equal(gw.detach(), ref[1])
+    with pytest.raises(RuntimeError, match="not differentiable again"):
+        ga.sum().backward()
 
 
 def _poison_cached_memory():

@@ -327,15 +327,50 @@ def _setup_context(ctx, inputs, output):
 _GRAD_POSITIONS = (0, 2, 3, 5, 6, 7, 8, 9, 10)
 
 
+SECOND_DERIVATIVE_MESSAGE = (
+    "flashopm: the gradients of the outer-product mean are not differentiable again: a second derivative "
+    "through it (create_graph=True followed by a backward through those gradients, e.g. a gradient penalty) "
+    "is not supported")
+
+
+class _SecondDerivativeError(torch.autograd.Function):
+    """forward(n, *tensors) -> tensors[:n]: the gradients of a backward run with create_graph=True,
+    as outputs of a node whose inputs are what they were computed from (tensors[n:]), so that a
+    second derivative reaches the node, which raises (PyTorch's fallback for an op without a
+    derivative would only warn and take the missing terms as zero)."""
+
+    @staticmethod
+    def forward(ctx, n, *tensors):
+        return tensors[:n]
+
+    @staticmethod
+    def backward(ctx, *_):
+        raise RuntimeError(SECOND_DERIVATIVE_MESSAGE)
+
+
+def _call_backward_op(op, args, sources):
+    """op(*args), the gradients of a backward; under create_graph=True computed without a graph of
+    their own and marked by _SecondDerivativeError as depending on `sources` (the tensors among
+    args, None allowed)."""
+    if not torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return op(*args)
+    with torch.no_grad():
+        grads = op(*args)
+    sources = [t for t in sources if t is not None and t.requires_grad]
+    return list(_SecondDerivativeError.apply(len(grads), *grads, *sources)) if sources else grads
+
+
 def _backward(ctx, grad_out):
     msa_repr, msa_mask, ln_weight, ln_bias, w_a, b_a, w_b, b_b, w_out, b_out = ctx.saved_tensors
     needs = [bool(ctx.needs_input_grad[i]) for i in _GRAD_POSITIONS]
     grads = [None] * ctx.num_inputs
     if not any(needs):
         return tuple(grads)
-    computed = outer_product_mean_backward_op(
-        grad_out.contiguous(), msa_repr, msa_mask, ln_weight, ln_bias, ctx.ln_eps, w_a, b_a, w_b, b_b, w_out, b_out,
-        ctx.normalization, ctx.norm_eps, needs, ctx.precision,
+    computed = _call_backward_op(
+        outer_product_mean_backward_op,
+        (grad_out.contiguous(), msa_repr, msa_mask, ln_weight, ln_bias, ctx.ln_eps, w_a, b_a, w_b, b_b, w_out, b_out,
+         ctx.normalization, ctx.norm_eps, needs, ctx.precision),
+        (grad_out, *ctx.saved_tensors),
     )
     for pos, need, g in zip(_GRAD_POSITIONS, needs, computed):
         grads[pos] = g if need else None
@@ -477,8 +512,10 @@ def _rows_backward(ctx, grad_out):
     grads = [None] * ctx.num_inputs
     if not any(needs):
         return tuple(grads)
-    computed = outer_product_mean_rows_backward_op(grad_out.contiguous(), a, b, mask, ctx.row_offset, w_out, b_out,
-                                                   ctx.normalization, ctx.norm_eps, needs)
+    computed = _call_backward_op(outer_product_mean_rows_backward_op,
+                                 (grad_out.contiguous(), a, b, mask, ctx.row_offset, w_out, b_out, ctx.normalization,
+                                  ctx.norm_eps, needs),
+                                 (grad_out, *ctx.saved_tensors))
     for pos, need, g in zip(_ROWS_GRAD_POSITIONS, needs, computed):
         grads[pos] = g if need else None
     return tuple(grads)

@@ -34,6 +34,32 @@ at::Tensor forward_below_autograd(const at::Tensor& msa, const at::Tensor& mask,
                            norm_eps, precision);
 }
 
+// forward(grads, sources) -> grads: the gradients of a backward run with create_graph=True, as
+// outputs of a node whose inputs are what they were computed from, so that a second derivative
+// reaches the node, which raises with ops.py's SECOND_DERIVATIVE_MESSAGE (PyTorch's fallback for an
+// op without a derivative would only warn and take the missing terms as zero).
+struct SecondDerivativeError : public torch::autograd::Function<SecondDerivativeError> {
+  static variable_list forward(AutogradContext* /*ctx*/, at::TensorList grads, at::TensorList /*sources*/) {
+    return grads.vec();
+  }
+  static variable_list backward(AutogradContext* /*ctx*/, variable_list /*grad_outputs*/) {
+    TORCH_CHECK(false,
+                "flashopm: the gradients of the outer-product mean are not differentiable again: a second "
+                "derivative through it (create_graph=True followed by a backward through those gradients, e.g. a "
+                "gradient penalty) is not supported");
+  }
+};
+
+std::vector<at::Tensor> mark_not_differentiable_again(const std::vector<at::Tensor>& grads,
+                                                      const std::vector<at::Tensor>& sources) {
+  std::vector<at::Tensor> needed;
+  for (const at::Tensor& t : sources) {
+    if (t.defined() && t.requires_grad()) needed.push_back(t);
+  }
+  if (needed.empty()) return grads;
+  return SecondDerivativeError::apply(at::TensorList(grads), at::TensorList(needed));
+}
+
 // The differentiable inputs, in the order of the backward op's gradients (reference.GRAD_INPUTS).
 constexpr int kGradInputs = 9;
 
@@ -83,17 +109,22 @@ struct OuterProductMeanFunction : public torch::autograd::Function<OuterProductM
     c10::List<bool> output_mask;
     output_mask.reserve(kGradInputs);
     for (const bool need : needs) output_mask.push_back(need);
-    // A plain backward runs with gradients off: then the call goes below autograd at once, past
-    // PyTorch's boxed fallback for ops without a derivative (which would pack and unpack all
-    // sixteen arguments to find that nothing needs one).  With create_graph=True it takes that
-    // fallback as before, whose node on the gradients says that their own derivative is missing.
-    std::optional<at::AutoDispatchBelowADInplaceOrView> below_autograd;
-    if (!at::GradMode::is_enabled()) below_autograd.emplace();
-    const std::vector<at::Tensor> computed = backward_op().call(
-        grad_out, msa, mask, ln_w, ln_b, ctx->saved_data["ln_eps"].toDouble(), w_a, b_a, w_b, b_b, w_out, b_out,
-        ctx->saved_data["normalization"].toInt(), ctx->saved_data["norm_eps"].toDouble(),
-        output_mask, ctx->saved_data["precision"].toInt());
-    below_autograd.reset();
+    // The call goes below autograd at once, past PyTorch's boxed fallback for ops without a
+    // derivative (which would pack and unpack all sixteen arguments to find that nothing needs
+    // one, and under create_graph=True would only warn when its missing derivative is asked for).
+    std::vector<at::Tensor> computed;
+    {
+      const at::AutoDispatchBelowADInplaceOrView below_autograd;
+      computed = backward_op().call(grad_out, msa, mask, ln_w, ln_b, ctx->saved_data["ln_eps"].toDouble(), w_a, b_a,
+                                    w_b, b_b, w_out, b_out, ctx->saved_data["normalization"].toInt(),
+                                    ctx->saved_data["norm_eps"].toDouble(), output_mask,
+                                    ctx->saved_data["precision"].toInt());
+    }
+    if (at::GradMode::is_enabled()) {
+      std::vector<at::Tensor> sources(saved.begin(), saved.end());
+      sources.push_back(grad_outputs[0]);
+      computed = mark_not_differentiable_again(computed, sources);
+    }
     for (int g = 0; g < kGradInputs; ++g) {
       if (needs[g]) grads[grad_arg[g]] = computed[g];
     }
