@@ -361,7 +361,8 @@ def _call_backward_op(op, args, sources):
 
 
 def _backward(ctx, grad_out):
-    msa_repr, msa_mask, ln_weight, ln_bias, w_a, b_a, w_b, b_b, w_out, b_out = ctx.saved_tensors
+    saved = ctx.saved_tensors  # unpacked once: non-reentrant checkpointing allows no second unpack
+    msa_repr, msa_mask, ln_weight, ln_bias, w_a, b_a, w_b, b_b, w_out, b_out = saved
     needs = [bool(ctx.needs_input_grad[i]) for i in _GRAD_POSITIONS]
     grads = [None] * ctx.num_inputs
     if not any(needs):
@@ -370,7 +371,7 @@ def _backward(ctx, grad_out):
         outer_product_mean_backward_op,
         (grad_out.contiguous(), msa_repr, msa_mask, ln_weight, ln_bias, ctx.ln_eps, w_a, b_a, w_b, b_b, w_out, b_out,
          ctx.normalization, ctx.norm_eps, needs, ctx.precision),
-        (grad_out, *ctx.saved_tensors),
+        (grad_out, *saved),
     )
     for pos, need, g in zip(_GRAD_POSITIONS, needs, computed):
         grads[pos] = g if need else None
@@ -507,7 +508,8 @@ _ROWS_GRAD_POSITIONS = (0, 1, 4, 5)  # a, b, w_out, b_out in the op's arguments
 
 
 def _rows_backward(ctx, grad_out):
-    a, b, mask, w_out, b_out = ctx.saved_tensors
+    saved = ctx.saved_tensors  # unpacked once, as in _backward
+    a, b, mask, w_out, b_out = saved
     needs = [bool(ctx.needs_input_grad[i]) for i in _ROWS_GRAD_POSITIONS]
     grads = [None] * ctx.num_inputs
     if not any(needs):
@@ -515,7 +517,7 @@ def _rows_backward(ctx, grad_out):
     computed = _call_backward_op(outer_product_mean_rows_backward_op,
                                  (grad_out.contiguous(), a, b, mask, ctx.row_offset, w_out, b_out, ctx.normalization,
                                   ctx.norm_eps, needs),
-                                 (grad_out, *ctx.saved_tensors))
+                                 (grad_out, *saved))
     for pos, need, g in zip(_ROWS_GRAD_POSITIONS, needs, computed):
         grads[pos] = g if need else None
     return tuple(grads)

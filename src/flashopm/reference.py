@@ -207,7 +207,7 @@ def outer_product_mean_backward_reference(
     the three contractions (the fused CUDA kernels); it returns (grad_a, grad_b, grad_w_out).
     """
     B, S, N, C = msa_repr.shape
-    H, D = w_a.shape[0], w_out.shape[0]
+    H = w_a.shape[0]
     work = torch.float32 if msa_repr.dtype in (torch.float16, torch.bfloat16) else msa_repr.dtype
     x, m = msa_repr.to(work), msa_mask.to(work)
     lw, lb, wa, wb, wo = (t.to(work) for t in (ln_weight, ln_bias, w_a, w_b, w_out))
