@@ -11,7 +11,8 @@ module in its place.
 The flashopm module holds the old module's own submodules, so its parameters are the same tensors:
 the state dict, a checkpoint, and an optimizer or DistributedDataParallel wrapper built before the
 swap all stay valid.  Swap before `torch.compile` and before FSDP, which flatten the modules they
-are given.
+are given.  Hooks on the old module itself are not carried over, and those on its submodules do
+not fire: the fused op reads their parameters without calling them.
 """
 from __future__ import annotations
 
