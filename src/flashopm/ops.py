@@ -350,8 +350,8 @@ class _SecondDerivativeError(torch.autograd.Function):
 
 def _call_backward_op(op, args, sources):
     """op(*args), the gradients of a backward; under create_graph=True computed without a graph of
-    their own and marked by _SecondDerivativeError as depending on `sources` (the tensors among
-    args, None allowed)."""
+    their own and marked by _SecondDerivativeError as depending on `sources` (the tensors they were
+    computed from; None entries and those that need no gradient are left out)."""
     if not torch.is_grad_enabled() or torch.compiler.is_compiling():
         return op(*args)
     with torch.no_grad():
