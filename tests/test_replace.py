@@ -205,10 +205,10 @@ def test_a_module_with_the_layout_but_other_math_is_left_in_place(decoy):
     torch.manual_seed(2)
     opm = OpenFoldLike(16, 8, 4, divide_bias=False) if decoy == "bias_not_divided" else MeanOverAllSequences(10, 5, 3)
     model = Block(opm)
-    with pytest.warns(UserWarning, match="left in place.*differs from the"):
+    with pytest.warns(UserWarning, match="left in place.*does not agree.*differs from the"):
         assert flashopm.replace_outer_product_means(model) == []
     assert model.outer_product_mean is opm
-    with pytest.raises(ValueError, match="layout but its output differs"):
+    with pytest.raises(ValueError, match="layout but its output does not agree"):
         flashopm.convert_outer_product_mean(opm)
     # Without the check the layout alone decides (the caller vouches for the math).
     assert flashopm.replace_outer_product_means(model, verify=False) == ["outer_product_mean"]
@@ -219,7 +219,7 @@ def test_modules_of_no_known_layout_are_untouched_and_named_in_the_error():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert flashopm.replace_outer_product_means(model) == []
-    with pytest.raises(ValueError, match=r"openfold layout: no submodules `layer_norm`.*boltz layout"):
+    with pytest.raises(ValueError, match=r"openfold layout \('layer_norm'.*no submodules `layer_norm`.*boltz layout"):
         flashopm.convert_outer_product_mean(nn.Linear(4, 4))
     wide = BoltzLike(12, 4, 6)
     wide.proj_o = nn.Linear(15, 6)  # not hidden_dim squared
@@ -227,7 +227,7 @@ def test_modules_of_no_known_layout_are_untouched_and_named_in_the_error():
         flashopm.convert_outer_product_mean(wide)
     biased = BoltzLike(12, 4, 6)
     biased.proj_a, biased.proj_b = nn.Linear(12, 4), nn.Linear(12, 4)
-    with pytest.raises(ValueError, match="boltz layout: the projections have biases"):
+    with pytest.raises(ValueError, match=r"boltz layout \(.*\): the projections have biases"):
         flashopm.convert_outer_product_mean(biased)
 
 
@@ -241,15 +241,76 @@ def test_convert_returns_a_module_sharing_the_submodules():
     assert rel_error(new(m, mask), opm(m, mask)) < 1e-6
 
 
+class PortWithOwnNames(nn.Module):
+    """A port with names of its own and a fixed epsilon: (z / (norm + 1e-3)), bias divided."""
+
+    def __init__(self, c_m, c, c_z, bias=False):
+        super().__init__()
+        self.layer_norm = nn.LayerNorm(c_m)
+        self.linear_a = nn.Linear(c_m, c, bias=bias)
+        self.linear_b = nn.Linear(c_m, c, bias=bias)
+        self.linear_out = nn.Linear(c * c, c_z)
+
+    def forward(self, msa_feat, msa_mask):
+        m = self.layer_norm(msa_feat)
+        m_a, m_b = self.linear_a(m) * msa_mask[..., None], self.linear_b(m) * msa_mask[..., None]
+        z = self.linear_out(torch.einsum("...sic,...sjd->...ijcd", m_a, m_b).flatten(start_dim=-2))
+        norm = torch.einsum("...si,...sj->...ij", msa_mask, msa_mask)
+        return z / (norm[..., None] + 1e-3)
+
+
+PORT_LAYOUT = flashopm.OuterProductMeanLayout(("layer_norm", "linear_a", "linear_b", "linear_out"), "openfold",
+                                              eps=1e-3)
+
+
+def test_a_layout_given_by_the_caller_keeps_the_ports_names():
+    torch.manual_seed(5)
+    port = _randomise(PortWithOwnNames(16, 4, 8))
+    model = nn.ModuleList([Block(port), Block(_randomise(BoltzLike(12, 4, 6)))])
+    keys = list(model.state_dict())
+    assert flashopm.replace_outer_product_means(model) == ["1.outer_product_mean"]  # the port's names are unknown
+    names = flashopm.replace_outer_product_means(model, layouts=[PORT_LAYOUT])
+    assert names == ["0.outer_product_mean"]
+    new = model[0].outer_product_mean
+    assert isinstance(new, flashopm.NamedOuterProductMean)
+    assert new.normalization == "openfold" and new.norm_eps == 1e-3 and new.linear_a is port.linear_a
+    assert list(model.state_dict()) == keys  # a checkpoint of the port still loads
+    m, mask = _problem(16, batch=(2, 3))
+    torch.testing.assert_close(new(m, mask, 4), port(m, mask), rtol=1e-5, atol=1e-5)  # extra arguments ignored
+
+
+def test_the_first_layout_that_agrees_is_taken():
+    port = PortWithOwnNames(16, 4, 8)
+    wrong_eps = flashopm.OuterProductMeanLayout(PORT_LAYOUT.names, "openfold", eps=1e-2)
+    wrong_norm = flashopm.OuterProductMeanLayout(PORT_LAYOUT.names, "boltz")
+    new = flashopm.convert_outer_product_mean(port, layouts=[wrong_eps, wrong_norm, PORT_LAYOUT])
+    assert new.norm_eps == 1e-3
+    with pytest.raises(ValueError, match=r"openfold layout .*differs.*; as boltz layout .*differs"):
+        flashopm.convert_outer_product_mean(port, layouts=[wrong_eps, wrong_norm])
+    # without the check the first layout the module has is taken, right or wrong
+    assert flashopm.convert_outer_product_mean(port, layouts=[wrong_eps], verify=False).norm_eps == 1e-2
+
+
+def test_layouts_are_checked_when_made():
+    with pytest.raises(ValueError, match="4 attribute names"):
+        flashopm.OuterProductMeanLayout(("a", "b", "c"))
+    with pytest.raises(ValueError, match="normalization must be one of"):
+        flashopm.OuterProductMeanLayout(("a", "b", "c", "d"), "mean")
+    with pytest.raises(TypeError, match="OuterProductMeanLayout objects"):
+        flashopm.replace_outer_product_means(nn.Linear(2, 2), layouts=[("a", "b", "c", "d")])
+
+
 @requires_cuda
 def test_replaced_modules_match_the_originals_on_cuda():
     torch.manual_seed(4)
-    trunk = _randomise(_trunk()).cuda()
+    trunk = _trunk()
+    trunk["port"] = PortWithOwnNames(16, 8, 12, bias=True)
+    trunk = _randomise(trunk).cuda()
     before = copy.deepcopy(trunk)
-    names = flashopm.replace_outer_product_means(trunk)
-    assert len(names) == 6
+    names = flashopm.replace_outer_product_means(trunk, layouts=[PORT_LAYOUT])
+    assert len(names) == 7
     for key, C in [("evoformer.0.outer_product_mean", 16), ("evoformer.1.outer_product_mean", 16),
-                   ("boltz.0.outer_product_mean", 12), ("spec", 10), ("of_reference", 16)]:
+                   ("boltz.0.outer_product_mean", 12), ("spec", 10), ("of_reference", 16), ("port", 16)]:
         m, mask = (t.cuda() for t in _problem(C, S=9, N=33))
         want = before.get_submodule(key)(m, mask)
         got = trunk.get_submodule(key)(m, mask)

@@ -7,8 +7,8 @@ functional API or a module.  Calling `torch.ops.flashopm.*` on CUDA tensors dire
 from . import ops  # noqa: F401  (registers the op schemas)
 from ._build import load
 from .functional import outer_product_mean, outer_product_mean_rows, peak_memory_bound
-from .modules import BoltzOuterProductMean, ModelNew, OpenFoldOuterProductMean
-from .replace import convert_outer_product_mean, replace_outer_product_means
+from .modules import BoltzOuterProductMean, ModelNew, NamedOuterProductMean, OpenFoldOuterProductMean
+from .replace import OuterProductMeanLayout, convert_outer_product_mean, replace_outer_product_means
 from .reference import (
     BoltzOuterProductMeanReference,
     Model,
@@ -25,8 +25,10 @@ __all__ = [
     "BoltzOuterProductMeanReference",
     "Model",
     "ModelNew",
+    "NamedOuterProductMean",
     "OpenFoldOuterProductMean",
     "OpenFoldOuterProductMeanReference",
+    "OuterProductMeanLayout",
     "convert_outer_product_mean",
     "get_init_inputs",
     "get_inputs",

@@ -124,3 +124,43 @@ class BoltzOuterProductMean(BoltzOuterProductMeanReference):
             m, mask, n.weight, n.bias, n.eps, pa.weight, None, pb.weight, None, po.weight, po.bias, 0,
             NORMALIZATIONS["boltz"], 1e-3,
         )
+
+
+class NamedOuterProductMean(nn.Module):
+    """The fused op over submodules named as a model names them.
+
+    `modules` maps the model's four attribute names, in order, to its LayerNorm, first and second
+    projections and output projection; `normalization` ("row", "openfold" or "boltz") and
+    `norm_eps` are as in `flashopm.outer_product_mean`.  The submodules keep their names, so the
+    state dict keeps the model's keys.  `replace_outer_product_means` builds these for the layouts
+    it is given.
+
+    forward: m (*, S, N, C), mask (*, S, N) or None -> (*, N, N, D).  Further arguments (chunk
+    sizes and the like) are accepted and change nothing.
+    """
+
+    def __init__(self, modules: dict[str, nn.Module], normalization: str = "openfold", norm_eps: float = 1e-3):
+        super().__init__()
+        if len(modules) != 4:
+            raise ValueError(f"flashopm: NamedOuterProductMean takes 4 submodules (LayerNorm, two projections, output "
+                             f"projection), got {len(modules)}")
+        if normalization not in NORMALIZATIONS:
+            raise ValueError(f"flashopm: normalization must be one of {sorted(NORMALIZATIONS)}, got {normalization!r}")
+        for name, module in modules.items():
+            setattr(self, name, module)
+        self.names = tuple(modules)
+        self.normalization, self.norm_eps = normalization, float(norm_eps)
+
+    def extra_repr(self) -> str:
+        return f"normalization={self.normalization!r}, norm_eps={self.norm_eps}"
+
+    def forward(self, m: torch.Tensor, mask: torch.Tensor | None = None, *args, **kwargs) -> torch.Tensor:
+        if mask is None:
+            mask = m.new_ones(m.shape[:-1])
+        *batch, S, N, C = m.shape
+        ln, first, second, out = (self._modules[name] for name in self.names)
+        result = call_outer_product_mean(
+            m.reshape(-1, S, N, C), mask.reshape(-1, S, N), ln.weight, ln.bias, ln.eps, first.weight, first.bias,
+            second.weight, second.bias, out.weight, out.bias, 0, NORMALIZATIONS[self.normalization], self.norm_eps,
+        )
+        return result.reshape(*batch, N, N, result.shape[-1])
