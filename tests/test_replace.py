@@ -298,6 +298,11 @@ def test_layouts_are_checked_when_made():
         flashopm.OuterProductMeanLayout(("a", "b", "c", "d"), "mean")
     with pytest.raises(TypeError, match="OuterProductMeanLayout objects"):
         flashopm.replace_outer_product_means(nn.Linear(2, 2), layouts=[("a", "b", "c", "d")])
+    parts = {"norm": nn.LayerNorm(4), "a": nn.Linear(4, 2), "b": nn.Linear(4, 2)}
+    with pytest.raises(ValueError, match="takes 4 submodules"):
+        flashopm.NamedOuterProductMean(parts)
+    with pytest.raises(ValueError, match="normalization must be one of"):
+        flashopm.NamedOuterProductMean({**parts, "o": nn.Linear(4, 3)}, normalization="mean")
 
 
 @requires_cuda
