@@ -642,9 +642,13 @@ def test_w_kernel_overlap_keeps_the_bits(monkeypatch, precision, shape):
 
 @requires_cuda
 def test_side_split_leaves_strided_grad_out_alone(monkeypatch):
-    """A grad_out that is not contiguous (here a transposed view) takes no side split
-    (FLASHOPM_SIDE_G_SPLIT=1), whose second pass would keep grad_out's contiguous copy alive; the
-    gradients are those of the same values contiguous."""
+    """The backward op given a grad_out that is not contiguous (here a transposed view) takes no
+    side split (FLASHOPM_SIDE_G_SPLIT=1), whose second pass would keep grad_out's contiguous copy
+    alive; the gradients are those of the same values contiguous.  (Through autograd grad_out
+    arrives contiguous: the op is called directly here.)"""
+    from flashopm.ops import outer_product_mean_backward_op
+    from flashopm.testing import op_args
+
     f16_backward_form_or_skip(monkeypatch)
     monkeypatch.setenv("FLASHOPM_SIDE_G_SPLIT", "1")
     shape = Shape(1, 7, 40, 8, 32, 64)
@@ -652,7 +656,11 @@ def test_side_split_leaves_strided_grad_out_alone(monkeypatch):
     g_strided = g.transpose(1, 2).contiguous().transpose(1, 2)
     assert not g_strided.is_contiguous() and torch.equal(g_strided, g)
     got = {}
-    names = {key: flashopm_kernels(lambda key=key, go=go: got.__setitem__(key, _flashopm_grads(xc, mc, pc, go)))
+
+    def backward(key, go):
+        got[key] = outer_product_mean_backward_op(go, *op_args(xc, mc, pc), 0, 1e-3, [True] * 9)
+
+    names = {key: flashopm_kernels(lambda key=key, go=go: backward(key, go))
              for key, go in (("contiguous", g), ("strided", g_strided))}
     assert any("opm_grad_scale_kernel<true>" in n for n in names["contiguous"])
     assert not any("opm_grad_scale_kernel<true>" in n for n in names["strided"])
