@@ -4,11 +4,12 @@
 #   usage: bash scripts/gpu_pending.sh OUTDIR default   # the default build: 0o's tests and 0n's (1)
 #          bash scripts/gpu_pending.sh OUTDIR ab        # 0n's (2)-(4): the on-request settings timed
 #          bash scripts/gpu_pending.sh OUTDIR sm80      # a build of sm_80 PTX only: an A100's code
+#          bash scripts/gpu_pending.sh OUTDIR all       # every test file on the default build
 # Each phase fits one call of under ten minutes, the build (~2 min) included.
 # steps.txt lists each step's exit status; a failing test step stops the call.
 OUT=$1
 PHASE=${2:-default}
-case "$PHASE" in default | ab | sm80) ;; *) echo "phase must be default, ab or sm80, got '$PHASE'" >&2; exit 2 ;; esac
+case "$PHASE" in default | ab | sm80 | all) ;; *) echo "phase must be default, ab, sm80 or all, got '$PHASE'" >&2; exit 2 ;; esac
 R=$OUT/r
 mkdir -p "$R"
 pack() { tar -C "$OUT" -czf "$OUT/r.tgz" r; }
@@ -33,6 +34,11 @@ device_code="import flashopm, torch; flashopm.load(); print(torch.ops.flashopm._
 if [ "$PHASE" = sm80 ]; then
   T code80 300 $py -c "$device_code" || exit 1
   T t80 500 $py -m pytest -x -q tests/test_build.py -k "kernels_use" tests/test_smaller_gpus.py tests/test_conventions.py
+  exit 0
+fi
+
+if [ "$PHASE" = all ]; then
+  T t_all 430 $py -m pytest -q -p no:cacheprovider tests/
   exit 0
 fi
 
