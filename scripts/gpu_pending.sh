@@ -5,11 +5,13 @@
 #          bash scripts/gpu_pending.sh OUTDIR ab        # 0n's (2)-(4): the on-request settings timed
 #          bash scripts/gpu_pending.sh OUTDIR sm80      # a build of sm_80 PTX only: an A100's code
 #          bash scripts/gpu_pending.sh OUTDIR all       # the other test files on the default build
+#          bash scripts/gpu_pending.sh OUTDIR rest      # the files of 'all' after test_cuda, and the
+#                                                       # outer kernel's time against S (deep MSAs)
 # Each phase fits one call of under ten minutes, the build (~2 min) included.
 # steps.txt lists each step's exit status; a failing test step stops the call.
 OUT=$1
 PHASE=${2:-default}
-case "$PHASE" in default | ab | sm80 | all) ;; *) echo "phase must be default, ab, sm80 or all, got '$PHASE'" >&2; exit 2 ;; esac
+case "$PHASE" in default | ab | sm80 | all | rest) ;; *) echo "phase must be default, ab, sm80, all or rest, got '$PHASE'" >&2; exit 2 ;; esac
 R=$OUT/r
 mkdir -p "$R"
 pack() { tar -C "$OUT" -czf "$OUT/r.tgz" r; }
@@ -42,6 +44,18 @@ if [ "$PHASE" = all ]; then
   T t_all 400 $py -m pytest -q -p no:cacheprovider tests/ --ignore=tests/test_autograd.py \
     --ignore=tests/test_backward.py --ignore=tests/test_ln_backward.py --ignore=tests/test_smaller_gpus.py \
     --ignore=tests/test_replace.py
+  exit 0
+fi
+
+if [ "$PHASE" = rest ]; then
+  # what phase 1 costs per s and what does not scale with s, at the deep MSAs' width (C = 64)
+  T kt_deep 90 $py scripts/kernel_times.py forward float32 1,32,256,64,32,128 1,256,256,64,32,128 \
+    1,1024,256,64,32,128 1,2048,256,64,32,128
+  T l2 30 $py scripts/l2_bandwidth.py
+  # run 300's 'all' ran out of time in test_distributed (everything before it passed)
+  T t_rest 300 $py -m pytest -q -p no:cacheprovider tests/test_distributed.py tests/test_launch.py \
+    tests/test_modules.py tests/test_peak_plan.py tests/test_python_entry.py tests/test_reference.py \
+    tests/test_rows.py tests/test_validation.py
   exit 0
 fi
 
