@@ -7,11 +7,12 @@
 #          bash scripts/gpu_pending.sh OUTDIR all       # the other test files on the default build
 #          bash scripts/gpu_pending.sh OUTDIR rest      # the files of 'all' after test_cuda, and the
 #                                                       # outer kernel's time against S (deep MSAs)
+#          bash scripts/gpu_pending.sh OUTDIR fused     # FLASHOPM_FUSED_PROJECTION=1: tests, times
 # Each phase fits one call of under ten minutes, the build (~2 min) included.
 # steps.txt lists each step's exit status; a failing test step stops the call.
 OUT=$1
 PHASE=${2:-default}
-case "$PHASE" in default | ab | sm80 | all | rest) ;; *) echo "phase must be default, ab, sm80, all or rest, got '$PHASE'" >&2; exit 2 ;; esac
+case "$PHASE" in default | ab | sm80 | all | rest | fused) ;; *) echo "phase must be default, ab, sm80, all, rest or fused, got '$PHASE'" >&2; exit 2 ;; esac
 R=$OUT/r
 mkdir -p "$R"
 pack() { tar -C "$OUT" -czf "$OUT/r.tgz" r; }
@@ -47,11 +48,22 @@ if [ "$PHASE" = all ]; then
   exit 0
 fi
 
+if [ "$PHASE" = fused ]; then
+  # a and b formed inside the contraction (sketch "a and b projected inside the contraction")
+  T t_fused 240 $py -m pytest -x -q -p no:cacheprovider tests/test_fused_projection.py || exit 1
+  DEEP="1,1024,256,64,32,128 1,5120,384,64,32,128"
+  FLASHOPM_FUSED_PROJECTION=1 T kt_fused 60 $py scripts/kernel_times.py forward float32 $DEEP
+  T ab_fused 90 $py scripts/ab_env.py FLASHOPM_FUSED_PROJECTION=1 $DEEP --mode forward --calls 10
+  FLASHOPM_FUSED_PROJECTION=1 T bench_fused 150 $py -m flashopm bench --shapes "1,1024,256,64,32,128;1,5120,384,64,32,128" \
+    --impls eager,flashopm --calls 10 --out "$R/bench_fused"
+  T t_bound 150 $py -m pytest -x -q -p no:cacheprovider tests/test_cuda.py -k "peak_bound"
+  exit 0
+fi
+
 if [ "$PHASE" = rest ]; then
   # what phase 1 costs per s and what does not scale with s, at the deep MSAs' width (C = 64)
   T kt_deep 90 $py scripts/kernel_times.py forward float32 1,32,256,64,32,128 1,256,256,64,32,128 \
     1,1024,256,64,32,128 1,2048,256,64,32,128
-  T l2 30 $py scripts/l2_bandwidth.py
   # run 300's 'all' ran out of time in test_distributed (everything before it passed)
   T t_rest 300 $py -m pytest -q -p no:cacheprovider tests/test_distributed.py tests/test_launch.py \
     tests/test_modules.py tests/test_peak_plan.py tests/test_python_entry.py tests/test_reference.py \

@@ -1410,6 +1410,12 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
                         : tc_terms == 3 ? int(kAbF32Rows16)
                                         : int(kAbTf32);
     const int row_floats = kmajor ? ab_kind_row_floats(ab_kind) : 1;  // s per chunk, and floats per row of one
+    // the fused projection's forms: the float16 split form at hidden 32, msa_dim <= 64, float32 x
+    // whose rows are 16-byte aligned
+    const bool fused_ok = half_split && H == kFpH && C <= kFpMaxC && C % 4 == 0 && msa.scalar_type() == at::kFloat &&
+                          msa.stride(0) % 4 == 0 && msa.stride(1) % 4 == 0 && msa.stride(2) % 4 == 0 &&
+                          reinterpret_cast<uintptr_t>(msa.data_ptr()) % 16 == 0;
+    bool bound_needs_parts = false;  // a requested peak bound's plan sums over s in parts
     // elements per (b, n, h) of a part of s_len values of s
     auto s_stored = [&](int64_t s_len) { return kmajor ? (s_len + row_floats - 1) / row_floats * row_floats : s_len; };
     int64_t s_part = S;  // s per part of the sum
@@ -1564,10 +1570,55 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
           }
           if (!bands.bands.empty() && (!best_fits || bands.cost < above)) band_plan = bands;
         }
+        if (band_plan.bands.empty()) {
+          bound_needs_parts = best.parts > 1;
+        } else {
+          for (const Band& bd : band_plan.bands) bound_needs_parts = bound_needs_parts || bd.s_part < S;
+        }
       } else if (!operands16) {
         const int64_t loose = rows_within(out_bytes / 4);
         if (loose > 0) rows = std::min(rows, loose);
       }
+    }
+    // a and b formed inside the contraction from x (FusedProjArgs): no workspace for them, so no
+    // blocks, bands or parts under any peak bound (extra memory: W's split copy, the exponents, the
+    // normalisers).  Taken under a peak bound where the plans above would sum over s in parts (the
+    // deep MSAs: a and b are 2-3x the output there), or everywhere it can run with
+    // FLASHOPM_FUSED_PROJECTION=1 (=0: never).
+    if (fused_ok && (env_is("FLASHOPM_FUSED_PROJECTION", "1") ||
+                     (bound_needs_parts && !env_is("FLASHOPM_FUSED_PROJECTION", "0")))) {
+      at::Tensor exps = at::empty({2 * B * N + D}, msa_in.options().dtype(at::kInt));
+      int* const b_exp = exps.data_ptr<int>();
+      int* const a_exp = b_exp + B * N;
+      int* const w_exp = a_exp + B * N;
+      FusedExponentArgs ea{};
+      ea.x = msa.data_ptr<float>();
+      ea.x_sb = msa.stride(0);
+      ea.x_ss = msa.stride(1);
+      ea.x_sn = msa.stride(2);
+      ea.mask = mask_view;
+      ea.ln_w = pa.ln_w;
+      ea.ln_b = pa.ln_b;
+      ea.ln_eps = pa.ln_eps;
+      ea.wa = pa.wa;
+      ea.ba = pa.ba;
+      ea.wb = pa.wb;
+      ea.bb = pa.bb;
+      ea.a_exp = a_exp;
+      ea.b_exp = b_exp;
+      ea.B = int(B);
+      ea.S = int(S);
+      ea.N = int(N);
+      ea.C = int(C);
+      launch_fused_exponents(ea, stream);
+      OuterArgs oa = outer_args(nullptr, nullptr, mask_view, w_out, b_out, out, B, S, N, H, D, norm);
+      set_split_scales(oa, a_exp, b_exp, w_exp, S);
+      const at::Tensor w_split = float32_wgmma_w(w_out, H, true, w_exp, stream);
+      oa.w_blocked = w_split.data_ptr();
+      oa.fp = FusedProjArgs{ea.x, ea.x_sb, ea.x_ss, ea.x_sn, pa.ln_w, pa.ln_b, pa.ln_eps,
+                            pa.wa, pa.ba, pa.wb, pa.bb, int(C)};
+      run_outer(oa, 0, N, N, 0, tc_ok, tc_terms, kmajor, half_split, operand_kind, f32, dev, stream);
+      return out;
     }
     const at::ScalarType ws_type = operand_kind == kMaskBFloat16 ? at::kBFloat16
                                    : operand_kind == kMaskHalf   ? at::kHalf

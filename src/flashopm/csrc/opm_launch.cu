@@ -433,9 +433,9 @@ int outer_tc_smem_bytes(int H, int Ti, int Tj, bool wgmma, bool wgmma2, TcMmaSyn
 
 namespace {
 template <int kTerms, bool kWgmma, bool kWgmma2, bool kHalfSplit = false, int kBK = kTcBK, int kKC = kTcKC,
-          int kNT = kTcNT>
+          int kNT = kTcNT, bool kFused = false>
 void launch_tc_t(const OuterArgs& args, const dim3& grid, int smem, cudaStream_t stream) {
-  constexpr auto kernel = opm_outer_tc_kernel<kTerms, kWgmma, kWgmma2, kHalfSplit, kBK, kKC, kNT>;
+  constexpr auto kernel = opm_outer_tc_kernel<kTerms, kWgmma, kWgmma2, kHalfSplit, kBK, kKC, kNT, kFused>;
   launch_kernel<kernel, SmemSetup::kOptIn>(grid, kTcThreads, smem, stream, args);
 }
 // The mma.sync form with its staging: stage depth, W chunk, phase 1's width.
@@ -472,13 +472,20 @@ void launch_outer_tc(const OuterArgs& args, int terms, bool wgmma, bool wgmma2, 
     if (terms == 3) launch_tc_mma_sync<3>(args, staging, grid, smem, stream);
     else launch_tc_mma_sync<1>(args, staging, grid, smem, stream);
   } else if (half_split) {
-    launch_tc_t<3, true, true, true>(args, grid, smem, stream);
+    if (args.fp.x != nullptr) launch_tc_t<3, true, true, true, kTcBK, kTcKC, kTcNT, true>(args, grid, smem, stream);
+    else launch_tc_t<3, true, true, true>(args, grid, smem, stream);
   } else if (wgmma2) {
     launch_tc_t<1, true, true>(args, grid, smem, stream);
   } else {
     if (terms == 3) launch_tc_t<3, true, false>(args, grid, smem, stream);
     else launch_tc_t<1, true, false>(args, grid, smem, stream);
   }
+}
+
+void launch_fused_exponents(const FusedExponentArgs& args, cudaStream_t stream) {
+  const int64_t blocks = int64_t(args.B) * args.N;
+  if (blocks == 0) return;
+  launch_kernel<opm_fused_exponents_kernel>(unsigned(blocks), 256u, 0, stream, args);
 }
 
 void launch_split_rows_f16(float* buf, int* exp_out, int64_t B, int64_t rows_n, int H, int64_t n_chunks,

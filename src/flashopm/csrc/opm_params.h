@@ -295,6 +295,23 @@ constexpr int kOuterSmemBytes =
     4;
 
 // a, b and w_out hold float32, or the 16-bit operand type of opm_outer_tc16_kernel.
+// a and b formed inside the float16 split form's contraction from x (the fused projection, for
+// deep MSAs under a memory bound: no workspace for a and b): each residue's scale exponents from
+// opm_fused_exponents_kernel, then per stage of 32 s each block normalises its residues' rows of x,
+// projects them on tensor cores and splits the result into the stage's operand rows.  H = kFpH, C <= kFpMaxC, x float32 with rows 16-byte aligned.
+struct FusedProjArgs {
+  const float* x;  // (B, S, N, C), unit stride along C
+  int64_t x_sb, x_ss, x_sn;
+  const float* ln_w;
+  const float* ln_b;
+  float ln_eps;
+  const float* wa;  // (H, C)
+  const float* ba;  // (H) or null
+  const float* wb;
+  const float* bb;
+  int C;
+};
+
 struct OuterArgs {
   const void* a;  // (B, S, Na, H) contiguous: residues i_offset .. i_offset + Na (rows i)
   const void* b;  // (B, S, N, H) contiguous: all residues (columns j)
@@ -330,6 +347,7 @@ struct OuterArgs {
   // holds those residues; out and pair then start at the block's first column)
   int out_N;
   int Ti, Tj;  // pairs per tile along i and j
+  FusedProjArgs fp;  // the fused projection's inputs (x null: a and b come in the workspace)
 };
 
 // Tensor-core outer-first kernel (opm_tc_kernel.cuh): the same tile as above, phase 1 staged
@@ -371,6 +389,30 @@ constexpr int kTcWgStages = 4;
 constexpr int kTcWgAhead = kTcWgStages - 2;
 constexpr int kTcWgABytes = kTcMT * 128;
 constexpr int kTcWgStageBytes = (kTcMT + kTcNT) * 128;
+// The fused projection's shared memory in phase 1 (bytes from the 1 KB-aligned start): one operand
+// stage; x's rows of the stage's kFpS s for the tile's kFpResA + kFpResB residues, row (res, s) at
+// res·kFpS + s, kFpLdX floats apart (8 mod 32: conflict-free fragment reads); W_a's and W_b's
+// float16 split parts [side][high, low][h][c], kFpLdW halves apart; the rows' scale exponents and
+// mask values; per side and h W's exponent and the bias; the residues' exponents; LayerNorm's
+// weight and bias.
+constexpr int kFpH = 32;
+constexpr int kFpS = 32;
+constexpr int kFpResA = kTcMT / kFpH;  // 4
+constexpr int kFpResB = kTcNT / kFpH;  // 8
+constexpr int kFpRows = (kFpResA + kFpResB) * kFpS;
+constexpr int kFpMaxC = 64;
+constexpr int kFpLdX = kFpMaxC + 8;
+constexpr int kFpLdW = kFpMaxC + 8;
+constexpr int kFpXOff = kTcWgStageBytes;
+constexpr int kFpWOff = kFpXOff + kFpRows * kFpLdX * 4;
+constexpr int kFpRowEOff = kFpWOff + 2 * 2 * kFpH * kFpLdW * 2;
+constexpr int kFpRowMOff = kFpRowEOff + kFpRows * 4;
+constexpr int kFpWEOff = kFpRowMOff + kFpRows * 4;
+constexpr int kFpBiasOff = kFpWEOff + 2 * kFpH * 4;
+constexpr int kFpResEOff = kFpBiasOff + 2 * kFpH * 4;
+constexpr int kFpLnOff = kFpResEOff + 16 * 4;
+constexpr int kFpEnd = kFpLnOff + 2 * kFpMaxC * 4;
+static_assert(kFpEnd <= kTcWgStages * kTcWgStageBytes, "the fused projection's phase 1 within the stages' space");
 
 // Shared memory of the tensor-core kernel, in floats: phase 1's stages, or phase 2's O tile
 // ([Ti·Tj][H² + 4]) followed by the W stages; then the tile's row denominators and the output
@@ -590,6 +632,25 @@ void launch_split_rows_f16(float* buf, int* exp_out, int64_t B, int64_t rows_n, 
 // W (D, H²) float32 contiguous into w_split (D·H² 32-bit slots) for the float16 split form's phase
 // 2, each row's scale exponent to w_exp (D).
 void launch_split_w_f16(const float* w, uint32_t* w_split, int* w_exp, int64_t D, int H, cudaStream_t stream);
+// The fused projection's first kernel: the scale exponents of a's and b's residues
+// (split_scale_exp of the largest |mask·(LN(x)·W + bias)| over s and h), as
+// opm_split_rows_f16_kernel forms them from a and b.
+struct FusedExponentArgs {
+  const float* x;  // (B, S, N, C), unit stride along C
+  int64_t x_sb, x_ss, x_sn;
+  MaskView mask;
+  const float* ln_w;
+  const float* ln_b;
+  float ln_eps;
+  const float* wa;
+  const float* ba;
+  const float* wb;
+  const float* bb;
+  int* a_exp;     // (B, N)
+  int* b_exp;     // (B, N)
+  int B, S, N, C;
+};
+void launch_fused_exponents(const FusedExponentArgs& args, cudaStream_t stream);
 // w (n floats, in place) rounded to TF32: w_blocked for wgmma2, which reads W as it arrives
 void launch_round_tf32(float* w, int64_t n, cudaStream_t stream);
 // staging: the mma.sync form's stage and W chunk sizes (GPUs with less shared memory than sm_90's)

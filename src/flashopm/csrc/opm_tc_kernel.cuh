@@ -29,11 +29,262 @@
 
 namespace flashopm {
 
+// Phase 1 of the float16 split form with a and b formed in the block from x (FusedProjArgs), acc
+// as the workspace form leaves it.  Per stage of kFpS s: the x rows of the tile's residues (a's
+// kFpResA, then b's kFpResB) copied in; each row normalised (its statistics formed here) and scaled
+// in place by a power of two of its own (split_scale_exp of its largest |y|); y·Wᵀ on mma.sync
+// m16n8k16 in the float16 split form with W's rows h as A (scaled per h) and the rows' values as
+// B, so that each thread holds pairs of consecutive s of one (n, h); then the scales out, the bias,
+// the mask (a = m·(y·Wᵀ + bias), as the projection kernels form it), the residue's exponent, and
+// the split into the operand stage at the places opm_split_rows_f16_kernel gives the workspace's
+// rows; then the stage's wgmma as the workspace form runs it.
+__device__ __forceinline__ void fused_phase1_f16(const OuterArgs& p, char* smem_c, float (&acc)[128], int b, int i0,
+                                                 int j0) {
+  const FusedProjArgs& f = p.fp;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int wg = warp >> 2;
+  const int C = f.C, Cp = (C + 15) & ~15, S = p.S;
+  float* xs = reinterpret_cast<float*>(smem_c + kFpXOff);
+  __half* wsp = reinterpret_cast<__half*>(smem_c + kFpWOff);  // [side][high, low][h][kFpLdW]
+  int* row_e = reinterpret_cast<int*>(smem_c + kFpRowEOff);
+  float* row_m = reinterpret_cast<float*>(smem_c + kFpRowMOff);
+  int* w_e = reinterpret_cast<int*>(smem_c + kFpWEOff);  // [side][h]
+  float* w_bias = reinterpret_cast<float*>(smem_c + kFpBiasOff);
+  int* res_e = reinterpret_cast<int*>(smem_c + kFpResEOff);
+  char* const stage = smem_c;
+
+  // Residue r of the tile: x's residue n, and whether it exists (a tile at the edge has fewer)
+  auto residue = [&](int r, int& n) -> bool {
+    if (r < kFpResA) {
+      n = p.i_offset + i0 + r;
+      return r < p.Ti && i0 + r < p.Na;
+    }
+    n = j0 + (r - kFpResA);
+    return r - kFpResA < p.Tj && n < p.N;
+  };
+  const int pieces = Cp / 4;  // 16-byte pieces of a row (zeros past C)
+  auto issue_x = [&](int kt) {
+    const int s0 = kt * kFpS;
+    for (int idx = tid; idx < kFpRows * pieces; idx += kTcThreads) {
+      const int r = idx / pieces, q = idx - r * pieces;
+      const int res = r / kFpS, s = s0 + (r - res * kFpS);
+      int n;
+      const bool ok = residue(res, n) && s < S && 4 * q < C;
+      const float* src = ok ? f.x + int64_t(b) * f.x_sb + int64_t(s) * f.x_ss + int64_t(n) * f.x_sn + 4 * q : f.x;
+      cp_async16z(xs + r * kFpLdX + 4 * q, src, ok);
+    }
+  };
+  issue_x(0);
+  cp_async_commit();
+
+  // W's rows scaled per (side, h) and split; the biases; the residues' exponents
+  if (tid < 2 * kFpH) {
+    const int side = tid / kFpH, h = tid - side * kFpH;
+    const float* w = (side ? f.wb : f.wa) + int64_t(h) * C;
+    float m = 0.f;
+    for (int c = 0; c < C; ++c) m = fmaxf(m, fabsf(w[c]));
+    w_e[tid] = split_scale_exp(m);
+    const float* bias = side ? f.bb : f.ba;
+    w_bias[tid] = bias ? bias[h] : 0.f;
+  } else if (tid < 2 * kFpH + kFpResA + kFpResB) {
+    const int r = tid - 2 * kFpH;
+    int n;
+    const bool ok = residue(r, n);
+    res_e[r] = !ok ? 0 : r < kFpResA ? p.a_exp[int64_t(b) * p.Na + i0 + r] : p.b_exp[int64_t(b) * p.N + n];
+  }
+  __syncthreads();
+  for (int idx = tid; idx < 2 * kFpH * (Cp / 2); idx += kTcThreads) {
+    const int sh = idx / (Cp / 2), c = 2 * (idx - sh * (Cp / 2));
+    const int side = sh / kFpH, h = sh - side * kFpH;
+    const float* w = (side ? f.wb : f.wa) + int64_t(h) * C;
+    const float sc = exp2_int(w_e[sh]);
+    uint32_t hi, lo;
+    split_f16x2(c < C ? w[c] * sc : 0.f, c + 1 < C ? w[c + 1] * sc : 0.f, hi, lo);
+    *reinterpret_cast<uint32_t*>(wsp + ((side * 2 + 0) * kFpH + h) * kFpLdW + c) = hi;
+    *reinterpret_cast<uint32_t*>(wsp + ((side * 2 + 1) * kFpH + h) * kFpLdW + c) = lo;
+  }
+
+  float* ln_s = reinterpret_cast<float*>(smem_c + kFpLnOff);  // [weight, bias][kFpMaxC]
+  if (tid < 2 * kFpMaxC) {
+    const int c = tid % kFpMaxC;
+    ln_s[tid] = c < C ? (tid < kFpMaxC ? f.ln_w : f.ln_b)[c] : 0.f;
+  }
+  const int part = tid & 7;  // a row's features c = part + 8u go to this thread
+  // Rows of x -> y = (x - mean)·rstd·gamma + beta, times 2^row_e (eight threads per row)
+  auto normalise = [&](int kt) {
+    const int s0 = kt * kFpS;
+    for (int r = tid >> 3; r < kFpRows; r += kTcThreads / 8) {
+      const int res = r / kFpS, s = s0 + (r - res * kFpS);
+      int n;
+      const bool ok = residue(res, n) && s < S;
+      const float m = ok ? mask_at(p.mask, b, s, n) : 0.f;
+      float* xr = xs + r * kFpLdX;
+      // the statistics in two passes over the row's eight parts (the order differs from the
+      // projection kernels': the last bits of the mean and rstd may too)
+      float v[kFpMaxC / 8];
+      float sum = 0.f;
+#pragma unroll
+      for (int u = 0; u < kFpMaxC / 8; ++u) {
+        const int c = part + 8 * u;
+        v[u] = c < C ? xr[c] : 0.f;
+        sum += v[u];
+      }
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 4);
+      const float mean = sum / C;
+      float sq = 0.f;
+#pragma unroll
+      for (int u = 0; u < kFpMaxC / 8; ++u) {
+        const float d = part + 8 * u < C ? v[u] - mean : 0.f;
+        sq = fmaf(d, d, sq);
+      }
+      sq += __shfl_xor_sync(0xffffffffu, sq, 1);
+      sq += __shfl_xor_sync(0xffffffffu, sq, 2);
+      sq += __shfl_xor_sync(0xffffffffu, sq, 4);
+      const float rstd = rsqrtf(sq / C + f.ln_eps);
+      float mx = 0.f;
+#pragma unroll
+      for (int u = 0; u < kFpMaxC / 8; ++u) {
+        const int c = part + 8 * u;
+        v[u] = ok && c < C ? (v[u] - mean) * rstd * ln_s[c] + ln_s[kFpMaxC + c] : 0.f;
+        mx = fmaxf(mx, fabsf(v[u]));
+      }
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
+      const int e = split_scale_exp(mx);
+      const float sc = exp2_int(e);
+#pragma unroll
+      for (int u = 0; u < kFpMaxC / 8; ++u) {
+        const int c = part + 8 * u;
+        if (c < Cp) xr[c] = v[u] * sc;
+      }
+      if (part == 0) {
+        row_e[r] = e;
+        row_m[r] = m;
+      }
+    }
+  };
+  // The projection of the stage's rows into the operand stage.  Units of (residue, 8 s): a's 16,
+  // then b's 32; warp w takes the pairs of units w (a), w + 8 and w + 16 (b).
+  auto project_stage = [&]() {
+#pragma unroll 1
+    for (int qq = 0; qq < 3; ++qq) {
+      const int q = warp + 8 * qq;
+      const int side = q < 8 ? 0 : 1;
+      const int u0 = side == 0 ? 2 * q : 2 * (q - 8);
+      const __half* w_hi = wsp + (side * 2 + 0) * kFpH * kFpLdW;
+      const __half* w_lo = wsp + (side * 2 + 1) * kFpH * kFpLdW;
+      int xrow[2];
+#pragma unroll
+      for (int un = 0; un < 2; ++un) {
+        const int u = u0 + un;
+        xrow[un] = ((side ? kFpResA : 0) + u / 4) * kFpS + (u % 4) * 8 + g;
+      }
+      float pacc[2][2][4];
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int un = 0; un < 2; ++un)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) pacc[mt][un][e] = 0.f;
+      for (int kk = 0; kk < Cp / 16; ++kk) {
+        const int c = 16 * kk + 2 * t;
+        uint32_t b_hi[2][2], b_lo[2][2];
+#pragma unroll
+        for (int un = 0; un < 2; ++un) {
+          const float* yr = xs + xrow[un] * kFpLdX + c;
+          const float2 v0 = *reinterpret_cast<const float2*>(yr);
+          const float2 v1 = *reinterpret_cast<const float2*>(yr + 8);
+          split_f16x2(v0.x, v0.y, b_hi[un][0], b_lo[un][0]);
+          split_f16x2(v1.x, v1.y, b_hi[un][1], b_lo[un][1]);
+        }
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+          const int h = 16 * mt + g;
+          uint32_t a_hi[4], a_lo[4];
+          a_hi[0] = *reinterpret_cast<const uint32_t*>(w_hi + h * kFpLdW + c);
+          a_hi[1] = *reinterpret_cast<const uint32_t*>(w_hi + (h + 8) * kFpLdW + c);
+          a_hi[2] = *reinterpret_cast<const uint32_t*>(w_hi + h * kFpLdW + c + 8);
+          a_hi[3] = *reinterpret_cast<const uint32_t*>(w_hi + (h + 8) * kFpLdW + c + 8);
+          a_lo[0] = *reinterpret_cast<const uint32_t*>(w_lo + h * kFpLdW + c);
+          a_lo[1] = *reinterpret_cast<const uint32_t*>(w_lo + (h + 8) * kFpLdW + c);
+          a_lo[2] = *reinterpret_cast<const uint32_t*>(w_lo + h * kFpLdW + c + 8);
+          a_lo[3] = *reinterpret_cast<const uint32_t*>(w_lo + (h + 8) * kFpLdW + c + 8);
+          mma_f16_split_add<2>(pacc[mt], a_hi, a_lo, b_hi, b_lo, 2);
+        }
+      }
+      // pacc[mt][un]: rows h = 16mt + g (+8), columns s = 8(u % 4) + 2t (+1) of the unit's residue
+#pragma unroll
+      for (int un = 0; un < 2; ++un) {
+        const int u = u0 + un, side_res = u / 4, st = u % 4;
+        const int res = (side ? kFpResA : 0) + side_res;
+        const int r0 = res * kFpS + st * 8 + 2 * t;
+        const float fr0 = exp2_int(-row_e[r0]), fr1 = exp2_int(-row_e[r0 + 1]);
+        const float m0 = row_m[r0], m1 = row_m[r0 + 1];
+        const float fn = exp2_int(res_e[res]);
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh) {
+            const int h = 16 * mt + g + 8 * hh;
+            const float fw = exp2_int(-w_e[side * kFpH + h]), bias = w_bias[side * kFpH + h];
+            const float v0 = (pacc[mt][un][2 * hh] * fr0 * fw + bias) * m0 * fn;
+            const float v1 = (pacc[mt][un][2 * hh + 1] * fr1 * fw + bias) * m1 * fn;
+            uint32_t hi, lo;
+            split_f16x2(v0, v1, hi, lo);
+            const int row = side_res * kFpH + h;
+            char* rb = stage + (side ? kTcWgABytes : 0) + (row >> 3) * 1024 + (row & 7) * 128 + 4 * t;
+            *reinterpret_cast<uint32_t*>(rb + ((st ^ (row & 7)) << 4)) = hi;
+            *reinterpret_cast<uint32_t*>(rb + (((4 + st) ^ (row & 7)) << 4)) = lo;
+          }
+      }
+    }
+  };
+
+  const uint64_t desc_a0 = wgmma_desc(stage + wg * 64 * 128, 16, 1024);
+  const uint64_t desc_b0 = wgmma_desc(stage + kTcWgABytes, 16, 1024);
+#pragma unroll
+  for (int e = 0; e < 128; ++e) acc[e] = 0.f;
+  const int n_k = (S + kFpS - 1) / kFpS;
+  for (int kt = 0; kt < n_k; ++kt) {
+    cp_async_wait_all();
+    __syncthreads();  // x of this stage in; every warpgroup's multiply of the last stage retired
+    normalise(kt);
+    __syncthreads();
+    project_stage();
+    fence_proxy_async_smem();  // this thread's operand stores, visible to the tensor cores
+    __syncthreads();           // the operand stage whole; x read
+    if (kt + 1 < n_k) issue_x(kt + 1);
+    cp_async_commit();
+    // as the workspace form's float16 split stage (rows of 32 s: high parts, then low parts)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float part_acc[64];
+      const uint64_t dbh = desc_b0 + half * (128 * 128 >> 4);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < 2; ++kk) {
+        wgmma_m64n128k16_f16(part_acc, desc_a0 + 4 + 2 * kk, dbh + 2 * kk, kk);
+        wgmma_m64n128k16_f16(part_acc, desc_a0 + 2 * kk, dbh + 4 + 2 * kk, 1);
+        wgmma_m64n128k16_f16(part_acc, desc_a0 + 2 * kk, dbh + 2 * kk, 1);
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+#pragma unroll
+      for (int e = 0; e < 64; ++e) acc[64 * half + e] += part_acc[e];
+    }
+  }
+  cp_async_wait_all();
+  __syncthreads();  // every warp done with the stages: O may overwrite them
+}
+
 // kBK, kKC, kNT: s per stage and columns (j, h2) of phase 1's mma.sync form, k per W chunk of phase
 // 2's (kTcBK, kTcKC, kTcNT; kTcBKSmall, kTcKCSmall, kTcNTNarrow on GPUs with less shared memory
 // than sm_90's; kNT >= Tj·H).
 template <int kTerms, bool kWgmma, bool kWgmma2, bool kHalfSplit = false, int kBK = kTcBK, int kKC = kTcKC,
-          int kNT = kTcNT>
+          int kNT = kTcNT, bool kFused = false>
 __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const OuterArgs p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   static_assert(!kWgmma2 || (kWgmma && (kTerms == 1 || kHalfSplit)), "phase 2 on wgmma: TF32 after phase 1 on wgmma");
@@ -41,6 +292,7 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const Outer
   static_assert(kBK == kTcBK || (kBK == kTcBKSmall && !kWgmma), "half stages for the mma.sync form alone");
   static_assert(kKC == kTcKC || (kKC == kTcKCSmall && !kWgmma), "half W chunks for the mma.sync form alone");
   static_assert(kNT == kTcNT || (kNT == kTcNTNarrow && !kWgmma), "a narrower phase 1 for the mma.sync form alone");
+  static_assert(!kFused || kHalfSplit, "the fused projection on the float16 split form alone");
   extern __shared__ float4 smem_f4[];
   float* smem = reinterpret_cast<float*>(smem_f4);
   if constexpr (kWgmma)  // the swizzle follows address bits 4-9: stages from a 1 KB boundary
@@ -82,9 +334,14 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const Outer
     // this thread forms from the values it copied (so no barrier comes between the copy and the
     // split), and A's rows 16 s as they are, split by the threads that read them into registers.
     // This thread copies piece pq of rows pr + kPassRows·u.
+    const int wg = warp >> 2;
+    float acc[128];
+    if constexpr (kFused) {
+      form_row_denominators();
+      fused_phase1_f16(p, reinterpret_cast<char*>(smem), acc, b, i0, j0);
+    } else {
     constexpr int kRow = kHalfSplit ? ab_kind_row_floats(kAbF32Rows32) : kmajor_row_floats(kTerms);
     constexpr int kPieces = kRow / 4, kPassRows = kTcThreads / kPieces;
-    const int wg = warp >> 2;
     const int n_k = (S + kRow - 1) / kRow;
     const int64_t a_chunk = NaH * kRow, b_chunk = NH * kRow;  // floats per chunk
     const int pr = tid / kPieces, pq = tid % kPieces;
@@ -169,7 +426,6 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const Outer
     // units): a k step of 8 TF32 is 32 bytes along the row, the low parts start 64 bytes in.
     const uint64_t desc_a0 = wgmma_desc(smem + wg * 64 * 32, 16, 1024);
     const uint64_t desc_b0 = wgmma_desc(reinterpret_cast<char*>(smem) + kTcWgABytes, 16, 1024);
-    float acc[128];
 #pragma unroll
     for (int e = 0; e < 128; ++e) acc[e] = 0.f;
     for (int kt = 0; kt < n_k; ++kt) {
@@ -238,6 +494,7 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const Outer
     wgmma_wait<0>();
     cp_async_wait_all();
     __syncthreads();  // every warp done with the stages: O may overwrite them
+    }
 
     // O as [pair][h1·H + h2], pair = il·Tj + jl.  acc[4j + 2half + e] is row m = 64wg + 16(warp % 4)
     // + g + 8half, column 8j + 2t + e, i.e. column tile jl = j / (H / 8) (H is a multiple of 8);
@@ -784,6 +1041,73 @@ __global__ void opm_split_w_f16_kernel(const float* __restrict__ w, uint32_t* __
     split_f16x2(row[h1 * H + h2] * f, row[h1 * H + h2 + 1] * f, hi, lo);
     out[(pos >> 5) * 32 + ((pos & 31) >> 1)] = hi;
     out[(pos >> 5) * 32 + 16 + ((pos & 31) >> 1)] = lo;
+  }
+#else
+  target_lacks_instructions();
+#endif
+}
+
+
+// The fused projection's first kernel (FusedExponentArgs): one block per residue (b, n), a warp per
+// row s at a time.  LayerNorm's statistics in two passes; y staged per warp; lane h forms a[s, n, h] and b[s, n, h] in float32 FMAs (kFpH = 32 lanes) for
+// the largest magnitudes alone: nothing of a or b is stored.
+__global__ void __launch_bounds__(256) opm_fused_exponents_kernel(const FusedExponentArgs p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  __shared__ float w_s[2][kFpMaxC][kFpH];  // W_a, W_b as [c][h]
+  __shared__ float y_s[8][kFpMaxC];
+  __shared__ float red[2][8];
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int64_t row = blockIdx.x;
+  const int b = int(row / p.N), n = int(row - int64_t(b) * p.N);
+  const int C = p.C;
+  for (int i = tid; i < 2 * C * kFpH; i += blockDim.x) {
+    const int side = i / (C * kFpH), rem = i - side * C * kFpH, h = rem / C, c = rem - h * C;
+    w_s[side][c][h] = (side ? p.wb : p.wa)[h * C + c];
+  }
+  const float bias_a = p.ba ? p.ba[lane] : 0.f, bias_b = p.bb ? p.bb[lane] : 0.f;
+  const float g0 = lane < C ? p.ln_w[lane] : 0.f, g1 = lane + 32 < C ? p.ln_w[lane + 32] : 0.f;
+  const float e0 = lane < C ? p.ln_b[lane] : 0.f, e1 = lane + 32 < C ? p.ln_b[lane + 32] : 0.f;
+  __syncthreads();
+  float ma = 0.f, mb = 0.f;
+  for (int s = warp; s < p.S; s += 8) {
+    const float* xr = p.x + int64_t(b) * p.x_sb + int64_t(s) * p.x_ss + int64_t(n) * p.x_sn;
+    const float x0 = lane < C ? xr[lane] : 0.f, x1 = lane + 32 < C ? xr[lane + 32] : 0.f;
+    const float mean = warp_sum(x0 + x1) / C;
+    const float d0 = lane < C ? x0 - mean : 0.f, d1 = lane + 32 < C ? x1 - mean : 0.f;
+    const float rstd = rsqrtf(warp_sum(d0 * d0 + d1 * d1) / C + p.ln_eps);
+    // the same expression as the contraction's rows: (x - mean)·rstd·gamma + beta
+    y_s[warp][lane] = lane < C ? (x0 - mean) * rstd * g0 + e0 : 0.f;
+    if (lane + 32 < kFpMaxC) y_s[warp][lane + 32] = lane + 32 < C ? (x1 - mean) * rstd * g1 + e1 : 0.f;
+    __syncwarp();
+    float a = 0.f, bb = 0.f;
+    for (int c = 0; c < C; ++c) {
+      const float y = y_s[warp][c];
+      a = fmaf(y, w_s[0][c][lane], a);
+      bb = fmaf(y, w_s[1][c][lane], bb);
+    }
+    __syncwarp();
+    const float m = mask_at(p.mask, b, s, n);
+    ma = fmaxf(ma, fabsf((a + bias_a) * m));
+    mb = fmaxf(mb, fabsf((bb + bias_b) * m));
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    ma = fmaxf(ma, __shfl_xor_sync(0xffffffffu, ma, off));
+    mb = fmaxf(mb, __shfl_xor_sync(0xffffffffu, mb, off));
+  }
+  if (lane == 0) {
+    red[0][warp] = ma;
+    red[1][warp] = mb;
+  }
+  __syncthreads();
+  if (tid == 0) {
+    float a = 0.f, bb = 0.f;
+    for (int w = 0; w < 8; ++w) {
+      a = fmaxf(a, red[0][w]);
+      bb = fmaxf(bb, red[1][w]);
+    }
+    p.a_exp[row] = split_scale_exp(a);
+    p.b_exp[row] = split_scale_exp(bb);
   }
 #else
   target_lacks_instructions();
