@@ -50,13 +50,13 @@ fi
 
 if [ "$PHASE" = fused ]; then
   # a and b formed inside the contraction (sketch "a and b projected inside the contraction")
-  T t_fused 240 $py -m pytest -x -q -p no:cacheprovider tests/test_fused_projection.py || exit 1
+  T t_fused 150 $py -m pytest -x -q -p no:cacheprovider tests/test_fused_projection.py || exit 1
   DEEP="1,1024,256,64,32,128 1,5120,384,64,32,128"
-  FLASHOPM_FUSED_PROJECTION=1 T kt_fused 60 $py scripts/kernel_times.py forward float32 $DEEP
-  T ab_fused 90 $py scripts/ab_env.py FLASHOPM_FUSED_PROJECTION=1 $DEEP --mode forward --calls 10
-  FLASHOPM_FUSED_PROJECTION=1 T bench_fused 150 $py -m flashopm bench --shapes "1,1024,256,64,32,128;1,5120,384,64,32,128" \
+  FLASHOPM_FUSED_PROJECTION=1 T kt_fused 45 $py scripts/kernel_times.py forward float32 $DEEP
+  T ab_fused 60 $py scripts/ab_env.py FLASHOPM_FUSED_PROJECTION=1 $DEEP --mode forward --calls 10
+  FLASHOPM_FUSED_PROJECTION=1 T bench_fused 100 $py -m flashopm bench --shapes "1,1024,256,64,32,128;1,5120,384,64,32,128" \
     --impls eager,flashopm --calls 10 --out "$R/bench_fused"
-  T t_bound 150 $py -m pytest -x -q -p no:cacheprovider tests/test_cuda.py -k "peak_bound"
+  T t_bound 100 $py -m pytest -x -q -p no:cacheprovider tests/test_cuda.py -k "peak_bound"
   exit 0
 fi
 
