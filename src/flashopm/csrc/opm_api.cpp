@@ -1615,8 +1615,9 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
       set_split_scales(oa, a_exp, b_exp, w_exp, S);
       const at::Tensor w_split = float32_wgmma_w(w_out, H, true, w_exp, stream);
       oa.w_blocked = w_split.data_ptr();
+      const char* skip = std::getenv("FLASHOPM_FUSED_SKIP");
       oa.fp = FusedProjArgs{ea.x, ea.x_sb, ea.x_ss, ea.x_sn, pa.ln_w, pa.ln_b, pa.ln_eps,
-                            pa.wa, pa.ba, pa.wb, pa.bb, int(C)};
+                            pa.wa, pa.ba, pa.wb, pa.bb, int(C), skip ? std::atoi(skip) : 0};
       run_outer(oa, 0, N, N, 0, tc_ok, tc_terms, kmajor, half_split, operand_kind, f32, dev, stream);
       return out;
     }

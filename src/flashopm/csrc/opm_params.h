@@ -310,6 +310,9 @@ struct FusedProjArgs {
   const float* wb;
   const float* bb;
   int C;
+  // FLASHOPM_FUSED_SKIP (timing aid only, results wrong): steps of each stage left out, bits
+  // 1 x's copies, 2 the normalisation, 4 the projection, 8 the stage's wgmma
+  int skip;
 };
 
 struct OuterArgs {

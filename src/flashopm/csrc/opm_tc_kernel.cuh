@@ -74,7 +74,7 @@ __device__ __forceinline__ void fused_phase1_f16(const OuterArgs& p, char* smem_
       cp_async16z(xs + r * kFpLdX + 4 * q, src, ok);
     }
   };
-  issue_x(0);
+  if (!(f.skip & 1)) issue_x(0);
   cp_async_commit();
 
   // W's rows scaled per (side, h) and split; the biases; the residues' exponents
@@ -113,11 +113,23 @@ __device__ __forceinline__ void fused_phase1_f16(const OuterArgs& p, char* smem_
   // Rows of x -> y = (x - mean)·rstd·gamma + beta, times 2^row_e (eight threads per row)
   auto normalise = [&](int kt) {
     const int s0 = kt * kFpS;
-    for (int r = tid >> 3; r < kFpRows; r += kTcThreads / 8) {
+    constexpr int kRowsPerThread = kFpRows / (kTcThreads / 8);
+    // every row's mask value first: the loads in flight together, not one latency per row
+    float mk[kRowsPerThread];
+#pragma unroll
+    for (int k = 0; k < kRowsPerThread; ++k) {
+      const int r = (tid >> 3) + k * (kTcThreads / 8);
+      const int res = r / kFpS, s = s0 + (r - res * kFpS);
+      int n;
+      mk[k] = residue(res, n) && s < S && part == 0 ? mask_at(p.mask, b, s, n) : 0.f;
+    }
+#pragma unroll
+    for (int k = 0; k < kRowsPerThread; ++k) {
+      const int r = (tid >> 3) + k * (kTcThreads / 8);
       const int res = r / kFpS, s = s0 + (r - res * kFpS);
       int n;
       const bool ok = residue(res, n) && s < S;
-      const float m = ok ? mask_at(p.mask, b, s, n) : 0.f;
+      const float m = mk[k];
       float* xr = xs + r * kFpLdX;
       // the statistics in two passes over the row's eight parts (the order differs from the
       // projection kernels': the last bits of the mean and rstd may too)
@@ -251,13 +263,14 @@ __device__ __forceinline__ void fused_phase1_f16(const OuterArgs& p, char* smem_
   for (int kt = 0; kt < n_k; ++kt) {
     cp_async_wait_all();
     __syncthreads();  // x of this stage in; every warpgroup's multiply of the last stage retired
-    normalise(kt);
+    if (!(f.skip & 2)) normalise(kt);
     __syncthreads();
-    project_stage();
+    if (!(f.skip & 4)) project_stage();
     fence_proxy_async_smem();  // this thread's operand stores, visible to the tensor cores
     __syncthreads();           // the operand stage whole; x read
-    if (kt + 1 < n_k) issue_x(kt + 1);
+    if (kt + 1 < n_k && !(f.skip & 1)) issue_x(kt + 1);
     cp_async_commit();
+    if (f.skip & 8) continue;
     // as the workspace form's float16 split stage (rows of 32 s: high parts, then low parts)
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
