@@ -925,9 +925,6 @@ def test_peak_bound_1_1_parts_of_s(shape, precision, tc_form, normalization, pla
     stays within twice the default's, with fully masked rows and columns in the mask."""
     if tc_form is not None:
         monkeypatch.setenv("FLASHOPM_TC_FORM", tc_form)
-    # the parts themselves, not the fused projection that a bound takes where they would be needed
-    # (tests/test_fused_projection.py)
-    monkeypatch.setenv("FLASHOPM_FUSED_PROJECTION", "0")
     if plan == "workspace":
         monkeypatch.setenv("FLASHOPM_PEAK_TAIL", "0")
     elif plan is not None:

@@ -5,7 +5,8 @@ its residues' rows of x per stage of s, projects them on tensor cores and splits
 operand stage, with no workspace for a and b (at the deep MSAs they are 2-3x the output).  Against
 the float32 reference: allclose(1e-4); against float64: at most twice eager float32's normwise
 error; the peak extra memory within 1.1x the output, at (1,1024,256,64,32,128) too, where every
-other plan needs the sum over s in parts.
+other plan under a bound needs the sum over s in parts.  On request only, for now: it runs
+several times slower than the default there (NOTES.md runs 302-304).
 """
 import pytest
 import torch
@@ -88,9 +89,12 @@ def test_fused_projection_within_the_memory_bound():
     assert extra <= 1.1 * shape.out_bytes, f"peak extra {extra} B vs output {shape.out_bytes} B"
 
 
-def test_fused_projection_large_weights_strided_x_and_no_bias():
+def test_fused_projection_large_weights_strided_x_and_no_bias(monkeypatch):
     """Weights x10, x a slice of a wider tensor (rows C + 4 floats apart), proj_b without a bias
-    (Boltz's): the references agree, and the strided x gives the contiguous copy's bits."""
+    (Boltz's): the error against float64 within twice eager float32's and the default path's, and
+    the strided x gives the contiguous copy's bits.  (Not allclose(1e-4) against float32 here:
+    outputs reach ~950, eager float32 itself is 6.5e-4 off float64 and the default path passes
+    the tolerance by 13 elements, run 303.)"""
     shape = Shape(2, 40, 29, 60, 32, 64)
     x, m, p = make_problem(shape, "masked_positions", seed=33, scale=10.0)
     p["b_b"] = None
@@ -102,8 +106,12 @@ def test_fused_projection_large_weights_strided_x_and_no_bias():
     ref32 = reference(xs, mc, pc)
     ref64 = reference(xs, mc, pc, dtype=torch.float64)
     out = _call(xs, mc, pc, "row")
-    torch.testing.assert_close(out, ref32, atol=1e-4, rtol=1e-4)
-    assert rel_error(out, ref64) <= max(2 * rel_error(ref32, ref64), FP64_FLOOR)
+    monkeypatch.setenv("FLASHOPM_FUSED_PROJECTION", "0")
+    out_default = _call(xs, mc, pc, "row")
+    monkeypatch.setenv("FLASHOPM_FUSED_PROJECTION", "1")
+    err = rel_error(out, ref64)
+    assert err <= max(2 * rel_error(ref32, ref64), FP64_FLOOR), err
+    assert err <= max(2 * rel_error(out_default, ref64), FP64_FLOOR), err
     assert torch.equal(out, _call(xs.contiguous(), mc, pc, "row"))
 
 
@@ -117,23 +125,3 @@ def test_fused_projection_left_out_where_it_cannot_run():
         assert not any(FUSED_KERNEL in k for k in kernels), kernels
         torch.testing.assert_close(_call(xc, mc, pc, "row"), reference(xc, mc, pc), atol=1e-4, rtol=1e-4)
 
-
-def test_a_peak_bound_takes_the_fused_projection_where_parts_would_be_needed(monkeypatch):
-    """Under FLASHOPM_PEAK_BOUND=1.1, with the setting unset, the deep MSA shape takes the fused
-    projection (every other plan sums over s in parts there) and stays within the bound; with
-    =0 the parts run, and both agree with the reference."""
-    monkeypatch.delenv("FLASHOPM_FUSED_PROJECTION")
-    monkeypatch.setenv("FLASHOPM_PEAK_BOUND", "1.1")
-    shape = Shape(1, 1024, 256, 64, 32, 128)
-    x, m, p = make_problem(shape, "masked_positions", seed=35)
-    xc, mc, pc = x.cuda(), m.cuda(), {k: v.cuda() for k, v in p.items()}
-    ref32 = reference(xc, mc, pc, normalization=1)
-    kernels = flashopm_kernels(lambda: _call(xc, mc, pc, "openfold"))
-    assert any(FUSED_KERNEL in k for k in kernels), kernels
-    extra, out = _peak_extra(lambda: _call(xc, mc, pc, "openfold"))
-    assert extra <= 1.1 * shape.out_bytes, f"peak extra {extra} B vs output {shape.out_bytes} B"
-    torch.testing.assert_close(out, ref32, atol=1e-4, rtol=1e-4)
-    monkeypatch.setenv("FLASHOPM_FUSED_PROJECTION", "0")
-    kernels = flashopm_kernels(lambda: _call(xc, mc, pc, "openfold"))
-    assert not any(FUSED_KERNEL in k for k in kernels), kernels
-    torch.testing.assert_close(_call(xc, mc, pc, "openfold"), ref32, atol=1e-4, rtol=1e-4)

@@ -1415,7 +1415,6 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     const bool fused_ok = half_split && H == kFpH && C <= kFpMaxC && C % 4 == 0 && msa.scalar_type() == at::kFloat &&
                           msa.stride(0) % 4 == 0 && msa.stride(1) % 4 == 0 && msa.stride(2) % 4 == 0 &&
                           reinterpret_cast<uintptr_t>(msa.data_ptr()) % 16 == 0;
-    bool bound_needs_parts = false;  // a requested peak bound's plan sums over s in parts
     // elements per (b, n, h) of a part of s_len values of s
     auto s_stored = [&](int64_t s_len) { return kmajor ? (s_len + row_floats - 1) / row_floats * row_floats : s_len; };
     int64_t s_part = S;  // s per part of the sum
@@ -1570,23 +1569,17 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
           }
           if (!bands.bands.empty() && (!best_fits || bands.cost < above)) band_plan = bands;
         }
-        if (band_plan.bands.empty()) {
-          bound_needs_parts = best.parts > 1;
-        } else {
-          for (const Band& bd : band_plan.bands) bound_needs_parts = bound_needs_parts || bd.s_part < S;
-        }
       } else if (!operands16) {
         const int64_t loose = rows_within(out_bytes / 4);
         if (loose > 0) rows = std::min(rows, loose);
       }
     }
-    // a and b formed inside the contraction from x (FusedProjArgs): no workspace for them, so no
-    // blocks, bands or parts under any peak bound (extra memory: W's split copy, the exponents, the
-    // normalisers).  Taken under a peak bound where the plans above would sum over s in parts (the
-    // deep MSAs: a and b are 2-3x the output there), or everywhere it can run with
-    // FLASHOPM_FUSED_PROJECTION=1 (=0: never).
-    if (fused_ok && (env_is("FLASHOPM_FUSED_PROJECTION", "1") ||
-                     (bound_needs_parts && !env_is("FLASHOPM_FUSED_PROJECTION", "0")))) {
+    // FLASHOPM_FUSED_PROJECTION=1: a and b formed inside the contraction from x (FusedProjArgs), with
+    // no workspace for them, so no blocks, bands or parts under any peak bound (extra memory: W's
+    // split copy, the exponents, the normalisers).  On request only: at (1,1024,256,64) it holds
+    // 1.02x the output but runs 8.7x slower than the default (NOTES.md runs 302-304), 2.8x slower
+    // than the bound's parts.
+    if (fused_ok && env_is("FLASHOPM_FUSED_PROJECTION", "1")) {
       at::Tensor exps = at::empty({2 * B * N + D}, msa_in.options().dtype(at::kInt));
       int* const b_exp = exps.data_ptr<int>();
       int* const a_exp = b_exp + B * N;
