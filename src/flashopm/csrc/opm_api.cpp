@@ -1584,33 +1584,16 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
       int* const b_exp = exps.data_ptr<int>();
       int* const a_exp = b_exp + B * N;
       int* const w_exp = a_exp + B * N;
-      FusedExponentArgs ea{};
-      ea.x = msa.data_ptr<float>();
-      ea.x_sb = msa.stride(0);
-      ea.x_ss = msa.stride(1);
-      ea.x_sn = msa.stride(2);
-      ea.mask = mask_view;
-      ea.ln_w = pa.ln_w;
-      ea.ln_b = pa.ln_b;
-      ea.ln_eps = pa.ln_eps;
-      ea.wa = pa.wa;
-      ea.ba = pa.ba;
-      ea.wb = pa.wb;
-      ea.bb = pa.bb;
-      ea.a_exp = a_exp;
-      ea.b_exp = b_exp;
-      ea.B = int(B);
-      ea.S = int(S);
-      ea.N = int(N);
-      ea.C = int(C);
+      const char* skip = std::getenv("FLASHOPM_FUSED_SKIP");
+      const FusedProjArgs fp{msa.data_ptr<float>(), msa.stride(0), msa.stride(1), msa.stride(2), pa.ln_w, pa.ln_b,
+                             pa.ln_eps, pa.wa, pa.ba, pa.wb, pa.bb, int(C), skip ? std::atoi(skip) : 0};
+      const FusedExponentArgs ea{fp, mask_view, a_exp, b_exp, int(B), int(S), int(N)};
       launch_fused_exponents(ea, stream);
       OuterArgs oa = outer_args(nullptr, nullptr, mask_view, w_out, b_out, out, B, S, N, H, D, norm);
       set_split_scales(oa, a_exp, b_exp, w_exp, S);
       const at::Tensor w_split = float32_wgmma_w(w_out, H, true, w_exp, stream);
       oa.w_blocked = w_split.data_ptr();
-      const char* skip = std::getenv("FLASHOPM_FUSED_SKIP");
-      oa.fp = FusedProjArgs{ea.x, ea.x_sb, ea.x_ss, ea.x_sn, pa.ln_w, pa.ln_b, pa.ln_eps,
-                            pa.wa, pa.ba, pa.wb, pa.bb, int(C), skip ? std::atoi(skip) : 0};
+      oa.fp = fp;
       run_outer(oa, 0, N, N, 0, tc_ok, tc_terms, kmajor, half_split, operand_kind, f32, dev, stream);
       return out;
     }

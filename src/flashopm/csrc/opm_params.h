@@ -639,19 +639,11 @@ void launch_split_w_f16(const float* w, uint32_t* w_split, int* w_exp, int64_t D
 // (split_scale_exp of the largest |mask·(LN(x)·W + bias)| over s and h), as
 // opm_split_rows_f16_kernel forms them from a and b.
 struct FusedExponentArgs {
-  const float* x;  // (B, S, N, C), unit stride along C
-  int64_t x_sb, x_ss, x_sn;
+  FusedProjArgs in;  // x, LayerNorm's and the projections' parameters (skip unused)
   MaskView mask;
-  const float* ln_w;
-  const float* ln_b;
-  float ln_eps;
-  const float* wa;
-  const float* ba;
-  const float* wb;
-  const float* bb;
-  int* a_exp;     // (B, N)
-  int* b_exp;     // (B, N)
-  int B, S, N, C;
+  int* a_exp;  // (B, N)
+  int* b_exp;  // (B, N)
+  int B, S, N;
 };
 void launch_fused_exponents(const FusedExponentArgs& args, cudaStream_t stream);
 // w (n floats, in place) rounded to TF32: w_blocked for wgmma2, which reads W as it arrives

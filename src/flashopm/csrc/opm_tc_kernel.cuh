@@ -29,6 +29,29 @@
 
 namespace flashopm {
 
+// One stage of the float16 split form's phase 1 for this warpgroup: acc += A·B over the stage's
+// 32 s (rows of 32 s: high parts in bytes 0-63, low parts in 64-127, +4 in 16-byte units; a k step
+// of 16 s 32 bytes), each half of the columns' products in a zeroed accumulator added in float32
+// (the truncation of the tensor core's accumulation, as for 3xTF32), small terms first.
+__device__ __forceinline__ void split16_stage_products(float (&acc)[128], uint64_t da, uint64_t db) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    float part[64];
+    const uint64_t dbh = db + half * (128 * 128 >> 4);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < 2; ++kk) {
+      wgmma_m64n128k16_f16(part, da + 4 + 2 * kk, dbh + 2 * kk, kk);
+      wgmma_m64n128k16_f16(part, da + 2 * kk, dbh + 4 + 2 * kk, 1);
+      wgmma_m64n128k16_f16(part, da + 2 * kk, dbh + 2 * kk, 1);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+#pragma unroll
+    for (int e = 0; e < 64; ++e) acc[64 * half + e] += part[e];
+  }
+}
+
 // Phase 1 of the float16 split form with a and b formed in the block from x (FusedProjArgs), acc
 // as the workspace form leaves it.  Per stage of kFpS s: the x rows of the tile's residues (a's
 // kFpResA, then b's kFpResB) copied in; each row normalised (its statistics formed here) and scaled
@@ -270,24 +293,7 @@ __device__ __forceinline__ void fused_phase1_f16(const OuterArgs& p, char* smem_
     __syncthreads();           // the operand stage whole; x read
     if (kt + 1 < n_k && !(f.skip & 1)) issue_x(kt + 1);
     cp_async_commit();
-    if (f.skip & 8) continue;
-    // as the workspace form's float16 split stage (rows of 32 s: high parts, then low parts)
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      float part_acc[64];
-      const uint64_t dbh = desc_b0 + half * (128 * 128 >> 4);
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < 2; ++kk) {
-        wgmma_m64n128k16_f16(part_acc, desc_a0 + 4 + 2 * kk, dbh + 2 * kk, kk);
-        wgmma_m64n128k16_f16(part_acc, desc_a0 + 2 * kk, dbh + 4 + 2 * kk, 1);
-        wgmma_m64n128k16_f16(part_acc, desc_a0 + 2 * kk, dbh + 2 * kk, 1);
-      }
-      wgmma_commit();
-      wgmma_wait<0>();
-#pragma unroll
-      for (int e = 0; e < 64; ++e) acc[64 * half + e] += part_acc[e];
-    }
+    if (!(f.skip & 8)) split16_stage_products(acc, desc_a0, desc_b0);
   }
   cp_async_wait_all();
   __syncthreads();  // every warp done with the stages: O may overwrite them
@@ -453,26 +459,7 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const Outer
       const uint64_t off = uint64_t((kt % kTcWgStages) * (kTcWgStageBytes >> 4));
       const uint64_t da = desc_a0 + off, db = desc_b0 + off;
       if constexpr (kHalfSplit) {
-        // Rows of 32 s: high parts in bytes 0-63, low parts in 64-127 (+4 in 16-byte units), a
-        // k step of 16 s 32 bytes.  Each stage's products in a zeroed accumulator added in float32
-        // (the truncation of the tensor core's accumulation, as for 3xTF32), half the columns at
-        // a time; small terms first.
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          float part[64];
-          const uint64_t dbh = db + half * (128 * 128 >> 4);
-          wgmma_fence();
-#pragma unroll
-          for (int kk = 0; kk < 2; ++kk) {
-            wgmma_m64n128k16_f16(part, da + 4 + 2 * kk, dbh + 2 * kk, kk);
-            wgmma_m64n128k16_f16(part, da + 2 * kk, dbh + 4 + 2 * kk, 1);
-            wgmma_m64n128k16_f16(part, da + 2 * kk, dbh + 2 * kk, 1);
-          }
-          wgmma_commit();
-          wgmma_wait<0>();
-#pragma unroll
-          for (int e = 0; e < 64; ++e) acc[64 * half + e] += part[e];
-        }
+        split16_stage_products(acc, da, db);
       } else if constexpr (kTerms == 3) {
         // The tensor core's accumulation truncates relative to the accumulator's magnitude (see
         // mma_split_add): each stage's products go to a zeroed accumulator, half of the columns
@@ -1065,6 +1052,7 @@ __global__ void opm_split_w_f16_kernel(const float* __restrict__ w, uint32_t* __
 // row s at a time.  LayerNorm's statistics in two passes; y staged per warp; lane h forms a[s, n, h] and b[s, n, h] in float32 FMAs (kFpH = 32 lanes) for
 // the largest magnitudes alone: nothing of a or b is stored.
 __global__ void __launch_bounds__(256) opm_fused_exponents_kernel(const FusedExponentArgs p) {
+  const FusedProjArgs& f = p.in;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   __shared__ float w_s[2][kFpMaxC][kFpH];  // W_a, W_b as [c][h]
   __shared__ float y_s[8][kFpMaxC];
@@ -1072,22 +1060,22 @@ __global__ void __launch_bounds__(256) opm_fused_exponents_kernel(const FusedExp
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int64_t row = blockIdx.x;
   const int b = int(row / p.N), n = int(row - int64_t(b) * p.N);
-  const int C = p.C;
+  const int C = f.C;
   for (int i = tid; i < 2 * C * kFpH; i += blockDim.x) {
     const int side = i / (C * kFpH), rem = i - side * C * kFpH, h = rem / C, c = rem - h * C;
-    w_s[side][c][h] = (side ? p.wb : p.wa)[h * C + c];
+    w_s[side][c][h] = (side ? f.wb : f.wa)[h * C + c];
   }
-  const float bias_a = p.ba ? p.ba[lane] : 0.f, bias_b = p.bb ? p.bb[lane] : 0.f;
-  const float g0 = lane < C ? p.ln_w[lane] : 0.f, g1 = lane + 32 < C ? p.ln_w[lane + 32] : 0.f;
-  const float e0 = lane < C ? p.ln_b[lane] : 0.f, e1 = lane + 32 < C ? p.ln_b[lane + 32] : 0.f;
+  const float bias_a = f.ba ? f.ba[lane] : 0.f, bias_b = f.bb ? f.bb[lane] : 0.f;
+  const float g0 = lane < C ? f.ln_w[lane] : 0.f, g1 = lane + 32 < C ? f.ln_w[lane + 32] : 0.f;
+  const float e0 = lane < C ? f.ln_b[lane] : 0.f, e1 = lane + 32 < C ? f.ln_b[lane + 32] : 0.f;
   __syncthreads();
   float ma = 0.f, mb = 0.f;
   for (int s = warp; s < p.S; s += 8) {
-    const float* xr = p.x + int64_t(b) * p.x_sb + int64_t(s) * p.x_ss + int64_t(n) * p.x_sn;
+    const float* xr = f.x + int64_t(b) * f.x_sb + int64_t(s) * f.x_ss + int64_t(n) * f.x_sn;
     const float x0 = lane < C ? xr[lane] : 0.f, x1 = lane + 32 < C ? xr[lane + 32] : 0.f;
     const float mean = warp_sum(x0 + x1) / C;
     const float d0 = lane < C ? x0 - mean : 0.f, d1 = lane + 32 < C ? x1 - mean : 0.f;
-    const float rstd = rsqrtf(warp_sum(d0 * d0 + d1 * d1) / C + p.ln_eps);
+    const float rstd = rsqrtf(warp_sum(d0 * d0 + d1 * d1) / C + f.ln_eps);
     // the same expression as the contraction's rows: (x - mean)·rstd·gamma + beta
     y_s[warp][lane] = lane < C ? (x0 - mean) * rstd * g0 + e0 : 0.f;
     if (lane + 32 < kFpMaxC) y_s[warp][lane + 32] = lane + 32 < C ? (x1 - mean) * rstd * g1 + e1 : 0.f;
