@@ -218,12 +218,7 @@ __device__ __forceinline__ void fused_phase1_f16(const OuterArgs& p, char* smem_
         xrow[un] = ((side ? kFpResA : 0) + u / 4) * kFpS + (u % 4) * 8 + g;
       }
       float pacc[2][2][4];
-#pragma unroll
-      for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-        for (int un = 0; un < 2; ++un)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) pacc[mt][un][e] = 0.f;
+      zero_tiles(pacc);
       for (int kk = 0; kk < Cp / 16; ++kk) {
         const int c = 16 * kk + 2 * t;
         uint32_t b_hi[2][2], b_lo[2][2];
