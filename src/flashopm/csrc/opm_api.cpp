@@ -1415,6 +1415,29 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     const bool fused_ok = half_split && H == kFpH && C <= kFpMaxC && C % 4 == 0 && msa.scalar_type() == at::kFloat &&
                           msa.stride(0) % 4 == 0 && msa.stride(1) % 4 == 0 && msa.stride(2) % 4 == 0 &&
                           reinterpret_cast<uintptr_t>(msa.data_ptr()) % 16 == 0;
+    // FLASHOPM_FUSED_PROJECTION=1: a and b formed inside the contraction from x (FusedProjArgs), with
+    // no workspace for them, so none of the plans below under any peak bound (extra memory: W's
+    // split copy, the exponents, the normalisers).  On request only: at (1,1024,256,64) it holds
+    // 1.02x the output but runs 8.7x slower than the default (NOTES.md runs 302-304), 2.8x slower
+    // than the bound's parts.
+    if (fused_ok && env_is("FLASHOPM_FUSED_PROJECTION", "1")) {
+      at::Tensor exps = at::empty({2 * B * N + D}, msa_in.options().dtype(at::kInt));
+      int* const b_exp = exps.data_ptr<int>();
+      int* const a_exp = b_exp + B * N;
+      int* const w_exp = a_exp + B * N;
+      const char* skip = env_get("FLASHOPM_FUSED_SKIP");
+      const FusedProjArgs fp{msa.data_ptr<float>(), msa.stride(0), msa.stride(1), msa.stride(2), pa.ln_w, pa.ln_b,
+                             pa.ln_eps, pa.wa, pa.ba, pa.wb, pa.bb, int(C), skip ? std::atoi(skip) : 0};
+      const FusedExponentArgs ea{fp, mask_view, a_exp, b_exp, int(B), int(S), int(N)};
+      launch_fused_exponents(ea, stream);
+      OuterArgs oa = outer_args(nullptr, nullptr, mask_view, w_out, b_out, out, B, S, N, H, D, norm);
+      set_split_scales(oa, a_exp, b_exp, w_exp, S);
+      const at::Tensor w_split = float32_wgmma_w(w_out, H, true, w_exp, stream);
+      oa.w_blocked = w_split.data_ptr();
+      oa.fp = fp;
+      run_outer(oa, 0, N, N, 0, tc_ok, tc_terms, kmajor, half_split, operand_kind, f32, dev, stream);
+      return out;
+    }
     // elements per (b, n, h) of a part of s_len values of s
     auto s_stored = [&](int64_t s_len) { return kmajor ? (s_len + row_floats - 1) / row_floats * row_floats : s_len; };
     int64_t s_part = S;  // s per part of the sum
@@ -1573,29 +1596,6 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
         const int64_t loose = rows_within(out_bytes / 4);
         if (loose > 0) rows = std::min(rows, loose);
       }
-    }
-    // FLASHOPM_FUSED_PROJECTION=1: a and b formed inside the contraction from x (FusedProjArgs), with
-    // no workspace for them, so no blocks, bands or parts under any peak bound (extra memory: W's
-    // split copy, the exponents, the normalisers).  On request only: at (1,1024,256,64) it holds
-    // 1.02x the output but runs 8.7x slower than the default (NOTES.md runs 302-304), 2.8x slower
-    // than the bound's parts.
-    if (fused_ok && env_is("FLASHOPM_FUSED_PROJECTION", "1")) {
-      at::Tensor exps = at::empty({2 * B * N + D}, msa_in.options().dtype(at::kInt));
-      int* const b_exp = exps.data_ptr<int>();
-      int* const a_exp = b_exp + B * N;
-      int* const w_exp = a_exp + B * N;
-      const char* skip = std::getenv("FLASHOPM_FUSED_SKIP");
-      const FusedProjArgs fp{msa.data_ptr<float>(), msa.stride(0), msa.stride(1), msa.stride(2), pa.ln_w, pa.ln_b,
-                             pa.ln_eps, pa.wa, pa.ba, pa.wb, pa.bb, int(C), skip ? std::atoi(skip) : 0};
-      const FusedExponentArgs ea{fp, mask_view, a_exp, b_exp, int(B), int(S), int(N)};
-      launch_fused_exponents(ea, stream);
-      OuterArgs oa = outer_args(nullptr, nullptr, mask_view, w_out, b_out, out, B, S, N, H, D, norm);
-      set_split_scales(oa, a_exp, b_exp, w_exp, S);
-      const at::Tensor w_split = float32_wgmma_w(w_out, H, true, w_exp, stream);
-      oa.w_blocked = w_split.data_ptr();
-      oa.fp = fp;
-      run_outer(oa, 0, N, N, 0, tc_ok, tc_terms, kmajor, half_split, operand_kind, f32, dev, stream);
-      return out;
     }
     const at::ScalarType ws_type = operand_kind == kMaskBFloat16 ? at::kBFloat16
                                    : operand_kind == kMaskHalf   ? at::kHalf

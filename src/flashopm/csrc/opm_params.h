@@ -294,11 +294,11 @@ constexpr int kOuterSmemBytes =
      (kOuterStageFloats > kOuterWFloats ? kOuterStageFloats : kOuterWFloats)) *
     4;
 
-// a, b and w_out hold float32, or the 16-bit operand type of opm_outer_tc16_kernel.
 // a and b formed inside the float16 split form's contraction from x (the fused projection, for
 // deep MSAs under a memory bound: no workspace for a and b): each residue's scale exponents from
-// opm_fused_exponents_kernel, then per stage of 32 s each block normalises its residues' rows of x,
-// projects them on tensor cores and splits the result into the stage's operand rows.  H = kFpH, C <= kFpMaxC, x float32 with rows 16-byte aligned.
+// opm_fused_exponents_kernel, then per stage of 32 s each block normalises its residues' rows of
+// x, projects them on tensor cores and splits the result into the stage's operand rows.  H = kFpH,
+// C <= kFpMaxC, x float32 with rows 16-byte aligned.
 struct FusedProjArgs {
   const float* x;  // (B, S, N, C), unit stride along C
   int64_t x_sb, x_ss, x_sn;
@@ -315,6 +315,7 @@ struct FusedProjArgs {
   int skip;
 };
 
+// a, b and w_out hold float32, or the 16-bit operand type of opm_outer_tc16_kernel.
 struct OuterArgs {
   const void* a;  // (B, S, Na, H) contiguous: residues i_offset .. i_offset + Na (rows i)
   const void* b;  // (B, S, N, H) contiguous: all residues (columns j)
