@@ -1417,17 +1417,20 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
                           reinterpret_cast<uintptr_t>(msa.data_ptr()) % 16 == 0;
     // FLASHOPM_FUSED_PROJECTION=1: a and b formed inside the contraction from x (FusedProjArgs), with
     // no workspace for them, so none of the plans below under any peak bound (extra memory: W's
-    // split copy, the exponents, the normalisers).  On request only: at (1,1024,256,64) it holds
-    // 1.02x the output but runs 8.7x slower than the default (NOTES.md runs 302-304), 2.8x slower
-    // than the bound's parts.
+    // split copy, the exponents, the normalisers, 8 bytes of LayerNorm statistics per row of x:
+    // 0.06x the output at (1,1024,256,64)).  On request only: it runs slower than the default
+    // (NOTES.md).
     if (fused_ok && env_is("FLASHOPM_FUSED_PROJECTION", "1")) {
       at::Tensor exps = at::empty({2 * B * N + D}, msa_in.options().dtype(at::kInt));
       int* const b_exp = exps.data_ptr<int>();
       int* const a_exp = b_exp + B * N;
       int* const w_exp = a_exp + B * N;
+      const int64_t s_pad = (S + kFpS - 1) / kFpS * kFpS;
+      at::Tensor row_stats = at::empty({B, N, s_pad, 2}, msa_in.options().dtype(at::kFloat));
       const char* skip = env_get("FLASHOPM_FUSED_SKIP");
       const FusedProjArgs fp{msa.data_ptr<float>(), msa.stride(0), msa.stride(1), msa.stride(2), pa.ln_w, pa.ln_b,
-                             pa.ln_eps, pa.wa, pa.ba, pa.wb, pa.bb, int(C), skip ? std::atoi(skip) : 0};
+                             pa.ln_eps, pa.wa, pa.ba, pa.wb, pa.bb, row_stats.data_ptr<float>(), int(s_pad), int(C),
+                             skip ? std::atoi(skip) : 0};
       const FusedExponentArgs ea{fp, mask_view, a_exp, b_exp, int(B), int(S), int(N)};
       launch_fused_exponents(ea, stream);
       OuterArgs oa = outer_args(nullptr, nullptr, mask_view, w_out, b_out, out, B, S, N, H, D, norm);

@@ -295,9 +295,10 @@ constexpr int kOuterSmemBytes =
     4;
 
 // a and b formed inside the float16 split form's contraction from x (the fused projection, for
-// deep MSAs under a memory bound: no workspace for a and b): each residue's scale exponents from
-// opm_fused_exponents_kernel, then per stage of 32 s each block normalises its residues' rows of
-// x, projects them on tensor cores and splits the result into the stage's operand rows.  H = kFpH,
+// deep MSAs under a memory bound: no workspace for a and b): opm_fused_exponents_kernel forms each
+// row's LayerNorm statistics and each residue's scale exponents, then per stage of 32 s each block
+// copies its residues' rows of x, projects v = (x - mean)·rstd on tensor cores against W·diag(gamma)
+// (beta folded into the bias) and splits the result into the stage's operand rows.  H = kFpH,
 // C <= kFpMaxC, x float32 with rows 16-byte aligned.
 struct FusedProjArgs {
   const float* x;  // (B, S, N, C), unit stride along C
@@ -309,9 +310,13 @@ struct FusedProjArgs {
   const float* ba;  // (H) or null
   const float* wb;
   const float* bb;
+  // (B, N, s_pad, 2): per row (b, s, n) of x its mean and rstd·2^kFpVExp, written by the first
+  // kernel (zeros for s >= S), read by the contraction a stage at a time
+  float* row_stats;
+  int s_pad;  // S rounded up to whole stages
   int C;
   // FLASHOPM_FUSED_SKIP (timing aid only, results wrong): steps of each stage left out, bits
-  // 1 x's copies, 2 the normalisation, 4 the projection, 8 the stage's wgmma
+  // 1 x's copies, 4 the projection, 8 the stage's wgmma
   int skip;
 };
 
@@ -395,27 +400,28 @@ constexpr int kTcWgABytes = kTcMT * 128;
 constexpr int kTcWgStageBytes = (kTcMT + kTcNT) * 128;
 // The fused projection's shared memory in phase 1 (bytes from the 1 KB-aligned start): one operand
 // stage; x's rows of the stage's kFpS s for the tile's kFpResA + kFpResB residues, row (res, s) at
-// res·kFpS + s, kFpLdX floats apart (8 mod 32: conflict-free fragment reads); W_a's and W_b's
-// float16 split parts [side][high, low][h][c], kFpLdW halves apart; the rows' scale exponents and
-// mask values; per side and h W's exponent and the bias; the residues' exponents; LayerNorm's
-// weight and bias.
+// res·kFpS + s, kFpLdX floats apart (8 mod 32: conflict-free fragment reads); W·diag(gamma)'s
+// float16 split parts [side][high, low][h][c], kFpLdW halves apart; the rows' statistics and mask
+// values; per side and h W's exponent and the bias; the residues' exponents.
 constexpr int kFpH = 32;
 constexpr int kFpS = 32;
 constexpr int kFpResA = kTcMT / kFpH;  // 4
 constexpr int kFpResB = kTcNT / kFpH;  // 8
 constexpr int kFpRows = (kFpResA + kFpResB) * kFpS;
 constexpr int kFpMaxC = 64;
+// v = (x - mean)·rstd has sum_c v_c^2 = C·var/(var + eps) <= C, so |v_c| <= sqrt(C) <= 8 at C <= 64:
+// v·2^12 < 2^15 lies within float16's range for the split, with no scale per row.
+constexpr int kFpVExp = 12;
 constexpr int kFpLdX = kFpMaxC + 8;
 constexpr int kFpLdW = kFpMaxC + 8;
 constexpr int kFpXOff = kTcWgStageBytes;
 constexpr int kFpWOff = kFpXOff + kFpRows * kFpLdX * 4;
-constexpr int kFpRowEOff = kFpWOff + 2 * 2 * kFpH * kFpLdW * 2;
-constexpr int kFpRowMOff = kFpRowEOff + kFpRows * 4;
+constexpr int kFpStatOff = kFpWOff + 2 * 2 * kFpH * kFpLdW * 2;
+constexpr int kFpRowMOff = kFpStatOff + kFpRows * 8;
 constexpr int kFpWEOff = kFpRowMOff + kFpRows * 4;
 constexpr int kFpBiasOff = kFpWEOff + 2 * kFpH * 4;
 constexpr int kFpResEOff = kFpBiasOff + 2 * kFpH * 4;
-constexpr int kFpLnOff = kFpResEOff + 16 * 4;
-constexpr int kFpEnd = kFpLnOff + 2 * kFpMaxC * 4;
+constexpr int kFpEnd = kFpResEOff + 16 * 4;
 static_assert(kFpEnd <= kTcWgStages * kTcWgStageBytes, "the fused projection's phase 1 within the stages' space");
 
 // Shared memory of the tensor-core kernel, in floats: phase 1's stages, or phase 2's O tile
@@ -636,9 +642,9 @@ void launch_split_rows_f16(float* buf, int* exp_out, int64_t B, int64_t rows_n, 
 // W (D, H²) float32 contiguous into w_split (D·H² 32-bit slots) for the float16 split form's phase
 // 2, each row's scale exponent to w_exp (D).
 void launch_split_w_f16(const float* w, uint32_t* w_split, int* w_exp, int64_t D, int H, cudaStream_t stream);
-// The fused projection's first kernel: the scale exponents of a's and b's residues
-// (split_scale_exp of the largest |mask·(LN(x)·W + bias)| over s and h), as
-// opm_split_rows_f16_kernel forms them from a and b.
+// The fused projection's first kernel: each row's LayerNorm statistics (FusedProjArgs::row_stats)
+// and the scale exponents of a's and b's residues (split_scale_exp of the largest
+// |mask·(LN(x)·W + bias)| over s and h), as opm_split_rows_f16_kernel forms them from a and b.
 struct FusedExponentArgs {
   FusedProjArgs in;  // x, LayerNorm's and the projections' parameters (skip unused)
   MaskView mask;

@@ -53,14 +53,15 @@ __device__ __forceinline__ void split16_stage_products(float (&acc)[128], uint64
 }
 
 // Phase 1 of the float16 split form with a and b formed in the block from x (FusedProjArgs), acc
-// as the workspace form leaves it.  Per stage of kFpS s: the x rows of the tile's residues (a's
-// kFpResA, then b's kFpResB) copied in; each row normalised (its statistics formed here) and scaled
-// in place by a power of two of its own (split_scale_exp of its largest |y|); y·Wᵀ on mma.sync
-// m16n8k16 in the float16 split form with W's rows h as A (scaled per h) and the rows' values as
-// B, so that each thread holds pairs of consecutive s of one (n, h); then the scales out, the bias,
-// the mask (a = m·(y·Wᵀ + bias), as the projection kernels form it), the residue's exponent, and
-// the split into the operand stage at the places opm_split_rows_f16_kernel gives the workspace's
-// rows; then the stage's wgmma as the workspace form runs it.
+// as the workspace form leaves it.  LayerNorm folds into the projection: a = m·(v·(W·diag(gamma))ᵀ
+// + W·beta + bias) with v = (x - mean)·rstd, the statistics from the first kernel.  Per stage of
+// kFpS s: the x rows of the tile's residues (a's kFpResA, then b's kFpResB) and their statistics
+// copied in; v·2^kFpVExp formed as the B fragments are read, v·Wᵀ on mma.sync m16n8k16 in the
+// float16 split form with W's rows h as A (scaled per h), so that each thread holds pairs of
+// consecutive s of one (n, h); then the scales out, the bias, the mask (as the projection kernels
+// form a), the residue's exponent, and the split into the operand stage at the places
+// opm_split_rows_f16_kernel gives the workspace's rows; then the stage's wgmma as the workspace
+// form runs it.
 __device__ __forceinline__ void fused_phase1_f16(const OuterArgs& p, char* smem_c, float (&acc)[128], int b, int i0,
                                                  int j0) {
   const FusedProjArgs& f = p.fp;
@@ -69,7 +70,7 @@ __device__ __forceinline__ void fused_phase1_f16(const OuterArgs& p, char* smem_
   const int C = f.C, Cp = (C + 15) & ~15, S = p.S;
   float* xs = reinterpret_cast<float*>(smem_c + kFpXOff);
   __half* wsp = reinterpret_cast<__half*>(smem_c + kFpWOff);  // [side][high, low][h][kFpLdW]
-  int* row_e = reinterpret_cast<int*>(smem_c + kFpRowEOff);
+  const float2* row_st = reinterpret_cast<const float2*>(smem_c + kFpStatOff);  // (mean, rstd·2^kFpVExp)
   float* row_m = reinterpret_cast<float*>(smem_c + kFpRowMOff);
   int* w_e = reinterpret_cast<int*>(smem_c + kFpWEOff);  // [side][h]
   float* w_bias = reinterpret_cast<float*>(smem_c + kFpBiasOff);
@@ -86,6 +87,7 @@ __device__ __forceinline__ void fused_phase1_f16(const OuterArgs& p, char* smem_
     return r - kFpResA < p.Tj && n < p.N;
   };
   const int pieces = Cp / 4;  // 16-byte pieces of a row (zeros past C)
+  constexpr int kStatPieces = kFpS * 8 / 16;  // a residue's statistics of a stage: 256 contiguous bytes
   auto issue_x = [&](int kt) {
     const int s0 = kt * kFpS;
     for (int idx = tid; idx < kFpRows * pieces; idx += kTcThreads) {
@@ -96,19 +98,30 @@ __device__ __forceinline__ void fused_phase1_f16(const OuterArgs& p, char* smem_
       const float* src = ok ? f.x + int64_t(b) * f.x_sb + int64_t(s) * f.x_ss + int64_t(n) * f.x_sn + 4 * q : f.x;
       cp_async16z(xs + r * kFpLdX + 4 * q, src, ok);
     }
+    if (tid < (kFpResA + kFpResB) * kStatPieces) {
+      const int res = tid / kStatPieces, q = tid - res * kStatPieces;
+      int n;
+      const bool ok = residue(res, n);
+      const float* src = ok ? f.row_stats + ((int64_t(b) * p.N + n) * f.s_pad + s0) * 2 + 4 * q : f.row_stats;
+      cp_async16z(smem_c + kFpStatOff + (res * kFpS) * 8 + 16 * q, src, ok);
+    }
   };
   if (!(f.skip & 1)) issue_x(0);
   cp_async_commit();
 
-  // W's rows scaled per (side, h) and split; the biases; the residues' exponents
+  // W·diag(gamma)'s rows scaled per (side, h) and split; the biases with W·beta; the residues'
+  // exponents
   if (tid < 2 * kFpH) {
     const int side = tid / kFpH, h = tid - side * kFpH;
     const float* w = (side ? f.wb : f.wa) + int64_t(h) * C;
-    float m = 0.f;
-    for (int c = 0; c < C; ++c) m = fmaxf(m, fabsf(w[c]));
-    w_e[tid] = split_scale_exp(m);
     const float* bias = side ? f.bb : f.ba;
-    w_bias[tid] = bias ? bias[h] : 0.f;
+    float m = 0.f, bsum = bias ? bias[h] : 0.f;
+    for (int c = 0; c < C; ++c) {
+      m = fmaxf(m, fabsf(w[c] * f.ln_w[c]));
+      bsum = fmaf(w[c], f.ln_b[c], bsum);
+    }
+    w_e[tid] = split_scale_exp(m);
+    w_bias[tid] = bsum;
   } else if (tid < 2 * kFpH + kFpResA + kFpResB) {
     const int r = tid - 2 * kFpH;
     int n;
@@ -122,83 +135,19 @@ __device__ __forceinline__ void fused_phase1_f16(const OuterArgs& p, char* smem_
     const float* w = (side ? f.wb : f.wa) + int64_t(h) * C;
     const float sc = exp2_int(w_e[sh]);
     uint32_t hi, lo;
-    split_f16x2(c < C ? w[c] * sc : 0.f, c + 1 < C ? w[c + 1] * sc : 0.f, hi, lo);
+    split_f16x2(c < C ? w[c] * f.ln_w[c] * sc : 0.f, c + 1 < C ? w[c + 1] * f.ln_w[c + 1] * sc : 0.f, hi, lo);
     *reinterpret_cast<uint32_t*>(wsp + ((side * 2 + 0) * kFpH + h) * kFpLdW + c) = hi;
     *reinterpret_cast<uint32_t*>(wsp + ((side * 2 + 1) * kFpH + h) * kFpLdW + c) = lo;
   }
-
-  float* ln_s = reinterpret_cast<float*>(smem_c + kFpLnOff);  // [weight, bias][kFpMaxC]
-  if (tid < 2 * kFpMaxC) {
-    const int c = tid % kFpMaxC;
-    ln_s[tid] = c < C ? (tid < kFpMaxC ? f.ln_w : f.ln_b)[c] : 0.f;
-  }
-  const int part = tid & 7;  // a row's features c = part + 8u go to this thread
-  // Rows of x -> y = (x - mean)·rstd·gamma + beta, times 2^row_e (eight threads per row)
-  auto normalise = [&](int kt) {
-    const int s0 = kt * kFpS;
-    constexpr int kRowsPerThread = kFpRows / (kTcThreads / 8);
-    // every row's mask value first: the loads in flight together, not one latency per row
-    float mk[kRowsPerThread];
+  // the stage's mask values, loaded before the wait for its copies (their latencies overlap)
+  constexpr int kMaskPerThread = (kFpRows + kTcThreads - 1) / kTcThreads;
+  auto load_masks = [&](int kt, float (&mk)[kMaskPerThread]) {
 #pragma unroll
-    for (int k = 0; k < kRowsPerThread; ++k) {
-      const int r = (tid >> 3) + k * (kTcThreads / 8);
-      const int res = r / kFpS, s = s0 + (r - res * kFpS);
+    for (int k = 0; k < kMaskPerThread; ++k) {
+      const int r = tid + k * kTcThreads;
+      const int res = r / kFpS, s = kt * kFpS + (r - res * kFpS);
       int n;
-      mk[k] = residue(res, n) && s < S && part == 0 ? mask_at(p.mask, b, s, n) : 0.f;
-    }
-#pragma unroll
-    for (int k = 0; k < kRowsPerThread; ++k) {
-      const int r = (tid >> 3) + k * (kTcThreads / 8);
-      const int res = r / kFpS, s = s0 + (r - res * kFpS);
-      int n;
-      const bool ok = residue(res, n) && s < S;
-      const float m = mk[k];
-      float* xr = xs + r * kFpLdX;
-      // the statistics in two passes over the row's eight parts (the order differs from the
-      // projection kernels': the last bits of the mean and rstd may too)
-      float v[kFpMaxC / 8];
-      float sum = 0.f;
-#pragma unroll
-      for (int u = 0; u < kFpMaxC / 8; ++u) {
-        const int c = part + 8 * u;
-        v[u] = c < C ? xr[c] : 0.f;
-        sum += v[u];
-      }
-      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-      sum += __shfl_xor_sync(0xffffffffu, sum, 4);
-      const float mean = sum / C;
-      float sq = 0.f;
-#pragma unroll
-      for (int u = 0; u < kFpMaxC / 8; ++u) {
-        const float d = part + 8 * u < C ? v[u] - mean : 0.f;
-        sq = fmaf(d, d, sq);
-      }
-      sq += __shfl_xor_sync(0xffffffffu, sq, 1);
-      sq += __shfl_xor_sync(0xffffffffu, sq, 2);
-      sq += __shfl_xor_sync(0xffffffffu, sq, 4);
-      const float rstd = rsqrtf(sq / C + f.ln_eps);
-      float mx = 0.f;
-#pragma unroll
-      for (int u = 0; u < kFpMaxC / 8; ++u) {
-        const int c = part + 8 * u;
-        v[u] = ok && c < C ? (v[u] - mean) * rstd * ln_s[c] + ln_s[kFpMaxC + c] : 0.f;
-        mx = fmaxf(mx, fabsf(v[u]));
-      }
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
-      const int e = split_scale_exp(mx);
-      const float sc = exp2_int(e);
-#pragma unroll
-      for (int u = 0; u < kFpMaxC / 8; ++u) {
-        const int c = part + 8 * u;
-        if (c < Cp) xr[c] = v[u] * sc;
-      }
-      if (part == 0) {
-        row_e[r] = e;
-        row_m[r] = m;
-      }
+      mk[k] = r < kFpRows && residue(res, n) && s < S ? mask_at(p.mask, b, s, n) : 0.f;
     }
   };
   // The projection of the stage's rows into the operand stage.  Units of (residue, 8 s): a's 16,
@@ -212,10 +161,12 @@ __device__ __forceinline__ void fused_phase1_f16(const OuterArgs& p, char* smem_
       const __half* w_hi = wsp + (side * 2 + 0) * kFpH * kFpLdW;
       const __half* w_lo = wsp + (side * 2 + 1) * kFpH * kFpLdW;
       int xrow[2];
+      float2 st[2];
 #pragma unroll
       for (int un = 0; un < 2; ++un) {
         const int u = u0 + un;
         xrow[un] = ((side ? kFpResA : 0) + u / 4) * kFpS + (u % 4) * 8 + g;
+        st[un] = row_st[xrow[un]];
       }
       float pacc[2][2][4];
       zero_tiles(pacc);
@@ -227,8 +178,9 @@ __device__ __forceinline__ void fused_phase1_f16(const OuterArgs& p, char* smem_
           const float* yr = xs + xrow[un] * kFpLdX + c;
           const float2 v0 = *reinterpret_cast<const float2*>(yr);
           const float2 v1 = *reinterpret_cast<const float2*>(yr + 8);
-          split_f16x2(v0.x, v0.y, b_hi[un][0], b_lo[un][0]);
-          split_f16x2(v1.x, v1.y, b_hi[un][1], b_lo[un][1]);
+          // past C, x is zero and W too: (0 - mean)·rstd adds nothing
+          split_f16x2((v0.x - st[un].x) * st[un].y, (v0.y - st[un].x) * st[un].y, b_hi[un][0], b_lo[un][0]);
+          split_f16x2((v1.x - st[un].x) * st[un].y, (v1.y - st[un].x) * st[un].y, b_hi[un][1], b_lo[un][1]);
         }
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt) {
@@ -251,7 +203,6 @@ __device__ __forceinline__ void fused_phase1_f16(const OuterArgs& p, char* smem_
         const int u = u0 + un, side_res = u / 4, st = u % 4;
         const int res = (side ? kFpResA : 0) + side_res;
         const int r0 = res * kFpS + st * 8 + 2 * t;
-        const float fr0 = exp2_int(-row_e[r0]), fr1 = exp2_int(-row_e[r0 + 1]);
         const float m0 = row_m[r0], m1 = row_m[r0 + 1];
         const float fn = exp2_int(res_e[res]);
 #pragma unroll
@@ -259,9 +210,9 @@ __device__ __forceinline__ void fused_phase1_f16(const OuterArgs& p, char* smem_
 #pragma unroll
           for (int hh = 0; hh < 2; ++hh) {
             const int h = 16 * mt + g + 8 * hh;
-            const float fw = exp2_int(-w_e[side * kFpH + h]), bias = w_bias[side * kFpH + h];
-            const float v0 = (pacc[mt][un][2 * hh] * fr0 * fw + bias) * m0 * fn;
-            const float v1 = (pacc[mt][un][2 * hh + 1] * fr1 * fw + bias) * m1 * fn;
+            const float fw = exp2_int(-w_e[side * kFpH + h] - kFpVExp), bias = w_bias[side * kFpH + h];
+            const float v0 = (pacc[mt][un][2 * hh] * fw + bias) * m0 * fn;
+            const float v1 = (pacc[mt][un][2 * hh + 1] * fw + bias) * m1 * fn;
             uint32_t hi, lo;
             split_f16x2(v0, v1, hi, lo);
             const int row = side_res * kFpH + h;
@@ -279,10 +230,13 @@ __device__ __forceinline__ void fused_phase1_f16(const OuterArgs& p, char* smem_
   for (int e = 0; e < 128; ++e) acc[e] = 0.f;
   const int n_k = (S + kFpS - 1) / kFpS;
   for (int kt = 0; kt < n_k; ++kt) {
+    float mk[kMaskPerThread];
+    load_masks(kt, mk);
     cp_async_wait_all();
+#pragma unroll
+    for (int k = 0; k < kMaskPerThread; ++k)
+      if (tid + k * kTcThreads < kFpRows) row_m[tid + k * kTcThreads] = mk[k];
     __syncthreads();  // x of this stage in; every warpgroup's multiply of the last stage retired
-    if (!(f.skip & 2)) normalise(kt);
-    __syncthreads();
     if (!(f.skip & 4)) project_stage();
     fence_proxy_async_smem();  // this thread's operand stores, visible to the tensor cores
     __syncthreads();           // the operand stage whole; x read
@@ -1044,8 +998,10 @@ __global__ void opm_split_w_f16_kernel(const float* __restrict__ w, uint32_t* __
 
 
 // The fused projection's first kernel (FusedExponentArgs): one block per residue (b, n), a warp per
-// row s at a time.  LayerNorm's statistics in two passes; y staged per warp; lane h forms a[s, n, h] and b[s, n, h] in float32 FMAs (kFpH = 32 lanes) for
-// the largest magnitudes alone: nothing of a or b is stored.
+// row s at a time.  LayerNorm's statistics in two passes, stored for the contraction
+// (FusedProjArgs::row_stats, zeros past S); y staged per warp; lane h forms a[s, n, h] and
+// b[s, n, h] in float32 FMAs (kFpH = 32 lanes) for the largest magnitudes alone: nothing of a or
+// b is stored.
 __global__ void __launch_bounds__(256) opm_fused_exponents_kernel(const FusedExponentArgs p) {
   const FusedProjArgs& f = p.in;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
@@ -1064,13 +1020,17 @@ __global__ void __launch_bounds__(256) opm_fused_exponents_kernel(const FusedExp
   const float g0 = lane < C ? f.ln_w[lane] : 0.f, g1 = lane + 32 < C ? f.ln_w[lane + 32] : 0.f;
   const float e0 = lane < C ? f.ln_b[lane] : 0.f, e1 = lane + 32 < C ? f.ln_b[lane + 32] : 0.f;
   __syncthreads();
+  float2* stats = reinterpret_cast<float2*>(f.row_stats) + row * f.s_pad;
+  for (int s = p.S + tid; s < f.s_pad; s += blockDim.x) stats[s] = make_float2(0.f, 0.f);
   float ma = 0.f, mb = 0.f;
   for (int s = warp; s < p.S; s += 8) {
     const float* xr = f.x + int64_t(b) * f.x_sb + int64_t(s) * f.x_ss + int64_t(n) * f.x_sn;
     const float x0 = lane < C ? xr[lane] : 0.f, x1 = lane + 32 < C ? xr[lane + 32] : 0.f;
+    const float m = mask_at(p.mask, b, s, n);
     const float mean = warp_sum(x0 + x1) / C;
     const float d0 = lane < C ? x0 - mean : 0.f, d1 = lane + 32 < C ? x1 - mean : 0.f;
     const float rstd = rsqrtf(warp_sum(d0 * d0 + d1 * d1) / C + f.ln_eps);
+    if (lane == 0) stats[s] = make_float2(mean, rstd * exp2_int(kFpVExp));
     // the same expression as the contraction's rows: (x - mean)·rstd·gamma + beta
     y_s[warp][lane] = lane < C ? (x0 - mean) * rstd * g0 + e0 : 0.f;
     if (lane + 32 < kFpMaxC) y_s[warp][lane + 32] = lane + 32 < C ? (x1 - mean) * rstd * g1 + e1 : 0.f;
@@ -1082,7 +1042,6 @@ __global__ void __launch_bounds__(256) opm_fused_exponents_kernel(const FusedExp
       bb = fmaf(y, w_s[1][c][lane], bb);
     }
     __syncwarp();
-    const float m = mask_at(p.mask, b, s, n);
     ma = fmaxf(ma, fabsf((a + bias_a) * m));
     mb = fmaxf(mb, fabsf((bb + bias_b) * m));
   }
