@@ -51,9 +51,9 @@ fi
 if [ "$PHASE" = fused ]; then
   # a and b formed inside the contraction (sketch "a and b projected inside the contraction"):
   # tests, the kernels' times with each step of a stage left out in turn, the bench CLI
-  T t_fused 150 $py -m pytest -x -q -p no:cacheprovider tests/test_fused_projection.py || exit 1
   DEEP=1,1024,256,64,32,128
   FLASHOPM_FUSED_PROJECTION=1 T kt_fused 45 $py scripts/kernel_times.py forward float32 $DEEP
+  T t_fused 150 $py -m pytest -x -q -p no:cacheprovider tests/test_fused_projection.py || exit 1
   for skip in 1 4 8; do
     FLASHOPM_FUSED_PROJECTION=1 FLASHOPM_FUSED_SKIP=$skip T kt_skip$skip 30 $py scripts/kernel_times.py forward float32 $DEEP
   done

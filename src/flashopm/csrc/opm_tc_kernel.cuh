@@ -68,6 +68,9 @@ __device__ __forceinline__ void fused_phase1_f16(const OuterArgs& p, char* smem_
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int wg = warp >> 2;
   const int C = f.C, Cp = (C + 15) & ~15, S = p.S;
+  const int n_k = (S + kFpS - 1) / kFpS;
+  constexpr int kFpRowsThird = kFpRows / 3;
+  static_assert(kFpResA == 4 && kFpResB == 8, "thirds of four residues: a's, then b's in two");
   float* xs = reinterpret_cast<float*>(smem_c + kFpXOff);
   __half* wsp = reinterpret_cast<__half*>(smem_c + kFpWOff);  // [side][high, low][h][kFpLdW]
   const float2* row_st = reinterpret_cast<const float2*>(smem_c + kFpStatOff);  // (mean, rstd·2^kFpVExp)
@@ -88,26 +91,30 @@ __device__ __forceinline__ void fused_phase1_f16(const OuterArgs& p, char* smem_
   };
   const int pieces = Cp / 4;  // 16-byte pieces of a row (zeros past C)
   constexpr int kStatPieces = kFpS * 8 / 16;  // a residue's statistics of a stage: 256 contiguous bytes
-  auto issue_x = [&](int kt) {
-    const int s0 = kt * kFpS;
-    for (int idx = tid; idx < kFpRows * pieces; idx += kTcThreads) {
-      const int r = idx / pieces, q = idx - r * pieces;
-      const int res = r / kFpS, s = s0 + (r - res * kFpS);
-      int n;
-      const bool ok = residue(res, n) && s < S && 4 * q < C;
-      const float* src = ok ? f.x + int64_t(b) * f.x_sb + int64_t(s) * f.x_ss + int64_t(n) * f.x_sn + 4 * q : f.x;
-      cp_async16z(xs + r * kFpLdX + 4 * q, src, ok);
+  // x's rows and statistics of residues 4·third .. 4·third + 3 for stage kt (the rows one third of
+  // the projection reads: 128 rows from row 128·third), one group of copies
+  auto issue_x = [&](int kt, int third) {
+    if (kt < n_k && !(f.skip & 1)) {
+      const int s0 = kt * kFpS;
+      for (int idx = tid; idx < kFpRowsThird * pieces; idx += kTcThreads) {
+        const int r = third * kFpRowsThird + idx / pieces, q = idx % pieces;
+        const int res = r / kFpS, s = s0 + (r - res * kFpS);
+        int n;
+        const bool ok = residue(res, n) && s < S && 4 * q < C;
+        const float* src = ok ? f.x + int64_t(b) * f.x_sb + int64_t(s) * f.x_ss + int64_t(n) * f.x_sn + 4 * q : f.x;
+        cp_async16z(xs + r * kFpLdX + 4 * q, src, ok);
+      }
+      if (tid < 4 * kStatPieces) {
+        const int res = 4 * third + tid / kStatPieces, q = tid % kStatPieces;
+        int n;
+        const bool ok = residue(res, n);
+        const float* src = ok ? f.row_stats + ((int64_t(b) * p.N + n) * f.s_pad + s0) * 2 + 4 * q : f.row_stats;
+        cp_async16z(smem_c + kFpStatOff + (res * kFpS) * 8 + 16 * q, src, ok);
+      }
     }
-    if (tid < (kFpResA + kFpResB) * kStatPieces) {
-      const int res = tid / kStatPieces, q = tid - res * kStatPieces;
-      int n;
-      const bool ok = residue(res, n);
-      const float* src = ok ? f.row_stats + ((int64_t(b) * p.N + n) * f.s_pad + s0) * 2 + 4 * q : f.row_stats;
-      cp_async16z(smem_c + kFpStatOff + (res * kFpS) * 8 + 16 * q, src, ok);
-    }
+    cp_async_commit();  // empty past the last stage: the wait counts stay the same
   };
-  if (!(f.skip & 1)) issue_x(0);
-  cp_async_commit();
+  for (int third = 0; third < 3; ++third) issue_x(0, third);
 
   // W·diag(gamma)'s rows scaled per (side, h) and split; the biases with W·beta; the residues'
   // exponents
@@ -150,23 +157,22 @@ __device__ __forceinline__ void fused_phase1_f16(const OuterArgs& p, char* smem_
       mk[k] = r < kFpRows && residue(res, n) && s < S ? mask_at(p.mask, b, s, n) : 0.f;
     }
   };
-  // The projection of the stage's rows into the operand stage.  Units of (residue, 8 s): a's 16,
-  // then b's 32; warp w takes the pairs of units w (a), w + 8 and w + 16 (b).
-  auto project_stage = [&]() {
-#pragma unroll 1
-    for (int qq = 0; qq < 3; ++qq) {
-      const int q = warp + 8 * qq;
+  // The projection of the stage's rows into the operand stage, a third at a time.  Units of
+  // (residue, 8 s): a's 16, then b's 32; warp w takes the pair of units q = w + 8·third.
+  auto project_third = [&](int third) {
+    {
+      const int q = warp + 8 * third;
       const int side = q < 8 ? 0 : 1;
       const int u0 = side == 0 ? 2 * q : 2 * (q - 8);
       const __half* w_hi = wsp + (side * 2 + 0) * kFpH * kFpLdW;
       const __half* w_lo = wsp + (side * 2 + 1) * kFpH * kFpLdW;
       int xrow[2];
-      float2 st[2];
+      float2 stat[2];
 #pragma unroll
       for (int un = 0; un < 2; ++un) {
         const int u = u0 + un;
         xrow[un] = ((side ? kFpResA : 0) + u / 4) * kFpS + (u % 4) * 8 + g;
-        st[un] = row_st[xrow[un]];
+        stat[un] = row_st[xrow[un]];
       }
       float pacc[2][2][4];
       zero_tiles(pacc);
@@ -179,8 +185,8 @@ __device__ __forceinline__ void fused_phase1_f16(const OuterArgs& p, char* smem_
           const float2 v0 = *reinterpret_cast<const float2*>(yr);
           const float2 v1 = *reinterpret_cast<const float2*>(yr + 8);
           // past C, x is zero and W too: (0 - mean)·rstd adds nothing
-          split_f16x2((v0.x - st[un].x) * st[un].y, (v0.y - st[un].x) * st[un].y, b_hi[un][0], b_lo[un][0]);
-          split_f16x2((v1.x - st[un].x) * st[un].y, (v1.y - st[un].x) * st[un].y, b_hi[un][1], b_lo[un][1]);
+          split_f16x2((v0.x - stat[un].x) * stat[un].y, (v0.y - stat[un].x) * stat[un].y, b_hi[un][0], b_lo[un][0]);
+          split_f16x2((v1.x - stat[un].x) * stat[un].y, (v1.y - stat[un].x) * stat[un].y, b_hi[un][1], b_lo[un][1]);
         }
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt) {
@@ -228,20 +234,31 @@ __device__ __forceinline__ void fused_phase1_f16(const OuterArgs& p, char* smem_
   const uint64_t desc_b0 = wgmma_desc(stage + kTcWgABytes, 16, 1024);
 #pragma unroll
   for (int e = 0; e < 128; ++e) acc[e] = 0.f;
-  const int n_k = (S + kFpS - 1) / kFpS;
+  // Each third of x's buffer is copied for the next stage as soon as its projection is done, so
+  // its copy runs behind the other two thirds' projections and the stage's wgmma.  Groups in
+  // flight at each wait: this stage's thirds not yet projected, then the next stage's issued.
   for (int kt = 0; kt < n_k; ++kt) {
     float mk[kMaskPerThread];
     load_masks(kt, mk);
-    cp_async_wait_all();
+#pragma unroll 1
+    for (int third = 0; third < 3; ++third) {
+      if (third == 0) {
+        cp_async_wait<2>();
 #pragma unroll
-    for (int k = 0; k < kMaskPerThread; ++k)
-      if (tid + k * kTcThreads < kFpRows) row_m[tid + k * kTcThreads] = mk[k];
-    __syncthreads();  // x of this stage in; every warpgroup's multiply of the last stage retired
-    if (!(f.skip & 4)) project_stage();
+        for (int k = 0; k < kMaskPerThread; ++k)
+          if (tid + k * kTcThreads < kFpRows) row_m[tid + k * kTcThreads] = mk[k];
+      } else {
+        cp_async_wait<1>();
+      }
+      // this third in; the one before it read (third 0: every warpgroup's multiply of the last
+      // stage retired)
+      __syncthreads();
+      if (third > 0) issue_x(kt + 1, third - 1);
+      if (!(f.skip & 4)) project_third(third);
+    }
     fence_proxy_async_smem();  // this thread's operand stores, visible to the tensor cores
-    __syncthreads();           // the operand stage whole; x read
-    if (kt + 1 < n_k && !(f.skip & 1)) issue_x(kt + 1);
-    cp_async_commit();
+    __syncthreads();           // the operand stage whole; third 2 read
+    issue_x(kt + 1, 2);
     if (!(f.skip & 8)) split16_stage_products(acc, desc_a0, desc_b0);
   }
   cp_async_wait_all();
@@ -997,53 +1014,87 @@ __global__ void opm_split_w_f16_kernel(const float* __restrict__ w, uint32_t* __
 }
 
 
-// The fused projection's first kernel (FusedExponentArgs): one block per residue (b, n), a warp per
-// row s at a time.  LayerNorm's statistics in two passes, stored for the contraction
-// (FusedProjArgs::row_stats, zeros past S); y staged per warp; lane h forms a[s, n, h] and
-// b[s, n, h] in float32 FMAs (kFpH = 32 lanes) for the largest magnitudes alone: nothing of a or
-// b is stored.
+// The fused projection's first kernel (FusedExponentArgs): one block per residue (b, n), a row s
+// per lane (the warp's 32 rows together).  LayerNorm's statistics in two passes over the row in
+// registers, stored for the contraction (FusedProjArgs::row_stats, zeros past S); then a[s, n, h]
+// and b[s, n, h] in float32 FMAs against W's rows read from shared memory (one address for the
+// whole warp), for the largest magnitudes alone: nothing of a or b is stored.  C % 4 == 0.
 __global__ void __launch_bounds__(256) opm_fused_exponents_kernel(const FusedExponentArgs p) {
   const FusedProjArgs& f = p.in;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  __shared__ float w_s[2][kFpMaxC][kFpH];  // W_a, W_b as [c][h]
-  __shared__ float y_s[8][kFpMaxC];
+  __shared__ float4 w_s[2 * kFpH][kFpMaxC / 4];  // [side·kFpH + h][c / 4], zeros past C
+  __shared__ float ln_s[2][kFpMaxC];             // LayerNorm's weight and bias, zeros past C
+  __shared__ float bias_s[2 * kFpH];
   __shared__ float red[2][8];
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int64_t row = blockIdx.x;
   const int b = int(row / p.N), n = int(row - int64_t(b) * p.N);
   const int C = f.C;
-  for (int i = tid; i < 2 * C * kFpH; i += blockDim.x) {
-    const int side = i / (C * kFpH), rem = i - side * C * kFpH, h = rem / C, c = rem - h * C;
-    w_s[side][c][h] = (side ? f.wb : f.wa)[h * C + c];
+  float* w_f = reinterpret_cast<float*>(w_s);
+  for (int i = tid; i < 2 * kFpH * kFpMaxC; i += blockDim.x) {
+    const int sh = i / kFpMaxC, c = i - sh * kFpMaxC, side = sh / kFpH, h = sh - side * kFpH;
+    w_f[i] = c < C ? (side ? f.wb : f.wa)[h * C + c] : 0.f;
   }
-  const float bias_a = f.ba ? f.ba[lane] : 0.f, bias_b = f.bb ? f.bb[lane] : 0.f;
-  const float g0 = lane < C ? f.ln_w[lane] : 0.f, g1 = lane + 32 < C ? f.ln_w[lane + 32] : 0.f;
-  const float e0 = lane < C ? f.ln_b[lane] : 0.f, e1 = lane + 32 < C ? f.ln_b[lane + 32] : 0.f;
-  __syncthreads();
+  if (tid < 2 * kFpMaxC) {
+    const int c = tid % kFpMaxC;
+    ln_s[tid / kFpMaxC][c] = c < C ? (tid < kFpMaxC ? f.ln_w : f.ln_b)[c] : 0.f;
+  } else if (tid < 2 * kFpMaxC + 2 * kFpH) {
+    const int sh = tid - 2 * kFpMaxC, side = sh / kFpH, h = sh - side * kFpH;
+    const float* bias = side ? f.bb : f.ba;
+    bias_s[sh] = bias ? bias[h] : 0.f;
+  }
   float2* stats = reinterpret_cast<float2*>(f.row_stats) + row * f.s_pad;
   for (int s = p.S + tid; s < f.s_pad; s += blockDim.x) stats[s] = make_float2(0.f, 0.f);
+  __syncthreads();
   float ma = 0.f, mb = 0.f;
-  for (int s = warp; s < p.S; s += 8) {
-    const float* xr = f.x + int64_t(b) * f.x_sb + int64_t(s) * f.x_ss + int64_t(n) * f.x_sn;
-    const float x0 = lane < C ? xr[lane] : 0.f, x1 = lane + 32 < C ? xr[lane + 32] : 0.f;
-    const float m = mask_at(p.mask, b, s, n);
-    const float mean = warp_sum(x0 + x1) / C;
-    const float d0 = lane < C ? x0 - mean : 0.f, d1 = lane + 32 < C ? x1 - mean : 0.f;
-    const float rstd = rsqrtf(warp_sum(d0 * d0 + d1 * d1) / C + f.ln_eps);
-    if (lane == 0) stats[s] = make_float2(mean, rstd * exp2_int(kFpVExp));
-    // the same expression as the contraction's rows: (x - mean)·rstd·gamma + beta
-    y_s[warp][lane] = lane < C ? (x0 - mean) * rstd * g0 + e0 : 0.f;
-    if (lane + 32 < kFpMaxC) y_s[warp][lane + 32] = lane + 32 < C ? (x1 - mean) * rstd * g1 + e1 : 0.f;
-    __syncwarp();
-    float a = 0.f, bb = 0.f;
-    for (int c = 0; c < C; ++c) {
-      const float y = y_s[warp][c];
-      a = fmaf(y, w_s[0][c][lane], a);
-      bb = fmaf(y, w_s[1][c][lane], bb);
+  for (int s0 = 32 * warp; s0 < p.S; s0 += 32 * 8) {
+    const int s = s0 + lane;
+    const bool ok = s < p.S;
+    const float* xr = f.x + int64_t(b) * f.x_sb + int64_t(ok ? s : 0) * f.x_ss + int64_t(n) * f.x_sn;
+    float v[kFpMaxC];
+#pragma unroll
+    for (int q = 0; q < kFpMaxC / 4; ++q) {
+      const float4 x4 = ok && 4 * q < C ? *reinterpret_cast<const float4*>(xr + 4 * q) : make_float4(0.f, 0.f, 0.f, 0.f);
+      v[4 * q] = x4.x;
+      v[4 * q + 1] = x4.y;
+      v[4 * q + 2] = x4.z;
+      v[4 * q + 3] = x4.w;
     }
-    __syncwarp();
-    ma = fmaxf(ma, fabsf((a + bias_a) * m));
-    mb = fmaxf(mb, fabsf((bb + bias_b) * m));
+    const float m = ok ? mask_at(p.mask, b, s, n) : 0.f;
+    // the mean as v[0] plus the mean difference from it, in four partial sums: rows far from zero
+    // (|mean| >> std) keep the bits that x - mean then shows
+    float part[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int c = 0; c < kFpMaxC; ++c) part[c & 3] += c < C ? v[c] - v[0] : 0.f;
+    const float mean = v[0] + ((part[0] + part[1]) + (part[2] + part[3])) / C;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) part[k] = 0.f;
+#pragma unroll
+    for (int c = 0; c < kFpMaxC; ++c) {
+      const float d = c < C ? v[c] - mean : 0.f;
+      part[c & 3] = fmaf(d, d, part[c & 3]);
+    }
+    const float rstd = rsqrtf(((part[0] + part[1]) + (part[2] + part[3])) / C + f.ln_eps);
+    if (ok) stats[s] = make_float2(mean, rstd * exp2_int(kFpVExp));
+#pragma unroll
+    for (int c = 0; c < kFpMaxC; ++c) v[c] = c < C ? (v[c] - mean) * rstd * ln_s[0][c] + ln_s[1][c] : 0.f;
+#pragma unroll 2
+    for (int sh = 0; sh < 2 * kFpH; ++sh) {
+      float acc = bias_s[sh];
+#pragma unroll
+      for (int q = 0; q < kFpMaxC / 4; ++q) {
+        if (4 * q < C) {
+          const float4 w4 = w_s[sh][q];
+          acc = fmaf(v[4 * q], w4.x, acc);
+          acc = fmaf(v[4 * q + 1], w4.y, acc);
+          acc = fmaf(v[4 * q + 2], w4.z, acc);
+          acc = fmaf(v[4 * q + 3], w4.w, acc);
+        }
+      }
+      const float mag = fabsf(acc * m);
+      if (sh < kFpH) ma = fmaxf(ma, mag);
+      else mb = fmaxf(mb, mag);
+    }
   }
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) {
