@@ -69,7 +69,6 @@ __device__ __forceinline__ void fused_phase1_f16(const OuterArgs& p, char* smem_
   const int wg = warp >> 2;
   const int C = f.C, Cp = (C + 15) & ~15, S = p.S;
   const int n_k = (S + kFpS - 1) / kFpS;
-  constexpr int kFpRowsThird = kFpRows / 3;
   static_assert(kFpResA == 4 && kFpResB == 8, "thirds of four residues: a's, then b's in two");
   float* xs = reinterpret_cast<float*>(smem_c + kFpXOff);
   __half* wsp = reinterpret_cast<__half*>(smem_c + kFpWOff);  // [side][high, low][h][kFpLdW]
@@ -89,20 +88,24 @@ __device__ __forceinline__ void fused_phase1_f16(const OuterArgs& p, char* smem_
     n = j0 + (r - kFpResA);
     return r - kFpResA < p.Tj && n < p.N;
   };
-  const int pieces = Cp / 4;  // 16-byte pieces of a row (zeros past C)
   constexpr int kStatPieces = kFpS * 8 / 16;  // a residue's statistics of a stage: 256 contiguous bytes
   // x's rows and statistics of residues 4·third .. 4·third + 3 for stage kt (the rows one third of
-  // the projection reads: 128 rows from row 128·third), one group of copies
+  // the projection reads: 128 rows from row 128·third), one group of copies.  This thread copies
+  // 16-byte piece xq of rows xr + 16u (u < 8: residue u / 2 of the third, s = xr + 16(u % 2)),
+  // zeros past C: fixed offsets, so that a copy costs a few instructions.
+  const int xq = tid & 15, xr = tid >> 4;
+  const float* const x_q = f.x + int64_t(b) * f.x_sb + 4 * xq;
+  const bool q_in = 4 * xq < C;
   auto issue_x = [&](int kt, int third) {
     if (kt < n_k && !(f.skip & 1)) {
       const int s0 = kt * kFpS;
-      for (int idx = tid; idx < kFpRowsThird * pieces; idx += kTcThreads) {
-        const int r = third * kFpRowsThird + idx / pieces, q = idx % pieces;
-        const int res = r / kFpS, s = s0 + (r - res * kFpS);
+#pragma unroll
+      for (int u = 0; u < 8; ++u) {
+        const int res = 4 * third + (u >> 1), sl = xr + 16 * (u & 1), s = s0 + sl;
         int n;
-        const bool ok = residue(res, n) && s < S && 4 * q < C;
-        const float* src = ok ? f.x + int64_t(b) * f.x_sb + int64_t(s) * f.x_ss + int64_t(n) * f.x_sn + 4 * q : f.x;
-        cp_async16z(xs + r * kFpLdX + 4 * q, src, ok);
+        const bool ok = q_in && residue(res, n) && s < S;
+        const float* src = ok ? x_q + int64_t(s) * f.x_ss + int64_t(n) * f.x_sn : f.x;
+        cp_async16z(xs + (res * kFpS + sl) * kFpLdX + 4 * xq, src, ok);
       }
       if (tid < 4 * kStatPieces) {
         const int res = 4 * third + tid / kStatPieces, q = tid % kStatPieces;
