@@ -402,7 +402,8 @@ constexpr int kTcWgStageBytes = (kTcMT + kTcNT) * 128;
 // stage; x's rows of the stage's kFpS s for the tile's kFpResA + kFpResB residues, row (res, s) at
 // res·kFpS + s, kFpLdX floats apart (8 mod 32: conflict-free fragment reads); W·diag(gamma)'s
 // float16 split parts [side][high, low][h][c], kFpLdW halves apart; the rows' statistics and mask
-// values; per side and h W's exponent and the bias; the residues' exponents.
+// values; per side and h W's exponent and the bias; the residues' exponents; per side and h the
+// factor that takes the projection's scales out.
 constexpr int kFpH = 32;
 constexpr int kFpS = 32;
 constexpr int kFpResA = kTcMT / kFpH;  // 4
@@ -421,7 +422,8 @@ constexpr int kFpRowMOff = kFpStatOff + kFpRows * 8;
 constexpr int kFpWEOff = kFpRowMOff + kFpRows * 4;
 constexpr int kFpBiasOff = kFpWEOff + 2 * kFpH * 4;
 constexpr int kFpResEOff = kFpBiasOff + 2 * kFpH * 4;
-constexpr int kFpEnd = kFpResEOff + 16 * 4;
+constexpr int kFpWFacOff = kFpResEOff + 16 * 4;
+constexpr int kFpEnd = kFpWFacOff + 2 * kFpH * 4;
 static_assert(kFpEnd <= kTcWgStages * kTcWgStageBytes, "the fused projection's phase 1 within the stages' space");
 
 // Shared memory of the tensor-core kernel, in floats: phase 1's stages, or phase 2's O tile

@@ -77,6 +77,7 @@ __device__ __forceinline__ void fused_phase1_f16(const OuterArgs& p, char* smem_
   int* w_e = reinterpret_cast<int*>(smem_c + kFpWEOff);  // [side][h]
   float* w_bias = reinterpret_cast<float*>(smem_c + kFpBiasOff);
   int* res_e = reinterpret_cast<int*>(smem_c + kFpResEOff);
+  float* w_fac = reinterpret_cast<float*>(smem_c + kFpWFacOff);  // [side][h]: 2^(-w_e - kFpVExp)
   char* const stage = smem_c;
 
   // Residue r of the tile: x's residue n, and whether it exists (a tile at the edge has fewer)
@@ -130,7 +131,9 @@ __device__ __forceinline__ void fused_phase1_f16(const OuterArgs& p, char* smem_
       m = fmaxf(m, fabsf(w[c] * f.ln_w[c]));
       bsum = fmaf(w[c], f.ln_b[c], bsum);
     }
-    w_e[tid] = split_scale_exp(m);
+    const int e = split_scale_exp(m);
+    w_e[tid] = e;
+    w_fac[tid] = scalbnf(1.f, -e - kFpVExp);  // down to 2^-139: a subnormal power of two, exact
     w_bias[tid] = bsum;
   } else if (tid < 2 * kFpH + kFpResA + kFpResB) {
     const int r = tid - 2 * kFpH;
@@ -193,41 +196,42 @@ __device__ __forceinline__ void fused_phase1_f16(const OuterArgs& p, char* smem_
         }
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt) {
-          const int h = 16 * mt + g;
+          // rows h = 16mt + (lane & 7) + 8((lane >> 3) & 1), columns 16kk + 8(lane >> 4): the four
+          // 8 x 8 pieces of the A fragment in mma's order
+          const int lrow = (16 * mt + (lane & 7) + 8 * ((lane >> 3) & 1)) * kFpLdW + 16 * kk + 8 * (lane >> 4);
           uint32_t a_hi[4], a_lo[4];
-          a_hi[0] = *reinterpret_cast<const uint32_t*>(w_hi + h * kFpLdW + c);
-          a_hi[1] = *reinterpret_cast<const uint32_t*>(w_hi + (h + 8) * kFpLdW + c);
-          a_hi[2] = *reinterpret_cast<const uint32_t*>(w_hi + h * kFpLdW + c + 8);
-          a_hi[3] = *reinterpret_cast<const uint32_t*>(w_hi + (h + 8) * kFpLdW + c + 8);
-          a_lo[0] = *reinterpret_cast<const uint32_t*>(w_lo + h * kFpLdW + c);
-          a_lo[1] = *reinterpret_cast<const uint32_t*>(w_lo + (h + 8) * kFpLdW + c);
-          a_lo[2] = *reinterpret_cast<const uint32_t*>(w_lo + h * kFpLdW + c + 8);
-          a_lo[3] = *reinterpret_cast<const uint32_t*>(w_lo + (h + 8) * kFpLdW + c + 8);
+          ldmatrix_x4(a_hi, w_hi + lrow);
+          ldmatrix_x4(a_lo, w_lo + lrow);
           mma_f16_split_add<2>(pacc[mt], a_hi, a_lo, b_hi, b_lo, 2);
         }
       }
-      // pacc[mt][un]: rows h = 16mt + g (+8), columns s = 8(u % 4) + 2t (+1) of the unit's residue
+      // pacc[mt][un]: rows h = 16mt + g (+8), columns s = 8(u % 4) + 2t (+1) of the unit's residue.
+      // Operand row side_res·kFpH + h lies in 8-row group 4·side_res + 2mt + hh at row g, its
+      // pieces of s swizzled by g.
+      char* const st_side = stage + (side ? kTcWgABytes : 0) + g * 128 + 4 * t;
 #pragma unroll
       for (int un = 0; un < 2; ++un) {
-        const int u = u0 + un, side_res = u / 4, st = u % 4;
+        const int u = u0 + un, side_res = u / 4, sq = u % 4;
         const int res = (side ? kFpResA : 0) + side_res;
-        const int r0 = res * kFpS + st * 8 + 2 * t;
-        const float m0 = row_m[r0], m1 = row_m[r0 + 1];
+        const int r0 = res * kFpS + sq * 8 + 2 * t;
+        // mask times the residue's power of two: the same bits as the one product after the other
         const float fn = exp2_int(res_e[res]);
+        const float f0 = row_m[r0] * fn, f1 = row_m[r0 + 1] * fn;
+        char* const rb = st_side + side_res * 4 * 1024;
+        const int hi_off = (sq ^ g) << 4, lo_off = ((4 + sq) ^ g) << 4;
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
           for (int hh = 0; hh < 2; ++hh) {
             const int h = 16 * mt + g + 8 * hh;
-            const float fw = exp2_int(-w_e[side * kFpH + h] - kFpVExp), bias = w_bias[side * kFpH + h];
-            const float v0 = (pacc[mt][un][2 * hh] * fw + bias) * m0 * fn;
-            const float v1 = (pacc[mt][un][2 * hh + 1] * fw + bias) * m1 * fn;
+            const float fw = w_fac[side * kFpH + h], bias = w_bias[side * kFpH + h];
+            const float v0 = fmaf(pacc[mt][un][2 * hh], fw, bias) * f0;
+            const float v1 = fmaf(pacc[mt][un][2 * hh + 1], fw, bias) * f1;
             uint32_t hi, lo;
             split_f16x2(v0, v1, hi, lo);
-            const int row = side_res * kFpH + h;
-            char* rb = stage + (side ? kTcWgABytes : 0) + (row >> 3) * 1024 + (row & 7) * 128 + 4 * t;
-            *reinterpret_cast<uint32_t*>(rb + ((st ^ (row & 7)) << 4)) = hi;
-            *reinterpret_cast<uint32_t*>(rb + (((4 + st) ^ (row & 7)) << 4)) = lo;
+            char* const rbh = rb + (2 * mt + hh) * 1024;
+            *reinterpret_cast<uint32_t*>(rbh + hi_off) = hi;
+            *reinterpret_cast<uint32_t*>(rbh + lo_off) = lo;
           }
       }
     }
