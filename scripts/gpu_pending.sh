@@ -8,11 +8,12 @@
 #          bash scripts/gpu_pending.sh OUTDIR rest      # the files of 'all' after test_cuda, and the
 #                                                       # outer kernel's time against S (deep MSAs)
 #          bash scripts/gpu_pending.sh OUTDIR fused     # FLASHOPM_FUSED_PROJECTION=1: tests, times
+#          bash scripts/gpu_pending.sh OUTDIR fused_peers  # the same beside the default and eager
 # Each phase fits one call of under ten minutes, the build (~2 min) included.
 # steps.txt lists each step's exit status; a failing test step stops the call.
 OUT=$1
 PHASE=${2:-default}
-case "$PHASE" in default | ab | sm80 | all | rest | fused) ;; *) echo "phase must be default, ab, sm80, all, rest or fused, got '$PHASE'" >&2; exit 2 ;; esac
+case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers) ;; *) echo "phase must be default, ab, sm80, all, rest, fused or fused_peers, got '$PHASE'" >&2; exit 2 ;; esac
 R=$OUT/r
 mkdir -p "$R"
 pack() { tar -C "$OUT" -czf "$OUT/r.tgz" r; }
@@ -59,6 +60,18 @@ if [ "$PHASE" = fused ]; then
   done
   FLASHOPM_FUSED_PROJECTION=1 T bench_fused 60 $py -m flashopm bench --shapes "$DEEP" \
     --impls eager,flashopm --calls 10 --out "$R/bench_fused"
+  exit 0
+fi
+
+if [ "$PHASE" = fused_peers ]; then
+  # the fused projection's tests, then both deep MSAs timed beside the default (in alternation)
+  # and eager (bench CLI), then the default path's test file on this build
+  T t_fused 150 $py -m pytest -x -q -p no:cacheprovider tests/test_fused_projection.py || exit 1
+  DEEP="1,1024,256,64,32,128 1,5120,384,64,32,128"
+  T ab_fused 80 $py scripts/ab_env.py FLASHOPM_FUSED_PROJECTION=1 $DEEP --mode forward --calls 10
+  FLASHOPM_FUSED_PROJECTION=1 T bench_fused 100 $py -m flashopm bench --shapes "1,1024,256,64,32,128;1,5120,384,64,32,128" \
+    --impls eager,flashopm --calls 10 --out "$R/bench_fused"
+  T t_cuda 240 $py -m pytest -x -q -p no:cacheprovider tests/test_cuda.py
   exit 0
 fi
 
