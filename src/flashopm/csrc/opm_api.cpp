@@ -1426,11 +1426,10 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
       int* const a_exp = b_exp + B * N;
       int* const w_exp = a_exp + B * N;
       const int64_t s_pad = (S + kFpS - 1) / kFpS * kFpS;
-      at::Tensor row_stats = at::empty({B * N * s_pad * 2 + 64}, msa_in.options().dtype(at::kFloat));
+      at::Tensor row_stats = at::empty({B, N, s_pad, 2}, msa_in.options().dtype(at::kFloat));
       const char* skip = env_get("FLASHOPM_FUSED_SKIP");
       const FusedProjArgs fp{msa.data_ptr<float>(), msa.stride(0), msa.stride(1), msa.stride(2), pa.ln_w, pa.ln_b,
-                             pa.ln_eps, pa.wa, pa.ba, pa.wb, pa.bb, row_stats.data_ptr<float>(),
-                             row_stats.data_ptr<float>() + B * N * s_pad * 2, int(s_pad), int(C),
+                             pa.ln_eps, pa.wa, pa.ba, pa.wb, pa.bb, row_stats.data_ptr<float>(), int(s_pad), int(C),
                              skip ? std::atoi(skip) : 0};
       const FusedExponentArgs ea{fp, mask_view, a_exp, b_exp, int(B), int(S), int(N)};
       launch_fused_exponents(ea, stream);

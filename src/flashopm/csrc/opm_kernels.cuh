@@ -250,11 +250,6 @@ __device__ __forceinline__ void mbarrier_wait_parity_suspend(uint64_t* bar, unsi
                  : "=r"(done) : "r"(addr), "r"(parity) : "memory");
   }
 }
-// Before an mbarrier's shared memory is put to another use.
-__device__ __forceinline__ void mbarrier_inval(uint64_t* bar) {
-  asm volatile("mbarrier.inval.shared::cta.b64 [%0];\n" ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(bar)))
-               : "memory");
-}
 // `bytes` (a multiple of 16, both addresses 16-byte aligned) from global memory to dst in shared
 // memory, counted on the mbarrier bar.
 __device__ __forceinline__ void bulk_copy_g2s(void* dst, const void* src, unsigned bytes, uint64_t* bar) {

@@ -311,10 +311,8 @@ struct FusedProjArgs {
   const float* wb;
   const float* bb;
   // (B, N, s_pad, 2): per row (b, s, n) of x its mean and rstd·2^kFpVExp, written by the first
-  // kernel (zeros for s >= S), read by the contraction a stage at a time; then 64 zeros (the
-  // first kernel writes them), the source of the rows that lie past S or past the residues
+  // kernel (zeros for s >= S), read by the contraction a stage at a time
   float* row_stats;
-  const float* zeros;
   int s_pad;  // S rounded up to whole stages
   int C;
   // FLASHOPM_FUSED_SKIP (timing aid only, results wrong): steps of each stage left out, bits
@@ -405,7 +403,7 @@ constexpr int kTcWgStageBytes = (kTcMT + kTcNT) * 128;
 // res·kFpS + s, kFpLdX floats apart (8 mod 32: conflict-free fragment reads); W·diag(gamma)'s
 // float16 split parts [side][high, low][h][c], kFpLdW halves apart; the rows' statistics and mask
 // values; per side and h W's exponent and the bias; the residues' exponents; per side and h the
-// factor that takes the projection's scales out; the mbarriers of x's thirds' bulk copies.
+// factor that takes the projection's scales out.
 constexpr int kFpH = 32;
 constexpr int kFpS = 32;
 constexpr int kFpResA = kTcMT / kFpH;  // 4
@@ -425,8 +423,7 @@ constexpr int kFpWEOff = kFpRowMOff + kFpRows * 4;
 constexpr int kFpBiasOff = kFpWEOff + 2 * kFpH * 4;
 constexpr int kFpResEOff = kFpBiasOff + 2 * kFpH * 4;
 constexpr int kFpWFacOff = kFpResEOff + 16 * 4;
-constexpr int kFpBarOff = kFpWFacOff + 2 * kFpH * 4;  // three mbarriers: x's thirds
-constexpr int kFpEnd = kFpBarOff + 3 * 8;
+constexpr int kFpEnd = kFpWFacOff + 2 * kFpH * 4;
 static_assert(kFpEnd <= kTcWgStages * kTcWgStageBytes, "the fused projection's phase 1 within the stages' space");
 
 // Shared memory of the tensor-core kernel, in floats: phase 1's stages, or phase 2's O tile

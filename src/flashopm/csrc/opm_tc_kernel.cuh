@@ -64,7 +64,6 @@ __device__ __forceinline__ void split16_stage_products(float (&acc)[128], uint64
 // form runs it.
 __device__ __forceinline__ void fused_phase1_f16(const OuterArgs& p, char* smem_c, float (&acc)[128], int b, int i0,
                                                  int j0) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900  // bulk copies and mbarriers (the kernel's wgmma form)
   const FusedProjArgs& f = p.fp;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int wg = warp >> 2;
@@ -90,48 +89,35 @@ __device__ __forceinline__ void fused_phase1_f16(const OuterArgs& p, char* smem_
     n = j0 + (r - kFpResA);
     return r - kFpResA < p.Tj && n < p.N;
   };
+  constexpr int kStatPieces = kFpS * 8 / 16;  // a residue's statistics of a stage: 256 contiguous bytes
   // x's rows and statistics of residues 4·third .. 4·third + 3 for stage kt (the rows one third of
-  // the projection reads: 128 rows from row 128·third) as bulk copies counted on the third's
-  // mbarrier: lanes 0-15 of each warp a row each, lanes 16-19 of warp 0 a residue's statistics
-  // (256 contiguous bytes).  Rows past S or past the residues come from f.zeros, so every third
-  // carries the same bytes.  The bytes are announced by thread 0 before the barrier that
-  // precedes the copies (arm_x), once the third's previous phase has completed.
-  uint64_t* x_bar = reinterpret_cast<uint64_t*>(smem_c + kFpBarOff);
-  const bool copies = !(f.skip & 1);
-  const unsigned third_bytes = unsigned(kFpS * 4 * C * 4 + 4 * kFpS * 8);
-  auto arm_x = [&](int kt, int third) {
-    if (tid == 0 && kt < n_k && copies) mbarrier_arrive_expect_tx(x_bar + third, third_bytes);
-  };
+  // the projection reads: 128 rows from row 128·third), one group of copies.  This thread copies
+  // 16-byte piece xq of rows xr + 16u (u < 8: residue u / 2 of the third, s = xr + 16(u % 2)),
+  // zeros past C: fixed offsets, so that a copy costs a few instructions.
+  const int xq = tid & 15, xr = tid >> 4;
+  const float* const x_q = f.x + int64_t(b) * f.x_sb + 4 * xq;
+  const bool q_in = 4 * xq < C;
   auto issue_x = [&](int kt, int third) {
-    if (kt >= n_k || !copies) return;
-    const int s0 = kt * kFpS;
-    if (lane < 16) {
-      const int r = 128 * third + 16 * warp + lane, res = r / kFpS, s = s0 + (r - res * kFpS);
-      int n;
-      const bool ok = residue(res, n) && s < S;
-      const float* src = ok ? f.x + int64_t(b) * f.x_sb + int64_t(s) * f.x_ss + int64_t(n) * f.x_sn : f.zeros;
-      bulk_copy_g2s(xs + r * kFpLdX, src, unsigned(C * 4), x_bar + third);
-    } else if (warp == 0 && lane < 20) {
-      const int res = 4 * third + lane - 16;
-      int n;
-      const bool ok = residue(res, n);
-      const float* src = ok ? f.row_stats + ((int64_t(b) * p.N + n) * f.s_pad + s0) * 2 : f.zeros;
-      bulk_copy_g2s(smem_c + kFpStatOff + (res * kFpS) * 8, src, unsigned(kFpS * 8), x_bar + third);
+    if (kt < n_k && !(f.skip & 1)) {
+      const int s0 = kt * kFpS;
+#pragma unroll
+      for (int u = 0; u < 8; ++u) {
+        const int res = 4 * third + (u >> 1), sl = xr + 16 * (u & 1), s = s0 + sl;
+        int n;
+        const bool ok = q_in && residue(res, n) && s < S;
+        const float* src = ok ? x_q + int64_t(s) * f.x_ss + int64_t(n) * f.x_sn : f.x;
+        cp_async16z(xs + (res * kFpS + sl) * kFpLdX + 4 * xq, src, ok);
+      }
+      if (tid < 4 * kStatPieces) {
+        const int res = 4 * third + tid / kStatPieces, q = tid % kStatPieces;
+        int n;
+        const bool ok = residue(res, n);
+        const float* src = ok ? f.row_stats + ((int64_t(b) * p.N + n) * f.s_pad + s0) * 2 + 4 * q : f.row_stats;
+        cp_async16z(smem_c + kFpStatOff + (res * kFpS) * 8 + 16 * q, src, ok);
+      }
     }
+    cp_async_commit();  // empty past the last stage: the wait counts stay the same
   };
-  auto wait_x = [&](int kt, int third) {
-    if (copies) mbarrier_wait_parity_suspend(x_bar + third, unsigned(kt & 1));
-  };
-  // x's columns C .. Cp - 1 (read by the last k-step, never copied) zero once
-  for (int idx = tid; idx < kFpRows * (Cp - C); idx += kTcThreads) {
-    const int r = idx / (Cp - C);
-    xs[r * kFpLdX + C + (idx - r * (Cp - C))] = 0.f;
-  }
-  if (tid == 0)
-    for (int third = 0; third < 3; ++third) mbarrier_init(x_bar + third, 1);
-  __syncthreads();  // the mbarriers initialised
-  for (int third = 0; third < 3; ++third) arm_x(0, third);
-  __syncthreads();  // the bytes announced before any copy lands
   for (int third = 0; third < 3; ++third) issue_x(0, third);
 
   // W·diag(gamma)'s rows scaled per (side, h) and split; the biases with W·beta; the residues'
@@ -263,13 +249,13 @@ __device__ __forceinline__ void fused_phase1_f16(const OuterArgs& p, char* smem_
     load_masks(kt, mk);
 #pragma unroll 1
     for (int third = 0; third < 3; ++third) {
-      wait_x(kt, third);
       if (third == 0) {
+        cp_async_wait<2>();
 #pragma unroll
         for (int k = 0; k < kMaskPerThread; ++k)
           if (tid + k * kTcThreads < kFpRows) row_m[tid + k * kTcThreads] = mk[k];
       } else {
-        arm_x(kt + 1, third - 1);  // its phase kt completed: this thread waited for it
+        cp_async_wait<1>();
       }
       // this third in; the one before it read (third 0: every warpgroup's multiply of the last
       // stage retired)
@@ -277,16 +263,13 @@ __device__ __forceinline__ void fused_phase1_f16(const OuterArgs& p, char* smem_
       if (third > 0) issue_x(kt + 1, third - 1);
       if (!(f.skip & 4)) project_third(third);
     }
-    arm_x(kt + 1, 2);
     fence_proxy_async_smem();  // this thread's operand stores, visible to the tensor cores
     __syncthreads();           // the operand stage whole; third 2 read
     issue_x(kt + 1, 2);
     if (!(f.skip & 8)) split16_stage_products(acc, desc_a0, desc_b0);
   }
-  __syncthreads();  // every warp done with the stages and the mbarriers
-  if (tid < 3) mbarrier_inval(x_bar + tid);
-  __syncthreads();  // O may overwrite them
-#endif
+  cp_async_wait_all();
+  __syncthreads();  // every warp done with the stages: O may overwrite them
 }
 
 // kBK, kKC, kNT: s per stage and columns (j, h2) of phase 1's mma.sync form, k per W chunk of phase
@@ -1069,7 +1052,6 @@ __global__ void __launch_bounds__(256) opm_fused_exponents_kernel(const FusedExp
   }
   float2* stats = reinterpret_cast<float2*>(f.row_stats) + row * f.s_pad;
   for (int s = p.S + tid; s < f.s_pad; s += blockDim.x) stats[s] = make_float2(0.f, 0.f);
-  if (row == 0 && tid < 64) const_cast<float*>(f.zeros)[tid] = 0.f;
   __syncthreads();
   float ma = 0.f, mb = 0.f;
   for (int s0 = 32 * warp; s0 < p.S; s0 += 32 * 8) {
