@@ -166,74 +166,72 @@ __device__ __forceinline__ void fused_phase1_f16(const OuterArgs& p, char* smem_
   // The projection of the stage's rows into the operand stage, a third at a time.  Units of
   // (residue, 8 s): a's 16, then b's 32; warp w takes the pair of units q = w + 8·third.
   auto project_third = [&](int third) {
-    {
-      const int q = warp + 8 * third;
-      const int side = q < 8 ? 0 : 1;
-      const int u0 = side == 0 ? 2 * q : 2 * (q - 8);
-      const __half* w_hi = wsp + (side * 2 + 0) * kFpH * kFpLdW;
-      const __half* w_lo = wsp + (side * 2 + 1) * kFpH * kFpLdW;
-      int xrow[2];
-      float2 stat[2];
+    const int q = warp + 8 * third;
+    const int side = q < 8 ? 0 : 1;
+    const int u0 = side == 0 ? 2 * q : 2 * (q - 8);
+    const __half* w_hi = wsp + (side * 2 + 0) * kFpH * kFpLdW;
+    const __half* w_lo = wsp + (side * 2 + 1) * kFpH * kFpLdW;
+    int xrow[2];
+    float2 stat[2];
+#pragma unroll
+    for (int un = 0; un < 2; ++un) {
+      const int u = u0 + un;
+      xrow[un] = ((side ? kFpResA : 0) + u / 4) * kFpS + (u % 4) * 8 + g;
+      stat[un] = row_st[xrow[un]];
+    }
+    float pacc[2][2][4];
+    zero_tiles(pacc);
+    for (int kk = 0; kk < Cp / 16; ++kk) {
+      const int c = 16 * kk + 2 * t;
+      uint32_t b_hi[2][2], b_lo[2][2];
 #pragma unroll
       for (int un = 0; un < 2; ++un) {
-        const int u = u0 + un;
-        xrow[un] = ((side ? kFpResA : 0) + u / 4) * kFpS + (u % 4) * 8 + g;
-        stat[un] = row_st[xrow[un]];
+        const float* yr = xs + xrow[un] * kFpLdX + c;
+        const float2 v0 = *reinterpret_cast<const float2*>(yr);
+        const float2 v1 = *reinterpret_cast<const float2*>(yr + 8);
+        // past C, x is zero and W too: (0 - mean)·rstd adds nothing
+        split_f16x2((v0.x - stat[un].x) * stat[un].y, (v0.y - stat[un].x) * stat[un].y, b_hi[un][0], b_lo[un][0]);
+        split_f16x2((v1.x - stat[un].x) * stat[un].y, (v1.y - stat[un].x) * stat[un].y, b_hi[un][1], b_lo[un][1]);
       }
-      float pacc[2][2][4];
-      zero_tiles(pacc);
-      for (int kk = 0; kk < Cp / 16; ++kk) {
-        const int c = 16 * kk + 2 * t;
-        uint32_t b_hi[2][2], b_lo[2][2];
 #pragma unroll
-        for (int un = 0; un < 2; ++un) {
-          const float* yr = xs + xrow[un] * kFpLdX + c;
-          const float2 v0 = *reinterpret_cast<const float2*>(yr);
-          const float2 v1 = *reinterpret_cast<const float2*>(yr + 8);
-          // past C, x is zero and W too: (0 - mean)·rstd adds nothing
-          split_f16x2((v0.x - stat[un].x) * stat[un].y, (v0.y - stat[un].x) * stat[un].y, b_hi[un][0], b_lo[un][0]);
-          split_f16x2((v1.x - stat[un].x) * stat[un].y, (v1.y - stat[un].x) * stat[un].y, b_hi[un][1], b_lo[un][1]);
+      for (int mt = 0; mt < 2; ++mt) {
+        // rows h = 16mt + (lane & 7) + 8((lane >> 3) & 1), columns 16kk + 8(lane >> 4): the four
+        // 8 x 8 pieces of the A fragment in mma's order
+        const int lrow = (16 * mt + (lane & 7) + 8 * ((lane >> 3) & 1)) * kFpLdW + 16 * kk + 8 * (lane >> 4);
+        uint32_t a_hi[4], a_lo[4];
+        ldmatrix_x4(a_hi, w_hi + lrow);
+        ldmatrix_x4(a_lo, w_lo + lrow);
+        mma_f16_split_add<2>(pacc[mt], a_hi, a_lo, b_hi, b_lo, 2);
+      }
+    }
+    // pacc[mt][un]: rows h = 16mt + g (+8), columns s = 8(u % 4) + 2t (+1) of the unit's residue.
+    // Operand row side_res·kFpH + h lies in 8-row group 4·side_res + 2mt + hh at row g, its
+    // pieces of s swizzled by g.
+    char* const st_side = stage + (side ? kTcWgABytes : 0) + g * 128 + 4 * t;
+#pragma unroll
+    for (int un = 0; un < 2; ++un) {
+      const int u = u0 + un, side_res = u / 4, sq = u % 4;
+      const int res = (side ? kFpResA : 0) + side_res;
+      const int r0 = res * kFpS + sq * 8 + 2 * t;
+      // mask times the residue's power of two: the same bits as the one product after the other
+      const float fn = exp2_int(res_e[res]);
+      const float f0 = row_m[r0] * fn, f1 = row_m[r0 + 1] * fn;
+      char* const rb = st_side + side_res * 4 * 1024;
+      const int hi_off = (sq ^ g) << 4, lo_off = ((4 + sq) ^ g) << 4;
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const int h = 16 * mt + g + 8 * hh;
+          const float fw = w_fac[side * kFpH + h], bias = w_bias[side * kFpH + h];
+          const float v0 = fmaf(pacc[mt][un][2 * hh], fw, bias) * f0;
+          const float v1 = fmaf(pacc[mt][un][2 * hh + 1], fw, bias) * f1;
+          uint32_t hi, lo;
+          split_f16x2(v0, v1, hi, lo);
+          char* const rbh = rb + (2 * mt + hh) * 1024;
+          *reinterpret_cast<uint32_t*>(rbh + hi_off) = hi;
+          *reinterpret_cast<uint32_t*>(rbh + lo_off) = lo;
         }
-#pragma unroll
-        for (int mt = 0; mt < 2; ++mt) {
-          // rows h = 16mt + (lane & 7) + 8((lane >> 3) & 1), columns 16kk + 8(lane >> 4): the four
-          // 8 x 8 pieces of the A fragment in mma's order
-          const int lrow = (16 * mt + (lane & 7) + 8 * ((lane >> 3) & 1)) * kFpLdW + 16 * kk + 8 * (lane >> 4);
-          uint32_t a_hi[4], a_lo[4];
-          ldmatrix_x4(a_hi, w_hi + lrow);
-          ldmatrix_x4(a_lo, w_lo + lrow);
-          mma_f16_split_add<2>(pacc[mt], a_hi, a_lo, b_hi, b_lo, 2);
-        }
-      }
-      // pacc[mt][un]: rows h = 16mt + g (+8), columns s = 8(u % 4) + 2t (+1) of the unit's residue.
-      // Operand row side_res·kFpH + h lies in 8-row group 4·side_res + 2mt + hh at row g, its
-      // pieces of s swizzled by g.
-      char* const st_side = stage + (side ? kTcWgABytes : 0) + g * 128 + 4 * t;
-#pragma unroll
-      for (int un = 0; un < 2; ++un) {
-        const int u = u0 + un, side_res = u / 4, sq = u % 4;
-        const int res = (side ? kFpResA : 0) + side_res;
-        const int r0 = res * kFpS + sq * 8 + 2 * t;
-        // mask times the residue's power of two: the same bits as the one product after the other
-        const float fn = exp2_int(res_e[res]);
-        const float f0 = row_m[r0] * fn, f1 = row_m[r0 + 1] * fn;
-        char* const rb = st_side + side_res * 4 * 1024;
-        const int hi_off = (sq ^ g) << 4, lo_off = ((4 + sq) ^ g) << 4;
-#pragma unroll
-        for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-          for (int hh = 0; hh < 2; ++hh) {
-            const int h = 16 * mt + g + 8 * hh;
-            const float fw = w_fac[side * kFpH + h], bias = w_bias[side * kFpH + h];
-            const float v0 = fmaf(pacc[mt][un][2 * hh], fw, bias) * f0;
-            const float v1 = fmaf(pacc[mt][un][2 * hh + 1], fw, bias) * f1;
-            uint32_t hi, lo;
-            split_f16x2(v0, v1, hi, lo);
-            char* const rbh = rb + (2 * mt + hh) * 1024;
-            *reinterpret_cast<uint32_t*>(rbh + hi_off) = hi;
-            *reinterpret_cast<uint32_t*>(rbh + lo_off) = lo;
-          }
-      }
     }
   };
 
