@@ -9,11 +9,13 @@
 #                                                       # outer kernel's time against S (deep MSAs)
 #          bash scripts/gpu_pending.sh OUTDIR fused     # FLASHOPM_FUSED_PROJECTION=1: tests, times
 #          bash scripts/gpu_pending.sh OUTDIR fused_peers  # the same beside the default and eager
+#          bash scripts/gpu_pending.sh OUTDIR waves  # the waves form: tests, times beside the default and eager
+#          bash scripts/gpu_pending.sh OUTDIR waves_rest  # the test files of the kernels it touched
 # Each phase fits one call of under ten minutes, the build (~2 min) included.
 # steps.txt lists each step's exit status; a failing test step stops the call.
 OUT=$1
 PHASE=${2:-default}
-case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers) ;; *) echo "phase must be default, ab, sm80, all, rest, fused or fused_peers, got '$PHASE'" >&2; exit 2 ;; esac
+case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves or waves_rest, got '$PHASE'" >&2; exit 2 ;; esac
 R=$OUT/r
 mkdir -p "$R"
 pack() { tar -C "$OUT" -czf "$OUT/r.tgz" r; }
@@ -72,6 +74,24 @@ if [ "$PHASE" = fused_peers ]; then
   FLASHOPM_FUSED_PROJECTION=1 T bench_fused 100 $py -m flashopm bench --shapes "1,1024,256,64,32,128;1,5120,384,64,32,128" \
     --impls eager,flashopm --calls 10 --out "$R/bench_fused"
   T t_cuda 240 $py -m pytest -x -q -p no:cacheprovider tests/test_cuda.py
+  exit 0
+fi
+
+if [ "$PHASE" = waves ]; then
+  # one small case first (a grid barrier that hangs stops here), both deep MSAs beside the default
+  # (in alternation), the tests, then the bench CLI beside eager and the files the change touches
+  T t_smoke 60 $py -m pytest -x -q -p no:cacheprovider tests/test_waves.py -k "ones or bool" || exit 1
+  DEEP="1,1024,256,64,32,128 1,5120,384,64,32,128"
+  T ab_waves 90 $py scripts/ab_env.py FLASHOPM_WAVES=1 $DEEP --mode forward --calls 10
+  T t_waves 200 $py -m pytest -q -p no:cacheprovider tests/test_waves.py
+  FLASHOPM_WAVES=1 T bench_waves 120 $py -m flashopm bench --shapes "1,1024,256,64,32,128;1,5120,384,64,32,128" \
+    --impls eager,flashopm --calls 10 --out "$R/bench_waves"
+  exit 0
+fi
+if [ "$PHASE" = waves_rest ]; then
+  # the files whose kernels the change touched: the fused projection's first kernel, the tile body
+  T t_fused 100 $py -m pytest -q -p no:cacheprovider tests/test_fused_projection.py
+  T t_cuda 300 $py -m pytest -x -q -p no:cacheprovider tests/test_cuda.py
   exit 0
 fi
 

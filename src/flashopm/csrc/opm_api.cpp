@@ -1415,6 +1415,67 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     const bool fused_ok = half_split && H == kFpH && C <= kFpMaxC && C % 4 == 0 && msa.scalar_type() == at::kFloat &&
                           msa.stride(0) % 4 == 0 && msa.stride(1) % 4 == 0 && msa.stride(2) % 4 == 0 &&
                           reinterpret_cast<uintptr_t>(msa.data_ptr()) % 16 == 0;
+    // FLASHOPM_WAVES=1: the waves form (WaveArgs): one cooperative launch takes the tiles a wave at a
+    // time, the sum over s in parts kept in registers, each part's a and b projected by all blocks
+    // into a buffer in the unwritten rows of the output or the workspace.  The workspace is what
+    // the peak bound leaves (FLASHOPM_PEAK_BOUND, else 1.1x the output, the output included) after
+    // W's split copy, the exponents and the normalisers, and at least two parts of one chunk.
+    // FLASHOPM_WAVES_BLOCKS (blocks, at most one per SM), FLASHOPM_WAVES_WS (workspace bytes) and
+    // FLASHOPM_WAVES_OUT=0 (the workspace alone) set its plan by hand (tests).
+    if (fused_ok && env_is("FLASHOPM_WAVES", "1") && device_info(dev).cooperative_launch) {
+      const int64_t Ti = kOuterMT / H, Tj = kOuterNT / H, tiles_i = (N + Ti - 1) / Ti, tiles_j = (N + Tj - 1) / Tj;
+      int64_t G = device_info(dev).sm_count;
+      if (const char* e = env_get("FLASHOPM_WAVES_BLOCKS"); e != nullptr && *e != 0)
+        G = std::min<int64_t>(std::max<int64_t>(std::atoll(e), 1), G);
+      // the fewest waves, then the fewest residues per wave (the projection's rows)
+      int64_t wave_r = 1, wave_c = 1, best_waves = -1, best_res = 0;
+      for (int64_t wc = 1; wc <= std::min(tiles_j, G); ++wc) {
+        const int64_t wr = std::min(tiles_i, G / wc);
+        const int64_t waves = ((tiles_i + wr - 1) / wr) * ((tiles_j + wc - 1) / wc), res = wr * Ti + wc * Tj;
+        if (best_waves < 0 || waves < best_waves || (waves == best_waves && res < best_res)) {
+          best_waves = waves, best_res = res, wave_r = wr, wave_c = wc;
+        }
+      }
+      const int64_t chunk_bytes = std::min(best_res, 2 * N) * H * 128;  // a and b of a wave's residues, 32 s
+      at::Tensor exps = at::empty({2 * B * N + D}, msa_in.options().dtype(at::kInt));
+      int* const b_exp = exps.data_ptr<int>();
+      int* const a_exp = b_exp + B * N;
+      int* const w_exp = a_exp + B * N;
+      const FusedProjArgs fp{msa.data_ptr<float>(), msa.stride(0), msa.stride(1), msa.stride(2), pa.ln_w, pa.ln_b,
+                             pa.ln_eps, pa.wa, pa.ba, pa.wb, pa.bb, nullptr, 0, int(C), 0};
+      launch_fused_exponents(FusedExponentArgs{fp, mask_view, a_exp, b_exp, int(B), int(S), int(N)}, stream);
+      OuterArgs oa = outer_args(nullptr, nullptr, mask_view, w_out, b_out, out, B, S, N, H, D, norm);
+      set_split_scales(oa, a_exp, b_exp, w_exp, S);
+      const at::Tensor w_split = float32_wgmma_w(w_out, H, true, w_exp, stream);
+      oa.w_blocked = w_split.data_ptr();
+      oa.fp = fp;
+      const Normalisers nz = normalisers(oa, operand_kind, 0, N, f32, stream);
+      oa.pair = nz.pair.defined() ? nz.pair.data_ptr<float>() : nullptr;
+      oa.row_den = nz.row_den.defined() ? nz.row_den.data_ptr<float>() : nullptr;
+      oa.norm_rows = int(nz.rows);
+      oa.Na = int(N);
+      oa.i_offset = 0;
+      oa.out_rows = int(N);
+      oa.out_row0 = 0;
+      oa.Ti = int(Ti);
+      oa.Tj = int(Tj);
+      const int64_t out_bytes = out.numel() * int64_t(out.element_size());
+      const double bound = requested_peak_bound() > 0 ? requested_peak_bound() : 1.1;
+      const int64_t used = w_split.numel() * 4 + exps.numel() * 4 + (nz.pair.defined() ? nz.pair.numel() * 4 : 0) +
+                           (nz.row_den.defined() ? nz.row_den.numel() * 4 : 0);
+      int64_t ws_bytes = int64_t((bound - 1.01) * double(out_bytes)) - used - (int64_t(64) << 10);
+      if (const char* e = env_get("FLASHOPM_WAVES_WS"); e != nullptr && *e != 0) ws_bytes = std::atoll(e);
+      ws_bytes = std::max(ws_bytes, 2 * chunk_bytes + 512);  // two parts of one chunk, whatever the bound
+      at::Tensor ws = at::empty({(ws_bytes + 15) / 16 * 4}, f32);
+      oa.wv.ws = reinterpret_cast<char*>(ws.data_ptr<float>());
+      oa.wv.ws_bytes = ws_bytes;
+      oa.wv.wave_r = int(wave_r);
+      oa.wv.wave_c = int(wave_c);
+      oa.wv.use_out = out.scalar_type() == at::kFloat && out.is_contiguous() && !env_is("FLASHOPM_WAVES_OUT", "0");
+      check_smem(outer_waves_smem_bytes(), dev, "waves");
+      launch_outer_waves(oa, int(G), stream);
+      return out;
+    }
     // FLASHOPM_FUSED_PROJECTION=1: a and b formed inside the contraction from x (FusedProjArgs), with
     // no workspace for them, so none of the plans below under any peak bound (extra memory: W's
     // split copy, the exponents, the normalisers, 8 bytes of LayerNorm statistics per row of x:

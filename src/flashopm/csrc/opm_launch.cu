@@ -482,6 +482,25 @@ void launch_outer_tc(const OuterArgs& args, int terms, bool wgmma, bool wgmma2, 
   }
 }
 
+int outer_waves_smem_bytes() { return outer_tc_smem_bytes(kFpH, kTcMT / kFpH, kTcNT / kFpH, true, true, {}) + kWvBytes; }
+
+void launch_outer_waves(const OuterArgs& args, int blocks, cudaStream_t stream) {
+  TORCH_CHECK(args.H == kFpH && args.Ti == kTcMT / kFpH && args.Tj == kTcNT / kFpH && args.wv.ws != nullptr,
+              "flashopm: internal error: the waves form takes hidden 32 in full tiles");
+  constexpr auto kernel = opm_outer_tc_kernel<3, true, true, true, kTcBK, kTcKC, kTcNT, false, true>;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(unsigned(blocks));
+  cfg.blockDim = dim3(kTcThreads);
+  cfg.dynamicSmemBytes = size_t(outer_waves_smem_bytes());
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeCooperative;  // every block resident: the grid's barriers
+  attr[0].val.cooperative = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  launch_kernel<kernel, SmemSetup::kOptIn>(cfg, args);
+}
+
 void launch_fused_exponents(const FusedExponentArgs& args, cudaStream_t stream) {
   const int64_t blocks = int64_t(args.B) * args.N;
   if (blocks == 0) return;

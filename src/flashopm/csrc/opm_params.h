@@ -320,6 +320,23 @@ struct FusedProjArgs {
   int skip;
 };
 
+// The waves form (deep MSAs under a memory bound, on request: FLASHOPM_WAVES=1): one cooperative
+// launch of one block per SM takes the tiles a wave at a time, a wave being a rectangle of wave_r x
+// wave_c tiles of the float16 split form (at most one per block).  Per wave the sum over s runs in
+// parts, each part's accumulators kept in registers: every block projects its share of the wave's
+// rows of x for the part (LayerNorm, both projections in float32 FMAs in the order the first kernel
+// forms its exponents, the mask, the residue's scale, the float16 split) into a part buffer in the
+// workspace's K-major layout; a grid barrier; then each block adds the part to its tile in phase 1.
+// Phase 2 and the epilogue run once per wave, so a part costs its projection and a barrier, not a
+// contraction with W.  Part buffers alternate between the two halves of a region: the output's rows
+// after the wave's band (not written yet) where those are larger than the workspace, else the
+// workspace.  x, LayerNorm's and the projections' parameters come in FusedProjArgs (row_stats null).
+struct WaveArgs {
+  char* ws;          // the workspace (null: not the waves form)
+  int64_t ws_bytes;
+  int wave_r, wave_c;  // tiles per wave along i and j
+  int use_out;         // the output's unwritten rows may hold the part buffers (float32 output)
+};
 // a, b and w_out hold float32, or the 16-bit operand type of opm_outer_tc16_kernel.
 struct OuterArgs {
   const void* a;  // (B, S, Na, H) contiguous: residues i_offset .. i_offset + Na (rows i)
@@ -357,6 +374,7 @@ struct OuterArgs {
   int out_N;
   int Ti, Tj;  // pairs per tile along i and j
   FusedProjArgs fp;  // the fused projection's inputs (x null: a and b come in the workspace)
+  WaveArgs wv;       // the waves form's (wv.ws null: not that form)
 };
 
 // Tensor-core outer-first kernel (opm_tc_kernel.cuh): the same tile as above, phase 1 staged
@@ -425,6 +443,21 @@ constexpr int kFpResEOff = kFpBiasOff + 2 * kFpH * 4;
 constexpr int kFpWFacOff = kFpResEOff + 16 * 4;
 constexpr int kFpEnd = kFpWFacOff + 2 * kFpH * 4;
 static_assert(kFpEnd <= kTcWgStages * kTcWgStageBytes, "the fused projection's phase 1 within the stages' space");
+// The waves form's shared memory past the tile's (bytes): W's rows transposed [side][c][h],
+// LayerNorm's weight and bias, the projections' biases, each batch row's mask and scale.  A batch
+// of up to kWvSlots tasks (a residue's 32 s of one chunk each) has its x rows in the stage area,
+// kWvLdX floats apart (17 16-byte units: conflict-free float4 reads down a column of rows).
+constexpr int kWvSlots = 8;
+constexpr int kWvRows = kWvSlots * 32;
+constexpr int kWvLdX = kFpMaxC + 4;
+constexpr int kWvWOff = 0;
+constexpr int kWvLnOff = kWvWOff + 2 * kFpMaxC * kFpH * 4;
+constexpr int kWvBiasOff = kWvLnOff + 2 * kFpMaxC * 4;
+constexpr int kWvMaskOff = kWvBiasOff + 2 * kFpH * 4;
+constexpr int kWvScaleOff = kWvMaskOff + kWvRows * 4;
+constexpr int kWvBytes = kWvScaleOff + kWvRows * 4;
+static_assert(kWvRows * kWvLdX * 4 <= kTcWgStages * kTcWgStageBytes, "a batch's x rows within the stages");
+
 
 // Shared memory of the tensor-core kernel, in floats: phase 1's stages, or phase 2's O tile
 // ([Ti·Tj][H² + 4]) followed by the W stages; then the tile's row denominators and the output
@@ -655,6 +688,10 @@ struct FusedExponentArgs {
   int B, S, N;
 };
 void launch_fused_exponents(const FusedExponentArgs& args, cudaStream_t stream);
+// The waves form (WaveArgs) in one cooperative launch of `blocks` blocks (at most one per SM), after
+// launch_fused_exponents (row_stats null) has formed the residues' exponents.
+void launch_outer_waves(const OuterArgs& args, int blocks, cudaStream_t stream);
+int outer_waves_smem_bytes();
 // w (n floats, in place) rounded to TF32: w_blocked for wgmma2, which reads W as it arrives
 void launch_round_tf32(float* w, int64_t n, cudaStream_t stream);
 // staging: the mma.sync form's stage and W chunk sizes (GPUs with less shared memory than sm_90's)

@@ -24,6 +24,8 @@
 // 16-byte aligned for cp.async) and 16-byte aligned a, b and W.
 #pragma once
 
+#include <cooperative_groups.h>
+
 #include "opm_kernels.cuh"
 #include "opm_mma.cuh"
 
@@ -270,13 +272,243 @@ __device__ __forceinline__ void fused_phase1_f16(const OuterArgs& p, char* smem_
   __syncthreads();  // every warp done with the stages: O may overwrite them
 }
 
+// The waves form's wave (WaveArgs), formed alike in every block: its batch element, its residues
+// (rows i_lo .. i_lo + nr as a, columns j_lo .. j_lo + nc as b), whether this block has a tile in
+// it, and where its part buffers lie (part q at region + (q & 1)·half).
+struct WaveTile {
+  int b, i_lo, j_lo, nr, nc;
+  bool has_tile;
+  char* region;
+  int64_t half;
+  int chunks_per_part;
+};
+
+// Phase 1 of the waves form for this block's tile (i0, j0; a_lim and b_lim its valid operand rows),
+// acc as the workspace form leaves it (zeroed here).  Per part of s (chunks_per_part chunks of 32):
+// this block's share of the wave's projection into the part's buffer, a grid barrier (every block,
+// with a tile or without), then the part's chunks into acc as the workspace form adds them.  q
+// counts the parts of the launch: a part's buffer is the one the part before last used, which
+// every block finished reading before it reached the last barrier.
+//
+// The projection: tasks of 32 rows (a residue's s of one chunk), a's then b's, block blk taking
+// tasks blk, blk + G, ...; kWvSlots at a time, their x rows copied into the stage area; each row's
+// LayerNorm and then a or b for its 32 h in float32 FMAs, in the order opm_fused_exponents_kernel
+// forms them (so the residue's exponent bounds these very values), times the mask and 2^e, split
+// into float16 high and low parts at the row's place in the part buffer: per chunk, rows (n, h) of
+// 128 bytes (32 high parts of s, then 32 low), a's nr·32 rows and then b's nc·32.
+__device__ __forceinline__ void waves_phase1_f16(const OuterArgs& p, char* smem_c, char* wv_smem, float (&acc)[128],
+                                                 const WaveTile& wt, int i0, int j0, int a_lim, int b_lim, int& q) {
+  const FusedProjArgs& f = p.fp;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2;
+  const int C = f.C, S = p.S, N = p.N, b = wt.b;
+  const int n_chunks = (S + 31) >> 5;
+  const int G = gridDim.x, blk = blockIdx.x;
+  static_assert(kWvRows == kTcThreads, "a batch row per thread for the statistics");
+  float* xs = reinterpret_cast<float*>(smem_c);
+  const float* w_t = reinterpret_cast<const float*>(wv_smem + kWvWOff);       // [side][c][h]
+  const float* ln_s = reinterpret_cast<const float*>(wv_smem + kWvLnOff);     // [weight, bias][c]
+  const float* bias_s = reinterpret_cast<const float*>(wv_smem + kWvBiasOff); // [side][h]
+  float* row_m = reinterpret_cast<float*>(wv_smem + kWvMaskOff);
+  float* row_f = reinterpret_cast<float*>(wv_smem + kWvScaleOff);
+#pragma unroll
+  for (int e = 0; e < 128; ++e) acc[e] = 0.f;
+  for (int c0 = 0; c0 < n_chunks; c0 += wt.chunks_per_part, ++q) {
+    const int nch = min(wt.chunks_per_part, n_chunks - c0);
+    char* const buf_a = wt.region + (q & 1) * wt.half;
+    char* const buf_b = buf_a + int64_t(nch) * wt.nr * (kFpH * 128);
+    const int a_tasks = wt.nr * nch, n_tasks = (wt.nr + wt.nc) * nch;
+    const int mine = blk < n_tasks ? (n_tasks - blk + G - 1) / G : 0;
+    // task m of this block: side (0 a, 1 b), residue within the wave's, chunk within the part
+    auto task_of = [&](int m, int& side, int& n_loc, int& ch) {
+      int t = blk + G * m;
+      side = t >= a_tasks;
+      if (side) t -= a_tasks;
+      n_loc = t / nch;
+      ch = t - n_loc * nch;
+    };
+    for (int m0 = 0; m0 < mine; m0 += kWvSlots) {
+      __syncthreads();  // the stage area and the rows' factors free
+      {
+        // x's rows: row r = 32·slot + s within the chunk; this thread copies 16-byte piece tid % 16
+        // of rows tid / 16 + 16u (zeros for rows past S or past this block's tasks)
+        const int pq = tid & 15;
+        if (4 * pq < C) {
+#pragma unroll 4
+          for (int u = 0; u < kWvRows / 16; ++u) {
+            const int r = (tid >> 4) + 16 * u, slot = r >> 5;
+            int side = 0, n_loc = 0, ch = 0;
+            const bool task_ok = m0 + slot < mine;
+            if (task_ok) task_of(m0 + slot, side, n_loc, ch);
+            const int s = (c0 + ch) * 32 + (r & 31), n = (side ? wt.j_lo : wt.i_lo) + n_loc;
+            const bool ok = task_ok && s < S;
+            const float* src = ok ? f.x + int64_t(b) * f.x_sb + int64_t(s) * f.x_ss + int64_t(n) * f.x_sn + 4 * pq : f.x;
+            cp_async16z(xs + r * kWvLdX + 4 * pq, src, ok);
+          }
+        }
+        cp_async_commit();
+        // this thread's row: its mask value and its residue's scale
+        const int r = tid, slot = r >> 5;
+        float mk = 0.f, fe = 0.f;
+        if (m0 + slot < mine) {
+          int side, n_loc, ch;
+          task_of(m0 + slot, side, n_loc, ch);
+          const int s = (c0 + ch) * 32 + (r & 31), n = (side ? wt.j_lo : wt.i_lo) + n_loc;
+          if (s < S) mk = mask_at(p.mask, b, s, n);
+          fe = exp2_int((side ? p.b_exp : p.a_exp)[int64_t(b) * N + n]);
+        }
+        row_m[r] = mk;
+        row_f[r] = fe;
+        cp_async_wait_all();
+      }
+      __syncthreads();
+      {
+        // LayerNorm of this thread's row, in place: the mean as the row's first value plus the mean
+        // difference from it, four partial sums (as the first kernel forms it)
+        float* row = xs + tid * kWvLdX;
+        const float v0 = row[0];
+        float part[4] = {0.f, 0.f, 0.f, 0.f};
+        for (int c4 = 0; c4 < C / 4; ++c4) {
+          const float4 v = *reinterpret_cast<const float4*>(row + 4 * c4);
+          part[0] += v.x - v0;
+          part[1] += v.y - v0;
+          part[2] += v.z - v0;
+          part[3] += v.w - v0;
+        }
+        const float mean = v0 + ((part[0] + part[1]) + (part[2] + part[3])) / C;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) part[k] = 0.f;
+        for (int c4 = 0; c4 < C / 4; ++c4) {
+          const float4 v = *reinterpret_cast<const float4*>(row + 4 * c4);
+          const float d0 = v.x - mean, d1 = v.y - mean, d2 = v.z - mean, d3 = v.w - mean;
+          part[0] = fmaf(d0, d0, part[0]);
+          part[1] = fmaf(d1, d1, part[1]);
+          part[2] = fmaf(d2, d2, part[2]);
+          part[3] = fmaf(d3, d3, part[3]);
+        }
+        const float rstd = rsqrtf(((part[0] + part[1]) + (part[2] + part[3])) / C + f.ln_eps);
+        for (int c4 = 0; c4 < C / 4; ++c4) {
+          float4 v = *reinterpret_cast<const float4*>(row + 4 * c4);
+          const float* lw = ln_s + 4 * c4;
+          const float* lb = ln_s + kFpMaxC + 4 * c4;
+          v.x = (v.x - mean) * rstd * lw[0] + lb[0];
+          v.y = (v.y - mean) * rstd * lw[1] + lb[1];
+          v.z = (v.z - mean) * rstd * lw[2] + lb[2];
+          v.w = (v.w - mean) * rstd * lw[3] + lb[3];
+          *reinterpret_cast<float4*>(row + 4 * c4) = v;
+        }
+      }
+      __syncthreads();
+      {
+        // warp w: h = 8(w % 4) .. + 7 of rows lane + 32·slot, slots w / 4, w / 4 + 2, ..., one at a
+        // time; each output the bias plus its FMAs over c in order, then (value·mask)·2^e split, the
+        // warp's lanes writing 32 consecutive s of one row (n, h): 64 bytes
+        const int o = warp & 3;
+#pragma unroll 1
+        for (int slot = warp >> 2; slot < kWvSlots && m0 + slot < mine; slot += 2) {
+          int side, n_loc, ch;
+          task_of(m0 + slot, side, n_loc, ch);
+          float out[8];
+#pragma unroll
+          for (int e = 0; e < 8; ++e) out[e] = bias_s[side * kFpH + 8 * o + e];
+          const float* yr = xs + (lane + 32 * slot) * kWvLdX;
+          const float* wr = w_t + side * kFpMaxC * kFpH + 8 * o;
+#pragma unroll 2
+          for (int c4 = 0; c4 < C / 4; ++c4) {
+            const float4 y = *reinterpret_cast<const float4*>(yr + 4 * c4);
+            const float yv[4] = {y.x, y.y, y.z, y.w};
+#pragma unroll
+            for (int cc = 0; cc < 4; ++cc) {
+              const float4 wa = *reinterpret_cast<const float4*>(wr + (4 * c4 + cc) * kFpH);
+              const float4 wb = *reinterpret_cast<const float4*>(wr + (4 * c4 + cc) * kFpH + 4);
+              out[0] = fmaf(yv[cc], wa.x, out[0]);
+              out[1] = fmaf(yv[cc], wa.y, out[1]);
+              out[2] = fmaf(yv[cc], wa.z, out[2]);
+              out[3] = fmaf(yv[cc], wa.w, out[3]);
+              out[4] = fmaf(yv[cc], wb.x, out[4]);
+              out[5] = fmaf(yv[cc], wb.y, out[5]);
+              out[6] = fmaf(yv[cc], wb.z, out[6]);
+              out[7] = fmaf(yv[cc], wb.w, out[7]);
+            }
+          }
+          const int r = lane + 32 * slot;
+          const int n_side = side ? wt.nc : wt.nr;
+          char* rp = (side ? buf_b : buf_a) + ((int64_t(ch) * n_side + n_loc) * kFpH + 8 * o) * 128 + 2 * lane;
+          const float mk = row_m[r], fe = row_f[r];
+#pragma unroll
+          for (int e = 0; e < 8; ++e) {
+            const float v = out[e] * mk * fe;
+            const __half hi = __float2half_rn(v);
+            const __half lo = __float2half_rn(v - __half2float(hi));
+            *reinterpret_cast<__half*>(rp + e * 128) = hi;
+            *reinterpret_cast<__half*>(rp + e * 128 + 64) = lo;
+          }
+        }
+      }
+    }
+    // every block's rows of the part stored and visible (the copies below read through L2)
+    cooperative_groups::this_grid().sync();
+    if (wt.has_tile) {
+      // the part's chunks, as the workspace form's phase 1 takes them (piece pq of rows pr + 32u)
+      constexpr int kPieces = 8, kPassRows = kTcThreads / kPieces;
+      const int pr = tid / kPieces, pq = tid % kPieces;
+      const char* a_src = buf_a + (int64_t(i0 - wt.i_lo) * kFpH + pr) * 128 + pq * 16;
+      const char* b_src = buf_b + (int64_t(j0 - wt.j_lo) * kFpH + pr) * 128 + pq * 16;
+      const int64_t a_chunk = int64_t(wt.nr) * kFpH * 128, b_chunk = int64_t(wt.nc) * kFpH * 128;
+      const uint32_t stage0 = static_cast<uint32_t>(__cvta_generic_to_shared(smem_c));
+      const uint32_t piece0 = (pr >> 3) * 1024 + (pr & 7) * 128 + ((pq ^ (pr & 7)) << 4);
+      constexpr uint32_t kPassBytes = kPassRows * 128;
+      int issued = 0;
+      auto issue_stage = [&]() {
+        if (issued < nch) {
+          const uint32_t st = stage0 + uint32_t((issued % kTcWgStages) * kTcWgStageBytes) + piece0;
+#pragma unroll
+          for (int u = 0; u < kTcMT / kPassRows; ++u) {
+            const bool ok = pr + kPassRows * u < a_lim;
+            cp_async16z_shared(st + u * kPassBytes, ok ? a_src + kPassRows * u * 128 : buf_a, ok);
+          }
+#pragma unroll
+          for (int u = 0; u < kTcNT / kPassRows; ++u) {
+            const bool ok = pr + kPassRows * u < b_lim;
+            cp_async16z_shared(st + kTcWgABytes + u * kPassBytes, ok ? b_src + kPassRows * u * 128 : buf_b, ok);
+          }
+          a_src += a_chunk;
+          b_src += b_chunk;
+        }
+        ++issued;
+      };
+#pragma unroll
+      for (int st = 0; st < kTcWgAhead; ++st) {
+        issue_stage();
+        cp_async_commit();
+      }
+      const uint64_t desc_a0 = wgmma_desc(smem_c + wg * 64 * 128, 16, 1024);
+      const uint64_t desc_b0 = wgmma_desc(smem_c + kTcWgABytes, 16, 1024);
+      for (int kt = 0; kt < nch; ++kt) {
+        cp_async_wait<kTcWgAhead - 1>();
+        fence_proxy_async_smem();  // this thread's copies, visible to the tensor cores
+        __syncthreads();
+        // the stage refilled now was last read by chunk kt - 2's products, retired before the barrier
+        issue_stage();
+        cp_async_commit();
+        const uint64_t off = uint64_t((kt % kTcWgStages) * (kTcWgStageBytes >> 4));
+        split16_stage_products(acc, desc_a0 + off, desc_b0 + off);
+      }
+      cp_async_wait_all();
+    }
+    __syncthreads();  // the stages read: the next part's projection (or O) may overwrite them
+  }
+}
+
 // kBK, kKC, kNT: s per stage and columns (j, h2) of phase 1's mma.sync form, k per W chunk of phase
 // 2's (kTcBK, kTcKC, kTcNT; kTcBKSmall, kTcKCSmall, kTcNTNarrow on GPUs with less shared memory
 // than sm_90's; kNT >= Tj·H).
-template <int kTerms, bool kWgmma, bool kWgmma2, bool kHalfSplit = false, int kBK = kTcBK, int kKC = kTcKC,
-          int kNT = kTcNT, bool kFused = false>
-__global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const OuterArgs p) {
+// One tile (row_tile, col_tile of batch element b) of opm_outer_tc_kernel; wt and part_count: the
+// waves form's wave and part counter (kWaves), else null.
+template <int kTerms, bool kWgmma, bool kWgmma2, bool kHalfSplit, int kBK, int kKC, int kNT, bool kFused, bool kWaves>
+__device__ __forceinline__ void outer_tc_tile(const OuterArgs& p, int b, int col_tile, int row_tile, const WaveTile* wt,
+                                              int* part_count) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  static_assert(!kWaves || (kHalfSplit && !kFused), "the waves form on the float16 split form alone");
   static_assert(!kWgmma2 || (kWgmma && (kTerms == 1 || kHalfSplit)), "phase 2 on wgmma: TF32 after phase 1 on wgmma");
   static_assert(!kHalfSplit || (kWgmma2 && kTerms == 3), "the float16 split form runs both phases on wgmma");
   static_assert(kBK == kTcBK || (kBK == kTcBKSmall && !kWgmma), "half stages for the mma.sync form alone");
@@ -293,9 +525,6 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const Outer
   float* norm_arg = reinterpret_cast<float*>(row_off + kTcRoundRows);   // [kTcRoundRows]
   const int H = p.H, N = p.N, S = p.S, D = p.D, Ti = p.Ti, Tj = p.Tj;
   const int P = Ti * Tj;
-  const int b = blockIdx.z;
-  int col_tile, row_tile;
-  grouped_tile(col_tile, row_tile);
   const int i0 = row_tile * Ti, j0 = col_tile * Tj;  // i0 local to this row block
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;  // fragment coordinates (PTX: groupID, threadID_in_group)
@@ -326,7 +555,12 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const Outer
     // This thread copies piece pq of rows pr + kPassRows·u.
     const int wg = warp >> 2;
     float acc[128];
-    if constexpr (kFused) {
+    if constexpr (kWaves) {
+      if (wt->has_tile) form_row_denominators();
+      char* smem_c = reinterpret_cast<char*>(smem);
+      waves_phase1_f16(p, smem_c, smem_c + (L.total - 256) * 4, acc, *wt, i0, j0, a_lim, b_lim, *part_count);
+      if (!wt->has_tile) return;
+    } else if constexpr (kFused) {
       form_row_denominators();
       fused_phase1_f16(p, reinterpret_cast<char*>(smem), acc, b, i0, j0);
     } else {
@@ -895,6 +1129,97 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const Outer
       store_round<kTcRoundRows, false>(p, red, kRedLd, row_off, norm_arg, dg, tid, kTcThreads);
     }
   }
+#endif
+}
+
+// The waves form's loop (WaveArgs): waves in order of batch element, band of rows, block of columns;
+// in each, block blockIdx.x takes tile (blockIdx.x / columns, blockIdx.x % columns) of the wave if
+// it has one.  Every block computes the same waves, regions and parts, so every block reaches every
+// grid barrier.
+template <int kTerms, bool kWgmma, bool kWgmma2, bool kHalfSplit, int kBK, int kKC, int kNT>
+__device__ __forceinline__ void outer_tc_waves(const OuterArgs& p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  extern __shared__ float4 smem_f4[];
+  char* smem_c = align_smem_1k(reinterpret_cast<char*>(smem_f4));
+  const TcLayout L = tc_layout(p.H, p.Ti, p.Tj, kWgmma, kWgmma2, kBK, kKC, kNT);
+  char* wv_smem = smem_c + (L.total - 256) * 4;  // past the tile's space (which the tiles leave alone)
+  const FusedProjArgs& f = p.fp;
+  const WaveArgs& wv = p.wv;
+  const int C = f.C, N = p.N;
+  {
+    float* w_t = reinterpret_cast<float*>(wv_smem + kWvWOff);
+    for (int i = threadIdx.x; i < 2 * kFpMaxC * kFpH; i += kTcThreads) {
+      const int side = i / (kFpMaxC * kFpH), c = (i / kFpH) % kFpMaxC, h = i % kFpH;
+      w_t[i] = c < C ? (side ? f.wb : f.wa)[h * C + c] : 0.f;
+    }
+    float* ln_s = reinterpret_cast<float*>(wv_smem + kWvLnOff);
+    for (int i = threadIdx.x; i < 2 * kFpMaxC; i += kTcThreads) {
+      const int c = i % kFpMaxC;
+      ln_s[i] = c < C ? (i < kFpMaxC ? f.ln_w : f.ln_b)[c] : 0.f;
+    }
+    float* bias_s = reinterpret_cast<float*>(wv_smem + kWvBiasOff);
+    for (int i = threadIdx.x; i < 2 * kFpH; i += kTcThreads) {
+      const float* bias = i < kFpH ? f.ba : f.bb;
+      bias_s[i] = bias ? bias[i % kFpH] : 0.f;
+    }
+  }
+  const int tiles_i = (N + p.Ti - 1) / p.Ti, tiles_j = (N + p.Tj - 1) / p.Tj;
+  const int waves_i = (tiles_i + wv.wave_r - 1) / wv.wave_r, waves_j = (tiles_j + wv.wave_c - 1) / wv.wave_c;
+  const int n_chunks = (p.S + 31) >> 5;
+  float* const out_f = static_cast<float*>(p.out);
+  const uintptr_t out_end = reinterpret_cast<uintptr_t>(out_f + int64_t(p.B) * N * p.out_N * p.D);
+  const char* prev_region = nullptr;
+  int q = 0;
+  for (int w = 0; w < p.B * waves_i * waves_j; ++w) {
+    WaveTile wt;
+    wt.b = w / (waves_i * waves_j);
+    const int wi = (w / waves_j) % waves_i, wj = w % waves_j;
+    const int ti0 = wi * wv.wave_r, tj0 = wj * wv.wave_c;
+    const int nti = min(wv.wave_r, tiles_i - ti0), ntj = min(wv.wave_c, tiles_j - tj0);
+    wt.i_lo = ti0 * p.Ti;
+    wt.j_lo = tj0 * p.Tj;
+    wt.nr = min(nti * p.Ti, N - wt.i_lo);
+    wt.nc = min(ntj * p.Tj, N - wt.j_lo);
+    wt.has_tile = int(blockIdx.x) < nti * ntj;
+    const int row_tile = ti0 + int(blockIdx.x) / ntj, col_tile = tj0 + int(blockIdx.x) % ntj;
+    // the part buffers: the output's rows after this band where they hold more than the workspace
+    char* region = wv.ws;
+    int64_t region_bytes = wv.ws_bytes;
+    if (wv.use_out) {
+      const uintptr_t start =
+          (reinterpret_cast<uintptr_t>(out_f + (int64_t(wt.b) * N + wt.i_lo + wt.nr) * p.out_N * p.D) + 255) &
+          ~uintptr_t(255);
+      if (start < out_end && int64_t(out_end - start) > region_bytes) {
+        region = reinterpret_cast<char*>(start);
+        region_bytes = int64_t(out_end - start);
+      }
+    }
+    wt.region = region;
+    wt.half = (region_bytes / 2) & ~int64_t(255);
+    const int64_t chunk_bytes = int64_t(wt.nr + wt.nc) * kFpH * 128;
+    wt.chunks_per_part = int(max(int64_t(1), min(int64_t(n_chunks), wt.half / chunk_bytes)));
+    // a new region may overlap the last one's buffers, which slower blocks may still be reading
+    if (w > 0 && region != prev_region) cooperative_groups::this_grid().sync();
+    prev_region = region;
+    outer_tc_tile<kTerms, kWgmma, kWgmma2, kHalfSplit, kBK, kKC, kNT, false, true>(p, wt.b, col_tile, row_tile, &wt,
+                                                                                    &q);
+  }
+#endif
+}
+
+// kWaves: the waves form (WaveArgs), one cooperative launch of one block per SM.
+template <int kTerms, bool kWgmma, bool kWgmma2, bool kHalfSplit = false, int kBK = kTcBK, int kKC = kTcKC,
+          int kNT = kTcNT, bool kFused = false, bool kWaves = false>
+__global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const OuterArgs p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if constexpr (kWaves) {
+    outer_tc_waves<kTerms, kWgmma, kWgmma2, kHalfSplit, kBK, kKC, kNT>(p);
+  } else {
+    int col_tile, row_tile;
+    grouped_tile(col_tile, row_tile);
+    outer_tc_tile<kTerms, kWgmma, kWgmma2, kHalfSplit, kBK, kKC, kNT, kFused, false>(p, blockIdx.z, col_tile, row_tile,
+                                                                                     nullptr, nullptr);
+  }
 #else
   target_lacks_instructions();
 #endif
@@ -1021,7 +1346,8 @@ __global__ void opm_split_w_f16_kernel(const float* __restrict__ w, uint32_t* __
 
 // The fused projection's first kernel (FusedExponentArgs): one block per residue (b, n), a row s
 // per lane (the warp's 32 rows together).  LayerNorm's statistics in two passes over the row in
-// registers, stored for the contraction (FusedProjArgs::row_stats, zeros past S); then a[s, n, h]
+// registers, stored for the contraction (FusedProjArgs::row_stats, zeros past S; not where it is
+// null: the waves form); then a[s, n, h]
 // and b[s, n, h] in float32 FMAs against W's rows read from shared memory (one address for the
 // whole warp), for the largest magnitudes alone: nothing of a or b is stored.  C % 4 == 0.
 __global__ void __launch_bounds__(256) opm_fused_exponents_kernel(const FusedExponentArgs p) {
@@ -1048,8 +1374,9 @@ __global__ void __launch_bounds__(256) opm_fused_exponents_kernel(const FusedExp
     const float* bias = side ? f.bb : f.ba;
     bias_s[sh] = bias ? bias[h] : 0.f;
   }
-  float2* stats = reinterpret_cast<float2*>(f.row_stats) + row * f.s_pad;
-  for (int s = p.S + tid; s < f.s_pad; s += blockDim.x) stats[s] = make_float2(0.f, 0.f);
+  float2* stats = f.row_stats ? reinterpret_cast<float2*>(f.row_stats) + row * f.s_pad : nullptr;
+  if (stats)
+    for (int s = p.S + tid; s < f.s_pad; s += blockDim.x) stats[s] = make_float2(0.f, 0.f);
   __syncthreads();
   float ma = 0.f, mb = 0.f;
   for (int s0 = 32 * warp; s0 < p.S; s0 += 32 * 8) {
@@ -1080,7 +1407,7 @@ __global__ void __launch_bounds__(256) opm_fused_exponents_kernel(const FusedExp
       part[c & 3] = fmaf(d, d, part[c & 3]);
     }
     const float rstd = rsqrtf(((part[0] + part[1]) + (part[2] + part[3])) / C + f.ln_eps);
-    if (ok) stats[s] = make_float2(mean, rstd * exp2_int(kFpVExp));
+    if (ok && stats) stats[s] = make_float2(mean, rstd * exp2_int(kFpVExp));
 #pragma unroll
     for (int c = 0; c < kFpMaxC; ++c) v[c] = c < C ? (v[c] - mean) * rstd * ln_s[0][c] + ln_s[1][c] : 0.f;
 #pragma unroll 2
