@@ -923,6 +923,7 @@ def test_peak_bound_1_1_parts_of_s(shape, precision, tc_form, normalization, pla
     stays within 1.1x the output (the default passes it, so the bound is the parts'), the result
     passes allclose(1e-4) against the float32 reference ("highest"), and its error against float64
     stays within twice the default's, with fully masked rows and columns in the mask."""
+    monkeypatch.setenv("FLASHOPM_WAVES", "0")  # the plans with parts of s (the waves form: test_waves.py)
     if tc_form is not None:
         monkeypatch.setenv("FLASHOPM_TC_FORM", tc_form)
     if plan == "workspace":
@@ -966,6 +967,7 @@ BLOCK_CASES = [
 
 @pytest.mark.parametrize("shape,dtype,normalization", BLOCK_CASES, ids=str)
 def test_peak_bound_1_1_blocks_of_columns(shape, dtype, normalization, monkeypatch):
+    monkeypatch.setenv("FLASHOPM_WAVES", "0")  # the bands' blocks of columns (the waves form: test_waves.py)
     x, m, p = make_problem(shape, "masked_positions", seed=22)
     xc, mc = x.cuda().to(dtype), m.cuda().to(dtype)
     pc = {k: v.cuda().to(dtype) for k, v in p.items()}

@@ -170,3 +170,22 @@ def test_waves_left_out_where_it_cannot_run():
         kernels = flashopm_kernels(lambda: _call(xc, mc, pc, "row"))
         assert not any(WAVES_KERNEL in k for k in kernels), kernels
         torch.testing.assert_close(_call(xc, mc, pc, "row"), reference(xc, mc, pc), atol=1e-4, rtol=1e-4)
+
+
+def test_waves_taken_under_a_peak_bound(monkeypatch):
+    """Under peak_memory_bound(1.1), where b for every residue passes what the bound leaves, the
+    waves form runs by itself (FLASHOPM_WAVES unset) and keeps the bound; FLASHOPM_WAVES=0 leaves
+    it out; without a bound it does not run."""
+    monkeypatch.delenv("FLASHOPM_WAVES")
+    shape = Shape(1, 100, 256, 24, 32, 128)
+    x, m, p = make_problem(shape, "masked_positions", seed=47)
+    xc, mc, pc = x.cuda(), m.cuda(), {k: v.cuda() for k, v in p.items()}
+    ref32 = reference(xc, mc, pc)
+    assert not any(WAVES_KERNEL in k for k in flashopm_kernels(lambda: _call(xc, mc, pc, "row")))
+    with flashopm.peak_memory_bound(1.1):
+        assert any(WAVES_KERNEL in k for k in flashopm_kernels(lambda: _call(xc, mc, pc, "row")))
+        extra, out = _peak_extra(lambda: _call(xc, mc, pc, "row"))
+        monkeypatch.setenv("FLASHOPM_WAVES", "0")
+        assert not any(WAVES_KERNEL in k for k in flashopm_kernels(lambda: _call(xc, mc, pc, "row")))
+    assert extra <= 1.1 * shape.out_bytes, f"peak extra {extra} B vs output {shape.out_bytes} B"
+    torch.testing.assert_close(out, ref32, atol=1e-4, rtol=1e-4)

@@ -1421,8 +1421,14 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     // the peak bound leaves (FLASHOPM_PEAK_BOUND, else 1.1x the output, the output included) after
     // W's split copy, the exponents and the normalisers, and at least two parts of one chunk.
     // FLASHOPM_WAVES_BLOCKS (blocks, at most one per SM), FLASHOPM_WAVES_WS (workspace bytes) and
-    // FLASHOPM_WAVES_OUT=0 (the workspace alone) set its plan by hand (tests).
-    if (fused_ok && env_is("FLASHOPM_WAVES", "1") && device_info(dev).cooperative_launch) {
+    // FLASHOPM_WAVES_OUT=0 (the workspace alone) set its plan by hand (tests).  Under a peak bound it
+    // is taken by itself where b for every residue and all of s passes what the bound leaves (every
+    // other plan would sum over s in parts, each repeating the contraction with W, or project in
+    // bands); FLASHOPM_WAVES=0 leaves it out.
+    const bool waves_bounded = requested_peak_bound() > 0 && !env_is("FLASHOPM_WAVES", "0") &&
+                               double(B * ((S + 31) / 32 * 32) * N * H * 4) >
+                                   (requested_peak_bound() - 1.01) * double(out.numel() * out.element_size());
+    if (fused_ok && (env_is("FLASHOPM_WAVES", "1") || waves_bounded) && device_info(dev).cooperative_launch) {
       const int64_t Ti = kOuterMT / H, Tj = kOuterNT / H, tiles_i = (N + Ti - 1) / Ti, tiles_j = (N + Tj - 1) / Tj;
       int64_t G = device_info(dev).sm_count;
       if (const char* e = env_get("FLASHOPM_WAVES_BLOCKS"); e != nullptr && *e != 0)
