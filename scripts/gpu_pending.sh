@@ -84,6 +84,13 @@ if [ "$PHASE" = waves ]; then
   DEEP="1,1024,256,64,32,128 1,5120,384,64,32,128"
   T ab_waves 90 $py scripts/ab_env.py FLASHOPM_WAVES=1 $DEEP --mode forward --calls 10
   T t_waves 200 $py -m pytest -q -p no:cacheprovider tests/test_waves.py
+  # where the time goes: each step left out in turn (timing aid), then the parts: a workspace that
+  # holds every wave's a and b in one or two parts, and the workspace alone (no rows of the output)
+  for v in FLASHOPM_WAVES_SKIP=1 FLASHOPM_WAVES_SKIP=2 FLASHOPM_WAVES_SKIP=4 FLASHOPM_WAVES_SKIP=5 \
+    FLASHOPM_WAVES_SKIP=7 FLASHOPM_WAVES_WS=200000000 FLASHOPM_WAVES_OUT=0; do
+    n=${v#FLASHOPM_WAVES_}
+    T "ab_${n//=/_}" 40 $py scripts/ab_env.py FLASHOPM_WAVES=1,$v 1,1024,256,64,32,128 --mode forward --calls 10
+  done
   # flashopm-bounded (peak_memory_bound(1.1)) takes the waves form at both shapes by itself
   T bench_waves 150 $py -m flashopm bench --shapes "1,1024,256,64,32,128;1,5120,384,64,32,128" \
     --impls eager,flashopm,flashopm-bounded --calls 10 --out "$R/bench_waves"
@@ -93,6 +100,7 @@ if [ "$PHASE" = waves_rest ]; then
   # the files whose kernels the change touched: the fused projection's first kernel, the tile body
   T t_fused 100 $py -m pytest -q -p no:cacheprovider tests/test_fused_projection.py
   T t_cuda 300 $py -m pytest -x -q -p no:cacheprovider tests/test_cuda.py
+  T t_conv 200 $py -m pytest -q -p no:cacheprovider tests/test_conventions.py tests/test_rows.py tests/test_modules.py
   exit 0
 fi
 

@@ -1478,6 +1478,7 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
       oa.wv.wave_r = int(wave_r);
       oa.wv.wave_c = int(wave_c);
       oa.wv.use_out = out.scalar_type() == at::kFloat && out.is_contiguous() && !env_is("FLASHOPM_WAVES_OUT", "0");
+      if (const char* e = env_get("FLASHOPM_WAVES_SKIP"); e != nullptr && *e != 0) oa.wv.skip = std::atoi(e);
       check_smem(outer_waves_smem_bytes(), dev, "waves");
       launch_outer_waves(oa, int(G), stream);
       return out;

@@ -336,6 +336,9 @@ struct WaveArgs {
   int64_t ws_bytes;
   int wave_r, wave_c;  // tiles per wave along i and j
   int use_out;         // the output's unwritten rows may hold the part buffers (float32 output)
+  // FLASHOPM_WAVES_SKIP (timing aid only, results wrong): steps left out, bits 1 the projection's
+  // arithmetic and stores, 2 phase 1's chunks, 4 x's copies
+  int skip;
 };
 // a, b and w_out hold float32, or the 16-bit operand type of opm_outer_tc16_kernel.
 struct OuterArgs {

@@ -332,7 +332,7 @@ __device__ __forceinline__ void waves_phase1_f16(const OuterArgs& p, char* smem_
         // x's rows: row r = 32·slot + s within the chunk; this thread copies 16-byte piece tid % 16
         // of rows tid / 16 + 16u (zeros for rows past S or past this block's tasks)
         const int pq = tid & 15;
-        if (4 * pq < C) {
+        if (4 * pq < C && !(p.wv.skip & 4)) {
 #pragma unroll 4
           for (int u = 0; u < kWvRows / 16; ++u) {
             const int r = (tid >> 4) + 16 * u, slot = r >> 5;
@@ -361,6 +361,7 @@ __device__ __forceinline__ void waves_phase1_f16(const OuterArgs& p, char* smem_
         cp_async_wait_all();
       }
       __syncthreads();
+      if (p.wv.skip & 1) continue;
       {
         // LayerNorm of this thread's row, in place: the mean as the row's first value plus the mean
         // difference from it, four partial sums (as the first kernel forms it)
@@ -447,7 +448,7 @@ __device__ __forceinline__ void waves_phase1_f16(const OuterArgs& p, char* smem_
     }
     // every block's rows of the part stored and visible (the copies below read through L2)
     cooperative_groups::this_grid().sync();
-    if (wt.has_tile) {
+    if (wt.has_tile && !(p.wv.skip & 2)) {
       // the part's chunks, as the workspace form's phase 1 takes them (piece pq of rows pr + 32u)
       constexpr int kPieces = 8, kPassRows = kTcThreads / kPieces;
       const int pr = tid / kPieces, pq = tid % kPieces;
