@@ -503,11 +503,12 @@ __device__ __forceinline__ void waves_phase1_f16(const OuterArgs& p, char* smem_
 // kBK, kKC, kNT: s per stage and columns (j, h2) of phase 1's mma.sync form, k per W chunk of phase
 // 2's (kTcBK, kTcKC, kTcNT; kTcBKSmall, kTcKCSmall, kTcNTNarrow on GPUs with less shared memory
 // than sm_90's; kNT >= Tj·H).
-// One tile (row_tile, col_tile of batch element b) of opm_outer_tc_kernel; wt and part_count: the
-// waves form's wave and part counter (kWaves), else null.
+// One tile of opm_outer_tc_kernel: the grid's (blockIdx.z, grouped_tile), or for the waves form
+// (kWaves) the wave's tile wave_row_tile, wave_col_tile of batch element wave_b, with its wave wt
+// and part counter (null otherwise).
 template <int kTerms, bool kWgmma, bool kWgmma2, bool kHalfSplit, int kBK, int kKC, int kNT, bool kFused, bool kWaves>
-__device__ __forceinline__ void outer_tc_tile(const OuterArgs& p, int b, int col_tile, int row_tile, const WaveTile* wt,
-                                              int* part_count) {
+__device__ __forceinline__ void outer_tc_tile(const OuterArgs& p, int wave_b, int wave_col_tile, int wave_row_tile,
+                                              const WaveTile* wt, int* part_count) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   static_assert(!kWaves || (kHalfSplit && !kFused), "the waves form on the float16 split form alone");
   static_assert(!kWgmma2 || (kWgmma && (kTerms == 1 || kHalfSplit)), "phase 2 on wgmma: TF32 after phase 1 on wgmma");
@@ -526,6 +527,9 @@ __device__ __forceinline__ void outer_tc_tile(const OuterArgs& p, int b, int col
   float* norm_arg = reinterpret_cast<float*>(row_off + kTcRoundRows);   // [kTcRoundRows]
   const int H = p.H, N = p.N, S = p.S, D = p.D, Ti = p.Ti, Tj = p.Tj;
   const int P = Ti * Tj;
+  const int b = kWaves ? wave_b : int(blockIdx.z);
+  int col_tile = wave_col_tile, row_tile = wave_row_tile;
+  if constexpr (!kWaves) grouped_tile(col_tile, row_tile);
   const int i0 = row_tile * Ti, j0 = col_tile * Tj;  // i0 local to this row block
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;  // fragment coordinates (PTX: groupID, threadID_in_group)
@@ -1216,10 +1220,7 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc_kernel(const Outer
   if constexpr (kWaves) {
     outer_tc_waves<kTerms, kWgmma, kWgmma2, kHalfSplit, kBK, kKC, kNT>(p);
   } else {
-    int col_tile, row_tile;
-    grouped_tile(col_tile, row_tile);
-    outer_tc_tile<kTerms, kWgmma, kWgmma2, kHalfSplit, kBK, kKC, kNT, kFused, false>(p, blockIdx.z, col_tile, row_tile,
-                                                                                     nullptr, nullptr);
+    outer_tc_tile<kTerms, kWgmma, kWgmma2, kHalfSplit, kBK, kKC, kNT, kFused, false>(p, 0, 0, 0, nullptr, nullptr);
   }
 #else
   target_lacks_instructions();
