@@ -1425,9 +1425,32 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     // is taken by itself where b for every residue and all of s passes what the bound leaves (every
     // other plan would sum over s in parts, each repeating the contraction with W, or project in
     // bands); FLASHOPM_WAVES=0 leaves it out.
-    const bool waves_bounded = requested_peak_bound() > 0 && !env_is("FLASHOPM_WAVES", "0") &&
+    // Both forms that project a and b from x inside the contraction start alike: the residues'
+    // exponents from the first kernel, the split scales, W's split copy.
+    struct FromX {
+      at::Tensor exps, w_split;
+      OuterArgs oa;
+    };
+    auto project_from_x = [&](float* row_stats, int64_t s_pad, int skip) {
+      FromX r;
+      r.exps = at::empty({2 * B * N + D}, msa_in.options().dtype(at::kInt));
+      int* const b_exp = r.exps.data_ptr<int>();
+      int* const a_exp = b_exp + B * N;
+      int* const w_exp = a_exp + B * N;
+      const FusedProjArgs fp{msa.data_ptr<float>(), msa.stride(0), msa.stride(1), msa.stride(2), pa.ln_w, pa.ln_b,
+                             pa.ln_eps, pa.wa, pa.ba, pa.wb, pa.bb, row_stats, int(s_pad), int(C), skip};
+      launch_fused_exponents(FusedExponentArgs{fp, mask_view, a_exp, b_exp, int(B), int(S), int(N)}, stream);
+      r.oa = outer_args(nullptr, nullptr, mask_view, w_out, b_out, out, B, S, N, H, D, norm);
+      set_split_scales(r.oa, a_exp, b_exp, w_exp, S);
+      r.w_split = float32_wgmma_w(w_out, H, true, w_exp, stream);
+      r.oa.w_blocked = r.w_split.data_ptr();
+      r.oa.fp = fp;
+      return r;
+    };
+    const double peak_bound = fused_ok ? requested_peak_bound() : 0.0;
+    const bool waves_bounded = peak_bound > 0 && !env_is("FLASHOPM_WAVES", "0") &&
                                double(B * ((S + 31) / 32 * 32) * N * H * 4) >
-                                   (requested_peak_bound() - 1.01) * double(out.numel() * out.element_size());
+                                   (peak_bound - 1.01) * double(out.numel() * out.element_size());
     if (fused_ok && (env_is("FLASHOPM_WAVES", "1") || waves_bounded) && device_info(dev).cooperative_launch) {
       const int64_t Ti = kOuterMT / H, Tj = kOuterNT / H, tiles_i = (N + Ti - 1) / Ti, tiles_j = (N + Tj - 1) / Tj;
       int64_t G = device_info(dev).sm_count;
@@ -1443,18 +1466,8 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
         }
       }
       const int64_t chunk_bytes = std::min(best_res, 2 * N) * H * 128;  // a and b of a wave's residues, 32 s
-      at::Tensor exps = at::empty({2 * B * N + D}, msa_in.options().dtype(at::kInt));
-      int* const b_exp = exps.data_ptr<int>();
-      int* const a_exp = b_exp + B * N;
-      int* const w_exp = a_exp + B * N;
-      const FusedProjArgs fp{msa.data_ptr<float>(), msa.stride(0), msa.stride(1), msa.stride(2), pa.ln_w, pa.ln_b,
-                             pa.ln_eps, pa.wa, pa.ba, pa.wb, pa.bb, nullptr, 0, int(C), 0};
-      launch_fused_exponents(FusedExponentArgs{fp, mask_view, a_exp, b_exp, int(B), int(S), int(N)}, stream);
-      OuterArgs oa = outer_args(nullptr, nullptr, mask_view, w_out, b_out, out, B, S, N, H, D, norm);
-      set_split_scales(oa, a_exp, b_exp, w_exp, S);
-      const at::Tensor w_split = float32_wgmma_w(w_out, H, true, w_exp, stream);
-      oa.w_blocked = w_split.data_ptr();
-      oa.fp = fp;
+      FromX fx = project_from_x(nullptr, 0, 0);
+      OuterArgs& oa = fx.oa;
       const Normalisers nz = normalisers(oa, operand_kind, 0, N, f32, stream);
       oa.pair = nz.pair.defined() ? nz.pair.data_ptr<float>() : nullptr;
       oa.row_den = nz.row_den.defined() ? nz.row_den.data_ptr<float>() : nullptr;
@@ -1466,8 +1479,8 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
       oa.Ti = int(Ti);
       oa.Tj = int(Tj);
       const int64_t out_bytes = out.numel() * int64_t(out.element_size());
-      const double bound = requested_peak_bound() > 0 ? requested_peak_bound() : 1.1;
-      const int64_t used = w_split.numel() * 4 + exps.numel() * 4 + (nz.pair.defined() ? nz.pair.numel() * 4 : 0) +
+      const double bound = peak_bound > 0 ? peak_bound : 1.1;
+      const int64_t used = fx.w_split.numel() * 4 + fx.exps.numel() * 4 + (nz.pair.defined() ? nz.pair.numel() * 4 : 0) +
                            (nz.row_den.defined() ? nz.row_den.numel() * 4 : 0);
       int64_t ws_bytes = int64_t((bound - 1.01) * double(out_bytes)) - used - (int64_t(64) << 10);
       if (const char* e = env_get("FLASHOPM_WAVES_WS"); e != nullptr && *e != 0) ws_bytes = std::atoll(e);
@@ -1489,24 +1502,11 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     // 0.06x the output at (1,1024,256,64)).  On request only: it runs slower than the default
     // (NOTES.md).
     if (fused_ok && env_is("FLASHOPM_FUSED_PROJECTION", "1")) {
-      at::Tensor exps = at::empty({2 * B * N + D}, msa_in.options().dtype(at::kInt));
-      int* const b_exp = exps.data_ptr<int>();
-      int* const a_exp = b_exp + B * N;
-      int* const w_exp = a_exp + B * N;
       const int64_t s_pad = (S + kFpS - 1) / kFpS * kFpS;
       at::Tensor row_stats = at::empty({B, N, s_pad, 2}, msa_in.options().dtype(at::kFloat));
       const char* skip = env_get("FLASHOPM_FUSED_SKIP");
-      const FusedProjArgs fp{msa.data_ptr<float>(), msa.stride(0), msa.stride(1), msa.stride(2), pa.ln_w, pa.ln_b,
-                             pa.ln_eps, pa.wa, pa.ba, pa.wb, pa.bb, row_stats.data_ptr<float>(), int(s_pad), int(C),
-                             skip ? std::atoi(skip) : 0};
-      const FusedExponentArgs ea{fp, mask_view, a_exp, b_exp, int(B), int(S), int(N)};
-      launch_fused_exponents(ea, stream);
-      OuterArgs oa = outer_args(nullptr, nullptr, mask_view, w_out, b_out, out, B, S, N, H, D, norm);
-      set_split_scales(oa, a_exp, b_exp, w_exp, S);
-      const at::Tensor w_split = float32_wgmma_w(w_out, H, true, w_exp, stream);
-      oa.w_blocked = w_split.data_ptr();
-      oa.fp = fp;
-      run_outer(oa, 0, N, N, 0, tc_ok, tc_terms, kmajor, half_split, operand_kind, f32, dev, stream);
+      const FromX fx = project_from_x(row_stats.data_ptr<float>(), s_pad, skip ? std::atoi(skip) : 0);
+      run_outer(fx.oa, 0, N, N, 0, tc_ok, tc_terms, kmajor, half_split, operand_kind, f32, dev, stream);
       return out;
     }
     // elements per (b, n, h) of a part of s_len values of s
