@@ -482,7 +482,8 @@ void launch_outer_tc(const OuterArgs& args, int terms, bool wgmma, bool wgmma2, 
   }
 }
 
-int outer_waves_smem_bytes() { return outer_tc_smem_bytes(kFpH, kTcMT / kFpH, kTcNT / kFpH, true, true, {}) + kWvBytes; }
+// the waves form's space starts at a 16-byte boundary past the tile's
+int outer_waves_smem_bytes() { return outer_tc_smem_bytes(kFpH, kTcMT / kFpH, kTcNT / kFpH, true, true, {}) + 16 + kWvBytes; }
 
 void launch_outer_waves(const OuterArgs& args, int blocks, cudaStream_t stream) {
   TORCH_CHECK(args.H == kFpH && args.Ti == kTcMT / kFpH && args.Tj == kTcNT / kFpH && args.wv.ws != nullptr,

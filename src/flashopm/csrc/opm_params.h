@@ -446,20 +446,23 @@ constexpr int kFpResEOff = kFpBiasOff + 2 * kFpH * 4;
 constexpr int kFpWFacOff = kFpResEOff + 16 * 4;
 constexpr int kFpEnd = kFpWFacOff + 2 * kFpH * 4;
 static_assert(kFpEnd <= kTcWgStages * kTcWgStageBytes, "the fused projection's phase 1 within the stages' space");
-// The waves form's shared memory past the tile's (bytes): W's rows transposed [side][c][h],
-// LayerNorm's weight and bias, the projections' biases, each batch row's mask and scale.  A batch
-// of up to kWvSlots tasks (a residue's 32 s of one chunk each) has its x rows in the stage area,
-// kWvLdX floats apart (17 16-byte units: conflict-free float4 reads down a column of rows).
-constexpr int kWvSlots = 8;
+// The waves form's shared memory past the tile's (bytes): W·diag(gamma)'s float16 split parts as
+// stage_w_split_f16 leaves them [side][high, low][h][kFpLdW], its exponents (scratch), factors and
+// biases [side][h]; each batch row's statistics (mean, rstd·2^kFpVExp) and its mask times its
+// residue's scale.  A batch of up to kWvSlots tasks (a residue's 32 s of one chunk each, one per
+// warp) has its x rows in the stage area, kWvLdX floats apart; two batches lie there, so that the
+// next one's copies run behind this one's projection.
+constexpr int kWvSlots = kTcThreads / 32;
 constexpr int kWvRows = kWvSlots * 32;
-constexpr int kWvLdX = kFpMaxC + 4;
+constexpr int kWvLdX = kFpLdX;  // 8 (mod 32) floats: conflict-free float2 fragment reads
 constexpr int kWvWOff = 0;
-constexpr int kWvLnOff = kWvWOff + 2 * kFpMaxC * kFpH * 4;
-constexpr int kWvBiasOff = kWvLnOff + 2 * kFpMaxC * 4;
-constexpr int kWvMaskOff = kWvBiasOff + 2 * kFpH * 4;
-constexpr int kWvScaleOff = kWvMaskOff + kWvRows * 4;
-constexpr int kWvBytes = kWvScaleOff + kWvRows * 4;
-static_assert(kWvRows * kWvLdX * 4 <= kTcWgStages * kTcWgStageBytes, "a batch's x rows within the stages");
+constexpr int kWvWeOff = kWvWOff + 2 * 2 * kFpH * kFpLdW * 2;
+constexpr int kWvFacOff = kWvWeOff + 2 * kFpH * 4;
+constexpr int kWvBiasOff = kWvFacOff + 2 * kFpH * 4;
+constexpr int kWvStatOff = kWvBiasOff + 2 * kFpH * 4;
+constexpr int kWvMaskOff = kWvStatOff + kWvRows * 8;
+constexpr int kWvBytes = kWvMaskOff + kWvRows * 4;
+static_assert(2 * kWvRows * kWvLdX * 4 <= kTcWgStages * kTcWgStageBytes, "two batches' x rows within the stages");
 
 
 // Shared memory of the tensor-core kernel, in floats: phase 1's stages, or phase 2's O tile

@@ -54,6 +54,75 @@ __device__ __forceinline__ void split16_stage_products(float (&acc)[128], uint64
   }
 }
 
+// W·diag(gamma) for both projections in shared memory as the float16 split projection reads it:
+// per (side, h) the row scaled by 2^w_e (split_scale_exp of its largest magnitude) and split into
+// high and low parts, [side][high, low][h][kFpLdW] (zeros from C to Cp); w_fac = 2^(-w_e - kFpVExp),
+// which takes both scales out; w_bias = bias + W·beta (LayerNorm's bias folded in).  Every thread of
+// the block calls it (one barrier inside); w_e is scratch of 2·kFpH ints.
+__device__ __forceinline__ void stage_w_split_f16(const FusedProjArgs& f, __half* wsp, int* w_e, float* w_fac,
+                                                  float* w_bias) {
+  const int tid = threadIdx.x, C = f.C, Cp = (C + 15) & ~15;
+  if (tid < 2 * kFpH) {
+    const int side = tid / kFpH, h = tid - side * kFpH;
+    const float* w = (side ? f.wb : f.wa) + int64_t(h) * C;
+    const float* bias = side ? f.bb : f.ba;
+    float m = 0.f, bsum = bias ? bias[h] : 0.f;
+    for (int c = 0; c < C; ++c) {
+      m = fmaxf(m, fabsf(w[c] * f.ln_w[c]));
+      bsum = fmaf(w[c], f.ln_b[c], bsum);
+    }
+    const int e = split_scale_exp(m);
+    w_e[tid] = e;
+    w_fac[tid] = scalbnf(1.f, -e - kFpVExp);  // down to 2^-139: a subnormal power of two, exact
+    w_bias[tid] = bsum;
+  }
+  __syncthreads();
+  for (int idx = tid; idx < 2 * kFpH * (Cp / 2); idx += blockDim.x) {
+    const int sh = idx / (Cp / 2), c = 2 * (idx - sh * (Cp / 2));
+    const int side = sh / kFpH, h = sh - side * kFpH;
+    const float* w = (side ? f.wb : f.wa) + int64_t(h) * C;
+    const float sc = exp2_int(w_e[sh]);
+    uint32_t hi, lo;
+    split_f16x2(c < C ? w[c] * f.ln_w[c] * sc : 0.f, c + 1 < C ? w[c + 1] * f.ln_w[c + 1] * sc : 0.f, hi, lo);
+    *reinterpret_cast<uint32_t*>(wsp + ((side * 2 + 0) * kFpH + h) * kFpLdW + c) = hi;
+    *reinterpret_cast<uint32_t*>(wsp + ((side * 2 + 1) * kFpH + h) * kFpLdW + c) = lo;
+  }
+}
+
+// Two units of 8 s of one side projected on mma.sync m16n8k16 in the float16 split form: pacc[mt][un]
+// = sum_c W'[h, c]·v[s, c] for h = 16mt + g (+8) and s = the unit's 2t (+1), where W' is one side's
+// rows as stage_w_split_f16 leaves them (w_hi, w_lo) and v = (x - mean)·rstd·2^kFpVExp is formed
+// from x's rows as the B fragments are read (x row xrow[un] of xs, ld_x floats apart, its statistics
+// stat[un] = (mean, rstd·2^kFpVExp); zeros from C to Cp, where W' is zero too).
+__device__ __forceinline__ void project_units_f16(const float* xs, int ld_x, const int (&xrow)[2],
+                                                  const float2 (&stat)[2], const __half* w_hi,
+                                                  const __half* w_lo, int Cp, float (&pacc)[2][2][4]) {
+  const int lane = threadIdx.x & 31, t = lane & 3;
+  zero_tiles(pacc);
+  for (int kk = 0; kk < Cp / 16; ++kk) {
+    const int c = 16 * kk + 2 * t;
+    uint32_t b_hi[2][2], b_lo[2][2];
+#pragma unroll
+    for (int un = 0; un < 2; ++un) {
+      const float* yr = xs + xrow[un] * ld_x + c;
+      const float2 v0 = *reinterpret_cast<const float2*>(yr);
+      const float2 v1 = *reinterpret_cast<const float2*>(yr + 8);
+      split_f16x2((v0.x - stat[un].x) * stat[un].y, (v0.y - stat[un].x) * stat[un].y, b_hi[un][0], b_lo[un][0]);
+      split_f16x2((v1.x - stat[un].x) * stat[un].y, (v1.y - stat[un].x) * stat[un].y, b_hi[un][1], b_lo[un][1]);
+    }
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+      // rows h = 16mt + (lane & 7) + 8((lane >> 3) & 1), columns 16kk + 8(lane >> 4): the four
+      // 8 x 8 pieces of the A fragment in mma's order
+      const int lrow = (16 * mt + (lane & 7) + 8 * ((lane >> 3) & 1)) * kFpLdW + 16 * kk + 8 * (lane >> 4);
+      uint32_t a_hi[4], a_lo[4];
+      ldmatrix_x4(a_hi, w_hi + lrow);
+      ldmatrix_x4(a_lo, w_lo + lrow);
+      mma_f16_split_add<2>(pacc[mt], a_hi, a_lo, b_hi, b_lo, 2);
+    }
+  }
+}
+
 // Phase 1 of the float16 split form with a and b formed in the block from x (FusedProjArgs), acc
 // as the workspace form leaves it.  LayerNorm folds into the projection: a = m·(v·(W·diag(gamma))ᵀ
 // + W·beta + bias) with v = (x - mean)·rstd, the statistics from the first kernel.  Per stage of
@@ -124,36 +193,13 @@ __device__ __forceinline__ void fused_phase1_f16(const OuterArgs& p, char* smem_
 
   // W·diag(gamma)'s rows scaled per (side, h) and split; the biases with W·beta; the residues'
   // exponents
-  if (tid < 2 * kFpH) {
-    const int side = tid / kFpH, h = tid - side * kFpH;
-    const float* w = (side ? f.wb : f.wa) + int64_t(h) * C;
-    const float* bias = side ? f.bb : f.ba;
-    float m = 0.f, bsum = bias ? bias[h] : 0.f;
-    for (int c = 0; c < C; ++c) {
-      m = fmaxf(m, fabsf(w[c] * f.ln_w[c]));
-      bsum = fmaf(w[c], f.ln_b[c], bsum);
-    }
-    const int e = split_scale_exp(m);
-    w_e[tid] = e;
-    w_fac[tid] = scalbnf(1.f, -e - kFpVExp);  // down to 2^-139: a subnormal power of two, exact
-    w_bias[tid] = bsum;
-  } else if (tid < 2 * kFpH + kFpResA + kFpResB) {
+  if (tid >= 2 * kFpH && tid < 2 * kFpH + kFpResA + kFpResB) {
     const int r = tid - 2 * kFpH;
     int n;
     const bool ok = residue(r, n);
     res_e[r] = !ok ? 0 : r < kFpResA ? p.a_exp[int64_t(b) * p.Na + i0 + r] : p.b_exp[int64_t(b) * p.N + n];
   }
-  __syncthreads();
-  for (int idx = tid; idx < 2 * kFpH * (Cp / 2); idx += kTcThreads) {
-    const int sh = idx / (Cp / 2), c = 2 * (idx - sh * (Cp / 2));
-    const int side = sh / kFpH, h = sh - side * kFpH;
-    const float* w = (side ? f.wb : f.wa) + int64_t(h) * C;
-    const float sc = exp2_int(w_e[sh]);
-    uint32_t hi, lo;
-    split_f16x2(c < C ? w[c] * f.ln_w[c] * sc : 0.f, c + 1 < C ? w[c + 1] * f.ln_w[c + 1] * sc : 0.f, hi, lo);
-    *reinterpret_cast<uint32_t*>(wsp + ((side * 2 + 0) * kFpH + h) * kFpLdW + c) = hi;
-    *reinterpret_cast<uint32_t*>(wsp + ((side * 2 + 1) * kFpH + h) * kFpLdW + c) = lo;
-  }
+  stage_w_split_f16(f, wsp, w_e, w_fac, w_bias);
   // the stage's mask values, loaded before the wait for its copies (their latencies overlap)
   constexpr int kMaskPerThread = (kFpRows + kTcThreads - 1) / kTcThreads;
   auto load_masks = [&](int kt, float (&mk)[kMaskPerThread]) {
@@ -182,30 +228,7 @@ __device__ __forceinline__ void fused_phase1_f16(const OuterArgs& p, char* smem_
       stat[un] = row_st[xrow[un]];
     }
     float pacc[2][2][4];
-    zero_tiles(pacc);
-    for (int kk = 0; kk < Cp / 16; ++kk) {
-      const int c = 16 * kk + 2 * t;
-      uint32_t b_hi[2][2], b_lo[2][2];
-#pragma unroll
-      for (int un = 0; un < 2; ++un) {
-        const float* yr = xs + xrow[un] * kFpLdX + c;
-        const float2 v0 = *reinterpret_cast<const float2*>(yr);
-        const float2 v1 = *reinterpret_cast<const float2*>(yr + 8);
-        // past C, x is zero and W too: (0 - mean)·rstd adds nothing
-        split_f16x2((v0.x - stat[un].x) * stat[un].y, (v0.y - stat[un].x) * stat[un].y, b_hi[un][0], b_lo[un][0]);
-        split_f16x2((v1.x - stat[un].x) * stat[un].y, (v1.y - stat[un].x) * stat[un].y, b_hi[un][1], b_lo[un][1]);
-      }
-#pragma unroll
-      for (int mt = 0; mt < 2; ++mt) {
-        // rows h = 16mt + (lane & 7) + 8((lane >> 3) & 1), columns 16kk + 8(lane >> 4): the four
-        // 8 x 8 pieces of the A fragment in mma's order
-        const int lrow = (16 * mt + (lane & 7) + 8 * ((lane >> 3) & 1)) * kFpLdW + 16 * kk + 8 * (lane >> 4);
-        uint32_t a_hi[4], a_lo[4];
-        ldmatrix_x4(a_hi, w_hi + lrow);
-        ldmatrix_x4(a_lo, w_lo + lrow);
-        mma_f16_split_add<2>(pacc[mt], a_hi, a_lo, b_hi, b_lo, 2);
-      }
-    }
+    project_units_f16(xs, kFpLdX, xrow, stat, w_hi, w_lo, Cp, pacc);
     // pacc[mt][un]: rows h = 16mt + g (+8), columns s = 8(u % 4) + 2t (+1) of the unit's residue.
     // Operand row side_res·kFpH + h lies in 8-row group 4·side_res + 2mt + hh at row g, its
     // pieces of s swizzled by g.
@@ -291,25 +314,30 @@ struct WaveTile {
 // every block finished reading before it reached the last barrier.
 //
 // The projection: tasks of 32 rows (a residue's s of one chunk), a's then b's, block blk taking
-// tasks blk, blk + G, ...; kWvSlots at a time, their x rows copied into the stage area; each row's
-// LayerNorm and then a or b for its 32 h in float32 FMAs, in the order opm_fused_exponents_kernel
-// forms them (so the residue's exponent bounds these very values), times the mask and 2^e, split
-// into float16 high and low parts at the row's place in the part buffer: per chunk, rows (n, h) of
-// 128 bytes (32 high parts of s, then 32 low), a's nr·32 rows and then b's nc·32.
+// tasks blk, blk + G, ...; a batch of kWvSlots at a time, one per warp, their x rows copied into the
+// stage area while the batch before is projected.  Each row's LayerNorm statistics (one row per
+// thread, as the first kernel forms them), then the task's a or b on mma.sync as the fused
+// projection forms it (project_units_f16: LayerNorm folded into W and the bias), times the mask
+// and 2^e, split into float16 high and low parts at the row's place in the part buffer: per chunk,
+// rows (n, h) of 128 bytes (32 high parts of s, then 32 low), a's nr·32 rows and then b's nc·32.
+// The residue's exponent comes from the first kernel's float32 FMA projection; these values differ
+// from those by rounding alone, far inside the factor of two that split_scale_exp leaves below
+// float16's largest value.
 __device__ __forceinline__ void waves_phase1_f16(const OuterArgs& p, char* smem_c, char* wv_smem, float (&acc)[128],
                                                  const WaveTile& wt, int i0, int j0, int a_lim, int b_lim, int& q) {
   const FusedProjArgs& f = p.fp;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2;
-  const int C = f.C, S = p.S, N = p.N, b = wt.b;
+  const int g = lane >> 2, t = lane & 3;
+  const int C = f.C, Cp = (C + 15) & ~15, S = p.S, N = p.N, b = wt.b;
   const int n_chunks = (S + 31) >> 5;
   const int G = gridDim.x, blk = blockIdx.x;
   static_assert(kWvRows == kTcThreads, "a batch row per thread for the statistics");
-  float* xs = reinterpret_cast<float*>(smem_c);
-  const float* w_t = reinterpret_cast<const float*>(wv_smem + kWvWOff);       // [side][c][h]
-  const float* ln_s = reinterpret_cast<const float*>(wv_smem + kWvLnOff);     // [weight, bias][c]
-  const float* bias_s = reinterpret_cast<const float*>(wv_smem + kWvBiasOff); // [side][h]
+  float* const xs0 = reinterpret_cast<float*>(smem_c);  // batch k's rows at xs0 + (k & 1)·kWvRows·kWvLdX
+  const __half* wsp = reinterpret_cast<const __half*>(wv_smem + kWvWOff);
+  const float* w_fac = reinterpret_cast<const float*>(wv_smem + kWvFacOff);
+  const float* w_bias = reinterpret_cast<const float*>(wv_smem + kWvBiasOff);
+  float2* row_st = reinterpret_cast<float2*>(wv_smem + kWvStatOff);
   float* row_m = reinterpret_cast<float*>(wv_smem + kWvMaskOff);
-  float* row_f = reinterpret_cast<float*>(wv_smem + kWvScaleOff);
 #pragma unroll
   for (int e = 0; e < 128; ++e) acc[e] = 0.f;
   for (int c0 = 0; c0 < n_chunks; c0 += wt.chunks_per_part, ++q) {
@@ -318,35 +346,49 @@ __device__ __forceinline__ void waves_phase1_f16(const OuterArgs& p, char* smem_
     char* const buf_b = buf_a + int64_t(nch) * wt.nr * (kFpH * 128);
     const int a_tasks = wt.nr * nch, n_tasks = (wt.nr + wt.nc) * nch;
     const int mine = blk < n_tasks ? (n_tasks - blk + G - 1) / G : 0;
+    const int n_batches = (mine + kWvSlots - 1) / kWvSlots;
     // task m of this block: side (0 a, 1 b), residue within the wave's, chunk within the part
     auto task_of = [&](int m, int& side, int& n_loc, int& ch) {
-      int t = blk + G * m;
-      side = t >= a_tasks;
-      if (side) t -= a_tasks;
-      n_loc = t / nch;
-      ch = t - n_loc * nch;
+      int tk = blk + G * m;
+      side = tk >= a_tasks;
+      if (side) tk -= a_tasks;
+      n_loc = tk / nch;
+      ch = tk - n_loc * nch;
     };
-    for (int m0 = 0; m0 < mine; m0 += kWvSlots) {
-      __syncthreads();  // the stage area and the rows' factors free
-      {
-        // x's rows: row r = 32·slot + s within the chunk; this thread copies 16-byte piece tid % 16
-        // of rows tid / 16 + 16u (zeros for rows past S or past this block's tasks)
+    // x's rows of batch bi (row r = 32·slot + s within the chunk) into its buffer, one group of
+    // copies (empty past the last batch): this thread copies 16-byte piece tid % 16 of rows tid / 16
+    // + 16u, zeros past C, past S and past this block's tasks
+    auto issue_batch = [&](int bi) {
+      if (bi < n_batches && !(p.wv.skip & 4)) {
+        float* xs = xs0 + (bi & 1) * (kWvRows * kWvLdX);
         const int pq = tid & 15;
-        if (4 * pq < C && !(p.wv.skip & 4)) {
 #pragma unroll 4
-          for (int u = 0; u < kWvRows / 16; ++u) {
-            const int r = (tid >> 4) + 16 * u, slot = r >> 5;
-            int side = 0, n_loc = 0, ch = 0;
-            const bool task_ok = m0 + slot < mine;
-            if (task_ok) task_of(m0 + slot, side, n_loc, ch);
-            const int s = (c0 + ch) * 32 + (r & 31), n = (side ? wt.j_lo : wt.i_lo) + n_loc;
-            const bool ok = task_ok && s < S;
-            const float* src = ok ? f.x + int64_t(b) * f.x_sb + int64_t(s) * f.x_ss + int64_t(n) * f.x_sn + 4 * pq : f.x;
-            cp_async16z(xs + r * kWvLdX + 4 * pq, src, ok);
-          }
+        for (int u = 0; u < kWvRows / 16; ++u) {
+          const int r = (tid >> 4) + 16 * u, slot = r >> 5;
+          int side = 0, n_loc = 0, ch = 0;
+          const bool task_ok = bi * kWvSlots + slot < mine;
+          if (task_ok) task_of(bi * kWvSlots + slot, side, n_loc, ch);
+          const int s = (c0 + ch) * 32 + (r & 31), n = (side ? wt.j_lo : wt.i_lo) + n_loc;
+          const bool ok = task_ok && s < S && 4 * pq < C;
+          const float* src = ok ? f.x + int64_t(b) * f.x_sb + int64_t(s) * f.x_ss + int64_t(n) * f.x_sn + 4 * pq : f.x;
+          cp_async16z(xs + r * kWvLdX + 4 * pq, src, ok);
         }
-        cp_async_commit();
-        // this thread's row: its mask value and its residue's scale
+      }
+      cp_async_commit();
+    };
+    issue_batch(0);
+    for (int bi = 0; bi < n_batches; ++bi) {
+      const int m0 = bi * kWvSlots;
+      const float* xs = xs0 + (bi & 1) * (kWvRows * kWvLdX);
+      cp_async_wait_all();
+      // batch bi's rows in; batch bi - 1's rows and the rows' factors read, so batch bi + 1 may
+      // take its buffer
+      __syncthreads();
+      issue_batch(bi + 1);
+      if (!(p.wv.skip & 1)) {
+        // this thread's row: its mask value, its residue's scale and its LayerNorm statistics, the
+        // mean as the row's first value plus the mean difference from it in four partial sums (as
+        // the first kernel forms them)
         const int r = tid, slot = r >> 5;
         float mk = 0.f, fe = 0.f;
         if (m0 + slot < mine) {
@@ -356,16 +398,7 @@ __device__ __forceinline__ void waves_phase1_f16(const OuterArgs& p, char* smem_
           if (s < S) mk = mask_at(p.mask, b, s, n);
           fe = exp2_int((side ? p.b_exp : p.a_exp)[int64_t(b) * N + n]);
         }
-        row_m[r] = mk;
-        row_f[r] = fe;
-        cp_async_wait_all();
-      }
-      __syncthreads();
-      if (p.wv.skip & 1) continue;
-      {
-        // LayerNorm of this thread's row, in place: the mean as the row's first value plus the mean
-        // difference from it, four partial sums (as the first kernel forms it)
-        float* row = xs + tid * kWvLdX;
+        const float* row = xs + r * kWvLdX;
         const float v0 = row[0];
         float part[4] = {0.f, 0.f, 0.f, 0.f};
         for (int c4 = 0; c4 < C / 4; ++c4) {
@@ -387,65 +420,53 @@ __device__ __forceinline__ void waves_phase1_f16(const OuterArgs& p, char* smem_
           part[3] = fmaf(d3, d3, part[3]);
         }
         const float rstd = rsqrtf(((part[0] + part[1]) + (part[2] + part[3])) / C + f.ln_eps);
-        for (int c4 = 0; c4 < C / 4; ++c4) {
-          float4 v = *reinterpret_cast<const float4*>(row + 4 * c4);
-          const float* lw = ln_s + 4 * c4;
-          const float* lb = ln_s + kFpMaxC + 4 * c4;
-          v.x = (v.x - mean) * rstd * lw[0] + lb[0];
-          v.y = (v.y - mean) * rstd * lw[1] + lb[1];
-          v.z = (v.z - mean) * rstd * lw[2] + lb[2];
-          v.w = (v.w - mean) * rstd * lw[3] + lb[3];
-          *reinterpret_cast<float4*>(row + 4 * c4) = v;
-        }
+        row_st[r] = make_float2(mean, rstd * exp2_int(kFpVExp));
+        // mask times the residue's power of two: the same bits as the one product after the other
+        row_m[r] = mk * fe;
       }
-      __syncthreads();
-      {
-        // warp w: h = 8(w % 4) .. + 7 of rows lane + 32·slot, slots w / 4, w / 4 + 2, ..., one at a
-        // time; each output the bias plus its FMAs over c in order, then (value·mask)·2^e split, the
-        // warp's lanes writing 32 consecutive s of one row (n, h): 64 bytes
-        const int o = warp & 3;
+      __syncthreads();  // the batch's statistics and factors
+      if (!(p.wv.skip & 1) && m0 + warp < mine) {
+        // warp w: task slot w, in two halves of 16 s (units of 8 s: 2·half, 2·half + 1)
+        int side, n_loc, ch;
+        task_of(m0 + warp, side, n_loc, ch);
+        const __half* w_hi = wsp + (side * 2 + 0) * kFpH * kFpLdW;
+        const __half* w_lo = wsp + (side * 2 + 1) * kFpH * kFpLdW;
+        const int n_side = side ? wt.nc : wt.nr;
+        char* const rows = (side ? buf_b : buf_a) + (int64_t(ch) * n_side + n_loc) * (kFpH * 128);
 #pragma unroll 1
-        for (int slot = warp >> 2; slot < kWvSlots && m0 + slot < mine; slot += 2) {
-          int side, n_loc, ch;
-          task_of(m0 + slot, side, n_loc, ch);
-          float out[8];
+        for (int half = 0; half < 2; ++half) {
+          int xrow[2];
+          float2 stat[2];
 #pragma unroll
-          for (int e = 0; e < 8; ++e) out[e] = bias_s[side * kFpH + 8 * o + e];
-          const float* yr = xs + (lane + 32 * slot) * kWvLdX;
-          const float* wr = w_t + side * kFpMaxC * kFpH + 8 * o;
-#pragma unroll 2
-          for (int c4 = 0; c4 < C / 4; ++c4) {
-            const float4 y = *reinterpret_cast<const float4*>(yr + 4 * c4);
-            const float yv[4] = {y.x, y.y, y.z, y.w};
-#pragma unroll
-            for (int cc = 0; cc < 4; ++cc) {
-              const float4 wa = *reinterpret_cast<const float4*>(wr + (4 * c4 + cc) * kFpH);
-              const float4 wb = *reinterpret_cast<const float4*>(wr + (4 * c4 + cc) * kFpH + 4);
-              out[0] = fmaf(yv[cc], wa.x, out[0]);
-              out[1] = fmaf(yv[cc], wa.y, out[1]);
-              out[2] = fmaf(yv[cc], wa.z, out[2]);
-              out[3] = fmaf(yv[cc], wa.w, out[3]);
-              out[4] = fmaf(yv[cc], wb.x, out[4]);
-              out[5] = fmaf(yv[cc], wb.y, out[5]);
-              out[6] = fmaf(yv[cc], wb.z, out[6]);
-              out[7] = fmaf(yv[cc], wb.w, out[7]);
-            }
+          for (int un = 0; un < 2; ++un) {
+            xrow[un] = 32 * warp + 8 * (2 * half + un) + g;
+            stat[un] = row_st[xrow[un]];
           }
-          const int r = lane + 32 * slot;
-          const int n_side = side ? wt.nc : wt.nr;
-          char* rp = (side ? buf_b : buf_a) + ((int64_t(ch) * n_side + n_loc) * kFpH + 8 * o) * 128 + 2 * lane;
-          const float mk = row_m[r], fe = row_f[r];
+          float pacc[2][2][4];
+          project_units_f16(xs, kWvLdX, xrow, stat, w_hi, w_lo, Cp, pacc);
+          // pacc[mt][un]: rows h = 16mt + g (+8), s = 8(2·half + un) + 2t (+1) of the task's chunk
 #pragma unroll
-          for (int e = 0; e < 8; ++e) {
-            const float v = out[e] * mk * fe;
-            const __half hi = __float2half_rn(v);
-            const __half lo = __float2half_rn(v - __half2float(hi));
-            *reinterpret_cast<__half*>(rp + e * 128) = hi;
-            *reinterpret_cast<__half*>(rp + e * 128 + 64) = lo;
+          for (int un = 0; un < 2; ++un) {
+            const int sl = 8 * (2 * half + un) + 2 * t, r0 = 32 * warp + sl;
+            const float f0 = row_m[r0], f1 = row_m[r0 + 1];
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+              for (int hh = 0; hh < 2; ++hh) {
+                const int h = 16 * mt + g + 8 * hh;
+                const float fw = w_fac[side * kFpH + h], bias = w_bias[side * kFpH + h];
+                uint32_t hi, lo;
+                split_f16x2(fmaf(pacc[mt][un][2 * hh], fw, bias) * f0, fmaf(pacc[mt][un][2 * hh + 1], fw, bias) * f1,
+                            hi, lo);
+                char* const rp = rows + h * 128 + 2 * sl;
+                *reinterpret_cast<uint32_t*>(rp) = hi;
+                *reinterpret_cast<uint32_t*>(rp + 64) = lo;
+              }
           }
         }
       }
     }
+    cp_async_wait_all();
     // every block's rows of the part stored and visible (the copies below read through L2)
     cooperative_groups::this_grid().sync();
     if (wt.has_tile && !(p.wv.skip & 2)) {
@@ -1147,27 +1168,13 @@ __device__ __forceinline__ void outer_tc_waves(const OuterArgs& p) {
   extern __shared__ float4 smem_f4[];
   char* smem_c = align_smem_1k(reinterpret_cast<char*>(smem_f4));
   const TcLayout L = tc_layout(p.H, p.Ti, p.Tj, kWgmma, kWgmma2, kBK, kKC, kNT);
-  char* wv_smem = smem_c + (L.total - 256) * 4;  // past the tile's space (which the tiles leave alone)
+  // past the tile's space (which the tiles leave alone), from a 16-byte boundary (ldmatrix's rows)
+  char* wv_smem = smem_c + ((int64_t(L.total - 256) * 4 + 15) & ~int64_t(15));
   const FusedProjArgs& f = p.fp;
   const WaveArgs& wv = p.wv;
-  const int C = f.C, N = p.N;
-  {
-    float* w_t = reinterpret_cast<float*>(wv_smem + kWvWOff);
-    for (int i = threadIdx.x; i < 2 * kFpMaxC * kFpH; i += kTcThreads) {
-      const int side = i / (kFpMaxC * kFpH), c = (i / kFpH) % kFpMaxC, h = i % kFpH;
-      w_t[i] = c < C ? (side ? f.wb : f.wa)[h * C + c] : 0.f;
-    }
-    float* ln_s = reinterpret_cast<float*>(wv_smem + kWvLnOff);
-    for (int i = threadIdx.x; i < 2 * kFpMaxC; i += kTcThreads) {
-      const int c = i % kFpMaxC;
-      ln_s[i] = c < C ? (i < kFpMaxC ? f.ln_w : f.ln_b)[c] : 0.f;
-    }
-    float* bias_s = reinterpret_cast<float*>(wv_smem + kWvBiasOff);
-    for (int i = threadIdx.x; i < 2 * kFpH; i += kTcThreads) {
-      const float* bias = i < kFpH ? f.ba : f.bb;
-      bias_s[i] = bias ? bias[i % kFpH] : 0.f;
-    }
-  }
+  const int N = p.N;
+  stage_w_split_f16(f, reinterpret_cast<__half*>(wv_smem + kWvWOff), reinterpret_cast<int*>(wv_smem + kWvWeOff),
+                    reinterpret_cast<float*>(wv_smem + kWvFacOff), reinterpret_cast<float*>(wv_smem + kWvBiasOff));
   const int tiles_i = (N + p.Ti - 1) / p.Ti, tiles_j = (N + p.Tj - 1) / p.Tj;
   const int waves_i = (tiles_i + wv.wave_r - 1) / wv.wave_r, waves_j = (tiles_j + wv.wave_c - 1) / wv.wave_c;
   const int n_chunks = (p.S + 31) >> 5;
