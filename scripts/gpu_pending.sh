@@ -127,9 +127,9 @@ if [ "$PHASE" = waves_tc ]; then
   # the bench beside eager and the default, each step left out, the parts' cost; then test_cuda
   T t_waves 60 $py -m pytest -q -p no:cacheprovider tests/test_waves.py
   T t_fused 40 $py -m pytest -q -p no:cacheprovider tests/test_fused_projection.py
-  T bench_waves 60 $py -m flashopm bench --shapes "1,1024,256,64,32,128;1,5120,384,64,32,128" \
-    --impls eager,flashopm,flashopm-bounded --calls 10 --out "$R/bench_waves"
-  for v in SKIP=1 SKIP=2 SKIP=4 WS=200000000 OUT=0; do
+  T bench_waves 200 $py -m flashopm bench --shapes "1,1024,256,64,32,128;1,5120,384,64,32,128" \
+    --impls eager,flashopm,compile,flashopm-bounded --calls 10 --out "$R/bench_waves"
+  for v in BUFS=2 BUFS=1 SKIP=1 SKIP=2 WS=200000000 OUT=0; do
     T "ab_${v//=/_}" 25 $py scripts/ab_env.py FLASHOPM_WAVES=1,FLASHOPM_WAVES_$v 1,1024,256,64,32,128 --mode forward --calls 6
   done
   T t_cuda 60 $py -m pytest -q -p no:cacheprovider tests/test_cuda.py

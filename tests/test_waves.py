@@ -29,15 +29,16 @@ WAVES_KERNEL = "256, false, true>"  # opm_outer_tc_kernel<3, true, true, true, 3
 def _waves(monkeypatch):
     split_form_gpu_or_skip()
     monkeypatch.setenv("FLASHOPM_WAVES", "1")
-    for name in ("FLASHOPM_WAVES_BLOCKS", "FLASHOPM_WAVES_WS", "FLASHOPM_WAVES_OUT", "FLASHOPM_PEAK_BOUND"):
+    for name in ("FLASHOPM_WAVES_BLOCKS", "FLASHOPM_WAVES_WS", "FLASHOPM_WAVES_OUT", "FLASHOPM_WAVES_BUFS",
+                 "FLASHOPM_PEAK_BOUND"):
         monkeypatch.delenv(name, raising=False)
 
 
 # (shape, normalization, mask kind, plan): a chunk of s and one past it, S = 1, msa_dim below a
 # float4 step (4, 20), N one column tile (8), residues that end mid-tile (9, 13, 37, 45, 97), B = 3,
 # every convention, fully masked residues and fractional masks; plans with a few blocks (several
-# waves, edge waves of fewer tiles and residues), workspaces of one or two chunks per part, and
-# the output's rows left out.
+# waves, edge waves of fewer tiles and residues), workspaces of one or two chunks per part, one or
+# two part buffers, and the output's rows left out.
 CASES = [
     (Shape(1, 1024, 256, 64, 32, 128), "openfold", "masked_positions", {}),
     (Shape(2, 33, 45, 64, 32, 16), "row", "masked_positions", {"FLASHOPM_WAVES_BLOCKS": "5"}),
@@ -48,6 +49,9 @@ CASES = [
     (Shape(1, 64, 8, 48, 32, 32), "boltz", "bool", {}),
     (Shape(1, 160, 97, 64, 32, 128), "row", "ones", {"FLASHOPM_WAVES_BLOCKS": "7", "FLASHOPM_WAVES_WS": "1"}),
     (Shape(2, 300, 64, 32, 32, 128), "openfold", "fractional", {"FLASHOPM_WAVES_BLOCKS": "4"}),
+    (Shape(1, 229, 41, 64, 32, 64), "row", "masked_positions",
+     {"FLASHOPM_WAVES_BLOCKS": "3", "FLASHOPM_WAVES_WS": "1", "FLASHOPM_WAVES_OUT": "0", "FLASHOPM_WAVES_BUFS": "1"}),
+    (Shape(1, 129, 33, 48, 32, 32), "boltz", "fractional", {"FLASHOPM_WAVES_BLOCKS": "9", "FLASHOPM_WAVES_BUFS": "2"}),
 ]
 
 
@@ -60,8 +64,8 @@ def test_waves_against_the_references(shape, normalization, mask_kind, plan, mon
 
 def test_waves_every_plan_gives_the_same_bits(monkeypatch):
     """One wave of every tile against several waves of few blocks, parts of one chunk from the
-    workspace, and the output's rows used or not: each tile adds the same chunks in the same
-    order, so the bits agree."""
+    workspace, the output's rows used or not, one part buffer or two: each tile adds the same
+    chunks in the same order, so the bits agree."""
     shape = Shape(2, 200, 77, 64, 32, 64)
     x, m, p = make_problem(shape, "masked_positions", seed=42)
     xc, mc, pc = x.cuda(), m.cuda(), {k: v.cuda() for k, v in p.items()}
@@ -71,6 +75,9 @@ def test_waves_every_plan_gives_the_same_bits(monkeypatch):
         {"FLASHOPM_WAVES_BLOCKS": "6", "FLASHOPM_WAVES_WS": "1", "FLASHOPM_WAVES_OUT": "0"},
         {"FLASHOPM_WAVES_BLOCKS": "11", "FLASHOPM_WAVES_WS": "1"},
         {"FLASHOPM_WAVES_OUT": "0"},
+        {"FLASHOPM_WAVES_BUFS": "1", "FLASHOPM_WAVES_BLOCKS": "5", "FLASHOPM_WAVES_WS": "1"},
+        {"FLASHOPM_WAVES_BUFS": "2", "FLASHOPM_WAVES_BLOCKS": "7", "FLASHOPM_WAVES_WS": "1", "FLASHOPM_WAVES_OUT": "0"},
+        {"FLASHOPM_WAVES_BUFS": "1", "FLASHOPM_WAVES_OUT": "0"},
     ]
     for plan in plans:
         for name, value in plan.items():
@@ -92,6 +99,29 @@ def test_waves_large_weights_strided_x_and_no_bias(monkeypatch):
 
     default = with_setting(monkeypatch, "FLASHOPM_WAVES", "0", _call)
     check_large_weights_strided_x_and_no_bias(_call, default, seed=44)
+
+
+def test_waves_scales_from_a_bound_far_above_the_values():
+    """The residues' scales come from a bound on a and b (the mask's largest magnitude times the
+    largest |bias'| + sqrt(C)·||W'_h||), here far above most values: one row of W x1000, biases
+    and LayerNorm's bias large, mask values up to 2.5 and fully masked residues; the error against
+    float64 within twice eager float32's."""
+    from flashopm.testing import rel_error
+
+    shape = Shape(1, 77, 30, 64, 32, 64)
+    x, m, p = make_problem(shape, "fractional", seed=47)
+    m = 2.5 * m
+    m[:, :, 4] = 0.0
+    p["w_a"][0] *= 1000.0
+    p["b_a"] += 40.0
+    p["ln_bias"] += 3.0
+    xc, mc, pc = x.cuda(), m.cuda(), {k: v.cuda() for k, v in p.items()}
+    ref32 = reference(xc, mc, pc)
+    ref64 = reference(xc, mc, pc, dtype=torch.float64)
+    out = _call(xc, mc, pc, "row")
+    assert out.isfinite().all()
+    err, err_eager = rel_error(out, ref64), rel_error(ref32, ref64)
+    assert err <= 2 * err_eager, f"error {err:.3g} against eager float32's {err_eager:.3g}"
 
 
 def test_waves_rows_far_from_zero_and_constant_rows():

@@ -1420,8 +1420,9 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     // into a buffer in the unwritten rows of the output or the workspace.  The workspace is what
     // the peak bound leaves (FLASHOPM_PEAK_BOUND, else 1.1x the output, the output included) after
     // W's split copy, the exponents and the normalisers, and at least two parts of one chunk.
-    // FLASHOPM_WAVES_BLOCKS (blocks, at most one per SM), FLASHOPM_WAVES_WS (workspace bytes) and
-    // FLASHOPM_WAVES_OUT=0 (the workspace alone) set its plan by hand (tests).  Under a peak bound it
+    // FLASHOPM_WAVES_BLOCKS (blocks, at most one per SM), FLASHOPM_WAVES_WS (workspace bytes),
+    // FLASHOPM_WAVES_OUT=0 (the workspace alone) and FLASHOPM_WAVES_BUFS (1 or 2 part buffers per
+    // region; see WaveArgs) set its plan by hand (tests).  Under a peak bound it
     // is taken by itself where b for every residue and all of s passes what the bound leaves (every
     // other plan would sum over s in parts, each repeating the contraction with W, or project in
     // bands); FLASHOPM_WAVES=0 leaves it out.
@@ -1439,7 +1440,11 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
       int* const w_exp = a_exp + B * N;
       const FusedProjArgs fp{msa.data_ptr<float>(), msa.stride(0), msa.stride(1), msa.stride(2), pa.ln_w, pa.ln_b,
                              pa.ln_eps, pa.wa, pa.ba, pa.wb, pa.bb, row_stats, int(s_pad), int(C), skip};
-      launch_fused_exponents(FusedExponentArgs{fp, mask_view, a_exp, b_exp, int(B), int(S), int(N)}, stream);
+      // the fused projection's first kernel also forms the rows' statistics; the waves form needs
+      // the exponents alone, which a bound gives without reading x
+      const FusedExponentArgs ea{fp, mask_view, a_exp, b_exp, int(B), int(S), int(N)};
+      if (row_stats != nullptr) launch_fused_exponents(ea, stream);
+      else launch_bound_exponents(ea, stream);
       r.oa = outer_args(nullptr, nullptr, mask_view, w_out, b_out, out, B, S, N, H, D, norm);
       set_split_scales(r.oa, a_exp, b_exp, w_exp, S);
       r.w_split = float32_wgmma_w(w_out, H, true, w_exp, stream);
@@ -1491,6 +1496,8 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
       oa.wv.wave_r = int(wave_r);
       oa.wv.wave_c = int(wave_c);
       oa.wv.use_out = out.scalar_type() == at::kFloat && out.is_contiguous() && !env_is("FLASHOPM_WAVES_OUT", "0");
+      if (const char* e = env_get("FLASHOPM_WAVES_BUFS"); e != nullptr && *e != 0)
+        oa.wv.bufs = std::min(std::max(std::atoi(e), 0), 2);
       if (const char* e = env_get("FLASHOPM_WAVES_SKIP"); e != nullptr && *e != 0) oa.wv.skip = std::atoi(e);
       check_smem(outer_waves_smem_bytes(), dev, "waves");
       launch_outer_waves(oa, int(G), stream);

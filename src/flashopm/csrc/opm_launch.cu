@@ -508,6 +508,12 @@ void launch_fused_exponents(const FusedExponentArgs& args, cudaStream_t stream) 
   launch_kernel<opm_fused_exponents_kernel>(unsigned(blocks), 256u, 0, stream, args);
 }
 
+void launch_bound_exponents(const FusedExponentArgs& args, cudaStream_t stream) {
+  const int64_t blocks = int64_t(args.B) * ((args.N + 31) / 32);
+  if (blocks == 0) return;
+  launch_kernel<opm_bound_exponents_kernel>(unsigned(blocks), 1024u, 0, stream, args);
+}
+
 void launch_split_rows_f16(float* buf, int* exp_out, int64_t B, int64_t rows_n, int H, int64_t n_chunks,
                            cudaStream_t stream) {
   const int64_t blocks = B * rows_n;

@@ -336,6 +336,10 @@ struct WaveArgs {
   int64_t ws_bytes;
   int wave_r, wave_c;  // tiles per wave along i and j
   int use_out;         // the output's unwritten rows may hold the part buffers (float32 output)
+  // part buffers per region: 2, parts alternating between its halves; 1, a part filling it (twice
+  // the s per part, a grid barrier before each part's projection); 0, per wave whichever needs
+  // fewer barriers (FLASHOPM_WAVES_BUFS)
+  int bufs;
   // FLASHOPM_WAVES_SKIP (timing aid only, results wrong): steps left out, bits 1 the projection's
   // arithmetic and stores, 2 phase 1's chunks, 4 x's copies
   int skip;
@@ -694,8 +698,10 @@ struct FusedExponentArgs {
   int B, S, N;
 };
 void launch_fused_exponents(const FusedExponentArgs& args, cudaStream_t stream);
+// The waves form's exponents from a bound on a and b (opm_bound_exponents_kernel; row_stats unused).
+void launch_bound_exponents(const FusedExponentArgs& args, cudaStream_t stream);
 // The waves form (WaveArgs) in one cooperative launch of `blocks` blocks (at most one per SM), after
-// launch_fused_exponents (row_stats null) has formed the residues' exponents.
+// launch_bound_exponents has formed the residues' exponents.
 void launch_outer_waves(const OuterArgs& args, int blocks, cudaStream_t stream);
 int outer_waves_smem_bytes();
 // w (n floats, in place) rounded to TF32: w_blocked for wgmma2, which reads W as it arrives

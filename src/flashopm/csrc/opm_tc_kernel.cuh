@@ -301,6 +301,7 @@ __device__ __forceinline__ void fused_phase1_f16(const OuterArgs& p, char* smem_
 struct WaveTile {
   int b, i_lo, j_lo, nr, nc;
   bool has_tile;
+  bool single;  // one part buffer: the whole region (else part q in half q & 1)
   char* region;
   int64_t half;
   int chunks_per_part;
@@ -310,8 +311,9 @@ struct WaveTile {
 // acc as the workspace form leaves it (zeroed here).  Per part of s (chunks_per_part chunks of 32):
 // this block's share of the wave's projection into the part's buffer, a grid barrier (every block,
 // with a tile or without), then the part's chunks into acc as the workspace form adds them.  q
-// counts the parts of the launch: a part's buffer is the one the part before last used, which
-// every block finished reading before it reached the last barrier.
+// counts the parts of the launch.  With two buffers a part's is the one the part before last used,
+// which every block finished reading before it reached the last barrier; with one (wt.single) a
+// grid barrier comes before the part's first stores, after every block's reads of the part before.
 //
 // The projection: tasks of 32 rows (a residue's s of one chunk), a's then b's, block blk taking
 // tasks blk, blk + G, ...; a batch of kWvSlots at a time, one per warp, their x rows copied into the
@@ -320,9 +322,7 @@ struct WaveTile {
 // projection forms it (project_units_f16: LayerNorm folded into W and the bias), times the mask
 // and 2^e, split into float16 high and low parts at the row's place in the part buffer: per chunk,
 // rows (n, h) of 128 bytes (32 high parts of s, then 32 low), a's nr·32 rows and then b's nc·32.
-// The residue's exponent comes from the first kernel's float32 FMA projection; these values differ
-// from those by rounding alone, far inside the factor of two that split_scale_exp leaves below
-// float16's largest value.
+// The residue's exponent comes from a bound on its values (opm_bound_exponents_kernel).
 __device__ __forceinline__ void waves_phase1_f16(const OuterArgs& p, char* smem_c, char* wv_smem, float (&acc)[128],
                                                  const WaveTile& wt, int i0, int j0, int a_lim, int b_lim, int& q) {
   const FusedProjArgs& f = p.fp;
@@ -342,7 +342,10 @@ __device__ __forceinline__ void waves_phase1_f16(const OuterArgs& p, char* smem_
   for (int e = 0; e < 128; ++e) acc[e] = 0.f;
   for (int c0 = 0; c0 < n_chunks; c0 += wt.chunks_per_part, ++q) {
     const int nch = min(wt.chunks_per_part, n_chunks - c0);
-    char* const buf_a = wt.region + (q & 1) * wt.half;
+    // one buffer: the grid barrier after every block's reads of the part before comes just before
+    // this block's first stores, so that its first copies and statistics run while it waits
+    bool may_store = !(wt.single && q > 0);
+    char* const buf_a = wt.region + (wt.single ? 0 : (q & 1) * wt.half);
     char* const buf_b = buf_a + int64_t(nch) * wt.nr * (kFpH * 128);
     const int a_tasks = wt.nr * nch, n_tasks = (wt.nr + wt.nc) * nch;
     const int mine = blk < n_tasks ? (n_tasks - blk + G - 1) / G : 0;
@@ -380,24 +383,25 @@ __device__ __forceinline__ void waves_phase1_f16(const OuterArgs& p, char* smem_
     for (int bi = 0; bi < n_batches; ++bi) {
       const int m0 = bi * kWvSlots;
       const float* xs = xs0 + (bi & 1) * (kWvRows * kWvLdX);
+      // this thread's row (r = tid): its mask value and its residue's scale, loaded while the
+      // batch's copies land
+      const int r = tid;
+      float mk = 0.f, fe = 0.f;
+      if (m0 + (r >> 5) < mine && !(p.wv.skip & 1)) {
+        int side, n_loc, ch;
+        task_of(m0 + (r >> 5), side, n_loc, ch);
+        const int s = (c0 + ch) * 32 + (r & 31), n = (side ? wt.j_lo : wt.i_lo) + n_loc;
+        if (s < S) mk = mask_at(p.mask, b, s, n);
+        fe = exp2_int((side ? p.b_exp : p.a_exp)[int64_t(b) * N + n]);
+      }
       cp_async_wait_all();
       // batch bi's rows in; batch bi - 1's rows and the rows' factors read, so batch bi + 1 may
       // take its buffer
       __syncthreads();
       issue_batch(bi + 1);
       if (!(p.wv.skip & 1)) {
-        // this thread's row: its mask value, its residue's scale and its LayerNorm statistics, the
-        // mean as the row's first value plus the mean difference from it in four partial sums (as
-        // the first kernel forms them)
-        const int r = tid, slot = r >> 5;
-        float mk = 0.f, fe = 0.f;
-        if (m0 + slot < mine) {
-          int side, n_loc, ch;
-          task_of(m0 + slot, side, n_loc, ch);
-          const int s = (c0 + ch) * 32 + (r & 31), n = (side ? wt.j_lo : wt.i_lo) + n_loc;
-          if (s < S) mk = mask_at(p.mask, b, s, n);
-          fe = exp2_int((side ? p.b_exp : p.a_exp)[int64_t(b) * N + n]);
-        }
+        // the row's LayerNorm statistics: the mean as the row's first value plus the mean
+        // difference from it in four partial sums (as the first kernel forms them)
         const float* row = xs + r * kWvLdX;
         const float v0 = row[0];
         float part[4] = {0.f, 0.f, 0.f, 0.f};
@@ -425,6 +429,10 @@ __device__ __forceinline__ void waves_phase1_f16(const OuterArgs& p, char* smem_
         row_m[r] = mk * fe;
       }
       __syncthreads();  // the batch's statistics and factors
+      if (!may_store) {
+        cooperative_groups::this_grid().sync();
+        may_store = true;
+      }
       if (!(p.wv.skip & 1) && m0 + warp < mine) {
         // warp w: task slot w, in two halves of 16 s (units of 8 s: 2·half, 2·half + 1)
         int side, n_loc, ch;
@@ -467,6 +475,7 @@ __device__ __forceinline__ void waves_phase1_f16(const OuterArgs& p, char* smem_
       }
     }
     cp_async_wait_all();
+    if (!may_store) cooperative_groups::this_grid().sync();  // no batch here: the barrier all the same
     // every block's rows of the part stored and visible (the copies below read through L2)
     cooperative_groups::this_grid().sync();
     if (wt.has_tile && !(p.wv.skip & 2)) {
@@ -1181,6 +1190,7 @@ __device__ __forceinline__ void outer_tc_waves(const OuterArgs& p) {
   float* const out_f = static_cast<float*>(p.out);
   const uintptr_t out_end = reinterpret_cast<uintptr_t>(out_f + int64_t(p.B) * N * p.out_N * p.D);
   const char* prev_region = nullptr;
+  bool prev_single = false;
   int q = 0;
   for (int w = 0; w < p.B * waves_i * waves_j; ++w) {
     WaveTile wt;
@@ -1207,12 +1217,21 @@ __device__ __forceinline__ void outer_tc_waves(const OuterArgs& p) {
       }
     }
     wt.region = region;
-    wt.half = (region_bytes / 2) & ~int64_t(255);
+    // one buffer where it takes at most three quarters of two buffers' parts (each of its parts
+    // costs one more grid barrier, which is less than a part)
     const int64_t chunk_bytes = int64_t(wt.nr + wt.nc) * kFpH * 128;
-    wt.chunks_per_part = int(max(int64_t(1), min(int64_t(n_chunks), wt.half / chunk_bytes)));
-    // a new region may overlap the last one's buffers, which slower blocks may still be reading
-    if (w > 0 && region != prev_region) cooperative_groups::this_grid().sync();
+    const int64_t whole = region_bytes & ~int64_t(255), halves = (region_bytes / 2) & ~int64_t(255);
+    const int per_1 = int(max(int64_t(1), min(int64_t(n_chunks), whole / chunk_bytes)));
+    const int per_2 = int(max(int64_t(1), min(int64_t(n_chunks), halves / chunk_bytes)));
+    const int parts_1 = (n_chunks + per_1 - 1) / per_1, parts_2 = (n_chunks + per_2 - 1) / per_2;
+    wt.single = wv.bufs == 1 || (wv.bufs == 0 && 4 * parts_1 <= 3 * parts_2);
+    wt.half = wt.single ? whole : halves;
+    wt.chunks_per_part = wt.single ? per_1 : per_2;
+    // a new region may overlap the last one's buffers, which slower blocks may still be reading, and
+    // two buffers after one may overlap the last part's (one buffer waits at its every part)
+    if (w > 0 && !wt.single && (region != prev_region || prev_single)) cooperative_groups::this_grid().sync();
     prev_region = region;
+    prev_single = wt.single;
     outer_tc_tile<kTerms, kWgmma, kWgmma2, kHalfSplit, kBK, kKC, kNT, false, true>(p, wt.b, col_tile, row_tile, &wt,
                                                                                     &q);
   }
@@ -1355,8 +1374,7 @@ __global__ void opm_split_w_f16_kernel(const float* __restrict__ w, uint32_t* __
 
 // The fused projection's first kernel (FusedExponentArgs): one block per residue (b, n), a row s
 // per lane (the warp's 32 rows together).  LayerNorm's statistics in two passes over the row in
-// registers, stored for the contraction (FusedProjArgs::row_stats, zeros past S; not where it is
-// null: the waves form); then a[s, n, h]
+// registers, stored for the contraction (FusedProjArgs::row_stats, zeros past S); then a[s, n, h]
 // and b[s, n, h] in float32 FMAs against W's rows read from shared memory (one address for the
 // whole warp), for the largest magnitudes alone: nothing of a or b is stored.  C % 4 == 0.
 __global__ void __launch_bounds__(256) opm_fused_exponents_kernel(const FusedExponentArgs p) {
@@ -1383,9 +1401,8 @@ __global__ void __launch_bounds__(256) opm_fused_exponents_kernel(const FusedExp
     const float* bias = side ? f.bb : f.ba;
     bias_s[sh] = bias ? bias[h] : 0.f;
   }
-  float2* stats = f.row_stats ? reinterpret_cast<float2*>(f.row_stats) + row * f.s_pad : nullptr;
-  if (stats)
-    for (int s = p.S + tid; s < f.s_pad; s += blockDim.x) stats[s] = make_float2(0.f, 0.f);
+  float2* stats = reinterpret_cast<float2*>(f.row_stats) + row * f.s_pad;
+  for (int s = p.S + tid; s < f.s_pad; s += blockDim.x) stats[s] = make_float2(0.f, 0.f);
   __syncthreads();
   float ma = 0.f, mb = 0.f;
   for (int s0 = 32 * warp; s0 < p.S; s0 += 32 * 8) {
@@ -1416,7 +1433,7 @@ __global__ void __launch_bounds__(256) opm_fused_exponents_kernel(const FusedExp
       part[c & 3] = fmaf(d, d, part[c & 3]);
     }
     const float rstd = rsqrtf(((part[0] + part[1]) + (part[2] + part[3])) / C + f.ln_eps);
-    if (ok && stats) stats[s] = make_float2(mean, rstd * exp2_int(kFpVExp));
+    if (ok) stats[s] = make_float2(mean, rstd * exp2_int(kFpVExp));
 #pragma unroll
     for (int c = 0; c < kFpMaxC; ++c) v[c] = c < C ? (v[c] - mean) * rstd * ln_s[0][c] + ln_s[1][c] : 0.f;
 #pragma unroll 2
@@ -1455,6 +1472,63 @@ __global__ void __launch_bounds__(256) opm_fused_exponents_kernel(const FusedExp
     }
     p.a_exp[row] = split_scale_exp(a);
     p.b_exp[row] = split_scale_exp(bb);
+  }
+#else
+  target_lacks_instructions();
+#endif
+}
+
+// The waves form's scale exponents from a bound on a and b rather than from their values, so that
+// x is not read twice.  With LayerNorm folded in, a[s, n, h] = m[s, n]·(v·W'_h + bias'_h), W' =
+// W·diag(gamma), bias' = bias + W·beta, v = (x - mean)·rstd with ||v||² = C·var/(var + eps) <= C; so
+// |a[s, n, h]| <= max_s |m[s, n]|·M with M = max_h (|bias'_h| + sqrt(C)·||W'_h||), likewise b.  The
+// rounding of the values and of M lies far inside the factor of two that split_scale_exp leaves
+// below float16's largest value.  One block of 32 warps per batch element and 32 residues: lane n,
+// warps over s (coalesced along n); warps 0 and 1 form M for a and b, a lane per h.
+__global__ void __launch_bounds__(1024) opm_bound_exponents_kernel(const FusedExponentArgs p) {
+  const FusedProjArgs& f = p.in;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  static_assert(kFpH == 32, "a lane per h");
+  __shared__ float red[32][33];
+  __shared__ float bound[2];
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int blocks_n = (p.N + 31) / 32;
+  const int b = int(blockIdx.x) / blocks_n, n = (int(blockIdx.x) - b * blocks_n) * 32 + lane;
+  const int C = f.C;
+  if (warp < 2) {
+    const float* w = (warp ? f.wb : f.wa) + int64_t(lane) * C;
+    const float* bias = warp ? f.bb : f.ba;
+    float ss = 0.f, bsum = bias ? bias[lane] : 0.f;
+    for (int c = 0; c < C; ++c) {
+      const float wg = w[c] * f.ln_w[c];
+      ss = fmaf(wg, wg, ss);
+      bsum = fmaf(w[c], f.ln_b[c], bsum);
+    }
+    float m = fabsf(bsum) + sqrtf(float(C) * ss);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+    if (lane == 0) bound[warp] = m;
+  }
+  float mm = 0.f;
+  if (n < p.N) {
+    // four loads in flight per lane: the loop is latency-bound
+    int s = warp;
+    for (; s + 3 * 32 < p.S; s += 4 * 32) {
+      float v[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) v[u] = mask_at(p.mask, b, s + 32 * u, n);
+#pragma unroll
+      for (int u = 0; u < 4; ++u) mm = fmaxf(mm, fabsf(v[u]));
+    }
+    for (; s < p.S; s += 32) mm = fmaxf(mm, fabsf(mask_at(p.mask, b, s, n)));
+  }
+  red[warp][lane] = mm;
+  __syncthreads();
+  if (warp == 0 && n < p.N) {
+    float m = 0.f;
+    for (int w = 0; w < 32; ++w) m = fmaxf(m, red[w][lane]);
+    p.a_exp[int64_t(b) * p.N + n] = split_scale_exp(m * bound[0]);
+    p.b_exp[int64_t(b) * p.N + n] = split_scale_exp(m * bound[1]);
   }
 #else
   target_lacks_instructions();
