@@ -13,12 +13,13 @@
 #          bash scripts/gpu_pending.sh OUTDIR waves_rest  # the test files of the kernels it touched
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR waves_short  # both in one short call
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR waves_tc  # the waves form's tests, bench and steps
+#          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR waves_min  # its tests and bench alone (~3 min)
 # (DEST: a folder that r.tgz is also copied to after every step)
 # Each phase fits one call of under ten minutes, the build (~2 min) included.
 # steps.txt lists each step's exit status; a failing test step stops the call.
 OUT=$1
 PHASE=${2:-default}
-case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short or waves_tc, got '$PHASE'" >&2; exit 2 ;; esac
+case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc or waves_min, got '$PHASE'" >&2; exit 2 ;; esac
 R=$OUT/r
 mkdir -p "$R"
 pack() { tar -C "$OUT" -czf "$OUT/r.tgz" r; [ -n "$DEST" ] && cp "$OUT/r.tgz" "$DEST/"; }
@@ -119,6 +120,17 @@ if [ "$PHASE" = waves_short ]; then
     T "ab_${v//=/_}" 25 $py scripts/ab_env.py FLASHOPM_WAVES=1,FLASHOPM_WAVES_$v 1,1024,256,64,32,128 --mode forward --calls 6
   done
   T t_conv 90 $py -m pytest -q -p no:cacheprovider tests/test_conventions.py tests/test_modules.py
+  exit 0
+fi
+
+if [ "$PHASE" = waves_min ]; then
+  # the shortest check of the waves form: its tests and the fused projection's, the bench beside
+  # eager and the default, two buffers against the automatic choice
+  T t_waves 60 $py -m pytest -q -p no:cacheprovider tests/test_waves.py
+  T t_fused 40 $py -m pytest -q -p no:cacheprovider tests/test_fused_projection.py
+  T bench_waves 90 $py -m flashopm bench --shapes "1,1024,256,64,32,128;1,5120,384,64,32,128" \
+    --impls eager,flashopm,flashopm-bounded --calls 10 --out "$R/bench_waves"
+  T ab_BUFS_2 25 $py scripts/ab_env.py FLASHOPM_WAVES=1,FLASHOPM_WAVES_BUFS=2 1,1024,256,64,32,128 --mode forward --calls 6
   exit 0
 fi
 
