@@ -14,9 +14,10 @@ import torch
 
 import flashopm
 from conftest import call_outer_highest as _call
-from conftest import (check_deep_msa_within_the_memory_bound, check_form_against_the_references,
-                      check_large_weights_strided_x_and_no_bias, check_left_out_where_it_cannot_run,
-                      check_rows_far_from_zero_and_constant_rows, flashopm_kernels, peak_extra, requires_cuda,
+from conftest import (check_deep_msa_within_the_memory_bound, check_finite_within_twice_eager,
+                      check_form_against_the_references, check_large_weights_strided_x_and_no_bias,
+                      check_left_out_where_it_cannot_run, check_rows_far_from_zero_and_constant_rows,
+                      flashopm_kernels, peak_extra, requires_cuda,
                       split_form_gpu_or_skip, with_setting)
 from flashopm.testing import Shape, make_problem, reference
 
@@ -106,8 +107,6 @@ def test_waves_scales_from_a_bound_far_above_the_values():
     largest |bias'| + sqrt(C)·||W'_h||), here far above most values: one row of W x1000, biases
     and LayerNorm's bias large, mask values up to 2.5 and fully masked residues; the error against
     float64 within twice eager float32's."""
-    from flashopm.testing import rel_error
-
     shape = Shape(1, 77, 30, 64, 32, 64)
     x, m, p = make_problem(shape, "fractional", seed=47)
     m = 2.5 * m
@@ -115,13 +114,7 @@ def test_waves_scales_from_a_bound_far_above_the_values():
     p["w_a"][0] *= 1000.0
     p["b_a"] += 40.0
     p["ln_bias"] += 3.0
-    xc, mc, pc = x.cuda(), m.cuda(), {k: v.cuda() for k, v in p.items()}
-    ref32 = reference(xc, mc, pc)
-    ref64 = reference(xc, mc, pc, dtype=torch.float64)
-    out = _call(xc, mc, pc, "row")
-    assert out.isfinite().all()
-    err, err_eager = rel_error(out, ref64), rel_error(ref32, ref64)
-    assert err <= 2 * err_eager, f"error {err:.3g} against eager float32's {err_eager:.3g}"
+    check_finite_within_twice_eager(_call, x.cuda(), m.cuda(), {k: v.cuda() for k, v in p.items()})
 
 
 def test_waves_rows_far_from_zero_and_constant_rows():

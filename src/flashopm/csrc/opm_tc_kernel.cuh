@@ -123,6 +123,25 @@ __device__ __forceinline__ void project_units_f16(const float* xs, int ld_x, con
   }
 }
 
+// Unit un of project_units_f16's sums finished and split: for h = 16mt + g + 8hh and the unit's s
+// pair (2t, 2t + 1), (pacc·w_fac[h] + w_bias[h])·f (f0, f1: each row's mask times its residue's
+// power of two, the same bits as the one product after the other) as float16 high and low parts
+// hi[mt][hh], lo[mt][hh].  w_fac and w_bias are one side's (stage_w_split_f16).
+__device__ __forceinline__ void finish_projected_unit(const float (&pacc)[2][2][4], int un, const float* w_fac,
+                                                      const float* w_bias, float f0, float f1, uint32_t (&hi)[2][2],
+                                                      uint32_t (&lo)[2][2]) {
+  const int g = (threadIdx.x & 31) >> 2;
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int h = 16 * mt + g + 8 * hh;
+      const float fw = w_fac[h], bias = w_bias[h];
+      split_f16x2(fmaf(pacc[mt][un][2 * hh], fw, bias) * f0, fmaf(pacc[mt][un][2 * hh + 1], fw, bias) * f1,
+                  hi[mt][hh], lo[mt][hh]);
+    }
+}
+
 // Phase 1 of the float16 split form with a and b formed in the block from x (FusedProjArgs), acc
 // as the workspace form leaves it.  LayerNorm folds into the projection: a = m·(v·(W·diag(gamma))ᵀ
 // + W·beta + bias) with v = (x - mean)·rstd, the statistics from the first kernel.  Per stage of
@@ -238,24 +257,19 @@ __device__ __forceinline__ void fused_phase1_f16(const OuterArgs& p, char* smem_
       const int u = u0 + un, side_res = u / 4, sq = u % 4;
       const int res = (side ? kFpResA : 0) + side_res;
       const int r0 = res * kFpS + sq * 8 + 2 * t;
-      // mask times the residue's power of two: the same bits as the one product after the other
       const float fn = exp2_int(res_e[res]);
-      const float f0 = row_m[r0] * fn, f1 = row_m[r0 + 1] * fn;
+      uint32_t hi[2][2], lo[2][2];
+      finish_projected_unit(pacc, un, w_fac + side * kFpH, w_bias + side * kFpH, row_m[r0] * fn, row_m[r0 + 1] * fn,
+                            hi, lo);
       char* const rb = st_side + side_res * 4 * 1024;
       const int hi_off = (sq ^ g) << 4, lo_off = ((4 + sq) ^ g) << 4;
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
-          const int h = 16 * mt + g + 8 * hh;
-          const float fw = w_fac[side * kFpH + h], bias = w_bias[side * kFpH + h];
-          const float v0 = fmaf(pacc[mt][un][2 * hh], fw, bias) * f0;
-          const float v1 = fmaf(pacc[mt][un][2 * hh + 1], fw, bias) * f1;
-          uint32_t hi, lo;
-          split_f16x2(v0, v1, hi, lo);
           char* const rbh = rb + (2 * mt + hh) * 1024;
-          *reinterpret_cast<uint32_t*>(rbh + hi_off) = hi;
-          *reinterpret_cast<uint32_t*>(rbh + lo_off) = lo;
+          *reinterpret_cast<uint32_t*>(rbh + hi_off) = hi[mt][hh];
+          *reinterpret_cast<uint32_t*>(rbh + lo_off) = lo[mt][hh];
         }
     }
   };
@@ -456,19 +470,16 @@ __device__ __forceinline__ void waves_phase1_f16(const OuterArgs& p, char* smem_
 #pragma unroll
           for (int un = 0; un < 2; ++un) {
             const int sl = 8 * (2 * half + un) + 2 * t, r0 = 32 * warp + sl;
-            const float f0 = row_m[r0], f1 = row_m[r0 + 1];
+            uint32_t hi[2][2], lo[2][2];
+            finish_projected_unit(pacc, un, w_fac + side * kFpH, w_bias + side * kFpH, row_m[r0], row_m[r0 + 1], hi,
+                                  lo);
 #pragma unroll
             for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
               for (int hh = 0; hh < 2; ++hh) {
-                const int h = 16 * mt + g + 8 * hh;
-                const float fw = w_fac[side * kFpH + h], bias = w_bias[side * kFpH + h];
-                uint32_t hi, lo;
-                split_f16x2(fmaf(pacc[mt][un][2 * hh], fw, bias) * f0, fmaf(pacc[mt][un][2 * hh + 1], fw, bias) * f1,
-                            hi, lo);
-                char* const rp = rows + h * 128 + 2 * sl;
-                *reinterpret_cast<uint32_t*>(rp) = hi;
-                *reinterpret_cast<uint32_t*>(rp + 64) = lo;
+                char* const rp = rows + (16 * mt + g + 8 * hh) * 128 + 2 * sl;
+                *reinterpret_cast<uint32_t*>(rp) = hi[mt][hh];
+                *reinterpret_cast<uint32_t*>(rp + 64) = lo[mt][hh];
               }
           }
         }
