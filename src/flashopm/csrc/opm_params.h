@@ -337,8 +337,8 @@ struct WaveArgs {
   int wave_r, wave_c;  // tiles per wave along i and j
   int use_out;         // the output's unwritten rows may hold the part buffers (float32 output)
   // part buffers per region: 2, parts alternating between its halves; 1, a part filling it (twice
-  // the s per part, a grid barrier before each part's projection); 0, per wave whichever needs
-  // fewer barriers (FLASHOPM_WAVES_BUFS)
+  // the s per part, a grid barrier before each part's stores); 0, per wave one buffer where that
+  // takes at most three quarters of two buffers' parts (FLASHOPM_WAVES_BUFS)
   int bufs;
   // FLASHOPM_WAVES_SKIP (timing aid only, results wrong): steps left out, bits 1 the projection's
   // arithmetic and stores, 2 phase 1's chunks, 4 x's copies
