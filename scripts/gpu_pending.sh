@@ -14,12 +14,13 @@
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR waves_short  # both in one short call
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR waves_tc  # the waves form's tests, bench and steps
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR waves_min  # its tests and bench alone (~3 min)
+#          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR bars  # every figure of issues 4 and 6 in one call
 # (DEST: a folder that r.tgz is also copied to after every step)
 # Each phase fits one call of under ten minutes, the build (~2 min) included.
 # steps.txt lists each step's exit status; a failing test step stops the call.
 OUT=$1
 PHASE=${2:-default}
-case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc or waves_min, got '$PHASE'" >&2; exit 2 ;; esac
+case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min or bars, got '$PHASE'" >&2; exit 2 ;; esac
 R=$OUT/r
 mkdir -p "$R"
 pack() { tar -C "$OUT" -czf "$OUT/r.tgz" r; [ -n "$DEST" ] && cp "$OUT/r.tgz" "$DEST/"; }
@@ -120,6 +121,28 @@ if [ "$PHASE" = waves_short ]; then
     T "ab_${v//=/_}" 25 $py scripts/ab_env.py FLASHOPM_WAVES=1,FLASHOPM_WAVES_$v 1,1024,256,64,32,128 --mode forward --calls 6
   done
   T t_conv 90 $py -m pytest -q -p no:cacheprovider tests/test_conventions.py tests/test_modules.py
+  exit 0
+fi
+
+if [ "$PHASE" = bars ]; then
+  # The figures of issues 4 and 6 in one call, each beside its peers in one process (the bench
+  # CLI), the newest bar first: float32 "highest" at the deep MSAs, the crop and N = 768 / 1536 with
+  # eager, torch.compile, the default and the bounded path ("high" at N = 1536 through
+  # flashopm-tf32); bfloat16 at N = 1536; the OpenFold and Boltz modules; N = 8192 under the bound.
+  T t_waves 60 $py -m pytest -q -p no:cacheprovider tests/test_waves.py
+  T bench_deep 120 $py -m flashopm bench --shapes "1,1024,256,64,32,128;1,5120,384,64,32,128" \
+    --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/bench_deep"
+  T bench_f32 200 $py -m flashopm bench --shapes "1,128,256,256,32,128;1,512,768,256,32,128;1,512,1536,256,32,128" \
+    --impls eager,flashopm,compile,flashopm-bounded,flashopm-tf32 --calls 5 --out "$R/bench_f32"
+  T bench_bf16 90 $py -m flashopm bench --shapes "1,512,1536,256,32,128" --dtype bfloat16 \
+    --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/bench_bf16"
+  for mod in openfold boltz; do
+    T "bench_$mod" 60 $py -m flashopm bench --module $mod \
+      --shapes "1,128,256,256,32,128;1,1024,256,64,32,128;1,512,1536,256,32,128" \
+      --impls eager,flashopm,flashopm-bounded --calls 5 --out "$R/bench_$mod"
+  done
+  T bench_8192 90 $py -m flashopm bench --shapes "1,512,8192,256,32,128" --impls flashopm-bounded --calls 2 \
+    --fp64-max-n 0 --out "$R/bench_8192"
   exit 0
 fi
 
