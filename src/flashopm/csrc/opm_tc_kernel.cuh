@@ -311,7 +311,7 @@ __device__ __forceinline__ void fused_phase1_f16(const OuterArgs& p, char* smem_
 
 // The waves form's wave (WaveArgs), formed alike in every block: its batch element, its residues
 // (rows i_lo .. i_lo + nr as a, columns j_lo .. j_lo + nc as b), whether this block has a tile in
-// it, and where its part buffers lie (part q at region + (q & 1)·half).
+// it, and where its part buffers lie (part q at region, or with two buffers at region + (q & 1)·half).
 struct WaveTile {
   int b, i_lo, j_lo, nr, nc;
   bool has_tile;
@@ -1236,7 +1236,7 @@ __device__ __forceinline__ void outer_tc_waves(const OuterArgs& p) {
     const int per_2 = int(max(int64_t(1), min(int64_t(n_chunks), halves / chunk_bytes)));
     const int parts_1 = (n_chunks + per_1 - 1) / per_1, parts_2 = (n_chunks + per_2 - 1) / per_2;
     wt.single = wv.bufs == 1 || (wv.bufs == 0 && 4 * parts_1 <= 3 * parts_2);
-    wt.half = wt.single ? whole : halves;
+    wt.half = halves;
     wt.chunks_per_part = wt.single ? per_1 : per_2;
     // a new region may overlap the last one's buffers, which slower blocks may still be reading, and
     // two buffers after one may overlap the last part's (one buffer waits at its every part)
