@@ -15,12 +15,13 @@
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR waves_tc  # the waves form's tests, bench and steps
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR waves_min  # its tests and bench alone (~3 min)
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR bars  # every figure of issues 4 and 6 in one call
+#          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR checks  # the forward test files on this code
 # (DEST: a folder that r.tgz is also copied to after every step)
 # Each phase fits one call of under ten minutes, the build (~2 min) included.
 # steps.txt lists each step's exit status; a failing test step stops the call.
 OUT=$1
 PHASE=${2:-default}
-case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min or bars, got '$PHASE'" >&2; exit 2 ;; esac
+case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars or checks, got '$PHASE'" >&2; exit 2 ;; esac
 R=$OUT/r
 mkdir -p "$R"
 pack() { tar -C "$OUT" -czf "$OUT/r.tgz" r; [ -n "$DEST" ] && cp "$OUT/r.tgz" "$DEST/"; }
@@ -121,6 +122,16 @@ if [ "$PHASE" = waves_short ]; then
     T "ab_${v//=/_}" 25 $py scripts/ab_env.py FLASHOPM_WAVES=1,FLASHOPM_WAVES_$v 1,1024,256,64,32,128 --mode forward --calls 6
   done
   T t_conv 90 $py -m pytest -q -p no:cacheprovider tests/test_conventions.py tests/test_modules.py
+  exit 0
+fi
+
+if [ "$PHASE" = checks ]; then
+  # the forward-side test files that the waves form, the bound's kernel and the shared epilogue touch
+  T t_waves 90 $py -m pytest -q -p no:cacheprovider tests/test_waves.py
+  T t_fused 60 $py -m pytest -q -p no:cacheprovider tests/test_fused_projection.py
+  T t_cuda 150 $py -m pytest -q -p no:cacheprovider tests/test_cuda.py
+  T t_conv 150 $py -m pytest -q -p no:cacheprovider tests/test_conventions.py tests/test_modules.py
+  T t_auto 120 $py -m pytest -q -p no:cacheprovider tests/test_autograd.py
   exit 0
 fi
 
