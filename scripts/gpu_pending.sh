@@ -140,7 +140,7 @@ if [ "$PHASE" = bars ]; then
   # CLI), the newest bar first: float32 "highest" at the deep MSAs, the crop and N = 768 / 1536 with
   # eager, torch.compile, the default and the bounded path ("high" at N = 1536 through
   # flashopm-tf32); bfloat16 at N = 1536; the OpenFold and Boltz modules; N = 8192 under the bound.
-  T t_waves 60 $py -m pytest -q -p no:cacheprovider tests/test_waves.py
+  T t_waves 60 $py -m pytest -q -p no:cacheprovider tests/test_waves.py || exit 1
   T bench_deep 120 $py -m flashopm bench --shapes "1,1024,256,64,32,128;1,5120,384,64,32,128" \
     --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/bench_deep"
   T bench_f32 200 $py -m flashopm bench --shapes "1,128,256,256,32,128;1,512,768,256,32,128;1,512,1536,256,32,128" \
