@@ -1470,9 +1470,7 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
           best_waves = waves, best_res = res, wave_r = wr, wave_c = wc;
         }
       }
-      // a and b of a wave's residues for 32 s, each side padded to whole slabs (kWvSlabUnits)
-      const auto slab_pad = [](int64_t n) { return (n + kWvSlabUnits - 1) / kWvSlabUnits * kWvSlabUnits; };
-      const int64_t chunk_bytes = (slab_pad(std::min(wave_r * Ti, N)) + slab_pad(std::min(wave_c * Tj, N))) * H * 128;
+      const int64_t chunk_bytes = std::min(best_res, 2 * N) * H * 128;  // a and b of a wave's residues, 32 s
       FromX fx = project_from_x(nullptr, 0, 0);
       OuterArgs& oa = fx.oa;
       const Normalisers nz = normalisers(oa, operand_kind, 0, N, f32, stream);

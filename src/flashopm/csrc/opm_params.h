@@ -328,10 +328,9 @@ struct FusedProjArgs {
 // forms its exponents, the mask, the residue's scale, the float16 split) into a part buffer in the
 // workspace's K-major layout; a grid barrier; then each block adds the part to its tile in phase 1.
 // Phase 2 and the epilogue run once per wave, so a part costs its projection and a barrier, not a
-// contraction with W.  A part buffer is the region, or parts alternate between its two halves: the
-// output's rows after the wave's band, the workspace, then the band's columns from the wave's block
-// on (WaveRegion: the output's space not written yet, and the workspace).  x, LayerNorm's and the projections' parameters come
-// in FusedProjArgs (row_stats null).
+// contraction with W.  Part buffers alternate between the two halves of a region: the output's rows
+// after the wave's band (not written yet) where those are larger than the workspace, else the
+// workspace.  x, LayerNorm's and the projections' parameters come in FusedProjArgs (row_stats null).
 struct WaveArgs {
   char* ws;          // the workspace (null: not the waves form)
   int64_t ws_bytes;
@@ -468,14 +467,6 @@ constexpr int kWvStatOff = kWvBiasOff + 2 * kFpH * 4;
 constexpr int kWvMaskOff = kWvStatOff + kWvRows * 8;
 constexpr int kWvBytes = kWvMaskOff + kWvRows * 4;
 static_assert(2 * kWvRows * kWvLdX * 4 <= kTcWgStages * kTcWgStageBytes, "two batches' x rows within the stages");
-// The part buffers' layout: units of one residue's chunk (kFpH rows of 128 bytes), in slabs of
-// kWvSlabUnits units that never straddle two places in memory; a tile's a (kFpResA units) and b
-// (kTcNT / kFpH units) of one chunk then lie within one slab, since a part's runs of units per
-// chunk are padded to whole slabs.
-constexpr int kWvUnitBytes = kFpH * 128;
-constexpr int kWvSlabUnits = 8;
-constexpr int64_t kWvSlabBytes = int64_t(kWvSlabUnits) * kWvUnitBytes;
-static_assert(kWvSlabUnits % kFpResA == 0 && kWvSlabUnits % (kTcNT / kFpH) == 0, "a tile's units within a slab");
 
 
 // Shared memory of the tensor-core kernel, in floats: phase 1's stages, or phase 2's O tile

@@ -309,53 +309,15 @@ __device__ __forceinline__ void fused_phase1_f16(const OuterArgs& p, char* smem_
   __syncthreads();  // every warp done with the stages: O may overwrite them
 }
 
-// Where a wave's part buffers lie: slabs (kWvSlabBytes) numbered through four places in turn,
-//   the output's rows after the wave's band (contiguous: `tail`), the workspace, then in each of
-//   the wave's rows the columns after its block (`later`: written by later waves), then the
-//   wave's own block (`own`: written by this wave's epilogue, so a grid barrier must come between
-//   the last part's reads and the epilogue wherever the parts reach it).
-// The spans in the band's rows start row_bytes apart; *_per_row slabs each.
-struct WaveRegion {
-  char* tail;
-  char* ws;
-  char* later;
-  char* own;
-  int64_t n_tail, n_ws, row_bytes;
-  int rows, later_per_row, own_per_row;
-
-  __device__ __forceinline__ int64_t slabs() const {
-    return n_tail + n_ws + int64_t(rows) * (later_per_row + own_per_row);
-  }
-  __device__ __forceinline__ int64_t first_own() const { return n_tail + n_ws + int64_t(rows) * later_per_row; }
-  __device__ __forceinline__ char* slab(int64_t k) const {
-    if (k < n_tail) return tail + k * kWvSlabBytes;
-    k -= n_tail;
-    if (k < n_ws) return ws + k * kWvSlabBytes;
-    k -= n_ws;
-    const int64_t n_later = int64_t(rows) * later_per_row;
-    char* base = later;
-    int per = later_per_row;
-    if (k >= n_later) k -= n_later, base = own, per = own_per_row;
-    const int kk = int(k), r = kk / per;  // fewer slabs per wave's rows than 2^31
-    return base + r * row_bytes + int64_t(kk - r * per) * kWvSlabBytes;
-  }
-  // the address of unit u (kWvUnitBytes) of the slabs from 0
-  __device__ __forceinline__ char* unit(int64_t u) const {
-    return slab(u / kWvSlabUnits) + (u % kWvSlabUnits) * kWvUnitBytes;
-  }
-};
-
 // The waves form's wave (WaveArgs), formed alike in every block: its batch element, its residues
 // (rows i_lo .. i_lo + nr as a, columns j_lo .. j_lo + nc as b), whether this block has a tile in
-// it, and where its part buffers lie (part q from slab 0 of region, or with two buffers from slab
-// (q & 1)·half).  A part's a and b take, per chunk, nr_pad and nc_pad units (whole slabs).
+// it, and where its part buffers lie (part q at region, or with two buffers at region + (q & 1)·half).
 struct WaveTile {
-  int b, i_lo, j_lo, nr, nc, nr_pad, nc_pad;
+  int b, i_lo, j_lo, nr, nc;
   bool has_tile;
-  bool single;     // one part buffer: the whole region (else part q in half q & 1)
-  bool guard_own;  // the parts reach the wave's own block: a grid barrier before its epilogue
-  WaveRegion region;
-  int64_t half;    // slabs
+  bool single;  // one part buffer: the whole region (else part q in half q & 1)
+  char* region;
+  int64_t half;
   int chunks_per_part;
 };
 
@@ -372,9 +334,8 @@ struct WaveTile {
 // stage area while the batch before is projected.  Each row's LayerNorm statistics (one row per
 // thread, as the first kernel forms them), then the task's a or b on mma.sync as the fused
 // projection forms it (project_units_f16: LayerNorm folded into W and the bias), times the mask
-// and 2^e, split into float16 high and low parts at the row's place in the part buffer: units of
-// rows (h) of 128 bytes (32 high parts of s, then 32 low), per chunk a's nr_pad units (residue n at
-// unit n), then per chunk b's nc_pad units.
+// and 2^e, split into float16 high and low parts at the row's place in the part buffer: per chunk,
+// rows (n, h) of 128 bytes (32 high parts of s, then 32 low), a's nr·32 rows and then b's nc·32.
 // The residue's exponent comes from a bound on its values (opm_bound_exponents_kernel).
 __device__ __forceinline__ void waves_phase1_f16(const OuterArgs& p, char* smem_c, char* wv_smem, float (&acc)[128],
                                                  const WaveTile& wt, int i0, int j0, int a_lim, int b_lim, int& q) {
@@ -398,9 +359,8 @@ __device__ __forceinline__ void waves_phase1_f16(const OuterArgs& p, char* smem_
     // one buffer: the grid barrier after every block's reads of the part before comes just before
     // this block's first stores, so that its first copies and statistics run while it waits
     bool may_store = !(wt.single && q > 0);
-    // the part's first unit, and its first unit of b
-    const int64_t unit_a = (wt.single ? 0 : (q & 1) * wt.half) * kWvSlabUnits;
-    const int64_t unit_b = unit_a + int64_t(nch) * wt.nr_pad;
+    char* const buf_a = wt.region + (wt.single ? 0 : (q & 1) * wt.half);
+    char* const buf_b = buf_a + int64_t(nch) * wt.nr * (kFpH * 128);
     const int a_tasks = wt.nr * nch, n_tasks = (wt.nr + wt.nc) * nch;
     const int mine = blk < n_tasks ? (n_tasks - blk + G - 1) / G : 0;
     const int n_batches = (mine + kWvSlots - 1) / kWvSlots;
@@ -493,8 +453,8 @@ __device__ __forceinline__ void waves_phase1_f16(const OuterArgs& p, char* smem_
         task_of(m0 + warp, side, n_loc, ch);
         const __half* w_hi = wsp + (side * 2 + 0) * kFpH * kFpLdW;
         const __half* w_lo = wsp + (side * 2 + 1) * kFpH * kFpLdW;
-        char* const rows =
-            wt.region.unit((side ? unit_b + int64_t(ch) * wt.nc_pad : unit_a + int64_t(ch) * wt.nr_pad) + n_loc);
+        const int n_side = side ? wt.nc : wt.nr;
+        char* const rows = (side ? buf_b : buf_a) + (int64_t(ch) * n_side + n_loc) * (kFpH * 128);
 #pragma unroll 1
         for (int half = 0; half < 2; ++half) {
           int xrow[2];
@@ -533,9 +493,9 @@ __device__ __forceinline__ void waves_phase1_f16(const OuterArgs& p, char* smem_
       // the part's chunks, as the workspace form's phase 1 takes them (piece pq of rows pr + 32u)
       constexpr int kPieces = 8, kPassRows = kTcThreads / kPieces;
       const int pr = tid / kPieces, pq = tid % kPieces;
-      // the tile's units of a chunk lie in one slab (kWvSlabUnits): rows pr + 32u at 128 bytes apart
-      const int rel = pr * 128 + pq * 16;
-      const char* const zero_src = wt.region.ws;
+      const char* a_src = buf_a + (int64_t(i0 - wt.i_lo) * kFpH + pr) * 128 + pq * 16;
+      const char* b_src = buf_b + (int64_t(j0 - wt.j_lo) * kFpH + pr) * 128 + pq * 16;
+      const int64_t a_chunk = int64_t(wt.nr) * kFpH * 128, b_chunk = int64_t(wt.nc) * kFpH * 128;
       const uint32_t stage0 = static_cast<uint32_t>(__cvta_generic_to_shared(smem_c));
       const uint32_t piece0 = (pr >> 3) * 1024 + (pr & 7) * 128 + ((pq ^ (pr & 7)) << 4);
       constexpr uint32_t kPassBytes = kPassRows * 128;
@@ -543,18 +503,18 @@ __device__ __forceinline__ void waves_phase1_f16(const OuterArgs& p, char* smem_
       auto issue_stage = [&]() {
         if (issued < nch) {
           const uint32_t st = stage0 + uint32_t((issued % kTcWgStages) * kTcWgStageBytes) + piece0;
-          const char* const a_src = wt.region.unit(unit_a + int64_t(issued) * wt.nr_pad + (i0 - wt.i_lo)) + rel;
-          const char* const b_src = wt.region.unit(unit_b + int64_t(issued) * wt.nc_pad + (j0 - wt.j_lo)) + rel;
 #pragma unroll
           for (int u = 0; u < kTcMT / kPassRows; ++u) {
             const bool ok = pr + kPassRows * u < a_lim;
-            cp_async16z_shared(st + u * kPassBytes, ok ? a_src + kPassRows * u * 128 : zero_src, ok);
+            cp_async16z_shared(st + u * kPassBytes, ok ? a_src + kPassRows * u * 128 : buf_a, ok);
           }
 #pragma unroll
           for (int u = 0; u < kTcNT / kPassRows; ++u) {
             const bool ok = pr + kPassRows * u < b_lim;
-            cp_async16z_shared(st + kTcWgABytes + u * kPassBytes, ok ? b_src + kPassRows * u * 128 : zero_src, ok);
+            cp_async16z_shared(st + kTcWgABytes + u * kPassBytes, ok ? b_src + kPassRows * u * 128 : buf_b, ok);
           }
+          a_src += a_chunk;
+          b_src += b_chunk;
         }
         ++issued;
       };
@@ -579,8 +539,6 @@ __device__ __forceinline__ void waves_phase1_f16(const OuterArgs& p, char* smem_
     }
     __syncthreads();  // the stages read: the next part's projection (or O) may overwrite them
   }
-  // every block's reads of the last part done before any block's epilogue writes the wave's block
-  if (wt.guard_own) cooperative_groups::this_grid().sync();
 }
 
 // kBK, kKC, kNT: s per stage and columns (j, h2) of phase 1's mma.sync form, k per W chunk of phase
@@ -1242,10 +1200,7 @@ __device__ __forceinline__ void outer_tc_waves(const OuterArgs& p) {
   const int n_chunks = (p.S + 31) >> 5;
   float* const out_f = static_cast<float*>(p.out);
   const uintptr_t out_end = reinterpret_cast<uintptr_t>(out_f + int64_t(p.B) * N * p.out_N * p.D);
-  // spans of the output's rows hold slabs where every column starts on a 16-byte boundary
-  const bool spans_ok = wv.use_out && reinterpret_cast<uintptr_t>(out_f) % 16 == 0 && p.D % 4 == 0;
-  const int64_t row_bytes = int64_t(p.out_N) * p.D * 4, col_bytes = int64_t(p.D) * 4;
-  WaveRegion prev{};
+  const char* prev_region = nullptr;
   bool prev_single = false;
   int q = 0;
   for (int w = 0; w < p.B * waves_i * waves_j; ++w) {
@@ -1258,54 +1213,35 @@ __device__ __forceinline__ void outer_tc_waves(const OuterArgs& p) {
     wt.j_lo = tj0 * p.Tj;
     wt.nr = min(nti * p.Ti, N - wt.i_lo);
     wt.nc = min(ntj * p.Tj, N - wt.j_lo);
-    wt.nr_pad = (wt.nr + kWvSlabUnits - 1) / kWvSlabUnits * kWvSlabUnits;
-    wt.nc_pad = (wt.nc + kWvSlabUnits - 1) / kWvSlabUnits * kWvSlabUnits;
     wt.has_tile = int(blockIdx.x) < nti * ntj;
     const int row_tile = ti0 + int(blockIdx.x) / ntj, col_tile = tj0 + int(blockIdx.x) % ntj;
-    // the part buffers: every slab of the output not written yet, then the workspace's
-    WaveRegion& rg = wt.region;
-    rg = WaveRegion{};
-    rg.ws = wv.ws;
-    rg.n_ws = wv.ws_bytes / kWvSlabBytes;
-    rg.row_bytes = row_bytes;
+    // the part buffers: the output's rows after this band where they hold more than the workspace
+    char* region = wv.ws;
+    int64_t region_bytes = wv.ws_bytes;
     if (wv.use_out) {
       const uintptr_t start =
           (reinterpret_cast<uintptr_t>(out_f + (int64_t(wt.b) * N + wt.i_lo + wt.nr) * p.out_N * p.D) + 255) &
           ~uintptr_t(255);
-      if (start < out_end) {
-        rg.tail = reinterpret_cast<char*>(start);
-        rg.n_tail = int64_t(out_end - start) / kWvSlabBytes;
+      if (start < out_end && int64_t(out_end - start) > region_bytes) {
+        region = reinterpret_cast<char*>(start);
+        region_bytes = int64_t(out_end - start);
       }
     }
-    if (spans_ok) {
-      char* const row0 = reinterpret_cast<char*>(out_f + (int64_t(wt.b) * N + wt.i_lo) * p.out_N * p.D);
-      rg.rows = wt.nr;
-      rg.later = row0 + int64_t(wt.j_lo + wt.nc) * col_bytes;
-      rg.later_per_row = int(int64_t(N - wt.j_lo - wt.nc) * col_bytes / kWvSlabBytes);
-      rg.own = row0 + int64_t(wt.j_lo) * col_bytes;
-      rg.own_per_row = int(int64_t(wt.nc) * col_bytes / kWvSlabBytes);
-    }
+    wt.region = region;
     // one buffer where it takes at most three quarters of two buffers' parts (each of its parts
     // costs one more grid barrier, which is less than a part)
-    const int64_t chunk_slabs = (wt.nr_pad + wt.nc_pad) / kWvSlabUnits;
-    const int64_t whole = rg.slabs(), halves = whole / 2;
-    const int per_1 = int(max(int64_t(1), min(int64_t(n_chunks), whole / chunk_slabs)));
-    const int per_2 = int(max(int64_t(1), min(int64_t(n_chunks), halves / chunk_slabs)));
+    const int64_t chunk_bytes = int64_t(wt.nr + wt.nc) * kFpH * 128;
+    const int64_t whole = region_bytes & ~int64_t(255), halves = (region_bytes / 2) & ~int64_t(255);
+    const int per_1 = int(max(int64_t(1), min(int64_t(n_chunks), whole / chunk_bytes)));
+    const int per_2 = int(max(int64_t(1), min(int64_t(n_chunks), halves / chunk_bytes)));
     const int parts_1 = (n_chunks + per_1 - 1) / per_1, parts_2 = (n_chunks + per_2 - 1) / per_2;
     wt.single = wv.bufs == 1 || (wv.bufs == 0 && 4 * parts_1 <= 3 * parts_2);
     wt.half = halves;
     wt.chunks_per_part = wt.single ? per_1 : per_2;
-    // the slabs the parts take: with two buffers, part q (counted over the launch) from slab (q & 1)·half
-    const int64_t reach =
-        (wt.single || (parts_2 == 1 && (q & 1) == 0) ? 0 : halves) + int64_t(wt.chunks_per_part) * chunk_slabs;
-    wt.guard_own = reach > rg.first_own();
-    // a new layout may overlap the last one's buffers, which slower blocks may still be reading, and
+    // a new region may overlap the last one's buffers, which slower blocks may still be reading, and
     // two buffers after one may overlap the last part's (one buffer waits at its every part)
-    const bool same = rg.tail == prev.tail && rg.n_tail == prev.n_tail && rg.later == prev.later &&
-                      rg.own == prev.own && rg.rows == prev.rows && rg.later_per_row == prev.later_per_row &&
-                      rg.own_per_row == prev.own_per_row;
-    if (w > 0 && !wt.single && (!same || prev_single)) cooperative_groups::this_grid().sync();
-    prev = rg;
+    if (w > 0 && !wt.single && (region != prev_region || prev_single)) cooperative_groups::this_grid().sync();
+    prev_region = region;
     prev_single = wt.single;
     outer_tc_tile<kTerms, kWgmma, kWgmma2, kHalfSplit, kBK, kKC, kNT, false, true>(p, wt.b, col_tile, row_tile, &wt,
                                                                                     &q);
