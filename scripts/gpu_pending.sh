@@ -126,7 +126,8 @@ if [ "$PHASE" = waves_short ]; then
 fi
 
 if [ "$PHASE" = checks ]; then
-  # the forward-side test files that the waves form, the bound's kernel and the shared epilogue touch
+  # the forward-side test files that the waves form, the bound's kernel and the shared epilogue touch,
+  # each run whatever the one before gave (a record of every file, not a gate)
   T t_waves 90 $py -m pytest -q -p no:cacheprovider tests/test_waves.py
   T t_fused 60 $py -m pytest -q -p no:cacheprovider tests/test_fused_projection.py
   T t_cuda 150 $py -m pytest -q -p no:cacheprovider tests/test_cuda.py
