@@ -16,12 +16,13 @@
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR waves_min  # its tests and bench alone (~3 min)
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR bars  # every figure of issues 4 and 6 in one call
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR checks  # the forward test files on this code
+#          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR trace  # where the waves form's time goes
 # (DEST: a folder that r.tgz is also copied to after every step)
 # Each phase fits one call of under ten minutes, the build (~2 min) included.
 # steps.txt lists each step's exit status; a failing test step stops the call.
 OUT=$1
 PHASE=${2:-default}
-case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars or checks, got '$PHASE'" >&2; exit 2 ;; esac
+case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks or trace, got '$PHASE'" >&2; exit 2 ;; esac
 R=$OUT/r
 mkdir -p "$R"
 pack() { tar -C "$OUT" -czf "$OUT/r.tgz" r; [ -n "$DEST" ] && cp "$OUT/r.tgz" "$DEST/"; }
@@ -155,6 +156,17 @@ if [ "$PHASE" = bars ]; then
   done
   T bench_8192 90 $py -m flashopm bench --shapes "1,512,8192,256,32,128" --impls flashopm-bounded --calls 2 \
     --fp64-max-n 0 --out "$R/bench_8192"
+  exit 0
+fi
+
+if [ "$PHASE" = trace ]; then
+  # the waves form's trace points per part and wave at both deep MSAs, with the automatic buffers and
+  # with two; its tests; then the bench of the deep MSAs beside eager
+  T trace_auto 90 $py scripts/waves_trace.py 1,1024,256,64,32,128 1,5120,384,64,32,128 --out "$R/trace_auto"
+  T trace_bufs2 60 $py scripts/waves_trace.py 1,1024,256,64,32,128 --env FLASHOPM_WAVES_BUFS=2 --out "$R/trace_bufs2"
+  T t_waves 60 $py -m pytest -q -p no:cacheprovider tests/test_waves.py
+  T bench_deep 120 $py -m flashopm bench --shapes "1,1024,256,64,32,128;1,5120,384,64,32,128" \
+    --impls eager,flashopm,flashopm-bounded --calls 20 --out "$R/bench_deep"
   exit 0
 fi
 

@@ -83,6 +83,10 @@ SCHEMAS = {
     # target, which the driver compiles), 1 where the warpgroup-MMA (sm_90a) forms run, 1 where
     # the fused backward's kernels fit, the shared memory a block may opt in to (bytes)].
     "_device_code": "_device_code(Tensor like) -> int[]",
+    # The waves form's trace of its last launch under FLASHOPM_WAVES_TRACE=cap (CUDA only; a timing
+    # aid for scripts/waves_trace.py): (blocks, cap, 3) int64, per block a count and then records
+    # (mark | wave << 8 | part << 32, %globaltimer ns, clock64), or empty where none ran.
+    "_waves_trace": "_waves_trace(Tensor like) -> Tensor",
     # The tensor-core kernels' mma.sync column tile for a block that may take smem_optin bytes of
     # shared memory (host code; CPU or CUDA `like`; for tests): [columns, 1 with half the s per
     # stage, 1 with half the k per W chunk, 1 with phase 1 half as wide, the block's bytes], or []

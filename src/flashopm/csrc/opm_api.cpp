@@ -86,6 +86,12 @@ struct DeviceInfo {
   int arch = 0;
 };
 
+// The waves form's last trace (FLASHOPM_WAVES_TRACE; timing aid).
+at::Tensor& waves_trace() {
+  static at::Tensor* trace = new at::Tensor();  // never destroyed: no CUDA free after the driver's exit
+  return *trace;
+}
+
 const DeviceInfo& device_info(int dev) {
   static std::array<DeviceInfo, kMaxDevices> infos;
   static std::array<std::once_flag, kMaxDevices> flags;
@@ -1499,6 +1505,13 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
       if (const char* e = env_get("FLASHOPM_WAVES_BUFS"); e != nullptr && *e != 0)
         oa.wv.bufs = std::min(std::max(std::atoi(e), 0), 2);
       if (const char* e = env_get("FLASHOPM_WAVES_SKIP"); e != nullptr && *e != 0) oa.wv.skip = std::atoi(e);
+      if (const char* e = env_get("FLASHOPM_WAVES_TRACE"); e != nullptr && *e != 0) {
+        // timing aid: records outside the peak bound, read back by _waves_trace
+        const int cap = std::min(std::max(std::atoi(e), 2), 1 << 16);
+        waves_trace() = at::zeros({G, cap, 3}, msa_in.options().dtype(at::kLong));
+        oa.wv.trace = reinterpret_cast<long long*>(waves_trace().data_ptr<int64_t>());
+        oa.wv.trace_cap = cap;
+      }
       check_smem(outer_waves_smem_bytes(), dev, "waves");
       launch_outer_waves(oa, int(G), stream);
       return out;
@@ -2322,6 +2335,12 @@ std::vector<int64_t> device_code_cuda(const at::Tensor& like) {
           info.smem_optin};
 }
 
+// The waves form's trace of its last launch under FLASHOPM_WAVES_TRACE=cap (WaveArgs::trace):
+// (blocks, cap, 3) int64, or empty where none ran.
+at::Tensor waves_trace_cuda(const at::Tensor& like) {
+  return waves_trace().defined() ? waves_trace() : at::empty({0}, like.options().dtype(at::kLong));
+}
+
 // Does nothing: the benchmark's measure of one bare call into the extension.
 void noop_cuda(const at::Tensor&) {}
 
@@ -2335,6 +2354,7 @@ TORCH_LIBRARY_IMPL(flashopm, CUDA, m) {
   m.impl("_single_launch_plan", &flashopm::single_launch_plan_cuda);
   m.impl("_small_tc_plan", &flashopm::small_tc_plan_cuda);
   m.impl("_device_code", &flashopm::device_code_cuda);
+  m.impl("_waves_trace", &flashopm::waves_trace_cuda);
   m.impl("_mma_sync_tile", &flashopm::mma_sync_tile_query);
   m.impl("_peak_band_plan", &flashopm::peak_band_plan_query);
 }

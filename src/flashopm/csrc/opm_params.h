@@ -343,6 +343,21 @@ struct WaveArgs {
   // FLASHOPM_WAVES_SKIP (timing aid only, results wrong): steps left out, bits 1 the projection's
   // arithmetic and stores, 2 phase 1's chunks, 4 x's copies
   int skip;
+  // FLASHOPM_WAVES_TRACE (timing aid): per block trace_cap records of 3 int64 (WaveMark | wave << 8
+  // | part << 32, %globaltimer, clock64), record 0 holding the count; null: no trace
+  long long* trace;
+  int trace_cap;
+};
+// The waves form's trace points (WaveArgs::trace), in the order a part passes them.
+enum WaveMark : int {
+  kMarkWave = 1,       // a wave begins (before its tile's row denominators)
+  kMarkPart = 2,       // a part begins
+  kMarkStoreWait = 3,  // one buffer: the barrier before the part's first stores begins
+  kMarkStoreGo = 4,    // ... and ends
+  kMarkProjected = 5,  // this block's share of the part projected and stored
+  kMarkBarrier = 6,    // the part's grid barrier passed
+  kMarkChunks = 7,     // the part's chunks added to the tile
+  kMarkWaveEnd = 8,    // the wave's phase 2 and stores done
 };
 // a, b and w_out hold float32, or the 16-bit operand type of opm_outer_tc16_kernel.
 struct OuterArgs {

@@ -313,6 +313,7 @@ __device__ __forceinline__ void fused_phase1_f16(const OuterArgs& p, char* smem_
 // (rows i_lo .. i_lo + nr as a, columns j_lo .. j_lo + nc as b), whether this block has a tile in
 // it, and where its part buffers lie (part q at region, or with two buffers at region + (q & 1)·half).
 struct WaveTile {
+  int w;  // the wave's index in the launch
   int b, i_lo, j_lo, nr, nc;
   bool has_tile;
   bool single;  // one part buffer: the whole region (else part q in half q & 1)
@@ -320,6 +321,24 @@ struct WaveTile {
   int64_t half;
   int chunks_per_part;
 };
+
+// A trace point of the waves form (WaveArgs::trace; timing aid): thread 0 appends one record to
+// its block's.
+__device__ __forceinline__ void wave_mark(const WaveArgs& wv, int mark, int w, int q) {
+  if (wv.trace != nullptr && threadIdx.x == 0) {
+    long long* const base = wv.trace + int64_t(blockIdx.x) * wv.trace_cap * 3;
+    const long long n = base[0];
+    if (n + 1 < wv.trace_cap) {
+      unsigned long long gt;
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(gt));
+      long long* const e = base + 3 * (n + 1);
+      e[0] = mark | (int64_t(w) << 8) | (int64_t(q) << 32);
+      e[1] = static_cast<long long>(gt);
+      e[2] = clock64();
+      base[0] = n + 1;
+    }
+  }
+}
 
 // Phase 1 of the waves form for this block's tile (i0, j0; a_lim and b_lim its valid operand rows),
 // acc as the workspace form leaves it (zeroed here).  Per part of s (chunks_per_part chunks of 32):
@@ -355,6 +374,7 @@ __device__ __forceinline__ void waves_phase1_f16(const OuterArgs& p, char* smem_
 #pragma unroll
   for (int e = 0; e < 128; ++e) acc[e] = 0.f;
   for (int c0 = 0; c0 < n_chunks; c0 += wt.chunks_per_part, ++q) {
+    wave_mark(p.wv, kMarkPart, wt.w, q);
     const int nch = min(wt.chunks_per_part, n_chunks - c0);
     // one buffer: the grid barrier after every block's reads of the part before comes just before
     // this block's first stores, so that its first copies and statistics run while it waits
@@ -444,7 +464,9 @@ __device__ __forceinline__ void waves_phase1_f16(const OuterArgs& p, char* smem_
       }
       __syncthreads();  // the batch's statistics and factors
       if (!may_store) {
+        wave_mark(p.wv, kMarkStoreWait, wt.w, q);
         cooperative_groups::this_grid().sync();
+        wave_mark(p.wv, kMarkStoreGo, wt.w, q);
         may_store = true;
       }
       if (!(p.wv.skip & 1) && m0 + warp < mine) {
@@ -486,9 +508,11 @@ __device__ __forceinline__ void waves_phase1_f16(const OuterArgs& p, char* smem_
       }
     }
     cp_async_wait_all();
+    wave_mark(p.wv, kMarkProjected, wt.w, q);
     if (!may_store) cooperative_groups::this_grid().sync();  // no batch here: the barrier all the same
     // every block's rows of the part stored and visible (the copies below read through L2)
     cooperative_groups::this_grid().sync();
+    wave_mark(p.wv, kMarkBarrier, wt.w, q);
     if (wt.has_tile && !(p.wv.skip & 2)) {
       // the part's chunks, as the workspace form's phase 1 takes them (piece pq of rows pr + 32u)
       constexpr int kPieces = 8, kPassRows = kTcThreads / kPieces;
@@ -538,6 +562,7 @@ __device__ __forceinline__ void waves_phase1_f16(const OuterArgs& p, char* smem_
       cp_async_wait_all();
     }
     __syncthreads();  // the stages read: the next part's projection (or O) may overwrite them
+    wave_mark(p.wv, kMarkChunks, wt.w, q);
   }
 }
 
@@ -1243,8 +1268,11 @@ __device__ __forceinline__ void outer_tc_waves(const OuterArgs& p) {
     if (w > 0 && !wt.single && (region != prev_region || prev_single)) cooperative_groups::this_grid().sync();
     prev_region = region;
     prev_single = wt.single;
+    wt.w = w;
+    wave_mark(wv, kMarkWave, w, q);
     outer_tc_tile<kTerms, kWgmma, kWgmma2, kHalfSplit, kBK, kKC, kNT, false, true>(p, wt.b, col_tile, row_tile, &wt,
                                                                                     &q);
+    wave_mark(wv, kMarkWaveEnd, w, q);
   }
 #endif
 }
