@@ -163,8 +163,11 @@ if [ "$PHASE" = trace ]; then
   # the waves form's trace points per part and wave at both deep MSAs, with the automatic buffers and
   # with two; its tests; then the bench of the deep MSAs beside eager
   T trace_auto 90 $py scripts/waves_trace.py 1,1024,256,64,32,128 1,5120,384,64,32,128 --out "$R/trace_auto"
-  T trace_bufs2 60 $py scripts/waves_trace.py 1,1024,256,64,32,128 --env FLASHOPM_WAVES_BUFS=2 --out "$R/trace_bufs2"
+  T trace_order1 90 $py scripts/waves_trace.py 1,1024,256,64,32,128 1,5120,384,64,32,128 \
+    --env FLASHOPM_WAVES_ORDER=1 --out "$R/trace_order1"
+  T ab_order1 60 env FLASHOPM_WAVES=1 $py scripts/ab_env.py FLASHOPM_WAVES_ORDER=1 1,1024,256,64,32,128 1,5120,384,64,32,128 --mode forward --calls 10
   T t_waves 60 $py -m pytest -q -p no:cacheprovider tests/test_waves.py
+  T t_waves_order1 60 env FLASHOPM_WAVES_ORDER=1 $py -m pytest -q -p no:cacheprovider tests/test_waves.py
   T bench_deep 120 $py -m flashopm bench --shapes "1,1024,256,64,32,128;1,5120,384,64,32,128" \
     --impls eager,flashopm,flashopm-bounded --calls 20 --out "$R/bench_deep"
   exit 0

@@ -21,7 +21,7 @@ import flashopm
 from flashopm.testing import Shape, make_problem
 
 MARKS = {1: "wave", 2: "part", 3: "store_wait", 4: "store_go", 5: "projected", 6: "barrier", 7: "chunks",
-         8: "wave_end"}
+         8: "wave_end", 9: "batch_in", 10: "batch_stats", 11: "batch_done"}
 
 
 def records(trace):
@@ -37,7 +37,7 @@ def records(trace):
 
 def summarise(recs):
     t0 = min(r[4] for r in recs)
-    by_part = defaultdict(lambda: defaultdict(dict))  # q -> block -> mark -> ns
+    by_part = defaultdict(lambda: defaultdict(list))  # q -> block -> [(mark, ns)] in order
     by_wave = defaultdict(lambda: defaultdict(dict))  # w -> block -> mark -> ns
     part_wave = {}
     for blk, mark, w, q, ns in recs:
@@ -45,32 +45,58 @@ def summarise(recs):
         if name in ("wave", "wave_end"):
             by_wave[w][blk][name] = ns - t0
         else:
-            by_part[q][blk][name] = ns - t0
+            by_part[q][blk].append((name, ns - t0))
             part_wave[q] = w
 
     def mean(v):
         return sum(v) / len(v) if v else 0.0
 
+    def split_part(seq):
+        """One block's part: the times of its steps (ns)."""
+        m = {}
+        for name, ns in seq:
+            m.setdefault(name, ns)
+        t = dict.fromkeys(("copy_wait", "stats", "project", "store_wait"), 0)
+        prev = m.get("part")
+        batch_in = None
+        for name, ns in seq:
+            if name == "batch_in":
+                t["copy_wait"] += ns - prev
+                batch_in = ns
+            elif name == "batch_stats":
+                t["stats"] += ns - batch_in
+                prev = ns
+            elif name == "batch_done":
+                t["project"] += ns - prev
+                prev = ns
+        if "store_go" in m:
+            t["store_wait"] = m["store_go"] - m["store_wait"]
+            t["stats"] -= t["store_wait"]
+        return m, t
+
     parts = []
     for q in sorted(by_part):
-        proj, swait, bwait, chunks = [], [], [], []
-        for blk, m in by_part[q].items():
+        cols = defaultdict(list)
+        for blk, seq in by_part[q].items():
+            m, t = split_part(seq)
             if not {"part", "projected", "barrier", "chunks"} <= m.keys():
                 continue
-            sw = m["store_go"] - m["store_wait"] if "store_go" in m else 0
-            proj.append(m["projected"] - m["part"] - sw)
-            swait.append(sw)
-            bwait.append(m["barrier"] - m["projected"])
-            chunks.append(m["chunks"] - m["barrier"])
-        starts = [m["part"] for m in by_part[q].values() if "part" in m]
-        ends = [m["chunks"] for m in by_part[q].values() if "chunks" in m]
-        with_tile = [c for c in chunks if c > 0]
+            cols["proj"].append(m["projected"] - m["part"] - t["store_wait"])
+            for k, v in t.items():
+                cols[k].append(v)
+            cols["bwait"].append(m["barrier"] - m["projected"])
+            cols["chunks"].append(m["chunks"] - m["barrier"])
+            cols["start"].append(m["part"])
+            cols["end"].append(m["chunks"])
+        with_tile = [c for c in cols["chunks"] if c > 0]
         parts.append({
-            "part": q, "wave": part_wave[q], "span_us": (max(ends) - min(starts)) / 1e3,
-            "proj_us": mean(proj) / 1e3, "proj_max_us": max(proj) / 1e3,
-            "store_wait_us": mean(swait) / 1e3, "barrier_wait_us": mean(bwait) / 1e3,
-            "barrier_wait_min_us": min(bwait) / 1e3, "chunks_us": mean(with_tile) / 1e3,
-            "chunks_max_us": max(chunks) / 1e3,
+            "part": q, "wave": part_wave[q], "span_us": (max(cols["end"]) - min(cols["start"])) / 1e3,
+            "proj_us": mean(cols["proj"]) / 1e3, "proj_max_us": max(cols["proj"]) / 1e3,
+            "copy_wait_us": mean(cols["copy_wait"]) / 1e3, "stats_us": mean(cols["stats"]) / 1e3,
+            "project_us": mean(cols["project"]) / 1e3,
+            "store_wait_us": mean(cols["store_wait"]) / 1e3, "barrier_wait_us": mean(cols["bwait"]) / 1e3,
+            "barrier_wait_min_us": min(cols["bwait"]) / 1e3, "chunks_us": mean(with_tile) / 1e3,
+            "chunks_max_us": max(cols["chunks"]) / 1e3,
         })
     waves = []
     for w in sorted(by_wave):
@@ -80,25 +106,28 @@ def summarise(recs):
         last_chunks = {}
         for q, blocks in by_part.items():
             if part_wave[q] == w:
-                for blk, m in blocks.items():
-                    if "chunks" in m:
-                        last_chunks[blk] = max(last_chunks.get(blk, 0), m["chunks"])
+                for blk, seq in blocks.items():
+                    for name, ns in seq:
+                        if name == "chunks":
+                            last_chunks[blk] = max(last_chunks.get(blk, 0), ns)
         epi = [m["wave_end"] - last_chunks[blk] for blk, m in ms.items() if blk in last_chunks and "wave_end" in m]
         prev = by_wave.get(w - 1, {})
         gap = [m["wave"] - prev[blk]["wave_end"] for blk, m in ms.items()
                if "wave" in m and blk in prev and "wave_end" in prev[blk]]
         wp = [p for p in parts if p["wave"] == w]
-        waves.append({
-            "wave": w, "parts": len(wp), "span_us": (end - start) / 1e3,
-            "proj_us": sum(p["proj_us"] for p in wp), "store_wait_us": sum(p["store_wait_us"] for p in wp),
-            "barrier_wait_us": sum(p["barrier_wait_us"] for p in wp), "chunks_us": sum(p["chunks_us"] for p in wp),
-            "epilogue_us": mean(epi) / 1e3, "epilogue_max_us": (max(epi) if epi else 0) / 1e3,
-            "gap_us": mean(gap) / 1e3,
-        })
+        row = {"wave": w, "parts": len(wp), "span_us": (end - start) / 1e3}
+        for k in ("proj_us", "copy_wait_us", "stats_us", "project_us", "store_wait_us", "barrier_wait_us",
+                  "chunks_us"):
+            row[k] = sum(p[k] for p in wp)
+        row.update({"epilogue_us": mean(epi) / 1e3, "epilogue_max_us": (max(epi) if epi else 0) / 1e3,
+                    "gap_us": mean(gap) / 1e3})
+        waves.append(row)
     span = (max(r[4] for r in recs) - t0) / 1e3
-    diffs = sorted({b - a for a, b in zip(sorted(r[4] for r in recs), sorted(r[4] for r in recs)[1:]) if b > a})
+    times = sorted(r[4] for r in recs)
+    diffs = sorted({b - a for a, b in zip(times, times[1:]) if b > a})
     totals = {k: sum(w[k] for w in waves) for k in
-              ("proj_us", "store_wait_us", "barrier_wait_us", "chunks_us", "epilogue_us", "gap_us")}
+              ("proj_us", "copy_wait_us", "stats_us", "project_us", "store_wait_us", "barrier_wait_us", "chunks_us",
+               "epilogue_us", "gap_us")}
     return {"span_us": span, "parts": len(parts), "waves": len(waves), "timer_step_ns": diffs[0] if diffs else 0,
             "totals": totals}, parts, waves
 
@@ -134,14 +163,14 @@ def main() -> None:
         result[text] = {"summary": summary, "waves": waves}
         tot = summary["totals"]
         print(f"{text}: kernel {summary['span_us']:.1f} us, {summary['waves']} waves, {summary['parts']} parts, "
-              f"timer step {summary['timer_step_ns']} ns; sums of block means: projection {tot['proj_us']:.1f}, "
-              f"store wait {tot['store_wait_us']:.1f}, barrier wait {tot['barrier_wait_us']:.1f}, chunks "
-              f"{tot['chunks_us']:.1f}, phase 2 + stores {tot['epilogue_us']:.1f}, between waves {tot['gap_us']:.1f} us")
-        print("  wave parts   span   proj  swait  bwait chunks   epi  epi_max   gap")
+              f"timer step {summary['timer_step_ns']} ns; sums over waves of block means (us): " +
+              ", ".join(f"{k[:-3]} {v:.1f}" for k, v in tot.items()))
+        print("  wave parts   span   proj  copyw  stats  projt  swait  bwait chunks   epi  epi_max   gap")
         for w in waves:
-            print(f"  {w['wave']:4d} {w['parts']:5d} {w['span_us']:6.1f} {w['proj_us']:6.1f} {w['store_wait_us']:6.1f} "
-                  f"{w['barrier_wait_us']:6.1f} {w['chunks_us']:6.1f} {w['epilogue_us']:5.1f} {w['epilogue_max_us']:7.1f} "
-                  f"{w['gap_us']:5.1f}")
+            print(f"  {w['wave']:4d} {w['parts']:5d} {w['span_us']:6.1f} " + " ".join(
+                f"{w[k]:6.1f}" for k in ("proj_us", "copy_wait_us", "stats_us", "project_us", "store_wait_us",
+                                         "barrier_wait_us", "chunks_us", "epilogue_us", "epilogue_max_us",
+                                         "gap_us")))
         if args.out:
             os.makedirs(args.out, exist_ok=True)
             tag = text.replace(",", "_")

@@ -1505,6 +1505,7 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
       if (const char* e = env_get("FLASHOPM_WAVES_BUFS"); e != nullptr && *e != 0)
         oa.wv.bufs = std::min(std::max(std::atoi(e), 0), 2);
       if (const char* e = env_get("FLASHOPM_WAVES_SKIP"); e != nullptr && *e != 0) oa.wv.skip = std::atoi(e);
+      if (const char* e = env_get("FLASHOPM_WAVES_ORDER"); e != nullptr && *e != 0) oa.wv.order = std::atoi(e) == 1;
       if (const char* e = env_get("FLASHOPM_WAVES_TRACE"); e != nullptr && *e != 0) {
         // timing aid: records outside the peak bound, read back by _waves_trace
         const int cap = std::min(std::max(std::atoi(e), 2), 1 << 16);

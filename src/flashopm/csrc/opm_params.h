@@ -347,6 +347,10 @@ struct WaveArgs {
   // | part << 32, %globaltimer, clock64), record 0 holding the count; null: no trace
   long long* trace;
   int trace_cap;
+  // the projection's task order (FLASHOPM_WAVES_ORDER): 0, a side's tasks chunk by chunk of each
+  // residue in turn; 1, residue by residue of each chunk in turn (neighbouring blocks read
+  // neighbouring residues' rows of x, and store neighbouring rows of the part buffer)
+  int order;
 };
 // The waves form's trace points (WaveArgs::trace), in the order a part passes them.
 enum WaveMark : int {
@@ -358,6 +362,9 @@ enum WaveMark : int {
   kMarkBarrier = 6,    // the part's grid barrier passed
   kMarkChunks = 7,     // the part's chunks added to the tile
   kMarkWaveEnd = 8,    // the wave's phase 2 and stores done
+  kMarkBatchIn = 9,    // a batch's x rows in (after the block's barrier)
+  kMarkBatchStats = 10,  // its statistics formed (after the barrier, and the one-buffer barrier if any)
+  kMarkBatchDone = 11,   // its tasks projected and stored (this thread's warp)
 };
 // a, b and w_out hold float32, or the 16-bit operand type of opm_outer_tc16_kernel.
 struct OuterArgs {

@@ -389,8 +389,14 @@ __device__ __forceinline__ void waves_phase1_f16(const OuterArgs& p, char* smem_
       int tk = blk + G * m;
       side = tk >= a_tasks;
       if (side) tk -= a_tasks;
-      n_loc = tk / nch;
-      ch = tk - n_loc * nch;
+      if (p.wv.order == 1) {
+        const int n_side = side ? wt.nc : wt.nr;
+        ch = tk / n_side;
+        n_loc = tk - ch * n_side;
+      } else {
+        n_loc = tk / nch;
+        ch = tk - n_loc * nch;
+      }
     };
     // x's rows of batch bi (row r = 32·slot + s within the chunk) into its buffer, one group of
     // copies (empty past the last batch): this thread copies 16-byte piece tid % 16 of rows tid / 16
@@ -432,6 +438,7 @@ __device__ __forceinline__ void waves_phase1_f16(const OuterArgs& p, char* smem_
       // batch bi's rows in; batch bi - 1's rows and the rows' factors read, so batch bi + 1 may
       // take its buffer
       __syncthreads();
+      wave_mark(p.wv, kMarkBatchIn, wt.w, q);
       issue_batch(bi + 1);
       if (!(p.wv.skip & 1)) {
         // the row's LayerNorm statistics: the mean as the row's first value plus the mean
@@ -469,6 +476,7 @@ __device__ __forceinline__ void waves_phase1_f16(const OuterArgs& p, char* smem_
         wave_mark(p.wv, kMarkStoreGo, wt.w, q);
         may_store = true;
       }
+      wave_mark(p.wv, kMarkBatchStats, wt.w, q);
       if (!(p.wv.skip & 1) && m0 + warp < mine) {
         // warp w: task slot w, in two halves of 16 s (units of 8 s: 2·half, 2·half + 1)
         int side, n_loc, ch;
@@ -506,6 +514,7 @@ __device__ __forceinline__ void waves_phase1_f16(const OuterArgs& p, char* smem_
           }
         }
       }
+      wave_mark(p.wv, kMarkBatchDone, wt.w, q);
     }
     cp_async_wait_all();
     wave_mark(p.wv, kMarkProjected, wt.w, q);
