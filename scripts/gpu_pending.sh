@@ -17,12 +17,13 @@
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR bars  # every figure of issues 4 and 6 in one call
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR checks  # the forward test files on this code
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR trace  # where the waves form's time goes
+#          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR final  # bars, the trace, then the forward test files
 # (DEST: a folder that r.tgz is also copied to after every step)
 # Each phase fits one call of under ten minutes, the build (~2 min) included.
 # steps.txt lists each step's exit status; a failing test step stops the call.
 OUT=$1
 PHASE=${2:-default}
-case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks or trace, got '$PHASE'" >&2; exit 2 ;; esac
+case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace or final, got '$PHASE'" >&2; exit 2 ;; esac
 R=$OUT/r
 mkdir -p "$R"
 pack() { tar -C "$OUT" -czf "$OUT/r.tgz" r; [ -n "$DEST" ] && cp "$OUT/r.tgz" "$DEST/"; }
@@ -156,6 +157,32 @@ if [ "$PHASE" = bars ]; then
   done
   T bench_8192 90 $py -m flashopm bench --shapes "1,512,8192,256,32,128" --impls flashopm-bounded --calls 2 \
     --fp64-max-n 0 --out "$R/bench_8192"
+  exit 0
+fi
+
+if [ "$PHASE" = final ]; then
+  # every figure of issues 4 and 6 (as 'bars', the deep MSAs over 20 calls), the waves form's trace
+  # and its kept a against none, then the forward-side test files, in one call (~9 min with the build)
+  T t_waves 60 $py -m pytest -q -p no:cacheprovider tests/test_waves.py || exit 1
+  T bench_deep 120 $py -m flashopm bench --shapes "1,1024,256,64,32,128;1,5120,384,64,32,128" \
+    --impls eager,flashopm,compile,flashopm-bounded --calls 20 --out "$R/bench_deep"
+  T trace_auto 40 $py scripts/waves_trace.py 1,1024,256,64,32,128 --out "$R/trace_auto"
+  T ab_keep0 30 env FLASHOPM_WAVES=1 $py scripts/ab_env.py FLASHOPM_WAVES_KEEP=0 1,1024,256,64,32,128 --mode forward --calls 6
+  T bench_f32 200 $py -m flashopm bench --shapes "1,128,256,256,32,128;1,512,768,256,32,128;1,512,1536,256,32,128" \
+    --impls eager,flashopm,compile,flashopm-bounded,flashopm-tf32 --calls 5 --out "$R/bench_f32"
+  T bench_bf16 90 $py -m flashopm bench --shapes "1,512,1536,256,32,128" --dtype bfloat16 \
+    --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/bench_bf16"
+  for mod in openfold boltz; do
+    T "bench_$mod" 60 $py -m flashopm bench --module $mod \
+      --shapes "1,128,256,256,32,128;1,1024,256,64,32,128;1,512,1536,256,32,128" \
+      --impls eager,flashopm,flashopm-bounded --calls 5 --out "$R/bench_$mod"
+  done
+  T bench_8192 90 $py -m flashopm bench --shapes "1,512,8192,256,32,128" --impls flashopm-bounded --calls 2 \
+    --fp64-max-n 0 --out "$R/bench_8192"
+  T t_conv 60 $py -m pytest -q -p no:cacheprovider tests/test_conventions.py tests/test_modules.py
+  T t_fused 40 $py -m pytest -q -p no:cacheprovider tests/test_fused_projection.py
+  T t_cuda 90 $py -m pytest -q -p no:cacheprovider tests/test_cuda.py
+  T t_auto 120 $py -m pytest -q -p no:cacheprovider tests/test_autograd.py
   exit 0
 fi
 

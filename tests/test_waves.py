@@ -31,7 +31,7 @@ def _waves(monkeypatch):
     split_form_gpu_or_skip()
     monkeypatch.setenv("FLASHOPM_WAVES", "1")
     for name in ("FLASHOPM_WAVES_BLOCKS", "FLASHOPM_WAVES_WS", "FLASHOPM_WAVES_OUT", "FLASHOPM_WAVES_BUFS",
-                 "FLASHOPM_PEAK_BOUND"):
+                 "FLASHOPM_WAVES_KEEP", "FLASHOPM_WAVES_ORDER", "FLASHOPM_WAVES_TRACE", "FLASHOPM_PEAK_BOUND"):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -79,6 +79,8 @@ def test_waves_every_plan_gives_the_same_bits(monkeypatch):
         {"FLASHOPM_WAVES_BUFS": "1", "FLASHOPM_WAVES_BLOCKS": "5", "FLASHOPM_WAVES_WS": "1"},
         {"FLASHOPM_WAVES_BUFS": "2", "FLASHOPM_WAVES_BLOCKS": "7", "FLASHOPM_WAVES_WS": "1", "FLASHOPM_WAVES_OUT": "0"},
         {"FLASHOPM_WAVES_BUFS": "1", "FLASHOPM_WAVES_OUT": "0"},
+        {"FLASHOPM_WAVES_KEEP": "0", "FLASHOPM_WAVES_BLOCKS": "5"},
+        {"FLASHOPM_WAVES_ORDER": "1", "FLASHOPM_WAVES_BLOCKS": "5"},
     ]
     for plan in plans:
         for name, value in plan.items():
@@ -86,6 +88,37 @@ def test_waves_every_plan_gives_the_same_bits(monkeypatch):
         assert torch.equal(_call(xc, mc, pc, "openfold"), first), plan
         for name in plan:
             monkeypatch.delenv(name)
+
+
+def _kept_waves(call):
+    """The result of call() and how many of its waves kept the a of the wave before them (the
+    launch's trace, FLASHOPM_WAVES_TRACE)."""
+    out = call()
+    trace = torch.ops.flashopm._waves_trace(out).cpu()
+    kept = 0
+    for blk in range(trace.shape[0]):
+        n = int(trace[blk, 0, 0])
+        kept += int(((trace[blk, 1:n + 1, 0] & 0xFF) == 12).sum())
+    return out, kept // trace.shape[0]
+
+
+def test_waves_keep_a_across_a_band(monkeypatch):
+    """Eight blocks at N = 64: bands of 16 rows in four waves each, all of s in one part in the
+    band's rows after it, so that the band's later waves keep the first wave's a (three per band
+    but the last, whose workspace takes s in parts): against the references, and the bits of every
+    wave projecting its own a."""
+    shape = Shape(1, 100, 64, 32, 32, 128)
+    x, m, p = make_problem(shape, "masked_positions", seed=48)
+    xc, mc, pc = x.cuda(), m.cuda(), {k: v.cuda() for k, v in p.items()}
+    monkeypatch.setenv("FLASHOPM_WAVES_BLOCKS", "8")
+    monkeypatch.setenv("FLASHOPM_WAVES_TRACE", "4096")
+    kept_out, kept = _kept_waves(lambda: _call(xc, mc, pc, "row"))
+    assert kept == 9, f"waves that kept a: {kept}, expected 3 in each of the first three bands"
+    monkeypatch.setenv("FLASHOPM_WAVES_KEEP", "0")
+    fresh_out, fresh = _kept_waves(lambda: _call(xc, mc, pc, "row"))
+    assert fresh == 0
+    assert torch.equal(kept_out, fresh_out)
+    torch.testing.assert_close(kept_out, reference(xc, mc, pc), atol=1e-4, rtol=1e-4)
 
 
 def test_waves_within_the_memory_bound():

@@ -351,6 +351,9 @@ struct WaveArgs {
   // residue in turn; 1, residue by residue of each chunk in turn (neighbouring blocks read
   // neighbouring residues' rows of x, and store neighbouring rows of the part buffer)
   int order;
+  // 1: every wave projects its a (FLASHOPM_WAVES_KEEP=0); 0: a wave whose one part holds all of s
+  // keeps the a that the wave before it in the band left in the same buffer
+  int fresh_a;
 };
 // The waves form's trace points (WaveArgs::trace), in the order a part passes them.
 enum WaveMark : int {
@@ -365,6 +368,7 @@ enum WaveMark : int {
   kMarkBatchIn = 9,    // a batch's x rows in (after the block's barrier)
   kMarkBatchStats = 10,  // its statistics formed (after the barrier, and the one-buffer barrier if any)
   kMarkBatchDone = 11,   // its tasks projected and stored (this thread's warp)
+  kMarkKeptA = 12,       // the wave keeps the a of the wave before it
 };
 // a, b and w_out hold float32, or the 16-bit operand type of opm_outer_tc16_kernel.
 struct OuterArgs {

@@ -317,6 +317,7 @@ struct WaveTile {
   int b, i_lo, j_lo, nr, nc;
   bool has_tile;
   bool single;  // one part buffer: the whole region (else part q in half q & 1)
+  bool a_kept;  // a for all of s already in the buffer (the band's wave before it): b's tasks alone
   char* region;
   int64_t half;
   int chunks_per_part;
@@ -381,7 +382,7 @@ __device__ __forceinline__ void waves_phase1_f16(const OuterArgs& p, char* smem_
     bool may_store = !(wt.single && q > 0);
     char* const buf_a = wt.region + (wt.single ? 0 : (q & 1) * wt.half);
     char* const buf_b = buf_a + int64_t(nch) * wt.nr * (kFpH * 128);
-    const int a_tasks = wt.nr * nch, n_tasks = (wt.nr + wt.nc) * nch;
+    const int a_tasks = wt.a_kept ? 0 : wt.nr * nch, n_tasks = a_tasks + wt.nc * nch;
     const int mine = blk < n_tasks ? (n_tasks - blk + G - 1) / G : 0;
     const int n_batches = (mine + kWvSlots - 1) / kWvSlots;
     // task m of this block: side (0 a, 1 b), residue within the wave's, chunk within the part
@@ -1236,6 +1237,9 @@ __device__ __forceinline__ void outer_tc_waves(const OuterArgs& p) {
   const uintptr_t out_end = reinterpret_cast<uintptr_t>(out_f + int64_t(p.B) * N * p.out_N * p.D);
   const char* prev_region = nullptr;
   bool prev_single = false;
+  // the last wave's a, where it took all of s in one part of the region's single buffer
+  bool prev_all_s = false;
+  int prev_b = -1, prev_i_lo = -1, prev_nr = -1;
   int q = 0;
   for (int w = 0; w < p.B * waves_i * waves_j; ++w) {
     WaveTile wt;
@@ -1263,22 +1267,34 @@ __device__ __forceinline__ void outer_tc_waves(const OuterArgs& p) {
     }
     wt.region = region;
     // one buffer where it takes at most three quarters of two buffers' parts (each of its parts
-    // costs one more grid barrier, which is less than a part)
+    // costs one more grid barrier, which is less than a part), or where it takes all of s in one
+    // part (so that the band's next wave may keep a: a barrier is less than a's projection)
     const int64_t chunk_bytes = int64_t(wt.nr + wt.nc) * kFpH * 128;
     const int64_t whole = region_bytes & ~int64_t(255), halves = (region_bytes / 2) & ~int64_t(255);
     const int per_1 = int(max(int64_t(1), min(int64_t(n_chunks), whole / chunk_bytes)));
     const int per_2 = int(max(int64_t(1), min(int64_t(n_chunks), halves / chunk_bytes)));
     const int parts_1 = (n_chunks + per_1 - 1) / per_1, parts_2 = (n_chunks + per_2 - 1) / per_2;
-    wt.single = wv.bufs == 1 || (wv.bufs == 0 && 4 * parts_1 <= 3 * parts_2);
+    wt.single = wv.bufs == 1 || (wv.bufs == 0 && (4 * parts_1 <= 3 * parts_2 || (parts_1 == 1 && !wv.fresh_a)));
     wt.half = halves;
     wt.chunks_per_part = wt.single ? per_1 : per_2;
     // a new region may overlap the last one's buffers, which slower blocks may still be reading, and
     // two buffers after one may overlap the last part's (one buffer waits at its every part)
     if (w > 0 && !wt.single && (region != prev_region || prev_single)) cooperative_groups::this_grid().sync();
+    // a stays where the band's wave before left it (its buffer's start, all of s): the waves
+    // between write the band's rows of the output alone, and b's buffer after it waits for the
+    // one buffer's barrier
+    const bool all_s = wt.single && wt.chunks_per_part >= n_chunks;
+    wt.a_kept = !wv.fresh_a && all_s && prev_all_s && region == prev_region && wt.b == prev_b &&
+                wt.i_lo == prev_i_lo && wt.nr == prev_nr;
     prev_region = region;
     prev_single = wt.single;
+    prev_all_s = all_s;
+    prev_b = wt.b;
+    prev_i_lo = wt.i_lo;
+    prev_nr = wt.nr;
     wt.w = w;
     wave_mark(wv, kMarkWave, w, q);
+    if (wt.a_kept) wave_mark(wv, kMarkKeptA, w, q);
     outer_tc_tile<kTerms, kWgmma, kWgmma2, kHalfSplit, kBK, kKC, kNT, false, true>(p, wt.b, col_tile, row_tile, &wt,
                                                                                     &q);
     wave_mark(wv, kMarkWaveEnd, w, q);
