@@ -18,12 +18,14 @@
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR checks  # the forward test files on this code
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR trace  # where the waves form's time goes
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR final  # bars, the trace, then the forward test files
+#          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR waves_final  # the rows the waves form and the pair
+#                                                       # counts take part in, their tests, the prefetch
 # (DEST: a folder that r.tgz is also copied to after every step)
 # Each phase fits one call of under ten minutes, the build (~2 min) included.
 # steps.txt lists each step's exit status; a failing test step stops the call.
 OUT=$1
 PHASE=${2:-default}
-case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace or final, got '$PHASE'" >&2; exit 2 ;; esac
+case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final or waves_final, got '$PHASE'" >&2; exit 2 ;; esac
 R=$OUT/r
 mkdir -p "$R"
 pack() { tar -C "$OUT" -czf "$OUT/r.tgz" r; [ -n "$DEST" ] && cp "$OUT/r.tgz" "$DEST/"; }
@@ -157,6 +159,26 @@ if [ "$PHASE" = bars ]; then
   done
   T bench_8192 90 $py -m flashopm bench --shapes "1,512,8192,256,32,128" --impls flashopm-bounded --calls 2 \
     --fp64-max-n 0 --out "$R/bench_8192"
+  exit 0
+fi
+
+if [ "$PHASE" = waves_final ]; then
+  # every row of issues 4 and 6 that the waves form (under the bound: the deep MSAs, the crop, N =
+  # 768) or the pair counts (the OpenFold and Boltz modules) take part in, with their tests; the
+  # next part's L2 prefetch against none; the trace (~6 min with the build)
+  T t_waves 60 $py -m pytest -q -p no:cacheprovider tests/test_waves.py
+  T bench_deep 120 $py -m flashopm bench --shapes "1,1024,256,64,32,128;1,5120,384,64,32,128" \
+    --impls eager,flashopm,compile,flashopm-bounded --calls 20 --out "$R/bench_deep"
+  for mod in openfold boltz; do
+    T "bench_$mod" 60 $py -m flashopm bench --module $mod \
+      --shapes "1,128,256,256,32,128;1,1024,256,64,32,128;1,512,1536,256,32,128" \
+      --impls eager,flashopm,flashopm-bounded --calls 5 --out "$R/bench_$mod"
+  done
+  T t_conv 60 $py -m pytest -q -p no:cacheprovider tests/test_conventions.py tests/test_modules.py
+  T bench_f32 200 $py -m flashopm bench --shapes "1,128,256,256,32,128;1,512,768,256,32,128;1,512,1536,256,32,128" \
+    --impls eager,flashopm,compile,flashopm-bounded,flashopm-tf32 --calls 5 --out "$R/bench_f32"
+  T ab_prefetch_off 30 env FLASHOPM_WAVES=1 $py scripts/ab_env.py FLASHOPM_WAVES_SKIP=16 1,1024,256,64,32,128 --mode forward --calls 6
+  T trace_auto 40 $py scripts/waves_trace.py 1,1024,256,64,32,128 --out "$R/trace_auto"
   exit 0
 fi
 

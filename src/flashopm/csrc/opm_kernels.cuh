@@ -1664,27 +1664,49 @@ __global__ void __launch_bounds__((BM / TM) * (BN / TN))
 
 // ---------------------------------------------------------------------------------------------
 // Pair mask counts (PairCountArgs): a 32 x 64 tile of (r, j) per block, the mask columns of the
-// tile staged through shared memory kPairSK steps of s at a time; sums in order of s.
+// tile staged through shared memory kPairSK steps of s at a time, the next step's values loaded
+// into registers while this step's are summed (a step's loads are one latency, not the kernel's
+// serial chain: at N = 256 the grid is 32 blocks); sums in order of s.
 // ---------------------------------------------------------------------------------------------
 
 __global__ void __launch_bounds__(kPairThreads) opm_pair_count_kernel(const PairCountArgs p) {
   __shared__ float mi[kPairSK][kPairTR];
   __shared__ __align__(16) float mj[kPairSK][kPairTJ];
+  constexpr int kLoadsI = kPairSK * kPairTR / kPairThreads, kLoadsJ = kPairSK * kPairTJ / kPairThreads;
+  static_assert(kLoadsI * kPairThreads == kPairSK * kPairTR && kLoadsJ * kPairThreads == kPairSK * kPairTJ,
+                "whole loads per thread");
   const int b = blockIdx.z, r0 = blockIdx.y * kPairTR, j0 = blockIdx.x * kPairTJ;
   const int tid = threadIdx.x, tx = tid % (kPairTJ / 4), ty = tid / (kPairTJ / 4);
   float acc[2][4] = {};
-  for (int s0 = 0; s0 < p.S; s0 += kPairSK) {
-    for (int idx = tid; idx < kPairSK * kPairTR; idx += kPairThreads) {
-      const int sl = idx / kPairTR, r = idx % kPairTR;
+  float vi[kLoadsI], vj[kLoadsJ];
+  auto load_step = [&](int s0) {
+#pragma unroll
+    for (int k = 0; k < kLoadsI; ++k) {
+      const int idx = tid + k * kPairThreads, sl = idx / kPairTR, r = idx % kPairTR;
       const bool ok = s0 + sl < p.S && r0 + r < p.rows;
-      mi[sl][r] = ok ? mask_at(p.mask, b, s0 + sl, p.row0 + r0 + r) : 0.f;
+      vi[k] = ok ? mask_at(p.mask, b, s0 + sl, p.row0 + r0 + r) : 0.f;
     }
-    for (int idx = tid; idx < kPairSK * kPairTJ; idx += kPairThreads) {
-      const int sl = idx / kPairTJ, c = idx % kPairTJ;
+#pragma unroll
+    for (int k = 0; k < kLoadsJ; ++k) {
+      const int idx = tid + k * kPairThreads, sl = idx / kPairTJ, c = idx % kPairTJ;
       const bool ok = s0 + sl < p.S && j0 + c < p.N;
-      mj[sl][c] = ok ? mask_at(p.mask, b, s0 + sl, j0 + c) : 0.f;
+      vj[k] = ok ? mask_at(p.mask, b, s0 + sl, j0 + c) : 0.f;
+    }
+  };
+  load_step(0);
+  for (int s0 = 0; s0 < p.S; s0 += kPairSK) {
+#pragma unroll
+    for (int k = 0; k < kLoadsI; ++k) {
+      const int idx = tid + k * kPairThreads;
+      mi[idx / kPairTR][idx % kPairTR] = vi[k];
+    }
+#pragma unroll
+    for (int k = 0; k < kLoadsJ; ++k) {
+      const int idx = tid + k * kPairThreads;
+      mj[idx / kPairTJ][idx % kPairTJ] = vj[k];
     }
     __syncthreads();
+    if (s0 + kPairSK < p.S) load_step(s0 + kPairSK);
 #pragma unroll 8
     for (int sl = 0; sl < kPairSK; ++sl) {
       const float x0 = mi[sl][2 * ty], x1 = mi[sl][2 * ty + 1];
