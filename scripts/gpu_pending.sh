@@ -19,7 +19,7 @@
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR trace  # where the waves form's time goes
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR final  # bars, the trace, then the forward test files
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR waves_final  # the rows the waves form and the pair
-#                                                       # counts take part in, their tests, the prefetch
+#                                                       # counts take part in, and their tests
 # (DEST: a folder that r.tgz is also copied to after every step)
 # Each phase fits one call of under ten minutes, the build (~2 min) included.
 # steps.txt lists each step's exit status; a failing test step stops the call.
@@ -165,7 +165,7 @@ fi
 if [ "$PHASE" = waves_final ]; then
   # every row of issues 4 and 6 that the waves form (under the bound: the deep MSAs, the crop, N =
   # 768) or the pair counts (the OpenFold and Boltz modules) take part in, with their tests; the
-  # next part's L2 prefetch against none; the trace (~6 min with the build)
+  # trace (~6 min with the build)
   T t_waves 60 $py -m pytest -q -p no:cacheprovider tests/test_waves.py
   T bench_deep 120 $py -m flashopm bench --shapes "1,1024,256,64,32,128;1,5120,384,64,32,128" \
     --impls eager,flashopm,compile,flashopm-bounded --calls 20 --out "$R/bench_deep"
@@ -177,7 +177,6 @@ if [ "$PHASE" = waves_final ]; then
   T t_conv 60 $py -m pytest -q -p no:cacheprovider tests/test_conventions.py tests/test_modules.py
   T bench_f32 200 $py -m flashopm bench --shapes "1,128,256,256,32,128;1,512,768,256,32,128;1,512,1536,256,32,128" \
     --impls eager,flashopm,compile,flashopm-bounded,flashopm-tf32 --calls 5 --out "$R/bench_f32"
-  T ab_prefetch_off 30 env FLASHOPM_WAVES=1 $py scripts/ab_env.py FLASHOPM_WAVES_SKIP=16 1,1024,256,64,32,128 --mode forward --calls 6
   T trace_auto 40 $py scripts/waves_trace.py 1,1024,256,64,32,128 --out "$R/trace_auto"
   exit 0
 fi

@@ -340,9 +340,8 @@ struct WaveArgs {
   // the s per part, a grid barrier before each part's stores); 0, per wave one buffer where that
   // takes at most three quarters of two buffers' parts (FLASHOPM_WAVES_BUFS)
   int bufs;
-  // FLASHOPM_WAVES_SKIP (timing aid only, results wrong but for bit 16): steps left out, bits 1 the
-  // projection's arithmetic and stores, 2 phase 1's chunks, 4 x's copies, 16 the next part's rows
-  // of x prefetched into L2
+  // FLASHOPM_WAVES_SKIP (timing aid only, results wrong): steps left out, bits 1 the projection's
+  // arithmetic and stores, 2 phase 1's chunks, 4 x's copies
   int skip;
   // FLASHOPM_WAVES_TRACE (timing aid): per block trace_cap records of 3 int64 (WaveMark | wave << 8
   // | part << 32, %globaltimer, clock64), record 0 holding the count; null: no trace

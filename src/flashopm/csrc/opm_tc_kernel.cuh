@@ -323,30 +323,6 @@ struct WaveTile {
   int chunks_per_part;
 };
 
-// Task tk of a part (a_tasks of a's first, then b's; nch chunks): its side (0 a, 1 b), residue
-// within the wave's side and chunk within the part, in the order wv.order names.
-__device__ __forceinline__ void wave_task(const WaveArgs& wv, const WaveTile& wt, int tk, int a_tasks, int nch,
-                                          int& side, int& n_loc, int& ch) {
-  side = tk >= a_tasks;
-  if (side) tk -= a_tasks;
-  if (wv.order == 1) {
-    const int n_side = side ? wt.nc : wt.nr;
-    ch = tk / n_side;
-    n_loc = tk - ch * n_side;
-  } else {
-    n_loc = tk / nch;
-    ch = tk - n_loc * nch;
-  }
-}
-
-// bytes (a multiple of 16) from a 16-byte aligned address into L2, with nothing to wait for
-// (sm_90's bulk prefetch; nothing on older GPUs, where the waves form does not run)
-__device__ __forceinline__ void prefetch_l2(const void* src, int bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
-#endif
-}
-
 // A trace point of the waves form (WaveArgs::trace; timing aid): thread 0 appends one record to
 // its block's.
 __device__ __forceinline__ void wave_mark(const WaveArgs& wv, int mark, int w, int q) {
@@ -411,7 +387,17 @@ __device__ __forceinline__ void waves_phase1_f16(const OuterArgs& p, char* smem_
     const int n_batches = (mine + kWvSlots - 1) / kWvSlots;
     // task m of this block: side (0 a, 1 b), residue within the wave's, chunk within the part
     auto task_of = [&](int m, int& side, int& n_loc, int& ch) {
-      wave_task(p.wv, wt, blk + G * m, a_tasks, nch, side, n_loc, ch);
+      int tk = blk + G * m;
+      side = tk >= a_tasks;
+      if (side) tk -= a_tasks;
+      if (p.wv.order == 1) {
+        const int n_side = side ? wt.nc : wt.nr;
+        ch = tk / n_side;
+        n_loc = tk - ch * n_side;
+      } else {
+        n_loc = tk / nch;
+        ch = tk - n_loc * nch;
+      }
     };
     // x's rows of batch bi (row r = 32·slot + s within the chunk) into its buffer, one group of
     // copies (empty past the last batch): this thread copies 16-byte piece tid % 16 of rows tid / 16
@@ -530,20 +516,6 @@ __device__ __forceinline__ void waves_phase1_f16(const OuterArgs& p, char* smem_
         }
       }
       wave_mark(p.wv, kMarkBatchDone, wt.w, q);
-    }
-    // the x rows of this block's tasks in the wave's next part, into L2 while the blocks meet at
-    // the barrier and the tensor cores add this part (the next projection's copies then wait on L2,
-    // not on memory)
-    if (c0 + wt.chunks_per_part < n_chunks && !(p.wv.skip & 16)) {
-      const int c1 = c0 + wt.chunks_per_part, nch1 = min(wt.chunks_per_part, n_chunks - c1);
-      const int a_tasks1 = wt.a_kept ? 0 : wt.nr * nch1, n_tasks1 = a_tasks1 + wt.nc * nch1;
-      const int mine1 = blk < n_tasks1 ? (n_tasks1 - blk + G - 1) / G : 0;
-      for (int r = tid; r < mine1 * 32; r += kTcThreads) {
-        int side, n_loc, ch;
-        wave_task(p.wv, wt, blk + G * (r >> 5), a_tasks1, nch1, side, n_loc, ch);
-        const int s = (c1 + ch) * 32 + (r & 31), n = (side ? wt.j_lo : wt.i_lo) + n_loc;
-        if (s < S) prefetch_l2(f.x + int64_t(b) * f.x_sb + int64_t(s) * f.x_ss + int64_t(n) * f.x_sn, C * 4);
-      }
     }
     cp_async_wait_all();
     wave_mark(p.wv, kMarkProjected, wt.w, q);
