@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# The fused projection's contraction (FLASHOPM_FUSED_PROJECTION=1) under Nsight Compute at
-# (1,1024,256,64,32,128): throughput against the ceilings, memory traffic by level, warp stalls and
-# the instructions they sit on.   usage: scripts/ncu_fused.sh OUTDIR
-OUT=${1:?usage: scripts/ncu_fused.sh OUTDIR}
+# A deep-MSA form's contraction under Nsight Compute at (1,1024,256,64,32,128): throughput against
+# the ceilings, memory traffic by level, warp stalls and the instructions they sit on.  FORM: fused
+# (FLASHOPM_FUSED_PROJECTION=1, the default) or waves (FLASHOPM_WAVES=1, the memory bound's form).
+#   usage: scripts/ncu_fused.sh OUTDIR [fused|waves]
+OUT=${1:?usage: scripts/ncu_fused.sh OUTDIR [fused|waves]}
+FORM=${2:-fused}
+case "$FORM" in fused) SETTING=FLASHOPM_FUSED_PROJECTION=1 ;; waves) SETTING=FLASHOPM_WAVES=1 ;;
+  *) echo "FORM must be fused or waves, got '$FORM'" >&2; exit 2 ;; esac
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD/src MAX_JOBS=16 FLASHOPM_CACHE_DIR=$PWD/.cache/flashopm FLASHOPM_SPLIT_COMPILE=1
 mkdir -p "$OUT"
@@ -16,8 +20,8 @@ for _ in range(2):
     flashopm.outer_product_mean(x, m, *(p[k] for k in PARAM_ORDER), algorithm="outer", precision="highest")
 torch.cuda.synchronize()
 PY
-FLASHOPM_FUSED_PROJECTION=1 timeout 240 ncu --clock-control none -k regex:opm_outer_tc_kernel --launch-skip 1 --launch-count 1 \
+env $SETTING timeout 240 ncu --clock-control none -k regex:opm_outer_tc_kernel --launch-skip 1 --launch-count 1 \
   --section SpeedOfLight --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
   --section WarpStateStats --section SchedulerStats --section InstructionStats --section SourceCounters \
-  python /tmp/fused_one.py > "$OUT/ncu_fused.txt" 2>&1
-echo "ncu rc=$?" >> "$OUT/ncu_fused.txt"
+  python /tmp/fused_one.py > "$OUT/ncu_$FORM.txt" 2>&1
+echo "ncu rc=$?" >> "$OUT/ncu_$FORM.txt"
