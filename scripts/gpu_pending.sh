@@ -47,6 +47,32 @@ T() {
 }
 device_code="import flashopm, torch; flashopm.load(); print(torch.ops.flashopm._device_code(torch.empty(0, device='cuda')))"
 
+# The bench CLI's rows of issues 4 and 6, each beside its peers in one process.  The deep MSAs take
+# 20 calls: their bounded wall spread 2.2-2.9 ms over 5 calls (run 313).
+bench_deep() {
+  T bench_deep 120 $py -m flashopm bench --shapes "1,1024,256,64,32,128;1,5120,384,64,32,128" \
+    --impls eager,flashopm,compile,flashopm-bounded --calls 20 --out "$R/bench_deep"
+}
+bench_f32() {
+  T bench_f32 200 $py -m flashopm bench --shapes "1,128,256,256,32,128;1,512,768,256,32,128;1,512,1536,256,32,128" \
+    --impls eager,flashopm,compile,flashopm-bounded,flashopm-tf32 --calls 5 --out "$R/bench_f32"
+}
+bench_bf16() {
+  T bench_bf16 90 $py -m flashopm bench --shapes "1,512,1536,256,32,128" --dtype bfloat16 \
+    --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/bench_bf16"
+}
+bench_modules() {
+  for mod in openfold boltz; do
+    T "bench_$mod" 60 $py -m flashopm bench --module $mod \
+      --shapes "1,128,256,256,32,128;1,1024,256,64,32,128;1,512,1536,256,32,128" \
+      --impls eager,flashopm,flashopm-bounded --calls 5 --out "$R/bench_$mod"
+  done
+}
+bench_8192() {
+  T bench_8192 90 $py -m flashopm bench --shapes "1,512,8192,256,32,128" --impls flashopm-bounded --calls 2 \
+    --fp64-max-n 0 --out "$R/bench_8192"
+}
+
 if [ "$PHASE" = sm80 ]; then
   T code80 300 $py -c "$device_code" || exit 1
   T t80 500 $py -m pytest -x -q tests/test_build.py -k "kernels_use" tests/test_smaller_gpus.py tests/test_conventions.py
@@ -146,19 +172,11 @@ if [ "$PHASE" = bars ]; then
   # eager, torch.compile, the default and the bounded path ("high" at N = 1536 through
   # flashopm-tf32); bfloat16 at N = 1536; the OpenFold and Boltz modules; N = 8192 under the bound.
   T t_waves 60 $py -m pytest -q -p no:cacheprovider tests/test_waves.py || exit 1
-  T bench_deep 120 $py -m flashopm bench --shapes "1,1024,256,64,32,128;1,5120,384,64,32,128" \
-    --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/bench_deep"
-  T bench_f32 200 $py -m flashopm bench --shapes "1,128,256,256,32,128;1,512,768,256,32,128;1,512,1536,256,32,128" \
-    --impls eager,flashopm,compile,flashopm-bounded,flashopm-tf32 --calls 5 --out "$R/bench_f32"
-  T bench_bf16 90 $py -m flashopm bench --shapes "1,512,1536,256,32,128" --dtype bfloat16 \
-    --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/bench_bf16"
-  for mod in openfold boltz; do
-    T "bench_$mod" 60 $py -m flashopm bench --module $mod \
-      --shapes "1,128,256,256,32,128;1,1024,256,64,32,128;1,512,1536,256,32,128" \
-      --impls eager,flashopm,flashopm-bounded --calls 5 --out "$R/bench_$mod"
-  done
-  T bench_8192 90 $py -m flashopm bench --shapes "1,512,8192,256,32,128" --impls flashopm-bounded --calls 2 \
-    --fp64-max-n 0 --out "$R/bench_8192"
+  bench_deep
+  bench_f32
+  bench_bf16
+  bench_modules
+  bench_8192
   exit 0
 fi
 
@@ -167,16 +185,10 @@ if [ "$PHASE" = waves_final ]; then
   # 768) or the pair counts (the OpenFold and Boltz modules) take part in, with their tests; the
   # trace (~6 min with the build)
   T t_waves 60 $py -m pytest -q -p no:cacheprovider tests/test_waves.py
-  T bench_deep 120 $py -m flashopm bench --shapes "1,1024,256,64,32,128;1,5120,384,64,32,128" \
-    --impls eager,flashopm,compile,flashopm-bounded --calls 20 --out "$R/bench_deep"
-  for mod in openfold boltz; do
-    T "bench_$mod" 60 $py -m flashopm bench --module $mod \
-      --shapes "1,128,256,256,32,128;1,1024,256,64,32,128;1,512,1536,256,32,128" \
-      --impls eager,flashopm,flashopm-bounded --calls 5 --out "$R/bench_$mod"
-  done
+  bench_deep
+  bench_modules
   T t_conv 60 $py -m pytest -q -p no:cacheprovider tests/test_conventions.py tests/test_modules.py
-  T bench_f32 200 $py -m flashopm bench --shapes "1,128,256,256,32,128;1,512,768,256,32,128;1,512,1536,256,32,128" \
-    --impls eager,flashopm,compile,flashopm-bounded,flashopm-tf32 --calls 5 --out "$R/bench_f32"
+  bench_f32
   T trace_auto 40 $py scripts/waves_trace.py 1,1024,256,64,32,128 --out "$R/trace_auto"
   exit 0
 fi
@@ -186,21 +198,13 @@ if [ "$PHASE" = final ]; then
   # and its kept a against none, then the forward-side test files, in one call (~9 min with the build;
   # every step runs whatever the one before gave)
   T t_waves 60 $py -m pytest -q -p no:cacheprovider tests/test_waves.py
-  T bench_deep 120 $py -m flashopm bench --shapes "1,1024,256,64,32,128;1,5120,384,64,32,128" \
-    --impls eager,flashopm,compile,flashopm-bounded --calls 20 --out "$R/bench_deep"
+  bench_deep
   T trace_auto 40 $py scripts/waves_trace.py 1,1024,256,64,32,128 --out "$R/trace_auto"
   T ab_keep0 30 env FLASHOPM_WAVES=1 $py scripts/ab_env.py FLASHOPM_WAVES_KEEP=0 1,1024,256,64,32,128 --mode forward --calls 6
-  T bench_f32 200 $py -m flashopm bench --shapes "1,128,256,256,32,128;1,512,768,256,32,128;1,512,1536,256,32,128" \
-    --impls eager,flashopm,compile,flashopm-bounded,flashopm-tf32 --calls 5 --out "$R/bench_f32"
-  T bench_bf16 90 $py -m flashopm bench --shapes "1,512,1536,256,32,128" --dtype bfloat16 \
-    --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/bench_bf16"
-  for mod in openfold boltz; do
-    T "bench_$mod" 60 $py -m flashopm bench --module $mod \
-      --shapes "1,128,256,256,32,128;1,1024,256,64,32,128;1,512,1536,256,32,128" \
-      --impls eager,flashopm,flashopm-bounded --calls 5 --out "$R/bench_$mod"
-  done
-  T bench_8192 90 $py -m flashopm bench --shapes "1,512,8192,256,32,128" --impls flashopm-bounded --calls 2 \
-    --fp64-max-n 0 --out "$R/bench_8192"
+  bench_f32
+  bench_bf16
+  bench_modules
+  bench_8192
   T t_conv 60 $py -m pytest -q -p no:cacheprovider tests/test_conventions.py tests/test_modules.py
   T t_fused 40 $py -m pytest -q -p no:cacheprovider tests/test_fused_projection.py
   T t_cuda 90 $py -m pytest -q -p no:cacheprovider tests/test_cuda.py
