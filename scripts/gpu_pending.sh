@@ -68,6 +68,14 @@ bench_modules() {
       --impls eager,flashopm,flashopm-bounded --calls 5 --out "$R/bench_$mod"
   done
 }
+# The forward-side test files past test_waves.py that the waves form, the bound's kernels and the
+# shared epilogue touch, each run whatever the one before gave (a record of every file, not a gate).
+other_forward_tests() {
+  T t_fused 60 $py -m pytest -q -p no:cacheprovider tests/test_fused_projection.py
+  T t_cuda 150 $py -m pytest -q -p no:cacheprovider tests/test_cuda.py
+  T t_conv 150 $py -m pytest -q -p no:cacheprovider tests/test_conventions.py tests/test_modules.py
+  T t_auto 120 $py -m pytest -q -p no:cacheprovider tests/test_autograd.py
+}
 bench_8192() {
   T bench_8192 90 $py -m flashopm bench --shapes "1,512,8192,256,32,128" --impls flashopm-bounded --calls 2 \
     --fp64-max-n 0 --out "$R/bench_8192"
@@ -156,13 +164,9 @@ if [ "$PHASE" = waves_short ]; then
 fi
 
 if [ "$PHASE" = checks ]; then
-  # the forward-side test files that the waves form, the bound's kernel and the shared epilogue touch,
-  # each run whatever the one before gave (a record of every file, not a gate)
+  # the forward-side test files
   T t_waves 90 $py -m pytest -q -p no:cacheprovider tests/test_waves.py
-  T t_fused 60 $py -m pytest -q -p no:cacheprovider tests/test_fused_projection.py
-  T t_cuda 150 $py -m pytest -q -p no:cacheprovider tests/test_cuda.py
-  T t_conv 150 $py -m pytest -q -p no:cacheprovider tests/test_conventions.py tests/test_modules.py
-  T t_auto 120 $py -m pytest -q -p no:cacheprovider tests/test_autograd.py
+  other_forward_tests
   exit 0
 fi
 
@@ -205,10 +209,7 @@ if [ "$PHASE" = final ]; then
   bench_bf16
   bench_modules
   bench_8192
-  T t_conv 60 $py -m pytest -q -p no:cacheprovider tests/test_conventions.py tests/test_modules.py
-  T t_fused 40 $py -m pytest -q -p no:cacheprovider tests/test_fused_projection.py
-  T t_cuda 90 $py -m pytest -q -p no:cacheprovider tests/test_cuda.py
-  T t_auto 120 $py -m pytest -q -p no:cacheprovider tests/test_autograd.py
+  other_forward_tests
   exit 0
 fi
 

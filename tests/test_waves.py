@@ -24,6 +24,7 @@ from flashopm.testing import Shape, make_problem, reference
 pytestmark = requires_cuda
 
 WAVES_KERNEL = "256, false, true>"  # opm_outer_tc_kernel<3, true, true, true, 32, 32, 256, false, true>
+KEPT_A_MARK = 12  # WaveMark kMarkKeptA (csrc/opm_params.h): a wave kept the a of the wave before it
 
 
 @pytest.fixture(autouse=True)
@@ -98,7 +99,7 @@ def _kept_waves(call):
     kept = 0
     for blk in range(trace.shape[0]):
         n = int(trace[blk, 0, 0])
-        kept += int(((trace[blk, 1:n + 1, 0] & 0xFF) == 12).sum())
+        kept += int(((trace[blk, 1:n + 1, 0] & 0xFF) == KEPT_A_MARK).sum())
     return out, kept // trace.shape[0]
 
 
