@@ -20,12 +20,13 @@
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR final  # bars, the trace, then the forward test files
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR waves_final  # the rows the waves form and the pair
 #                                                       # counts take part in, and their tests
+#          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR staged  # the waves form's stores staged, and its profile
 # (DEST: a folder that r.tgz is also copied to after every step)
 # Each phase fits one call of under ten minutes, the build (~2 min) included.
 # steps.txt lists each step's exit status; a failing test step stops the call.
 OUT=$1
 PHASE=${2:-default}
-case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final or waves_final, got '$PHASE'" >&2; exit 2 ;; esac
+case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | staged) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final or staged, got '$PHASE'" >&2; exit 2 ;; esac
 R=$OUT/r
 mkdir -p "$R"
 pack() { tar -C "$OUT" -czf "$OUT/r.tgz" r; [ -n "$DEST" ] && cp "$OUT/r.tgz" "$DEST/"; }
@@ -177,6 +178,17 @@ if [ "$PHASE" = bars ]; then
   bench_bf16
   bench_modules
   bench_8192
+  exit 0
+fi
+
+if [ "$PHASE" = staged ]; then
+  # (branch waves-staged) the waves form's projected rows staged in shared memory and stored whole:
+  # its tests, its trace (the projection's steps against runs 319-320's), the deep MSAs' bench; then
+  # Nsight Compute's warp stalls for the waves kernel (~7 min with the build)
+  T t_waves 60 $py -m pytest -q -p no:cacheprovider tests/test_waves.py
+  T trace_staged 40 $py scripts/waves_trace.py 1,1024,256,64,32,128 --out "$R/trace_staged"
+  bench_deep
+  T ncu_waves 280 bash scripts/ncu_fused.sh "$R/ncu" waves
   exit 0
 fi
 

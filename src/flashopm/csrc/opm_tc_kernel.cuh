@@ -354,8 +354,9 @@ __device__ __forceinline__ void wave_mark(const WaveArgs& wv, int mark, int w, i
 // stage area while the batch before is projected.  Each row's LayerNorm statistics (one row per
 // thread, as the first kernel forms them), then the task's a or b on mma.sync as the fused
 // projection forms it (project_units_f16: LayerNorm folded into W and the bias), times the mask
-// and 2^e, split into float16 high and low parts at the row's place in the part buffer: per chunk,
-// rows (n, h) of 128 bytes (32 high parts of s, then 32 low), a's nr·32 rows and then b's nc·32.
+// and 2^e, split into float16 high and low parts, staged in the warp's own x rows and stored
+// whole at the task's place in the part buffer: per chunk, rows (n, h) of 128 bytes (32 high parts
+// of s, then 32 low), a's nr·32 rows and then b's nc·32, so a task's 32 rows are one 4 KB run.
 // The residue's exponent comes from a bound on its values (opm_bound_exponents_kernel).
 __device__ __forceinline__ void waves_phase1_f16(const OuterArgs& p, char* smem_c, char* wv_smem, float (&acc)[128],
                                                  const WaveTile& wt, int i0, int j0, int a_lim, int b_lim, int& q) {
@@ -486,6 +487,10 @@ __device__ __forceinline__ void waves_phase1_f16(const OuterArgs& p, char* smem_
         const __half* w_lo = wsp + (side * 2 + 1) * kFpH * kFpLdW;
         const int n_side = side ? wt.nc : wt.nr;
         char* const rows = (side ? buf_b : buf_a) + (int64_t(ch) * n_side + n_loc) * (kFpH * 128);
+        // The task's rows staged in the warp's own x rows (its alone: its statistics and its
+        // projection read them) and stored whole, not 16 bytes of 8 rows a store
+        static_assert(16 * kWvLdX * 4 >= kFpH * 128, "half of a warp's x rows hold the task's rows");
+        char* const stage = reinterpret_cast<char*>(xs0 + (bi & 1) * (kWvRows * kWvLdX) + 32 * warp * kWvLdX);
 #pragma unroll 1
         for (int half = 0; half < 2; ++half) {
           int xrow[2];
@@ -497,6 +502,8 @@ __device__ __forceinline__ void waves_phase1_f16(const OuterArgs& p, char* smem_
           }
           float pacc[2][2][4];
           project_units_f16(xs, kWvLdX, xrow, stat, w_hi, w_lo, Cp, pacc);
+          // the warp's x rows 0-15, read by half 0 alone, take the task's rows from here on
+          if (half == 0) __syncwarp();
           // pacc[mt][un]: rows h = 16mt + g (+8), s = 8(2·half + un) + 2t (+1) of the task's chunk
 #pragma unroll
           for (int un = 0; un < 2; ++un) {
@@ -508,11 +515,23 @@ __device__ __forceinline__ void waves_phase1_f16(const OuterArgs& p, char* smem_
             for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
               for (int hh = 0; hh < 2; ++hh) {
-                char* const rp = rows + (16 * mt + g + 8 * hh) * 128 + 2 * sl;
-                *reinterpret_cast<uint32_t*>(rp) = hi[mt][hh];
-                *reinterpret_cast<uint32_t*>(rp + 64) = lo[mt][hh];
+                // 16-byte piece 2·half + un (high) and 4 + that (low) of row h = 16mt + g + 8hh,
+                // swizzled by h % 8 so that the eight rows of one store instruction fall in
+                // different banks
+                const int h = 16 * mt + g + 8 * hh;
+                char* const sp = stage + h * 128 + 4 * t;
+                *reinterpret_cast<uint32_t*>(sp + (((2 * half + un) ^ (h & 7)) << 4)) = hi[mt][hh];
+                *reinterpret_cast<uint32_t*>(sp + (((4 + 2 * half + un) ^ (h & 7)) << 4)) = lo[mt][hh];
               }
           }
+        }
+        // the task's 32 rows of 128 bytes, contiguous in the part buffer, in 512-byte stores
+        __syncwarp();
+#pragma unroll
+        for (int it = 0; it < 8; ++it) {
+          const int idx = it * 32 + lane, h = idx >> 3, c = idx & 7;
+          const uint4 v = *reinterpret_cast<const uint4*>(stage + h * 128 + ((c ^ (h & 7)) << 4));
+          *reinterpret_cast<uint4*>(rows + h * 128 + c * 16) = v;
         }
       }
       wave_mark(p.wv, kMarkBatchDone, wt.w, q);
