@@ -369,6 +369,7 @@ enum WaveMark : int {
   kMarkBatchStats = 10,  // its statistics formed (after the barrier, and the one-buffer barrier if any)
   kMarkBatchDone = 11,   // its tasks projected and stored (this thread's warp)
   kMarkKeptA = 12,       // the wave keeps the a of the wave before it
+  kMarkBatchIssued = 13,  // the next batch's copies issued (before this batch's statistics)
 };
 // a, b and w_out hold float32, or the 16-bit operand type of opm_outer_tc16_kernel.
 struct OuterArgs {

@@ -442,6 +442,7 @@ __device__ __forceinline__ void waves_phase1_f16(const OuterArgs& p, char* smem_
       __syncthreads();
       wave_mark(p.wv, kMarkBatchIn, wt.w, q);
       issue_batch(bi + 1);
+      wave_mark(p.wv, kMarkBatchIssued, wt.w, q);
       if (!(p.wv.skip & 1)) {
         // the row's LayerNorm statistics: the mean as the row's first value plus the mean
         // difference from it in four partial sums (as the first kernel forms them)
