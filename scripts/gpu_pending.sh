@@ -20,13 +20,14 @@
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR final  # bars, the trace, then the forward test files
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR waves_final  # the rows the waves form and the pair
 #                                                       # counts take part in, and their tests
-#          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR staged  # the waves form's stores staged, and its profile
+#          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR proj  # the waves form's projection: copies and
+#                                                       # stores against the earlier ones, its profile
 # (DEST: a folder that r.tgz is also copied to after every step)
 # Each phase fits one call of under ten minutes, the build (~2 min) included.
 # steps.txt lists each step's exit status; a failing test step stops the call.
 OUT=$1
 PHASE=${2:-default}
-case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | staged) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final or staged, got '$PHASE'" >&2; exit 2 ;; esac
+case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final or proj, got '$PHASE'" >&2; exit 2 ;; esac
 R=$OUT/r
 mkdir -p "$R"
 pack() { tar -C "$OUT" -czf "$OUT/r.tgz" r; [ -n "$DEST" ] && cp "$OUT/r.tgz" "$DEST/"; }
@@ -181,14 +182,19 @@ if [ "$PHASE" = bars ]; then
   exit 0
 fi
 
-if [ "$PHASE" = staged ]; then
-  # (branch waves-staged) the waves form's projected rows staged in shared memory and stored whole:
-  # its tests, its trace (the projection's steps against runs 319-320's), the deep MSAs' bench; then
-  # Nsight Compute's warp stalls for the waves kernel (~7 min with the build)
+if [ "$PHASE" = proj ]; then
+  # the waves form's projection: x's rows copied warp by warp and the projected rows staged and
+  # stored whole (the defaults), against each left out and both (FLASHOPM_WAVES_COPIES=0,
+  # FLASHOPM_WAVES_STAGE=0): its tests, the traces, paired times, the deep MSAs' bench; then
+  # Nsight Compute's warp stalls for the waves kernel
   T t_waves 60 $py -m pytest -q -p no:cacheprovider tests/test_waves.py
-  T trace_staged 40 $py scripts/waves_trace.py 1,1024,256,64,32,128 --out "$R/trace_staged"
+  T trace_new 40 $py scripts/waves_trace.py 1,1024,256,64,32,128 --out "$R/trace_new"
+  T trace_old 40 $py scripts/waves_trace.py 1,1024,256,64,32,128 --env FLASHOPM_WAVES_COPIES=0,FLASHOPM_WAVES_STAGE=0 --out "$R/trace_old"
+  T ab_copies0 40 env FLASHOPM_WAVES=1 $py scripts/ab_env.py FLASHOPM_WAVES_COPIES=0 1,1024,256,64,32,128 --mode forward --calls 8
+  T ab_stage0 40 env FLASHOPM_WAVES=1 $py scripts/ab_env.py FLASHOPM_WAVES_STAGE=0 1,1024,256,64,32,128 --mode forward --calls 8
+  T ab_both0 40 env FLASHOPM_WAVES=1 $py scripts/ab_env.py FLASHOPM_WAVES_COPIES=0,FLASHOPM_WAVES_STAGE=0 1,1024,256,64,32,128 1,5120,384,64,32,128 --mode forward --calls 8
   bench_deep
-  T ncu_waves 280 bash scripts/ncu_fused.sh "$R/ncu" waves
+  T ncu_waves 240 bash scripts/ncu_fused.sh "$R/ncu" waves
   exit 0
 fi
 
@@ -228,11 +234,7 @@ if [ "$PHASE" = trace ]; then
   # the waves form's trace points per part and wave at both deep MSAs, with the automatic buffers and
   # with two; its tests; then the bench of the deep MSAs beside eager
   T trace_auto 90 $py scripts/waves_trace.py 1,1024,256,64,32,128 1,5120,384,64,32,128 --out "$R/trace_auto"
-  T trace_order1 90 $py scripts/waves_trace.py 1,1024,256,64,32,128 1,5120,384,64,32,128 \
-    --env FLASHOPM_WAVES_ORDER=1 --out "$R/trace_order1"
-  T ab_order1 60 env FLASHOPM_WAVES=1 $py scripts/ab_env.py FLASHOPM_WAVES_ORDER=1 1,1024,256,64,32,128 1,5120,384,64,32,128 --mode forward --calls 10
   T t_waves 60 $py -m pytest -q -p no:cacheprovider tests/test_waves.py
-  T t_waves_order1 60 env FLASHOPM_WAVES_ORDER=1 $py -m pytest -q -p no:cacheprovider tests/test_waves.py
   T bench_deep 120 $py -m flashopm bench --shapes "1,1024,256,64,32,128;1,5120,384,64,32,128" \
     --impls eager,flashopm,flashopm-bounded --calls 20 --out "$R/bench_deep"
   exit 0

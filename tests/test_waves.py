@@ -31,7 +31,8 @@ def _waves(monkeypatch):
     split_form_gpu_or_skip()
     monkeypatch.setenv("FLASHOPM_WAVES", "1")
     for name in ("FLASHOPM_WAVES_BLOCKS", "FLASHOPM_WAVES_WS", "FLASHOPM_WAVES_OUT", "FLASHOPM_WAVES_BUFS",
-                 "FLASHOPM_WAVES_KEEP", "FLASHOPM_WAVES_ORDER", "FLASHOPM_WAVES_TRACE", "FLASHOPM_PEAK_BOUND"):
+                 "FLASHOPM_WAVES_KEEP", "FLASHOPM_WAVES_COPIES", "FLASHOPM_WAVES_STAGE", "FLASHOPM_WAVES_TRACE",
+                 "FLASHOPM_PEAK_BOUND"):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -65,7 +66,8 @@ def test_waves_against_the_references(shape, normalization, mask_kind, plan, mon
 
 def test_waves_every_plan_gives_the_same_bits(monkeypatch):
     """One wave of every tile against several waves of few blocks, parts of one chunk from the
-    workspace, the output's rows used or not, one part buffer or two: each tile adds the same
+    workspace, the output's rows used or not, one part buffer or two, x's rows copied warp by warp
+    or by all threads, projected rows staged or stored from the registers: each tile adds the same
     chunks in the same order, so the bits agree."""
     shape = Shape(2, 200, 77, 64, 32, 64)
     x, m, p = make_problem(shape, "masked_positions", seed=42)
@@ -80,7 +82,9 @@ def test_waves_every_plan_gives_the_same_bits(monkeypatch):
         {"FLASHOPM_WAVES_BUFS": "2", "FLASHOPM_WAVES_BLOCKS": "7", "FLASHOPM_WAVES_WS": "1", "FLASHOPM_WAVES_OUT": "0"},
         {"FLASHOPM_WAVES_BUFS": "1", "FLASHOPM_WAVES_OUT": "0"},
         {"FLASHOPM_WAVES_KEEP": "0", "FLASHOPM_WAVES_BLOCKS": "5"},
-        {"FLASHOPM_WAVES_ORDER": "1", "FLASHOPM_WAVES_BLOCKS": "5"},
+        {"FLASHOPM_WAVES_COPIES": "0", "FLASHOPM_WAVES_BLOCKS": "5"},
+        {"FLASHOPM_WAVES_STAGE": "0", "FLASHOPM_WAVES_WS": "1"},
+        {"FLASHOPM_WAVES_COPIES": "0", "FLASHOPM_WAVES_STAGE": "0"},
     ]
     for plan in plans:
         for name, value in plan.items():

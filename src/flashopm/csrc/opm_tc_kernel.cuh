@@ -391,20 +391,31 @@ __device__ __forceinline__ void waves_phase1_f16(const OuterArgs& p, char* smem_
       int tk = blk + G * m;
       side = tk >= a_tasks;
       if (side) tk -= a_tasks;
-      if (p.wv.order == 1) {
-        const int n_side = side ? wt.nc : wt.nr;
-        ch = tk / n_side;
-        n_loc = tk - ch * n_side;
-      } else {
-        n_loc = tk / nch;
-        ch = tk - n_loc * nch;
-      }
+      n_loc = tk / nch;
+      ch = tk - n_loc * nch;
     };
     // x's rows of batch bi (row r = 32·slot + s within the chunk) into its buffer, one group of
-    // copies (empty past the last batch): this thread copies 16-byte piece tid % 16 of rows tid / 16
-    // + 16u, zeros past C, past S and past this block's tasks
+    // copies (empty past the last batch), zeros past C, past S and past this block's tasks.  With
+    // warp_copies warp w copies slot w's rows (16-byte piece lane % 16 of rows lane / 16 + 2k), its
+    // task looked up once; else this thread copies piece tid % 16 of rows tid / 16 + 16u.
     auto issue_batch = [&](int bi) {
-      if (bi < n_batches && !(p.wv.skip & 4)) {
+      if (bi < n_batches && !(p.wv.skip & 4) && p.wv.warp_copies) {
+        float* xs = xs0 + (bi & 1) * (kWvRows * kWvLdX);
+        const int pq = lane & 15, m = bi * kWvSlots + warp;
+        int side = 0, n_loc = 0, ch = 0;
+        const bool task_ok = m < mine;
+        if (task_ok) task_of(m, side, n_loc, ch);
+        const int s0 = (c0 + ch) * 32 + (lane >> 4), n = (side ? wt.j_lo : wt.i_lo) + n_loc;
+        const bool col_ok = task_ok && 4 * pq < C;
+        const float* src = f.x + int64_t(b) * f.x_sb + int64_t(s0) * f.x_ss + int64_t(n) * f.x_sn + 4 * pq;
+        float* const dst = xs + (32 * warp + (lane >> 4)) * kWvLdX + 4 * pq;
+        const int64_t step = 2 * f.x_ss;
+#pragma unroll
+        for (int k = 0; k < 16; ++k) {
+          const bool ok = col_ok && s0 + 2 * k < S;
+          cp_async16z(dst + 2 * k * kWvLdX, ok ? src + k * step : f.x, ok);
+        }
+      } else if (bi < n_batches && !(p.wv.skip & 4)) {
         float* xs = xs0 + (bi & 1) * (kWvRows * kWvLdX);
         const int pq = tid & 15;
 #pragma unroll 4
@@ -516,23 +527,30 @@ __device__ __forceinline__ void waves_phase1_f16(const OuterArgs& p, char* smem_
             for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
               for (int hh = 0; hh < 2; ++hh) {
-                // 16-byte piece 2·half + un (high) and 4 + that (low) of row h = 16mt + g + 8hh,
-                // swizzled by h % 8 so that the eight rows of one store instruction fall in
-                // different banks
                 const int h = 16 * mt + g + 8 * hh;
-                char* const sp = stage + h * 128 + 4 * t;
-                *reinterpret_cast<uint32_t*>(sp + (((2 * half + un) ^ (h & 7)) << 4)) = hi[mt][hh];
-                *reinterpret_cast<uint32_t*>(sp + (((4 + 2 * half + un) ^ (h & 7)) << 4)) = lo[mt][hh];
+                if (p.wv.stage_stores) {
+                  // 16-byte piece 2·half + un (high) and 4 + that (low) of row h, swizzled by h % 8
+                  // so that the eight rows of one store instruction fall in different banks
+                  char* const sp = stage + h * 128 + 4 * t;
+                  *reinterpret_cast<uint32_t*>(sp + (((2 * half + un) ^ (h & 7)) << 4)) = hi[mt][hh];
+                  *reinterpret_cast<uint32_t*>(sp + (((4 + 2 * half + un) ^ (h & 7)) << 4)) = lo[mt][hh];
+                } else {
+                  char* const rp = rows + h * 128 + 2 * sl;
+                  *reinterpret_cast<uint32_t*>(rp) = hi[mt][hh];
+                  *reinterpret_cast<uint32_t*>(rp + 64) = lo[mt][hh];
+                }
               }
           }
         }
-        // the task's 32 rows of 128 bytes, contiguous in the part buffer, in 512-byte stores
-        __syncwarp();
+        if (p.wv.stage_stores) {
+          // the task's 32 rows of 128 bytes, contiguous in the part buffer, in 512-byte stores
+          __syncwarp();
 #pragma unroll
-        for (int it = 0; it < 8; ++it) {
-          const int idx = it * 32 + lane, h = idx >> 3, c = idx & 7;
-          const uint4 v = *reinterpret_cast<const uint4*>(stage + h * 128 + ((c ^ (h & 7)) << 4));
-          *reinterpret_cast<uint4*>(rows + h * 128 + c * 16) = v;
+          for (int it = 0; it < 8; ++it) {
+            const int idx = it * 32 + lane, h = idx >> 3, c = idx & 7;
+            const uint4 v = *reinterpret_cast<const uint4*>(stage + h * 128 + ((c ^ (h & 7)) << 4));
+            *reinterpret_cast<uint4*>(rows + h * 128 + c * 16) = v;
+          }
         }
       }
       wave_mark(p.wv, kMarkBatchDone, wt.w, q);
@@ -1259,7 +1277,6 @@ __device__ __forceinline__ void outer_tc_waves(const OuterArgs& p) {
   bool prev_single = false;
   // the last wave's a, where it took all of s in one part of the region's single buffer
   bool prev_all_s = false;
-  int prev_b = -1, prev_i_lo = -1, prev_nr = -1;
   int q = 0;
   for (int w = 0; w < p.B * waves_i * waves_j; ++w) {
     WaveTile wt;
@@ -1303,15 +1320,12 @@ __device__ __forceinline__ void outer_tc_waves(const OuterArgs& p) {
     // a stays where the band's wave before left it (its buffer's start, all of s): the waves
     // between write the band's rows of the output alone, and b's buffer after it waits for the
     // one buffer's barrier
+    // (the wave before in the band, wj - 1, had the same rows and so the same region)
     const bool all_s = wt.single && wt.chunks_per_part >= n_chunks;
-    wt.a_kept = !wv.fresh_a && all_s && prev_all_s && region == prev_region && wt.b == prev_b &&
-                wt.i_lo == prev_i_lo && wt.nr == prev_nr;
+    wt.a_kept = !wv.fresh_a && all_s && prev_all_s && wj > 0;
     prev_region = region;
     prev_single = wt.single;
     prev_all_s = all_s;
-    prev_b = wt.b;
-    prev_i_lo = wt.i_lo;
-    prev_nr = wt.nr;
     wt.w = w;
     wave_mark(wv, kMarkWave, w, q);
     if (wt.a_kept) wave_mark(wv, kMarkKeptA, w, q);
