@@ -20,8 +20,8 @@
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR final  # bars, the trace, then the forward test files
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR waves_final  # the rows the waves form and the pair
 #                                                       # counts take part in, and their tests
-#          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR proj  # the waves form's projection: copies and
-#                                                       # stores against the earlier ones, its profile
+#          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR proj  # the waves form's projection and barriers:
+#                                                       # tests, trace, the bounded rows
 # (DEST: a folder that r.tgz is also copied to after every step)
 # Each phase fits one call of under ten minutes, the build (~2 min) included.
 # steps.txt lists each step's exit status; a failing test step stops the call.
@@ -183,18 +183,16 @@ if [ "$PHASE" = bars ]; then
 fi
 
 if [ "$PHASE" = proj ]; then
-  # the waves form's projection: x's rows copied warp by warp and the projected rows staged and
-  # stored whole (the defaults), against each left out and both (FLASHOPM_WAVES_COPIES=0,
-  # FLASHOPM_WAVES_STAGE=0): its tests, the traces, paired times, the deep MSAs' bench; then
-  # Nsight Compute's warp stalls for the waves kernel
-  T t_waves 60 $py -m pytest -q -p no:cacheprovider tests/test_waves.py
-  T trace_new 40 $py scripts/waves_trace.py 1,1024,256,64,32,128 --out "$R/trace_new"
-  T trace_old 40 $py scripts/waves_trace.py 1,1024,256,64,32,128 --env FLASHOPM_WAVES_COPIES=0,FLASHOPM_WAVES_STAGE=0 --out "$R/trace_old"
-  T ab_copies0 40 env FLASHOPM_WAVES=1 $py scripts/ab_env.py FLASHOPM_WAVES_COPIES=0 1,1024,256,64,32,128 --mode forward --calls 8
-  T ab_stage0 40 env FLASHOPM_WAVES=1 $py scripts/ab_env.py FLASHOPM_WAVES_STAGE=0 1,1024,256,64,32,128 --mode forward --calls 8
-  T ab_both0 40 env FLASHOPM_WAVES=1 $py scripts/ab_env.py FLASHOPM_WAVES_COPIES=0,FLASHOPM_WAVES_STAGE=0 1,1024,256,64,32,128 1,5120,384,64,32,128 --mode forward --calls 8
+  # the waves form's projection (x's rows copied warp by warp, projected rows stored whole) and its
+  # one-buffer stores waiting on an arrival made right after the part before was read: its tests,
+  # the trace, the deep MSAs and the modules under the bound, kept a against none, the modules'
+  # tests (~5 min with the build)
+  T t_waves 80 $py -m pytest -q -p no:cacheprovider tests/test_waves.py
+  T trace_auto 40 $py scripts/waves_trace.py 1,1024,256,64,32,128 1,5120,384,64,32,128 --out "$R/trace_auto"
   bench_deep
-  T ncu_waves 240 bash scripts/ncu_fused.sh "$R/ncu" waves
+  bench_modules
+  T ab_keep0 30 env FLASHOPM_WAVES=1 $py scripts/ab_env.py FLASHOPM_WAVES_KEEP=0 1,1024,256,64,32,128 --mode forward --calls 6
+  T t_conv 60 $py -m pytest -q -p no:cacheprovider tests/test_conventions.py tests/test_modules.py
   exit 0
 fi
 

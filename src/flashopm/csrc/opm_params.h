@@ -347,12 +347,6 @@ struct WaveArgs {
   // | part << 32, %globaltimer, clock64), record 0 holding the count; null: no trace
   long long* trace;
   int trace_cap;
-  // the projection's x copies (FLASHOPM_WAVES_COPIES): 1, each warp copies its own task's 32 rows
-  // (one task lookup per warp); 0, the batch's rows spread over all threads (a lookup per row)
-  int warp_copies;
-  // the projection's stores (FLASHOPM_WAVES_STAGE): 1, a task's rows staged in shared memory and
-  // stored as one 4 KB run; 0, straight from the registers, 16 bytes of eight rows a store
-  int stage_stores;
   // 1: every wave projects its a (FLASHOPM_WAVES_KEEP=0); 0: a wave whose one part holds all of s
   // keeps the a that the wave before it in the band left in the same buffer
   int fresh_a;
