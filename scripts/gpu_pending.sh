@@ -17,7 +17,7 @@
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR bars  # every figure of issues 4 and 6 in one call
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR checks  # the forward test files on this code
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR trace  # where the waves form's time goes
-#          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR final  # bars, the trace, then the forward test files
+#          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR final  # bars, then the forward test files
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR waves_final  # the rows the waves form and the pair
 #                                                       # counts take part in, and their tests
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR proj  # the waves form's projection and barriers:
@@ -57,17 +57,20 @@ bench_deep() {
 }
 bench_f32() {
   T bench_f32 200 $py -m flashopm bench --shapes "1,128,256,256,32,128;1,512,768,256,32,128;1,512,1536,256,32,128" \
-    --impls eager,flashopm,compile,flashopm-bounded,flashopm-tf32 --calls 5 --out "$R/bench_f32"
+    --impls eager,flashopm,compile,flashopm-bounded,flashopm-tf32,flashopm-tf32-bounded --calls 5 --out "$R/bench_f32"
 }
 bench_bf16() {
   T bench_bf16 90 $py -m flashopm bench --shapes "1,512,1536,256,32,128" --dtype bfloat16 \
     --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/bench_bf16"
 }
+# the modules' deep MSA over 20 calls too (its bounded wall is the closest to its bar)
 bench_modules() {
   for mod in openfold boltz; do
     T "bench_$mod" 60 $py -m flashopm bench --module $mod \
-      --shapes "1,128,256,256,32,128;1,1024,256,64,32,128;1,512,1536,256,32,128" \
+      --shapes "1,128,256,256,32,128;1,512,1536,256,32,128" \
       --impls eager,flashopm,flashopm-bounded --calls 5 --out "$R/bench_$mod"
+    T "bench_${mod}_deep" 60 $py -m flashopm bench --module $mod --shapes "1,1024,256,64,32,128" \
+      --impls eager,flashopm,flashopm-bounded --calls 20 --out "$R/bench_${mod}_deep"
   done
 }
 bench_8192() {
@@ -210,13 +213,10 @@ if [ "$PHASE" = waves_final ]; then
 fi
 
 if [ "$PHASE" = final ]; then
-  # every figure of issues 4 and 6 (as 'bars', the deep MSAs over 20 calls), the waves form's trace
-  # and its kept a against none, then the forward-side test files, in one call (~9 min with the build;
-  # every step runs whatever the one before gave)
+  # every figure of issues 4 and 6 (the deep MSAs over 20 calls), then the forward-side test files,
+  # in one call (~8 min with the build; every step runs whatever the one before gave)
   T t_waves 60 $py -m pytest -q -p no:cacheprovider tests/test_waves.py
   bench_deep
-  T trace_auto 40 $py scripts/waves_trace.py 1,1024,256,64,32,128 --out "$R/trace_auto"
-  T ab_keep0 30 env FLASHOPM_WAVES=1 $py scripts/ab_env.py FLASHOPM_WAVES_KEEP=0 1,1024,256,64,32,128 --mode forward --calls 6
   bench_f32
   bench_bf16
   bench_modules
