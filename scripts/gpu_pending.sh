@@ -17,15 +17,17 @@
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR bars  # every figure of issues 4 and 6 in one call
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR checks  # the forward test files on this code
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR trace  # where the waves form's time goes
-#          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR final  # bars, the trace, then the forward test files
+#          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR final  # bars, then the forward test files
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR waves_final  # the rows the waves form and the pair
 #                                                       # counts take part in, and their tests
+#          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR proj  # the waves form's projection and barriers:
+#                                                       # tests, trace, the bounded rows
 # (DEST: a folder that r.tgz is also copied to after every step)
 # Each phase fits one call of under ten minutes, the build (~2 min) included.
 # steps.txt lists each step's exit status; a failing test step stops the call.
 OUT=$1
 PHASE=${2:-default}
-case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final or waves_final, got '$PHASE'" >&2; exit 2 ;; esac
+case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final or proj, got '$PHASE'" >&2; exit 2 ;; esac
 R=$OUT/r
 mkdir -p "$R"
 pack() { tar -C "$OUT" -czf "$OUT/r.tgz" r; [ -n "$DEST" ] && cp "$OUT/r.tgz" "$DEST/"; }
@@ -55,17 +57,20 @@ bench_deep() {
 }
 bench_f32() {
   T bench_f32 200 $py -m flashopm bench --shapes "1,128,256,256,32,128;1,512,768,256,32,128;1,512,1536,256,32,128" \
-    --impls eager,flashopm,compile,flashopm-bounded,flashopm-tf32 --calls 5 --out "$R/bench_f32"
+    --impls eager,flashopm,compile,flashopm-bounded,flashopm-tf32,flashopm-tf32-bounded --calls 5 --out "$R/bench_f32"
 }
 bench_bf16() {
   T bench_bf16 90 $py -m flashopm bench --shapes "1,512,1536,256,32,128" --dtype bfloat16 \
     --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/bench_bf16"
 }
+# the modules' deep MSA over 20 calls too (its bounded wall is the closest to its bar)
 bench_modules() {
   for mod in openfold boltz; do
     T "bench_$mod" 60 $py -m flashopm bench --module $mod \
-      --shapes "1,128,256,256,32,128;1,1024,256,64,32,128;1,512,1536,256,32,128" \
+      --shapes "1,128,256,256,32,128;1,512,1536,256,32,128" \
       --impls eager,flashopm,flashopm-bounded --calls 5 --out "$R/bench_$mod"
+    T "bench_${mod}_deep" 60 $py -m flashopm bench --module $mod --shapes "1,1024,256,64,32,128" \
+      --impls eager,flashopm,flashopm-bounded --calls 20 --out "$R/bench_${mod}_deep"
   done
 }
 # The forward-side test files past test_waves.py that the waves form, the bound's kernels and the
@@ -184,6 +189,20 @@ if [ "$PHASE" = bars ]; then
   exit 0
 fi
 
+if [ "$PHASE" = proj ]; then
+  # the waves form's projection (x's rows copied warp by warp, projected rows stored whole) and its
+  # one-buffer stores waiting on an arrival made right after the part before was read: its tests,
+  # the trace, the deep MSAs and the modules under the bound, kept a against none, the modules'
+  # tests (~5 min with the build)
+  T t_waves 80 $py -m pytest -q -p no:cacheprovider tests/test_waves.py
+  T trace_auto 40 $py scripts/waves_trace.py 1,1024,256,64,32,128 1,5120,384,64,32,128 --out "$R/trace_auto"
+  bench_deep
+  bench_modules
+  T ab_keep0 30 env FLASHOPM_WAVES=1 $py scripts/ab_env.py FLASHOPM_WAVES_KEEP=0 1,1024,256,64,32,128 --mode forward --calls 6
+  T t_conv 60 $py -m pytest -q -p no:cacheprovider tests/test_conventions.py tests/test_modules.py
+  exit 0
+fi
+
 if [ "$PHASE" = waves_final ]; then
   # every row of issues 4 and 6 that the waves form (under the bound: the deep MSAs, the crop, N =
   # 768) or the pair counts (the OpenFold and Boltz modules) take part in, with their tests; the
@@ -198,13 +217,10 @@ if [ "$PHASE" = waves_final ]; then
 fi
 
 if [ "$PHASE" = final ]; then
-  # every figure of issues 4 and 6 (as 'bars', the deep MSAs over 20 calls), the waves form's trace
-  # and its kept a against none, then the forward-side test files, in one call (~9 min with the build;
-  # every step runs whatever the one before gave)
+  # every figure of issues 4 and 6 (the deep MSAs over 20 calls), then the forward-side test files,
+  # in one call (~8 min with the build; every step runs whatever the one before gave)
   T t_waves 60 $py -m pytest -q -p no:cacheprovider tests/test_waves.py
   bench_deep
-  T trace_auto 40 $py scripts/waves_trace.py 1,1024,256,64,32,128 --out "$R/trace_auto"
-  T ab_keep0 30 env FLASHOPM_WAVES=1 $py scripts/ab_env.py FLASHOPM_WAVES_KEEP=0 1,1024,256,64,32,128 --mode forward --calls 6
   bench_f32
   bench_bf16
   bench_modules
@@ -217,11 +233,7 @@ if [ "$PHASE" = trace ]; then
   # the waves form's trace points per part and wave at both deep MSAs, with the automatic buffers and
   # with two; its tests; then the bench of the deep MSAs beside eager
   T trace_auto 90 $py scripts/waves_trace.py 1,1024,256,64,32,128 1,5120,384,64,32,128 --out "$R/trace_auto"
-  T trace_order1 90 $py scripts/waves_trace.py 1,1024,256,64,32,128 1,5120,384,64,32,128 \
-    --env FLASHOPM_WAVES_ORDER=1 --out "$R/trace_order1"
-  T ab_order1 60 env FLASHOPM_WAVES=1 $py scripts/ab_env.py FLASHOPM_WAVES_ORDER=1 1,1024,256,64,32,128 1,5120,384,64,32,128 --mode forward --calls 10
   T t_waves 60 $py -m pytest -q -p no:cacheprovider tests/test_waves.py
-  T t_waves_order1 60 env FLASHOPM_WAVES_ORDER=1 $py -m pytest -q -p no:cacheprovider tests/test_waves.py
   T bench_deep 120 $py -m flashopm bench --shapes "1,1024,256,64,32,128;1,5120,384,64,32,128" \
     --impls eager,flashopm,flashopm-bounded --calls 20 --out "$R/bench_deep"
   exit 0

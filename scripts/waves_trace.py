@@ -21,7 +21,7 @@ import flashopm
 from flashopm.testing import Shape, make_problem
 
 MARKS = {1: "wave", 2: "part", 3: "store_wait", 4: "store_go", 5: "projected", 6: "barrier", 7: "chunks",
-         8: "wave_end", 9: "batch_in", 10: "batch_stats", 11: "batch_done"}
+         8: "wave_end", 9: "batch_in", 10: "batch_stats", 11: "batch_done", 13: "batch_issued"}
 
 
 def records(trace):
@@ -56,12 +56,15 @@ def summarise(recs):
         m = {}
         for name, ns in seq:
             m.setdefault(name, ns)
-        t = dict.fromkeys(("copy_wait", "stats", "project", "store_wait"), 0)
+        t = dict.fromkeys(("copy_wait", "issue", "stats", "project", "store_wait"), 0)
         prev = m.get("part")
         batch_in = None
         for name, ns in seq:
             if name == "batch_in":
                 t["copy_wait"] += ns - prev
+                batch_in = ns
+            elif name == "batch_issued":
+                t["issue"] += ns - batch_in
                 batch_in = ns
             elif name == "batch_stats":
                 t["stats"] += ns - batch_in
@@ -92,7 +95,8 @@ def summarise(recs):
         parts.append({
             "part": q, "wave": part_wave[q], "span_us": (max(cols["end"]) - min(cols["start"])) / 1e3,
             "proj_us": mean(cols["proj"]) / 1e3, "proj_max_us": max(cols["proj"]) / 1e3,
-            "copy_wait_us": mean(cols["copy_wait"]) / 1e3, "stats_us": mean(cols["stats"]) / 1e3,
+            "copy_wait_us": mean(cols["copy_wait"]) / 1e3, "issue_us": mean(cols["issue"]) / 1e3,
+            "stats_us": mean(cols["stats"]) / 1e3,
             "project_us": mean(cols["project"]) / 1e3,
             "store_wait_us": mean(cols["store_wait"]) / 1e3, "barrier_wait_us": mean(cols["bwait"]) / 1e3,
             "barrier_wait_min_us": min(cols["bwait"]) / 1e3, "chunks_us": mean(with_tile) / 1e3,
@@ -116,8 +120,8 @@ def summarise(recs):
                if "wave" in m and blk in prev and "wave_end" in prev[blk]]
         wp = [p for p in parts if p["wave"] == w]
         row = {"wave": w, "parts": len(wp), "span_us": (end - start) / 1e3}
-        for k in ("proj_us", "copy_wait_us", "stats_us", "project_us", "store_wait_us", "barrier_wait_us",
-                  "chunks_us"):
+        for k in ("proj_us", "copy_wait_us", "issue_us", "stats_us", "project_us", "store_wait_us",
+                  "barrier_wait_us", "chunks_us"):
             row[k] = sum(p[k] for p in wp)
         row.update({"epilogue_us": mean(epi) / 1e3, "epilogue_max_us": (max(epi) if epi else 0) / 1e3,
                     "gap_us": mean(gap) / 1e3})
@@ -126,8 +130,8 @@ def summarise(recs):
     times = sorted(r[4] for r in recs)
     diffs = sorted({b - a for a, b in zip(times, times[1:]) if b > a})
     totals = {k: sum(w[k] for w in waves) for k in
-              ("proj_us", "copy_wait_us", "stats_us", "project_us", "store_wait_us", "barrier_wait_us", "chunks_us",
-               "epilogue_us", "gap_us")}
+              ("proj_us", "copy_wait_us", "issue_us", "stats_us", "project_us", "store_wait_us", "barrier_wait_us",
+               "chunks_us", "epilogue_us", "gap_us")}
     return {"span_us": span, "parts": len(parts), "waves": len(waves), "timer_step_ns": diffs[0] if diffs else 0,
             "totals": totals}, parts, waves
 
@@ -165,10 +169,10 @@ def main() -> None:
         print(f"{text}: kernel {summary['span_us']:.1f} us, {summary['waves']} waves, {summary['parts']} parts, "
               f"timer step {summary['timer_step_ns']} ns; sums over waves of block means (us): " +
               ", ".join(f"{k[:-3]} {v:.1f}" for k, v in tot.items()))
-        print("  wave parts   span   proj  copyw  stats  projt  swait  bwait chunks   epi  epi_max   gap")
+        print("  wave parts   span   proj  copyw  issue  stats  projt  swait  bwait chunks   epi  epi_max   gap")
         for w in waves:
             print(f"  {w['wave']:4d} {w['parts']:5d} {w['span_us']:6.1f} " + " ".join(
-                f"{w[k]:6.1f}" for k in ("proj_us", "copy_wait_us", "stats_us", "project_us", "store_wait_us",
+                f"{w[k]:6.1f}" for k in ("proj_us", "copy_wait_us", "issue_us", "stats_us", "project_us", "store_wait_us",
                                          "barrier_wait_us", "chunks_us", "epilogue_us", "epilogue_max_us",
                                          "gap_us")))
         if args.out:

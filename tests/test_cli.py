@@ -144,6 +144,26 @@ def test_benchmark_bounded_row_sets_the_bound_for_its_call_only(monkeypatch):
     assert _eager_peer("flashopm-bounded") == "eager"
 
 
+def test_benchmark_tf32_bounded_row_sets_both(monkeypatch):
+    """flashopm-tf32-bounded runs flashopm's module under "high" precision and the peak bound
+    together, and is compared with eager float32 (issue figures: TF32 against eager float32)."""
+    from flashopm.__main__ import PEAK_BOUND, _callable, _eager_peer, _models
+    from flashopm.testing import make_problem
+
+    shape = Shape(1, 4, 9, 12, 3, 5)
+    x, m, p = make_problem(shape, "masked_positions", seed=0)
+    ref, new = _models(shape, p, torch.float32, "spec", device="cpu")
+    seen = []
+    monkeypatch.setattr(new, "forward", lambda *a: seen.append(
+        (os.environ.get("FLASHOPM_PEAK_BOUND"), torch.get_float32_matmul_precision())) or ref(*a))
+    before = torch.get_float32_matmul_precision()
+    torch.testing.assert_close(_callable("flashopm-tf32-bounded", ref, new)(x, m), ref(x, m))
+    assert seen == [(repr(PEAK_BOUND), "high")]
+    assert torch.get_float32_matmul_precision() == before and "FLASHOPM_PEAK_BOUND" not in os.environ
+    assert _callable("flashopm-tf32-bounded", ref, new, torch.bfloat16) is None
+    assert _eager_peer("flashopm-tf32-bounded") == "eager"
+
+
 @pytest.mark.parametrize("mode", ["backward", "training"])
 def test_benchmark_gradient_modes_match_the_reference(mode):
     """The calls the benchmark times in its gradient modes give the reference's gradients (CPU)."""

@@ -117,13 +117,13 @@ def _parse_shapes(text: str | None) -> list[Shape]:
 # "-medium": under "medium" (flashopm: bfloat16 operands; PyTorch's CUDA matmuls treat it as "high");
 # a backward or training step runs under the setting as a whole.
 IMPLS = ("eager", "flashopm", "compile", "compile-ro", "chunked", "eager-tf32", "flashopm-tf32", "flashopm-medium",
-         "eager-amp", "flashopm-amp", "compile-amp", "flashopm-bounded")
+         "eager-amp", "flashopm-amp", "compile-amp", "flashopm-bounded", "flashopm-tf32-bounded")
 PRECISION_SUFFIXES = {"-tf32": "high", "-medium": "medium"}
 # "-amp": the float32 model's forward in a bfloat16 autocast region (mixed-precision training: the
 # backward runs outside it, as torch.autograd.grad is called there).
 AUTOCAST_SUFFIX, AUTOCAST_DTYPE = "-amp", torch.bfloat16
-# "-bounded": flashopm's forward with its peak extra memory bounded (peak_memory_bound, a factor of
-# the output's size, the output included), compared with eager.
+# "-bounded": flashopm's forward (or its "-tf32" form) with its peak extra memory bounded
+# (peak_memory_bound, a factor of the output's size, the output included), compared with eager.
 BOUND_SUFFIX, PEAK_BOUND = "-bounded", 1.1
 DEFAULT_IMPLS = ("eager", "flashopm", "compile", "compile-ro")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -202,8 +202,9 @@ def _with_peak_bound(fn, factor: float):
 
 
 def _callable(impl: str, ref, new, dtype: torch.dtype = torch.float32):
-    if impl == "flashopm" + BOUND_SUFFIX:
-        return _with_peak_bound(new, PEAK_BOUND)
+    if impl.endswith(BOUND_SUFFIX):
+        inner = _callable(impl[: -len(BOUND_SUFFIX)], ref, new, dtype)
+        return None if inner is None else _with_peak_bound(inner, PEAK_BOUND)
     if impl.endswith(AUTOCAST_SUFFIX):
         if dtype != torch.float32:
             return None  # a float32 model's mixed precision

@@ -1428,9 +1428,8 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     // W's split copy, the exponents and the normalisers, and at least two parts of one chunk.
     // FLASHOPM_WAVES_BLOCKS (blocks, at most one per SM), FLASHOPM_WAVES_WS (workspace bytes),
     // FLASHOPM_WAVES_OUT=0 (the workspace alone), FLASHOPM_WAVES_BUFS (1 or 2 part buffers per
-    // region; see WaveArgs), FLASHOPM_WAVES_KEEP=0 (every wave projects its a) and
-    // FLASHOPM_WAVES_ORDER=1 (the projection's tasks residue by residue) set its plan by hand
-    // (tests; every plan gives the same bits).  Under a peak bound it
+    // region; see WaveArgs) and FLASHOPM_WAVES_KEEP=0 (every wave projects its a) set its plan
+    // by hand (tests; every plan gives the same bits).  Under a peak bound it
     // is taken by itself where b for every residue and all of s passes what the bound leaves (every
     // other plan would sum over s in parts, each repeating the contraction with W, or project in
     // bands); FLASHOPM_WAVES=0 leaves it out.
@@ -1507,7 +1506,6 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
       if (const char* e = env_get("FLASHOPM_WAVES_BUFS"); e != nullptr && *e != 0)
         oa.wv.bufs = std::min(std::max(std::atoi(e), 0), 2);
       if (const char* e = env_get("FLASHOPM_WAVES_SKIP"); e != nullptr && *e != 0) oa.wv.skip = std::atoi(e);
-      if (const char* e = env_get("FLASHOPM_WAVES_ORDER"); e != nullptr && *e != 0) oa.wv.order = std::atoi(e) == 1;
       oa.wv.fresh_a = env_is("FLASHOPM_WAVES_KEEP", "0");
       if (const char* e = env_get("FLASHOPM_WAVES_TRACE"); e != nullptr && *e != 0) {
         // timing aid: records outside the peak bound, read back by _waves_trace

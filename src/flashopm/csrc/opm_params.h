@@ -347,10 +347,6 @@ struct WaveArgs {
   // | part << 32, %globaltimer, clock64), record 0 holding the count; null: no trace
   long long* trace;
   int trace_cap;
-  // the projection's task order (FLASHOPM_WAVES_ORDER): 0, a side's tasks chunk by chunk of each
-  // residue in turn; 1, residue by residue of each chunk in turn (neighbouring blocks read
-  // neighbouring residues' rows of x, and store neighbouring rows of the part buffer)
-  int order;
   // 1: every wave projects its a (FLASHOPM_WAVES_KEEP=0); 0: a wave whose one part holds all of s
   // keeps the a that the wave before it in the band left in the same buffer
   int fresh_a;
@@ -369,6 +365,7 @@ enum WaveMark : int {
   kMarkBatchStats = 10,  // its statistics formed (after the barrier, and the one-buffer barrier if any)
   kMarkBatchDone = 11,   // its tasks projected and stored (this thread's warp)
   kMarkKeptA = 12,       // the wave keeps the a of the wave before it
+  kMarkBatchIssued = 13,  // the next batch's copies issued (before this batch's statistics)
 };
 // a, b and w_out hold float32, or the 16-bit operand type of opm_outer_tc16_kernel.
 struct OuterArgs {

@@ -318,9 +318,17 @@ struct WaveTile {
   bool has_tile;
   bool single;  // one part buffer: the whole region (else part q in half q & 1)
   bool a_kept;  // a for all of s already in the buffer (the band's wave before it): b's tasks alone
+  bool next_single;  // the next wave takes one buffer (its first stores wait for this wave's reads)
   char* region;
   int64_t half;
   int chunks_per_part;
+};
+
+// Where a block is in the waves form's sequence: the parts so far, and (thread 0) the arrival at the
+// grid barrier that the next one-buffer part waits on before its stores.
+struct WaveCursor {
+  int q;
+  cooperative_groups::grid_group::arrival_token token;
 };
 
 // A trace point of the waves form (WaveArgs::trace; timing aid): thread 0 appends one record to
@@ -346,19 +354,25 @@ __device__ __forceinline__ void wave_mark(const WaveArgs& wv, int mark, int w, i
 // this block's share of the wave's projection into the part's buffer, a grid barrier (every block,
 // with a tile or without), then the part's chunks into acc as the workspace form adds them.  q
 // counts the parts of the launch.  With two buffers a part's is the one the part before last used,
-// which every block finished reading before it reached the last barrier; with one (wt.single) a
-// grid barrier comes before the part's first stores, after every block's reads of the part before.
+// which every block finished reading before it reached the last barrier; with one (wt.single) the
+// part's first stores wait at a grid barrier that each block arrived at as soon as its reads of the
+// part before were done (before its phase 2 and stores, where that part ended a wave), so that
+// the wait is for the slowest block's reads, not its epilogue.
 //
 // The projection: tasks of 32 rows (a residue's s of one chunk), a's then b's, block blk taking
 // tasks blk, blk + G, ...; a batch of kWvSlots at a time, one per warp, their x rows copied into the
 // stage area while the batch before is projected.  Each row's LayerNorm statistics (one row per
 // thread, as the first kernel forms them), then the task's a or b on mma.sync as the fused
 // projection forms it (project_units_f16: LayerNorm folded into W and the bias), times the mask
-// and 2^e, split into float16 high and low parts at the row's place in the part buffer: per chunk,
-// rows (n, h) of 128 bytes (32 high parts of s, then 32 low), a's nr·32 rows and then b's nc·32.
+// and 2^e, split into float16 high and low parts, staged in the warp's own x rows and stored
+// whole at the task's place in the part buffer: per chunk, rows (n, h) of 128 bytes (32 high parts
+// of s, then 32 low), a's nr·32 rows and then b's nc·32, so a task's 32 rows are one 4 KB run.
 // The residue's exponent comes from a bound on its values (opm_bound_exponents_kernel).
 __device__ __forceinline__ void waves_phase1_f16(const OuterArgs& p, char* smem_c, char* wv_smem, float (&acc)[128],
-                                                 const WaveTile& wt, int i0, int j0, int a_lim, int b_lim, int& q) {
+                                                 const WaveTile& wt, int i0, int j0, int a_lim, int b_lim,
+                                                 WaveCursor& cur) {
+  int& q = cur.q;
+  const cooperative_groups::grid_group grid = cooperative_groups::this_grid();
   const FusedProjArgs& f = p.fp;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2;
   const int g = lane >> 2, t = lane & 3;
@@ -390,32 +404,28 @@ __device__ __forceinline__ void waves_phase1_f16(const OuterArgs& p, char* smem_
       int tk = blk + G * m;
       side = tk >= a_tasks;
       if (side) tk -= a_tasks;
-      if (p.wv.order == 1) {
-        const int n_side = side ? wt.nc : wt.nr;
-        ch = tk / n_side;
-        n_loc = tk - ch * n_side;
-      } else {
-        n_loc = tk / nch;
-        ch = tk - n_loc * nch;
-      }
+      n_loc = tk / nch;
+      ch = tk - n_loc * nch;
     };
     // x's rows of batch bi (row r = 32·slot + s within the chunk) into its buffer, one group of
-    // copies (empty past the last batch): this thread copies 16-byte piece tid % 16 of rows tid / 16
-    // + 16u, zeros past C, past S and past this block's tasks
+    // copies (empty past the last batch), zeros past C, past S and past this block's tasks: warp w
+    // copies slot w's rows (16-byte piece lane % 16 of rows lane / 16 + 2k), its task looked up once.
     auto issue_batch = [&](int bi) {
       if (bi < n_batches && !(p.wv.skip & 4)) {
         float* xs = xs0 + (bi & 1) * (kWvRows * kWvLdX);
-        const int pq = tid & 15;
-#pragma unroll 4
-        for (int u = 0; u < kWvRows / 16; ++u) {
-          const int r = (tid >> 4) + 16 * u, slot = r >> 5;
-          int side = 0, n_loc = 0, ch = 0;
-          const bool task_ok = bi * kWvSlots + slot < mine;
-          if (task_ok) task_of(bi * kWvSlots + slot, side, n_loc, ch);
-          const int s = (c0 + ch) * 32 + (r & 31), n = (side ? wt.j_lo : wt.i_lo) + n_loc;
-          const bool ok = task_ok && s < S && 4 * pq < C;
-          const float* src = ok ? f.x + int64_t(b) * f.x_sb + int64_t(s) * f.x_ss + int64_t(n) * f.x_sn + 4 * pq : f.x;
-          cp_async16z(xs + r * kWvLdX + 4 * pq, src, ok);
+        const int pq = lane & 15, m = bi * kWvSlots + warp;
+        int side = 0, n_loc = 0, ch = 0;
+        const bool task_ok = m < mine;
+        if (task_ok) task_of(m, side, n_loc, ch);
+        const int s0 = (c0 + ch) * 32 + (lane >> 4), n = (side ? wt.j_lo : wt.i_lo) + n_loc;
+        const bool col_ok = task_ok && 4 * pq < C;
+        const float* src = f.x + int64_t(b) * f.x_sb + int64_t(s0) * f.x_ss + int64_t(n) * f.x_sn + 4 * pq;
+        float* const dst = xs + (32 * warp + (lane >> 4)) * kWvLdX + 4 * pq;
+        const int64_t step = 2 * f.x_ss;
+#pragma unroll
+        for (int k = 0; k < 16; ++k) {
+          const bool ok = col_ok && s0 + 2 * k < S;
+          cp_async16z(dst + 2 * k * kWvLdX, ok ? src + k * step : f.x, ok);
         }
       }
       cp_async_commit();
@@ -441,6 +451,7 @@ __device__ __forceinline__ void waves_phase1_f16(const OuterArgs& p, char* smem_
       __syncthreads();
       wave_mark(p.wv, kMarkBatchIn, wt.w, q);
       issue_batch(bi + 1);
+      wave_mark(p.wv, kMarkBatchIssued, wt.w, q);
       if (!(p.wv.skip & 1)) {
         // the row's LayerNorm statistics: the mean as the row's first value plus the mean
         // difference from it in four partial sums (as the first kernel forms them)
@@ -473,7 +484,7 @@ __device__ __forceinline__ void waves_phase1_f16(const OuterArgs& p, char* smem_
       __syncthreads();  // the batch's statistics and factors
       if (!may_store) {
         wave_mark(p.wv, kMarkStoreWait, wt.w, q);
-        cooperative_groups::this_grid().sync();
+        grid.barrier_wait(static_cast<cooperative_groups::grid_group::arrival_token&&>(cur.token));
         wave_mark(p.wv, kMarkStoreGo, wt.w, q);
         may_store = true;
       }
@@ -486,6 +497,10 @@ __device__ __forceinline__ void waves_phase1_f16(const OuterArgs& p, char* smem_
         const __half* w_lo = wsp + (side * 2 + 1) * kFpH * kFpLdW;
         const int n_side = side ? wt.nc : wt.nr;
         char* const rows = (side ? buf_b : buf_a) + (int64_t(ch) * n_side + n_loc) * (kFpH * 128);
+        // The task's rows staged in the warp's own x rows (its alone: its statistics and its
+        // projection read them) and stored whole, not 16 bytes of 8 rows a store
+        static_assert(16 * kWvLdX * 4 >= kFpH * 128, "half of a warp's x rows hold the task's rows");
+        char* const stage = reinterpret_cast<char*>(xs0 + (bi & 1) * (kWvRows * kWvLdX) + 32 * warp * kWvLdX);
 #pragma unroll 1
         for (int half = 0; half < 2; ++half) {
           int xrow[2];
@@ -497,6 +512,8 @@ __device__ __forceinline__ void waves_phase1_f16(const OuterArgs& p, char* smem_
           }
           float pacc[2][2][4];
           project_units_f16(xs, kWvLdX, xrow, stat, w_hi, w_lo, Cp, pacc);
+          // the warp's x rows 0-15, read by half 0 alone, take the task's rows from here on
+          if (half == 0) __syncwarp();
           // pacc[mt][un]: rows h = 16mt + g (+8), s = 8(2·half + un) + 2t (+1) of the task's chunk
 #pragma unroll
           for (int un = 0; un < 2; ++un) {
@@ -508,20 +525,34 @@ __device__ __forceinline__ void waves_phase1_f16(const OuterArgs& p, char* smem_
             for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
               for (int hh = 0; hh < 2; ++hh) {
-                char* const rp = rows + (16 * mt + g + 8 * hh) * 128 + 2 * sl;
-                *reinterpret_cast<uint32_t*>(rp) = hi[mt][hh];
-                *reinterpret_cast<uint32_t*>(rp + 64) = lo[mt][hh];
+                const int h = 16 * mt + g + 8 * hh;
+                // 16-byte piece 2·half + un (high) and 4 + that (low) of row h, swizzled by h % 8 so
+                // that the eight rows of one store instruction fall in different banks
+                char* const sp = stage + h * 128 + 4 * t;
+                *reinterpret_cast<uint32_t*>(sp + (((2 * half + un) ^ (h & 7)) << 4)) = hi[mt][hh];
+                *reinterpret_cast<uint32_t*>(sp + (((4 + 2 * half + un) ^ (h & 7)) << 4)) = lo[mt][hh];
               }
           }
+        }
+        // the task's 32 rows of 128 bytes, contiguous in the part buffer, in 512-byte stores
+        __syncwarp();
+#pragma unroll
+        for (int it = 0; it < 8; ++it) {
+          const int idx = it * 32 + lane, h = idx >> 3, c = idx & 7;
+          const uint4 v = *reinterpret_cast<const uint4*>(stage + h * 128 + ((c ^ (h & 7)) << 4));
+          *reinterpret_cast<uint4*>(rows + h * 128 + c * 16) = v;
         }
       }
       wave_mark(p.wv, kMarkBatchDone, wt.w, q);
     }
     cp_async_wait_all();
     wave_mark(p.wv, kMarkProjected, wt.w, q);
-    if (!may_store) cooperative_groups::this_grid().sync();  // no batch here: the barrier all the same
+    if (!may_store) {
+      // no batch here: the wait all the same
+      grid.barrier_wait(static_cast<cooperative_groups::grid_group::arrival_token&&>(cur.token));
+    }
     // every block's rows of the part stored and visible (the copies below read through L2)
-    cooperative_groups::this_grid().sync();
+    grid.sync();
     wave_mark(p.wv, kMarkBarrier, wt.w, q);
     if (wt.has_tile && !(p.wv.skip & 2)) {
       // the part's chunks, as the workspace form's phase 1 takes them (piece pq of rows pr + 32u)
@@ -573,6 +604,9 @@ __device__ __forceinline__ void waves_phase1_f16(const OuterArgs& p, char* smem_
     }
     __syncthreads();  // the stages read: the next part's projection (or O) may overwrite them
     wave_mark(p.wv, kMarkChunks, wt.w, q);
+    // this block's reads of the part done: the arrival that the next part's stores wait on where
+    // that part (this wave's next, or the next wave's first) takes one buffer
+    if (c0 + nch < n_chunks ? wt.single : wt.next_single) cur.token = grid.barrier_arrive();
   }
 }
 
@@ -584,7 +618,7 @@ __device__ __forceinline__ void waves_phase1_f16(const OuterArgs& p, char* smem_
 // and part counter (null otherwise).
 template <int kTerms, bool kWgmma, bool kWgmma2, bool kHalfSplit, int kBK, int kKC, int kNT, bool kFused, bool kWaves>
 __device__ __forceinline__ void outer_tc_tile(const OuterArgs& p, int wave_b, int wave_col_tile, int wave_row_tile,
-                                              const WaveTile* wt, int* part_count) {
+                                              const WaveTile* wt, WaveCursor* cursor) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   static_assert(!kWaves || (kHalfSplit && !kFused), "the waves form on the float16 split form alone");
   static_assert(!kWgmma2 || (kWgmma && (kTerms == 1 || kHalfSplit)), "phase 2 on wgmma: TF32 after phase 1 on wgmma");
@@ -639,7 +673,7 @@ __device__ __forceinline__ void outer_tc_tile(const OuterArgs& p, int wave_b, in
     if constexpr (kWaves) {
       if (wt->has_tile) form_row_denominators();
       char* smem_c = reinterpret_cast<char*>(smem);
-      waves_phase1_f16(p, smem_c, smem_c + (L.total - 256) * 4, acc, *wt, i0, j0, a_lim, b_lim, *part_count);
+      waves_phase1_f16(p, smem_c, smem_c + (L.total - 256) * 4, acc, *wt, i0, j0, a_lim, b_lim, *cursor);
       if (!wt->has_tile) return;
     } else if constexpr (kFused) {
       form_row_denominators();
@@ -1235,14 +1269,9 @@ __device__ __forceinline__ void outer_tc_waves(const OuterArgs& p) {
   const int n_chunks = (p.S + 31) >> 5;
   float* const out_f = static_cast<float*>(p.out);
   const uintptr_t out_end = reinterpret_cast<uintptr_t>(out_f + int64_t(p.B) * N * p.out_N * p.D);
-  const char* prev_region = nullptr;
-  bool prev_single = false;
-  // the last wave's a, where it took all of s in one part of the region's single buffer
-  bool prev_all_s = false;
-  int prev_b = -1, prev_i_lo = -1, prev_nr = -1;
-  int q = 0;
-  for (int w = 0; w < p.B * waves_i * waves_j; ++w) {
-    WaveTile wt;
+  // wave w's residues, tile, part buffers and parts (as every block forms them)
+  auto plan = [&](int w, WaveTile& wt, int& row_tile, int& col_tile) {
+    wt.w = w;
     wt.b = w / (waves_i * waves_j);
     const int wi = (w / waves_j) % waves_i, wj = w % waves_j;
     const int ti0 = wi * wv.wave_r, tj0 = wj * wv.wave_c;
@@ -1252,7 +1281,8 @@ __device__ __forceinline__ void outer_tc_waves(const OuterArgs& p) {
     wt.nr = min(nti * p.Ti, N - wt.i_lo);
     wt.nc = min(ntj * p.Tj, N - wt.j_lo);
     wt.has_tile = int(blockIdx.x) < nti * ntj;
-    const int row_tile = ti0 + int(blockIdx.x) / ntj, col_tile = tj0 + int(blockIdx.x) % ntj;
+    row_tile = ti0 + int(blockIdx.x) / ntj;
+    col_tile = tj0 + int(blockIdx.x) % ntj;
     // the part buffers: the output's rows after this band where they hold more than the workspace
     char* region = wv.ws;
     int64_t region_bytes = wv.ws_bytes;
@@ -1277,26 +1307,42 @@ __device__ __forceinline__ void outer_tc_waves(const OuterArgs& p) {
     wt.single = wv.bufs == 1 || (wv.bufs == 0 && (4 * parts_1 <= 3 * parts_2 || (parts_1 == 1 && !wv.fresh_a)));
     wt.half = halves;
     wt.chunks_per_part = wt.single ? per_1 : per_2;
+    return wj;
+  };
+  const int n_waves = p.B * waves_i * waves_j;
+  const char* prev_region = nullptr;
+  bool prev_single = false;
+  // the last wave's a, where it took all of s in one part of the region's single buffer
+  bool prev_all_s = false;
+  WaveCursor cur{0, 0};
+  int& q = cur.q;
+  for (int w = 0; w < n_waves; ++w) {
+    WaveTile wt;
+    int row_tile, col_tile;
+    const int wj = plan(w, wt, row_tile, col_tile);
+    wt.next_single = false;
+    if (w + 1 < n_waves) {
+      WaveTile next;
+      int next_row, next_col;
+      plan(w + 1, next, next_row, next_col);
+      wt.next_single = next.single;
+    }
     // a new region may overlap the last one's buffers, which slower blocks may still be reading, and
     // two buffers after one may overlap the last part's (one buffer waits at its every part)
-    if (w > 0 && !wt.single && (region != prev_region || prev_single)) cooperative_groups::this_grid().sync();
+    if (w > 0 && !wt.single && (wt.region != prev_region || prev_single)) cooperative_groups::this_grid().sync();
     // a stays where the band's wave before left it (its buffer's start, all of s): the waves
     // between write the band's rows of the output alone, and b's buffer after it waits for the
-    // one buffer's barrier
+    // one buffer's barrier (the wave before in the band, wj - 1, had the same rows and so the
+    // same region)
     const bool all_s = wt.single && wt.chunks_per_part >= n_chunks;
-    wt.a_kept = !wv.fresh_a && all_s && prev_all_s && region == prev_region && wt.b == prev_b &&
-                wt.i_lo == prev_i_lo && wt.nr == prev_nr;
-    prev_region = region;
+    wt.a_kept = !wv.fresh_a && all_s && prev_all_s && wj > 0;
+    prev_region = wt.region;
     prev_single = wt.single;
     prev_all_s = all_s;
-    prev_b = wt.b;
-    prev_i_lo = wt.i_lo;
-    prev_nr = wt.nr;
-    wt.w = w;
     wave_mark(wv, kMarkWave, w, q);
     if (wt.a_kept) wave_mark(wv, kMarkKeptA, w, q);
     outer_tc_tile<kTerms, kWgmma, kWgmma2, kHalfSplit, kBK, kKC, kNT, false, true>(p, wt.b, col_tile, row_tile, &wt,
-                                                                                    &q);
+                                                                                    &cur);
     wave_mark(wv, kMarkWaveEnd, w, q);
   }
 #endif
