@@ -18,6 +18,7 @@
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR checks  # the forward test files on this code
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR trace  # where the waves form's time goes
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR final  # bars, then the forward test files
+#          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR modules_all  # every figure of issue 6 per convention
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR waves_final  # the rows the waves form and the pair
 #                                                       # counts take part in, and their tests
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR proj  # the waves form's projection and barriers:
@@ -27,7 +28,7 @@
 # steps.txt lists each step's exit status; a failing test step stops the call.
 OUT=$1
 PHASE=${2:-default}
-case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final or proj, got '$PHASE'" >&2; exit 2 ;; esac
+case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj or modules_all, got '$PHASE'" >&2; exit 2 ;; esac
 R=$OUT/r
 mkdir -p "$R"
 pack() { tar -C "$OUT" -czf "$OUT/r.tgz" r; [ -n "$DEST" ] && cp "$OUT/r.tgz" "$DEST/"; }
@@ -213,6 +214,27 @@ if [ "$PHASE" = waves_final ]; then
   T t_conv 60 $py -m pytest -q -p no:cacheprovider tests/test_conventions.py tests/test_modules.py
   bench_f32
   T trace_auto 40 $py scripts/waves_trace.py 1,1024,256,64,32,128 --out "$R/trace_auto"
+  exit 0
+fi
+
+if [ "$PHASE" = modules_all ]; then
+  # every figure of issue 6 for each convention beside its peers (eager, torch.compile of the
+  # convention's einsum module): float32 at the crop, N = 768 and 1536 ("highest", bounded, TF32
+  # bounded), the deep MSA over 20 calls, bfloat16 at N = 1536, N = 8192 under the bound; the
+  # spec's module at N = 1536 for the epilogue's cost (~6 min with the build)
+  for mod in openfold boltz; do
+    T "mod_${mod}_f32" 150 $py -m flashopm bench --module $mod \
+      --shapes "1,128,256,256,32,128;1,512,768,256,32,128;1,512,1536,256,32,128" \
+      --impls eager,flashopm,compile,flashopm-bounded,flashopm-tf32-bounded --calls 5 --out "$R/mod_${mod}_f32"
+    T "mod_${mod}_deep" 90 $py -m flashopm bench --module $mod --shapes "1,1024,256,64,32,128" \
+      --impls eager,flashopm,compile,flashopm-bounded --calls 20 --out "$R/mod_${mod}_deep"
+    T "mod_${mod}_bf16" 90 $py -m flashopm bench --module $mod --shapes "1,512,1536,256,32,128" --dtype bfloat16 \
+      --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/mod_${mod}_bf16"
+    T "mod_${mod}_8192" 90 $py -m flashopm bench --module $mod --shapes "1,512,8192,256,32,128" \
+      --impls flashopm-bounded --calls 2 --fp64-max-n 0 --out "$R/mod_${mod}_8192"
+  done
+  T spec_1536 90 $py -m flashopm bench --shapes "1,512,1536,256,32,128" --impls eager,flashopm,flashopm-bounded \
+    --calls 5 --out "$R/spec_1536"
   exit 0
 fi
 
