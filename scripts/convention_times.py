@@ -1,8 +1,10 @@
 """Time of the tensor-core outer-first path per normalisation convention at (1, 512, N, 256, 32,
 128) (CUDA events, mean of 5 calls after 2 warm-up calls), for comparing the epilogues' cost; also
-the target of `ncu --kernel-name regex:opm_outer_tc` runs.
+the target of `ncu --kernel-name regex:opm_outer_tc` runs.  `bfloat16` or `float16` runs the
+inputs and parameters in that type; `kernels` adds each convention's GPU time by kernel
+(torch.profiler, one call), to say which kernel a convention's extra time sits in.
 
-    python scripts/convention_times.py [N ...] row openfold boltz      (N defaults to 384)
+    python scripts/convention_times.py [N ...] row openfold boltz [bfloat16] [kernels]   (N: 384)
 """
 import sys
 
@@ -28,20 +30,37 @@ def time_ms(x, m, p, norm, calls=5):
     return ev[0].elapsed_time(ev[1]) / calls
 
 
-def main(sizes, norms):
+def kernel_times(x, m, p, norm):
+    """GPU time by kernel name (microseconds) of one call, longest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        time_ms(x, m, p, norm, calls=1)
+    rows = [(e.key, e.device_time_total) for e in prof.key_averages() if e.device_time_total > 0]
+    return sorted(rows, key=lambda r: -r[1])
+
+
+def main(sizes, norms, dtype, by_kernel):
     flashopm.load()
     for n in sizes:
         sh = Shape(1, 512, n, 256, 32, 128)
         x, m, p = make_problem(sh, "masked_positions", seed=0)
-        x, m, p = x.cuda(), m.cuda(), {k: v.cuda() for k, v in p.items()}
+        x, m = x.cuda().to(dtype), m.cuda()
+        p = {k: None if v is None else v.cuda().to(dtype) for k, v in p.items()}
         times = {norm: time_ms(x, m, p, norm) for norm in norms}
         base = times.get("row")
         for norm, t in times.items():
             rel = f"  {t / base - 1:+6.1%} vs row" if base else ""
-            print(f"N={n:5d} {norm:>9}: {t:8.3f} ms{rel}", flush=True)
+            print(f"N={n:5d} {str(dtype)[6:]:>8} {norm:>9}: {t:8.3f} ms{rel}", flush=True)
+            if by_kernel:
+                for name, us in kernel_times(x, m, p, norm)[:8]:
+                    print(f"      {us:10.1f} us  {name[:100]}", flush=True)
         del x, m, p
 
 
 if __name__ == "__main__":
-    sizes = [int(a) for a in sys.argv[1:] if a.isdigit()] or [384]
-    main(sizes, [a for a in sys.argv[1:] if not a.isdigit()])
+    args = sys.argv[1:]
+    dtypes = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+    dtype = next((dtypes[a] for a in args if a in dtypes), torch.float32)
+    words = [a for a in args if not a.isdigit() and a not in dtypes and a != "kernels"]
+    main([int(a) for a in args if a.isdigit()] or [384], words, dtype, "kernels" in args)
