@@ -391,8 +391,8 @@ __device__ __forceinline__ void waves_phase1_f16(const OuterArgs& p, char* smem_
   for (int c0 = 0; c0 < n_chunks; c0 += wt.chunks_per_part, ++q) {
     wave_mark(p.wv, kMarkPart, wt.w, q);
     const int nch = min(wt.chunks_per_part, n_chunks - c0);
-    // one buffer: the grid barrier after every block's reads of the part before comes just before
-    // this block's first stores, so that its first copies and statistics run while it waits
+    // one buffer: the wait for every block's arrival after its reads of the part before comes just
+    // before this block's first stores, so that its first copies and statistics run meanwhile
     bool may_store = !(wt.single && q > 0);
     char* const buf_a = wt.region + (wt.single ? 0 : (q & 1) * wt.half);
     char* const buf_b = buf_a + int64_t(nch) * wt.nr * (kFpH * 128);
