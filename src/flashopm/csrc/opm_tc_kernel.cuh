@@ -1381,8 +1381,12 @@ __device__ __forceinline__ void outer_tc_waves(const OuterArgs& p) {
     // part of n chunks takes ((n·ga + 1) & ~1) + 2n·gb slots
     const int64_t chunk_slots = wt.ga + 2 * wt.gb;
     const int64_t half_slots = (slots / 2) & ~int64_t(1);
-    const int per_1 = int(max(int64_t(1), min(int64_t(n_chunks), (slots - 1) / chunk_slots)));
-    const int per_2 = int(max(int64_t(1), min(int64_t(n_chunks), (half_slots - 1) / chunk_slots)));
+    auto chunks_in = [&](int64_t room) {
+      int64_t n = min(int64_t(n_chunks), room / chunk_slots);
+      if (((n * wt.ga + 1) & ~int64_t(1)) + 2 * n * wt.gb > room) --n;
+      return int(max(int64_t(1), n));
+    };
+    const int per_1 = chunks_in(slots), per_2 = chunks_in(half_slots);
     const int parts_1 = (n_chunks + per_1 - 1) / per_1, parts_2 = (n_chunks + per_2 - 1) / per_2;
     wt.single = wv.bufs == 1 || (wv.bufs == 0 && (4 * parts_1 <= 3 * parts_2 || (parts_1 == 1 && !wv.fresh_a)));
     wt.half_slots = int(min(half_slots, int64_t(1) << 30));
