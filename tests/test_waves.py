@@ -151,8 +151,8 @@ def test_waves_keep_a_across_a_band(monkeypatch):
 def test_waves_last_band_in_its_own_rows(monkeypatch):
     """(1,1024,256,64) on 132 blocks: 16 waves of 64 x 64 residues.  The last band has no rows
     after it; its first three waves hold more slots in their own rows (from their first column
-    on) than in the workspace, so their parts lie there and their output stores wait for every
-    block's reads.  The same bits as with the workspace alone (FLASHOPM_WAVES_OWN=0), and the
+    on: 512, 384 and 256) than in a workspace of 183, so their parts lie there and their output
+    stores wait for every block's reads; the last (128 slots) takes the workspace.  The same bits as with the workspace alone (FLASHOPM_WAVES_OWN=0), and the
     references'."""
     if torch.cuda.get_device_properties(0).multi_processor_count < 132:
         pytest.skip("needs 132 SMs for this plan")
@@ -160,6 +160,7 @@ def test_waves_last_band_in_its_own_rows(monkeypatch):
     x, m, p = make_problem(shape, "masked_positions", seed=50)
     xc, mc, pc = x.cuda(), m.cuda(), {k: v.cuda() for k, v in p.items()}
     monkeypatch.setenv("FLASHOPM_WAVES_BLOCKS", "132")
+    monkeypatch.setenv("FLASHOPM_WAVES_WS", str(183 * 16384))  # 183 slots: more than the last wave's own 128
     monkeypatch.setenv("FLASHOPM_WAVES_TRACE", "8192")
     own_out, own = _marked_waves(lambda: _call(xc, mc, pc, "openfold"), OWN_ROWS_MARK)
     assert own == 3, f"waves with their parts in their own rows: {own}, expected 3 (the last band's first three)"
