@@ -19,6 +19,8 @@
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR trace  # where the waves form's time goes
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR final  # bars, then the forward test files
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR modules_all  # every figure of issue 6 per convention
+#          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR own_rows  # (branch waves-own-rows) its tests and times,
+#                                                       # the conventions' bfloat16 kernels
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR waves_final  # the rows the waves form and the pair
 #                                                       # counts take part in, and their tests
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR proj  # the waves form's projection and barriers:
@@ -28,7 +30,7 @@
 # steps.txt lists each step's exit status; a failing test step stops the call.
 OUT=$1
 PHASE=${2:-default}
-case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj or modules_all, got '$PHASE'" >&2; exit 2 ;; esac
+case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all or own_rows, got '$PHASE'" >&2; exit 2 ;; esac
 R=$OUT/r
 mkdir -p "$R"
 pack() { tar -C "$OUT" -czf "$OUT/r.tgz" r; [ -n "$DEST" ] && cp "$OUT/r.tgz" "$DEST/"; }
@@ -214,6 +216,22 @@ if [ "$PHASE" = waves_final ]; then
   T t_conv 60 $py -m pytest -q -p no:cacheprovider tests/test_conventions.py tests/test_modules.py
   bench_f32
   T trace_auto 40 $py scripts/waves_trace.py 1,1024,256,64,32,128 --out "$R/trace_auto"
+  exit 0
+fi
+
+if [ "$PHASE" = own_rows ]; then
+  # (branch waves-own-rows) the last band's part buffers in its own rows: the tests, the trace
+  # beside FLASHOPM_WAVES_OWN=0, paired, the deep MSAs and the modules' deep row (~5 min)
+  T t_waves 90 $py -m pytest -q -p no:cacheprovider tests/test_waves.py
+  T ab_own0 40 env FLASHOPM_WAVES=1 $py scripts/ab_env.py FLASHOPM_WAVES_OWN=0 1,1024,256,64,32,128 1,5120,384,64,32,128 --mode forward --calls 8
+  T conv_bf16 90 $py scripts/convention_times.py 1536 row openfold boltz bfloat16 kernels
+  T trace_own 40 $py scripts/waves_trace.py 1,1024,256,64,32,128 --out "$R/trace_own"
+  T trace_ws 40 $py scripts/waves_trace.py 1,1024,256,64,32,128 --env FLASHOPM_WAVES_OWN=0 --out "$R/trace_ws"
+  bench_deep
+  for mod in openfold boltz; do
+    T "bench_${mod}_deep" 60 $py -m flashopm bench --module $mod --shapes "1,1024,256,64,32,128" \
+      --impls eager,flashopm,flashopm-bounded --calls 20 --out "$R/bench_${mod}_deep"
+  done
   exit 0
 fi
 

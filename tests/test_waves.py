@@ -32,7 +32,8 @@ def _waves(monkeypatch):
     split_form_gpu_or_skip()
     monkeypatch.setenv("FLASHOPM_WAVES", "1")
     for name in ("FLASHOPM_WAVES_BLOCKS", "FLASHOPM_WAVES_WS", "FLASHOPM_WAVES_OUT", "FLASHOPM_WAVES_BUFS",
-                 "FLASHOPM_WAVES_KEEP", "FLASHOPM_WAVES_TRACE", "FLASHOPM_PEAK_BOUND"):
+                 "FLASHOPM_WAVES_KEEP", "FLASHOPM_WAVES_OWN", "FLASHOPM_WAVES_TRACE",
+                 "FLASHOPM_PEAK_BOUND"):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -81,6 +82,7 @@ def test_waves_every_plan_gives_the_same_bits(monkeypatch):
         {"FLASHOPM_WAVES_BUFS": "2", "FLASHOPM_WAVES_BLOCKS": "7", "FLASHOPM_WAVES_WS": "1", "FLASHOPM_WAVES_OUT": "0"},
         {"FLASHOPM_WAVES_BUFS": "1", "FLASHOPM_WAVES_OUT": "0"},
         {"FLASHOPM_WAVES_KEEP": "0", "FLASHOPM_WAVES_BLOCKS": "5"},
+        {"FLASHOPM_WAVES_OWN": "0", "FLASHOPM_WAVES_BLOCKS": "3"},
     ]
     for plan in plans:
         for name, value in plan.items():
@@ -111,16 +113,20 @@ def test_waves_one_buffer_parts_repeat_bit_for_bit(monkeypatch):
     torch.testing.assert_close(two, reference(xc, mc, pc), atol=1e-4, rtol=1e-4)
 
 
-def _kept_waves(call):
-    """The result of call() and how many of its waves kept the a of the wave before them (the
-    launch's trace, FLASHOPM_WAVES_TRACE)."""
+KEPT_A_MARK, OWN_ROWS_MARK = 12, 14  # WaveMark: kMarkKeptA, kMarkOwnRows
+
+
+def _marked_waves(call, mark=KEPT_A_MARK):
+    """The result of call() and how many of its waves passed trace point `mark` (the launch's
+    trace, FLASHOPM_WAVES_TRACE): kept the a of the wave before them, or laid their part buffers
+    over their own rows."""
     out = call()
     trace = torch.ops.flashopm._waves_trace(out).cpu()
-    kept = 0
+    marked = 0
     for blk in range(trace.shape[0]):
         n = int(trace[blk, 0, 0])
-        kept += int(((trace[blk, 1:n + 1, 0] & 0xFF) == KEPT_A_MARK).sum())
-    return out, kept // trace.shape[0]
+        marked += int(((trace[blk, 1:n + 1, 0] & 0xFF) == mark).sum())
+    return out, marked // trace.shape[0]
 
 
 def test_waves_keep_a_across_a_band(monkeypatch):
@@ -133,13 +139,37 @@ def test_waves_keep_a_across_a_band(monkeypatch):
     xc, mc, pc = x.cuda(), m.cuda(), {k: v.cuda() for k, v in p.items()}
     monkeypatch.setenv("FLASHOPM_WAVES_BLOCKS", "8")
     monkeypatch.setenv("FLASHOPM_WAVES_TRACE", "4096")
-    kept_out, kept = _kept_waves(lambda: _call(xc, mc, pc, "row"))
+    kept_out, kept = _marked_waves(lambda: _call(xc, mc, pc, "row"))
     assert kept == 9, f"waves that kept a: {kept}, expected 3 in each of the first three bands"
     monkeypatch.setenv("FLASHOPM_WAVES_KEEP", "0")
-    fresh_out, fresh = _kept_waves(lambda: _call(xc, mc, pc, "row"))
+    fresh_out, fresh = _marked_waves(lambda: _call(xc, mc, pc, "row"))
     assert fresh == 0
     assert torch.equal(kept_out, fresh_out)
     torch.testing.assert_close(kept_out, reference(xc, mc, pc), atol=1e-4, rtol=1e-4)
+
+
+def test_waves_last_band_in_its_own_rows(monkeypatch):
+    """(1,1024,256,64) on 132 blocks: 16 waves of 64 x 64 residues.  The last band has no rows
+    after it; its first three waves hold more slots in their own rows (from their first column
+    on: 512, 384 and 256) than in a workspace of 183, so their parts lie there and their output
+    stores wait for every block's reads; the last (128 slots) takes the workspace.  The same bits as with the workspace alone (FLASHOPM_WAVES_OWN=0), and the
+    references'."""
+    if torch.cuda.get_device_properties(0).multi_processor_count < 132:
+        pytest.skip("needs 132 SMs for this plan")
+    shape = Shape(1, 1024, 256, 64, 32, 128)
+    x, m, p = make_problem(shape, "masked_positions", seed=50)
+    xc, mc, pc = x.cuda(), m.cuda(), {k: v.cuda() for k, v in p.items()}
+    monkeypatch.setenv("FLASHOPM_WAVES_BLOCKS", "132")
+    monkeypatch.setenv("FLASHOPM_WAVES_WS", str(183 * 16384))  # 183 slots: more than the last wave's own 128
+    monkeypatch.setenv("FLASHOPM_WAVES_TRACE", "8192")
+    own_out, own = _marked_waves(lambda: _call(xc, mc, pc, "openfold"), OWN_ROWS_MARK)
+    assert own == 3, f"waves with their parts in their own rows: {own}, expected 3 (the last band's first three)"
+    monkeypatch.setenv("FLASHOPM_WAVES_OWN", "0")
+    ws_out, none = _marked_waves(lambda: _call(xc, mc, pc, "openfold"), OWN_ROWS_MARK)
+    assert none == 0
+    assert torch.equal(own_out, ws_out)
+    code = flashopm.ops.NORMALIZATIONS["openfold"]
+    torch.testing.assert_close(own_out, reference(xc, mc, pc, normalization=code), atol=1e-4, rtol=1e-4)
 
 
 def test_waves_within_the_memory_bound():

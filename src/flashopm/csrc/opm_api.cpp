@@ -1428,8 +1428,9 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     // W's split copy, the exponents and the normalisers, and at least two parts of one chunk.
     // FLASHOPM_WAVES_BLOCKS (blocks, at most one per SM), FLASHOPM_WAVES_WS (workspace bytes),
     // FLASHOPM_WAVES_OUT=0 (the workspace alone), FLASHOPM_WAVES_BUFS (1 or 2 part buffers per
-    // region; see WaveArgs) and FLASHOPM_WAVES_KEEP=0 (every wave projects its a) set its plan
-    // by hand (tests; every plan gives the same bits).  Under a peak bound it
+    // region; see WaveArgs), FLASHOPM_WAVES_KEEP=0 (every wave projects its a) and
+    // FLASHOPM_WAVES_OWN=0 (no part buffers in a wave's own rows) set its plan by hand (tests;
+    // every plan gives the same bits).  Under a peak bound it
     // is taken by itself where b for every residue and all of s passes what the bound leaves (every
     // other plan would sum over s in parts, each repeating the contraction with W, or project in
     // bands); FLASHOPM_WAVES=0 leaves it out.
@@ -1477,7 +1478,9 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
           best_waves = waves, best_res = res, wave_r = wr, wave_c = wc;
         }
       }
-      const int64_t chunk_bytes = std::min(best_res, 2 * N) * H * 128;  // a and b of a wave's residues, 32 s
+      // a and b of a wave's residues for 32 s, in slots (a slot per row tile, a pair per column
+      // tile), and one slot of rounding
+      const int64_t chunk_bytes = (wave_r + 2 * wave_c + 1) * int64_t(kWvSlotBytes);
       FromX fx = project_from_x(nullptr, 0, 0);
       OuterArgs& oa = fx.oa;
       const Normalisers nz = normalisers(oa, operand_kind, 0, N, f32, stream);
@@ -1507,6 +1510,7 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
         oa.wv.bufs = std::min(std::max(std::atoi(e), 0), 2);
       if (const char* e = env_get("FLASHOPM_WAVES_SKIP"); e != nullptr && *e != 0) oa.wv.skip = std::atoi(e);
       oa.wv.fresh_a = env_is("FLASHOPM_WAVES_KEEP", "0");
+      oa.wv.own_rows = !env_is("FLASHOPM_WAVES_OWN", "0");
       if (const char* e = env_get("FLASHOPM_WAVES_TRACE"); e != nullptr && *e != 0) {
         // timing aid: records outside the peak bound, read back by _waves_trace
         const int cap = std::min(std::max(std::atoi(e), 2), 1 << 16);

@@ -350,6 +350,10 @@ struct WaveArgs {
   // 1: every wave projects its a (FLASHOPM_WAVES_KEEP=0); 0: a wave whose one part holds all of s
   // keeps the a that the wave before it in the band left in the same buffer
   int fresh_a;
+  // 1: a wave may lay its part buffers over its own band's rows from its first column on (slots
+  // of kWvSlotBytes a row, its output stores waiting until every block read its last part), where
+  // those hold more than the rows after the band or the workspace (FLASHOPM_WAVES_OWN=0: never)
+  int own_rows;
 };
 // The waves form's trace points (WaveArgs::trace), in the order a part passes them.
 enum WaveMark : int {
@@ -366,6 +370,7 @@ enum WaveMark : int {
   kMarkBatchDone = 11,   // its tasks projected and stored (this thread's warp)
   kMarkKeptA = 12,       // the wave keeps the a of the wave before it
   kMarkBatchIssued = 13,  // the next batch's copies issued (before this batch's statistics)
+  kMarkOwnRows = 14,      // the wave's part buffers lie in its own band's unwritten rows
 };
 // a, b and w_out hold float32, or the 16-bit operand type of opm_outer_tc16_kernel.
 struct OuterArgs {
@@ -479,6 +484,11 @@ static_assert(kFpEnd <= kTcWgStages * kTcWgStageBytes, "the fused projection's p
 // residue's scale.  A batch of up to kWvSlots tasks (a residue's 32 s of one chunk each, one per
 // warp) has its x rows in the stage area, kWvLdX floats apart; two batches lie there, so that the
 // next one's copies run behind this one's projection.
+// A part buffer is made of slots of four residues' rows for one chunk (a tile's a; a tile's b takes
+// two neighbouring slots), kWvSlotBytes each; a region holds slots_row slots a row, rows
+// row_stride bytes apart (one row where the region is contiguous).
+constexpr int kWvTaskBytes = kFpH * 128;
+constexpr int kWvSlotBytes = 4 * kWvTaskBytes;
 constexpr int kWvSlots = kTcThreads / 32;
 constexpr int kWvRows = kWvSlots * 32;
 constexpr int kWvLdX = kFpLdX;  // 8 (mod 32) floats: conflict-free float2 fragment reads

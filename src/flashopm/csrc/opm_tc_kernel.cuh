@@ -315,21 +315,42 @@ __device__ __forceinline__ void fused_phase1_f16(const OuterArgs& p, char* smem_
 struct WaveTile {
   int w;  // the wave's index in the launch
   int b, i_lo, j_lo, nr, nc;
+  int ga, gb;  // a's slots and b's slot pairs per chunk (the wave's row and column tiles)
   bool has_tile;
   bool single;  // one part buffer: the whole region (else part q in half q & 1)
   bool a_kept;  // a for all of s already in the buffer (the band's wave before it): b's tasks alone
   bool next_single;  // the next wave takes one buffer (its first stores wait for this wave's reads)
+  bool own_rows;     // the region lies in the wave's own rows: its output stores wait for every read
   char* region;
-  int64_t half;
+  int64_t row_stride;  // bytes between the region's rows
+  int slots_row;       // slots a region row (even)
+  int half_slots;      // the second buffer's first slot (even)
   int chunks_per_part;
 };
+
+// Slot k of a wave's region (kWvSlotBytes each, slots_row a row).
+__device__ __forceinline__ char* wave_slot(char* region, int64_t row_stride, int slots_row, int k) {
+  const int row = k / slots_row;
+  return region + int64_t(row) * row_stride + int64_t(k - row * slots_row) * kWvSlotBytes;
+}
 
 // Where a block is in the waves form's sequence: the parts so far, and (thread 0) the arrival at the
 // grid barrier that the next one-buffer part waits on before its stores.
 struct WaveCursor {
   int q;
   cooperative_groups::grid_group::arrival_token token;
+  bool pending;  // arrived, not yet waited
 };
+
+// Where the wave's region lies in its own rows: every block's reads of its last part done before
+// this block's output stores (the arrival made after its chunks).
+__device__ __forceinline__ void wave_wait_reads(const WaveTile& wt, WaveCursor& cur) {
+  if (wt.own_rows && cur.pending) {
+    cooperative_groups::this_grid().barrier_wait(
+        static_cast<cooperative_groups::grid_group::arrival_token&&>(cur.token));
+    cur.pending = false;
+  }
+}
 
 // A trace point of the waves form (WaveArgs::trace; timing aid): thread 0 appends one record to
 // its block's.
@@ -393,9 +414,11 @@ __device__ __forceinline__ void waves_phase1_f16(const OuterArgs& p, char* smem_
     const int nch = min(wt.chunks_per_part, n_chunks - c0);
     // one buffer: the wait for every block's arrival after its reads of the part before comes just
     // before this block's first stores, so that its first copies and statistics run meanwhile
-    bool may_store = !(wt.single && q > 0);
-    char* const buf_a = wt.region + (wt.single ? 0 : (q & 1) * wt.half);
-    char* const buf_b = buf_a + int64_t(nch) * wt.nr * (kFpH * 128);
+    // (unless the wave before waited for them already, before its output stores)
+    bool may_store = !(wt.single && q > 0 && cur.pending);
+    // the part's slots: a's chunk by chunk from slot_a, then b's pairs from slot_b (even)
+    const int slot_a = wt.single ? 0 : (q & 1) * wt.half_slots;
+    const int slot_b = slot_a + ((nch * wt.ga + 1) & ~1);
     const int a_tasks = wt.a_kept ? 0 : wt.nr * nch, n_tasks = a_tasks + wt.nc * nch;
     const int mine = blk < n_tasks ? (n_tasks - blk + G - 1) / G : 0;
     const int n_batches = (mine + kWvSlots - 1) / kWvSlots;
@@ -485,6 +508,7 @@ __device__ __forceinline__ void waves_phase1_f16(const OuterArgs& p, char* smem_
       if (!may_store) {
         wave_mark(p.wv, kMarkStoreWait, wt.w, q);
         grid.barrier_wait(static_cast<cooperative_groups::grid_group::arrival_token&&>(cur.token));
+        cur.pending = false;
         wave_mark(p.wv, kMarkStoreGo, wt.w, q);
         may_store = true;
       }
@@ -495,11 +519,12 @@ __device__ __forceinline__ void waves_phase1_f16(const OuterArgs& p, char* smem_
         task_of(m0 + warp, side, n_loc, ch);
         const __half* w_hi = wsp + (side * 2 + 0) * kFpH * kFpLdW;
         const __half* w_lo = wsp + (side * 2 + 1) * kFpH * kFpLdW;
-        const int n_side = side ? wt.nc : wt.nr;
-        char* const rows = (side ? buf_b : buf_a) + (int64_t(ch) * n_side + n_loc) * (kFpH * 128);
+        const int slot = side ? slot_b + 2 * (ch * wt.gb + (n_loc >> 3)) + ((n_loc >> 2) & 1) : slot_a + ch * wt.ga + (n_loc >> 2);
+        char* const rows =
+            wave_slot(wt.region, wt.row_stride, wt.slots_row, slot) + (n_loc & 3) * kWvTaskBytes;
         // The task's rows staged in the warp's own x rows (its alone: its statistics and its
         // projection read them) and stored whole, not 16 bytes of 8 rows a store
-        static_assert(16 * kWvLdX * 4 >= kFpH * 128, "half of a warp's x rows hold the task's rows");
+        static_assert(16 * kWvLdX * 4 >= kWvTaskBytes, "half of a warp's x rows hold the task's rows");
         char* const stage = reinterpret_cast<char*>(xs0 + (bi & 1) * (kWvRows * kWvLdX) + 32 * warp * kWvLdX);
 #pragma unroll 1
         for (int half = 0; half < 2; ++half) {
@@ -550,6 +575,7 @@ __device__ __forceinline__ void waves_phase1_f16(const OuterArgs& p, char* smem_
     if (!may_store) {
       // no batch here: the wait all the same
       grid.barrier_wait(static_cast<cooperative_groups::grid_group::arrival_token&&>(cur.token));
+      cur.pending = false;
     }
     // every block's rows of the part stored and visible (the copies below read through L2)
     grid.sync();
@@ -558,9 +584,28 @@ __device__ __forceinline__ void waves_phase1_f16(const OuterArgs& p, char* smem_
       // the part's chunks, as the workspace form's phase 1 takes them (piece pq of rows pr + 32u)
       constexpr int kPieces = 8, kPassRows = kTcThreads / kPieces;
       const int pr = tid / kPieces, pq = tid % kPieces;
-      const char* a_src = buf_a + (int64_t(i0 - wt.i_lo) * kFpH + pr) * 128 + pq * 16;
-      const char* b_src = buf_b + (int64_t(j0 - wt.j_lo) * kFpH + pr) * 128 + pq * 16;
-      const int64_t a_chunk = int64_t(wt.nr) * kFpH * 128, b_chunk = int64_t(wt.nc) * kFpH * 128;
+      // the tile's a slot and b slot pair of each chunk (a tile's rows, then its columns: Ti = 4
+      // and Tj = 8 residues of 32 rows)
+      static_assert(kTcMT == 4 * kFpH && kTcNT == 8 * kFpH, "a tile's a in one slot, its b in two");
+      // (stepped chunk by chunk, wrapping to the region's next row, so that no division lies
+      // between a chunk's barrier and its products)
+      char* const region = wt.region;
+      const int slots_row = wt.slots_row, ga = wt.ga, gb2 = 2 * wt.gb;
+      // (a row's bytes past its slots: under 2^31, as a row of the output is)
+      const int wrap = wt.own_rows ? int(wt.row_stride - int64_t(slots_row) * kWvSlotBytes) : 0;
+      const int a_slot = slot_a + ((i0 - wt.i_lo) >> 2), b_slot = slot_b + 2 * ((j0 - wt.j_lo) >> 3);
+      const int piece = pr * 128 + pq * 16;
+      const char* a_src = wave_slot(region, wt.row_stride, slots_row, a_slot) + piece;
+      const char* b_src = wave_slot(region, wt.row_stride, slots_row, b_slot) + piece;
+      int a_col = a_slot % slots_row, b_col = b_slot % slots_row;
+      auto step = [&](const char*& src, int& col, int by) {
+        src += int64_t(by) * kWvSlotBytes;
+        col += by;
+        while (col >= slots_row) {
+          col -= slots_row;
+          src += wrap;
+        }
+      };
       const uint32_t stage0 = static_cast<uint32_t>(__cvta_generic_to_shared(smem_c));
       const uint32_t piece0 = (pr >> 3) * 1024 + (pr & 7) * 128 + ((pq ^ (pr & 7)) << 4);
       constexpr uint32_t kPassBytes = kPassRows * 128;
@@ -571,15 +616,15 @@ __device__ __forceinline__ void waves_phase1_f16(const OuterArgs& p, char* smem_
 #pragma unroll
           for (int u = 0; u < kTcMT / kPassRows; ++u) {
             const bool ok = pr + kPassRows * u < a_lim;
-            cp_async16z_shared(st + u * kPassBytes, ok ? a_src + kPassRows * u * 128 : buf_a, ok);
+            cp_async16z_shared(st + u * kPassBytes, ok ? a_src + kPassRows * u * 128 : region, ok);
           }
 #pragma unroll
           for (int u = 0; u < kTcNT / kPassRows; ++u) {
             const bool ok = pr + kPassRows * u < b_lim;
-            cp_async16z_shared(st + kTcWgABytes + u * kPassBytes, ok ? b_src + kPassRows * u * 128 : buf_b, ok);
+            cp_async16z_shared(st + kTcWgABytes + u * kPassBytes, ok ? b_src + kPassRows * u * 128 : region, ok);
           }
-          a_src += a_chunk;
-          b_src += b_chunk;
+          step(a_src, a_col, ga);
+          step(b_src, b_col, gb2);
         }
         ++issued;
       };
@@ -606,7 +651,11 @@ __device__ __forceinline__ void waves_phase1_f16(const OuterArgs& p, char* smem_
     wave_mark(p.wv, kMarkChunks, wt.w, q);
     // this block's reads of the part done: the arrival that the next part's stores wait on where
     // that part (this wave's next, or the next wave's first) takes one buffer
-    if (c0 + nch < n_chunks ? wt.single : wt.next_single) cur.token = grid.barrier_arrive();
+    // (or, where the wave's region lies in its own rows, that its output stores wait on)
+    if (c0 + nch < n_chunks ? wt.single : (wt.next_single || wt.own_rows)) {
+      cur.token = grid.barrier_arrive();
+      cur.pending = true;
+    }
   }
 }
 
@@ -674,7 +723,10 @@ __device__ __forceinline__ void outer_tc_tile(const OuterArgs& p, int wave_b, in
       if (wt->has_tile) form_row_denominators();
       char* smem_c = reinterpret_cast<char*>(smem);
       waves_phase1_f16(p, smem_c, smem_c + (L.total - 256) * 4, acc, *wt, i0, j0, a_lim, b_lim, *cursor);
-      if (!wt->has_tile) return;
+      if (!wt->has_tile) {
+        wave_wait_reads(*wt, *cursor);
+        return;
+      }
     } else if constexpr (kFused) {
       form_row_denominators();
       fused_phase1_f16(p, reinterpret_cast<char*>(smem), acc, b, i0, j0);
@@ -1138,6 +1190,7 @@ __device__ __forceinline__ void outer_tc_tile(const OuterArgs& p, int wave_b, in
             red[(pr + 1) * kRedLd + d] = acc2[4 * j + 2 * half + 1];
           }
         __syncthreads();
+        if constexpr (kWaves) wave_wait_reads(*wt, *cursor);
         store_round<kTcRoundRows, false>(p, red, kRedLd, row_off, norm_arg, dg, tid, kTcThreads);
       }
     }
@@ -1283,29 +1336,60 @@ __device__ __forceinline__ void outer_tc_waves(const OuterArgs& p) {
     wt.has_tile = int(blockIdx.x) < nti * ntj;
     row_tile = ti0 + int(blockIdx.x) / ntj;
     col_tile = tj0 + int(blockIdx.x) % ntj;
-    // the part buffers: the output's rows after this band where they hold more than the workspace
+    // the part buffers in slots (a slot per 4 residues of a, a pair per 8 of b, each chunk),
+    // whichever holds the most: the workspace; the output's rows after this band (contiguous); or
+    // the band's own rows from the wave's first column on, each row's free bytes a run of whole
+    // slot pairs, its output stores then waiting for every block's reads (the last band has no
+    // rows after it, but its own are unwritten past the columns of its waves before)
+    wt.ga = (wt.nr + 3) >> 2;
+    wt.gb = (wt.nc + 7) >> 3;
     char* region = wv.ws;
-    int64_t region_bytes = wv.ws_bytes;
+    int64_t row_stride = 0;
+    int slots_row = 1 << 30;
+    int64_t slots = wv.ws_bytes / kWvSlotBytes;
+    wt.own_rows = false;
     if (wv.use_out) {
       const uintptr_t start =
           (reinterpret_cast<uintptr_t>(out_f + (int64_t(wt.b) * N + wt.i_lo + wt.nr) * p.out_N * p.D) + 255) &
           ~uintptr_t(255);
-      if (start < out_end && int64_t(out_end - start) > region_bytes) {
+      if (start < out_end && int64_t(out_end - start) / kWvSlotBytes > slots) {
         region = reinterpret_cast<char*>(start);
-        region_bytes = int64_t(out_end - start);
+        slots = int64_t(out_end - start) / kWvSlotBytes;
+      }
+      const int64_t row_bytes = int64_t(p.out_N) * p.D * 4;
+      if (wv.own_rows && row_bytes % 16 == 0 && row_bytes < (int64_t(1) << 31)) {
+        const uintptr_t first =
+            reinterpret_cast<uintptr_t>(out_f + ((int64_t(wt.b) * N + wt.i_lo) * p.out_N + wt.j_lo) * p.D);
+        const uintptr_t first_16 = (first + 15) & ~uintptr_t(15);
+        const int64_t free_row = int64_t(p.out_N - wt.j_lo) * p.D * 4 - int64_t(first_16 - first);
+        const int per_row = int(free_row / kWvSlotBytes) & ~1;
+        if (per_row >= 2 && int64_t(per_row) * wt.nr > slots) {
+          region = reinterpret_cast<char*>(first_16);
+          row_stride = row_bytes;
+          slots_row = per_row;
+          slots = int64_t(per_row) * wt.nr;
+          wt.own_rows = true;
+        }
       }
     }
     wt.region = region;
+    wt.row_stride = row_stride;
+    wt.slots_row = slots_row;
     // one buffer where it takes at most three quarters of two buffers' parts (each of its parts
     // costs one more grid barrier, which is less than a part), or where it takes all of s in one
-    // part (so that the band's next wave may keep a: a barrier is less than a's projection)
-    const int64_t chunk_bytes = int64_t(wt.nr + wt.nc) * kFpH * 128;
-    const int64_t whole = region_bytes & ~int64_t(255), halves = (region_bytes / 2) & ~int64_t(255);
-    const int per_1 = int(max(int64_t(1), min(int64_t(n_chunks), whole / chunk_bytes)));
-    const int per_2 = int(max(int64_t(1), min(int64_t(n_chunks), halves / chunk_bytes)));
+    // part (so that the band's next wave may keep a: a barrier is less than a's projection); a
+    // part of n chunks takes ((n·ga + 1) & ~1) + 2n·gb slots
+    const int64_t chunk_slots = wt.ga + 2 * wt.gb;
+    const int64_t half_slots = (slots / 2) & ~int64_t(1);
+    auto chunks_in = [&](int64_t room) {
+      int64_t n = min(int64_t(n_chunks), room / chunk_slots);
+      if (((n * wt.ga + 1) & ~int64_t(1)) + 2 * n * wt.gb > room) --n;
+      return int(max(int64_t(1), n));
+    };
+    const int per_1 = chunks_in(slots), per_2 = chunks_in(half_slots);
     const int parts_1 = (n_chunks + per_1 - 1) / per_1, parts_2 = (n_chunks + per_2 - 1) / per_2;
     wt.single = wv.bufs == 1 || (wv.bufs == 0 && (4 * parts_1 <= 3 * parts_2 || (parts_1 == 1 && !wv.fresh_a)));
-    wt.half = halves;
+    wt.half_slots = int(min(half_slots, int64_t(1) << 30));
     wt.chunks_per_part = wt.single ? per_1 : per_2;
     return wj;
   };
@@ -1314,7 +1398,7 @@ __device__ __forceinline__ void outer_tc_waves(const OuterArgs& p) {
   bool prev_single = false;
   // the last wave's a, where it took all of s in one part of the region's single buffer
   bool prev_all_s = false;
-  WaveCursor cur{0, 0};
+  WaveCursor cur{0, 0, false};
   int& q = cur.q;
   for (int w = 0; w < n_waves; ++w) {
     WaveTile wt;
@@ -1332,15 +1416,16 @@ __device__ __forceinline__ void outer_tc_waves(const OuterArgs& p) {
     if (w > 0 && !wt.single && (wt.region != prev_region || prev_single)) cooperative_groups::this_grid().sync();
     // a stays where the band's wave before left it (its buffer's start, all of s): the waves
     // between write the band's rows of the output alone, and b's buffer after it waits for the
-    // one buffer's barrier (the wave before in the band, wj - 1, had the same rows and so the
-    // same region)
+    // one buffer's barrier (the wave before in the band, wj - 1, has the same rows and, unless
+    // a region lies in its own rows, the same region)
     const bool all_s = wt.single && wt.chunks_per_part >= n_chunks;
-    wt.a_kept = !wv.fresh_a && all_s && prev_all_s && wj > 0;
+    wt.a_kept = !wv.fresh_a && all_s && prev_all_s && wj > 0 && wt.region == prev_region;
     prev_region = wt.region;
     prev_single = wt.single;
     prev_all_s = all_s;
     wave_mark(wv, kMarkWave, w, q);
     if (wt.a_kept) wave_mark(wv, kMarkKeptA, w, q);
+    if (wt.own_rows) wave_mark(wv, kMarkOwnRows, w, q);
     outer_tc_tile<kTerms, kWgmma, kWgmma2, kHalfSplit, kBK, kKC, kNT, false, true>(p, wt.b, col_tile, row_tile, &wt,
                                                                                     &cur);
     wave_mark(wv, kMarkWaveEnd, w, q);
