@@ -22,6 +22,10 @@ from flashopm.testing import Shape, make_problem
 
 MARKS = {1: "wave", 2: "part", 3: "store_wait", 4: "store_go", 5: "projected", 6: "barrier", 7: "chunks",
          8: "wave_end", 9: "batch_in", 10: "batch_stats", 11: "batch_done", 13: "batch_issued"}
+# a wave's steps, summed over its parts (block means), then its epilogue and the gap before it
+PART_STEPS = ("proj_us", "copy_wait_us", "issue_us", "stats_us", "project_us", "store_wait_us", "barrier_wait_us",
+              "chunks_us")
+WAVE_TAIL = ("epilogue_us", "gap_us")
 
 
 def records(trace):
@@ -120,8 +124,7 @@ def summarise(recs):
                if "wave" in m and blk in prev and "wave_end" in prev[blk]]
         wp = [p for p in parts if p["wave"] == w]
         row = {"wave": w, "parts": len(wp), "span_us": (end - start) / 1e3}
-        for k in ("proj_us", "copy_wait_us", "issue_us", "stats_us", "project_us", "store_wait_us",
-                  "barrier_wait_us", "chunks_us"):
+        for k in PART_STEPS:
             row[k] = sum(p[k] for p in wp)
         row.update({"epilogue_us": mean(epi) / 1e3, "epilogue_max_us": (max(epi) if epi else 0) / 1e3,
                     "gap_us": mean(gap) / 1e3})
@@ -129,9 +132,7 @@ def summarise(recs):
     span = (max(r[4] for r in recs) - t0) / 1e3
     times = sorted(r[4] for r in recs)
     diffs = sorted({b - a for a, b in zip(times, times[1:]) if b > a})
-    totals = {k: sum(w[k] for w in waves) for k in
-              ("proj_us", "copy_wait_us", "issue_us", "stats_us", "project_us", "store_wait_us", "barrier_wait_us",
-               "chunks_us", "epilogue_us", "gap_us")}
+    totals = {k: sum(w[k] for w in waves) for k in PART_STEPS + WAVE_TAIL}
     return {"span_us": span, "parts": len(parts), "waves": len(waves), "timer_step_ns": diffs[0] if diffs else 0,
             "totals": totals}, parts, waves
 
@@ -172,9 +173,7 @@ def main() -> None:
         print("  wave parts   span   proj  copyw  issue  stats  projt  swait  bwait chunks   epi  epi_max   gap")
         for w in waves:
             print(f"  {w['wave']:4d} {w['parts']:5d} {w['span_us']:6.1f} " + " ".join(
-                f"{w[k]:6.1f}" for k in ("proj_us", "copy_wait_us", "issue_us", "stats_us", "project_us", "store_wait_us",
-                                         "barrier_wait_us", "chunks_us", "epilogue_us", "epilogue_max_us",
-                                         "gap_us")))
+                f"{w[k]:6.1f}" for k in PART_STEPS + ("epilogue_us", "epilogue_max_us", "gap_us")))
         if args.out:
             os.makedirs(args.out, exist_ok=True)
             tag = text.replace(",", "_")
