@@ -21,6 +21,8 @@
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR modules_all  # every figure of issue 6 per convention
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR own_rows  # (branch waves-own-rows) its tests and times,
 #                                                       # the conventions' bfloat16 kernels
+#          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR bf16  # the streamed projection and the pair counts:
+#                                                       # tests, paired, by kernel, the bfloat16 rows
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR waves_final  # the rows the waves form and the pair
 #                                                       # counts take part in, and their tests
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR proj  # the waves form's projection and barriers:
@@ -30,7 +32,7 @@
 # steps.txt lists each step's exit status; a failing test step stops the call.
 OUT=$1
 PHASE=${2:-default}
-case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all or own_rows, got '$PHASE'" >&2; exit 2 ;; esac
+case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows | bf16) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all, own_rows or bf16, got '$PHASE'" >&2; exit 2 ;; esac
 R=$OUT/r
 mkdir -p "$R"
 pack() { tar -C "$OUT" -czf "$OUT/r.tgz" r; [ -n "$DEST" ] && cp "$OUT/r.tgz" "$DEST/"; }
@@ -253,6 +255,36 @@ if [ "$PHASE" = modules_all ]; then
   done
   T spec_1536 90 $py -m flashopm bench --shapes "1,512,1536,256,32,128" --impls eager,flashopm,flashopm-bounded \
     --calls 5 --out "$R/spec_1536"
+  exit 0
+fi
+
+if [ "$PHASE" = bf16 ]; then
+  # the streamed projection (16-bit x) and the pair counts' 4 x 4 sums: their tests, the projection
+  # paired against FLASHOPM_PROJECT_STREAM=0, each convention's bfloat16 time by kernel, the
+  # bfloat16 rows of issues 4 and 6 beside their peers, then the contraction under Nsight Compute
+  # (~7 min with the build)
+  T t_stream 120 $py -m pytest -x -q -p no:cacheprovider tests/test_cuda.py -k "streamed_projection or block_rows or tiled_projection or half_precision"
+  T t_conv 200 $py -m pytest -q -p no:cacheprovider tests/test_conventions.py tests/test_modules.py
+  T ab_stream 60 $py scripts/ab_env.py FLASHOPM_PROJECT_STREAM=0 1,512,1536,256,32,128 1,512,768,256,32,128 --dtype bfloat16 --mode forward --calls 8
+  T conv_bf16 90 $py scripts/convention_times.py 1536 row openfold boltz bfloat16 kernels
+  bench_bf16
+  for mod in openfold boltz; do
+    T "mod_${mod}_bf16" 90 $py -m flashopm bench --module $mod --shapes "1,512,1536,256,32,128" --dtype bfloat16 \
+      --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/mod_${mod}_bf16"
+  done
+  cat > "$R/tc16_one.py" <<'PY'
+import torch, flashopm
+from flashopm.testing import PARAM_ORDER, Shape, make_problem
+x, m, p = make_problem(Shape(1, 512, 1536, 256, 32, 128), "masked_positions", seed=1)
+x, m = x.cuda().bfloat16(), m.cuda().bfloat16()
+p = {k: None if v is None else v.cuda().bfloat16() for k, v in p.items()}
+for _ in range(2):
+    flashopm.outer_product_mean(x, m, *(p[k] for k in PARAM_ORDER), algorithm="outer")
+torch.cuda.synchronize()
+PY
+  T ncu_tc16 150 ncu --clock-control none -k regex:opm_outer_tc16 --launch-skip 1 --launch-count 1 \
+    --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
+    --section InstructionStats --section Occupancy $py "$R/tc16_one.py"
   exit 0
 fi
 

@@ -1028,6 +1028,7 @@ def test_projection_block_rows_give_the_same_bits(shape, precision, dtype, monke
     xc, mc = x.cuda().to(dtype), m.cuda().to(dtype)
     pc = {k: v.cuda().to(dtype) for k, v in p.items()}
     outs = {}
+    monkeypatch.setenv("FLASHOPM_PROJECT_STREAM", "0")  # 16-bit x: the row-tiled kernel, not the streamed one
     for rows in ("128", "64", "32"):
         monkeypatch.setenv("FLASHOPM_PROJ_ROWS", rows)
         outs[rows] = _run(xc, mc, pc, "outer", precision=precision)
@@ -1037,6 +1038,47 @@ def test_projection_block_rows_give_the_same_bits(shape, precision, dtype, monke
     if precision == "highest":
         ref32 = reference(xc, mc, pc).cpu()
         torch.testing.assert_close(outs["32"].cpu(), ref32, atol=1e-4, rtol=1e-4)
+
+
+# (B, N, C, H, D, mask kind): the streamed projection (16-bit x) at msa_dim of one 16-byte piece a
+# row (8), a few (40), AF2's (256) and past it (264, three stages), hidden 1 (2H = 2 of its 64
+# columns), 12, 31 (odd: one-element stores) and 32, a prime N and batches of 2 and 3.  Each launch
+# has rows enough for the row-tiled kernels (B·S·N >= 64 x SMs), and tiles that do not fill the last
+# round of blocks.
+STREAM_PROJECTION = [
+    (1, 160, 64, 32, 128, "masked_positions"),
+    (2, 131, 40, 12, 24, "fractional"),
+    (1, 97, 256, 32, 64, "binary"),
+    (3, 61, 8, 1, 5, "bool"),
+    (1, 89, 264, 31, 16, "ones"),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", STREAM_PROJECTION, ids=lambda c: "B{}_N{}_C{}_H{}_D{}_{}".format(*c))
+def test_streamed_projection_gives_the_row_tiled_bits(case, dtype, monkeypatch):
+    """16-bit x: the streamed projection kernel runs (profiler) and gives the row-tiled kernel's
+    bits (FLASHOPM_PROJECT_STREAM=0): the same LayerNorm arithmetic and TF32 products in the same
+    order; every element written (poisoned output), two calls equal, error against float32 PyTorch
+    on the same inputs at most 2x eager's in the type."""
+    B, N, C, H, D, mask_kind = case
+    shape = Shape(B, _rows_above_tiled_projection_threshold(B, N, 100), N, C, H, D)
+    x, m, p = make_problem(shape, mask_kind, seed=C + H)
+    x16, m16 = x.to(dtype).cuda(), m.to(dtype).cuda()
+    p16 = {k: None if v is None else v.to(dtype).cuda() for k, v in p.items()}
+    kernels = flashopm_kernels(lambda: _run(x16, m16, p16, "outer", poison=False))
+    assert any("opm_project_stream_kernel" in k for k in kernels), kernels
+    out = _run(x16, m16, p16, "outer")
+    assert not out.isnan().any(), "NaN in the output: an element was not written"
+    assert torch.equal(out, _run(x16, m16, p16, "outer")), "two identical calls differ: a race"
+    monkeypatch.setenv("FLASHOPM_PROJECT_STREAM", "0")
+    tiled_kernels = flashopm_kernels(lambda: _run(x16, m16, p16, "outer", poison=False))
+    assert not any("opm_project_stream_kernel" in k for k in tiled_kernels), tiled_kernels
+    tiled = _run(x16, m16, p16, "outer")
+    assert torch.equal(out, tiled), "the streamed projection's bits differ from the row-tiled kernel's"
+    ref32 = reference(x16, m16, p16, dtype=torch.float32).cpu()
+    err, err_eager = rel_error(out.float().cpu(), ref32), rel_error(reference(x16, m16, p16).float().cpu(), ref32)
+    assert err <= max(2 * err_eager, 2 * torch.finfo(dtype).eps), f"error {err:.3g} vs eager {dtype} {err_eager:.3g}"
 
 
 def test_projection_block_rows_bad_value_is_refused(monkeypatch):

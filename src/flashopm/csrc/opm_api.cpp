@@ -552,6 +552,18 @@ void run_prep(const PrepArgs& args_in, bool project_w, int dev, cudaStream_t str
   if (!project_w && (rows_kernel || projects_on_rows_kernel(args, rows, dev)) && args.ab_kind != kAbF16Split &&
       rows / kProjRows < int64_t(1) << 31) {
     args.block_rows = projection_block_rows(args, dev);
+    // 16-bit x: the streamed form of the same products (FLASHOPM_PROJECT_STREAM=0: the row-tiled
+    // kernel, to compare them)
+    const DeviceInfo& info = device_info(dev);
+    const int stages = project_rows_mma_terms(args) == 1 && !env_is("FLASHOPM_PROJECT_STREAM", "0")
+                           ? project_stream_stages(args.C, args.H, x_is_16bit(args), info.smem_optin)
+                           : 0;
+    if (stages > 0) {
+      args.stream_stages = stages;
+      args.stream_blocks = int(std::min<int64_t>((project_rows_count(args) + kPsRows - 1) / kPsRows, info.sm_count));
+      check_smem(int(project_stream_smem_bytes(args.C, stages)), dev, "LayerNorm/projection");
+      return launch_project_rows(args, stream);
+    }
     check_smem(project_rows_smem_bytes(args), dev, "LayerNorm/projection");
     return launch_project_rows(args, stream);
   }

@@ -408,7 +408,31 @@ void launch_project_rows_x(const PrepArgs& args, cudaStream_t stream) {
 }
 }  // namespace
 
+namespace {
+template <typename XT, int kStages>
+void launch_project_stream_s(const PrepArgs& args, cudaStream_t stream) {
+  constexpr auto kernel = opm_project_stream_kernel<XT, kStages>;
+  launch_kernel<kernel, SmemSetup::kOptInMaxCarveout>(unsigned(args.stream_blocks), kPsThreads,
+                                                      project_stream_smem_bytes(args.C, kStages), stream, args);
+}
+template <typename XT>
+void launch_project_stream(const PrepArgs& args, cudaStream_t stream) {
+  if constexpr (sizeof(XT) == 2) {
+    switch (args.stream_stages) {
+      case 2: return launch_project_stream_s<XT, 2>(args, stream);
+      case 3: return launch_project_stream_s<XT, 3>(args, stream);
+      case 4: return launch_project_stream_s<XT, 4>(args, stream);
+      default: break;
+    }
+  }
+  TORCH_CHECK(false, "flashopm: internal error: the streamed projection takes 16-bit x and 2 to ", kPsMaxStages,
+              " stages, got x kind ", args.x_kind, " and ", args.stream_stages, " stages");
+}
+}  // namespace
+
 void launch_project_rows(const PrepArgs& args, cudaStream_t stream) {
+  if (args.stream_blocks > 0)
+    return with_x_type(args.x_kind, [&](auto t) { launch_project_stream<typename decltype(t)::type>(args, stream); });
   with_x_type(args.x_kind, [&](auto t) { launch_project_rows_x<typename decltype(t)::type>(args, stream); });
 }
 

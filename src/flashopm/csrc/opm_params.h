@@ -181,6 +181,10 @@ struct PrepArgs {
   // opm_prep_kernel (host side): launched as the previous kernel's programmatic dependent, so that
   // its blocks can be resident before that kernel ends (the kernel waits for it before any load)
   int after_previous;
+  // opm_project_stream_kernel (host side): its grid (0: the row-tiled kernel instead) and the
+  // stages of its ring of x tiles
+  int stream_blocks;
+  int stream_stages;
 };
 
 // Whether x is float16 or bfloat16 (PrepArgs::x_kind).
@@ -278,6 +282,32 @@ FLASHOPM_HD inline bool project_rows_block_allowed(int block_rows, int H, bool x
   if (block_rows == 64) return n_tiles % col_groups == 0;
   if (block_rows == 32) return n_tiles % col_groups == 0 && !x16;
   return false;
+}
+
+// opm_project_stream_kernel: the tensor-core form of opm_project_rows_kernel for 16-bit x, with the
+// same products in the same order, one persistent block per SM.  W (kPsCols outputs: a's H, then
+// b's, zero past 2H) stays in shared memory rounded to TF32, [kPsCols][C + 4] floats; x streams
+// through a ring of tiles of kPsRows rows, [kPsRows][2C + 16] bytes each (the 16 bytes keep the
+// fragment reads of 8 rows off one bank), then LayerNorm's (w, b) per feature, each row's
+// (mean, rstd), and per stage each row's offsets of x, a and b (int64) and mask value.
+constexpr int kPsThreads = 256;
+constexpr int kPsRows = 64;
+constexpr int kPsCols = 64;
+constexpr int kPsMaxStages = 4;
+FLASHOPM_HD inline int64_t project_stream_smem_bytes(int C, int stages) {
+  const int64_t w = int64_t(kPsCols) * (C + 4) * 4;
+  const int64_t tiles = int64_t(stages) * kPsRows * (2 * int64_t(C) + 16);
+  const int64_t meta = int64_t(stages) * kPsRows * (3 * 8 + 4);
+  return tiles + w + int64_t(C) * 8 + kPsRows * 8 + meta;
+}
+// The stages opm_project_stream_kernel takes within `smem_limit` bytes of a block's opt-in (the
+// most that fit beside the 1 KB sm_90 keeps for itself, at most kPsMaxStages), or 0 where it does
+// not apply: x 16-bit, 2H <= kPsCols, and two stages at least.
+FLASHOPM_HD inline int project_stream_stages(int C, int H, bool x16, int64_t smem_limit) {
+  if (!x16 || 2 * H > kPsCols || C < 1) return 0;
+  for (int st = kPsMaxStages; st >= 2; --st)
+    if (project_stream_smem_bytes(C, st) + 1024 <= smem_limit) return st;
+  return 0;
 }
 
 constexpr int kOuterThreads = 256;
@@ -667,7 +697,7 @@ struct PairCountArgs {
   int B, S, N, rows, row0;
 };
 constexpr int kPairThreads = 256;
-constexpr int kPairTR = 32;  // rows r per block (2 per thread)
+constexpr int kPairTR = 64;  // rows r per block (4 per thread)
 constexpr int kPairTJ = 64;  // columns j per block (4 per thread)
 constexpr int kPairSK = 32;  // steps of s per stage
 
