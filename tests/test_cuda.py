@@ -1041,16 +1041,17 @@ def test_projection_block_rows_give_the_same_bits(shape, precision, dtype, monke
 
 
 # (B, N, C, H, D, mask kind): the streamed projection (16-bit x) at msa_dim of one 16-byte piece a
-# row (8), a few (40), AF2's (256) and past it (264, three stages), hidden 1 (2H = 2 of its 64
-# columns), 12, 31 (odd: one-element stores) and 32, a prime N and batches of 2 and 3.  Each launch
-# has rows enough for the row-tiled kernels (B·S·N >= 64 x SMs), and tiles that do not fill the last
-# round of blocks.
+# row (8), a few (40), AF2's (256, four stages) and past it (296: three stages, 400: two), hidden 1
+# (2H = 2 of its 64 columns), 12, 16, 31 (odd: one-element stores) and 32, a prime N and batches of
+# 2 and 3.  Each launch has rows enough for the row-tiled kernels (B·S·N >= 64 x SMs), and tiles
+# that do not fill the last round of blocks.
 STREAM_PROJECTION = [
     (1, 160, 64, 32, 128, "masked_positions"),
     (2, 131, 40, 12, 24, "fractional"),
     (1, 97, 256, 32, 64, "binary"),
     (3, 61, 8, 1, 5, "bool"),
-    (1, 89, 264, 31, 16, "ones"),
+    (1, 89, 296, 31, 16, "ones"),
+    (1, 41, 400, 16, 8, "binary"),
 ]
 
 
