@@ -1060,8 +1060,8 @@ STREAM_PROJECTION = [
 def test_streamed_projection_gives_the_row_tiled_bits(case, dtype, monkeypatch):
     """16-bit x: the streamed projection kernel runs (profiler) and gives the row-tiled kernel's
     bits (FLASHOPM_PROJECT_STREAM=0): the same LayerNorm arithmetic and TF32 products in the same
-    order; every element written (poisoned output), two calls equal, error against float32 PyTorch
-    on the same inputs at most 2x eager's in the type."""
+    order; every element written (poisoned output), two calls equal, the same bits from 1 and 7
+    blocks, error against float32 PyTorch on the same inputs at most 2x eager's in the type."""
     B, N, C, H, D, mask_kind = case
     shape = Shape(B, _rows_above_tiled_projection_threshold(B, N, 100), N, C, H, D)
     x, m, p = make_problem(shape, mask_kind, seed=C + H)
@@ -1072,6 +1072,12 @@ def test_streamed_projection_gives_the_row_tiled_bits(case, dtype, monkeypatch):
     out = _run(x16, m16, p16, "outer")
     assert not out.isnan().any(), "NaN in the output: an element was not written"
     assert torch.equal(out, _run(x16, m16, p16, "outer")), "two identical calls differ: a race"
+    # one block (every tile round the ring in turn) and seven (about 20 tiles each): each stage
+    # refilled many times, every path of the deferred mask values
+    for blocks in ("1", "7"):
+        monkeypatch.setenv("FLASHOPM_PROJECT_STREAM_BLOCKS", blocks)
+        assert torch.equal(_run(x16, m16, p16, "outer"), out), f"{blocks} blocks changed the bits"
+    monkeypatch.delenv("FLASHOPM_PROJECT_STREAM_BLOCKS")
     monkeypatch.setenv("FLASHOPM_PROJECT_STREAM", "0")
     tiled_kernels = flashopm_kernels(lambda: _run(x16, m16, p16, "outer", poison=False))
     assert not any("opm_project_stream_kernel" in k for k in tiled_kernels), tiled_kernels

@@ -553,14 +553,22 @@ void run_prep(const PrepArgs& args_in, bool project_w, int dev, cudaStream_t str
       rows / kProjRows < int64_t(1) << 31) {
     args.block_rows = projection_block_rows(args, dev);
     // 16-bit x: the streamed form of the same products (FLASHOPM_PROJECT_STREAM=0: the row-tiled
-    // kernel, to compare them)
+    // kernel, to compare them; FLASHOPM_PROJECT_STREAM_BLOCKS=k: at most k blocks, so that each
+    // takes many tiles round its ring, for the tests)
     const DeviceInfo& info = device_info(dev);
     const int stages = project_rows_mma_terms(args) == 1 && !env_is("FLASHOPM_PROJECT_STREAM", "0")
                            ? project_stream_stages(args.C, args.H, x_is_16bit(args), info.smem_optin)
                            : 0;
     if (stages > 0) {
       args.stream_stages = stages;
-      args.stream_blocks = int(std::min<int64_t>((project_rows_count(args) + kPsRows - 1) / kPsRows, info.sm_count));
+      int64_t blocks = std::min<int64_t>((project_rows_count(args) + kPsRows - 1) / kPsRows, info.sm_count);
+      if (const char* e = env_get("FLASHOPM_PROJECT_STREAM_BLOCKS"); e != nullptr && *e != 0) {
+        const int64_t k = std::atoll(e);
+        FLASHOPM_CHECK(k >= 1, "flashopm: FLASHOPM_PROJECT_STREAM_BLOCKS must be a positive number of blocks, got '", e,
+                       "'");
+        blocks = std::min(blocks, k);
+      }
+      args.stream_blocks = int(blocks);
       check_smem(int(project_stream_smem_bytes(args.C, stages)), dev, "LayerNorm/projection");
       return launch_project_rows(args, stream);
     }

@@ -1359,7 +1359,7 @@ __global__ void __launch_bounds__(kProjThreads, project_rows_min_blocks(CT, kMma
 // kPsRows rows is copied whole into a ring of kStages buffers, kStages - 1 tiles ahead of the one
 // being multiplied; LayerNorm is applied as the A fragments are read, so that the tile is never
 // written back normalised.  Warps: 4 row groups (16 rows) x 2 column groups (32 outputs, four
-// m16n8k8 tiles, W's fragments by ldmatrix).  Three barriers per tile.
+// m16n8k8 tiles, W's fragments by ldmatrix).  Two barriers per tile.
 // ---------------------------------------------------------------------------------------------
 template <typename XT, int kStages>
 __global__ void __launch_bounds__(kPsThreads, 1) opm_project_stream_kernel(const PrepArgs p) {
@@ -1372,7 +1372,7 @@ __global__ void __launch_bounds__(kPsThreads, 1) opm_project_stream_kernel(const
   extern __shared__ float4 smem_f4[];
   char* smem = reinterpret_cast<char*>(smem_f4);
   const int C = p.C, H = p.H, H2 = 2 * H;
-  const int ldx = 2 * C + 16;  // bytes per staged row
+  const int ldx = project_stream_ldx(C);  // bytes per staged row
   const int ldw = C + 4;       // floats per row of W
   char* tiles = smem;                                                          // [kStages][R][ldx]
   float* ws = reinterpret_cast<float*>(tiles + int64_t(kStages) * R * ldx);  // [kPsCols][ldw]

@@ -287,22 +287,25 @@ FLASHOPM_HD inline bool project_rows_block_allowed(int block_rows, int H, bool x
 // opm_project_stream_kernel: the tensor-core form of opm_project_rows_kernel for 16-bit x, with the
 // same products in the same order, one persistent block per SM.  W (kPsCols outputs: a's H, then
 // b's, zero past 2H) stays in shared memory rounded to TF32, [kPsCols][C + 4] floats; x streams
-// through a ring of tiles of kPsRows rows, [kPsRows][2C + 16] bytes each (the 16 bytes keep the
-// fragment reads of 8 rows off one bank), then LayerNorm's (w, b) per feature, each row's
-// (mean, rstd), and per stage each row's offsets of x, a and b (int64) and mask value.
+// through a ring of tiles of kPsRows rows, [kPsRows][project_stream_ldx(C)] bytes each, then
+// LayerNorm's (w, b) per feature, each row's (mean, rstd), and per stage each row's offsets of x,
+// a and b (int64) and mask value.
 constexpr int kPsThreads = 256;
 constexpr int kPsRows = 64;
 constexpr int kPsCols = 64;
 constexpr int kPsMaxStages = 4;
+// A staged row's bytes: 2C padded so that the stride is 4 (mod 8) words, which keeps the A
+// fragments' reads (8 rows at once) in distinct banks.
+FLASHOPM_HD constexpr int project_stream_ldx(int C) { return 2 * C + (C % 16 == 0 ? 16 : 32); }
 FLASHOPM_HD inline int64_t project_stream_smem_bytes(int C, int stages) {
   const int64_t w = int64_t(kPsCols) * (C + 4) * 4;
-  const int64_t tiles = int64_t(stages) * kPsRows * (2 * int64_t(C) + 16);
+  const int64_t tiles = int64_t(stages) * kPsRows * project_stream_ldx(C);
   const int64_t meta = int64_t(stages) * kPsRows * (3 * 8 + 4);
   return tiles + w + int64_t(C) * 8 + kPsRows * 8 + meta;
 }
 // The stages opm_project_stream_kernel takes within `smem_limit` bytes of a block's opt-in (the
-// most that fit beside the 1 KB sm_90 keeps for itself, at most kPsMaxStages), or 0 where it does
-// not apply: x 16-bit, 2H <= kPsCols, and two stages at least.
+// most that fit, at most kPsMaxStages, with 1 KB to spare for static shared memory), or 0 where it
+// does not apply: x 16-bit, 2H <= kPsCols, and two stages at least.
 FLASHOPM_HD inline int project_stream_stages(int C, int H, bool x16, int64_t smem_limit) {
   if (!x16 || 2 * H > kPsCols || C < 1) return 0;
   for (int st = kPsMaxStages; st >= 2; --st)
