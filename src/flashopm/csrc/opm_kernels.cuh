@@ -1448,26 +1448,22 @@ __global__ void __launch_bounds__(kPsThreads, 1) opm_project_stream_kernel(const
     // LayerNorm statistics as the row-tiled kernel forms them (lane order, two passes)
     for (int r0 = warp * (R / 8); r0 < (warp + 1) * (R / 8); r0 += 4) {
       float sum[4] = {0.f, 0.f, 0.f, 0.f}, sq[4] = {0.f, 0.f, 0.f, 0.f}, mu[4];
-      for (int cv = lane; cv < cpr; cv += 32) {
+      // f(u, value) over this lane's values of rows r0 + u, in the row-tiled kernel's order
+      const auto each_value = [&](auto&& f) {
+        for (int cv = lane; cv < cpr; cv += 32) {
 #pragma unroll
-        for (int u = 0; u < 4; ++u) {
-          float v[V];
-          unpack16<XT>(*reinterpret_cast<const uint4*>(tile + (r0 + u) * ldx + cv * 16), v);
+          for (int u = 0; u < 4; ++u) {
+            float v[V];
+            unpack16<XT>(*reinterpret_cast<const uint4*>(tile + (r0 + u) * ldx + cv * 16), v);
 #pragma unroll
-          for (int j = 0; j < V; ++j) sum[u] += v[j];
+            for (int j = 0; j < V; ++j) f(u, v[j]);
+          }
         }
-      }
+      };
+      each_value([&](int u, float v) { sum[u] += v; });
 #pragma unroll
       for (int u = 0; u < 4; ++u) mu[u] = warp_sum(sum[u]) / C;
-      for (int cv = lane; cv < cpr; cv += 32) {
-#pragma unroll
-        for (int u = 0; u < 4; ++u) {
-          float v[V];
-          unpack16<XT>(*reinterpret_cast<const uint4*>(tile + (r0 + u) * ldx + cv * 16), v);
-#pragma unroll
-          for (int j = 0; j < V; ++j) sq[u] = fmaf(v[j] - mu[u], v[j] - mu[u], sq[u]);
-        }
-      }
+      each_value([&](int u, float v) { sq[u] = fmaf(v - mu[u], v - mu[u], sq[u]); });
 #pragma unroll
       for (int u = 0; u < 4; ++u) {
         const float var = warp_sum(sq[u]) / C;
