@@ -23,6 +23,8 @@
 #                                                       # the conventions' bfloat16 kernels
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR bf16  # the streamed projection and the pair counts:
 #                                                       # tests, paired, by kernel, the bfloat16 rows
+#          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR pairs  # the 16-bit kernel in clusters of two
+#                                                       # (FLASHOPM_TC16_PAIRS=1): tests, paired, L2
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR waves_final  # the rows the waves form and the pair
 #                                                       # counts take part in, and their tests
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR proj  # the waves form's projection and barriers:
@@ -32,7 +34,7 @@
 # steps.txt lists each step's exit status; a failing test step stops the call.
 OUT=$1
 PHASE=${2:-default}
-case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows | bf16) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all, own_rows or bf16, got '$PHASE'" >&2; exit 2 ;; esac
+case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows | bf16 | pairs) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all, own_rows, bf16 or pairs, got '$PHASE'" >&2; exit 2 ;; esac
 R=$OUT/r
 mkdir -p "$R"
 pack() { tar -C "$OUT" -czf "$OUT/r.tgz" r; [ -n "$DEST" ] && cp "$OUT/r.tgz" "$DEST/"; }
@@ -67,6 +69,19 @@ bench_f32() {
 bench_bf16() {
   T bench_bf16 90 $py -m flashopm bench --shapes "1,512,1536,256,32,128" --dtype bfloat16 \
     --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/bench_bf16"
+}
+# A script of two bfloat16 calls at (1,512,1536,256,32,128), for Nsight Compute's second launch.
+tc16_one() {
+  cat > "$R/tc16_one.py" <<'PY'
+import torch, flashopm
+from flashopm.testing import PARAM_ORDER, Shape, make_problem
+x, m, p = make_problem(Shape(1, 512, 1536, 256, 32, 128), "masked_positions", seed=1)
+x, m = x.cuda().bfloat16(), m.cuda().bfloat16()
+p = {k: None if v is None else v.cuda().bfloat16() for k, v in p.items()}
+for _ in range(2):
+    flashopm.outer_product_mean(x, m, *(p[k] for k in PARAM_ORDER), algorithm="outer")
+torch.cuda.synchronize()
+PY
 }
 # the modules' deep MSA over 20 calls too (its bounded wall is the closest to its bar)
 bench_modules() {
@@ -272,19 +287,29 @@ if [ "$PHASE" = bf16 ]; then
     T "mod_${mod}_bf16" 90 $py -m flashopm bench --module $mod --shapes "1,512,1536,256,32,128" --dtype bfloat16 \
       --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/mod_${mod}_bf16"
   done
-  cat > "$R/tc16_one.py" <<'PY'
-import torch, flashopm
-from flashopm.testing import PARAM_ORDER, Shape, make_problem
-x, m, p = make_problem(Shape(1, 512, 1536, 256, 32, 128), "masked_positions", seed=1)
-x, m = x.cuda().bfloat16(), m.cuda().bfloat16()
-p = {k: None if v is None else v.cuda().bfloat16() for k, v in p.items()}
-for _ in range(2):
-    flashopm.outer_product_mean(x, m, *(p[k] for k in PARAM_ORDER), algorithm="outer")
-torch.cuda.synchronize()
-PY
+  tc16_one
   T ncu_tc16 150 ncu --clock-control none -k regex:opm_outer_tc16 --launch-skip 1 --launch-count 1 \
     --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
     --section InstructionStats --section Occupancy $py "$R/tc16_one.py"
+  exit 0
+fi
+
+if [ "$PHASE" = pairs ]; then
+  # the 16-bit kernel's pair form (FLASHOPM_TC16_PAIRS=1): its bits against the default form's (a
+  # hang shows as the step's timeout), paired against it at N = 1536 and 768 in bfloat16, each
+  # convention's time by kernel with it, then both forms under Nsight Compute: L2 traffic and
+  # throughput, the tensor pipe, stalls (~6 min with the build)
+  T t_pairs 150 $py -m pytest -x -q -p no:cacheprovider tests/test_cuda.py -k "pair_form"
+  T ab_pairs 90 $py scripts/ab_env.py FLASHOPM_TC16_PAIRS=1 1,512,1536,256,32,128 1,512,768,256,32,128 --dtype bfloat16 --mode forward --calls 8
+  T conv_pairs 90 env FLASHOPM_TC16_PAIRS=1 $py scripts/convention_times.py 1536 row openfold boltz bfloat16 kernels
+  T conv_default 90 $py scripts/convention_times.py 1536 row openfold bfloat16
+  tc16_one
+  for form in default pairs; do
+    T "ncu_$form" 120 env FLASHOPM_TC16_PAIRS=$([ $form = pairs ] && echo 1 || echo 0) \
+      ncu --clock-control none -k regex:opm_outer_tc16 --launch-skip 1 --launch-count 1 \
+      --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
+      $py "$R/tc16_one.py"
+  done
   exit 0
 fi
 

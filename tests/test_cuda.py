@@ -768,6 +768,40 @@ def test_half_precision_inputs(dtype, shape, algorithm):
     assert torch.equal(out, _run(x16, m16, p16, algorithm)), "two identical calls differ: a race"
 
 
+# The 16-bit kernel's pair form (FLASHOPM_TC16_PAIRS=1: clusters of two blocks along rows whose
+# stages and W chunks come by tensor copies, b's and W's shared by multicast): whole tiles at hidden
+# 32 with an odd number of row tiles (the last cluster's second block past Na), S off the stage
+# depth with partial column tiles and two groups of d in a batch of 2, hidden 16, and hidden 8
+# (1024 pairs a block: 16 rounds of phase 2, W's chunk sequence over rounds and groups of d).
+PAIR_SHAPES = [
+    Shape(1, 64, 160, 64, 32, 128),
+    Shape(2, 37, 45, 32, 32, 130),
+    Shape(1, 100, 256, 24, 16, 64),
+    Shape(1, 33, 99, 16, 8, 200),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", PAIR_SHAPES, ids=str)
+def test_tc16_pair_form_gives_the_default_bits(shape, dtype, monkeypatch):
+    """The pair form runs (profiler) and gives the default form's bits (the same products in the
+    same order), every element written (poisoned output), two calls equal."""
+    x, m, p = make_problem(shape, "masked_positions", seed=zlib.crc32(f"{shape}-pairs".encode()) % 1000)
+    x16, m16 = x.to(dtype).cuda(), m.to(dtype).cuda()
+    p16 = {k: None if v is None else v.to(dtype).cuda() for k, v in p.items()}
+    default = _run(x16, m16, p16, "outer")
+    kernels = flashopm_kernels(lambda: _run(x16, m16, p16, "outer", poison=False))
+    assert any("opm_outer_tc16_kernel" in k for k in kernels), kernels
+    assert not any("opm_outer_tc16_pair_kernel" in k for k in kernels), kernels
+    monkeypatch.setenv("FLASHOPM_TC16_PAIRS", "1")
+    kernels = flashopm_kernels(lambda: _run(x16, m16, p16, "outer", poison=False))
+    assert any("opm_outer_tc16_pair_kernel" in k for k in kernels), kernels
+    pair = _run(x16, m16, p16, "outer")
+    assert not pair.isnan().any(), "NaN in the output: an element was not written"
+    assert torch.equal(pair, default), "the pair form's bits differ from the default form's"
+    assert torch.equal(pair, _run(x16, m16, p16, "outer")), "two identical calls differ: a race"
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_half_precision_module_and_gradients(dtype):
     """A model cast to the type as a whole (the way bfloat16 checkpoints are run): forward like the

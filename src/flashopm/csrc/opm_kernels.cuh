@@ -265,6 +265,62 @@ __device__ __forceinline__ void bulk_copy_g2s_multicast(void* dst, const void* s
                ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(dst))), "l"(src), "r"(bytes),
                "r"(static_cast<unsigned>(__cvta_generic_to_shared(bar))), "h"(cta_mask) : "memory");
 }
+// Clusters of blocks (the 16-bit kernel's pairs): this block's rank in its cluster; a barrier of
+// every thread of the cluster (release / acquire: the writes before it, to shared memory of any
+// block of the cluster, are seen after it).
+__device__ __forceinline__ unsigned cluster_rank() {
+  unsigned r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ void cluster_barrier() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+// One arrival on this block's mbarrier bar, and one on the mbarrier at bar's offset in block
+// `peer` of the cluster (released at cluster scope: this block's reads before it are done for
+// whoever then waits there).
+__device__ __forceinline__ void mbarrier_arrive_local(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(bar)))
+               : "memory");
+}
+__device__ __forceinline__ void mbarrier_arrive_peer(uint64_t* bar, unsigned peer) {
+  asm volatile("{\n .reg .b32 ra;\n mapa.shared::cluster.u32 ra, %0, %1;\n"
+               " mbarrier.arrive.release.cluster.shared::cluster.b64 _, [ra];\n}\n"
+               ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(bar))), "r"(peer) : "memory");
+}
+// mbarrier_wait_parity acquiring at cluster scope: the arrivals from other blocks' threads.
+__device__ __forceinline__ void mbarrier_wait_parity_cluster(uint64_t* bar, unsigned parity) {
+  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(bar));
+  unsigned done = 0;
+  while (!done) {
+    asm volatile("{\n .reg .pred p;\n mbarrier.test_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
+                 " selp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(done) : "r"(addr), "r"(parity) : "memory");
+  }
+}
+// Tensor copies (TMA) through a CUtensorMap in kernel parameter space (__grid_constant__): the box
+// at coordinates (c0 innermost, c1[, c2]) to shared address dst, counted on the mbarrier bar;
+// _mc: into dst of every block in cta_mask, counted on each one's mbarrier at bar's offset.
+// Elements past the tensor's edges arrive as zeros (and count as bytes all the same).
+__device__ __forceinline__ void tma_load_3d(uint32_t dst, const void* map, int c0, int c1, int c2, uint64_t* bar) {
+  asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n"
+               ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2),
+               "r"(static_cast<unsigned>(__cvta_generic_to_shared(bar))) : "memory");
+}
+__device__ __forceinline__ void tma_load_3d_mc(uint32_t dst, const void* map, int c0, int c1, int c2, uint64_t* bar,
+                                               uint16_t cta_mask) {
+  asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+               " [%0], [%1, {%2, %3, %4}], [%5], %6;\n"
+               ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2),
+               "r"(static_cast<unsigned>(__cvta_generic_to_shared(bar))), "h"(cta_mask) : "memory");
+}
+__device__ __forceinline__ void tma_load_2d_mc(uint32_t dst, const void* map, int c0, int c1, uint64_t* bar,
+                                               uint16_t cta_mask) {
+  asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+               " [%0], [%1, {%2, %3}], [%4], %5;\n"
+               ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1),
+               "r"(static_cast<unsigned>(__cvta_generic_to_shared(bar))), "h"(cta_mask) : "memory");
+}
 #endif
 
 
@@ -310,14 +366,16 @@ __device__ __forceinline__ float mask_denominator(const MaskView& m, int b, int 
 // b in L2; in launch order (row by row) every wave would stream b for all residues, which at
 // AlphaFold sizes is more than L2 holds, so it came from HBM once per row tile.
 constexpr int kTileGroupRows = 16;
-__device__ __forceinline__ void grouped_tile(int& col_tile, int& row_tile) {
-  const int n_cols = gridDim.x, n_rows = gridDim.y;
-  const int linear = blockIdx.y * n_cols + blockIdx.x;
+__device__ __forceinline__ void grouped_tile_of(int bx, int by, int n_cols, int n_rows, int& col_tile, int& row_tile) {
+  const int linear = by * n_cols + bx;
   const int first = linear / (kTileGroupRows * n_cols) * kTileGroupRows;
   const int rows = min(kTileGroupRows, n_rows - first);
   const int within = linear - first * n_cols;
   row_tile = first + within % rows;
   col_tile = within / rows;
+}
+__device__ __forceinline__ void grouped_tile(int& col_tile, int& row_tile) {
+  grouped_tile_of(blockIdx.x, blockIdx.y, gridDim.x, gridDim.y, col_tile, row_tile);
 }
 
 // One warp per row r of batch element blockIdx.y (see RowDenArgs).

@@ -70,6 +70,7 @@ struct DriverLaunchApi {
   PFN_cuLaunchKernelEx_v11060 launch = nullptr;
   PFN_cuCtxGetCurrent_v4000 current_context = nullptr;
   PFN_cuGetErrorString_v6000 error_string = nullptr;
+  PFN_cuTensorMapEncodeTiled_v12000 encode_tiled = nullptr;  // the 16-bit kernel's pair form (may stay null)
 };
 
 // The driver library is the one the runtime has loaded already (dlopen hands back that copy);
@@ -83,6 +84,7 @@ const DriverLaunchApi& driver_launch_api() {
     a.current_context = reinterpret_cast<PFN_cuCtxGetCurrent_v4000>(dlsym(driver, "cuCtxGetCurrent"));
     a.error_string = reinterpret_cast<PFN_cuGetErrorString_v6000>(dlsym(driver, "cuGetErrorString"));
     if (a.launch == nullptr || a.current_context == nullptr || a.error_string == nullptr) a = DriverLaunchApi{};
+    a.encode_tiled = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(dlsym(driver, "cuTensorMapEncodeTiled"));
     return a;
   }();
   return api;
@@ -599,11 +601,70 @@ void launch_tc16_form(const OuterArgs& args, int form, const dim3& grid, int sme
 }
 }  // namespace
 
+bool outer_tc16_pairs_available() { return driver_launch_api().encode_tiled != nullptr; }
+
+namespace {
+// A 128-byte-swizzled tensor map of 16-bit elements (dims and boxes innermost first; strides in
+// bytes of every dimension past the first).
+void encode_map16(unsigned char (&out)[128], int operand_kind, const void* base, int rank, const cuuint64_t* dims,
+                  const cuuint64_t* strides, const cuuint32_t* box) {
+  static_assert(sizeof(CUtensorMap) == 128, "CUtensorMap is 128 bytes");
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = driver_launch_api().encode_tiled;
+  TORCH_CHECK(encode != nullptr, "flashopm: the driver's cuTensorMapEncodeTiled was not found (the pair form needs it)");
+  CUtensorMap map;
+  const cuuint32_t elem_strides[3] = {1, 1, 1};
+  const CUresult r = encode(&map, operand_kind == kMaskHalf ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                            cuuint32_t(rank), const_cast<void*>(base), dims, strides, box, elem_strides,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  TORCH_CHECK(r == CUDA_SUCCESS, "flashopm: cuTensorMapEncodeTiled failed (", int(r), ") for a tensor of rank ", rank,
+              " with inner dimension ", dims[0]);
+  std::memcpy(out, &map, sizeof(map));
+}
+
+template <typename T>
+void launch_tc16_pairs(const OuterArgs& args, int operand_kind, dim3 grid, int smem, cudaStream_t stream) {
+  // a (B, S, Na·H) and b (B, S, N·H) in boxes of kT16WgBK s x 64 columns; W in o_k_order as
+  // (D, H²) in boxes of kTcDG / 2 rows of d x 64 k
+  Tc16Maps maps{};
+  const cuuint64_t NaH = cuuint64_t(args.Na) * args.H, NH = cuuint64_t(args.N) * args.H, S = cuuint64_t(args.S);
+  const cuuint64_t K2 = cuuint64_t(args.H) * args.H;
+  const cuuint32_t box_ab[3] = {64, cuuint32_t(kT16WgBK), 1}, box_w[2] = {64, cuuint32_t(kTcDG / 2)};
+  const cuuint64_t dims_a[3] = {NaH, S, cuuint64_t(args.B)}, strides_a[2] = {NaH * 2, S * NaH * 2};
+  const cuuint64_t dims_b[3] = {NH, S, cuuint64_t(args.B)}, strides_b[2] = {NH * 2, S * NH * 2};
+  const cuuint64_t dims_w[2] = {K2, cuuint64_t(args.D)}, strides_w[1] = {K2 * 2};
+  encode_map16(maps.a, operand_kind, args.a, 3, dims_a, strides_a, box_ab);
+  encode_map16(maps.b, operand_kind, args.b, 3, dims_b, strides_b, box_ab);
+  encode_map16(maps.w, operand_kind, args.w_blocked, 2, dims_w, strides_w, box_w);
+  grid.y = (grid.y + 1) / 2 * 2;  // whole clusters: a last row tile past Na copies b and W for its peer
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(kTcThreads);
+  cfg.dynamicSmemBytes = size_t(smem);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = 1;
+  attr[0].val.clusterDim.y = 2;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  launch_kernel<opm_outer_tc16_pair_kernel<T>, SmemSetup::kOptIn>(cfg, args, maps);
+}
+}  // namespace
+
 void launch_outer_tc16(const OuterArgs& args, int operand_kind, int form, cudaStream_t stream) {
   const int tj_block = args.Tj * kT16JSub;
   const dim3 grid(unsigned((args.N + tj_block - 1) / tj_block), unsigned((args.Na + args.Ti - 1) / args.Ti),
                   unsigned(args.B));
   const int smem = outer_tc16_smem_bytes(args.H, args.Ti, args.Tj, form);
+  if (form == kT16WgmmaPair) {
+    TORCH_CHECK(args.Ti * args.H == kTcMT && args.Tj * args.H == kTcNT && args.w_blocked != nullptr,
+                "flashopm: internal error: the pair form needs whole tiles (Ti·H = ", kTcMT, ", Tj·H = ", kTcNT,
+                ") and W in blocks, got Ti ", args.Ti, ", Tj ", args.Tj, ", H ", args.H);
+    if (operand_kind == kMaskHalf) return launch_tc16_pairs<__half>(args, operand_kind, grid, smem, stream);
+    return launch_tc16_pairs<__nv_bfloat16>(args, operand_kind, grid, smem, stream);
+  }
   if (operand_kind == kMaskHalf) launch_tc16_form<__half>(args, form, grid, smem, stream);
   else launch_tc16_form<__nv_bfloat16>(args, form, grid, smem, stream);
 }

@@ -616,6 +616,9 @@ enum Tc16Form : int {
   kT16MmaSyncHalfStages = 3,
   kT16MmaSyncNarrow = 4,
   kT16MmaSyncNarrowHalfStages = 5,
+  // both phases on wgmma in clusters of two blocks along rows (same column tiles): the stages and
+  // W's chunks come by tensor copies, each block's half of b and of W multicast to both
+  kT16WgmmaPair = 6,
 };
 FLASHOPM_HD constexpr int tc16_form_bk(int form) {
   return form == kT16MmaSyncHalfStages || form == kT16MmaSyncNarrowHalfStages ? kT16BKSmall : kT16BK;
@@ -630,6 +633,8 @@ FLASHOPM_HD constexpr int tc16_mma_sync_form(int bk, int nt) {
 // kT16Wg2Stages deep.
 constexpr int kT16Wg2ChunkBytes = kTcDG * 128;
 constexpr int kT16Wg2Stages = 4;
+// The pair form's mbarriers: phase 1's full and empty per stage, then W's per chunk stage.
+constexpr int kT16PairBarriers = 2 * kT16WgStages + 2 * kT16Wg2Stages;
 
 // Shared memory of the 16-bit kernel, in bytes: O ([Ti·Tj·kT16JSub][H² + 8] 16-bit) with the
 // phase-1 stages placed after the first column tile's O (the later tiles' O is written only once
@@ -648,7 +653,7 @@ FLASHOPM_HD inline Tc16Layout tc16_layout(int H, int Ti, int Tj, int form) {
   Tc16Layout L{};
   L.ldo = H * H + 8;
   int end;
-  if (form == kT16WgmmaBoth) {
+  if (form == kT16WgmmaBoth || form == kT16WgmmaPair) {
     const int o_tile = Ti * Tj * H * H * 2;
     L.stages = round_up1k(o_tile);
     L.w = round_up1k(kT16JSub * o_tile);
@@ -669,9 +674,18 @@ FLASHOPM_HD inline Tc16Layout tc16_layout(int H, int Ti, int Tj, int form) {
     if (end < stages_end) end = stages_end;
   }
   L.rows = end;  // 16-byte aligned
-  L.total = L.rows + kT16RoundRows * 12 + (form == kT16WgmmaBoth ? 1024 : 0);
+  L.total = L.rows + kT16RoundRows * 12 + (form == kT16WgmmaBoth || form == kT16WgmmaPair ? 1024 : 0) +
+            (form == kT16WgmmaPair ? kT16PairBarriers * 8 : 0);
   return L;
 }
+// The pair form's tensor maps (CUtensorMap's 128 bytes each): a as (B, S, Na·H), b as (B, S, N·H)
+// (boxes of 32 s x 64 columns), W in o_k_order as (D, H²) (boxes of 64 d x 64 k), all swizzled by
+// 128 bytes as the stages are.
+struct Tc16Maps {
+  alignas(64) unsigned char a[128];
+  alignas(64) unsigned char b[128];
+  alignas(64) unsigned char w[128];
+};
 // The form of the 16-bit kernel for a tile when `requested` is asked for.
 FLASHOPM_HD inline int tc16_form(int Ti, int Tj, int requested) {
   if (requested == kT16WgmmaBoth && (Ti * Tj * kT16JSub) % kT16RoundRows != 0) return kT16WgmmaPhase1;
@@ -726,6 +740,7 @@ void launch_prep(const PrepArgs& args, bool project_w, int rows_per_warp, int wa
 bool prep_whole_weights_apply(const PrepArgs& args, bool project_w, int rows_per_warp);
 // opm_project_rows_kernel over all B * S * N rows (project_w = false layouts)
 void launch_project_rows(const PrepArgs& args, cudaStream_t stream);
+bool outer_tc16_pairs_available();  // the driver's tensor-map encoder found (the 16-bit kernel's pair form)
 int project_rows_smem_bytes(const PrepArgs& args);
 // opm_project_rows_kernel's TF32 terms per product: 0 for its FMA form (x not in 16-byte vectors,
 // or FLASHOPM_PROJECTION_MMA=0), 1 for 16-bit x, else PrepArgs::mma_terms.

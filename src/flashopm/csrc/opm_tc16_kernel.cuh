@@ -25,18 +25,29 @@ namespace flashopm {
 
 // kBK, kNT: s per stage and phase 1's columns (j, h2) in the mma.sync form (kT16BK and kTcNT;
 // kT16BKSmall and kT16NTNarrow on GPUs with less shared memory; kNT >= Tj·H).
-template <typename T, bool kWgmma, bool kWgmmaBoth, int kBK = kT16BK, int kNT = kTcNT>
-__global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const OuterArgs p) {
+// kPair (with kWgmmaBoth; full tiles: Ti·H = kTcMT, Tj·H = kTcNT): the block is one of a cluster of
+// two along rows, the same column tiles, and its stages and W's chunks come by tensor copies
+// (maps): each block copies its own a, and half of every b stage and every W chunk to both blocks
+// (multicast), so that b and W cross L2 once per pair.  A stage's "full" mbarrier counts the bytes
+// from both blocks; its "empty" mbarrier one arrival from each block once its warpgroups have
+// retired the stage's products, before either refills it.  Thread 0 issues the copies.  The same
+// products in the same order as without: the same bits.
+template <typename T, bool kWgmma, bool kWgmmaBoth, int kBK, int kNT, bool kPair>
+__device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Maps* maps) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   static_assert(kWgmma || !kWgmmaBoth, "phase 2 on wgmma needs phase 1 on wgmma");
+  static_assert(kWgmmaBoth || !kPair, "the pair form has both phases on wgmma");
   static_assert(kBK == kT16BK || (kBK == kT16BKSmall && !kWgmma), "half stages for the mma.sync form alone");
   static_assert(kNT == kTcNT || (kNT == kT16NTNarrow && !kWgmma), "a narrower phase 1 for the mma.sync form alone");
   extern __shared__ float4 smem_f4[];
   char* smem = reinterpret_cast<char*>(smem_f4);
   if constexpr (kWgmmaBoth)  // the swizzle follows address bits 4-9: every tile from a 1 KB boundary
     smem = align_smem_1k(smem);
-  const Tc16Layout L =
-      tc16_layout(p.H, p.Ti, p.Tj, kWgmmaBoth ? kT16WgmmaBoth : kWgmma ? kT16WgmmaPhase1 : tc16_mma_sync_form(kBK, kNT));
+  const Tc16Layout L = tc16_layout(p.H, p.Ti, p.Tj,
+                                   kPair        ? kT16WgmmaPair
+                                   : kWgmmaBoth ? kT16WgmmaBoth
+                                   : kWgmma     ? kT16WgmmaPhase1
+                                                : tc16_mma_sync_form(kBK, kNT));
   T* Os = reinterpret_cast<T*>(smem);                  // [P][ldo]
   T* stages = reinterpret_cast<T*>(smem + L.stages);   // mma.sync: [kT16Stages][BK][LdA + LdB]
   T* Wst = reinterpret_cast<T*>(smem + L.w);           // [kT16WStages][DG][LdW]
@@ -47,7 +58,18 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
   const int P = P1 * kT16JSub;     // pairs of the block, column tile by column tile
   const int b = blockIdx.z;
   int col_tile, row_tile;
-  grouped_tile(col_tile, row_tile);
+  [[maybe_unused]] unsigned rank = 0;  // kPair: this block's rank in its cluster (row tile 2·pair + rank)
+  [[maybe_unused]] uint64_t* bars = nullptr;  // kPair: full[kT16WgStages], empty[..], W's full[kT16Wg2Stages], empty[..]
+  if constexpr (kPair) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    rank = cluster_rank();
+#endif
+    int row_pair;
+    grouped_tile_of(blockIdx.x, blockIdx.y >> 1, gridDim.x, gridDim.y >> 1, col_tile, row_pair);
+    row_tile = 2 * row_pair + int(rank);
+  } else {
+    grouped_tile(col_tile, row_tile);
+  }
   const int i0 = row_tile * Ti, j0 = col_tile * Tj * kT16JSub;  // i0 local to this row block
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;   // accumulator coordinates (PTX: groupID, threadID_in_group)
@@ -58,6 +80,22 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
   const T* w_g = static_cast<const T*>(p.w_out);
   // this tile's row denominators (kNormRow): row i0 + il at row_den[il]
   const float* row_den = p.row_den ? p.row_den + int64_t(b) * p.norm_rows + i0 : nullptr;
+  if constexpr (kPair) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    bars = reinterpret_cast<uint64_t*>(smem + L.rows + kT16RoundRows * 12);
+    if (tid == 0) {
+      for (int i = 0; i < kT16WgStages; ++i) {
+        mbarrier_init(bars + i, 1);                 // this block's arrival with the bytes
+        mbarrier_init(bars + kT16WgStages + i, 2);  // each block's release
+      }
+      for (int i = 0; i < kT16Wg2Stages; ++i) {
+        mbarrier_init(bars + 2 * kT16WgStages + i, 1);
+        mbarrier_init(bars + 2 * kT16WgStages + kT16Wg2Stages + i, 2);
+      }
+    }
+    cluster_barrier();  // both blocks' mbarriers set up before either copies to the other
+#endif
+  }
 
   // ---------------- phase 1 ----------------
   const int a_lim = min(Ti * H, (p.Na - i0) * H);  // valid columns of the tile (multiples of 8)
@@ -133,10 +171,42 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
       }
       issue_buf = issue_buf + 1 == kT16WgStages ? 0 : issue_buf + 1;
     };
+    // kPair (thread 0): stage q of the sequence (tile q / n_k, s from (q % n_k)·kT16WgBK) into
+    // buffer q % kT16WgStages, once both blocks have released that buffer's previous stage: this
+    // block's a, and its half of b's column groups to both blocks.  Nothing past the last stage.
+    [[maybe_unused]] int q_issue = 0;
+    [[maybe_unused]] const uint32_t stages_addr = static_cast<uint32_t>(__cvta_generic_to_shared(wg_stages));
+    [[maybe_unused]] auto issue_pair_stage = [&]() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+      if (q_issue < kT16JSub * n_k) {
+        const int buf = q_issue % kT16WgStages, use = q_issue / kT16WgStages;
+        if (use > 0) mbarrier_wait_parity_cluster(bars + kT16WgStages + buf, (use - 1) & 1);
+        uint64_t* full = bars + buf;
+        mbarrier_arrive_expect_tx(full, kT16WgStageBytes);
+        const int js = q_issue / n_k, s0 = (q_issue - js * n_k) * kT16WgBK;
+        const int jt0 = j0 + js * Tj;
+        const uint32_t st = stages_addr + uint32_t(buf * kT16WgStageBytes);
 #pragma unroll
-    for (int st = 0; st < kT16WgAhead; ++st) {
-      issue_stage();
-      cp_async_commit();
+        for (int grp = 0; grp < kTcMT / 64; ++grp)
+          tma_load_3d(st + grp * kT16WgGroupBytes, maps->a, i0 * H + grp * 64, s0, b, full);
+#pragma unroll
+        for (int half = 0; half < kTcNT / 128; ++half) {
+          const int grp = int(rank) * (kTcNT / 128) + half;
+          tma_load_3d_mc(st + kT16WgABytes + grp * kT16WgGroupBytes, maps->b, jt0 * H + grp * 64, s0, b, full, 3);
+        }
+        ++q_issue;
+      }
+#endif
+    };
+    if constexpr (kPair) {
+      if (tid == 0)
+        for (int st = 0; st < kT16WgAhead; ++st) issue_pair_stage();
+    } else {
+#pragma unroll
+      for (int st = 0; st < kT16WgAhead; ++st) {
+        issue_stage();
+        cp_async_commit();
+      }
     }
     // Stage 0's descriptors; another stage's or k step's differ in the start address alone, whose
     // field (address / 16, 14 bits) holds every shared address without carrying into the next.
@@ -147,13 +217,26 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
 #pragma unroll
       for (int e = 0; e < 128; ++e) acc[e] = 0.f;
       for (int kt = 0; kt < n_k; ++kt) {
-        cp_async_wait<kT16WgAhead - 1>();
-        fence_proxy_async_smem();  // this thread's copies, visible to the tensor cores' reads
-        __syncthreads();
-        // The stage refilled now was last read by the group two stages back, which every
-        // warpgroup retired before the barrier (one group stays in flight).
-        issue_stage();
-        cp_async_commit();
+        if constexpr (kPair) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+          const int q = js * n_k + kt;
+          mbarrier_wait_parity(bars + read_buf, (q / kT16WgStages) & 1);  // stage q's bytes, from both blocks
+          __syncthreads();  // every warpgroup has retired stage q - 2's products (one group in flight)
+          if (tid == 0 && q >= 2) {
+            const int rel = (q - 2) % kT16WgStages;
+            mbarrier_arrive_local(bars + kT16WgStages + rel);
+            mbarrier_arrive_peer(bars + kT16WgStages + rel, rank ^ 1u);
+          }
+#endif
+        } else {
+          cp_async_wait<kT16WgAhead - 1>();
+          fence_proxy_async_smem();  // this thread's copies, visible to the tensor cores' reads
+          __syncthreads();
+          // The stage refilled now was last read by the group two stages back, which every
+          // warpgroup retired before the barrier (one group stays in flight).
+          issue_stage();
+          cp_async_commit();
+        }
         const uint64_t stage_off = uint64_t(read_buf * (kT16WgStageBytes >> 4));
         read_buf = read_buf + 1 == kT16WgStages ? 0 : read_buf + 1;
         wgmma_fence();
@@ -161,11 +244,16 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
         for (int kk = 0; kk < kT16WgBK / 16; ++kk)
           wgmma_m64n256k16<T>(acc, desc_a0 + stage_off + kk * (2048 >> 4), desc_b0 + stage_off + kk * (2048 >> 4));
         wgmma_commit();
+        // (kPair: the refill of the buffer released above, once the peer has released it too,
+        // while this stage's products run)
+        if constexpr (kPair)
+          if (tid == 0) issue_pair_stage();
         wgmma_wait<1>();
       }
       wgmma_wait<0>();
       if (js + 1 == kT16JSub) {
-        cp_async_wait_all();
+        // (kPair: every stage's bytes from both blocks have arrived: nothing more is copied here)
+        if constexpr (!kPair) cp_async_wait_all();
         __syncthreads();  // every warp done with the stages: the last tile's O overlays them
       }
 
@@ -369,6 +457,12 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
     // This thread's pieces of a chunk: rows d = tid/8 + 32u, 16-byte piece tid % 8 of the row.
     const int wc = tid & 7, wr = tid >> 3;
     const uint32_t w_dst = kmajor_sw128_offset(wr, wc * 8, 1024);  // rows wr + 32u: + 4 KB each
+    // kPair: W's chunks in one sequence over every group of d and round (wq), buffer wq %
+    // kT16Wg2Stages; each block copies its half of the chunk's rows of d to both.
+    [[maybe_unused]] int w_base = 0;
+    [[maybe_unused]] uint64_t* w_full = bars + 2 * kT16WgStages;
+    [[maybe_unused]] uint64_t* w_empty = w_full + kT16Wg2Stages;
+    [[maybe_unused]] const uint32_t w_addr = static_cast<uint32_t>(__cvta_generic_to_shared(w_st));
     for (int dg = 0; dg < D; dg += kTcDG) {
       bool d_ok[kTcDG / 32];
 #pragma unroll
@@ -386,36 +480,88 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
             w_src += 64;
           }
         };
-        __syncthreads();  // O written / the previous round's partial sums consumed
+        // (kPair, thread 0) chunk kc of this round to both blocks, once both have released its
+        // buffer's previous chunk
+        [[maybe_unused]] auto issue_w_pair = [&](int kc) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+          if (kc < n_kc) {
+            const int wq = w_base + kc, buf = wq % kT16Wg2Stages, use = wq / kT16Wg2Stages;
+            if (use > 0) mbarrier_wait_parity_cluster(w_empty + buf, (use - 1) & 1);
+            mbarrier_arrive_expect_tx(w_full + buf, kT16Wg2ChunkBytes);
+            tma_load_2d_mc(w_addr + uint32_t(buf * kT16Wg2ChunkBytes + int(rank) * (kTcDG / 2) * 128), maps->w,
+                           kc * 64, dg + int(rank) * (kTcDG / 2), w_full + buf, 3);
+          }
+#endif
+        };
+        [[maybe_unused]] auto release_w = [&](int wq) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+          mbarrier_arrive_local(w_empty + wq % kT16Wg2Stages);
+          mbarrier_arrive_peer(w_empty + wq % kT16Wg2Stages, rank ^ 1u);
+#endif
+        };
+        if constexpr (kPair) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+          fence_proxy_async_smem();  // O, visible to the tensor cores
+          // both blocks past phase 1 (whose stages W's buffers overlay) and the previous round's
+          // sums: the peer's copies may land here from now on
+          cluster_barrier();
+          if (tid == 0)
+            for (int kc = 0; kc < kT16Wg2Stages - 2; ++kc) issue_w_pair(kc);
+#endif
+        } else {
+          __syncthreads();  // O written / the previous round's partial sums consumed
 #pragma unroll
-        for (int kc = 0; kc < kT16Wg2Stages - 2; ++kc) {
-          issue_w(kc);
-          cp_async_commit();
+          for (int kc = 0; kc < kT16Wg2Stages - 2; ++kc) {
+            issue_w(kc);
+            cp_async_commit();
+          }
         }
         float acc2[32];
 #pragma unroll
         for (int e = 0; e < 32; ++e) acc2[e] = 0.f;
         const char* o_round = smem + (r0 >> 3) * o_sbo;
         for (int kc = 0; kc < n_kc; ++kc) {
-          cp_async_wait<kT16Wg2Stages - 3>();
-          fence_proxy_async_smem();  // this thread's copies (and O), visible to the tensor cores
-          __syncthreads();
-          // The stage refilled now was last read by the group of chunk kc - 2, which every
-          // warpgroup retired before the barrier (one group stays in flight).
-          issue_w(kc + kT16Wg2Stages - 2);
-          cp_async_commit();
-          const char* st = w_st + (kc % kT16Wg2Stages) * kT16Wg2ChunkBytes + wg * 64 * 128;
+          int buf = kc % kT16Wg2Stages;
+          if constexpr (kPair) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+            const int wq = w_base + kc;
+            buf = wq % kT16Wg2Stages;
+            mbarrier_wait_parity(w_full + buf, (wq / kT16Wg2Stages) & 1);
+            __syncthreads();  // every warpgroup has retired chunk kc - 2's products
+            if (tid == 0 && kc >= 2) release_w(wq - 2);
+#endif
+          } else {
+            cp_async_wait<kT16Wg2Stages - 3>();
+            fence_proxy_async_smem();  // this thread's copies (and O), visible to the tensor cores
+            __syncthreads();
+            // The stage refilled now was last read by the group of chunk kc - 2, which every
+            // warpgroup retired before the barrier (one group stays in flight).
+            issue_w(kc + kT16Wg2Stages - 2);
+            cp_async_commit();
+          }
+          const char* st = w_st + buf * kT16Wg2ChunkBytes + wg * 64 * 128;
           wgmma_fence();
 #pragma unroll
           for (int kk = 0; kk < 4; ++kk)
             wgmma_m64n64k16_kmajor<T>(acc2, wgmma_desc(st + kk * 32, 16, 1024),
                                       wgmma_desc(o_round + kc * 1024 + kk * 32, 16, o_sbo));
           wgmma_commit();
+          if constexpr (kPair)
+            if (tid == 0) issue_w_pair(kc + kT16Wg2Stages - 2);
           wgmma_wait<1>();
         }
         wgmma_wait<0>();
-        cp_async_wait_all();
-        __syncthreads();  // every W read done: the stage area takes the sums
+        if constexpr (kPair) {
+          __syncthreads();  // every W read done: the stage area takes the sums
+          // the round's last chunks released (the next round's copies wait for the cluster
+          // barrier at its start as well, so the sums below are safe from them)
+          if (tid == 0)
+            for (int kc = n_kc - 2 < 0 ? 0 : n_kc - 2; kc < n_kc; ++kc) release_w(w_base + kc);
+          w_base += n_kc;
+        } else {
+          cp_async_wait_all();
+          __syncthreads();  // every W read done: the stage area takes the sums
+        }
         float* red = reinterpret_cast<float*>(w_st);  // [64 pairs][kTcDG + 4]
         constexpr int kRedLd = kTcDG + 4;
         stage_round_rows(r0);
@@ -431,6 +577,11 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
         __syncthreads();
         store_round<kT16RoundRows, true>(p, red, kRedLd, row_off, norm_arg, dg, tid, kTcThreads);
       }
+    }
+    if constexpr (kPair) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+      cluster_barrier();  // the peer's last arrivals on this block's mbarriers made before it exits
+#endif
     }
     return;
   }
@@ -503,6 +654,22 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
       store_round<kT16RoundRows, true>(p, red, kRedLd, row_off, norm_arg, dg, tid, kTcThreads);
     }
   }
+#else
+  target_lacks_instructions();
+#endif
+}
+
+template <typename T, bool kWgmma, bool kWgmmaBoth, int kBK = kT16BK, int kNT = kTcNT>
+__global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const OuterArgs p) {
+  outer_tc16_body<T, kWgmma, kWgmmaBoth, kBK, kNT, false>(p, nullptr);
+}
+
+// The pair form (kT16WgmmaPair): launched in clusters of 1 x 2 x 1 blocks.
+template <typename T>
+__global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_pair_kernel(const OuterArgs p,
+                                                                            const __grid_constant__ Tc16Maps maps) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  outer_tc16_body<T, true, true, kT16BK, kTcNT, true>(p, &maps);
 #else
   target_lacks_instructions();
 #endif
