@@ -277,26 +277,17 @@ __device__ __forceinline__ void cluster_barrier() {
   asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }
 // One arrival on this block's mbarrier bar, and one on the mbarrier at bar's offset in block
-// `peer` of the cluster (released at cluster scope: this block's reads before it are done for
-// whoever then waits there).
+// `peer` of the cluster.  A release of a stage whose reads (warpgroup MMAs) have retired, as the
+// GEMM libraries make it: the default semantics, no cluster-scope fence (which costs a GPU-wide
+// memory barrier per arrival).
 __device__ __forceinline__ void mbarrier_arrive_local(uint64_t* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(bar)))
                : "memory");
 }
 __device__ __forceinline__ void mbarrier_arrive_peer(uint64_t* bar, unsigned peer) {
   asm volatile("{\n .reg .b32 ra;\n mapa.shared::cluster.u32 ra, %0, %1;\n"
-               " mbarrier.arrive.release.cluster.shared::cluster.b64 _, [ra];\n}\n"
+               " mbarrier.arrive.shared::cluster.b64 _, [ra];\n}\n"
                ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(bar))), "r"(peer) : "memory");
-}
-// mbarrier_wait_parity acquiring at cluster scope: the arrivals from other blocks' threads.
-__device__ __forceinline__ void mbarrier_wait_parity_cluster(uint64_t* bar, unsigned parity) {
-  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(bar));
-  unsigned done = 0;
-  while (!done) {
-    asm volatile("{\n .reg .pred p;\n mbarrier.test_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
-                 " selp.u32 %0, 1, 0, p;\n}\n"
-                 : "=r"(done) : "r"(addr), "r"(parity) : "memory");
-  }
 }
 // Tensor copies (TMA) through a CUtensorMap in kernel parameter space (__grid_constant__): the box
 // at coordinates (c0 innermost, c1[, c2]) to shared address dst, counted on the mbarrier bar;

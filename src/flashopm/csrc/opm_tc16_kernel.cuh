@@ -180,7 +180,7 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
       if (q_issue < kT16JSub * n_k) {
         const int buf = q_issue % kT16WgStages, use = q_issue / kT16WgStages;
-        if (use > 0) mbarrier_wait_parity_cluster(bars + kT16WgStages + buf, (use - 1) & 1);
+        if (use > 0) mbarrier_wait_parity(bars + kT16WgStages + buf, (use - 1) & 1);
         uint64_t* full = bars + buf;
         mbarrier_arrive_expect_tx(full, kT16WgStageBytes);
         const int js = q_issue / n_k, s0 = (q_issue - js * n_k) * kT16WgBK;
@@ -222,11 +222,6 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
           const int q = js * n_k + kt;
           mbarrier_wait_parity(bars + read_buf, (q / kT16WgStages) & 1);  // stage q's bytes, from both blocks
           __syncthreads();  // every warpgroup has retired stage q - 2's products (one group in flight)
-          if (tid == 0 && q >= 2) {
-            const int rel = (q - 2) % kT16WgStages;
-            mbarrier_arrive_local(bars + kT16WgStages + rel);
-            mbarrier_arrive_peer(bars + kT16WgStages + rel, rank ^ 1u);
-          }
 #endif
         } else {
           cp_async_wait<kT16WgAhead - 1>();
@@ -244,10 +239,20 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
         for (int kk = 0; kk < kT16WgBK / 16; ++kk)
           wgmma_m64n256k16<T>(acc, desc_a0 + stage_off + kk * (2048 >> 4), desc_b0 + stage_off + kk * (2048 >> 4));
         wgmma_commit();
-        // (kPair: the refill of the buffer released above, once the peer has released it too,
-        // while this stage's products run)
-        if constexpr (kPair)
+        // (kPair, while this stage's products run: stage q - 2's buffer released, as every
+        // warpgroup retired its products before the barrier above, then refilled once the peer
+        // has released it too)
+        if constexpr (kPair) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+          const int q = js * n_k + kt;
+          if (tid == 0 && q >= 2) {
+            const int rel = (q - 2) % kT16WgStages;
+            mbarrier_arrive_local(bars + kT16WgStages + rel);
+            mbarrier_arrive_peer(bars + kT16WgStages + rel, rank ^ 1u);
+          }
           if (tid == 0) issue_pair_stage();
+#endif
+        }
         wgmma_wait<1>();
       }
       wgmma_wait<0>();
@@ -486,7 +491,7 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
           if (kc < n_kc) {
             const int wq = w_base + kc, buf = wq % kT16Wg2Stages, use = wq / kT16Wg2Stages;
-            if (use > 0) mbarrier_wait_parity_cluster(w_empty + buf, (use - 1) & 1);
+            if (use > 0) mbarrier_wait_parity(w_empty + buf, (use - 1) & 1);
             mbarrier_arrive_expect_tx(w_full + buf, kT16Wg2ChunkBytes);
             tma_load_2d_mc(w_addr + uint32_t(buf * kT16Wg2ChunkBytes + int(rank) * (kTcDG / 2) * 128), maps->w,
                            kc * 64, dg + int(rank) * (kTcDG / 2), w_full + buf, 3);
@@ -527,8 +532,7 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
             const int wq = w_base + kc;
             buf = wq % kT16Wg2Stages;
             mbarrier_wait_parity(w_full + buf, (wq / kT16Wg2Stages) & 1);
-            __syncthreads();  // every warpgroup has retired chunk kc - 2's products
-            if (tid == 0 && kc >= 2) release_w(wq - 2);
+            __syncthreads();  // every warpgroup has retired chunk kc - 2's products (released below)
 #endif
           } else {
             cp_async_wait<kT16Wg2Stages - 3>();
@@ -546,8 +550,10 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
             wgmma_m64n64k16_kmajor<T>(acc2, wgmma_desc(st + kk * 32, 16, 1024),
                                       wgmma_desc(o_round + kc * 1024 + kk * 32, 16, o_sbo));
           wgmma_commit();
-          if constexpr (kPair)
+          if constexpr (kPair) {
+            if (tid == 0 && kc >= 2) release_w(w_base + kc - 2);
             if (tid == 0) issue_w_pair(kc + kT16Wg2Stages - 2);
+          }
           wgmma_wait<1>();
         }
         wgmma_wait<0>();
