@@ -774,7 +774,7 @@ def test_half_precision_inputs(dtype, shape, algorithm):
 # depth with partial column tiles and two groups of d in a batch of 2, hidden 16, and hidden 8
 # (1024 pairs a block: 16 rounds of phase 2, W's chunk sequence over rounds and groups of d).
 PAIR_SHAPES = [
-    Shape(1, 64, 160, 64, 32, 128),
+    Shape(1, 64, 164, 64, 32, 128),
     Shape(2, 37, 45, 32, 32, 130),
     Shape(1, 100, 256, 24, 16, 64),
     Shape(1, 33, 99, 16, 8, 200),
@@ -785,7 +785,8 @@ PAIR_SHAPES = [
 @pytest.mark.parametrize("shape", PAIR_SHAPES, ids=str)
 def test_tc16_pair_form_gives_the_default_bits(shape, dtype, monkeypatch):
     """The pair form runs (profiler) and gives the default form's bits (the same products in the
-    same order), every element written (poisoned output), two calls equal."""
+    same order), every element written (poisoned output), two calls equal; the same under the
+    memory bound."""
     x, m, p = make_problem(shape, "masked_positions", seed=zlib.crc32(f"{shape}-pairs".encode()) % 1000)
     x16, m16 = x.to(dtype).cuda(), m.to(dtype).cuda()
     p16 = {k: None if v is None else v.to(dtype).cuda() for k, v in p.items()}
@@ -800,6 +801,13 @@ def test_tc16_pair_form_gives_the_default_bits(shape, dtype, monkeypatch):
     assert not pair.isnan().any(), "NaN in the output: an element was not written"
     assert torch.equal(pair, default), "the pair form's bits differ from the default form's"
     assert torch.equal(pair, _run(x16, m16, p16, "outer")), "two identical calls differ: a race"
+    # under the memory bound: launches over bands of rows and blocks of columns
+    with flashopm.peak_memory_bound(1.1):
+        bounded_pair = _run(x16, m16, p16, "outer")
+        monkeypatch.setenv("FLASHOPM_TC16_PAIRS", "0")
+        bounded_default = _run(x16, m16, p16, "outer")
+    assert not bounded_pair.isnan().any(), "NaN in the output under the bound: an element was not written"
+    assert torch.equal(bounded_pair, bounded_default), "under the bound the pair form's bits differ"
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
