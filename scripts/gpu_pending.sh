@@ -299,7 +299,7 @@ if [ "$PHASE" = pairs ]; then
   # hang shows as the step's timeout), paired against it at N = 1536 and 768 in bfloat16, each
   # convention's time by kernel with it, then both forms under Nsight Compute: L2 traffic and
   # throughput, the tensor pipe, stalls (~6 min with the build)
-  T t_pairs 150 $py -m pytest -x -q -p no:cacheprovider tests/test_cuda.py -k "pair_form"
+  T t_pairs 150 $py -m pytest -x -q -p no:cacheprovider tests/test_cuda.py -k "pair_form" || exit 1  # (a hang: stop here)
   T ab_pairs 90 $py scripts/ab_env.py FLASHOPM_TC16_PAIRS=1 1,512,1536,256,32,128 1,512,768,256,32,128 --dtype bfloat16 --mode forward --calls 8
   T conv_pairs 90 env FLASHOPM_TC16_PAIRS=1 $py scripts/convention_times.py 1536 row openfold boltz bfloat16 kernels
   T conv_default 90 $py scripts/convention_times.py 1536 row openfold bfloat16
