@@ -637,6 +637,7 @@ void launch_tc16_pairs(const OuterArgs& args, int operand_kind, dim3 grid, int s
   encode_map16(maps.b, operand_kind, args.b, 3, dims_b, strides_b, box_ab);
   encode_map16(maps.w, operand_kind, args.w_blocked, 2, dims_w, strides_w, box_w);
   grid.y = (grid.y + 1) / 2 * 2;  // whole clusters: a last row tile past Na copies b and W for its peer
+  TORCH_CHECK(grid.y <= 65535, "flashopm: too many row tiles for one launch of the pair form (", grid.y, ")");
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = grid;
   cfg.blockDim = dim3(kTcThreads);

@@ -623,7 +623,9 @@ enum Tc16Form : int {
 FLASHOPM_HD constexpr int tc16_form_bk(int form) {
   return form == kT16MmaSyncHalfStages || form == kT16MmaSyncNarrowHalfStages ? kT16BKSmall : kT16BK;
 }
-FLASHOPM_HD constexpr int tc16_form_nt(int form) { return form >= kT16MmaSyncNarrow ? kT16NTNarrow : kTcNT; }
+FLASHOPM_HD constexpr int tc16_form_nt(int form) {
+  return form == kT16MmaSyncNarrow || form == kT16MmaSyncNarrowHalfStages ? kT16NTNarrow : kTcNT;
+}
 // The mma.sync form of stage depth bk and phase-1 width nt.
 FLASHOPM_HD constexpr int tc16_mma_sync_form(int bk, int nt) {
   return nt == kTcNT ? (bk == kT16BK ? kT16MmaSync : kT16MmaSyncHalfStages)

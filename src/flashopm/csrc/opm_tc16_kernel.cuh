@@ -220,8 +220,15 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
         if constexpr (kPair) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
           const int q = js * n_k + kt;
-          mbarrier_wait_parity(bars + read_buf, (q / kT16WgStages) & 1);  // stage q's bytes, from both blocks
+          mbarrier_wait_parity_suspend(bars + read_buf, (q / kT16WgStages) & 1);  // stage q's bytes, from both blocks
           __syncthreads();  // every warpgroup has retired stage q - 2's products (one group in flight)
+          // stage q - 2's buffer released at once, so that the peer's refill need not wait for
+          // this block's products to be issued
+          if (tid == 0 && q >= 2) {
+            const int rel = (q - 2) % kT16WgStages;
+            mbarrier_arrive_local(bars + kT16WgStages + rel);
+            mbarrier_arrive_peer(bars + kT16WgStages + rel, rank ^ 1u);
+          }
 #endif
         } else {
           cp_async_wait<kT16WgAhead - 1>();
@@ -239,20 +246,10 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
         for (int kk = 0; kk < kT16WgBK / 16; ++kk)
           wgmma_m64n256k16<T>(acc, desc_a0 + stage_off + kk * (2048 >> 4), desc_b0 + stage_off + kk * (2048 >> 4));
         wgmma_commit();
-        // (kPair, while this stage's products run: stage q - 2's buffer released, as every
-        // warpgroup retired its products before the barrier above, then refilled once the peer
-        // has released it too)
-        if constexpr (kPair) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-          const int q = js * n_k + kt;
-          if (tid == 0 && q >= 2) {
-            const int rel = (q - 2) % kT16WgStages;
-            mbarrier_arrive_local(bars + kT16WgStages + rel);
-            mbarrier_arrive_peer(bars + kT16WgStages + rel, rank ^ 1u);
-          }
+        // (kPair, while this stage's products run: the buffer released above refilled, once the
+        // peer has released it too)
+        if constexpr (kPair)
           if (tid == 0) issue_pair_stage();
-#endif
-        }
         wgmma_wait<1>();
       }
       wgmma_wait<0>();
@@ -531,8 +528,9 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
             const int wq = w_base + kc;
             buf = wq % kT16Wg2Stages;
-            mbarrier_wait_parity(w_full + buf, (wq / kT16Wg2Stages) & 1);
-            __syncthreads();  // every warpgroup has retired chunk kc - 2's products (released below)
+            mbarrier_wait_parity_suspend(w_full + buf, (wq / kT16Wg2Stages) & 1);
+            __syncthreads();  // every warpgroup has retired chunk kc - 2's products
+            if (tid == 0 && kc >= 2) release_w(wq - 2);
 #endif
           } else {
             cp_async_wait<kT16Wg2Stages - 3>();
@@ -550,10 +548,8 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
             wgmma_m64n64k16_kmajor<T>(acc2, wgmma_desc(st + kk * 32, 16, 1024),
                                       wgmma_desc(o_round + kc * 1024 + kk * 32, 16, o_sbo));
           wgmma_commit();
-          if constexpr (kPair) {
-            if (tid == 0 && kc >= 2) release_w(w_base + kc - 2);
+          if constexpr (kPair)
             if (tid == 0) issue_w_pair(kc + kT16Wg2Stages - 2);
-          }
           wgmma_wait<1>();
         }
         wgmma_wait<0>();
