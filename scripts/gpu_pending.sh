@@ -25,6 +25,8 @@
 #                                                       # tests, paired, by kernel, the bfloat16 rows
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR pairs  # the 16-bit kernel in clusters of two
 #                                                       # (FLASHOPM_TC16_PAIRS=1): tests, paired, L2
+#          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR bf16_pairs  # both of the above in one call: tests,
+#                                                       # paired, the bfloat16 rows with the pair form
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR waves_final  # the rows the waves form and the pair
 #                                                       # counts take part in, and their tests
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR proj  # the waves form's projection and barriers:
@@ -34,7 +36,7 @@
 # steps.txt lists each step's exit status; a failing test step stops the call.
 OUT=$1
 PHASE=${2:-default}
-case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows | bf16 | pairs) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all, own_rows, bf16 or pairs, got '$PHASE'" >&2; exit 2 ;; esac
+case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows | bf16 | pairs | bf16_pairs) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all, own_rows, bf16, pairs or bf16_pairs, got '$PHASE'" >&2; exit 2 ;; esac
 R=$OUT/r
 mkdir -p "$R"
 pack() { tar -C "$OUT" -czf "$OUT/r.tgz" r; [ -n "$DEST" ] && cp "$OUT/r.tgz" "$DEST/"; }
@@ -291,6 +293,24 @@ if [ "$PHASE" = bf16 ]; then
   T ncu_tc16 150 ncu --clock-control none -k regex:opm_outer_tc16 --launch-skip 1 --launch-count 1 \
     --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
     --section InstructionStats --section Occupancy $py "$R/tc16_one.py"
+  exit 0
+fi
+
+if [ "$PHASE" = bf16_pairs ]; then
+  # the streamed projection and the pair form in one call: both forms' tests (stop at a failure
+  # or a hang), each paired against its switch, then issue 6's bfloat16 rows beside eager and
+  # torch.compile with the pair form on, and each convention's time by kernel (~8 min with the build)
+  T t_stream 120 $py -m pytest -x -q -p no:cacheprovider tests/test_cuda.py -k "streamed_projection or block_rows" || exit 1
+  T t_pairs 150 $py -m pytest -x -q -p no:cacheprovider tests/test_cuda.py -k "pair_form" || exit 1
+  T ab_stream 60 $py scripts/ab_env.py FLASHOPM_PROJECT_STREAM=0 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 8
+  T ab_pairs 60 $py scripts/ab_env.py FLASHOPM_TC16_PAIRS=1 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 8
+  T bench_bf16_pairs 90 env FLASHOPM_TC16_PAIRS=1 $py -m flashopm bench --shapes "1,512,1536,256,32,128" --dtype bfloat16 \
+    --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/bench_bf16_pairs"
+  for mod in openfold boltz; do
+    T "mod_${mod}_bf16_pairs" 90 env FLASHOPM_TC16_PAIRS=1 $py -m flashopm bench --module $mod --shapes "1,512,1536,256,32,128" \
+      --dtype bfloat16 --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/mod_${mod}_bf16_pairs"
+  done
+  T conv_pairs 90 env FLASHOPM_TC16_PAIRS=1 $py scripts/convention_times.py 1536 row openfold boltz bfloat16 kernels
   exit 0
 fi
 
