@@ -23,10 +23,10 @@
 #                                                       # the conventions' bfloat16 kernels
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR bf16  # the streamed projection and the pair counts:
 #                                                       # tests, paired, by kernel, the bfloat16 rows
-#          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR pairs  # the 16-bit kernel in clusters of two
-#                                                       # (FLASHOPM_TC16_PAIRS=1): tests, paired, L2
-#          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR bf16_pairs  # both of the above in one call: tests,
-#                                                       # paired, the bfloat16 rows with the pair form
+#          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR clusters  # the 16-bit kernel in clusters of two and
+#                                                       # four (FLASHOPM_TC16_CLUSTER): tests, paired, L2
+#          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR bf16_clusters  # both of the above in one call:
+#                                                       # tests, paired, the bfloat16 rows in clusters
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR waves_final  # the rows the waves form and the pair
 #                                                       # counts take part in, and their tests
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR proj  # the waves form's projection and barriers:
@@ -296,36 +296,40 @@ if [ "$PHASE" = bf16 ]; then
   exit 0
 fi
 
-if [ "$PHASE" = bf16_pairs ]; then
-  # the streamed projection and the pair form in one call: both forms' tests (stop at a failure
-  # or a hang), each paired against its switch, then issue 6's bfloat16 rows beside eager and
-  # torch.compile with the pair form on, and each convention's time by kernel (~8 min with the build)
+if [ "$PHASE" = bf16_clusters ]; then
+  # the streamed projection and the clustered forms in one call: their tests (stop at a failure
+  # or a hang), each paired against its switch, each convention's time by kernel in clusters of
+  # CLUSTER (default 4), then issue 6's bfloat16 rows beside eager and torch.compile in those
+  # clusters (~10 min with the build: what the call's limit cuts is the last of the rows)
+  CL=${CLUSTER:-4}
   T t_stream 120 $py -m pytest -x -q -p no:cacheprovider tests/test_cuda.py -k "streamed_projection or block_rows" || exit 1
-  T t_pairs 150 $py -m pytest -x -q -p no:cacheprovider tests/test_cuda.py -k "pair_form" || exit 1
-  T ab_stream 60 $py scripts/ab_env.py FLASHOPM_PROJECT_STREAM=0 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 8
-  T ab_pairs 60 $py scripts/ab_env.py FLASHOPM_TC16_PAIRS=1 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 8
-  T bench_bf16_pairs 90 env FLASHOPM_TC16_PAIRS=1 $py -m flashopm bench --shapes "1,512,1536,256,32,128" --dtype bfloat16 \
-    --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/bench_bf16_pairs"
+  T t_clusters 180 $py -m pytest -x -q -p no:cacheprovider tests/test_cuda.py -k "cluster_form" || exit 1
+  T ab_stream 60 $py scripts/ab_env.py FLASHOPM_PROJECT_STREAM=0 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6
+  T ab_cluster2 60 $py scripts/ab_env.py FLASHOPM_TC16_CLUSTER=2 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6
+  T ab_cluster4 60 $py scripts/ab_env.py FLASHOPM_TC16_CLUSTER=4 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6
+  T conv_clusters 90 env FLASHOPM_TC16_CLUSTER=$CL $py scripts/convention_times.py 1536 row openfold boltz bfloat16 kernels
+  T bench_bf16_clusters 90 env FLASHOPM_TC16_CLUSTER=$CL $py -m flashopm bench --shapes "1,512,1536,256,32,128" --dtype bfloat16 \
+    --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/bench_bf16_clusters"
   for mod in openfold boltz; do
-    T "mod_${mod}_bf16_pairs" 90 env FLASHOPM_TC16_PAIRS=1 $py -m flashopm bench --module $mod --shapes "1,512,1536,256,32,128" \
-      --dtype bfloat16 --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/mod_${mod}_bf16_pairs"
+    T "mod_${mod}_bf16_clusters" 90 env FLASHOPM_TC16_CLUSTER=$CL $py -m flashopm bench --module $mod --shapes "1,512,1536,256,32,128" \
+      --dtype bfloat16 --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/mod_${mod}_bf16_clusters"
   done
-  T conv_pairs 90 env FLASHOPM_TC16_PAIRS=1 $py scripts/convention_times.py 1536 row openfold boltz bfloat16 kernels
   exit 0
 fi
 
-if [ "$PHASE" = pairs ]; then
-  # the 16-bit kernel's pair form (FLASHOPM_TC16_PAIRS=1): its bits against the default form's (a
-  # hang shows as the step's timeout), paired against it at N = 1536 and 768 in bfloat16, each
-  # convention's time by kernel with it, then both forms under Nsight Compute: L2 traffic and
-  # throughput, the tensor pipe, stalls (~6 min with the build)
-  T t_pairs 150 $py -m pytest -x -q -p no:cacheprovider tests/test_cuda.py -k "pair_form" || exit 1  # (a hang: stop here)
-  T ab_pairs 90 $py scripts/ab_env.py FLASHOPM_TC16_PAIRS=1 1,512,1536,256,32,128 1,512,768,256,32,128 --dtype bfloat16 --mode forward --calls 8
-  T conv_pairs 90 env FLASHOPM_TC16_PAIRS=1 $py scripts/convention_times.py 1536 row openfold boltz bfloat16 kernels
-  T conv_default 90 $py scripts/convention_times.py 1536 row openfold bfloat16
+if [ "$PHASE" = clusters ]; then
+  # the 16-bit kernel's clustered forms (FLASHOPM_TC16_CLUSTER=2, 4): their bits against the
+  # default form's (a hang shows as the step's timeout), each paired against it at N = 1536 and
+  # 768 in bfloat16, each convention's time by kernel in clusters of four, then the default form
+  # and both clustered ones under Nsight Compute: L2 traffic and throughput, the tensor pipe,
+  # stalls (~8 min with the build)
+  T t_clusters 180 $py -m pytest -x -q -p no:cacheprovider tests/test_cuda.py -k "cluster_form" || exit 1  # (a hang: stop here)
+  T ab_cluster2 90 $py scripts/ab_env.py FLASHOPM_TC16_CLUSTER=2 1,512,1536,256,32,128 1,512,768,256,32,128 --dtype bfloat16 --mode forward --calls 8
+  T ab_cluster4 90 $py scripts/ab_env.py FLASHOPM_TC16_CLUSTER=4 1,512,1536,256,32,128 1,512,768,256,32,128 --dtype bfloat16 --mode forward --calls 8
+  T conv_clusters 90 env FLASHOPM_TC16_CLUSTER=4 $py scripts/convention_times.py 1536 row openfold boltz bfloat16 kernels
   tc16_one
-  for form in default pairs; do
-    T "ncu_$form" 120 env FLASHOPM_TC16_PAIRS=$([ $form = pairs ] && echo 1 || echo 0) \
+  for cl in 1 2 4; do
+    T "ncu_cluster$cl" 120 env FLASHOPM_TC16_CLUSTER=$cl \
       ncu --clock-control none -k regex:opm_outer_tc16 --launch-skip 1 --launch-count 1 \
       --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
       $py "$R/tc16_one.py"

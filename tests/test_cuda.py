@@ -768,13 +768,15 @@ def test_half_precision_inputs(dtype, shape, algorithm):
     assert torch.equal(out, _run(x16, m16, p16, algorithm)), "two identical calls differ: a race"
 
 
-# The 16-bit kernel's pair form (FLASHOPM_TC16_PAIRS=1: clusters of two blocks along rows whose
-# stages and W chunks come by tensor copies, b's and W's shared by multicast): whole tiles at hidden
-# 32 with an odd number of row tiles (the last cluster's second block past Na), S off the stage
-# depth with partial column tiles and two groups of d in a batch of 2, hidden 16, and hidden 8
-# (1024 pairs a block: 16 rounds of phase 2, W's chunk sequence over rounds and groups of d); one
-# stage per column tile, and deep MSAs whose stage buffers are refilled many times.
-PAIR_SHAPES = [
+# The 16-bit kernel's clustered forms (FLASHOPM_TC16_CLUSTER=2 or 4: clusters of two or four blocks
+# along rows whose stages and W chunks come by tensor copies, each block's share of b and W
+# multicast to all): whole tiles at hidden 32 with a number of row tiles that is not a multiple of
+# the cluster's (the last cluster's blocks past Na), S off the stage depth with partial column
+# tiles and two groups of d in a batch of 2 (the second group's rows of d past D in some blocks'
+# whole shares), hidden 16, and hidden 8 (1024 pairs a block: 16 rounds of phase 2, W's chunk
+# sequence over rounds and groups of d); one stage per column tile, and deep MSAs whose stage
+# buffers are refilled many times.
+CLUSTER_SHAPES = [
     Shape(1, 64, 164, 64, 32, 128),
     Shape(2, 37, 45, 32, 32, 130),
     Shape(1, 100, 256, 24, 16, 64),
@@ -785,36 +787,37 @@ PAIR_SHAPES = [
 ]
 
 
+@pytest.mark.parametrize("cluster", [2, 4])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("shape", PAIR_SHAPES, ids=str)
-def test_tc16_pair_form_gives_the_default_bits(shape, dtype, monkeypatch):
-    """The pair form runs (profiler) and gives the default form's bits (the same products in the
-    same order), every element written (poisoned output), two calls equal; the same under the
+@pytest.mark.parametrize("shape", CLUSTER_SHAPES, ids=str)
+def test_tc16_cluster_form_gives_the_default_bits(shape, dtype, cluster, monkeypatch):
+    """The clustered form runs (profiler) and gives the default form's bits (the same products in
+    the same order), every element written (poisoned output), two calls equal; the same under the
     memory bound."""
     x, m, p = make_problem(shape, "masked_positions", seed=zlib.crc32(f"{shape}-pairs".encode()) % 1000)
     x16, m16 = x.to(dtype).cuda(), m.to(dtype).cuda()
     p16 = {k: None if v is None else v.to(dtype).cuda() for k, v in p.items()}
-    monkeypatch.delenv("FLASHOPM_TC16_PAIRS", raising=False)
+    monkeypatch.delenv("FLASHOPM_TC16_CLUSTER", raising=False)
     monkeypatch.delenv("FLASHOPM_TC16_MMA_SYNC", raising=False)
     default = _run(x16, m16, p16, "outer")
     kernels = flashopm_kernels(lambda: _run(x16, m16, p16, "outer", poison=False))
-    assert not any("opm_outer_tc16_pair_kernel" in k for k in kernels), kernels
+    assert not any("opm_outer_tc16_cluster_kernel" in k for k in kernels), kernels
     if not any("opm_outer_tc16_kernel" in k and "true, true" in k for k in kernels):
         pytest.skip("the 16-bit kernel's form with both phases on warpgroup MMAs does not run here (sm_90a only)")
-    monkeypatch.setenv("FLASHOPM_TC16_PAIRS", "1")
+    monkeypatch.setenv("FLASHOPM_TC16_CLUSTER", str(cluster))
     kernels = flashopm_kernels(lambda: _run(x16, m16, p16, "outer", poison=False))
-    assert any("opm_outer_tc16_pair_kernel" in k for k in kernels), kernels
-    pair = _run(x16, m16, p16, "outer")
-    assert not pair.isnan().any(), "NaN in the output: an element was not written"
-    assert torch.equal(pair, default), "the pair form's bits differ from the default form's"
-    assert torch.equal(pair, _run(x16, m16, p16, "outer")), "two identical calls differ: a race"
+    assert any("opm_outer_tc16_cluster_kernel" in k and f", {cluster}>" in k for k in kernels), kernels
+    clustered = _run(x16, m16, p16, "outer")
+    assert not clustered.isnan().any(), "NaN in the output: an element was not written"
+    assert torch.equal(clustered, default), f"the form in clusters of {cluster} gives other bits than the default form"
+    assert torch.equal(clustered, _run(x16, m16, p16, "outer")), "two identical calls differ: a race"
     # under the memory bound: launches over bands of rows and blocks of columns
     with flashopm.peak_memory_bound(1.1):
-        bounded_pair = _run(x16, m16, p16, "outer")
-        monkeypatch.setenv("FLASHOPM_TC16_PAIRS", "0")
+        bounded_clustered = _run(x16, m16, p16, "outer")
+        monkeypatch.setenv("FLASHOPM_TC16_CLUSTER", "1")
         bounded_default = _run(x16, m16, p16, "outer")
-    assert not bounded_pair.isnan().any(), "NaN in the output under the bound: an element was not written"
-    assert torch.equal(bounded_pair, bounded_default), "under the bound the pair form's bits differ"
+    assert not bounded_clustered.isnan().any(), "NaN in the output under the bound: an element was not written"
+    assert torch.equal(bounded_clustered, bounded_default), "under the bound the clustered form's bits differ"
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)

@@ -856,11 +856,15 @@ void run_outer(OuterArgs oa, int64_t i_offset, int64_t rows, int64_t out_rows, i
   if (operand_kind != kMaskFloat) {
     int form = tc16_form(oa.Ti, oa.Tj, requested_tc16_form(dev));
     if (form == kT16WgmmaBoth && oa.w_blocked == nullptr) form = kT16WgmmaPhase1;
-    // FLASHOPM_TC16_PAIRS=1: both phases in clusters of two blocks that share b's and W's copies
-    // (whole tiles only)
-    if (form == kT16WgmmaBoth && oa.Ti * oa.H == kTcMT && oa.Tj * oa.H == kTcNT && env_is("FLASHOPM_TC16_PAIRS", "1") &&
-        outer_tc16_pairs_available())
-      form = kT16WgmmaPair;
+    // FLASHOPM_TC16_CLUSTER=2 or 4: both phases in clusters of that many blocks along rows that
+    // share b's and W's copies (whole tiles only; the form without where such clusters cannot run)
+    if (form == kT16WgmmaBoth && oa.Ti * oa.H == kTcMT && oa.Tj * oa.H == kTcNT) {
+      if (const char* c = env_choice("FLASHOPM_TC16_CLUSTER", {"1", "2", "4"}); c != nullptr && c[0] != '1') {
+        const int cluster = c[0] - '0', clustered = tc16_cluster_form(cluster);
+        if (outer_tc16_cluster_available(cluster, outer_tc16_smem_bytes(oa.H, oa.Ti, oa.Tj, clustered)))
+          form = clustered;
+      }
+    }
     if (outer_tc16_smem_bytes(oa.H, oa.Ti, oa.Tj, form) > optin) {  // less shared memory than sm_90's
       const MmaSyncTile tile = mma_sync_tile(oa.H, oa.N, oa.Ti, true, dev);
       form = tc16_staging_form(tile.staging);

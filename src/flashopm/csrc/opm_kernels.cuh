@@ -229,13 +229,17 @@ __device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* bar, unsigne
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n"
                ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(bar))), "r"(bytes) : "memory");
 }
-// Spins until the phase of the given parity has completed (test_wait: a probe that never blocks).
-__device__ __forceinline__ void mbarrier_wait_parity(uint64_t* bar, unsigned parity) {
+// Whether the phase of the given parity has completed (test_wait: a probe that never blocks).
+__device__ __forceinline__ bool mbarrier_test_parity(uint64_t* bar, unsigned parity) {
   const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(bar));
-  unsigned done = 0;
-  while (!done) {
-    asm volatile("{\n .reg .pred p;\n mbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
-                 : "=r"(done) : "r"(addr), "r"(parity) : "memory");
+  unsigned done;
+  asm volatile("{\n .reg .pred p;\n mbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+               : "=r"(done) : "r"(addr), "r"(parity) : "memory");
+  return done != 0;
+}
+// Spins until the phase of the given parity has completed.
+__device__ __forceinline__ void mbarrier_wait_parity(uint64_t* bar, unsigned parity) {
+  while (!mbarrier_test_parity(bar, parity)) {
   }
 }
 // The same with mbarrier's potentially blocking probe, which may suspend the thread until the phase
@@ -288,6 +292,14 @@ __device__ __forceinline__ void mbarrier_arrive_peer(uint64_t* bar, unsigned pee
   asm volatile("{\n .reg .b32 ra;\n mapa.shared::cluster.u32 ra, %0, %1;\n"
                " mbarrier.arrive.shared::cluster.b64 _, [ra];\n}\n"
                ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(bar))), "r"(peer) : "memory");
+}
+// One arrival on the mbarrier at bar's offset in every block of a cluster of kCluster (this block,
+// rank `rank`, first): a stage released to every block that refills it.
+template <int kCluster>
+__device__ __forceinline__ void release_to_cluster(uint64_t* bar, unsigned rank) {
+  mbarrier_arrive_local(bar);
+#pragma unroll
+  for (unsigned r = 1; r < unsigned(kCluster); ++r) mbarrier_arrive_peer(bar, (rank + r) % unsigned(kCluster));
 }
 // Tensor copies (TMA) through a CUtensorMap in kernel parameter space (__grid_constant__): the box
 // at coordinates (c0 innermost, c1[, c2]) to shared address dst, counted on the mbarrier bar;

@@ -601,7 +601,56 @@ void launch_tc16_form(const OuterArgs& args, int form, const dim3& grid, int sme
 }
 }  // namespace
 
-bool outer_tc16_pairs_available() { return driver_launch_api().encode_tiled != nullptr; }
+namespace {
+// The launch of a clustered form's kernel: clusters of 1 x kCluster x 1 blocks (grid.y a multiple
+// of kCluster), attr holding its one attribute.
+template <int kCluster>
+cudaLaunchConfig_t tc16_cluster_config(dim3 grid, int smem, cudaStream_t stream, cudaLaunchAttribute (&attr)[1]) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(kTcThreads);
+  cfg.dynamicSmemBytes = size_t(smem);
+  cfg.stream = stream;
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = 1;
+  attr[0].val.clusterDim.y = kCluster;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cfg;
+}
+
+template <int kCluster>
+int tc16_max_active_clusters(int dev, int smem) {
+  constexpr auto kernel = opm_outer_tc16_cluster_kernel<__nv_bfloat16, kCluster>;
+  allow_smem<kernel>(dev);
+  cudaLaunchAttribute attr[1];
+  const cudaLaunchConfig_t cfg = tc16_cluster_config<kCluster>(dim3(1, kCluster, 1), smem, nullptr, attr);
+  int n = 0;
+  if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess) {
+    (void)cudaGetLastError();  // not runnable with this configuration: report none
+    n = 0;
+  }
+  return n;
+}
+}  // namespace
+
+bool outer_tc16_cluster_available(int cluster, int smem) {
+  if (driver_launch_api().encode_tiled == nullptr || (cluster != 2 && cluster != 4)) return false;
+  // Asked once per (device, cluster size, shared memory): whether a cluster fits at all depends on
+  // the GPU's partition into GPCs.
+  static std::mutex mu;
+  static std::map<std::pair<int, std::pair<int, int>>, int> cache;
+  int dev = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  const auto key = std::make_pair(dev, std::make_pair(cluster, smem));
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache.find(key);
+  if (it == cache.end())
+    it = cache.emplace(key, cluster == 4 ? tc16_max_active_clusters<4>(dev, smem) : tc16_max_active_clusters<2>(dev, smem))
+             .first;
+  return it->second > 0;
+}
 
 namespace {
 // A 128-byte-swizzled tensor map of 16-bit elements (dims and boxes innermost first; strides in
@@ -610,7 +659,8 @@ void encode_map16(unsigned char (&out)[128], int operand_kind, const void* base,
                   const cuuint64_t* strides, const cuuint32_t* box) {
   static_assert(sizeof(CUtensorMap) == 128, "CUtensorMap is 128 bytes");
   const PFN_cuTensorMapEncodeTiled_v12000 encode = driver_launch_api().encode_tiled;
-  TORCH_CHECK(encode != nullptr, "flashopm: the driver's cuTensorMapEncodeTiled was not found (the pair form needs it)");
+  TORCH_CHECK(encode != nullptr,
+              "flashopm: the driver's cuTensorMapEncodeTiled was not found (the clustered forms need it)");
   CUtensorMap map;
   const cuuint32_t elem_strides[3] = {1, 1, 1};
   const CUresult r = encode(&map, operand_kind == kMaskHalf ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
@@ -622,35 +672,32 @@ void encode_map16(unsigned char (&out)[128], int operand_kind, const void* base,
   std::memcpy(out, &map, sizeof(map));
 }
 
-template <typename T>
-void launch_tc16_pairs(const OuterArgs& args, int operand_kind, dim3 grid, int smem, cudaStream_t stream) {
+template <typename T, int kCluster>
+void launch_tc16_clusters(const OuterArgs& args, int operand_kind, dim3 grid, int smem, cudaStream_t stream) {
   // a (B, S, Na·H) and b (B, S, N·H) in boxes of kT16WgBK s x 64 columns; W in o_k_order as
-  // (D, H²) in boxes of kTcDG / 2 rows of d x 64 k
+  // (D, H²) in boxes of kTcDG / kCluster rows of d x 64 k
   Tc16Maps maps{};
   const cuuint64_t NaH = cuuint64_t(args.Na) * args.H, NH = cuuint64_t(args.N) * args.H, S = cuuint64_t(args.S);
   const cuuint64_t K2 = cuuint64_t(args.H) * args.H;
-  const cuuint32_t box_ab[3] = {64, cuuint32_t(kT16WgBK), 1}, box_w[2] = {64, cuuint32_t(kTcDG / 2)};
+  const cuuint32_t box_ab[3] = {64, cuuint32_t(kT16WgBK), 1}, box_w[2] = {64, cuuint32_t(kTcDG / kCluster)};
   const cuuint64_t dims_a[3] = {NaH, S, cuuint64_t(args.B)}, strides_a[2] = {NaH * 2, S * NaH * 2};
   const cuuint64_t dims_b[3] = {NH, S, cuuint64_t(args.B)}, strides_b[2] = {NH * 2, S * NH * 2};
   const cuuint64_t dims_w[2] = {K2, cuuint64_t(args.D)}, strides_w[1] = {K2 * 2};
   encode_map16(maps.a, operand_kind, args.a, 3, dims_a, strides_a, box_ab);
   encode_map16(maps.b, operand_kind, args.b, 3, dims_b, strides_b, box_ab);
   encode_map16(maps.w, operand_kind, args.w_blocked, 2, dims_w, strides_w, box_w);
-  grid.y = (grid.y + 1) / 2 * 2;  // whole clusters: a last row tile past Na copies b and W for its peer
-  TORCH_CHECK(grid.y <= 65535, "flashopm: too many row tiles for one launch of the pair form (", grid.y, ")");
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = grid;
-  cfg.blockDim = dim3(kTcThreads);
-  cfg.dynamicSmemBytes = size_t(smem);
-  cfg.stream = stream;
+  // whole clusters: row tiles past Na copy their shares of b and W for their peers
+  grid.y = (grid.y + kCluster - 1) / kCluster * kCluster;
+  TORCH_CHECK(grid.y <= 65535, "flashopm: too many row tiles for one launch of the clustered form (", grid.y, ")");
   cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = 1;
-  attr[0].val.clusterDim.y = 2;
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  launch_kernel<opm_outer_tc16_pair_kernel<T>, SmemSetup::kOptIn>(cfg, args, maps);
+  const cudaLaunchConfig_t cfg = tc16_cluster_config<kCluster>(grid, smem, stream, attr);
+  launch_kernel<opm_outer_tc16_cluster_kernel<T, kCluster>, SmemSetup::kOptIn>(cfg, args, maps);
+}
+template <typename T>
+void launch_tc16_clusters_of(const OuterArgs& args, int operand_kind, int cluster, dim3 grid, int smem,
+                             cudaStream_t stream) {
+  if (cluster == 4) return launch_tc16_clusters<T, 4>(args, operand_kind, grid, smem, stream);
+  launch_tc16_clusters<T, 2>(args, operand_kind, grid, smem, stream);
 }
 }  // namespace
 
@@ -659,12 +706,13 @@ void launch_outer_tc16(const OuterArgs& args, int operand_kind, int form, cudaSt
   const dim3 grid(unsigned((args.N + tj_block - 1) / tj_block), unsigned((args.Na + args.Ti - 1) / args.Ti),
                   unsigned(args.B));
   const int smem = outer_tc16_smem_bytes(args.H, args.Ti, args.Tj, form);
-  if (form == kT16WgmmaPair) {
+  if (const int cluster = tc16_form_cluster(form); cluster > 1) {
     TORCH_CHECK(args.Ti * args.H == kTcMT && args.Tj * args.H == kTcNT && args.w_blocked != nullptr,
-                "flashopm: internal error: the pair form needs whole tiles (Ti·H = ", kTcMT, ", Tj·H = ", kTcNT,
+                "flashopm: internal error: the clustered forms need whole tiles (Ti·H = ", kTcMT, ", Tj·H = ", kTcNT,
                 ") and W in blocks, got Ti ", args.Ti, ", Tj ", args.Tj, ", H ", args.H);
-    if (operand_kind == kMaskHalf) return launch_tc16_pairs<__half>(args, operand_kind, grid, smem, stream);
-    return launch_tc16_pairs<__nv_bfloat16>(args, operand_kind, grid, smem, stream);
+    if (operand_kind == kMaskHalf)
+      return launch_tc16_clusters_of<__half>(args, operand_kind, cluster, grid, smem, stream);
+    return launch_tc16_clusters_of<__nv_bfloat16>(args, operand_kind, cluster, grid, smem, stream);
   }
   if (operand_kind == kMaskHalf) launch_tc16_form<__half>(args, form, grid, smem, stream);
   else launch_tc16_form<__nv_bfloat16>(args, form, grid, smem, stream);

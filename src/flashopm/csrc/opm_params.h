@@ -616,10 +616,16 @@ enum Tc16Form : int {
   kT16MmaSyncHalfStages = 3,
   kT16MmaSyncNarrow = 4,
   kT16MmaSyncNarrowHalfStages = 5,
-  // both phases on wgmma in clusters of two blocks along rows (same column tiles): the stages and
-  // W's chunks come by tensor copies, each block's half of b and of W multicast to both
+  // both phases on wgmma in clusters of two (four) blocks along rows, the same column tiles: the
+  // stages and W's chunks come by tensor copies, each block's share of b and of W multicast to all
   kT16WgmmaPair = 6,
+  kT16WgmmaQuad = 7,
 };
+// The blocks of a cluster in a form (1: not clustered), and the clustered form of kCluster blocks.
+FLASHOPM_HD constexpr int tc16_form_cluster(int form) {
+  return form == kT16WgmmaPair ? 2 : form == kT16WgmmaQuad ? 4 : 1;
+}
+FLASHOPM_HD constexpr int tc16_cluster_form(int cluster) { return cluster == 4 ? kT16WgmmaQuad : kT16WgmmaPair; }
 FLASHOPM_HD constexpr int tc16_form_bk(int form) {
   return form == kT16MmaSyncHalfStages || form == kT16MmaSyncNarrowHalfStages ? kT16BKSmall : kT16BK;
 }
@@ -635,7 +641,7 @@ FLASHOPM_HD constexpr int tc16_mma_sync_form(int bk, int nt) {
 // kT16Wg2Stages deep.
 constexpr int kT16Wg2ChunkBytes = kTcDG * 128;
 constexpr int kT16Wg2Stages = 4;
-// The pair form's mbarriers: phase 1's full and empty per stage, then W's per chunk stage.
+// The clustered forms' mbarriers: phase 1's full and empty per stage, then W's per chunk stage.
 constexpr int kT16PairBarriers = 2 * kT16WgStages + 2 * kT16Wg2Stages;
 
 // Shared memory of the 16-bit kernel, in bytes: O ([Ti·Tj·kT16JSub][H² + 8] 16-bit) with the
@@ -655,7 +661,8 @@ FLASHOPM_HD inline Tc16Layout tc16_layout(int H, int Ti, int Tj, int form) {
   Tc16Layout L{};
   L.ldo = H * H + 8;
   int end;
-  if (form == kT16WgmmaBoth || form == kT16WgmmaPair) {
+  const bool clustered = tc16_form_cluster(form) > 1;
+  if (form == kT16WgmmaBoth || clustered) {
     const int o_tile = Ti * Tj * H * H * 2;
     L.stages = round_up1k(o_tile);
     L.w = round_up1k(kT16JSub * o_tile);
@@ -676,13 +683,13 @@ FLASHOPM_HD inline Tc16Layout tc16_layout(int H, int Ti, int Tj, int form) {
     if (end < stages_end) end = stages_end;
   }
   L.rows = end;  // 16-byte aligned
-  L.total = L.rows + kT16RoundRows * 12 + (form == kT16WgmmaBoth || form == kT16WgmmaPair ? 1024 : 0) +
-            (form == kT16WgmmaPair ? kT16PairBarriers * 8 : 0);
+  L.total = L.rows + kT16RoundRows * 12 + (form == kT16WgmmaBoth || clustered ? 1024 : 0) +
+            (clustered ? kT16PairBarriers * 8 : 0);
   return L;
 }
-// The pair form's tensor maps (CUtensorMap's 128 bytes each): a as (B, S, Na·H), b as (B, S, N·H)
-// (boxes of 32 s x 64 columns), W in o_k_order as (D, H²) (boxes of 64 d x 64 k), all swizzled by
-// 128 bytes as the stages are.
+// The clustered forms' tensor maps (CUtensorMap's 128 bytes each): a as (B, S, Na·H), b as (B, S,
+// N·H) (boxes of 32 s x 64 columns), W in o_k_order as (D, H²) (boxes of kTcDG / cluster rows of d x
+// 64 k: a block's share), all swizzled by 128 bytes as the stages are.
 struct Tc16Maps {
   alignas(64) unsigned char a[128];
   alignas(64) unsigned char b[128];
@@ -742,7 +749,9 @@ void launch_prep(const PrepArgs& args, bool project_w, int rows_per_warp, int wa
 bool prep_whole_weights_apply(const PrepArgs& args, bool project_w, int rows_per_warp);
 // opm_project_rows_kernel over all B * S * N rows (project_w = false layouts)
 void launch_project_rows(const PrepArgs& args, cudaStream_t stream);
-bool outer_tc16_pairs_available();  // the driver's tensor-map encoder found (the 16-bit kernel's pair form)
+// Whether the 16-bit kernel's clustered form of `cluster` blocks (2 or 4) can run here with `smem`
+// bytes of shared memory a block: the driver's tensor-map encoder found, and such a cluster fits.
+bool outer_tc16_cluster_available(int cluster, int smem);
 int project_rows_smem_bytes(const PrepArgs& args);
 // opm_project_rows_kernel's TF32 terms per product: 0 for its FMA form (x not in 16-byte vectors,
 // or FLASHOPM_PROJECTION_MMA=0), 1 for 16-bit x, else PrepArgs::mma_terms.

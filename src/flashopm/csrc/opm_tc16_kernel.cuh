@@ -25,18 +25,26 @@ namespace flashopm {
 
 // kBK, kNT: s per stage and phase 1's columns (j, h2) in the mma.sync form (kT16BK and kTcNT;
 // kT16BKSmall and kT16NTNarrow on GPUs with less shared memory; kNT >= Tj·H).
-// kPair (with kWgmmaBoth; full tiles: Ti·H = kTcMT, Tj·H = kTcNT): the block is one of a cluster of
-// two along rows, the same column tiles, and its stages and W's chunks come by tensor copies
-// (maps): each block copies its own a, and half of every b stage and every W chunk to both blocks
-// (multicast), so that b and W cross L2 once per pair.  A stage's "full" mbarrier counts the bytes
-// from both blocks; its "empty" mbarrier one arrival from each block once its warpgroups have
-// retired the stage's products, before either refills it.  Thread 0 issues the copies.  The same
-// products in the same order as without: the same bits.
-template <typename T, bool kWgmma, bool kWgmmaBoth, int kBK, int kNT, bool kPair>
+// kCluster > 1 (with kWgmmaBoth; full tiles: Ti·H = kTcMT, Tj·H = kTcNT): the block is one of a
+// cluster of kCluster (2 or 4) along rows, the same column tiles, and its stages and W's chunks
+// come by tensor copies (maps): each block copies its own a, and its share (1 / kCluster) of
+// every b stage and every W chunk to all the cluster's blocks (multicast), so that b and W cross
+// L2 once per cluster.  A stage's "full" mbarrier counts the bytes from every block; its "empty"
+// mbarrier one arrival from each block once its warpgroups have retired the stage's products,
+// before any refills it.  Thread 0 issues the copies: a stage the consumers are about to wait for
+// with a wait for its buffer's release, later ones only where every block has released it already,
+// so that a block ahead of its peers keeps multiplying the stages it has instead of waiting for
+// them.  The same products in the same order as without: the same bits.
+template <typename T, bool kWgmma, bool kWgmmaBoth, int kBK, int kNT, int kCluster>
 __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Maps* maps) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  constexpr bool kPair = kCluster > 1;
   static_assert(kWgmma || !kWgmmaBoth, "phase 2 on wgmma needs phase 1 on wgmma");
-  static_assert(kWgmmaBoth || !kPair, "the pair form has both phases on wgmma");
+  static_assert(kWgmmaBoth || !kPair, "the clustered forms have both phases on wgmma");
+  static_assert(kCluster == 1 || kCluster == 2 || kCluster == 4, "clusters of 2 or 4 blocks");
+  // each block's share of b's column groups and of W's rows of d, and the multicast to every block
+  constexpr int kBGroupsShare = kTcNT / 64 / kCluster, kWRowsShare = kTcDG / kCluster;
+  [[maybe_unused]] constexpr uint16_t kClusterMask = uint16_t((1u << kCluster) - 1);
   static_assert(kBK == kT16BK || (kBK == kT16BKSmall && !kWgmma), "half stages for the mma.sync form alone");
   static_assert(kNT == kTcNT || (kNT == kT16NTNarrow && !kWgmma), "a narrower phase 1 for the mma.sync form alone");
   extern __shared__ float4 smem_f4[];
@@ -44,7 +52,7 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
   if constexpr (kWgmmaBoth)  // the swizzle follows address bits 4-9: every tile from a 1 KB boundary
     smem = align_smem_1k(smem);
   const Tc16Layout L = tc16_layout(p.H, p.Ti, p.Tj,
-                                   kPair        ? kT16WgmmaPair
+                                   kPair        ? tc16_cluster_form(kCluster)
                                    : kWgmmaBoth ? kT16WgmmaBoth
                                    : kWgmma     ? kT16WgmmaPhase1
                                                 : tc16_mma_sync_form(kBK, kNT));
@@ -58,15 +66,16 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
   const int P = P1 * kT16JSub;     // pairs of the block, column tile by column tile
   const int b = blockIdx.z;
   int col_tile, row_tile;
-  [[maybe_unused]] unsigned rank = 0;  // kPair: this block's rank in its cluster (row tile 2·pair + rank)
+  // kPair: this block's rank in its cluster (row tile kCluster·group + rank)
+  [[maybe_unused]] unsigned rank = 0;
   [[maybe_unused]] uint64_t* bars = nullptr;  // kPair: full[kT16WgStages], empty[..], W's full[kT16Wg2Stages], empty[..]
   if constexpr (kPair) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     rank = cluster_rank();
 #endif
-    int row_pair;
-    grouped_tile_of(blockIdx.x, blockIdx.y >> 1, gridDim.x, gridDim.y >> 1, col_tile, row_pair);
-    row_tile = 2 * row_pair + int(rank);
+    int row_group;
+    grouped_tile_of(blockIdx.x, blockIdx.y / kCluster, gridDim.x, gridDim.y / kCluster, col_tile, row_group);
+    row_tile = kCluster * row_group + int(rank);
   } else {
     grouped_tile(col_tile, row_tile);
   }
@@ -85,15 +94,15 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
     bars = reinterpret_cast<uint64_t*>(smem + L.rows + kT16RoundRows * 12);
     if (tid == 0) {
       for (int i = 0; i < kT16WgStages; ++i) {
-        mbarrier_init(bars + i, 1);                 // this block's arrival with the bytes
-        mbarrier_init(bars + kT16WgStages + i, 2);  // each block's release
+        mbarrier_init(bars + i, 1);                        // this block's arrival with the bytes
+        mbarrier_init(bars + kT16WgStages + i, kCluster);  // each block's release
       }
       for (int i = 0; i < kT16Wg2Stages; ++i) {
         mbarrier_init(bars + 2 * kT16WgStages + i, 1);
-        mbarrier_init(bars + 2 * kT16WgStages + kT16Wg2Stages + i, 2);
+        mbarrier_init(bars + 2 * kT16WgStages + kT16Wg2Stages + i, kCluster);
       }
     }
-    cluster_barrier();  // both blocks' mbarriers set up before either copies to the other
+    cluster_barrier();  // every block's mbarriers set up before any copies to another
 #endif
   }
 
@@ -171,16 +180,21 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
       }
       issue_buf = issue_buf + 1 == kT16WgStages ? 0 : issue_buf + 1;
     };
-    // kPair (thread 0): stage q of the sequence (tile q / n_k, s from (q % n_k)·kT16WgBK) into
-    // buffer q % kT16WgStages, once both blocks have released that buffer's previous stage: this
-    // block's a, and its half of b's column groups to both blocks.  Nothing past the last stage.
+    // kPair (thread 0): stage q_issue of the sequence (tile q / n_k, s from (q % n_k)·kT16WgBK)
+    // into buffer q % kT16WgStages once every block has released that buffer's previous stage
+    // (waiting for that when `wait`, else only if it has): this block's a, and its share of b's
+    // column groups to every block.  Returns whether it issued; nothing past the last stage.
     [[maybe_unused]] int q_issue = 0;
     [[maybe_unused]] const uint32_t stages_addr = static_cast<uint32_t>(__cvta_generic_to_shared(wg_stages));
-    [[maybe_unused]] auto issue_pair_stage = [&]() {
+    [[maybe_unused]] auto issue_pair_stage = [&](bool wait) -> bool {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
       if (q_issue < kT16JSub * n_k) {
         const int buf = q_issue % kT16WgStages, use = q_issue / kT16WgStages;
-        if (use > 0) mbarrier_wait_parity(bars + kT16WgStages + buf, (use - 1) & 1);
+        if (use > 0) {
+          uint64_t* empty = bars + kT16WgStages + buf;
+          if (wait) mbarrier_wait_parity(empty, (use - 1) & 1);
+          else if (!mbarrier_test_parity(empty, (use - 1) & 1)) return false;
+        }
         uint64_t* full = bars + buf;
         mbarrier_arrive_expect_tx(full, kT16WgStageBytes);
         const int js = q_issue / n_k, s0 = (q_issue - js * n_k) * kT16WgBK;
@@ -190,17 +204,20 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
         for (int grp = 0; grp < kTcMT / 64; ++grp)
           tma_load_3d(st + grp * kT16WgGroupBytes, maps->a, i0 * H + grp * 64, s0, b, full);
 #pragma unroll
-        for (int half = 0; half < kTcNT / 128; ++half) {
-          const int grp = int(rank) * (kTcNT / 128) + half;
-          tma_load_3d_mc(st + kT16WgABytes + grp * kT16WgGroupBytes, maps->b, jt0 * H + grp * 64, s0, b, full, 3);
+        for (int share = 0; share < kBGroupsShare; ++share) {
+          const int grp = int(rank) * kBGroupsShare + share;
+          tma_load_3d_mc(st + kT16WgABytes + grp * kT16WgGroupBytes, maps->b, jt0 * H + grp * 64, s0, b, full,
+                         kClusterMask);
         }
         ++q_issue;
+        return true;
       }
 #endif
+      return false;
     };
     if constexpr (kPair) {
       if (tid == 0)
-        for (int st = 0; st < kT16WgAhead; ++st) issue_pair_stage();
+        for (int st = 0; st < kT16WgAhead; ++st) issue_pair_stage(false);  // first uses: no release to wait for
     } else {
 #pragma unroll
       for (int st = 0; st < kT16WgAhead; ++st) {
@@ -220,15 +237,15 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
         if constexpr (kPair) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
           const int q = js * n_k + kt;
-          mbarrier_wait_parity_suspend(bars + read_buf, (q / kT16WgStages) & 1);  // stage q's bytes, from both blocks
+          // stage q issued before waiting for its bytes (here only if no earlier probe found its
+          // buffer released by every block)
+          if (tid == 0)
+            while (q_issue <= q) issue_pair_stage(true);
+          mbarrier_wait_parity_suspend(bars + read_buf, (q / kT16WgStages) & 1);  // stage q's bytes, from every block
           __syncthreads();  // every warpgroup has retired stage q - 2's products (one group in flight)
-          // stage q - 2's buffer released at once, so that the peer's refill need not wait for
+          // stage q - 2's buffer released at once, so that the peers' refills need not wait for
           // this block's products to be issued
-          if (tid == 0 && q >= 2) {
-            const int rel = (q - 2) % kT16WgStages;
-            mbarrier_arrive_local(bars + kT16WgStages + rel);
-            mbarrier_arrive_peer(bars + kT16WgStages + rel, rank ^ 1u);
-          }
+          if (tid == 0 && q >= 2) release_to_cluster<kCluster>(bars + kT16WgStages + (q - 2) % kT16WgStages, rank);
 #endif
         } else {
           cp_async_wait<kT16WgAhead - 1>();
@@ -246,15 +263,17 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
         for (int kk = 0; kk < kT16WgBK / 16; ++kk)
           wgmma_m64n256k16<T>(acc, desc_a0 + stage_off + kk * (2048 >> 4), desc_b0 + stage_off + kk * (2048 >> 4));
         wgmma_commit();
-        // (kPair, while this stage's products run: the buffer released above refilled, once the
-        // peer has released it too)
+        // (kPair, while this stage's products run: the stages whose buffers every block has
+        // released, up to the one released above)
         if constexpr (kPair)
-          if (tid == 0) issue_pair_stage();
+          if (tid == 0)
+            while (q_issue <= js * n_k + kt + kT16WgAhead && issue_pair_stage(false)) {
+            }
         wgmma_wait<1>();
       }
       wgmma_wait<0>();
       if (js + 1 == kT16JSub) {
-        // (kPair: every stage's bytes from both blocks have arrived: nothing more is copied here)
+        // (kPair: every stage's bytes from every block have arrived: nothing more is copied here)
         if constexpr (!kPair) cp_async_wait_all();
         __syncthreads();  // every warp done with the stages: the last tile's O overlays them
       }
@@ -460,7 +479,7 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
     const int wc = tid & 7, wr = tid >> 3;
     const uint32_t w_dst = kmajor_sw128_offset(wr, wc * 8, 1024);  // rows wr + 32u: + 4 KB each
     // kPair: W's chunks in one sequence over every group of d and round (wq), buffer wq %
-    // kT16Wg2Stages; each block copies its half of the chunk's rows of d to both.
+    // kT16Wg2Stages; each block copies its share of the chunk's rows of d to every block.
     [[maybe_unused]] int w_base = 0;
     [[maybe_unused]] uint64_t* w_full = bars + 2 * kT16WgStages;
     [[maybe_unused]] uint64_t* w_empty = w_full + kT16Wg2Stages;
@@ -482,33 +501,41 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
             w_src += 64;
           }
         };
-        // (kPair, thread 0) chunk kc of this round to both blocks, once both have released its
-        // buffer's previous chunk
-        [[maybe_unused]] auto issue_w_pair = [&](int kc) {
+        // (kPair, thread 0) chunk kc_issue of this round to every block once every block has
+        // released its buffer's previous chunk (waiting for that when `wait`, else only if it
+        // has); returns whether it issued, nothing past the round's last chunk
+        [[maybe_unused]] int kc_issue = 0;
+        [[maybe_unused]] auto issue_w_pair = [&](bool wait) -> bool {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-          if (kc < n_kc) {
-            const int wq = w_base + kc, buf = wq % kT16Wg2Stages, use = wq / kT16Wg2Stages;
-            if (use > 0) mbarrier_wait_parity(w_empty + buf, (use - 1) & 1);
+          if (kc_issue < n_kc) {
+            const int wq = w_base + kc_issue, buf = wq % kT16Wg2Stages, use = wq / kT16Wg2Stages;
+            if (use > 0) {
+              if (wait) mbarrier_wait_parity(w_empty + buf, (use - 1) & 1);
+              else if (!mbarrier_test_parity(w_empty + buf, (use - 1) & 1)) return false;
+            }
             mbarrier_arrive_expect_tx(w_full + buf, kT16Wg2ChunkBytes);
-            tma_load_2d_mc(w_addr + uint32_t(buf * kT16Wg2ChunkBytes + int(rank) * (kTcDG / 2) * 128), maps->w,
-                           kc * 64, dg + int(rank) * (kTcDG / 2), w_full + buf, 3);
+            tma_load_2d_mc(w_addr + uint32_t(buf * kT16Wg2ChunkBytes + int(rank) * kWRowsShare * 128), maps->w,
+                           kc_issue * 64, dg + int(rank) * kWRowsShare, w_full + buf, kClusterMask);
+            ++kc_issue;
+            return true;
           }
 #endif
+          return false;
         };
         [[maybe_unused]] auto release_w = [&](int wq) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-          mbarrier_arrive_local(w_empty + wq % kT16Wg2Stages);
-          mbarrier_arrive_peer(w_empty + wq % kT16Wg2Stages, rank ^ 1u);
+          release_to_cluster<kCluster>(w_empty + wq % kT16Wg2Stages, rank);
 #endif
         };
         if constexpr (kPair) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
           fence_proxy_async_smem();  // O, visible to the tensor cores
-          // both blocks past phase 1 (whose stages W's buffers overlay) and the previous round's
-          // sums: the peer's copies may land here from now on
+          // every block past phase 1 (whose stages W's buffers overlay) and the previous round's
+          // sums: the peers' copies may land here from now on
           cluster_barrier();
           if (tid == 0)
-            for (int kc = 0; kc < kT16Wg2Stages - 2; ++kc) issue_w_pair(kc);
+            while (kc_issue < kT16Wg2Stages - 2 && issue_w_pair(true)) {
+            }
 #endif
         } else {
           __syncthreads();  // O written / the previous round's partial sums consumed
@@ -528,6 +555,8 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
             const int wq = w_base + kc;
             buf = wq % kT16Wg2Stages;
+            if (tid == 0)
+              while (kc_issue <= kc) issue_w_pair(true);
             mbarrier_wait_parity_suspend(w_full + buf, (wq / kT16Wg2Stages) & 1);
             __syncthreads();  // every warpgroup has retired chunk kc - 2's products
             if (tid == 0 && kc >= 2) release_w(wq - 2);
@@ -549,7 +578,9 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
                                       wgmma_desc(o_round + kc * 1024 + kk * 32, 16, o_sbo));
           wgmma_commit();
           if constexpr (kPair)
-            if (tid == 0) issue_w_pair(kc + kT16Wg2Stages - 2);
+            if (tid == 0)
+              while (kc_issue <= kc + kT16Wg2Stages - 2 && issue_w_pair(false)) {
+              }
           wgmma_wait<1>();
         }
         wgmma_wait<0>();
@@ -663,15 +694,15 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
 
 template <typename T, bool kWgmma, bool kWgmmaBoth, int kBK = kT16BK, int kNT = kTcNT>
 __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const OuterArgs p) {
-  outer_tc16_body<T, kWgmma, kWgmmaBoth, kBK, kNT, false>(p, nullptr);
+  outer_tc16_body<T, kWgmma, kWgmmaBoth, kBK, kNT, 1>(p, nullptr);
 }
 
-// The pair form (kT16WgmmaPair): launched in clusters of 1 x 2 x 1 blocks.
-template <typename T>
-__global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_pair_kernel(const OuterArgs p,
-                                                                            const __grid_constant__ Tc16Maps maps) {
+// The clustered forms (kT16WgmmaPair, kT16WgmmaQuad): launched in clusters of 1 x kCluster x 1 blocks.
+template <typename T, int kCluster>
+__global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_cluster_kernel(const OuterArgs p,
+                                                                               const __grid_constant__ Tc16Maps maps) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  outer_tc16_body<T, true, true, kT16BK, kTcNT, true>(p, &maps);
+  outer_tc16_body<T, true, true, kT16BK, kTcNT, kCluster>(p, &maps);
 #else
   target_lacks_instructions();
 #endif
