@@ -321,14 +321,14 @@ if [ "$PHASE" = clusters ]; then
   # the 16-bit kernel's clustered forms (FLASHOPM_TC16_CLUSTER=2, 4): their bits against the
   # default form's (a hang shows as the step's timeout), each paired against it at N = 1536 and
   # 768 in bfloat16, each convention's time by kernel in clusters of four, then the default form
-  # and both clustered ones under Nsight Compute: L2 traffic and throughput, the tensor pipe,
-  # stalls (~8 min with the build)
+  # and clusters of four under Nsight Compute: L2 traffic and throughput, the tensor pipe, stalls
+  # (~9 min with the build)
   T t_clusters 180 $py -m pytest -x -q -p no:cacheprovider tests/test_cuda.py -k "cluster_form" || exit 1  # (a hang: stop here)
-  T ab_cluster2 90 $py scripts/ab_env.py FLASHOPM_TC16_CLUSTER=2 1,512,1536,256,32,128 1,512,768,256,32,128 --dtype bfloat16 --mode forward --calls 8
   T ab_cluster4 90 $py scripts/ab_env.py FLASHOPM_TC16_CLUSTER=4 1,512,1536,256,32,128 1,512,768,256,32,128 --dtype bfloat16 --mode forward --calls 8
+  T ab_cluster2 90 $py scripts/ab_env.py FLASHOPM_TC16_CLUSTER=2 1,512,1536,256,32,128 1,512,768,256,32,128 --dtype bfloat16 --mode forward --calls 8
   T conv_clusters 90 env FLASHOPM_TC16_CLUSTER=4 $py scripts/convention_times.py 1536 row openfold boltz bfloat16 kernels
   tc16_one
-  for cl in 1 2 4; do
+  for cl in 1 4; do
     T "ncu_cluster$cl" 120 env FLASHOPM_TC16_CLUSTER=$cl \
       ncu --clock-control none -k regex:opm_outer_tc16 --launch-skip 1 --launch-count 1 \
       --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \

@@ -857,11 +857,15 @@ void run_outer(OuterArgs oa, int64_t i_offset, int64_t rows, int64_t out_rows, i
     int form = tc16_form(oa.Ti, oa.Tj, requested_tc16_form(dev));
     if (form == kT16WgmmaBoth && oa.w_blocked == nullptr) form = kT16WgmmaPhase1;
     // FLASHOPM_TC16_CLUSTER=2 or 4: both phases in clusters of that many blocks along rows that
-    // share b's and W's copies (whole tiles only; the form without where such clusters cannot run)
+    // share b's and W's copies (whole tiles only, and row tiles that stay within a launch once
+    // rounded up to whole clusters; the form without where such clusters cannot run)
     if (form == kT16WgmmaBoth && oa.Ti * oa.H == kTcMT && oa.Tj * oa.H == kTcNT) {
       if (const char* c = env_choice("FLASHOPM_TC16_CLUSTER", {"1", "2", "4"}); c != nullptr && c[0] != '1') {
         const int cluster = c[0] - '0', clustered = tc16_cluster_form(cluster);
-        if (outer_tc16_cluster_available(cluster, outer_tc16_smem_bytes(oa.H, oa.Ti, oa.Tj, clustered)))
+        const int64_t row_tiles = (rows + oa.Ti - 1) / oa.Ti;
+        if ((row_tiles + cluster - 1) / cluster * cluster <= 65535 &&
+            outer_tc16_cluster_available(dev, operand_kind, cluster,
+                                         outer_tc16_smem_bytes(oa.H, oa.Ti, oa.Tj, clustered)))
           form = clustered;
       }
     }

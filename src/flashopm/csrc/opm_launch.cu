@@ -620,9 +620,9 @@ cudaLaunchConfig_t tc16_cluster_config(dim3 grid, int smem, cudaStream_t stream,
   return cfg;
 }
 
-template <int kCluster>
+template <typename T, int kCluster>
 int tc16_max_active_clusters(int dev, int smem) {
-  constexpr auto kernel = opm_outer_tc16_cluster_kernel<__nv_bfloat16, kCluster>;
+  constexpr auto kernel = opm_outer_tc16_cluster_kernel<T, kCluster>;
   allow_smem<kernel>(dev);
   cudaLaunchAttribute attr[1];
   const cudaLaunchConfig_t cfg = tc16_cluster_config<kCluster>(dim3(1, kCluster, 1), smem, nullptr, attr);
@@ -635,20 +635,24 @@ int tc16_max_active_clusters(int dev, int smem) {
 }
 }  // namespace
 
-bool outer_tc16_cluster_available(int cluster, int smem) {
+bool outer_tc16_cluster_available(int dev, int operand_kind, int cluster, int smem) {
   if (driver_launch_api().encode_tiled == nullptr || (cluster != 2 && cluster != 4)) return false;
-  // Asked once per (device, cluster size, shared memory): whether a cluster fits at all depends on
-  // the GPU's partition into GPCs.
+  // Asked once per (device, operand type, cluster size, shared memory) for the kernel that would
+  // launch: whether a cluster fits at all depends on the GPU's partition into GPCs.
   static std::mutex mu;
-  static std::map<std::pair<int, std::pair<int, int>>, int> cache;
-  int dev = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&dev));
-  const auto key = std::make_pair(dev, std::make_pair(cluster, smem));
+  static std::map<std::array<int, 4>, int> cache;
+  const std::array<int, 4> key{dev, operand_kind == kMaskHalf ? 1 : 0, cluster, smem};
   std::lock_guard<std::mutex> lock(mu);
   auto it = cache.find(key);
-  if (it == cache.end())
-    it = cache.emplace(key, cluster == 4 ? tc16_max_active_clusters<4>(dev, smem) : tc16_max_active_clusters<2>(dev, smem))
-             .first;
+  if (it == cache.end()) {
+    int n = 0;
+    if (operand_kind == kMaskHalf)
+      n = cluster == 4 ? tc16_max_active_clusters<__half, 4>(dev, smem) : tc16_max_active_clusters<__half, 2>(dev, smem);
+    else
+      n = cluster == 4 ? tc16_max_active_clusters<__nv_bfloat16, 4>(dev, smem)
+                       : tc16_max_active_clusters<__nv_bfloat16, 2>(dev, smem);
+    it = cache.emplace(key, n).first;
+  }
   return it->second > 0;
 }
 

@@ -749,9 +749,10 @@ void launch_prep(const PrepArgs& args, bool project_w, int rows_per_warp, int wa
 bool prep_whole_weights_apply(const PrepArgs& args, bool project_w, int rows_per_warp);
 // opm_project_rows_kernel over all B * S * N rows (project_w = false layouts)
 void launch_project_rows(const PrepArgs& args, cudaStream_t stream);
-// Whether the 16-bit kernel's clustered form of `cluster` blocks (2 or 4) can run here with `smem`
-// bytes of shared memory a block: the driver's tensor-map encoder found, and such a cluster fits.
-bool outer_tc16_cluster_available(int cluster, int smem);
+// Whether the 16-bit kernel's clustered form of `cluster` blocks (2 or 4) can run on device `dev`
+// for operands of operand_kind with `smem` bytes of shared memory a block: the driver's tensor-map
+// encoder found, and such a cluster fits.
+bool outer_tc16_cluster_available(int dev, int operand_kind, int cluster, int smem);
 int project_rows_smem_bytes(const PrepArgs& args);
 // opm_project_rows_kernel's TF32 terms per product: 0 for its FMA form (x not in 16-byte vectors,
 // or FLASHOPM_PROJECTION_MMA=0), 1 for 16-bit x, else PrepArgs::mma_terms.

@@ -238,9 +238,13 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
           const int q = js * n_k + kt;
           // stage q issued before waiting for its bytes (here only if no earlier probe found its
-          // buffer released by every block)
-          if (tid == 0)
+          // buffer released by every block), and the later stages whose buffers are free by now
+          // (released up to stage q - 3 so far)
+          if (tid == 0) {
             while (q_issue <= q) issue_pair_stage(true);
+            while (q_issue <= q + kT16WgAhead - 1 && issue_pair_stage(false)) {
+            }
+          }
           mbarrier_wait_parity_suspend(bars + read_buf, (q / kT16WgStages) & 1);  // stage q's bytes, from every block
           __syncthreads();  // every warpgroup has retired stage q - 2's products (one group in flight)
           // stage q - 2's buffer released at once, so that the peers' refills need not wait for
@@ -555,8 +559,11 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
             const int wq = w_base + kc;
             buf = wq % kT16Wg2Stages;
-            if (tid == 0)
+            if (tid == 0) {  // as in phase 1: chunk kc, then the free ones (released up to kc - 3)
               while (kc_issue <= kc) issue_w_pair(true);
+              while (kc_issue <= kc + kT16Wg2Stages - 3 && issue_w_pair(false)) {
+              }
+            }
             mbarrier_wait_parity_suspend(w_full + buf, (wq / kT16Wg2Stages) & 1);
             __syncthreads();  // every warpgroup has retired chunk kc - 2's products
             if (tid == 0 && kc >= 2) release_w(wq - 2);
