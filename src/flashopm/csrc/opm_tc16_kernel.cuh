@@ -460,7 +460,9 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
 
   const int K2 = H * H;
   // Output rows and normaliser arguments of the round of pairs r0 .. r0 + kT16RoundRows (pair
-  // js·P1 + il·Tj + jl), for store_round.
+  // js·P1 + il·Tj + jl), for store_round.  Staged at the round's start, once its first W chunks
+  // are on their way: the denominators' or pair counts' loads (from L2 or memory) then wait
+  // beside those chunks instead of before the epilogue.
   auto stage_round_rows = [&](int r0) {
     if (tid < kT16RoundRows) {
       const int pr = r0 + tid;
@@ -549,6 +551,7 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
             cp_async_commit();
           }
         }
+        stage_round_rows(r0);
         float acc2[32];
 #pragma unroll
         for (int e = 0; e < 32; ++e) acc2[e] = 0.f;
@@ -604,7 +607,6 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
         }
         float* red = reinterpret_cast<float*>(w_st);  // [64 pairs][kTcDG + 4]
         constexpr int kRedLd = kTcDG + 4;
-        stage_round_rows(r0);
         // acc2: rows d = 64wg + 16wl + g (+8), columns (pairs) 8j + 2t (+1)
 #pragma unroll
         for (int j = 0; j < 8; ++j)
@@ -667,6 +669,7 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
         issue_w(st, dg);
         cp_async_commit();
       }
+      stage_round_rows(r0);
       for (int kc = 0; kc < n_kc; ++kc) {
         cp_async_wait<kT16WStages - 2>();
         __syncthreads();
@@ -689,7 +692,6 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
       // The two k halves' sums meet in shared memory, next to each pair's output row.
       float* red = reinterpret_cast<float*>(Wst);  // [64 pairs][kTcDG + 4]
       constexpr int kRedLd = kTcDG + 4;
-      stage_round_rows(r0);
       sum_k_halves<4>(red, kRedLd, acc2, kh, dw * 32, g, t);
       store_round<kT16RoundRows, true>(p, red, kRedLd, row_off, norm_arg, dg, tid, kTcThreads);
     }
