@@ -269,7 +269,7 @@ __device__ __forceinline__ void bulk_copy_g2s_multicast(void* dst, const void* s
                ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(dst))), "l"(src), "r"(bytes),
                "r"(static_cast<unsigned>(__cvta_generic_to_shared(bar))), "h"(cta_mask) : "memory");
 }
-// Clusters of blocks (the 16-bit kernel's pairs): this block's rank in its cluster; a barrier of
+// Clusters of blocks: this block's rank in its cluster; a barrier of
 // every thread of the cluster (release / acquire: the writes before it, to shared memory of any
 // block of the cluster, are seen after it).
 __device__ __forceinline__ unsigned cluster_rank() {
@@ -280,6 +280,14 @@ __device__ __forceinline__ unsigned cluster_rank() {
 __device__ __forceinline__ void cluster_barrier() {
   asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }
+// The barrier's two halves (every thread arrives, then waits, once per phase; a warp's threads
+// together): the arrival with release semantics, or relaxed where it publishes nothing (the
+// split barrier of a block that only needs its peers started, their shared memory in place).
+__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory"); }
 // One arrival on this block's mbarrier bar, and one on the mbarrier at bar's offset in block
 // `peer` of the cluster.  A release of a stage whose reads (warpgroup MMAs) have retired, as the
 // GEMM libraries make it: the default semantics, no cluster-scope fence (which costs a GPU-wide

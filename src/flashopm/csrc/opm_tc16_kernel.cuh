@@ -105,6 +105,20 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
     cluster_barrier();  // every block's mbarriers set up before any copies to another
 #endif
   }
+  // kPair (thread 0): this block's share of W's chunk kc (k from 64·kc) for rows of d from dg,
+  // into buffer wq % kT16Wg2Stages of every block, counted on its W full mbarrier (the caller has
+  // seen that buffer released by every block)
+  [[maybe_unused]] auto copy_w_share = [&](int dg, int kc, int wq) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    uint64_t* w_full = bars + 2 * kT16WgStages + wq % kT16Wg2Stages;
+    mbarrier_arrive_expect_tx(w_full, kT16Wg2ChunkBytes);
+    const uint32_t w_addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem + L.w));
+    tma_load_2d_mc(w_addr + uint32_t((wq % kT16Wg2Stages) * kT16Wg2ChunkBytes + int(rank) * kWRowsShare * 128), maps->w,
+                   kc * 64, dg + int(rank) * kWRowsShare, w_full, kClusterMask);
+#endif
+  };
+  // kPair: W's chunks of the first round issued at the end of phase 1, before the last O store
+  [[maybe_unused]] const int w_early = min(kT16Wg2Stages - 2, p.H * p.H / 64);
 
   // ---------------- phase 1 ----------------
   const int a_lim = min(Ti * H, (p.Na - i0) * H);  // valid columns of the tile (multiples of 8)
@@ -280,6 +294,20 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
         // (kPair: every stage's bytes from every block have arrived: nothing more is copied here)
         if constexpr (!kPair) cp_async_wait_all();
         __syncthreads();  // every warp done with the stages: the last tile's O overlays them
+        if constexpr (kPair) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+          // This block's stages retired: once every block's are, the first round's W chunks may
+          // land in the buffers over them (not over this O, below them), so thread 0 issues them
+          // now and their copies run beside the O store; the other warps complete the wait at
+          // phase 2's start.
+          cluster_arrive();
+          if (warp == 0) {
+            cluster_wait();
+            if (lane == 0)
+              for (int kc = 0; kc < w_early; ++kc) copy_w_share(0, kc, kc);
+          }
+#endif
+        }
       }
 
       // O as [pair][h1·H + h2], pair = js·P1 + il·Tj + jl, rounded to T.  Column 8j + 2(lane%4)
@@ -489,7 +517,6 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
     [[maybe_unused]] int w_base = 0;
     [[maybe_unused]] uint64_t* w_full = bars + 2 * kT16WgStages;
     [[maybe_unused]] uint64_t* w_empty = w_full + kT16Wg2Stages;
-    [[maybe_unused]] const uint32_t w_addr = static_cast<uint32_t>(__cvta_generic_to_shared(w_st));
     for (int dg = 0; dg < D; dg += kTcDG) {
       bool d_ok[kTcDG / 32];
 #pragma unroll
@@ -510,7 +537,9 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
         // (kPair, thread 0) chunk kc_issue of this round to every block once every block has
         // released its buffer's previous chunk (waiting for that when `wait`, else only if it
         // has); returns whether it issued, nothing past the round's last chunk
-        [[maybe_unused]] int kc_issue = 0;
+        // (the first round's first w_early chunks were issued at the end of phase 1)
+        const bool first_round = dg == 0 && r0 == 0;
+        [[maybe_unused]] int kc_issue = kPair && first_round ? w_early : 0;
         [[maybe_unused]] auto issue_w_pair = [&](bool wait) -> bool {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
           if (kc_issue < n_kc) {
@@ -519,9 +548,7 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
               if (wait) mbarrier_wait_parity(w_empty + buf, (use - 1) & 1);
               else if (!mbarrier_test_parity(w_empty + buf, (use - 1) & 1)) return false;
             }
-            mbarrier_arrive_expect_tx(w_full + buf, kT16Wg2ChunkBytes);
-            tma_load_2d_mc(w_addr + uint32_t(buf * kT16Wg2ChunkBytes + int(rank) * kWRowsShare * 128), maps->w,
-                           kc_issue * 64, dg + int(rank) * kWRowsShare, w_full + buf, kClusterMask);
+            copy_w_share(dg, kc_issue, wq);
             ++kc_issue;
             return true;
           }
@@ -536,9 +563,15 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
         if constexpr (kPair) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
           fence_proxy_async_smem();  // O, visible to the tensor cores
-          // every block past phase 1 (whose stages W's buffers overlay) and the previous round's
-          // sums: the peers' copies may land here from now on
-          cluster_barrier();
+          if (first_round) {
+            // (the wait warp 0 made at the end of phase 1; then every warp's O stored)
+            if (warp != 0) cluster_wait();
+            __syncthreads();
+          } else {
+            // every block past the previous round's sums (W's buffers overlay them): the peers'
+            // copies may land here from now on
+            cluster_barrier();
+          }
           if (tid == 0)
             while (kc_issue < kT16Wg2Stages - 2 && issue_w_pair(true)) {
             }
