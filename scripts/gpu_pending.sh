@@ -304,7 +304,7 @@ if [ "$PHASE" = bf16_clusters ]; then
   # clusters (~10 min with the build: what the call's limit cuts is the last of the rows)
   CL=${CLUSTER:-4}
   T t_stream 120 $py -m pytest -x -q -p no:cacheprovider tests/test_cuda.py -k "streamed_projection or block_rows" || exit 1
-  T t_clusters 180 $py -m pytest -x -q -p no:cacheprovider tests/test_cuda.py -k "cluster_form" || exit 1
+  T t_clusters 180 $py -m pytest -x -q -p no:cacheprovider tests/test_cuda.py -k "cluster_form or tc16_conventions" || exit 1
   T t_conventions 90 $py -m pytest -x -q -p no:cacheprovider tests/test_conventions.py || exit 1
   T ab_stream 60 $py scripts/ab_env.py FLASHOPM_PROJECT_STREAM=0 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6
   T ab_cluster2 60 $py scripts/ab_env.py FLASHOPM_TC16_CLUSTER=2 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6
@@ -325,7 +325,7 @@ if [ "$PHASE" = clusters ]; then
   # 768 in bfloat16, each convention's time by kernel in clusters of four, then the default form
   # and clusters of four under Nsight Compute: L2 traffic and throughput, the tensor pipe, stalls
   # (~9 min with the build)
-  T t_clusters 180 $py -m pytest -x -q -p no:cacheprovider tests/test_cuda.py -k "cluster_form" || exit 1  # (a hang: stop here)
+  T t_clusters 180 $py -m pytest -x -q -p no:cacheprovider tests/test_cuda.py -k "cluster_form or tc16_conventions" || exit 1  # (a hang: stop here)
   T ab_cluster4 90 $py scripts/ab_env.py FLASHOPM_TC16_CLUSTER=4 1,512,1536,256,32,128 1,512,768,256,32,128 --dtype bfloat16 --mode forward --calls 8
   T ab_cluster2 90 $py scripts/ab_env.py FLASHOPM_TC16_CLUSTER=2 1,512,1536,256,32,128 1,512,768,256,32,128 --dtype bfloat16 --mode forward --calls 8
   T conv_clusters 90 env FLASHOPM_TC16_CLUSTER=4 $py scripts/convention_times.py 1536 row openfold boltz bfloat16 kernels

@@ -51,7 +51,7 @@ def _cuda_params(p):
     return {k: v.cuda() for k, v in p.items()}
 
 
-def _run(x, m, p, algorithm="auto", poison=True, may_not_fit=True, precision=None):
+def _run(x, m, p, algorithm="auto", poison=True, may_not_fit=True, precision=None, normalization="row"):
     """Calls the op with the output's memory poisoned with NaN beforehand (checked to be reused)."""
     B, S, N, C = x.shape
     D = p["w_out"].shape[0]
@@ -60,7 +60,7 @@ def _run(x, m, p, algorithm="auto", poison=True, may_not_fit=True, precision=Non
     def call():
         return flashopm.outer_product_mean(
             x, m, p["ln_weight"], p["ln_bias"], p["w_a"], p["b_a"], p["w_b"], p["b_b"], p["w_out"], p["b_out"],
-            algorithm=algorithm, precision=precision,
+            algorithm=algorithm, precision=precision, normalization=normalization,
         )
 
     poison_ptr = None
@@ -827,6 +827,39 @@ def test_tc16_cluster_form_gives_the_default_bits(shape, dtype, cluster, monkeyp
         bounded_default = _run(x16, m16, p16, "outer")
     assert not bounded_clustered.isnan().any(), "NaN in the output under the bound: an element was not written"
     assert torch.equal(bounded_clustered, bounded_default), "under the bound the clustered form's bits differ"
+
+
+# OpenFold's and Boltz's conventions on the 16-bit kernel (their pair counts, and the divisor's
+# reciprocal staged per round of phase 2): the half-precision tests' error rule, and the clustered
+# forms' bits equal to the default form's.
+@pytest.mark.parametrize("normalization", ["openfold", "boltz"])
+@pytest.mark.parametrize("shape", [CLUSTER_SHAPES[0], CLUSTER_SHAPES[1], CLUSTER_SHAPES[3]], ids=str)
+def test_tc16_conventions(shape, normalization, monkeypatch):
+    """The OpenFold and Boltz conventions in bfloat16 through the 16-bit kernel: every element
+    written, normwise error against float32 PyTorch on the same inputs at most 2x eager
+    bfloat16's; in clusters of two and four the default form's bits."""
+    dtype = torch.bfloat16
+    x, m, p = make_problem(shape, "masked_positions", seed=zlib.crc32(f"{shape}-{normalization}".encode()) % 1000)
+    x16, m16 = x.to(dtype).cuda(), m.to(dtype).cuda()
+    p16 = {k: None if v is None else v.to(dtype).cuda() for k, v in p.items()}
+    code = flashopm.ops.NORMALIZATIONS[normalization]
+    ref32 = reference(x16, m16, p16, dtype=torch.float32, normalization=code).cpu()
+    eager = reference(x16, m16, p16, normalization=code).float().cpu()
+    monkeypatch.delenv("FLASHOPM_TC16_CLUSTER", raising=False)
+    monkeypatch.delenv("FLASHOPM_TC16_MMA_SYNC", raising=False)
+    out = _run(x16, m16, p16, "outer", normalization=normalization)
+    assert not out.isnan().any(), "NaN in the output: an element was not written"
+    err, err_eager = rel_error(out.float().cpu(), ref32), rel_error(eager, ref32)
+    assert err <= max(2 * err_eager, 2 * torch.finfo(dtype).eps), f"error {err:.3g} vs eager {dtype} {err_eager:.3g}"
+    kernels = flashopm_kernels(lambda: _run(x16, m16, p16, "outer", poison=False, normalization=normalization))
+    if not any("opm_outer_tc16_kernel" in k and "true, true" in k for k in kernels):
+        pytest.skip("the 16-bit kernel's form with both phases on warpgroup MMAs does not run here (sm_90a only)")
+    for cluster in (2, 4):
+        monkeypatch.setenv("FLASHOPM_TC16_CLUSTER", str(cluster))
+        kernels = flashopm_kernels(lambda: _run(x16, m16, p16, "outer", poison=False, normalization=normalization))
+        assert any("opm_outer_tc16_cluster_kernel" in k and f", {cluster}>" in k for k in kernels), kernels
+        clustered = _run(x16, m16, p16, "outer", normalization=normalization)
+        assert torch.equal(clustered, out), f"{normalization}: clusters of {cluster} give other bits than the default form"
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
