@@ -33,12 +33,12 @@ def time_ms(x, m, p, norm, calls=5):
 
 
 def kernel_times(x, m, p, norm):
-    """GPU time by kernel name (microseconds) of one call, longest first."""
+    """GPU time by kernel name (microseconds) and launches of one call, longest first."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         time_ms(x, m, p, norm, calls=1)
-    rows = [(e.key, e.device_time_total) for e in prof.key_averages() if e.device_time_total > 0]
+    rows = [(e.key, e.device_time_total, e.count) for e in prof.key_averages() if e.device_time_total > 0]
     return sorted(rows, key=lambda r: -r[1])
 
 
@@ -60,8 +60,8 @@ def run(sizes, norms, dtype, by_kernel, label):
             rel = f"  {t / base - 1:+6.1%} vs row" if base else ""
             print(f"N={n:5d} {str(dtype)[6:]:>8} {norm:>9}: {t:8.3f} ms{rel} {label}", flush=True)
             if by_kernel:
-                for name, us in kernel_times(x, m, p, norm)[:10]:
-                    print(f"      {us:10.1f} us  {name[:100]}", flush=True)
+                for name, us, count in kernel_times(x, m, p, norm)[:10]:
+                    print(f"      {us:10.1f} us  x{count:<4d} {name[:100]}", flush=True)
         del x, m, p
 
 
