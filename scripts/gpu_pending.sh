@@ -297,18 +297,22 @@ if [ "$PHASE" = bf16 ]; then
 fi
 
 if [ "$PHASE" = bf16_clusters ]; then
-  # the streamed projection and the clustered forms in one call: their tests and the
-  # conventions' (the epilogue's rows staged early; stop at a failure or a hang), each paired
-  # against its switch, each convention's time by kernel in clusters of CLUSTER (default 4),
-  # without and under the memory bound, then issue 6's bfloat16 rows beside eager and
-  # torch.compile in those clusters, then clusters of two paired (~10 min with the build: the
-  # call's limit cuts what comes last)
+  # the streamed projection and the clustered forms in one call: the conventions' tests (the
+  # epilogue's rows staged early: a failure stops the call), the streamed projection's (a failure
+  # turns it off for the rest) and the clustered forms' (a failure or hang leaves them out), each
+  # paired against its switch, each convention's time by kernel in clusters of CLUSTER (default
+  # 4), without and under the memory bound, then issue 6's bfloat16 rows beside eager and
+  # torch.compile, then clusters of two paired (~10 min with the build: the call's limit cuts
+  # what comes last)
   CL=${CLUSTER:-4}
-  T t_stream 120 $py -m pytest -x -q -p no:cacheprovider tests/test_cuda.py -k "streamed_projection or block_rows" || exit 1
-  T t_clusters 180 $py -m pytest -x -q -p no:cacheprovider tests/test_cuda.py -k "cluster_form or tc16_conventions" || exit 1
   T t_conventions 90 $py -m pytest -x -q -p no:cacheprovider tests/test_conventions.py || exit 1
-  T ab_cluster4 60 $py scripts/ab_env.py FLASHOPM_TC16_CLUSTER=4 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6
-  T ab_stream 60 $py scripts/ab_env.py FLASHOPM_PROJECT_STREAM=0 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6
+  T t_stream 120 $py -m pytest -x -q -p no:cacheprovider tests/test_cuda.py -k "streamed_projection or block_rows" ||
+    export FLASHOPM_PROJECT_STREAM=0
+  T t_clusters 180 $py -m pytest -x -q -p no:cacheprovider tests/test_cuda.py -k "cluster_form or tc16_conventions" ||
+    CL=1
+  [ "$CL" != 1 ] && T ab_cluster4 60 $py scripts/ab_env.py FLASHOPM_TC16_CLUSTER=4 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6
+  [ "${FLASHOPM_PROJECT_STREAM:-1}" != 0 ] &&
+    T ab_stream 60 $py scripts/ab_env.py FLASHOPM_PROJECT_STREAM=0 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6
   T conv_clusters 90 env FLASHOPM_TC16_CLUSTER=$CL $py scripts/convention_times.py 1536 row openfold boltz bfloat16 kernels
   T conv_bounded 90 env FLASHOPM_TC16_CLUSTER=$CL $py scripts/convention_times.py 1536 row openfold bfloat16 kernels bounded
   T bench_bf16_clusters 90 env FLASHOPM_TC16_CLUSTER=$CL $py -m flashopm bench --shapes "1,512,1536,256,32,128" --dtype bfloat16 \
@@ -317,7 +321,7 @@ if [ "$PHASE" = bf16_clusters ]; then
     T "mod_${mod}_bf16_clusters" 90 env FLASHOPM_TC16_CLUSTER=$CL $py -m flashopm bench --module $mod --shapes "1,512,1536,256,32,128" \
       --dtype bfloat16 --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/mod_${mod}_bf16_clusters"
   done
-  T ab_cluster2 60 $py scripts/ab_env.py FLASHOPM_TC16_CLUSTER=2 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6
+  [ "$CL" != 1 ] && T ab_cluster2 60 $py scripts/ab_env.py FLASHOPM_TC16_CLUSTER=2 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6
   exit 0
 fi
 

@@ -264,6 +264,24 @@ void launch_kernel(dim3 grid, dim3 block, size_t smem_bytes, cudaStream_t stream
   launch_kernel<Kernel, kSmem>(cfg, args...);
 }
 
+// The launch of a grid in clusters of cluster.x x cluster.y x cluster.z blocks (the grid a multiple
+// of it), attr holding its one attribute.
+cudaLaunchConfig_t cluster_config(dim3 grid, unsigned threads, int smem_bytes, cudaStream_t stream, dim3 cluster,
+                                  cudaLaunchAttribute* attr) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(threads);
+  cfg.dynamicSmemBytes = size_t(smem_bytes);
+  cfg.stream = stream;
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = cluster.x;
+  attr[0].val.clusterDim.y = cluster.y;
+  attr[0].val.clusterDim.z = cluster.z;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cfg;
+}
+
 // Calls f(TypeTag<T>{}) with T the element type of x (kMaskFloat, kMaskHalf or kMaskBFloat16).
 template <typename T>
 struct TypeTag {
@@ -602,22 +620,10 @@ void launch_tc16_form(const OuterArgs& args, int form, const dim3& grid, int sme
 }  // namespace
 
 namespace {
-// The launch of a clustered form's kernel: clusters of 1 x kCluster x 1 blocks (grid.y a multiple
-// of kCluster), attr holding its one attribute.
+// The launch of a clustered form's kernel: clusters of 1 x kCluster x 1 blocks along rows.
 template <int kCluster>
 cudaLaunchConfig_t tc16_cluster_config(dim3 grid, int smem, cudaStream_t stream, cudaLaunchAttribute (&attr)[1]) {
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = grid;
-  cfg.blockDim = dim3(kTcThreads);
-  cfg.dynamicSmemBytes = size_t(smem);
-  cfg.stream = stream;
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = 1;
-  attr[0].val.clusterDim.y = kCluster;
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  return cfg;
+  return cluster_config(grid, kTcThreads, smem, stream, dim3(1, kCluster, 1), attr);
 }
 
 template <typename T, int kCluster>
@@ -822,18 +828,7 @@ namespace {
 
 cudaLaunchConfig_t small_config(dim3 grid, int cluster_size, int smem_bytes, cudaStream_t stream,
                                 cudaLaunchAttribute* attr) {
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = grid;
-  cfg.blockDim = dim3(kSmallThreads);
-  cfg.dynamicSmemBytes = size_t(smem_bytes);
-  cfg.stream = stream;
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = unsigned(cluster_size);
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  return cfg;
+  return cluster_config(grid, kSmallThreads, smem_bytes, stream, dim3(unsigned(cluster_size)), attr);
 }
 
 }  // namespace
