@@ -314,7 +314,7 @@ if [ "$PHASE" = bf16_clusters ]; then
   [ "${FLASHOPM_PROJECT_STREAM:-1}" != 0 ] &&
     T ab_stream 60 $py scripts/ab_env.py FLASHOPM_PROJECT_STREAM=0 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6
   T conv_clusters 90 env FLASHOPM_TC16_CLUSTER=$CL $py scripts/convention_times.py 1536 row openfold boltz bfloat16 kernels
-  T conv_bounded 90 env FLASHOPM_TC16_CLUSTER=$CL $py scripts/convention_times.py 1536 row openfold bfloat16 kernels bounded
+  T conv_bounded 90 env FLASHOPM_TC16_CLUSTER=$CL FLASHOPM_PLAN_LOG=1 $py scripts/convention_times.py 1536 row openfold bfloat16 kernels bounded
   T bench_bf16_clusters 90 env FLASHOPM_TC16_CLUSTER=$CL $py -m flashopm bench --shapes "1,512,1536,256,32,128" --dtype bfloat16 \
     --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/bench_bf16_clusters"
   for mod in openfold boltz; do

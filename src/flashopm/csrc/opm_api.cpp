@@ -1731,6 +1731,23 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
                                    : operand_kind == kMaskHalf   ? at::kHalf
                                                                  : at::kFloat;
     const bool banded = !band_plan.bands.empty();
+    // FLASHOPM_PLAN_LOG=1: the plan on stderr, a line a call (which plan a bound takes, and so
+    // which launches a call's time by kernel counts)
+    if (env_is("FLASHOPM_PLAN_LOG", "1")) {
+      std::string line = "flashopm plan: B " + std::to_string(B) + " S " + std::to_string(S) + " N " +
+                         std::to_string(N) + ", bound " + std::to_string(requested_peak_bound()) + ": ";
+      if (banded) {
+        line += std::to_string(band_plan.bands.size()) + " bands" + (band_plan.b_kept ? " (b kept)" : "") + ",";
+        for (const Band& bd : band_plan.bands)
+          line += " [rows " + std::to_string(bd.r0) + "+" + std::to_string(bd.rows) + ", cols " +
+                  std::to_string(bd.cols) + ", s " + std::to_string(bd.s_part) + (bd.tail ? ", tail]" : ", workspace]");
+      } else {
+        line += "rows " + std::to_string(rows) + ", cols " + std::to_string(cols) + ", s " + std::to_string(s_part) +
+                ", launches " + std::to_string(((S + s_part - 1) / s_part) * ((N + rows - 1) / rows) *
+                                               ((N + cols - 1) / cols));
+      }
+      std::fprintf(stderr, "%s\n", line.c_str());
+    }
     if (banded) {
       rows = 0;  // the largest band, for the float16 split form's exponents
       for (const Band& bd : band_plan.bands) rows = std::max(rows, bd.rows);
