@@ -297,15 +297,16 @@ if [ "$PHASE" = bf16 ]; then
 fi
 
 if [ "$PHASE" = bf16_clusters ]; then
-  # the streamed projection and the clustered forms in one call: the conventions' tests (the
-  # epilogue's rows staged early: a failure stops the call), the streamed projection's (a failure
-  # turns it off for the rest) and the clustered forms' (a failure or hang leaves them out), each
-  # paired against its switch, each convention's time by kernel in clusters of CLUSTER (default
-  # 4), without and under the memory bound, then issue 6's bfloat16 rows beside eager and
-  # torch.compile, then clusters of two paired (~10 min with the build: the call's limit cuts
-  # what comes last)
+  # the streamed projection and the clustered forms in one call: the conventions' tests and the
+  # bounds' (the epilogue's rows staged early, the bands' pair counts: a failure stops the call),
+  # the streamed projection's (a failure turns it off for the rest) and the clustered forms' (a
+  # failure or hang leaves them out), each paired against its switch, each convention's time by
+  # kernel in clusters of CLUSTER (default 4), without and under the memory bound, then issue 6's
+  # bfloat16 rows beside eager and torch.compile, then clusters of two paired (~10 min with the
+  # build: the call's limit cuts what comes last)
   CL=${CLUSTER:-4}
   T t_conventions 90 $py -m pytest -x -q -p no:cacheprovider tests/test_conventions.py || exit 1
+  T t_bounds 120 $py -m pytest -x -q -p no:cacheprovider tests/test_cuda.py -k "peak_bound or peak_memory_bound" || exit 1
   T t_stream 120 $py -m pytest -x -q -p no:cacheprovider tests/test_cuda.py -k "streamed_projection or block_rows" ||
     export FLASHOPM_PROJECT_STREAM=0
   T t_clusters 180 $py -m pytest -x -q -p no:cacheprovider tests/test_cuda.py -k "cluster_form or tc16_conventions" ||

@@ -810,6 +810,7 @@ at::Tensor kmajor_copy(const at::Tensor& x, int64_t row_floats) {
 struct Normalisers {
   at::Tensor pair, row_den;
   int64_t rows = 0;
+  int64_t row0 = 0;  // the problem's row that row 0 of these stands for
 };
 Normalisers normalisers(const OuterArgs& oa, int operand_kind, int64_t i_offset, int64_t rows,
                         const at::TensorOptions& options, cudaStream_t stream) {
@@ -838,7 +839,7 @@ void run_outer(OuterArgs oa, int64_t i_offset, int64_t rows, int64_t out_rows, i
                  "flashopm: a block of columns needs the normalisers of every column");
   const Normalisers own = every_row ? Normalisers{} : normalisers(oa, operand_kind, i_offset, rows, options, stream);
   const Normalisers& nz = every_row ? *every_row : own;
-  const int64_t first = every_row ? i_offset : 0;  // the launch's first row in nz
+  const int64_t first = every_row ? i_offset - every_row->row0 : 0;  // the launch's first row in nz
   oa.pair = nz.pair.defined() ? nz.pair.data_ptr<float>() + first * oa.out_N + j_offset : nullptr;
   oa.row_den = nz.row_den.defined() ? nz.row_den.data_ptr<float>() + first : nullptr;
   oa.norm_rows = int(nz.rows);
@@ -922,12 +923,17 @@ struct BandProblem {
   int64_t elem, x_elem;   // bytes per element of a/b and of x
   int64_t out_row_bytes;  // bytes of one row i of the output (N·D elements)
   int64_t ab_room;        // bytes the bound leaves for a and b in the workspace
+  // bytes of normalisers per row of a band (OpenFold's and Boltz's pair counts, N floats), laid
+  // after a wherever the band's a lies (0: none)
+  int64_t norm_row_bytes;
   int64_t ti, tj;         // a tile's rows and columns
   int64_t sms;
   double wave_step_us;    // one wave of tiles over one s (or one d of phase 2)
   bool parts_ok, col_blocks_ok, whole_last_col_tile;
 
   int64_t s_stored(int64_t s_len) const { return (s_len + row_floats - 1) / row_floats * row_floats; }
+  // a band's normalisers, from a 16-byte boundary
+  int64_t norm_bytes(int64_t rows) const { return norm_row_bytes > 0 ? rows * norm_row_bytes + 16 : 0; }
   // the rows after r_end, less what aligning their start to 256 bytes may take
   int64_t tail_bytes(int64_t r_end) const { return std::max<int64_t>((N - r_end) * out_row_bytes - 256, 0); }
 };
@@ -983,7 +989,8 @@ BandPlan search_bands(const BandProblem& q, bool b_kept) {
       const int64_t rows = ends[f] - r0;
       const int64_t tail = q.tail_bytes(ends[f]);
       const bool in_tail = tail >= ws_room;
-      const int64_t avail = std::max(tail, ws_room);
+      const int64_t avail = std::max(tail, ws_room) - q.norm_bytes(rows);  // a and b, after the normalisers' room
+      if (avail <= 0) continue;
       for (int64_t k = 1; k <= 16; ++k) {
         if (k > 1 && (b_kept || !q.col_blocks_ok)) break;
         const int64_t cols = std::min(N, ((N + k - 1) / k + q.tj - 1) / q.tj * q.tj);
@@ -1015,7 +1022,9 @@ BandPlan search_bands(const BandProblem& q, bool b_kept) {
   for (int e = n_ends; e != n_ends - 1; e = next[e]) {
     const Band& bd = choice[e];
     plan.bands.push_back(bd);
-    if (!bd.tail) ws_bytes = std::max(ws_bytes, ((b_kept ? 0 : bd.cols) + bd.rows) * q.s_stored(bd.s_part) * q.H * q.elem);
+    if (!bd.tail)
+      ws_bytes = std::max(ws_bytes, ((b_kept ? 0 : bd.cols) + bd.rows) * q.s_stored(bd.s_part) * q.H * q.elem +
+                                        q.norm_bytes(bd.rows));
   }
   if (b_kept) plan.cost += 4.0 + double(q.N * q.S * (q.C * q.x_elem + q.H * q.elem)) / 2.5e6;
   plan.ws_bytes = b_kept_bytes + ws_bytes;
@@ -1700,9 +1709,13 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
         // leaves them out.
         if (B == 1 && !env_is("FLASHOPM_PEAK_TAIL", "0")) {
           const double wave_step_us = !tc_ok ? 0.3 : operands16 || tc_terms == 1 ? 0.035 : half_split ? 0.064 : 0.1;
+          // the pair counts come band by band, after each band's a (in its tail or the workspace),
+          // rather than for every row beside b
+          const bool pair_norm = normalization != kNormRow;
           const BandProblem q{N, S, C, H, D, row_floats, elem, int64_t(msa.element_size()),
-                              N * D * int64_t(out.element_size()), room - fixed - norm_bytes, ti_full, col_pairs,
-                              int64_t(device_info(dev).sm_count), wave_step_us,
+                              N * D * int64_t(out.element_size()),
+                              room - fixed - (pair_norm ? B * N * 4 : norm_bytes), pair_norm ? B * N * 4 : 0,
+                              ti_full, col_pairs, int64_t(device_info(dev).sm_count), wave_step_us,
                               /*parts_ok=*/out.scalar_type() == at::kFloat, col_blocks_ok,
                               /*whole_last_col_tile=*/half_split};
           const std::array<int64_t, 8> key = {
@@ -1710,7 +1723,9 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
               row_floats | (elem << 8) | (q.x_elem << 16) | (ti_full << 24) | (col_pairs << 40), q.out_row_bytes,
               q.ab_room,
               q.sms | (int64_t(q.wave_step_us * 1e4) << 16) |
-                  (int64_t(q.parts_ok) | int64_t(q.col_blocks_ok) << 1 | int64_t(q.whole_last_col_tile) << 2) << 48};
+                  (int64_t(q.parts_ok) | int64_t(q.col_blocks_ok) << 1 | int64_t(q.whole_last_col_tile) << 2 |
+                   int64_t(q.norm_row_bytes > 0) << 3)
+                      << 48};
           const BandPlan bands = cached_plan<BandPlan>(key, [&] { return best_bands(q); });
           // the plan above by the same estimate (b for every residue projected once per part; a
           // costed apart from b in every block, as row 1 stands for)
@@ -1790,8 +1805,11 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     }
     // With parts of s or blocks of columns, the normalisers of every row once (1/D of the output
     // at most)
-    const Normalisers every_row = banded || s_part < S || cols < N ? normalisers(oa, operand_kind, 0, N, f32, stream)
-                                                                   : Normalisers{};
+    // (bands under OpenFold's or Boltz's convention: their pair counts band by band, below)
+    const bool band_counts = banded && normalization != kNormRow;
+    const Normalisers every_row = !band_counts && (banded || s_part < S || cols < N)
+                                      ? normalisers(oa, operand_kind, 0, N, f32, stream)
+                                      : Normalisers{};
     const char* x_base = static_cast<const char*>(msa.data_ptr());
     const char* mask_base = static_cast<const char*>(mask_view.ptr);
     char* const out_base = static_cast<char*>(out.data_ptr());
@@ -1896,6 +1914,18 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
         const int64_t b_bytes = band_plan.b_kept ? 0 : s_stored(sp) * bd.cols * H * ws_elem;
         char* const b_buf = band_plan.b_kept ? ws_base : base;
         char* const a_buf = base + b_bytes;
+        // the band's pair counts after its a, over the whole mask (as the plan laid them out)
+        Normalisers band_norm;
+        if (band_counts) {
+          const int64_t a_bytes = s_stored(sp) * bd.rows * H * ws_elem;
+          float* const counts =
+              reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(a_buf + a_bytes) + 15) & ~uintptr_t(15));
+          launch_pair_count(PairCountArgs{oa.mask, counts, int(B), oa.S_mask, int(N), int(bd.rows), int(bd.r0)}, stream);
+          band_norm.pair = at::from_blob(counts, {B, bd.rows, N}, f32);
+          band_norm.rows = bd.rows;
+          band_norm.row0 = bd.r0;
+        }
+        const Normalisers& norms = band_counts ? band_norm : every_row;
         if (half_split) set_split_scales(oa, a_exp, b_exp, a_exp + B * rows, sp);
         // the block of columns that holds the band's rows first, a projected with its b
         const int64_t n_blocks = (N + bd.cols - 1) / bd.cols;
@@ -1920,7 +1950,7 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
             oa.N = int(band_plan.b_kept ? N : nj);
             oa.out = out_base + j_off * D * int64_t(out.element_size());
             run_outer(oa, bd.r0, bd.rows, N, bd.r0, tc_ok, tc_terms, kmajor, half_split, operand_kind, f32, dev,
-                      stream, &every_row, j_off);
+                      stream, &norms, j_off);
           }
         }
       }
@@ -2339,13 +2369,15 @@ std::vector<int64_t> single_launch_plan_cuda(const at::Tensor& like, int64_t B, 
 // allowed, 4 the last block of columns must hold a whole column tile.
 std::vector<int64_t> peak_band_plan_query(const at::Tensor&, int64_t N, int64_t S, int64_t C, int64_t H, int64_t D,
                                           int64_t row_floats, int64_t elem, int64_t x_elem, int64_t out_elem,
-                                          int64_t ab_room, int64_t ti, int64_t tj, int64_t sms, double wave_step_us,
-                                          int64_t flags) {
+                                          int64_t ab_room, int64_t norm_row_bytes, int64_t ti, int64_t tj, int64_t sms,
+                                          double wave_step_us, int64_t flags) {
   FLASHOPM_CHECK(N >= 1 && S >= 1 && C >= 1 && H >= 1 && D >= 1 && row_floats >= 1 && elem >= 1 && x_elem >= 1 &&
-                     out_elem >= 1 && ti >= 1 && tj >= 1 && sms >= 1 && wave_step_us > 0,
+                     out_elem >= 1 && norm_row_bytes >= 0 && ti >= 1 && tj >= 1 && sms >= 1 && wave_step_us > 0,
                  "flashopm: _peak_band_plan needs positive sizes, got N=", N, ", S=", S, ", C=", C, ", H=", H, ", D=",
-                 D, ", row_floats=", row_floats, ", elem=", elem, ", ti=", ti, ", tj=", tj, ", sms=", sms);
-  const BandProblem q{N, S, C, H, D, row_floats, elem, x_elem, N * D * out_elem, ab_room, ti, tj, sms, wave_step_us,
+                 D, ", row_floats=", row_floats, ", elem=", elem, ", norm_row_bytes=", norm_row_bytes, ", ti=", ti,
+                 ", tj=", tj, ", sms=", sms);
+  const BandProblem q{N, S, C, H, D, row_floats, elem, x_elem, N * D * out_elem, ab_room, norm_row_bytes, ti, tj, sms,
+                      wave_step_us,
                       /*parts_ok=*/(flags & 1) != 0, /*col_blocks_ok=*/(flags & 2) != 0,
                       /*whole_last_col_tile=*/(flags & 4) != 0};
   const BandPlan plan = best_bands(q);
