@@ -623,13 +623,21 @@ at::Tensor& fill_bias_only(at::Tensor& out, const std::optional<at::Tensor>& b_o
 // conventions (an undefined tensor for the row convention, which needs none).  The tensor is
 // released when the caller returns; the caching allocator orders its reuse after the kernels
 // queued on the stream that read it.
+// The same into `out` (B, rows, N floats, 16-byte aligned), as a tensor over that memory.
+at::Tensor pair_counts_into(float* out, const MaskView& mask, int64_t B, int64_t S, int64_t N, int64_t rows,
+                            int64_t row0, const at::TensorOptions& options, cudaStream_t stream) {
+  FLASHOPM_CHECK((rows + kPairTR - 1) / kPairTR <= 65535, "flashopm: too many rows for one launch (", rows, ")");
+  launch_pair_count(PairCountArgs{mask, out, int(B), int(S), int(N), int(rows), int(row0)}, stream);
+  return at::for_blob(out, {B, rows, N})
+      .options(options.dtype(at::kFloat))
+      .target_device(options.device())
+      .make_tensor();
+}
 at::Tensor pair_counts(const MaskView& mask, int64_t normalization, int64_t B, int64_t S, int64_t N, int64_t rows,
                        int64_t row0, const at::TensorOptions& options, cudaStream_t stream) {
   if (normalization == kNormRow) return at::Tensor();
-  FLASHOPM_CHECK((rows + kPairTR - 1) / kPairTR <= 65535, "flashopm: too many rows for one launch (", rows, ")");
   at::Tensor pair = at::empty({B, rows, N}, options.dtype(at::kFloat));
-  launch_pair_count(PairCountArgs{mask, pair.data_ptr<float>(), int(B), int(S), int(N), int(rows), int(row0)},
-                    stream);
+  pair_counts_into(pair.data_ptr<float>(), mask, B, S, N, rows, row0, options, stream);
   return pair;
 }
 
@@ -828,10 +836,11 @@ Normalisers normalisers(const OuterArgs& oa, int operand_kind, int64_t i_offset,
 // kMaskBFloat16 or kMaskHalf: a, b and w_out of that type), tensor cores on float32 operands
 // (terms 3: 3xTF32, 1: TF32; kmajor: a and b in the K-major TF32 layout of that many terms, for
 // the wgmma form) or CUDA cores.
-// `every_row`: the normalisers of rows 0 .. N against every column, formed once for launches that
-// repeat rows or take blocks of columns (the sum over s in parts, a peak bound); else this launch
-// forms its own.  With a block of columns, oa.N is the block's (b holds those residues) and oa.out
-// starts at its first column j_offset, whose rows have oa.out_N columns.
+// `every_row`: the normalisers of rows row0 .. row0 + rows against every column (rows 0 .. N, or a
+// band's), formed once for launches that repeat rows or take blocks of columns (the sum over s in
+// parts, a peak bound); else this launch forms its own.  With a block of columns, oa.N is the
+// block's (b holds those residues) and oa.out starts at its first column j_offset, whose rows have
+// oa.out_N columns.
 void run_outer(OuterArgs oa, int64_t i_offset, int64_t rows, int64_t out_rows, int64_t out_row0, bool tensor_cores,
                int terms, bool kmajor, bool half_split, int operand_kind, const at::TensorOptions& options, int dev,
                cudaStream_t stream, const Normalisers* every_row = nullptr, int64_t j_offset = 0) {
@@ -1920,8 +1929,7 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
           const int64_t a_bytes = s_stored(sp) * bd.rows * H * ws_elem;
           float* const counts =
               reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(a_buf + a_bytes) + 15) & ~uintptr_t(15));
-          launch_pair_count(PairCountArgs{oa.mask, counts, int(B), oa.S_mask, int(N), int(bd.rows), int(bd.r0)}, stream);
-          band_norm.pair = at::from_blob(counts, {B, bd.rows, N}, f32);
+          band_norm.pair = pair_counts_into(counts, oa.mask, B, oa.S_mask, N, bd.rows, bd.r0, f32, stream);
           band_norm.rows = bd.rows;
           band_norm.row0 = bd.r0;
         }
@@ -2373,9 +2381,9 @@ std::vector<int64_t> peak_band_plan_query(const at::Tensor&, int64_t N, int64_t 
                                           double wave_step_us, int64_t flags) {
   FLASHOPM_CHECK(N >= 1 && S >= 1 && C >= 1 && H >= 1 && D >= 1 && row_floats >= 1 && elem >= 1 && x_elem >= 1 &&
                      out_elem >= 1 && norm_row_bytes >= 0 && ti >= 1 && tj >= 1 && sms >= 1 && wave_step_us > 0,
-                 "flashopm: _peak_band_plan needs positive sizes, got N=", N, ", S=", S, ", C=", C, ", H=", H, ", D=",
-                 D, ", row_floats=", row_floats, ", elem=", elem, ", norm_row_bytes=", norm_row_bytes, ", ti=", ti,
-                 ", tj=", tj, ", sms=", sms);
+                 "flashopm: _peak_band_plan needs positive sizes (norm_row_bytes >= 0), got N=", N, ", S=", S,
+                 ", C=", C, ", H=", H, ", D=", D, ", row_floats=", row_floats, ", elem=", elem, ", norm_row_bytes=",
+                 norm_row_bytes, ", ti=", ti, ", tj=", tj, ", sms=", sms);
   const BandProblem q{N, S, C, H, D, row_floats, elem, x_elem, N * D * out_elem, ab_room, norm_row_bytes, ti, tj, sms,
                       wave_step_us,
                       /*parts_ok=*/(flags & 1) != 0, /*col_blocks_ok=*/(flags & 2) != 0,

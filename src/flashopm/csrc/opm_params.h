@@ -425,8 +425,8 @@ struct OuterArgs {
   int out_kind;
   // pair (B, norm_rows, N): sum_s m[s, i_offset + r] m[s, j] at row r (OpenFold/Boltz conventions),
   // else null; row_den (B, norm_rows): max(sum_s m[s, i_offset + r], 1) (the 16-bit kernel,
-  // kNormRow).  norm_rows is Na, or N where one tensor serves every block of rows (its row 0 the
-  // block's first).
+  // kNormRow).  norm_rows is Na, or N (or a band's rows) where one tensor serves several blocks of
+  // rows (its row 0 the block's first).
   const float* pair;
   const float* row_den;
   int norm_rows;
