@@ -300,10 +300,11 @@ if [ "$PHASE" = bf16_clusters ]; then
   # the streamed projection and the clustered forms in one call: the conventions' tests and the
   # bounds' (the epilogue's rows staged early, the bands' pair counts: a failure stops the call),
   # the streamed projection's (a failure turns it off for the rest) and the clustered forms' (a
-  # failure or hang leaves them out), each paired against its switch, each convention's time by
-  # kernel in clusters of CLUSTER (default 4), without and under the memory bound, then issue 6's
-  # bfloat16 rows beside eager and torch.compile, then clusters of two paired (~10 min with the
-  # build: the call's limit cuts what comes last)
+  # failure or hang leaves them out); clusters of four paired against none (two where four lose,
+  # none where both do, unless CLUSTER names the size), then issue 6's bfloat16 rows beside eager
+  # and torch.compile in the clusters that won, each convention's time by kernel under the memory
+  # bound and without, and the other pairings (~10-12 min with the build: the call's limit cuts
+  # what comes last)
   CL=${CLUSTER:-4}
   T t_conventions 90 $py -m pytest -x -q -p no:cacheprovider tests/test_conventions.py || exit 1
   T t_bounds 120 $py -m pytest -x -q -p no:cacheprovider tests/test_cuda.py -k "peak_bound or peak_memory_bound" || exit 1
@@ -311,18 +312,29 @@ if [ "$PHASE" = bf16_clusters ]; then
     export FLASHOPM_PROJECT_STREAM=0
   T t_clusters 180 $py -m pytest -x -q -p no:cacheprovider tests/test_cuda.py -k "cluster_form or tc16_conventions" ||
     CL=1
-  [ "$CL" != 1 ] && T ab_cluster4 60 $py scripts/ab_env.py FLASHOPM_TC16_CLUSTER=4 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6
-  [ "${FLASHOPM_PROJECT_STREAM:-1}" != 0 ] &&
-    T ab_stream 60 $py scripts/ab_env.py FLASHOPM_PROJECT_STREAM=0 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6
-  T conv_clusters 90 env FLASHOPM_TC16_CLUSTER=$CL $py scripts/convention_times.py 1536 row openfold boltz bfloat16 kernels
-  T conv_bounded 90 env FLASHOPM_TC16_CLUSTER=$CL FLASHOPM_PLAN_LOG=1 $py scripts/convention_times.py 1536 row openfold bfloat16 kernels bounded
+  # paired ratio (without / with) of an ab_env log: above 1 where the switch is faster
+  paired() { grep -o "paired (without / with) [0-9.]*" "$R/$1.log" | awk '{print $NF}' | head -1; }
+  faster() { local r; r=$(paired "$1"); [ -n "$r" ] && awk "BEGIN { exit !($r > 1.0) }"; }
+  ab_c() { T "ab_cluster$1" 60 $py scripts/ab_env.py FLASHOPM_TC16_CLUSTER=$1 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6; }
+  if [ "$CL" != 1 ]; then
+    ab_c 4
+    if [ -z "$CLUSTER" ] && ! faster ab_cluster4; then
+      ab_c 2
+      if faster ab_cluster2; then CL=2; else CL=1; fi
+    fi
+  fi
+  echo "clusters for the rows: $CL" >>"$R/steps.txt"
   T bench_bf16_clusters 90 env FLASHOPM_TC16_CLUSTER=$CL $py -m flashopm bench --shapes "1,512,1536,256,32,128" --dtype bfloat16 \
     --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/bench_bf16_clusters"
   for mod in openfold boltz; do
     T "mod_${mod}_bf16_clusters" 90 env FLASHOPM_TC16_CLUSTER=$CL $py -m flashopm bench --module $mod --shapes "1,512,1536,256,32,128" \
       --dtype bfloat16 --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/mod_${mod}_bf16_clusters"
   done
-  [ "$CL" != 1 ] && T ab_cluster2 60 $py scripts/ab_env.py FLASHOPM_TC16_CLUSTER=2 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6
+  T conv_bounded 90 env FLASHOPM_TC16_CLUSTER=$CL FLASHOPM_PLAN_LOG=1 $py scripts/convention_times.py 1536 row openfold bfloat16 kernels bounded
+  T conv_clusters 90 env FLASHOPM_TC16_CLUSTER=$CL $py scripts/convention_times.py 1536 row openfold boltz bfloat16 kernels
+  [ "${FLASHOPM_PROJECT_STREAM:-1}" != 0 ] &&
+    T ab_stream 60 $py scripts/ab_env.py FLASHOPM_PROJECT_STREAM=0 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6
+  [ "$CL" != 1 ] && [ ! -f "$R/ab_cluster2.log" ] && ab_c 2
   exit 0
 fi
 
