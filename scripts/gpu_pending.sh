@@ -36,7 +36,7 @@
 # steps.txt lists each step's exit status; a failing test step stops the call.
 OUT=$1
 PHASE=${2:-default}
-case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows | bf16 | clusters | bf16_clusters) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all, own_rows, bf16, clusters or bf16_clusters, got '$PHASE'" >&2; exit 2 ;; esac
+case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows | bf16 | clusters | bf16_clusters | ncu_clusters) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all, own_rows, bf16, clusters, bf16_clusters or ncu_clusters, got '$PHASE'" >&2; exit 2 ;; esac
 R=$OUT/r
 mkdir -p "$R"
 pack() { tar -C "$OUT" -czf "$OUT/r.tgz" r; [ -n "$DEST" ] && cp "$OUT/r.tgz" "$DEST/"; }
@@ -354,6 +354,19 @@ if [ "$PHASE" = clusters ]; then
       ncu --clock-control none -k regex:opm_outer_tc16 --launch-skip 1 --launch-count 1 \
       --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
       $py "$R/tc16_one.py"
+  done
+  exit 0
+fi
+
+if [ "$PHASE" = ncu_clusters ]; then
+  # the default 16-bit form and both clustered sizes under Nsight Compute, nothing else (~6 min
+  # with the build): throughput, L2 and shared-memory traffic, stalls, launch and occupancy
+  tc16_one
+  for cl in 1 2 4; do
+    T "ncu_cluster$cl" 150 env FLASHOPM_TC16_CLUSTER=$cl \
+      ncu --clock-control none -k regex:opm_outer_tc16 --launch-skip 1 --launch-count 1 \
+      --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
+      --section LaunchStats --section Occupancy $py "$R/tc16_one.py"
   done
   exit 0
 fi
