@@ -2,10 +2,12 @@
 128) (CUDA events, mean of 5 calls after 2 warm-up calls), for comparing the epilogues' cost; also
 the target of `ncu --kernel-name regex:opm_outer_tc` runs.  `bfloat16` or `float16` runs the
 inputs and parameters in that type; `kernels` adds each convention's GPU time by kernel
-(torch.profiler, one call), to say which kernel a convention's extra time sits in.
+(torch.profiler, one call), to say which kernel a convention's extra time sits in; `bounded`
+runs every call under flashopm.peak_memory_bound(1.1).
 
-    python scripts/convention_times.py [N ...] row openfold boltz [bfloat16] [kernels]   (N: 384)
+    python scripts/convention_times.py [N ...] row openfold boltz [bfloat16] [kernels] [bounded]   (N: 384)
 """
+import contextlib
 import sys
 
 import torch
@@ -31,17 +33,22 @@ def time_ms(x, m, p, norm, calls=5):
 
 
 def kernel_times(x, m, p, norm):
-    """GPU time by kernel name (microseconds) of one call, longest first."""
+    """GPU time by kernel name (microseconds) and launches of one call, longest first."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         time_ms(x, m, p, norm, calls=1)
-    rows = [(e.key, e.device_time_total) for e in prof.key_averages() if e.device_time_total > 0]
+    rows = [(e.key, e.device_time_total, e.count) for e in prof.key_averages() if e.device_time_total > 0]
     return sorted(rows, key=lambda r: -r[1])
 
 
-def main(sizes, norms, dtype, by_kernel):
+def main(sizes, norms, dtype, by_kernel, bounded):
     flashopm.load()
+    with flashopm.peak_memory_bound(1.1) if bounded else contextlib.nullcontext():
+        run(sizes, norms, dtype, by_kernel, "bounded" if bounded else "")
+
+
+def run(sizes, norms, dtype, by_kernel, label):
     for n in sizes:
         sh = Shape(1, 512, n, 256, 32, 128)
         x, m, p = make_problem(sh, "masked_positions", seed=0)
@@ -51,10 +58,10 @@ def main(sizes, norms, dtype, by_kernel):
         base = times.get("row")
         for norm, t in times.items():
             rel = f"  {t / base - 1:+6.1%} vs row" if base else ""
-            print(f"N={n:5d} {str(dtype)[6:]:>8} {norm:>9}: {t:8.3f} ms{rel}", flush=True)
+            print(f"N={n:5d} {str(dtype)[6:]:>8} {norm:>9}: {t:8.3f} ms{rel} {label}", flush=True)
             if by_kernel:
-                for name, us in kernel_times(x, m, p, norm)[:8]:
-                    print(f"      {us:10.1f} us  {name[:100]}", flush=True)
+                for name, us, count in kernel_times(x, m, p, norm)[:10]:
+                    print(f"      {us:10.1f} us  x{count:<4d} {name[:100]}", flush=True)
         del x, m, p
 
 
@@ -62,5 +69,5 @@ if __name__ == "__main__":
     args = sys.argv[1:]
     dtypes = {"bfloat16": torch.bfloat16, "float16": torch.float16}
     dtype = next((dtypes[a] for a in args if a in dtypes), torch.float32)
-    words = [a for a in args if not a.isdigit() and a not in dtypes and a != "kernels"]
-    main([int(a) for a in args if a.isdigit()] or [384], words, dtype, "kernels" in args)
+    words = [a for a in args if not a.isdigit() and a not in dtypes and a not in ("kernels", "bounded")]
+    main([int(a) for a in args if a.isdigit()] or [384], words, dtype, "kernels" in args, "bounded" in args)

@@ -21,6 +21,12 @@
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR modules_all  # every figure of issue 6 per convention
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR own_rows  # (branch waves-own-rows) its tests and times,
 #                                                       # the conventions' bfloat16 kernels
+#          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR bf16  # the streamed projection and the pair counts:
+#                                                       # tests, paired, by kernel, the bfloat16 rows
+#          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR clusters  # the 16-bit kernel in clusters of two and
+#                                                       # four (FLASHOPM_TC16_CLUSTER): tests, paired, L2
+#          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR bf16_clusters  # both of the above in one call:
+#                                                       # tests, paired, the bfloat16 rows in clusters
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR waves_final  # the rows the waves form and the pair
 #                                                       # counts take part in, and their tests
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR proj  # the waves form's projection and barriers:
@@ -30,7 +36,7 @@
 # steps.txt lists each step's exit status; a failing test step stops the call.
 OUT=$1
 PHASE=${2:-default}
-case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all or own_rows, got '$PHASE'" >&2; exit 2 ;; esac
+case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows | bf16 | clusters | bf16_clusters | ncu_clusters) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all, own_rows, bf16, clusters, bf16_clusters or ncu_clusters, got '$PHASE'" >&2; exit 2 ;; esac
 R=$OUT/r
 mkdir -p "$R"
 pack() { tar -C "$OUT" -czf "$OUT/r.tgz" r; [ -n "$DEST" ] && cp "$OUT/r.tgz" "$DEST/"; }
@@ -65,6 +71,19 @@ bench_f32() {
 bench_bf16() {
   T bench_bf16 90 $py -m flashopm bench --shapes "1,512,1536,256,32,128" --dtype bfloat16 \
     --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/bench_bf16"
+}
+# A script of two bfloat16 calls at (1,512,1536,256,32,128), for Nsight Compute's second launch.
+tc16_one() {
+  cat > "$R/tc16_one.py" <<'PY'
+import torch, flashopm
+from flashopm.testing import PARAM_ORDER, Shape, make_problem
+x, m, p = make_problem(Shape(1, 512, 1536, 256, 32, 128), "masked_positions", seed=1)
+x, m = x.cuda().bfloat16(), m.cuda().bfloat16()
+p = {k: None if v is None else v.cuda().bfloat16() for k, v in p.items()}
+for _ in range(2):
+    flashopm.outer_product_mean(x, m, *(p[k] for k in PARAM_ORDER), algorithm="outer")
+torch.cuda.synchronize()
+PY
 }
 # the modules' deep MSA over 20 calls too (its bounded wall is the closest to its bar)
 bench_modules() {
@@ -253,6 +272,102 @@ if [ "$PHASE" = modules_all ]; then
   done
   T spec_1536 90 $py -m flashopm bench --shapes "1,512,1536,256,32,128" --impls eager,flashopm,flashopm-bounded \
     --calls 5 --out "$R/spec_1536"
+  exit 0
+fi
+
+if [ "$PHASE" = bf16 ]; then
+  # the streamed projection (16-bit x) and the pair counts' 4 x 4 sums: their tests, the projection
+  # paired against FLASHOPM_PROJECT_STREAM=0, each convention's bfloat16 time by kernel, the
+  # bfloat16 rows of issues 4 and 6 beside their peers, then the contraction under Nsight Compute
+  # (~7 min with the build)
+  T t_stream 120 $py -m pytest -x -q -p no:cacheprovider tests/test_cuda.py -k "streamed_projection or block_rows or tiled_projection or half_precision"
+  T t_conv 200 $py -m pytest -q -p no:cacheprovider tests/test_conventions.py tests/test_modules.py
+  T ab_stream 60 $py scripts/ab_env.py FLASHOPM_PROJECT_STREAM=0 1,512,1536,256,32,128 1,512,768,256,32,128 --dtype bfloat16 --mode forward --calls 8
+  T conv_bf16 90 $py scripts/convention_times.py 1536 row openfold boltz bfloat16 kernels
+  bench_bf16
+  for mod in openfold boltz; do
+    T "mod_${mod}_bf16" 90 $py -m flashopm bench --module $mod --shapes "1,512,1536,256,32,128" --dtype bfloat16 \
+      --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/mod_${mod}_bf16"
+  done
+  tc16_one
+  T ncu_tc16 150 ncu --clock-control none -k regex:opm_outer_tc16 --launch-skip 1 --launch-count 1 \
+    --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
+    --section InstructionStats --section Occupancy $py "$R/tc16_one.py"
+  exit 0
+fi
+
+if [ "$PHASE" = bf16_clusters ]; then
+  # the streamed projection and the clustered forms in one call: the conventions' tests and the
+  # bounds' (the epilogue's rows staged early, the bands' pair counts: a failure stops the call),
+  # the streamed projection's (a failure turns it off for the rest) and the clustered forms' (a
+  # failure or hang leaves them out); clusters of four paired against none (two where four lose,
+  # none where both do, unless CLUSTER names the size), then issue 6's bfloat16 rows beside eager
+  # and torch.compile in the clusters that won, each convention's time by kernel under the memory
+  # bound and without, and the other pairings (~10-12 min with the build: the call's limit cuts
+  # what comes last)
+  CL=${CLUSTER:-4}
+  T t_conventions 90 $py -m pytest -x -q -p no:cacheprovider tests/test_conventions.py || exit 1
+  T t_bounds 120 $py -m pytest -x -q -p no:cacheprovider tests/test_cuda.py -k "peak_bound or peak_memory_bound" || exit 1
+  T t_stream 120 $py -m pytest -x -q -p no:cacheprovider tests/test_cuda.py -k "streamed_projection or block_rows" ||
+    export FLASHOPM_PROJECT_STREAM=0
+  T t_clusters 180 $py -m pytest -x -q -p no:cacheprovider tests/test_cuda.py -k "cluster_form or tc16_conventions" ||
+    CL=1
+  # paired ratio (without / with) of an ab_env log: above 1 where the switch is faster
+  paired() { grep -o "paired (without / with) [0-9.]*" "$R/$1.log" | awk '{print $NF}' | head -1; }
+  faster() { local r; r=$(paired "$1"); [ -n "$r" ] && awk "BEGIN { exit !($r > 1.0) }"; }
+  ab_c() { T "ab_cluster$1" 60 $py scripts/ab_env.py FLASHOPM_TC16_CLUSTER=$1 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6; }
+  if [ "$CL" != 1 ]; then
+    ab_c 4
+    if [ -z "$CLUSTER" ] && ! faster ab_cluster4; then
+      ab_c 2
+      if faster ab_cluster2; then CL=2; else CL=1; fi
+    fi
+  fi
+  echo "clusters for the rows: $CL" >>"$R/steps.txt"
+  T bench_bf16_clusters 90 env FLASHOPM_TC16_CLUSTER=$CL $py -m flashopm bench --shapes "1,512,1536,256,32,128" --dtype bfloat16 \
+    --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/bench_bf16_clusters"
+  for mod in openfold boltz; do
+    T "mod_${mod}_bf16_clusters" 90 env FLASHOPM_TC16_CLUSTER=$CL $py -m flashopm bench --module $mod --shapes "1,512,1536,256,32,128" \
+      --dtype bfloat16 --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/mod_${mod}_bf16_clusters"
+  done
+  T conv_bounded 90 env FLASHOPM_TC16_CLUSTER=$CL FLASHOPM_PLAN_LOG=1 $py scripts/convention_times.py 1536 row openfold bfloat16 kernels bounded
+  T conv_clusters 90 env FLASHOPM_TC16_CLUSTER=$CL $py scripts/convention_times.py 1536 row openfold boltz bfloat16 kernels
+  [ "${FLASHOPM_PROJECT_STREAM:-1}" != 0 ] &&
+    T ab_stream 60 $py scripts/ab_env.py FLASHOPM_PROJECT_STREAM=0 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6
+  [ "$CL" != 1 ] && [ ! -f "$R/ab_cluster2.log" ] && ab_c 2
+  exit 0
+fi
+
+if [ "$PHASE" = clusters ]; then
+  # the 16-bit kernel's clustered forms (FLASHOPM_TC16_CLUSTER=2, 4): their bits against the
+  # default form's (a hang shows as the step's timeout), each paired against it at N = 1536 and
+  # 768 in bfloat16, each convention's time by kernel in clusters of four, then the default form
+  # and clusters of four under Nsight Compute: L2 traffic and throughput, the tensor pipe, stalls
+  # (~9 min with the build)
+  T t_clusters 180 $py -m pytest -x -q -p no:cacheprovider tests/test_cuda.py -k "cluster_form or tc16_conventions" || exit 1  # (a hang: stop here)
+  T ab_cluster4 90 $py scripts/ab_env.py FLASHOPM_TC16_CLUSTER=4 1,512,1536,256,32,128 1,512,768,256,32,128 --dtype bfloat16 --mode forward --calls 8
+  T ab_cluster2 90 $py scripts/ab_env.py FLASHOPM_TC16_CLUSTER=2 1,512,1536,256,32,128 1,512,768,256,32,128 --dtype bfloat16 --mode forward --calls 8
+  T conv_clusters 90 env FLASHOPM_TC16_CLUSTER=4 $py scripts/convention_times.py 1536 row openfold boltz bfloat16 kernels
+  tc16_one
+  for cl in 1 4; do
+    T "ncu_cluster$cl" 120 env FLASHOPM_TC16_CLUSTER=$cl \
+      ncu --clock-control none -k regex:opm_outer_tc16 --launch-skip 1 --launch-count 1 \
+      --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
+      $py "$R/tc16_one.py"
+  done
+  exit 0
+fi
+
+if [ "$PHASE" = ncu_clusters ]; then
+  # the default 16-bit form and both clustered sizes under Nsight Compute, nothing else (~6 min
+  # with the build): throughput, L2 and shared-memory traffic, stalls, launch and occupancy
+  tc16_one
+  for cl in 1 2 4; do
+    T "ncu_cluster$cl" 150 env FLASHOPM_TC16_CLUSTER=$cl \
+      ncu --clock-control none -k regex:opm_outer_tc16 --launch-skip 1 --launch-count 1 \
+      --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
+      --section LaunchStats --section Occupancy $py "$R/tc16_one.py"
+  done
   exit 0
 fi
 

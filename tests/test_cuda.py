@@ -6,6 +6,7 @@ eager happens to be exact).
 """
 import copy
 import os
+import warnings
 import zlib
 
 import pytest
@@ -50,7 +51,7 @@ def _cuda_params(p):
     return {k: v.cuda() for k, v in p.items()}
 
 
-def _run(x, m, p, algorithm="auto", poison=True, may_not_fit=True, precision=None):
+def _run(x, m, p, algorithm="auto", poison=True, may_not_fit=True, precision=None, normalization="row"):
     """Calls the op with the output's memory poisoned with NaN beforehand (checked to be reused)."""
     B, S, N, C = x.shape
     D = p["w_out"].shape[0]
@@ -59,7 +60,7 @@ def _run(x, m, p, algorithm="auto", poison=True, may_not_fit=True, precision=Non
     def call():
         return flashopm.outer_product_mean(
             x, m, p["ln_weight"], p["ln_bias"], p["w_a"], p["b_a"], p["w_b"], p["b_b"], p["w_out"], p["b_out"],
-            algorithm=algorithm, precision=precision,
+            algorithm=algorithm, precision=precision, normalization=normalization,
         )
 
     poison_ptr = None
@@ -768,6 +769,99 @@ def test_half_precision_inputs(dtype, shape, algorithm):
     assert torch.equal(out, _run(x16, m16, p16, algorithm)), "two identical calls differ: a race"
 
 
+# The 16-bit kernel's clustered forms (FLASHOPM_TC16_CLUSTER=2 or 4: clusters of two or four blocks
+# along rows whose stages and W chunks come by tensor copies, each block's share of b and W
+# multicast to all): whole tiles at hidden 32 with a number of row tiles that is not a multiple of
+# the cluster's (the last cluster's blocks past Na), S off the stage depth with partial column
+# tiles and two groups of d in a batch of 2 (the second group's rows of d past D in some blocks'
+# whole shares), hidden 16, and hidden 8 (1024 pairs a block: 16 rounds of phase 2, W's chunk
+# sequence over rounds and groups of d); one stage per column tile, and deep MSAs whose stage
+# buffers are refilled many times.
+CLUSTER_SHAPES = [
+    Shape(1, 64, 164, 64, 32, 128),
+    Shape(2, 37, 45, 32, 32, 130),
+    Shape(1, 100, 256, 24, 16, 64),
+    Shape(1, 33, 99, 16, 8, 200),
+    Shape(1, 8, 164, 64, 32, 128),    # one stage a column tile (S <= 32)
+    Shape(1, 300, 164, 64, 32, 64),   # 20 stages: each buffer refilled with both parities
+    Shape(1, 520, 96, 32, 16, 64),    # 34 stages at hidden 16
+]
+
+
+@pytest.mark.parametrize("cluster", [2, 4])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", CLUSTER_SHAPES, ids=str)
+def test_tc16_cluster_form_gives_the_default_bits(shape, dtype, cluster, monkeypatch):
+    """The clustered form runs (profiler) and gives the default form's bits (the same products in
+    the same order), every element written (poisoned output), two calls equal; the same under the
+    memory bound."""
+    x, m, p = make_problem(shape, "masked_positions", seed=zlib.crc32(f"{shape}-pairs".encode()) % 1000)
+    x16, m16 = x.to(dtype).cuda(), m.to(dtype).cuda()
+    p16 = {k: None if v is None else v.to(dtype).cuda() for k, v in p.items()}
+    monkeypatch.delenv("FLASHOPM_TC16_CLUSTER", raising=False)
+    monkeypatch.delenv("FLASHOPM_TC16_MMA_SYNC", raising=False)
+    default = _run(x16, m16, p16, "outer")
+    kernels = flashopm_kernels(lambda: _run(x16, m16, p16, "outer", poison=False))
+    assert not any("opm_outer_tc16_cluster_kernel" in k for k in kernels), kernels
+    if not any("opm_outer_tc16_kernel" in k and "true, true" in k for k in kernels):
+        pytest.skip("the 16-bit kernel's form with both phases on warpgroup MMAs does not run here (sm_90a only)")
+    monkeypatch.setenv("FLASHOPM_TC16_CLUSTER", str(cluster))
+
+    def ran(names):
+        return any("opm_outer_tc16_cluster_kernel" in k and f", {cluster}>" in k for k in names)
+
+    kernels = flashopm_kernels(lambda: _run(x16, m16, p16, "outer", poison=False))
+    assert ran(kernels), f"the form in clusters of {cluster} did not run (clusters of that size not available?): {kernels}"
+    clustered = _run(x16, m16, p16, "outer")
+    assert not clustered.isnan().any(), "NaN in the output: an element was not written"
+    assert torch.equal(clustered, default), f"the form in clusters of {cluster} gives other bits than the default form"
+    assert torch.equal(clustered, _run(x16, m16, p16, "outer")), "two identical calls differ: a race"
+    # under the memory bound: launches over bands of rows and blocks of columns.  A launch whose
+    # band or block leaves partial tiles takes the default form on both sides (the comparison is
+    # then of two identical calls), so whether the clustered form ran is reported.
+    with flashopm.peak_memory_bound(1.1):
+        if not ran(flashopm_kernels(lambda: _run(x16, m16, p16, "outer", poison=False))):
+            warnings.warn(f"{shape}: under the bound the form in clusters of {cluster} did not run")
+        bounded_clustered = _run(x16, m16, p16, "outer")
+        monkeypatch.setenv("FLASHOPM_TC16_CLUSTER", "1")
+        bounded_default = _run(x16, m16, p16, "outer")
+    assert not bounded_clustered.isnan().any(), "NaN in the output under the bound: an element was not written"
+    assert torch.equal(bounded_clustered, bounded_default), "under the bound the clustered form's bits differ"
+
+
+# OpenFold's and Boltz's conventions on the 16-bit kernel (their pair counts, and the divisor's
+# reciprocal staged per round of phase 2): the half-precision tests' error rule, and the clustered
+# forms' bits equal to the default form's.
+@pytest.mark.parametrize("normalization", ["openfold", "boltz"])
+@pytest.mark.parametrize("shape", [CLUSTER_SHAPES[0], CLUSTER_SHAPES[1], CLUSTER_SHAPES[3]], ids=str)
+def test_tc16_conventions(shape, normalization, monkeypatch):
+    """The OpenFold and Boltz conventions in bfloat16 through the 16-bit kernel: every element
+    written, normwise error against float32 PyTorch on the same inputs at most 2x eager
+    bfloat16's; in clusters of two and four the default form's bits."""
+    dtype = torch.bfloat16
+    x, m, p = make_problem(shape, "masked_positions", seed=zlib.crc32(f"{shape}-{normalization}".encode()) % 1000)
+    x16, m16 = x.to(dtype).cuda(), m.to(dtype).cuda()
+    p16 = {k: None if v is None else v.to(dtype).cuda() for k, v in p.items()}
+    code = flashopm.ops.NORMALIZATIONS[normalization]
+    ref32 = reference(x16, m16, p16, dtype=torch.float32, normalization=code).cpu()
+    eager = reference(x16, m16, p16, normalization=code).float().cpu()
+    monkeypatch.delenv("FLASHOPM_TC16_CLUSTER", raising=False)
+    monkeypatch.delenv("FLASHOPM_TC16_MMA_SYNC", raising=False)
+    out = _run(x16, m16, p16, "outer", normalization=normalization)
+    assert not out.isnan().any(), "NaN in the output: an element was not written"
+    err, err_eager = rel_error(out.float().cpu(), ref32), rel_error(eager, ref32)
+    assert err <= max(2 * err_eager, 2 * torch.finfo(dtype).eps), f"error {err:.3g} vs eager {dtype} {err_eager:.3g}"
+    kernels = flashopm_kernels(lambda: _run(x16, m16, p16, "outer", poison=False, normalization=normalization))
+    if not any("opm_outer_tc16_kernel" in k and "true, true" in k for k in kernels):
+        pytest.skip("the 16-bit kernel's form with both phases on warpgroup MMAs does not run here (sm_90a only)")
+    for cluster in (2, 4):
+        monkeypatch.setenv("FLASHOPM_TC16_CLUSTER", str(cluster))
+        kernels = flashopm_kernels(lambda: _run(x16, m16, p16, "outer", poison=False, normalization=normalization))
+        assert any("opm_outer_tc16_cluster_kernel" in k and f", {cluster}>" in k for k in kernels), kernels
+        clustered = _run(x16, m16, p16, "outer", normalization=normalization)
+        assert torch.equal(clustered, out), f"{normalization}: clusters of {cluster} give other bits than the default form"
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_half_precision_module_and_gradients(dtype):
     """A model cast to the type as a whole (the way bfloat16 checkpoints are run): forward like the
@@ -957,11 +1051,13 @@ def test_peak_bound_1_1_parts_of_s(shape, precision, tc_form, normalization, pla
 # (shape, model type, normalization): b for all residues passes the room a bound of 1.1x leaves,
 # but blocks of rows and columns (3 x 3 with a short last block, 4 x 4; 4 x 4 for a bfloat16 model,
 # whose 16-bit output takes no parts) hold a and b for all of s, so the sum needs no parts: every
-# pair's sums run as without the bound, the same bits.
+# pair's sums run as without the bound, the same bits.  Under OpenFold's convention in bfloat16
+# the bands also carry their rows' pair counts after their a.
 BLOCK_CASES = [
     (Shape(2, 256, 512, 24, 32, 128), torch.float32, "row"),
     (Shape(2, 256, 512, 24, 32, 128), torch.float32, "openfold"),
     (Shape(1, 200, 768, 32, 32, 64), torch.bfloat16, "row"),
+    (Shape(1, 200, 768, 32, 32, 64), torch.bfloat16, "openfold"),
 ]
 
 
@@ -1028,6 +1124,7 @@ def test_projection_block_rows_give_the_same_bits(shape, precision, dtype, monke
     xc, mc = x.cuda().to(dtype), m.cuda().to(dtype)
     pc = {k: v.cuda().to(dtype) for k, v in p.items()}
     outs = {}
+    monkeypatch.setenv("FLASHOPM_PROJECT_STREAM", "0")  # 16-bit x: the row-tiled kernel, not the streamed one
     for rows in ("128", "64", "32"):
         monkeypatch.setenv("FLASHOPM_PROJ_ROWS", rows)
         outs[rows] = _run(xc, mc, pc, "outer", precision=precision)
@@ -1037,6 +1134,54 @@ def test_projection_block_rows_give_the_same_bits(shape, precision, dtype, monke
     if precision == "highest":
         ref32 = reference(xc, mc, pc).cpu()
         torch.testing.assert_close(outs["32"].cpu(), ref32, atol=1e-4, rtol=1e-4)
+
+
+# (B, N, C, H, D, mask kind): the streamed projection (16-bit x) at msa_dim of one 16-byte piece a
+# row (8), a few (40), AF2's (256, four stages) and past it (296: three stages, 400: two), hidden 1
+# (2H = 2 of its 64 columns), 12, 16, 31 (odd: one-element stores) and 32, a prime N and batches of
+# 2 and 3.  Each launch has rows enough for the row-tiled kernels (B·S·N >= 64 x SMs), and tiles
+# that do not fill the last round of blocks.
+STREAM_PROJECTION = [
+    (1, 160, 64, 32, 128, "masked_positions"),
+    (2, 131, 40, 12, 24, "fractional"),
+    (1, 97, 256, 32, 64, "binary"),
+    (3, 61, 8, 1, 5, "bool"),
+    (1, 89, 296, 31, 16, "ones"),
+    (1, 41, 400, 16, 8, "binary"),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", STREAM_PROJECTION, ids=lambda c: "B{}_N{}_C{}_H{}_D{}_{}".format(*c))
+def test_streamed_projection_gives_the_row_tiled_bits(case, dtype, monkeypatch):
+    """16-bit x: the streamed projection kernel runs (profiler) and gives the row-tiled kernel's
+    bits (FLASHOPM_PROJECT_STREAM=0): the same LayerNorm arithmetic and TF32 products in the same
+    order; every element written (poisoned output), two calls equal, the same bits from 1 and 7
+    blocks, error against float32 PyTorch on the same inputs at most 2x eager's in the type."""
+    B, N, C, H, D, mask_kind = case
+    shape = Shape(B, _rows_above_tiled_projection_threshold(B, N, 100), N, C, H, D)
+    x, m, p = make_problem(shape, mask_kind, seed=C + H)
+    x16, m16 = x.to(dtype).cuda(), m.to(dtype).cuda()
+    p16 = {k: None if v is None else v.to(dtype).cuda() for k, v in p.items()}
+    kernels = flashopm_kernels(lambda: _run(x16, m16, p16, "outer", poison=False))
+    assert any("opm_project_stream_kernel" in k for k in kernels), kernels
+    out = _run(x16, m16, p16, "outer")
+    assert not out.isnan().any(), "NaN in the output: an element was not written"
+    assert torch.equal(out, _run(x16, m16, p16, "outer")), "two identical calls differ: a race"
+    # one block (every tile round the ring in turn) and seven (about 20 tiles each): each stage
+    # refilled many times, every path of the deferred mask values
+    for blocks in ("1", "7"):
+        monkeypatch.setenv("FLASHOPM_PROJECT_STREAM_BLOCKS", blocks)
+        assert torch.equal(_run(x16, m16, p16, "outer"), out), f"{blocks} blocks changed the bits"
+    monkeypatch.delenv("FLASHOPM_PROJECT_STREAM_BLOCKS")
+    monkeypatch.setenv("FLASHOPM_PROJECT_STREAM", "0")
+    tiled_kernels = flashopm_kernels(lambda: _run(x16, m16, p16, "outer", poison=False))
+    assert not any("opm_project_stream_kernel" in k for k in tiled_kernels), tiled_kernels
+    tiled = _run(x16, m16, p16, "outer")
+    assert torch.equal(out, tiled), "the streamed projection's bits differ from the row-tiled kernel's"
+    ref32 = reference(x16, m16, p16, dtype=torch.float32).cpu()
+    err, err_eager = rel_error(out.float().cpu(), ref32), rel_error(reference(x16, m16, p16).float().cpu(), ref32)
+    assert err <= max(2 * err_eager, 2 * torch.finfo(dtype).eps), f"error {err:.3g} vs eager {dtype} {err_eager:.3g}"
 
 
 def test_projection_block_rows_bad_value_is_refused(monkeypatch):

@@ -24,13 +24,21 @@ def extension():
     _build.load()
 
 
-def _plan(N, S, C, H, D, *, row_floats, elem, out_elem, bound, flags, ti=None, tj=None, wave_step_us=0.064):
+def _plan(N, S, C, H, D, *, row_floats, elem, out_elem, bound, flags, ti=None, tj=None, wave_step_us=0.064,
+          pair_counts=False, x_elem=4, w_copy=None, counts_beside_b=False):
+    """The op's band plan as the forward asks for it; pair_counts: OpenFold's or Boltz's convention,
+    whose counts (N floats a row) lie after each band's a (counts_beside_b: the counts of every
+    row taken from the room instead, as before the bands carried them).  w_copy: the bytes of W's
+    copies (float32's blocked copy by default)."""
     out_bytes = N * N * D * out_elem
-    ab_room = int((bound - 1.01) * out_bytes) - (D * H * H + D) * 4 - (N + D) * 4 - (64 << 10) - 2 * N * 4
+    norm_fixed = (1 if pair_counts else 2) * N * 4 + (N * N * 4 if counts_beside_b else 0)
+    w_copy = (D * H * H + D) * 4 if w_copy is None else w_copy
+    ab_room = int((bound - 1.01) * out_bytes) - w_copy - (N + D) * 4 - (64 << 10) - norm_fixed
     ti = ti or max(128 // H, 1)
     tj = tj or max(256 // H, 1)
-    raw = torch.ops.flashopm._peak_band_plan(torch.empty(0), N, S, C, H, D, row_floats, elem, 4, out_elem, ab_room,
-                                             ti, tj, SMS, wave_step_us, flags)
+    norm_row_bytes = N * 4 if pair_counts and not counts_beside_b else 0
+    raw = torch.ops.flashopm._peak_band_plan(torch.empty(0), N, S, C, H, D, row_floats, elem, x_elem, out_elem,
+                                             ab_room, norm_row_bytes, ti, tj, SMS, wave_step_us, flags)
     return raw, ab_room, ti, tj
 
 
@@ -65,11 +73,12 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("pair_counts", [False, True], ids=["row", "pair_counts"])
 @pytest.mark.parametrize("N,S,C,H,D,row_floats,elem,out_elem,bound,flags", CASES, ids=str)
 def test_bands_cover_every_row_and_keep_a_and_b_apart_from_their_writes(N, S, C, H, D, row_floats, elem, out_elem,
-                                                                     bound, flags):
+                                                                     bound, flags, pair_counts):
     raw, ab_room, ti, tj = _plan(N, S, C, H, D, row_floats=row_floats, elem=elem, out_elem=out_elem, bound=bound,
-                                 flags=flags)
+                                 flags=flags, pair_counts=pair_counts)
     assert raw, "no bands for a bound that leaves room for them"
     b_kept, ws_bytes, bands = _bands(raw)
     out_row_bytes = N * D * out_elem
@@ -95,8 +104,11 @@ def test_bands_cover_every_row_and_keep_a_and_b_apart_from_their_writes(N, S, C,
             assert sp % row_floats == 0, f"parts of whole chunks: {bd}"
         if b_kept:
             assert cols == N and sp == S
-        # a (rows) and b (cols, unless kept) over a part, as the forward lays them out
+        # a (rows) and b (cols, unless kept) over a part, then the band's pair counts from a
+        # 16-byte boundary, as the forward lays them out
         need = ((0 if b_kept else cols) + bd["rows"]) * _stored(sp, row_floats) * H * elem
+        if pair_counts:
+            need += bd["rows"] * N * 4 + 16
         if bd["tail"]:
             start = -(-next_row * out_row_bytes // 256) * 256  # 256-byte aligned, after the band's rows
             assert start >= next_row * out_row_bytes
@@ -126,7 +138,26 @@ def test_first_band_lies_in_the_output_where_b_passes_the_workspace():
     assert all(bd["s_part"] == 128 for bd in bands)
 
 
+def test_pair_counts_leave_b_for_every_residue_in_the_workspace():
+    """OpenFold's convention in bfloat16 at (1,512,1536,256,32,128) under 1.1x: with the pair counts
+    laid band by band after each band's a, b for every residue (50.3 MB) stays in the room the bound
+    leaves (~54 MB), as under the specification's convention; counts for every row beside it (9.4
+    MB) push it out, and b is projected again for blocks of columns."""
+    shape = dict(row_floats=1, elem=2, out_elem=2, bound=1.1, flags=COL_BLOCKS, wave_step_us=0.035, tj=16, x_elem=2,
+                 w_copy=128 * 32 * 32 * 2)  # the 16-bit kernel's blocked copy of a bfloat16 module's W
+    for pair_counts in (False, True):
+        raw, *_ = _plan(1536, 512, 256, 32, 128, pair_counts=pair_counts, **shape)
+        b_kept, _, bands = _bands(raw)
+        assert b_kept and all(bd["cols"] == 1536 for bd in bands), (pair_counts, bands)
+    raw, *_ = _plan(1536, 512, 256, 32, 128, pair_counts=True, counts_beside_b=True, **shape)
+    b_kept, _, bands = _bands(raw)
+    assert not b_kept and any(bd["cols"] < 1536 for bd in bands), bands
+
+
 def test_bad_sizes_are_refused():
     with pytest.raises(RuntimeError, match="_peak_band_plan needs positive sizes"):
-        torch.ops.flashopm._peak_band_plan(torch.empty(0), 0, 128, 256, 32, 128, 32, 4, 4, 4, 1 << 20, 4, 8, SMS,
+        torch.ops.flashopm._peak_band_plan(torch.empty(0), 0, 128, 256, 32, 128, 32, 4, 4, 4, 1 << 20, 0, 4, 8, SMS,
+                                           0.064, 3)
+    with pytest.raises(RuntimeError, match="_peak_band_plan needs positive sizes"):
+        torch.ops.flashopm._peak_band_plan(torch.empty(0), 256, 128, 256, 32, 128, 32, 4, 4, 4, 1 << 20, -1, 4, 8, SMS,
                                            0.064, 3)

@@ -94,11 +94,13 @@ SCHEMAS = {
     "_mma_sync_tile": "_mma_sync_tile(Tensor like, int H, int N, int Ti, bool operands16, int smem_optin) -> int[]",
     # The peak bound's bands for one batch element (host code; CPU or CUDA `like`; for tests):
     # [b kept, workspace bytes, bands, then (r0, rows, cols, s_part, in the output's tail) per
-    # band], or [] where none fit.  flags: 1 parts of s allowed, 2 blocks of columns allowed, 4 the
-    # last block of columns holds a whole column tile.
+    # band], or [] where none fit.  norm_row_bytes: a band's normalisers per row, laid after its a
+    # (OpenFold's and Boltz's pair counts; 0: none).  flags: 1 parts of s allowed, 2 blocks of
+    # columns allowed, 4 the last block of columns holds a whole column tile.
     "_peak_band_plan": (
         "_peak_band_plan(Tensor like, int N, int S, int C, int H, int D, int row_floats, int elem, int x_elem, "
-        "int out_elem, int ab_room, int ti, int tj, int sms, float wave_step_us, int flags) -> int[]"
+        "int out_elem, int ab_room, int norm_row_bytes, int ti, int tj, int sms, float wave_step_us, int flags) "
+        "-> int[]"
     ),
 }
 

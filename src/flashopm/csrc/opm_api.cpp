@@ -552,6 +552,26 @@ void run_prep(const PrepArgs& args_in, bool project_w, int dev, cudaStream_t str
   if (!project_w && (rows_kernel || projects_on_rows_kernel(args, rows, dev)) && args.ab_kind != kAbF16Split &&
       rows / kProjRows < int64_t(1) << 31) {
     args.block_rows = projection_block_rows(args, dev);
+    // 16-bit x: the streamed form of the same products (FLASHOPM_PROJECT_STREAM=0: the row-tiled
+    // kernel, to compare them; FLASHOPM_PROJECT_STREAM_BLOCKS=k: at most k blocks, so that each
+    // takes many tiles round its ring, for the tests)
+    const DeviceInfo& info = device_info(dev);
+    const int stages = project_rows_mma_terms(args) == 1 && !env_is("FLASHOPM_PROJECT_STREAM", "0")
+                           ? project_stream_stages(args.C, args.H, x_is_16bit(args), info.smem_optin)
+                           : 0;
+    if (stages > 0) {
+      args.stream_stages = stages;
+      int64_t blocks = std::min<int64_t>((project_rows_count(args) + kPsRows - 1) / kPsRows, info.sm_count);
+      if (const char* e = env_get("FLASHOPM_PROJECT_STREAM_BLOCKS"); e != nullptr && *e != 0) {
+        const int64_t k = std::atoll(e);
+        FLASHOPM_CHECK(k >= 1, "flashopm: FLASHOPM_PROJECT_STREAM_BLOCKS must be a positive number of blocks, got '", e,
+                       "'");
+        blocks = std::min(blocks, k);
+      }
+      args.stream_blocks = int(blocks);
+      check_smem(int(project_stream_smem_bytes(args.C, stages)), dev, "LayerNorm/projection");
+      return launch_project_rows(args, stream);
+    }
     check_smem(project_rows_smem_bytes(args), dev, "LayerNorm/projection");
     return launch_project_rows(args, stream);
   }
@@ -603,13 +623,21 @@ at::Tensor& fill_bias_only(at::Tensor& out, const std::optional<at::Tensor>& b_o
 // conventions (an undefined tensor for the row convention, which needs none).  The tensor is
 // released when the caller returns; the caching allocator orders its reuse after the kernels
 // queued on the stream that read it.
+// The same into `out` (B, rows, N floats, 16-byte aligned), as a tensor over that memory.
+at::Tensor pair_counts_into(float* out, const MaskView& mask, int64_t B, int64_t S, int64_t N, int64_t rows,
+                            int64_t row0, const at::TensorOptions& options, cudaStream_t stream) {
+  FLASHOPM_CHECK((rows + kPairTR - 1) / kPairTR <= 65535, "flashopm: too many rows for one launch (", rows, ")");
+  launch_pair_count(PairCountArgs{mask, out, int(B), int(S), int(N), int(rows), int(row0)}, stream);
+  return at::for_blob(out, {B, rows, N})
+      .options(options.dtype(at::kFloat))
+      .target_device(options.device())
+      .make_tensor();
+}
 at::Tensor pair_counts(const MaskView& mask, int64_t normalization, int64_t B, int64_t S, int64_t N, int64_t rows,
                        int64_t row0, const at::TensorOptions& options, cudaStream_t stream) {
   if (normalization == kNormRow) return at::Tensor();
-  FLASHOPM_CHECK((rows + kPairTR - 1) / kPairTR <= 65535, "flashopm: too many rows for one launch (", rows, ")");
   at::Tensor pair = at::empty({B, rows, N}, options.dtype(at::kFloat));
-  launch_pair_count(PairCountArgs{mask, pair.data_ptr<float>(), int(B), int(S), int(N), int(rows), int(row0)},
-                    stream);
+  pair_counts_into(pair.data_ptr<float>(), mask, B, S, N, rows, row0, options, stream);
   return pair;
 }
 
@@ -790,6 +818,7 @@ at::Tensor kmajor_copy(const at::Tensor& x, int64_t row_floats) {
 struct Normalisers {
   at::Tensor pair, row_den;
   int64_t rows = 0;
+  int64_t row0 = 0;  // the problem's row that row 0 of these stands for
 };
 Normalisers normalisers(const OuterArgs& oa, int operand_kind, int64_t i_offset, int64_t rows,
                         const at::TensorOptions& options, cudaStream_t stream) {
@@ -807,10 +836,11 @@ Normalisers normalisers(const OuterArgs& oa, int operand_kind, int64_t i_offset,
 // kMaskBFloat16 or kMaskHalf: a, b and w_out of that type), tensor cores on float32 operands
 // (terms 3: 3xTF32, 1: TF32; kmajor: a and b in the K-major TF32 layout of that many terms, for
 // the wgmma form) or CUDA cores.
-// `every_row`: the normalisers of rows 0 .. N against every column, formed once for launches that
-// repeat rows or take blocks of columns (the sum over s in parts, a peak bound); else this launch
-// forms its own.  With a block of columns, oa.N is the block's (b holds those residues) and oa.out
-// starts at its first column j_offset, whose rows have oa.out_N columns.
+// `every_row`: the normalisers of rows row0 .. row0 + rows against every column (rows 0 .. N, or a
+// band's), formed once for launches that repeat rows or take blocks of columns (the sum over s in
+// parts, a peak bound); else this launch forms its own.  With a block of columns, oa.N is the
+// block's (b holds those residues) and oa.out starts at its first column j_offset, whose rows have
+// oa.out_N columns.
 void run_outer(OuterArgs oa, int64_t i_offset, int64_t rows, int64_t out_rows, int64_t out_row0, bool tensor_cores,
                int terms, bool kmajor, bool half_split, int operand_kind, const at::TensorOptions& options, int dev,
                cudaStream_t stream, const Normalisers* every_row = nullptr, int64_t j_offset = 0) {
@@ -818,7 +848,7 @@ void run_outer(OuterArgs oa, int64_t i_offset, int64_t rows, int64_t out_rows, i
                  "flashopm: a block of columns needs the normalisers of every column");
   const Normalisers own = every_row ? Normalisers{} : normalisers(oa, operand_kind, i_offset, rows, options, stream);
   const Normalisers& nz = every_row ? *every_row : own;
-  const int64_t first = every_row ? i_offset : 0;  // the launch's first row in nz
+  const int64_t first = every_row ? i_offset - every_row->row0 : 0;  // the launch's first row in nz
   oa.pair = nz.pair.defined() ? nz.pair.data_ptr<float>() + first * oa.out_N + j_offset : nullptr;
   oa.row_den = nz.row_den.defined() ? nz.row_den.data_ptr<float>() + first : nullptr;
   oa.norm_rows = int(nz.rows);
@@ -836,6 +866,19 @@ void run_outer(OuterArgs oa, int64_t i_offset, int64_t rows, int64_t out_rows, i
   if (operand_kind != kMaskFloat) {
     int form = tc16_form(oa.Ti, oa.Tj, requested_tc16_form(dev));
     if (form == kT16WgmmaBoth && oa.w_blocked == nullptr) form = kT16WgmmaPhase1;
+    // FLASHOPM_TC16_CLUSTER=2 or 4: both phases in clusters of that many blocks along rows that
+    // share b's and W's copies (whole tiles only, and row tiles that stay within a launch once
+    // rounded up to whole clusters; the form without where such clusters cannot run)
+    if (form == kT16WgmmaBoth && oa.Ti * oa.H == kTcMT && oa.Tj * oa.H == kTcNT) {
+      if (const char* c = env_choice("FLASHOPM_TC16_CLUSTER", {"1", "2", "4"}); c != nullptr && c[0] != '1') {
+        const int cluster = c[0] - '0', clustered = tc16_cluster_form(cluster);
+        const int64_t row_tiles = (rows + oa.Ti - 1) / oa.Ti;
+        if ((row_tiles + cluster - 1) / cluster * cluster <= 65535 &&
+            outer_tc16_cluster_available(dev, operand_kind, cluster,
+                                         outer_tc16_smem_bytes(oa.H, oa.Ti, oa.Tj, clustered)))
+          form = clustered;
+      }
+    }
     if (outer_tc16_smem_bytes(oa.H, oa.Ti, oa.Tj, form) > optin) {  // less shared memory than sm_90's
       const MmaSyncTile tile = mma_sync_tile(oa.H, oa.N, oa.Ti, true, dev);
       form = tc16_staging_form(tile.staging);
@@ -889,12 +932,17 @@ struct BandProblem {
   int64_t elem, x_elem;   // bytes per element of a/b and of x
   int64_t out_row_bytes;  // bytes of one row i of the output (N·D elements)
   int64_t ab_room;        // bytes the bound leaves for a and b in the workspace
+  // bytes of normalisers per row of a band (OpenFold's and Boltz's pair counts, N floats), laid
+  // after a wherever the band's a lies (0: none)
+  int64_t norm_row_bytes;
   int64_t ti, tj;         // a tile's rows and columns
   int64_t sms;
   double wave_step_us;    // one wave of tiles over one s (or one d of phase 2)
   bool parts_ok, col_blocks_ok, whole_last_col_tile;
 
   int64_t s_stored(int64_t s_len) const { return (s_len + row_floats - 1) / row_floats * row_floats; }
+  // a band's normalisers, from a 16-byte boundary
+  int64_t norm_bytes(int64_t rows) const { return norm_row_bytes > 0 ? rows * norm_row_bytes + 16 : 0; }
   // the rows after r_end, less what aligning their start to 256 bytes may take
   int64_t tail_bytes(int64_t r_end) const { return std::max<int64_t>((N - r_end) * out_row_bytes - 256, 0); }
 };
@@ -950,7 +998,8 @@ BandPlan search_bands(const BandProblem& q, bool b_kept) {
       const int64_t rows = ends[f] - r0;
       const int64_t tail = q.tail_bytes(ends[f]);
       const bool in_tail = tail >= ws_room;
-      const int64_t avail = std::max(tail, ws_room);
+      const int64_t avail = std::max(tail, ws_room) - q.norm_bytes(rows);  // a and b, after the normalisers' room
+      if (avail <= 0) continue;
       for (int64_t k = 1; k <= 16; ++k) {
         if (k > 1 && (b_kept || !q.col_blocks_ok)) break;
         const int64_t cols = std::min(N, ((N + k - 1) / k + q.tj - 1) / q.tj * q.tj);
@@ -982,7 +1031,9 @@ BandPlan search_bands(const BandProblem& q, bool b_kept) {
   for (int e = n_ends; e != n_ends - 1; e = next[e]) {
     const Band& bd = choice[e];
     plan.bands.push_back(bd);
-    if (!bd.tail) ws_bytes = std::max(ws_bytes, ((b_kept ? 0 : bd.cols) + bd.rows) * q.s_stored(bd.s_part) * q.H * q.elem);
+    if (!bd.tail)
+      ws_bytes = std::max(ws_bytes, ((b_kept ? 0 : bd.cols) + bd.rows) * q.s_stored(bd.s_part) * q.H * q.elem +
+                                        q.norm_bytes(bd.rows));
   }
   if (b_kept) plan.cost += 4.0 + double(q.N * q.S * (q.C * q.x_elem + q.H * q.elem)) / 2.5e6;
   plan.ws_bytes = b_kept_bytes + ws_bytes;
@@ -1667,9 +1718,13 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
         // leaves them out.
         if (B == 1 && !env_is("FLASHOPM_PEAK_TAIL", "0")) {
           const double wave_step_us = !tc_ok ? 0.3 : operands16 || tc_terms == 1 ? 0.035 : half_split ? 0.064 : 0.1;
+          // the pair counts come band by band, after each band's a (in its tail or the workspace),
+          // rather than for every row beside b
+          const bool pair_norm = normalization != kNormRow;
           const BandProblem q{N, S, C, H, D, row_floats, elem, int64_t(msa.element_size()),
-                              N * D * int64_t(out.element_size()), room - fixed - norm_bytes, ti_full, col_pairs,
-                              int64_t(device_info(dev).sm_count), wave_step_us,
+                              N * D * int64_t(out.element_size()),
+                              room - fixed - (pair_norm ? B * N * 4 : norm_bytes), pair_norm ? B * N * 4 : 0,
+                              ti_full, col_pairs, int64_t(device_info(dev).sm_count), wave_step_us,
                               /*parts_ok=*/out.scalar_type() == at::kFloat, col_blocks_ok,
                               /*whole_last_col_tile=*/half_split};
           const std::array<int64_t, 8> key = {
@@ -1677,7 +1732,9 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
               row_floats | (elem << 8) | (q.x_elem << 16) | (ti_full << 24) | (col_pairs << 40), q.out_row_bytes,
               q.ab_room,
               q.sms | (int64_t(q.wave_step_us * 1e4) << 16) |
-                  (int64_t(q.parts_ok) | int64_t(q.col_blocks_ok) << 1 | int64_t(q.whole_last_col_tile) << 2) << 48};
+                  (int64_t(q.parts_ok) | int64_t(q.col_blocks_ok) << 1 | int64_t(q.whole_last_col_tile) << 2 |
+                   int64_t(q.norm_row_bytes > 0) << 3)
+                      << 48};
           const BandPlan bands = cached_plan<BandPlan>(key, [&] { return best_bands(q); });
           // the plan above by the same estimate (b for every residue projected once per part; a
           // costed apart from b in every block, as row 1 stands for)
@@ -1698,6 +1755,23 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
                                    : operand_kind == kMaskHalf   ? at::kHalf
                                                                  : at::kFloat;
     const bool banded = !band_plan.bands.empty();
+    // FLASHOPM_PLAN_LOG=1: the plan on stderr, a line a call (which plan a bound takes, and so
+    // which launches a call's time by kernel counts)
+    if (env_is("FLASHOPM_PLAN_LOG", "1")) {
+      std::string line = "flashopm plan: B " + std::to_string(B) + " S " + std::to_string(S) + " N " +
+                         std::to_string(N) + ", bound " + std::to_string(requested_peak_bound()) + ": ";
+      if (banded) {
+        line += std::to_string(band_plan.bands.size()) + " bands" + (band_plan.b_kept ? " (b kept)" : "") + ",";
+        for (const Band& bd : band_plan.bands)
+          line += " [rows " + std::to_string(bd.r0) + "+" + std::to_string(bd.rows) + ", cols " +
+                  std::to_string(bd.cols) + ", s " + std::to_string(bd.s_part) + (bd.tail ? ", tail]" : ", workspace]");
+      } else {
+        line += "rows " + std::to_string(rows) + ", cols " + std::to_string(cols) + ", s " + std::to_string(s_part) +
+                ", launches " + std::to_string(((S + s_part - 1) / s_part) * ((N + rows - 1) / rows) *
+                                               ((N + cols - 1) / cols));
+      }
+      std::fprintf(stderr, "%s\n", line.c_str());
+    }
     if (banded) {
       rows = 0;  // the largest band, for the float16 split form's exponents
       for (const Band& bd : band_plan.bands) rows = std::max(rows, bd.rows);
@@ -1740,8 +1814,11 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     }
     // With parts of s or blocks of columns, the normalisers of every row once (1/D of the output
     // at most)
-    const Normalisers every_row = banded || s_part < S || cols < N ? normalisers(oa, operand_kind, 0, N, f32, stream)
-                                                                   : Normalisers{};
+    // (bands under OpenFold's or Boltz's convention: their pair counts band by band, below)
+    const bool band_counts = banded && normalization != kNormRow;
+    const Normalisers every_row = !band_counts && (banded || s_part < S || cols < N)
+                                      ? normalisers(oa, operand_kind, 0, N, f32, stream)
+                                      : Normalisers{};
     const char* x_base = static_cast<const char*>(msa.data_ptr());
     const char* mask_base = static_cast<const char*>(mask_view.ptr);
     char* const out_base = static_cast<char*>(out.data_ptr());
@@ -1846,6 +1923,17 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
         const int64_t b_bytes = band_plan.b_kept ? 0 : s_stored(sp) * bd.cols * H * ws_elem;
         char* const b_buf = band_plan.b_kept ? ws_base : base;
         char* const a_buf = base + b_bytes;
+        // the band's pair counts after its a, over the whole mask (as the plan laid them out)
+        Normalisers band_norm;
+        if (band_counts) {
+          const int64_t a_bytes = s_stored(sp) * bd.rows * H * ws_elem;
+          float* const counts =
+              reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(a_buf + a_bytes) + 15) & ~uintptr_t(15));
+          band_norm.pair = pair_counts_into(counts, oa.mask, B, oa.S_mask, N, bd.rows, bd.r0, f32, stream);
+          band_norm.rows = bd.rows;
+          band_norm.row0 = bd.r0;
+        }
+        const Normalisers& norms = band_counts ? band_norm : every_row;
         if (half_split) set_split_scales(oa, a_exp, b_exp, a_exp + B * rows, sp);
         // the block of columns that holds the band's rows first, a projected with its b
         const int64_t n_blocks = (N + bd.cols - 1) / bd.cols;
@@ -1870,7 +1958,7 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
             oa.N = int(band_plan.b_kept ? N : nj);
             oa.out = out_base + j_off * D * int64_t(out.element_size());
             run_outer(oa, bd.r0, bd.rows, N, bd.r0, tc_ok, tc_terms, kmajor, half_split, operand_kind, f32, dev,
-                      stream, &every_row, j_off);
+                      stream, &norms, j_off);
           }
         }
       }
@@ -2289,13 +2377,15 @@ std::vector<int64_t> single_launch_plan_cuda(const at::Tensor& like, int64_t B, 
 // allowed, 4 the last block of columns must hold a whole column tile.
 std::vector<int64_t> peak_band_plan_query(const at::Tensor&, int64_t N, int64_t S, int64_t C, int64_t H, int64_t D,
                                           int64_t row_floats, int64_t elem, int64_t x_elem, int64_t out_elem,
-                                          int64_t ab_room, int64_t ti, int64_t tj, int64_t sms, double wave_step_us,
-                                          int64_t flags) {
+                                          int64_t ab_room, int64_t norm_row_bytes, int64_t ti, int64_t tj, int64_t sms,
+                                          double wave_step_us, int64_t flags) {
   FLASHOPM_CHECK(N >= 1 && S >= 1 && C >= 1 && H >= 1 && D >= 1 && row_floats >= 1 && elem >= 1 && x_elem >= 1 &&
-                     out_elem >= 1 && ti >= 1 && tj >= 1 && sms >= 1 && wave_step_us > 0,
-                 "flashopm: _peak_band_plan needs positive sizes, got N=", N, ", S=", S, ", C=", C, ", H=", H, ", D=",
-                 D, ", row_floats=", row_floats, ", elem=", elem, ", ti=", ti, ", tj=", tj, ", sms=", sms);
-  const BandProblem q{N, S, C, H, D, row_floats, elem, x_elem, N * D * out_elem, ab_room, ti, tj, sms, wave_step_us,
+                     out_elem >= 1 && norm_row_bytes >= 0 && ti >= 1 && tj >= 1 && sms >= 1 && wave_step_us > 0,
+                 "flashopm: _peak_band_plan needs positive sizes (norm_row_bytes >= 0), got N=", N, ", S=", S,
+                 ", C=", C, ", H=", H, ", D=", D, ", row_floats=", row_floats, ", elem=", elem, ", norm_row_bytes=",
+                 norm_row_bytes, ", ti=", ti, ", tj=", tj, ", sms=", sms);
+  const BandProblem q{N, S, C, H, D, row_floats, elem, x_elem, N * D * out_elem, ab_room, norm_row_bytes, ti, tj, sms,
+                      wave_step_us,
                       /*parts_ok=*/(flags & 1) != 0, /*col_blocks_ok=*/(flags & 2) != 0,
                       /*whole_last_col_tile=*/(flags & 4) != 0};
   const BandPlan plan = best_bands(q);

@@ -229,13 +229,17 @@ __device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* bar, unsigne
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n"
                ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(bar))), "r"(bytes) : "memory");
 }
-// Spins until the phase of the given parity has completed (test_wait: a probe that never blocks).
-__device__ __forceinline__ void mbarrier_wait_parity(uint64_t* bar, unsigned parity) {
+// Whether the phase of the given parity has completed (test_wait: a probe that never blocks).
+__device__ __forceinline__ bool mbarrier_test_parity(uint64_t* bar, unsigned parity) {
   const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(bar));
-  unsigned done = 0;
-  while (!done) {
-    asm volatile("{\n .reg .pred p;\n mbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
-                 : "=r"(done) : "r"(addr), "r"(parity) : "memory");
+  unsigned done;
+  asm volatile("{\n .reg .pred p;\n mbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+               : "=r"(done) : "r"(addr), "r"(parity) : "memory");
+  return done != 0;
+}
+// Spins until the phase of the given parity has completed.
+__device__ __forceinline__ void mbarrier_wait_parity(uint64_t* bar, unsigned parity) {
+  while (!mbarrier_test_parity(bar, parity)) {
   }
 }
 // The same with mbarrier's potentially blocking probe, which may suspend the thread until the phase
@@ -263,6 +267,69 @@ __device__ __forceinline__ void bulk_copy_g2s_multicast(void* dst, const void* s
                                                         uint16_t cta_mask) {
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1], %2, [%3], %4;\n"
                ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(dst))), "l"(src), "r"(bytes),
+               "r"(static_cast<unsigned>(__cvta_generic_to_shared(bar))), "h"(cta_mask) : "memory");
+}
+// Clusters of blocks: this block's rank in its cluster; a barrier of
+// every thread of the cluster (release / acquire: the writes before it, to shared memory of any
+// block of the cluster, are seen after it).
+__device__ __forceinline__ unsigned cluster_rank() {
+  unsigned r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ void cluster_barrier() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+// The barrier's two halves (every thread arrives, then waits, once per phase; a warp's threads
+// together): the arrival with release semantics, or relaxed where it publishes nothing (the
+// split barrier of a block that only needs its peers started, their shared memory in place).
+__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory"); }
+// One arrival on this block's mbarrier bar, and one on the mbarrier at bar's offset in block
+// `peer` of the cluster.  A release of a stage whose reads (warpgroup MMAs) have retired, as the
+// GEMM libraries make it: the default semantics, no cluster-scope fence (which costs a GPU-wide
+// memory barrier per arrival).
+__device__ __forceinline__ void mbarrier_arrive_local(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(bar)))
+               : "memory");
+}
+__device__ __forceinline__ void mbarrier_arrive_peer(uint64_t* bar, unsigned peer) {
+  asm volatile("{\n .reg .b32 ra;\n mapa.shared::cluster.u32 ra, %0, %1;\n"
+               " mbarrier.arrive.shared::cluster.b64 _, [ra];\n}\n"
+               ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(bar))), "r"(peer) : "memory");
+}
+// One arrival on the mbarrier at bar's offset in every block of a cluster of kCluster (this block,
+// rank `rank`, first): a stage released to every block that refills it.
+template <int kCluster>
+__device__ __forceinline__ void release_to_cluster(uint64_t* bar, unsigned rank) {
+  mbarrier_arrive_local(bar);
+#pragma unroll
+  for (unsigned r = 1; r < unsigned(kCluster); ++r) mbarrier_arrive_peer(bar, (rank + r) % unsigned(kCluster));
+}
+// Tensor copies (TMA) through a CUtensorMap in kernel parameter space (__grid_constant__): the box
+// at coordinates (c0 innermost, c1[, c2]) to shared address dst, counted on the mbarrier bar;
+// _mc: into dst of every block in cta_mask, counted on each one's mbarrier at bar's offset.
+// Elements past the tensor's edges arrive as zeros (and count as bytes all the same).
+__device__ __forceinline__ void tma_load_3d(uint32_t dst, const void* map, int c0, int c1, int c2, uint64_t* bar) {
+  asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n"
+               ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2),
+               "r"(static_cast<unsigned>(__cvta_generic_to_shared(bar))) : "memory");
+}
+__device__ __forceinline__ void tma_load_3d_mc(uint32_t dst, const void* map, int c0, int c1, int c2, uint64_t* bar,
+                                               uint16_t cta_mask) {
+  asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+               " [%0], [%1, {%2, %3, %4}], [%5], %6;\n"
+               ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2),
+               "r"(static_cast<unsigned>(__cvta_generic_to_shared(bar))), "h"(cta_mask) : "memory");
+}
+__device__ __forceinline__ void tma_load_2d_mc(uint32_t dst, const void* map, int c0, int c1, uint64_t* bar,
+                                               uint16_t cta_mask) {
+  asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+               " [%0], [%1, {%2, %3}], [%4], %5;\n"
+               ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1),
                "r"(static_cast<unsigned>(__cvta_generic_to_shared(bar))), "h"(cta_mask) : "memory");
 }
 #endif
@@ -310,14 +377,16 @@ __device__ __forceinline__ float mask_denominator(const MaskView& m, int b, int 
 // b in L2; in launch order (row by row) every wave would stream b for all residues, which at
 // AlphaFold sizes is more than L2 holds, so it came from HBM once per row tile.
 constexpr int kTileGroupRows = 16;
-__device__ __forceinline__ void grouped_tile(int& col_tile, int& row_tile) {
-  const int n_cols = gridDim.x, n_rows = gridDim.y;
-  const int linear = blockIdx.y * n_cols + blockIdx.x;
+__device__ __forceinline__ void grouped_tile_of(int bx, int by, int n_cols, int n_rows, int& col_tile, int& row_tile) {
+  const int linear = by * n_cols + bx;
   const int first = linear / (kTileGroupRows * n_cols) * kTileGroupRows;
   const int rows = min(kTileGroupRows, n_rows - first);
   const int within = linear - first * n_cols;
   row_tile = first + within % rows;
   col_tile = within / rows;
+}
+__device__ __forceinline__ void grouped_tile(int& col_tile, int& row_tile) {
+  grouped_tile_of(blockIdx.x, blockIdx.y, gridDim.x, gridDim.y, col_tile, row_tile);
 }
 
 // One warp per row r of batch element blockIdx.y (see RowDenArgs).
@@ -861,6 +930,77 @@ __global__ void __launch_bounds__(kPrepThreads, RW == 1 && Q <= 2 && !kProjectW 
   }
 }
 
+// Where row `row` of the row-tiled projections (project_rows_count's order) lives: x's offset (-1:
+// past the last row, or s past S in the last chunk of s), a's and b's row offsets (-1: not
+// written), and the mask's (b, s, n).
+struct ProjectRow {
+  int64_t x, a, b;
+  int mb, ms, mn;
+};
+__device__ __forceinline__ ProjectRow project_row(const PrepArgs& p, int64_t rows, int64_t row) {
+  ProjectRow r{-1, -1, -1, 0, 0, 0};
+  int b = 0, s = p.S, n = 0;
+  if (row < rows && p.s_chunk > 1) {
+    const int sc = p.s_chunk, chunks = (p.S + sc - 1) / sc;
+    const int64_t per_chunk = int64_t(p.N) * sc;
+    const int64_t bc = row / per_chunk;  // b·chunks + chunk
+    const int64_t rem = row - bc * per_chunk;
+    b = int(bc / chunks);
+    n = int(rem / sc);
+    s = int(bc - int64_t(b) * chunks) * sc + int(rem - int64_t(n) * sc);  // S or more: past the end
+  } else if (row < rows) {
+    const int64_t bs = row / p.N;
+    n = int(row - bs * p.N), s = int(bs % p.S), b = int(bs / p.S);
+  }
+  if (s < p.S) {
+    r.x = int64_t(b) * p.x_sb + int64_t(s) * p.x_ss + int64_t(n + p.n_offset) * p.x_sn;
+    r.mb = b, r.ms = s, r.mn = n + p.n_offset;
+    if (unsigned(n - p.a_first) < unsigned(p.a_rows))
+      r.a = ab_row_offset(p.a_sb, p.a_sc, p.a_ss, p.a_sn, p.s_chunk, b, s, n - p.a_first);
+    if (p.b_out) r.b = ab_row_offset(p.b_sb, p.b_sc, p.b_ss, p.b_sn, p.s_chunk, b, s, n);
+  }
+  return r;
+}
+
+// Whether the tensor-core forms' epilogue may store a lane's two outputs of a row as one store: H
+// even, 16-bit or float32 a and b, aligned for it.
+__device__ __forceinline__ bool project_pair_stores(const PrepArgs& p) {
+  return p.H % 2 == 0 && p.ab_kind < kAbTf32 &&
+         reinterpret_cast<uintptr_t>(p.a_out) % (p.ab_kind == kMaskFloat ? 8 : 4) == 0 &&
+         (p.b_out == nullptr || reinterpret_cast<uintptr_t>(p.b_out) % (p.ab_kind == kMaskFloat ? 8 : 4) == 0) &&
+         ((p.a_sb | p.a_ss | p.a_sn | p.b_sb | p.b_ss | p.b_sn) & 1) == 0;
+}
+
+// Outputs o and o + 1 of one row (sums acc0, acc1): bias added, times the row's mask value mv,
+// stored to a (o < H) at row offset ao or to b (H <= o < 2H) at bo, skipping offsets of -1.
+__device__ __forceinline__ void project_store_two(const PrepArgs& p, bool pair_out, int o, float acc0, float acc1,
+                                                  float mv, int64_t ao, int64_t bo) {
+  const int H = p.H, H2 = 2 * H;
+  const float acc[2] = {acc0, acc1};
+  float v[2];
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    const int oe = o + e;
+    const float bias = oe < H ? (p.ba ? p.ba[oe] : 0.f) : oe < H2 && p.bb ? p.bb[oe - H] : 0.f;
+    v[e] = (acc[e] + bias) * mv;
+  }
+  if (pair_out && o + 1 < H) {
+    if (ao >= 0) store_out2(p.a_out, ao + o, v[0], v[1], p.ab_kind);
+  } else if (pair_out && o >= H && o + 1 < H2) {
+    if (bo >= 0) store_out2(p.b_out, bo + (o - H), v[0], v[1], p.ab_kind);
+  } else {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int oe = o + e;
+      if (oe < H) {
+        if (ao >= 0) store_ab(p.a_out, ao, oe, v[e], p.ab_kind, p.a_hs);
+      } else if (oe < H2) {
+        if (bo >= 0) store_ab(p.b_out, bo, oe - H, v[e], p.ab_kind, p.b_hs);
+      }
+    }
+  }
+}
+
 // One block: kProjRows consecutive rows r = (b, s, n) of all B·S·N (n < p.N), all 2H outputs.
 // The layouts of opm_prep_kernel without kProjectW (a_out / b_out by strides, ab_kind), so the two
 // kernels are interchangeable; this one runs the projections as a register-tiled GEMM (8 rows x
@@ -914,33 +1054,11 @@ __global__ void __launch_bounds__(kProjThreads, project_rows_min_blocks(CT, kMma
   const int64_t row0 = int64_t(blockIdx.x) * TR;
 
   if (tid < TR) {
-    const int64_t row = row0 + tid;
-    int64_t xo = -1, ao = -1, bo = -1;
-    float mv = 0.f;
-    int b = 0, s = p.S, n = 0;
-    if (row < rows && p.s_chunk > 1) {
-      const int sc = p.s_chunk, chunks = (p.S + sc - 1) / sc;
-      const int64_t per_chunk = int64_t(p.N) * sc;
-      const int64_t bc = row / per_chunk;  // b·chunks + chunk
-      const int64_t rem = row - bc * per_chunk;
-      b = int(bc / chunks);
-      n = int(rem / sc);
-      s = int(bc - int64_t(b) * chunks) * sc + int(rem - int64_t(n) * sc);  // S or more: past the end
-    } else if (row < rows) {
-      const int64_t bs = row / p.N;
-      n = int(row - bs * p.N), s = int(bs % p.S), b = int(bs / p.S);
-    }
-    if (s < p.S) {
-      xo = int64_t(b) * p.x_sb + int64_t(s) * p.x_ss + int64_t(n + p.n_offset) * p.x_sn;
-      mv = mask_at(p.mask, b, s, n + p.n_offset);
-      if (unsigned(n - p.a_first) < unsigned(p.a_rows))
-        ao = ab_row_offset(p.a_sb, p.a_sc, p.a_ss, p.a_sn, p.s_chunk, b, s, n - p.a_first);
-      if (p.b_out) bo = ab_row_offset(p.b_sb, p.b_sc, p.b_ss, p.b_sn, p.s_chunk, b, s, n);
-    }
-    xoff_s[tid] = xo;
-    aoff_s[tid] = ao;
-    boff_s[tid] = bo;
-    mask_s[tid] = mv;
+    const ProjectRow pr = project_row(p, rows, row0 + tid);
+    xoff_s[tid] = pr.x;
+    aoff_s[tid] = pr.a;
+    boff_s[tid] = pr.b;
+    mask_s[tid] = pr.x >= 0 ? mask_at(p.mask, pr.mb, pr.ms, pr.mn) : 0.f;
   }
   __syncthreads();
 
@@ -1242,41 +1360,16 @@ __global__ void __launch_bounds__(kProjThreads, project_rows_min_blocks(CT, kMma
   if constexpr (kMma) {
     // Bias, mask, store (a for outputs o < H, b for H <= o < 2H); each thread's two outputs of a
     // row as one store where they are on one side and the layouts keep them aligned.
-    const bool pair_out = H % 2 == 0 && p.ab_kind < kAbTf32 &&
-                          reinterpret_cast<uintptr_t>(p.a_out) % (p.ab_kind == kMaskFloat ? 8 : 4) == 0 &&
-                          (p.b_out == nullptr || reinterpret_cast<uintptr_t>(p.b_out) % (p.ab_kind == kMaskFloat ? 8 : 4) == 0) &&
-                          ((p.a_sb | p.a_ss | p.a_sn | p.b_sb | p.b_ss | p.b_sn) & 1) == 0;
+    const bool pair_out = project_pair_stores(p);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int r = wr * 16 + g + 8 * half;
       const float mv = mask_s[r];
       const int64_t ao = aoff_s[r], bo = boff_s[r];
 #pragma unroll
-      for (int nt = 0; nt < kNT; ++nt) {
-        const int o = (wc * kNT + nt) * 8 + 2 * tq;
-        float v[2];
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int oe = o + e;
-          const float bias = oe < H ? (p.ba ? p.ba[oe] : 0.f) : oe < H2 && p.bb ? p.bb[oe - H] : 0.f;
-          v[e] = (acc_t[0][nt][2 * half + e] + bias) * mv;
-        }
-        if (pair_out && o + 1 < H) {
-          if (ao >= 0) store_out2(p.a_out, ao + o, v[0], v[1], p.ab_kind);
-        } else if (pair_out && o >= H && o + 1 < H2) {
-          if (bo >= 0) store_out2(p.b_out, bo + (o - H), v[0], v[1], p.ab_kind);
-        } else {
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int oe = o + e;
-            if (oe < H) {
-              if (ao >= 0) store_ab(p.a_out, ao, oe, v[e], p.ab_kind, p.a_hs);
-            } else if (oe < H2) {
-              if (bo >= 0) store_ab(p.b_out, bo, oe - H, v[e], p.ab_kind, p.b_hs);
-            }
-          }
-        }
-      }
+      for (int nt = 0; nt < kNT; ++nt)
+        project_store_two(p, pair_out, (wc * kNT + nt) * 8 + 2 * tq, acc_t[0][nt][2 * half], acc_t[0][nt][2 * half + 1],
+                          mv, ao, bo);
     }
     return;
   }
@@ -1325,6 +1418,168 @@ __global__ void __launch_bounds__(kProjThreads, project_rows_min_blocks(CT, kMma
       }
     }
   }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The streamed projection (PrepArgs::stream_blocks > 0; layout in opm_params.h): the products of
+// opm_project_rows_kernel's tensor-core form for 16-bit x (one TF32 term, k in steps of 8 in
+// order, the same LayerNorm arithmetic), so the same bits, in a form bound by memory rather than
+// by the latency of each block's loads.  A persistent block per SM stages W once; each tile of
+// kPsRows rows is copied whole into a ring of kStages buffers, kStages - 1 tiles ahead of the one
+// being multiplied; LayerNorm is applied as the A fragments are read, so that the tile is never
+// written back normalised.  Warps: 4 row groups (16 rows) x 2 column groups (32 outputs, four
+// m16n8k8 tiles, W's fragments by ldmatrix).  Two barriers per tile.
+// ---------------------------------------------------------------------------------------------
+template <typename XT, int kStages>
+__global__ void __launch_bounds__(kPsThreads, 1) opm_project_stream_kernel(const PrepArgs p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::);  // as opm_prep_kernel
+#endif
+  static_assert(sizeof(XT) == 2 && kStages >= 2 && kStages <= kPsMaxStages, "16-bit x, 2 to kPsMaxStages stages");
+  constexpr int R = kPsRows, V = 8;  // V: elements of a 16-byte piece
+  extern __shared__ float4 smem_f4[];
+  char* smem = reinterpret_cast<char*>(smem_f4);
+  const int C = p.C, H = p.H, H2 = 2 * H;
+  const int ldx = project_stream_ldx(C);  // bytes per staged row
+  const int ldw = C + 4;       // floats per row of W
+  char* tiles = smem;                                                          // [kStages][R][ldx]
+  float* ws = reinterpret_cast<float*>(tiles + int64_t(kStages) * R * ldx);  // [kPsCols][ldw]
+  float2* lnp = reinterpret_cast<float2*>(ws + kPsCols * ldw);                 // [C] (w, b)
+  float2* stats = lnp + C;                                                     // [R] (mean, rstd)
+  int64_t* offs = reinterpret_cast<int64_t*>(stats + R);                       // [kStages][x, a, b][R]
+  float* mvs = reinterpret_cast<float*>(offs + kStages * 3 * R);               // [kStages][R]
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int64_t rows = project_rows_count(p);
+  const int64_t n_tiles = (rows + R - 1) / R, G = gridDim.x;
+  const int64_t n_it = n_tiles > blockIdx.x ? (n_tiles - blockIdx.x + G - 1) / G : 0;  // this block's tiles
+
+  for (int o = warp; o < kPsCols; o += kPsThreads / 32) {
+    const float* src = o < H ? p.wa + int64_t(o) * C : p.wb + int64_t(o - H) * C;
+    for (int k = lane; k < C; k += 32) ws[o * ldw + k] = o < H2 ? __uint_as_float(to_tf32(src[k])) : 0.f;
+  }
+  for (int c = tid; c < C; c += kPsThreads) lnp[c] = make_float2(p.ln_w[c], p.ln_b[c]);
+
+  // Threads tid < R: where row tid of iteration it's tile lives (its stage's offsets), and its mask
+  // value into mv, which the caller stores later: the load stays in flight meanwhile.
+  const auto place_row = [&](int64_t it, float& mv) {
+    const int st = int(it % kStages);
+    const ProjectRow pr = project_row(p, rows, (blockIdx.x + it * G) * R + tid);
+    offs[(st * 3) * R + tid] = pr.x;
+    offs[(st * 3 + 1) * R + tid] = pr.a;
+    offs[(st * 3 + 2) * R + tid] = pr.b;
+    mv = pr.x >= 0 ? mask_at(p.mask, pr.mb, pr.ms, pr.mn) : 0.f;
+  };
+  // Iteration it's tile into its stage (rows without x zero-filled); always one commit group.
+  const int cpr = C / V;
+  const auto issue_tile = [&](int64_t it) {
+    if (it < n_it) {
+      const int st = int(it % kStages);
+      const int64_t* xo = offs + (st * 3) * R;
+      char* dst = tiles + st * R * ldx;
+      for (int idx = tid; idx < R * cpr; idx += kPsThreads) {
+        const int r = idx / cpr, v = idx - r * cpr;
+        const int64_t o = xo[r];
+        cp_async16z(dst + r * ldx + v * 16, o >= 0 ? static_cast<const XT*>(p.x) + o + v * V : p.x, o >= 0);
+      }
+    }
+    cp_async_commit();
+  };
+
+  float mv_next = 0.f;
+  if (tid < R) {
+    for (int64_t it = 0; it < kStages - 1 && it < n_it; ++it) {
+      place_row(it, mv_next);
+      mvs[int(it % kStages) * R + tid] = mv_next;
+    }
+  }
+  __syncthreads();  // W, LayerNorm's parameters, the first tiles' places
+  for (int it = 0; it < kStages - 1; ++it) issue_tile(it);
+
+  const int wr = warp & 3, wc = warp >> 2;
+  const int ra = wr * 16 + g, rb = ra + 8;  // this lane's rows of the A fragments
+  // ldmatrix: lane l addresses row l % 8 of matrix l / 8 = (n tile 2np + l / 16, k half (l / 8) % 2)
+  const float* w_lane = ws + (wc * 32 + (lane >> 4) * 8 + (lane & 7)) * ldw + ((lane >> 3) & 1) * 4;
+  const bool pair_out = project_pair_stores(p);
+  for (int64_t it = 0; it < n_it; ++it) {
+    const int st = int(it % kStages);
+    cp_async_wait<kStages - 2>();
+    __syncthreads();  // tile it landed; every warp is done with iteration it - 1 (its stage, stats)
+    if (tid < R) {
+      // the mask value loaded one iteration ago (for iteration it + kStages - 2), then the next
+      // places into the stage iteration it - 1 left
+      if (it >= 1 && it + kStages - 2 < n_it) mvs[int((it + kStages - 2) % kStages) * R + tid] = mv_next;
+      if (it + kStages - 1 < n_it) place_row(it + kStages - 1, mv_next);
+    }
+    const char* tile = tiles + st * R * ldx;
+    // LayerNorm statistics as the row-tiled kernel forms them (lane order, two passes)
+    for (int r0 = warp * (R / 8); r0 < (warp + 1) * (R / 8); r0 += 4) {
+      float sum[4] = {0.f, 0.f, 0.f, 0.f}, sq[4] = {0.f, 0.f, 0.f, 0.f}, mu[4];
+      // f(u, value) over this lane's values of rows r0 + u, in the row-tiled kernel's order
+      const auto each_value = [&](auto&& f) {
+        for (int cv = lane; cv < cpr; cv += 32) {
+#pragma unroll
+          for (int u = 0; u < 4; ++u) {
+            float v[V];
+            unpack16<XT>(*reinterpret_cast<const uint4*>(tile + (r0 + u) * ldx + cv * 16), v);
+#pragma unroll
+            for (int j = 0; j < V; ++j) f(u, v[j]);
+          }
+        }
+      };
+      each_value([&](int u, float v) { sum[u] += v; });
+#pragma unroll
+      for (int u = 0; u < 4; ++u) mu[u] = warp_sum(sum[u]) / C;
+      each_value([&](int u, float v) { sq[u] = fmaf(v - mu[u], v - mu[u], sq[u]); });
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const float var = warp_sum(sq[u]) / C;
+        if (lane == 0) stats[r0 + u] = make_float2(mu[u], rsqrtf(var + p.ln_eps));
+      }
+    }
+    __syncthreads();  // statistics and the next places
+    issue_tile(it + kStages - 1);
+
+    float acc[4][4];
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[nt][e] = 0.f;
+    const float2 sa = stats[ra], sb = stats[rb];
+    const XT* xa = reinterpret_cast<const XT*>(tile + ra * ldx) + t;
+    const XT* xb = reinterpret_cast<const XT*>(tile + rb * ldx) + t;
+#pragma unroll 2
+    for (int k0 = 0; k0 < C; k0 += 8) {
+      const float2 p0 = lnp[k0 + t], p1 = lnp[k0 + t + 4];
+      const uint32_t a[4] = {to_tf32(fmaf((to_float(xa[k0]) - sa.x) * sa.y, p0.x, p0.y)),
+                             to_tf32(fmaf((to_float(xb[k0]) - sb.x) * sb.y, p0.x, p0.y)),
+                             to_tf32(fmaf((to_float(xa[k0 + 4]) - sa.x) * sa.y, p1.x, p1.y)),
+                             to_tf32(fmaf((to_float(xb[k0 + 4]) - sb.x) * sb.y, p1.x, p1.y))};
+#pragma unroll
+      for (int np = 0; np < 2; ++np) {
+        uint32_t bw[4];
+        ldmatrix_x4(bw, w_lane + np * 16 * ldw + k0);
+        mma_tf32(acc[2 * np], a, bw[0], bw[1]);
+        mma_tf32(acc[2 * np + 1], a, bw[2], bw[3]);
+      }
+    }
+    const int64_t* of = offs + (st * 3) * R;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = half ? rb : ra;
+      const float mv = mvs[st * R + r];
+      const int64_t ao = of[R + r], bo = of[2 * R + r];
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt)
+        project_store_two(p, pair_out, wc * 32 + nt * 8 + 2 * t, acc[nt][2 * half], acc[nt][2 * half + 1], mv, ao, bo);
+    }
+  }
+  cp_async_wait_all();
+#else
+  target_lacks_instructions();
+#endif
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1663,21 +1918,22 @@ __global__ void __launch_bounds__((BM / TM) * (BN / TN))
 }
 
 // ---------------------------------------------------------------------------------------------
-// Pair mask counts (PairCountArgs): a 32 x 64 tile of (r, j) per block, the mask columns of the
-// tile staged through shared memory kPairSK steps of s at a time, the next step's values loaded
-// into registers while this step's are summed (a step's loads are one latency, not the kernel's
-// serial chain: at N = 256 the grid is 32 blocks); sums in order of s.
+// Pair mask counts (PairCountArgs): a kPairTR x kPairTJ tile of (r, j) per block, 4 x 4 per thread,
+// the mask columns of the tile staged through shared memory kPairSK steps of s at a time, the next
+// step's values loaded into registers while this step's are summed (a step's loads are one
+// latency, not the kernel's serial chain: at N = 256 the grid is 16 blocks); sums in order of s.
 // ---------------------------------------------------------------------------------------------
 
 __global__ void __launch_bounds__(kPairThreads) opm_pair_count_kernel(const PairCountArgs p) {
-  __shared__ float mi[kPairSK][kPairTR];
+  __shared__ __align__(16) float mi[kPairSK][kPairTR];
   __shared__ __align__(16) float mj[kPairSK][kPairTJ];
   constexpr int kLoadsI = kPairSK * kPairTR / kPairThreads, kLoadsJ = kPairSK * kPairTJ / kPairThreads;
   static_assert(kLoadsI * kPairThreads == kPairSK * kPairTR && kLoadsJ * kPairThreads == kPairSK * kPairTJ,
                 "whole loads per thread");
+  static_assert((kPairTR / 4) * (kPairTJ / 4) == kPairThreads, "4 x 4 sums per thread");
   const int b = blockIdx.z, r0 = blockIdx.y * kPairTR, j0 = blockIdx.x * kPairTJ;
   const int tid = threadIdx.x, tx = tid % (kPairTJ / 4), ty = tid / (kPairTJ / 4);
-  float acc[2][4] = {};
+  float acc[4][4] = {};
   float vi[kLoadsI], vj[kLoadsJ];
   auto load_step = [&](int s0) {
 #pragma unroll
@@ -1709,22 +1965,19 @@ __global__ void __launch_bounds__(kPairThreads) opm_pair_count_kernel(const Pair
     if (s0 + kPairSK < p.S) load_step(s0 + kPairSK);
 #pragma unroll 8
     for (int sl = 0; sl < kPairSK; ++sl) {
-      const float x0 = mi[sl][2 * ty], x1 = mi[sl][2 * ty + 1];
+      const float4 x = *reinterpret_cast<const float4*>(&mi[sl][4 * ty]);
       const float4 y = *reinterpret_cast<const float4*>(&mj[sl][4 * tx]);
-      acc[0][0] = fmaf(x0, y.x, acc[0][0]);
-      acc[0][1] = fmaf(x0, y.y, acc[0][1]);
-      acc[0][2] = fmaf(x0, y.z, acc[0][2]);
-      acc[0][3] = fmaf(x0, y.w, acc[0][3]);
-      acc[1][0] = fmaf(x1, y.x, acc[1][0]);
-      acc[1][1] = fmaf(x1, y.y, acc[1][1]);
-      acc[1][2] = fmaf(x1, y.z, acc[1][2]);
-      acc[1][3] = fmaf(x1, y.w, acc[1][3]);
+      const float xs[4] = {x.x, x.y, x.z, x.w}, ys[4] = {y.x, y.y, y.z, y.w};
+#pragma unroll
+      for (int rr = 0; rr < 4; ++rr)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) acc[rr][c] = fmaf(xs[rr], ys[c], acc[rr][c]);
     }
     __syncthreads();
   }
 #pragma unroll
-  for (int rr = 0; rr < 2; ++rr) {
-    const int r = r0 + 2 * ty + rr;
+  for (int rr = 0; rr < 4; ++rr) {
+    const int r = r0 + 4 * ty + rr;
     if (r >= p.rows) continue;
     float* dst = p.out + (int64_t(b) * p.rows + r) * p.N;
 #pragma unroll

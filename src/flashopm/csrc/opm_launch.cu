@@ -70,6 +70,7 @@ struct DriverLaunchApi {
   PFN_cuLaunchKernelEx_v11060 launch = nullptr;
   PFN_cuCtxGetCurrent_v4000 current_context = nullptr;
   PFN_cuGetErrorString_v6000 error_string = nullptr;
+  PFN_cuTensorMapEncodeTiled_v12000 encode_tiled = nullptr;  // the 16-bit kernel's pair form (may stay null)
 };
 
 // The driver library is the one the runtime has loaded already (dlopen hands back that copy);
@@ -83,6 +84,7 @@ const DriverLaunchApi& driver_launch_api() {
     a.current_context = reinterpret_cast<PFN_cuCtxGetCurrent_v4000>(dlsym(driver, "cuCtxGetCurrent"));
     a.error_string = reinterpret_cast<PFN_cuGetErrorString_v6000>(dlsym(driver, "cuGetErrorString"));
     if (a.launch == nullptr || a.current_context == nullptr || a.error_string == nullptr) a = DriverLaunchApi{};
+    a.encode_tiled = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(dlsym(driver, "cuTensorMapEncodeTiled"));
     return a;
   }();
   return api;
@@ -262,6 +264,24 @@ void launch_kernel(dim3 grid, dim3 block, size_t smem_bytes, cudaStream_t stream
   launch_kernel<Kernel, kSmem>(cfg, args...);
 }
 
+// The launch of a grid in clusters of cluster.x x cluster.y x cluster.z blocks (the grid a multiple
+// of it), attr holding its one attribute.
+cudaLaunchConfig_t cluster_config(dim3 grid, unsigned threads, int smem_bytes, cudaStream_t stream, dim3 cluster,
+                                  cudaLaunchAttribute* attr) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(threads);
+  cfg.dynamicSmemBytes = size_t(smem_bytes);
+  cfg.stream = stream;
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = cluster.x;
+  attr[0].val.clusterDim.y = cluster.y;
+  attr[0].val.clusterDim.z = cluster.z;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cfg;
+}
+
 // Calls f(TypeTag<T>{}) with T the element type of x (kMaskFloat, kMaskHalf or kMaskBFloat16).
 template <typename T>
 struct TypeTag {
@@ -408,7 +428,31 @@ void launch_project_rows_x(const PrepArgs& args, cudaStream_t stream) {
 }
 }  // namespace
 
+namespace {
+template <typename XT, int kStages>
+void launch_project_stream_s(const PrepArgs& args, cudaStream_t stream) {
+  constexpr auto kernel = opm_project_stream_kernel<XT, kStages>;
+  launch_kernel<kernel, SmemSetup::kOptInMaxCarveout>(unsigned(args.stream_blocks), kPsThreads,
+                                                      project_stream_smem_bytes(args.C, kStages), stream, args);
+}
+template <typename XT>
+void launch_project_stream(const PrepArgs& args, cudaStream_t stream) {
+  if constexpr (sizeof(XT) == 2) {
+    switch (args.stream_stages) {
+      case 2: return launch_project_stream_s<XT, 2>(args, stream);
+      case 3: return launch_project_stream_s<XT, 3>(args, stream);
+      case 4: return launch_project_stream_s<XT, 4>(args, stream);
+      default: break;
+    }
+  }
+  TORCH_CHECK(false, "flashopm: internal error: the streamed projection takes 16-bit x and 2 to ", kPsMaxStages,
+              " stages, got x kind ", args.x_kind, " and ", args.stream_stages, " stages");
+}
+}  // namespace
+
 void launch_project_rows(const PrepArgs& args, cudaStream_t stream) {
+  if (args.stream_blocks > 0)
+    return with_x_type(args.x_kind, [&](auto t) { launch_project_stream<typename decltype(t)::type>(args, stream); });
   with_x_type(args.x_kind, [&](auto t) { launch_project_rows_x<typename decltype(t)::type>(args, stream); });
 }
 
@@ -575,11 +619,111 @@ void launch_tc16_form(const OuterArgs& args, int form, const dim3& grid, int sme
 }
 }  // namespace
 
+namespace {
+// The launch of a clustered form's kernel: clusters of 1 x kCluster x 1 blocks along rows.
+template <int kCluster>
+cudaLaunchConfig_t tc16_cluster_config(dim3 grid, int smem, cudaStream_t stream, cudaLaunchAttribute (&attr)[1]) {
+  return cluster_config(grid, kTcThreads, smem, stream, dim3(1, kCluster, 1), attr);
+}
+
+template <typename T, int kCluster>
+int tc16_max_active_clusters(int dev, int smem) {
+  constexpr auto kernel = opm_outer_tc16_cluster_kernel<T, kCluster>;
+  allow_smem<kernel>(dev);
+  cudaLaunchAttribute attr[1];
+  const cudaLaunchConfig_t cfg = tc16_cluster_config<kCluster>(dim3(1, kCluster, 1), smem, nullptr, attr);
+  int n = 0;
+  if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess) {
+    (void)cudaGetLastError();  // not runnable with this configuration: report none
+    n = 0;
+  }
+  return n;
+}
+}  // namespace
+
+bool outer_tc16_cluster_available(int dev, int operand_kind, int cluster, int smem) {
+  if (driver_launch_api().encode_tiled == nullptr || (cluster != 2 && cluster != 4)) return false;
+  // Asked once per (device, operand type, cluster size, shared memory) for the kernel that would
+  // launch: whether a cluster fits at all depends on the GPU's partition into GPCs.
+  static std::mutex mu;
+  static std::map<std::array<int, 4>, int> cache;
+  const std::array<int, 4> key{dev, operand_kind == kMaskHalf ? 1 : 0, cluster, smem};
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache.find(key);
+  if (it == cache.end()) {
+    int n = 0;
+    if (operand_kind == kMaskHalf)
+      n = cluster == 4 ? tc16_max_active_clusters<__half, 4>(dev, smem) : tc16_max_active_clusters<__half, 2>(dev, smem);
+    else
+      n = cluster == 4 ? tc16_max_active_clusters<__nv_bfloat16, 4>(dev, smem)
+                       : tc16_max_active_clusters<__nv_bfloat16, 2>(dev, smem);
+    it = cache.emplace(key, n).first;
+  }
+  return it->second > 0;
+}
+
+namespace {
+// A 128-byte-swizzled tensor map of 16-bit elements (dims and boxes innermost first; strides in
+// bytes of every dimension past the first).
+void encode_map16(unsigned char (&out)[128], int operand_kind, const void* base, int rank, const cuuint64_t* dims,
+                  const cuuint64_t* strides, const cuuint32_t* box) {
+  static_assert(sizeof(CUtensorMap) == 128, "CUtensorMap is 128 bytes");
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = driver_launch_api().encode_tiled;
+  TORCH_CHECK(encode != nullptr,
+              "flashopm: the driver's cuTensorMapEncodeTiled was not found (the clustered forms need it)");
+  CUtensorMap map;
+  const cuuint32_t elem_strides[3] = {1, 1, 1};
+  const CUresult r = encode(&map, operand_kind == kMaskHalf ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                            cuuint32_t(rank), const_cast<void*>(base), dims, strides, box, elem_strides,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  TORCH_CHECK(r == CUDA_SUCCESS, "flashopm: cuTensorMapEncodeTiled failed (", int(r), ") for a tensor of rank ", rank,
+              " with inner dimension ", dims[0]);
+  std::memcpy(out, &map, sizeof(map));
+}
+
+template <typename T, int kCluster>
+void launch_tc16_clusters(const OuterArgs& args, int operand_kind, dim3 grid, int smem, cudaStream_t stream) {
+  // a (B, S, Na·H) and b (B, S, N·H) in boxes of kT16WgBK s x 64 columns; W in o_k_order as
+  // (D, H²) in boxes of kTcDG / kCluster rows of d x 64 k
+  Tc16Maps maps{};
+  const cuuint64_t NaH = cuuint64_t(args.Na) * args.H, NH = cuuint64_t(args.N) * args.H, S = cuuint64_t(args.S);
+  const cuuint64_t K2 = cuuint64_t(args.H) * args.H;
+  const cuuint32_t box_ab[3] = {64, cuuint32_t(kT16WgBK), 1}, box_w[2] = {64, cuuint32_t(kTcDG / kCluster)};
+  const cuuint64_t dims_a[3] = {NaH, S, cuuint64_t(args.B)}, strides_a[2] = {NaH * 2, S * NaH * 2};
+  const cuuint64_t dims_b[3] = {NH, S, cuuint64_t(args.B)}, strides_b[2] = {NH * 2, S * NH * 2};
+  const cuuint64_t dims_w[2] = {K2, cuuint64_t(args.D)}, strides_w[1] = {K2 * 2};
+  encode_map16(maps.a, operand_kind, args.a, 3, dims_a, strides_a, box_ab);
+  encode_map16(maps.b, operand_kind, args.b, 3, dims_b, strides_b, box_ab);
+  encode_map16(maps.w, operand_kind, args.w_blocked, 2, dims_w, strides_w, box_w);
+  // whole clusters: row tiles past Na copy their shares of b and W for their peers
+  grid.y = (grid.y + kCluster - 1) / kCluster * kCluster;
+  TORCH_CHECK(grid.y <= 65535, "flashopm: too many row tiles for one launch of the clustered form (", grid.y, ")");
+  cudaLaunchAttribute attr[1];
+  const cudaLaunchConfig_t cfg = tc16_cluster_config<kCluster>(grid, smem, stream, attr);
+  launch_kernel<opm_outer_tc16_cluster_kernel<T, kCluster>, SmemSetup::kOptIn>(cfg, args, maps);
+}
+template <typename T>
+void launch_tc16_clusters_of(const OuterArgs& args, int operand_kind, int cluster, dim3 grid, int smem,
+                             cudaStream_t stream) {
+  if (cluster == 4) return launch_tc16_clusters<T, 4>(args, operand_kind, grid, smem, stream);
+  launch_tc16_clusters<T, 2>(args, operand_kind, grid, smem, stream);
+}
+}  // namespace
+
 void launch_outer_tc16(const OuterArgs& args, int operand_kind, int form, cudaStream_t stream) {
   const int tj_block = args.Tj * kT16JSub;
   const dim3 grid(unsigned((args.N + tj_block - 1) / tj_block), unsigned((args.Na + args.Ti - 1) / args.Ti),
                   unsigned(args.B));
   const int smem = outer_tc16_smem_bytes(args.H, args.Ti, args.Tj, form);
+  if (const int cluster = tc16_form_cluster(form); cluster > 1) {
+    TORCH_CHECK(args.Ti * args.H == kTcMT && args.Tj * args.H == kTcNT && args.w_blocked != nullptr,
+                "flashopm: internal error: the clustered forms need whole tiles (Ti·H = ", kTcMT, ", Tj·H = ", kTcNT,
+                ") and W in blocks, got Ti ", args.Ti, ", Tj ", args.Tj, ", H ", args.H);
+    if (operand_kind == kMaskHalf)
+      return launch_tc16_clusters_of<__half>(args, operand_kind, cluster, grid, smem, stream);
+    return launch_tc16_clusters_of<__nv_bfloat16>(args, operand_kind, cluster, grid, smem, stream);
+  }
   if (operand_kind == kMaskHalf) launch_tc16_form<__half>(args, form, grid, smem, stream);
   else launch_tc16_form<__nv_bfloat16>(args, form, grid, smem, stream);
 }
@@ -684,18 +828,7 @@ namespace {
 
 cudaLaunchConfig_t small_config(dim3 grid, int cluster_size, int smem_bytes, cudaStream_t stream,
                                 cudaLaunchAttribute* attr) {
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = grid;
-  cfg.blockDim = dim3(kSmallThreads);
-  cfg.dynamicSmemBytes = size_t(smem_bytes);
-  cfg.stream = stream;
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = unsigned(cluster_size);
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  return cfg;
+  return cluster_config(grid, kSmallThreads, smem_bytes, stream, dim3(unsigned(cluster_size)), attr);
 }
 
 }  // namespace

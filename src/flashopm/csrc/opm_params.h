@@ -181,6 +181,10 @@ struct PrepArgs {
   // opm_prep_kernel (host side): launched as the previous kernel's programmatic dependent, so that
   // its blocks can be resident before that kernel ends (the kernel waits for it before any load)
   int after_previous;
+  // opm_project_stream_kernel (host side): its grid (0: the row-tiled kernel instead) and the
+  // stages of its ring of x tiles
+  int stream_blocks;
+  int stream_stages;
 };
 
 // Whether x is float16 or bfloat16 (PrepArgs::x_kind).
@@ -278,6 +282,35 @@ FLASHOPM_HD inline bool project_rows_block_allowed(int block_rows, int H, bool x
   if (block_rows == 64) return n_tiles % col_groups == 0;
   if (block_rows == 32) return n_tiles % col_groups == 0 && !x16;
   return false;
+}
+
+// opm_project_stream_kernel: the tensor-core form of opm_project_rows_kernel for 16-bit x, with the
+// same products in the same order, one persistent block per SM.  W (kPsCols outputs: a's H, then
+// b's, zero past 2H) stays in shared memory rounded to TF32, [kPsCols][C + 4] floats; x streams
+// through a ring of tiles of kPsRows rows, [kPsRows][project_stream_ldx(C)] bytes each, then
+// LayerNorm's (w, b) per feature, each row's (mean, rstd), and per stage each row's offsets of x,
+// a and b (int64) and mask value.
+constexpr int kPsThreads = 256;
+constexpr int kPsRows = 64;
+constexpr int kPsCols = 64;
+constexpr int kPsMaxStages = 4;
+// A staged row's bytes: 2C padded so that the stride is 4 (mod 8) words, which keeps the A
+// fragments' reads (8 rows at once) in distinct banks.
+FLASHOPM_HD constexpr int project_stream_ldx(int C) { return 2 * C + (C % 16 == 0 ? 16 : 32); }
+FLASHOPM_HD inline int64_t project_stream_smem_bytes(int C, int stages) {
+  const int64_t w = int64_t(kPsCols) * (C + 4) * 4;
+  const int64_t tiles = int64_t(stages) * kPsRows * project_stream_ldx(C);
+  const int64_t meta = int64_t(stages) * kPsRows * (3 * 8 + 4);
+  return tiles + w + int64_t(C) * 8 + kPsRows * 8 + meta;
+}
+// The stages opm_project_stream_kernel takes within `smem_limit` bytes of a block's opt-in (the
+// most that fit, at most kPsMaxStages, with 1 KB to spare for static shared memory), or 0 where it
+// does not apply: x 16-bit, 2H <= kPsCols, and two stages at least.
+FLASHOPM_HD inline int project_stream_stages(int C, int H, bool x16, int64_t smem_limit) {
+  if (!x16 || 2 * H > kPsCols || C < 1) return 0;
+  for (int st = kPsMaxStages; st >= 2; --st)
+    if (project_stream_smem_bytes(C, st) + 1024 <= smem_limit) return st;
+  return 0;
 }
 
 constexpr int kOuterThreads = 256;
@@ -392,8 +425,8 @@ struct OuterArgs {
   int out_kind;
   // pair (B, norm_rows, N): sum_s m[s, i_offset + r] m[s, j] at row r (OpenFold/Boltz conventions),
   // else null; row_den (B, norm_rows): max(sum_s m[s, i_offset + r], 1) (the 16-bit kernel,
-  // kNormRow).  norm_rows is Na, or N where one tensor serves every block of rows (its row 0 the
-  // block's first).
+  // kNormRow).  norm_rows is Na, or N (or a band's rows) where one tensor serves several blocks of
+  // rows (its row 0 the block's first).
   const float* pair;
   const float* row_den;
   int norm_rows;
@@ -583,11 +616,22 @@ enum Tc16Form : int {
   kT16MmaSyncHalfStages = 3,
   kT16MmaSyncNarrow = 4,
   kT16MmaSyncNarrowHalfStages = 5,
+  // both phases on wgmma in clusters of two (four) blocks along rows, the same column tiles: the
+  // stages and W's chunks come by tensor copies, each block's share of b and of W multicast to all
+  kT16WgmmaPair = 6,
+  kT16WgmmaQuad = 7,
 };
+// The blocks of a cluster in a form (1: not clustered), and the clustered form of kCluster blocks.
+FLASHOPM_HD constexpr int tc16_form_cluster(int form) {
+  return form == kT16WgmmaPair ? 2 : form == kT16WgmmaQuad ? 4 : 1;
+}
+FLASHOPM_HD constexpr int tc16_cluster_form(int cluster) { return cluster == 4 ? kT16WgmmaQuad : kT16WgmmaPair; }
 FLASHOPM_HD constexpr int tc16_form_bk(int form) {
   return form == kT16MmaSyncHalfStages || form == kT16MmaSyncNarrowHalfStages ? kT16BKSmall : kT16BK;
 }
-FLASHOPM_HD constexpr int tc16_form_nt(int form) { return form >= kT16MmaSyncNarrow ? kT16NTNarrow : kTcNT; }
+FLASHOPM_HD constexpr int tc16_form_nt(int form) {
+  return form == kT16MmaSyncNarrow || form == kT16MmaSyncNarrowHalfStages ? kT16NTNarrow : kTcNT;
+}
 // The mma.sync form of stage depth bk and phase-1 width nt.
 FLASHOPM_HD constexpr int tc16_mma_sync_form(int bk, int nt) {
   return nt == kTcNT ? (bk == kT16BK ? kT16MmaSync : kT16MmaSyncHalfStages)
@@ -597,6 +641,8 @@ FLASHOPM_HD constexpr int tc16_mma_sync_form(int bk, int nt) {
 // kT16Wg2Stages deep.
 constexpr int kT16Wg2ChunkBytes = kTcDG * 128;
 constexpr int kT16Wg2Stages = 4;
+// The clustered forms' mbarriers: phase 1's full and empty per stage, then W's per chunk stage.
+constexpr int kT16PairBarriers = 2 * kT16WgStages + 2 * kT16Wg2Stages;
 
 // Shared memory of the 16-bit kernel, in bytes: O ([Ti·Tj·kT16JSub][H² + 8] 16-bit) with the
 // phase-1 stages placed after the first column tile's O (the later tiles' O is written only once
@@ -615,7 +661,8 @@ FLASHOPM_HD inline Tc16Layout tc16_layout(int H, int Ti, int Tj, int form) {
   Tc16Layout L{};
   L.ldo = H * H + 8;
   int end;
-  if (form == kT16WgmmaBoth) {
+  const bool clustered = tc16_form_cluster(form) > 1;
+  if (form == kT16WgmmaBoth || clustered) {
     const int o_tile = Ti * Tj * H * H * 2;
     L.stages = round_up1k(o_tile);
     L.w = round_up1k(kT16JSub * o_tile);
@@ -636,9 +683,18 @@ FLASHOPM_HD inline Tc16Layout tc16_layout(int H, int Ti, int Tj, int form) {
     if (end < stages_end) end = stages_end;
   }
   L.rows = end;  // 16-byte aligned
-  L.total = L.rows + kT16RoundRows * 12 + (form == kT16WgmmaBoth ? 1024 : 0);
+  L.total = L.rows + kT16RoundRows * 12 + (form == kT16WgmmaBoth || clustered ? 1024 : 0) +
+            (clustered ? kT16PairBarriers * 8 : 0);
   return L;
 }
+// The clustered forms' tensor maps (CUtensorMap's 128 bytes each): a as (B, S, Na·H), b as (B, S,
+// N·H) (boxes of 32 s x 64 columns), W in o_k_order as (D, H²) (boxes of kTcDG / cluster rows of d x
+// 64 k: a block's share), all swizzled by 128 bytes as the stages are.
+struct Tc16Maps {
+  alignas(64) unsigned char a[128];
+  alignas(64) unsigned char b[128];
+  alignas(64) unsigned char w[128];
+};
 // The form of the 16-bit kernel for a tile when `requested` is asked for.
 FLASHOPM_HD inline int tc16_form(int Ti, int Tj, int requested) {
   if (requested == kT16WgmmaBoth && (Ti * Tj * kT16JSub) % kT16RoundRows != 0) return kT16WgmmaPhase1;
@@ -667,7 +723,7 @@ struct PairCountArgs {
   int B, S, N, rows, row0;
 };
 constexpr int kPairThreads = 256;
-constexpr int kPairTR = 32;  // rows r per block (2 per thread)
+constexpr int kPairTR = 64;  // rows r per block (4 per thread)
 constexpr int kPairTJ = 64;  // columns j per block (4 per thread)
 constexpr int kPairSK = 32;  // steps of s per stage
 
@@ -693,6 +749,10 @@ void launch_prep(const PrepArgs& args, bool project_w, int rows_per_warp, int wa
 bool prep_whole_weights_apply(const PrepArgs& args, bool project_w, int rows_per_warp);
 // opm_project_rows_kernel over all B * S * N rows (project_w = false layouts)
 void launch_project_rows(const PrepArgs& args, cudaStream_t stream);
+// Whether the 16-bit kernel's clustered form of `cluster` blocks (2 or 4) can run on device `dev`
+// for operands of operand_kind with `smem` bytes of shared memory a block: the driver's tensor-map
+// encoder found, and such a cluster fits.
+bool outer_tc16_cluster_available(int dev, int operand_kind, int cluster, int smem);
 int project_rows_smem_bytes(const PrepArgs& args);
 // opm_project_rows_kernel's TF32 terms per product: 0 for its FMA form (x not in 16-byte vectors,
 // or FLASHOPM_PROJECTION_MMA=0), 1 for 16-bit x, else PrepArgs::mma_terms.

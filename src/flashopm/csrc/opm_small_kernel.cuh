@@ -20,20 +20,6 @@
 namespace flashopm {
 
 
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-// Split cluster barrier: arrive early (nothing to publish), wait just before the first remote
-// access, so that the wait for peers to start costs nothing.
-__device__ __forceinline__ void cluster_arrive_relaxed() {
-  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory"); }
-// Full barrier: remote stores before it are visible to every block of the cluster after it.
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
-  asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-}
-#endif
-
 // C[m][n] = sum_k At[k][m] · Bk[k][n] over a block of kSmallThreads threads, in 4×4 register
 // tiles.  Operands in shared memory: tile (tm, tn) reads a float4 at ptrs.a + k·lda, and its
 // four B values at ptrs.b + k·ldb (+ c·b_gather when b_gather != 0, else one float4): the
@@ -362,7 +348,7 @@ __global__ void __launch_bounds__(kSmallThreads, 1) opm_small_kernel(const Small
         }
       }
       cp_async_wait_all();
-      cluster_sync();
+      cluster_barrier();
       if (!has_rows) return;
     }
     GemmShape g;

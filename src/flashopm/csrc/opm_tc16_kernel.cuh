@@ -25,18 +25,37 @@ namespace flashopm {
 
 // kBK, kNT: s per stage and phase 1's columns (j, h2) in the mma.sync form (kT16BK and kTcNT;
 // kT16BKSmall and kT16NTNarrow on GPUs with less shared memory; kNT >= Tj·H).
-template <typename T, bool kWgmma, bool kWgmmaBoth, int kBK = kT16BK, int kNT = kTcNT>
-__global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const OuterArgs p) {
+// kCluster > 1 (with kWgmmaBoth; full tiles: Ti·H = kTcMT, Tj·H = kTcNT): the block is one of a
+// cluster of kCluster (2 or 4) along rows, the same column tiles, and its stages and W's chunks
+// come by tensor copies (maps): each block copies its own a, and its share (1 / kCluster) of
+// every b stage and every W chunk to all the cluster's blocks (multicast), so that b and W cross
+// L2 once per cluster.  A stage's "full" mbarrier counts the bytes from every block; its "empty"
+// mbarrier one arrival from each block once its warpgroups have retired the stage's products,
+// before any refills it.  Thread 0 issues the copies: a stage the consumers are about to wait for
+// with a wait for its buffer's release, later ones only where every block has released it already,
+// so that a block ahead of its peers keeps multiplying the stages it has instead of waiting for
+// them.  The same products in the same order as without: the same bits.
+template <typename T, bool kWgmma, bool kWgmmaBoth, int kBK, int kNT, int kCluster>
+__device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Maps* maps) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  constexpr bool kPair = kCluster > 1;
   static_assert(kWgmma || !kWgmmaBoth, "phase 2 on wgmma needs phase 1 on wgmma");
+  static_assert(kWgmmaBoth || !kPair, "the clustered forms have both phases on wgmma");
+  static_assert(kCluster == 1 || kCluster == 2 || kCluster == 4, "clusters of 2 or 4 blocks");
+  // each block's share of b's column groups and of W's rows of d, and the multicast to every block
+  constexpr int kBGroupsShare = kTcNT / 64 / kCluster, kWRowsShare = kTcDG / kCluster;
+  [[maybe_unused]] constexpr uint16_t kClusterMask = uint16_t((1u << kCluster) - 1);
   static_assert(kBK == kT16BK || (kBK == kT16BKSmall && !kWgmma), "half stages for the mma.sync form alone");
   static_assert(kNT == kTcNT || (kNT == kT16NTNarrow && !kWgmma), "a narrower phase 1 for the mma.sync form alone");
   extern __shared__ float4 smem_f4[];
   char* smem = reinterpret_cast<char*>(smem_f4);
   if constexpr (kWgmmaBoth)  // the swizzle follows address bits 4-9: every tile from a 1 KB boundary
     smem = align_smem_1k(smem);
-  const Tc16Layout L =
-      tc16_layout(p.H, p.Ti, p.Tj, kWgmmaBoth ? kT16WgmmaBoth : kWgmma ? kT16WgmmaPhase1 : tc16_mma_sync_form(kBK, kNT));
+  const Tc16Layout L = tc16_layout(p.H, p.Ti, p.Tj,
+                                   kPair        ? tc16_cluster_form(kCluster)
+                                   : kWgmmaBoth ? kT16WgmmaBoth
+                                   : kWgmma     ? kT16WgmmaPhase1
+                                                : tc16_mma_sync_form(kBK, kNT));
   T* Os = reinterpret_cast<T*>(smem);                  // [P][ldo]
   T* stages = reinterpret_cast<T*>(smem + L.stages);   // mma.sync: [kT16Stages][BK][LdA + LdB]
   T* Wst = reinterpret_cast<T*>(smem + L.w);           // [kT16WStages][DG][LdW]
@@ -47,7 +66,19 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
   const int P = P1 * kT16JSub;     // pairs of the block, column tile by column tile
   const int b = blockIdx.z;
   int col_tile, row_tile;
-  grouped_tile(col_tile, row_tile);
+  // kPair: this block's rank in its cluster (row tile kCluster·group + rank)
+  [[maybe_unused]] unsigned rank = 0;
+  [[maybe_unused]] uint64_t* bars = nullptr;  // kPair: full[kT16WgStages], empty[..], W's full[kT16Wg2Stages], empty[..]
+  if constexpr (kPair) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    rank = cluster_rank();
+#endif
+    int row_group;
+    grouped_tile_of(blockIdx.x, blockIdx.y / kCluster, gridDim.x, gridDim.y / kCluster, col_tile, row_group);
+    row_tile = kCluster * row_group + int(rank);
+  } else {
+    grouped_tile(col_tile, row_tile);
+  }
   const int i0 = row_tile * Ti, j0 = col_tile * Tj * kT16JSub;  // i0 local to this row block
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;   // accumulator coordinates (PTX: groupID, threadID_in_group)
@@ -58,6 +89,36 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
   const T* w_g = static_cast<const T*>(p.w_out);
   // this tile's row denominators (kNormRow): row i0 + il at row_den[il]
   const float* row_den = p.row_den ? p.row_den + int64_t(b) * p.norm_rows + i0 : nullptr;
+  if constexpr (kPair) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    bars = reinterpret_cast<uint64_t*>(smem + L.rows + kT16RoundRows * 12);
+    if (tid == 0) {
+      for (int i = 0; i < kT16WgStages; ++i) {
+        mbarrier_init(bars + i, 1);                        // this block's arrival with the bytes
+        mbarrier_init(bars + kT16WgStages + i, kCluster);  // each block's release
+      }
+      for (int i = 0; i < kT16Wg2Stages; ++i) {
+        mbarrier_init(bars + 2 * kT16WgStages + i, 1);
+        mbarrier_init(bars + 2 * kT16WgStages + kT16Wg2Stages + i, kCluster);
+      }
+    }
+    cluster_barrier();  // every block's mbarriers set up before any copies to another
+#endif
+  }
+  // kPair (thread 0): this block's share of W's chunk kc (k from 64·kc) for rows of d from dg,
+  // into buffer wq % kT16Wg2Stages of every block, counted on its W full mbarrier (the caller has
+  // seen that buffer released by every block)
+  [[maybe_unused]] auto copy_w_share = [&](int dg, int kc, int wq) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    uint64_t* w_full = bars + 2 * kT16WgStages + wq % kT16Wg2Stages;
+    mbarrier_arrive_expect_tx(w_full, kT16Wg2ChunkBytes);
+    const uint32_t w_addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem + L.w));
+    tma_load_2d_mc(w_addr + uint32_t((wq % kT16Wg2Stages) * kT16Wg2ChunkBytes + int(rank) * kWRowsShare * 128), maps->w,
+                   kc * 64, dg + int(rank) * kWRowsShare, w_full, kClusterMask);
+#endif
+  };
+  // kPair: W's chunks of the first round issued at the end of phase 1, before the last O store
+  [[maybe_unused]] const int w_early = min(kT16Wg2Stages - 2, p.H * p.H / 64);
 
   // ---------------- phase 1 ----------------
   const int a_lim = min(Ti * H, (p.Na - i0) * H);  // valid columns of the tile (multiples of 8)
@@ -133,10 +194,50 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
       }
       issue_buf = issue_buf + 1 == kT16WgStages ? 0 : issue_buf + 1;
     };
+    // kPair (thread 0): stage q_issue of the sequence (tile q / n_k, s from (q % n_k)·kT16WgBK)
+    // into buffer q % kT16WgStages once every block has released that buffer's previous stage
+    // (waiting for that when `wait`, else only if it has): this block's a, and its share of b's
+    // column groups to every block.  Returns whether it issued; nothing past the last stage.
+    [[maybe_unused]] int q_issue = 0;
+    [[maybe_unused]] const uint32_t stages_addr = static_cast<uint32_t>(__cvta_generic_to_shared(wg_stages));
+    [[maybe_unused]] auto issue_pair_stage = [&](bool wait) -> bool {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+      if (q_issue < kT16JSub * n_k) {
+        const int buf = q_issue % kT16WgStages, use = q_issue / kT16WgStages;
+        if (use > 0) {
+          uint64_t* empty = bars + kT16WgStages + buf;
+          if (wait) mbarrier_wait_parity(empty, (use - 1) & 1);
+          else if (!mbarrier_test_parity(empty, (use - 1) & 1)) return false;
+        }
+        uint64_t* full = bars + buf;
+        mbarrier_arrive_expect_tx(full, kT16WgStageBytes);
+        const int js = q_issue / n_k, s0 = (q_issue - js * n_k) * kT16WgBK;
+        const int jt0 = j0 + js * Tj;
+        const uint32_t st = stages_addr + uint32_t(buf * kT16WgStageBytes);
 #pragma unroll
-    for (int st = 0; st < kT16WgAhead; ++st) {
-      issue_stage();
-      cp_async_commit();
+        for (int grp = 0; grp < kTcMT / 64; ++grp)
+          tma_load_3d(st + grp * kT16WgGroupBytes, maps->a, i0 * H + grp * 64, s0, b, full);
+#pragma unroll
+        for (int share = 0; share < kBGroupsShare; ++share) {
+          const int grp = int(rank) * kBGroupsShare + share;
+          tma_load_3d_mc(st + kT16WgABytes + grp * kT16WgGroupBytes, maps->b, jt0 * H + grp * 64, s0, b, full,
+                         kClusterMask);
+        }
+        ++q_issue;
+        return true;
+      }
+#endif
+      return false;
+    };
+    if constexpr (kPair) {
+      if (tid == 0)
+        for (int st = 0; st < kT16WgAhead; ++st) issue_pair_stage(false);  // first uses: no release to wait for
+    } else {
+#pragma unroll
+      for (int st = 0; st < kT16WgAhead; ++st) {
+        issue_stage();
+        cp_async_commit();
+      }
     }
     // Stage 0's descriptors; another stage's or k step's differ in the start address alone, whose
     // field (address / 16, 14 bits) holds every shared address without carrying into the next.
@@ -147,13 +248,32 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
 #pragma unroll
       for (int e = 0; e < 128; ++e) acc[e] = 0.f;
       for (int kt = 0; kt < n_k; ++kt) {
-        cp_async_wait<kT16WgAhead - 1>();
-        fence_proxy_async_smem();  // this thread's copies, visible to the tensor cores' reads
-        __syncthreads();
-        // The stage refilled now was last read by the group two stages back, which every
-        // warpgroup retired before the barrier (one group stays in flight).
-        issue_stage();
-        cp_async_commit();
+        if constexpr (kPair) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+          const int q = js * n_k + kt;
+          // stage q issued before waiting for its bytes (here only if no earlier probe found its
+          // buffer released by every block), and the later stages whose buffers are free by now
+          // (released up to stage q - 3 so far)
+          if (tid == 0) {
+            while (q_issue <= q) issue_pair_stage(true);
+            while (q_issue <= q + kT16WgAhead - 1 && issue_pair_stage(false)) {
+            }
+          }
+          mbarrier_wait_parity_suspend(bars + read_buf, (q / kT16WgStages) & 1);  // stage q's bytes, from every block
+          __syncthreads();  // every warpgroup has retired stage q - 2's products (one group in flight)
+          // stage q - 2's buffer released at once, so that the peers' refills need not wait for
+          // this block's products to be issued
+          if (tid == 0 && q >= 2) release_to_cluster<kCluster>(bars + kT16WgStages + (q - 2) % kT16WgStages, rank);
+#endif
+        } else {
+          cp_async_wait<kT16WgAhead - 1>();
+          fence_proxy_async_smem();  // this thread's copies, visible to the tensor cores' reads
+          __syncthreads();
+          // The stage refilled now was last read by the group two stages back, which every
+          // warpgroup retired before the barrier (one group stays in flight).
+          issue_stage();
+          cp_async_commit();
+        }
         const uint64_t stage_off = uint64_t(read_buf * (kT16WgStageBytes >> 4));
         read_buf = read_buf + 1 == kT16WgStages ? 0 : read_buf + 1;
         wgmma_fence();
@@ -161,12 +281,33 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
         for (int kk = 0; kk < kT16WgBK / 16; ++kk)
           wgmma_m64n256k16<T>(acc, desc_a0 + stage_off + kk * (2048 >> 4), desc_b0 + stage_off + kk * (2048 >> 4));
         wgmma_commit();
+        // (kPair, while this stage's products run: the stages whose buffers every block has
+        // released, up to the one released above)
+        if constexpr (kPair)
+          if (tid == 0)
+            while (q_issue <= js * n_k + kt + kT16WgAhead && issue_pair_stage(false)) {
+            }
         wgmma_wait<1>();
       }
       wgmma_wait<0>();
       if (js + 1 == kT16JSub) {
-        cp_async_wait_all();
+        // (kPair: every stage's bytes from every block have arrived: nothing more is copied here)
+        if constexpr (!kPair) cp_async_wait_all();
         __syncthreads();  // every warp done with the stages: the last tile's O overlays them
+        if constexpr (kPair) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+          // This block's stages retired: once every block's are, the first round's W chunks may
+          // land in the buffers over them (not over this O, below them), so thread 0 issues them
+          // now and their copies run beside the O store; the other warps complete the wait at
+          // phase 2's start.
+          cluster_arrive();
+          if (warp == 0) {
+            cluster_wait();
+            if (lane == 0)
+              for (int kc = 0; kc < w_early; ++kc) copy_w_share(0, kc, kc);
+          }
+#endif
+        }
       }
 
       // O as [pair][h1·H + h2], pair = js·P1 + il·Tj + jl, rounded to T.  Column 8j + 2(lane%4)
@@ -347,7 +488,9 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
 
   const int K2 = H * H;
   // Output rows and normaliser arguments of the round of pairs r0 .. r0 + kT16RoundRows (pair
-  // js·P1 + il·Tj + jl), for store_round.
+  // js·P1 + il·Tj + jl), for store_round.  Staged at the round's start, once its first W chunks
+  // are on their way: the denominators' or pair counts' loads (from L2 or memory) then wait
+  // beside those chunks instead of before the epilogue.
   auto stage_round_rows = [&](int r0) {
     if (tid < kT16RoundRows) {
       const int pr = r0 + tid;
@@ -369,6 +512,11 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
     // This thread's pieces of a chunk: rows d = tid/8 + 32u, 16-byte piece tid % 8 of the row.
     const int wc = tid & 7, wr = tid >> 3;
     const uint32_t w_dst = kmajor_sw128_offset(wr, wc * 8, 1024);  // rows wr + 32u: + 4 KB each
+    // kPair: W's chunks in one sequence over every group of d and round (wq), buffer wq %
+    // kT16Wg2Stages; each block copies its share of the chunk's rows of d to every block.
+    [[maybe_unused]] int w_base = 0;
+    [[maybe_unused]] uint64_t* w_full = bars + 2 * kT16WgStages;
+    [[maybe_unused]] uint64_t* w_empty = w_full + kT16Wg2Stages;
     for (int dg = 0; dg < D; dg += kTcDG) {
       bool d_ok[kTcDG / 32];
 #pragma unroll
@@ -386,39 +534,112 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
             w_src += 64;
           }
         };
-        __syncthreads();  // O written / the previous round's partial sums consumed
+        // (kPair, thread 0) chunk kc_issue of this round to every block once every block has
+        // released its buffer's previous chunk (waiting for that when `wait`, else only if it
+        // has); returns whether it issued, nothing past the round's last chunk
+        // (the first round's first w_early chunks were issued at the end of phase 1)
+        const bool first_round = dg == 0 && r0 == 0;
+        [[maybe_unused]] int kc_issue = kPair && first_round ? w_early : 0;
+        [[maybe_unused]] auto issue_w_pair = [&](bool wait) -> bool {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+          if (kc_issue < n_kc) {
+            const int wq = w_base + kc_issue, buf = wq % kT16Wg2Stages, use = wq / kT16Wg2Stages;
+            if (use > 0) {
+              if (wait) mbarrier_wait_parity(w_empty + buf, (use - 1) & 1);
+              else if (!mbarrier_test_parity(w_empty + buf, (use - 1) & 1)) return false;
+            }
+            copy_w_share(dg, kc_issue, wq);
+            ++kc_issue;
+            return true;
+          }
+#endif
+          return false;
+        };
+        [[maybe_unused]] auto release_w = [&](int wq) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+          release_to_cluster<kCluster>(w_empty + wq % kT16Wg2Stages, rank);
+#endif
+        };
+        if constexpr (kPair) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+          fence_proxy_async_smem();  // O, visible to the tensor cores
+          if (first_round) {
+            // (the wait warp 0 made at the end of phase 1; then every warp's O stored)
+            if (warp != 0) cluster_wait();
+            __syncthreads();
+          } else {
+            // every block past the previous round's sums (W's buffers overlay them): the peers'
+            // copies may land here from now on
+            cluster_barrier();
+          }
+          if (tid == 0)
+            while (kc_issue < kT16Wg2Stages - 2 && issue_w_pair(true)) {
+            }
+#endif
+        } else {
+          __syncthreads();  // O written / the previous round's partial sums consumed
 #pragma unroll
-        for (int kc = 0; kc < kT16Wg2Stages - 2; ++kc) {
-          issue_w(kc);
-          cp_async_commit();
+          for (int kc = 0; kc < kT16Wg2Stages - 2; ++kc) {
+            issue_w(kc);
+            cp_async_commit();
+          }
         }
+        stage_round_rows(r0);
         float acc2[32];
 #pragma unroll
         for (int e = 0; e < 32; ++e) acc2[e] = 0.f;
         const char* o_round = smem + (r0 >> 3) * o_sbo;
         for (int kc = 0; kc < n_kc; ++kc) {
-          cp_async_wait<kT16Wg2Stages - 3>();
-          fence_proxy_async_smem();  // this thread's copies (and O), visible to the tensor cores
-          __syncthreads();
-          // The stage refilled now was last read by the group of chunk kc - 2, which every
-          // warpgroup retired before the barrier (one group stays in flight).
-          issue_w(kc + kT16Wg2Stages - 2);
-          cp_async_commit();
-          const char* st = w_st + (kc % kT16Wg2Stages) * kT16Wg2ChunkBytes + wg * 64 * 128;
+          int buf = kc % kT16Wg2Stages;
+          if constexpr (kPair) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+            const int wq = w_base + kc;
+            buf = wq % kT16Wg2Stages;
+            if (tid == 0) {  // as in phase 1: chunk kc, then the free ones (released up to kc - 3)
+              while (kc_issue <= kc) issue_w_pair(true);
+              while (kc_issue <= kc + kT16Wg2Stages - 3 && issue_w_pair(false)) {
+              }
+            }
+            mbarrier_wait_parity_suspend(w_full + buf, (wq / kT16Wg2Stages) & 1);
+            __syncthreads();  // every warpgroup has retired chunk kc - 2's products
+            if (tid == 0 && kc >= 2) release_w(wq - 2);
+#endif
+          } else {
+            cp_async_wait<kT16Wg2Stages - 3>();
+            fence_proxy_async_smem();  // this thread's copies (and O), visible to the tensor cores
+            __syncthreads();
+            // The stage refilled now was last read by the group of chunk kc - 2, which every
+            // warpgroup retired before the barrier (one group stays in flight).
+            issue_w(kc + kT16Wg2Stages - 2);
+            cp_async_commit();
+          }
+          const char* st = w_st + buf * kT16Wg2ChunkBytes + wg * 64 * 128;
           wgmma_fence();
 #pragma unroll
           for (int kk = 0; kk < 4; ++kk)
             wgmma_m64n64k16_kmajor<T>(acc2, wgmma_desc(st + kk * 32, 16, 1024),
                                       wgmma_desc(o_round + kc * 1024 + kk * 32, 16, o_sbo));
           wgmma_commit();
+          if constexpr (kPair)
+            if (tid == 0)
+              while (kc_issue <= kc + kT16Wg2Stages - 2 && issue_w_pair(false)) {
+              }
           wgmma_wait<1>();
         }
         wgmma_wait<0>();
-        cp_async_wait_all();
-        __syncthreads();  // every W read done: the stage area takes the sums
+        if constexpr (kPair) {
+          __syncthreads();  // every W read done: the stage area takes the sums
+          // the round's last chunks released (the next round's copies wait for the cluster
+          // barrier at its start as well, so the sums below are safe from them)
+          if (tid == 0)
+            for (int kc = n_kc - 2 < 0 ? 0 : n_kc - 2; kc < n_kc; ++kc) release_w(w_base + kc);
+          w_base += n_kc;
+        } else {
+          cp_async_wait_all();
+          __syncthreads();  // every W read done: the stage area takes the sums
+        }
         float* red = reinterpret_cast<float*>(w_st);  // [64 pairs][kTcDG + 4]
         constexpr int kRedLd = kTcDG + 4;
-        stage_round_rows(r0);
         // acc2: rows d = 64wg + 16wl + g (+8), columns (pairs) 8j + 2t (+1)
 #pragma unroll
         for (int j = 0; j < 8; ++j)
@@ -431,6 +652,11 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
         __syncthreads();
         store_round<kT16RoundRows, true>(p, red, kRedLd, row_off, norm_arg, dg, tid, kTcThreads);
       }
+    }
+    if constexpr (kPair) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+      cluster_barrier();  // the peer's last arrivals on this block's mbarriers made before it exits
+#endif
     }
     return;
   }
@@ -476,6 +702,7 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
         issue_w(st, dg);
         cp_async_commit();
       }
+      stage_round_rows(r0);
       for (int kc = 0; kc < n_kc; ++kc) {
         cp_async_wait<kT16WStages - 2>();
         __syncthreads();
@@ -498,11 +725,26 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
       // The two k halves' sums meet in shared memory, next to each pair's output row.
       float* red = reinterpret_cast<float*>(Wst);  // [64 pairs][kTcDG + 4]
       constexpr int kRedLd = kTcDG + 4;
-      stage_round_rows(r0);
       sum_k_halves<4>(red, kRedLd, acc2, kh, dw * 32, g, t);
       store_round<kT16RoundRows, true>(p, red, kRedLd, row_off, norm_arg, dg, tid, kTcThreads);
     }
   }
+#else
+  target_lacks_instructions();
+#endif
+}
+
+template <typename T, bool kWgmma, bool kWgmmaBoth, int kBK = kT16BK, int kNT = kTcNT>
+__global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const OuterArgs p) {
+  outer_tc16_body<T, kWgmma, kWgmmaBoth, kBK, kNT, 1>(p, nullptr);
+}
+
+// The clustered forms (kT16WgmmaPair, kT16WgmmaQuad): launched in clusters of 1 x kCluster x 1 blocks.
+template <typename T, int kCluster>
+__global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_cluster_kernel(const OuterArgs p,
+                                                                               const __grid_constant__ Tc16Maps maps) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  outer_tc16_body<T, true, true, kT16BK, kTcNT, kCluster>(p, &maps);
 #else
   target_lacks_instructions();
 #endif

@@ -1073,6 +1073,17 @@ __device__ __forceinline__ void outer_tc_tile(const OuterArgs& p, int wave_b, in
   }
 
   const int K2 = H * H;
+  // Output rows and normaliser arguments of the round of pairs r0 .. r0 + kTcRoundRows, for
+  // store_round.  Staged at the round's start, once its first W chunks are on their way: the pair
+  // counts' loads (from L2 or memory) then wait beside those chunks instead of before the epilogue.
+  auto stage_round_rows = [&](int r0) {
+    if (tid < kTcRoundRows) {
+      const int pr = r0 + tid;
+      const int il = pr / Tj, jl = pr - il * Tj;
+      stage_pair_row<false>(p, tid, pr < P && i0 + il < p.Na && j0 + jl < N, b, i0, il, j0, jl, N, D, den_s,
+                            row_off, norm_arg);
+    }
+  };
   if constexpr (kWgmma2) {
     // ---------------- phase 2 on wgmma: out[(i,j), d]ᵀ = W · Oᵀ, warpgroup wg taking d 64wg .. 64wg+63
     // of each group of kTcDG, a round of kTcRoundRows pairs at a time.  W comes rounded to TF32
@@ -1107,6 +1118,7 @@ __device__ __forceinline__ void outer_tc_tile(const OuterArgs& p, int wave_b, in
           issue_w(kc);
           cp_async_commit();
         }
+        stage_round_rows(r0);
         float acc2[16], part2[16];
 #pragma unroll
         for (int e = 0; e < 16; ++e) acc2[e] = part2[e] = 0.f;
@@ -1153,12 +1165,6 @@ __device__ __forceinline__ void outer_tc_tile(const OuterArgs& p, int wave_b, in
         __syncthreads();  // every W read done: the stage area takes the sums
         float* red = reinterpret_cast<float*>(w_st);  // [kTcRoundRows pairs][kTcDG + 4]
         constexpr int kRedLd = kTcDG + 4;
-        if (tid < kTcRoundRows) {
-          const int pr = r0 + tid;
-          const int il = pr / Tj, jl = pr - il * Tj;
-          stage_pair_row<false>(p, tid, pr < P && i0 + il < p.Na && j0 + jl < N, b, i0, il, j0, jl, N, D,
-                       den_s, row_off, norm_arg);
-        }
         // acc2: rows d = 64wg + 16(warp % 4) + g (+8), columns (pairs) 8j + 2t (+1)
         if constexpr (kHalfSplit) {
           // the scales out: 2^-(o_exp + a's exponent of row i + b's of column j + W's of row d)
@@ -1239,6 +1245,7 @@ __device__ __forceinline__ void outer_tc_tile(const OuterArgs& p, int wave_b, in
         if (st < n_kc) load_w(st, dg, st * kKC);
         cp_async_commit();
       }
+      stage_round_rows(r0);
       for (int kc = 0; kc < n_kc; ++kc) {
         cp_async_wait<kTcWStages - 2>();
         __syncthreads();
@@ -1287,12 +1294,6 @@ __device__ __forceinline__ void outer_tc_tile(const OuterArgs& p, int wave_b, in
       __syncthreads();  // all W reads done: the stage area takes the partial sums
       float* red = Wst;  // [32 pairs][kTcDG + 4]
       constexpr int kRedLd = kTcDG + 4;
-      if (tid < kTcRoundRows) {
-        const int pr = r0 + tid;
-        const int il = pr / Tj, jl = pr - il * Tj;
-        stage_pair_row<false>(p, tid, pr < P && i0 + il < p.Na && j0 + jl < N, b, i0, il, j0, jl, N, D,
-                     den_s, row_off, norm_arg);
-      }
       sum_k_halves<2>(red, kRedLd, acc2, kh, dw * 32, g, t);
       store_round<kTcRoundRows, false>(p, red, kRedLd, row_off, norm_arg, dg, tid, kTcThreads);
     }
