@@ -36,7 +36,7 @@
 # steps.txt lists each step's exit status; a failing test step stops the call.
 OUT=$1
 PHASE=${2:-default}
-case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows | bf16 | clusters | bf16_clusters | ncu_clusters) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all, own_rows, bf16, clusters, bf16_clusters or ncu_clusters, got '$PHASE'" >&2; exit 2 ;; esac
+case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows | bf16 | clusters | bf16_clusters | ncu_clusters | land) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all, own_rows, bf16, clusters, bf16_clusters, ncu_clusters or land, got '$PHASE'" >&2; exit 2 ;; esac
 R=$OUT/r
 mkdir -p "$R"
 pack() { tar -C "$OUT" -czf "$OUT/r.tgz" r; [ -n "$DEST" ] && cp "$OUT/r.tgz" "$DEST/"; }
@@ -277,12 +277,12 @@ fi
 
 if [ "$PHASE" = bf16 ]; then
   # the streamed projection (16-bit x) and the pair counts' 4 x 4 sums: their tests, the projection
-  # paired against FLASHOPM_PROJECT_STREAM=0, each convention's bfloat16 time by kernel, the
+  # paired against FLASHOPM_PROJECT_STREAM=1, each convention's bfloat16 time by kernel, the
   # bfloat16 rows of issues 4 and 6 beside their peers, then the contraction under Nsight Compute
   # (~7 min with the build)
   T t_stream 120 $py -m pytest -x -q -p no:cacheprovider tests/test_cuda.py -k "streamed_projection or block_rows or tiled_projection or half_precision"
   T t_conv 200 $py -m pytest -q -p no:cacheprovider tests/test_conventions.py tests/test_modules.py
-  T ab_stream 60 $py scripts/ab_env.py FLASHOPM_PROJECT_STREAM=0 1,512,1536,256,32,128 1,512,768,256,32,128 --dtype bfloat16 --mode forward --calls 8
+  T ab_stream 60 $py scripts/ab_env.py FLASHOPM_PROJECT_STREAM=1 1,512,1536,256,32,128 1,512,768,256,32,128 --dtype bfloat16 --mode forward --calls 8
   T conv_bf16 90 $py scripts/convention_times.py 1536 row openfold boltz bfloat16 kernels
   bench_bf16
   for mod in openfold boltz; do
@@ -299,8 +299,8 @@ fi
 if [ "$PHASE" = bf16_clusters ]; then
   # the streamed projection and the clustered forms in one call: the conventions' tests and the
   # bounds' (the epilogue's rows staged early, the bands' pair counts: a failure stops the call),
-  # the streamed projection's (a failure turns it off for the rest) and the clustered forms' (a
-  # failure or hang leaves them out); clusters of four paired against none (two where four lose,
+  # the streamed projection's (on request since run 326) and the clustered forms' (a failure or
+  # hang leaves them out); clusters of four paired against none (two where four lose,
   # none where both do, unless CLUSTER names the size), then issue 6's bfloat16 rows beside eager
   # and torch.compile in the clusters that won, each convention's time by kernel under the memory
   # bound and without, and the other pairings (~10-12 min with the build: the call's limit cuts
@@ -308,8 +308,7 @@ if [ "$PHASE" = bf16_clusters ]; then
   CL=${CLUSTER:-4}
   T t_conventions 90 $py -m pytest -x -q -p no:cacheprovider tests/test_conventions.py || exit 1
   T t_bounds 120 $py -m pytest -x -q -p no:cacheprovider tests/test_cuda.py -k "peak_bound or peak_memory_bound" || exit 1
-  T t_stream 120 $py -m pytest -x -q -p no:cacheprovider tests/test_cuda.py -k "streamed_projection or block_rows" ||
-    export FLASHOPM_PROJECT_STREAM=0
+  T t_stream 120 $py -m pytest -x -q -p no:cacheprovider tests/test_cuda.py -k "streamed_projection or block_rows"
   T t_clusters 180 $py -m pytest -x -q -p no:cacheprovider tests/test_cuda.py -k "cluster_form or tc16_conventions" ||
     CL=1
   # paired ratio (without / with) of an ab_env log: above 1 where the switch is faster
@@ -332,8 +331,7 @@ if [ "$PHASE" = bf16_clusters ]; then
   done
   T conv_bounded 90 env FLASHOPM_TC16_CLUSTER=$CL FLASHOPM_PLAN_LOG=1 $py scripts/convention_times.py 1536 row openfold bfloat16 kernels bounded
   T conv_clusters 90 env FLASHOPM_TC16_CLUSTER=$CL $py scripts/convention_times.py 1536 row openfold boltz bfloat16 kernels
-  [ "${FLASHOPM_PROJECT_STREAM:-1}" != 0 ] &&
-    T ab_stream 60 $py scripts/ab_env.py FLASHOPM_PROJECT_STREAM=0 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6
+  T ab_stream 60 $py scripts/ab_env.py FLASHOPM_PROJECT_STREAM=1 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6
   [ "$CL" != 1 ] && [ ! -f "$R/ab_cluster2.log" ] && ab_c 2
   exit 0
 fi
@@ -354,6 +352,27 @@ if [ "$PHASE" = clusters ]; then
       ncu --clock-control none -k regex:opm_outer_tc16 --launch-skip 1 --launch-count 1 \
       --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
       $py "$R/tc16_one.py"
+  done
+  exit 0
+fi
+
+if [ "$PHASE" = land ]; then
+  # before landing a stack of branches: every test file, issue 6's bfloat16 rows per convention
+  # beside eager and torch.compile, then the default 16-bit form and clusters of four under Nsight
+  # Compute (~9 min with the build)
+  T t_all 330 $py -m pytest -q -p no:cacheprovider tests
+  T bench_bf16 90 $py -m flashopm bench --shapes "1,512,1536,256,32,128" --dtype bfloat16 \
+    --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/bench_bf16"
+  for mod in openfold boltz; do
+    T "mod_${mod}_bf16" 90 $py -m flashopm bench --module $mod --shapes "1,512,1536,256,32,128" \
+      --dtype bfloat16 --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/mod_${mod}_bf16"
+  done
+  tc16_one
+  for cl in 1 4; do
+    T "ncu_cluster$cl" 120 env FLASHOPM_TC16_CLUSTER=$cl \
+      ncu --clock-control none -k regex:opm_outer_tc16 --launch-skip 1 --launch-count 1 \
+      --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
+      --section LaunchStats --section Occupancy $py "$R/tc16_one.py"
   done
   exit 0
 fi

@@ -3,8 +3,8 @@
 calls of opm_project_rows_kernel's device time in one forward call of the op (the whole problem's
 projection is one launch when no peak bound is set).  With --bound, a peak bound (e.g. 1.1) and
 the given shapes instead: every projection launch of one call, in order, for each setting.
-16-bit x takes the streamed projection kernel, whose rows per tile are fixed: the sweep sets
-FLASHOPM_PROJECT_STREAM=0 to time the row-tiled one.
+(FLASHOPM_PROJECT_STREAM=1 would take the streamed kernel for 16-bit x, whose rows per tile are
+fixed: the sweep leaves it unset.)
 
     python scripts/projection_rows_sweep.py [--msa-dims 64,256] [--rows 9216,16384,...]
                                             [--precision highest] [--dtype float32]
@@ -20,7 +20,7 @@ from torch.profiler import ProfilerActivity, profile
 import flashopm
 from flashopm.testing import PARAM_ORDER, Shape, make_problem
 
-os.environ["FLASHOPM_PROJECT_STREAM"] = "0"
+os.environ.pop("FLASHOPM_PROJECT_STREAM", None)
 
 SETTINGS = ("128", "64", "32")
 

@@ -1124,7 +1124,7 @@ def test_projection_block_rows_give_the_same_bits(shape, precision, dtype, monke
     xc, mc = x.cuda().to(dtype), m.cuda().to(dtype)
     pc = {k: v.cuda().to(dtype) for k, v in p.items()}
     outs = {}
-    monkeypatch.setenv("FLASHOPM_PROJECT_STREAM", "0")  # 16-bit x: the row-tiled kernel, not the streamed one
+    monkeypatch.delenv("FLASHOPM_PROJECT_STREAM", raising=False)  # 16-bit x: the row-tiled kernel
     for rows in ("128", "64", "32"):
         monkeypatch.setenv("FLASHOPM_PROJ_ROWS", rows)
         outs[rows] = _run(xc, mc, pc, "outer", precision=precision)
@@ -1154,15 +1154,17 @@ STREAM_PROJECTION = [
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("case", STREAM_PROJECTION, ids=lambda c: "B{}_N{}_C{}_H{}_D{}_{}".format(*c))
 def test_streamed_projection_gives_the_row_tiled_bits(case, dtype, monkeypatch):
-    """16-bit x: the streamed projection kernel runs (profiler) and gives the row-tiled kernel's
-    bits (FLASHOPM_PROJECT_STREAM=0): the same LayerNorm arithmetic and TF32 products in the same
-    order; every element written (poisoned output), two calls equal, the same bits from 1 and 7
-    blocks, error against float32 PyTorch on the same inputs at most 2x eager's in the type."""
+    """16-bit x: the streamed projection kernel (FLASHOPM_PROJECT_STREAM=1) runs (profiler) and
+    gives the row-tiled kernel's bits (the default): the same LayerNorm arithmetic and TF32
+    products in the same order; every element written (poisoned output), two calls equal, the
+    same bits from 1 and 7 blocks, error against float32 PyTorch on the same inputs at most 2x
+    eager's in the type."""
     B, N, C, H, D, mask_kind = case
     shape = Shape(B, _rows_above_tiled_projection_threshold(B, N, 100), N, C, H, D)
     x, m, p = make_problem(shape, mask_kind, seed=C + H)
     x16, m16 = x.to(dtype).cuda(), m.to(dtype).cuda()
     p16 = {k: None if v is None else v.to(dtype).cuda() for k, v in p.items()}
+    monkeypatch.setenv("FLASHOPM_PROJECT_STREAM", "1")
     kernels = flashopm_kernels(lambda: _run(x16, m16, p16, "outer", poison=False))
     assert any("opm_project_stream_kernel" in k for k in kernels), kernels
     out = _run(x16, m16, p16, "outer")
@@ -1174,7 +1176,7 @@ def test_streamed_projection_gives_the_row_tiled_bits(case, dtype, monkeypatch):
         monkeypatch.setenv("FLASHOPM_PROJECT_STREAM_BLOCKS", blocks)
         assert torch.equal(_run(x16, m16, p16, "outer"), out), f"{blocks} blocks changed the bits"
     monkeypatch.delenv("FLASHOPM_PROJECT_STREAM_BLOCKS")
-    monkeypatch.setenv("FLASHOPM_PROJECT_STREAM", "0")
+    monkeypatch.delenv("FLASHOPM_PROJECT_STREAM")
     tiled_kernels = flashopm_kernels(lambda: _run(x16, m16, p16, "outer", poison=False))
     assert not any("opm_project_stream_kernel" in k for k in tiled_kernels), tiled_kernels
     tiled = _run(x16, m16, p16, "outer")
