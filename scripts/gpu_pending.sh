@@ -85,6 +85,18 @@ for _ in range(2):
 torch.cuda.synchronize()
 PY
 }
+# The 16-bit contraction's second launch in tc16_one.py under Nsight Compute, once per cluster size
+# given (1: the form without clusters): throughput, L2 and shared-memory traffic, stalls, launch
+# and occupancy.
+ncu_tc16() {
+  tc16_one
+  for cl in "$@"; do
+    T "ncu_cluster$cl" 150 env FLASHOPM_TC16_CLUSTER=$cl \
+      ncu --clock-control none -k regex:opm_outer_tc16 --launch-skip 1 --launch-count 1 \
+      --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
+      --section LaunchStats --section Occupancy $py "$R/tc16_one.py"
+  done
+}
 # the modules' deep MSA over 20 calls too (its bounded wall is the closest to its bar)
 bench_modules() {
   for mod in openfold boltz; do
@@ -346,13 +358,7 @@ if [ "$PHASE" = clusters ]; then
   T ab_cluster4 90 $py scripts/ab_env.py FLASHOPM_TC16_CLUSTER=4 1,512,1536,256,32,128 1,512,768,256,32,128 --dtype bfloat16 --mode forward --calls 8
   T ab_cluster2 90 $py scripts/ab_env.py FLASHOPM_TC16_CLUSTER=2 1,512,1536,256,32,128 1,512,768,256,32,128 --dtype bfloat16 --mode forward --calls 8
   T conv_clusters 90 env FLASHOPM_TC16_CLUSTER=4 $py scripts/convention_times.py 1536 row openfold boltz bfloat16 kernels
-  tc16_one
-  for cl in 1 4; do
-    T "ncu_cluster$cl" 120 env FLASHOPM_TC16_CLUSTER=$cl \
-      ncu --clock-control none -k regex:opm_outer_tc16 --launch-skip 1 --launch-count 1 \
-      --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
-      $py "$R/tc16_one.py"
-  done
+  ncu_tc16 1 4
   exit 0
 fi
 
@@ -367,26 +373,14 @@ if [ "$PHASE" = land ]; then
     T "mod_${mod}_bf16" 90 $py -m flashopm bench --module $mod --shapes "1,512,1536,256,32,128" \
       --dtype bfloat16 --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/mod_${mod}_bf16"
   done
-  tc16_one
-  for cl in 1 4; do
-    T "ncu_cluster$cl" 120 env FLASHOPM_TC16_CLUSTER=$cl \
-      ncu --clock-control none -k regex:opm_outer_tc16 --launch-skip 1 --launch-count 1 \
-      --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
-      --section LaunchStats --section Occupancy $py "$R/tc16_one.py"
-  done
+  ncu_tc16 1 4
   exit 0
 fi
 
 if [ "$PHASE" = ncu_clusters ]; then
   # the default 16-bit form and both clustered sizes under Nsight Compute, nothing else (~6 min
-  # with the build): throughput, L2 and shared-memory traffic, stalls, launch and occupancy
-  tc16_one
-  for cl in 1 2 4; do
-    T "ncu_cluster$cl" 150 env FLASHOPM_TC16_CLUSTER=$cl \
-      ncu --clock-control none -k regex:opm_outer_tc16 --launch-skip 1 --launch-count 1 \
-      --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
-      --section LaunchStats --section Occupancy $py "$R/tc16_one.py"
-  done
+  # with the build)
+  ncu_tc16 1 2 4
   exit 0
 fi
 
