@@ -570,10 +570,9 @@ void run_prep(const PrepArgs& args_in, bool project_w, int dev, cudaStream_t str
         blocks = std::min(blocks, k);
       }
       args.stream_blocks = int(blocks);
-      check_smem(int(project_stream_smem_bytes(args.C, stages)), dev, "LayerNorm/projection");
-      return launch_project_rows(args, stream);
     }
-    check_smem(project_rows_smem_bytes(args), dev, "LayerNorm/projection");
+    check_smem(stages > 0 ? int(project_stream_smem_bytes(args.C, stages)) : project_rows_smem_bytes(args), dev,
+               "LayerNorm/projection");
     return launch_project_rows(args, stream);
   }
   const int sms = device_info(dev).sm_count;
@@ -621,10 +620,7 @@ at::Tensor& fill_bias_only(at::Tensor& out, const std::optional<at::Tensor>& b_o
 }
 
 // Pair mask counts sum_s m[b, s, row0 + r] m[b, s, j] as (B, rows, N) for the OpenFold and Boltz
-// conventions (an undefined tensor for the row convention, which needs none).  The tensor is
-// released when the caller returns; the caching allocator orders its reuse after the kernels
-// queued on the stream that read it.
-// The same into `out` (B, rows, N floats, 16-byte aligned), as a tensor over that memory.
+// conventions into `out` (B, rows, N floats, 16-byte aligned), as a tensor over that memory.
 at::Tensor pair_counts_into(float* out, const MaskView& mask, int64_t B, int64_t S, int64_t N, int64_t rows,
                             int64_t row0, const at::TensorOptions& options, cudaStream_t stream) {
   FLASHOPM_CHECK((rows + kPairTR - 1) / kPairTR <= 65535, "flashopm: too many rows for one launch (", rows, ")");
@@ -634,6 +630,9 @@ at::Tensor pair_counts_into(float* out, const MaskView& mask, int64_t B, int64_t
       .target_device(options.device())
       .make_tensor();
 }
+// The same in a tensor of its own (an undefined tensor for the row convention, which needs none).
+// The tensor is released when the caller returns; the caching allocator orders its reuse after the
+// kernels queued on the stream that read it.
 at::Tensor pair_counts(const MaskView& mask, int64_t normalization, int64_t B, int64_t S, int64_t N, int64_t rows,
                        int64_t row0, const at::TensorOptions& options, cudaStream_t stream) {
   if (normalization == kNormRow) return at::Tensor();

@@ -70,7 +70,8 @@ struct DriverLaunchApi {
   PFN_cuLaunchKernelEx_v11060 launch = nullptr;
   PFN_cuCtxGetCurrent_v4000 current_context = nullptr;
   PFN_cuGetErrorString_v6000 error_string = nullptr;
-  PFN_cuTensorMapEncodeTiled_v12000 encode_tiled = nullptr;  // the 16-bit kernel's pair form (may stay null)
+  // the 16-bit kernel's clustered forms (may stay null)
+  PFN_cuTensorMapEncodeTiled_v12000 encode_tiled = nullptr;
 };
 
 // The driver library is the one the runtime has loaded already (dlopen hands back that copy);

@@ -642,7 +642,7 @@ FLASHOPM_HD constexpr int tc16_mma_sync_form(int bk, int nt) {
 constexpr int kT16Wg2ChunkBytes = kTcDG * 128;
 constexpr int kT16Wg2Stages = 4;
 // The clustered forms' mbarriers: phase 1's full and empty per stage, then W's per chunk stage.
-constexpr int kT16PairBarriers = 2 * kT16WgStages + 2 * kT16Wg2Stages;
+constexpr int kT16ClusterBarriers = 2 * kT16WgStages + 2 * kT16Wg2Stages;
 
 // Shared memory of the 16-bit kernel, in bytes: O ([Ti·Tj·kT16JSub][H² + 8] 16-bit) with the
 // phase-1 stages placed after the first column tile's O (the later tiles' O is written only once
@@ -684,7 +684,7 @@ FLASHOPM_HD inline Tc16Layout tc16_layout(int H, int Ti, int Tj, int form) {
   }
   L.rows = end;  // 16-byte aligned
   L.total = L.rows + kT16RoundRows * 12 + (form == kT16WgmmaBoth || clustered ? 1024 : 0) +
-            (clustered ? kT16PairBarriers * 8 : 0);
+            (clustered ? kT16ClusterBarriers * 8 : 0);
   return L;
 }
 // The clustered forms' tensor maps (CUtensorMap's 128 bytes each): a as (B, S, Na·H), b as (B, S,

@@ -38,9 +38,9 @@ namespace flashopm {
 template <typename T, bool kWgmma, bool kWgmmaBoth, int kBK, int kNT, int kCluster>
 __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Maps* maps) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  constexpr bool kPair = kCluster > 1;
+  constexpr bool kClustered = kCluster > 1;
   static_assert(kWgmma || !kWgmmaBoth, "phase 2 on wgmma needs phase 1 on wgmma");
-  static_assert(kWgmmaBoth || !kPair, "the clustered forms have both phases on wgmma");
+  static_assert(kWgmmaBoth || !kClustered, "the clustered forms have both phases on wgmma");
   static_assert(kCluster == 1 || kCluster == 2 || kCluster == 4, "clusters of 2 or 4 blocks");
   // each block's share of b's column groups and of W's rows of d, and the multicast to every block
   constexpr int kBGroupsShare = kTcNT / 64 / kCluster, kWRowsShare = kTcDG / kCluster;
@@ -52,7 +52,7 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
   if constexpr (kWgmmaBoth)  // the swizzle follows address bits 4-9: every tile from a 1 KB boundary
     smem = align_smem_1k(smem);
   const Tc16Layout L = tc16_layout(p.H, p.Ti, p.Tj,
-                                   kPair        ? tc16_cluster_form(kCluster)
+                                   kClustered        ? tc16_cluster_form(kCluster)
                                    : kWgmmaBoth ? kT16WgmmaBoth
                                    : kWgmma     ? kT16WgmmaPhase1
                                                 : tc16_mma_sync_form(kBK, kNT));
@@ -66,10 +66,11 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
   const int P = P1 * kT16JSub;     // pairs of the block, column tile by column tile
   const int b = blockIdx.z;
   int col_tile, row_tile;
-  // kPair: this block's rank in its cluster (row tile kCluster·group + rank)
+  // kClustered: this block's rank in its cluster (row tile kCluster·group + rank)
   [[maybe_unused]] unsigned rank = 0;
-  [[maybe_unused]] uint64_t* bars = nullptr;  // kPair: full[kT16WgStages], empty[..], W's full[kT16Wg2Stages], empty[..]
-  if constexpr (kPair) {
+  // kClustered: full[kT16WgStages], empty[..], W's full[kT16Wg2Stages], empty[..]
+  [[maybe_unused]] uint64_t* bars = nullptr;
+  if constexpr (kClustered) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     rank = cluster_rank();
 #endif
@@ -89,7 +90,7 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
   const T* w_g = static_cast<const T*>(p.w_out);
   // this tile's row denominators (kNormRow): row i0 + il at row_den[il]
   const float* row_den = p.row_den ? p.row_den + int64_t(b) * p.norm_rows + i0 : nullptr;
-  if constexpr (kPair) {
+  if constexpr (kClustered) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     bars = reinterpret_cast<uint64_t*>(smem + L.rows + kT16RoundRows * 12);
     if (tid == 0) {
@@ -105,7 +106,7 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
     cluster_barrier();  // every block's mbarriers set up before any copies to another
 #endif
   }
-  // kPair (thread 0): this block's share of W's chunk kc (k from 64·kc) for rows of d from dg,
+  // kClustered (thread 0): this block's share of W's chunk kc (k from 64·kc) for rows of d from dg,
   // into buffer wq % kT16Wg2Stages of every block, counted on its W full mbarrier (the caller has
   // seen that buffer released by every block)
   [[maybe_unused]] auto copy_w_share = [&](int dg, int kc, int wq) {
@@ -117,7 +118,7 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
                    kc * 64, dg + int(rank) * kWRowsShare, w_full, kClusterMask);
 #endif
   };
-  // kPair: W's chunks of the first round issued at the end of phase 1, before the last O store
+  // kClustered: W's chunks of the first round issued at the end of phase 1, before the last O store
   [[maybe_unused]] const int w_early = min(kT16Wg2Stages - 2, p.H * p.H / 64);
 
   // ---------------- phase 1 ----------------
@@ -194,13 +195,13 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
       }
       issue_buf = issue_buf + 1 == kT16WgStages ? 0 : issue_buf + 1;
     };
-    // kPair (thread 0): stage q_issue of the sequence (tile q / n_k, s from (q % n_k)·kT16WgBK)
+    // kClustered (thread 0): stage q_issue of the sequence (tile q / n_k, s from (q % n_k)·kT16WgBK)
     // into buffer q % kT16WgStages once every block has released that buffer's previous stage
     // (waiting for that when `wait`, else only if it has): this block's a, and its share of b's
     // column groups to every block.  Returns whether it issued; nothing past the last stage.
     [[maybe_unused]] int q_issue = 0;
     [[maybe_unused]] const uint32_t stages_addr = static_cast<uint32_t>(__cvta_generic_to_shared(wg_stages));
-    [[maybe_unused]] auto issue_pair_stage = [&](bool wait) -> bool {
+    [[maybe_unused]] auto issue_cluster_stage = [&](bool wait) -> bool {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
       if (q_issue < kT16JSub * n_k) {
         const int buf = q_issue % kT16WgStages, use = q_issue / kT16WgStages;
@@ -229,9 +230,9 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
 #endif
       return false;
     };
-    if constexpr (kPair) {
+    if constexpr (kClustered) {
       if (tid == 0)
-        for (int st = 0; st < kT16WgAhead; ++st) issue_pair_stage(false);  // first uses: no release to wait for
+        for (int st = 0; st < kT16WgAhead; ++st) issue_cluster_stage(false);  // first uses: no release to wait for
     } else {
 #pragma unroll
       for (int st = 0; st < kT16WgAhead; ++st) {
@@ -248,15 +249,15 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
 #pragma unroll
       for (int e = 0; e < 128; ++e) acc[e] = 0.f;
       for (int kt = 0; kt < n_k; ++kt) {
-        if constexpr (kPair) {
+        if constexpr (kClustered) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
           const int q = js * n_k + kt;
           // stage q issued before waiting for its bytes (here only if no earlier probe found its
           // buffer released by every block), and the later stages whose buffers are free by now
           // (released up to stage q - 3 so far)
           if (tid == 0) {
-            while (q_issue <= q) issue_pair_stage(true);
-            while (q_issue <= q + kT16WgAhead - 1 && issue_pair_stage(false)) {
+            while (q_issue <= q) issue_cluster_stage(true);
+            while (q_issue <= q + kT16WgAhead - 1 && issue_cluster_stage(false)) {
             }
           }
           mbarrier_wait_parity_suspend(bars + read_buf, (q / kT16WgStages) & 1);  // stage q's bytes, from every block
@@ -281,20 +282,20 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
         for (int kk = 0; kk < kT16WgBK / 16; ++kk)
           wgmma_m64n256k16<T>(acc, desc_a0 + stage_off + kk * (2048 >> 4), desc_b0 + stage_off + kk * (2048 >> 4));
         wgmma_commit();
-        // (kPair, while this stage's products run: the stages whose buffers every block has
+        // (kClustered, while this stage's products run: the stages whose buffers every block has
         // released, up to the one released above)
-        if constexpr (kPair)
+        if constexpr (kClustered)
           if (tid == 0)
-            while (q_issue <= js * n_k + kt + kT16WgAhead && issue_pair_stage(false)) {
+            while (q_issue <= js * n_k + kt + kT16WgAhead && issue_cluster_stage(false)) {
             }
         wgmma_wait<1>();
       }
       wgmma_wait<0>();
       if (js + 1 == kT16JSub) {
-        // (kPair: every stage's bytes from every block have arrived: nothing more is copied here)
-        if constexpr (!kPair) cp_async_wait_all();
+        // (kClustered: every stage's bytes from every block have arrived: nothing more is copied here)
+        if constexpr (!kClustered) cp_async_wait_all();
         __syncthreads();  // every warp done with the stages: the last tile's O overlays them
-        if constexpr (kPair) {
+        if constexpr (kClustered) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
           // This block's stages retired: once every block's are, the first round's W chunks may
           // land in the buffers over them (not over this O, below them), so thread 0 issues them
@@ -512,7 +513,7 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
     // This thread's pieces of a chunk: rows d = tid/8 + 32u, 16-byte piece tid % 8 of the row.
     const int wc = tid & 7, wr = tid >> 3;
     const uint32_t w_dst = kmajor_sw128_offset(wr, wc * 8, 1024);  // rows wr + 32u: + 4 KB each
-    // kPair: W's chunks in one sequence over every group of d and round (wq), buffer wq %
+    // kClustered: W's chunks in one sequence over every group of d and round (wq), buffer wq %
     // kT16Wg2Stages; each block copies its share of the chunk's rows of d to every block.
     [[maybe_unused]] int w_base = 0;
     [[maybe_unused]] uint64_t* w_full = bars + 2 * kT16WgStages;
@@ -534,13 +535,13 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
             w_src += 64;
           }
         };
-        // (kPair, thread 0) chunk kc_issue of this round to every block once every block has
+        // (kClustered, thread 0) chunk kc_issue of this round to every block once every block has
         // released its buffer's previous chunk (waiting for that when `wait`, else only if it
         // has); returns whether it issued, nothing past the round's last chunk
         // (the first round's first w_early chunks were issued at the end of phase 1)
         const bool first_round = dg == 0 && r0 == 0;
-        [[maybe_unused]] int kc_issue = kPair && first_round ? w_early : 0;
-        [[maybe_unused]] auto issue_w_pair = [&](bool wait) -> bool {
+        [[maybe_unused]] int kc_issue = kClustered && first_round ? w_early : 0;
+        [[maybe_unused]] auto issue_w_cluster = [&](bool wait) -> bool {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
           if (kc_issue < n_kc) {
             const int wq = w_base + kc_issue, buf = wq % kT16Wg2Stages, use = wq / kT16Wg2Stages;
@@ -560,7 +561,7 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
           release_to_cluster<kCluster>(w_empty + wq % kT16Wg2Stages, rank);
 #endif
         };
-        if constexpr (kPair) {
+        if constexpr (kClustered) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
           fence_proxy_async_smem();  // O, visible to the tensor cores
           if (first_round) {
@@ -573,7 +574,7 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
             cluster_barrier();
           }
           if (tid == 0)
-            while (kc_issue < kT16Wg2Stages - 2 && issue_w_pair(true)) {
+            while (kc_issue < kT16Wg2Stages - 2 && issue_w_cluster(true)) {
             }
 #endif
         } else {
@@ -591,13 +592,13 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
         const char* o_round = smem + (r0 >> 3) * o_sbo;
         for (int kc = 0; kc < n_kc; ++kc) {
           int buf = kc % kT16Wg2Stages;
-          if constexpr (kPair) {
+          if constexpr (kClustered) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
             const int wq = w_base + kc;
             buf = wq % kT16Wg2Stages;
             if (tid == 0) {  // as in phase 1: chunk kc, then the free ones (released up to kc - 3)
-              while (kc_issue <= kc) issue_w_pair(true);
-              while (kc_issue <= kc + kT16Wg2Stages - 3 && issue_w_pair(false)) {
+              while (kc_issue <= kc) issue_w_cluster(true);
+              while (kc_issue <= kc + kT16Wg2Stages - 3 && issue_w_cluster(false)) {
               }
             }
             mbarrier_wait_parity_suspend(w_full + buf, (wq / kT16Wg2Stages) & 1);
@@ -620,14 +621,14 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
             wgmma_m64n64k16_kmajor<T>(acc2, wgmma_desc(st + kk * 32, 16, 1024),
                                       wgmma_desc(o_round + kc * 1024 + kk * 32, 16, o_sbo));
           wgmma_commit();
-          if constexpr (kPair)
+          if constexpr (kClustered)
             if (tid == 0)
-              while (kc_issue <= kc + kT16Wg2Stages - 2 && issue_w_pair(false)) {
+              while (kc_issue <= kc + kT16Wg2Stages - 2 && issue_w_cluster(false)) {
               }
           wgmma_wait<1>();
         }
         wgmma_wait<0>();
-        if constexpr (kPair) {
+        if constexpr (kClustered) {
           __syncthreads();  // every W read done: the stage area takes the sums
           // the round's last chunks released (the next round's copies wait for the cluster
           // barrier at its start as well, so the sums below are safe from them)
@@ -653,7 +654,7 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
         store_round<kT16RoundRows, true>(p, red, kRedLd, row_off, norm_arg, dg, tid, kTcThreads);
       }
     }
-    if constexpr (kPair) {
+    if constexpr (kClustered) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
       cluster_barrier();  // the peer's last arrivals on this block's mbarriers made before it exits
 #endif
