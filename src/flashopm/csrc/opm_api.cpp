@@ -866,17 +866,18 @@ void run_outer(OuterArgs oa, int64_t i_offset, int64_t rows, int64_t out_rows, i
   if (operand_kind != kMaskFloat) {
     int form = tc16_form(oa.Ti, oa.Tj, requested_tc16_form(dev));
     if (form == kT16WgmmaBoth && oa.w_blocked == nullptr) form = kT16WgmmaPhase1;
-    // FLASHOPM_TC16_CLUSTER=2 or 4: both phases in clusters of that many blocks along rows that
-    // share b's and W's copies (whole tiles only, and row tiles that stay within a launch once
-    // rounded up to whole clusters; the form without where such clusters cannot run)
+    // FLASHOPM_TC16_CLUSTER=1, 2 or 4: the tensor-copy form with a producer warp, in clusters of
+    // that many blocks along rows that share b's and W's copies (whole tiles only, and row tiles
+    // that stay within a launch once rounded up to whole clusters; the form without where such
+    // clusters cannot run); 0: the form whose warps copy their own stages
     if (form == kT16WgmmaBoth && oa.Ti * oa.H == kTcMT && oa.Tj * oa.H == kTcNT) {
-      if (const char* c = env_choice("FLASHOPM_TC16_CLUSTER", {"1", "2", "4"}); c != nullptr && c[0] != '1') {
-        const int cluster = c[0] - '0', clustered = tc16_cluster_form(cluster);
+      if (const char* c = env_choice("FLASHOPM_TC16_CLUSTER", {"0", "1", "2", "4"}); c != nullptr && c[0] != '0') {
+        const int cluster = c[0] - '0', tma_form = tc16_tma_form(cluster);
         const int64_t row_tiles = (rows + oa.Ti - 1) / oa.Ti;
         if ((row_tiles + cluster - 1) / cluster * cluster <= 65535 &&
             outer_tc16_cluster_available(dev, operand_kind, cluster,
-                                         outer_tc16_smem_bytes(oa.H, oa.Ti, oa.Tj, clustered)))
-          form = clustered;
+                                         outer_tc16_smem_bytes(oa.H, oa.Ti, oa.Tj, tma_form)))
+          form = tma_form;
       }
     }
     if (outer_tc16_smem_bytes(oa.H, oa.Ti, oa.Tj, form) > optin) {  // less shared memory than sm_90's

@@ -624,7 +624,7 @@ namespace {
 // The launch of a clustered form's kernel: clusters of 1 x kCluster x 1 blocks along rows.
 template <int kCluster>
 cudaLaunchConfig_t tc16_cluster_config(dim3 grid, int smem, cudaStream_t stream, cudaLaunchAttribute (&attr)[1]) {
-  return cluster_config(grid, kTcThreads, smem, stream, dim3(1, kCluster, 1), attr);
+  return cluster_config(grid, kT16TmaThreads, smem, stream, dim3(1, kCluster, 1), attr);
 }
 
 template <typename T, int kCluster>
@@ -643,7 +643,7 @@ int tc16_max_active_clusters(int dev, int smem) {
 }  // namespace
 
 bool outer_tc16_cluster_available(int dev, int operand_kind, int cluster, int smem) {
-  if (driver_launch_api().encode_tiled == nullptr || (cluster != 2 && cluster != 4)) return false;
+  if (driver_launch_api().encode_tiled == nullptr || (cluster != 1 && cluster != 2 && cluster != 4)) return false;
   // Asked once per (device, operand type, cluster size, shared memory) for the kernel that would
   // launch: whether a cluster fits at all depends on the GPU's partition into GPCs.
   static std::mutex mu;
@@ -653,11 +653,13 @@ bool outer_tc16_cluster_available(int dev, int operand_kind, int cluster, int sm
   auto it = cache.find(key);
   if (it == cache.end()) {
     int n = 0;
-    if (operand_kind == kMaskHalf)
-      n = cluster == 4 ? tc16_max_active_clusters<__half, 4>(dev, smem) : tc16_max_active_clusters<__half, 2>(dev, smem);
-    else
-      n = cluster == 4 ? tc16_max_active_clusters<__nv_bfloat16, 4>(dev, smem)
-                       : tc16_max_active_clusters<__nv_bfloat16, 2>(dev, smem);
+    auto max_active = [&](auto tag) {
+      using T = typename decltype(tag)::type;
+      return cluster == 4   ? tc16_max_active_clusters<T, 4>(dev, smem)
+             : cluster == 2 ? tc16_max_active_clusters<T, 2>(dev, smem)
+                            : tc16_max_active_clusters<T, 1>(dev, smem);
+    };
+    n = operand_kind == kMaskHalf ? max_active(TypeTag<__half>{}) : max_active(TypeTag<__nv_bfloat16>{});
     it = cache.emplace(key, n).first;
   }
   return it->second > 0;
@@ -708,7 +710,8 @@ template <typename T>
 void launch_tc16_clusters_of(const OuterArgs& args, int operand_kind, int cluster, dim3 grid, int smem,
                              cudaStream_t stream) {
   if (cluster == 4) return launch_tc16_clusters<T, 4>(args, operand_kind, grid, smem, stream);
-  launch_tc16_clusters<T, 2>(args, operand_kind, grid, smem, stream);
+  if (cluster == 2) return launch_tc16_clusters<T, 2>(args, operand_kind, grid, smem, stream);
+  launch_tc16_clusters<T, 1>(args, operand_kind, grid, smem, stream);
 }
 }  // namespace
 
@@ -717,7 +720,8 @@ void launch_outer_tc16(const OuterArgs& args, int operand_kind, int form, cudaSt
   const dim3 grid(unsigned((args.N + tj_block - 1) / tj_block), unsigned((args.Na + args.Ti - 1) / args.Ti),
                   unsigned(args.B));
   const int smem = outer_tc16_smem_bytes(args.H, args.Ti, args.Tj, form);
-  if (const int cluster = tc16_form_cluster(form); cluster > 1) {
+  if (tc16_form_tma(form)) {
+    const int cluster = tc16_form_cluster(form);
     TORCH_CHECK(args.Ti * args.H == kTcMT && args.Tj * args.H == kTcNT && args.w_blocked != nullptr,
                 "flashopm: internal error: the clustered forms need whole tiles (Ti·H = ", kTcMT, ", Tj·H = ", kTcNT,
                 ") and W in blocks, got Ti ", args.Ti, ", Tj ", args.Tj, ", H ", args.H);

@@ -616,16 +616,24 @@ enum Tc16Form : int {
   kT16MmaSyncHalfStages = 3,
   kT16MmaSyncNarrow = 4,
   kT16MmaSyncNarrowHalfStages = 5,
-  // both phases on wgmma in clusters of two (four) blocks along rows, the same column tiles: the
-  // stages and W's chunks come by tensor copies, each block's share of b and of W multicast to all
+  // both phases on wgmma, the stages and W's chunks by tensor copies that a producer warp issues,
+  // in clusters of two (four) blocks along rows, the same column tiles, each block's share of b
+  // and of W multicast to all; or (kT16WgmmaTma) each block on its own
   kT16WgmmaPair = 6,
   kT16WgmmaQuad = 7,
+  kT16WgmmaTma = 8,
 };
-// The blocks of a cluster in a form (1: not clustered), and the clustered form of kCluster blocks.
+// Whether a form is one of the tensor-copy forms; the blocks of its clusters (1: not clustered);
+// the tensor-copy form of clusters of `cluster` blocks.
+FLASHOPM_HD constexpr bool tc16_form_tma(int form) {
+  return form == kT16WgmmaPair || form == kT16WgmmaQuad || form == kT16WgmmaTma;
+}
 FLASHOPM_HD constexpr int tc16_form_cluster(int form) {
   return form == kT16WgmmaPair ? 2 : form == kT16WgmmaQuad ? 4 : 1;
 }
-FLASHOPM_HD constexpr int tc16_cluster_form(int cluster) { return cluster == 4 ? kT16WgmmaQuad : kT16WgmmaPair; }
+FLASHOPM_HD constexpr int tc16_tma_form(int cluster) {
+  return cluster == 4 ? kT16WgmmaQuad : cluster == 2 ? kT16WgmmaPair : kT16WgmmaTma;
+}
 FLASHOPM_HD constexpr int tc16_form_bk(int form) {
   return form == kT16MmaSyncHalfStages || form == kT16MmaSyncNarrowHalfStages ? kT16BKSmall : kT16BK;
 }
@@ -641,8 +649,10 @@ FLASHOPM_HD constexpr int tc16_mma_sync_form(int bk, int nt) {
 // kT16Wg2Stages deep.
 constexpr int kT16Wg2ChunkBytes = kTcDG * 128;
 constexpr int kT16Wg2Stages = 4;
-// The clustered forms' mbarriers: phase 1's full and empty per stage, then W's per chunk stage.
-constexpr int kT16ClusterBarriers = 2 * kT16WgStages + 2 * kT16Wg2Stages;
+// The tensor-copy forms' mbarriers: phase 1's full and empty per stage, W's per chunk stage, and
+// one for the rounds of phase 2 stored; their blocks: the eight warps of the others and a producer.
+constexpr int kT16ClusterBarriers = 2 * kT16WgStages + 2 * kT16Wg2Stages + 1;
+constexpr int kT16TmaThreads = kTcThreads + 32;
 
 // Shared memory of the 16-bit kernel, in bytes: O ([Ti·Tj·kT16JSub][H² + 8] 16-bit) with the
 // phase-1 stages placed after the first column tile's O (the later tiles' O is written only once
@@ -661,8 +671,8 @@ FLASHOPM_HD inline Tc16Layout tc16_layout(int H, int Ti, int Tj, int form) {
   Tc16Layout L{};
   L.ldo = H * H + 8;
   int end;
-  const bool clustered = tc16_form_cluster(form) > 1;
-  if (form == kT16WgmmaBoth || clustered) {
+  const bool tma = tc16_form_tma(form);
+  if (form == kT16WgmmaBoth || tma) {
     const int o_tile = Ti * Tj * H * H * 2;
     L.stages = round_up1k(o_tile);
     L.w = round_up1k(kT16JSub * o_tile);
@@ -683,8 +693,8 @@ FLASHOPM_HD inline Tc16Layout tc16_layout(int H, int Ti, int Tj, int form) {
     if (end < stages_end) end = stages_end;
   }
   L.rows = end;  // 16-byte aligned
-  L.total = L.rows + kT16RoundRows * 12 + (form == kT16WgmmaBoth || clustered ? 1024 : 0) +
-            (clustered ? kT16ClusterBarriers * 8 : 0);
+  L.total = L.rows + kT16RoundRows * 12 + (form == kT16WgmmaBoth || tma ? 1024 : 0) +
+            (tma ? kT16ClusterBarriers * 8 : 0);
   return L;
 }
 // The clustered forms' tensor maps (CUtensorMap's 128 bytes each): a as (B, S, Na·H), b as (B, S,
