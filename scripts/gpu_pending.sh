@@ -353,10 +353,11 @@ fi
 if [ "$PHASE" = producer ]; then
   # the 16-bit kernel's tensor-copy forms with a producer warp (FLASHOPM_TC16_CLUSTER=1, 2, 4):
   # their bits against the form without (a hang shows as the step's timeout), each paired against
-  # it at N = 1536 in bfloat16; then, with the fastest (CLUSTER overrides), each convention's time
+  # it at N = 1536 in bfloat16 (resident clusters taking groups of tiles in turn; the fastest also
+  # with one cluster per group); then, with the fastest (CLUSTER overrides), each convention's time
   # by kernel, issue 6's OpenFold and spec bfloat16 rows beside eager and torch.compile, and both
   # forms under Nsight Compute (~10 min with the build: the call's limit cuts what comes last)
-  T t_tma 240 $py -m pytest -x -q -p no:cacheprovider tests/test_cuda.py -k "cluster_form or tc16_conventions" || exit 1
+  T t_tma 240 $py -m pytest -x -v -p no:cacheprovider tests/test_cuda.py -k "cluster_form or tc16_conventions" || exit 1
   best=0 best_r=1.0
   for cl in 1 2 4; do
     T "ab_cluster$cl" 60 $py scripts/ab_env.py FLASHOPM_TC16_CLUSTER=$cl 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6
@@ -365,6 +366,8 @@ if [ "$PHASE" = producer ]; then
   done
   CL=${CLUSTER:-$best}
   echo "form for the rows: FLASHOPM_TC16_CLUSTER=$CL (paired $best_r)" >>"$R/steps.txt"
+  [ "$CL" != 0 ] && T "ab_cluster${CL}_p0" 60 $py scripts/ab_env.py FLASHOPM_TC16_CLUSTER=$CL,FLASHOPM_TC16_PERSISTENT=0 \
+    1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6
   T conv_tma 90 env FLASHOPM_TC16_CLUSTER=$CL $py scripts/convention_times.py 1536 row openfold boltz bfloat16 kernels
   T mod_openfold_bf16 90 env FLASHOPM_TC16_CLUSTER=$CL $py -m flashopm bench --module openfold --shapes "1,512,1536,256,32,128" \
     --dtype bfloat16 --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/mod_openfold_bf16"

@@ -816,6 +816,14 @@ def test_tc16_cluster_form_gives_the_default_bits(shape, dtype, cluster, monkeyp
     assert not clustered.isnan().any(), "NaN in the output: an element was not written"
     assert torch.equal(clustered, default), f"the form in clusters of {cluster} gives other bits than the default form"
     assert torch.equal(clustered, _run(x16, m16, p16, "outer")), "two identical calls differ: a race"
+    # one cluster per group of tiles, and three clusters each taking many groups in turn (their
+    # stage rings and W chunks carried from tile to tile)
+    for env in ({"FLASHOPM_TC16_PERSISTENT": "0"}, {"FLASHOPM_TC16_MAX_CLUSTERS": "3"}):
+        with monkeypatch.context() as mp:
+            for k, v in env.items():
+                mp.setenv(k, v)
+            other = _run(x16, m16, p16, "outer")
+        assert torch.equal(other, default), f"clusters of {cluster} with {env}: other bits than the default form"
     # under the memory bound: launches over bands of rows and blocks of columns.  A launch whose
     # band or block leaves partial tiles takes the default form on both sides (the comparison is
     # then of two identical calls), so whether the clustered form ran is reported.

@@ -759,10 +759,10 @@ void launch_prep(const PrepArgs& args, bool project_w, int rows_per_warp, int wa
 bool prep_whole_weights_apply(const PrepArgs& args, bool project_w, int rows_per_warp);
 // opm_project_rows_kernel over all B * S * N rows (project_w = false layouts)
 void launch_project_rows(const PrepArgs& args, cudaStream_t stream);
-// Whether the 16-bit kernel's clustered form of `cluster` blocks (2 or 4) can run on device `dev`
-// for operands of operand_kind with `smem` bytes of shared memory a block: the driver's tensor-map
-// encoder found, and such a cluster fits.
-bool outer_tc16_cluster_available(int dev, int operand_kind, int cluster, int smem);
+// How many clusters of `cluster` blocks (1, 2 or 4) of the 16-bit kernel's tensor-copy form can be
+// resident at once on device `dev` for operands of operand_kind with `smem` bytes of shared memory
+// a block: 0 where the driver's tensor-map encoder is missing or no such cluster fits.
+int outer_tc16_max_clusters(int dev, int operand_kind, int cluster, int smem);
 int project_rows_smem_bytes(const PrepArgs& args);
 // opm_project_rows_kernel's TF32 terms per product: 0 for its FMA form (x not in 16-byte vectors,
 // or FLASHOPM_PROJECTION_MMA=0), 1 for 16-bit x, else PrepArgs::mma_terms.
@@ -814,7 +814,9 @@ int outer_tc_smem_bytes(int H, int Ti, int Tj, bool wgmma, bool wgmma2, TcMmaSyn
 // operand_kind: kMaskBFloat16 or kMaskHalf, the element type of a, b and w_out
 // form: a Tc16Form, as tc16_form gives it (the wgmma forms need outer_tc16_wgmma_built() and a
 // compute capability 9.0 GPU)
-void launch_outer_tc16(const OuterArgs& args, int operand_kind, int form, cudaStream_t stream);
+// max_clusters: the tensor-copy forms' clusters resident at once (each then takes several groups
+// of tiles in turn), 0 for one cluster per group of tiles
+void launch_outer_tc16(const OuterArgs& args, int operand_kind, int form, int max_clusters, cudaStream_t stream);
 int outer_tc16_smem_bytes(int H, int Ti, int Tj, int form);
 bool outer_tc16_wgmma_built();  // the extension holds sm_90a code
 // The architecture the current device's kernel code was compiled for, as __CUDA_ARCH__ / 10 (80,

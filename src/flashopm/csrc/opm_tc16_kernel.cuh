@@ -23,13 +23,28 @@
 
 namespace flashopm {
 
-// The tensor-copy forms' producer, lane 0 of the ninth warp (see outer_tc16_body): phase 1's
-// stages of every column tile, then W's chunks of every group of d and round, each into its buffer
-// once every block of the cluster has released that buffer's last use.  bars as the body lays them.
+// The tensor-copy forms' groups of tiles: group lin of a launch takes column block col_tile
+// (kT16JSub column tiles), row group row_group (the cluster's row tiles) of batch element b, in
+// grouped order within each batch element.
+__device__ __forceinline__ void tc16_group_tile(int lin, int n_col_blocks, int n_row_groups, int& col_tile,
+                                                int& row_group, int& b) {
+  const int per_b = n_col_blocks * n_row_groups;
+  b = lin / per_b;
+  const int rem = lin - b * per_b;
+  grouped_tile_of(rem % n_col_blocks, rem / n_col_blocks, n_col_blocks, n_row_groups, col_tile, row_group);
+}
+
+// The tensor-copy forms' producer, lane 0 of the ninth warp (see outer_tc16_body): for each group
+// of tiles the cluster takes, phase 1's stages of every column tile, then W's chunks of every group
+// of d and round, each into its buffer once every block of the cluster has released that buffer's
+// last use.  A stage buffer's first stage of a later tile also waits for the tile before to be
+// done with what lies over it (its O and W chunks read by every block's products, its sums by
+// every block's stores), so that the next tile's first stages load beside the last one's phase 2.
+// bars as the body lays them.
 template <int kCluster>
 __device__ __forceinline__ void tc16_produce(const OuterArgs& p, const Tc16Maps& maps, char* smem,
-                                             const Tc16Layout& L, uint64_t* bars, unsigned rank, int i0, int j0,
-                                             int b, int P) {
+                                             const Tc16Layout& L, uint64_t* bars, unsigned rank, int n_col_blocks,
+                                             int n_row_groups, int n_groups, int P) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int kBGroupsShare = kTcNT / 64 / kCluster, kWRowsShare = kTcDG / kCluster;
   constexpr uint16_t kMask = uint16_t((1u << kCluster) - 1);
@@ -39,48 +54,62 @@ __device__ __forceinline__ void tc16_produce(const OuterArgs& p, const Tc16Maps&
   uint64_t* w_empty = w_full + kT16Wg2Stages;
   uint64_t* stored = w_empty + kT16Wg2Stages;
   const int H = p.H;
-  const int n_k = (p.S + kT16WgBK - 1) / kT16WgBK, n_q = kT16JSub * n_k;
+  const int n_k = (p.S + kT16WgBK - 1) / kT16WgBK, n_q = kT16JSub * n_k, n_kc = H * H / 64;
+  // uses of stage buffer sb in one tile (the ring starts again at buffer 0 with each tile)
+  auto uses = [&](int sb) { return sb < n_q ? (n_q - 1 - sb) / kT16WgStages + 1 : 0; };
+  auto stage_lo = [&](int sb) { return L.stages + sb * kT16WgStageBytes; };
+  const int red_hi = L.w + kT16RoundRows * (kTcDG + 4) * 4;  // phase 2's sums from L.w
   const uint32_t stages_addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem + L.stages));
-  for (int q = 0; q < n_q; ++q) {
-    const int buf = q % kT16WgStages, use = q / kT16WgStages;
-    if (use > 0) mbarrier_wait_parity_suspend(empty + buf, (use - 1) & 1);
-    mbarrier_arrive_expect_tx(full + buf, kT16WgStageBytes);
-    const int js = q / n_k, s0 = (q - js * n_k) * kT16WgBK, jt0 = j0 + js * p.Tj;
-    const uint32_t st = stages_addr + uint32_t(buf * kT16WgStageBytes);
-#pragma unroll
-    for (int grp = 0; grp < kTcMT / 64; ++grp)
-      tma_load_3d(st + grp * kT16WgGroupBytes, maps.a, i0 * H + grp * 64, s0, b, full + buf);
-#pragma unroll
-    for (int share = 0; share < kBGroupsShare; ++share) {
-      const int grp = int(rank) * kBGroupsShare + share;
-      const uint32_t dst = st + kT16WgABytes + grp * kT16WgGroupBytes;
-      if constexpr (kCluster == 1) tma_load_3d(dst, maps.b, jt0 * H + grp * 64, s0, b, full + buf);
-      else tma_load_3d_mc(dst, maps.b, jt0 * H + grp * 64, s0, b, full + buf, kMask);
-    }
-  }
-  const int n_kc = H * H / 64;
   const uint32_t w_addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem + L.w));
-  int wq = 0, round = 0;
-  for (int dg = 0; dg < p.D; dg += kTcDG) {
-    for (int r0 = 0; r0 < P; r0 += kT16RoundRows, ++round) {
-      if (round > 0) mbarrier_wait_parity_suspend(stored, (round - 1) & 1);  // every block's sums read
-      for (int kc = 0; kc < n_kc; ++kc, ++wq) {
-        const int buf = wq % kT16Wg2Stages, use = wq / kT16Wg2Stages;
-        if (use > 0) {
-          mbarrier_wait_parity_suspend(w_empty + buf, (use - 1) & 1);
-        } else {
-          // the buffer's first chunk: the last use of each stage buffer beneath it, in every block
-          const int lo = L.w + buf * kT16Wg2ChunkBytes, hi = lo + kT16Wg2ChunkBytes;
-          for (int sb = 0; sb < kT16WgStages && sb < n_q; ++sb) {
-            const int s_lo = L.stages + sb * kT16WgStageBytes;
-            if (s_lo < hi && s_lo + kT16WgStageBytes > lo)
-              mbarrier_wait_parity_suspend(empty + sb, ((n_q - 1 - sb) / kT16WgStages) & 1);
+  int wq = 0, round = 0;  // W chunks and rounds of phase 2 issued so far, over every tile
+  for (int lin = blockIdx.x / kCluster, it = 0; lin < n_groups; lin += gridDim.x / kCluster, ++it) {
+    int col_tile, row_group, b;
+    tc16_group_tile(lin, n_col_blocks, n_row_groups, col_tile, row_group, b);
+    const int i0 = (kCluster * row_group + int(rank)) * p.Ti, j0 = col_tile * p.Tj * kT16JSub;
+    for (int q = 0; q < n_q; ++q) {
+      const int buf = q % kT16WgStages, use = it * uses(buf) + q / kT16WgStages;
+      if (use > 0) mbarrier_wait_parity_suspend(empty + buf, (use - 1) & 1);
+      if (it > 0 && q < kT16WgStages) {
+        // the buffer's first stage of this tile: the last tile's O and W chunks read (its last
+        // chunk released by every block), and where the buffer lies over the sums, those stored
+        mbarrier_wait_parity_suspend(w_empty + (wq - 1) % kT16Wg2Stages, ((wq - 1) / kT16Wg2Stages) & 1);
+        if (stage_lo(buf) < red_hi && stage_lo(buf) + kT16WgStageBytes > L.w)
+          mbarrier_wait_parity_suspend(stored, (round - 1) & 1);
+      }
+      mbarrier_arrive_expect_tx(full + buf, kT16WgStageBytes);
+      const int js = q / n_k, s0 = (q - js * n_k) * kT16WgBK, jt0 = j0 + js * p.Tj;
+      const uint32_t st = stages_addr + uint32_t(buf * kT16WgStageBytes);
+#pragma unroll
+      for (int grp = 0; grp < kTcMT / 64; ++grp)
+        tma_load_3d(st + grp * kT16WgGroupBytes, maps.a, i0 * H + grp * 64, s0, b, full + buf);
+#pragma unroll
+      for (int share = 0; share < kBGroupsShare; ++share) {
+        const int grp = int(rank) * kBGroupsShare + share;
+        const uint32_t dst = st + kT16WgABytes + grp * kT16WgGroupBytes;
+        if constexpr (kCluster == 1) tma_load_3d(dst, maps.b, jt0 * H + grp * 64, s0, b, full + buf);
+        else tma_load_3d_mc(dst, maps.b, jt0 * H + grp * 64, s0, b, full + buf, kMask);
+      }
+    }
+    const int tile_wq = wq;
+    for (int dg = 0; dg < p.D; dg += kTcDG) {
+      for (int r0 = 0; r0 < P; r0 += kT16RoundRows, ++round) {
+        if (round > 0) mbarrier_wait_parity_suspend(stored, (round - 1) & 1);  // every block's sums read
+        for (int kc = 0; kc < n_kc; ++kc, ++wq) {
+          const int buf = wq % kT16Wg2Stages, use = wq / kT16Wg2Stages;
+          if (use > 0) mbarrier_wait_parity_suspend(w_empty + buf, (use - 1) & 1);
+          if (wq - tile_wq < kT16Wg2Stages) {
+            // the buffer's first chunk of this tile: the last use of each stage buffer beneath it,
+            // in every block
+            const int lo = L.w + buf * kT16Wg2ChunkBytes, hi = lo + kT16Wg2ChunkBytes;
+            for (int sb = 0; sb < kT16WgStages && sb < n_q; ++sb)
+              if (stage_lo(sb) < hi && stage_lo(sb) + kT16WgStageBytes > lo)
+                mbarrier_wait_parity_suspend(empty + sb, ((it + 1) * uses(sb) - 1) & 1);
           }
+          mbarrier_arrive_expect_tx(w_full + buf, kT16Wg2ChunkBytes);
+          const uint32_t dst = w_addr + uint32_t(buf * kT16Wg2ChunkBytes + int(rank) * kWRowsShare * 128);
+          if constexpr (kCluster == 1) tma_load_2d(dst, maps.w, kc * 64, dg, w_full + buf);
+          else tma_load_2d_mc(dst, maps.w, kc * 64, dg + int(rank) * kWRowsShare, w_full + buf, kMask);
         }
-        mbarrier_arrive_expect_tx(w_full + buf, kT16Wg2ChunkBytes);
-        const uint32_t dst = w_addr + uint32_t(buf * kT16Wg2ChunkBytes + int(rank) * kWRowsShare * 128);
-        if constexpr (kCluster == 1) tma_load_2d(dst, maps.w, kc * 64, dg, w_full + buf);
-        else tma_load_2d_mc(dst, maps.w, kc * 64, dg + int(rank) * kWRowsShare, w_full + buf, kMask);
       }
     }
   }
@@ -131,23 +160,6 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
   const int H = p.H, N = p.N, S = p.S, D = p.D, Ti = p.Ti, Tj = p.Tj;
   const int P1 = Ti * Tj;          // pairs of one column tile
   const int P = P1 * kT16JSub;     // pairs of the block, column tile by column tile
-  const int b = blockIdx.z;
-  int col_tile, row_tile;
-  // kTma: this block's rank in its cluster (row tile kCluster·group + rank)
-  [[maybe_unused]] unsigned rank = 0;
-  // kTma: full[kT16WgStages], empty[..], W's full[kT16Wg2Stages], empty[..], round stored
-  [[maybe_unused]] uint64_t* bars = nullptr;
-  if constexpr (kTma) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    rank = cluster_rank();
-#endif
-    int row_group;
-    grouped_tile_of(blockIdx.x, blockIdx.y / kShare, gridDim.x, gridDim.y / kShare, col_tile, row_group);
-    row_tile = kShare * row_group + int(rank);
-  } else {
-    grouped_tile(col_tile, row_tile);
-  }
-  const int i0 = row_tile * Ti, j0 = col_tile * Tj * kT16JSub;  // i0 local to this row block
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;   // accumulator coordinates (PTX: groupID, threadID_in_group)
   const int lq = lane >> 3, lr = lane & 7;  // ldmatrix: the matrix and the row this lane addresses
@@ -155,10 +167,18 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
   const T* a_g = static_cast<const T*>(p.a);
   const T* b_g = static_cast<const T*>(p.b);
   const T* w_g = static_cast<const T*>(p.w_out);
-  // this tile's row denominators (kNormRow): row i0 + il at row_den[il]
-  const float* row_den = p.row_den ? p.row_den + int64_t(b) * p.norm_rows + i0 : nullptr;
+  // kTma: this block's rank in its cluster, and the launch's groups of tiles (a column block, the
+  // cluster's kCluster row tiles, a batch element), which each cluster takes in turn
+  [[maybe_unused]] unsigned rank = 0;
+  [[maybe_unused]] int n_col_blocks = 0, n_row_groups = 0, n_groups = 0;
+  // kTma: full[kT16WgStages], empty[..], W's full[kT16Wg2Stages], empty[..], round stored
+  [[maybe_unused]] uint64_t* bars = nullptr;
   if constexpr (kTma) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    rank = cluster_rank();
+    n_col_blocks = (N + Tj * kT16JSub - 1) / (Tj * kT16JSub);
+    n_row_groups = ((p.Na + Ti - 1) / Ti + kShare - 1) / kShare;
+    n_groups = n_col_blocks * n_row_groups * p.B;
     bars = reinterpret_cast<uint64_t*>(smem + L.rows + kT16RoundRows * 12);
     if (tid == 0) {
       for (int i = 0; i < kT16WgStages; ++i) {
@@ -173,7 +193,7 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
     }
     cluster_barrier();  // every block's mbarriers set up before any copies to another
     if (warp == kTcThreads / 32) {
-      if (lane == 0) tc16_produce<kCluster>(p, *maps, smem, L, bars, rank, i0, j0, b, P);
+      if (lane == 0) tc16_produce<kCluster>(p, *maps, smem, L, bars, rank, n_col_blocks, n_row_groups, n_groups, P);
       __syncwarp();
       cluster_barrier();  // (the consumers' last)
       return;
@@ -195,6 +215,16 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
     if constexpr (kTma) named_barrier(1, kTcThreads);
     else __syncthreads();
   };
+  // kTma: W's chunks in one sequence over every tile, group of d and round (wq), buffer wq %
+  // kT16Wg2Stages, issued by the producer warp
+  [[maybe_unused]] int w_base = 0;
+
+  // One tile: column block col_tile, row tile row_tile of batch element b, the block's tile_it-th
+  // (kTma: the stage ring starts at buffer 0 with each tile).
+  auto tile = [&](const int col_tile, const int row_tile, const int b, const int tile_it) {
+  const int i0 = row_tile * Ti, j0 = col_tile * Tj * kT16JSub;  // i0 local to this row block
+  // this tile's row denominators (kNormRow): row i0 + il at row_den[il]
+  const float* row_den = p.row_den ? p.row_den + int64_t(b) * p.norm_rows + i0 : nullptr;
 
   // ---------------- phase 1 ----------------
   const int a_lim = min(Ti * H, (p.Na - i0) * H);  // valid columns of the tile (multiples of 8)
@@ -289,7 +319,9 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
         if constexpr (kTma) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
           const int q = js * n_k + kt;
-          mbarrier_wait_parity_suspend(bars + read_buf, (q / kT16WgStages) & 1);  // stage q's bytes, from every block
+          // stage q's bytes, from every block (this tile's use q / kT16WgStages of its buffer)
+          const int uses = (kT16JSub * n_k - 1 - read_buf) / kT16WgStages + 1;
+          mbarrier_wait_parity_suspend(bars + read_buf, (tile_it * uses + q / kT16WgStages) & 1);
 #endif
         } else {
           cp_async_wait<kT16WgAhead - 1>();
@@ -523,9 +555,6 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
     // This thread's pieces of a chunk: rows d = tid/8 + 32u, 16-byte piece tid % 8 of the row.
     const int wc = tid & 7, wr = tid >> 3;
     const uint32_t w_dst = kmajor_sw128_offset(wr, wc * 8, 1024);  // rows wr + 32u: + 4 KB each
-    // kTma: W's chunks in one sequence over every group of d and round (wq), buffer wq %
-    // kT16Wg2Stages, issued by the producer warp.
-    [[maybe_unused]] int w_base = 0;
     [[maybe_unused]] uint64_t* w_full = bars + 2 * kT16WgStages;
     [[maybe_unused]] uint64_t* w_empty = w_full + kT16Wg2Stages;
     for (int dg = 0; dg < D; dg += kTcDG) {
@@ -616,8 +645,7 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
         if constexpr (kTma) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
           // the sums read: this block's round stored, to every block's producer (the next
-          // round's chunks land over the sums; none follow the last round)
-          if (dg + kTcDG >= D && r0 + kT16RoundRows >= P) continue;
+          // round's chunks and the next tile's stages land over the sums)
           fence_proxy_async_smem();
           consumers_sync();
           if (tid < kShare) {
@@ -628,11 +656,6 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
 #endif
         }
       }
-    }
-    if constexpr (kTma) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-      cluster_barrier();  // the peers' last arrivals on this block's mbarriers made before it exits
-#endif
     }
     return;
   }
@@ -704,6 +727,22 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
       sum_k_halves<4>(red, kRedLd, acc2, kh, dw * 32, g, t);
       store_round<kT16RoundRows, true>(p, red, kRedLd, row_off, norm_arg, dg, tid, kTcThreads);
     }
+  }
+  };  // tile
+
+  if constexpr (kTma) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    for (int lin = blockIdx.x / kShare, it = 0; lin < n_groups; lin += gridDim.x / kShare, ++it) {
+      int col_tile, row_group, b;
+      tc16_group_tile(lin, n_col_blocks, n_row_groups, col_tile, row_group, b);
+      tile(col_tile, kShare * row_group + int(rank), b, it);
+    }
+    cluster_barrier();  // the peers' last arrivals on this block's mbarriers made before it exits
+#endif
+  } else {
+    int col_tile, row_tile;
+    grouped_tile(col_tile, row_tile);
+    tile(col_tile, row_tile, int(blockIdx.z), 0);
   }
 #else
   target_lacks_instructions();
