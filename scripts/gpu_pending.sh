@@ -29,6 +29,8 @@
 #                                                       # tests, paired, the bfloat16 rows in clusters
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR waves_final  # the rows the waves form and the pair
 #                                                       # counts take part in, and their tests
+#          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR producer  # the 16-bit kernel's tensor-copy forms
+#                                                       # with a producer warp: tests, paired, rows
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR proj  # the waves form's projection and barriers:
 #                                                       # tests, trace, the bounded rows
 # (DEST: a folder that r.tgz is also copied to after every step)
@@ -36,7 +38,7 @@
 # steps.txt lists each step's exit status; a failing test step stops the call.
 OUT=$1
 PHASE=${2:-default}
-case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows | bf16 | clusters | bf16_clusters | ncu_clusters | land) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all, own_rows, bf16, clusters, bf16_clusters, ncu_clusters or land, got '$PHASE'" >&2; exit 2 ;; esac
+case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows | bf16 | clusters | bf16_clusters | ncu_clusters | land | producer) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all, own_rows, bf16, clusters, bf16_clusters, ncu_clusters, land or producer, got '$PHASE'" >&2; exit 2 ;; esac
 R=$OUT/r
 mkdir -p "$R"
 pack() { tar -C "$OUT" -czf "$OUT/r.tgz" r; [ -n "$DEST" ] && cp "$OUT/r.tgz" "$DEST/"; }
@@ -86,7 +88,7 @@ torch.cuda.synchronize()
 PY
 }
 # The 16-bit contraction's second launch in tc16_one.py under Nsight Compute, once per cluster size
-# given (1: the form without clusters): throughput, L2 and shared-memory traffic, stalls, launch
+# given (0: the form without tensor copies): throughput, L2 and shared-memory traffic, stalls, launch
 # and occupancy.
 ncu_tc16() {
   tc16_one
@@ -345,6 +347,33 @@ if [ "$PHASE" = bf16_clusters ]; then
   T conv_clusters 90 env FLASHOPM_TC16_CLUSTER=$CL $py scripts/convention_times.py 1536 row openfold boltz bfloat16 kernels
   T ab_stream 60 $py scripts/ab_env.py FLASHOPM_PROJECT_STREAM=1 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6
   [ "$CL" != 1 ] && [ ! -f "$R/ab_cluster2.log" ] && ab_c 2
+  exit 0
+fi
+
+if [ "$PHASE" = producer ]; then
+  # the 16-bit kernel's tensor-copy forms with a producer warp (FLASHOPM_TC16_CLUSTER=1, 2, 4):
+  # their bits against the form without (a hang shows as the step's timeout), each paired against
+  # it at N = 1536 in bfloat16 (resident clusters taking groups of tiles in turn; the fastest also
+  # with one cluster per group); then, with the fastest (CLUSTER overrides), each convention's time
+  # by kernel, issue 6's OpenFold and spec bfloat16 rows beside eager and torch.compile, and both
+  # forms under Nsight Compute (~10 min with the build: the call's limit cuts what comes last)
+  T t_tma 240 $py -m pytest -x -v -p no:cacheprovider tests/test_cuda.py -k "cluster_form or tc16_conventions" || exit 1
+  best=0 best_r=1.0
+  for cl in 1 2 4; do
+    T "ab_cluster$cl" 60 $py scripts/ab_env.py FLASHOPM_TC16_CLUSTER=$cl 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6
+    r=$(grep -o "paired (without / with) [0-9.]*" "$R/ab_cluster$cl.log" | awk '{print $NF}' | head -1)
+    [ -n "$r" ] && awk "BEGIN { exit !($r > $best_r) }" && best=$cl best_r=$r
+  done
+  CL=${CLUSTER:-$best}
+  echo "form for the rows: FLASHOPM_TC16_CLUSTER=$CL (paired $best_r)" >>"$R/steps.txt"
+  [ "$CL" != 0 ] && T "ab_cluster${CL}_p0" 60 $py scripts/ab_env.py FLASHOPM_TC16_CLUSTER=$CL,FLASHOPM_TC16_PERSISTENT=0 \
+    1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6
+  T conv_tma 90 env FLASHOPM_TC16_CLUSTER=$CL $py scripts/convention_times.py 1536 row openfold boltz bfloat16 kernels
+  T mod_openfold_bf16 90 env FLASHOPM_TC16_CLUSTER=$CL $py -m flashopm bench --module openfold --shapes "1,512,1536,256,32,128" \
+    --dtype bfloat16 --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/mod_openfold_bf16"
+  T bench_bf16 90 env FLASHOPM_TC16_CLUSTER=$CL $py -m flashopm bench --shapes "1,512,1536,256,32,128" --dtype bfloat16 \
+    --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/bench_bf16"
+  ncu_tc16 0 "$CL"
   exit 0
 fi
 

@@ -769,9 +769,9 @@ def test_half_precision_inputs(dtype, shape, algorithm):
     assert torch.equal(out, _run(x16, m16, p16, algorithm)), "two identical calls differ: a race"
 
 
-# The 16-bit kernel's clustered forms (FLASHOPM_TC16_CLUSTER=2 or 4: clusters of two or four blocks
-# along rows whose stages and W chunks come by tensor copies, each block's share of b and W
-# multicast to all): whole tiles at hidden 32 with a number of row tiles that is not a multiple of
+# The 16-bit kernel's tensor-copy forms (FLASHOPM_TC16_CLUSTER=1, 2 or 4: a producer warp issues
+# the stages and W chunks by tensor copies, in clusters of one, two or four blocks along rows, each
+# block's share of b and W multicast to all): whole tiles at hidden 32 with a number of row tiles that is not a multiple of
 # the cluster's (the last cluster's blocks past Na), S off the stage depth with partial column
 # tiles and two groups of d in a batch of 2 (the second group's rows of d past D in some blocks'
 # whole shares), hidden 16, and hidden 8 (1024 pairs a block: 16 rounds of phase 2, W's chunk
@@ -788,17 +788,17 @@ CLUSTER_SHAPES = [
 ]
 
 
-@pytest.mark.parametrize("cluster", [2, 4])
+@pytest.mark.parametrize("cluster", [1, 2, 4])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("shape", CLUSTER_SHAPES, ids=str)
 def test_tc16_cluster_form_gives_the_default_bits(shape, dtype, cluster, monkeypatch):
-    """The clustered form runs (profiler) and gives the default form's bits (the same products in
-    the same order), every element written (poisoned output), two calls equal; the same under the
-    memory bound."""
+    """The tensor-copy form runs (profiler) and gives the bits of the form without tensor copies
+    (the same products in the same order), every element written (poisoned output), two calls
+    equal; the same under the memory bound."""
     x, m, p = make_problem(shape, "masked_positions", seed=zlib.crc32(f"{shape}-pairs".encode()) % 1000)
     x16, m16 = x.to(dtype).cuda(), m.to(dtype).cuda()
     p16 = {k: None if v is None else v.to(dtype).cuda() for k, v in p.items()}
-    monkeypatch.delenv("FLASHOPM_TC16_CLUSTER", raising=False)
+    monkeypatch.setenv("FLASHOPM_TC16_CLUSTER", "0")
     monkeypatch.delenv("FLASHOPM_TC16_MMA_SYNC", raising=False)
     default = _run(x16, m16, p16, "outer")
     kernels = flashopm_kernels(lambda: _run(x16, m16, p16, "outer", poison=False))
@@ -816,6 +816,14 @@ def test_tc16_cluster_form_gives_the_default_bits(shape, dtype, cluster, monkeyp
     assert not clustered.isnan().any(), "NaN in the output: an element was not written"
     assert torch.equal(clustered, default), f"the form in clusters of {cluster} gives other bits than the default form"
     assert torch.equal(clustered, _run(x16, m16, p16, "outer")), "two identical calls differ: a race"
+    # one cluster per group of tiles, and three clusters each taking many groups in turn (their
+    # stage rings and W chunks carried from tile to tile)
+    for env in ({"FLASHOPM_TC16_PERSISTENT": "0"}, {"FLASHOPM_TC16_MAX_CLUSTERS": "3"}):
+        with monkeypatch.context() as mp:
+            for k, v in env.items():
+                mp.setenv(k, v)
+            other = _run(x16, m16, p16, "outer")
+        assert torch.equal(other, default), f"clusters of {cluster} with {env}: other bits than the default form"
     # under the memory bound: launches over bands of rows and blocks of columns.  A launch whose
     # band or block leaves partial tiles takes the default form on both sides (the comparison is
     # then of two identical calls), so whether the clustered form ran is reported.
@@ -823,7 +831,7 @@ def test_tc16_cluster_form_gives_the_default_bits(shape, dtype, cluster, monkeyp
         if not ran(flashopm_kernels(lambda: _run(x16, m16, p16, "outer", poison=False))):
             warnings.warn(f"{shape}: under the bound the form in clusters of {cluster} did not run")
         bounded_clustered = _run(x16, m16, p16, "outer")
-        monkeypatch.setenv("FLASHOPM_TC16_CLUSTER", "1")
+        monkeypatch.setenv("FLASHOPM_TC16_CLUSTER", "0")
         bounded_default = _run(x16, m16, p16, "outer")
     assert not bounded_clustered.isnan().any(), "NaN in the output under the bound: an element was not written"
     assert torch.equal(bounded_clustered, bounded_default), "under the bound the clustered form's bits differ"
@@ -837,7 +845,7 @@ def test_tc16_cluster_form_gives_the_default_bits(shape, dtype, cluster, monkeyp
 def test_tc16_conventions(shape, normalization, monkeypatch):
     """The OpenFold and Boltz conventions in bfloat16 through the 16-bit kernel: every element
     written, normwise error against float32 PyTorch on the same inputs at most 2x eager
-    bfloat16's; in clusters of two and four the default form's bits."""
+    bfloat16's; in each tensor-copy form the bits of the form without tensor copies."""
     dtype = torch.bfloat16
     x, m, p = make_problem(shape, "masked_positions", seed=zlib.crc32(f"{shape}-{normalization}".encode()) % 1000)
     x16, m16 = x.to(dtype).cuda(), m.to(dtype).cuda()
@@ -845,7 +853,7 @@ def test_tc16_conventions(shape, normalization, monkeypatch):
     code = flashopm.ops.NORMALIZATIONS[normalization]
     ref32 = reference(x16, m16, p16, dtype=torch.float32, normalization=code).cpu()
     eager = reference(x16, m16, p16, normalization=code).float().cpu()
-    monkeypatch.delenv("FLASHOPM_TC16_CLUSTER", raising=False)
+    monkeypatch.setenv("FLASHOPM_TC16_CLUSTER", "0")
     monkeypatch.delenv("FLASHOPM_TC16_MMA_SYNC", raising=False)
     out = _run(x16, m16, p16, "outer", normalization=normalization)
     assert not out.isnan().any(), "NaN in the output: an element was not written"
@@ -854,7 +862,7 @@ def test_tc16_conventions(shape, normalization, monkeypatch):
     kernels = flashopm_kernels(lambda: _run(x16, m16, p16, "outer", poison=False, normalization=normalization))
     if not any("opm_outer_tc16_kernel" in k and "true, true" in k for k in kernels):
         pytest.skip("the 16-bit kernel's form with both phases on warpgroup MMAs does not run here (sm_90a only)")
-    for cluster in (2, 4):
+    for cluster in (1, 2, 4):
         monkeypatch.setenv("FLASHOPM_TC16_CLUSTER", str(cluster))
         kernels = flashopm_kernels(lambda: _run(x16, m16, p16, "outer", poison=False, normalization=normalization))
         assert any("opm_outer_tc16_cluster_kernel" in k and f", {cluster}>" in k for k in kernels), kernels

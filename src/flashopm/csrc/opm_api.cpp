@@ -866,17 +866,29 @@ void run_outer(OuterArgs oa, int64_t i_offset, int64_t rows, int64_t out_rows, i
   if (operand_kind != kMaskFloat) {
     int form = tc16_form(oa.Ti, oa.Tj, requested_tc16_form(dev));
     if (form == kT16WgmmaBoth && oa.w_blocked == nullptr) form = kT16WgmmaPhase1;
-    // FLASHOPM_TC16_CLUSTER=2 or 4: both phases in clusters of that many blocks along rows that
-    // share b's and W's copies (whole tiles only, and row tiles that stay within a launch once
-    // rounded up to whole clusters; the form without where such clusters cannot run)
+    // FLASHOPM_TC16_CLUSTER=1, 2 or 4: the tensor-copy form with a producer warp, in clusters of
+    // that many blocks along rows that share b's and W's copies (whole tiles only; the form without
+    // where such clusters cannot run); 0: the form whose warps copy their own stages.
+    // FLASHOPM_TC16_PERSISTENT=0: the tensor-copy form in one cluster per group of tiles rather
+    // than in as many as are resident at once, each taking groups in turn;
+    // FLASHOPM_TC16_MAX_CLUSTERS=k: at most k clusters, so that each takes many groups, for the tests.
+    int max_clusters = 0;
     if (form == kT16WgmmaBoth && oa.Ti * oa.H == kTcMT && oa.Tj * oa.H == kTcNT) {
-      if (const char* c = env_choice("FLASHOPM_TC16_CLUSTER", {"1", "2", "4"}); c != nullptr && c[0] != '1') {
-        const int cluster = c[0] - '0', clustered = tc16_cluster_form(cluster);
-        const int64_t row_tiles = (rows + oa.Ti - 1) / oa.Ti;
-        if ((row_tiles + cluster - 1) / cluster * cluster <= 65535 &&
-            outer_tc16_cluster_available(dev, operand_kind, cluster,
-                                         outer_tc16_smem_bytes(oa.H, oa.Ti, oa.Tj, clustered)))
-          form = clustered;
+      if (const char* c = env_choice("FLASHOPM_TC16_CLUSTER", {"0", "1", "2", "4"}); c != nullptr && c[0] != '0') {
+        const int cluster = c[0] - '0', tma_form = tc16_tma_form(cluster);
+        const int resident =
+            outer_tc16_max_clusters(dev, operand_kind, cluster, outer_tc16_smem_bytes(oa.H, oa.Ti, oa.Tj, tma_form));
+        if (resident > 0) {
+          form = tma_form;
+          const char* persistent = env_choice("FLASHOPM_TC16_PERSISTENT", {"0", "1"});
+          max_clusters = persistent != nullptr && persistent[0] == '0' ? 0 : resident;
+          if (const char* e = env_get("FLASHOPM_TC16_MAX_CLUSTERS"); e != nullptr && *e != 0) {
+            const int64_t k = std::atoll(e);
+            FLASHOPM_CHECK(k >= 1, "flashopm: FLASHOPM_TC16_MAX_CLUSTERS must be a positive number of clusters, got '",
+                           e, "'");
+            max_clusters = int(std::min<int64_t>(k, resident));
+          }
+        }
       }
     }
     if (outer_tc16_smem_bytes(oa.H, oa.Ti, oa.Tj, form) > optin) {  // less shared memory than sm_90's
@@ -885,7 +897,7 @@ void run_outer(OuterArgs oa, int64_t i_offset, int64_t rows, int64_t out_rows, i
       oa.Tj = int(std::max<int64_t>(tile.cols, 1));
     }
     check_smem(outer_tc16_smem_bytes(oa.H, oa.Ti, oa.Tj, form), dev, "16-bit tensor-core outer-product");
-    launch_outer_tc16(oa, operand_kind, form, stream);
+    launch_outer_tc16(oa, operand_kind, form, max_clusters, stream);
   } else if (tensor_cores) {
     TcMmaSyncStaging staging;
     // FLASHOPM_TC_W_CHUNK=16 asks for the mma.sync form's half W chunks (to compare their bits

@@ -216,6 +216,11 @@ __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wai
 template <int kPending>  // wait until at most kPending committed groups are still in flight
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending)); }
 
+// Barrier `id` (1-15) among `threads` threads of the block (a multiple of 32), those that call it.
+__device__ __forceinline__ void named_barrier(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 // A shared-memory mbarrier for bulk copies: one arrival (the thread that announces the bytes)
 // and the bytes themselves complete its phase.
@@ -324,6 +329,11 @@ __device__ __forceinline__ void tma_load_3d_mc(uint32_t dst, const void* map, in
                " [%0], [%1, {%2, %3, %4}], [%5], %6;\n"
                ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2),
                "r"(static_cast<unsigned>(__cvta_generic_to_shared(bar))), "h"(cta_mask) : "memory");
+}
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const void* map, int c0, int c1, uint64_t* bar) {
+  asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
+               ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1),
+               "r"(static_cast<unsigned>(__cvta_generic_to_shared(bar))) : "memory");
 }
 __device__ __forceinline__ void tma_load_2d_mc(uint32_t dst, const void* map, int c0, int c1, uint64_t* bar,
                                                uint16_t cta_mask) {

@@ -621,10 +621,10 @@ void launch_tc16_form(const OuterArgs& args, int form, const dim3& grid, int sme
 }  // namespace
 
 namespace {
-// The launch of a clustered form's kernel: clusters of 1 x kCluster x 1 blocks along rows.
+// The launch of a tensor-copy form's kernel: a row of clusters of kCluster blocks.
 template <int kCluster>
 cudaLaunchConfig_t tc16_cluster_config(dim3 grid, int smem, cudaStream_t stream, cudaLaunchAttribute (&attr)[1]) {
-  return cluster_config(grid, kTcThreads, smem, stream, dim3(1, kCluster, 1), attr);
+  return cluster_config(grid, kT16TmaThreads, smem, stream, dim3(kCluster, 1, 1), attr);
 }
 
 template <typename T, int kCluster>
@@ -632,7 +632,7 @@ int tc16_max_active_clusters(int dev, int smem) {
   constexpr auto kernel = opm_outer_tc16_cluster_kernel<T, kCluster>;
   allow_smem<kernel>(dev);
   cudaLaunchAttribute attr[1];
-  const cudaLaunchConfig_t cfg = tc16_cluster_config<kCluster>(dim3(1, kCluster, 1), smem, nullptr, attr);
+  const cudaLaunchConfig_t cfg = tc16_cluster_config<kCluster>(dim3(kCluster, 1, 1), smem, nullptr, attr);
   int n = 0;
   if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess) {
     (void)cudaGetLastError();  // not runnable with this configuration: report none
@@ -642,8 +642,8 @@ int tc16_max_active_clusters(int dev, int smem) {
 }
 }  // namespace
 
-bool outer_tc16_cluster_available(int dev, int operand_kind, int cluster, int smem) {
-  if (driver_launch_api().encode_tiled == nullptr || (cluster != 2 && cluster != 4)) return false;
+int outer_tc16_max_clusters(int dev, int operand_kind, int cluster, int smem) {
+  if (driver_launch_api().encode_tiled == nullptr || (cluster != 1 && cluster != 2 && cluster != 4)) return 0;
   // Asked once per (device, operand type, cluster size, shared memory) for the kernel that would
   // launch: whether a cluster fits at all depends on the GPU's partition into GPCs.
   static std::mutex mu;
@@ -653,14 +653,16 @@ bool outer_tc16_cluster_available(int dev, int operand_kind, int cluster, int sm
   auto it = cache.find(key);
   if (it == cache.end()) {
     int n = 0;
-    if (operand_kind == kMaskHalf)
-      n = cluster == 4 ? tc16_max_active_clusters<__half, 4>(dev, smem) : tc16_max_active_clusters<__half, 2>(dev, smem);
-    else
-      n = cluster == 4 ? tc16_max_active_clusters<__nv_bfloat16, 4>(dev, smem)
-                       : tc16_max_active_clusters<__nv_bfloat16, 2>(dev, smem);
+    auto max_active = [&](auto tag) {
+      using T = typename decltype(tag)::type;
+      return cluster == 4   ? tc16_max_active_clusters<T, 4>(dev, smem)
+             : cluster == 2 ? tc16_max_active_clusters<T, 2>(dev, smem)
+                            : tc16_max_active_clusters<T, 1>(dev, smem);
+    };
+    n = operand_kind == kMaskHalf ? max_active(TypeTag<__half>{}) : max_active(TypeTag<__nv_bfloat16>{});
     it = cache.emplace(key, n).first;
   }
-  return it->second > 0;
+  return it->second;
 }
 
 namespace {
@@ -684,7 +686,7 @@ void encode_map16(unsigned char (&out)[128], int operand_kind, const void* base,
 }
 
 template <typename T, int kCluster>
-void launch_tc16_clusters(const OuterArgs& args, int operand_kind, dim3 grid, int smem, cudaStream_t stream) {
+void launch_tc16_clusters(const OuterArgs& args, int operand_kind, int clusters, int smem, cudaStream_t stream) {
   // a (B, S, Na·H) and b (B, S, N·H) in boxes of kT16WgBK s x 64 columns; W in o_k_order as
   // (D, H²) in boxes of kTcDG / kCluster rows of d x 64 k
   Tc16Maps maps{};
@@ -697,33 +699,40 @@ void launch_tc16_clusters(const OuterArgs& args, int operand_kind, dim3 grid, in
   encode_map16(maps.a, operand_kind, args.a, 3, dims_a, strides_a, box_ab);
   encode_map16(maps.b, operand_kind, args.b, 3, dims_b, strides_b, box_ab);
   encode_map16(maps.w, operand_kind, args.w_blocked, 2, dims_w, strides_w, box_w);
-  // whole clusters: row tiles past Na copy their shares of b and W for their peers
-  grid.y = (grid.y + kCluster - 1) / kCluster * kCluster;
-  TORCH_CHECK(grid.y <= 65535, "flashopm: too many row tiles for one launch of the clustered form (", grid.y, ")");
   cudaLaunchAttribute attr[1];
-  const cudaLaunchConfig_t cfg = tc16_cluster_config<kCluster>(grid, smem, stream, attr);
+  const cudaLaunchConfig_t cfg = tc16_cluster_config<kCluster>(dim3(unsigned(clusters * kCluster)), smem, stream, attr);
   launch_kernel<opm_outer_tc16_cluster_kernel<T, kCluster>, SmemSetup::kOptIn>(cfg, args, maps);
 }
 template <typename T>
-void launch_tc16_clusters_of(const OuterArgs& args, int operand_kind, int cluster, dim3 grid, int smem,
+void launch_tc16_clusters_of(const OuterArgs& args, int operand_kind, int cluster, int clusters, int smem,
                              cudaStream_t stream) {
-  if (cluster == 4) return launch_tc16_clusters<T, 4>(args, operand_kind, grid, smem, stream);
-  launch_tc16_clusters<T, 2>(args, operand_kind, grid, smem, stream);
+  if (cluster == 4) return launch_tc16_clusters<T, 4>(args, operand_kind, clusters, smem, stream);
+  if (cluster == 2) return launch_tc16_clusters<T, 2>(args, operand_kind, clusters, smem, stream);
+  launch_tc16_clusters<T, 1>(args, operand_kind, clusters, smem, stream);
 }
 }  // namespace
 
-void launch_outer_tc16(const OuterArgs& args, int operand_kind, int form, cudaStream_t stream) {
+void launch_outer_tc16(const OuterArgs& args, int operand_kind, int form, int max_clusters, cudaStream_t stream) {
   const int tj_block = args.Tj * kT16JSub;
   const dim3 grid(unsigned((args.N + tj_block - 1) / tj_block), unsigned((args.Na + args.Ti - 1) / args.Ti),
                   unsigned(args.B));
   const int smem = outer_tc16_smem_bytes(args.H, args.Ti, args.Tj, form);
-  if (const int cluster = tc16_form_cluster(form); cluster > 1) {
+  if (tc16_form_tma(form)) {
+    const int cluster = tc16_form_cluster(form);
     TORCH_CHECK(args.Ti * args.H == kTcMT && args.Tj * args.H == kTcNT && args.w_blocked != nullptr,
-                "flashopm: internal error: the clustered forms need whole tiles (Ti·H = ", kTcMT, ", Tj·H = ", kTcNT,
+                "flashopm: internal error: the tensor-copy forms need whole tiles (Ti·H = ", kTcMT, ", Tj·H = ", kTcNT,
                 ") and W in blocks, got Ti ", args.Ti, ", Tj ", args.Tj, ", H ", args.H);
+    // groups of tiles: a column block, `cluster` row tiles (those past Na copy their shares of b
+    // and W for their peers), a batch element; each cluster takes them in turn, so that max_clusters
+    // (> 0) keeps every cluster resident and its next tile's first stages load beside its last
+    // tile's phase 2
+    const int64_t groups = int64_t(grid.x) * ((grid.y + cluster - 1) / cluster) * grid.z;
+    const int64_t clusters = max_clusters > 0 ? std::min<int64_t>(groups, max_clusters) : groups;
+    TORCH_CHECK(groups < (int64_t(1) << 31) && clusters * cluster < (int64_t(1) << 31),
+                "flashopm: too many tiles for one launch of the tensor-copy form (", groups, " groups)");
     if (operand_kind == kMaskHalf)
-      return launch_tc16_clusters_of<__half>(args, operand_kind, cluster, grid, smem, stream);
-    return launch_tc16_clusters_of<__nv_bfloat16>(args, operand_kind, cluster, grid, smem, stream);
+      return launch_tc16_clusters_of<__half>(args, operand_kind, cluster, int(clusters), smem, stream);
+    return launch_tc16_clusters_of<__nv_bfloat16>(args, operand_kind, cluster, int(clusters), smem, stream);
   }
   if (operand_kind == kMaskHalf) launch_tc16_form<__half>(args, form, grid, smem, stream);
   else launch_tc16_form<__nv_bfloat16>(args, form, grid, smem, stream);

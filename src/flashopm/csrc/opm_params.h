@@ -616,16 +616,24 @@ enum Tc16Form : int {
   kT16MmaSyncHalfStages = 3,
   kT16MmaSyncNarrow = 4,
   kT16MmaSyncNarrowHalfStages = 5,
-  // both phases on wgmma in clusters of two (four) blocks along rows, the same column tiles: the
-  // stages and W's chunks come by tensor copies, each block's share of b and of W multicast to all
+  // both phases on wgmma, the stages and W's chunks by tensor copies that a producer warp issues,
+  // in clusters of two (four) blocks along rows, the same column tiles, each block's share of b
+  // and of W multicast to all; or (kT16WgmmaTma) each block on its own
   kT16WgmmaPair = 6,
   kT16WgmmaQuad = 7,
+  kT16WgmmaTma = 8,
 };
-// The blocks of a cluster in a form (1: not clustered), and the clustered form of kCluster blocks.
+// Whether a form is one of the tensor-copy forms; the blocks of its clusters (1: not clustered);
+// the tensor-copy form of clusters of `cluster` blocks.
+FLASHOPM_HD constexpr bool tc16_form_tma(int form) {
+  return form == kT16WgmmaPair || form == kT16WgmmaQuad || form == kT16WgmmaTma;
+}
 FLASHOPM_HD constexpr int tc16_form_cluster(int form) {
   return form == kT16WgmmaPair ? 2 : form == kT16WgmmaQuad ? 4 : 1;
 }
-FLASHOPM_HD constexpr int tc16_cluster_form(int cluster) { return cluster == 4 ? kT16WgmmaQuad : kT16WgmmaPair; }
+FLASHOPM_HD constexpr int tc16_tma_form(int cluster) {
+  return cluster == 4 ? kT16WgmmaQuad : cluster == 2 ? kT16WgmmaPair : kT16WgmmaTma;
+}
 FLASHOPM_HD constexpr int tc16_form_bk(int form) {
   return form == kT16MmaSyncHalfStages || form == kT16MmaSyncNarrowHalfStages ? kT16BKSmall : kT16BK;
 }
@@ -641,8 +649,10 @@ FLASHOPM_HD constexpr int tc16_mma_sync_form(int bk, int nt) {
 // kT16Wg2Stages deep.
 constexpr int kT16Wg2ChunkBytes = kTcDG * 128;
 constexpr int kT16Wg2Stages = 4;
-// The clustered forms' mbarriers: phase 1's full and empty per stage, then W's per chunk stage.
-constexpr int kT16ClusterBarriers = 2 * kT16WgStages + 2 * kT16Wg2Stages;
+// The tensor-copy forms' mbarriers: phase 1's full and empty per stage, W's per chunk stage, and
+// one for the rounds of phase 2 stored; their blocks: the eight warps of the others and a producer.
+constexpr int kT16ClusterBarriers = 2 * kT16WgStages + 2 * kT16Wg2Stages + 1;
+constexpr int kT16TmaThreads = kTcThreads + 32;
 
 // Shared memory of the 16-bit kernel, in bytes: O ([Ti·Tj·kT16JSub][H² + 8] 16-bit) with the
 // phase-1 stages placed after the first column tile's O (the later tiles' O is written only once
@@ -661,8 +671,8 @@ FLASHOPM_HD inline Tc16Layout tc16_layout(int H, int Ti, int Tj, int form) {
   Tc16Layout L{};
   L.ldo = H * H + 8;
   int end;
-  const bool clustered = tc16_form_cluster(form) > 1;
-  if (form == kT16WgmmaBoth || clustered) {
+  const bool tma = tc16_form_tma(form);
+  if (form == kT16WgmmaBoth || tma) {
     const int o_tile = Ti * Tj * H * H * 2;
     L.stages = round_up1k(o_tile);
     L.w = round_up1k(kT16JSub * o_tile);
@@ -683,8 +693,8 @@ FLASHOPM_HD inline Tc16Layout tc16_layout(int H, int Ti, int Tj, int form) {
     if (end < stages_end) end = stages_end;
   }
   L.rows = end;  // 16-byte aligned
-  L.total = L.rows + kT16RoundRows * 12 + (form == kT16WgmmaBoth || clustered ? 1024 : 0) +
-            (clustered ? kT16ClusterBarriers * 8 : 0);
+  L.total = L.rows + kT16RoundRows * 12 + (form == kT16WgmmaBoth || tma ? 1024 : 0) +
+            (tma ? kT16ClusterBarriers * 8 : 0);
   return L;
 }
 // The clustered forms' tensor maps (CUtensorMap's 128 bytes each): a as (B, S, Na·H), b as (B, S,
@@ -749,10 +759,10 @@ void launch_prep(const PrepArgs& args, bool project_w, int rows_per_warp, int wa
 bool prep_whole_weights_apply(const PrepArgs& args, bool project_w, int rows_per_warp);
 // opm_project_rows_kernel over all B * S * N rows (project_w = false layouts)
 void launch_project_rows(const PrepArgs& args, cudaStream_t stream);
-// Whether the 16-bit kernel's clustered form of `cluster` blocks (2 or 4) can run on device `dev`
-// for operands of operand_kind with `smem` bytes of shared memory a block: the driver's tensor-map
-// encoder found, and such a cluster fits.
-bool outer_tc16_cluster_available(int dev, int operand_kind, int cluster, int smem);
+// How many clusters of `cluster` blocks (1, 2 or 4) of the 16-bit kernel's tensor-copy form can be
+// resident at once on device `dev` for operands of operand_kind with `smem` bytes of shared memory
+// a block: 0 where the driver's tensor-map encoder is missing or no such cluster fits.
+int outer_tc16_max_clusters(int dev, int operand_kind, int cluster, int smem);
 int project_rows_smem_bytes(const PrepArgs& args);
 // opm_project_rows_kernel's TF32 terms per product: 0 for its FMA form (x not in 16-byte vectors,
 // or FLASHOPM_PROJECTION_MMA=0), 1 for 16-bit x, else PrepArgs::mma_terms.
@@ -804,7 +814,9 @@ int outer_tc_smem_bytes(int H, int Ti, int Tj, bool wgmma, bool wgmma2, TcMmaSyn
 // operand_kind: kMaskBFloat16 or kMaskHalf, the element type of a, b and w_out
 // form: a Tc16Form, as tc16_form gives it (the wgmma forms need outer_tc16_wgmma_built() and a
 // compute capability 9.0 GPU)
-void launch_outer_tc16(const OuterArgs& args, int operand_kind, int form, cudaStream_t stream);
+// max_clusters: the tensor-copy forms' clusters resident at once (each then takes several groups
+// of tiles in turn), 0 for one cluster per group of tiles
+void launch_outer_tc16(const OuterArgs& args, int operand_kind, int form, int max_clusters, cudaStream_t stream);
 int outer_tc16_smem_bytes(int H, int Ti, int Tj, int form);
 bool outer_tc16_wgmma_built();  // the extension holds sm_90a code
 // The architecture the current device's kernel code was compiled for, as __CUDA_ARCH__ / 10 (80,

@@ -43,11 +43,6 @@ __device__ __forceinline__ uint32_t hmul2_bits(uint32_t a, uint32_t f) {
   return *reinterpret_cast<const uint32_t*>(&r);
 }
 
-// Barrier `id` (1-15) among `threads` threads of the block (a multiple of 32), those that call it.
-__device__ __forceinline__ void named_barrier(int id, int threads) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-
 // The fused form's projections, run by the block's first kSmallF16FusedProjWarps warps: rows
 // [r0, r1) of the B·S·N rows (b, s, n), a warp per row at a time, into the workspace in
 // kAbF16Split, as opm_prep_kernel's whole-weights form computes and stores them (the same

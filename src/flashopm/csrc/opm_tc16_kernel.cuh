@@ -23,28 +23,124 @@
 
 namespace flashopm {
 
+// The tensor-copy forms' groups of tiles: group lin of a launch takes column block col_tile
+// (kT16JSub column tiles), row group row_group (the cluster's row tiles) of batch element b, in
+// grouped order within each batch element.
+__device__ __forceinline__ void tc16_group_tile(int lin, int n_col_blocks, int n_row_groups, int& col_tile,
+                                                int& row_group, int& b) {
+  const int per_b = n_col_blocks * n_row_groups;
+  b = lin / per_b;
+  const int rem = lin - b * per_b;
+  grouped_tile_of(rem % n_col_blocks, rem / n_col_blocks, n_col_blocks, n_row_groups, col_tile, row_group);
+}
+
+// The tensor-copy forms' producer, lane 0 of the ninth warp (see outer_tc16_body): for each group
+// of tiles the cluster takes, phase 1's stages of every column tile, then W's chunks of every group
+// of d and round, each into its buffer once every block of the cluster has released that buffer's
+// last use.  A stage buffer's first stage of a later tile also waits for the tile before to be
+// done with what lies over it (its O and W chunks read by every block's products, its sums by
+// every block's stores), so that the next tile's first stages load beside the last one's phase 2.
+// bars as the body lays them.
+template <int kCluster>
+__device__ __forceinline__ void tc16_produce(const OuterArgs& p, const Tc16Maps& maps, char* smem,
+                                             const Tc16Layout& L, uint64_t* bars, unsigned rank, int n_col_blocks,
+                                             int n_row_groups, int n_groups, int P) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr int kBGroupsShare = kTcNT / 64 / kCluster, kWRowsShare = kTcDG / kCluster;
+  constexpr uint16_t kMask = uint16_t((1u << kCluster) - 1);
+  uint64_t* full = bars;
+  uint64_t* empty = bars + kT16WgStages;
+  uint64_t* w_full = bars + 2 * kT16WgStages;
+  uint64_t* w_empty = w_full + kT16Wg2Stages;
+  uint64_t* stored = w_empty + kT16Wg2Stages;
+  const int H = p.H;
+  const int n_k = (p.S + kT16WgBK - 1) / kT16WgBK, n_q = kT16JSub * n_k, n_kc = H * H / 64;
+  // uses of stage buffer sb in one tile (the ring starts again at buffer 0 with each tile)
+  auto uses = [&](int sb) { return sb < n_q ? (n_q - 1 - sb) / kT16WgStages + 1 : 0; };
+  auto stage_lo = [&](int sb) { return L.stages + sb * kT16WgStageBytes; };
+  const int red_hi = L.w + kT16RoundRows * (kTcDG + 4) * 4;  // phase 2's sums from L.w
+  const uint32_t stages_addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem + L.stages));
+  const uint32_t w_addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem + L.w));
+  int wq = 0, round = 0;  // W chunks and rounds of phase 2 issued so far, over every tile
+  for (int lin = blockIdx.x / kCluster, it = 0; lin < n_groups; lin += gridDim.x / kCluster, ++it) {
+    int col_tile, row_group, b;
+    tc16_group_tile(lin, n_col_blocks, n_row_groups, col_tile, row_group, b);
+    const int i0 = (kCluster * row_group + int(rank)) * p.Ti, j0 = col_tile * p.Tj * kT16JSub;
+    for (int q = 0; q < n_q; ++q) {
+      const int buf = q % kT16WgStages, use = it * uses(buf) + q / kT16WgStages;
+      if (use > 0) mbarrier_wait_parity_suspend(empty + buf, (use - 1) & 1);
+      if (it > 0 && q < kT16WgStages) {
+        // the buffer's first stage of this tile: the last tile's O and W chunks read (its last
+        // chunk released by every block), and where the buffer lies over the sums, those stored
+        mbarrier_wait_parity_suspend(w_empty + (wq - 1) % kT16Wg2Stages, ((wq - 1) / kT16Wg2Stages) & 1);
+        if (stage_lo(buf) < red_hi && stage_lo(buf) + kT16WgStageBytes > L.w)
+          mbarrier_wait_parity_suspend(stored, (round - 1) & 1);
+      }
+      mbarrier_arrive_expect_tx(full + buf, kT16WgStageBytes);
+      const int js = q / n_k, s0 = (q - js * n_k) * kT16WgBK, jt0 = j0 + js * p.Tj;
+      const uint32_t st = stages_addr + uint32_t(buf * kT16WgStageBytes);
+#pragma unroll
+      for (int grp = 0; grp < kTcMT / 64; ++grp)
+        tma_load_3d(st + grp * kT16WgGroupBytes, maps.a, i0 * H + grp * 64, s0, b, full + buf);
+#pragma unroll
+      for (int share = 0; share < kBGroupsShare; ++share) {
+        const int grp = int(rank) * kBGroupsShare + share;
+        const uint32_t dst = st + kT16WgABytes + grp * kT16WgGroupBytes;
+        if constexpr (kCluster == 1) tma_load_3d(dst, maps.b, jt0 * H + grp * 64, s0, b, full + buf);
+        else tma_load_3d_mc(dst, maps.b, jt0 * H + grp * 64, s0, b, full + buf, kMask);
+      }
+    }
+    const int tile_wq = wq;
+    for (int dg = 0; dg < p.D; dg += kTcDG) {
+      for (int r0 = 0; r0 < P; r0 += kT16RoundRows, ++round) {
+        if (round > 0) mbarrier_wait_parity_suspend(stored, (round - 1) & 1);  // every block's sums read
+        for (int kc = 0; kc < n_kc; ++kc, ++wq) {
+          const int buf = wq % kT16Wg2Stages, use = wq / kT16Wg2Stages;
+          if (use > 0) mbarrier_wait_parity_suspend(w_empty + buf, (use - 1) & 1);
+          if (wq - tile_wq < kT16Wg2Stages) {
+            // the buffer's first chunk of this tile: the last use of each stage buffer beneath it,
+            // in every block
+            const int lo = L.w + buf * kT16Wg2ChunkBytes, hi = lo + kT16Wg2ChunkBytes;
+            for (int sb = 0; sb < kT16WgStages && sb < n_q; ++sb)
+              if (stage_lo(sb) < hi && stage_lo(sb) + kT16WgStageBytes > lo)
+                mbarrier_wait_parity_suspend(empty + sb, ((it + 1) * uses(sb) - 1) & 1);
+          }
+          mbarrier_arrive_expect_tx(w_full + buf, kT16Wg2ChunkBytes);
+          const uint32_t dst = w_addr + uint32_t(buf * kT16Wg2ChunkBytes + int(rank) * kWRowsShare * 128);
+          if constexpr (kCluster == 1) tma_load_2d(dst, maps.w, kc * 64, dg, w_full + buf);
+          else tma_load_2d_mc(dst, maps.w, kc * 64, dg + int(rank) * kWRowsShare, w_full + buf, kMask);
+        }
+      }
+    }
+  }
+#endif
+}
+
 // kBK, kNT: s per stage and phase 1's columns (j, h2) in the mma.sync form (kT16BK and kTcNT;
 // kT16BKSmall and kT16NTNarrow on GPUs with less shared memory; kNT >= Tj·H).
-// kCluster > 1 (with kWgmmaBoth; full tiles: Ti·H = kTcMT, Tj·H = kTcNT): the block is one of a
-// cluster of kCluster (2 or 4) along rows, the same column tiles, and its stages and W's chunks
-// come by tensor copies (maps): each block copies its own a, and its share (1 / kCluster) of
-// every b stage and every W chunk to all the cluster's blocks (multicast), so that b and W cross
-// L2 once per cluster.  A stage's "full" mbarrier counts the bytes from every block; its "empty"
-// mbarrier one arrival from each block once its warpgroups have retired the stage's products,
-// before any refills it.  Thread 0 issues the copies: a stage the consumers are about to wait for
-// with a wait for its buffer's release, later ones only where every block has released it already,
-// so that a block ahead of its peers keeps multiplying the stages it has instead of waiting for
-// them.  The same products in the same order as without: the same bits.
+// kCluster > 0 (with kWgmmaBoth; full tiles: Ti·H = kTcMT, Tj·H = kTcNT): the tensor-copy forms.
+// A ninth warp produces: its lane 0 issues every stage and every W chunk by tensor copies (maps)
+// as soon as the buffer is free, and the eight consumer warps only wait for bytes and multiply.
+// The block is one of a cluster of kCluster (1, 2 or 4) along rows, the same column tiles: each
+// block copies its own a, and its share (1 / kCluster) of every b stage and every W chunk to all
+// the cluster's blocks (multicast), so that b and W cross L2 once per cluster.  A stage's "full"
+// mbarrier counts this block's producer's arrival and the bytes from every block; its "empty"
+// mbarrier one arrival from each consumer warpgroup of each block once that warpgroup has retired
+// the stage's products.  W's buffers lie over the stages: each one's first chunk waits for the
+// last use of the stages beneath it in every block; phase 2's sums lie over W's buffers: a round's
+// chunks wait for every block's previous round to be stored.  The same products in the same order
+// as without: the same bits.
 template <typename T, bool kWgmma, bool kWgmmaBoth, int kBK, int kNT, int kCluster>
 __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Maps* maps) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  constexpr bool kClustered = kCluster > 1;
+  constexpr bool kTma = kCluster > 0;
   static_assert(kWgmma || !kWgmmaBoth, "phase 2 on wgmma needs phase 1 on wgmma");
-  static_assert(kWgmmaBoth || !kClustered, "the clustered forms have both phases on wgmma");
-  static_assert(kCluster == 1 || kCluster == 2 || kCluster == 4, "clusters of 2 or 4 blocks");
+  static_assert(kWgmmaBoth || !kTma, "the tensor-copy forms have both phases on wgmma");
+  static_assert(kCluster == 0 || kCluster == 1 || kCluster == 2 || kCluster == 4, "clusters of 1, 2 or 4 blocks");
+  constexpr int kShare = kTma ? kCluster : 1;
   // each block's share of b's column groups and of W's rows of d, and the multicast to every block
-  constexpr int kBGroupsShare = kTcNT / 64 / kCluster, kWRowsShare = kTcDG / kCluster;
-  [[maybe_unused]] constexpr uint16_t kClusterMask = uint16_t((1u << kCluster) - 1);
+  constexpr int kBGroupsShare = kTcNT / 64 / kShare, kWRowsShare = kTcDG / kShare;
+  [[maybe_unused]] constexpr uint16_t kClusterMask = uint16_t((1u << kShare) - 1);
   static_assert(kBK == kT16BK || (kBK == kT16BKSmall && !kWgmma), "half stages for the mma.sync form alone");
   static_assert(kNT == kTcNT || (kNT == kT16NTNarrow && !kWgmma), "a narrower phase 1 for the mma.sync form alone");
   extern __shared__ float4 smem_f4[];
@@ -52,7 +148,7 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
   if constexpr (kWgmmaBoth)  // the swizzle follows address bits 4-9: every tile from a 1 KB boundary
     smem = align_smem_1k(smem);
   const Tc16Layout L = tc16_layout(p.H, p.Ti, p.Tj,
-                                   kClustered        ? tc16_cluster_form(kCluster)
+                                   kTma         ? tc16_tma_form(kCluster)
                                    : kWgmmaBoth ? kT16WgmmaBoth
                                    : kWgmma     ? kT16WgmmaPhase1
                                                 : tc16_mma_sync_form(kBK, kNT));
@@ -64,23 +160,6 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
   const int H = p.H, N = p.N, S = p.S, D = p.D, Ti = p.Ti, Tj = p.Tj;
   const int P1 = Ti * Tj;          // pairs of one column tile
   const int P = P1 * kT16JSub;     // pairs of the block, column tile by column tile
-  const int b = blockIdx.z;
-  int col_tile, row_tile;
-  // kClustered: this block's rank in its cluster (row tile kCluster·group + rank)
-  [[maybe_unused]] unsigned rank = 0;
-  // kClustered: full[kT16WgStages], empty[..], W's full[kT16Wg2Stages], empty[..]
-  [[maybe_unused]] uint64_t* bars = nullptr;
-  if constexpr (kClustered) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    rank = cluster_rank();
-#endif
-    int row_group;
-    grouped_tile_of(blockIdx.x, blockIdx.y / kCluster, gridDim.x, gridDim.y / kCluster, col_tile, row_group);
-    row_tile = kCluster * row_group + int(rank);
-  } else {
-    grouped_tile(col_tile, row_tile);
-  }
-  const int i0 = row_tile * Ti, j0 = col_tile * Tj * kT16JSub;  // i0 local to this row block
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;   // accumulator coordinates (PTX: groupID, threadID_in_group)
   const int lq = lane >> 3, lr = lane & 7;  // ldmatrix: the matrix and the row this lane addresses
@@ -88,38 +167,64 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
   const T* a_g = static_cast<const T*>(p.a);
   const T* b_g = static_cast<const T*>(p.b);
   const T* w_g = static_cast<const T*>(p.w_out);
-  // this tile's row denominators (kNormRow): row i0 + il at row_den[il]
-  const float* row_den = p.row_den ? p.row_den + int64_t(b) * p.norm_rows + i0 : nullptr;
-  if constexpr (kClustered) {
+  // kTma: this block's rank in its cluster, and the launch's groups of tiles (a column block, the
+  // cluster's kCluster row tiles, a batch element), which each cluster takes in turn
+  [[maybe_unused]] unsigned rank = 0;
+  [[maybe_unused]] int n_col_blocks = 0, n_row_groups = 0, n_groups = 0;
+  // kTma: full[kT16WgStages], empty[..], W's full[kT16Wg2Stages], empty[..], round stored
+  [[maybe_unused]] uint64_t* bars = nullptr;
+  if constexpr (kTma) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    rank = cluster_rank();
+    n_col_blocks = (N + Tj * kT16JSub - 1) / (Tj * kT16JSub);
+    n_row_groups = ((p.Na + Ti - 1) / Ti + kShare - 1) / kShare;
+    n_groups = n_col_blocks * n_row_groups * p.B;
     bars = reinterpret_cast<uint64_t*>(smem + L.rows + kT16RoundRows * 12);
     if (tid == 0) {
       for (int i = 0; i < kT16WgStages; ++i) {
-        mbarrier_init(bars + i, 1);                        // this block's arrival with the bytes
-        mbarrier_init(bars + kT16WgStages + i, kCluster);  // each block's release
+        mbarrier_init(bars + i, 1);                                 // the producer's arrival with the bytes
+        mbarrier_init(bars + kT16WgStages + i, 2 * kShare);         // each consumer warpgroup's release
       }
       for (int i = 0; i < kT16Wg2Stages; ++i) {
         mbarrier_init(bars + 2 * kT16WgStages + i, 1);
-        mbarrier_init(bars + 2 * kT16WgStages + kT16Wg2Stages + i, kCluster);
+        mbarrier_init(bars + 2 * kT16WgStages + kT16Wg2Stages + i, 2 * kShare);
       }
+      mbarrier_init(bars + 2 * kT16WgStages + 2 * kT16Wg2Stages, kShare);  // each block's round stored
     }
     cluster_barrier();  // every block's mbarriers set up before any copies to another
+    if (warp == kTcThreads / 32) {
+      if (lane == 0) tc16_produce<kCluster>(p, *maps, smem, L, bars, rank, n_col_blocks, n_row_groups, n_groups, P);
+      __syncwarp();
+      cluster_barrier();  // (the consumers' last)
+      return;
+    }
 #endif
   }
-  // kClustered (thread 0): this block's share of W's chunk kc (k from 64·kc) for rows of d from dg,
-  // into buffer wq % kT16Wg2Stages of every block, counted on its W full mbarrier (the caller has
-  // seen that buffer released by every block)
-  [[maybe_unused]] auto copy_w_share = [&](int dg, int kc, int wq) {
+  // kTma (consumers): a stage or W chunk retired by this warpgroup, released to every block that
+  // refills it (lane r of the warpgroup's first warp arrives on block r's mbarrier)
+  [[maybe_unused]] auto release = [&](uint64_t* bar) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    uint64_t* w_full = bars + 2 * kT16WgStages + wq % kT16Wg2Stages;
-    mbarrier_arrive_expect_tx(w_full, kT16Wg2ChunkBytes);
-    const uint32_t w_addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem + L.w));
-    tma_load_2d_mc(w_addr + uint32_t((wq % kT16Wg2Stages) * kT16Wg2ChunkBytes + int(rank) * kWRowsShare * 128), maps->w,
-                   kc * 64, dg + int(rank) * kWRowsShare, w_full, kClusterMask);
+    if ((warp & 3) == 0 && lane < kShare) {
+      if (lane == int(rank)) mbarrier_arrive_local(bar);
+      else mbarrier_arrive_peer(bar, unsigned(lane));
+    }
 #endif
   };
-  // kClustered: W's chunks of the first round issued at the end of phase 1, before the last O store
-  [[maybe_unused]] const int w_early = min(kT16Wg2Stages - 2, p.H * p.H / 64);
+  // a barrier of the eight consumer warps (the producer warp does not take part in kTma)
+  auto consumers_sync = [&]() {
+    if constexpr (kTma) named_barrier(1, kTcThreads);
+    else __syncthreads();
+  };
+  // kTma: W's chunks in one sequence over every tile, group of d and round (wq), buffer wq %
+  // kT16Wg2Stages, issued by the producer warp
+  [[maybe_unused]] int w_base = 0;
+
+  // One tile: column block col_tile, row tile row_tile of batch element b, the block's tile_it-th
+  // (kTma: the stage ring starts at buffer 0 with each tile).
+  auto tile = [&](const int col_tile, const int row_tile, const int b, const int tile_it) {
+  const int i0 = row_tile * Ti, j0 = col_tile * Tj * kT16JSub;  // i0 local to this row block
+  // this tile's row denominators (kNormRow): row i0 + il at row_den[il]
+  const float* row_den = p.row_den ? p.row_den + int64_t(b) * p.norm_rows + i0 : nullptr;
 
   // ---------------- phase 1 ----------------
   const int a_lim = min(Ti * H, (p.Na - i0) * H);  // valid columns of the tile (multiples of 8)
@@ -195,45 +300,7 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
       }
       issue_buf = issue_buf + 1 == kT16WgStages ? 0 : issue_buf + 1;
     };
-    // kClustered (thread 0): stage q_issue of the sequence (tile q / n_k, s from (q % n_k)·kT16WgBK)
-    // into buffer q % kT16WgStages once every block has released that buffer's previous stage
-    // (waiting for that when `wait`, else only if it has): this block's a, and its share of b's
-    // column groups to every block.  Returns whether it issued; nothing past the last stage.
-    [[maybe_unused]] int q_issue = 0;
-    [[maybe_unused]] const uint32_t stages_addr = static_cast<uint32_t>(__cvta_generic_to_shared(wg_stages));
-    [[maybe_unused]] auto issue_cluster_stage = [&](bool wait) -> bool {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-      if (q_issue < kT16JSub * n_k) {
-        const int buf = q_issue % kT16WgStages, use = q_issue / kT16WgStages;
-        if (use > 0) {
-          uint64_t* empty = bars + kT16WgStages + buf;
-          if (wait) mbarrier_wait_parity(empty, (use - 1) & 1);
-          else if (!mbarrier_test_parity(empty, (use - 1) & 1)) return false;
-        }
-        uint64_t* full = bars + buf;
-        mbarrier_arrive_expect_tx(full, kT16WgStageBytes);
-        const int js = q_issue / n_k, s0 = (q_issue - js * n_k) * kT16WgBK;
-        const int jt0 = j0 + js * Tj;
-        const uint32_t st = stages_addr + uint32_t(buf * kT16WgStageBytes);
-#pragma unroll
-        for (int grp = 0; grp < kTcMT / 64; ++grp)
-          tma_load_3d(st + grp * kT16WgGroupBytes, maps->a, i0 * H + grp * 64, s0, b, full);
-#pragma unroll
-        for (int share = 0; share < kBGroupsShare; ++share) {
-          const int grp = int(rank) * kBGroupsShare + share;
-          tma_load_3d_mc(st + kT16WgABytes + grp * kT16WgGroupBytes, maps->b, jt0 * H + grp * 64, s0, b, full,
-                         kClusterMask);
-        }
-        ++q_issue;
-        return true;
-      }
-#endif
-      return false;
-    };
-    if constexpr (kClustered) {
-      if (tid == 0)
-        for (int st = 0; st < kT16WgAhead; ++st) issue_cluster_stage(false);  // first uses: no release to wait for
-    } else {
+    if constexpr (!kTma) {
 #pragma unroll
       for (int st = 0; st < kT16WgAhead; ++st) {
         issue_stage();
@@ -249,22 +316,12 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
 #pragma unroll
       for (int e = 0; e < 128; ++e) acc[e] = 0.f;
       for (int kt = 0; kt < n_k; ++kt) {
-        if constexpr (kClustered) {
+        if constexpr (kTma) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
           const int q = js * n_k + kt;
-          // stage q issued before waiting for its bytes (here only if no earlier probe found its
-          // buffer released by every block), and the later stages whose buffers are free by now
-          // (released up to stage q - 3 so far)
-          if (tid == 0) {
-            while (q_issue <= q) issue_cluster_stage(true);
-            while (q_issue <= q + kT16WgAhead - 1 && issue_cluster_stage(false)) {
-            }
-          }
-          mbarrier_wait_parity_suspend(bars + read_buf, (q / kT16WgStages) & 1);  // stage q's bytes, from every block
-          __syncthreads();  // every warpgroup has retired stage q - 2's products (one group in flight)
-          // stage q - 2's buffer released at once, so that the peers' refills need not wait for
-          // this block's products to be issued
-          if (tid == 0 && q >= 2) release_to_cluster<kCluster>(bars + kT16WgStages + (q - 2) % kT16WgStages, rank);
+          // stage q's bytes, from every block (this tile's use q / kT16WgStages of its buffer)
+          const int uses = (kT16JSub * n_k - 1 - read_buf) / kT16WgStages + 1;
+          mbarrier_wait_parity_suspend(bars + read_buf, (tile_it * uses + q / kT16WgStages) & 1);
 #endif
         } else {
           cp_async_wait<kT16WgAhead - 1>();
@@ -282,33 +339,18 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
         for (int kk = 0; kk < kT16WgBK / 16; ++kk)
           wgmma_m64n256k16<T>(acc, desc_a0 + stage_off + kk * (2048 >> 4), desc_b0 + stage_off + kk * (2048 >> 4));
         wgmma_commit();
-        // (kClustered, while this stage's products run: the stages whose buffers every block has
-        // released, up to the one released above)
-        if constexpr (kClustered)
-          if (tid == 0)
-            while (q_issue <= js * n_k + kt + kT16WgAhead && issue_cluster_stage(false)) {
-            }
         wgmma_wait<1>();
+        // kTma: the previous stage's products retired by this warpgroup (this tile's; the last
+        // tile's last stage is released below)
+        if constexpr (kTma)
+          if (kt > 0) release(bars + kT16WgStages + (js * n_k + kt - 1) % kT16WgStages);
       }
       wgmma_wait<0>();
+      if constexpr (kTma) release(bars + kT16WgStages + (js * n_k + n_k - 1) % kT16WgStages);
       if (js + 1 == kT16JSub) {
-        // (kClustered: every stage's bytes from every block have arrived: nothing more is copied here)
-        if constexpr (!kClustered) cp_async_wait_all();
-        __syncthreads();  // every warp done with the stages: the last tile's O overlays them
-        if constexpr (kClustered) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-          // This block's stages retired: once every block's are, the first round's W chunks may
-          // land in the buffers over them (not over this O, below them), so thread 0 issues them
-          // now and their copies run beside the O store; the other warps complete the wait at
-          // phase 2's start.
-          cluster_arrive();
-          if (warp == 0) {
-            cluster_wait();
-            if (lane == 0)
-              for (int kc = 0; kc < w_early; ++kc) copy_w_share(0, kc, kc);
-          }
-#endif
-        }
+        // (kTma: every stage's bytes from every block have arrived: nothing more is copied here)
+        if constexpr (!kTma) cp_async_wait_all();
+        consumers_sync();  // every warp done with the stages: the last tile's O overlays them
       }
 
       // O as [pair][h1·H + h2], pair = js·P1 + il·Tj + jl, rounded to T.  Column 8j + 2(lane%4)
@@ -513,9 +555,6 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
     // This thread's pieces of a chunk: rows d = tid/8 + 32u, 16-byte piece tid % 8 of the row.
     const int wc = tid & 7, wr = tid >> 3;
     const uint32_t w_dst = kmajor_sw128_offset(wr, wc * 8, 1024);  // rows wr + 32u: + 4 KB each
-    // kClustered: W's chunks in one sequence over every group of d and round (wq), buffer wq %
-    // kT16Wg2Stages; each block copies its share of the chunk's rows of d to every block.
-    [[maybe_unused]] int w_base = 0;
     [[maybe_unused]] uint64_t* w_full = bars + 2 * kT16WgStages;
     [[maybe_unused]] uint64_t* w_empty = w_full + kT16Wg2Stages;
     for (int dg = 0; dg < D; dg += kTcDG) {
@@ -535,48 +574,9 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
             w_src += 64;
           }
         };
-        // (kClustered, thread 0) chunk kc_issue of this round to every block once every block has
-        // released its buffer's previous chunk (waiting for that when `wait`, else only if it
-        // has); returns whether it issued, nothing past the round's last chunk
-        // (the first round's first w_early chunks were issued at the end of phase 1)
-        const bool first_round = dg == 0 && r0 == 0;
-        [[maybe_unused]] int kc_issue = kClustered && first_round ? w_early : 0;
-        [[maybe_unused]] auto issue_w_cluster = [&](bool wait) -> bool {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-          if (kc_issue < n_kc) {
-            const int wq = w_base + kc_issue, buf = wq % kT16Wg2Stages, use = wq / kT16Wg2Stages;
-            if (use > 0) {
-              if (wait) mbarrier_wait_parity(w_empty + buf, (use - 1) & 1);
-              else if (!mbarrier_test_parity(w_empty + buf, (use - 1) & 1)) return false;
-            }
-            copy_w_share(dg, kc_issue, wq);
-            ++kc_issue;
-            return true;
-          }
-#endif
-          return false;
-        };
-        [[maybe_unused]] auto release_w = [&](int wq) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-          release_to_cluster<kCluster>(w_empty + wq % kT16Wg2Stages, rank);
-#endif
-        };
-        if constexpr (kClustered) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+        if constexpr (kTma) {
           fence_proxy_async_smem();  // O, visible to the tensor cores
-          if (first_round) {
-            // (the wait warp 0 made at the end of phase 1; then every warp's O stored)
-            if (warp != 0) cluster_wait();
-            __syncthreads();
-          } else {
-            // every block past the previous round's sums (W's buffers overlay them): the peers'
-            // copies may land here from now on
-            cluster_barrier();
-          }
-          if (tid == 0)
-            while (kc_issue < kT16Wg2Stages - 2 && issue_w_cluster(true)) {
-            }
-#endif
+          consumers_sync();          // O written / the previous round's rows consumed
         } else {
           __syncthreads();  // O written / the previous round's partial sums consumed
 #pragma unroll
@@ -592,18 +592,11 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
         const char* o_round = smem + (r0 >> 3) * o_sbo;
         for (int kc = 0; kc < n_kc; ++kc) {
           int buf = kc % kT16Wg2Stages;
-          if constexpr (kClustered) {
+          if constexpr (kTma) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
             const int wq = w_base + kc;
             buf = wq % kT16Wg2Stages;
-            if (tid == 0) {  // as in phase 1: chunk kc, then the free ones (released up to kc - 3)
-              while (kc_issue <= kc) issue_w_cluster(true);
-              while (kc_issue <= kc + kT16Wg2Stages - 3 && issue_w_cluster(false)) {
-              }
-            }
             mbarrier_wait_parity_suspend(w_full + buf, (wq / kT16Wg2Stages) & 1);
-            __syncthreads();  // every warpgroup has retired chunk kc - 2's products
-            if (tid == 0 && kc >= 2) release_w(wq - 2);
 #endif
           } else {
             cp_async_wait<kT16Wg2Stages - 3>();
@@ -621,20 +614,17 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
             wgmma_m64n64k16_kmajor<T>(acc2, wgmma_desc(st + kk * 32, 16, 1024),
                                       wgmma_desc(o_round + kc * 1024 + kk * 32, 16, o_sbo));
           wgmma_commit();
-          if constexpr (kClustered)
-            if (tid == 0)
-              while (kc_issue <= kc + kT16Wg2Stages - 2 && issue_w_cluster(false)) {
-              }
           wgmma_wait<1>();
+          if constexpr (kTma)  // the previous chunk's products retired by this warpgroup
+            if (kc > 0) release(w_empty + (w_base + kc - 1) % kT16Wg2Stages);
         }
         wgmma_wait<0>();
-        if constexpr (kClustered) {
-          __syncthreads();  // every W read done: the stage area takes the sums
-          // the round's last chunks released (the next round's copies wait for the cluster
-          // barrier at its start as well, so the sums below are safe from them)
-          if (tid == 0)
-            for (int kc = n_kc - 2 < 0 ? 0 : n_kc - 2; kc < n_kc; ++kc) release_w(w_base + kc);
+        if constexpr (kTma) {
+          release(w_empty + (w_base + n_kc - 1) % kT16Wg2Stages);
           w_base += n_kc;
+          // every W read done: the stage area takes the sums (the next round's chunks wait for
+          // every block's round to be stored)
+          consumers_sync();
         } else {
           cp_async_wait_all();
           __syncthreads();  // every W read done: the stage area takes the sums
@@ -650,14 +640,22 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
             red[pr * kRedLd + d] = acc2[4 * j + 2 * half];
             red[(pr + 1) * kRedLd + d] = acc2[4 * j + 2 * half + 1];
           }
-        __syncthreads();
+        consumers_sync();
         store_round<kT16RoundRows, true>(p, red, kRedLd, row_off, norm_arg, dg, tid, kTcThreads);
-      }
-    }
-    if constexpr (kClustered) {
+        if constexpr (kTma) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-      cluster_barrier();  // the peer's last arrivals on this block's mbarriers made before it exits
+          // the sums read: this block's round stored, to every block's producer (the next
+          // round's chunks and the next tile's stages land over the sums)
+          fence_proxy_async_smem();
+          consumers_sync();
+          if (tid < kShare) {
+            uint64_t* stored = bars + 2 * kT16WgStages + 2 * kT16Wg2Stages;
+            if (tid == int(rank)) mbarrier_arrive_local(stored);
+            else mbarrier_arrive_peer(stored, unsigned(tid));
+          }
 #endif
+        }
+      }
     }
     return;
   }
@@ -730,6 +728,22 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
       store_round<kT16RoundRows, true>(p, red, kRedLd, row_off, norm_arg, dg, tid, kTcThreads);
     }
   }
+  };  // tile
+
+  if constexpr (kTma) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    for (int lin = blockIdx.x / kShare, it = 0; lin < n_groups; lin += gridDim.x / kShare, ++it) {
+      int col_tile, row_group, b;
+      tc16_group_tile(lin, n_col_blocks, n_row_groups, col_tile, row_group, b);
+      tile(col_tile, kShare * row_group + int(rank), b, it);
+    }
+    cluster_barrier();  // the peers' last arrivals on this block's mbarriers made before it exits
+#endif
+  } else {
+    int col_tile, row_tile;
+    grouped_tile(col_tile, row_tile);
+    tile(col_tile, row_tile, int(blockIdx.z), 0);
+  }
 #else
   target_lacks_instructions();
 #endif
@@ -737,13 +751,14 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
 
 template <typename T, bool kWgmma, bool kWgmmaBoth, int kBK = kT16BK, int kNT = kTcNT>
 __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const OuterArgs p) {
-  outer_tc16_body<T, kWgmma, kWgmmaBoth, kBK, kNT, 1>(p, nullptr);
+  outer_tc16_body<T, kWgmma, kWgmmaBoth, kBK, kNT, 0>(p, nullptr);
 }
 
-// The clustered forms (kT16WgmmaPair, kT16WgmmaQuad): launched in clusters of 1 x kCluster x 1 blocks.
+// The tensor-copy forms (kT16WgmmaTma, kT16WgmmaPair, kT16WgmmaQuad): eight consumer warps and a
+// producer warp, launched in clusters of 1 x kCluster x 1 blocks.
 template <typename T, int kCluster>
-__global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_cluster_kernel(const OuterArgs p,
-                                                                               const __grid_constant__ Tc16Maps maps) {
+__global__ void __launch_bounds__(kT16TmaThreads, 1) opm_outer_tc16_cluster_kernel(const OuterArgs p,
+                                                                                   const __grid_constant__ Tc16Maps maps) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   outer_tc16_body<T, true, true, kT16BK, kTcNT, kCluster>(p, &maps);
 #else
