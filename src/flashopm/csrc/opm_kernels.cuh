@@ -286,9 +286,8 @@ __device__ __forceinline__ void cluster_barrier() {
   asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }
 // The barrier's two halves (every thread arrives, then waits, once per phase; a warp's threads
-// together): the arrival with release semantics, or relaxed where it publishes nothing (the
-// split barrier of a block that only needs its peers started, their shared memory in place).
-__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory"); }
+// together): a relaxed arrival, which publishes nothing (the split barrier of a block that only
+// needs its peers started, their shared memory in place), and the wait.
 __device__ __forceinline__ void cluster_arrive_relaxed() {
   asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
 }
@@ -306,13 +305,11 @@ __device__ __forceinline__ void mbarrier_arrive_peer(uint64_t* bar, unsigned pee
                " mbarrier.arrive.shared::cluster.b64 _, [ra];\n}\n"
                ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(bar))), "r"(peer) : "memory");
 }
-// One arrival on the mbarrier at bar's offset in every block of a cluster of kCluster (this block,
-// rank `rank`, first): a stage released to every block that refills it.
-template <int kCluster>
-__device__ __forceinline__ void release_to_cluster(uint64_t* bar, unsigned rank) {
-  mbarrier_arrive_local(bar);
-#pragma unroll
-  for (unsigned r = 1; r < unsigned(kCluster); ++r) mbarrier_arrive_peer(bar, (rank + r) % unsigned(kCluster));
+// One arrival on the mbarrier at bar's offset in block `block` of the cluster (locally where that
+// is this block, rank `rank`): lane r of a warp taking block r, a stage released to every block.
+__device__ __forceinline__ void mbarrier_arrive_in(uint64_t* bar, unsigned block, unsigned rank) {
+  if (block == rank) mbarrier_arrive_local(bar);
+  else mbarrier_arrive_peer(bar, block);
 }
 // Tensor copies (TMA) through a CUtensorMap in kernel parameter space (__grid_constant__): the box
 // at coordinates (c0 innermost, c1[, c2]) to shared address dst, counted on the mbarrier bar;

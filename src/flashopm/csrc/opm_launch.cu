@@ -70,7 +70,7 @@ struct DriverLaunchApi {
   PFN_cuLaunchKernelEx_v11060 launch = nullptr;
   PFN_cuCtxGetCurrent_v4000 current_context = nullptr;
   PFN_cuGetErrorString_v6000 error_string = nullptr;
-  // the 16-bit kernel's clustered forms (may stay null)
+  // the 16-bit kernel's tensor-copy forms (may stay null)
   PFN_cuTensorMapEncodeTiled_v12000 encode_tiled = nullptr;
 };
 
@@ -673,7 +673,7 @@ void encode_map16(unsigned char (&out)[128], int operand_kind, const void* base,
   static_assert(sizeof(CUtensorMap) == 128, "CUtensorMap is 128 bytes");
   const PFN_cuTensorMapEncodeTiled_v12000 encode = driver_launch_api().encode_tiled;
   TORCH_CHECK(encode != nullptr,
-              "flashopm: the driver's cuTensorMapEncodeTiled was not found (the clustered forms need it)");
+              "flashopm: the driver's cuTensorMapEncodeTiled was not found (the tensor-copy forms need it)");
   CUtensorMap map;
   const cuuint32_t elem_strides[3] = {1, 1, 1};
   const CUresult r = encode(&map, operand_kind == kMaskHalf ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,

@@ -605,6 +605,9 @@ constexpr int kT16WgAhead = kT16WgStages - 2;
 constexpr int kT16WgGroupBytes = kT16WgBK * 128;
 constexpr int kT16WgABytes = (kTcMT / 64) * kT16WgGroupBytes;
 constexpr int kT16WgStageBytes = kT16WgABytes + (kTcNT / 64) * kT16WgGroupBytes;
+// Uses of stage buffer sb in one tile of n_q stages (the tensor-copy forms start the ring at
+// buffer 0 with each tile, so a buffer's phase follows from the tile's index and these uses).
+FLASHOPM_HD constexpr int tc16_stage_uses(int n_q, int sb) { return sb < n_q ? (n_q - 1 - sb) / kT16WgStages + 1 : 0; }
 
 // Forms of the 16-bit kernel: mma.sync throughout; phase 1 on wgmma; both phases on wgmma (needs
 // the block's pairs in whole rounds of kT16RoundRows); then, for GPUs with less shared memory than
@@ -697,7 +700,7 @@ FLASHOPM_HD inline Tc16Layout tc16_layout(int H, int Ti, int Tj, int form) {
             (tma ? kT16ClusterBarriers * 8 : 0);
   return L;
 }
-// The clustered forms' tensor maps (CUtensorMap's 128 bytes each): a as (B, S, Na·H), b as (B, S,
+// The tensor-copy forms' tensor maps (CUtensorMap's 128 bytes each): a as (B, S, Na·H), b as (B, S,
 // N·H) (boxes of 32 s x 64 columns), W in o_k_order as (D, H²) (boxes of kTcDG / cluster rows of d x
 // 64 k: a block's share), all swizzled by 128 bytes as the stages are.
 struct Tc16Maps {

@@ -55,9 +55,12 @@ __device__ __forceinline__ void tc16_produce(const OuterArgs& p, const Tc16Maps&
   uint64_t* stored = w_empty + kT16Wg2Stages;
   const int H = p.H;
   const int n_k = (p.S + kT16WgBK - 1) / kT16WgBK, n_q = kT16JSub * n_k, n_kc = H * H / 64;
-  // uses of stage buffer sb in one tile (the ring starts again at buffer 0 with each tile)
-  auto uses = [&](int sb) { return sb < n_q ? (n_q - 1 - sb) / kT16WgStages + 1 : 0; };
-  auto stage_lo = [&](int sb) { return L.stages + sb * kT16WgStageBytes; };
+  auto uses = [&](int sb) { return tc16_stage_uses(n_q, sb); };
+  // whether stage buffer sb lies over any of the bytes [lo, hi)
+  auto stage_over = [&](int sb, int lo, int hi) {
+    const int s_lo = L.stages + sb * kT16WgStageBytes;
+    return s_lo < hi && s_lo + kT16WgStageBytes > lo;
+  };
   const int red_hi = L.w + kT16RoundRows * (kTcDG + 4) * 4;  // phase 2's sums from L.w
   const uint32_t stages_addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem + L.stages));
   const uint32_t w_addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem + L.w));
@@ -73,7 +76,7 @@ __device__ __forceinline__ void tc16_produce(const OuterArgs& p, const Tc16Maps&
         // the buffer's first stage of this tile: the last tile's O and W chunks read (its last
         // chunk released by every block), and where the buffer lies over the sums, those stored
         mbarrier_wait_parity_suspend(w_empty + (wq - 1) % kT16Wg2Stages, ((wq - 1) / kT16Wg2Stages) & 1);
-        if (stage_lo(buf) < red_hi && stage_lo(buf) + kT16WgStageBytes > L.w)
+        if (stage_over(buf, L.w, red_hi))
           mbarrier_wait_parity_suspend(stored, (round - 1) & 1);
       }
       mbarrier_arrive_expect_tx(full + buf, kT16WgStageBytes);
@@ -102,7 +105,7 @@ __device__ __forceinline__ void tc16_produce(const OuterArgs& p, const Tc16Maps&
             // in every block
             const int lo = L.w + buf * kT16Wg2ChunkBytes, hi = lo + kT16Wg2ChunkBytes;
             for (int sb = 0; sb < kT16WgStages && sb < n_q; ++sb)
-              if (stage_lo(sb) < hi && stage_lo(sb) + kT16WgStageBytes > lo)
+              if (stage_over(sb, lo, hi))
                 mbarrier_wait_parity_suspend(empty + sb, ((it + 1) * uses(sb) - 1) & 1);
           }
           mbarrier_arrive_expect_tx(w_full + buf, kT16Wg2ChunkBytes);
@@ -204,10 +207,7 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
   // refills it (lane r of the warpgroup's first warp arrives on block r's mbarrier)
   [[maybe_unused]] auto release = [&](uint64_t* bar) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    if ((warp & 3) == 0 && lane < kShare) {
-      if (lane == int(rank)) mbarrier_arrive_local(bar);
-      else mbarrier_arrive_peer(bar, unsigned(lane));
-    }
+    if ((warp & 3) == 0 && lane < kShare) mbarrier_arrive_in(bar, unsigned(lane), rank);
 #endif
   };
   // a barrier of the eight consumer warps (the producer warp does not take part in kTma)
@@ -320,7 +320,7 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
           const int q = js * n_k + kt;
           // stage q's bytes, from every block (this tile's use q / kT16WgStages of its buffer)
-          const int uses = (kT16JSub * n_k - 1 - read_buf) / kT16WgStages + 1;
+          const int uses = tc16_stage_uses(kT16JSub * n_k, read_buf);
           mbarrier_wait_parity_suspend(bars + read_buf, (tile_it * uses + q / kT16WgStages) & 1);
 #endif
         } else {
@@ -648,11 +648,7 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
           // round's chunks and the next tile's stages land over the sums)
           fence_proxy_async_smem();
           consumers_sync();
-          if (tid < kShare) {
-            uint64_t* stored = bars + 2 * kT16WgStages + 2 * kT16Wg2Stages;
-            if (tid == int(rank)) mbarrier_arrive_local(stored);
-            else mbarrier_arrive_peer(stored, unsigned(tid));
-          }
+          if (tid < kShare) mbarrier_arrive_in(bars + 2 * kT16WgStages + 2 * kT16Wg2Stages, unsigned(tid), rank);
 #endif
         }
       }
@@ -755,7 +751,7 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
 }
 
 // The tensor-copy forms (kT16WgmmaTma, kT16WgmmaPair, kT16WgmmaQuad): eight consumer warps and a
-// producer warp, launched in clusters of 1 x kCluster x 1 blocks.
+// producer warp, launched as a row of clusters of kCluster blocks.
 template <typename T, int kCluster>
 __global__ void __launch_bounds__(kT16TmaThreads, 1) opm_outer_tc16_cluster_kernel(const OuterArgs p,
                                                                                    const __grid_constant__ Tc16Maps maps) {
