@@ -653,9 +653,16 @@ FLASHOPM_HD constexpr int tc16_mma_sync_form(int bk, int nt) {
 constexpr int kT16Wg2ChunkBytes = kTcDG * 128;
 constexpr int kT16Wg2Stages = 4;
 // The tensor-copy forms' mbarriers: phase 1's full and empty per stage, W's per chunk stage, and
-// one for the rounds of phase 2 stored; their blocks: the eight warps of the others and a producer.
+// one for the rounds of phase 2 stored; their blocks: the two consumer warpgroups of the others
+// and a producer warpgroup (one lane of it issues; a whole warpgroup so that setmaxnreg can hand
+// its registers to the consumers, whose 128 accumulators a thread would otherwise spill at the
+// 168 registers a third of the file gives each of 384 threads).
 constexpr int kT16ClusterBarriers = 2 * kT16WgStages + 2 * kT16Wg2Stages + 1;
-constexpr int kT16TmaThreads = kTcThreads + 32;
+constexpr int kT16TmaThreads = kTcThreads + 128;
+// Registers a thread after setmaxnreg: 128 x 40 + 256 x 232 = 384 x 168, the launch's whole share.
+constexpr int kT16ProducerRegs = 40, kT16ConsumerRegs = 232;
+static_assert(kT16ProducerRegs * 128 + kT16ConsumerRegs * kTcThreads <= 168 * kT16TmaThreads,
+              "the warpgroups' registers after setmaxnreg fit the launch's");
 
 // Shared memory of the 16-bit kernel, in bytes: O ([Ti·Tj·kT16JSub][H² + 8] 16-bit) with the
 // phase-1 stages placed after the first column tile's O (the later tiles' O is written only once

@@ -34,7 +34,7 @@ __device__ __forceinline__ void tc16_group_tile(int lin, int n_col_blocks, int n
   grouped_tile_of(rem % n_col_blocks, rem / n_col_blocks, n_col_blocks, n_row_groups, col_tile, row_group);
 }
 
-// The tensor-copy forms' producer, lane 0 of the ninth warp (see outer_tc16_body): for each group
+// The tensor-copy forms' producer, lane 0 of the third warpgroup (see outer_tc16_body): for each group
 // of tiles the cluster takes, phase 1's stages of every column tile, then W's chunks of every group
 // of d and round, each into its buffer once every block of the cluster has released that buffer's
 // last use.  A stage buffer's first stage of a later tile also waits for the tile before to be
@@ -122,8 +122,10 @@ __device__ __forceinline__ void tc16_produce(const OuterArgs& p, const Tc16Maps&
 // kBK, kNT: s per stage and phase 1's columns (j, h2) in the mma.sync form (kT16BK and kTcNT;
 // kT16BKSmall and kT16NTNarrow on GPUs with less shared memory; kNT >= Tj·H).
 // kCluster > 0 (with kWgmmaBoth; full tiles: Ti·H = kTcMT, Tj·H = kTcNT): the tensor-copy forms.
-// A ninth warp produces: its lane 0 issues every stage and every W chunk by tensor copies (maps)
-// as soon as the buffer is free, and the eight consumer warps only wait for bytes and multiply.
+// A third warpgroup produces: lane 0 of its first warp issues every stage and every W chunk by
+// tensor copies (maps) as soon as the buffer is free, and the eight consumer warps only wait for
+// bytes and multiply.  By setmaxnreg the producer warpgroup keeps kT16ProducerRegs registers a
+// thread and the consumers take kT16ConsumerRegs, room for phase 1's 128 accumulators.
 // The block is one of a cluster of kCluster (1, 2 or 4) along rows, the same column tiles: each
 // block copies its own a, and its share (1 / kCluster) of every b stage and every W chunk to all
 // the cluster's blocks (multicast), so that b and W cross L2 once per cluster.  A stage's "full"
@@ -195,12 +197,15 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
       mbarrier_init(bars + 2 * kT16WgStages + 2 * kT16Wg2Stages, kShare);  // each block's round stored
     }
     cluster_barrier();  // every block's mbarriers set up before any copies to another
-    if (warp == kTcThreads / 32) {
-      if (lane == 0) tc16_produce<kCluster>(p, *maps, smem, L, bars, rank, n_col_blocks, n_row_groups, n_groups, P);
+    if (warp >= kTcThreads / 32) {
+      warpgroup_regs_dec<kT16ProducerRegs>();
+      if (warp == kTcThreads / 32 && lane == 0)
+        tc16_produce<kCluster>(p, *maps, smem, L, bars, rank, n_col_blocks, n_row_groups, n_groups, P);
       __syncwarp();
       cluster_barrier();  // (the consumers' last)
       return;
     }
+    warpgroup_regs_inc<kT16ConsumerRegs>();
 #endif
   }
   // kTma (consumers): a stage or W chunk retired by this warpgroup, released to every block that
@@ -750,8 +755,8 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
   outer_tc16_body<T, kWgmma, kWgmmaBoth, kBK, kNT, 0>(p, nullptr);
 }
 
-// The tensor-copy forms (kT16WgmmaTma, kT16WgmmaPair, kT16WgmmaQuad): eight consumer warps and a
-// producer warp, launched as a row of clusters of kCluster blocks.
+// The tensor-copy forms (kT16WgmmaTma, kT16WgmmaPair, kT16WgmmaQuad): two consumer warpgroups and a
+// producer warpgroup, launched as a row of clusters of kCluster blocks.
 template <typename T, int kCluster>
 __global__ void __launch_bounds__(kT16TmaThreads, 1) opm_outer_tc16_cluster_kernel(const OuterArgs p,
                                                                                    const __grid_constant__ Tc16Maps maps) {
