@@ -31,6 +31,8 @@
 #                                                       # counts take part in, and their tests
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR producer  # the 16-bit kernel's tensor-copy forms
 #                                                       # with a producer warp: tests, paired, rows
+#          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR regs  # the tensor-copy forms with setmaxnreg:
+#                                                       # tests, clusters of 1 and 2 paired, Nsight
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR proj  # the waves form's projection and barriers:
 #                                                       # tests, trace, the bounded rows
 # (DEST: a folder that r.tgz is also copied to after every step)
@@ -38,7 +40,7 @@
 # steps.txt lists each step's exit status; a failing test step stops the call.
 OUT=$1
 PHASE=${2:-default}
-case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows | bf16 | clusters | bf16_clusters | ncu_clusters | land | producer) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all, own_rows, bf16, clusters, bf16_clusters, ncu_clusters, land or producer, got '$PHASE'" >&2; exit 2 ;; esac
+case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows | bf16 | clusters | bf16_clusters | ncu_clusters | land | producer | regs) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all, own_rows, bf16, clusters, bf16_clusters, ncu_clusters, land, producer or regs, got '$PHASE'" >&2; exit 2 ;; esac
 R=$OUT/r
 mkdir -p "$R"
 pack() { tar -C "$OUT" -czf "$OUT/r.tgz" r; [ -n "$DEST" ] && cp "$OUT/r.tgz" "$DEST/"; }
@@ -374,6 +376,22 @@ if [ "$PHASE" = producer ]; then
   T bench_bf16 90 env FLASHOPM_TC16_CLUSTER=$CL $py -m flashopm bench --shapes "1,512,1536,256,32,128" --dtype bfloat16 \
     --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/bench_bf16"
   ncu_tc16 0 "$CL"
+  exit 0
+fi
+
+if [ "$PHASE" = regs ]; then
+  # the tensor-copy forms with a producer warpgroup and setmaxnreg: their bits against the default
+  # form (a hang shows as the step's timeout), clusters of two and one paired against it at N =
+  # 1536 in bfloat16, then clusters of two under Nsight Compute with source counters (~7 min)
+  T t_tma 240 $py -m pytest -x -q -p no:cacheprovider tests/test_cuda.py -k "cluster_form or tc16_conventions" || exit 1
+  for cl in 2 1; do
+    T "ab_cluster$cl" 60 $py scripts/ab_env.py FLASHOPM_TC16_CLUSTER=$cl 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6
+  done
+  tc16_one
+  T ncu_cluster2_src 150 env FLASHOPM_TC16_CLUSTER=2 \
+    ncu --clock-control none -k regex:opm_outer_tc16 --launch-skip 1 --launch-count 1 --import-source no \
+    --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
+    --section SourceCounters --section LaunchStats --section Occupancy $py "$R/tc16_one.py"
   exit 0
 fi
 
