@@ -389,9 +389,12 @@ if [ "$PHASE" = regs ]; then
   done
   tc16_one
   T ncu_cluster2_src 150 env FLASHOPM_TC16_CLUSTER=2 \
-    ncu --clock-control none -k regex:opm_outer_tc16 --launch-skip 1 --launch-count 1 --import-source no \
+    ncu --clock-control none -k regex:opm_outer_tc16 --launch-skip 1 --launch-count 1 -f -o "$R/cluster2" \
     --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
     --section SourceCounters --section LaunchStats --section Occupancy $py "$R/tc16_one.py"
+  T ncu_cluster2_details 60 ncu --import "$R/cluster2.ncu-rep" --page details
+  # stall samples by SASS line, to place the barrier waits
+  T ncu_cluster2_sass 60 ncu --import "$R/cluster2.ncu-rep" --page source --print-source sass --csv
   exit 0
 fi
 
