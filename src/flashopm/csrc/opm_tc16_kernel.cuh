@@ -266,6 +266,17 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
     const T* a_src = nullptr;
     const T* b_src = nullptr;
     int s_row = 0, issue_js = 0, issue_buf = 0, read_buf = 0;
+    // kTma: the parity each stage buffer's next use waits for, a bit per buffer: this tile's first
+    // uses follow from each buffer's uses in the tiles before, and a bit flips as its use is read.
+    // Kept as bits rather than formed from the stage's index at each wait: with that arithmetic
+    // between a warpgroup MMA's issue and its wait, ptxas serialised every one of the kernel's
+    // MMAs (C7515: a wait after each, no group left in flight).
+    [[maybe_unused]] uint32_t read_parity = 0;
+    if constexpr (kTma) {
+#pragma unroll
+      for (int sb = 0; sb < kT16WgStages; ++sb)
+        read_parity |= uint32_t((tile_it * tc16_stage_uses(kT16JSub * n_k, sb)) & 1) << sb;
+    }
     auto start_tile = [&](int js) {
       const int jt0 = j0 + js * Tj;
       const int b_lim = min(Tj * H, (N - jt0) * H);  // <= 0 for a column tile past N
@@ -323,10 +334,9 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
       for (int kt = 0; kt < n_k; ++kt) {
         if constexpr (kTma) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-          const int q = js * n_k + kt;
-          // stage q's bytes, from every block (this tile's use q / kT16WgStages of its buffer)
-          const int uses = tc16_stage_uses(kT16JSub * n_k, read_buf);
-          mbarrier_wait_parity_suspend(bars + read_buf, (tile_it * uses + q / kT16WgStages) & 1);
+          // the stage's bytes, from every block
+          mbarrier_wait_parity_suspend(bars + read_buf, (read_parity >> read_buf) & 1u);
+          read_parity ^= 1u << read_buf;
 #endif
         } else {
           cp_async_wait<kT16WgAhead - 1>();
@@ -338,6 +348,7 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
           cp_async_commit();
         }
         const uint64_t stage_off = uint64_t(read_buf * (kT16WgStageBytes >> 4));
+        [[maybe_unused]] const int prev_buf = read_buf == 0 ? kT16WgStages - 1 : read_buf - 1;
         read_buf = read_buf + 1 == kT16WgStages ? 0 : read_buf + 1;
         wgmma_fence();
 #pragma unroll
@@ -348,7 +359,7 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
         // kTma: the previous stage's products retired by this warpgroup (this tile's; the last
         // tile's last stage is released below)
         if constexpr (kTma)
-          if (kt > 0) release(bars + kT16WgStages + (js * n_k + kt - 1) % kT16WgStages);
+          if (kt > 0) release(bars + kT16WgStages + prev_buf);
       }
       wgmma_wait<0>();
       if constexpr (kTma) release(bars + kT16WgStages + (js * n_k + n_k - 1) % kT16WgStages);
