@@ -384,9 +384,16 @@ if [ "$PHASE" = regs ]; then
   # form (a hang shows as the step's timeout), clusters of two and one paired against it at N =
   # 1536 in bfloat16, then clusters of two under Nsight Compute with source counters (~7 min)
   T t_tma 240 $py -m pytest -x -q -p no:cacheprovider tests/test_cuda.py -k "cluster_form or tc16_conventions" || exit 1
-  for cl in 2 1; do
+  best=0 best_r=1.0
+  for cl in 2 1 4; do
     T "ab_cluster$cl" 60 $py scripts/ab_env.py FLASHOPM_TC16_CLUSTER=$cl 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6
+    r=$(grep -o "paired (without / with) [0-9.]*" "$R/ab_cluster$cl.log" | awk '{print $NF}' | head -1)
+    [ -n "$r" ] && awk "BEGIN { exit !($r > $best_r) }" && best=$cl best_r=$r
   done
+  echo "form for the rows: FLASHOPM_TC16_CLUSTER=$best (paired $best_r)" >>"$R/steps.txt"
+  T conv_regs 90 env FLASHOPM_TC16_CLUSTER=$best $py scripts/convention_times.py 1536 row openfold bfloat16 kernels
+  T mod_openfold_bf16 90 env FLASHOPM_TC16_CLUSTER=$best $py -m flashopm bench --module openfold --shapes "1,512,1536,256,32,128" \
+    --dtype bfloat16 --impls eager,flashopm,compile --calls 5 --out "$R/mod_openfold_bf16"
   tc16_one
   T ncu_cluster2_src 150 env FLASHOPM_TC16_CLUSTER=2 \
     ncu --clock-control none -k regex:opm_outer_tc16 --launch-skip 1 --launch-count 1 -f -o "$R/cluster2" \
