@@ -35,12 +35,14 @@
 #                                                       # tests, clusters of 1 and 2 paired, Nsight
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR proj  # the waves form's projection and barriers:
 #                                                       # tests, trace, the bounded rows
+#          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR pairs  # the pair counts on tensor cores: tests,
+#                                                       # the kernel's time against the FMA form
 # (DEST: a folder that r.tgz is also copied to after every step)
 # Each phase fits one call of under ten minutes, the build (~2 min) included.
 # steps.txt lists each step's exit status; a failing test step stops the call.
 OUT=$1
 PHASE=${2:-default}
-case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows | bf16 | clusters | bf16_clusters | ncu_clusters | land | producer | regs) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all, own_rows, bf16, clusters, bf16_clusters, ncu_clusters, land, producer or regs, got '$PHASE'" >&2; exit 2 ;; esac
+case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows | bf16 | clusters | bf16_clusters | ncu_clusters | land | producer | regs | pairs) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all, own_rows, bf16, clusters, bf16_clusters, ncu_clusters, land, producer, regs or pairs, got '$PHASE'" >&2; exit 2 ;; esac
 R=$OUT/r
 mkdir -p "$R"
 pack() { tar -C "$OUT" -czf "$OUT/r.tgz" r; [ -n "$DEST" ] && cp "$OUT/r.tgz" "$DEST/"; }
@@ -288,6 +290,19 @@ if [ "$PHASE" = modules_all ]; then
   done
   T spec_1536 90 $py -m flashopm bench --shapes "1,512,1536,256,32,128" --impls eager,flashopm,flashopm-bounded \
     --calls 5 --out "$R/spec_1536"
+  exit 0
+fi
+
+if [ "$PHASE" = pairs ]; then
+  # the pair counts on tensor cores (opm_pair_count_mma_kernel): their tests (a failure stops the
+  # call), the kernel's time per mask kind against the FMA form (FLASHOPM_PAIR_COUNT_MMA=0) at
+  # (1,512,1536) and (1,512,768), the conventions' bfloat16 time by kernel with each form, then the
+  # other tests of the conventions and modules (~7 min with the build)
+  T t_pairs 300 $py -m pytest -x -q -p no:cacheprovider tests/test_conventions.py -k "pair_count" || exit 1
+  T pair_times 120 $py scripts/pair_count_times.py 1,512,1536 1,512,768
+  T conv_bf16_mma 90 $py scripts/convention_times.py 1536 openfold boltz bfloat16 kernels
+  T conv_bf16_fma 90 env FLASHOPM_PAIR_COUNT_MMA=0 $py scripts/convention_times.py 1536 openfold boltz bfloat16 kernels
+  T t_conv 200 $py -m pytest -q -p no:cacheprovider tests/test_conventions.py tests/test_modules.py -k "not pair_count"
   exit 0
 fi
 

@@ -92,6 +92,10 @@ SCHEMAS = {
     # stage, 1 with half the k per W chunk, 1 with phase 1 half as wide, the block's bytes], or []
     # where none fits.
     "_mma_sync_tile": "_mma_sync_tile(Tensor like, int H, int N, int Ti, bool operands16, int smem_optin) -> int[]",
+    # Pair mask counts sum_s mask[b, s, row0 + r] mask[b, s, j] of rows row0 .. row0 + rows as the
+    # OpenFold and Boltz conventions form them (CUDA only; for tests and timing): (B, rows, N)
+    # float32.
+    "_pair_counts": "_pair_counts(Tensor mask, int rows, int row0) -> Tensor",
     # The peak bound's bands for one batch element (host code; CPU or CUDA `like`; for tests):
     # [b kept, workspace bytes, bands, then (r0, rows, cols, s_part, in the output's tail) per
     # band], or [] where none fit.  norm_row_bytes: a band's normalisers per row, laid after its a

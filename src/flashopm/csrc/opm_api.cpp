@@ -619,12 +619,24 @@ at::Tensor& fill_bias_only(at::Tensor& out, const std::optional<at::Tensor>& b_o
   return out;
 }
 
+// Whether the pair counts run on tensor cores (opm_pair_count_mma_kernel): sm_80 and later, where
+// its block's shared memory fits.  FLASHOPM_PAIR_COUNT_MMA=0 asks for the float32 FMA kernel (to
+// compare the forms).  The forward's counts and the backward's come from the same choice.
+bool pair_count_mma(int mask_kind, int dev) {
+  const DeviceInfo& info = device_info(dev);
+  return info.arch >= 80 && pair_mma_smem_bytes(mask_kind) <= info.smem_optin &&
+         !env_is("FLASHOPM_PAIR_COUNT_MMA", "0");
+}
+
 // Pair mask counts sum_s m[b, s, row0 + r] m[b, s, j] as (B, rows, N) for the OpenFold and Boltz
 // conventions into `out` (B, rows, N floats, 16-byte aligned), as a tensor over that memory.
 at::Tensor pair_counts_into(float* out, const MaskView& mask, int64_t B, int64_t S, int64_t N, int64_t rows,
                             int64_t row0, const at::TensorOptions& options, cudaStream_t stream) {
   FLASHOPM_CHECK((rows + kPairTR - 1) / kPairTR <= 65535, "flashopm: too many rows for one launch (", rows, ")");
-  launch_pair_count(PairCountArgs{mask, out, int(B), int(S), int(N), int(rows), int(row0)}, stream);
+  if (B > 0 && rows > 0 && N > 0) {
+    const bool mma = pair_count_mma(mask.kind, options.device().index());
+    launch_pair_count(PairCountArgs{mask, out, int(B), int(S), int(N), int(rows), int(row0), mma}, stream);
+  }
   return at::for_blob(out, {B, rows, N})
       .options(options.dtype(at::kFloat))
       .target_device(options.device())
@@ -2449,6 +2461,24 @@ at::Tensor waves_trace_cuda(const at::Tensor& like) {
   return waves_trace().defined() ? waves_trace() : at::empty({0}, like.options().dtype(at::kLong));
 }
 
+// The pair mask counts of rows row0 .. row0 + rows of mask (B, S, N), (B, rows, N) float32, as the
+// OpenFold and Boltz conventions form them (for tests and timing).
+at::Tensor pair_counts_cuda(const at::Tensor& mask, int64_t rows, int64_t row0) {
+  const EnvScope env_scope;
+  FLASHOPM_CHECK(mask.dim() == 3, "flashopm: mask must have shape (B, S, N), got ", mask.dim(), " dims ",
+                 mask.sizes());
+  FLASHOPM_CHECK(mask.is_cuda(), "flashopm: mask must be a CUDA tensor here, got ", mask.device());
+  const int kind = mask_kind_of(mask);
+  const int64_t B = mask.size(0), S = mask.size(1), N = mask.size(2);
+  FLASHOPM_CHECK(B <= 65535, "flashopm: B must be at most 65535, got B=", B);
+  FLASHOPM_CHECK(rows >= 0 && row0 >= 0 && row0 + rows <= N, "flashopm: rows [row0, row0 + rows) = [", row0, ", ",
+                 row0 + rows, ") must lie in [0, N) with N = ", N);
+  const c10::cuda::CUDAGuard guard(mask.device());
+  const MaskView view{mask.data_ptr(), mask.stride(0), mask.stride(1), mask.stride(2), kind};
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(mask.get_device()).stream();
+  return pair_counts(view, kNormOpenFold, B, S, N, rows, row0, mask.options(), stream);
+}
+
 // Does nothing: the benchmark's measure of one bare call into the extension.
 void noop_cuda(const at::Tensor&) {}
 
@@ -2465,6 +2495,7 @@ TORCH_LIBRARY_IMPL(flashopm, CUDA, m) {
   m.impl("_waves_trace", &flashopm::waves_trace_cuda);
   m.impl("_mma_sync_tile", &flashopm::mma_sync_tile_query);
   m.impl("_peak_band_plan", &flashopm::peak_band_plan_query);
+  m.impl("_pair_counts", &flashopm::pair_counts_cuda);
 }
 
 // Host code only: the planner's query runs without a GPU (tests on machines without one).

@@ -1993,4 +1993,232 @@ __global__ void __launch_bounds__(kPairThreads) opm_pair_count_kernel(const Pair
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// Pair mask counts on tensor cores (PairCountArgs::mma): count = Mᵀ·M per batch element, M the
+// (S x N) mask, by mma.sync m16n8k16 with float32 sums.  Every bool, float16 or bfloat16 mask value
+// is exact in the 16-bit operand type (bool as bfloat16 0 or 1), so every product is exact.  A
+// float32 value m goes in as three bfloat16 pieces, m0 = bf16(m), m1 = bf16(m - m0), m2 =
+// bf16(m - m0 - m1) (each rest exact in float32), whose sum is m exactly short of values whose last
+// piece falls below bfloat16's normal range; of the nine products the six above float32's last
+// place are summed, small ones first (m0·m2, m1·m1, m2·m0, m0·m1, m1·m0, m0·m0).  A stage whose
+// low pieces are all zero (0/1 masks, and any other mask exact in bfloat16) takes m0·m0 alone: the
+// others would add zeros.  Each k-step's products go to a zeroed fragment that is then added to
+// the sums in float32 (as mma_split_add), since the tensor core's own accumulation truncates.
+// A block: kPairMmaTR rows r x pair_mma_cols columns j of one batch element, 8 warps of 64 x 32
+// (32 x 32 for float32 masks).  The mask's s x r and s x j tiles are read in pieces of 8
+// consecutive n (a vector load where the mask has unit stride along n and the piece is aligned,
+// else element by element), the next stage's kept in registers while this one's are multiplied,
+// and stored as 16-bit operands into two stages of shared memory, s-major (MN-major for both
+// operands: fragments by transposing ldmatrix); one barrier per stage.
+// ---------------------------------------------------------------------------------------------
+
+// Eight consecutive mask elements along n, as their bits.
+template <int kKind>
+struct alignas(16) PairMaskPiece {
+  using Bits = std::conditional_t<kKind == kMaskFloat, uint32_t,
+                                  std::conditional_t<kKind == kMaskBool, uint8_t, uint16_t>>;
+  Bits v[8];
+};
+
+// Elements (b, s, n .. n + 7) of the mask into x, zeros past n_end (and for all of them where
+// !in_s); vec: unit stride along n and a 16-byte aligned mask, so that a whole piece whose first
+// element's offset is a multiple of 8 is one vector load.
+template <int kKind>
+__device__ __forceinline__ void load_pair_piece(PairMaskPiece<kKind>& x, const MaskView& m, int b, int s, int n,
+                                                int n_end, bool in_s, bool vec) {
+  using Bits = typename PairMaskPiece<kKind>::Bits;
+  const int64_t row = int64_t(b) * m.sb + int64_t(s) * m.ss;
+  const Bits* base = static_cast<const Bits*>(m.ptr) + row;
+  if (in_s && vec && n + 8 <= n_end && ((uint32_t(row) + uint32_t(n)) & 7) == 0) {
+    const Bits* src = base + n;
+    if constexpr (kKind == kMaskFloat) {
+      reinterpret_cast<uint4*>(x.v)[0] = __ldg(reinterpret_cast<const uint4*>(src));
+      reinterpret_cast<uint4*>(x.v)[1] = __ldg(reinterpret_cast<const uint4*>(src) + 1);
+    } else if constexpr (kKind == kMaskBool) {
+      *reinterpret_cast<uint2*>(x.v) = __ldg(reinterpret_cast<const uint2*>(src));
+    } else {
+      *reinterpret_cast<uint4*>(x.v) = __ldg(reinterpret_cast<const uint4*>(src));
+    }
+    return;
+  }
+#pragma unroll
+  for (int e = 0; e < 8; ++e) x.v[e] = in_s && n + e < n_end ? base[int64_t(n + e) * m.sn] : Bits(0);
+}
+
+// Piece x as 16-bit operands at dst, for float32 masks its lower pieces at dst + plane and
+// dst + 2·plane; returns whether those lower pieces hold anything but zeros.
+template <int kKind>
+__device__ __forceinline__ bool store_pair_piece(uint16_t* dst, int plane, const PairMaskPiece<kKind>& x) {
+  if constexpr (kKind == kMaskHalf || kKind == kMaskBFloat16) {
+    *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(x.v);
+    return false;
+  } else if constexpr (kKind == kMaskBool) {
+    uint32_t w[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) w[q] = (x.v[2 * q] ? 0x3f80u : 0u) | (x.v[2 * q + 1] ? 0x3f800000u : 0u);
+    *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
+    return false;
+  } else {
+    uint32_t w0[4], w1[4], w2[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const float a = __uint_as_float(x.v[2 * q]), b = __uint_as_float(x.v[2 * q + 1]);
+      const __nv_bfloat162 p0 = __floats2bfloat162_rn(a, b);
+      const float2 f0 = __bfloat1622float2(p0);
+      const float ra = a - f0.x, rb = b - f0.y;
+      const __nv_bfloat162 p1 = __floats2bfloat162_rn(ra, rb);
+      const float2 f1 = __bfloat1622float2(p1);
+      const __nv_bfloat162 p2 = __floats2bfloat162_rn(ra - f1.x, rb - f1.y);
+      w0[q] = *reinterpret_cast<const uint32_t*>(&p0);
+      w1[q] = *reinterpret_cast<const uint32_t*>(&p1);
+      w2[q] = *reinterpret_cast<const uint32_t*>(&p2);
+    }
+    *reinterpret_cast<uint4*>(dst) = make_uint4(w0[0], w0[1], w0[2], w0[3]);
+    *reinterpret_cast<uint4*>(dst + plane) = make_uint4(w1[0], w1[1], w1[2], w1[3]);
+    *reinterpret_cast<uint4*>(dst + 2 * plane) = make_uint4(w2[0], w2[1], w2[2], w2[3]);
+    const uint32_t low = (w1[0] | w1[1] | w1[2] | w1[3] | w2[0] | w2[1] | w2[2] | w2[3]) & 0x7fff7fffu;
+    return low != 0;
+  }
+}
+
+template <int kKind>
+__global__ void __launch_bounds__(kPairMmaThreads, 2) opm_pair_count_mma_kernel(const PairCountArgs p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  using T = std::conditional_t<kKind == kMaskHalf, __half, __nv_bfloat16>;
+  constexpr int kPieces = pair_mma_pieces(kKind), TR = kPairMmaTR, TJ = pair_mma_cols(kKind), SK = kPairMmaSK;
+  constexpr int LA = TR + 8, LB = TJ + 8;  // elements per row of the r and j tiles
+  constexpr int kPlane = SK * (LA + LB);   // one piece of a stage: the r tile, then the j tile
+  constexpr int kStage = kPieces * kPlane;
+  constexpr int kWarpsJ = TJ / 32, kWarpsR = kPairMmaThreads / 32 / kWarpsJ, WR = TR / kWarpsR;
+  constexpr int kMT = WR / 16, kNT = 4;
+  constexpr int kPiecesR = SK * TR / 8 / kPairMmaThreads, kPiecesJ = SK * TJ / 8 / kPairMmaThreads;
+  static_assert(kPiecesR * kPairMmaThreads * 8 == SK * TR && kPiecesJ * kPairMmaThreads * 8 == SK * TJ,
+                "whole pieces per thread");
+  static_assert(kWarpsR * WR == TR && kMT * 16 == WR && SK % 16 == 0, "the warps cover the tile");
+  static_assert(2 * kStage * 2 == pair_mma_smem_bytes(kKind), "the host's shared memory");
+  extern __shared__ float4 smem_f4[];
+  uint16_t* const smem = reinterpret_cast<uint16_t*>(smem_f4);
+
+  const int b = blockIdx.z, r0 = blockIdx.y * TR, j0 = blockIdx.x * TJ;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int wr0 = (warp / kWarpsJ) * WR, wj0 = (warp % kWarpsJ) * 32;
+  const bool vec = p.mask.sn == 1 && reinterpret_cast<uintptr_t>(p.mask.ptr) % 16 == 0;
+
+  // The r tile holds mask columns row0 + r, read up to N (columns past the band's rows feed only
+  // sums that are not stored), so that a band's last piece is one load where it can be.
+  PairMaskPiece<kKind> xr[kPiecesR], xj[kPiecesJ];
+  const auto load_stage = [&](int s0) {
+#pragma unroll
+    for (int k = 0; k < kPiecesR; ++k) {
+      const int idx = tid + k * kPairMmaThreads, sl = idx / (TR / 8), c = idx % (TR / 8);
+      load_pair_piece<kKind>(xr[k], p.mask, b, s0 + sl, p.row0 + r0 + 8 * c, p.N, s0 + sl < p.S, vec);
+    }
+#pragma unroll
+    for (int k = 0; k < kPiecesJ; ++k) {
+      const int idx = tid + k * kPairMmaThreads, sl = idx / (TJ / 8), c = idx % (TJ / 8);
+      load_pair_piece<kKind>(xj[k], p.mask, b, s0 + sl, j0 + 8 * c, p.N, s0 + sl < p.S, vec);
+    }
+  };
+  // whether this thread's pieces of the stage have low pieces other than zero
+  const auto store_stage = [&](uint16_t* st) {
+    bool low = false;
+#pragma unroll
+    for (int k = 0; k < kPiecesR; ++k) {
+      const int idx = tid + k * kPairMmaThreads, sl = idx / (TR / 8), c = idx % (TR / 8);
+      low |= store_pair_piece<kKind>(st + sl * LA + 8 * c, kPlane, xr[k]);
+    }
+#pragma unroll
+    for (int k = 0; k < kPiecesJ; ++k) {
+      const int idx = tid + k * kPairMmaThreads, sl = idx / (TJ / 8), c = idx % (TJ / 8);
+      low |= store_pair_piece<kKind>(st + SK * LA + sl * LB + 8 * c, kPlane, xj[k]);
+    }
+    return low;
+  };
+
+  // ldmatrix: lane l addresses row l % 8 of matrix l / 8, which is (r half (l / 8) % 2, k half
+  // l / 16) of an A fragment and (k half (l / 8) % 2, n tile 2q + l / 16) of a pair of B fragments
+  const int a_lane = ((lane & 7) + 8 * (lane >> 4)) * LA + wr0 + 8 * ((lane >> 3) & 1);
+  const int b_lane = SK * LA + ((lane & 7) + 8 * ((lane >> 3) & 1)) * LB + wj0 + 8 * (lane >> 4);
+  float acc[kMT][kNT][4];
+  zero_tiles(acc);
+
+  const int n_stages = (p.S + SK - 1) / SK;
+  load_stage(0);
+  for (int st = 0; st < n_stages; ++st) {
+    uint16_t* const stage = smem + (st & 1) * kStage;
+    [[maybe_unused]] const bool low_here = store_stage(stage);
+    // the stage stored, and every warp done with the one before in this buffer (two stages ago)
+    bool low = false;
+    if constexpr (kPieces == 3) low = __syncthreads_or(low_here) != 0;
+    else __syncthreads();
+    if (st + 1 < n_stages) load_stage((st + 1) * SK);
+#pragma unroll
+    for (int ks = 0; ks < SK / 16; ++ks) {
+      uint32_t bf[kPieces][kNT / 2][4];
+#pragma unroll
+      for (int pc = 0; pc < kPieces; ++pc)
+        if (pc == 0 || low)
+#pragma unroll
+          for (int q = 0; q < kNT / 2; ++q)
+            ldmatrix_x4_trans(bf[pc][q], stage + pc * kPlane + b_lane + ks * 16 * LB + q * 16);
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+        uint32_t af[kPieces][4];
+#pragma unroll
+        for (int pc = 0; pc < kPieces; ++pc)
+          if (pc == 0 || low) ldmatrix_x4_trans(af[pc], stage + pc * kPlane + a_lane + ks * 16 * LA + mt * 16);
+        float c[kNT][4];
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) c[nt][e] = 0.f;
+        const auto term = [&](int pa, int pb) {
+#pragma unroll
+          for (int nt = 0; nt < kNT; ++nt)
+            mma_16bit<T>(c[nt], af[pa], bf[pb][nt >> 1][(nt & 1) * 2], bf[pb][nt >> 1][(nt & 1) * 2 + 1]);
+        };
+        if constexpr (kPieces == 3) {
+          if (low) {
+            term(0, 2);
+            term(1, 1);
+            term(2, 0);
+            term(0, 1);
+            term(1, 0);
+          }
+        }
+        term(0, 0);
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[mt][nt][e] += c[nt][e];
+      }
+    }
+  }
+
+  // lane (g, t) holds rows g and g + 8 of each m16 tile, columns 2t and 2t + 1 of each n8 tile
+  const bool pairs = p.N % 2 == 0;  // (b, r, j) and (b, r, j + 1) in one aligned float2
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = r0 + wr0 + 16 * mt + 8 * h + g;
+      if (r >= p.rows) continue;
+      float* const dst = p.out + (int64_t(b) * p.rows + r) * p.N;
+#pragma unroll
+      for (int nt = 0; nt < kNT; ++nt) {
+        const int j = j0 + wj0 + 8 * nt + 2 * t;
+        const float v0 = acc[mt][nt][2 * h], v1 = acc[mt][nt][2 * h + 1];
+        if (pairs) {
+          if (j < p.N) *reinterpret_cast<float2*>(dst + j) = make_float2(v0, v1);
+        } else {
+          if (j < p.N) dst[j] = v0;
+          if (j + 1 < p.N) dst[j + 1] = v1;
+        }
+      }
+    }
+#else
+  target_lacks_instructions();
+#endif
+}
+
 }  // namespace flashopm

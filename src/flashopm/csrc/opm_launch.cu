@@ -809,7 +809,25 @@ void launch_ln_backward_reduce(const LnBackwardReduceArgs& args, cudaStream_t st
                                                kLnBwdReduceThreads, 0, stream, args);
 }
 
+namespace {
+template <int kKind>
+void launch_pair_count_mma(const PairCountArgs& args, cudaStream_t stream) {
+  const dim3 grid(unsigned((args.N + pair_mma_cols(kKind) - 1) / pair_mma_cols(kKind)),
+                  unsigned((args.rows + kPairMmaTR - 1) / kPairMmaTR), unsigned(args.B));
+  launch_kernel<opm_pair_count_mma_kernel<kKind>, SmemSetup::kOptIn>(grid, kPairMmaThreads,
+                                                                     pair_mma_smem_bytes(kKind), stream, args);
+}
+}  // namespace
+
 void launch_pair_count(const PairCountArgs& args, cudaStream_t stream) {
+  if (args.mma) {
+    switch (args.mask.kind) {
+      case kMaskBool: return launch_pair_count_mma<kMaskBool>(args, stream);
+      case kMaskHalf: return launch_pair_count_mma<kMaskHalf>(args, stream);
+      case kMaskBFloat16: return launch_pair_count_mma<kMaskBFloat16>(args, stream);
+      default: return launch_pair_count_mma<kMaskFloat>(args, stream);
+    }
+  }
   const dim3 grid(unsigned((args.N + kPairTJ - 1) / kPairTJ), unsigned((args.rows + kPairTR - 1) / kPairTR),
                   unsigned(args.B));
   launch_kernel<opm_pair_count_kernel>(grid, kPairThreads, 0, stream, args);

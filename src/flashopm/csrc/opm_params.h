@@ -741,11 +741,25 @@ struct PairCountArgs {
   MaskView mask;  // (B, S, N)
   float* out;
   int B, S, N, rows, row0;
+  bool mma;  // the tensor-core form (opm_pair_count_mma_kernel), else float32 FMAs
 };
 constexpr int kPairThreads = 256;
 constexpr int kPairTR = 64;  // rows r per block (4 per thread)
 constexpr int kPairTJ = 64;  // columns j per block (4 per thread)
 constexpr int kPairSK = 32;  // steps of s per stage
+// The tensor-core form: kPairMmaTR rows x pair_mma_cols columns per block, kPairMmaSK s per stage,
+// two stages; float32 masks as three bfloat16 pieces each (pair_mma_pieces), in blocks half as wide
+// (their six products a k-step take the registers of the other half).
+constexpr int kPairMmaThreads = 256;
+constexpr int kPairMmaTR = 128;
+constexpr int kPairMmaSK = 32;
+FLASHOPM_HD constexpr int pair_mma_pieces(int mask_kind) { return mask_kind == kMaskFloat ? 3 : 1; }
+FLASHOPM_HD constexpr int pair_mma_cols(int mask_kind) { return mask_kind == kMaskFloat ? 64 : 128; }
+// Shared memory of a block: per stage and piece, the s x rows and s x columns tiles of 16-bit
+// elements, each row 8 elements longer than the tile (ldmatrix's rows then fall in distinct banks).
+FLASHOPM_HD constexpr int pair_mma_smem_bytes(int mask_kind) {
+  return 2 * pair_mma_pieces(mask_kind) * kPairMmaSK * (kPairMmaTR + 8 + pair_mma_cols(mask_kind) + 8) * 2;
+}
 
 // Row denominators of the specification's convention, for rows row0 .. row0 + rows:
 //   out[b, r] = max(sum_s m[b, s, row0 + r], 1)          out (B, rows)
@@ -835,6 +849,7 @@ bool outer_tc16_wgmma_built();  // the extension holds sm_90a code
 // programmatic launches, warpgroup MMAs); -1 where the build holds no code the device runs.
 int loaded_code_arch();
 void launch_project_gemm(const ProjectArgs& args, bool big_tiles, cudaStream_t stream);
+// args.mma: compute capability 8.0 or newer, pair_mma_smem_bytes(args.mask.kind) of shared memory
 void launch_pair_count(const PairCountArgs& args, cudaStream_t stream);
 int project_gemm_smem_bytes(bool big_tiles);
 
