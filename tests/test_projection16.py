@@ -107,6 +107,22 @@ def test_regs_projection_against_float64(case, dtype):
     assert torch.equal(a, a2) and torch.equal(b, b2), "two identical calls differ: a race"
 
 
+def test_regs_projection_nan_inf_like_reference():
+    """A NaN and an Inf in x (the Inf's row masked: 0 · inf is NaN) reach exactly the rows of a and
+    b they reach in the float64 reference, the others staying within the bars."""
+    dtype = torch.bfloat16
+    x, m, params = _inputs(1, 9, 37, 64, 32, "binary", dtype, seed=3)
+    x[0, 1, 2, 3] = float("nan")
+    x[0, 2, 5, 0] = float("inf")
+    m[0, 2, 5] = 0
+    out = _project(x, m, params)
+    ref64, eager = _references(x, m, params)
+    for o, r in zip(out, ref64):
+        assert torch.equal(o.isnan(), r.isnan()), "NaN where the reference has none, or none where it has"
+    fin = ~ref64[0].isnan().any(-1)
+    _check_errors([o[fin] for o in out], [r[fin] for r in ref64], [e[fin] for e in eager], dtype, "finite rows")
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_regs_switch_takes_the_row_tiled_kernel(dtype, monkeypatch):
     """FLASHOPM_PROJECT_REGS=0: the row-tiled kernel runs instead, within the same bars, and its
