@@ -575,9 +575,10 @@ void run_prep(const PrepArgs& args_in, bool project_w, int dev, cudaStream_t str
     // (LayerNorm's output rounded to x's type and 16-bit products, as eager PyTorch runs such a
     // model; the row-tiled kernel multiplies it unrounded in TF32, other bits), as many blocks as
     // are resident at once (at most kPrMaxBlocksPerSm an SM), each warp taking tiles of rows in
-    // turn.  Every launch of a call takes the same form (nothing here depends on the launch's
-    // rows), so the bits do not depend on the plan.  FLASHOPM_PROJECT_REGS=0 takes the row-tiled
-    // kernel (to compare the forms).
+    // turn.  Every launch of a call takes the same form (the rule reads the problem and layouts
+    // that all launches of the contraction's call share, not a launch's rows or band), so the bits
+    // do not depend on the plan.  FLASHOPM_PROJECT_REGS=0 takes the row-tiled kernel (to compare
+    // the forms).
     const int64_t regs_smem = project_regs_smem_bytes(args.C, args.H);
     if (stages == 0 && project_regs_applies(args) && regs_smem <= info.smem_optin &&
         !env_is("FLASHOPM_PROJECT_REGS", "0")) {
