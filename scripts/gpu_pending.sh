@@ -37,12 +37,15 @@
 #                                                       # tests, trace, the bounded rows
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR pairs  # the pair counts on tensor cores: tests,
 #                                                       # the kernel's time against the FMA form
+#          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR proj16  # the register-resident projection for
+#                                                       # 16-bit x: tests, its time against the old
+#                                                       # forms', the bfloat16 rows
 # (DEST: a folder that r.tgz is also copied to after every step)
 # Each phase fits one call of under ten minutes, the build (~2 min) included.
 # steps.txt lists each step's exit status; a failing test step stops the call.
 OUT=$1
 PHASE=${2:-default}
-case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows | bf16 | clusters | bf16_clusters | ncu_clusters | land | producer | regs | pairs) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all, own_rows, bf16, clusters, bf16_clusters, ncu_clusters, land, producer, regs or pairs, got '$PHASE'" >&2; exit 2 ;; esac
+case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows | bf16 | clusters | bf16_clusters | ncu_clusters | land | producer | regs | pairs | proj16) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all, own_rows, bf16, clusters, bf16_clusters, ncu_clusters, land, producer, regs, pairs or proj16, got '$PHASE'" >&2; exit 2 ;; esac
 R=$OUT/r
 mkdir -p "$R"
 pack() { tar -C "$OUT" -czf "$OUT/r.tgz" r; [ -n "$DEST" ] && cp "$OUT/r.tgz" "$DEST/"; }
@@ -364,6 +367,32 @@ if [ "$PHASE" = bf16_clusters ]; then
   T conv_clusters 90 env FLASHOPM_TC16_CLUSTER=$CL $py scripts/convention_times.py 1536 row openfold boltz bfloat16 kernels
   T ab_stream 60 $py scripts/ab_env.py FLASHOPM_PROJECT_STREAM=1 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6
   [ "$CL" != 1 ] && [ ! -f "$R/ab_cluster2.log" ] && ab_c 2
+  exit 0
+fi
+
+if [ "$PHASE" = proj16 ]; then
+  # the register-resident projection for 16-bit x (opm_project_regs_kernel; FLASHOPM_PROJECT_REGS=0
+  # the row-tiled kernel): its tests; the projection kernel's time in each form at
+  # (1,512,1536,256,32,128) and N = 768 in bfloat16, the forms taking turns in one process; the
+  # whole forward paired against FLASHOPM_PROJECT_REGS=0; both kernels under Nsight Compute; issue
+  # 6's bfloat16 OpenFold row beside eager and torch.compile; each convention's bfloat16 time by
+  # kernel; then test_cuda's tests of the projection's other forms and of 16-bit inputs on the
+  # outer-first path (~9 min with the build: the call's limit cuts what comes last)
+  T t_proj16 240 $py -m pytest -x -q -p no:cacheprovider tests/test_projection16.py || exit 1
+  T proj16_times 120 $py scripts/projection16_times.py 1,512,1536,256,32,128 1,512,768,256,32,128 --dtype bfloat16
+  T ab_regs 60 $py scripts/ab_env.py FLASHOPM_PROJECT_REGS=0 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6
+  tc16_one
+  for regs in 1 0; do
+    T "ncu_proj_regs$regs" 90 env FLASHOPM_PROJECT_REGS=$regs \
+      ncu --clock-control none -k regex:opm_project_ --launch-skip 1 --launch-count 1 \
+      --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
+      --section LaunchStats --section Occupancy $py "$R/tc16_one.py"
+  done
+  T mod_openfold_bf16 120 $py -m flashopm bench --module openfold --shapes "1,512,1536,256,32,128" \
+    --dtype bfloat16 --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/mod_openfold_bf16"
+  T conv_regs 90 $py scripts/convention_times.py 1536 row openfold bfloat16 kernels
+  T t_proj_old 200 $py -m pytest -q -p no:cacheprovider tests/test_cuda.py \
+    -k "streamed_projection or projection_block_rows or tiled_projection or tc16_conventions or (half_precision_inputs and outer)"
   exit 0
 fi
 

@@ -106,6 +106,14 @@ SCHEMAS = {
         "int out_elem, int ab_room, int norm_row_bytes, int ti, int tj, int sms, float wave_step_us, int flags) "
         "-> int[]"
     ),
+    # LayerNorm, both projections and the mask of a bfloat16 or float16 model as its outer-first
+    # contraction forms them (CUDA only; for tests and timing): [a, b], each (B, S, N, H) in
+    # msa_repr's type: out[0] and out[1] where `out` (2, B, S, N, H) is given, else views of one
+    # allocation.
+    "_projections": (
+        "_projections(Tensor msa_repr, Tensor msa_mask, Tensor ln_weight, Tensor ln_bias, float ln_eps, "
+        "Tensor w_a, Tensor? b_a, Tensor w_b, Tensor? b_b, Tensor(a!)? out=None) -> Tensor[]"
+    ),
 }
 
 _lib = torch.library.Library("flashopm", "DEF")

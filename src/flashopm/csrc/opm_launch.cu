@@ -451,9 +451,34 @@ void launch_project_stream(const PrepArgs& args, cudaStream_t stream) {
 }
 }  // namespace
 
+namespace {
+template <typename XT, int kQ>
+void launch_project_regs_q(const PrepArgs& args, cudaStream_t stream) {
+  constexpr auto kernel = opm_project_regs_kernel<XT, kQ>;
+  launch_kernel<kernel, SmemSetup::kOptInMaxCarveout>(unsigned(args.regs_blocks), kPrThreads,
+                                                      project_regs_smem_bytes(args.C, args.H), stream, args);
+}
+template <typename XT>
+void launch_project_regs(const PrepArgs& args, cudaStream_t stream) {
+  if constexpr (sizeof(XT) == 2) {
+    switch (project_regs_groups(args.C)) {
+      case 1: return launch_project_regs_q<XT, 1>(args, stream);
+      case 2: return launch_project_regs_q<XT, 2>(args, stream);
+      case 4: return launch_project_regs_q<XT, 4>(args, stream);
+      default:
+        if (args.C <= 32 * kPrMaxGroups) return launch_project_regs_q<XT, kPrMaxGroups>(args, stream);
+    }
+  }
+  TORCH_CHECK(false, "flashopm: internal error: the register-resident projection takes 16-bit x and msa_dim up to ",
+              32 * kPrMaxGroups, ", got x kind ", args.x_kind, " and msa_dim ", args.C);
+}
+}  // namespace
+
 void launch_project_rows(const PrepArgs& args, cudaStream_t stream) {
   if (args.stream_blocks > 0)
     return with_x_type(args.x_kind, [&](auto t) { launch_project_stream<typename decltype(t)::type>(args, stream); });
+  if (args.regs_blocks > 0)
+    return with_x_type(args.x_kind, [&](auto t) { launch_project_regs<typename decltype(t)::type>(args, stream); });
   with_x_type(args.x_kind, [&](auto t) { launch_project_rows_x<typename decltype(t)::type>(args, stream); });
 }
 
