@@ -40,12 +40,14 @@
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR proj16  # the register-resident projection for
 #                                                       # 16-bit x: tests, its time against the old
 #                                                       # forms', the bfloat16 rows
+#          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR stack  # the three above in one call: tests, each
+#                                                       # kernel against its old form, the rows
 # (DEST: a folder that r.tgz is also copied to after every step)
 # Each phase fits one call of under ten minutes, the build (~2 min) included.
 # steps.txt lists each step's exit status; a failing test step stops the call.
 OUT=$1
 PHASE=${2:-default}
-case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows | bf16 | clusters | bf16_clusters | ncu_clusters | land | producer | regs | pairs | proj16) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all, own_rows, bf16, clusters, bf16_clusters, ncu_clusters, land, producer, regs, pairs or proj16, got '$PHASE'" >&2; exit 2 ;; esac
+case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows | bf16 | clusters | bf16_clusters | ncu_clusters | land | producer | regs | pairs | proj16 | stack) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all, own_rows, bf16, clusters, bf16_clusters, ncu_clusters, land, producer, regs, pairs, proj16 or stack, got '$PHASE'" >&2; exit 2 ;; esac
 R=$OUT/r
 mkdir -p "$R"
 pack() { tar -C "$OUT" -czf "$OUT/r.tgz" r; [ -n "$DEST" ] && cp "$OUT/r.tgz" "$DEST/"; }
@@ -367,6 +369,38 @@ if [ "$PHASE" = bf16_clusters ]; then
   T conv_clusters 90 env FLASHOPM_TC16_CLUSTER=$CL $py scripts/convention_times.py 1536 row openfold boltz bfloat16 kernels
   T ab_stream 60 $py scripts/ab_env.py FLASHOPM_PROJECT_STREAM=1 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6
   [ "$CL" != 1 ] && [ ! -f "$R/ab_cluster2.log" ] && ab_c 2
+  exit 0
+fi
+
+if [ "$PHASE" = stack ]; then
+  # the tensor-copy forms without serialised MMAs, the pair counts on tensor cores and the
+  # register-resident projection together: each one's tests (a failure stops the call), each kernel
+  # against its old form in one process, the contraction's forms paired at N = 1536 in bfloat16,
+  # each convention's time by kernel, issue 6's bfloat16 rows beside eager and torch.compile (with
+  # the fastest contraction form), clusters of two under Nsight Compute (~9 min with the build)
+  T t_tma 120 $py -m pytest -x -q -p no:cacheprovider tests/test_cuda.py -k "cluster_form or tc16_conventions" || exit 1
+  T t_proj16 150 $py -m pytest -x -q -p no:cacheprovider tests/test_projection16.py || exit 1
+  T t_pairs 150 $py -m pytest -x -q -p no:cacheprovider tests/test_conventions.py -k "pair_count" || exit 1
+  best=0 best_r=1.0
+  for cl in 2 1 4; do
+    T "ab_cluster$cl" 60 $py scripts/ab_env.py FLASHOPM_TC16_CLUSTER=$cl 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6
+    r=$(grep -o "paired (without / with) [0-9.]*" "$R/ab_cluster$cl.log" | awk '{print $NF}' | head -1)
+    [ -n "$r" ] && awk "BEGIN { exit !($r > $best_r) }" && best=$cl best_r=$r
+  done
+  CL=${CLUSTER:-$best}
+  echo "form for the rows: FLASHOPM_TC16_CLUSTER=$CL (paired $best_r)" >>"$R/steps.txt"
+  T proj16_times 90 $py scripts/projection16_times.py 1,512,1536,256,32,128 --dtype bfloat16
+  T pair_times 60 $py scripts/pair_count_times.py 1,512,1536
+  T conv_stack 90 env FLASHOPM_TC16_CLUSTER=$CL $py scripts/convention_times.py 1536 row openfold boltz bfloat16 kernels
+  T mod_openfold_bf16 120 env FLASHOPM_TC16_CLUSTER=$CL $py -m flashopm bench --module openfold --shapes "1,512,1536,256,32,128" \
+    --dtype bfloat16 --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/mod_openfold_bf16"
+  T bench_bf16 90 env FLASHOPM_TC16_CLUSTER=$CL $py -m flashopm bench --shapes "1,512,1536,256,32,128" --dtype bfloat16 \
+    --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/bench_bf16"
+  tc16_one
+  T ncu_cluster2 90 env FLASHOPM_TC16_CLUSTER=2 \
+    ncu --clock-control none -k regex:opm_outer_tc16 --launch-skip 1 --launch-count 1 \
+    --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
+    --section LaunchStats --section Occupancy $py "$R/tc16_one.py"
   exit 0
 fi
 
