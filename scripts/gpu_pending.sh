@@ -377,7 +377,7 @@ if [ "$PHASE" = stack ]; then
   # register-resident projection together: each one's tests (a failure stops the call), each kernel
   # against its old form in one process, the contraction's forms paired at N = 1536 in bfloat16,
   # each convention's time by kernel, issue 6's bfloat16 rows beside eager and torch.compile (with
-  # the fastest contraction form), clusters of two under Nsight Compute (~9 min with the build)
+  # the fastest contraction form) (~8 min with the build)
   T t_tma 120 $py -m pytest -x -q -p no:cacheprovider tests/test_cuda.py -k "cluster_form or tc16_conventions" || exit 1
   T t_proj16 150 $py -m pytest -x -q -p no:cacheprovider tests/test_projection16.py || exit 1
   T t_pairs 150 $py -m pytest -x -q -p no:cacheprovider tests/test_conventions.py -k "pair_count" || exit 1
@@ -396,11 +396,6 @@ if [ "$PHASE" = stack ]; then
     --dtype bfloat16 --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/mod_openfold_bf16"
   T bench_bf16 90 env FLASHOPM_TC16_CLUSTER=$CL $py -m flashopm bench --shapes "1,512,1536,256,32,128" --dtype bfloat16 \
     --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/bench_bf16"
-  tc16_one
-  T ncu_cluster2 90 env FLASHOPM_TC16_CLUSTER=2 \
-    ncu --clock-control none -k regex:opm_outer_tc16 --launch-skip 1 --launch-count 1 \
-    --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
-    --section LaunchStats --section Occupancy $py "$R/tc16_one.py"
   exit 0
 fi
 
