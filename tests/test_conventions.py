@@ -368,8 +368,13 @@ def test_conventions_with_either_pair_count_form(normalization, mask_kind, monke
         torch.testing.assert_close(out, ref32, atol=1e-4, rtol=1e-4)
         err, err_eager = rel_error(out, ref64), rel_error(ref32, ref64)
         assert err <= max(2 * err_eager, 4 * torch.finfo(torch.float32).eps), f"{err:.3g} vs eager {err_eager:.3g}"
-    for a, b in zip(mma, fma):
+    for i, (a, b) in enumerate(zip(mma, fma)):
         if mask_kind == "bool":
             assert torch.equal(a, b)
-        else:
+        elif i < 2:
             torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+        else:
+            # gradients: sums over every (s, n) of terms divided by the counts, where the forms'
+            # last-place differences in the counts add up (each form's counts are held to float64
+            # in test_pair_counts_against_fp64)
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
