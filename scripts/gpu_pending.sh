@@ -47,7 +47,7 @@
 # steps.txt lists each step's exit status; a failing test step stops the call.
 OUT=$1
 PHASE=${2:-default}
-case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows | bf16 | clusters | bf16_clusters | ncu_clusters | land | producer | regs | pairs | proj16 | stack) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all, own_rows, bf16, clusters, bf16_clusters, ncu_clusters, land, producer, regs, pairs, proj16 or stack, got '$PHASE'" >&2; exit 2 ;; esac
+case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows | bf16 | clusters | bf16_clusters | ncu_clusters | land | producer | regs | pairs | proj16 | stack | stack_rows) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all, own_rows, bf16, clusters, bf16_clusters, ncu_clusters, land, producer, regs, pairs, proj16, stack or stack_rows, got '$PHASE'" >&2; exit 2 ;; esac
 R=$OUT/r
 mkdir -p "$R"
 pack() { tar -C "$OUT" -czf "$OUT/r.tgz" r; [ -n "$DEST" ] && cp "$OUT/r.tgz" "$DEST/"; }
@@ -372,14 +372,16 @@ if [ "$PHASE" = bf16_clusters ]; then
   exit 0
 fi
 
-if [ "$PHASE" = stack ]; then
+if [ "$PHASE" = stack ] || [ "$PHASE" = stack_rows ]; then
   # the tensor-copy forms without serialised MMAs, the pair counts on tensor cores and the
   # register-resident projection together: each one's tests (a failure stops the call), each kernel
   # against its old form in one process, the contraction's forms paired at N = 1536 in bfloat16,
   # each convention's time by kernel, issue 6's bfloat16 rows beside eager and torch.compile (with
   # the fastest contraction form) (~8 min with the build)
-  T t_tma 120 $py -m pytest -x -q -p no:cacheprovider tests/test_cuda.py -k "cluster_form or tc16_conventions" || exit 1
-  T t_proj16 150 $py -m pytest -x -q -p no:cacheprovider tests/test_projection16.py
+  if [ "$PHASE" = stack ]; then  # (stack_rows: these two ran on this device code, run 331)
+    T t_tma 120 $py -m pytest -x -q -p no:cacheprovider tests/test_cuda.py -k "cluster_form or tc16_conventions" || exit 1
+    T t_proj16 150 $py -m pytest -x -q -p no:cacheprovider tests/test_projection16.py
+  fi
   T t_pairs 150 $py -m pytest -q -p no:cacheprovider tests/test_conventions.py -k "pair_count"
   best=0 best_r=1.0
   for cl in 2 1 4; do
