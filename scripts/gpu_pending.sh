@@ -391,11 +391,11 @@ if [ "$PHASE" = stack ] || [ "$PHASE" = stack_rows ]; then
   done
   CL=${CLUSTER:-$best}
   echo "form for the rows: FLASHOPM_TC16_CLUSTER=$CL (paired $best_r)" >>"$R/steps.txt"
-  T proj16_times 90 $py scripts/projection16_times.py 1,512,1536,256,32,128 --dtype bfloat16
-  T pair_times 60 $py scripts/pair_count_times.py 1,512,1536
   T mod_openfold_bf16 120 env FLASHOPM_TC16_CLUSTER=$CL $py -m flashopm bench --module openfold --shapes "1,512,1536,256,32,128" \
     --dtype bfloat16 --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/mod_openfold_bf16"
   T conv_stack 90 env FLASHOPM_TC16_CLUSTER=$CL $py scripts/convention_times.py 1536 row openfold boltz bfloat16 kernels
+  T proj16_times 90 $py scripts/projection16_times.py 1,512,1536,256,32,128 --dtype bfloat16
+  T pair_times 60 $py scripts/pair_count_times.py 1,512,1536
   T bench_bf16 90 env FLASHOPM_TC16_CLUSTER=$CL $py -m flashopm bench --shapes "1,512,1536,256,32,128" --dtype bfloat16 \
     --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/bench_bf16"
   exit 0
@@ -449,6 +449,8 @@ if [ "$PHASE" = producer ]; then
   T mod_openfold_bf16 90 env FLASHOPM_TC16_CLUSTER=$CL $py -m flashopm bench --module openfold --shapes "1,512,1536,256,32,128" \
     --dtype bfloat16 --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/mod_openfold_bf16"
   T conv_stack 90 env FLASHOPM_TC16_CLUSTER=$CL $py scripts/convention_times.py 1536 row openfold boltz bfloat16 kernels
+  T proj16_times 90 $py scripts/projection16_times.py 1,512,1536,256,32,128 --dtype bfloat16
+  T pair_times 60 $py scripts/pair_count_times.py 1,512,1536
   T bench_bf16 90 env FLASHOPM_TC16_CLUSTER=$CL $py -m flashopm bench --shapes "1,512,1536,256,32,128" --dtype bfloat16 \
     --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/bench_bf16"
   ncu_tc16 0 "$CL"
