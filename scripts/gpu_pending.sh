@@ -31,14 +31,23 @@
 #                                                       # counts take part in, and their tests
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR producer  # the 16-bit kernel's tensor-copy forms
 #                                                       # with a producer warp: tests, paired, rows
+#          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR regs  # the tensor-copy forms with setmaxnreg:
+#                                                       # tests, clusters of 1 and 2 paired, Nsight
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR proj  # the waves form's projection and barriers:
 #                                                       # tests, trace, the bounded rows
+#          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR pairs  # the pair counts on tensor cores: tests,
+#                                                       # the kernel's time against the FMA form
+#          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR proj16  # the register-resident projection for
+#                                                       # 16-bit x: tests, its time against the old
+#                                                       # forms', the bfloat16 rows
+#          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR stack  # the three above in one call: tests, each
+#                                                       # kernel against its old form, the rows
 # (DEST: a folder that r.tgz is also copied to after every step)
 # Each phase fits one call of under ten minutes, the build (~2 min) included.
 # steps.txt lists each step's exit status; a failing test step stops the call.
 OUT=$1
 PHASE=${2:-default}
-case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows | bf16 | clusters | bf16_clusters | ncu_clusters | land | producer) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all, own_rows, bf16, clusters, bf16_clusters, ncu_clusters, land or producer, got '$PHASE'" >&2; exit 2 ;; esac
+case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows | bf16 | clusters | bf16_clusters | ncu_clusters | land | producer | regs | pairs | proj16 | stack | stack_rows) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all, own_rows, bf16, clusters, bf16_clusters, ncu_clusters, land, producer, regs, pairs, proj16, stack or stack_rows, got '$PHASE'" >&2; exit 2 ;; esac
 R=$OUT/r
 mkdir -p "$R"
 pack() { tar -C "$OUT" -czf "$OUT/r.tgz" r; [ -n "$DEST" ] && cp "$OUT/r.tgz" "$DEST/"; }
@@ -289,6 +298,19 @@ if [ "$PHASE" = modules_all ]; then
   exit 0
 fi
 
+if [ "$PHASE" = pairs ]; then
+  # the pair counts on tensor cores (opm_pair_count_mma_kernel): their tests (a failure stops the
+  # call), the kernel's time per mask kind against the FMA form (FLASHOPM_PAIR_COUNT_MMA=0) at
+  # (1,512,1536) and (1,512,768), the conventions' bfloat16 time by kernel with each form, then the
+  # other tests of the conventions and modules (~7 min with the build)
+  T t_pairs 300 $py -m pytest -x -q -p no:cacheprovider tests/test_conventions.py -k "pair_count" || exit 1
+  T pair_times 120 $py scripts/pair_count_times.py 1,512,1536 1,512,768
+  T conv_bf16_mma 90 $py scripts/convention_times.py 1536 openfold boltz bfloat16 kernels
+  T conv_bf16_fma 90 env FLASHOPM_PAIR_COUNT_MMA=0 $py scripts/convention_times.py 1536 openfold boltz bfloat16 kernels
+  T t_conv 200 $py -m pytest -q -p no:cacheprovider tests/test_conventions.py tests/test_modules.py -k "not pair_count"
+  exit 0
+fi
+
 if [ "$PHASE" = bf16 ]; then
   # the streamed projection (16-bit x) and the pair counts' 4 x 4 sums: their tests, the projection
   # paired against FLASHOPM_PROJECT_STREAM=1, each convention's bfloat16 time by kernel, the
@@ -350,6 +372,61 @@ if [ "$PHASE" = bf16_clusters ]; then
   exit 0
 fi
 
+if [ "$PHASE" = stack ] || [ "$PHASE" = stack_rows ]; then
+  # the tensor-copy forms without serialised MMAs, the pair counts on tensor cores and the
+  # register-resident projection together: each one's tests (a failure stops the call), each kernel
+  # against its old form in one process, the contraction's forms paired at N = 1536 in bfloat16,
+  # each convention's time by kernel, issue 6's bfloat16 rows beside eager and torch.compile (with
+  # the fastest contraction form) (~8 min with the build)
+  if [ "$PHASE" = stack ]; then  # (stack_rows: these two ran on this device code, run 331)
+    T t_tma 120 $py -m pytest -x -q -p no:cacheprovider tests/test_cuda.py -k "cluster_form or tc16_conventions" || exit 1
+    T t_proj16 150 $py -m pytest -x -q -p no:cacheprovider tests/test_projection16.py
+  fi
+  T t_pairs 150 $py -m pytest -q -p no:cacheprovider tests/test_conventions.py -k "pair_count"
+  best=0 best_r=1.0
+  for cl in 2 1 4; do
+    T "ab_cluster$cl" 60 $py scripts/ab_env.py FLASHOPM_TC16_CLUSTER=$cl 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6
+    r=$(grep -o "paired (without / with) [0-9.]*" "$R/ab_cluster$cl.log" | awk '{print $NF}' | head -1)
+    [ -n "$r" ] && awk "BEGIN { exit !($r > $best_r) }" && best=$cl best_r=$r
+  done
+  CL=${CLUSTER:-$best}
+  echo "form for the rows: FLASHOPM_TC16_CLUSTER=$CL (paired $best_r)" >>"$R/steps.txt"
+  T mod_openfold_bf16 120 env FLASHOPM_TC16_CLUSTER=$CL $py -m flashopm bench --module openfold --shapes "1,512,1536,256,32,128" \
+    --dtype bfloat16 --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/mod_openfold_bf16"
+  T conv_stack 90 env FLASHOPM_TC16_CLUSTER=$CL $py scripts/convention_times.py 1536 row openfold boltz bfloat16 kernels
+  T proj16_times 90 $py scripts/projection16_times.py 1,512,1536,256,32,128 --dtype bfloat16
+  T pair_times 60 $py scripts/pair_count_times.py 1,512,1536
+  T bench_bf16 90 env FLASHOPM_TC16_CLUSTER=$CL $py -m flashopm bench --shapes "1,512,1536,256,32,128" --dtype bfloat16 \
+    --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/bench_bf16"
+  exit 0
+fi
+
+if [ "$PHASE" = proj16 ]; then
+  # the register-resident projection for 16-bit x (opm_project_regs_kernel; FLASHOPM_PROJECT_REGS=0
+  # the row-tiled kernel): its tests; the projection kernel's time in each form at
+  # (1,512,1536,256,32,128) and N = 768 in bfloat16, the forms taking turns in one process; the
+  # whole forward paired against FLASHOPM_PROJECT_REGS=0; both kernels under Nsight Compute; issue
+  # 6's bfloat16 OpenFold row beside eager and torch.compile; each convention's bfloat16 time by
+  # kernel; then test_cuda's tests of the projection's other forms and of 16-bit inputs on the
+  # outer-first path (~9 min with the build: the call's limit cuts what comes last)
+  T t_proj16 240 $py -m pytest -x -q -p no:cacheprovider tests/test_projection16.py || exit 1
+  T proj16_times 120 $py scripts/projection16_times.py 1,512,1536,256,32,128 1,512,768,256,32,128 --dtype bfloat16
+  T ab_regs 60 $py scripts/ab_env.py FLASHOPM_PROJECT_REGS=0 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6
+  tc16_one
+  for regs in 1 0; do
+    T "ncu_proj_regs$regs" 90 env FLASHOPM_PROJECT_REGS=$regs \
+      ncu --clock-control none -k regex:opm_project_ --launch-skip 1 --launch-count 1 \
+      --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
+      --section LaunchStats --section Occupancy $py "$R/tc16_one.py"
+  done
+  T mod_openfold_bf16 120 $py -m flashopm bench --module openfold --shapes "1,512,1536,256,32,128" \
+    --dtype bfloat16 --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/mod_openfold_bf16"
+  T conv_regs 90 $py scripts/convention_times.py 1536 row openfold bfloat16 kernels
+  T t_proj_old 200 $py -m pytest -q -p no:cacheprovider tests/test_cuda.py \
+    -k "streamed_projection or projection_block_rows or tiled_projection or tc16_conventions or (half_precision_inputs and outer)"
+  exit 0
+fi
+
 if [ "$PHASE" = producer ]; then
   # the 16-bit kernel's tensor-copy forms with a producer warp (FLASHOPM_TC16_CLUSTER=1, 2, 4):
   # their bits against the form without (a hang shows as the step's timeout), each paired against
@@ -371,9 +448,38 @@ if [ "$PHASE" = producer ]; then
   T conv_tma 90 env FLASHOPM_TC16_CLUSTER=$CL $py scripts/convention_times.py 1536 row openfold boltz bfloat16 kernels
   T mod_openfold_bf16 90 env FLASHOPM_TC16_CLUSTER=$CL $py -m flashopm bench --module openfold --shapes "1,512,1536,256,32,128" \
     --dtype bfloat16 --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/mod_openfold_bf16"
+  T conv_stack 90 env FLASHOPM_TC16_CLUSTER=$CL $py scripts/convention_times.py 1536 row openfold boltz bfloat16 kernels
+  T proj16_times 90 $py scripts/projection16_times.py 1,512,1536,256,32,128 --dtype bfloat16
+  T pair_times 60 $py scripts/pair_count_times.py 1,512,1536
   T bench_bf16 90 env FLASHOPM_TC16_CLUSTER=$CL $py -m flashopm bench --shapes "1,512,1536,256,32,128" --dtype bfloat16 \
     --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/bench_bf16"
   ncu_tc16 0 "$CL"
+  exit 0
+fi
+
+if [ "$PHASE" = regs ]; then
+  # the tensor-copy forms with a producer warpgroup and setmaxnreg: their bits against the default
+  # form (a hang shows as the step's timeout), clusters of two and one paired against it at N =
+  # 1536 in bfloat16, then clusters of two under Nsight Compute with source counters (~7 min)
+  T t_tma 240 $py -m pytest -x -q -p no:cacheprovider tests/test_cuda.py -k "cluster_form or tc16_conventions" || exit 1
+  best=0 best_r=1.0
+  for cl in 2 1 4; do
+    T "ab_cluster$cl" 60 $py scripts/ab_env.py FLASHOPM_TC16_CLUSTER=$cl 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6
+    r=$(grep -o "paired (without / with) [0-9.]*" "$R/ab_cluster$cl.log" | awk '{print $NF}' | head -1)
+    [ -n "$r" ] && awk "BEGIN { exit !($r > $best_r) }" && best=$cl best_r=$r
+  done
+  echo "form for the rows: FLASHOPM_TC16_CLUSTER=$best (paired $best_r)" >>"$R/steps.txt"
+  T conv_regs 90 env FLASHOPM_TC16_CLUSTER=$best $py scripts/convention_times.py 1536 row openfold bfloat16 kernels
+  T mod_openfold_bf16 90 env FLASHOPM_TC16_CLUSTER=$best $py -m flashopm bench --module openfold --shapes "1,512,1536,256,32,128" \
+    --dtype bfloat16 --impls eager,flashopm,compile --calls 5 --out "$R/mod_openfold_bf16"
+  tc16_one
+  T ncu_cluster2_src 150 env FLASHOPM_TC16_CLUSTER=2 \
+    ncu --clock-control none -k regex:opm_outer_tc16 --launch-skip 1 --launch-count 1 -f -o "$R/cluster2" \
+    --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
+    --section SourceCounters --section LaunchStats --section Occupancy $py "$R/tc16_one.py"
+  T ncu_cluster2_details 60 ncu --import "$R/cluster2.ncu-rep" --page details
+  # stall samples by SASS line, to place the barrier waits
+  T ncu_cluster2_sass 60 ncu --import "$R/cluster2.ncu-rep" --page source --print-source sass --csv
   exit 0
 fi
 

@@ -4,7 +4,8 @@ calls of opm_project_rows_kernel's device time in one forward call of the op (th
 projection is one launch when no peak bound is set).  With --bound, a peak bound (e.g. 1.1) and
 the given shapes instead: every projection launch of one call, in order, for each setting.
 (FLASHOPM_PROJECT_STREAM=1 would take the streamed kernel for 16-bit x, whose rows per tile are
-fixed: the sweep leaves it unset.)
+fixed, and 16-bit x takes the register-resident kernel by default: the sweep leaves the first unset
+and sets FLASHOPM_PROJECT_REGS=0.  scripts/projection16_times.py times the 16-bit forms.)
 
     python scripts/projection_rows_sweep.py [--msa-dims 64,256] [--rows 9216,16384,...]
                                             [--precision highest] [--dtype float32]
@@ -21,6 +22,7 @@ import flashopm
 from flashopm.testing import PARAM_ORDER, Shape, make_problem
 
 os.environ.pop("FLASHOPM_PROJECT_STREAM", None)
+os.environ["FLASHOPM_PROJECT_REGS"] = "0"
 
 SETTINGS = ("128", "64", "32")
 

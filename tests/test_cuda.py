@@ -1132,7 +1132,8 @@ def test_projection_block_rows_give_the_same_bits(shape, precision, dtype, monke
     xc, mc = x.cuda().to(dtype), m.cuda().to(dtype)
     pc = {k: v.cuda().to(dtype) for k, v in p.items()}
     outs = {}
-    monkeypatch.delenv("FLASHOPM_PROJECT_STREAM", raising=False)  # 16-bit x: the row-tiled kernel
+    monkeypatch.delenv("FLASHOPM_PROJECT_STREAM", raising=False)  # 16-bit x: the row-tiled kernel,
+    monkeypatch.setenv("FLASHOPM_PROJECT_REGS", "0")              # not the register-resident one
     for rows in ("128", "64", "32"):
         monkeypatch.setenv("FLASHOPM_PROJ_ROWS", rows)
         outs[rows] = _run(xc, mc, pc, "outer", precision=precision)
@@ -1163,8 +1164,8 @@ STREAM_PROJECTION = [
 @pytest.mark.parametrize("case", STREAM_PROJECTION, ids=lambda c: "B{}_N{}_C{}_H{}_D{}_{}".format(*c))
 def test_streamed_projection_gives_the_row_tiled_bits(case, dtype, monkeypatch):
     """16-bit x: the streamed projection kernel (FLASHOPM_PROJECT_STREAM=1) runs (profiler) and
-    gives the row-tiled kernel's bits (the default): the same LayerNorm arithmetic and TF32
-    products in the same order; every element written (poisoned output), two calls equal, the
+    gives the row-tiled kernel's bits (FLASHOPM_PROJECT_REGS=0): the same LayerNorm arithmetic and
+    TF32 products in the same order; every element written (poisoned output), two calls equal, the
     same bits from 1 and 7 blocks, error against float32 PyTorch on the same inputs at most 2x
     eager's in the type."""
     B, N, C, H, D, mask_kind = case
@@ -1173,6 +1174,7 @@ def test_streamed_projection_gives_the_row_tiled_bits(case, dtype, monkeypatch):
     x16, m16 = x.to(dtype).cuda(), m.to(dtype).cuda()
     p16 = {k: None if v is None else v.to(dtype).cuda() for k, v in p.items()}
     monkeypatch.setenv("FLASHOPM_PROJECT_STREAM", "1")
+    monkeypatch.setenv("FLASHOPM_PROJECT_REGS", "0")
     kernels = flashopm_kernels(lambda: _run(x16, m16, p16, "outer", poison=False))
     assert any("opm_project_stream_kernel" in k for k in kernels), kernels
     out = _run(x16, m16, p16, "outer")

@@ -92,6 +92,10 @@ SCHEMAS = {
     # stage, 1 with half the k per W chunk, 1 with phase 1 half as wide, the block's bytes], or []
     # where none fits.
     "_mma_sync_tile": "_mma_sync_tile(Tensor like, int H, int N, int Ti, bool operands16, int smem_optin) -> int[]",
+    # Pair mask counts sum_s mask[b, s, row0 + r] mask[b, s, j] of rows row0 .. row0 + rows as the
+    # OpenFold and Boltz conventions form them (CUDA only; for tests and timing): (B, rows, N)
+    # float32.
+    "_pair_counts": "_pair_counts(Tensor mask, int rows, int row0) -> Tensor",
     # The peak bound's bands for one batch element (host code; CPU or CUDA `like`; for tests):
     # [b kept, workspace bytes, bands, then (r0, rows, cols, s_part, in the output's tail) per
     # band], or [] where none fit.  norm_row_bytes: a band's normalisers per row, laid after its a
@@ -101,6 +105,14 @@ SCHEMAS = {
         "_peak_band_plan(Tensor like, int N, int S, int C, int H, int D, int row_floats, int elem, int x_elem, "
         "int out_elem, int ab_room, int norm_row_bytes, int ti, int tj, int sms, float wave_step_us, int flags) "
         "-> int[]"
+    ),
+    # LayerNorm, both projections and the mask of a bfloat16 or float16 model as its outer-first
+    # contraction forms them (CUDA only; for tests and timing): [a, b], each (B, S, N, H) in
+    # msa_repr's type: out[0] and out[1] where `out` (2, B, S, N, H) is given, else views of one
+    # allocation.
+    "_projections": (
+        "_projections(Tensor msa_repr, Tensor msa_mask, Tensor ln_weight, Tensor ln_bias, float ln_eps, "
+        "Tensor w_a, Tensor? b_a, Tensor w_b, Tensor? b_b, Tensor(a!)? out=None) -> Tensor[]"
     ),
 }
 

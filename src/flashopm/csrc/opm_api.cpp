@@ -571,6 +571,22 @@ void run_prep(const PrepArgs& args_in, bool project_w, int dev, cudaStream_t str
       }
       args.stream_blocks = int(blocks);
     }
+    // 16-bit x whose parameters are in its type, a and b in that type: the register-resident form
+    // (LayerNorm's output rounded to x's type and 16-bit products, as eager PyTorch runs such a
+    // model; the row-tiled kernel multiplies it unrounded in TF32, other bits), as many blocks as
+    // are resident at once (at most kPrMaxBlocksPerSm an SM), each warp taking tiles of rows in
+    // turn.  Every launch of a call takes the same form (the rule reads the problem and layouts
+    // that all launches of the contraction's call share, not a launch's rows or band), so the bits
+    // do not depend on the plan.  FLASHOPM_PROJECT_REGS=0 takes the row-tiled kernel (to compare
+    // the forms).
+    const int64_t regs_smem = project_regs_smem_bytes(args.C, args.H);
+    if (stages == 0 && project_regs_applies(args) && regs_smem <= info.smem_optin &&
+        !env_is("FLASHOPM_PROJECT_REGS", "0")) {
+      const int64_t per_sm = std::clamp<int64_t>(info.smem_per_sm / (regs_smem + 1024), 1, kPrMaxBlocksPerSm);
+      const int64_t tiles = (project_rows_count(args) + kPrRows - 1) / kPrRows;
+      args.regs_blocks = int(std::min<int64_t>((tiles + kPrWarps - 1) / kPrWarps, per_sm * info.sm_count));
+      return launch_project_rows(args, stream);
+    }
     check_smem(stages > 0 ? int(project_stream_smem_bytes(args.C, stages)) : project_rows_smem_bytes(args), dev,
                "LayerNorm/projection");
     return launch_project_rows(args, stream);
@@ -619,12 +635,24 @@ at::Tensor& fill_bias_only(at::Tensor& out, const std::optional<at::Tensor>& b_o
   return out;
 }
 
+// Whether the pair counts run on tensor cores (opm_pair_count_mma_kernel): sm_80 and later, where
+// its block's shared memory fits.  FLASHOPM_PAIR_COUNT_MMA=0 asks for the float32 FMA kernel (to
+// compare the forms).  The forward's counts and the backward's come from the same choice.
+bool pair_count_mma(int mask_kind, int dev) {
+  const DeviceInfo& info = device_info(dev);
+  return info.arch >= 80 && pair_mma_smem_bytes(mask_kind) <= info.smem_optin &&
+         !env_is("FLASHOPM_PAIR_COUNT_MMA", "0");
+}
+
 // Pair mask counts sum_s m[b, s, row0 + r] m[b, s, j] as (B, rows, N) for the OpenFold and Boltz
 // conventions into `out` (B, rows, N floats, 16-byte aligned), as a tensor over that memory.
 at::Tensor pair_counts_into(float* out, const MaskView& mask, int64_t B, int64_t S, int64_t N, int64_t rows,
                             int64_t row0, const at::TensorOptions& options, cudaStream_t stream) {
   FLASHOPM_CHECK((rows + kPairTR - 1) / kPairTR <= 65535, "flashopm: too many rows for one launch (", rows, ")");
-  launch_pair_count(PairCountArgs{mask, out, int(B), int(S), int(N), int(rows), int(row0)}, stream);
+  if (B > 0 && rows > 0 && N > 0) {
+    const bool mma = pair_count_mma(mask.kind, options.device().index());
+    launch_pair_count(PairCountArgs{mask, out, int(B), int(S), int(N), int(rows), int(row0), mma}, stream);
+  }
   return at::for_blob(out, {B, rows, N})
       .options(options.dtype(at::kFloat))
       .target_device(options.device())
@@ -1796,6 +1824,8 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     char* a_buf = b_buf + b_elems * int64_t(ws.element_size());
     pa.ab_kind = ab_kind;
     if (kmajor) pa.s_chunk = row_floats;
+    // 16-bit x comes with parameters in its type (check_param), which their float32 copy holds exactly
+    pa.w_in_x_type = x_kind != kMaskFloat;
     // W in the operand type (no copy for a module already in that type, unless misaligned)
     at::Tensor w_op = operands16 ? w_out_in.to(ws_type).contiguous() : w_out;
     if (reinterpret_cast<uintptr_t>(w_op.data_ptr()) % 16 != 0) w_op = w_op.clone();
@@ -2449,6 +2479,87 @@ at::Tensor waves_trace_cuda(const at::Tensor& like) {
   return waves_trace().defined() ? waves_trace() : at::empty({0}, like.options().dtype(at::kLong));
 }
 
+// The pair mask counts of rows row0 .. row0 + rows of mask (B, S, N), (B, rows, N) float32, as the
+// OpenFold and Boltz conventions form them (for tests and timing).
+at::Tensor pair_counts_cuda(const at::Tensor& mask, int64_t rows, int64_t row0) {
+  const EnvScope env_scope;
+  FLASHOPM_CHECK(mask.dim() == 3, "flashopm: mask must have shape (B, S, N), got ", mask.dim(), " dims ",
+                 mask.sizes());
+  FLASHOPM_CHECK(mask.is_cuda(), "flashopm: mask must be a CUDA tensor here, got ", mask.device());
+  const int kind = mask_kind_of(mask);
+  const int64_t B = mask.size(0), S = mask.size(1), N = mask.size(2);
+  FLASHOPM_CHECK(B <= 65535, "flashopm: B must be at most 65535, got B=", B);
+  FLASHOPM_CHECK(rows >= 0 && row0 >= 0 && row0 + rows <= N, "flashopm: rows [row0, row0 + rows) = [", row0, ", ",
+                 row0 + rows, ") must lie in [0, N) with N = ", N);
+  const c10::cuda::CUDAGuard guard(mask.device());
+  const MaskView view{mask.data_ptr(), mask.stride(0), mask.stride(1), mask.stride(2), kind};
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(mask.get_device()).stream();
+  return pair_counts(view, kNormOpenFold, B, S, N, rows, row0, mask.options(), stream);
+}
+
+// LayerNorm, both projections and the mask of a 16-bit model as its outer-first contraction on
+// 16-bit tensor cores forms them, for all B·S·N rows in one launch of the row-tiled kernels (the
+// FLASHOPM_PROJECT_* settings apply): [a, b], each (B, S, N, H) in msa_repr's type, out[0] and
+// out[1] where out (2, B, S, N, H) is given, else views of one allocation.  For tests and timing.
+std::vector<at::Tensor> projections_cuda(const at::Tensor& msa_in, const at::Tensor& mask, const at::Tensor& ln_w,
+                                         const at::Tensor& ln_b, double ln_eps, const at::Tensor& w_a,
+                                         const std::optional<at::Tensor>& b_a, const at::Tensor& w_b,
+                                         const std::optional<at::Tensor>& b_b, const std::optional<at::Tensor>& out) {
+  const EnvScope env_scope;
+  FLASHOPM_CHECK(msa_in.dim() == 4 && msa_in.is_cuda(),
+                 "flashopm: _projections: msa_repr must be a (B, S, N, msa_dim) CUDA tensor, got ", msa_in.dim(),
+                 " dims on ", msa_in.device());
+  const at::ScalarType type = msa_in.scalar_type();
+  FLASHOPM_CHECK(type == at::kBFloat16 || type == at::kHalf,
+                 "flashopm: _projections: msa_repr must be bfloat16 or float16, got ", type);
+  const int64_t B = msa_in.size(0), S = msa_in.size(1), N = msa_in.size(2), C = msa_in.size(3);
+  const int64_t H = w_a.dim() == 2 ? w_a.size(0) : 0;
+  FLASHOPM_CHECK(C >= 1 && H >= 1 && H <= kMaxHidden, "flashopm: _projections: msa_dim must be >= 1 and hidden_dim in "
+                 "[1, ", kMaxHidden, "], got msa_dim ", C, " and proj_a weight of shape ", w_a.sizes());
+  FLASHOPM_CHECK(mask.dim() == 3 && mask.size(0) == B && mask.size(1) == S && mask.size(2) == N &&
+                     mask.device() == msa_in.device(),
+                 "flashopm: _projections: msa_mask must be (B, S, N) = (", B, ", ", S, ", ", N, ") on ",
+                 msa_in.device(), ", got ", mask.sizes(), " on ", mask.device());
+  check_param(ln_w, "layer_norm weight", {C}, msa_in);
+  check_param(ln_b, "layer_norm bias", {C}, msa_in);
+  check_param(w_a, "proj_a weight", {H, C}, msa_in);
+  check_param(w_b, "proj_b weight", {H, C}, msa_in);
+  if (b_a) check_param(*b_a, "proj_a bias", {H}, msa_in);
+  if (b_b) check_param(*b_b, "proj_b bias", {H}, msa_in);
+  if (out) {
+    FLASHOPM_CHECK(out->sizes() == at::IntArrayRef({2, B, S, N, H}) && out->scalar_type() == type &&
+                       out->device() == msa_in.device() && out->is_contiguous(),
+                   "flashopm: _projections: out must be a contiguous (2, B, S, N, hidden) = (2, ", B, ", ", S, ", ",
+                   N, ", ", H, ") tensor of ", type, " on ", msa_in.device(), ", got ", out->sizes(), " ",
+                   out->scalar_type(), " on ", out->device(), out->is_contiguous() ? "" : ", not contiguous");
+  }
+  const c10::cuda::CUDAGuard guard(msa_in.device());
+  const at::Tensor ab = out ? *out : at::empty({2, B, S, N, H}, msa_in.options());
+  if (ab.numel() == 0) return {ab[0], ab[1]};
+  const at::Tensor msa = msa_in.stride(3) == 1 ? msa_in : msa_in.contiguous();
+  const ParamsF32 params = params_as_f32({&ln_w, &ln_b, &w_a, b_a ? &*b_a : nullptr, &w_b, b_b ? &*b_b : nullptr,
+                                          nullptr, nullptr},
+                                         true, msa.options().dtype(at::kFloat));
+  PrepArgs pa{};
+  pa.x = msa.data_ptr();
+  pa.x_kind = elem_kind(msa);
+  pa.x_sb = msa.stride(0), pa.x_ss = msa.stride(1), pa.x_sn = msa.stride(2);
+  pa.mask = MaskView{mask.data_ptr(), mask.stride(0), mask.stride(1), mask.stride(2), mask_kind_of(mask)};
+  pa.ln_w = params.t[0]->data_ptr<float>(), pa.ln_b = params.t[1]->data_ptr<float>(), pa.ln_eps = float(ln_eps);
+  pa.wa = params.t[2]->data_ptr<float>(), pa.ba = opt_ptr(params.t[3]);
+  pa.wb = params.t[4]->data_ptr<float>(), pa.bb = opt_ptr(params.t[5]);
+  pa.a_out = ab.data_ptr(), pa.b_out = static_cast<char*>(ab.data_ptr()) + ab[0].numel() * ab.element_size();
+  pa.ab_kind = pa.x_kind;
+  pa.w_in_x_type = 1;
+  pa.a_sb = pa.b_sb = S * N * H, pa.a_ss = pa.b_ss = N * H, pa.a_sn = pa.b_sn = H;
+  pa.a_rows = int(N), pa.o_chunks = 1;
+  pa.B = int(B), pa.S = int(S), pa.N = int(N), pa.C = int(C), pa.H = int(H), pa.D = 1;
+  pa.mma_terms = projection_mma_terms(true, kHigh);
+  const int dev = msa.get_device();
+  run_prep(pa, false, dev, c10::cuda::getCurrentCUDAStream(dev).stream(), true);
+  return {ab[0], ab[1]};
+}
+
 // Does nothing: the benchmark's measure of one bare call into the extension.
 void noop_cuda(const at::Tensor&) {}
 
@@ -2465,6 +2576,8 @@ TORCH_LIBRARY_IMPL(flashopm, CUDA, m) {
   m.impl("_waves_trace", &flashopm::waves_trace_cuda);
   m.impl("_mma_sync_tile", &flashopm::mma_sync_tile_query);
   m.impl("_peak_band_plan", &flashopm::peak_band_plan_query);
+  m.impl("_pair_counts", &flashopm::pair_counts_cuda);
+  m.impl("_projections", &flashopm::projections_cuda);
 }
 
 // Host code only: the planner's query runs without a GPU (tests on machines without one).

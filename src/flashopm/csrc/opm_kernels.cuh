@@ -14,6 +14,7 @@
 
 #include <cstdint>
 #include <type_traits>
+#include <utility>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -1590,6 +1591,291 @@ __global__ void __launch_bounds__(kPsThreads, 1) opm_project_stream_kernel(const
 }
 
 // ---------------------------------------------------------------------------------------------
+// The register-resident projection for 16-bit x (PrepArgs::regs_blocks > 0; layout in
+// opm_params.h).  The row-tiled kernel stages x through shared memory behind its blocks' barriers
+// and each block waits on its own loads (0.63 TB/s at (1,512,1536,256) in bfloat16); here a warp's
+// 16 rows go from global memory straight into the registers that feed its MMAs, and the warps of
+// an SM (two blocks of kPrWarps) keep their loads in flight each on its own: no barrier after W is
+// staged.  LayerNorm's output is rounded to x's type and multiplied in it (16-bit products,
+// float32 sums), as eager PyTorch runs a model in that type.
+//
+// Lane (g, t) = (lane / 4, lane % 4) loads features 32q + 8t .. 32q + 8t + 7 of rows g and g + 8,
+// one 16-byte piece each.  Read as m16n8k16 A fragments, piece q of the two rows gives k-steps 2q
+// (words .x, .y) and 2q + 1 (.z, .w): k-step 2q + h takes feature 32q + 8t + 4h + 2(k / 8) + k % 2
+// as its k index k = 2t + k % 2 + 8(k / 8).  B's fragments of the same lane (column n = g) take
+// the same features of W's row n, which one 16-byte read of the row as stored gives for both
+// steps: k is permuted alike on both sides within each group of 32, so the sums are those of W·y.
+// Per tile: the rows' sums on the tensor cores (x against ones: exact products, float32 sums), the
+// squared deviations from the mean in float32, reduced over the lane quad (two passes, as eager's
+// LayerNorm); y = (x - mean)·rstd·w + b rounded to x's type in place; then the MMAs, kPrPassTiles n
+// tiles at a time (their accumulators live only through a pass), the bias and the mask, staged in
+// the warp's rows of shared memory so that each row of a and b goes out whole, in 16-byte pieces.
+// The register budget (128 at two blocks an SM) shaped the code: see the notes in it.
+// ---------------------------------------------------------------------------------------------
+
+// The 8 elements of a 16-byte piece of x as float32; bfloat16's by bit operations, one
+// instruction an element (unpack16's conversions take two for the high halves).
+template <typename T>
+__device__ __forceinline__ void unpack16_bits(const uint4& raw, float* out) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      out[2 * i] = __uint_as_float(w[i] << 16);
+      out[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+  } else {
+    unpack16<T>(raw, out);
+  }
+}
+
+// 16 bytes at base + kOffset bytes of global memory where ok, else zeros, past the caches (evict
+// first: x is read once).  One address for all of a row's pieces: written as C++, each predicated
+// load got its own address arithmetic (5 instructions).
+template <int kOffset>
+__device__ __forceinline__ uint4 ld_stream16_or_zero(const void* base, bool ok) {
+  uint4 v;
+  asm volatile(
+      "{\n"
+      "  .reg .pred p;\n"
+      "  setp.ne.b32 p, %5, 0;\n"
+      "  mov.b32 %0, 0;\n"
+      "  mov.b32 %1, 0;\n"
+      "  mov.b32 %2, 0;\n"
+      "  mov.b32 %3, 0;\n"
+      "  @p ld.global.cs.v4.u32 {%0, %1, %2, %3}, [%4+%6];\n"
+      "}\n"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(__cvta_generic_to_global(base)), "r"(int(ok)), "n"(kOffset));
+  return v;
+}
+
+// n / d for 0 <= n < 2^31 and d >= 1 by a multiply and a shift (Granlund and Montgomery: with
+// l = ceil(log2 d), m = ceil(2^(31 + l) / d) < 2^32 and n / d = (n·m) >> (31 + l) for every such n).
+struct RowDiv {
+  uint32_t mul;
+  int shift;
+  __device__ explicit RowDiv(uint32_t d) {
+    int l = 0;
+    while ((1u << l) < d && l < 31) ++l;
+    shift = 31 + l;
+    mul = uint32_t(((uint64_t(1) << shift) + d - 1) / d);
+  }
+  __device__ __forceinline__ uint32_t operator()(uint32_t n) const { return uint32_t((uint64_t(n) * mul) >> shift); }
+};
+
+// project_row without chunks of s (s_chunk 0), rows below 2^31: b, s and n by div_n and div_s
+// (RowDiv of N and S).
+__device__ __forceinline__ ProjectRow project_row32(const PrepArgs& p, int rows, int row, const RowDiv& div_n,
+                                                    const RowDiv& div_s) {
+  ProjectRow r{-1, -1, -1, 0, 0, 0};
+  if (row >= rows) return r;
+  const unsigned bs = div_n(unsigned(row)), b = div_s(bs);
+  const int n = row - int(bs) * p.N, s = int(bs - b * unsigned(p.S));
+  r.x = int64_t(b) * p.x_sb + int64_t(s) * p.x_ss + int64_t(n + p.n_offset) * p.x_sn;
+  r.mb = int(b), r.ms = s, r.mn = n + p.n_offset;
+  if (unsigned(n - p.a_first) < unsigned(p.a_rows))
+    r.a = ab_row_offset(p.a_sb, p.a_sc, p.a_ss, p.a_sn, 0, int(b), s, n - p.a_first);
+  if (p.b_out) r.b = ab_row_offset(p.b_sb, p.b_sc, p.b_ss, p.b_sn, 0, int(b), s, n);
+  return r;
+}
+
+template <typename XT, int kQ>  // XT: x's 16-bit type; kQ: groups of 32 features a row holds (msa_dim <= 32 kQ)
+__global__ void __launch_bounds__(kPrThreads, kPrMaxBlocksPerSm) opm_project_regs_kernel(const PrepArgs p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::);  // as opm_prep_kernel
+#endif
+  static_assert(sizeof(XT) == 2 && kQ >= 1 && kQ <= kPrMaxGroups, "16-bit x, at most kPrMaxGroups groups");
+  constexpr unsigned kAll = 0xffffffffu;
+  extern __shared__ float4 smem_f4[];
+  const int C = p.C, H = p.H;  // the host sized shared memory for project_regs_groups(C) = kQ
+  const int hp = project_regs_side_rows(H), ldw = project_regs_row_bytes(C) / 16;  // 16-byte pieces a row
+  uint4* ws = reinterpret_cast<uint4*>(smem_f4);              // [2][hp][ldw]
+  float* ln_w = reinterpret_cast<float*>(ws + 2 * hp * ldw);  // [32 kQ]
+  float* ln_b = ln_w + 32 * kQ;                               // [32 kQ]
+  float* bias = ln_b + 32 * kQ;                               // [2][hp]
+  const int ldo = project_regs_out_ld(H);                     // words a staged row
+  uint32_t* staged = reinterpret_cast<uint32_t*>(bias + 2 * hp);  // [warps][kPrRows][ldo]
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  uint32_t* const own = staged + warp * kPrRows * ldo;  // this warp's rows
+
+  // W's rows in x's type, exact (the host's float32 copy came from it): a's H then zero rows up to
+  // hp, b's likewise
+  for (int i = tid; i < 2 * hp * 4 * kQ; i += kPrThreads) {
+    const int o = i / (4 * kQ), k0 = (i % (4 * kQ)) * 8;
+    const int side = o >= hp, h = o - side * hp;
+    const float* src = (side ? p.wb : p.wa) + int64_t(h) * C;
+    uint32_t w[4] = {0u, 0u, 0u, 0u};
+    if (h < H && k0 < C) {  // C % 8 == 0: a piece is all in or all out
+#pragma unroll
+      for (int j = 0; j < 4; ++j) w[j] = pack_16bit<XT>(src[k0 + 2 * j], src[k0 + 2 * j + 1]);
+    }
+    ws[o * ldw + k0 / 8] = make_uint4(w[0], w[1], w[2], w[3]);
+  }
+  for (int c = tid; c < 32 * kQ; c += kPrThreads) {
+    ln_w[c] = c < C ? p.ln_w[c] : 0.f;  // zeros past C: y is 0 there whatever the mean
+    ln_b[c] = c < C ? p.ln_b[c] : 0.f;
+  }
+  for (int o = tid; o < 2 * hp; o += kPrThreads) {
+    const int side = o >= hp, h = o - side * hp;
+    const float* b = side ? p.bb : p.ba;
+    bias[o] = h < H && b != nullptr ? b[h] : 0.f;
+  }
+  __syncthreads();
+
+  const int rows = int(project_rows_count(p));
+  const int tiles = (rows + kPrRows - 1) / kPrRows;
+  const uint32_t ones = pack_16bit<XT>(1.f, 1.f);
+  // rows of a and b in 16-byte pieces: H a multiple of 8, every row 16-byte aligned
+  const bool vec16 = H % 8 == 0 && ((reinterpret_cast<uintptr_t>(p.a_out) | reinterpret_cast<uintptr_t>(p.b_out)) & 15) == 0 &&
+                     ((p.a_sb | p.a_ss | p.a_sn | p.b_sb | p.b_ss | p.b_sn) & 7) == 0;
+  const float inv_c = 1.f / float(C);  // the mean and the variance as products, not quotients
+  const XT* x = static_cast<const XT*>(p.x);
+  const RowDiv div_n(unsigned(p.N)), div_s(unsigned(p.S));
+  for (int tile = blockIdx.x * kPrWarps + warp; tile < tiles; tile += gridDim.x * kPrWarps) {
+    // lane i places row i % 16 of the tile; lane (g, t) takes its rows' places from lanes g and g + 8
+    const ProjectRow pr = project_row32(p, rows, tile * kPrRows + (lane & 15), div_n, div_s);
+    const int64_t x0 = __shfl_sync(kAll, pr.x, g), x1 = __shfl_sync(kAll, pr.x, g + 8);
+    // rows g and g + 8 (zeros past C and for rows past the last); x streams past the caches (read
+    // once), each row's pieces at immediate offsets from one address
+    uint4 xv[2][kQ];
+    const uint4* xrow[2] = {reinterpret_cast<const uint4*>(x + (x0 >= 0 ? x0 : 0) + 8 * t),
+                            reinterpret_cast<const uint4*>(x + (x1 >= 0 ? x1 : 0) + 8 * t)};
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int c_end = (r == 0 ? x0 : x1) >= 0 ? C - 8 * t : 0;  // features of the row this lane reads
+      [&]<int... kG>(std::integer_sequence<int, kG...>) {
+        ((xv[r][kG] = ld_stream16_or_zero<64 * kG>(xrow[r], 32 * kG < c_end)), ...);
+      }(std::make_integer_sequence<int, kQ>{});
+    }
+    const float mv = pr.x >= 0 ? mask_at(p.mask, pr.mb, pr.ms, pr.mn) : 0.f;
+
+    // the rows' sums: x against ones.  A row's piece as a whole A fragment (its words taken as
+    // rows g, g + 8, g, g + 8) puts the row's sum in D's rows g and g + 8 together, with no moves
+    // to gather the two rows' words into one fragment.
+    float sum[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+    for (int q = 0; q < kQ; ++q) {
+      if (32 * q < C) {  // (the LayerNorm loops skip the groups past C: a branch a group keeps each
+                         // group's values from being formed all at once, past 128 registers)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const uint32_t piece[4] = {xv[r][q].x, xv[r][q].y, xv[r][q].z, xv[r][q].w};
+          mma_16bit<XT>(sum[r], piece, ones, ones);
+        }
+      }
+    }
+    const float mean[2] = {(sum[0][0] + sum[0][2]) * inv_c, (sum[1][0] + sum[1][2]) * inv_c};
+    // squared deviations from the mean (pieces past C left out), summed over the quad
+    float sq[2] = {0.f, 0.f};
+#pragma unroll
+    for (int q = 0; q < kQ; ++q) {
+      if (32 * q < C) {
+        const bool in = 32 * q + 8 * t < C;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          float v[8];
+          unpack16_bits<XT>(xv[r][q], v);
+          float part = 0.f;
+#pragma unroll
+          for (int j = 0; j < 8; ++j) part = fmaf(v[j] - mean[r], v[j] - mean[r], part);
+          sq[r] += in ? part : 0.f;
+        }
+      }
+    }
+    float rstd[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      sq[r] += __shfl_xor_sync(kAll, sq[r], 1);
+      sq[r] += __shfl_xor_sync(kAll, sq[r], 2);
+      rstd[r] = rsqrtf(sq[r] * inv_c + p.ln_eps);
+    }
+    // y = (x - mean)·rstd·w + b in float32, rounded to x's type and put back in the group's
+    // registers as A fragments: xv[0][q] those of k-step 2q (words 0 and 1 of rows g, g + 8, in
+    // fragment order), xv[1][q] those of k-step 2q + 1 (words 2 and 3).  In place: fragments in
+    // registers of their own took the kernel past 128 registers into spills.
+#pragma unroll
+    for (int q = 0; q < kQ; ++q) {
+      if (32 * q < C) {  // (past C x's registers are zeros, y's too, as the MMAs below need)
+        const float4* wq = reinterpret_cast<const float4*>(ln_w + 32 * q + 8 * t);
+        const float4* bq = reinterpret_cast<const float4*>(ln_b + 32 * q + 8 * t);
+        const float4 w0 = wq[0], w1 = wq[1], b0 = bq[0], b1 = bq[1];
+        const float lw[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
+        const float lb[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
+        uint32_t frag[2][4];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          float v[8];
+          unpack16_bits<XT>(xv[r][q], v);
+#pragma unroll
+          for (int j = 0; j < 4; ++j)
+            frag[j >> 1][2 * (j & 1) + r] =
+                pack_16bit<XT>(fmaf((v[2 * j] - mean[r]) * rstd[r], lw[2 * j], lb[2 * j]),
+                               fmaf((v[2 * j + 1] - mean[r]) * rstd[r], lw[2 * j + 1], lb[2 * j + 1]));
+        }
+#pragma unroll
+        for (int h = 0; h < 2; ++h) xv[h][q] = make_uint4(frag[h][0], frag[h][1], frag[h][2], frag[h][3]);
+      }
+    }
+
+    // a's outputs, then b's, kPrPassTiles n tiles a pass: + bias, × mask, rounded to x's type and
+    // staged in the warp's rows of shared memory (row g + 8r: a's at word h / 2, b's at hp / 2 + h / 2)
+    const float m[2] = {__shfl_sync(kAll, mv, g), __shfl_sync(kAll, mv, g + 8)};
+    const uint4* w_lane = ws + g * ldw + t;
+    for (int nt0 = 0; nt0 < 2 * hp / 8; nt0 += kPrPassTiles) {
+      float acc[kPrPassTiles][4];
+#pragma unroll
+      for (int j = 0; j < kPrPassTiles; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
+#pragma unroll
+      for (int q = 0; q < kQ; ++q) {
+        const uint32_t a_lo[4] = {xv[0][q].x, xv[0][q].y, xv[0][q].z, xv[0][q].w};
+        const uint32_t a_hi[4] = {xv[1][q].x, xv[1][q].y, xv[1][q].z, xv[1][q].w};
+#pragma unroll
+        for (int j = 0; j < kPrPassTiles; ++j) {  // W's rows past H are zeros: no test per tile
+          const uint4 w = w_lane[(nt0 + j) * 8 * ldw + 4 * q];
+          mma_16bit<XT>(acc[j], a_lo, w.x, w.y);
+          mma_16bit<XT>(acc[j], a_hi, w.z, w.w);
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kPrPassTiles; ++j) {
+        const int o = (nt0 + j) * 8 + 2 * t;  // o and o + 1 on one side: hp is even
+        const float2 bo = *reinterpret_cast<const float2*>(bias + o);
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+          own[(g + 8 * r) * ldo + o / 2] =
+              pack_16bit<XT>((acc[j][2 * r] + bo.x) * m[r], (acc[j][2 * r + 1] + bo.y) * m[r]);
+      }
+    }
+    __syncwarp();
+    // lane i writes row i % 16's a (i < 16) or b (i >= 16) where it has one: H / 4 pieces of 8 bytes
+    // from the staged row (16-byte pieces where H % 8 == 0 and the layout keeps them aligned)
+    {
+      const int side = lane >> 4;
+      const int64_t row_off = side ? pr.b : pr.a;
+      if (row_off >= 0) {
+        const uint32_t* src = own + (lane & 15) * ldo + side * (hp / 2);
+        char* dst = reinterpret_cast<char*>(static_cast<XT*>(side ? p.b_out : p.a_out) + row_off);
+        if (vec16) {
+          for (int k = 0; k < H / 8; ++k)
+            *reinterpret_cast<uint4*>(dst + 16 * k) = *reinterpret_cast<const uint4*>(src + 4 * k);
+        } else {
+          for (int k = 0; k < H / 4; ++k)
+            *reinterpret_cast<uint2*>(dst + 8 * k) = *reinterpret_cast<const uint2*>(src + 2 * k);
+        }
+      }
+    }
+    __syncwarp();  // the staged rows read before the next tile's are staged
+  }
+#else
+  target_lacks_instructions();
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------
 // Kernel 2a (outer-first): per block a tile of Ti x Tj pairs (i, j).
 //   phase 1: O[(i,h1), (j,h2)] = sum_s a[s,i,h1] b[s,j,h2], a (Ti·H <= 128) x (Tj·H <= 256) GEMM
 //            with K = S, accumulators in registers, then parked in shared memory;
@@ -1991,6 +2277,234 @@ __global__ void __launch_bounds__(kPairThreads) opm_pair_count_kernel(const Pair
     for (int c = 0; c < 4; ++c)
       if (j0 + 4 * tx + c < p.N) dst[j0 + 4 * tx + c] = acc[rr][c];
   }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Pair mask counts on tensor cores (PairCountArgs::mma): count = Mᵀ·M per batch element, M the
+// (S x N) mask, by mma.sync m16n8k16 with float32 sums.  Every bool, float16 or bfloat16 mask value
+// is exact in the 16-bit operand type (bool as bfloat16 0 or 1), so every product is exact.  A
+// float32 value m goes in as three bfloat16 pieces, m0 = bf16(m), m1 = bf16(m - m0), m2 =
+// bf16(m - m0 - m1) (each rest exact in float32), whose sum is m exactly short of values whose last
+// piece falls below bfloat16's normal range; of the nine products the six above float32's last
+// place are summed, small ones first (m0·m2, m1·m1, m2·m0, m0·m1, m1·m0, m0·m0).  A stage whose
+// low pieces are all zero (0/1 masks, and any other mask exact in bfloat16) takes m0·m0 alone: the
+// others would add zeros.  Each k-step's products go to a zeroed fragment that is then added to
+// the sums in float32 (as mma_split_add), since the tensor core's own accumulation truncates.
+// A block: kPairMmaTR rows r x pair_mma_cols columns j of one batch element, 8 warps of 64 x 32
+// (32 x 32 for float32 masks).  The mask's s x r and s x j tiles are read in pieces of 8
+// consecutive n (a vector load where the mask has unit stride along n and the piece is aligned,
+// else element by element), the next stage's kept in registers while this one's are multiplied,
+// and stored as 16-bit operands into two stages of shared memory, s-major (MN-major for both
+// operands: fragments by transposing ldmatrix); one barrier per stage.
+// ---------------------------------------------------------------------------------------------
+
+// Eight consecutive mask elements along n, as their bits.
+template <int kKind>
+struct alignas(16) PairMaskPiece {
+  using Bits = std::conditional_t<kKind == kMaskFloat, uint32_t,
+                                  std::conditional_t<kKind == kMaskBool, uint8_t, uint16_t>>;
+  Bits v[8];
+};
+
+// Elements (b, s, n .. n + 7) of the mask into x, zeros past n_end (and for all of them where
+// !in_s); vec: unit stride along n and a 16-byte aligned mask, so that a whole piece whose first
+// element's offset is a multiple of 8 is one vector load.
+template <int kKind>
+__device__ __forceinline__ void load_pair_piece(PairMaskPiece<kKind>& x, const MaskView& m, int b, int s, int n,
+                                                int n_end, bool in_s, bool vec) {
+  using Bits = typename PairMaskPiece<kKind>::Bits;
+  const int64_t row = int64_t(b) * m.sb + int64_t(s) * m.ss;
+  const Bits* base = static_cast<const Bits*>(m.ptr) + row;
+  if (in_s && vec && n + 8 <= n_end && ((uint32_t(row) + uint32_t(n)) & 7) == 0) {
+    const Bits* src = base + n;
+    if constexpr (kKind == kMaskFloat) {
+      reinterpret_cast<uint4*>(x.v)[0] = __ldg(reinterpret_cast<const uint4*>(src));
+      reinterpret_cast<uint4*>(x.v)[1] = __ldg(reinterpret_cast<const uint4*>(src) + 1);
+    } else if constexpr (kKind == kMaskBool) {
+      *reinterpret_cast<uint2*>(x.v) = __ldg(reinterpret_cast<const uint2*>(src));
+    } else {
+      *reinterpret_cast<uint4*>(x.v) = __ldg(reinterpret_cast<const uint4*>(src));
+    }
+    return;
+  }
+#pragma unroll
+  for (int e = 0; e < 8; ++e) x.v[e] = in_s && n + e < n_end ? base[int64_t(n + e) * m.sn] : Bits(0);
+}
+
+// Piece x as 16-bit operands at dst, for float32 masks its lower pieces at dst + plane and
+// dst + 2·plane; returns whether those lower pieces hold anything but zeros.
+template <int kKind>
+__device__ __forceinline__ bool store_pair_piece(uint16_t* dst, int plane, const PairMaskPiece<kKind>& x) {
+  if constexpr (kKind == kMaskHalf || kKind == kMaskBFloat16) {
+    *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(x.v);
+    return false;
+  } else if constexpr (kKind == kMaskBool) {
+    uint32_t w[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) w[q] = (x.v[2 * q] ? 0x3f80u : 0u) | (x.v[2 * q + 1] ? 0x3f800000u : 0u);
+    *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
+    return false;
+  } else {
+    uint32_t w0[4], w1[4], w2[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const float a = __uint_as_float(x.v[2 * q]), b = __uint_as_float(x.v[2 * q + 1]);
+      const __nv_bfloat162 p0 = __floats2bfloat162_rn(a, b);
+      const float2 f0 = __bfloat1622float2(p0);
+      const float ra = a - f0.x, rb = b - f0.y;
+      const __nv_bfloat162 p1 = __floats2bfloat162_rn(ra, rb);
+      const float2 f1 = __bfloat1622float2(p1);
+      const __nv_bfloat162 p2 = __floats2bfloat162_rn(ra - f1.x, rb - f1.y);
+      w0[q] = *reinterpret_cast<const uint32_t*>(&p0);
+      w1[q] = *reinterpret_cast<const uint32_t*>(&p1);
+      w2[q] = *reinterpret_cast<const uint32_t*>(&p2);
+    }
+    *reinterpret_cast<uint4*>(dst) = make_uint4(w0[0], w0[1], w0[2], w0[3]);
+    *reinterpret_cast<uint4*>(dst + plane) = make_uint4(w1[0], w1[1], w1[2], w1[3]);
+    *reinterpret_cast<uint4*>(dst + 2 * plane) = make_uint4(w2[0], w2[1], w2[2], w2[3]);
+    const uint32_t low = (w1[0] | w1[1] | w1[2] | w1[3] | w2[0] | w2[1] | w2[2] | w2[3]) & 0x7fff7fffu;
+    return low != 0;
+  }
+}
+
+template <int kKind>
+__global__ void __launch_bounds__(kPairMmaThreads, 2) opm_pair_count_mma_kernel(const PairCountArgs p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  using T = std::conditional_t<kKind == kMaskHalf, __half, __nv_bfloat16>;
+  constexpr int kPieces = pair_mma_pieces(kKind), TR = kPairMmaTR, TJ = pair_mma_cols(kKind), SK = kPairMmaSK;
+  constexpr int LA = TR + 8, LB = TJ + 8;  // elements per row of the r and j tiles
+  constexpr int kPlane = SK * (LA + LB);   // one piece of a stage: the r tile, then the j tile
+  constexpr int kStage = kPieces * kPlane;
+  constexpr int kWarpsJ = TJ / 32, kWarpsR = kPairMmaThreads / 32 / kWarpsJ, WR = TR / kWarpsR;
+  constexpr int kMT = WR / 16, kNT = 4;
+  constexpr int kPiecesR = SK * TR / 8 / kPairMmaThreads, kPiecesJ = SK * TJ / 8 / kPairMmaThreads;
+  static_assert(kPiecesR * kPairMmaThreads * 8 == SK * TR && kPiecesJ * kPairMmaThreads * 8 == SK * TJ,
+                "whole pieces per thread");
+  static_assert(kWarpsR * WR == TR && kMT * 16 == WR && SK % 16 == 0, "the warps cover the tile");
+  static_assert(2 * kStage * 2 == pair_mma_smem_bytes(kKind), "the host's shared memory");
+  extern __shared__ float4 smem_f4[];
+  uint16_t* const smem = reinterpret_cast<uint16_t*>(smem_f4);
+
+  const int b = blockIdx.z, r0 = blockIdx.y * TR, j0 = blockIdx.x * TJ;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int wr0 = (warp / kWarpsJ) * WR, wj0 = (warp % kWarpsJ) * 32;
+  const bool vec = p.mask.sn == 1 && reinterpret_cast<uintptr_t>(p.mask.ptr) % 16 == 0;
+
+  // The r tile holds mask columns row0 + r, read up to N (columns past the band's rows feed only
+  // sums that are not stored), so that a band's last piece is one load where it can be.
+  PairMaskPiece<kKind> xr[kPiecesR], xj[kPiecesJ];
+  const auto load_stage = [&](int s0) {
+#pragma unroll
+    for (int k = 0; k < kPiecesR; ++k) {
+      const int idx = tid + k * kPairMmaThreads, sl = idx / (TR / 8), c = idx % (TR / 8);
+      load_pair_piece<kKind>(xr[k], p.mask, b, s0 + sl, p.row0 + r0 + 8 * c, p.N, s0 + sl < p.S, vec);
+    }
+#pragma unroll
+    for (int k = 0; k < kPiecesJ; ++k) {
+      const int idx = tid + k * kPairMmaThreads, sl = idx / (TJ / 8), c = idx % (TJ / 8);
+      load_pair_piece<kKind>(xj[k], p.mask, b, s0 + sl, j0 + 8 * c, p.N, s0 + sl < p.S, vec);
+    }
+  };
+  // whether this thread's pieces of the stage have low pieces other than zero
+  const auto store_stage = [&](uint16_t* st) {
+    bool low = false;
+#pragma unroll
+    for (int k = 0; k < kPiecesR; ++k) {
+      const int idx = tid + k * kPairMmaThreads, sl = idx / (TR / 8), c = idx % (TR / 8);
+      low |= store_pair_piece<kKind>(st + sl * LA + 8 * c, kPlane, xr[k]);
+    }
+#pragma unroll
+    for (int k = 0; k < kPiecesJ; ++k) {
+      const int idx = tid + k * kPairMmaThreads, sl = idx / (TJ / 8), c = idx % (TJ / 8);
+      low |= store_pair_piece<kKind>(st + SK * LA + sl * LB + 8 * c, kPlane, xj[k]);
+    }
+    return low;
+  };
+
+  // ldmatrix: lane l addresses row l % 8 of matrix l / 8, which is (r half (l / 8) % 2, k half
+  // l / 16) of an A fragment and (k half (l / 8) % 2, n tile 2q + l / 16) of a pair of B fragments
+  const int a_lane = ((lane & 7) + 8 * (lane >> 4)) * LA + wr0 + 8 * ((lane >> 3) & 1);
+  const int b_lane = SK * LA + ((lane & 7) + 8 * ((lane >> 3) & 1)) * LB + wj0 + 8 * (lane >> 4);
+  float acc[kMT][kNT][4];
+  zero_tiles(acc);
+
+  const int n_stages = (p.S + SK - 1) / SK;
+  load_stage(0);
+  for (int st = 0; st < n_stages; ++st) {
+    uint16_t* const stage = smem + (st & 1) * kStage;
+    [[maybe_unused]] const bool low_here = store_stage(stage);
+    // the stage stored, and every warp done with the one before in this buffer (two stages ago)
+    bool low = false;
+    if constexpr (kPieces == 3) low = __syncthreads_or(low_here) != 0;
+    else __syncthreads();
+    if (st + 1 < n_stages) load_stage((st + 1) * SK);
+#pragma unroll
+    for (int ks = 0; ks < SK / 16; ++ks) {
+      uint32_t bf[kPieces][kNT / 2][4];
+#pragma unroll
+      for (int pc = 0; pc < kPieces; ++pc)
+        if (pc == 0 || low)
+#pragma unroll
+          for (int q = 0; q < kNT / 2; ++q)
+            ldmatrix_x4_trans(bf[pc][q], stage + pc * kPlane + b_lane + ks * 16 * LB + q * 16);
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+        uint32_t af[kPieces][4];
+#pragma unroll
+        for (int pc = 0; pc < kPieces; ++pc)
+          if (pc == 0 || low) ldmatrix_x4_trans(af[pc], stage + pc * kPlane + a_lane + ks * 16 * LA + mt * 16);
+        float c[kNT][4];
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) c[nt][e] = 0.f;
+        const auto term = [&](int pa, int pb) {
+#pragma unroll
+          for (int nt = 0; nt < kNT; ++nt)
+            mma_16bit<T>(c[nt], af[pa], bf[pb][nt >> 1][(nt & 1) * 2], bf[pb][nt >> 1][(nt & 1) * 2 + 1]);
+        };
+        if constexpr (kPieces == 3) {
+          if (low) {
+            term(0, 2);
+            term(1, 1);
+            term(2, 0);
+            term(0, 1);
+            term(1, 0);
+          }
+        }
+        term(0, 0);
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[mt][nt][e] += c[nt][e];
+      }
+    }
+  }
+
+  // lane (g, t) holds rows g and g + 8 of each m16 tile, columns 2t and 2t + 1 of each n8 tile
+  const bool pairs = p.N % 2 == 0;  // (b, r, j) and (b, r, j + 1) in one aligned float2
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = r0 + wr0 + 16 * mt + 8 * h + g;
+      if (r >= p.rows) continue;
+      float* const dst = p.out + (int64_t(b) * p.rows + r) * p.N;
+#pragma unroll
+      for (int nt = 0; nt < kNT; ++nt) {
+        const int j = j0 + wj0 + 8 * nt + 2 * t;
+        const float v0 = acc[mt][nt][2 * h], v1 = acc[mt][nt][2 * h + 1];
+        if (pairs) {
+          if (j < p.N) *reinterpret_cast<float2*>(dst + j) = make_float2(v0, v1);
+        } else {
+          if (j < p.N) dst[j] = v0;
+          if (j + 1 < p.N) dst[j + 1] = v1;
+        }
+      }
+    }
+#else
+  target_lacks_instructions();
+#endif
 }
 
 }  // namespace flashopm

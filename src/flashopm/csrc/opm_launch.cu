@@ -451,9 +451,34 @@ void launch_project_stream(const PrepArgs& args, cudaStream_t stream) {
 }
 }  // namespace
 
+namespace {
+template <typename XT, int kQ>
+void launch_project_regs_q(const PrepArgs& args, cudaStream_t stream) {
+  constexpr auto kernel = opm_project_regs_kernel<XT, kQ>;
+  launch_kernel<kernel, SmemSetup::kOptInMaxCarveout>(unsigned(args.regs_blocks), kPrThreads,
+                                                      project_regs_smem_bytes(args.C, args.H), stream, args);
+}
+template <typename XT>
+void launch_project_regs(const PrepArgs& args, cudaStream_t stream) {
+  if constexpr (sizeof(XT) == 2) {
+    switch (project_regs_groups(args.C)) {
+      case 1: return launch_project_regs_q<XT, 1>(args, stream);
+      case 2: return launch_project_regs_q<XT, 2>(args, stream);
+      case 4: return launch_project_regs_q<XT, 4>(args, stream);
+      default:
+        if (args.C <= 32 * kPrMaxGroups) return launch_project_regs_q<XT, kPrMaxGroups>(args, stream);
+    }
+  }
+  TORCH_CHECK(false, "flashopm: internal error: the register-resident projection takes 16-bit x and msa_dim up to ",
+              32 * kPrMaxGroups, ", got x kind ", args.x_kind, " and msa_dim ", args.C);
+}
+}  // namespace
+
 void launch_project_rows(const PrepArgs& args, cudaStream_t stream) {
   if (args.stream_blocks > 0)
     return with_x_type(args.x_kind, [&](auto t) { launch_project_stream<typename decltype(t)::type>(args, stream); });
+  if (args.regs_blocks > 0)
+    return with_x_type(args.x_kind, [&](auto t) { launch_project_regs<typename decltype(t)::type>(args, stream); });
   with_x_type(args.x_kind, [&](auto t) { launch_project_rows_x<typename decltype(t)::type>(args, stream); });
 }
 
@@ -809,7 +834,25 @@ void launch_ln_backward_reduce(const LnBackwardReduceArgs& args, cudaStream_t st
                                                kLnBwdReduceThreads, 0, stream, args);
 }
 
+namespace {
+template <int kKind>
+void launch_pair_count_mma(const PairCountArgs& args, cudaStream_t stream) {
+  const dim3 grid(unsigned((args.N + pair_mma_cols(kKind) - 1) / pair_mma_cols(kKind)),
+                  unsigned((args.rows + kPairMmaTR - 1) / kPairMmaTR), unsigned(args.B));
+  launch_kernel<opm_pair_count_mma_kernel<kKind>, SmemSetup::kOptIn>(grid, kPairMmaThreads,
+                                                                     pair_mma_smem_bytes(kKind), stream, args);
+}
+}  // namespace
+
 void launch_pair_count(const PairCountArgs& args, cudaStream_t stream) {
+  if (args.mma) {
+    switch (args.mask.kind) {
+      case kMaskBool: return launch_pair_count_mma<kMaskBool>(args, stream);
+      case kMaskHalf: return launch_pair_count_mma<kMaskHalf>(args, stream);
+      case kMaskBFloat16: return launch_pair_count_mma<kMaskBFloat16>(args, stream);
+      default: return launch_pair_count_mma<kMaskFloat>(args, stream);
+    }
+  }
   const dim3 grid(unsigned((args.N + kPairTJ - 1) / kPairTJ), unsigned((args.rows + kPairTR - 1) / kPairTR),
                   unsigned(args.B));
   launch_kernel<opm_pair_count_kernel>(grid, kPairThreads, 0, stream, args);

@@ -306,6 +306,22 @@ __device__ __forceinline__ uint64_t wgmma_desc(const void* smem, uint32_t lbo, u
          (uint64_t((sbo >> 4) & 0x3fff) << 32) | (uint64_t(1) << 62);
 }
 
+// A warpgroup's registers a thread, set to kRegs (a multiple of 8 in 24..256) by all its warps
+// together: the producer warpgroup gives up what its one issuing lane does not need, the consumer
+// warpgroups take it (ptxas allocates the code after each call within the new count).
+template <int kRegs>
+__device__ __forceinline__ void warpgroup_regs_dec() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+#endif
+}
+template <int kRegs>
+__device__ __forceinline__ void warpgroup_regs_inc() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+#endif
+}
+
 __device__ __forceinline__ void wgmma_fence() {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");

@@ -185,6 +185,11 @@ struct PrepArgs {
   // stages of its ring of x tiles
   int stream_blocks;
   int stream_stages;
+  // wa, wb (float32) hold values exact in x's 16-bit type: the caller's parameters are in that
+  // type, so opm_project_regs_kernel may round them back to it (project_regs_applies)
+  int w_in_x_type;
+  // opm_project_regs_kernel (host side): its grid (0: another form)
+  int regs_blocks;
 };
 
 // Whether x is float16 or bfloat16 (PrepArgs::x_kind).
@@ -311,6 +316,60 @@ FLASHOPM_HD inline int project_stream_stages(int C, int H, bool x16, int64_t sme
   for (int st = kPsMaxStages; st >= 2; --st)
     if (project_stream_smem_bytes(C, st) + 1024 <= smem_limit) return st;
   return 0;
+}
+
+// opm_project_regs_kernel: LayerNorm and both projections for 16-bit x as eager PyTorch runs them in
+// that type (LayerNorm's output rounded to it, 16-bit products summed in float32), each warp
+// holding 16 rows r = (b, s, n) in registers, loaded straight from global memory as the A
+// fragments of m16n8k16 MMAs, and taking tiles of 16 rows in turn (persistent blocks).  Shared
+// memory: W's rows in x's type, a's H and zero rows up to project_regs_side_rows(H) (whole passes),
+// then b's likewise, project_regs_row_bytes(C) apart (features in groups of 32, zeros past C); then
+// LayerNorm's weight and bias (float32, 32 per group, zeros past C), the biases (float32, a's
+// and b's, each zero-padded to project_regs_side_rows(H)), and each warp's 16 rows of outputs
+// (a's then b's, in x's type), project_regs_out_ld(H) words apart, staged for whole-row stores.
+constexpr int kPrWarps = 8;
+constexpr int kPrThreads = kPrWarps * 32;
+constexpr int kPrRows = 16;       // rows of a warp's tile
+constexpr int kPrMaxGroups = 8;   // groups of 32 features a row holds in registers: msa_dim <= 256
+constexpr int kPrPassTiles = 2;   // n tiles of 8 outputs a pass over a tile's rows (accumulators live only through one)
+constexpr int kPrMaxBlocksPerSm = 2;
+// The groups of 32 features a row holds (the kernel's kQ): 1, 2, 4 or kPrMaxGroups, the fewest that
+// take msa_dim.  Groups past msa_dim hold zeros, and so do W's and LayerNorm's parameters there: the
+// MMAs' loop over groups needs no tests.
+FLASHOPM_HD inline int project_regs_groups(int C) {
+  const int g = (C + 31) / 32;
+  return g <= 1 ? 1 : g <= 2 ? 2 : g <= 4 ? 4 : kPrMaxGroups;
+}
+// A row of W: 64 bytes a group, and 64 more where that is a multiple of 128, so that rows g and
+// g + 1 of a quarter warp's 16-byte reads fall in opposite halves of the banks.
+FLASHOPM_HD inline int project_regs_row_bytes(int C) {
+  const int g = project_regs_groups(C);
+  return 64 * g + (g % 2 == 0 ? 64 : 0);
+}
+FLASHOPM_HD inline int project_regs_side_rows(int H) {
+  constexpr int kPassRows = 8 * kPrPassTiles;
+  return (H + kPassRows - 1) / kPassRows * kPassRows;
+}
+// A staged row of outputs: 2·side_rows 16-bit values, and 4 words more, so that the stride is 4
+// (mod 8) words and the quads' 4-byte stores of eight rows fall in distinct banks.
+FLASHOPM_HD inline int project_regs_out_ld(int H) { return project_regs_side_rows(H) + 4; }
+FLASHOPM_HD inline int64_t project_regs_smem_bytes(int C, int H) {
+  const int64_t side = project_regs_side_rows(H);
+  return 2 * side * project_regs_row_bytes(C) + 2 * 4 * 32 * int64_t(project_regs_groups(C)) + 4 * 2 * side +
+         4 * int64_t(kPrWarps) * kPrRows * project_regs_out_ld(H);
+}
+// Whether opm_project_regs_kernel may run (shared memory aside): x 16-bit in 16-byte aligned rows
+// of msa_dim a multiple of 8 up to 32·kPrMaxGroups, W exact in x's type, a and b in x's type
+// without chunks of s, their rows 8-byte aligned, H a multiple of 4, rows below 2^31.  (For the
+// 16-bit contraction's workspace the alignment holds in every launch of a call: its rows are H
+// elements from 256-byte aligned allocations.)
+FLASHOPM_HD inline bool project_regs_applies(const PrepArgs& p) {
+  const uintptr_t ab = reinterpret_cast<uintptr_t>(p.a_out) | reinterpret_cast<uintptr_t>(p.b_out);
+  return x_is_16bit(p) && p.ab_kind == p.x_kind && p.w_in_x_type && p.s_chunk == 0 && p.C % 8 == 0 &&
+         p.C >= 8 && p.C <= 32 * kPrMaxGroups && p.H % 4 == 0 && p.H >= 4 && p.H <= kMaxHidden &&
+         reinterpret_cast<uintptr_t>(p.x) % 16 == 0 && p.x_sb % 8 == 0 && p.x_ss % 8 == 0 && p.x_sn % 8 == 0 &&
+         ab % 8 == 0 && ((p.a_sb | p.a_ss | p.a_sn | p.b_sb | p.b_ss | p.b_sn) & 3) == 0 &&
+         project_rows_count(p) < (int64_t(1) << 31) - kPrRows;
 }
 
 constexpr int kOuterThreads = 256;
@@ -653,9 +712,16 @@ FLASHOPM_HD constexpr int tc16_mma_sync_form(int bk, int nt) {
 constexpr int kT16Wg2ChunkBytes = kTcDG * 128;
 constexpr int kT16Wg2Stages = 4;
 // The tensor-copy forms' mbarriers: phase 1's full and empty per stage, W's per chunk stage, and
-// one for the rounds of phase 2 stored; their blocks: the eight warps of the others and a producer.
+// one for the rounds of phase 2 stored; their blocks: the two consumer warpgroups of the others
+// and a producer warpgroup (one lane of it issues; a whole warpgroup so that setmaxnreg can hand
+// its registers to the consumers, whose 128 accumulators a thread would otherwise spill at the
+// 168 registers a third of the file gives each of 384 threads).
 constexpr int kT16ClusterBarriers = 2 * kT16WgStages + 2 * kT16Wg2Stages + 1;
-constexpr int kT16TmaThreads = kTcThreads + 32;
+constexpr int kT16TmaThreads = kTcThreads + 128;
+// Registers a thread after setmaxnreg: 128 x 40 + 256 x 232 = 384 x 168, the launch's whole share.
+constexpr int kT16ProducerRegs = 40, kT16ConsumerRegs = 232;
+static_assert(kT16ProducerRegs * 128 + kT16ConsumerRegs * kTcThreads <= 168 * kT16TmaThreads,
+              "the warpgroups' registers after setmaxnreg fit the launch's");
 
 // Shared memory of the 16-bit kernel, in bytes: O ([Ti·Tj·kT16JSub][H² + 8] 16-bit) with the
 // phase-1 stages placed after the first column tile's O (the later tiles' O is written only once
@@ -734,11 +800,25 @@ struct PairCountArgs {
   MaskView mask;  // (B, S, N)
   float* out;
   int B, S, N, rows, row0;
+  bool mma;  // the tensor-core form (opm_pair_count_mma_kernel), else float32 FMAs
 };
 constexpr int kPairThreads = 256;
 constexpr int kPairTR = 64;  // rows r per block (4 per thread)
 constexpr int kPairTJ = 64;  // columns j per block (4 per thread)
 constexpr int kPairSK = 32;  // steps of s per stage
+// The tensor-core form: kPairMmaTR rows x pair_mma_cols columns per block, kPairMmaSK s per stage,
+// two stages; float32 masks as three bfloat16 pieces each (pair_mma_pieces), in blocks half as wide
+// (their six products a k-step take the registers of the other half).
+constexpr int kPairMmaThreads = 256;
+constexpr int kPairMmaTR = 128;
+constexpr int kPairMmaSK = 32;
+FLASHOPM_HD constexpr int pair_mma_pieces(int mask_kind) { return mask_kind == kMaskFloat ? 3 : 1; }
+FLASHOPM_HD constexpr int pair_mma_cols(int mask_kind) { return mask_kind == kMaskFloat ? 64 : 128; }
+// Shared memory of a block: per stage and piece, the s x rows and s x columns tiles of 16-bit
+// elements, each row 8 elements longer than the tile (ldmatrix's rows then fall in distinct banks).
+FLASHOPM_HD constexpr int pair_mma_smem_bytes(int mask_kind) {
+  return 2 * pair_mma_pieces(mask_kind) * kPairMmaSK * (kPairMmaTR + 8 + pair_mma_cols(mask_kind) + 8) * 2;
+}
 
 // Row denominators of the specification's convention, for rows row0 .. row0 + rows:
 //   out[b, r] = max(sum_s m[b, s, row0 + r], 1)          out (B, rows)
@@ -760,7 +840,8 @@ void launch_prep(const PrepArgs& args, bool project_w, int rows_per_warp, int wa
 // Whether opm_prep_kernel's whole-weights form may run: float32 x, one row per warp, 2·H <= 64,
 // C % 4 == 0, C <= kPrepWholeMaxC, W_a and W_b 16-byte aligned, not project-first.
 bool prep_whole_weights_apply(const PrepArgs& args, bool project_w, int rows_per_warp);
-// opm_project_rows_kernel over all B * S * N rows (project_w = false layouts)
+// opm_project_rows_kernel over all B * S * N rows (project_w = false layouts); the streamed form
+// where args.stream_blocks > 0, the register-resident one where args.regs_blocks > 0
 void launch_project_rows(const PrepArgs& args, cudaStream_t stream);
 // How many clusters of `cluster` blocks (1, 2 or 4) of the 16-bit kernel's tensor-copy form can be
 // resident at once on device `dev` for operands of operand_kind with `smem` bytes of shared memory
@@ -828,6 +909,7 @@ bool outer_tc16_wgmma_built();  // the extension holds sm_90a code
 // programmatic launches, warpgroup MMAs); -1 where the build holds no code the device runs.
 int loaded_code_arch();
 void launch_project_gemm(const ProjectArgs& args, bool big_tiles, cudaStream_t stream);
+// args.mma: compute capability 8.0 or newer, pair_mma_smem_bytes(args.mask.kind) of shared memory
 void launch_pair_count(const PairCountArgs& args, cudaStream_t stream);
 int project_gemm_smem_bytes(bool big_tiles);
 

@@ -34,7 +34,7 @@ __device__ __forceinline__ void tc16_group_tile(int lin, int n_col_blocks, int n
   grouped_tile_of(rem % n_col_blocks, rem / n_col_blocks, n_col_blocks, n_row_groups, col_tile, row_group);
 }
 
-// The tensor-copy forms' producer, lane 0 of the ninth warp (see outer_tc16_body): for each group
+// The tensor-copy forms' producer, lane 0 of the third warpgroup (see outer_tc16_body): for each group
 // of tiles the cluster takes, phase 1's stages of every column tile, then W's chunks of every group
 // of d and round, each into its buffer once every block of the cluster has released that buffer's
 // last use.  A stage buffer's first stage of a later tile also waits for the tile before to be
@@ -122,8 +122,10 @@ __device__ __forceinline__ void tc16_produce(const OuterArgs& p, const Tc16Maps&
 // kBK, kNT: s per stage and phase 1's columns (j, h2) in the mma.sync form (kT16BK and kTcNT;
 // kT16BKSmall and kT16NTNarrow on GPUs with less shared memory; kNT >= Tj·H).
 // kCluster > 0 (with kWgmmaBoth; full tiles: Ti·H = kTcMT, Tj·H = kTcNT): the tensor-copy forms.
-// A ninth warp produces: its lane 0 issues every stage and every W chunk by tensor copies (maps)
-// as soon as the buffer is free, and the eight consumer warps only wait for bytes and multiply.
+// A third warpgroup produces: lane 0 of its first warp issues every stage and every W chunk by
+// tensor copies (maps) as soon as the buffer is free, and the eight consumer warps only wait for
+// bytes and multiply.  By setmaxnreg the producer warpgroup keeps kT16ProducerRegs registers a
+// thread and the consumers take kT16ConsumerRegs, room for phase 1's 128 accumulators.
 // The block is one of a cluster of kCluster (1, 2 or 4) along rows, the same column tiles: each
 // block copies its own a, and its share (1 / kCluster) of every b stage and every W chunk to all
 // the cluster's blocks (multicast), so that b and W cross L2 once per cluster.  A stage's "full"
@@ -195,12 +197,15 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
       mbarrier_init(bars + 2 * kT16WgStages + 2 * kT16Wg2Stages, kShare);  // each block's round stored
     }
     cluster_barrier();  // every block's mbarriers set up before any copies to another
-    if (warp == kTcThreads / 32) {
-      if (lane == 0) tc16_produce<kCluster>(p, *maps, smem, L, bars, rank, n_col_blocks, n_row_groups, n_groups, P);
+    if (warp >= kTcThreads / 32) {
+      warpgroup_regs_dec<kT16ProducerRegs>();
+      if (warp == kTcThreads / 32 && lane == 0)
+        tc16_produce<kCluster>(p, *maps, smem, L, bars, rank, n_col_blocks, n_row_groups, n_groups, P);
       __syncwarp();
       cluster_barrier();  // (the consumers' last)
       return;
     }
+    warpgroup_regs_inc<kT16ConsumerRegs>();
 #endif
   }
   // kTma (consumers): a stage or W chunk retired by this warpgroup, released to every block that
@@ -261,6 +266,17 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
     const T* a_src = nullptr;
     const T* b_src = nullptr;
     int s_row = 0, issue_js = 0, issue_buf = 0, read_buf = 0;
+    // kTma: the parity each stage buffer's next use waits for, a bit per buffer: this tile's first
+    // uses follow from each buffer's uses in the tiles before, and a bit flips as its use is read.
+    // Kept as bits rather than formed from the stage's index at each wait: with that arithmetic
+    // between a warpgroup MMA's issue and its wait, ptxas serialised every one of the kernel's
+    // MMAs (C7515: a wait after each, no group left in flight).
+    [[maybe_unused]] uint32_t read_parity = 0;
+    if constexpr (kTma) {
+#pragma unroll
+      for (int sb = 0; sb < kT16WgStages; ++sb)
+        read_parity |= uint32_t((tile_it * tc16_stage_uses(kT16JSub * n_k, sb)) & 1) << sb;
+    }
     auto start_tile = [&](int js) {
       const int jt0 = j0 + js * Tj;
       const int b_lim = min(Tj * H, (N - jt0) * H);  // <= 0 for a column tile past N
@@ -318,10 +334,9 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
       for (int kt = 0; kt < n_k; ++kt) {
         if constexpr (kTma) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-          const int q = js * n_k + kt;
-          // stage q's bytes, from every block (this tile's use q / kT16WgStages of its buffer)
-          const int uses = tc16_stage_uses(kT16JSub * n_k, read_buf);
-          mbarrier_wait_parity_suspend(bars + read_buf, (tile_it * uses + q / kT16WgStages) & 1);
+          // the stage's bytes, from every block
+          mbarrier_wait_parity_suspend(bars + read_buf, (read_parity >> read_buf) & 1u);
+          read_parity ^= 1u << read_buf;
 #endif
         } else {
           cp_async_wait<kT16WgAhead - 1>();
@@ -333,6 +348,7 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
           cp_async_commit();
         }
         const uint64_t stage_off = uint64_t(read_buf * (kT16WgStageBytes >> 4));
+        [[maybe_unused]] const int prev_buf = read_buf == 0 ? kT16WgStages - 1 : read_buf - 1;
         read_buf = read_buf + 1 == kT16WgStages ? 0 : read_buf + 1;
         wgmma_fence();
 #pragma unroll
@@ -343,7 +359,7 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
         // kTma: the previous stage's products retired by this warpgroup (this tile's; the last
         // tile's last stage is released below)
         if constexpr (kTma)
-          if (kt > 0) release(bars + kT16WgStages + (js * n_k + kt - 1) % kT16WgStages);
+          if (kt > 0) release(bars + kT16WgStages + prev_buf);
       }
       wgmma_wait<0>();
       if constexpr (kTma) release(bars + kT16WgStages + (js * n_k + n_k - 1) % kT16WgStages);
@@ -750,8 +766,8 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
   outer_tc16_body<T, kWgmma, kWgmmaBoth, kBK, kNT, 0>(p, nullptr);
 }
 
-// The tensor-copy forms (kT16WgmmaTma, kT16WgmmaPair, kT16WgmmaQuad): eight consumer warps and a
-// producer warp, launched as a row of clusters of kCluster blocks.
+// The tensor-copy forms (kT16WgmmaTma, kT16WgmmaPair, kT16WgmmaQuad): two consumer warpgroups and a
+// producer warpgroup, launched as a row of clusters of kCluster blocks.
 template <typename T, int kCluster>
 __global__ void __launch_bounds__(kT16TmaThreads, 1) opm_outer_tc16_cluster_kernel(const OuterArgs p,
                                                                                    const __grid_constant__ Tc16Maps maps) {
