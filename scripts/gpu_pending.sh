@@ -83,6 +83,18 @@ bench_bf16() {
   T bench_bf16 90 $py -m flashopm bench --shapes "1,512,1536,256,32,128" --dtype bfloat16 \
     --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/bench_bf16"
 }
+# The tensor-copy forms given (FLASHOPM_TC16_CLUSTER sizes), each paired against the default form at
+# (1,512,1536,256,32,128) in bfloat16; CL: the fastest (0 where none is faster; CLUSTER overrides).
+pair_clusters() {
+  local best=0 best_r=1.0 cl r
+  for cl in "$@"; do
+    T "ab_cluster$cl" 60 $py scripts/ab_env.py FLASHOPM_TC16_CLUSTER=$cl 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6
+    r=$(grep -o "paired (without / with) [0-9.]*" "$R/ab_cluster$cl.log" | awk '{print $NF}' | head -1)
+    [ -n "$r" ] && awk "BEGIN { exit !($r > $best_r) }" && best=$cl best_r=$r
+  done
+  CL=${CLUSTER:-$best}
+  echo "form for the rows: FLASHOPM_TC16_CLUSTER=$CL (paired $best_r)" >>"$R/steps.txt"
+}
 # A script of two bfloat16 calls at (1,512,1536,256,32,128), for Nsight Compute's second launch.
 tc16_one() {
   cat > "$R/tc16_one.py" <<'PY'
@@ -374,7 +386,7 @@ fi
 
 if [ "$PHASE" = stack ] || [ "$PHASE" = stack_rows ]; then
   # the tensor-copy forms without serialised MMAs, the pair counts on tensor cores and the
-  # register-resident projection together: each one's tests (a failure stops the call), each kernel
+  # register-resident projection together: each one's tests (a failure of the first stops the call), each kernel
   # against its old form in one process, the contraction's forms paired at N = 1536 in bfloat16,
   # each convention's time by kernel, issue 6's bfloat16 rows beside eager and torch.compile (with
   # the fastest contraction form) (~8 min with the build)
@@ -383,14 +395,7 @@ if [ "$PHASE" = stack ] || [ "$PHASE" = stack_rows ]; then
     T t_proj16 150 $py -m pytest -x -q -p no:cacheprovider tests/test_projection16.py
   fi
   T t_pairs 150 $py -m pytest -q -p no:cacheprovider tests/test_conventions.py -k "pair_count"
-  best=0 best_r=1.0
-  for cl in 2 1 4; do
-    T "ab_cluster$cl" 60 $py scripts/ab_env.py FLASHOPM_TC16_CLUSTER=$cl 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6
-    r=$(grep -o "paired (without / with) [0-9.]*" "$R/ab_cluster$cl.log" | awk '{print $NF}' | head -1)
-    [ -n "$r" ] && awk "BEGIN { exit !($r > $best_r) }" && best=$cl best_r=$r
-  done
-  CL=${CLUSTER:-$best}
-  echo "form for the rows: FLASHOPM_TC16_CLUSTER=$CL (paired $best_r)" >>"$R/steps.txt"
+  pair_clusters 2 1 4
   T mod_openfold_bf16 120 env FLASHOPM_TC16_CLUSTER=$CL $py -m flashopm bench --module openfold --shapes "1,512,1536,256,32,128" \
     --dtype bfloat16 --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/mod_openfold_bf16"
   T conv_stack 90 env FLASHOPM_TC16_CLUSTER=$CL $py scripts/convention_times.py 1536 row openfold boltz bfloat16 kernels
@@ -435,22 +440,12 @@ if [ "$PHASE" = producer ]; then
   # by kernel, issue 6's OpenFold and spec bfloat16 rows beside eager and torch.compile, and both
   # forms under Nsight Compute (~10 min with the build: the call's limit cuts what comes last)
   T t_tma 240 $py -m pytest -x -v -p no:cacheprovider tests/test_cuda.py -k "cluster_form or tc16_conventions" || exit 1
-  best=0 best_r=1.0
-  for cl in 1 2 4; do
-    T "ab_cluster$cl" 60 $py scripts/ab_env.py FLASHOPM_TC16_CLUSTER=$cl 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6
-    r=$(grep -o "paired (without / with) [0-9.]*" "$R/ab_cluster$cl.log" | awk '{print $NF}' | head -1)
-    [ -n "$r" ] && awk "BEGIN { exit !($r > $best_r) }" && best=$cl best_r=$r
-  done
-  CL=${CLUSTER:-$best}
-  echo "form for the rows: FLASHOPM_TC16_CLUSTER=$CL (paired $best_r)" >>"$R/steps.txt"
+  pair_clusters 1 2 4
   [ "$CL" != 0 ] && T "ab_cluster${CL}_p0" 60 $py scripts/ab_env.py FLASHOPM_TC16_CLUSTER=$CL,FLASHOPM_TC16_PERSISTENT=0 \
     1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6
   T conv_tma 90 env FLASHOPM_TC16_CLUSTER=$CL $py scripts/convention_times.py 1536 row openfold boltz bfloat16 kernels
   T mod_openfold_bf16 90 env FLASHOPM_TC16_CLUSTER=$CL $py -m flashopm bench --module openfold --shapes "1,512,1536,256,32,128" \
     --dtype bfloat16 --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/mod_openfold_bf16"
-  T conv_stack 90 env FLASHOPM_TC16_CLUSTER=$CL $py scripts/convention_times.py 1536 row openfold boltz bfloat16 kernels
-  T proj16_times 90 $py scripts/projection16_times.py 1,512,1536,256,32,128 --dtype bfloat16
-  T pair_times 60 $py scripts/pair_count_times.py 1,512,1536
   T bench_bf16 90 env FLASHOPM_TC16_CLUSTER=$CL $py -m flashopm bench --shapes "1,512,1536,256,32,128" --dtype bfloat16 \
     --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/bench_bf16"
   ncu_tc16 0 "$CL"
@@ -462,15 +457,9 @@ if [ "$PHASE" = regs ]; then
   # form (a hang shows as the step's timeout), clusters of two and one paired against it at N =
   # 1536 in bfloat16, then clusters of two under Nsight Compute with source counters (~7 min)
   T t_tma 240 $py -m pytest -x -q -p no:cacheprovider tests/test_cuda.py -k "cluster_form or tc16_conventions" || exit 1
-  best=0 best_r=1.0
-  for cl in 2 1 4; do
-    T "ab_cluster$cl" 60 $py scripts/ab_env.py FLASHOPM_TC16_CLUSTER=$cl 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6
-    r=$(grep -o "paired (without / with) [0-9.]*" "$R/ab_cluster$cl.log" | awk '{print $NF}' | head -1)
-    [ -n "$r" ] && awk "BEGIN { exit !($r > $best_r) }" && best=$cl best_r=$r
-  done
-  echo "form for the rows: FLASHOPM_TC16_CLUSTER=$best (paired $best_r)" >>"$R/steps.txt"
-  T conv_regs 90 env FLASHOPM_TC16_CLUSTER=$best $py scripts/convention_times.py 1536 row openfold bfloat16 kernels
-  T mod_openfold_bf16 90 env FLASHOPM_TC16_CLUSTER=$best $py -m flashopm bench --module openfold --shapes "1,512,1536,256,32,128" \
+  pair_clusters 2 1 4
+  T conv_regs 90 env FLASHOPM_TC16_CLUSTER=$CL $py scripts/convention_times.py 1536 row openfold bfloat16 kernels
+  T mod_openfold_bf16 90 env FLASHOPM_TC16_CLUSTER=$CL $py -m flashopm bench --module openfold --shapes "1,512,1536,256,32,128" \
     --dtype bfloat16 --impls eager,flashopm,compile --calls 5 --out "$R/mod_openfold_bf16"
   tc16_one
   T ncu_cluster2_src 150 env FLASHOPM_TC16_CLUSTER=2 \
