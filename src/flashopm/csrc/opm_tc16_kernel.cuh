@@ -215,7 +215,7 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
     if ((warp & 3) == 0 && lane < kShare) mbarrier_arrive_in(bar, unsigned(lane), rank);
 #endif
   };
-  // a barrier of the eight consumer warps (the producer warp does not take part in kTma)
+  // a barrier of the eight consumer warps (the producer warpgroup does not take part in kTma)
   auto consumers_sync = [&]() {
     if constexpr (kTma) named_barrier(1, kTcThreads);
     else __syncthreads();
