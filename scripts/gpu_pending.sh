@@ -42,12 +42,14 @@
 #                                                       # forms', the bfloat16 rows
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR stack  # the three above in one call: tests, each
 #                                                       # kernel against its old form, the rows
+#          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR trace16  # where the 16-bit contraction's tile
+#                                                       # time goes, per form (clock traces)
 # (DEST: a folder that r.tgz is also copied to after every step)
 # Each phase fits one call of under ten minutes, the build (~2 min) included.
 # steps.txt lists each step's exit status; a failing test step stops the call.
 OUT=$1
 PHASE=${2:-default}
-case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows | bf16 | clusters | bf16_clusters | ncu_clusters | land | producer | regs | pairs | proj16 | stack | stack_rows) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all, own_rows, bf16, clusters, bf16_clusters, ncu_clusters, land, producer, regs, pairs, proj16, stack or stack_rows, got '$PHASE'" >&2; exit 2 ;; esac
+case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows | bf16 | clusters | bf16_clusters | ncu_clusters | land | producer | regs | pairs | proj16 | stack | stack_rows | trace16) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all, own_rows, bf16, clusters, bf16_clusters, ncu_clusters, land, producer, regs, pairs, proj16, stack, stack_rows or trace16, got '$PHASE'" >&2; exit 2 ;; esac
 R=$OUT/r
 mkdir -p "$R"
 pack() { tar -C "$OUT" -czf "$OUT/r.tgz" r; [ -n "$DEST" ] && cp "$OUT/r.tgz" "$DEST/"; }
@@ -381,6 +383,13 @@ if [ "$PHASE" = bf16_clusters ]; then
   T conv_clusters 90 env FLASHOPM_TC16_CLUSTER=$CL $py scripts/convention_times.py 1536 row openfold boltz bfloat16 kernels
   T ab_stream 60 $py scripts/ab_env.py FLASHOPM_PROJECT_STREAM=1 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6
   [ "$CL" != 1 ] && [ ! -f "$R/ab_cluster2.log" ] && ab_c 2
+  exit 0
+fi
+
+if [ "$PHASE" = trace16 ]; then
+  # each phase of the 16-bit contraction's tiles in clock cycles, for the default form and the
+  # tensor-copy forms in clusters of 1 and 2, at (1,512,1536,256,32,128) in bfloat16 (~3 min with the build)
+  T trace16 120 $py scripts/tc16_trace.py --forms 0,1,2 --out "$R/trace16"
   exit 0
 fi
 

@@ -447,6 +447,21 @@ struct WaveArgs {
   // those hold more than the rows after the band or the workspace (FLASHOPM_WAVES_OWN=0: never)
   int own_rows;
 };
+// The 16-bit kernel's trace points (FLASHOPM_TC16_TRACE, in WaveArgs::trace: per block and
+// consumer warpgroup, record 0 the count, then Tc16Mark | payload << 8, %globaltimer, clock64), in
+// the order a tile passes them.  kT16MarkTile's payload is the tile's index in the block | SM << 24.
+enum Tc16Mark : int {
+  kT16MarkTile = 0,      // the tile begins
+  kT16MarkP1Done0 = 1,   // phase 1's products of column tile 0 retired
+  kT16MarkO0 = 2,        // ... its O stored
+  kT16MarkP1Done1 = 3,   // the same for column tile 1
+  kT16MarkO1 = 4,
+  kT16MarkRound = 5,     // phase 2's round begins (after the barrier on O)
+  kT16MarkW0 = 6,        // its first W chunk in
+  kT16MarkP2Done = 7,    // its products retired
+  kT16MarkSums = 8,      // the sums in shared memory (after the barrier)
+  kT16MarkStored = 9,    // the round's output rows stored
+};
 // The waves form's trace points (WaveArgs::trace), in the order a part passes them.
 enum WaveMark : int {
   kMarkWave = 1,       // a wave begins (before its tile's row denominators)

@@ -223,6 +223,25 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
   // kTma: W's chunks in one sequence over every tile, group of d and round (wq), buffer wq %
   // kT16Wg2Stages, issued by the producer warp
   [[maybe_unused]] int w_base = 0;
+  // FLASHOPM_TC16_TRACE (timing aid): the first thread of each consumer warpgroup records its
+  // Tc16Mark points; the count stays in a register, so a mark costs two clock reads and stores.
+  long long* trace_rec = nullptr;
+  int trace_n = 0;
+  if (p.wv.trace != nullptr && (tid & 127) == 0 && tid < kTcThreads) {
+    const int64_t lin_block = blockIdx.x + int64_t(gridDim.x) * (blockIdx.y + int64_t(gridDim.y) * blockIdx.z);
+    trace_rec = p.wv.trace + (lin_block * 2 + (tid >> 7)) * int64_t(p.wv.trace_cap) * 3;
+  }
+  auto mark = [&](int m, int payload) {
+    if (trace_rec != nullptr && trace_n + 1 < p.wv.trace_cap) {
+      unsigned long long gt;
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(gt));
+      long long* const e = trace_rec + 3 * (trace_n + 1);
+      e[0] = m | (int64_t(payload) << 8);
+      e[1] = static_cast<long long>(gt);
+      e[2] = clock64();
+      trace_rec[0] = ++trace_n;
+    }
+  };
 
   // One tile: column block col_tile, row tile row_tile of batch element b, the block's tile_it-th
   // (kTma: the stage ring starts at buffer 0 with each tile).
@@ -230,6 +249,11 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
   const int i0 = row_tile * Ti, j0 = col_tile * Tj * kT16JSub;  // i0 local to this row block
   // this tile's row denominators (kNormRow): row i0 + il at row_den[il]
   const float* row_den = p.row_den ? p.row_den + int64_t(b) * p.norm_rows + i0 : nullptr;
+  if (trace_rec != nullptr) {
+    unsigned smid;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+    mark(kT16MarkTile, tile_it | int(smid << 24));
+  }
 
   // ---------------- phase 1 ----------------
   const int a_lim = min(Ti * H, (p.Na - i0) * H);  // valid columns of the tile (multiples of 8)
@@ -362,6 +386,7 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
           if (kt > 0) release(bars + kT16WgStages + prev_buf);
       }
       wgmma_wait<0>();
+      mark(js == 0 ? kT16MarkP1Done0 : kT16MarkP1Done1, 0);
       if constexpr (kTma) release(bars + kT16WgStages + (js * n_k + n_k - 1) % kT16WgStages);
       if (js + 1 == kT16JSub) {
         // (kTma: every stage's bytes from every block have arrived: nothing more is copied here)
@@ -426,6 +451,7 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
             }
           }
         }
+        mark(js == 0 ? kT16MarkO0 : kT16MarkO1, 0);
         continue;
       }
       T* Ot = Os + js * P1 * L.ldo;
@@ -601,6 +627,7 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
             cp_async_commit();
           }
         }
+        mark(kT16MarkRound, r0);
         stage_round_rows(r0);
         float acc2[32];
 #pragma unroll
@@ -623,6 +650,7 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
             issue_w(kc + kT16Wg2Stages - 2);
             cp_async_commit();
           }
+          if (kc == 0) mark(kT16MarkW0, 0);
           const char* st = w_st + buf * kT16Wg2ChunkBytes + wg * 64 * 128;
           wgmma_fence();
 #pragma unroll
@@ -635,6 +663,7 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
             if (kc > 0) release(w_empty + (w_base + kc - 1) % kT16Wg2Stages);
         }
         wgmma_wait<0>();
+        mark(kT16MarkP2Done, 0);
         if constexpr (kTma) {
           release(w_empty + (w_base + n_kc - 1) % kT16Wg2Stages);
           w_base += n_kc;
@@ -657,7 +686,9 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
             red[(pr + 1) * kRedLd + d] = acc2[4 * j + 2 * half + 1];
           }
         consumers_sync();
+        mark(kT16MarkSums, 0);
         store_round<kT16RoundRows, true>(p, red, kRedLd, row_off, norm_arg, dg, tid, kTcThreads);
+        mark(kT16MarkStored, 0);
         if constexpr (kTma) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
           // the sums read: this block's round stored, to every block's producer (the next

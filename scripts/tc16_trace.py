@@ -1,0 +1,155 @@
+"""Where the 16-bit contraction's time goes: one traced call (FLASHOPM_TC16_TRACE) per form of the
+kernel, from each consumer warpgroup's Tc16Mark records.
+
+    python scripts/tc16_trace.py [--shape B,S,N,C,H,D] [--forms 0,1,2] [--dtype bfloat16] [--out DIR]
+
+Forms are FLASHOPM_TC16_CLUSTER values (0: the form whose warps copy their own stages; 1, 2, 4: the
+tensor-copy forms).  Per tile, in clock cycles of its SM (clock64) and in microseconds: phase 1 of
+each column tile, each O store, the wait on O before phase 2, the first W chunk's wait, phase 2, the
+sums, the stores, and the gap to the next tile on the same SM (the same block for the persistent
+forms, the next block on that SM otherwise).  Next to them, the cycles the tensor cores need for
+each phase at 4096 dense 16-bit FLOP a clock per SM.  Writes tiles.csv and summary.json.
+"""
+import argparse
+import csv
+import json
+import os
+import statistics
+
+import torch
+
+import flashopm
+from flashopm.testing import PARAM_ORDER, Shape, make_problem
+
+MARK_NAMES = ["tile", "p1_done0", "o0", "p1_done1", "o1", "round", "w0", "p2_done", "sums", "stored"]
+# intervals between consecutive marks of a tile, named by what happens in them
+STEPS = ["phase1_tile0", "o_store0", "phase1_tile1", "o_store1", "o_barrier", "w0_wait", "phase2", "sums",
+         "stores"]
+TENSOR_FLOP_PER_CLK = 4096  # dense 16-bit, per SM (four tensor cores)
+
+
+def tiles_of(trace):
+    """Per record row (block x consumer warpgroup): its tiles as lists of (mark, payload, ns, clk)."""
+    t = trace.cpu()
+    rows = []
+    for r in range(t.shape[0]):
+        n = int(t[r, 0, 0])
+        cur, tiles = None, []
+        for e0, ns, clk in t[r, 1:n + 1].tolist():
+            m, pay = e0 & 0xFF, e0 >> 8
+            if m == 0:
+                cur = {"row": r, "it": pay & 0xFFFFFF, "sm": pay >> 24}
+                tiles.append(cur)
+            if cur is not None and m < len(MARK_NAMES):
+                cur[MARK_NAMES[m]] = (ns, clk)
+        rows.append(tiles)
+    return rows
+
+
+def summarise(rows, shape):
+    B, S, N, C, H, D = shape
+    p1 = 2 * 128 * 256 * S / TENSOR_FLOP_PER_CLK
+    p2 = 2 * 64 * H * H * D / TENSOR_FLOP_PER_CLK
+    ideal = {"phase1_tile0": p1, "phase1_tile1": p1, "phase2": p2}
+    steps = {k: [] for k in STEPS + ["gap", "tile_total"]}
+    ghz = []
+    recs = []
+    by_sm = {}
+    for tiles in rows:
+        for t in tiles:
+            if not all(m in t for m in MARK_NAMES):
+                continue
+            row = {"row": t["row"], "sm": t["sm"], "it": t["it"]}
+            for k, step in enumerate(STEPS):
+                row[step] = t[MARK_NAMES[k + 1]][1] - t[MARK_NAMES[k]][1]
+                steps[step].append(row[step])
+            row["start_clk"] = t["tile"][1]
+            row["end_clk"] = t["stored"][1]
+            dns = t["stored"][0] - t["tile"][0]
+            if dns > 0:
+                ghz.append((t["stored"][1] - t["tile"][1]) / dns)
+            recs.append(row)
+            # the warpgroup's stream on this SM (warpgroup = row parity)
+            by_sm.setdefault((t["sm"], t["row"] % 2), []).append(row)
+    for key, rs in by_sm.items():
+        rs.sort(key=lambda r: r["start_clk"])
+        for a, b in zip(rs, rs[1:]):
+            if b["start_clk"] >= a["end_clk"]:
+                steps["gap"].append(b["start_clk"] - a["end_clk"])
+                steps["tile_total"].append(b["start_clk"] - a["start_clk"])
+    clock = statistics.median(ghz) if ghz else float("nan")
+    out = {"clock_ghz": clock, "tiles": len(recs), "steps": {}}
+    total = statistics.mean(steps["tile_total"]) if steps["tile_total"] else float("nan")
+    for k, v in steps.items():
+        if not v:
+            continue
+        mean = statistics.mean(v)
+        out["steps"][k] = {
+            "mean_clk": mean,
+            "median_clk": statistics.median(v),
+            "p90_clk": sorted(v)[int(0.9 * (len(v) - 1))],
+            "mean_us": mean / clock / 1e3,
+            "share": mean / total if k != "tile_total" else 1.0,
+            "tensor_clk": ideal.get(k),
+        }
+    out["tensor_share"] = (2 * p1 + p2) / total
+    return out, recs
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", default="1,512,1536,256,32,128")
+    ap.add_argument("--forms", default="0,1,2")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    shape = tuple(int(v) for v in args.shape.split(","))
+    dtype = getattr(torch, args.dtype)
+    x, m, p = make_problem(Shape(*shape), "masked_positions", seed=1)
+    x, m = x.cuda().to(dtype), m.cuda().to(dtype)
+    p = {k: None if v is None else v.cuda().to(dtype) for k, v in p.items()}
+    B, S, N, C, H, D = shape
+    groups = B * -(-N // 16) * -(-N // 4)
+    summary = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": shape,
+               "dtype": args.dtype, "forms": {}}
+    all_rows = []
+    for form in args.forms.split(","):
+        os.environ["FLASHOPM_TC16_CLUSTER"] = form
+        os.environ.pop("FLASHOPM_TC16_TRACE", None)
+        for _ in range(2):
+            flashopm.outer_product_mean(x, m, *(p[k] for k in PARAM_ORDER), algorithm="outer")
+        torch.cuda.synchronize()
+        # a persistent block takes about groups / SMs tiles of ten marks
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        cap = 16 if form == "0" else 12 * (groups // sms + 4) + 16
+        os.environ["FLASHOPM_TC16_TRACE"] = str(cap)
+        flashopm.outer_product_mean(x, m, *(p[k] for k in PARAM_ORDER), algorithm="outer")
+        torch.cuda.synchronize()
+        os.environ.pop("FLASHOPM_TC16_TRACE", None)
+        rows = tiles_of(torch.ops.flashopm._waves_trace(x))
+        s, recs = summarise(rows, shape)
+        summary["forms"][form] = s
+        for r in recs:
+            r["form"] = form
+        all_rows += recs
+        print(f"form FLASHOPM_TC16_CLUSTER={form}: {s['tiles']} tile records, clock {s['clock_ghz']:.3f} GHz, "
+              f"tensor cores' share of a tile's cycles {s['tensor_share']:.3f}")
+        print(f"  {'step':14s} {'mean clk':>9s} {'median':>8s} {'p90':>8s} {'mean us':>8s} {'share':>6s} {'tensor':>7s}")
+        for k, v in s["steps"].items():
+            tc = "" if v["tensor_clk"] is None else f"{v['tensor_clk']:.0f}"
+            print(f"  {k:14s} {v['mean_clk']:9.0f} {v['median_clk']:8.0f} {v['p90_clk']:8.0f} {v['mean_us']:8.3f} "
+                  f"{v['share']:6.3f} {tc:>7s}")
+    os.environ.pop("FLASHOPM_TC16_CLUSTER", None)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=1)
+        if all_rows:
+            with open(os.path.join(args.out, "tiles.csv"), "w", newline="") as f:
+                w = csv.DictWriter(f, fieldnames=list(all_rows[0].keys()))
+                w.writeheader()
+                w.writerows(all_rows)
+
+
+if __name__ == "__main__":
+    main()
