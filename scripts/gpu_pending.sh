@@ -44,12 +44,15 @@
 #                                                       # kernel against its old form, the rows
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR trace16  # where the 16-bit contraction's tile
 #                                                       # time goes, per form (clock traces)
+#          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR defer  # the tensor-copy forms storing a tile's
+#                                                       # last round beside the next tile's MMAs:
+#                                                       # tests, traces, paired, the bfloat16 rows
 # (DEST: a folder that r.tgz is also copied to after every step)
 # Each phase fits one call of under ten minutes, the build (~2 min) included.
 # steps.txt lists each step's exit status; a failing test step stops the call.
 OUT=$1
 PHASE=${2:-default}
-case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows | bf16 | clusters | bf16_clusters | ncu_clusters | land | producer | regs | pairs | proj16 | stack | stack_rows | trace16) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all, own_rows, bf16, clusters, bf16_clusters, ncu_clusters, land, producer, regs, pairs, proj16, stack, stack_rows or trace16, got '$PHASE'" >&2; exit 2 ;; esac
+case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows | bf16 | clusters | bf16_clusters | ncu_clusters | land | producer | regs | pairs | proj16 | stack | stack_rows | trace16 | defer) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all, own_rows, bf16, clusters, bf16_clusters, ncu_clusters, land, producer, regs, pairs, proj16, stack, stack_rows, trace16 or defer, got '$PHASE'" >&2; exit 2 ;; esac
 R=$OUT/r
 mkdir -p "$R"
 pack() { tar -C "$OUT" -czf "$OUT/r.tgz" r; [ -n "$DEST" ] && cp "$OUT/r.tgz" "$DEST/"; }
@@ -383,6 +386,26 @@ if [ "$PHASE" = bf16_clusters ]; then
   T conv_clusters 90 env FLASHOPM_TC16_CLUSTER=$CL $py scripts/convention_times.py 1536 row openfold boltz bfloat16 kernels
   T ab_stream 60 $py scripts/ab_env.py FLASHOPM_PROJECT_STREAM=1 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6
   [ "$CL" != 1 ] && [ ! -f "$R/ab_cluster2.log" ] && ab_c 2
+  exit 0
+fi
+
+if [ "$PHASE" = defer ]; then
+  # the tensor-copy forms with each tile's last round stored beside the next tile's first MMAs
+  # (FLASHOPM_TC16_DEFER): their tests (a failure stops the call); the tiles' phases traced for the
+  # default form and clusters of 1 and 2, with and without; paired against the default form and
+  # against DEFER=0; the OpenFold and spec bfloat16 rows on the fastest form (~6 min with the build)
+  T t_tma 120 $py -m pytest -x -q -p no:cacheprovider tests/test_cuda.py -k "cluster_form or tc16_conventions" || exit 1
+  T trace16 150 $py scripts/tc16_trace.py --forms "0,1,2,2+FLASHOPM_TC16_DEFER=0" --out "$R/trace16"
+  pair_clusters 2 1
+  for cl in 2 1; do
+    T "ab_defer$cl" 60 env FLASHOPM_TC16_CLUSTER=$cl $py scripts/ab_env.py FLASHOPM_TC16_DEFER=0 1,512,1536,256,32,128 \
+      --dtype bfloat16 --mode forward --calls 6
+  done
+  T mod_openfold_bf16 120 env FLASHOPM_TC16_CLUSTER=$CL $py -m flashopm bench --module openfold --shapes "1,512,1536,256,32,128" \
+    --dtype bfloat16 --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/mod_openfold_bf16"
+  T conv_defer 90 env FLASHOPM_TC16_CLUSTER=$CL $py scripts/convention_times.py 1536 row openfold boltz bfloat16 kernels
+  T bench_bf16 90 env FLASHOPM_TC16_CLUSTER=$CL $py -m flashopm bench --shapes "1,512,1536,256,32,128" --dtype bfloat16 \
+    --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/bench_bf16"
   exit 0
 fi
 

@@ -4,7 +4,7 @@ kernel, from each consumer warpgroup's Tc16Mark records.
     python scripts/tc16_trace.py [--shape B,S,N,C,H,D] [--forms 0,1,2] [--dtype bfloat16] [--out DIR]
 
 Forms are FLASHOPM_TC16_CLUSTER values (0: the form whose warps copy their own stages; 1, 2, 4: the
-tensor-copy forms).  Per tile, in clock cycles of its SM (clock64) and in microseconds: phase 1 of
+tensor-copy forms), each optionally with other variables for its call: 2+FLASHOPM_TC16_DEFER=0.  Per tile, in clock cycles of its SM (clock64) and in microseconds: phase 1 of
 each column tile, each O store, the wait on O before phase 2, the first W chunk's wait, phase 2, the
 sums, the stores, and the gap to the next tile on the same SM (the same block for the persistent
 forms, the next block on that SM otherwise).  Next to them, the cycles the tensor cores need for
@@ -113,7 +113,10 @@ def main():
     summary = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": shape,
                "dtype": args.dtype, "forms": {}}
     all_rows = []
-    for form in args.forms.split(","):
+    for item in args.forms.split(","):
+        form, *extra = item.split("+")
+        env = dict(e.split("=", 1) for e in extra)
+        os.environ.update(env)
         os.environ["FLASHOPM_TC16_CLUSTER"] = form
         os.environ.pop("FLASHOPM_TC16_TRACE", None)
         for _ in range(2):
@@ -126,13 +129,15 @@ def main():
         flashopm.outer_product_mean(x, m, *(p[k] for k in PARAM_ORDER), algorithm="outer")
         torch.cuda.synchronize()
         os.environ.pop("FLASHOPM_TC16_TRACE", None)
+        for k in env:
+            os.environ.pop(k, None)
         rows = tiles_of(torch.ops.flashopm._waves_trace(x))
         s, recs = summarise(rows, shape)
-        summary["forms"][form] = s
+        summary["forms"][item] = s
         for r in recs:
-            r["form"] = form
+            r["form"] = item
         all_rows += recs
-        print(f"form FLASHOPM_TC16_CLUSTER={form}: {s['tiles']} tile records, clock {s['clock_ghz']:.3f} GHz, "
+        print(f"form FLASHOPM_TC16_CLUSTER={item}: {s['tiles']} tile records, clock {s['clock_ghz']:.3f} GHz, "
               f"tensor cores' share of a tile's cycles {s['tensor_share']:.3f}")
         print(f"  {'step':14s} {'mean clk':>9s} {'median':>8s} {'p90':>8s} {'mean us':>8s} {'share':>6s} {'tensor':>7s}")
         for k, v in s["steps"].items():

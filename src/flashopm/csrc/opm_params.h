@@ -515,6 +515,9 @@ struct OuterArgs {
   // holds those residues; out and pair then start at the block's first column)
   int out_N;
   int Ti, Tj;  // pairs per tile along i and j
+  // the 16-bit tensor-copy forms: 1, each tile's last round stored beside the next tile's first MMAs
+  // (FLASHOPM_TC16_DEFER=0: stored at once, as the form without tensor copies does)
+  int tc16_defer;
   FusedProjArgs fp;  // the fused projection's inputs (x null: a and b come in the workspace)
   WaveArgs wv;       // the waves form's (wv.ws null: not that form)
 };

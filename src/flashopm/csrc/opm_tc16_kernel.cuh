@@ -61,10 +61,13 @@ __device__ __forceinline__ void tc16_produce(const OuterArgs& p, const Tc16Maps&
     const int s_lo = L.stages + sb * kT16WgStageBytes;
     return s_lo < hi && s_lo + kT16WgStageBytes > lo;
   };
-  const int red_hi = L.w + kT16RoundRows * (kTcDG + 4) * 4;  // phase 2's sums from L.w
   const uint32_t stages_addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem + L.stages));
   const uint32_t w_addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem + L.w));
-  int wq = 0, round = 0;  // W chunks and rounds of phase 2 issued so far, over every tile
+  const bool defer = p.tc16_defer != 0;  // a tile's last round's sums over its O (see outer_tc16_body)
+  const int red_hi = L.w + kT16RoundRows * (kTcDG + 4) * 4;  // phase 2's other sums from L.w
+  int wq = 0;            // W chunks issued so far, over every tile
+  int stored_rounds = 0;  // rounds that arrive on "stored" once stored, so far
+  bool last_stored = false;  // whether the round issued last arrives there
   for (int lin = blockIdx.x / kCluster, it = 0; lin < n_groups; lin += gridDim.x / kCluster, ++it) {
     int col_tile, row_group, b;
     tc16_group_tile(lin, n_col_blocks, n_row_groups, col_tile, row_group, b);
@@ -75,9 +78,11 @@ __device__ __forceinline__ void tc16_produce(const OuterArgs& p, const Tc16Maps&
       if (it > 0 && q < kT16WgStages) {
         // the buffer's first stage of this tile: the last tile's O and W chunks read (its last
         // chunk released by every block), and where the buffer lies over the sums, those stored
+        // (deferred, the last round's sums lie over O of column tile 0, clear of the stages, and
+        // those of the rounds before were stored before the last round's chunks were issued)
         mbarrier_wait_parity_suspend(w_empty + (wq - 1) % kT16Wg2Stages, ((wq - 1) / kT16Wg2Stages) & 1);
-        if (stage_over(buf, L.w, red_hi))
-          mbarrier_wait_parity_suspend(stored, (round - 1) & 1);
+        if (last_stored && stage_over(buf, L.w, red_hi))
+          mbarrier_wait_parity_suspend(stored, (stored_rounds - 1) & 1);
       }
       mbarrier_arrive_expect_tx(full + buf, kT16WgStageBytes);
       const int js = q / n_k, s0 = (q - js * n_k) * kT16WgBK, jt0 = j0 + js * p.Tj;
@@ -95,8 +100,11 @@ __device__ __forceinline__ void tc16_produce(const OuterArgs& p, const Tc16Maps&
     }
     const int tile_wq = wq;
     for (int dg = 0; dg < p.D; dg += kTcDG) {
-      for (int r0 = 0; r0 < P; r0 += kT16RoundRows, ++round) {
-        if (round > 0) mbarrier_wait_parity_suspend(stored, (round - 1) & 1);  // every block's sums read
+      for (int r0 = 0; r0 < P; r0 += kT16RoundRows) {
+        // the round before's sums (over W's buffers), where it arrives, read by every block
+        if (last_stored) mbarrier_wait_parity_suspend(stored, (stored_rounds - 1) & 1);
+        last_stored = !defer || dg + kTcDG < p.D || r0 + kT16RoundRows < P;
+        stored_rounds += last_stored;
         for (int kc = 0; kc < n_kc; ++kc, ++wq) {
           const int buf = wq % kT16Wg2Stages, use = wq / kT16Wg2Stages;
           if (use > 0) mbarrier_wait_parity_suspend(w_empty + buf, (use - 1) & 1);
@@ -242,6 +250,19 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
       trace_rec[0] = ++trace_n;
     }
   };
+  // kTma: a tile's last round of phase 2 leaves its sums at the start of shared memory (over its O
+  // of column tile 0, clear of every stage and W buffer) and its output rows are stored beside the
+  // next tile's first MMAs, half a round after each of its first two stages, rather than with the
+  // tensor cores idle; dg of that round.  row_off and norm_arg keep the round's rows until the
+  // next tile's phase 2 stages its own.
+  constexpr int kRedLd = kTcDG + 4;
+  [[maybe_unused]] bool stores_pending = false;
+  [[maybe_unused]] int pending_dg = 0;
+  [[maybe_unused]] auto store_pending_half = [&](int half) {
+    constexpr int kHalf = kT16RoundRows / 2;
+    store_round<kHalf, true>(p, reinterpret_cast<const float*>(smem) + half * kHalf * kRedLd, kRedLd,
+                             row_off + half * kHalf, norm_arg + half * kHalf, pending_dg, tid, kTcThreads);
+  };
 
   // One tile: column block col_tile, row tile row_tile of batch element b, the block's tile_it-th
   // (kTma: the stage ring starts at buffer 0 with each tile).
@@ -379,6 +400,8 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
         for (int kk = 0; kk < kT16WgBK / 16; ++kk)
           wgmma_m64n256k16<T>(acc, desc_a0 + stage_off + kk * (2048 >> 4), desc_b0 + stage_off + kk * (2048 >> 4));
         wgmma_commit();
+        if constexpr (kTma)
+          if (stores_pending && js == 0 && kt < 2) store_pending_half(kt);  // beside this stage's MMAs
         wgmma_wait<1>();
         // kTma: the previous stage's products retired by this warpgroup (this tile's; the last
         // tile's last stage is released below)
@@ -387,6 +410,13 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
       }
       wgmma_wait<0>();
       mark(js == 0 ? kT16MarkP1Done0 : kT16MarkP1Done1, 0);
+      if constexpr (kTma) {
+        if (stores_pending && js == 0) {
+          if (n_k == 1) store_pending_half(1);
+          stores_pending = false;
+          consumers_sync();  // the last tile's sums read by every thread: O of column tile 0 overlays them
+        }
+      }
       if constexpr (kTma) release(bars + kT16WgStages + (js * n_k + n_k - 1) % kT16WgStages);
       if (js + 1 == kT16JSub) {
         // (kTma: every stage's bytes from every block have arrived: nothing more is copied here)
@@ -674,8 +704,9 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
           cp_async_wait_all();
           __syncthreads();  // every W read done: the stage area takes the sums
         }
-        float* red = reinterpret_cast<float*>(w_st);  // [64 pairs][kTcDG + 4]
-        constexpr int kRedLd = kTcDG + 4;
+        // kTma: the tile's last round's sums over O of column tile 0 (see stores_pending)
+        const bool last_round = kTma && p.tc16_defer && dg + kTcDG >= D && r0 + kT16RoundRows >= P;
+        float* red = reinterpret_cast<float*>(last_round ? smem : w_st);  // [64 pairs][kTcDG + 4]
         // acc2: rows d = 64wg + 16wl + g (+8), columns (pairs) 8j + 2t (+1)
 #pragma unroll
         for (int j = 0; j < 8; ++j)
@@ -687,6 +718,12 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
           }
         consumers_sync();
         mark(kT16MarkSums, 0);
+        if (last_round) {
+          stores_pending = true;
+          pending_dg = dg;
+          mark(kT16MarkStored, 0);
+          continue;
+        }
         store_round<kT16RoundRows, true>(p, red, kRedLd, row_off, norm_arg, dg, tid, kTcThreads);
         mark(kT16MarkStored, 0);
         if constexpr (kTma) {
@@ -779,6 +816,10 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
       int col_tile, row_group, b;
       tc16_group_tile(lin, n_col_blocks, n_row_groups, col_tile, row_group, b);
       tile(col_tile, kShare * row_group + int(rank), b, it);
+    }
+    if (stores_pending) {
+      store_pending_half(0);
+      store_pending_half(1);
     }
     cluster_barrier();  // the peers' last arrivals on this block's mbarriers made before it exits
 #endif
