@@ -391,14 +391,17 @@ fi
 
 if [ "$PHASE" = defer ]; then
   # the tensor-copy forms with each tile's last round stored beside the next tile's first MMAs
-  # (FLASHOPM_TC16_DEFER): their tests (a failure stops the call); the tiles' phases traced for the
+  # (FLASHOPM_TC16_DEFER) and stage buffer 0 clear of phase 2's operands (FLASHOPM_TC16_CLEAR0): their tests (a failure stops the call); the tiles' phases traced for the
   # default form and clusters of 1 and 2, with and without; paired against the default form and
   # against DEFER=0; the OpenFold and spec bfloat16 rows on the fastest form (~6 min with the build)
   T t_tma 120 $py -m pytest -x -q -p no:cacheprovider tests/test_cuda.py -k "cluster_form or tc16_conventions" || exit 1
-  T trace16 150 $py scripts/tc16_trace.py --forms "0,1,2,2+FLASHOPM_TC16_DEFER=0" --out "$R/trace16"
+  T trace16 150 $py scripts/tc16_trace.py --out "$R/trace16" \
+    --forms "0,1,2,2+FLASHOPM_TC16_DEFER=0,2+FLASHOPM_TC16_CLEAR0=0,2+FLASHOPM_TC16_DEFER=0+FLASHOPM_TC16_CLEAR0=0"
   pair_clusters 2 1
   for cl in 2 1; do
     T "ab_defer$cl" 60 env FLASHOPM_TC16_CLUSTER=$cl $py scripts/ab_env.py FLASHOPM_TC16_DEFER=0 1,512,1536,256,32,128 \
+      --dtype bfloat16 --mode forward --calls 6
+    T "ab_clear$cl" 60 env FLASHOPM_TC16_CLUSTER=$cl $py scripts/ab_env.py FLASHOPM_TC16_CLEAR0=0 1,512,1536,256,32,128 \
       --dtype bfloat16 --mode forward --calls 6
   done
   T mod_openfold_bf16 120 env FLASHOPM_TC16_CLUSTER=$CL $py -m flashopm bench --module openfold --shapes "1,512,1536,256,32,128" \

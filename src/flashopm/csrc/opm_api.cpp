@@ -909,6 +909,7 @@ void run_outer(OuterArgs oa, int64_t i_offset, int64_t rows, int64_t out_rows, i
         if (resident > 0) {
           form = tma_form;
           oa.tc16_defer = !env_is("FLASHOPM_TC16_DEFER", "0");
+          oa.tc16_clear0 = !env_is("FLASHOPM_TC16_CLEAR0", "0");
           const char* persistent = env_choice("FLASHOPM_TC16_PERSISTENT", {"0", "1"});
           max_clusters = persistent != nullptr && persistent[0] == '0' ? 0 : resident;
           if (const char* e = env_get("FLASHOPM_TC16_MAX_CLUSTERS"); e != nullptr && *e != 0) {

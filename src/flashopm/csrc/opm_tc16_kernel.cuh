@@ -57,10 +57,13 @@ __device__ __forceinline__ void tc16_produce(const OuterArgs& p, const Tc16Maps&
   const int n_k = (p.S + kT16WgBK - 1) / kT16WgBK, n_q = kT16JSub * n_k, n_kc = H * H / 64;
   auto uses = [&](int sb) { return tc16_stage_uses(n_q, sb); };
   // whether stage buffer sb lies over any of the bytes [lo, hi)
+  const bool clear0 = p.tc16_clear0 != 0;
   auto stage_over = [&](int sb, int lo, int hi) {
-    const int s_lo = L.stages + sb * kT16WgStageBytes;
+    const int s_lo = L.stages + tc16_stage_rel(L, sb, clear0);
     return s_lo < hi && s_lo + kT16WgStageBytes > lo;
   };
+  // what phase 2 reads: the last column tile's O (from L.stages) and W's buffers
+  const int phase2_hi = L.w + kT16Wg2Stages * kT16Wg2ChunkBytes;
   const uint32_t stages_addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem + L.stages));
   const uint32_t w_addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem + L.w));
   const bool defer = p.tc16_defer != 0;  // a tile's last round's sums over its O (see outer_tc16_body)
@@ -80,13 +83,14 @@ __device__ __forceinline__ void tc16_produce(const OuterArgs& p, const Tc16Maps&
         // chunk released by every block), and where the buffer lies over the sums, those stored
         // (deferred, the last round's sums lie over O of column tile 0, clear of the stages, and
         // those of the rounds before were stored before the last round's chunks were issued)
-        mbarrier_wait_parity_suspend(w_empty + (wq - 1) % kT16Wg2Stages, ((wq - 1) / kT16Wg2Stages) & 1);
+        if (stage_over(buf, L.stages, phase2_hi))
+          mbarrier_wait_parity_suspend(w_empty + (wq - 1) % kT16Wg2Stages, ((wq - 1) / kT16Wg2Stages) & 1);
         if (last_stored && stage_over(buf, L.w, red_hi))
           mbarrier_wait_parity_suspend(stored, (stored_rounds - 1) & 1);
       }
       mbarrier_arrive_expect_tx(full + buf, kT16WgStageBytes);
       const int js = q / n_k, s0 = (q - js * n_k) * kT16WgBK, jt0 = j0 + js * p.Tj;
-      const uint32_t st = stages_addr + uint32_t(buf * kT16WgStageBytes);
+      const uint32_t st = stages_addr + uint32_t(tc16_stage_rel(L, buf, clear0));
 #pragma unroll
       for (int grp = 0; grp < kTcMT / 64; ++grp)
         tma_load_3d(st + grp * kT16WgGroupBytes, maps.a, i0 * H + grp * 64, s0, b, full + buf);
@@ -392,7 +396,8 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
           issue_stage();
           cp_async_commit();
         }
-        const uint64_t stage_off = uint64_t(read_buf * (kT16WgStageBytes >> 4));
+        const uint64_t stage_off =
+            uint64_t((kTma ? tc16_stage_rel(L, read_buf, p.tc16_clear0 != 0) : read_buf * kT16WgStageBytes) >> 4);
         [[maybe_unused]] const int prev_buf = read_buf == 0 ? kT16WgStages - 1 : read_buf - 1;
         read_buf = read_buf + 1 == kT16WgStages ? 0 : read_buf + 1;
         wgmma_fence();
