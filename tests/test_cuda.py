@@ -818,11 +818,9 @@ def test_tc16_cluster_form_gives_the_default_bits(shape, dtype, cluster, monkeyp
     assert torch.equal(clustered, _run(x16, m16, p16, "outer")), "two identical calls differ: a race"
     # one cluster per group of tiles, and three clusters each taking many groups in turn (their
     # stage rings and W chunks carried from tile to tile, each tile's last round stored beside the
-    # next tile's first stages or at once, stage buffer 0 clear of phase 2's operands or not)
+    # next tile's first stages, or at once)
     for env in ({"FLASHOPM_TC16_PERSISTENT": "0"}, {"FLASHOPM_TC16_MAX_CLUSTERS": "3"},
-                {"FLASHOPM_TC16_MAX_CLUSTERS": "3", "FLASHOPM_TC16_DEFER": "0"},
-                {"FLASHOPM_TC16_MAX_CLUSTERS": "3", "FLASHOPM_TC16_CLEAR0": "0"},
-                {"FLASHOPM_TC16_MAX_CLUSTERS": "3", "FLASHOPM_TC16_DEFER": "0", "FLASHOPM_TC16_CLEAR0": "0"}):
+                {"FLASHOPM_TC16_MAX_CLUSTERS": "3", "FLASHOPM_TC16_DEFER": "0"}):
         with monkeypatch.context() as mp:
             for k, v in env.items():
                 mp.setenv(k, v)
@@ -839,6 +837,30 @@ def test_tc16_cluster_form_gives_the_default_bits(shape, dtype, cluster, monkeyp
         bounded_default = _run(x16, m16, p16, "outer")
     assert not bounded_clustered.isnan().any(), "NaN in the output under the bound: an element was not written"
     assert torch.equal(bounded_clustered, bounded_default), "under the bound the clustered form's bits differ"
+
+
+# Phase 2's first W chunks issued in phase 1 once the stage buffers beneath them are read for the
+# last time (the default form; FLASHOPM_TC16_W_EARLY=0: at phase 2's start).  The shapes with
+# S >= 100 issue them early; S = 8 and 64 do not (too few stages), and D = 130 and 200 take a
+# second group of d whose chunks are never early.
+@pytest.mark.parametrize("normalization", ["row", "openfold"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", CLUSTER_SHAPES, ids=str)
+def test_tc16_early_w_chunks_give_the_same_bits(shape, dtype, normalization, monkeypatch):
+    """The 16-bit kernel's form without tensor copies, W's first chunks early or not: every element
+    written (poisoned output), two calls equal, and the same bits either way (the same products in
+    the same order)."""
+    x, m, p = make_problem(shape, "masked_positions", seed=zlib.crc32(f"{shape}-early".encode()) % 1000)
+    x16, m16 = x.to(dtype).cuda(), m.to(dtype).cuda()
+    p16 = {k: None if v is None else v.to(dtype).cuda() for k, v in p.items()}
+    monkeypatch.setenv("FLASHOPM_TC16_CLUSTER", "0")
+    monkeypatch.delenv("FLASHOPM_TC16_MMA_SYNC", raising=False)
+    early = _run(x16, m16, p16, "outer", normalization=normalization)
+    assert not early.isnan().any(), "NaN in the output: an element was not written"
+    assert torch.equal(early, _run(x16, m16, p16, "outer", normalization=normalization)), "two calls differ: a race"
+    monkeypatch.setenv("FLASHOPM_TC16_W_EARLY", "0")
+    late = _run(x16, m16, p16, "outer", normalization=normalization)
+    assert torch.equal(early, late), "W's chunks issued early give other bits than issued at phase 2's start"
 
 
 # OpenFold's and Boltz's conventions on the 16-bit kernel (their pair counts, and the divisor's

@@ -901,6 +901,7 @@ void run_outer(OuterArgs oa, int64_t i_offset, int64_t rows, int64_t out_rows, i
     // than in as many as are resident at once, each taking groups in turn;
     // FLASHOPM_TC16_MAX_CLUSTERS=k: at most k clusters, so that each takes many groups, for the tests.
     int max_clusters = 0;
+    oa.tc16_w_early = !env_is("FLASHOPM_TC16_W_EARLY", "0");
     if (form == kT16WgmmaBoth && oa.Ti * oa.H == kTcMT && oa.Tj * oa.H == kTcNT) {
       if (const char* c = env_choice("FLASHOPM_TC16_CLUSTER", {"0", "1", "2", "4"}); c != nullptr && c[0] != '0') {
         const int cluster = c[0] - '0', tma_form = tc16_tma_form(cluster);
@@ -909,7 +910,6 @@ void run_outer(OuterArgs oa, int64_t i_offset, int64_t rows, int64_t out_rows, i
         if (resident > 0) {
           form = tma_form;
           oa.tc16_defer = !env_is("FLASHOPM_TC16_DEFER", "0");
-          oa.tc16_clear0 = !env_is("FLASHOPM_TC16_CLEAR0", "0");
           const char* persistent = env_choice("FLASHOPM_TC16_PERSISTENT", {"0", "1"});
           max_clusters = persistent != nullptr && persistent[0] == '0' ? 0 : resident;
           if (const char* e = env_get("FLASHOPM_TC16_MAX_CLUSTERS"); e != nullptr && *e != 0) {

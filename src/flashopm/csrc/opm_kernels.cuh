@@ -464,22 +464,30 @@ __device__ __forceinline__ void sum_k_halves(float* red, int red_ld, const float
   }
 }
 
+// This thread's bias for store_round's four columns dg + (tid % (kTcDG / 4))·4 (zero past D or
+// without a bias).  Loaded at a round's start by the 16-bit kernel, so that the load's latency
+// (from L2, under the contraction's own traffic: ~2.8K cycles an epilogue when loaded there, run
+// 333) passes beside the round's products.
+__device__ __forceinline__ void load_round_bias(const OuterArgs& p, int dg, int tid, float (&bias)[4]) {
+  const int d = dg + (tid % (kTcDG / 4)) * 4;
+#pragma unroll
+  for (int e = 0; e < 4; ++e) bias[e] = p.bias && d + e < p.D ? p.bias[d + e] : 0.f;
+}
+
 // The epilogue of the tensor-core kernels for one round of phase 2: kRows pairs x kTcDG columns
 // of sums in red ([kRows][red_ld] floats), normalised and stored.  row_off[pl] is pair pl's
 // element offset in out (negative: not stored), norm_arg[pl] its row denominator (kNormRow) or
 // pair count, or with kReciprocal that divisor's reciprocal (stage_pair_row<true>).  Each thread
 // takes four consecutive d of one pair per step, so a warp stores whole rows of the output, and
-// the same four d in every step (nthreads is a multiple of kTcDG / 4), so the bias is read once:
-// the compiler cannot hoist that load past the output stores.  The loop stays rolled
-// (straight-line code this long runs from a cold instruction cache once per block).
+// the same four d in every step (nthreads is a multiple of kTcDG / 4), so the bias (load_round_bias)
+// is read once.  The loop stays rolled (straight-line code this long runs from a cold instruction
+// cache once per block).
 template <int kRows, bool kReciprocal>
 __device__ __forceinline__ void store_round(const OuterArgs& p, const float* red, int red_ld, const int64_t* row_off,
-                                            const float* norm_arg, int dg, int tid, int nthreads) {
+                                            const float* norm_arg, int dg, int tid, int nthreads,
+                                            const float (&bias)[4]) {
   const int dl = (tid % (kTcDG / 4)) * 4, d = dg + dl;
   if (d >= p.D) return;
-  float bias[4];
-#pragma unroll
-  for (int e = 0; e < 4; ++e) bias[e] = p.bias && d + e < p.D ? p.bias[d + e] : 0.f;
 #pragma unroll 1
   for (int pl = tid / (kTcDG / 4); pl < kRows; pl += nthreads / (kTcDG / 4)) {
     const int64_t row = row_off[pl];
@@ -514,6 +522,13 @@ __device__ __forceinline__ void store_round(const OuterArgs& p, const float* red
         if (d + e < p.D) store_out(p.out, row + d + e, o[e], p.out_kind);
     }
   }
+}
+template <int kRows, bool kReciprocal>
+__device__ __forceinline__ void store_round(const OuterArgs& p, const float* red, int red_ld, const int64_t* row_off,
+                                            const float* norm_arg, int dg, int tid, int nthreads) {
+  float bias[4];
+  load_round_bias(p, dg, tid, bias);
+  store_round<kRows, kReciprocal>(p, red, red_ld, row_off, norm_arg, dg, tid, nthreads, bias);
 }
 
 // LayerNorm statistics of one row of C features by one warp, two passes: x_at(c) reads feature c

@@ -518,9 +518,9 @@ struct OuterArgs {
   // the 16-bit tensor-copy forms: 1, each tile's last round stored beside the next tile's first MMAs
   // (FLASHOPM_TC16_DEFER=0: stored at once, as the form without tensor copies does)
   int tc16_defer;
-  // the 16-bit tensor-copy forms: 1, stage buffer 0 clear of O and of W's buffers (Tc16Layout::stage0),
-  // so that the next tile's first stage loads during phase 2 (FLASHOPM_TC16_CLEAR0=0: the buffers in turn)
-  int tc16_clear0;
+  // the 16-bit form without tensor copies: 1, phase 2's first W chunks issued in phase 1 once the
+  // stage buffers beneath them are read for the last time (FLASHOPM_TC16_W_EARLY=0: at phase 2's start)
+  int tc16_w_early;
   FusedProjArgs fp;  // the fused projection's inputs (x null: a and b come in the workspace)
   WaveArgs wv;       // the waves form's (wv.ws null: not that form)
 };
@@ -754,14 +754,7 @@ static_assert(kT16ProducerRegs * 128 + kT16ConsumerRegs * kTcThreads <= 168 * kT
 constexpr int kT16RoundRows = 64;  // pairs per round of phase 2
 struct Tc16Layout {
   int ldo, stages, w, rows, total;  // bytes, except ldo (elements)
-  // the tensor-copy forms under OuterArgs::tc16_clear0: stage buffer 0 at stage0, clear of O and of
-  // W's buffers, and buffer k > 0 at stages + (k - 1) stages
-  int stage0;
 };
-// Offset of stage buffer sb of the tensor-copy forms from L.stages.
-FLASHOPM_HD inline int tc16_stage_rel(const Tc16Layout& L, int sb, bool clear0) {
-  return clear0 ? (sb == 0 ? L.stage0 - L.stages : (sb - 1) * kT16WgStageBytes) : sb * kT16WgStageBytes;
-}
 FLASHOPM_HD inline int round_up1k(int x) { return (x + 1023) & ~1023; }
 FLASHOPM_HD inline Tc16Layout tc16_layout(int H, int Ti, int Tj, int form) {
   const int bk = tc16_form_bk(form), nt = tc16_form_nt(form);  // the mma.sync forms' stage
@@ -778,10 +771,6 @@ FLASHOPM_HD inline Tc16Layout tc16_layout(int H, int Ti, int Tj, int form) {
     const int red_end = L.w + kT16RoundRows * (kTcDG + 4) * 4;
     if (end < w_end) end = w_end;
     if (end < red_end) end = red_end;
-    if (tma) {
-      L.stage0 = round_up1k(w_end > red_end ? w_end : red_end);
-      if (end < L.stage0 + kT16WgStageBytes) end = L.stage0 + kT16WgStageBytes;
-    }
   } else {
     const int o_tile = Ti * Tj * L.ldo * 2;
     L.stages = o_tile;  // the wgmma form rounds its start up to 1 KB in the shared address space

@@ -57,9 +57,8 @@ __device__ __forceinline__ void tc16_produce(const OuterArgs& p, const Tc16Maps&
   const int n_k = (p.S + kT16WgBK - 1) / kT16WgBK, n_q = kT16JSub * n_k, n_kc = H * H / 64;
   auto uses = [&](int sb) { return tc16_stage_uses(n_q, sb); };
   // whether stage buffer sb lies over any of the bytes [lo, hi)
-  const bool clear0 = p.tc16_clear0 != 0;
   auto stage_over = [&](int sb, int lo, int hi) {
-    const int s_lo = L.stages + tc16_stage_rel(L, sb, clear0);
+    const int s_lo = L.stages + sb * kT16WgStageBytes;
     return s_lo < hi && s_lo + kT16WgStageBytes > lo;
   };
   // what phase 2 reads: the last column tile's O (from L.stages) and W's buffers
@@ -90,7 +89,7 @@ __device__ __forceinline__ void tc16_produce(const OuterArgs& p, const Tc16Maps&
       }
       mbarrier_arrive_expect_tx(full + buf, kT16WgStageBytes);
       const int js = q / n_k, s0 = (q - js * n_k) * kT16WgBK, jt0 = j0 + js * p.Tj;
-      const uint32_t st = stages_addr + uint32_t(tc16_stage_rel(L, buf, clear0));
+      const uint32_t st = stages_addr + uint32_t(buf * kT16WgStageBytes);
 #pragma unroll
       for (int grp = 0; grp < kTcMT / 64; ++grp)
         tma_load_3d(st + grp * kT16WgGroupBytes, maps.a, i0 * H + grp * 64, s0, b, full + buf);
@@ -262,10 +261,12 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
   constexpr int kRedLd = kTcDG + 4;
   [[maybe_unused]] bool stores_pending = false;
   [[maybe_unused]] int pending_dg = 0;
+  [[maybe_unused]] float pending_bias[4] = {0.f, 0.f, 0.f, 0.f};
   [[maybe_unused]] auto store_pending_half = [&](int half) {
     constexpr int kHalf = kT16RoundRows / 2;
     store_round<kHalf, true>(p, reinterpret_cast<const float*>(smem) + half * kHalf * kRedLd, kRedLd,
-                             row_off + half * kHalf, norm_arg + half * kHalf, pending_dg, tid, kTcThreads);
+                             row_off + half * kHalf, norm_arg + half * kHalf, pending_dg, tid, kTcThreads,
+                             pending_bias);
   };
 
   // One tile: column block col_tile, row tile row_tile of batch element b, the block's tile_it-th
@@ -280,6 +281,27 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
     mark(kT16MarkTile, tile_it | int(smid << 24));
   }
 
+  // kWgmmaBoth without tensor copies: phase 2's first W chunks (the first round's kT16Wg2Stages -
+  // 2), each issued in phase 1 at the first stage q whose barrier follows the retirement of every
+  // stage buffer beneath it (last use + 2), so that their latency passes under the last stages
+  // and the O stores instead of at phase 2's start (run 333: ~1.1K cycles a tile); n_q_w: issued
+  // at phase 2's start.
+  [[maybe_unused]] const int n_q_w = kT16JSub * ((S + kT16WgBK - 1) / kT16WgBK);
+  [[maybe_unused]] int w_early_q[kT16Wg2Stages - 2];
+#pragma unroll
+  for (int c = 0; c < kT16Wg2Stages - 2; ++c) {
+    w_early_q[c] = n_q_w;
+    if constexpr (kWgmmaBoth && !kTma) {
+      const int lo = L.w + c * kT16Wg2ChunkBytes, hi = lo + kT16Wg2ChunkBytes;
+      int last = -1;
+      for (int sb = 0; sb < kT16WgStages && sb < n_q_w; ++sb) {
+        const int s_lo = L.stages + sb * kT16WgStageBytes;
+        if (s_lo < hi && s_lo + kT16WgStageBytes > lo)
+          last = max(last, sb + kT16WgStages * ((n_q_w - 1 - sb) / kT16WgStages));
+      }
+      if (p.tc16_w_early && last + 2 < n_q_w) w_early_q[c] = last + 2;
+    }
+  }
   // ---------------- phase 1 ----------------
   const int a_lim = min(Ti * H, (p.Na - i0) * H);  // valid columns of the tile (multiples of 8)
   const T* a_base = a_g + int64_t(b) * S * NaH + int64_t(i0) * H;
@@ -376,6 +398,18 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
     // field (address / 16, 14 bits) holds every shared address without carrying into the next.
     const uint64_t desc_a0 = wgmma_desc(wg_stages + wg * kT16WgGroupBytes, kT16WgGroupBytes, 1024);
     const uint64_t desc_b0 = wgmma_desc(wg_stages + kT16WgABytes, kT16WgGroupBytes, 1024);
+    // chunk c of W for d 0 .. kTcDG - 1 (k in O's order), as phase 2's issue_w copies it
+    auto issue_w_early = [&](int c) {
+      const T* w_blk = static_cast<const T*>(p.w_blocked);
+      const int wc = tid & 7, wr = tid >> 3;
+      char* st = smem + L.w + c * kT16Wg2ChunkBytes + kmajor_sw128_offset(wr, wc * 8, 1024);
+#pragma unroll
+      for (int u = 0; u < kTcDG / 32; ++u) {
+        const bool ok = wr + 32 * u < D;
+        cp_async16z(st + u * 4096, ok ? w_blk + int64_t(wr + 32 * u) * (H * H) + wc * 8 + c * 64 : w_blk, ok);
+      }
+    };
+    [[maybe_unused]] bool w_issued_early = false;
     for (int js = 0; js < kT16JSub; ++js) {
       float acc[128];
 #pragma unroll
@@ -394,10 +428,18 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
           // The stage refilled now was last read by the group two stages back, which every
           // warpgroup retired before the barrier (one group stays in flight).
           issue_stage();
+          if constexpr (kWgmmaBoth) {
+            const int q = js * n_k + kt;
+#pragma unroll
+            for (int c = 0; c < kT16Wg2Stages - 2; ++c)
+              if (q == w_early_q[c]) {
+                issue_w_early(c);
+                w_issued_early = true;
+              }
+          }
           cp_async_commit();
         }
-        const uint64_t stage_off =
-            uint64_t((kTma ? tc16_stage_rel(L, read_buf, p.tc16_clear0 != 0) : read_buf * kT16WgStageBytes) >> 4);
+        const uint64_t stage_off = uint64_t(read_buf * (kT16WgStageBytes >> 4));
         [[maybe_unused]] const int prev_buf = read_buf == 0 ? kT16WgStages - 1 : read_buf - 1;
         read_buf = read_buf + 1 == kT16WgStages ? 0 : read_buf + 1;
         wgmma_fence();
@@ -425,7 +467,10 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
       if constexpr (kTma) release(bars + kT16WgStages + (js * n_k + n_k - 1) % kT16WgStages);
       if (js + 1 == kT16JSub) {
         // (kTma: every stage's bytes from every block have arrived: nothing more is copied here)
-        if constexpr (!kTma) cp_async_wait_all();
+        // (every stage's copies are complete by the last stage's wait; W's early chunks, clear of
+        // O, stay in flight)
+        if constexpr (!kTma)
+          if (!w_issued_early) cp_async_wait_all();
         consumers_sync();  // every warp done with the stages: the last tile's O overlays them
       }
 
@@ -658,12 +703,17 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
           __syncthreads();  // O written / the previous round's partial sums consumed
 #pragma unroll
           for (int kc = 0; kc < kT16Wg2Stages - 2; ++kc) {
-            issue_w(kc);
+            // (the first round's chunks issued in phase 1 (w_early_q) are skipped; a group is
+            // committed either way, empty or not)
+            if (dg == 0 && r0 == 0 && w_early_q[kc] < n_q_w) w_src += 64;
+            else issue_w(kc);
             cp_async_commit();
           }
         }
         mark(kT16MarkRound, r0);
         stage_round_rows(r0);
+        float round_bias[4];
+        load_round_bias(p, dg, tid, round_bias);
         float acc2[32];
 #pragma unroll
         for (int e = 0; e < 32; ++e) acc2[e] = 0.f;
@@ -726,10 +776,12 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
         if (last_round) {
           stores_pending = true;
           pending_dg = dg;
+#pragma unroll
+          for (int e = 0; e < 4; ++e) pending_bias[e] = round_bias[e];
           mark(kT16MarkStored, 0);
           continue;
         }
-        store_round<kT16RoundRows, true>(p, red, kRedLd, row_off, norm_arg, dg, tid, kTcThreads);
+        store_round<kT16RoundRows, true>(p, red, kRedLd, row_off, norm_arg, dg, tid, kTcThreads, round_bias);
         mark(kT16MarkStored, 0);
         if constexpr (kTma) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
