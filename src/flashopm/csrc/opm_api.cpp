@@ -902,6 +902,7 @@ void run_outer(OuterArgs oa, int64_t i_offset, int64_t rows, int64_t out_rows, i
     // FLASHOPM_TC16_MAX_CLUSTERS=k: at most k clusters, so that each takes many groups, for the tests.
     int max_clusters = 0;
     oa.tc16_w_early = !env_is("FLASHOPM_TC16_W_EARLY", "0");
+    oa.tc16_ksplit = !env_is("FLASHOPM_TC16_KSPLIT", "0");
     if (form == kT16WgmmaBoth && oa.Ti * oa.H == kTcMT && oa.Tj * oa.H == kTcNT) {
       if (const char* c = env_choice("FLASHOPM_TC16_CLUSTER", {"0", "1", "2", "4"}); c != nullptr && c[0] != '0') {
         const int cluster = c[0] - '0', tma_form = tc16_tma_form(cluster);

@@ -714,63 +714,101 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
         stage_round_rows(r0);
         float round_bias[4];
         load_round_bias(p, dg, tid, round_bias);
-        float acc2[32];
-#pragma unroll
-        for (int e = 0; e < 32; ++e) acc2[e] = 0.f;
         const char* o_round = smem + (r0 >> 3) * o_sbo;
-        for (int kc = 0; kc < n_kc; ++kc) {
-          int buf = kc % kT16Wg2Stages;
-          if constexpr (kTma) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-            const int wq = w_base + kc;
-            buf = wq % kT16Wg2Stages;
-            mbarrier_wait_parity_suspend(w_full + buf, (wq / kT16Wg2Stages) & 1);
-#endif
-          } else {
-            cp_async_wait<kT16Wg2Stages - 3>();
-            fence_proxy_async_smem();  // this thread's copies (and O), visible to the tensor cores
-            __syncthreads();
-            // The stage refilled now was last read by the group of chunk kc - 2, which every
-            // warpgroup retired before the barrier (one group stays in flight).
-            issue_w(kc + kT16Wg2Stages - 2);
-            cp_async_commit();
-          }
-          if (kc == 0) mark(kT16MarkW0, 0);
-          const char* st = w_st + buf * kT16Wg2ChunkBytes + wg * 64 * 128;
-          wgmma_fence();
-#pragma unroll
-          for (int kk = 0; kk < 4; ++kk)
-            wgmma_m64n64k16_kmajor<T>(acc2, wgmma_desc(st + kk * 32, 16, 1024),
-                                      wgmma_desc(o_round + kc * 1024 + kk * 32, 16, o_sbo));
-          wgmma_commit();
-          wgmma_wait<1>();
-          if constexpr (kTma)  // the previous chunk's products retired by this warpgroup
-            if (kc > 0) release(w_empty + (w_base + kc - 1) % kT16Wg2Stages);
-        }
-        wgmma_wait<0>();
-        mark(kT16MarkP2Done, 0);
-        if constexpr (kTma) {
-          release(w_empty + (w_base + n_kc - 1) % kT16Wg2Stages);
-          w_base += n_kc;
-          // every W read done: the stage area takes the sums (the next round's chunks wait for
-          // every block's round to be stored)
-          consumers_sync();
-        } else {
-          cp_async_wait_all();
-          __syncthreads();  // every W read done: the stage area takes the sums
-        }
         // kTma: the tile's last round's sums over O of column tile 0 (see stores_pending)
         const bool last_round = kTma && p.tc16_defer && dg + kTcDG >= D && r0 + kT16RoundRows >= P;
         float* red = reinterpret_cast<float*>(last_round ? smem : w_st);  // [64 pairs][kTcDG + 4]
-        // acc2: rows d = 64wg + 16wl + g (+8), columns (pairs) 8j + 2t (+1)
+        // The round's products and sums into red.  kSplit (OuterArgs::tc16_ksplit): out = O·Wᵀ, each
+        // warpgroup all 64 pairs x kTcDG d (m64n128k16, O the A operand) over its half of each
+        // chunk's k (warpgroup wg: k 32wg .. 32wg + 31), the halves summed in red: 24 KB of operand
+        // reads a chunk where the other form's m64n64k16 (warpgroup wg: d 64wg .. 64wg + 63 over
+        // all of k) read 32 KB, phase 2 being bound by shared memory (run 333).
+        auto round_products = [&](auto split_c) {
+          constexpr bool kSplit = decltype(split_c)::value;
+          constexpr int kAcc = kSplit ? 64 : 32;
+          float acc2[kAcc];
 #pragma unroll
-        for (int j = 0; j < 8; ++j)
+          for (int e = 0; e < kAcc; ++e) acc2[e] = 0.f;
+          for (int kc = 0; kc < n_kc; ++kc) {
+            int buf = kc % kT16Wg2Stages;
+            if constexpr (kTma) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+              const int wq = w_base + kc;
+              buf = wq % kT16Wg2Stages;
+              mbarrier_wait_parity_suspend(w_full + buf, (wq / kT16Wg2Stages) & 1);
+#endif
+            } else {
+              cp_async_wait<kT16Wg2Stages - 3>();
+              fence_proxy_async_smem();  // this thread's copies (and O), visible to the tensor cores
+              __syncthreads();
+              // The stage refilled now was last read by the group of chunk kc - 2, which every
+              // warpgroup retired before the barrier (one group stays in flight).
+              issue_w(kc + kT16Wg2Stages - 2);
+              cp_async_commit();
+            }
+            if (kc == 0) mark(kT16MarkW0, 0);
+            const char* st = w_st + buf * kT16Wg2ChunkBytes;
+            wgmma_fence();
+            if constexpr (kSplit) {
 #pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            const int d = wg * 64 + wl * 16 + g + 8 * half, pr = 8 * j + 2 * t;
-            red[pr * kRedLd + d] = acc2[4 * j + 2 * half];
-            red[(pr + 1) * kRedLd + d] = acc2[4 * j + 2 * half + 1];
+              for (int kk = 2 * wg; kk < 2 * wg + 2; ++kk)
+                wgmma_m64n128k16_kmajor<T>(acc2, wgmma_desc(o_round + kc * 1024 + kk * 32, 16, o_sbo),
+                                           wgmma_desc(st + kk * 32, 16, 1024));
+            } else {
+#pragma unroll
+              for (int kk = 0; kk < 4; ++kk)
+                wgmma_m64n64k16_kmajor<T>(acc2, wgmma_desc(st + wg * 64 * 128 + kk * 32, 16, 1024),
+                                          wgmma_desc(o_round + kc * 1024 + kk * 32, 16, o_sbo));
+            }
+            wgmma_commit();
+            wgmma_wait<1>();
+            if constexpr (kTma)  // the previous chunk's products retired by this warpgroup
+              if (kc > 0) release(w_empty + (w_base + kc - 1) % kT16Wg2Stages);
           }
+          wgmma_wait<0>();
+          mark(kT16MarkP2Done, 0);
+          if constexpr (kTma) {
+            release(w_empty + (w_base + n_kc - 1) % kT16Wg2Stages);
+            w_base += n_kc;
+            // every W read done: the stage area takes the sums (the next round's chunks wait for
+            // every block's round to be stored)
+            consumers_sync();
+          } else {
+            cp_async_wait_all();
+            __syncthreads();  // every W read done: the stage area takes the sums
+          }
+          if constexpr (kSplit) {
+            // acc2: rows (pairs) 16wl + g (+8), columns d 8j + 2t (+1); warpgroup 0's half of k
+            // stored, then warpgroup 1's added
+#pragma unroll
+            for (int turn = 0; turn < 2; ++turn) {
+              if (wg == turn) {
+#pragma unroll
+                for (int j = 0; j < 16; ++j)
+#pragma unroll
+                  for (int half = 0; half < 2; ++half) {
+                    float2* r = reinterpret_cast<float2*>(&red[(wl * 16 + g + 8 * half) * kRedLd + 8 * j + 2 * t]);
+                    float2 v = make_float2(acc2[4 * j + 2 * half], acc2[4 * j + 2 * half + 1]);
+                    if (turn == 1) v = make_float2(r->x + v.x, r->y + v.y);
+                    *r = v;
+                  }
+              }
+              if (turn == 0) consumers_sync();
+            }
+          } else {
+            // acc2: rows d = 64wg + 16wl + g (+8), columns (pairs) 8j + 2t (+1)
+#pragma unroll
+            for (int j = 0; j < 8; ++j)
+#pragma unroll
+              for (int half = 0; half < 2; ++half) {
+                const int d = wg * 64 + wl * 16 + g + 8 * half, pr = 8 * j + 2 * t;
+                red[pr * kRedLd + d] = acc2[4 * j + 2 * half];
+                red[(pr + 1) * kRedLd + d] = acc2[4 * j + 2 * half + 1];
+              }
+          }
+        };
+        if (p.tc16_ksplit) round_products(std::true_type{});
+        else round_products(std::false_type{});
         consumers_sync();
         mark(kT16MarkSums, 0);
         if (last_round) {
