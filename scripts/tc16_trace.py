@@ -124,7 +124,8 @@ def main():
         torch.cuda.synchronize()
         # a persistent block takes about groups / SMs tiles of ten marks
         sms = torch.cuda.get_device_properties(0).multi_processor_count
-        cap = 16 if form == "0" else 12 * (groups // sms + 4) + 16
+        one_tile = form == "0" and env.get("FLASHOPM_TC16_RESIDENT") == "0"
+        cap = 16 if one_tile else 12 * (groups // sms + 4) + 16
         os.environ["FLASHOPM_TC16_TRACE"] = str(cap)
         flashopm.outer_product_mean(x, m, *(p[k] for k in PARAM_ORDER), algorithm="outer")
         torch.cuda.synchronize()

@@ -928,15 +928,23 @@ void run_outer(OuterArgs oa, int64_t i_offset, int64_t rows, int64_t out_rows, i
       oa.Tj = int(std::max<int64_t>(tile.cols, 1));
     }
     check_smem(outer_tc16_smem_bytes(oa.H, oa.Ti, oa.Tj, form), dev, "16-bit tensor-core outer-product");
+    // The form with both phases on wgmma as a row of resident blocks taking tiles in turn, each
+    // tile's first stages loading beside the epilogue of the one before (FLASHOPM_TC16_RESIDENT=0:
+    // a block a tile; FLASHOPM_TC16_MAX_CLUSTERS=k caps the blocks, as for the clusters)
+    if (form == kT16WgmmaBoth && !env_is("FLASHOPM_TC16_RESIDENT", "0")) {
+      max_clusters = outer_tc16_resident_blocks(dev, operand_kind, outer_tc16_smem_bytes(oa.H, oa.Ti, oa.Tj, form));
+      if (const char* e = env_get("FLASHOPM_TC16_MAX_CLUSTERS"); e != nullptr && *e != 0 && max_clusters > 0)
+        max_clusters = int(std::min<int64_t>(std::max<int64_t>(std::atoll(e), 1), max_clusters));
+    }
     if (const char* e = env_get("FLASHOPM_TC16_TRACE"); e != nullptr && *e != 0 && oa.wv.ws == nullptr) {
       // timing aid: per block and consumer warpgroup cap records (Tc16Mark), read back by
       // _waves_trace; the blocks of the launch: its clusters where they are resident, else its grid
       const int cap = std::min(std::max(std::atoi(e), 2), 1 << 16);
       const int tj_block = oa.Tj * kT16JSub;
       const int64_t grid_blocks = int64_t((oa.N + tj_block - 1) / tj_block) * ((oa.Na + oa.Ti - 1) / oa.Ti) * oa.B;
-      const int64_t blocks = tc16_form_tma(form) && max_clusters > 0
-                                 ? std::min<int64_t>(grid_blocks + 3, int64_t(max_clusters) * tc16_form_cluster(form))
-                                 : grid_blocks;
+      const int64_t blocks = max_clusters > 0 ? std::min<int64_t>(grid_blocks + 3, int64_t(max_clusters) *
+                                                                                      tc16_form_cluster(form))
+                                              : grid_blocks;
       waves_trace() = at::zeros({2 * blocks, cap, 3}, options.dtype(at::kLong));
       oa.wv.trace = reinterpret_cast<long long*>(waves_trace().data_ptr<int64_t>());
       oa.wv.trace_cap = cap;

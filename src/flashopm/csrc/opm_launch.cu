@@ -690,6 +690,33 @@ int outer_tc16_max_clusters(int dev, int operand_kind, int cluster, int smem) {
   return it->second;
 }
 
+int outer_tc16_resident_blocks(int dev, int operand_kind, int smem) {
+  // asked once per (device, operand type, shared memory), as for the clusters above
+  static std::mutex mu;
+  static std::map<std::array<int, 3>, int> cache;
+  const std::array<int, 3> key{dev, operand_kind == kMaskHalf ? 1 : 0, smem};
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache.find(key);
+  if (it == cache.end()) {
+    auto per_sm = [&](auto tag) {
+      using T = typename decltype(tag)::type;
+      constexpr auto kernel = opm_outer_tc16_kernel<T, true, true>;
+      allow_smem<kernel>(dev);
+      int n = 0;
+      if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kTcThreads, smem) != cudaSuccess) {
+        (void)cudaGetLastError();
+        n = 0;
+      }
+      return n;
+    };
+    int sms = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    const int n = operand_kind == kMaskHalf ? per_sm(TypeTag<__half>{}) : per_sm(TypeTag<__nv_bfloat16>{});
+    it = cache.emplace(key, n * sms).first;
+  }
+  return it->second;
+}
+
 namespace {
 // A 128-byte-swizzled tensor map of 16-bit elements (dims and boxes innermost first; strides in
 // bytes of every dimension past the first).
@@ -758,6 +785,16 @@ void launch_outer_tc16(const OuterArgs& args, int operand_kind, int form, int ma
     if (operand_kind == kMaskHalf)
       return launch_tc16_clusters_of<__half>(args, operand_kind, cluster, int(clusters), smem, stream);
     return launch_tc16_clusters_of<__nv_bfloat16>(args, operand_kind, cluster, int(clusters), smem, stream);
+  }
+  if (form == kT16WgmmaBoth) {
+    // a row of blocks taking tiles in turn: max_clusters (> 0) resident blocks, else one a tile
+    const int64_t tiles = int64_t(grid.x) * grid.y * grid.z;
+    const int64_t blocks = max_clusters > 0 ? std::min<int64_t>(tiles, max_clusters) : tiles;
+    TORCH_CHECK(tiles < (int64_t(1) << 31), "flashopm: too many tiles for one launch of the 16-bit kernel (", tiles, ")");
+    const dim3 row(unsigned(blocks), 1, 1);
+    if (operand_kind == kMaskHalf) launch_tc16_form<__half>(args, form, row, smem, stream);
+    else launch_tc16_form<__nv_bfloat16>(args, form, row, smem, stream);
+    return;
   }
   if (operand_kind == kMaskHalf) launch_tc16_form<__half>(args, form, grid, smem, stream);
   else launch_tc16_form<__nv_bfloat16>(args, form, grid, smem, stream);

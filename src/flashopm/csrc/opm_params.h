@@ -871,6 +871,8 @@ void launch_project_rows(const PrepArgs& args, cudaStream_t stream);
 // resident at once on device `dev` for operands of operand_kind with `smem` bytes of shared memory
 // a block: 0 where the driver's tensor-map encoder is missing or no such cluster fits.
 int outer_tc16_max_clusters(int dev, int operand_kind, int cluster, int smem);
+// Blocks of the 16-bit kernel's form with both phases on wgmma (without tensor copies) resident at once.
+int outer_tc16_resident_blocks(int dev, int operand_kind, int smem);
 int project_rows_smem_bytes(const PrepArgs& args);
 // opm_project_rows_kernel's TF32 terms per product: 0 for its FMA form (x not in 16-byte vectors,
 // or FLASHOPM_PROJECTION_MMA=0), 1 for 16-bit x, else PrepArgs::mma_terms.
@@ -923,7 +925,8 @@ int outer_tc_smem_bytes(int H, int Ti, int Tj, bool wgmma, bool wgmma2, TcMmaSyn
 // form: a Tc16Form, as tc16_form gives it (the wgmma forms need outer_tc16_wgmma_built() and a
 // compute capability 9.0 GPU)
 // max_clusters: the tensor-copy forms' clusters resident at once (each then takes several groups
-// of tiles in turn), 0 for one cluster per group of tiles
+// of tiles in turn), 0 for one cluster per group of tiles; for the form with both phases on wgmma
+// without tensor copies, its blocks resident at once (each taking tiles in turn), 0 for one a tile
 void launch_outer_tc16(const OuterArgs& args, int operand_kind, int form, int max_clusters, cudaStream_t stream);
 int outer_tc16_smem_bytes(int H, int Ti, int Tj, int form);
 bool outer_tc16_wgmma_built();  // the extension holds sm_90a code

@@ -269,6 +269,96 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
                              pending_bias);
   };
 
+  // kWgmma: phase 1's stages as the block's threads copy them (the forms without tensor copies).
+  // This thread's 16-byte pieces: column chunk c = tid % 8 of rows s = tid / 8 + 32r, in A's two
+  // and B's four column groups; a warp writes four whole 128-byte rows (no bank conflicts).
+  const int pc = tid & 7, pk = tid >> 3;
+  constexpr int kRowParts = kT16WgBK / 32;  // rows of s per stage, 32 per pass of the block
+  char* wg_stages = smem + L.stages;  // rounded up to 1 KB: the swizzle follows address bits 4-9
+  if constexpr (!kWgmmaBoth)
+    wg_stages = align_smem_1k(wg_stages);
+  // The shared address of this thread's pieces in stage 0 (in stage k: + k stages), and which of
+  // its column groups hold valid columns: bits 0-1 a's groups, bits 2-5 b's (of the tile being
+  // issued).  A mask in one register rather than flags the compiler recomputed per stage.
+  [[maybe_unused]] const uint32_t piece_dst0 = static_cast<uint32_t>(__cvta_generic_to_shared(wg_stages)) +
+                                               (pk >> 3) * 1024 + (pk & 7) * 128 + ((pc ^ (pk & 7)) << 4);
+  uint32_t col_ok = 0;
+  constexpr int kBBit = kTcMT / 64;
+  // One stage sequence over a tile's column tiles in turn, so that the next column tile's first
+  // stages load while this one's last ones are multiplied and its O is stored.  That needs column
+  // tile 0's O clear of the stages; later ones' O overlays them, so only the last may drain the ring.
+  static_assert(kT16JSub == 2, "only the last column tile's O may overlay the stages");
+  // Running sources (row s = s_row of this thread's first piece, chunk pc of group 0) of the next
+  // stage to issue, from column tile issue_js of the tile at (issue_a, issue_b, issue_j0): one
+  // pointer step per stage rather than each piece's offset from scratch (at 32 s per stage that
+  // arithmetic made the loop issue-bound).
+  const T* a_src = nullptr;
+  const T* b_src = nullptr;
+  const T* issue_a = nullptr;
+  int s_row = 0, issue_js = 0, issue_buf = 0, issue_b = 0, issue_j0 = 0;
+  auto start_tile = [&](int js) {
+    const int jt0 = issue_j0 + js * Tj;
+    const int b_lim = min(Tj * H, (N - jt0) * H);  // <= 0 for a column tile past N
+    col_ok &= (1u << kBBit) - 1;
+#pragma unroll
+    for (int grp = 0; grp < kTcNT / 64; ++grp) col_ok |= uint32_t(grp * 64 + pc * 8 < b_lim) << (kBBit + grp);
+    a_src = issue_a + int64_t(pk) * NaH + pc * 8;
+    b_src = b_g + int64_t(issue_b) * S * NH + int64_t(jt0) * H + int64_t(pk) * NH + pc * 8;
+    s_row = pk;
+  };
+  // The next stage of the sequence into the next buffer of the ring; nothing once every column
+  // tile's stages are issued (the caller still commits a group, empty, to keep the wait counts).
+  auto issue_stage = [&]() {
+    if (issue_js < kT16JSub) {
+      const uint32_t st = piece_dst0 + uint32_t(issue_buf * kT16WgStageBytes);
+#pragma unroll
+      for (int r = 0; r < kRowParts; ++r) {
+        const uint32_t ok_bits = s_row + 32 * r < S ? col_ok : 0u;
+#pragma unroll
+        for (int grp = 0; grp < kTcMT / 64; ++grp) {
+          const bool ok = (ok_bits >> grp) & 1u;
+          cp_async16z_shared(st + r * 4096 + grp * kT16WgGroupBytes,
+                             ok ? a_src + int64_t(32 * r) * NaH + grp * 64 : a_g, ok);
+        }
+#pragma unroll
+        for (int grp = 0; grp < kTcNT / 64; ++grp) {
+          const bool ok = (ok_bits >> (kBBit + grp)) & 1u;
+          cp_async16z_shared(st + r * 4096 + kT16WgABytes + grp * kT16WgGroupBytes,
+                             ok ? b_src + int64_t(32 * r) * NH + grp * 64 : b_g, ok);
+        }
+      }
+      a_src += int64_t(kT16WgBK) * NaH;
+      b_src += int64_t(kT16WgBK) * NH;
+      s_row += kT16WgBK;
+      if (s_row - pk >= S && ++issue_js < kT16JSub) start_tile(issue_js);  // that was the tile's last stage
+    }
+    issue_buf = issue_buf + 1 == kT16WgStages ? 0 : issue_buf + 1;
+  };
+  // The tile at row i0 (local to the row block), column j0 of batch element b: its stage sequence
+  // from ring buffer 0, and its first kT16WgAhead stages issued, a commit group each.
+  [[maybe_unused]] auto begin_stages = [&](int i0, int j0, int b) {
+    const int a_lim = min(Ti * H, (p.Na - i0) * H);  // valid columns of the tile (multiples of 8)
+    col_ok = 0;
+#pragma unroll
+    for (int grp = 0; grp < kTcMT / 64; ++grp) col_ok |= uint32_t(grp * 64 + pc * 8 < a_lim) << grp;
+    issue_a = a_g + int64_t(b) * S * NaH + int64_t(i0) * H;
+    issue_b = b;
+    issue_j0 = j0;
+    issue_js = 0;
+    issue_buf = 0;
+    start_tile(0);
+#pragma unroll
+    for (int st = 0; st < kT16WgAhead; ++st) {
+      issue_stage();
+      cp_async_commit();
+    }
+  };
+  // The forms without tensor copies, resident (OuterArgs::tc16_resident): whether this tile's
+  // first stages were issued by the block's tile before (beside its epilogue), and the next
+  // tile's coordinates (next_b < 0: none).
+  [[maybe_unused]] bool stages_ahead = false;
+  [[maybe_unused]] int next_col = 0, next_row = 0, next_b = -1;
+
   // One tile: column block col_tile, row tile row_tile of batch element b, the block's tile_it-th
   // (kTma: the stage ring starts at buffer 0 with each tile).
   auto tile = [&](const int col_tile, const int row_tile, const int b, const int tile_it) {
@@ -311,32 +401,7 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
     // 64-wide group of m (or n), kT16WgBK rows of s of 128 bytes, swizzled (see wgmma_desc).
     const int n_k = (S + kT16WgBK - 1) / kT16WgBK;
     const int wg = warp >> 2, wl = warp & 3;
-    // This thread's 16-byte pieces: column chunk c = tid % 8 of rows s = tid / 8 + 32r, in A's
-    // two and B's four column groups; a warp writes four whole 128-byte rows (no bank conflicts).
-    const int pc = tid & 7, pk = tid >> 3;
-    constexpr int kRowParts = kT16WgBK / 32;  // rows of s per stage, 32 per pass of the block
-    char* wg_stages = smem + L.stages;  // rounded up to 1 KB: the swizzle follows address bits 4-9
-    if constexpr (!kWgmmaBoth)
-      wg_stages = align_smem_1k(wg_stages);
-    // The shared address of this thread's pieces in stage 0 (in stage k: + k stages), and which
-    // of its column groups hold valid columns: bits 0-1 a's groups, bits 2-5 b's (of the tile
-    // being issued).  A mask in one register rather than flags the compiler recomputed per stage.
-    const uint32_t piece_dst0 = static_cast<uint32_t>(__cvta_generic_to_shared(wg_stages)) + (pk >> 3) * 1024 +
-                                (pk & 7) * 128 + ((pc ^ (pk & 7)) << 4);
-    uint32_t col_ok = 0;
-#pragma unroll
-    for (int grp = 0; grp < kTcMT / 64; ++grp) col_ok |= uint32_t(grp * 64 + pc * 8 < a_lim) << grp;
-    constexpr int kBBit = kTcMT / 64;
-    // One stage sequence over the column tiles in turn, so that the next tile's first stages load
-    // while this tile's last ones are multiplied and its O is stored.  That needs tile 0's O clear
-    // of the stages; later tiles' O overlays them, so only the last tile may drain the ring.
-    static_assert(kT16JSub == 2, "only the last column tile's O may overlay the stages");
-    // Running sources (row s = s_row of this thread's first piece, chunk pc of group 0) of the
-    // next stage to issue, from column tile issue_js: one pointer step per stage rather than each
-    // piece's offset from scratch (at 32 s per stage that arithmetic made the loop issue-bound).
-    const T* a_src = nullptr;
-    const T* b_src = nullptr;
-    int s_row = 0, issue_js = 0, issue_buf = 0, read_buf = 0;
+    int read_buf = 0;
     // kTma: the parity each stage buffer's next use waits for, a bit per buffer: this tile's first
     // uses follow from each buffer's uses in the tiles before, and a bit flips as its use is read.
     // Kept as bits rather than formed from the stage's index at each wait: with that arithmetic
@@ -348,51 +413,10 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
       for (int sb = 0; sb < kT16WgStages; ++sb)
         read_parity |= uint32_t((tile_it * tc16_stage_uses(kT16JSub * n_k, sb)) & 1) << sb;
     }
-    auto start_tile = [&](int js) {
-      const int jt0 = j0 + js * Tj;
-      const int b_lim = min(Tj * H, (N - jt0) * H);  // <= 0 for a column tile past N
-      col_ok &= (1u << kBBit) - 1;
-#pragma unroll
-      for (int grp = 0; grp < kTcNT / 64; ++grp) col_ok |= uint32_t(grp * 64 + pc * 8 < b_lim) << (kBBit + grp);
-      a_src = a_base + int64_t(pk) * NaH + pc * 8;
-      b_src = b_g + int64_t(b) * S * NH + int64_t(jt0) * H + int64_t(pk) * NH + pc * 8;
-      s_row = pk;
-    };
-    start_tile(0);
-    // The next stage of the sequence into the next buffer of the ring; nothing once every tile's
-    // stages are issued (the caller still commits a group, empty, to keep the wait counts).
-    auto issue_stage = [&]() {
-      if (issue_js < kT16JSub) {
-        const uint32_t st = piece_dst0 + uint32_t(issue_buf * kT16WgStageBytes);
-#pragma unroll
-        for (int r = 0; r < kRowParts; ++r) {
-          const uint32_t ok_bits = s_row + 32 * r < S ? col_ok : 0u;
-#pragma unroll
-          for (int grp = 0; grp < kTcMT / 64; ++grp) {
-            const bool ok = (ok_bits >> grp) & 1u;
-            cp_async16z_shared(st + r * 4096 + grp * kT16WgGroupBytes,
-                               ok ? a_src + int64_t(32 * r) * NaH + grp * 64 : a_g, ok);
-          }
-#pragma unroll
-          for (int grp = 0; grp < kTcNT / 64; ++grp) {
-            const bool ok = (ok_bits >> (kBBit + grp)) & 1u;
-            cp_async16z_shared(st + r * 4096 + kT16WgABytes + grp * kT16WgGroupBytes,
-                               ok ? b_src + int64_t(32 * r) * NH + grp * 64 : b_g, ok);
-          }
-        }
-        a_src += int64_t(kT16WgBK) * NaH;
-        b_src += int64_t(kT16WgBK) * NH;
-        s_row += kT16WgBK;
-        if (s_row - pk >= S && ++issue_js < kT16JSub) start_tile(issue_js);  // that was the tile's last stage
-      }
-      issue_buf = issue_buf + 1 == kT16WgStages ? 0 : issue_buf + 1;
-    };
     if constexpr (!kTma) {
-#pragma unroll
-      for (int st = 0; st < kT16WgAhead; ++st) {
-        issue_stage();
-        cp_async_commit();
-      }
+      // (the tile before on this block may have issued them, beside its epilogue)
+      if (!stages_ahead) begin_stages(i0, j0, b);
+      stages_ahead = false;
     }
     // Stage 0's descriptors; another stage's or k step's differ in the start address alone, whose
     // field (address / 16, 14 bits) holds every shared address without carrying into the next.
@@ -715,9 +739,13 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
         float round_bias[4];
         load_round_bias(p, dg, tid, round_bias);
         const char* o_round = smem + (r0 >> 3) * o_sbo;
-        // kTma: the tile's last round's sums over O of column tile 0 (see stores_pending)
-        const bool last_round = kTma && p.tc16_defer && dg + kTcDG >= D && r0 + kT16RoundRows >= P;
-        float* red = reinterpret_cast<float*>(last_round ? smem : w_st);  // [64 pairs][kTcDG + 4]
+        // The tile's last round's sums over O of column tile 0, clear of the stages: kTma, stored
+        // beside the next tile's first MMAs (see stores_pending); resident without tensor copies,
+        // stored while the next tile's first stages load (see stages_ahead).
+        const bool tile_last_round = dg + kTcDG >= D && r0 + kT16RoundRows >= P;
+        const bool last_round = kTma && p.tc16_defer && tile_last_round;
+        const bool next_ahead = !kTma && tile_last_round && next_b >= 0 && L.stages >= kT16RoundRows * kRedLd * 4;
+        float* red = reinterpret_cast<float*>(last_round || next_ahead ? smem : w_st);  // [64 pairs][kTcDG + 4]
         // The round's products and sums into red.  kSplit (OuterArgs::tc16_ksplit): out = O·Wᵀ, each
         // warpgroup all 64 pairs x kTcDG d (m64n128k16, O the A operand) over its half of each
         // chunk's k (warpgroup wg: k 32wg .. 32wg + 31), the halves summed in red: 24 KB of operand
@@ -776,6 +804,11 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
           } else {
             cp_async_wait_all();
             __syncthreads();  // every W read done: the stage area takes the sums
+            // the next tile's first stages, into buffers under O of column tile 1 and W, now read
+            if (next_ahead) {
+              begin_stages(next_row * Ti, next_col * Tj * kT16JSub, next_b);
+              stages_ahead = true;
+            }
           }
           if constexpr (kSplit) {
             // acc2: rows (pairs) 16wl + g (+8), columns d 8j + 2t (+1); warpgroup 0's half of k
@@ -918,6 +951,23 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
     }
     cluster_barrier();  // the peers' last arrivals on this block's mbarriers made before it exits
 #endif
+  } else if constexpr (kWgmmaBoth) {
+    // a row of blocks taking tiles in turn (one block a tile where the launch has as many), each
+    // tile's first stages issued beside the epilogue of the block's tile before
+    const int n_col_blocks = (N + Tj * kT16JSub - 1) / (Tj * kT16JSub), n_row_tiles = (p.Na + Ti - 1) / Ti;
+    const int n_tiles = n_col_blocks * n_row_tiles * p.B;
+    int lin = blockIdx.x, col_tile = 0, row_tile = 0, b = 0;
+    if (lin < n_tiles) tc16_group_tile(lin, n_col_blocks, n_row_tiles, col_tile, row_tile, b);
+    for (int it = 0; lin < n_tiles; ++it) {
+      const int nxt = lin + int(gridDim.x);
+      next_b = -1;
+      if (nxt < n_tiles) tc16_group_tile(nxt, n_col_blocks, n_row_tiles, next_col, next_row, next_b);
+      tile(col_tile, row_tile, b, it);
+      lin = nxt;
+      col_tile = next_col;
+      row_tile = next_row;
+      b = next_b;
+    }
   } else {
     int col_tile, row_tile;
     grouped_tile(col_tile, row_tile);
