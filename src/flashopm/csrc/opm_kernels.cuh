@@ -523,6 +523,49 @@ __device__ __forceinline__ void store_round(const OuterArgs& p, const float* red
     }
   }
 }
+// The same for 16-bit outputs (out_kind half or bfloat16) with D a multiple of 8 and no
+// accumulation, with the divisor's reciprocal: each thread takes eight consecutive d of one pair
+// per step, one 16-byte store (a quarter of store_round's store instructions: its 4-byte stores
+// took ~2.7K cycles a round under the contraction's traffic, run 334), the bias of its eight d
+// from load_round_bias8.
+__device__ __forceinline__ void load_round_bias8(const OuterArgs& p, int dg, int tid, float (&bias)[8]) {
+  const int d = dg + (tid % (kTcDG / 8)) * 8;
+#pragma unroll
+  for (int e = 0; e < 8; ++e) bias[e] = p.bias && d + e < p.D ? p.bias[d + e] : 0.f;
+}
+template <int kRows>
+__device__ __forceinline__ void store_round16(const OuterArgs& p, const float* red, int red_ld, const int64_t* row_off,
+                                              const float* norm_arg, int dg, int tid, int nthreads,
+                                              const float (&bias)[8]) {
+  const int dl = (tid % (kTcDG / 8)) * 8, d = dg + dl;
+  if (d >= p.D) return;
+  const bool openfold = p.norm.kind == kNormOpenFold, half = p.out_kind == kMaskHalf;
+#pragma unroll 1
+  for (int pl = tid / (kTcDG / 8); pl < kRows; pl += nthreads / (kTcDG / 8)) {
+    const int64_t row = row_off[pl];
+    if (row < 0) continue;
+    const float na = norm_arg[pl];
+    const float4 v0 = *reinterpret_cast<const float4*>(&red[pl * red_ld + dl]);
+    const float4 v1 = *reinterpret_cast<const float4*>(&red[pl * red_ld + dl + 4]);
+    const float v[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
+    float o[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) o[e] = openfold ? (v[e] + bias[e]) * na : fmaf(v[e], na, bias[e]);
+    uint4 packed;
+    uint32_t* w = reinterpret_cast<uint32_t*>(&packed);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      if (half) {
+        const __half2 h = __floats2half2_rn(o[2 * e], o[2 * e + 1]);
+        w[e] = *reinterpret_cast<const uint32_t*>(&h);
+      } else {
+        const __nv_bfloat162 h = __floats2bfloat162_rn(o[2 * e], o[2 * e + 1]);
+        w[e] = *reinterpret_cast<const uint32_t*>(&h);
+      }
+    }
+    *reinterpret_cast<uint4*>(static_cast<uint16_t*>(p.out) + row + d) = packed;
+  }
+}
 template <int kRows, bool kReciprocal>
 __device__ __forceinline__ void store_round(const OuterArgs& p, const float* red, int red_ld, const int64_t* row_off,
                                             const float* norm_arg, int dg, int tid, int nthreads) {

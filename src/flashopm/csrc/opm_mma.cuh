@@ -497,29 +497,6 @@ __device__ __forceinline__ void wgmma_m64n64k16_kmajor(float (&d)[32], uint64_t 
 }
 #undef FLASHOPM_WGMMA_M64N64K16
 
-// d (64 x 128 per warpgroup, float32) += A (64 x 16) · B (16 x 128), both K-major in shared memory
-// as above; the accumulator layout of wgmma_m64n256k16's first 16 column tiles.
-#define FLASHOPM_WGMMA_M64N128K16(TYPE)                                                   \
-  asm volatile(                                                                          \
-      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"                                        \
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE " {"                    \
-        FLASHOPM_ACC_NAMES64 "}, " \
-      "%64, %65, p, 1, 1, 0, 0;\n}\n"                                                   \
-        : FLASHOPM_ACC64(d) \
-      : "l"(desc_a), "l"(desc_b))
-
-template <typename T>
-__device__ __forceinline__ void wgmma_m64n128k16_kmajor(float (&d)[64], uint64_t desc_a, uint64_t desc_b) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    FLASHOPM_WGMMA_M64N128K16("bf16");
-  } else {
-    FLASHOPM_WGMMA_M64N128K16("f16");
-  }
-#endif
-}
-#undef FLASHOPM_WGMMA_M64N128K16
-
 // The float16 split form's MMAs: d = A·B + (accumulate ? d : 0) with float16 operands, both
 // K-major in shared memory (rows of m or n, 128 bytes of k each, 8 rows to a 1 KB swizzle atom;
 // transpose flags clear).  m64n128k16: the accumulator layout of wgmma_m64n256k16's first 16

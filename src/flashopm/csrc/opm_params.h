@@ -521,9 +521,9 @@ struct OuterArgs {
   // the 16-bit form without tensor copies: 1, phase 2's first W chunks issued in phase 1 once the
   // stage buffers beneath them are read for the last time (FLASHOPM_TC16_W_EARLY=0: at phase 2's start)
   int tc16_w_early;
-  // the 16-bit forms with phase 2 on wgmma: 1, out = O·Wᵀ with the warpgroups splitting each W
-  // chunk's k (FLASHOPM_TC16_KSPLIT=0: outᵀ = W·Oᵀ with the warpgroups splitting d)
-  int tc16_ksplit;
+  // the 16-bit kernel's wgmma forms: 1, 16-byte output stores where the output allows them
+  // (FLASHOPM_TC16_WIDE_STORES=0: 4-byte stores)
+  int tc16_wide;
   FusedProjArgs fp;  // the fused projection's inputs (x null: a and b come in the workspace)
   WaveArgs wv;       // the waves form's (wv.ws null: not that form)
 };

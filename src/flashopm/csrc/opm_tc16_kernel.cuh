@@ -261,12 +261,27 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
   constexpr int kRedLd = kTcDG + 4;
   [[maybe_unused]] bool stores_pending = false;
   [[maybe_unused]] int pending_dg = 0;
-  [[maybe_unused]] float pending_bias[4] = {0.f, 0.f, 0.f, 0.f};
+  // The output's stores: 16 bytes a thread (store_round16) where the output is 16-bit, D a
+  // multiple of 8 and out 16-byte aligned, unless FLASHOPM_TC16_WIDE_STORES=0 (OuterArgs::tc16_wide).
+  const bool wide_stores = p.tc16_wide && p.out_kind != kMaskFloat && (D & 7) == 0 && !p.accumulate &&
+                           (reinterpret_cast<uintptr_t>(p.out) & 15) == 0;
+  // a round's bias for this thread's d (load_round_bias8, or load_round_bias in the first four)
+  auto load_bias = [&](int dg, float (&bias)[8]) {
+    if (wide_stores) load_round_bias8(p, dg, tid, bias);
+    else load_round_bias(p, dg, tid, reinterpret_cast<float(&)[4]>(bias));
+  };
+  auto store_rows = [&](auto rows_c, const float* red, const int64_t* rows, const float* args, int dg,
+                        const float (&bias)[8]) {
+    constexpr int kRows = decltype(rows_c)::value;
+    if (wide_stores) store_round16<kRows>(p, red, kRedLd, rows, args, dg, tid, kTcThreads, bias);
+    else store_round<kRows, true>(p, red, kRedLd, rows, args, dg, tid, kTcThreads,
+                                  reinterpret_cast<const float(&)[4]>(bias));
+  };
+  [[maybe_unused]] float pending_bias[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
   [[maybe_unused]] auto store_pending_half = [&](int half) {
     constexpr int kHalf = kT16RoundRows / 2;
-    store_round<kHalf, true>(p, reinterpret_cast<const float*>(smem) + half * kHalf * kRedLd, kRedLd,
-                             row_off + half * kHalf, norm_arg + half * kHalf, pending_dg, tid, kTcThreads,
-                             pending_bias);
+    store_rows(std::integral_constant<int, kHalf>{}, reinterpret_cast<const float*>(smem) + half * kHalf * kRedLd,
+               row_off + half * kHalf, norm_arg + half * kHalf, pending_dg, pending_bias);
   };
 
   // kWgmma: phase 1's stages as the block's threads copy them (the forms without tensor copies).
@@ -392,6 +407,21 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
       if (p.tc16_w_early && last + 2 < n_q_w) w_early_q[c] = last + 2;
     }
   }
+  // Output rows and normaliser arguments of the round of pairs r0 .. r0 + kT16RoundRows (pair
+  // js·P1 + il·Tj + jl), for store_round.  The wgmma forms stage their first round's after phase
+  // 1's column tile 0, later rounds' at their start; the others at each round's start once its
+  // first W chunks are on their way: the denominators' or pair counts' loads (from L2 or memory)
+  // then pass beside the products instead of before the epilogue (run 334: ~1.3K cycles a tile
+  // at phase 2's first barrier when staged at its start).
+  auto stage_round_rows = [&](int r0) {
+    if (tid < kT16RoundRows) {
+      const int pr = r0 + tid;
+      const int js = pr / P1, rem = pr - js * P1;
+      const int il = rem / Tj, jl = js * Tj + rem - il * Tj;
+      stage_pair_row<true>(p, tid, pr < P && i0 + il < p.Na && j0 + jl < N, b, i0, il, j0, jl, N, D, row_den, row_off,
+                     norm_arg);
+    }
+  };
   // ---------------- phase 1 ----------------
   const int a_lim = min(Ti * H, (p.Na - i0) * H);  // valid columns of the tile (multiples of 8)
   const T* a_base = a_g + int64_t(b) * S * NaH + int64_t(i0) * H;
@@ -488,6 +518,9 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
           consumers_sync();  // the last tile's sums read by every thread: O of column tile 0 overlays them
         }
       }
+      // the first round's rows (the block's tile before has stored its rows by now)
+      if constexpr (kWgmmaBoth)
+        if (js == 0) stage_round_rows(0);
       if constexpr (kTma) release(bars + kT16WgStages + (js * n_k + n_k - 1) % kT16WgStages);
       if (js + 1 == kT16JSub) {
         // (kTma: every stage's bytes from every block have arrived: nothing more is copied here)
@@ -676,19 +709,6 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
   }
 
   const int K2 = H * H;
-  // Output rows and normaliser arguments of the round of pairs r0 .. r0 + kT16RoundRows (pair
-  // js·P1 + il·Tj + jl), for store_round.  Staged at the round's start, once its first W chunks
-  // are on their way: the denominators' or pair counts' loads (from L2 or memory) then wait
-  // beside those chunks instead of before the epilogue.
-  auto stage_round_rows = [&](int r0) {
-    if (tid < kT16RoundRows) {
-      const int pr = r0 + tid;
-      const int js = pr / P1, rem = pr - js * P1;
-      const int il = rem / Tj, jl = js * Tj + rem - il * Tj;
-      stage_pair_row<true>(p, tid, pr < P && i0 + il < p.Na && j0 + jl < N, b, i0, il, j0, jl, N, D, row_den, row_off,
-                     norm_arg);
-    }
-  };
   if constexpr (kWgmmaBoth) {
     // ---------------- phase 2 on wgmma: out[(i,j), d]ᵀ = W · Oᵀ, warpgroup wg taking d 64wg .. 64wg+63
     // of each group of kTcDG, a round of 64 pairs at a time, W in chunks of 64 k (A, K-major) and
@@ -735,9 +755,9 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
           }
         }
         mark(kT16MarkRound, r0);
-        stage_round_rows(r0);
-        float round_bias[4];
-        load_round_bias(p, dg, tid, round_bias);
+        if (dg > 0 || r0 > 0) stage_round_rows(r0);  // (the first round's staged in phase 1)
+        float round_bias[8];
+        load_bias(dg, round_bias);
         const char* o_round = smem + (r0 >> 3) * o_sbo;
         // The tile's last round's sums over O of column tile 0, clear of the stages: kTma, stored
         // beside the next tile's first MMAs (see stores_pending); resident without tensor copies,
@@ -746,17 +766,11 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
         const bool last_round = kTma && p.tc16_defer && tile_last_round;
         const bool next_ahead = !kTma && tile_last_round && next_b >= 0 && L.stages >= kT16RoundRows * kRedLd * 4;
         float* red = reinterpret_cast<float*>(last_round || next_ahead ? smem : w_st);  // [64 pairs][kTcDG + 4]
-        // The round's products and sums into red.  kSplit (OuterArgs::tc16_ksplit): out = O·Wᵀ, each
-        // warpgroup all 64 pairs x kTcDG d (m64n128k16, O the A operand) over its half of each
-        // chunk's k (warpgroup wg: k 32wg .. 32wg + 31), the halves summed in red: 24 KB of operand
-        // reads a chunk where the other form's m64n64k16 (warpgroup wg: d 64wg .. 64wg + 63 over
-        // all of k) read 32 KB, phase 2 being bound by shared memory (run 333).
-        auto round_products = [&](auto split_c) {
-          constexpr bool kSplit = decltype(split_c)::value;
-          constexpr int kAcc = kSplit ? 64 : 32;
-          float acc2[kAcc];
+        // The round's products and sums into red.
+        {
+          float acc2[32];
 #pragma unroll
-          for (int e = 0; e < kAcc; ++e) acc2[e] = 0.f;
+          for (int e = 0; e < 32; ++e) acc2[e] = 0.f;
           for (int kc = 0; kc < n_kc; ++kc) {
             int buf = kc % kT16Wg2Stages;
             if constexpr (kTma) {
@@ -777,17 +791,10 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
             if (kc == 0) mark(kT16MarkW0, 0);
             const char* st = w_st + buf * kT16Wg2ChunkBytes;
             wgmma_fence();
-            if constexpr (kSplit) {
 #pragma unroll
-              for (int kk = 2 * wg; kk < 2 * wg + 2; ++kk)
-                wgmma_m64n128k16_kmajor<T>(acc2, wgmma_desc(o_round + kc * 1024 + kk * 32, 16, o_sbo),
-                                           wgmma_desc(st + kk * 32, 16, 1024));
-            } else {
-#pragma unroll
-              for (int kk = 0; kk < 4; ++kk)
-                wgmma_m64n64k16_kmajor<T>(acc2, wgmma_desc(st + wg * 64 * 128 + kk * 32, 16, 1024),
-                                          wgmma_desc(o_round + kc * 1024 + kk * 32, 16, o_sbo));
-            }
+            for (int kk = 0; kk < 4; ++kk)
+              wgmma_m64n64k16_kmajor<T>(acc2, wgmma_desc(st + wg * 64 * 128 + kk * 32, 16, 1024),
+                                        wgmma_desc(o_round + kc * 1024 + kk * 32, 16, o_sbo));
             wgmma_commit();
             wgmma_wait<1>();
             if constexpr (kTma)  // the previous chunk's products retired by this warpgroup
@@ -810,49 +817,27 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
               stages_ahead = true;
             }
           }
-          if constexpr (kSplit) {
-            // acc2: rows (pairs) 16wl + g (+8), columns d 8j + 2t (+1); warpgroup 0's half of k
-            // stored, then warpgroup 1's added
+          // acc2: rows d = 64wg + 16wl + g (+8), columns (pairs) 8j + 2t (+1)
 #pragma unroll
-            for (int turn = 0; turn < 2; ++turn) {
-              if (wg == turn) {
+          for (int j = 0; j < 8; ++j)
 #pragma unroll
-                for (int j = 0; j < 16; ++j)
-#pragma unroll
-                  for (int half = 0; half < 2; ++half) {
-                    float2* r = reinterpret_cast<float2*>(&red[(wl * 16 + g + 8 * half) * kRedLd + 8 * j + 2 * t]);
-                    float2 v = make_float2(acc2[4 * j + 2 * half], acc2[4 * j + 2 * half + 1]);
-                    if (turn == 1) v = make_float2(r->x + v.x, r->y + v.y);
-                    *r = v;
-                  }
-              }
-              if (turn == 0) consumers_sync();
+            for (int half = 0; half < 2; ++half) {
+              const int d = wg * 64 + wl * 16 + g + 8 * half, pr = 8 * j + 2 * t;
+              red[pr * kRedLd + d] = acc2[4 * j + 2 * half];
+              red[(pr + 1) * kRedLd + d] = acc2[4 * j + 2 * half + 1];
             }
-          } else {
-            // acc2: rows d = 64wg + 16wl + g (+8), columns (pairs) 8j + 2t (+1)
-#pragma unroll
-            for (int j = 0; j < 8; ++j)
-#pragma unroll
-              for (int half = 0; half < 2; ++half) {
-                const int d = wg * 64 + wl * 16 + g + 8 * half, pr = 8 * j + 2 * t;
-                red[pr * kRedLd + d] = acc2[4 * j + 2 * half];
-                red[(pr + 1) * kRedLd + d] = acc2[4 * j + 2 * half + 1];
-              }
-          }
-        };
-        if (p.tc16_ksplit) round_products(std::true_type{});
-        else round_products(std::false_type{});
+        }
         consumers_sync();
         mark(kT16MarkSums, 0);
         if (last_round) {
           stores_pending = true;
           pending_dg = dg;
 #pragma unroll
-          for (int e = 0; e < 4; ++e) pending_bias[e] = round_bias[e];
+          for (int e = 0; e < 8; ++e) pending_bias[e] = round_bias[e];
           mark(kT16MarkStored, 0);
           continue;
         }
-        store_round<kT16RoundRows, true>(p, red, kRedLd, row_off, norm_arg, dg, tid, kTcThreads, round_bias);
+        store_rows(std::integral_constant<int, kT16RoundRows>{}, red, row_off, norm_arg, dg, round_bias);
         mark(kT16MarkStored, 0);
         if constexpr (kTma) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
