@@ -52,13 +52,16 @@
 #                                                       # paired, the bfloat16 rows, then test_cuda.py
 #                                                       # and test_conventions.py whole
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR ksplit  # the same with phase 2 as O·Wᵀ split over
-#                                                       # k (FLASHOPM_TC16_KSPLIT) beside it
+#                                                       # k (FLASHOPM_TC16_KSPLIT, since removed) beside it
+#          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR final16  # clusters of two the default: the 16-bit
+#                                                       # kernel's tests, traces, its forms paired, issue
+#                                                       # 6's bfloat16 rows, the forward test files
 # (DEST: a folder that r.tgz is also copied to after every step)
 # Each phase fits one call of under ten minutes, the build (~2 min) included.
 # steps.txt lists each step's exit status; a failing test step stops the call.
 OUT=$1
 PHASE=${2:-default}
-case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows | bf16 | clusters | bf16_clusters | ncu_clusters | land | producer | regs | pairs | proj16 | stack | stack_rows | trace16 | defer | early | ksplit) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all, own_rows, bf16, clusters, bf16_clusters, ncu_clusters, land, producer, regs, pairs, proj16, stack, stack_rows, trace16, defer, early or ksplit, got '$PHASE'" >&2; exit 2 ;; esac
+case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows | bf16 | clusters | bf16_clusters | ncu_clusters | land | producer | regs | pairs | proj16 | stack | stack_rows | trace16 | defer | early | ksplit | final16) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all, own_rows, bf16, clusters, bf16_clusters, ncu_clusters, land, producer, regs, pairs, proj16, stack, stack_rows, trace16, defer, early, ksplit or final16, got '$PHASE'" >&2; exit 2 ;; esac
 R=$OUT/r
 mkdir -p "$R"
 pack() { tar -C "$OUT" -czf "$OUT/r.tgz" r; [ -n "$DEST" ] && cp "$OUT/r.tgz" "$DEST/"; }
@@ -392,6 +395,32 @@ if [ "$PHASE" = bf16_clusters ]; then
   T conv_clusters 90 env FLASHOPM_TC16_CLUSTER=$CL $py scripts/convention_times.py 1536 row openfold boltz bfloat16 kernels
   T ab_stream 60 $py scripts/ab_env.py FLASHOPM_PROJECT_STREAM=1 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6
   [ "$CL" != 1 ] && [ ! -f "$R/ab_cluster2.log" ] && ab_c 2
+  exit 0
+fi
+
+if [ "$PHASE" = final16 ]; then
+  # clusters of two as the 16-bit kernel's default form, 16-byte output stores, the first round's
+  # rows staged in phase 1, the form without tensor copies as resident blocks: the tests of the
+  # kernel's forms (a failure stops the call); the tiles' phases traced; the default paired against
+  # the form without tensor copies (resident or not) and against 4-byte stores; issue 6's bfloat16
+  # rows (OpenFold, Boltz, spec) beside eager and torch.compile; each convention by kernel; then the
+  # forward test files whole and the autograd tests (~9.5 min with the build: the limit cuts the last)
+  T t_tc16 150 $py -m pytest -x -q -p no:cacheprovider tests/test_cuda.py -k "cluster_form or tc16_conventions or early_w_chunks" || exit 1
+  T trace16 150 $py scripts/tc16_trace.py --out "$R/trace16" --forms "2,0,0+FLASHOPM_TC16_RESIDENT=0,2+FLASHOPM_TC16_WIDE_STORES=0"
+  T ab_resident 60 $py scripts/ab_env.py FLASHOPM_TC16_CLUSTER=0 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6
+  T ab_old 60 $py scripts/ab_env.py FLASHOPM_TC16_CLUSTER=0,FLASHOPM_TC16_RESIDENT=0 1,512,1536,256,32,128 \
+    --dtype bfloat16 --mode forward --calls 6
+  T ab_wide 60 $py scripts/ab_env.py FLASHOPM_TC16_WIDE_STORES=0 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6
+  T mod_openfold_bf16 120 $py -m flashopm bench --module openfold --shapes "1,512,1536,256,32,128" \
+    --dtype bfloat16 --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/mod_openfold_bf16"
+  T mod_boltz_bf16 120 $py -m flashopm bench --module boltz --shapes "1,512,1536,256,32,128" \
+    --dtype bfloat16 --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/mod_boltz_bf16"
+  T bench_bf16 90 $py -m flashopm bench --shapes "1,512,1536,256,32,128" --dtype bfloat16 \
+    --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/bench_bf16"
+  T conv_final 90 $py scripts/convention_times.py 1536 row openfold boltz bfloat16 kernels
+  T t_cuda 200 $py -m pytest -q -p no:cacheprovider tests/test_cuda.py
+  T t_conv 200 $py -m pytest -q -p no:cacheprovider tests/test_conventions.py tests/test_modules.py tests/test_projection16.py
+  T t_auto 150 $py -m pytest -q -p no:cacheprovider tests/test_autograd.py
   exit 0
 fi
 
