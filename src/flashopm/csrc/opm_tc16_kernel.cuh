@@ -389,8 +389,9 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
   // kWgmmaBoth without tensor copies: phase 2's first W chunks (the first round's kT16Wg2Stages -
   // 2), each issued in phase 1 at the first stage q whose barrier follows the retirement of every
   // stage buffer beneath it (last use + 2), so that their latency passes under the last stages
-  // and the O stores instead of at phase 2's start (run 333: ~1.1K cycles a tile); n_q_w: issued
-  // at phase 2's start.
+  // and the O stores instead of at phase 2's start; n_q_w: issued at phase 2's start.  (Level
+  // with issuing them there, run 334: the ~1.1K-cycle wait at phase 2's first barrier that run
+  // 333 found was the round's rows' loads, now staged in phase 1.)
   [[maybe_unused]] const int n_q_w = kT16JSub * ((S + kT16WgBK - 1) / kT16WgBK);
   [[maybe_unused]] int w_early_q[kT16Wg2Stages - 2];
 #pragma unroll
