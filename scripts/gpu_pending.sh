@@ -47,12 +47,10 @@
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR defer  # the tensor-copy forms storing a tile's
 #                                                       # last round beside the next tile's MMAs:
 #                                                       # tests, traces, paired, the bfloat16 rows
-#          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR early  # W's first chunks issued in phase 1 and the
-#                                                       # epilogue's bias loaded early: tests, traces,
-#                                                       # paired, the bfloat16 rows, then test_cuda.py
-#                                                       # and test_conventions.py whole
-#          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR ksplit  # the same with phase 2 as O·Wᵀ split over
-#                                                       # k (FLASHOPM_TC16_KSPLIT, since removed) beside it
+#          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR ksplit  # W's first chunks issued in phase 1, the
+#                                                       # epilogue's bias loaded early, phase 2 split over
+#                                                       # k (FLASHOPM_TC16_KSPLIT, since removed): tests,
+#                                                       # traces, paired, the bfloat16 rows, test files
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR final16  # clusters of two the default: the 16-bit
 #                                                       # kernel's tests, traces, its forms paired, issue
 #                                                       # 6's bfloat16 rows, the forward test files
@@ -63,7 +61,7 @@
 # steps.txt lists each step's exit status; a failing test step stops the call.
 OUT=$1
 PHASE=${2:-default}
-case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows | bf16 | clusters | bf16_clusters | ncu_clusters | land | producer | regs | pairs | proj16 | stack | stack_rows | trace16 | defer | early | ksplit | final16 | grads16) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all, own_rows, bf16, clusters, bf16_clusters, ncu_clusters, land, producer, regs, pairs, proj16, stack, stack_rows, trace16, defer, early, ksplit, final16 or grads16, got '$PHASE'" >&2; exit 2 ;; esac
+case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows | bf16 | clusters | bf16_clusters | ncu_clusters | land | producer | regs | pairs | proj16 | stack | stack_rows | trace16 | defer | ksplit | final16 | grads16) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all, own_rows, bf16, clusters, bf16_clusters, ncu_clusters, land, producer, regs, pairs, proj16, stack, stack_rows, trace16, defer, ksplit, final16 or grads16, got '$PHASE'" >&2; exit 2 ;; esac
 R=$OUT/r
 mkdir -p "$R"
 pack() { tar -C "$OUT" -czf "$OUT/r.tgz" r; [ -n "$DEST" ] && cp "$OUT/r.tgz" "$DEST/"; }
@@ -439,7 +437,8 @@ if [ "$PHASE" = final16 ]; then
 fi
 
 if [ "$PHASE" = ksplit ]; then
-  # 'early' with phase 2 as O·Wᵀ, the warpgroups splitting each W chunk's k (FLASHOPM_TC16_KSPLIT):
+  # W's first chunks issued in phase 1 (FLASHOPM_TC16_W_EARLY), the epilogue's bias loaded at the
+  # round's start, phase 2 as O·Wᵀ, the warpgroups splitting each W chunk's k (FLASHOPM_TC16_KSPLIT):
   # the tests of the 16-bit kernel's forms (a failure stops the call); the tiles' phases traced;
   # each switch paired against its other side; issue 6's bfloat16 rows and each convention by
   # kernel on the fastest form; then the forward test files of this kernel whole (~9 min)
@@ -457,30 +456,6 @@ if [ "$PHASE" = ksplit ]; then
   T mod_openfold_bf16 120 env FLASHOPM_TC16_CLUSTER=$CL $py -m flashopm bench --module openfold --shapes "1,512,1536,256,32,128" \
     --dtype bfloat16 --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/mod_openfold_bf16"
   T conv_ksplit 90 env FLASHOPM_TC16_CLUSTER=$CL $py scripts/convention_times.py 1536 row openfold boltz bfloat16 kernels
-  T bench_bf16 90 env FLASHOPM_TC16_CLUSTER=$CL $py -m flashopm bench --shapes "1,512,1536,256,32,128" --dtype bfloat16 \
-    --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/bench_bf16"
-  T t_cuda 200 $py -m pytest -q -p no:cacheprovider tests/test_cuda.py
-  T t_conv 200 $py -m pytest -q -p no:cacheprovider tests/test_conventions.py tests/test_modules.py tests/test_projection16.py
-  exit 0
-fi
-
-if [ "$PHASE" = early ]; then
-  # the 16-bit kernel with phase 2's first W chunks issued in phase 1 (FLASHOPM_TC16_W_EARLY) and
-  # the epilogue's bias loaded at the round's start: the tests of its forms (a failure stops the
-  # call); the tiles' phases traced; paired against W_EARLY=0, the tensor-copy forms against the
-  # default; issue 6's bfloat16 rows and each convention by kernel on the fastest form; then the
-  # forward test files of this kernel whole (~9 min with the build: the limit cuts what comes last)
-  T t_tc16 150 $py -m pytest -x -q -p no:cacheprovider tests/test_cuda.py -k "cluster_form or tc16_conventions or early_w_chunks" || exit 1
-  T trace16 150 $py scripts/tc16_trace.py --out "$R/trace16" \
-    --forms "0,0+FLASHOPM_TC16_W_EARLY=0,2,2+FLASHOPM_TC16_DEFER=0"
-  T ab_early 60 env FLASHOPM_TC16_CLUSTER=0 $py scripts/ab_env.py FLASHOPM_TC16_W_EARLY=0 1,512,1536,256,32,128 \
-    --dtype bfloat16 --mode forward --calls 6
-  pair_clusters 2
-  T ab_defer2 60 env FLASHOPM_TC16_CLUSTER=2 $py scripts/ab_env.py FLASHOPM_TC16_DEFER=0 1,512,1536,256,32,128 \
-    --dtype bfloat16 --mode forward --calls 6
-  T mod_openfold_bf16 120 env FLASHOPM_TC16_CLUSTER=$CL $py -m flashopm bench --module openfold --shapes "1,512,1536,256,32,128" \
-    --dtype bfloat16 --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/mod_openfold_bf16"
-  T conv_early 90 env FLASHOPM_TC16_CLUSTER=$CL $py scripts/convention_times.py 1536 row openfold boltz bfloat16 kernels
   T bench_bf16 90 env FLASHOPM_TC16_CLUSTER=$CL $py -m flashopm bench --shapes "1,512,1536,256,32,128" --dtype bfloat16 \
     --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/bench_bf16"
   T t_cuda 200 $py -m pytest -q -p no:cacheprovider tests/test_cuda.py
