@@ -56,12 +56,14 @@
 #                                                       # 6's bfloat16 rows, the forward test files
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR grads16  # run 335's one autograd failure with the
 #                                                       # pair counts' FMA kernel and with tensor cores
+#          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR next16  # NOTES 0zb: grads16's two runs of the test,
+#                                                       # clusters of four against two, Nsight of both
 # (DEST: a folder that r.tgz is also copied to after every step)
 # Each phase fits one call of under ten minutes, the build (~2 min) included.
 # steps.txt lists each step's exit status; a failing test step stops the call.
 OUT=$1
 PHASE=${2:-default}
-case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows | bf16 | clusters | bf16_clusters | ncu_clusters | land | producer | regs | pairs | proj16 | stack | stack_rows | trace16 | defer | ksplit | final16 | grads16) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all, own_rows, bf16, clusters, bf16_clusters, ncu_clusters, land, producer, regs, pairs, proj16, stack, stack_rows, trace16, defer, ksplit, final16 or grads16, got '$PHASE'" >&2; exit 2 ;; esac
+case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows | bf16 | clusters | bf16_clusters | ncu_clusters | land | producer | regs | pairs | proj16 | stack | stack_rows | trace16 | defer | ksplit | final16 | grads16 | next16) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all, own_rows, bf16, clusters, bf16_clusters, ncu_clusters, land, producer, regs, pairs, proj16, stack, stack_rows, trace16, defer, ksplit, final16, grads16 or next16, got '$PHASE'" >&2; exit 2 ;; esac
 R=$OUT/r
 mkdir -p "$R"
 pack() { tar -C "$OUT" -czf "$OUT/r.tgz" r; [ -n "$DEST" ] && cp "$OUT/r.tgz" "$DEST/"; }
@@ -395,6 +397,19 @@ if [ "$PHASE" = bf16_clusters ]; then
   T conv_clusters 90 env FLASHOPM_TC16_CLUSTER=$CL $py scripts/convention_times.py 1536 row openfold boltz bfloat16 kernels
   T ab_stream 60 $py scripts/ab_env.py FLASHOPM_PROJECT_STREAM=1 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6
   [ "$CL" != 1 ] && [ ! -f "$R/ab_cluster2.log" ] && ab_c 2
+  exit 0
+fi
+
+if [ "$PHASE" = next16 ]; then
+  # NOTES 0zb in one call: the float32 gradient test of run 335 with the pair counts on tensor cores
+  # and on the FMA kernel; clusters of four paired against the default (two) and both traced; Nsight
+  # Compute's throughput, memory and stall sections for both (is the SMs' intake the bound?) (~6 min)
+  K="test_cuda_gradients_every_normalization and B2_S260_N13"
+  T t_grad_mma 120 $py -m pytest -q -p no:cacheprovider tests/test_autograd.py -k "$K"
+  T t_grad_fma 120 env FLASHOPM_PAIR_COUNT_MMA=0 $py -m pytest -q -p no:cacheprovider tests/test_autograd.py -k "$K"
+  T ab_cluster4 60 $py scripts/ab_env.py FLASHOPM_TC16_CLUSTER=4 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6
+  T trace16 150 $py scripts/tc16_trace.py --out "$R/trace16" --forms "2,4"
+  ncu_tc16 2 4
   exit 0
 fi
 
