@@ -432,7 +432,7 @@ if [ "$PHASE" = final16 ]; then
   # the form without tensor copies (resident or not) and against 4-byte stores; issue 6's bfloat16
   # rows (OpenFold, Boltz, spec) beside eager and torch.compile; each convention by kernel; then the
   # forward test files whole and the autograd tests (~9.5 min with the build: the limit cuts the last)
-  T t_tc16 150 $py -m pytest -x -q -p no:cacheprovider tests/test_cuda.py -k "cluster_form or tc16_conventions or early_w_chunks" || exit 1
+  T t_tc16 150 $py -m pytest -x -q -p no:cacheprovider tests/test_cuda.py -k "cluster_form or tc16_conventions or default_form_variants" || exit 1
   T trace16 150 $py scripts/tc16_trace.py --out "$R/trace16" --forms "2,0,0+FLASHOPM_TC16_RESIDENT=0,2+FLASHOPM_TC16_WIDE_STORES=0"
   T ab_resident 60 $py scripts/ab_env.py FLASHOPM_TC16_CLUSTER=0 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6
   T ab_old 60 $py scripts/ab_env.py FLASHOPM_TC16_CLUSTER=0,FLASHOPM_TC16_RESIDENT=0 1,512,1536,256,32,128 \
@@ -452,7 +452,7 @@ if [ "$PHASE" = final16 ]; then
 fi
 
 if [ "$PHASE" = ksplit ]; then
-  # W's first chunks issued in phase 1 (FLASHOPM_TC16_W_EARLY), the epilogue's bias loaded at the
+  # W's first chunks issued in phase 1 (FLASHOPM_TC16_W_EARLY, since removed), the epilogue's bias loaded at the
   # round's start, phase 2 as O·Wᵀ, the warpgroups splitting each W chunk's k (FLASHOPM_TC16_KSPLIT):
   # the tests of the 16-bit kernel's forms (a failure stops the call); the tiles' phases traced;
   # each switch paired against its other side; issue 6's bfloat16 rows and each convention by

@@ -840,18 +840,16 @@ def test_tc16_cluster_form_gives_the_default_bits(shape, dtype, cluster, monkeyp
     assert torch.equal(bounded_clustered, bounded_default), "under the bound the clustered form's bits differ"
 
 
-# Phase 2's first W chunks issued in phase 1 once the stage buffers beneath them are read for the
-# last time (the default form; FLASHOPM_TC16_W_EARLY=0: at phase 2's start), and the form's
-# resident blocks taking tiles in turn (FLASHOPM_TC16_RESIDENT=0: a block a tile).  The shapes
-# with S >= 100 issue W's chunks early; S = 8 and 64 do not (too few stages), and D = 130 and 200
-# take a second group of d whose chunks are never early.
+# The form without tensor copies as resident blocks taking tiles in turn (FLASHOPM_TC16_RESIDENT=0:
+# a block a tile), and its 16-byte output stores (FLASHOPM_TC16_WIDE_STORES=0: 4-byte).  D = 130
+# and 200 take a second group of d and the 4-byte stores.
 @pytest.mark.parametrize("normalization", ["row", "openfold"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("shape", CLUSTER_SHAPES, ids=str)
-def test_tc16_early_w_chunks_give_the_same_bits(shape, dtype, normalization, monkeypatch):
-    """The 16-bit kernel's form without tensor copies, W's first chunks early or not, resident or
-    not: every element written (poisoned output), two calls equal, and the same bits every way
-    (the same products in the same order)."""
+def test_tc16_default_form_variants_give_the_same_bits(shape, dtype, normalization, monkeypatch):
+    """The 16-bit kernel's form without tensor copies, resident or not, 16- or 4-byte stores:
+    every element written (poisoned output), two calls equal, and the same bits every way (the
+    same products in the same order)."""
     x, m, p = make_problem(shape, "masked_positions", seed=zlib.crc32(f"{shape}-early".encode()) % 1000)
     x16, m16 = x.to(dtype).cuda(), m.to(dtype).cuda()
     p16 = {k: None if v is None else v.to(dtype).cuda() for k, v in p.items()}
@@ -860,12 +858,10 @@ def test_tc16_early_w_chunks_give_the_same_bits(shape, dtype, normalization, mon
     early = _run(x16, m16, p16, "outer", normalization=normalization)
     assert not early.isnan().any(), "NaN in the output: an element was not written"
     assert torch.equal(early, _run(x16, m16, p16, "outer", normalization=normalization)), "two calls differ: a race"
-    # W's chunks at phase 2's start; a block a tile rather than resident blocks taking tiles in
-    # turn; 4-byte output stores rather than 16-byte; three resident blocks, each taking many tiles
-    # (each tile's first stages issued beside the epilogue of the one before, its last round's sums
-    # over O)
-    for env in ({"FLASHOPM_TC16_W_EARLY": "0"}, {"FLASHOPM_TC16_RESIDENT": "0"}, {"FLASHOPM_TC16_WIDE_STORES": "0"},
-                {"FLASHOPM_TC16_MAX_CLUSTERS": "3"}, {"FLASHOPM_TC16_MAX_CLUSTERS": "3", "FLASHOPM_TC16_W_EARLY": "0"}):
+    # a block a tile rather than resident blocks taking tiles in turn; 4-byte output stores rather
+    # than 16-byte; three resident blocks, each taking many tiles (each tile's first stages issued
+    # beside the epilogue of the one before, its last round's sums over O)
+    for env in ({"FLASHOPM_TC16_RESIDENT": "0"}, {"FLASHOPM_TC16_WIDE_STORES": "0"}, {"FLASHOPM_TC16_MAX_CLUSTERS": "3"}):
         with monkeypatch.context() as mp:
             for k, v in env.items():
                 mp.setenv(k, v)

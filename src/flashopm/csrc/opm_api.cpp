@@ -902,7 +902,16 @@ void run_outer(OuterArgs oa, int64_t i_offset, int64_t rows, int64_t out_rows, i
     // than in as many as are resident at once, each taking groups in turn;
     // FLASHOPM_TC16_MAX_CLUSTERS=k: at most k clusters, so that each takes many groups, for the tests.
     int max_clusters = 0;
-    oa.tc16_w_early = !env_is("FLASHOPM_TC16_W_EARLY", "0");
+    // FLASHOPM_TC16_MAX_CLUSTERS=k: at most k of the `resident` clusters or blocks
+    auto capped_by_setting = [](int resident) {
+      if (const char* e = env_get("FLASHOPM_TC16_MAX_CLUSTERS"); e != nullptr && *e != 0) {
+        const int64_t k = std::atoll(e);
+        FLASHOPM_CHECK(k >= 1, "flashopm: FLASHOPM_TC16_MAX_CLUSTERS must be a positive number of clusters, got '", e,
+                       "'");
+        return int(std::min<int64_t>(k, resident));
+      }
+      return resident;
+    };
     oa.tc16_wide = !env_is("FLASHOPM_TC16_WIDE_STORES", "0");
     if (form == kT16WgmmaBoth && oa.Ti * oa.H == kTcMT && oa.Tj * oa.H == kTcNT) {
       const char* c = env_choice("FLASHOPM_TC16_CLUSTER", {"0", "1", "2", "4"});
@@ -914,13 +923,7 @@ void run_outer(OuterArgs oa, int64_t i_offset, int64_t rows, int64_t out_rows, i
           form = tma_form;
           oa.tc16_defer = !env_is("FLASHOPM_TC16_DEFER", "0");
           const char* persistent = env_choice("FLASHOPM_TC16_PERSISTENT", {"0", "1"});
-          max_clusters = persistent != nullptr && persistent[0] == '0' ? 0 : resident;
-          if (const char* e = env_get("FLASHOPM_TC16_MAX_CLUSTERS"); e != nullptr && *e != 0) {
-            const int64_t k = std::atoll(e);
-            FLASHOPM_CHECK(k >= 1, "flashopm: FLASHOPM_TC16_MAX_CLUSTERS must be a positive number of clusters, got '",
-                           e, "'");
-            max_clusters = int(std::min<int64_t>(k, resident));
-          }
+          max_clusters = persistent != nullptr && persistent[0] == '0' ? 0 : capped_by_setting(resident);
         }
       }
     }
@@ -934,9 +937,8 @@ void run_outer(OuterArgs oa, int64_t i_offset, int64_t rows, int64_t out_rows, i
     // tile's first stages loading beside the epilogue of the one before (FLASHOPM_TC16_RESIDENT=0:
     // a block a tile; FLASHOPM_TC16_MAX_CLUSTERS=k caps the blocks, as for the clusters)
     if (form == kT16WgmmaBoth && !env_is("FLASHOPM_TC16_RESIDENT", "0")) {
-      max_clusters = outer_tc16_resident_blocks(dev, operand_kind, outer_tc16_smem_bytes(oa.H, oa.Ti, oa.Tj, form));
-      if (const char* e = env_get("FLASHOPM_TC16_MAX_CLUSTERS"); e != nullptr && *e != 0 && max_clusters > 0)
-        max_clusters = int(std::min<int64_t>(std::max<int64_t>(std::atoll(e), 1), max_clusters));
+      max_clusters =
+          capped_by_setting(outer_tc16_resident_blocks(dev, operand_kind, outer_tc16_smem_bytes(oa.H, oa.Ti, oa.Tj, form)));
     }
     if (const char* e = env_get("FLASHOPM_TC16_TRACE"); e != nullptr && *e != 0 && oa.wv.ws == nullptr) {
       // timing aid: per block and consumer warpgroup cap records (Tc16Mark), read back by

@@ -518,9 +518,6 @@ struct OuterArgs {
   // the 16-bit tensor-copy forms: 1, each tile's last round stored beside the next tile's first MMAs
   // (FLASHOPM_TC16_DEFER=0: stored at once, as the form without tensor copies does)
   int tc16_defer;
-  // the 16-bit form without tensor copies: 1, phase 2's first W chunks issued in phase 1 once the
-  // stage buffers beneath them are read for the last time (FLASHOPM_TC16_W_EARLY=0: at phase 2's start)
-  int tc16_w_early;
   // the 16-bit kernel's wgmma forms: 1, 16-byte output stores where the output allows them
   // (FLASHOPM_TC16_WIDE_STORES=0: 4-byte stores)
   int tc16_wide;

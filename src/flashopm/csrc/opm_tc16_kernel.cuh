@@ -386,28 +386,6 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
     mark(kT16MarkTile, tile_it | int(smid << 24));
   }
 
-  // kWgmmaBoth without tensor copies: phase 2's first W chunks (the first round's kT16Wg2Stages -
-  // 2), each issued in phase 1 at the first stage q whose barrier follows the retirement of every
-  // stage buffer beneath it (last use + 2), so that their latency passes under the last stages
-  // and the O stores instead of at phase 2's start; n_q_w: issued at phase 2's start.  (Level
-  // with issuing them there, run 334: the ~1.1K-cycle wait at phase 2's first barrier that run
-  // 333 found was the round's rows' loads, now staged in phase 1.)
-  [[maybe_unused]] const int n_q_w = kT16JSub * ((S + kT16WgBK - 1) / kT16WgBK);
-  [[maybe_unused]] int w_early_q[kT16Wg2Stages - 2];
-#pragma unroll
-  for (int c = 0; c < kT16Wg2Stages - 2; ++c) {
-    w_early_q[c] = n_q_w;
-    if constexpr (kWgmmaBoth && !kTma) {
-      const int lo = L.w + c * kT16Wg2ChunkBytes, hi = lo + kT16Wg2ChunkBytes;
-      int last = -1;
-      for (int sb = 0; sb < kT16WgStages && sb < n_q_w; ++sb) {
-        const int s_lo = L.stages + sb * kT16WgStageBytes;
-        if (s_lo < hi && s_lo + kT16WgStageBytes > lo)
-          last = max(last, sb + kT16WgStages * ((n_q_w - 1 - sb) / kT16WgStages));
-      }
-      if (p.tc16_w_early && last + 2 < n_q_w) w_early_q[c] = last + 2;
-    }
-  }
   // Output rows and normaliser arguments of the round of pairs r0 .. r0 + kT16RoundRows (pair
   // js·P1 + il·Tj + jl), for store_round.  The wgmma forms stage their first round's after phase
   // 1's column tile 0, later rounds' at their start; the others at each round's start once its
@@ -453,18 +431,6 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
     // field (address / 16, 14 bits) holds every shared address without carrying into the next.
     const uint64_t desc_a0 = wgmma_desc(wg_stages + wg * kT16WgGroupBytes, kT16WgGroupBytes, 1024);
     const uint64_t desc_b0 = wgmma_desc(wg_stages + kT16WgABytes, kT16WgGroupBytes, 1024);
-    // chunk c of W for d 0 .. kTcDG - 1 (k in O's order), as phase 2's issue_w copies it
-    auto issue_w_early = [&](int c) {
-      const T* w_blk = static_cast<const T*>(p.w_blocked);
-      const int wc = tid & 7, wr = tid >> 3;
-      char* st = smem + L.w + c * kT16Wg2ChunkBytes + kmajor_sw128_offset(wr, wc * 8, 1024);
-#pragma unroll
-      for (int u = 0; u < kTcDG / 32; ++u) {
-        const bool ok = wr + 32 * u < D;
-        cp_async16z(st + u * 4096, ok ? w_blk + int64_t(wr + 32 * u) * (H * H) + wc * 8 + c * 64 : w_blk, ok);
-      }
-    };
-    [[maybe_unused]] bool w_issued_early = false;
     for (int js = 0; js < kT16JSub; ++js) {
       float acc[128];
 #pragma unroll
@@ -483,15 +449,6 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
           // The stage refilled now was last read by the group two stages back, which every
           // warpgroup retired before the barrier (one group stays in flight).
           issue_stage();
-          if constexpr (kWgmmaBoth) {
-            const int q = js * n_k + kt;
-#pragma unroll
-            for (int c = 0; c < kT16Wg2Stages - 2; ++c)
-              if (q == w_early_q[c]) {
-                issue_w_early(c);
-                w_issued_early = true;
-              }
-          }
           cp_async_commit();
         }
         const uint64_t stage_off = uint64_t(read_buf * (kT16WgStageBytes >> 4));
@@ -525,10 +482,7 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
       if constexpr (kTma) release(bars + kT16WgStages + (js * n_k + n_k - 1) % kT16WgStages);
       if (js + 1 == kT16JSub) {
         // (kTma: every stage's bytes from every block have arrived: nothing more is copied here)
-        // (every stage's copies are complete by the last stage's wait; W's early chunks, clear of
-        // O, stay in flight)
-        if constexpr (!kTma)
-          if (!w_issued_early) cp_async_wait_all();
+        if constexpr (!kTma) cp_async_wait_all();
         consumers_sync();  // every warp done with the stages: the last tile's O overlays them
       }
 
@@ -748,10 +702,7 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
           __syncthreads();  // O written / the previous round's partial sums consumed
 #pragma unroll
           for (int kc = 0; kc < kT16Wg2Stages - 2; ++kc) {
-            // (the first round's chunks issued in phase 1 (w_early_q) are skipped; a group is
-            // committed either way, empty or not)
-            if (dg == 0 && r0 == 0 && w_early_q[kc] < n_q_w) w_src += 64;
-            else issue_w(kc);
+            issue_w(kc);
             cp_async_commit();
           }
         }
