@@ -56,8 +56,9 @@
 #                                                       # 6's bfloat16 rows, the forward test files
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR grads16  # run 335's one autograd failure with the
 #                                                       # pair counts' FMA kernel and with tensor cores
-#          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR next16  # NOTES 0zb: grads16's two runs of the test,
-#                                                       # clusters of four against two, Nsight of both
+#          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR next16  # NOTES 0zb: grads16's two runs of the test and
+#                                                       # twelve seeds each way, clusters of four against
+#                                                       # two, Nsight of two, the other test files
 # (DEST: a folder that r.tgz is also copied to after every step)
 # Each phase fits one call of under ten minutes, the build (~2 min) included.
 # steps.txt lists each step's exit status; a failing test step stops the call.
@@ -402,14 +403,21 @@ fi
 
 if [ "$PHASE" = next16 ]; then
   # NOTES 0zb in one call: the float32 gradient test of run 335 with the pair counts on tensor cores
-  # and on the FMA kernel; clusters of four paired against the default (two) and both traced; Nsight
-  # Compute's throughput, memory and stall sections for both (is the SMs' intake the bound?) (~6 min)
+  # and on the FMA kernel, each gradient's error ratio over twelve seeds both ways; the test files
+  # not run on this code yet; clusters of four paired against the default (two); Nsight Compute's
+  # throughput, memory and pipe sections for the default form (is shared memory the bound?) (~8 min)
   K="test_cuda_gradients_every_normalization and B2_S260_N13"
-  T t_grad_mma 120 $py -m pytest -q -p no:cacheprovider tests/test_autograd.py -k "$K"
-  T t_grad_fma 120 env FLASHOPM_PAIR_COUNT_MMA=0 $py -m pytest -q -p no:cacheprovider tests/test_autograd.py -k "$K"
+  T t_grad_mma 90 $py -m pytest -q -p no:cacheprovider tests/test_autograd.py -k "$K"
+  T t_grad_fma 90 env FLASHOPM_PAIR_COUNT_MMA=0 $py -m pytest -q -p no:cacheprovider tests/test_autograd.py -k "$K"
+  T seeds_mma 60 $py scripts/grad_seeds.py 2,260,13,8,32,6 --normalization boltz --no-bias --seeds 12
+  T seeds_fma 60 env FLASHOPM_PAIR_COUNT_MMA=0 $py scripts/grad_seeds.py 2,260,13,8,32,6 --normalization boltz --no-bias --seeds 12
   T ab_cluster4 60 $py scripts/ab_env.py FLASHOPM_TC16_CLUSTER=4 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6
-  T trace16 150 $py scripts/tc16_trace.py --out "$R/trace16" --forms "2,4"
-  ncu_tc16 2 4
+  tc16_one
+  T ncu_cluster2 90 ncu --clock-control none -k regex:opm_outer_tc16 --launch-skip 1 --launch-count 1 \
+    --section SpeedOfLight --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
+    --section ComputeWorkloadAnalysis --section WarpStateStats $py "$R/tc16_one.py"
+  T t_rest 240 $py -m pytest -q -p no:cacheprovider tests --ignore=tests/test_cuda.py --ignore=tests/test_conventions.py \
+    --ignore=tests/test_modules.py --ignore=tests/test_projection16.py --ignore=tests/test_autograd.py
   exit 0
 fi
 
