@@ -497,6 +497,78 @@ __device__ __forceinline__ void wgmma_m64n64k16_kmajor(float (&d)[32], uint64_t 
 }
 #undef FLASHOPM_WGMMA_M64N64K16
 
+// Pins registers in place for the compiler: no definition of them moves across this point (kept
+// out of the span of warpgroup MMAs in flight, which would make ptxas serialise them).
+template <int kN>
+__device__ __forceinline__ void fence_registers(float (&d)[kN]) {
+#pragma unroll
+  for (int i = 0; i < kN; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+__device__ __forceinline__ void fence_registers(uint4& v) {
+  asm volatile("" : "+r"(v.x), "+r"(v.y), "+r"(v.z), "+r"(v.w)::"memory");
+}
+
+// As wgmma_m64n64k16_kmajor with A from registers: warp w of the warpgroup holds rows 16w .. 16w + 15,
+// a[0..3] = (row 16w + g, k 2t, 2t + 1), (row + 8, the same k), (row, k 2t + 8, 2t + 9), (row + 8,
+// those k), two 16-bit values per register, the lower k in the low half (mma.sync m16n8k16's A).
+// B K-major in shared memory.
+#define FLASHOPM_WGMMA_M64N64K16_RS(TYPE)                                                 \
+  asm volatile(                                                                          \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"                                        \
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " {"                     \
+        FLASHOPM_ACC_NAMES32 "}, " \
+      "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"                                     \
+        : FLASHOPM_ACC32(d) \
+      : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "l"(desc_b))
+
+template <typename T>
+__device__ __forceinline__ void wgmma_m64n64k16_rs(float (&d)[32], const uint4& a, uint64_t desc_b) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    FLASHOPM_WGMMA_M64N64K16_RS("bf16");
+  } else {
+    FLASHOPM_WGMMA_M64N64K16_RS("f16");
+  }
+#endif
+}
+#undef FLASHOPM_WGMMA_M64N64K16_RS
+
+// As wgmma_m64n256k16 with A from registers (the layout of wgmma_m64n64k16_rs), B MN-major in
+// shared memory.
+#define FLASHOPM_WGMMA_M64N256K16_RS(TYPE)                                                \
+  asm volatile(                                                                          \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"                                        \
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32." TYPE "." TYPE " {"                   \
+        FLASHOPM_ACC_NAMES128 "}, " \
+      "{%128, %129, %130, %131}, %132, p, 1, 1, 1;\n}\n"                                 \
+        : FLASHOPM_ACC128(d) \
+      : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "l"(desc_b))
+
+template <typename T>
+__device__ __forceinline__ void wgmma_m64n256k16_rs(float (&d)[128], const uint4& a, uint64_t desc_b) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    FLASHOPM_WGMMA_M64N256K16_RS("bf16");
+  } else {
+    FLASHOPM_WGMMA_M64N256K16_RS("f16");
+  }
+#endif
+}
+#undef FLASHOPM_WGMMA_M64N256K16_RS
+
+// 16 bytes from global memory through the non-coherent path, not kept in L1 (operands read once
+// per SM, or too many for L1 to keep), zeros where !ok.
+__device__ __forceinline__ uint4 ldg_stream16(const uint4* src, bool ok) {
+  uint4 v = make_uint4(0u, 0u, 0u, 0u);
+#if defined(__CUDA_ARCH__)
+  if (ok)
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(src));
+#endif
+  return v;
+}
+
 // The float16 split form's MMAs: d = A·B + (accumulate ? d : 0) with float16 operands, both
 // K-major in shared memory (rows of m or n, 128 bytes of k each, 8 rows to a 1 KB swizzle atom;
 // transpose flags clear).  m64n128k16: the accumulator layout of wgmma_m64n256k16's first 16
