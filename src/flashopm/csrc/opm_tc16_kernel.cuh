@@ -23,6 +23,11 @@
 
 namespace flashopm {
 
+// Rounds of phase 2 in a tile of P pairs (kT16RoundRows each) with D output columns (kTcDG a group).
+__device__ __forceinline__ int tc16_rounds(int D, int P) {
+  return (D + kTcDG - 1) / kTcDG * ((P + kT16RoundRows - 1) / kT16RoundRows);
+}
+
 // The tensor-copy forms' groups of tiles: group lin of a launch takes column block col_tile
 // (kT16JSub column tiles), row group row_group (the cluster's row tiles) of batch element b, in
 // grouped order within each batch element.
@@ -112,12 +117,11 @@ __device__ __forceinline__ void tc16_produce(const OuterArgs& p, const Tc16Maps&
       }
     }
     if (w_regs) {
-      // no W copies: only which rounds arrive on "stored" (those whose sums lie over L.w)
-      for (int dg = 0; dg < p.D; dg += kTcDG)
-        for (int r0 = 0; r0 < P; r0 += kT16RoundRows) {
-          last_stored = !defer || dg + kTcDG < p.D || r0 + kT16RoundRows < P;
-          stored_rounds += last_stored;
-        }
+      // No W copies, so nothing paces the consumers' rounds: only the tile's last round whose sums
+      // lie over L.w arrives on "stored" (one phase a tile, which the next tile's first stages over
+      // the sums wait for; a phase per round could run two ahead of this lane's waits).
+      last_stored = tc16_rounds(p.D, P) > (defer ? 1 : 0);
+      stored_rounds += last_stored;
       continue;
     }
     const int tile_wq = wq;
@@ -941,7 +945,10 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
           // round's chunks and the next tile's stages land over the sums)
           fence_proxy_async_smem();
           consumers_sync();
-          if (tid < kShare) mbarrier_arrive_in(bars + 2 * kT16WgStages + 2 * kT16Wg2Stages, unsigned(tid), rank);
+          // (W in registers: the tile's last such round alone, see tc16_produce)
+          const int round = (dg / kTcDG) * (P / kT16RoundRows) + r0 / kT16RoundRows;
+          if (tid < kShare && (!w_regs || round == tc16_rounds(D, P) - (p.tc16_defer ? 2 : 1)))
+            mbarrier_arrive_in(bars + 2 * kT16WgStages + 2 * kT16Wg2Stages, unsigned(tid), rank);
 #endif
         }
       }
