@@ -962,8 +962,10 @@ void run_outer(OuterArgs oa, int64_t i_offset, int64_t rows, int64_t out_rows, i
       const at::TensorOptions ops16 = options.dtype(operand_kind == kMaskHalf ? at::kHalf : at::kBFloat16);
       const int64_t NaH = int64_t(oa.Na) * oa.H, K2 = int64_t(oa.H) * oa.H;
       if (oa.S % 16 == 0 && NaH % 16 == 0 && requested_peak_bound() <= 0 && !env_is("FLASHOPM_TC16_A_REGS", "0")) {
-        const at::Tensor a = at::from_blob(const_cast<void*>(oa.a), {oa.B, oa.S / 16, 2, 4, 2, NaH / 16, 2, 8}, ops16);
-        a_frag = a.permute({0, 5, 1, 7, 3, 2, 6, 4}).contiguous();
+        a_frag = at::empty({int64_t(oa.B) * oa.S * NaH}, ops16);
+        launch_a_frag(FragArgs{static_cast<const uint16_t*>(oa.a), static_cast<uint4*>(a_frag.data_ptr()), oa.B, oa.S,
+                               int(NaH)},
+                      stream);
         oa.a_frag = a_frag.data_ptr();
       }
       if (!env_is("FLASHOPM_TC16_W_REGS", "0")) {

@@ -1571,6 +1571,16 @@ struct ConvertArgs {
 };
 void launch_convert(const ConvertArgs& args, cudaStream_t stream);
 
+// a (B, S, R) of 16-bit values, S and R multiples of 16, rearranged into the layout of warpgroup
+// MMAs' register A (OuterArgs::a_frag): frag (B, R / 16, S / 16, 32 lanes, 8 values).
+struct FragArgs {
+  const uint16_t* a;
+  uint4* frag;
+  int B, S, R;
+};
+constexpr int kFragRows = 128;  // rows r a block of the rearrangement, with 16 s
+void launch_a_frag(const FragArgs& args, cudaStream_t stream);
+
 // Whether launches go through the driver's cuLaunchKernelEx (the default) or the runtime's
 // cudaLaunchKernelEx: set_driver_launch returns the previous setting.  Both give the same bits; the
 // switch lets the tests and the host-time measurements compare the two routes in one process.
