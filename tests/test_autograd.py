@@ -252,7 +252,8 @@ def test_cuda_gradients_against_fp64(shape, mask_kind):
 def test_cuda_gradients_every_normalization(normalization, shape, with_bias):
     """The CUDA backward (fused contractions for hidden 16/32/64 and S <= 256, blocks of rows
     otherwise: S = 257 and 260 take the blocks, (1,257,160) in two blocks of rows) for each
-    normalisation, with and without biases: error against float64 at most twice eager fp32's.
+    normalisation, with and without biases: error against float64 at most twice eager fp32's (the
+    LayerNorm parameters' LN_PARAM_ERROR_FACTOR times).
     out_proj's bias gradient comes from the division's pass where its columns fit the threads
     (pair_dim 3 to 300; one block up to 2^15 elements of grad_out, per-block sums added by a
     second launch past that: (1,3,90,...,20)) and from ATen's sum where they do not (257: one
@@ -298,9 +299,18 @@ def _cuda_problem(shape, seed):
     return _on_cuda(*_problem(shape, seed, seed + 1))
 
 
+# The LayerNorm parameters' gradients are sums over every position of terms that cancel: their
+# error ratio to eager fp32's moves with the seed for the same math in any order.  At (2,260,13,8,
+# 32,6) under Boltz's convention without biases it spread over 0.41-1.47 (ln_weight) and 0.46-1.43
+# (ln_bias) across twelve seeds with the pair counts on tensor cores, 0.57-1.57 and 0.64-1.97 with
+# the FMA kernel's, and one seed of the test's own took 2.09 (NOTES, run 337): a bar of 2x there
+# fails by the seed.  Theirs is 3x; a wrong gradient is off by orders of magnitude.
+LN_PARAM_ERROR_FACTOR = 3
+
+
 def _check_gradients_against_eager(shape, normalization, with_bias, skip=()):
     """Every gradient (but those named in skip) of the fused CUDA op against float64: error at most
-    twice eager fp32's."""
+    twice eager fp32's (the LayerNorm parameters' LN_PARAM_ERROR_FACTOR times)."""
     x, m, p = make_problem(shape, "masked_positions", seed=11)
     if not with_bias:
         p = {**p, "b_a": None, "b_b": None, "b_out": None}
@@ -332,7 +342,9 @@ def _check_gradients_against_eager(shape, normalization, with_bias, skip=()):
         if name in skip:
             continue
         err, err_eager = rel_error(o.cpu(), r), rel_error(e.cpu(), r)
-        assert err <= max(2 * err_eager, 4 * torch.finfo(torch.float32).eps), f"{name}: {err:.3g} vs eager {err_eager:.3g}"
+        factor = LN_PARAM_ERROR_FACTOR if name in ("ln_weight", "ln_bias") else 2
+        assert err <= max(factor * err_eager, 4 * torch.finfo(torch.float32).eps), \
+            f"{name}: {err:.3g} vs eager {err_eager:.3g}"
 
 
 @requires_cuda

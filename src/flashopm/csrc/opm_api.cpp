@@ -953,35 +953,6 @@ void run_outer(OuterArgs oa, int64_t i_offset, int64_t rows, int64_t out_rows, i
       oa.wv.trace = reinterpret_cast<long long*>(waves_trace().data_ptr<int64_t>());
       oa.wv.trace_cap = cap;
     }
-    // The tensor-copy forms' operands from registers (FLASHOPM_TC16_A_REGS=0 / FLASHOPM_TC16_W_REGS=0:
-    // from shared memory, the same bits): a and W rearranged once per launch into the layout of
-    // wgmma's register A (see OuterArgs::a_frag), a where whole steps of 16 s and 16 rows tile it
-    // and no peak bound is asked for (a's copy is not in the plans' workspace)
-    at::Tensor a_frag, w_frag;
-    if (tc16_form_tma(form)) {
-      const at::TensorOptions ops16 = options.dtype(operand_kind == kMaskHalf ? at::kHalf : at::kBFloat16);
-      const int64_t NaH = int64_t(oa.Na) * oa.H, K2 = int64_t(oa.H) * oa.H;
-      if (oa.S % 16 == 0 && NaH % 16 == 0 && requested_peak_bound() <= 0 && !env_is("FLASHOPM_TC16_A_REGS", "0")) {
-        a_frag = at::empty({int64_t(oa.B) * oa.S * NaH}, ops16);
-        launch_a_frag(FragArgs{static_cast<const uint16_t*>(oa.a), static_cast<uint4*>(a_frag.data_ptr()), oa.B, oa.S,
-                               int(NaH)},
-                      stream);
-        oa.a_frag = a_frag.data_ptr();
-      }
-      if (!env_is("FLASHOPM_TC16_W_REGS", "0")) {
-        const int64_t Dp = (int64_t(oa.D) + kTcDG - 1) / kTcDG * kTcDG;
-        at::Tensor w = at::from_blob(const_cast<void*>(oa.w_blocked), {int64_t(oa.D), K2}, ops16);
-        if (Dp != oa.D) w = at::constant_pad_nd(w, {0, 0, 0, Dp - oa.D});
-        w_frag = w.view({Dp / 16, 2, 8, K2 / 16, 2, 4, 2}).permute({0, 3, 2, 5, 4, 1, 6}).contiguous();
-        oa.w_frag = w_frag.data_ptr();
-        // each tile's first stage in the first buffer clear of O, so that the next tile's first
-        // stages load while phase 2 reads O (FLASHOPM_TC16_ROTATE=0: from buffer 0)
-        const Tc16Layout L = tc16_layout(oa.H, oa.Ti, oa.Tj, form);
-        FLASHOPM_CHECK(L.stages + kT16Ring0W * kT16WgStageBytes >= L.w,
-                       "flashopm: internal error: stage buffer ", kT16Ring0W, " lies under O");
-        oa.tc16_ring0 = env_is("FLASHOPM_TC16_ROTATE", "0") ? 0 : kT16Ring0W;
-      }
-    }
     launch_outer_tc16(oa, operand_kind, form, max_clusters, stream);
   } else if (tensor_cores) {
     TcMmaSyncStaging staging;

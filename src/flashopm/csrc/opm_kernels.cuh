@@ -133,30 +133,6 @@ __global__ void __launch_bounds__(256) opm_convert_kernel(const ConvertArgs p) {
   for (int64_t e = int64_t(blockIdx.x) * 256 + threadIdx.x; e < p.n[k]; e += int64_t(gridDim.x) * 256)
     store_out(p.dst[k], e, load_mask(p.src[k], e, p.src_kind[k]), p.dst_kind[k]);
 }
-// FragArgs: block (x: kFragRows rows r, y: 16 s, z: b).  The block's 16 x kFragRows values come in
-// whole rows of s (16 bytes a thread) and go out as 32 lanes' fragments of each 16 rows: lane 4g + t
-// takes (r g, s 2t, 2t + 1), (r g + 8, ..), (r g, s 2t + 8, 2t + 9), (r g + 8, ..).
-__global__ void __launch_bounds__(256) opm_a_frag_kernel(const FragArgs p) {
-  __shared__ uint16_t tile[16][kFragRows + 8];
-  const int tid = threadIdx.x, b = blockIdx.z, s0 = blockIdx.y * 16, r0 = blockIdx.x * kFragRows;
-  const int64_t plane = int64_t(p.S) * p.R;
-  {
-    const int sl = tid / (kFragRows / 8), c = (tid % (kFragRows / 8)) * 8;
-    if (r0 + c < p.R)
-      *reinterpret_cast<uint4*>(&tile[sl][c]) =
-          *reinterpret_cast<const uint4*>(p.a + b * plane + int64_t(s0 + sl) * p.R + r0 + c);
-  }
-  __syncthreads();
-  const int rb = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-  if (r0 + 16 * rb < p.R) {
-    const int r = 16 * rb + g;
-    auto two = [&](int s, int row) { return uint32_t(tile[s][row]) | (uint32_t(tile[s + 1][row]) << 16); };
-    const int64_t r16 = p.R / 16, s16 = p.S / 16;
-    p.frag[((int64_t(b) * r16 + r0 / 16 + rb) * s16 + blockIdx.y) * 32 + lane] =
-        make_uint4(two(2 * t, r), two(2 * t, r + 8), two(2 * t + 8, r), two(2 * t + 8, r + 8));
-  }
-}
-
 __device__ __forceinline__ void store_out2(void* base, int64_t idx, float v0, float v1, int kind) {
   switch (kind) {
     case kMaskHalf: *reinterpret_cast<__half2*>(static_cast<__half*>(base) + idx) = __floats2half2_rn(v0, v1); break;

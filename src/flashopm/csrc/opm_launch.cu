@@ -1432,15 +1432,6 @@ void launch_convert(const ConvertArgs& args, cudaStream_t stream) {
   launch_kernel<opm_convert_kernel>(dim3(unsigned(blocks), unsigned(args.count)), 256, 0, stream, args);
 }
 
-void launch_a_frag(const FragArgs& args, cudaStream_t stream) {
-  TORCH_CHECK(args.S % 16 == 0 && args.R % 16 == 0 && args.S / 16 <= 65535 && args.B <= 65535,
-              "flashopm: internal error: a's rearrangement needs S and R in multiples of 16, got S ", args.S,
-              ", R ", args.R);
-  if (args.B == 0 || args.S == 0 || args.R == 0) return;
-  const dim3 grid(unsigned((args.R + kFragRows - 1) / kFragRows), unsigned(args.S / 16), unsigned(args.B));
-  launch_kernel<opm_a_frag_kernel>(grid, 256, 0, stream, args);
-}
-
 void launch_grad_scale(const GradScaleArgs& args, int blocks, cudaStream_t stream) {
   launch_kernel<opm_grad_scale_kernel<false>>(unsigned(blocks), kGradScaleThreads, 0, stream, args);
 }

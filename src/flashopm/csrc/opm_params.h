@@ -521,16 +521,6 @@ struct OuterArgs {
   // the 16-bit kernel's wgmma forms: 1, 16-byte output stores where the output allows them
   // (FLASHOPM_TC16_WIDE_STORES=0: 4-byte stores)
   int tc16_wide;
-  // The tensor-copy forms' MMA operands from registers rather than shared memory (null: from shared
-  // memory).  a_frag: a as wgmma's register A takes it, (B, Na·H / 16, S / 16, 32 lanes, 8 values):
-  // lane 4g + t of the 16 rows r and 16 s of a step holds (r g, s 2t, 2t + 1), (r g + 8, ..),
-  // (r g, s 2t + 8, 2t + 9), (r g + 8, ..).  w_frag: W with k in o_k_order's order, rows of d padded
-  // to a multiple of kTcDG with zeros, as (D / 16, H² / 16, 32, 8) in the same order (rows d, k).
-  const void* a_frag;
-  const void* w_frag;
-  // The first stage buffer of each tile in the tensor-copy forms (W in registers: the first buffer
-  // clear of O, so that the next tile's first stages load while phase 2 reads O)
-  int tc16_ring0;
   FusedProjArgs fp;  // the fused projection's inputs (x null: a and b come in the workspace)
   WaveArgs wv;       // the waves form's (wv.ws null: not that form)
 };
@@ -698,16 +688,6 @@ constexpr int kT16WgStageBytes = kT16WgABytes + (kTcNT / 64) * kT16WgGroupBytes;
 // Uses of stage buffer sb in one tile of n_q stages (the tensor-copy forms start the ring at
 // buffer 0 with each tile, so a buffer's phase follows from the tile's index and these uses).
 FLASHOPM_HD constexpr int tc16_stage_uses(int n_q, int sb) { return sb < n_q ? (n_q - 1 - sb) / kT16WgStages + 1 : 0; }
-// The tensor-copy forms' O (Ti·H x Tj·H = kTcMT x kTcNT pairs of 16-bit values per column tile) lies
-// under the stages up to 2 O tiles from shared memory's start; the first stage buffer clear of it,
-// where each tile's stages start with W in registers (OuterArgs::tc16_ring0), so that the next
-// tile's first stages load while phase 2 reads O.
-constexpr int kT16Ring0W = (kT16JSub * kTcMT * kTcNT * 2 - kTcMT * kTcNT * 2 + kT16WgStageBytes - 1) / kT16WgStageBytes;
-static_assert(kT16Ring0W < kT16WgStages, "a stage buffer clear of O");
-// ... where each tile's first stage goes to buffer ring0 (OuterArgs::tc16_ring0)
-FLASHOPM_HD constexpr int tc16_ring_uses(int n_q, int sb, int ring0) {
-  return tc16_stage_uses(n_q, (sb - ring0 + kT16WgStages) % kT16WgStages);
-}
 
 // Forms of the 16-bit kernel: mma.sync throughout; phase 1 on wgmma; both phases on wgmma (needs
 // the block's pairs in whole rounds of kT16RoundRows); then, for GPUs with less shared memory than
@@ -752,13 +732,12 @@ FLASHOPM_HD constexpr int tc16_mma_sync_form(int bk, int nt) {
 // kT16Wg2Stages deep.
 constexpr int kT16Wg2ChunkBytes = kTcDG * 128;
 constexpr int kT16Wg2Stages = 4;
-// The tensor-copy forms' mbarriers: phase 1's full and empty per stage, W's per chunk stage, one
-// for the rounds of phase 2 stored and one for each tile's O read by phase 2 (W in registers).
-// Their blocks: the two consumer warpgroups of the others and a producer warpgroup (one lane of it
-// issues; a whole warpgroup so that setmaxnreg can hand its registers to the consumers, whose 128
-// accumulators a thread would otherwise spill at the 168 registers a third of the file gives each
-// of 384 threads).
-constexpr int kT16ClusterBarriers = 2 * kT16WgStages + 2 * kT16Wg2Stages + 2;
+// The tensor-copy forms' mbarriers: phase 1's full and empty per stage, W's per chunk stage, and
+// one for the rounds of phase 2 stored; their blocks: the two consumer warpgroups of the others
+// and a producer warpgroup (one lane of it issues; a whole warpgroup so that setmaxnreg can hand
+// its registers to the consumers, whose 128 accumulators a thread would otherwise spill at the
+// 168 registers a third of the file gives each of 384 threads).
+constexpr int kT16ClusterBarriers = 2 * kT16WgStages + 2 * kT16Wg2Stages + 1;
 constexpr int kT16TmaThreads = kTcThreads + 128;
 // Registers a thread after setmaxnreg: 128 x 40 + 256 x 232 = 384 x 168, the launch's whole share.
 constexpr int kT16ProducerRegs = 40, kT16ConsumerRegs = 232;
@@ -1570,16 +1549,6 @@ struct ConvertArgs {
   int count;
 };
 void launch_convert(const ConvertArgs& args, cudaStream_t stream);
-
-// a (B, S, R) of 16-bit values, S and R multiples of 16, rearranged into the layout of warpgroup
-// MMAs' register A (OuterArgs::a_frag): frag (B, R / 16, S / 16, 32 lanes, 8 values).
-struct FragArgs {
-  const uint16_t* a;
-  uint4* frag;
-  int B, S, R;
-};
-constexpr int kFragRows = 128;  // rows r a block of the rearrangement, with 16 s
-void launch_a_frag(const FragArgs& args, cudaStream_t stream);
 
 // Whether launches go through the driver's cuLaunchKernelEx (the default) or the runtime's
 // cudaLaunchKernelEx: set_driver_launch returns the previous setting.  Both give the same bits; the

@@ -23,11 +23,6 @@
 
 namespace flashopm {
 
-// Rounds of phase 2 in a tile of P pairs (kT16RoundRows each) with D output columns (kTcDG a group).
-__device__ __forceinline__ int tc16_rounds(int D, int P) {
-  return (D + kTcDG - 1) / kTcDG * ((P + kT16RoundRows - 1) / kT16RoundRows);
-}
-
 // The tensor-copy forms' groups of tiles: group lin of a launch takes column block col_tile
 // (kT16JSub column tiles), row group row_group (the cluster's row tiles) of batch element b, in
 // grouped order within each batch element.
@@ -46,7 +41,7 @@ __device__ __forceinline__ void tc16_group_tile(int lin, int n_col_blocks, int n
 // done with what lies over it (its O and W chunks read by every block's products, its sums by
 // every block's stores), so that the next tile's first stages load beside the last one's phase 2.
 // bars as the body lays them.
-template <int kCluster, bool kARegs, bool kWRegs, int kRing0>
+template <int kCluster>
 __device__ __forceinline__ void tc16_produce(const OuterArgs& p, const Tc16Maps& maps, char* smem,
                                              const Tc16Layout& L, uint64_t* bars, unsigned rank, int n_col_blocks,
                                              int n_row_groups, int n_groups, int P) {
@@ -58,22 +53,16 @@ __device__ __forceinline__ void tc16_produce(const OuterArgs& p, const Tc16Maps&
   uint64_t* w_full = bars + 2 * kT16WgStages;
   uint64_t* w_empty = w_full + kT16Wg2Stages;
   uint64_t* stored = w_empty + kT16Wg2Stages;
-  uint64_t* o_read = stored + 1;  // W in registers: the tile's O read by phase 2 in every block
   const int H = p.H;
-  // (compile-time: at 40 registers a thread the producer spills any runtime choice)
-  constexpr bool a_regs = kARegs, w_regs = kWRegs;
-  constexpr int ring0 = kRing0;
   const int n_k = (p.S + kT16WgBK - 1) / kT16WgBK, n_q = kT16JSub * n_k, n_kc = H * H / 64;
-  auto uses = [&](int sb) { return tc16_ring_uses(n_q, sb, ring0); };
+  auto uses = [&](int sb) { return tc16_stage_uses(n_q, sb); };
   // whether stage buffer sb lies over any of the bytes [lo, hi)
   auto stage_over = [&](int sb, int lo, int hi) {
     const int s_lo = L.stages + sb * kT16WgStageBytes;
     return s_lo < hi && s_lo + kT16WgStageBytes > lo;
   };
-  // what phase 2 reads: the last column tile's O (from L.stages) and W's buffers (W in registers: O alone)
-  const int phase2_hi = w_regs ? L.w : L.w + kT16Wg2Stages * kT16Wg2ChunkBytes;
-  // a stage's bytes: a's and b's, or (a in registers) b's alone
-  const uint32_t stage_tx = a_regs ? kT16WgStageBytes - kT16WgABytes : kT16WgStageBytes;
+  // what phase 2 reads: the last column tile's O (from L.stages) and W's buffers
+  const int phase2_hi = L.w + kT16Wg2Stages * kT16Wg2ChunkBytes;
   const uint32_t stages_addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem + L.stages));
   const uint32_t w_addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem + L.w));
   const bool defer = p.tc16_defer != 0;  // a tile's last round's sums over its O (see outer_tc16_body)
@@ -86,28 +75,24 @@ __device__ __forceinline__ void tc16_produce(const OuterArgs& p, const Tc16Maps&
     tc16_group_tile(lin, n_col_blocks, n_row_groups, col_tile, row_group, b);
     const int i0 = (kCluster * row_group + int(rank)) * p.Ti, j0 = col_tile * p.Tj * kT16JSub;
     for (int q = 0; q < n_q; ++q) {
-      const int buf = (ring0 + q) % kT16WgStages, use = it * uses(buf) + q / kT16WgStages;
+      const int buf = q % kT16WgStages, use = it * uses(buf) + q / kT16WgStages;
       if (use > 0) mbarrier_wait_parity_suspend(empty + buf, (use - 1) & 1);
       if (it > 0 && q < kT16WgStages) {
         // the buffer's first stage of this tile: the last tile's O and W chunks read (its last
         // chunk released by every block), and where the buffer lies over the sums, those stored
         // (deferred, the last round's sums lie over O of column tile 0, clear of the stages, and
         // those of the rounds before were stored before the last round's chunks were issued)
-        if (stage_over(buf, L.stages, phase2_hi)) {
-          if (w_regs) mbarrier_wait_parity_suspend(o_read, (it - 1) & 1);
-          else mbarrier_wait_parity_suspend(w_empty + (wq - 1) % kT16Wg2Stages, ((wq - 1) / kT16Wg2Stages) & 1);
-        }
+        if (stage_over(buf, L.stages, phase2_hi))
+          mbarrier_wait_parity_suspend(w_empty + (wq - 1) % kT16Wg2Stages, ((wq - 1) / kT16Wg2Stages) & 1);
         if (last_stored && stage_over(buf, L.w, red_hi))
           mbarrier_wait_parity_suspend(stored, (stored_rounds - 1) & 1);
       }
-      mbarrier_arrive_expect_tx(full + buf, stage_tx);
+      mbarrier_arrive_expect_tx(full + buf, kT16WgStageBytes);
       const int js = q / n_k, s0 = (q - js * n_k) * kT16WgBK, jt0 = j0 + js * p.Tj;
       const uint32_t st = stages_addr + uint32_t(buf * kT16WgStageBytes);
-      if (!a_regs) {
 #pragma unroll
-        for (int grp = 0; grp < kTcMT / 64; ++grp)
-          tma_load_3d(st + grp * kT16WgGroupBytes, maps.a, i0 * H + grp * 64, s0, b, full + buf);
-      }
+      for (int grp = 0; grp < kTcMT / 64; ++grp)
+        tma_load_3d(st + grp * kT16WgGroupBytes, maps.a, i0 * H + grp * 64, s0, b, full + buf);
 #pragma unroll
       for (int share = 0; share < kBGroupsShare; ++share) {
         const int grp = int(rank) * kBGroupsShare + share;
@@ -115,14 +100,6 @@ __device__ __forceinline__ void tc16_produce(const OuterArgs& p, const Tc16Maps&
         if constexpr (kCluster == 1) tma_load_3d(dst, maps.b, jt0 * H + grp * 64, s0, b, full + buf);
         else tma_load_3d_mc(dst, maps.b, jt0 * H + grp * 64, s0, b, full + buf, kMask);
       }
-    }
-    if (w_regs) {
-      // No W copies, so nothing paces the consumers' rounds: only the tile's last round whose sums
-      // lie over L.w arrives on "stored" (one phase a tile, which the next tile's first stages over
-      // the sums wait for; a phase per round could run two ahead of this lane's waits).
-      last_stored = tc16_rounds(p.D, P) > (defer ? 1 : 0);
-      stored_rounds += last_stored;
-      continue;
     }
     const int tile_wq = wq;
     for (int dg = 0; dg < p.D; dg += kTcDG) {
@@ -229,33 +206,12 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
         mbarrier_init(bars + 2 * kT16WgStages + kT16Wg2Stages + i, 2 * kShare);
       }
       mbarrier_init(bars + 2 * kT16WgStages + 2 * kT16Wg2Stages, kShare);  // each block's round stored
-      mbarrier_init(bars + 2 * kT16WgStages + 2 * kT16Wg2Stages + 1, 2 * kShare);  // O read (W in registers)
     }
     cluster_barrier();  // every block's mbarriers set up before any copies to another
     if (warp >= kTcThreads / 32) {
       warpgroup_regs_dec<kT16ProducerRegs>();
-      if (warp == kTcThreads / 32 && lane == 0) {
-        // (the host sets tc16_ring0 to kT16Ring0W, or 0, and only with W in registers)
-        auto produce = [&](auto a_regs, auto w_regs, auto ring0) {
-          tc16_produce<kCluster, decltype(a_regs)::value, decltype(w_regs)::value, decltype(ring0)::value>(
-              p, *maps, smem, L, bars, rank, n_col_blocks, n_row_groups, n_groups, P);
-        };
-        using F = std::false_type;
-        using Tr = std::true_type;
-        using R0 = std::integral_constant<int, 0>;
-        using RW = std::integral_constant<int, kT16Ring0W>;
-        const bool a_regs = p.a_frag != nullptr;
-        if (p.w_frag == nullptr) {
-          if (a_regs) produce(Tr{}, F{}, R0{});
-          else produce(F{}, F{}, R0{});
-        } else if (p.tc16_ring0 != 0) {
-          if (a_regs) produce(Tr{}, Tr{}, RW{});
-          else produce(F{}, Tr{}, RW{});
-        } else {
-          if (a_regs) produce(Tr{}, Tr{}, R0{});
-          else produce(F{}, Tr{}, R0{});
-        }
-      }
+      if (warp == kTcThreads / 32 && lane == 0)
+        tc16_produce<kCluster>(p, *maps, smem, L, bars, rank, n_col_blocks, n_row_groups, n_groups, P);
       __syncwarp();
       cluster_barrier();  // (the consumers' last)
       return;
@@ -462,10 +418,9 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
     // MMAs (C7515: a wait after each, no group left in flight).
     [[maybe_unused]] uint32_t read_parity = 0;
     if constexpr (kTma) {
-      read_buf = p.tc16_ring0;
 #pragma unroll
       for (int sb = 0; sb < kT16WgStages; ++sb)
-        read_parity |= uint32_t((tile_it * tc16_ring_uses(kT16JSub * n_k, sb, p.tc16_ring0)) & 1) << sb;
+        read_parity |= uint32_t((tile_it * tc16_stage_uses(kT16JSub * n_k, sb)) & 1) << sb;
     }
     if constexpr (!kTma) {
       // (the tile before on this block may have issued them, beside its epilogue)
@@ -476,69 +431,11 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
     // field (address / 16, 14 bits) holds every shared address without carrying into the next.
     const uint64_t desc_a0 = wgmma_desc(wg_stages + wg * kT16WgGroupBytes, kT16WgGroupBytes, 1024);
     const uint64_t desc_b0 = wgmma_desc(wg_stages + kT16WgABytes, kT16WgGroupBytes, 1024);
-    // kTma with OuterArgs::a_frag: A from registers, this thread's fragment of each 16 s loaded
-    // kAPf steps ahead straight from global memory (L2), so that a takes no shared memory: its
-    // copies and the MMAs' reads of it were a quarter of phase 1's shared-memory traffic.
-    [[maybe_unused]] const bool a_regs = kTma && p.a_frag != nullptr;
-    [[maybe_unused]] const uint4* a_fr = nullptr;
-    [[maybe_unused]] bool a_row_ok = false;
-    [[maybe_unused]] const int a_steps = S / 16;
-    if constexpr (kTma) {
-      if (a_regs) {
-        const int64_t r16 = int64_t(p.Na) * H / 16, row16 = int64_t(i0) * H / 16 + 4 * wg + wl;
-        a_row_ok = row16 < r16;
-        a_fr = static_cast<const uint4*>(p.a_frag) + ((int64_t(b) * r16 + (a_row_ok ? row16 : 0)) * a_steps) * 32 + lane;
-      }
-    }
-    constexpr int kAPf = 6;  // 16-s steps of a in flight (3 stages)
     for (int js = 0; js < kT16JSub; ++js) {
       float acc[128];
 #pragma unroll
       for (int e = 0; e < 128; ++e) acc[e] = 0.f;
-      if constexpr (kTma) {
-        if (a_regs) {
-          uint4 af[kAPf];
-#pragma unroll
-          for (int u = 0; u < kAPf; ++u) af[u] = ldg_stream16(a_fr + int64_t(u) * 32, a_row_ok && u < a_steps);
-          fence_registers(acc);
-          for (int kt0 = 0; kt0 < n_k; kt0 += kAPf / 2) {
-#pragma unroll
-            for (int v = 0; v < kAPf / 2; ++v) {
-              const int kt = kt0 + v;
-              if (kt < n_k) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-                mbarrier_wait_parity_suspend(bars + read_buf, (read_parity >> read_buf) & 1u);
-                read_parity ^= 1u << read_buf;
-#endif
-                const uint64_t stage_off = uint64_t(read_buf * (kT16WgStageBytes >> 4));
-                const int prev_buf = read_buf == 0 ? kT16WgStages - 1 : read_buf - 1;
-                read_buf = read_buf + 1 == kT16WgStages ? 0 : read_buf + 1;
-                wgmma_fence();
-#pragma unroll
-                for (int kk = 0; kk < kT16WgBK / 16; ++kk)
-                  wgmma_m64n256k16_rs<T>(acc, af[2 * v + kk], desc_b0 + stage_off + kk * (2048 >> 4));
-                wgmma_commit();
-                if (stores_pending && js == 0 && kt < 2) store_pending_half(kt);  // beside this stage's MMAs
-                wgmma_wait<1>();
-                if (kt > 0) {
-                  // the previous stage retired: its products released, its registers take the
-                  // steps kAPf further on
-                  release(bars + kT16WgStages + prev_buf);
-                  const int kPv = (v + kAPf / 2 - 1) % (kAPf / 2);
-#pragma unroll
-                  for (int kk = 0; kk < 2; ++kk) {
-                    const int step = 2 * (kt - 1) + kk + kAPf;
-                    af[2 * kPv + kk] = ldg_stream16(a_fr + int64_t(step) * 32, a_row_ok && step < a_steps);
-                  }
-                }
-              }
-            }
-          }
-          // (nothing in flight where this path meets the other: the accumulators may move there)
-          wgmma_wait<0>();
-        }
-      }
-      for (int kt = 0; kt < n_k && !a_regs; ++kt) {
+      for (int kt = 0; kt < n_k; ++kt) {
         if constexpr (kTma) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
           // the stage's bytes, from every block
@@ -571,7 +468,6 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
           if (kt > 0) release(bars + kT16WgStages + prev_buf);
       }
       wgmma_wait<0>();
-      fence_registers(acc);
       mark(js == 0 ? kT16MarkP1Done0 : kT16MarkP1Done1, 0);
       if constexpr (kTma) {
         if (stores_pending && js == 0) {
@@ -583,7 +479,7 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
       // the first round's rows (the block's tile before has stored its rows by now)
       if constexpr (kWgmmaBoth)
         if (js == 0) stage_round_rows(0);
-      if constexpr (kTma) release(bars + kT16WgStages + (p.tc16_ring0 + js * n_k + n_k - 1) % kT16WgStages);
+      if constexpr (kTma) release(bars + kT16WgStages + (js * n_k + n_k - 1) % kT16WgStages);
       if (js + 1 == kT16JSub) {
         // (kTma: every stage's bytes from every block have arrived: nothing more is copied here)
         if constexpr (!kTma) cp_async_wait_all();
@@ -775,7 +671,6 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
     const int n_kc = K2 / 64;
     const int wg = warp >> 2, wl = warp & 3;
     const T* w_blk = static_cast<const T*>(p.w_blocked);
-    [[maybe_unused]] const bool w_regs = kTma && p.w_frag != nullptr;
     const uint32_t o_sbo = uint32_t(K2) * 16;
     char* w_st = smem + L.w;
     // This thread's pieces of a chunk: rows d = tid/8 + 32u, 16-byte piece tid % 8 of the row.
@@ -828,45 +723,7 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
           float acc2[32];
 #pragma unroll
           for (int e = 0; e < 32; ++e) acc2[e] = 0.f;
-          if constexpr (kTma) {
-            if (w_regs) {
-              // W from registers, this thread's fragment of each 16 k loaded kWPf steps ahead
-              // straight from L2: W takes no shared memory, whose copies and reads were two
-              // thirds of this phase's shared-memory traffic
-              const int k_steps = K2 / 16;
-              const uint4* w_fr = static_cast<const uint4*>(p.w_frag) +
-                                  (int64_t((dg + 64 * wg + 16 * wl) / 16) * k_steps) * 32 + lane;
-              constexpr int kWPf = 16;  // 16-k steps in flight (four chunks)
-              uint4 wf[kWPf];
-#pragma unroll
-              for (int u = 0; u < kWPf; ++u) wf[u] = ldg_stream16(w_fr + u * 32, u < k_steps);
-              for (int kc0 = 0; kc0 < n_kc; kc0 += kWPf / 4) {
-#pragma unroll
-                for (int v = 0; v < kWPf / 4; ++v) {
-                  const int kc = kc0 + v;
-                  if (kc < n_kc) {
-                    if (kc == 0) mark(kT16MarkW0, 0);
-                    wgmma_fence();
-#pragma unroll
-                    for (int kk = 0; kk < 4; ++kk)
-                      wgmma_m64n64k16_rs<T>(acc2, wf[4 * v + kk], wgmma_desc(o_round + kc * 1024 + kk * 32, 16, o_sbo));
-                    wgmma_commit();
-                    wgmma_wait<1>();
-                    if (kc > 0) {
-                      const int pv = (v + kWPf / 4 - 1) % (kWPf / 4);  // the chunk retired
-#pragma unroll
-                      for (int kk = 0; kk < 4; ++kk) {
-                        const int step = 4 * (kc - 1) + kk + kWPf;
-                        wf[4 * pv + kk] = ldg_stream16(w_fr + int64_t(step) * 32, step < k_steps);
-                      }
-                    }
-                  }
-                }
-              }
-              wgmma_wait<0>();  // (as in phase 1)
-            }
-          }
-          for (int kc = 0; kc < n_kc && !w_regs; ++kc) {
+          for (int kc = 0; kc < n_kc; ++kc) {
             int buf = kc % kT16Wg2Stages;
             if constexpr (kTma) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -898,13 +755,8 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
           wgmma_wait<0>();
           mark(kT16MarkP2Done, 0);
           if constexpr (kTma) {
-            if (w_regs) {
-              // the tile's O read by this warpgroup (its stage buffers may take the next tile's)
-              if (tile_last_round) release(bars + 2 * kT16WgStages + 2 * kT16Wg2Stages + 1);
-            } else {
-              release(w_empty + (w_base + n_kc - 1) % kT16Wg2Stages);
-              w_base += n_kc;
-            }
+            release(w_empty + (w_base + n_kc - 1) % kT16Wg2Stages);
+            w_base += n_kc;
             // every W read done: the stage area takes the sums (the next round's chunks wait for
             // every block's round to be stored)
             consumers_sync();
@@ -945,10 +797,7 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
           // round's chunks and the next tile's stages land over the sums)
           fence_proxy_async_smem();
           consumers_sync();
-          // (W in registers: the tile's last such round alone, see tc16_produce)
-          const int round = (dg / kTcDG) * (P / kT16RoundRows) + r0 / kT16RoundRows;
-          if (tid < kShare && (!w_regs || round == tc16_rounds(D, P) - (p.tc16_defer ? 2 : 1)))
-            mbarrier_arrive_in(bars + 2 * kT16WgStages + 2 * kT16Wg2Stages, unsigned(tid), rank);
+          if (tid < kShare) mbarrier_arrive_in(bars + 2 * kT16WgStages + 2 * kT16Wg2Stages, unsigned(tid), rank);
 #endif
         }
       }
