@@ -9,18 +9,19 @@ import torch
 
 import flashopm
 from flashopm.reference import GRAD_INPUTS
-from flashopm.testing import PARAM_ORDER, Shape, make_problem, rel_error
+from flashopm.testing import Shape, leaf_gradients, make_problem, rel_error
 
 
 def grads(x, m, p, g, names, normalization, ours):
-    leaves = {"msa_repr": x.clone().requires_grad_(),
-              **{k: (v.clone().requires_grad_() if v is not None else None) for k, v in p.items()}}
-    args = (leaves["msa_repr"], m, *(leaves[k] for k in PARAM_ORDER))
     if ours:
-        out = flashopm.outer_product_mean(*args, normalization=normalization)
+        def fn(*args):
+            return flashopm.outer_product_mean(*args, normalization=normalization)
     else:
-        out = flashopm.outer_product_mean_reference(*args, normalization=("row", "openfold", "boltz").index(normalization))
-    return torch.autograd.grad(out, [leaves[k] for k in names], g)
+        code = ("row", "openfold", "boltz").index(normalization)
+
+        def fn(*args):
+            return flashopm.outer_product_mean_reference(*args, normalization=code)
+    return leaf_gradients(fn, x, m, p, g, names)
 
 
 def main():

@@ -8,7 +8,7 @@ import flashopm
 from conftest import f16_backward_form_or_skip, flashopm_kernels, requires_cuda
 from flashopm.ops import NORMALIZATIONS
 from flashopm.reference import GRAD_INPUTS
-from flashopm.testing import PARAM_ORDER, Shape, make_problem, rel_error
+from flashopm.testing import PARAM_ORDER, Shape, leaf_gradients, make_problem, rel_error
 
 
 def _call(x, m, p):
@@ -318,21 +318,17 @@ def _check_gradients_against_eager(shape, normalization, with_bias, skip=()):
     g = torch.randn(shape.B, shape.N, shape.N, shape.D, generator=torch.Generator().manual_seed(5))
 
     def grads(x, m, p, g):
-        leaves = {"msa_repr": x.clone().requires_grad_(),
-                  **{k: (v.clone().requires_grad_() if v is not None else None) for k, v in p.items()}}
-        args = (leaves["msa_repr"], m, *(leaves[k] for k in PARAM_ORDER))
         if x.is_cuda and x.dtype == torch.float32:
-            out = flashopm.outer_product_mean(*args, normalization=("row", "openfold", "boltz")[normalization])
+            def fn(*args):
+                return flashopm.outer_product_mean(*args, normalization=("row", "openfold", "boltz")[normalization])
         else:
-            out = flashopm.outer_product_mean_reference(*args, normalization=normalization)
-        return torch.autograd.grad(out, [leaves[k] for k in names], g)
+            def fn(*args):
+                return flashopm.outer_product_mean_reference(*args, normalization=normalization)
+        return leaf_gradients(fn, x, m, p, g, names)
 
     def eager(x, m, p, g):
-        leaves = {"msa_repr": x.clone().requires_grad_(),
-                  **{k: (v.clone().requires_grad_() if v is not None else None) for k, v in p.items()}}
-        out = flashopm.outer_product_mean_reference(leaves["msa_repr"], m, *(leaves[k] for k in PARAM_ORDER),
-                                                    normalization=normalization)
-        return torch.autograd.grad(out, [leaves[k] for k in names], g)
+        return leaf_gradients(lambda *args: flashopm.outer_product_mean_reference(*args, normalization=normalization),
+                              x, m, p, g, names)
 
     ref64 = grads(x.double(), m.double(), {k: (v.double() if v is not None else None) for k, v in p.items()}, g.double())
     pc = {k: (v.cuda() if v is not None else None) for k, v in p.items()}

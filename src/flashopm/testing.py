@@ -112,6 +112,16 @@ def reference(msa, mask, params, dtype=None, ln_eps: float = 1e-5, normalization
     )
 
 
+def leaf_gradients(fn, msa, mask, params, grad_out, names):
+    """Gradients of fn(msa, mask, *params in PARAM_ORDER) against grad_out with respect to the
+    inputs in names ("msa_repr" and parameter names), each a fresh copy of the given tensor; a
+    parameter that is None stays None."""
+    leaves = {"msa_repr": msa.clone().requires_grad_(),
+              **{k: (v.clone().requires_grad_() if v is not None else None) for k, v in params.items()}}
+    out = fn(leaves["msa_repr"], mask, *(leaves[k] for k in PARAM_ORDER))
+    return torch.autograd.grad(out, [leaves[k] for k in names], grad_out)
+
+
 def capture_graph(fn):
     """A CUDA graph of `fn()` and what the captured call returned.  One call runs first on a side
     stream, so that lazy setup (the extension's first launch, the allocator's pools) stays out of
