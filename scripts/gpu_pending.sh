@@ -54,11 +54,6 @@
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR final16  # clusters of two the default: the 16-bit
 #                                                       # kernel's tests, traces, its forms paired, issue
 #                                                       # 6's bfloat16 rows, the forward test files
-#          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR grads16  # run 335's one autograd failure with the
-#                                                       # pair counts' FMA kernel and with tensor cores
-#          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR next16  # NOTES 0zb: grads16's two runs of the test and
-#                                                       # twelve seeds each way, clusters of four against
-#                                                       # two, Nsight of two, the other test files
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR final17  # the autograd tests, clusters of four
 #                                                       # against two, the other test files, Nsight
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR rest17  # the other GPU test files, one step each
@@ -67,7 +62,7 @@
 # steps.txt lists each step's exit status; a failing test step stops the call.
 OUT=$1
 PHASE=${2:-default}
-case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows | bf16 | clusters | bf16_clusters | ncu_clusters | land | producer | regs | pairs | proj16 | stack | stack_rows | trace16 | defer | ksplit | final16 | grads16 | next16 | final17 | rest17) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all, own_rows, bf16, clusters, bf16_clusters, ncu_clusters, land, producer, regs, pairs, proj16, stack, stack_rows, trace16, defer, ksplit, final16, grads16, next16, final17 or rest17, got '$PHASE'" >&2; exit 2 ;; esac
+case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows | bf16 | clusters | bf16_clusters | ncu_clusters | land | producer | regs | pairs | proj16 | stack | stack_rows | trace16 | defer | ksplit | final16 | final17 | rest17) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all, own_rows, bf16, clusters, bf16_clusters, ncu_clusters, land, producer, regs, pairs, proj16, stack, stack_rows, trace16, defer, ksplit, final16, final17 or rest17, got '$PHASE'" >&2; exit 2 ;; esac
 R=$OUT/r
 mkdir -p "$R"
 pack() { tar -C "$OUT" -czf "$OUT/r.tgz" r; [ -n "$DEST" ] && cp "$OUT/r.tgz" "$DEST/"; }
@@ -426,38 +421,6 @@ if [ "$PHASE" = final17 ]; then
   T ncu_cluster2 120 ncu --clock-control none -k regex:opm_outer_tc16 --launch-skip 1 --launch-count 1 \
     --section SpeedOfLight --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
     --section ComputeWorkloadAnalysis $py "$R/tc16_one.py"
-  exit 0
-fi
-
-if [ "$PHASE" = next16 ]; then
-  # NOTES 0zb in one call: the float32 gradient test of run 335 with the pair counts on tensor cores
-  # and on the FMA kernel, each gradient's error ratio over twelve seeds both ways; the test files
-  # not run on this code yet; clusters of four paired against the default (two); Nsight Compute's
-  # throughput, memory and pipe sections for the default form (is shared memory the bound?) (~8 min)
-  K="test_cuda_gradients_every_normalization and B2_S260_N13"
-  T t_grad_mma 90 $py -m pytest -q -p no:cacheprovider tests/test_autograd.py -k "$K"
-  T t_grad_fma 90 env FLASHOPM_PAIR_COUNT_MMA=0 $py -m pytest -q -p no:cacheprovider tests/test_autograd.py -k "$K"
-  T seeds_mma 60 $py scripts/grad_seeds.py 2,260,13,8,32,6 --normalization boltz --no-bias --seeds 12
-  T seeds_fma 60 env FLASHOPM_PAIR_COUNT_MMA=0 $py scripts/grad_seeds.py 2,260,13,8,32,6 --normalization boltz --no-bias --seeds 12
-  T ab_cluster4 60 $py scripts/ab_env.py FLASHOPM_TC16_CLUSTER=4 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6
-  tc16_one
-  T ncu_cluster2 90 ncu --clock-control none -k regex:opm_outer_tc16 --launch-skip 1 --launch-count 1 \
-    --section SpeedOfLight --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
-    --section ComputeWorkloadAnalysis --section WarpStateStats $py "$R/tc16_one.py"
-  T t_rest 240 $py -m pytest -q -p no:cacheprovider tests --ignore=tests/test_cuda.py --ignore=tests/test_conventions.py \
-    --ignore=tests/test_modules.py --ignore=tests/test_projection16.py --ignore=tests/test_autograd.py
-  exit 0
-fi
-
-if [ "$PHASE" = grads16 ]; then
-  # NOTES 0zb (1): the float32 gradient test that failed in run 335 (ln_bias at 2.09x eager's error,
-  # Boltz, no bias, (2,260,13,8,32,6)), with the pair counts on tensor cores (the default) and on
-  # the FMA kernel (FLASHOPM_PAIR_COUNT_MMA=0), then the whole file under each (~5 min with the build)
-  K="test_cuda_gradients_every_normalization and B2_S260_N13"
-  T t_grad_mma 120 $py -m pytest -q -p no:cacheprovider tests/test_autograd.py -k "$K"
-  T t_grad_fma 120 env FLASHOPM_PAIR_COUNT_MMA=0 $py -m pytest -q -p no:cacheprovider tests/test_autograd.py -k "$K"
-  T t_auto_fma 150 env FLASHOPM_PAIR_COUNT_MMA=0 $py -m pytest -q -p no:cacheprovider tests/test_autograd.py
-  T t_auto 150 $py -m pytest -q -p no:cacheprovider tests/test_autograd.py
   exit 0
 fi
 
