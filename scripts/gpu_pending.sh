@@ -57,12 +57,14 @@
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR final17  # the autograd tests, clusters of four
 #                                                       # against two, the other test files, Nsight
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR rest17  # the other GPU test files, one step each
+#          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR stm17  # NOTES 0zc (3): O by stmatrix, tests,
+#                                                       # traces, paired, OpenFold's row
 # (DEST: a folder that r.tgz is also copied to after every step)
 # Each phase fits one call of under ten minutes, the build (~2 min) included.
 # steps.txt lists each step's exit status; a failing test step stops the call.
 OUT=$1
 PHASE=${2:-default}
-case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows | bf16 | clusters | bf16_clusters | ncu_clusters | land | producer | regs | pairs | proj16 | stack | stack_rows | trace16 | defer | ksplit | final16 | final17 | rest17) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all, own_rows, bf16, clusters, bf16_clusters, ncu_clusters, land, producer, regs, pairs, proj16, stack, stack_rows, trace16, defer, ksplit, final16, final17 or rest17, got '$PHASE'" >&2; exit 2 ;; esac
+case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows | bf16 | clusters | bf16_clusters | ncu_clusters | land | producer | regs | pairs | proj16 | stack | stack_rows | trace16 | defer | ksplit | final16 | final17 | rest17 | stm17) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all, own_rows, bf16, clusters, bf16_clusters, ncu_clusters, land, producer, regs, pairs, proj16, stack, stack_rows, trace16, defer, ksplit, final16, final17, rest17 or stm17, got '$PHASE'" >&2; exit 2 ;; esac
 R=$OUT/r
 mkdir -p "$R"
 pack() { tar -C "$OUT" -czf "$OUT/r.tgz" r; [ -n "$DEST" ] && cp "$OUT/r.tgz" "$DEST/"; }
@@ -396,6 +398,22 @@ if [ "$PHASE" = bf16_clusters ]; then
   T conv_clusters 90 env FLASHOPM_TC16_CLUSTER=$CL $py scripts/convention_times.py 1536 row openfold boltz bfloat16 kernels
   T ab_stream 60 $py scripts/ab_env.py FLASHOPM_PROJECT_STREAM=1 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6
   [ "$CL" != 1 ] && [ ! -f "$R/ab_cluster2.log" ] && ab_c 2
+  exit 0
+fi
+
+if [ "$PHASE" = stm17 ]; then
+  # NOTES 0zc (3): O stored by stmatrix in the tensor-copy forms (FLASHOPM_TC16_STMATRIX=1, off by
+  # default): the kernel's form tests (a failure stops the call), both traced, paired, and if it is
+  # faster the bfloat16 rows with it (~6 min with the build)
+  T t_tc16 200 $py -m pytest -x -q -p no:cacheprovider tests/test_cuda.py -k "cluster_form or tc16_conventions or default_form_variants" || exit 1
+  T trace16 120 $py scripts/tc16_trace.py --out "$R/trace16" --forms "2,2+FLASHOPM_TC16_STMATRIX=1"
+  T ab_stmatrix 60 $py scripts/ab_env.py FLASHOPM_TC16_STMATRIX=1 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6
+  r=$(grep -o "paired (without / with) [0-9.]*" "$R/ab_stmatrix.log" | awk '{print $NF}' | head -1)
+  if [ -n "$r" ] && awk "BEGIN { exit !($r > 1.0) }"; then export FLASHOPM_TC16_STMATRIX=1; fi
+  echo "rows with FLASHOPM_TC16_STMATRIX=${FLASHOPM_TC16_STMATRIX:-0} (paired $r)" >>"$R/steps.txt"
+  T mod_openfold_bf16 120 $py -m flashopm bench --module openfold --shapes "1,512,1536,256,32,128" \
+    --dtype bfloat16 --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/mod_openfold_bf16"
+  T conv_stm 90 $py scripts/convention_times.py 1536 row openfold boltz bfloat16 kernels
   exit 0
 fi
 

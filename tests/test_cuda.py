@@ -818,10 +818,12 @@ def test_tc16_cluster_form_gives_the_default_bits(shape, dtype, cluster, monkeyp
     assert torch.equal(clustered, _run(x16, m16, p16, "outer")), "two identical calls differ: a race"
     # one cluster per group of tiles, and three clusters each taking many groups in turn (their
     # stage rings and W chunks carried from tile to tile, each tile's last round stored beside the
-    # next tile's first stages, or at once)
+    # next tile's first stages, or at once); O stored by stmatrix (FLASHOPM_TC16_STMATRIX=1)
     for env in ({"FLASHOPM_TC16_PERSISTENT": "0"}, {"FLASHOPM_TC16_MAX_CLUSTERS": "3"},
                 {"FLASHOPM_TC16_MAX_CLUSTERS": "3", "FLASHOPM_TC16_DEFER": "0"},
-                {"FLASHOPM_TC16_MAX_CLUSTERS": "3", "FLASHOPM_TC16_WIDE_STORES": "0"}):
+                {"FLASHOPM_TC16_MAX_CLUSTERS": "3", "FLASHOPM_TC16_WIDE_STORES": "0"},
+                {"FLASHOPM_TC16_MAX_CLUSTERS": "3", "FLASHOPM_TC16_STMATRIX": "1"},
+                {"FLASHOPM_TC16_STMATRIX": "1"}):
         with monkeypatch.context() as mp:
             for k, v in env.items():
                 mp.setenv(k, v)

@@ -295,6 +295,17 @@ __device__ __forceinline__ uint32_t pack_16bit(float lo, float hi) {
   }
 }
 
+// Four 8 x 8 matrices of 16-bit values to shared memory (stmatrix .x4, sm_90): lane 8i + r gives
+// the shared address of row r of matrix i (16 bytes, 16-byte aligned); register i holds this lane's
+// (row lane / 4, columns 2(lane % 4), + 1) of matrix i, an MMA accumulator's layout in 16 bits.
+__device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0), "r"(r1),
+               "r"(r2), "r"(r3)
+               : "memory");
+#endif
+}
+
 // ---- sm_90a warpgroup MMA (wgmma) from shared memory ----
 // Descriptor of a 128-byte-swizzled operand tile (PTX "matrix descriptor"): start address, LBO and
 // SBO in 16-byte units, swizzle mode 1.  For the MN-major layout used here (rows of 64 consecutive

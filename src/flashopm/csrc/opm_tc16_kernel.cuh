@@ -517,12 +517,47 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
             }
           }
         };
+        // The same stores by stmatrix (OuterArgs::tc16_stmatrix, the tensor-copy forms): a matrix is 8 rows h1 (lane / 4)
+        // of one pair's 16-byte piece of 8 h2, each row one piece of that pair's swizzled 128-byte
+        // row; lane 8i + r addresses row r of matrix i, the column tile j = 4c + i.  A quarter of
+        // the store instructions, each piece whole (the 4-byte stores were 1.3-way conflicted in
+        // run 338's Nsight).
+        auto store_o_stmatrix = [&](auto hb_const) {
+          constexpr int kHB = decltype(hb_const)::value, kH = 8 * kHB, kTj = 32 / kHB;
+          constexpr uint32_t kSbo = 16u * kH * kH;
+          const uint32_t smem_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+          const int r = lane & 7, mi = lane >> 3;
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int m0 = wg * 64 + wl * 16 + 8 * half;  // the matrices' first row: 8 rows of one il
+            const int il = m0 / kH, h1 = m0 % kH + r;
+            if (il < Ti) {
+              const uint32_t base = smem_base + uint32_t((js * P1 + il * kTj) >> 3) * kSbo +
+                                    uint32_t(h1 >> 3) * (kHB * 1024u);
+#pragma unroll
+              for (int c = 0; c < 8; ++c) {
+                const int j = 4 * c + mi, jl = j / kHB, q = j % kHB;  // this lane's matrix
+                const uint32_t addr = base + uint32_t(q) * 1024u + uint32_t(jl >> 3) * kSbo + uint32_t(jl & 7) * 128u +
+                                      (uint32_t(r ^ (jl & 7)) << 4);
+                stmatrix_x4(addr, pack_16bit<T>(acc[16 * c + 2 * half], acc[16 * c + 2 * half + 1]),
+                            pack_16bit<T>(acc[16 * c + 4 + 2 * half], acc[16 * c + 5 + 2 * half]),
+                            pack_16bit<T>(acc[16 * c + 8 + 2 * half], acc[16 * c + 9 + 2 * half]),
+                            pack_16bit<T>(acc[16 * c + 12 + 2 * half], acc[16 * c + 13 + 2 * half]));
+              }
+            }
+          }
+        };
+        // (the tensor-copy forms alone: in the form without, at 255 registers, it spilled)
+        const bool stm = kTma && p.tc16_stmatrix != 0;
         if (hb == 4 && Tj == 8) {
-          store_o_folded(std::integral_constant<int, 4>{});
+          if (stm) store_o_stmatrix(std::integral_constant<int, 4>{});
+          else store_o_folded(std::integral_constant<int, 4>{});
         } else if (hb == 2 && Tj == 16) {
-          store_o_folded(std::integral_constant<int, 2>{});
+          if (stm) store_o_stmatrix(std::integral_constant<int, 2>{});
+          else store_o_folded(std::integral_constant<int, 2>{});
         } else if (hb == 1 && Tj == 32) {
-          store_o_folded(std::integral_constant<int, 1>{});
+          if (stm) store_o_stmatrix(std::integral_constant<int, 1>{});
+          else store_o_folded(std::integral_constant<int, 1>{});
         } else {
           const uint32_t o_sbo = uint32_t(H) * H * 16;
 #pragma unroll
