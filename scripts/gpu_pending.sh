@@ -414,6 +414,11 @@ if [ "$PHASE" = stm17 ]; then
   T mod_openfold_bf16 120 $py -m flashopm bench --module openfold --shapes "1,512,1536,256,32,128" \
     --dtype bfloat16 --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/mod_openfold_bf16"
   T conv_stm 90 $py scripts/convention_times.py 1536 row openfold boltz bfloat16 kernels
+  # where a lone call's wall goes beyond its kernels (run 335: OpenFold's wall 265 us above its graph)
+  T lone_parts 120 $py scripts/lone_call_parts.py --module openfold --dtype bfloat16
+  for f in rows peak_plan replace python_entry; do
+    T t_$f 90 $py -m pytest -q -p no:cacheprovider tests/test_$f.py
+  done
   exit 0
 fi
 
