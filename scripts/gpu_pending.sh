@@ -59,12 +59,14 @@
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR rest17  # the other GPU test files, one step each
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR stm17  # NOTES 0zc (3): O by stmatrix, tests,
 #                                                       # traces, paired, OpenFold's row
+#          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR wide17  # three consumer warpgroups: tests,
+#                                                       # paired, kernels, OpenFold's row
 # (DEST: a folder that r.tgz is also copied to after every step)
 # Each phase fits one call of under ten minutes, the build (~2 min) included.
 # steps.txt lists each step's exit status; a failing test step stops the call.
 OUT=$1
 PHASE=${2:-default}
-case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows | bf16 | clusters | bf16_clusters | ncu_clusters | land | producer | regs | pairs | proj16 | stack | stack_rows | trace16 | defer | ksplit | final16 | final17 | rest17 | stm17) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all, own_rows, bf16, clusters, bf16_clusters, ncu_clusters, land, producer, regs, pairs, proj16, stack, stack_rows, trace16, defer, ksplit, final16, final17, rest17 or stm17, got '$PHASE'" >&2; exit 2 ;; esac
+case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows | bf16 | clusters | bf16_clusters | ncu_clusters | land | producer | regs | pairs | proj16 | stack | stack_rows | trace16 | defer | ksplit | final16 | final17 | rest17 | stm17 | wide17) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all, own_rows, bf16, clusters, bf16_clusters, ncu_clusters, land, producer, regs, pairs, proj16, stack, stack_rows, trace16, defer, ksplit, final16, final17, rest17, stm17 or wide17, got '$PHASE'" >&2; exit 2 ;; esac
 R=$OUT/r
 mkdir -p "$R"
 pack() { tar -C "$OUT" -czf "$OUT/r.tgz" r; [ -n "$DEST" ] && cp "$OUT/r.tgz" "$DEST/"; }
@@ -419,6 +421,30 @@ if [ "$PHASE" = stm17 ]; then
   for f in rows peak_plan replace python_entry; do
     T t_$f 90 $py -m pytest -q -p no:cacheprovider tests/test_$f.py
   done
+  exit 0
+fi
+
+if [ "$PHASE" = wide17 ]; then
+  # the tensor-copy forms with three consumer warpgroups (FLASHOPM_TC16_WIDE=1, off by default): one
+  # shape first (a hang costs its timeout alone), the form's tests, the two-warpgroup forms' tests,
+  # paired against the default in clusters of two and one, each convention's kernels, and if it is
+  # faster OpenFold's bfloat16 row with it; then a lone call's wall in parts (~8 min with the build)
+  # (a failed test does not stop the call, a hang or crash of pytest does)
+  T t_wide_smoke 90 $py -m pytest -x -q -p no:cacheprovider tests/test_cuda.py \
+    -k "wide_form and B1_S64_N164_C64_H32_D128 and bfloat16 and row"
+  rc=$?; [ $rc -gt 1 ] && exit 1
+  T t_wide 240 $py -m pytest -q -p no:cacheprovider tests/test_cuda.py -k "wide_form"
+  T ab_wide 60 $py scripts/ab_env.py FLASHOPM_TC16_WIDE=1 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6
+  T ab_wide1 60 env FLASHOPM_TC16_CLUSTER=1 $py scripts/ab_env.py FLASHOPM_TC16_WIDE=1 1,512,1536,256,32,128 \
+    --dtype bfloat16 --mode forward --calls 6
+  T conv_wide 90 env FLASHOPM_TC16_WIDE=1 $py scripts/convention_times.py 1536 row openfold boltz bfloat16 kernels
+  T t_tc16 200 $py -m pytest -q -p no:cacheprovider tests/test_cuda.py -k "cluster_form or tc16_conventions or default_form_variants"
+  r=$(grep -o "paired (without / with) [0-9.]*" "$R/ab_wide.log" | awk '{print $NF}' | head -1)
+  if [ -n "$r" ] && awk "BEGIN { exit !($r > 1.0) }"; then export FLASHOPM_TC16_WIDE=1; fi
+  echo "rows with FLASHOPM_TC16_WIDE=${FLASHOPM_TC16_WIDE:-0} (paired $r)" >>"$R/steps.txt"
+  T mod_openfold_bf16 120 $py -m flashopm bench --module openfold --shapes "1,512,1536,256,32,128" \
+    --dtype bfloat16 --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/mod_openfold_bf16"
+  T lone_parts 120 $py scripts/lone_call_parts.py --module openfold --dtype bfloat16
   exit 0
 fi
 

@@ -84,7 +84,7 @@ def main():
     with torch.no_grad():
         for name, mod in (("flashopm", new), ("eager", ref)):
             fn = lambda: mod(x, m)  # noqa: E731
-            wall = time_wall(fn, n=a.calls, warmup=2).median
+            wall = time_wall(fn, n=a.calls, warmup=2).median_us
             g = graph_of(fn)
             cold = replay_times(g, flusher, a.calls)
             warm = replay_times(g, None, a.calls)

@@ -47,10 +47,12 @@ def tiles_of(trace):
     return rows
 
 
-def summarise(rows, shape):
+def summarise(rows, shape, wgs=2):
+    """wgs: the form's consumer warpgroups (3 with FLASHOPM_TC16_WIDE=1: tiles of 192 rows, 96 pairs)."""
     B, S, N, C, H, D = shape
-    p1 = 2 * 128 * 256 * S / TENSOR_FLOP_PER_CLK
-    p2 = 2 * 64 * H * H * D / TENSOR_FLOP_PER_CLK
+    pairs = 32 * wgs
+    p1 = 2 * 64 * wgs * 256 * S / TENSOR_FLOP_PER_CLK
+    p2 = 2 * pairs * H * H * D / TENSOR_FLOP_PER_CLK
     ideal = {"phase1_tile0": p1, "phase1_tile1": p1, "phase2": p2}
     steps = {k: [] for k in STEPS + ["gap", "tile_total"]}
     ghz = []
@@ -70,8 +72,8 @@ def summarise(rows, shape):
             if dns > 0:
                 ghz.append((t["stored"][1] - t["tile"][1]) / dns)
             recs.append(row)
-            # the warpgroup's stream on this SM (warpgroup = row parity)
-            by_sm.setdefault((t["sm"], t["row"] % 2), []).append(row)
+            # the warpgroup's stream on this SM (warpgroup = row modulo wgs)
+            by_sm.setdefault((t["sm"], t["row"] % wgs), []).append(row)
     for key, rs in by_sm.items():
         rs.sort(key=lambda r: r["start_clk"])
         for a, b in zip(rs, rs[1:]):
@@ -94,6 +96,8 @@ def summarise(rows, shape):
             "tensor_clk": ideal.get(k),
         }
     out["tensor_share"] = (2 * p1 + p2) / total
+    out["pairs_per_tile"] = pairs
+    out["tile_clk_per_64_pairs"] = total * 64 / pairs
     return out, recs
 
 
@@ -135,13 +139,14 @@ def main():
         for k in env:
             os.environ.pop(k, None)
         rows = tiles_of(torch.ops.flashopm._waves_trace(x))
-        s, recs = summarise(rows, shape)
+        s, recs = summarise(rows, shape, 3 if env.get("FLASHOPM_TC16_WIDE") == "1" else 2)
         summary["forms"][item] = s
         for r in recs:
             r["form"] = item
         all_rows += recs
         print(f"form FLASHOPM_TC16_CLUSTER={item}: {s['tiles']} tile records, clock {s['clock_ghz']:.3f} GHz, "
-              f"tensor cores' share of a tile's cycles {s['tensor_share']:.3f}")
+              f"tensor cores' share of a tile's cycles {s['tensor_share']:.3f}, {s['pairs_per_tile']} pairs a tile, "
+              f"{s['tile_clk_per_64_pairs']:.0f} cycles per 64 pairs")
         print(f"  {'step':14s} {'mean clk':>9s} {'median':>8s} {'p90':>8s} {'mean us':>8s} {'share':>6s} {'tensor':>7s}")
         for k, v in s["steps"].items():
             tc = "" if v["tensor_clk"] is None else f"{v['tensor_clk']:.0f}"

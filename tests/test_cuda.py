@@ -6,6 +6,7 @@ eager happens to be exact).
 """
 import copy
 import os
+import re
 import warnings
 import zlib
 
@@ -769,6 +770,13 @@ def test_half_precision_inputs(dtype, shape, algorithm):
     assert torch.equal(out, _run(x16, m16, p16, algorithm)), "two identical calls differ: a race"
 
 
+def _is_cluster_kernel(name: str, cluster: int, wide: bool = False) -> bool:
+    """Whether a kernel's name is the tensor-copy form's in clusters of `cluster` blocks, with three
+    consumer warpgroups (wide) or two."""
+    m = re.search(r"opm_outer_tc16_cluster_kernel<[^,>]+, (\d+)(?:, (true|false))?>", name)
+    return m is not None and int(m.group(1)) == cluster and (m.group(2) == "true") == wide
+
+
 # The 16-bit kernel's tensor-copy forms (FLASHOPM_TC16_CLUSTER=1, 2 or 4: a producer warp issues
 # the stages and W chunks by tensor copies, in clusters of one, two or four blocks along rows, each
 # block's share of b and W multicast to all): whole tiles at hidden 32 with a number of row tiles that is not a multiple of
@@ -808,7 +816,7 @@ def test_tc16_cluster_form_gives_the_default_bits(shape, dtype, cluster, monkeyp
     monkeypatch.setenv("FLASHOPM_TC16_CLUSTER", str(cluster))
 
     def ran(names):
-        return any("opm_outer_tc16_cluster_kernel" in k and f", {cluster}>" in k for k in names)
+        return any(_is_cluster_kernel(k, cluster) for k in names)
 
     kernels = flashopm_kernels(lambda: _run(x16, m16, p16, "outer", poison=False))
     assert ran(kernels), f"the form in clusters of {cluster} did not run (clusters of that size not available?): {kernels}"
@@ -840,6 +848,50 @@ def test_tc16_cluster_form_gives_the_default_bits(shape, dtype, cluster, monkeyp
         bounded_default = _run(x16, m16, p16, "outer")
     assert not bounded_clustered.isnan().any(), "NaN in the output under the bound: an element was not written"
     assert torch.equal(bounded_clustered, bounded_default), "under the bound the clustered form's bits differ"
+
+
+# The tensor-copy forms with three consumer warpgroups (FLASHOPM_TC16_WIDE=1: tiles of 192 rows (i,
+# h1), 96 pairs, at hidden 32 with D <= 128): the shapes of the two-warpgroup test that qualify (a
+# last row tile past Na, one stage a column tile, stage buffers refilled with both parities), a
+# batch of 3 with a prime N in one partial tile, a prime N below a column block, and D = 100 (4-byte
+# output stores, bias columns past D).
+WIDE_SHAPES = [s for s in CLUSTER_SHAPES if s.H == 32 and s.D <= 128] + [
+    Shape(3, 70, 13, 24, 32, 128), Shape(1, 40, 11, 16, 32, 16), Shape(2, 37, 45, 32, 32, 100)]
+
+
+@pytest.mark.parametrize("cluster", [1, 2])
+@pytest.mark.parametrize("normalization", ["row", "openfold"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", WIDE_SHAPES, ids=str)
+def test_tc16_wide_form_gives_the_default_bits(shape, dtype, normalization, cluster, monkeypatch):
+    """The three-warpgroup tensor-copy form runs (profiler) and gives the bits of the form without
+    tensor copies (the same products in the same order: phase 1 as two m64n128k16 rather than one
+    m64n256k16, phase 2 as m64n96k16 rather than m64n64k16, each sum over k in the same order),
+    every element written (poisoned output), two calls equal; resident clusters taking many tiles
+    in turn, and one cluster a group of tiles."""
+    x, m, p = make_problem(shape, "masked_positions", seed=zlib.crc32(f"{shape}-wide".encode()) % 1000)
+    x16, m16 = x.to(dtype).cuda(), m.to(dtype).cuda()
+    p16 = {k: None if v is None else v.to(dtype).cuda() for k, v in p.items()}
+    monkeypatch.setenv("FLASHOPM_TC16_CLUSTER", "0")
+    monkeypatch.delenv("FLASHOPM_TC16_MMA_SYNC", raising=False)
+    default = _run(x16, m16, p16, "outer", normalization=normalization)
+    kernels = flashopm_kernels(lambda: _run(x16, m16, p16, "outer", poison=False, normalization=normalization))
+    if not any("opm_outer_tc16_kernel" in k and "true, true" in k for k in kernels):
+        pytest.skip("the 16-bit kernel's form with both phases on warpgroup MMAs does not run here (sm_90a only)")
+    monkeypatch.setenv("FLASHOPM_TC16_CLUSTER", str(cluster))
+    monkeypatch.setenv("FLASHOPM_TC16_WIDE", "1")
+    kernels = flashopm_kernels(lambda: _run(x16, m16, p16, "outer", poison=False, normalization=normalization))
+    assert any(_is_cluster_kernel(k, cluster, wide=True) for k in kernels), kernels
+    wide = _run(x16, m16, p16, "outer", normalization=normalization)
+    assert not wide.isnan().any(), "NaN in the output: an element was not written"
+    assert torch.equal(wide, default), "the wide form gives other bits than the default form"
+    assert torch.equal(wide, _run(x16, m16, p16, "outer", normalization=normalization)), "two calls differ: a race"
+    for env in ({"FLASHOPM_TC16_MAX_CLUSTERS": "3"}, {"FLASHOPM_TC16_PERSISTENT": "0"}):
+        with monkeypatch.context() as mp:
+            for k, v in env.items():
+                mp.setenv(k, v)
+            other = _run(x16, m16, p16, "outer", normalization=normalization)
+        assert torch.equal(other, default), f"the wide form with {env}: other bits than the default form"
 
 
 # The form without tensor copies as resident blocks taking tiles in turn (FLASHOPM_TC16_RESIDENT=0:
@@ -899,7 +951,7 @@ def test_tc16_conventions(shape, normalization, monkeypatch):
     for cluster in (1, 2, 4):
         monkeypatch.setenv("FLASHOPM_TC16_CLUSTER", str(cluster))
         kernels = flashopm_kernels(lambda: _run(x16, m16, p16, "outer", poison=False, normalization=normalization))
-        assert any("opm_outer_tc16_cluster_kernel" in k and f", {cluster}>" in k for k in kernels), kernels
+        assert any(_is_cluster_kernel(k, cluster) for k in kernels), kernels
         clustered = _run(x16, m16, p16, "outer", normalization=normalization)
         assert torch.equal(clustered, out), f"{normalization}: clusters of {cluster} give other bits than the default form"
 

@@ -917,11 +917,19 @@ void run_outer(OuterArgs oa, int64_t i_offset, int64_t rows, int64_t out_rows, i
     if (form == kT16WgmmaBoth && oa.Ti * oa.H == kTcMT && oa.Tj * oa.H == kTcNT) {
       const char* c = env_choice("FLASHOPM_TC16_CLUSTER", {"0", "1", "2", "4"});
       if (const int cluster = c != nullptr ? c[0] - '0' : 2; cluster != 0) {
-        const int tma_form = tc16_tma_form(cluster);
-        const int resident =
-            outer_tc16_max_clusters(dev, operand_kind, cluster, outer_tc16_smem_bytes(oa.H, oa.Ti, oa.Tj, tma_form));
+        // FLASHOPM_TC16_WIDE=1: three consumer warpgroups (Tc16Shape<true>: 96 pairs a tile, 12 KB
+        // taken in a pair where two take 16), in clusters of one or two, at hidden 32 (a tile's
+        // pairs one round of phase 2) with D <= kTcDG
+        const bool wide = env_is("FLASHOPM_TC16_WIDE", "1") && cluster != 4 && oa.D <= kTcDG &&
+                          Tc16Shape<true>::kMT % oa.H == 0 &&
+                          (Tc16Shape<true>::kMT / oa.H) * (kTcNT / oa.H) * kT16JSub == Tc16Shape<true>::kRound;
+        const int ti = wide ? Tc16Shape<true>::kMT / oa.H : oa.Ti;
+        const int tma_form = tc16_tma_form(cluster, wide);
+        const int resident = outer_tc16_max_clusters(dev, operand_kind, cluster,
+                                                     outer_tc16_smem_bytes(oa.H, ti, oa.Tj, tma_form), wide);
         if (resident > 0) {
           form = tma_form;
+          oa.Ti = ti;
           oa.tc16_defer = !env_is("FLASHOPM_TC16_DEFER", "0");
           const char* persistent = env_choice("FLASHOPM_TC16_PERSISTENT", {"0", "1"});
           max_clusters = persistent != nullptr && persistent[0] == '0' ? 0 : capped_by_setting(resident);
@@ -950,7 +958,7 @@ void run_outer(OuterArgs oa, int64_t i_offset, int64_t rows, int64_t out_rows, i
       const int64_t blocks = max_clusters > 0 ? std::min<int64_t>(grid_blocks + 3, int64_t(max_clusters) *
                                                                                       tc16_form_cluster(form))
                                               : grid_blocks;
-      waves_trace() = at::zeros({2 * blocks, cap, 3}, options.dtype(at::kLong));
+      waves_trace() = at::zeros({(tc16_form_wide(form) ? 3 : 2) * blocks, cap, 3}, options.dtype(at::kLong));
       oa.wv.trace = reinterpret_cast<long long*>(waves_trace().data_ptr<int64_t>());
       oa.wv.trace_cap = cap;
     }

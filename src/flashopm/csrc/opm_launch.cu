@@ -647,17 +647,17 @@ void launch_tc16_form(const OuterArgs& args, int form, const dim3& grid, int sme
 
 namespace {
 // The launch of a tensor-copy form's kernel: a row of clusters of kCluster blocks.
-template <int kCluster>
+template <int kCluster, bool kWide>
 cudaLaunchConfig_t tc16_cluster_config(dim3 grid, int smem, cudaStream_t stream, cudaLaunchAttribute (&attr)[1]) {
-  return cluster_config(grid, kT16TmaThreads, smem, stream, dim3(kCluster, 1, 1), attr);
+  return cluster_config(grid, Tc16Shape<kWide>::kTmaThreads, smem, stream, dim3(kCluster, 1, 1), attr);
 }
 
-template <typename T, int kCluster>
+template <typename T, int kCluster, bool kWide>
 int tc16_max_active_clusters(int dev, int smem) {
-  constexpr auto kernel = opm_outer_tc16_cluster_kernel<T, kCluster>;
+  constexpr auto kernel = opm_outer_tc16_cluster_kernel<T, kCluster, kWide>;
   allow_smem<kernel>(dev);
   cudaLaunchAttribute attr[1];
-  const cudaLaunchConfig_t cfg = tc16_cluster_config<kCluster>(dim3(kCluster, 1, 1), smem, nullptr, attr);
+  const cudaLaunchConfig_t cfg = tc16_cluster_config<kCluster, kWide>(dim3(kCluster, 1, 1), smem, nullptr, attr);
   int n = 0;
   if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess) {
     (void)cudaGetLastError();  // not runnable with this configuration: report none
@@ -667,22 +667,27 @@ int tc16_max_active_clusters(int dev, int smem) {
 }
 }  // namespace
 
-int outer_tc16_max_clusters(int dev, int operand_kind, int cluster, int smem) {
-  if (driver_launch_api().encode_tiled == nullptr || (cluster != 1 && cluster != 2 && cluster != 4)) return 0;
+int outer_tc16_max_clusters(int dev, int operand_kind, int cluster, int smem, bool wide) {
+  if (driver_launch_api().encode_tiled == nullptr || (cluster != 1 && cluster != 2 && cluster != 4) ||
+      (wide && cluster == 4))
+    return 0;
   // Asked once per (device, operand type, cluster size, shared memory) for the kernel that would
   // launch: whether a cluster fits at all depends on the GPU's partition into GPCs.
   static std::mutex mu;
-  static std::map<std::array<int, 4>, int> cache;
-  const std::array<int, 4> key{dev, operand_kind == kMaskHalf ? 1 : 0, cluster, smem};
+  static std::map<std::array<int, 5>, int> cache;
+  const std::array<int, 5> key{dev, operand_kind == kMaskHalf ? 1 : 0, cluster, smem, int(wide)};
   std::lock_guard<std::mutex> lock(mu);
   auto it = cache.find(key);
   if (it == cache.end()) {
     int n = 0;
     auto max_active = [&](auto tag) {
       using T = typename decltype(tag)::type;
-      return cluster == 4   ? tc16_max_active_clusters<T, 4>(dev, smem)
-             : cluster == 2 ? tc16_max_active_clusters<T, 2>(dev, smem)
-                            : tc16_max_active_clusters<T, 1>(dev, smem);
+      if (wide)
+        return cluster == 2 ? tc16_max_active_clusters<T, 2, true>(dev, smem)
+                            : tc16_max_active_clusters<T, 1, true>(dev, smem);
+      return cluster == 4   ? tc16_max_active_clusters<T, 4, false>(dev, smem)
+             : cluster == 2 ? tc16_max_active_clusters<T, 2, false>(dev, smem)
+                            : tc16_max_active_clusters<T, 1, false>(dev, smem);
     };
     n = operand_kind == kMaskHalf ? max_active(TypeTag<__half>{}) : max_active(TypeTag<__nv_bfloat16>{});
     it = cache.emplace(key, n).first;
@@ -737,7 +742,7 @@ void encode_map16(unsigned char (&out)[128], int operand_kind, const void* base,
   std::memcpy(out, &map, sizeof(map));
 }
 
-template <typename T, int kCluster>
+template <typename T, int kCluster, bool kWide>
 void launch_tc16_clusters(const OuterArgs& args, int operand_kind, int clusters, int smem, cudaStream_t stream) {
   // a (B, S, Na·H) and b (B, S, N·H) in boxes of kT16WgBK s x 64 columns; W in o_k_order as
   // (D, H²) in boxes of kTcDG / kCluster rows of d x 64 k
@@ -752,15 +757,20 @@ void launch_tc16_clusters(const OuterArgs& args, int operand_kind, int clusters,
   encode_map16(maps.b, operand_kind, args.b, 3, dims_b, strides_b, box_ab);
   encode_map16(maps.w, operand_kind, args.w_blocked, 2, dims_w, strides_w, box_w);
   cudaLaunchAttribute attr[1];
-  const cudaLaunchConfig_t cfg = tc16_cluster_config<kCluster>(dim3(unsigned(clusters * kCluster)), smem, stream, attr);
-  launch_kernel<opm_outer_tc16_cluster_kernel<T, kCluster>, SmemSetup::kOptIn>(cfg, args, maps);
+  const cudaLaunchConfig_t cfg =
+      tc16_cluster_config<kCluster, kWide>(dim3(unsigned(clusters * kCluster)), smem, stream, attr);
+  launch_kernel<opm_outer_tc16_cluster_kernel<T, kCluster, kWide>, SmemSetup::kOptIn>(cfg, args, maps);
 }
 template <typename T>
-void launch_tc16_clusters_of(const OuterArgs& args, int operand_kind, int cluster, int clusters, int smem,
+void launch_tc16_clusters_of(const OuterArgs& args, int operand_kind, int cluster, bool wide, int clusters, int smem,
                              cudaStream_t stream) {
-  if (cluster == 4) return launch_tc16_clusters<T, 4>(args, operand_kind, clusters, smem, stream);
-  if (cluster == 2) return launch_tc16_clusters<T, 2>(args, operand_kind, clusters, smem, stream);
-  launch_tc16_clusters<T, 1>(args, operand_kind, clusters, smem, stream);
+  if (wide) {
+    if (cluster == 2) return launch_tc16_clusters<T, 2, true>(args, operand_kind, clusters, smem, stream);
+    return launch_tc16_clusters<T, 1, true>(args, operand_kind, clusters, smem, stream);
+  }
+  if (cluster == 4) return launch_tc16_clusters<T, 4, false>(args, operand_kind, clusters, smem, stream);
+  if (cluster == 2) return launch_tc16_clusters<T, 2, false>(args, operand_kind, clusters, smem, stream);
+  launch_tc16_clusters<T, 1, false>(args, operand_kind, clusters, smem, stream);
 }
 }  // namespace
 
@@ -771,9 +781,13 @@ void launch_outer_tc16(const OuterArgs& args, int operand_kind, int form, int ma
   const int smem = outer_tc16_smem_bytes(args.H, args.Ti, args.Tj, form);
   if (tc16_form_tma(form)) {
     const int cluster = tc16_form_cluster(form);
-    TORCH_CHECK(args.Ti * args.H == kTcMT && args.Tj * args.H == kTcNT && args.w_blocked != nullptr,
-                "flashopm: internal error: the tensor-copy forms need whole tiles (Ti·H = ", kTcMT, ", Tj·H = ", kTcNT,
-                ") and W in blocks, got Ti ", args.Ti, ", Tj ", args.Tj, ", H ", args.H);
+    const bool wide = tc16_form_wide(form);
+    const int mt = wide ? Tc16Shape<true>::kMT : kTcMT;
+    TORCH_CHECK(args.Ti * args.H == mt && args.Tj * args.H == kTcNT && args.w_blocked != nullptr &&
+                    (!wide || (args.D <= kTcDG && args.Ti * args.Tj * kT16JSub == Tc16Shape<true>::kRound)),
+                "flashopm: internal error: the tensor-copy forms need whole tiles (Ti·H = ", mt, ", Tj·H = ", kTcNT,
+                ") and W in blocks", wide ? ", the wide ones one round of pairs a tile and D <= 128" : "", ", got Ti ",
+                args.Ti, ", Tj ", args.Tj, ", H ", args.H, ", D ", args.D);
     // groups of tiles: a column block, `cluster` row tiles (those past Na copy their shares of b
     // and W for their peers), a batch element; each cluster takes them in turn, so that max_clusters
     // (> 0) keeps every cluster resident and its next tile's first stages load beside its last
@@ -783,8 +797,8 @@ void launch_outer_tc16(const OuterArgs& args, int operand_kind, int form, int ma
     TORCH_CHECK(groups < (int64_t(1) << 31) && clusters * cluster < (int64_t(1) << 31),
                 "flashopm: too many tiles for one launch of the tensor-copy form (", groups, " groups)");
     if (operand_kind == kMaskHalf)
-      return launch_tc16_clusters_of<__half>(args, operand_kind, cluster, int(clusters), smem, stream);
-    return launch_tc16_clusters_of<__nv_bfloat16>(args, operand_kind, cluster, int(clusters), smem, stream);
+      return launch_tc16_clusters_of<__half>(args, operand_kind, cluster, wide, int(clusters), smem, stream);
+    return launch_tc16_clusters_of<__nv_bfloat16>(args, operand_kind, cluster, wide, int(clusters), smem, stream);
   }
   if (form == kT16WgmmaBoth) {
     // a row of blocks taking tiles in turn: max_clusters (> 0) resident blocks, else one a tile

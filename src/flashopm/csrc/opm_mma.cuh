@@ -416,6 +416,31 @@ __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t desc_
 }
 #undef FLASHOPM_WGMMA_M64N256K16
 
+// The same for B 16 x 128: the columns 128h .. 128h + 127 of wgmma_m64n256k16 as d[64] (its
+// accumulators 64h .. 64h + 63).  Two of these do what one m64n256k16 does where a kernel's
+// threads have at most 128 registers at entry (ptxas compiles no instruction that needs more than
+// the entry count, setmaxnreg or not, and m64n256k16 needs ~154).
+#define FLASHOPM_WGMMA_M64N128K16(TYPE)                                                   \
+  asm volatile(                                                                          \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"                                        \
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE " {"                   \
+        FLASHOPM_ACC_NAMES64 "}, " \
+      "%64, %65, p, 1, 1, 1, 1;\n}\n"                                                   \
+        : FLASHOPM_ACC64(d) \
+      : "l"(desc_a), "l"(desc_b))
+
+template <typename T>
+__device__ __forceinline__ void wgmma_m64n128k16(float* d, uint64_t desc_a, uint64_t desc_b) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    FLASHOPM_WGMMA_M64N128K16("bf16");
+  } else {
+    FLASHOPM_WGMMA_M64N128K16("f16");
+  }
+#endif
+}
+#undef FLASHOPM_WGMMA_M64N128K16
+
 // d (64 x 256 per warpgroup, float32) += A (64 x 8) · B (8 x 256), TF32 operands, both K-major in
 // shared memory (TF32 has no transposed form): rows of m or n, 128 bytes of k each, 8 rows to a 1 KB
 // swizzle atom.  The MMA reads the top 19 bits of each operand.  Accumulator layout as in
@@ -507,6 +532,32 @@ __device__ __forceinline__ void wgmma_m64n64k16_kmajor(float (&d)[32], uint64_t 
 #endif
 }
 #undef FLASHOPM_WGMMA_M64N64K16
+
+// The same with B 16 x 96 (the wide tensor-copy forms' phase 2: 96 pairs a round); the layout of
+// wgmma_m64n256k16's first 12 column tiles.
+#define FLASHOPM_ACC48(d) FLASHOPM_ACC32(d), FLASHOPM_ACC16(d, 32)
+#define FLASHOPM_ACC_NAMES48 \
+  FLASHOPM_ACC_NAMES32 ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47"
+#define FLASHOPM_WGMMA_M64N96K16(TYPE)                                                    \
+  asm volatile(                                                                          \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"                                        \
+      "wgmma.mma_async.sync.aligned.m64n96k16.f32." TYPE "." TYPE " {"                     \
+        FLASHOPM_ACC_NAMES48 "}, " \
+      "%48, %49, p, 1, 1, 0, 0;\n}\n"                                                   \
+        : FLASHOPM_ACC48(d) \
+      : "l"(desc_a), "l"(desc_b))
+
+template <typename T>
+__device__ __forceinline__ void wgmma_m64n96k16_kmajor(float (&d)[48], uint64_t desc_a, uint64_t desc_b) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    FLASHOPM_WGMMA_M64N96K16("bf16");
+  } else {
+    FLASHOPM_WGMMA_M64N96K16("f16");
+  }
+#endif
+}
+#undef FLASHOPM_WGMMA_M64N96K16
 
 // The float16 split form's MMAs: d = A·B + (accumulate ? d : 0) with float16 operands, both
 // K-major in shared memory (rows of m or n, 128 bytes of k each, 8 rows to a 1 KB swizzle atom;

@@ -690,7 +690,9 @@ constexpr int kT16WgABytes = (kTcMT / 64) * kT16WgGroupBytes;
 constexpr int kT16WgStageBytes = kT16WgABytes + (kTcNT / 64) * kT16WgGroupBytes;
 // Uses of stage buffer sb in one tile of n_q stages (the tensor-copy forms start the ring at
 // buffer 0 with each tile, so a buffer's phase follows from the tile's index and these uses).
-FLASHOPM_HD constexpr int tc16_stage_uses(int n_q, int sb) { return sb < n_q ? (n_q - 1 - sb) / kT16WgStages + 1 : 0; }
+FLASHOPM_HD constexpr int tc16_stage_uses(int n_q, int sb, int stages = kT16WgStages) {
+  return sb < n_q ? (n_q - 1 - sb) / stages + 1 : 0;
+}
 
 // Forms of the 16-bit kernel: mma.sync throughout; phase 1 on wgmma; both phases on wgmma (needs
 // the block's pairs in whole rounds of kT16RoundRows); then, for GPUs with less shared memory than
@@ -708,17 +710,23 @@ enum Tc16Form : int {
   kT16WgmmaPair = 6,
   kT16WgmmaQuad = 7,
   kT16WgmmaTma = 8,
+  // the same with three consumer warpgroups (Tc16Shape<true>): tiles of 192 rows (i, h1), 96 pairs
+  kT16WgmmaPairWide = 9,
+  kT16WgmmaTmaWide = 10,
 };
 // Whether a form is one of the tensor-copy forms; the blocks of its clusters (1: not clustered);
 // the tensor-copy form of clusters of `cluster` blocks.
 FLASHOPM_HD constexpr bool tc16_form_tma(int form) {
-  return form == kT16WgmmaPair || form == kT16WgmmaQuad || form == kT16WgmmaTma;
+  return form == kT16WgmmaPair || form == kT16WgmmaQuad || form == kT16WgmmaTma || form == kT16WgmmaPairWide ||
+         form == kT16WgmmaTmaWide;
 }
+FLASHOPM_HD constexpr bool tc16_form_wide(int form) { return form == kT16WgmmaPairWide || form == kT16WgmmaTmaWide; }
 FLASHOPM_HD constexpr int tc16_form_cluster(int form) {
-  return form == kT16WgmmaPair ? 2 : form == kT16WgmmaQuad ? 4 : 1;
+  return form == kT16WgmmaPair || form == kT16WgmmaPairWide ? 2 : form == kT16WgmmaQuad ? 4 : 1;
 }
-FLASHOPM_HD constexpr int tc16_tma_form(int cluster) {
-  return cluster == 4 ? kT16WgmmaQuad : cluster == 2 ? kT16WgmmaPair : kT16WgmmaTma;
+FLASHOPM_HD constexpr int tc16_tma_form(int cluster, bool wide = false) {
+  return wide ? (cluster == 2 ? kT16WgmmaPairWide : kT16WgmmaTmaWide)
+              : cluster == 4 ? kT16WgmmaQuad : cluster == 2 ? kT16WgmmaPair : kT16WgmmaTma;
 }
 FLASHOPM_HD constexpr int tc16_form_bk(int form) {
   return form == kT16MmaSyncHalfStages || form == kT16MmaSyncNarrowHalfStages ? kT16BKSmall : kT16BK;
@@ -755,6 +763,36 @@ static_assert(kT16ProducerRegs * 128 + kT16ConsumerRegs * kTcThreads <= 168 * kT
 // rows, each group H² · 16 bytes: see kmajor_sw128_offset; k in o_k_order) and every offset is from the shared
 // memory's start rounded up to 1 KB.  The row denominators come from launch_row_denominators.
 constexpr int kT16RoundRows = 64;  // pairs per round of phase 2
+
+// The tensor-copy forms' shape: two consumer warpgroups (the default: phase 1 in tiles of 128 rows
+// (i, h1) x 256 columns (j, h2), 64 pairs over its two column tiles), or three (kWide: 192 rows, 96
+// pairs, at hidden 32 alone).  Each SM takes in a, b and W at ~35 B a clock in either phase (runs
+// 335-338), so what sets the tile's time may be the bytes it takes in per pair: 16 KB with two
+// warpgroups (a 4, b 8, W 4 at hidden 32), 12 KB with three (a 4, b 5.3, W 2.7).
+// Three consumer warpgroups and the producer's are 512 threads, 128 registers a thread at entry;
+// by setmaxnreg the producer keeps 24 and the consumers take 160, room for their 128 accumulators.
+// ptxas compiles no single instruction that needs more registers than the entry count, so their
+// phase 1 takes two m64n128k16 a k step where two warpgroups take one m64n256k16 (A read twice).
+// Their O (192 KB) leaves room for four stages and two W chunks, and for one round of phase 2 (all
+// 96 pairs, D <= kTcDG), whose sums go over O once phase 2 is done and are stored at once (clear
+// of the stages, which the next tile's first copies fill meanwhile).  Phase 2 runs on the first two
+// warpgroups (64 d each, m64n96k16); the third waits at its barriers.
+template <bool kWide>
+struct Tc16Shape {
+  static constexpr int kWgs = kWide ? 3 : 2;     // consumer warpgroups
+  static constexpr int kMT = 64 * kWgs;          // phase 1's rows (i, h1) a tile
+  static constexpr int kThreads = 128 * kWgs;    // consumer threads
+  static constexpr int kStages = kWide ? 4 : kT16WgStages;
+  static constexpr int kW2Stages = kWide ? 2 : kT16Wg2Stages;
+  static constexpr int kRound = kWide ? 96 : kT16RoundRows;  // pairs a round of phase 2
+  static constexpr int kABytes = (kMT / 64) * kT16WgGroupBytes;
+  static constexpr int kStageBytes = kABytes + (kTcNT / 64) * kT16WgGroupBytes;
+  static constexpr int kBarriers = 2 * kStages + 2 * kW2Stages + 1;
+  static constexpr int kTmaThreads = kThreads + 128;
+  static constexpr int kProducerRegs = kWide ? 24 : kT16ProducerRegs;
+  static constexpr int kConsumerRegs = kWide ? 160 : kT16ConsumerRegs;
+  static_assert(kProducerRegs * 128 + kConsumerRegs * kThreads <= 65536, "the warpgroups' registers fit the file");
+};
 struct Tc16Layout {
   int ldo, stages, w, rows, total;  // bytes, except ldo (elements)
 };
@@ -765,13 +803,16 @@ FLASHOPM_HD inline Tc16Layout tc16_layout(int H, int Ti, int Tj, int form) {
   L.ldo = H * H + 8;
   int end;
   const bool tma = tc16_form_tma(form);
+  const bool wide = tc16_form_wide(form);
+  const int round_rows = wide ? Tc16Shape<true>::kRound : kT16RoundRows;
   if (form == kT16WgmmaBoth || tma) {
     const int o_tile = Ti * Tj * H * H * 2;
     L.stages = round_up1k(o_tile);
     L.w = round_up1k(kT16JSub * o_tile);
-    end = L.stages + kT16WgStages * kT16WgStageBytes;
-    const int w_end = L.w + kT16Wg2Stages * kT16Wg2ChunkBytes;
-    const int red_end = L.w + kT16RoundRows * (kTcDG + 4) * 4;
+    end = L.stages + (wide ? Tc16Shape<true>::kStages * Tc16Shape<true>::kStageBytes : kT16WgStages * kT16WgStageBytes);
+    const int w_end = L.w + (wide ? Tc16Shape<true>::kW2Stages : kT16Wg2Stages) * kT16Wg2ChunkBytes;
+    // (the wide forms' sums lie over O, from the start)
+    const int red_end = (wide ? 0 : L.w) + round_rows * (kTcDG + 4) * 4;
     if (end < w_end) end = w_end;
     if (end < red_end) end = red_end;
   } else {
@@ -786,8 +827,8 @@ FLASHOPM_HD inline Tc16Layout tc16_layout(int H, int Ti, int Tj, int form) {
     if (end < stages_end) end = stages_end;
   }
   L.rows = end;  // 16-byte aligned
-  L.total = L.rows + kT16RoundRows * 12 + (form == kT16WgmmaBoth || tma ? 1024 : 0) +
-            (tma ? kT16ClusterBarriers * 8 : 0);
+  L.total = L.rows + round_rows * 12 + (form == kT16WgmmaBoth || tma ? 1024 : 0) +
+            (tma ? (wide ? Tc16Shape<true>::kBarriers : kT16ClusterBarriers) * 8 : 0);
   return L;
 }
 // The tensor-copy forms' tensor maps (CUtensorMap's 128 bytes each): a as (B, S, Na·H), b as (B, S,
@@ -870,7 +911,7 @@ void launch_project_rows(const PrepArgs& args, cudaStream_t stream);
 // How many clusters of `cluster` blocks (1, 2 or 4) of the 16-bit kernel's tensor-copy form can be
 // resident at once on device `dev` for operands of operand_kind with `smem` bytes of shared memory
 // a block: 0 where the driver's tensor-map encoder is missing or no such cluster fits.
-int outer_tc16_max_clusters(int dev, int operand_kind, int cluster, int smem);
+int outer_tc16_max_clusters(int dev, int operand_kind, int cluster, int smem, bool wide = false);
 // Blocks of the 16-bit kernel's form with both phases on wgmma (without tensor copies) resident at once.
 int outer_tc16_resident_blocks(int dev, int operand_kind, int smem);
 int project_rows_smem_bytes(const PrepArgs& args);

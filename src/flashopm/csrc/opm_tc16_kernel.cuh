@@ -41,32 +41,35 @@ __device__ __forceinline__ void tc16_group_tile(int lin, int n_col_blocks, int n
 // done with what lies over it (its O and W chunks read by every block's products, its sums by
 // every block's stores), so that the next tile's first stages load beside the last one's phase 2.
 // bars as the body lays them.
-template <int kCluster>
+template <int kCluster, bool kWide>
 __device__ __forceinline__ void tc16_produce(const OuterArgs& p, const Tc16Maps& maps, char* smem,
                                              const Tc16Layout& L, uint64_t* bars, unsigned rank, int n_col_blocks,
                                              int n_row_groups, int n_groups, int P) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int kBGroupsShare = kTcNT / 64 / kCluster, kWRowsShare = kTcDG / kCluster;
   constexpr uint16_t kMask = uint16_t((1u << kCluster) - 1);
+  using Sh = Tc16Shape<kWide>;
+  constexpr int kStages = Sh::kStages, kW2Stages = Sh::kW2Stages, kStageBytes = Sh::kStageBytes;
   uint64_t* full = bars;
-  uint64_t* empty = bars + kT16WgStages;
-  uint64_t* w_full = bars + 2 * kT16WgStages;
-  uint64_t* w_empty = w_full + kT16Wg2Stages;
-  uint64_t* stored = w_empty + kT16Wg2Stages;
+  uint64_t* empty = bars + kStages;
+  uint64_t* w_full = bars + 2 * kStages;
+  uint64_t* w_empty = w_full + kW2Stages;
+  uint64_t* stored = w_empty + kW2Stages;
   const int H = p.H;
   const int n_k = (p.S + kT16WgBK - 1) / kT16WgBK, n_q = kT16JSub * n_k, n_kc = H * H / 64;
-  auto uses = [&](int sb) { return tc16_stage_uses(n_q, sb); };
+  auto uses = [&](int sb) { return tc16_stage_uses(n_q, sb, kStages); };
   // whether stage buffer sb lies over any of the bytes [lo, hi)
   auto stage_over = [&](int sb, int lo, int hi) {
-    const int s_lo = L.stages + sb * kT16WgStageBytes;
-    return s_lo < hi && s_lo + kT16WgStageBytes > lo;
+    const int s_lo = L.stages + sb * kStageBytes;
+    return s_lo < hi && s_lo + kStageBytes > lo;
   };
   // what phase 2 reads: the last column tile's O (from L.stages) and W's buffers
-  const int phase2_hi = L.w + kT16Wg2Stages * kT16Wg2ChunkBytes;
+  const int phase2_hi = L.w + kW2Stages * kT16Wg2ChunkBytes;
   const uint32_t stages_addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem + L.stages));
   const uint32_t w_addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem + L.w));
-  const bool defer = p.tc16_defer != 0;  // a tile's last round's sums over its O (see outer_tc16_body)
-  const int red_hi = L.w + kT16RoundRows * (kTcDG + 4) * 4;  // phase 2's other sums from L.w
+  // a tile's last round's sums over its O (see outer_tc16_body; kWide: always)
+  const bool defer = kWide || p.tc16_defer != 0;
+  const int red_hi = L.w + Sh::kRound * (kTcDG + 4) * 4;  // phase 2's other sums from L.w
   int wq = 0;            // W chunks issued so far, over every tile
   int stored_rounds = 0;  // rounds that arrive on "stored" once stored, so far
   bool last_stored = false;  // whether the round issued last arrives there
@@ -75,47 +78,47 @@ __device__ __forceinline__ void tc16_produce(const OuterArgs& p, const Tc16Maps&
     tc16_group_tile(lin, n_col_blocks, n_row_groups, col_tile, row_group, b);
     const int i0 = (kCluster * row_group + int(rank)) * p.Ti, j0 = col_tile * p.Tj * kT16JSub;
     for (int q = 0; q < n_q; ++q) {
-      const int buf = q % kT16WgStages, use = it * uses(buf) + q / kT16WgStages;
+      const int buf = q % kStages, use = it * uses(buf) + q / kStages;
       if (use > 0) mbarrier_wait_parity_suspend(empty + buf, (use - 1) & 1);
-      if (it > 0 && q < kT16WgStages) {
+      if (it > 0 && q < kStages) {
         // the buffer's first stage of this tile: the last tile's O and W chunks read (its last
         // chunk released by every block), and where the buffer lies over the sums, those stored
         // (deferred, the last round's sums lie over O of column tile 0, clear of the stages, and
         // those of the rounds before were stored before the last round's chunks were issued)
         if (stage_over(buf, L.stages, phase2_hi))
-          mbarrier_wait_parity_suspend(w_empty + (wq - 1) % kT16Wg2Stages, ((wq - 1) / kT16Wg2Stages) & 1);
+          mbarrier_wait_parity_suspend(w_empty + (wq - 1) % kW2Stages, ((wq - 1) / kW2Stages) & 1);
         if (last_stored && stage_over(buf, L.w, red_hi))
           mbarrier_wait_parity_suspend(stored, (stored_rounds - 1) & 1);
       }
-      mbarrier_arrive_expect_tx(full + buf, kT16WgStageBytes);
+      mbarrier_arrive_expect_tx(full + buf, kStageBytes);
       const int js = q / n_k, s0 = (q - js * n_k) * kT16WgBK, jt0 = j0 + js * p.Tj;
-      const uint32_t st = stages_addr + uint32_t(buf * kT16WgStageBytes);
+      const uint32_t st = stages_addr + uint32_t(buf * kStageBytes);
 #pragma unroll
-      for (int grp = 0; grp < kTcMT / 64; ++grp)
+      for (int grp = 0; grp < Sh::kMT / 64; ++grp)
         tma_load_3d(st + grp * kT16WgGroupBytes, maps.a, i0 * H + grp * 64, s0, b, full + buf);
 #pragma unroll
       for (int share = 0; share < kBGroupsShare; ++share) {
         const int grp = int(rank) * kBGroupsShare + share;
-        const uint32_t dst = st + kT16WgABytes + grp * kT16WgGroupBytes;
+        const uint32_t dst = st + Sh::kABytes + grp * kT16WgGroupBytes;
         if constexpr (kCluster == 1) tma_load_3d(dst, maps.b, jt0 * H + grp * 64, s0, b, full + buf);
         else tma_load_3d_mc(dst, maps.b, jt0 * H + grp * 64, s0, b, full + buf, kMask);
       }
     }
     const int tile_wq = wq;
     for (int dg = 0; dg < p.D; dg += kTcDG) {
-      for (int r0 = 0; r0 < P; r0 += kT16RoundRows) {
+      for (int r0 = 0; r0 < P; r0 += Sh::kRound) {
         // the round before's sums (over W's buffers), where it arrives, read by every block
         if (last_stored) mbarrier_wait_parity_suspend(stored, (stored_rounds - 1) & 1);
-        last_stored = !defer || dg + kTcDG < p.D || r0 + kT16RoundRows < P;
+        last_stored = !defer || dg + kTcDG < p.D || r0 + Sh::kRound < P;
         stored_rounds += last_stored;
         for (int kc = 0; kc < n_kc; ++kc, ++wq) {
-          const int buf = wq % kT16Wg2Stages, use = wq / kT16Wg2Stages;
+          const int buf = wq % kW2Stages, use = wq / kW2Stages;
           if (use > 0) mbarrier_wait_parity_suspend(w_empty + buf, (use - 1) & 1);
-          if (wq - tile_wq < kT16Wg2Stages) {
+          if (wq - tile_wq < kW2Stages) {
             // the buffer's first chunk of this tile: the last use of each stage buffer beneath it,
             // in every block
             const int lo = L.w + buf * kT16Wg2ChunkBytes, hi = lo + kT16Wg2ChunkBytes;
-            for (int sb = 0; sb < kT16WgStages && sb < n_q; ++sb)
+            for (int sb = 0; sb < kStages && sb < n_q; ++sb)
               if (stage_over(sb, lo, hi))
                 mbarrier_wait_parity_suspend(empty + sb, ((it + 1) * uses(sb) - 1) & 1);
           }
@@ -146,10 +149,14 @@ __device__ __forceinline__ void tc16_produce(const OuterArgs& p, const Tc16Maps&
 // last use of the stages beneath it in every block; phase 2's sums lie over W's buffers: a round's
 // chunks wait for every block's previous round to be stored.  The same products in the same order
 // as without: the same bits.
-template <typename T, bool kWgmma, bool kWgmmaBoth, int kBK, int kNT, int kCluster>
+template <typename T, bool kWgmma, bool kWgmmaBoth, int kBK, int kNT, int kCluster, bool kWide = false>
 __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Maps* maps) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   constexpr bool kTma = kCluster > 0;
+  static_assert(kTma || !kWide, "three consumer warpgroups in the tensor-copy forms alone");
+  using Sh = Tc16Shape<kWide>;
+  constexpr int kStages = Sh::kStages, kW2Stages = Sh::kW2Stages, kRound = Sh::kRound, kMT = Sh::kMT;
+  constexpr int kABytes = Sh::kABytes, kStageBytes = Sh::kStageBytes, kThreadsC = Sh::kThreads;
   static_assert(kWgmma || !kWgmmaBoth, "phase 2 on wgmma needs phase 1 on wgmma");
   static_assert(kWgmmaBoth || !kTma, "the tensor-copy forms have both phases on wgmma");
   static_assert(kCluster == 0 || kCluster == 1 || kCluster == 2 || kCluster == 4, "clusters of 1, 2 or 4 blocks");
@@ -164,15 +171,15 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
   if constexpr (kWgmmaBoth)  // the swizzle follows address bits 4-9: every tile from a 1 KB boundary
     smem = align_smem_1k(smem);
   const Tc16Layout L = tc16_layout(p.H, p.Ti, p.Tj,
-                                   kTma         ? tc16_tma_form(kCluster)
+                                   kTma         ? tc16_tma_form(kCluster, kWide)
                                    : kWgmmaBoth ? kT16WgmmaBoth
                                    : kWgmma     ? kT16WgmmaPhase1
                                                 : tc16_mma_sync_form(kBK, kNT));
   T* Os = reinterpret_cast<T*>(smem);                  // [P][ldo]
   T* stages = reinterpret_cast<T*>(smem + L.stages);   // mma.sync: [kT16Stages][BK][LdA + LdB]
   T* Wst = reinterpret_cast<T*>(smem + L.w);           // [kT16WStages][DG][LdW]
-  int64_t* row_off = reinterpret_cast<int64_t*>(smem + L.rows);            // [kT16RoundRows]
-  float* norm_arg = reinterpret_cast<float*>(row_off + kT16RoundRows);     // [kT16RoundRows]
+  int64_t* row_off = reinterpret_cast<int64_t*>(smem + L.rows);            // [kRound]
+  float* norm_arg = reinterpret_cast<float*>(row_off + kRound);     // [kRound]
   const int H = p.H, N = p.N, S = p.S, D = p.D, Ti = p.Ti, Tj = p.Tj;
   const int P1 = Ti * Tj;          // pairs of one column tile
   const int P = P1 * kT16JSub;     // pairs of the block, column tile by column tile
@@ -187,7 +194,7 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
   // cluster's kCluster row tiles, a batch element), which each cluster takes in turn
   [[maybe_unused]] unsigned rank = 0;
   [[maybe_unused]] int n_col_blocks = 0, n_row_groups = 0, n_groups = 0;
-  // kTma: full[kT16WgStages], empty[..], W's full[kT16Wg2Stages], empty[..], round stored
+  // kTma: full[kStages], empty[..], W's full[kW2Stages], empty[..], round stored
   [[maybe_unused]] uint64_t* bars = nullptr;
   if constexpr (kTma) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -195,28 +202,28 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
     n_col_blocks = (N + Tj * kT16JSub - 1) / (Tj * kT16JSub);
     n_row_groups = ((p.Na + Ti - 1) / Ti + kShare - 1) / kShare;
     n_groups = n_col_blocks * n_row_groups * p.B;
-    bars = reinterpret_cast<uint64_t*>(smem + L.rows + kT16RoundRows * 12);
+    bars = reinterpret_cast<uint64_t*>(smem + L.rows + kRound * 12);
     if (tid == 0) {
-      for (int i = 0; i < kT16WgStages; ++i) {
+      for (int i = 0; i < kStages; ++i) {
         mbarrier_init(bars + i, 1);                                 // the producer's arrival with the bytes
-        mbarrier_init(bars + kT16WgStages + i, 2 * kShare);         // each consumer warpgroup's release
+        mbarrier_init(bars + kStages + i, Sh::kWgs * kShare);  // each consumer warpgroup's release
       }
-      for (int i = 0; i < kT16Wg2Stages; ++i) {
-        mbarrier_init(bars + 2 * kT16WgStages + i, 1);
-        mbarrier_init(bars + 2 * kT16WgStages + kT16Wg2Stages + i, 2 * kShare);
+      for (int i = 0; i < kW2Stages; ++i) {
+        mbarrier_init(bars + 2 * kStages + i, 1);
+        mbarrier_init(bars + 2 * kStages + kW2Stages + i, 2 * kShare);  // phase 2's two warpgroups'
       }
-      mbarrier_init(bars + 2 * kT16WgStages + 2 * kT16Wg2Stages, kShare);  // each block's round stored
+      mbarrier_init(bars + 2 * kStages + 2 * kW2Stages, kShare);  // each block's round stored
     }
     cluster_barrier();  // every block's mbarriers set up before any copies to another
-    if (warp >= kTcThreads / 32) {
-      warpgroup_regs_dec<kT16ProducerRegs>();
-      if (warp == kTcThreads / 32 && lane == 0)
-        tc16_produce<kCluster>(p, *maps, smem, L, bars, rank, n_col_blocks, n_row_groups, n_groups, P);
+    if (warp >= kThreadsC / 32) {
+      warpgroup_regs_dec<Sh::kProducerRegs>();
+      if (warp == kThreadsC / 32 && lane == 0)
+        tc16_produce<kCluster, kWide>(p, *maps, smem, L, bars, rank, n_col_blocks, n_row_groups, n_groups, P);
       __syncwarp();
       cluster_barrier();  // (the consumers' last)
       return;
     }
-    warpgroup_regs_inc<kT16ConsumerRegs>();
+    warpgroup_regs_inc<Sh::kConsumerRegs>();
 #endif
   }
   // kTma (consumers): a stage or W chunk retired by this warpgroup, released to every block that
@@ -228,19 +235,20 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
   };
   // a barrier of the eight consumer warps (the producer warpgroup does not take part in kTma)
   auto consumers_sync = [&]() {
-    if constexpr (kTma) named_barrier(1, kTcThreads);
+    if constexpr (kTma) named_barrier(1, kThreadsC);
     else __syncthreads();
   };
   // kTma: W's chunks in one sequence over every tile, group of d and round (wq), buffer wq %
-  // kT16Wg2Stages, issued by the producer warp
+  // kW2Stages, issued by the producer warp
   [[maybe_unused]] int w_base = 0;
   // FLASHOPM_TC16_TRACE (timing aid): the first thread of each consumer warpgroup records its
   // Tc16Mark points; the count stays in a register, so a mark costs two clock reads and stores.
+  // (Not in the kWide forms: its registers spilled their phase 1's descriptors.)
   long long* trace_rec = nullptr;
   int trace_n = 0;
-  if (p.wv.trace != nullptr && (tid & 127) == 0 && tid < kTcThreads) {
+  if (!kWide && p.wv.trace != nullptr && (tid & 127) == 0 && tid < kThreadsC) {
     const int64_t lin_block = blockIdx.x + int64_t(gridDim.x) * (blockIdx.y + int64_t(gridDim.y) * blockIdx.z);
-    trace_rec = p.wv.trace + (lin_block * 2 + (tid >> 7)) * int64_t(p.wv.trace_cap) * 3;
+    trace_rec = p.wv.trace + (lin_block * Sh::kWgs + (tid >> 7)) * int64_t(p.wv.trace_cap) * 3;
   }
   auto mark = [&](int m, int payload) {
     if (trace_rec != nullptr && trace_n + 1 < p.wv.trace_cap) {
@@ -273,13 +281,13 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
   auto store_rows = [&](auto rows_c, const float* red, const int64_t* rows, const float* args, int dg,
                         const float (&bias)[8]) {
     constexpr int kRows = decltype(rows_c)::value;
-    if (wide_stores) store_round16<kRows>(p, red, kRedLd, rows, args, dg, tid, kTcThreads, bias);
-    else store_round<kRows, true>(p, red, kRedLd, rows, args, dg, tid, kTcThreads,
+    if (wide_stores) store_round16<kRows>(p, red, kRedLd, rows, args, dg, tid, kThreadsC, bias);
+    else store_round<kRows, true>(p, red, kRedLd, rows, args, dg, tid, kThreadsC,
                                   reinterpret_cast<const float(&)[4]>(bias));
   };
   [[maybe_unused]] float pending_bias[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
   [[maybe_unused]] auto store_pending_half = [&](int half) {
-    constexpr int kHalf = kT16RoundRows / 2;
+    constexpr int kHalf = kRound / 2;
     store_rows(std::integral_constant<int, kHalf>{}, reinterpret_cast<const float*>(smem) + half * kHalf * kRedLd,
                row_off + half * kHalf, norm_arg + half * kHalf, pending_dg, pending_bias);
   };
@@ -298,7 +306,7 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
   [[maybe_unused]] const uint32_t piece_dst0 = static_cast<uint32_t>(__cvta_generic_to_shared(wg_stages)) +
                                                (pk >> 3) * 1024 + (pk & 7) * 128 + ((pc ^ (pk & 7)) << 4);
   uint32_t col_ok = 0;
-  constexpr int kBBit = kTcMT / 64;
+  constexpr int kBBit = kMT / 64;
   // One stage sequence over a tile's column tiles in turn, so that the next column tile's first
   // stages load while this one's last ones are multiplied and its O is stored.  That needs column
   // tile 0's O clear of the stages; later ones' O overlays them, so only the last may drain the ring.
@@ -325,12 +333,12 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
   // tile's stages are issued (the caller still commits a group, empty, to keep the wait counts).
   auto issue_stage = [&]() {
     if (issue_js < kT16JSub) {
-      const uint32_t st = piece_dst0 + uint32_t(issue_buf * kT16WgStageBytes);
+      const uint32_t st = piece_dst0 + uint32_t(issue_buf * kStageBytes);
 #pragma unroll
       for (int r = 0; r < kRowParts; ++r) {
         const uint32_t ok_bits = s_row + 32 * r < S ? col_ok : 0u;
 #pragma unroll
-        for (int grp = 0; grp < kTcMT / 64; ++grp) {
+        for (int grp = 0; grp < kMT / 64; ++grp) {
           const bool ok = (ok_bits >> grp) & 1u;
           cp_async16z_shared(st + r * 4096 + grp * kT16WgGroupBytes,
                              ok ? a_src + int64_t(32 * r) * NaH + grp * 64 : a_g, ok);
@@ -338,7 +346,7 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
 #pragma unroll
         for (int grp = 0; grp < kTcNT / 64; ++grp) {
           const bool ok = (ok_bits >> (kBBit + grp)) & 1u;
-          cp_async16z_shared(st + r * 4096 + kT16WgABytes + grp * kT16WgGroupBytes,
+          cp_async16z_shared(st + r * 4096 + kABytes + grp * kT16WgGroupBytes,
                              ok ? b_src + int64_t(32 * r) * NH + grp * 64 : b_g, ok);
         }
       }
@@ -347,7 +355,7 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
       s_row += kT16WgBK;
       if (s_row - pk >= S && ++issue_js < kT16JSub) start_tile(issue_js);  // that was the tile's last stage
     }
-    issue_buf = issue_buf + 1 == kT16WgStages ? 0 : issue_buf + 1;
+    issue_buf = issue_buf + 1 == kStages ? 0 : issue_buf + 1;
   };
   // The tile at row i0 (local to the row block), column j0 of batch element b: its stage sequence
   // from ring buffer 0, and its first kT16WgAhead stages issued, a commit group each.
@@ -355,7 +363,7 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
     const int a_lim = min(Ti * H, (p.Na - i0) * H);  // valid columns of the tile (multiples of 8)
     col_ok = 0;
 #pragma unroll
-    for (int grp = 0; grp < kTcMT / 64; ++grp) col_ok |= uint32_t(grp * 64 + pc * 8 < a_lim) << grp;
+    for (int grp = 0; grp < kMT / 64; ++grp) col_ok |= uint32_t(grp * 64 + pc * 8 < a_lim) << grp;
     issue_a = a_g + int64_t(b) * S * NaH + int64_t(i0) * H;
     issue_b = b;
     issue_j0 = j0;
@@ -386,14 +394,14 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
     mark(kT16MarkTile, tile_it | int(smid << 24));
   }
 
-  // Output rows and normaliser arguments of the round of pairs r0 .. r0 + kT16RoundRows (pair
+  // Output rows and normaliser arguments of the round of pairs r0 .. r0 + kRound (pair
   // js·P1 + il·Tj + jl), for store_round.  The wgmma forms stage their first round's after phase
   // 1's column tile 0, later rounds' at their start; the others at each round's start once its
   // first W chunks are on their way: the denominators' or pair counts' loads (from L2 or memory)
   // then pass beside the products instead of before the epilogue (run 334: ~1.3K cycles a tile
   // at phase 2's first barrier when staged at its start).
   auto stage_round_rows = [&](int r0) {
-    if (tid < kT16RoundRows) {
+    if (tid < kRound) {
       const int pr = r0 + tid;
       const int js = pr / P1, rem = pr - js * P1;
       const int il = rem / Tj, jl = js * Tj + rem - il * Tj;
@@ -419,8 +427,8 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
     [[maybe_unused]] uint32_t read_parity = 0;
     if constexpr (kTma) {
 #pragma unroll
-      for (int sb = 0; sb < kT16WgStages; ++sb)
-        read_parity |= uint32_t((tile_it * tc16_stage_uses(kT16JSub * n_k, sb)) & 1) << sb;
+      for (int sb = 0; sb < kStages; ++sb)
+        read_parity |= uint32_t((tile_it * tc16_stage_uses(kT16JSub * n_k, sb, kStages)) & 1) << sb;
     }
     if constexpr (!kTma) {
       // (the tile before on this block may have issued them, beside its epilogue)
@@ -430,7 +438,7 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
     // Stage 0's descriptors; another stage's or k step's differ in the start address alone, whose
     // field (address / 16, 14 bits) holds every shared address without carrying into the next.
     const uint64_t desc_a0 = wgmma_desc(wg_stages + wg * kT16WgGroupBytes, kT16WgGroupBytes, 1024);
-    const uint64_t desc_b0 = wgmma_desc(wg_stages + kT16WgABytes, kT16WgGroupBytes, 1024);
+    const uint64_t desc_b0 = wgmma_desc(wg_stages + kABytes, kT16WgGroupBytes, 1024);
     for (int js = 0; js < kT16JSub; ++js) {
       float acc[128];
 #pragma unroll
@@ -451,25 +459,33 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
           issue_stage();
           cp_async_commit();
         }
-        const uint64_t stage_off = uint64_t(read_buf * (kT16WgStageBytes >> 4));
-        [[maybe_unused]] const int prev_buf = read_buf == 0 ? kT16WgStages - 1 : read_buf - 1;
-        read_buf = read_buf + 1 == kT16WgStages ? 0 : read_buf + 1;
+        const uint64_t stage_off = uint64_t(read_buf * (kStageBytes >> 4));
+        [[maybe_unused]] const int prev_buf = read_buf == 0 ? kStages - 1 : read_buf - 1;
+        read_buf = read_buf + 1 == kStages ? 0 : read_buf + 1;
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < kT16WgBK / 16; ++kk)
-          wgmma_m64n256k16<T>(acc, desc_a0 + stage_off + kk * (2048 >> 4), desc_b0 + stage_off + kk * (2048 >> 4));
+        for (int kk = 0; kk < kT16WgBK / 16; ++kk) {
+          if constexpr (kWide) {  // (512 threads: 128 registers at entry, see wgmma_m64n128k16)
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+              wgmma_m64n128k16<T>(acc + 64 * h, desc_a0 + stage_off + kk * (2048 >> 4),
+                                  desc_b0 + stage_off + kk * (2048 >> 4) + h * (2 * kT16WgGroupBytes >> 4));
+          } else {
+            wgmma_m64n256k16<T>(acc, desc_a0 + stage_off + kk * (2048 >> 4), desc_b0 + stage_off + kk * (2048 >> 4));
+          }
+        }
         wgmma_commit();
-        if constexpr (kTma)
+        if constexpr (kTma && !kWide)
           if (stores_pending && js == 0 && kt < 2) store_pending_half(kt);  // beside this stage's MMAs
         wgmma_wait<1>();
         // kTma: the previous stage's products retired by this warpgroup (this tile's; the last
         // tile's last stage is released below)
         if constexpr (kTma)
-          if (kt > 0) release(bars + kT16WgStages + prev_buf);
+          if (kt > 0) release(bars + kStages + prev_buf);
       }
       wgmma_wait<0>();
       mark(js == 0 ? kT16MarkP1Done0 : kT16MarkP1Done1, 0);
-      if constexpr (kTma) {
+      if constexpr (kTma && !kWide) {
         if (stores_pending && js == 0) {
           if (n_k == 1) store_pending_half(1);
           stores_pending = false;
@@ -479,7 +495,7 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
       // the first round's rows (the block's tile before has stored its rows by now)
       if constexpr (kWgmmaBoth)
         if (js == 0) stage_round_rows(0);
-      if constexpr (kTma) release(bars + kT16WgStages + (js * n_k + n_k - 1) % kT16WgStages);
+      if constexpr (kTma) release(bars + kStages + (js * n_k + n_k - 1) % kStages);
       if (js + 1 == kT16JSub) {
         // (kTma: every stage's bytes from every block have arrived: nothing more is copied here)
         if constexpr (!kTma) cp_async_wait_all();
@@ -548,7 +564,7 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
           }
         };
         // (the tensor-copy forms alone: in the form without, at 255 registers, it spilled)
-        const bool stm = kTma && p.tc16_stmatrix != 0;
+        const bool stm = kWide || (kTma && p.tc16_stmatrix != 0);
         if (hb == 4 && Tj == 8) {
           if (stm) store_o_stmatrix(std::integral_constant<int, 4>{});
           else store_o_folded(std::integral_constant<int, 4>{});
@@ -613,9 +629,9 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
   // This thread's 16-byte pieces of a stage: A rows k = tid/16 + 16u at column m, B rows
   // k = tid/32 + 8u at column n.  Sources advance by a stage's rows per stage issued; a piece past
   // S, past the tile's valid columns, or of a stage past the last is zero-filled (and not read).
-  constexpr int kAPieces = kBK * kTcMT / 8 / kTcThreads, kBPieces = kBK * kNT / 8 / kTcThreads;
-  constexpr int kARowStep = kTcThreads / (kTcMT / 8), kBRowStep = kTcThreads / (kNT / 8);
-  const int a_k = tid / (kTcMT / 8), a_m = (tid % (kTcMT / 8)) * 8;
+  constexpr int kAPieces = kBK * kMT / 8 / kThreadsC, kBPieces = kBK * kNT / 8 / kThreadsC;
+  constexpr int kARowStep = kThreadsC / (kMT / 8), kBRowStep = kThreadsC / (kNT / 8);
+  const int a_k = tid / (kMT / 8), a_m = (tid % (kMT / 8)) * 8;
   const int b_k = tid / (kNT / 8), b_n = (tid % (kNT / 8)) * 8;
   const bool a_col_ok = a_m < a_lim;
   const int a_dst = a_k * kT16LdA + a_m, b_dst = kBK * kT16LdA + b_k * kLdB + b_n;
@@ -711,19 +727,19 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
     // This thread's pieces of a chunk: rows d = tid/8 + 32u, 16-byte piece tid % 8 of the row.
     const int wc = tid & 7, wr = tid >> 3;
     const uint32_t w_dst = kmajor_sw128_offset(wr, wc * 8, 1024);  // rows wr + 32u: + 4 KB each
-    [[maybe_unused]] uint64_t* w_full = bars + 2 * kT16WgStages;
-    [[maybe_unused]] uint64_t* w_empty = w_full + kT16Wg2Stages;
+    [[maybe_unused]] uint64_t* w_full = bars + 2 * kStages;
+    [[maybe_unused]] uint64_t* w_empty = w_full + kW2Stages;
     for (int dg = 0; dg < D; dg += kTcDG) {
       bool d_ok[kTcDG / 32];
 #pragma unroll
       for (int u = 0; u < kTcDG / 32; ++u) d_ok[u] = dg + wr + 32 * u < D;
-      for (int r0 = 0; r0 < P; r0 += kT16RoundRows) {
+      for (int r0 = 0; r0 < P; r0 += kRound) {
         // running source: row dg + wr of W (k in O's order) at the next chunk to issue
         const T* w_src = w_blk + int64_t(dg + wr) * K2 + wc * 8;
         // Chunk kc of W, nothing past the last (the caller still commits a group, empty).
         auto issue_w = [&](int kc) {
           if (kc < n_kc) {
-            char* st = w_st + (kc % kT16Wg2Stages) * kT16Wg2ChunkBytes + w_dst;
+            char* st = w_st + (kc % kW2Stages) * kT16Wg2ChunkBytes + w_dst;
 #pragma unroll
             for (int u = 0; u < kTcDG / 32; ++u)
               cp_async16z(st + u * 4096, d_ok[u] ? w_src + int64_t(32 * u) * K2 : w_blk, d_ok[u]);
@@ -736,7 +752,7 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
         } else {
           __syncthreads();  // O written / the previous round's partial sums consumed
 #pragma unroll
-          for (int kc = 0; kc < kT16Wg2Stages - 2; ++kc) {
+          for (int kc = 0; kc < kW2Stages - 2; ++kc) {
             issue_w(kc);
             cp_async_commit();
           }
@@ -749,48 +765,58 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
         // The tile's last round's sums over O of column tile 0, clear of the stages: kTma, stored
         // beside the next tile's first MMAs (see stores_pending); resident without tensor copies,
         // stored while the next tile's first stages load (see stages_ahead).
-        const bool tile_last_round = dg + kTcDG >= D && r0 + kT16RoundRows >= P;
-        const bool last_round = kTma && p.tc16_defer && tile_last_round;
-        const bool next_ahead = !kTma && tile_last_round && next_b >= 0 && L.stages >= kT16RoundRows * kRedLd * 4;
+        const bool tile_last_round = dg + kTcDG >= D && r0 + kRound >= P;
+        // (kWide: always, its one round's sums fit nowhere but over O)
+        const bool last_round = kTma && (kWide || p.tc16_defer) && tile_last_round;
+        const bool next_ahead = !kTma && tile_last_round && next_b >= 0 && L.stages >= kRound * kRedLd * 4;
         float* red = reinterpret_cast<float*>(last_round || next_ahead ? smem : w_st);  // [64 pairs][kTcDG + 4]
         // The round's products and sums into red.
         {
-          float acc2[32];
+          // rows d, columns the round's pairs (kWide: 96, m64n96k16; the third warpgroup has no d)
+          constexpr int kAcc2 = kRound / 2;
+          const bool p2_wg = wg < 2;
+          float acc2[kAcc2];
 #pragma unroll
-          for (int e = 0; e < 32; ++e) acc2[e] = 0.f;
+          for (int e = 0; e < kAcc2; ++e) acc2[e] = 0.f;
+          if (p2_wg)
           for (int kc = 0; kc < n_kc; ++kc) {
-            int buf = kc % kT16Wg2Stages;
+            int buf = kc % kW2Stages;
             if constexpr (kTma) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
               const int wq = w_base + kc;
-              buf = wq % kT16Wg2Stages;
-              mbarrier_wait_parity_suspend(w_full + buf, (wq / kT16Wg2Stages) & 1);
+              buf = wq % kW2Stages;
+              mbarrier_wait_parity_suspend(w_full + buf, (wq / kW2Stages) & 1);
 #endif
             } else {
-              cp_async_wait<kT16Wg2Stages - 3>();
+              cp_async_wait<kW2Stages - 3>();
               fence_proxy_async_smem();  // this thread's copies (and O), visible to the tensor cores
               __syncthreads();
               // The stage refilled now was last read by the group of chunk kc - 2, which every
               // warpgroup retired before the barrier (one group stays in flight).
-              issue_w(kc + kT16Wg2Stages - 2);
+              issue_w(kc + kW2Stages - 2);
               cp_async_commit();
             }
             if (kc == 0) mark(kT16MarkW0, 0);
             const char* st = w_st + buf * kT16Wg2ChunkBytes;
             wgmma_fence();
 #pragma unroll
-            for (int kk = 0; kk < 4; ++kk)
-              wgmma_m64n64k16_kmajor<T>(acc2, wgmma_desc(st + wg * 64 * 128 + kk * 32, 16, 1024),
-                                        wgmma_desc(o_round + kc * 1024 + kk * 32, 16, o_sbo));
+            for (int kk = 0; kk < 4; ++kk) {
+              if constexpr (kWide)
+                wgmma_m64n96k16_kmajor<T>(acc2, wgmma_desc(st + wg * 64 * 128 + kk * 32, 16, 1024),
+                                          wgmma_desc(o_round + kc * 1024 + kk * 32, 16, o_sbo));
+              else
+                wgmma_m64n64k16_kmajor<T>(acc2, wgmma_desc(st + wg * 64 * 128 + kk * 32, 16, 1024),
+                                          wgmma_desc(o_round + kc * 1024 + kk * 32, 16, o_sbo));
+            }
             wgmma_commit();
             wgmma_wait<1>();
             if constexpr (kTma)  // the previous chunk's products retired by this warpgroup
-              if (kc > 0) release(w_empty + (w_base + kc - 1) % kT16Wg2Stages);
+              if (kc > 0) release(w_empty + (w_base + kc - 1) % kW2Stages);
           }
           wgmma_wait<0>();
           mark(kT16MarkP2Done, 0);
           if constexpr (kTma) {
-            release(w_empty + (w_base + n_kc - 1) % kT16Wg2Stages);
+            if (p2_wg) release(w_empty + (w_base + n_kc - 1) % kW2Stages);
             w_base += n_kc;
             // every W read done: the stage area takes the sums (the next round's chunks wait for
             // every block's round to be stored)
@@ -805,8 +831,9 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
             }
           }
           // acc2: rows d = 64wg + 16wl + g (+8), columns (pairs) 8j + 2t (+1)
+          if (p2_wg)
 #pragma unroll
-          for (int j = 0; j < 8; ++j)
+          for (int j = 0; j < kRound / 8; ++j)
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
               const int d = wg * 64 + wl * 16 + g + 8 * half, pr = 8 * j + 2 * t;
@@ -817,14 +844,23 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
         consumers_sync();
         mark(kT16MarkSums, 0);
         if (last_round) {
-          stores_pending = true;
-          pending_dg = dg;
+          if constexpr (kWide) {
+            // stored now, beside the next tile's first stages loading (its sums lie clear of the
+            // stages; deferred into the next tile's MMAs, their bias and addresses held registers
+            // that the 128 accumulators leave none of); every thread done with the sums and rows
+            // before the next tile's rows and O overlay them
+            store_rows(std::integral_constant<int, kRound>{}, red, row_off, norm_arg, dg, round_bias);
+            consumers_sync();
+          } else {
+            stores_pending = true;
+            pending_dg = dg;
 #pragma unroll
-          for (int e = 0; e < 8; ++e) pending_bias[e] = round_bias[e];
+            for (int e = 0; e < 8; ++e) pending_bias[e] = round_bias[e];
+          }
           mark(kT16MarkStored, 0);
           continue;
         }
-        store_rows(std::integral_constant<int, kT16RoundRows>{}, red, row_off, norm_arg, dg, round_bias);
+        store_rows(std::integral_constant<int, kRound>{}, red, row_off, norm_arg, dg, round_bias);
         mark(kT16MarkStored, 0);
         if constexpr (kTma) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -832,7 +868,7 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
           // round's chunks and the next tile's stages land over the sums)
           fence_proxy_async_smem();
           consumers_sync();
-          if (tid < kShare) mbarrier_arrive_in(bars + 2 * kT16WgStages + 2 * kT16Wg2Stages, unsigned(tid), rank);
+          if (tid < kShare) mbarrier_arrive_in(bars + 2 * kStages + 2 * kW2Stages, unsigned(tid), rank);
 #endif
         }
       }
@@ -845,7 +881,7 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
   const int dw = warp & 3, kh = warp >> 2;
 
   // This thread's pieces of a W chunk: rows d = dg + tid/8 + 32u, columns k = kc0 + (tid%8)·8.
-  constexpr int kWPieces = kTcDG * kT16KC / 8 / kTcThreads, kWRowStep = kTcThreads / (kT16KC / 8);
+  constexpr int kWPieces = kTcDG * kT16KC / 8 / kThreadsC, kWRowStep = kThreadsC / (kT16KC / 8);
   const int w_d = tid / (kT16KC / 8), w_k = (tid % (kT16KC / 8)) * 8;
   const T* w_src = nullptr;
   int w_next = 0;  // next chunk to issue
@@ -863,7 +899,7 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
   const int w_off = (dw * 32 + (lq >> 1) * 8 + lr) * kT16LdW + (lq & 1) * 8;
 
   for (int dg = 0; dg < D; dg += kTcDG) {
-    for (int r0 = 0; r0 < P; r0 += kT16RoundRows) {
+    for (int r0 = 0; r0 < P; r0 += kRound) {
       float acc2[4][4][4];
       zero_tiles(acc2);
       // O's matrices: (pairs 0-7, k 0-7), (pairs 8-15, k 0-7), then k 8-15: a0..a3.  Pairs past
@@ -905,7 +941,7 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
       float* red = reinterpret_cast<float*>(Wst);  // [64 pairs][kTcDG + 4]
       constexpr int kRedLd = kTcDG + 4;
       sum_k_halves<4>(red, kRedLd, acc2, kh, dw * 32, g, t);
-      store_round<kT16RoundRows, true>(p, red, kRedLd, row_off, norm_arg, dg, tid, kTcThreads);
+      store_round<kRound, true>(p, red, kRedLd, row_off, norm_arg, dg, tid, kThreadsC);
     }
   }
   };  // tile
@@ -917,9 +953,11 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
       tc16_group_tile(lin, n_col_blocks, n_row_groups, col_tile, row_group, b);
       tile(col_tile, kShare * row_group + int(rank), b, it);
     }
-    if (stores_pending) {
-      store_pending_half(0);
-      store_pending_half(1);
+    if constexpr (!kWide) {
+      if (stores_pending) {
+        store_pending_half(0);
+        store_pending_half(1);
+      }
     }
     cluster_barrier();  // the peers' last arrivals on this block's mbarriers made before it exits
 #endif
@@ -955,13 +993,14 @@ __global__ void __launch_bounds__(kTcThreads, 1) opm_outer_tc16_kernel(const Out
   outer_tc16_body<T, kWgmma, kWgmmaBoth, kBK, kNT, 0>(p, nullptr);
 }
 
-// The tensor-copy forms (kT16WgmmaTma, kT16WgmmaPair, kT16WgmmaQuad): two consumer warpgroups and a
-// producer warpgroup, launched as a row of clusters of kCluster blocks.
-template <typename T, int kCluster>
-__global__ void __launch_bounds__(kT16TmaThreads, 1) opm_outer_tc16_cluster_kernel(const OuterArgs p,
-                                                                                   const __grid_constant__ Tc16Maps maps) {
+// The tensor-copy forms (kT16WgmmaTma, kT16WgmmaPair, kT16WgmmaQuad; kWide: kT16WgmmaTmaWide,
+// kT16WgmmaPairWide): two (kWide: three) consumer warpgroups and a producer warpgroup, launched as a
+// row of clusters of kCluster blocks.
+template <typename T, int kCluster, bool kWide = false>
+__global__ void __launch_bounds__(Tc16Shape<kWide>::kTmaThreads, 1) opm_outer_tc16_cluster_kernel(
+    const OuterArgs p, const __grid_constant__ Tc16Maps maps) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  outer_tc16_body<T, true, true, kT16BK, kTcNT, kCluster>(p, &maps);
+  outer_tc16_body<T, true, true, kT16BK, kTcNT, kCluster, kWide>(p, &maps);
 #else
   target_lacks_instructions();
 #endif
