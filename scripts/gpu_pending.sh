@@ -61,12 +61,14 @@
 #                                                       # traces, paired, OpenFold's row
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR wide17  # three consumer warpgroups: tests,
 #                                                       # paired, kernels, OpenFold's row
+#          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR wtrace17  # the wide forms traced; a lone
+#                                                       # call's host time and runtime calls
 # (DEST: a folder that r.tgz is also copied to after every step)
 # Each phase fits one call of under ten minutes, the build (~2 min) included.
 # steps.txt lists each step's exit status; a failing test step stops the call.
 OUT=$1
 PHASE=${2:-default}
-case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows | bf16 | clusters | bf16_clusters | ncu_clusters | land | producer | regs | pairs | proj16 | stack | stack_rows | trace16 | defer | ksplit | final16 | final17 | rest17 | stm17 | wide17) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all, own_rows, bf16, clusters, bf16_clusters, ncu_clusters, land, producer, regs, pairs, proj16, stack, stack_rows, trace16, defer, ksplit, final16, final17, rest17, stm17 or wide17, got '$PHASE'" >&2; exit 2 ;; esac
+case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows | bf16 | clusters | bf16_clusters | ncu_clusters | land | producer | regs | pairs | proj16 | stack | stack_rows | trace16 | defer | ksplit | final16 | final17 | rest17 | stm17 | wide17 | wtrace17) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all, own_rows, bf16, clusters, bf16_clusters, ncu_clusters, land, producer, regs, pairs, proj16, stack, stack_rows, trace16, defer, ksplit, final16, final17, rest17, stm17, wide17 or wtrace17, got '$PHASE'" >&2; exit 2 ;; esac
 R=$OUT/r
 mkdir -p "$R"
 pack() { tar -C "$OUT" -czf "$OUT/r.tgz" r; [ -n "$DEST" ] && cp "$OUT/r.tgz" "$DEST/"; }
@@ -445,6 +447,16 @@ if [ "$PHASE" = wide17 ]; then
   T mod_openfold_bf16 120 $py -m flashopm bench --module openfold --shapes "1,512,1536,256,32,128" \
     --dtype bfloat16 --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/mod_openfold_bf16"
   T lone_parts 120 $py scripts/lone_call_parts.py --module openfold --dtype bfloat16
+  exit 0
+fi
+
+if [ "$PHASE" = wtrace17 ]; then
+  # where the wide forms' tiles go (run 341: level with the two-warpgroup forms though a quarter
+  # fewer bytes are taken in a pair), traced next to the default; a lone call's host time and its
+  # runtime calls (run 341: 186 us of OpenFold's wall before or between its kernels) (~5 min)
+  T trace16 150 $py scripts/tc16_trace.py --out "$R/trace16" --forms "2,2+FLASHOPM_TC16_WIDE=1,1+FLASHOPM_TC16_WIDE=1"
+  T lone_parts 150 $py scripts/lone_call_parts.py --module openfold --dtype bfloat16
+  T lone_spec 150 $py scripts/lone_call_parts.py --module spec --dtype bfloat16 --calls 5
   exit 0
 fi
 

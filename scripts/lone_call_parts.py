@@ -1,13 +1,15 @@
 """Where a lone forward call's wall time goes at a large shape, for flashopm's module and the eager
 module of the same convention, in one process: the wall as the bench CLI times it (L2 flush, a
 synchronize, CUDA events around the call); a one-call CUDA graph replayed the same way (host time
-removed, the cold start kept); that graph replayed back to back (neither); and, from the profiler
-over a few lone calls, each kernel's duration and the gaps before and between them.
+removed, the cold start kept); that graph replayed back to back (neither); the host time of a
+lone call; and, from the profiler over a few lone calls, the host's operators and runtime calls by
+self time and each kernel's duration and the gaps before and between them.
 
     python scripts/lone_call_parts.py [--module openfold] [--dtype bfloat16] [B,S,N,C,H,D]
 """
 import argparse
 import statistics
+import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -45,15 +47,34 @@ def replay_times(g, flusher, n):
     return statistics.median(out)
 
 
+def host_times(fn, flusher, n):
+    """Host time of lone calls (after a flush and a synchronize, as the wall is timed): from the
+    call to its return, no synchronisation inside; median in us."""
+    out = []
+    for _ in range(n):
+        flusher()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t0) * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(out)
+
+
 def profiled(fn, flusher, n=3):
-    """Each kernel of `n` lone calls: (name, duration, gap from the previous kernel's end), with the
-    flush's own kernel as the start of each call."""
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    """The profiler over `n` lone calls: the host's operators and runtime calls by self time, and
+    each call's kernels in order with the gap before each (the flush's kernel starting a call)."""
+    try:
+        prof_ctx = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], acc_events=True)
+    except TypeError:
+        prof_ctx = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    with prof_ctx as prof:
         for _ in range(n):
             flusher()
             torch.cuda.synchronize()
             fn()
             torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20)
     ev = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
                 key=lambda e: e.time_range.start)
     calls, cur = [], None
@@ -63,7 +84,7 @@ def profiled(fn, flusher, n=3):
             calls.append(cur)
         elif cur is not None:
             cur.append(e)
-    return calls
+    return table, calls
 
 
 def main():
@@ -91,7 +112,10 @@ def main():
             del g
             print(f"{name:9s} wall {wall:9.1f} us | one-call graph after a flush {cold:9.1f} | back to back "
                   f"{warm:9.1f} | host and launch {wall - cold:7.1f}, cold start {cold - warm:7.1f}")
-            for k, call in enumerate(profiled(fn, flusher)):
+            print(f"  host time of a lone call (to its return): {host_times(fn, flusher, a.calls):.1f} us")
+            table, calls = profiled(fn, flusher)
+            print(table)
+            for k, call in enumerate(calls):
                 flush, kernels = call[0], call[1:]
                 prev_end, parts = flush.time_range.end, []
                 for e in kernels:

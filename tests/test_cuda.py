@@ -806,6 +806,7 @@ def test_tc16_cluster_form_gives_the_default_bits(shape, dtype, cluster, monkeyp
     x, m, p = make_problem(shape, "masked_positions", seed=zlib.crc32(f"{shape}-pairs".encode()) % 1000)
     x16, m16 = x.to(dtype).cuda(), m.to(dtype).cuda()
     p16 = {k: None if v is None else v.to(dtype).cuda() for k, v in p.items()}
+    monkeypatch.setenv("FLASHOPM_TC16_WIDE", "0")  # the two-warpgroup forms (the wide ones: below)
     monkeypatch.setenv("FLASHOPM_TC16_CLUSTER", "0")
     monkeypatch.delenv("FLASHOPM_TC16_MMA_SYNC", raising=False)
     default = _run(x16, m16, p16, "outer")
@@ -948,12 +949,17 @@ def test_tc16_conventions(shape, normalization, monkeypatch):
     kernels = flashopm_kernels(lambda: _run(x16, m16, p16, "outer", poison=False, normalization=normalization))
     if not any("opm_outer_tc16_kernel" in k and "true, true" in k for k in kernels):
         pytest.skip("the 16-bit kernel's form with both phases on warpgroup MMAs does not run here (sm_90a only)")
-    for cluster in (1, 2, 4):
+    # two consumer warpgroups in clusters of 1, 2 and 4, three in clusters of 1 and 2 (where the
+    # shape qualifies: hidden 32, D <= 128; else the two-warpgroup form runs)
+    for cluster, wide in ((1, False), (2, False), (4, False), (1, True), (2, True)):
         monkeypatch.setenv("FLASHOPM_TC16_CLUSTER", str(cluster))
+        monkeypatch.setenv("FLASHOPM_TC16_WIDE", "1" if wide else "0")
+        wide_runs = wide and shape.H == 32 and shape.D <= 128
         kernels = flashopm_kernels(lambda: _run(x16, m16, p16, "outer", poison=False, normalization=normalization))
-        assert any(_is_cluster_kernel(k, cluster) for k in kernels), kernels
+        assert any(_is_cluster_kernel(k, cluster, wide_runs) for k in kernels), kernels
         clustered = _run(x16, m16, p16, "outer", normalization=normalization)
-        assert torch.equal(clustered, out), f"{normalization}: clusters of {cluster} give other bits than the default form"
+        assert torch.equal(clustered, out), (
+            f"{normalization}: clusters of {cluster} (wide {wide_runs}) give other bits than the default form")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)

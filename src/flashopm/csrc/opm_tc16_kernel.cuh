@@ -243,10 +243,9 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
   [[maybe_unused]] int w_base = 0;
   // FLASHOPM_TC16_TRACE (timing aid): the first thread of each consumer warpgroup records its
   // Tc16Mark points; the count stays in a register, so a mark costs two clock reads and stores.
-  // (Not in the kWide forms: its registers spilled their phase 1's descriptors.)
   long long* trace_rec = nullptr;
   int trace_n = 0;
-  if (!kWide && p.wv.trace != nullptr && (tid & 127) == 0 && tid < kThreadsC) {
+  if (p.wv.trace != nullptr && (tid & 127) == 0 && tid < kThreadsC) {
     const int64_t lin_block = blockIdx.x + int64_t(gridDim.x) * (blockIdx.y + int64_t(gridDim.y) * blockIdx.z);
     trace_rec = p.wv.trace + (lin_block * Sh::kWgs + (tid >> 7)) * int64_t(p.wv.trace_cap) * 3;
   }
