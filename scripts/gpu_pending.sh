@@ -457,6 +457,7 @@ if [ "$PHASE" = wtrace17 ]; then
   T trace16 150 $py scripts/tc16_trace.py --out "$R/trace16" --forms "2,2+FLASHOPM_TC16_WIDE=1,1+FLASHOPM_TC16_WIDE=1"
   T lone_parts 150 $py scripts/lone_call_parts.py --module openfold --dtype bfloat16
   T lone_spec 150 $py scripts/lone_call_parts.py --module spec --dtype bfloat16 --calls 5
+  T t_tc16 200 $py -m pytest -q -p no:cacheprovider tests/test_cuda.py -k "cluster_form or tc16_conventions or wide_form"
   exit 0
 fi
 
