@@ -1885,7 +1885,8 @@ at::Tensor outer_product_mean_cuda(const at::Tensor& msa_in, const at::Tensor& m
     at::Tensor w_blocked;
     if (operands16 && H % 8 == 0 && requested_tc16_form(dev) == kT16WgmmaBoth) {
       // a copy always (for H = 8 the blocked order is W's own)
-      w_blocked = w_op.view({D, H / 8, 8, H / 8, 8}).transpose(2, 3).clone(at::MemoryFormat::Contiguous);
+      w_blocked = at::empty({D, H * H}, w_op.options());
+      launch_block_w16(w_op.data_ptr(), w_blocked.data_ptr(), D, int(H), stream);
       oa.w_blocked = w_blocked.data_ptr();
     } else if (kmajor && (tc_terms == 1 || half_split)) {
       w_blocked = float32_wgmma_w(w_op, H, half_split, const_cast<int*>(oa.w_exp), stream);

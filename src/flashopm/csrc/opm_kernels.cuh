@@ -133,6 +133,18 @@ __global__ void __launch_bounds__(256) opm_convert_kernel(const ConvertArgs p) {
   for (int64_t e = int64_t(blockIdx.x) * 256 + threadIdx.x; e < p.n[k]; e += int64_t(gridDim.x) * 256)
     store_out(p.dst[k], e, load_mask(p.src[k], e, p.src_kind[k]), p.dst_kind[k]);
 }
+// W (D, H²) of 16-bit elements in o_k_order's blocks, (D, H/8, H/8, 8, 8): dst[d, b1, b2, l1, l2] =
+// src[d, (8·b1 + l1)·H + 8·b2 + l2], 16 bytes (the eight l2) a thread; H a multiple of 8.
+__global__ void __launch_bounds__(256) opm_block_w16_kernel(const uint4* __restrict__ src, uint4* __restrict__ dst,
+                                                            int64_t pieces, int H) {
+  const int64_t u = int64_t(blockIdx.x) * 256 + threadIdx.x;
+  if (u >= pieces) return;
+  const int hb = H >> 3, row_pieces = H * hb;  // 16-byte pieces of a row d
+  const int64_t d = u / row_pieces;
+  const int r = int(u - d * row_pieces);
+  const int b1 = r / (8 * hb), b2 = (r >> 3) % hb, l1 = r & 7;
+  dst[u] = src[d * row_pieces + (8 * b1 + l1) * hb + b2];
+}
 __device__ __forceinline__ void store_out2(void* base, int64_t idx, float v0, float v1, int kind) {
   switch (kind) {
     case kMaskHalf: *reinterpret_cast<__half2*>(static_cast<__half*>(base) + idx) = __floats2half2_rn(v0, v1); break;

@@ -1446,6 +1446,13 @@ void launch_convert(const ConvertArgs& args, cudaStream_t stream) {
   launch_kernel<opm_convert_kernel>(dim3(unsigned(blocks), unsigned(args.count)), 256, 0, stream, args);
 }
 
+void launch_block_w16(const void* w, void* w_blocked, int64_t D, int H, cudaStream_t stream) {
+  const int64_t pieces = D * H * H / 8;
+  if (pieces == 0) return;
+  launch_kernel<opm_block_w16_kernel>(unsigned((pieces + 255) / 256), 256, 0, stream, static_cast<const uint4*>(w),
+                                      static_cast<uint4*>(w_blocked), pieces, H);
+}
+
 void launch_grad_scale(const GradScaleArgs& args, int blocks, cudaStream_t stream) {
   launch_kernel<opm_grad_scale_kernel<false>>(unsigned(blocks), kGradScaleThreads, 0, stream, args);
 }

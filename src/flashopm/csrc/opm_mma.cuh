@@ -533,31 +533,31 @@ __device__ __forceinline__ void wgmma_m64n64k16_kmajor(float (&d)[32], uint64_t 
 }
 #undef FLASHOPM_WGMMA_M64N64K16
 
-// The same with B 16 x 96 (the wide tensor-copy forms' phase 2: 96 pairs a round); the layout of
-// wgmma_m64n256k16's first 12 column tiles.
-#define FLASHOPM_ACC48(d) FLASHOPM_ACC32(d), FLASHOPM_ACC16(d, 32)
-#define FLASHOPM_ACC_NAMES48 \
-  FLASHOPM_ACC_NAMES32 ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47"
-#define FLASHOPM_WGMMA_M64N96K16(TYPE)                                                    \
+// The same with B 16 x 48 (each column tile's 48 pairs in the wide forms' phase 2), into d[0..23]:
+// the layout of wgmma_m64n256k16's first 6 column tiles.
+#define FLASHOPM_ACC24(d) FLASHOPM_ACC16(d, 0), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), \
+                          "+f"(d[21]), "+f"(d[22]), "+f"(d[23])
+#define FLASHOPM_ACC_NAMES24 FLASHOPM_ACC_NAMES16 ", %16, %17, %18, %19, %20, %21, %22, %23"
+#define FLASHOPM_WGMMA_M64N48K16(TYPE)                                                    \
   asm volatile(                                                                          \
       "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"                                        \
-      "wgmma.mma_async.sync.aligned.m64n96k16.f32." TYPE "." TYPE " {"                     \
-        FLASHOPM_ACC_NAMES48 "}, " \
-      "%48, %49, p, 1, 1, 0, 0;\n}\n"                                                   \
-        : FLASHOPM_ACC48(d) \
+      "wgmma.mma_async.sync.aligned.m64n48k16.f32." TYPE "." TYPE " {"                     \
+        FLASHOPM_ACC_NAMES24 "}, " \
+      "%24, %25, p, 1, 1, 0, 0;\n}\n"                                                   \
+        : FLASHOPM_ACC24(d) \
       : "l"(desc_a), "l"(desc_b))
-
 template <typename T>
-__device__ __forceinline__ void wgmma_m64n96k16_kmajor(float (&d)[48], uint64_t desc_a, uint64_t desc_b) {
+__device__ __forceinline__ void wgmma_m64n48k16_kmajor(float* d, uint64_t desc_a, uint64_t desc_b) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    FLASHOPM_WGMMA_M64N96K16("bf16");
+    FLASHOPM_WGMMA_M64N48K16("bf16");
   } else {
-    FLASHOPM_WGMMA_M64N96K16("f16");
+    FLASHOPM_WGMMA_M64N48K16("f16");
   }
 #endif
 }
-#undef FLASHOPM_WGMMA_M64N96K16
+#undef FLASHOPM_WGMMA_M64N48K16
+
 
 // The float16 split form's MMAs: d = A·B + (accumulate ? d : 0) with float16 operands, both
 // K-major in shared memory (rows of m or n, 128 bytes of k each, 8 rows to a 1 KB swizzle atom;

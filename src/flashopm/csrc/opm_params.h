@@ -776,14 +776,22 @@ constexpr int kT16RoundRows = 64;  // pairs per round of phase 2
 // Their O (192 KB) leaves room for four stages and two W chunks, and for one round of phase 2 (all
 // 96 pairs, D <= kTcDG), whose sums go over O once phase 2 is done and are stored at once (clear
 // of the stages, which the next tile's first copies fill meanwhile).  Phase 2 runs on the first two
-// warpgroups (64 d each, m64n96k16); the third waits at its barriers.
+// warpgroups (64 d each, m64n48k16 on each column tile's O); the third waits at its barriers.
+// Two W buffers alone (32 KB in flight) left phase 2 at 37% of the tensor rate (run 342: 16.4K
+// cycles a tile against 6.1K), so O is laid out chunk by chunk of k within each column tile
+// (each chunk's slice of 48 pairs 6 KB, contiguous), and the chunks after the fourth go into the
+// slices the chunks before have retired: up to six chunks in flight (tc16_wide_w_slot).
 template <bool kWide>
 struct Tc16Shape {
   static constexpr int kWgs = kWide ? 3 : 2;     // consumer warpgroups
   static constexpr int kMT = 64 * kWgs;          // phase 1's rows (i, h1) a tile
   static constexpr int kThreads = 128 * kWgs;    // consumer threads
   static constexpr int kStages = kWide ? 4 : kT16WgStages;
-  static constexpr int kW2Stages = kWide ? 2 : kT16Wg2Stages;
+  // W's chunks: kW2Stages mbarrier pairs, kWBuffers buffers of their own at Tc16Layout::w (kWide:
+  // a pair per chunk of a tile, H² / 64 = 16, and beside the two buffers the slices of O that the
+  // tile's chunks before have freed: tc16_wide_w_slot)
+  static constexpr int kW2Stages = kWide ? 16 : kT16Wg2Stages;
+  static constexpr int kWBuffers = kWide ? 2 : kT16Wg2Stages;
   static constexpr int kRound = kWide ? 96 : kT16RoundRows;  // pairs a round of phase 2
   static constexpr int kABytes = (kMT / 64) * kT16WgGroupBytes;
   static constexpr int kStageBytes = kABytes + (kTcNT / 64) * kT16WgGroupBytes;
@@ -796,6 +804,26 @@ struct Tc16Shape {
 struct Tc16Layout {
   int ldo, stages, w, rows, total;  // bytes, except ldo (elements)
 };
+// The wide forms' W chunk n of a tile (n < 16, hidden 32): the byte offset of its buffer, and the
+// chunk of the same tile whose release it waits for (-1: none beyond the stages beneath it, and
+// the tile before's chunks, all released before this tile's stages were issued).  Buffers: the
+// two of their own at L.w (A, B), and 16 KB within O's slices of chunks 0-2 (C: column tile 0's;
+// D: column tile 1's, from o_col) and of chunks 3-5 (E, F), free once that chunk is released.
+FLASHOPM_HD inline int tc16_wide_w_slot(int n, int w, int o_col, int o_slice) {
+  constexpr signed char kSlot[16] = {0, 1, 0, 1, 2, 3, 0, 1, 4, 5, 2, 3, 0, 1, 4, 5};
+  switch (kSlot[n & 15]) {
+    case 0: return w;
+    case 1: return w + kT16Wg2ChunkBytes;
+    case 2: return 0;
+    case 3: return o_col;
+    case 4: return 3 * o_slice;
+    default: return o_col + 3 * o_slice;
+  }
+}
+FLASHOPM_HD inline int tc16_wide_w_after(int n) {
+  constexpr signed char kAfter[16] = {-1, -1, 0, 1, 2, 2, 2, 3, 5, 5, 4, 5, 6, 7, 8, 9};
+  return kAfter[n & 15];
+}
 FLASHOPM_HD inline int round_up1k(int x) { return (x + 1023) & ~1023; }
 FLASHOPM_HD inline Tc16Layout tc16_layout(int H, int Ti, int Tj, int form) {
   const int bk = tc16_form_bk(form), nt = tc16_form_nt(form);  // the mma.sync forms' stage
@@ -810,7 +838,7 @@ FLASHOPM_HD inline Tc16Layout tc16_layout(int H, int Ti, int Tj, int form) {
     L.stages = round_up1k(o_tile);
     L.w = round_up1k(kT16JSub * o_tile);
     end = L.stages + (wide ? Tc16Shape<true>::kStages * Tc16Shape<true>::kStageBytes : kT16WgStages * kT16WgStageBytes);
-    const int w_end = L.w + (wide ? Tc16Shape<true>::kW2Stages : kT16Wg2Stages) * kT16Wg2ChunkBytes;
+    const int w_end = L.w + (wide ? Tc16Shape<true>::kWBuffers : kT16Wg2Stages) * kT16Wg2ChunkBytes;
     // (the wide forms' sums lie over O, from the start)
     const int red_end = (wide ? 0 : L.w) + round_rows * (kTcDG + 4) * 4;
     if (end < w_end) end = w_end;
@@ -1593,6 +1621,9 @@ struct ConvertArgs {
   int count;
 };
 void launch_convert(const ConvertArgs& args, cudaStream_t stream);
+// W (D, H²) of 16-bit elements copied into o_k_order's blocks (the 16-bit kernel's wgmma phase 2):
+// one launch where a 5-D transposed clone costs ~50 us of host time a call (run 342's profile).
+void launch_block_w16(const void* w, void* w_blocked, int64_t D, int H, cudaStream_t stream);
 
 // Whether launches go through the driver's cuLaunchKernelEx (the default) or the runtime's
 // cudaLaunchKernelEx: set_driver_launch returns the previous setting.  Both give the same bits; the
