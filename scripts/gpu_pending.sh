@@ -65,12 +65,14 @@
 #                                                       # call's host time and runtime calls
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR wslots17  # the wide forms' W in O's freed
 #                                                       # slices: tests, trace, paired, rows
+#          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR wfinal17  # the wide forms' leaner producer:
+#                                                       # tests, trace, paired, the bfloat16 rows
 # (DEST: a folder that r.tgz is also copied to after every step)
 # Each phase fits one call of under ten minutes, the build (~2 min) included.
 # steps.txt lists each step's exit status; a failing test step stops the call.
 OUT=$1
 PHASE=${2:-default}
-case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows | bf16 | clusters | bf16_clusters | ncu_clusters | land | producer | regs | pairs | proj16 | stack | stack_rows | trace16 | defer | ksplit | final16 | final17 | rest17 | stm17 | wide17 | wtrace17 | wslots17) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all, own_rows, bf16, clusters, bf16_clusters, ncu_clusters, land, producer, regs, pairs, proj16, stack, stack_rows, trace16, defer, ksplit, final16, final17, rest17, stm17, wide17, wtrace17 or wslots17, got '$PHASE'" >&2; exit 2 ;; esac
+case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows | bf16 | clusters | bf16_clusters | ncu_clusters | land | producer | regs | pairs | proj16 | stack | stack_rows | trace16 | defer | ksplit | final16 | final17 | rest17 | stm17 | wide17 | wtrace17 | wslots17 | wfinal17) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all, own_rows, bf16, clusters, bf16_clusters, ncu_clusters, land, producer, regs, pairs, proj16, stack, stack_rows, trace16, defer, ksplit, final16, final17, rest17, stm17, wide17, wtrace17, wslots17 or wfinal17, got '$PHASE'" >&2; exit 2 ;; esac
 R=$OUT/r
 mkdir -p "$R"
 pack() { tar -C "$OUT" -czf "$OUT/r.tgz" r; [ -n "$DEST" ] && cp "$OUT/r.tgz" "$DEST/"; }
@@ -484,6 +486,35 @@ if [ "$PHASE" = wslots17 ]; then
     --dtype bfloat16 --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/mod_openfold_bf16"
   T conv_wide 90 $py scripts/convention_times.py 1536 row openfold boltz bfloat16 kernels
   T lone_parts 120 $py scripts/lone_call_parts.py --module openfold --dtype bfloat16
+  exit 0
+fi
+
+if [ "$PHASE" = wfinal17 ]; then
+  # the wide forms' producer at 32 registers, its chunk tables as constants and its stage checks
+  # for the first two chunks alone (run 343: the slices of O as W buffers made phase 2 slower,
+  # 20.1K cycles): one shape first, the wide tests, traced and paired; where they win, the CUDA
+  # test files whole with them, then each convention's bfloat16 row and kernels (~7 min)
+  T t_wide_smoke 90 $py -m pytest -x -q -p no:cacheprovider tests/test_cuda.py \
+    -k "wide_form and B1_S64_N164_C64_H32_D128 and bfloat16 and row"
+  rc=$?; [ $rc -gt 1 ] && exit 1
+  T t_wide 120 $py -m pytest -q -p no:cacheprovider tests/test_cuda.py -k "wide_form or tc16_conventions"
+  T trace16 120 $py scripts/tc16_trace.py --out "$R/trace16" --forms "2,2+FLASHOPM_TC16_WIDE=1"
+  T ab_wide 60 $py scripts/ab_env.py FLASHOPM_TC16_WIDE=1 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6
+  r=$(grep -o "paired (without / with) [0-9.]*" "$R/ab_wide.log" | awk '{print $NF}' | head -1)
+  if [ -n "$r" ] && awk "BEGIN { exit !($r > 1.01) }"; then
+    export FLASHOPM_TC16_WIDE=1
+    echo "FLASHOPM_TC16_WIDE=1 from here (paired $r)" >>"$R/steps.txt"
+    T t_cuda 150 $py -m pytest -q -p no:cacheprovider tests/test_cuda.py
+    T t_conv 150 $py -m pytest -q -p no:cacheprovider tests/test_conventions.py tests/test_modules.py
+  else
+    echo "the default form from here (paired $r)" >>"$R/steps.txt"
+  fi
+  T mod_openfold_bf16 120 $py -m flashopm bench --module openfold --shapes "1,512,1536,256,32,128" \
+    --dtype bfloat16 --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/mod_openfold_bf16"
+  T conv_final 90 $py scripts/convention_times.py 1536 row openfold boltz bfloat16 kernels
+  T mod_boltz_bf16 120 $py -m flashopm bench --module boltz --shapes "1,512,1536,256,32,128" \
+    --dtype bfloat16 --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/mod_boltz_bf16"
+  bench_bf16
   exit 0
 fi
 

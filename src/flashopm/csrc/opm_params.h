@@ -770,7 +770,8 @@ constexpr int kT16RoundRows = 64;  // pairs per round of phase 2
 // 335-338), so what sets the tile's time may be the bytes it takes in per pair: 16 KB with two
 // warpgroups (a 4, b 8, W 4 at hidden 32), 12 KB with three (a 4, b 5.3, W 2.7).
 // Three consumer warpgroups and the producer's are 512 threads, 128 registers a thread at entry;
-// by setmaxnreg the producer keeps 24 and the consumers take 160, room for their 128 accumulators.
+// by setmaxnreg the producer keeps 32 and the consumers take 160 (the whole file), room for their
+// 128 accumulators.
 // ptxas compiles no single instruction that needs more registers than the entry count, so their
 // phase 1 takes two m64n128k16 a k step where two warpgroups take one m64n256k16 (A read twice).
 // Their O (192 KB) leaves room for four stages and two W chunks, and for one round of phase 2 (all
@@ -797,7 +798,7 @@ struct Tc16Shape {
   static constexpr int kStageBytes = kABytes + (kTcNT / 64) * kT16WgGroupBytes;
   static constexpr int kBarriers = 2 * kStages + 2 * kW2Stages + 1;
   static constexpr int kTmaThreads = kThreads + 128;
-  static constexpr int kProducerRegs = kWide ? 24 : kT16ProducerRegs;
+  static constexpr int kProducerRegs = kWide ? 32 : kT16ProducerRegs;
   static constexpr int kConsumerRegs = kWide ? 160 : kT16ConsumerRegs;
   static_assert(kProducerRegs * 128 + kConsumerRegs * kThreads <= 65536, "the warpgroups' registers fit the file");
 };
@@ -809,20 +810,16 @@ struct Tc16Layout {
 // the tile before's chunks, all released before this tile's stages were issued).  Buffers: the
 // two of their own at L.w (A, B), and 16 KB within O's slices of chunks 0-2 (C: column tile 0's;
 // D: column tile 1's, from o_col) and of chunks 3-5 (E, F), free once that chunk is released.
+// (The tables as nibbles of one constant each: an array indexed at run time went to local memory.)
 FLASHOPM_HD inline int tc16_wide_w_slot(int n, int w, int o_col, int o_slice) {
-  constexpr signed char kSlot[16] = {0, 1, 0, 1, 2, 3, 0, 1, 4, 5, 2, 3, 0, 1, 4, 5};
-  switch (kSlot[n & 15]) {
-    case 0: return w;
-    case 1: return w + kT16Wg2ChunkBytes;
-    case 2: return 0;
-    case 3: return o_col;
-    case 4: return 3 * o_slice;
-    default: return o_col + 3 * o_slice;
-  }
+  // slots of chunks 0-15, n-th nibble: A B A B C D A B E F C D A B E F
+  const int slot = int((0x5410325410321010ull >> (4 * (n & 15))) & 15u);
+  const int base = (slot == 0 || slot == 1) ? w : (slot == 3 || slot == 5) ? o_col : 0;
+  return base + (slot == 1 ? kT16Wg2ChunkBytes : slot >= 4 ? 3 * o_slice : 0);
 }
 FLASHOPM_HD inline int tc16_wide_w_after(int n) {
-  constexpr signed char kAfter[16] = {-1, -1, 0, 1, 2, 2, 2, 3, 5, 5, 4, 5, 6, 7, 8, 9};
-  return kAfter[n & 15];
+  // 1 + the chunk waited for, n-th nibble: -1 -1 0 1 2 2 2 3 5 5 4 5 6 7 8 9
+  return int((0xA987656643332100ull >> (4 * (n & 15))) & 15u) - 1;
 }
 FLASHOPM_HD inline int round_up1k(int x) { return (x + 1023) & ~1023; }
 FLASHOPM_HD inline Tc16Layout tc16_layout(int H, int Ti, int Tj, int form) {

@@ -117,15 +117,18 @@ __device__ __forceinline__ void tc16_produce(const OuterArgs& p, const Tc16Maps&
           const int buf = wq % kW2Stages, use = wq / kW2Stages;
           // the chunk's buffer (bytes from the shared memory's start)
           const int lo = kWide ? tc16_wide_w_slot(kc, L.w, L.stages, o_slice) : L.w + buf * kT16Wg2ChunkBytes;
+          bool first_use = wq - tile_wq < kW2Stages;
           if constexpr (kWide) {
             // (a chunk a pair of mbarriers: this tile's chunk `after` released, every block's O
-            // slices beneath it with it)
-            if (const int after = tc16_wide_w_after(kc); after >= 0)
-              mbarrier_wait_parity_suspend(w_empty + after, it & 1);
+            // slices beneath it with it; that release also means every stage of the tile was
+            // retired, so only the chunks without one look at the stages)
+            const int after = tc16_wide_w_after(kc);
+            if (after >= 0) mbarrier_wait_parity_suspend(w_empty + after, it & 1);
+            first_use = after < 0;
           } else {
             if (use > 0) mbarrier_wait_parity_suspend(w_empty + buf, (use - 1) & 1);
           }
-          if (wq - tile_wq < kW2Stages) {
+          if (first_use) {
             // the buffer's first chunk of this tile: the last use of each stage buffer beneath it,
             // in every block
             const int hi = lo + kT16Wg2ChunkBytes;
