@@ -139,7 +139,10 @@ def main():
         for k in env:
             os.environ.pop(k, None)
         rows = tiles_of(torch.ops.flashopm._waves_trace(x))
-        s, recs = summarise(rows, shape, 3 if env.get("FLASHOPM_TC16_WIDE") == "1" else 2)
+        # three consumer warpgroups: the tensor-copy forms in clusters of one or two at hidden 32
+        # with D <= 128, unless FLASHOPM_TC16_WIDE=0
+        wide = env.get("FLASHOPM_TC16_WIDE", "1") != "0" and form in ("1", "2") and H == 32 and D <= 128
+        s, recs = summarise(rows, shape, 3 if wide else 2)
         summary["forms"][item] = s
         for r in recs:
             r["form"] = item

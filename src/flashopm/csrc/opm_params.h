@@ -764,9 +764,9 @@ static_assert(kT16ProducerRegs * 128 + kT16ConsumerRegs * kTcThreads <= 168 * kT
 // memory's start rounded up to 1 KB.  The row denominators come from launch_row_denominators.
 constexpr int kT16RoundRows = 64;  // pairs per round of phase 2
 
-// The tensor-copy forms' shape: two consumer warpgroups (the default: phase 1 in tiles of 128 rows
-// (i, h1) x 256 columns (j, h2), 64 pairs over its two column tiles), or three (kWide: 192 rows, 96
-// pairs, at hidden 32 alone).  Each SM takes in a, b and W at ~35 B a clock in either phase (runs
+// The tensor-copy forms' shape: two consumer warpgroups (phase 1 in tiles of 128 rows (i, h1) x
+// 256 columns (j, h2), 64 pairs over its two column tiles), or three (kWide, the default at hidden
+// 32 with D <= kTcDG: 192 rows, 96 pairs).  Each SM takes in a, b and W at ~35 B a clock in either phase (runs
 // 335-338), so what sets the tile's time may be the bytes it takes in per pair: 16 KB with two
 // warpgroups (a 4, b 8, W 4 at hidden 32), 12 KB with three (a 4, b 5.3, W 2.7).
 // Three consumer warpgroups and the producer's are 512 threads, 128 registers a thread at entry;
