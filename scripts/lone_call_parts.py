@@ -16,19 +16,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from flashopm.__main__ import DTYPES, _models
 from flashopm.bench import L2Flusher, time_wall, warm_gpu
-from flashopm.testing import Shape, make_problem
-
-
-def graph_of(fn):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g
+from flashopm.testing import Shape, capture_graph, make_problem
 
 
 def replay_times(g, flusher, n):
@@ -106,7 +94,7 @@ def main():
         for name, mod in (("flashopm", new), ("eager", ref)):
             fn = lambda: mod(x, m)  # noqa: E731
             wall = time_wall(fn, n=a.calls, warmup=2).median_us
-            g = graph_of(fn)
+            g, _ = capture_graph(fn)
             cold = replay_times(g, flusher, a.calls)
             warm = replay_times(g, None, a.calls)
             del g

@@ -770,6 +770,12 @@ def test_half_precision_inputs(dtype, shape, algorithm):
     assert torch.equal(out, _run(x16, m16, p16, algorithm)), "two identical calls differ: a race"
 
 
+def _half_problem(shape, dtype, tag: str):
+    """A problem (masked positions) in a 16-bit type on the GPU, seeded by the shape and `tag`."""
+    x, m, p = make_problem(shape, "masked_positions", seed=zlib.crc32(f"{shape}-{tag}".encode()) % 1000)
+    return x.to(dtype).cuda(), m.to(dtype).cuda(), {k: None if v is None else v.to(dtype).cuda() for k, v in p.items()}
+
+
 def _is_cluster_kernel(name: str, cluster: int, wide: bool = False) -> bool:
     """Whether a kernel's name is the tensor-copy form's in clusters of `cluster` blocks, with three
     consumer warpgroups (wide) or two."""
@@ -803,9 +809,7 @@ def test_tc16_cluster_form_gives_the_default_bits(shape, dtype, cluster, monkeyp
     """The tensor-copy form runs (profiler) and gives the bits of the form without tensor copies
     (the same products in the same order), every element written (poisoned output), two calls
     equal; the same under the memory bound."""
-    x, m, p = make_problem(shape, "masked_positions", seed=zlib.crc32(f"{shape}-pairs".encode()) % 1000)
-    x16, m16 = x.to(dtype).cuda(), m.to(dtype).cuda()
-    p16 = {k: None if v is None else v.to(dtype).cuda() for k, v in p.items()}
+    x16, m16, p16 = _half_problem(shape, dtype, "pairs")
     monkeypatch.setenv("FLASHOPM_TC16_WIDE", "0")  # the two-warpgroup forms (the wide ones: below)
     monkeypatch.setenv("FLASHOPM_TC16_CLUSTER", "0")
     monkeypatch.delenv("FLASHOPM_TC16_MMA_SYNC", raising=False)
@@ -867,12 +871,11 @@ WIDE_SHAPES = [s for s in CLUSTER_SHAPES if s.H == 32 and s.D <= 128] + [
 def test_tc16_wide_form_gives_the_default_bits(shape, dtype, normalization, cluster, monkeypatch):
     """The three-warpgroup tensor-copy form runs (profiler) and gives the bits of the form without
     tensor copies (the same products in the same order: phase 1 as two m64n128k16 rather than one
-    m64n256k16, phase 2 as m64n96k16 rather than m64n64k16, each sum over k in the same order),
+    m64n256k16, phase 2 as an m64n48k16 a column tile rather than one m64n64k16, each sum over k
+    in the same order, O laid out chunk by chunk of k and W's chunks in its retired slices),
     every element written (poisoned output), two calls equal; resident clusters taking many tiles
     in turn, and one cluster a group of tiles."""
-    x, m, p = make_problem(shape, "masked_positions", seed=zlib.crc32(f"{shape}-wide".encode()) % 1000)
-    x16, m16 = x.to(dtype).cuda(), m.to(dtype).cuda()
-    p16 = {k: None if v is None else v.to(dtype).cuda() for k, v in p.items()}
+    x16, m16, p16 = _half_problem(shape, dtype, "wide")
     monkeypatch.setenv("FLASHOPM_TC16_CLUSTER", "0")
     monkeypatch.delenv("FLASHOPM_TC16_MMA_SYNC", raising=False)
     default = _run(x16, m16, p16, "outer", normalization=normalization)
@@ -905,9 +908,7 @@ def test_tc16_default_form_variants_give_the_same_bits(shape, dtype, normalizati
     """The 16-bit kernel's form without tensor copies, resident or not, 16- or 4-byte stores:
     every element written (poisoned output), two calls equal, and the same bits every way (the
     same products in the same order)."""
-    x, m, p = make_problem(shape, "masked_positions", seed=zlib.crc32(f"{shape}-early".encode()) % 1000)
-    x16, m16 = x.to(dtype).cuda(), m.to(dtype).cuda()
-    p16 = {k: None if v is None else v.to(dtype).cuda() for k, v in p.items()}
+    x16, m16, p16 = _half_problem(shape, dtype, "early")
     monkeypatch.setenv("FLASHOPM_TC16_CLUSTER", "0")
     monkeypatch.delenv("FLASHOPM_TC16_MMA_SYNC", raising=False)
     early = _run(x16, m16, p16, "outer", normalization=normalization)
