@@ -394,52 +394,39 @@ __device__ __forceinline__ void fence_proxy_async_smem() {
 // memory (transpose flags set), T = __nv_bfloat16 or __half.  Accumulator layout: warp w of the
 // warpgroup holds rows 16w + lane/4 (+8); d[4j .. 4j+3] are (row, 8j + 2(lane%4) + {0, 1}) and
 // (row + 8, the same columns).
-// One asm body for both 16-bit types: TYPE is "bf16" or "f16".
-#define FLASHOPM_WGMMA_M64N256K16(TYPE)                                                   \
-  asm volatile(                                                                          \
-      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"                                        \
-      "wgmma.mma_async.sync.aligned.m64n256k16.f32." TYPE "." TYPE " {"                   \
-        FLASHOPM_ACC_NAMES128 "}, " \
-      "%128, %129, p, 1, 1, 1, 1;\n}\n"                                                 \
-        : FLASHOPM_ACC128(d) \
-      : "l"(desc_a), "l"(desc_b))
-
-template <typename T>
-__device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t desc_a, uint64_t desc_b) {
+// The 16-bit warpgroup MMAs d += A·B with float32 sums, one function a shape for both types (T =
+// __nv_bfloat16 or __half; no code off sm_90a): NAME(D_DECL, desc_a, desc_b), SHAPE the PTX shape,
+// NAMES the accumulators' operand names, ACC the macro of their constraints (applied to d), DESC
+// the descriptors' operand numbers, TRANS the transpose flags ("1, 1": both operands MN-major,
+// "0, 0": both K-major).
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    FLASHOPM_WGMMA_M64N256K16("bf16");
-  } else {
-    FLASHOPM_WGMMA_M64N256K16("f16");
-  }
+#define FLASHOPM_WGMMA16_ASM(SHAPE, TYPE, NAMES, ACC, DESC, TRANS)                                   \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"                                          \
+               "wgmma.mma_async.sync.aligned." SHAPE ".f32." TYPE "." TYPE " {" NAMES "}, " DESC   \
+               ", p, 1, 1, " TRANS ";\n}\n"                                                      \
+               : ACC(d)                                                                         \
+               : "l"(desc_a), "l"(desc_b))
+#else
+#define FLASHOPM_WGMMA16_ASM(SHAPE, TYPE, NAMES, ACC, DESC, TRANS) ((void)d, (void)desc_a, (void)desc_b)
 #endif
-}
-#undef FLASHOPM_WGMMA_M64N256K16
+#define FLASHOPM_DEFINE_WGMMA16(NAME, D_DECL, SHAPE, NAMES, ACC, DESC, TRANS)                       \
+  template <typename T>                                                                           \
+  __device__ __forceinline__ void NAME(D_DECL, uint64_t desc_a, uint64_t desc_b) {                 \
+    if constexpr (std::is_same_v<T, __nv_bfloat16>)                                                \
+      FLASHOPM_WGMMA16_ASM(SHAPE, "bf16", NAMES, ACC, DESC, TRANS);                                 \
+    else                                                                                          \
+      FLASHOPM_WGMMA16_ASM(SHAPE, "f16", NAMES, ACC, DESC, TRANS);                                  \
+  }
+
+FLASHOPM_DEFINE_WGMMA16(wgmma_m64n256k16, float (&d)[128], "m64n256k16", FLASHOPM_ACC_NAMES128,
+                        FLASHOPM_ACC128, "%128, %129", "1, 1")
 
 // The same for B 16 x 128: the columns 128h .. 128h + 127 of wgmma_m64n256k16 as d[64] (its
 // accumulators 64h .. 64h + 63).  Two of these do what one m64n256k16 does where a kernel's
 // threads have at most 128 registers at entry (ptxas compiles no instruction that needs more than
 // the entry count, setmaxnreg or not, and m64n256k16 needs ~154).
-#define FLASHOPM_WGMMA_M64N128K16(TYPE)                                                   \
-  asm volatile(                                                                          \
-      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"                                        \
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE " {"                   \
-        FLASHOPM_ACC_NAMES64 "}, " \
-      "%64, %65, p, 1, 1, 1, 1;\n}\n"                                                   \
-        : FLASHOPM_ACC64(d) \
-      : "l"(desc_a), "l"(desc_b))
-
-template <typename T>
-__device__ __forceinline__ void wgmma_m64n128k16(float* d, uint64_t desc_a, uint64_t desc_b) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    FLASHOPM_WGMMA_M64N128K16("bf16");
-  } else {
-    FLASHOPM_WGMMA_M64N128K16("f16");
-  }
-#endif
-}
-#undef FLASHOPM_WGMMA_M64N128K16
+FLASHOPM_DEFINE_WGMMA16(wgmma_m64n128k16, float* d, "m64n128k16", FLASHOPM_ACC_NAMES64, FLASHOPM_ACC64,
+                        "%64, %65", "1, 1")
 
 // d (64 x 256 per warpgroup, float32) += A (64 x 8) · B (8 x 256), TF32 operands, both K-major in
 // shared memory (TF32 has no transposed form): rows of m or n, 128 bytes of k each, 8 rows to a 1 KB
@@ -512,51 +499,16 @@ __device__ __forceinline__ uint32_t kmajor_tf32_offset(int row, int k, uint32_t 
 // d (64 x 64 per warpgroup, float32) += A (64 x 16) · B (16 x 64), both K-major in shared memory
 // (rows of m or n, 128 bytes of k each, 8 rows to a 1 KB swizzle atom; transpose flags clear).
 // The accumulator layout is that of wgmma_m64n256k16 with 8 column tiles.
-#define FLASHOPM_WGMMA_M64N64K16(TYPE)                                                    \
-  asm volatile(                                                                          \
-      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"                                        \
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " {"                     \
-        FLASHOPM_ACC_NAMES32 "}, " \
-      "%32, %33, p, 1, 1, 0, 0;\n}\n"                                                   \
-        : FLASHOPM_ACC32(d) \
-      : "l"(desc_a), "l"(desc_b))
-
-template <typename T>
-__device__ __forceinline__ void wgmma_m64n64k16_kmajor(float (&d)[32], uint64_t desc_a, uint64_t desc_b) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    FLASHOPM_WGMMA_M64N64K16("bf16");
-  } else {
-    FLASHOPM_WGMMA_M64N64K16("f16");
-  }
-#endif
-}
-#undef FLASHOPM_WGMMA_M64N64K16
+FLASHOPM_DEFINE_WGMMA16(wgmma_m64n64k16_kmajor, float (&d)[32], "m64n64k16", FLASHOPM_ACC_NAMES32,
+                        FLASHOPM_ACC32, "%32, %33", "0, 0")
 
 // The same with B 16 x 48 (each column tile's 48 pairs in the wide forms' phase 2), into d[0..23]:
 // the layout of wgmma_m64n256k16's first 6 column tiles.
 #define FLASHOPM_ACC24(d) FLASHOPM_ACC16(d, 0), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), \
                           "+f"(d[21]), "+f"(d[22]), "+f"(d[23])
 #define FLASHOPM_ACC_NAMES24 FLASHOPM_ACC_NAMES16 ", %16, %17, %18, %19, %20, %21, %22, %23"
-#define FLASHOPM_WGMMA_M64N48K16(TYPE)                                                    \
-  asm volatile(                                                                          \
-      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"                                        \
-      "wgmma.mma_async.sync.aligned.m64n48k16.f32." TYPE "." TYPE " {"                     \
-        FLASHOPM_ACC_NAMES24 "}, " \
-      "%24, %25, p, 1, 1, 0, 0;\n}\n"                                                   \
-        : FLASHOPM_ACC24(d) \
-      : "l"(desc_a), "l"(desc_b))
-template <typename T>
-__device__ __forceinline__ void wgmma_m64n48k16_kmajor(float* d, uint64_t desc_a, uint64_t desc_b) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    FLASHOPM_WGMMA_M64N48K16("bf16");
-  } else {
-    FLASHOPM_WGMMA_M64N48K16("f16");
-  }
-#endif
-}
-#undef FLASHOPM_WGMMA_M64N48K16
+FLASHOPM_DEFINE_WGMMA16(wgmma_m64n48k16_kmajor, float* d, "m64n48k16", FLASHOPM_ACC_NAMES24, FLASHOPM_ACC24,
+                        "%24, %25", "0, 0")
 
 
 // The float16 split form's MMAs: d = A·B + (accumulate ? d : 0) with float16 operands, both

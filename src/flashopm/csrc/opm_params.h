@@ -743,17 +743,12 @@ FLASHOPM_HD constexpr int tc16_mma_sync_form(int bk, int nt) {
 // kT16Wg2Stages deep.
 constexpr int kT16Wg2ChunkBytes = kTcDG * 128;
 constexpr int kT16Wg2Stages = 4;
-// The tensor-copy forms' mbarriers: phase 1's full and empty per stage, W's per chunk stage, and
-// one for the rounds of phase 2 stored; their blocks: the two consumer warpgroups of the others
-// and a producer warpgroup (one lane of it issues; a whole warpgroup so that setmaxnreg can hand
-// its registers to the consumers, whose 128 accumulators a thread would otherwise spill at the
-// 168 registers a third of the file gives each of 384 threads).
-constexpr int kT16ClusterBarriers = 2 * kT16WgStages + 2 * kT16Wg2Stages + 1;
-constexpr int kT16TmaThreads = kTcThreads + 128;
-// Registers a thread after setmaxnreg: 128 x 40 + 256 x 232 = 384 x 168, the launch's whole share.
+// The two-warpgroup tensor-copy forms' registers a thread after setmaxnreg (Tc16Shape): 128 x 40
+// + 256 x 232 = 384 x 168, the launch's whole share.  A producer warpgroup (one lane of it issues)
+// rather than a warp, so that setmaxnreg can hand its registers to the consumers, whose 128
+// accumulators a thread would otherwise spill at the 168 registers a third of the file gives each
+// of 384 threads.
 constexpr int kT16ProducerRegs = 40, kT16ConsumerRegs = 232;
-static_assert(kT16ProducerRegs * 128 + kT16ConsumerRegs * kTcThreads <= 168 * kT16TmaThreads,
-              "the warpgroups' registers after setmaxnreg fit the launch's");
 
 // Shared memory of the 16-bit kernel, in bytes: O ([Ti·Tj·kT16JSub][H² + 8] 16-bit) with the
 // phase-1 stages placed after the first column tile's O (the later tiles' O is written only once
@@ -796,12 +791,27 @@ struct Tc16Shape {
   static constexpr int kRound = kWide ? 96 : kT16RoundRows;  // pairs a round of phase 2
   static constexpr int kABytes = (kMT / 64) * kT16WgGroupBytes;
   static constexpr int kStageBytes = kABytes + (kTcNT / 64) * kT16WgGroupBytes;
+  // mbarriers: phase 1's full and empty a stage, W's a chunk stage, and one for phase 2's rounds
+  // stored
   static constexpr int kBarriers = 2 * kStages + 2 * kW2Stages + 1;
-  static constexpr int kTmaThreads = kThreads + 128;
+  static constexpr int kTmaThreads = kThreads + 128;  // and the producer warpgroup
   static constexpr int kProducerRegs = kWide ? 32 : kT16ProducerRegs;
   static constexpr int kConsumerRegs = kWide ? 160 : kT16ConsumerRegs;
-  static_assert(kProducerRegs * 128 + kConsumerRegs * kThreads <= 65536, "the warpgroups' registers fit the file");
+  static_assert(kProducerRegs * 128 + kConsumerRegs * kThreads <= (65536 / kTmaThreads / 8 * 8) * kTmaThreads,
+                "the warpgroups' registers after setmaxnreg fit the launch's share of the file");
 };
+// A form's Tc16Shape as values, for the host's layout.
+struct Tc16ShapeSizes {
+  int stages, stage_bytes, w_buffers, round, barriers;
+};
+template <bool kWide>
+FLASHOPM_HD constexpr Tc16ShapeSizes tc16_shape_sizes_of() {
+  using S = Tc16Shape<kWide>;
+  return {S::kStages, S::kStageBytes, S::kWBuffers, S::kRound, S::kBarriers};
+}
+FLASHOPM_HD constexpr Tc16ShapeSizes tc16_shape_sizes(bool wide) {
+  return wide ? tc16_shape_sizes_of<true>() : tc16_shape_sizes_of<false>();
+}
 struct Tc16Layout {
   int ldo, stages, w, rows, total;  // bytes, except ldo (elements)
 };
@@ -829,13 +839,14 @@ FLASHOPM_HD inline Tc16Layout tc16_layout(int H, int Ti, int Tj, int form) {
   int end;
   const bool tma = tc16_form_tma(form);
   const bool wide = tc16_form_wide(form);
-  const int round_rows = wide ? Tc16Shape<true>::kRound : kT16RoundRows;
+  const Tc16ShapeSizes sh = tc16_shape_sizes(wide);
+  const int round_rows = sh.round;
   if (form == kT16WgmmaBoth || tma) {
     const int o_tile = Ti * Tj * H * H * 2;
     L.stages = round_up1k(o_tile);
     L.w = round_up1k(kT16JSub * o_tile);
-    end = L.stages + (wide ? Tc16Shape<true>::kStages * Tc16Shape<true>::kStageBytes : kT16WgStages * kT16WgStageBytes);
-    const int w_end = L.w + (wide ? Tc16Shape<true>::kWBuffers : kT16Wg2Stages) * kT16Wg2ChunkBytes;
+    end = L.stages + sh.stages * sh.stage_bytes;
+    const int w_end = L.w + sh.w_buffers * kT16Wg2ChunkBytes;
     // (the wide forms' sums lie over O, from the start)
     const int red_end = (wide ? 0 : L.w) + round_rows * (kTcDG + 4) * 4;
     if (end < w_end) end = w_end;
@@ -853,7 +864,7 @@ FLASHOPM_HD inline Tc16Layout tc16_layout(int H, int Ti, int Tj, int form) {
   }
   L.rows = end;  // 16-byte aligned
   L.total = L.rows + round_rows * 12 + (form == kT16WgmmaBoth || tma ? 1024 : 0) +
-            (tma ? (wide ? Tc16Shape<true>::kBarriers : kT16ClusterBarriers) * 8 : 0);
+            (tma ? sh.barriers * 8 : 0);
   return L;
 }
 // The tensor-copy forms' tensor maps (CUtensorMap's 128 bytes each): a as (B, S, Na·H), b as (B, S,

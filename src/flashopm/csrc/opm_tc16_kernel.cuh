@@ -149,11 +149,12 @@ __device__ __forceinline__ void tc16_produce(const OuterArgs& p, const Tc16Maps&
 
 // kBK, kNT: s per stage and phase 1's columns (j, h2) in the mma.sync form (kT16BK and kTcNT;
 // kT16BKSmall and kT16NTNarrow on GPUs with less shared memory; kNT >= Tj·H).
-// kCluster > 0 (with kWgmmaBoth; full tiles: Ti·H = kTcMT, Tj·H = kTcNT): the tensor-copy forms.
-// A third warpgroup produces: lane 0 of its first warp issues every stage and every W chunk by
-// tensor copies (maps) as soon as the buffer is free, and the eight consumer warps only wait for
-// bytes and multiply.  By setmaxnreg the producer warpgroup keeps kT16ProducerRegs registers a
-// thread and the consumers take kT16ConsumerRegs, room for phase 1's 128 accumulators.
+// kCluster > 0 (with kWgmmaBoth; full tiles: Ti·H = Tc16Shape<kWide>::kMT, Tj·H = kTcNT): the
+// tensor-copy forms.  A warpgroup after the consumers' produces: lane 0 of its first warp issues
+// every stage and every W chunk by tensor copies (maps) as soon as the buffer is free, and the
+// consumer warps only wait for bytes and multiply.  By setmaxnreg the producer warpgroup keeps
+// Tc16Shape's kProducerRegs registers a thread and the consumers take kConsumerRegs, room for
+// phase 1's 128 accumulators.
 // The block is one of a cluster of kCluster (1, 2 or 4) along rows, the same column tiles: each
 // block copies its own a, and its share (1 / kCluster) of every b stage and every W chunk to all
 // the cluster's blocks (multicast), so that b and W cross L2 once per cluster.  A stage's "full"
