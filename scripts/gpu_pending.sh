@@ -63,12 +63,13 @@
 #                                                       # call's host time and runtime calls
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR wide18  # NOTES 0zd: every GPU test file on
 #                                                       # the wide default, traced, paired, a row
+#          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR rest18  # the other GPU test files, one step each
 # (DEST: a folder that r.tgz is also copied to after every step)
 # Each phase fits one call of under ten minutes, the build (~2 min) included.
 # steps.txt lists each step's exit status; a failing test step stops the call.
 OUT=$1
 PHASE=${2:-default}
-case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows | bf16 | clusters | bf16_clusters | ncu_clusters | land | producer | regs | pairs | proj16 | stack | stack_rows | trace16 | defer | ksplit | final16 | final17 | rest17 | stm17 | wtrace17 | wide18) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all, own_rows, bf16, clusters, bf16_clusters, ncu_clusters, land, producer, regs, pairs, proj16, stack, stack_rows, trace16, defer, ksplit, final16, final17, rest17, stm17, wtrace17 or wide18, got '$PHASE'" >&2; exit 2 ;; esac
+case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows | bf16 | clusters | bf16_clusters | ncu_clusters | land | producer | regs | pairs | proj16 | stack | stack_rows | trace16 | defer | ksplit | final16 | final17 | rest17 | stm17 | wtrace17 | wide18 | rest18) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all, own_rows, bf16, clusters, bf16_clusters, ncu_clusters, land, producer, regs, pairs, proj16, stack, stack_rows, trace16, defer, ksplit, final16, final17, rest17, stm17, wtrace17, wide18 or rest18, got '$PHASE'" >&2; exit 2 ;; esac
 R=$OUT/r
 mkdir -p "$R"
 pack() { tar -C "$OUT" -czf "$OUT/r.tgz" r; [ -n "$DEST" ] && cp "$OUT/r.tgz" "$DEST/"; }
@@ -438,20 +439,26 @@ if [ "$PHASE" = wtrace17 ]; then
 fi
 
 if [ "$PHASE" = wide18 ]; then
-  # NOTES 0zd: every GPU test file on the wide forms as the default (run 344 ran the forward files
-  # with FLASHOPM_TC16_WIDE=1 set; the default was switched after it), test_build aside (it
-  # compiles the extension again; CI covers it); then the wide forms traced and paired against two
-  # warpgroups (FLASHOPM_TC16_WIDE=0) and OpenFold's bfloat16 row (~9 min with the build)
+  # NOTES 0zd: the forward and autograd test files on the wide forms as the default (run 344 ran
+  # the forward files with FLASHOPM_TC16_WIDE=1 set; the default was switched after it); then the
+  # wide forms traced and paired against two warpgroups (FLASHOPM_TC16_WIDE=0) and OpenFold's
+  # bfloat16 row (~7 min with the build); rest18 runs the other files
   T t_cuda 150 $py -m pytest -q -p no:cacheprovider tests/test_cuda.py
   T t_conv 150 $py -m pytest -q -p no:cacheprovider tests/test_conventions.py tests/test_modules.py tests/test_projection16.py
   T t_auto 150 $py -m pytest -q -p no:cacheprovider tests/test_autograd.py
-  T t_rest 240 $py -m pytest -q -p no:cacheprovider tests --ignore=tests/test_cuda.py --ignore=tests/test_conventions.py \
-    --ignore=tests/test_modules.py --ignore=tests/test_projection16.py --ignore=tests/test_autograd.py \
-    --ignore=tests/test_build.py
   T trace16 120 $py scripts/tc16_trace.py --out "$R/trace16" --forms "2,2+FLASHOPM_TC16_WIDE=0"
   T ab_two 60 $py scripts/ab_env.py FLASHOPM_TC16_WIDE=0 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6
   T mod_openfold_bf16 120 $py -m flashopm bench --module openfold --shapes "1,512,1536,256,32,128" \
     --dtype bfloat16 --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/mod_openfold_bf16"
+  exit 0
+fi
+
+if [ "$PHASE" = rest18 ]; then
+  # the other GPU test files on the wide default, one step each (test_build compiles the extension
+  # again: CI covers it)
+  for f in backward smaller_gpus rows replace python_entry fused_projection launch ln_backward distributed waves peak_plan; do
+    T t_$f 120 $py -m pytest -q -p no:cacheprovider tests/test_$f.py
+  done
   exit 0
 fi
 
