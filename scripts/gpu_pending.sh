@@ -64,12 +64,14 @@
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR wide18  # NOTES 0zd: every GPU test file on
 #                                                       # the wide default, traced, paired, a row
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR rest18  # the other GPU test files, one step each
+#          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR rs19  # the wide phase 2's W from registers,
+#                                                       # traced chunk by chunk, paired; then rest18
 # (DEST: a folder that r.tgz is also copied to after every step)
 # Each phase fits one call of under ten minutes, the build (~2 min) included.
 # steps.txt lists each step's exit status; a failing test step stops the call.
 OUT=$1
 PHASE=${2:-default}
-case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows | bf16 | clusters | bf16_clusters | ncu_clusters | land | producer | regs | pairs | proj16 | stack | stack_rows | trace16 | defer | ksplit | final16 | final17 | rest17 | stm17 | wtrace17 | wide18 | rest18) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all, own_rows, bf16, clusters, bf16_clusters, ncu_clusters, land, producer, regs, pairs, proj16, stack, stack_rows, trace16, defer, ksplit, final16, final17, rest17, stm17, wtrace17, wide18 or rest18, got '$PHASE'" >&2; exit 2 ;; esac
+case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows | bf16 | clusters | bf16_clusters | ncu_clusters | land | producer | regs | pairs | proj16 | stack | stack_rows | trace16 | defer | ksplit | final16 | final17 | rest17 | stm17 | wtrace17 | wide18 | rest18 | rs19) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all, own_rows, bf16, clusters, bf16_clusters, ncu_clusters, land, producer, regs, pairs, proj16, stack, stack_rows, trace16, defer, ksplit, final16, final17, rest17, stm17, wtrace17, wide18, rest18 or rs19, got '$PHASE'" >&2; exit 2 ;; esac
 R=$OUT/r
 mkdir -p "$R"
 pack() { tar -C "$OUT" -czf "$OUT/r.tgz" r; [ -n "$DEST" ] && cp "$OUT/r.tgz" "$DEST/"; }
@@ -451,6 +453,15 @@ if [ "$PHASE" = wide18 ]; then
   T mod_openfold_bf16 120 $py -m flashopm bench --module openfold --shapes "1,512,1536,256,32,128" \
     --dtype bfloat16 --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/mod_openfold_bf16"
   exit 0
+fi
+
+if [ "$PHASE" = rs19 ]; then
+  # phase 2 of the wide forms with W's fragments from registers (FLASHOPM_TC16_P2_RS=1): its bits,
+  # each W chunk's wait traced beside the default, paired; then the other GPU test files (rest18)
+  T t_wide 120 $py -m pytest -q -p no:cacheprovider tests/test_cuda.py -k "wide_form"
+  T trace16 120 $py scripts/tc16_trace.py --out "$R/trace16" --forms "2,2+FLASHOPM_TC16_P2_RS=1"
+  T ab_rs 60 $py scripts/ab_env.py FLASHOPM_TC16_P2_RS=1 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6
+  PHASE=rest18
 fi
 
 if [ "$PHASE" = rest18 ]; then

@@ -26,6 +26,9 @@ MARK_NAMES = ["tile", "p1_done0", "o0", "p1_done1", "o1", "round", "w0", "p2_don
 # intervals between consecutive marks of a tile, named by what happens in them
 STEPS = ["phase1_tile0", "o_store0", "phase1_tile1", "o_store1", "o_barrier", "w0_wait", "phase2", "sums",
          "stores"]
+# phase 2's W chunks (FLASHOPM_TC16_TRACE in the tensor-copy forms): the chunk and the cycles its
+# warpgroup waited for it
+W_CHUNK_MARK = 10
 TENSOR_FLOP_PER_CLK = 4096  # dense 16-bit, per SM (four tensor cores)
 
 
@@ -43,6 +46,8 @@ def tiles_of(trace):
                 tiles.append(cur)
             if cur is not None and m < len(MARK_NAMES):
                 cur[MARK_NAMES[m]] = (ns, clk)
+            elif cur is not None and m == W_CHUNK_MARK:
+                cur.setdefault("w_waits", {})[pay & 0xFF] = pay >> 8
         rows.append(tiles)
     return rows
 
@@ -54,7 +59,8 @@ def summarise(rows, shape, wgs=2):
     p1 = 2 * 64 * wgs * 256 * S / TENSOR_FLOP_PER_CLK
     p2 = 2 * pairs * H * H * D / TENSOR_FLOP_PER_CLK
     ideal = {"phase1_tile0": p1, "phase1_tile1": p1, "phase2": p2}
-    steps = {k: [] for k in STEPS + ["gap", "tile_total"]}
+    steps = {k: [] for k in STEPS + ["w_wait_total", "gap", "tile_total"]}
+    chunk_waits = {}  # W chunk -> the cycles each warpgroup waited for it in phase 2
     ghz = []
     recs = []
     by_sm = {}
@@ -71,6 +77,12 @@ def summarise(rows, shape, wgs=2):
             dns = t["stored"][0] - t["tile"][0]
             if dns > 0:
                 ghz.append((t["stored"][1] - t["tile"][1]) / dns)
+            waits = t.get("w_waits", {})
+            for kc, w in waits.items():
+                chunk_waits.setdefault(kc, []).append(w)
+            if waits:
+                row["w_wait_total"] = sum(waits.values())
+                steps["w_wait_total"].append(row["w_wait_total"])
             recs.append(row)
             # the warpgroup's stream on this SM (warpgroup = row modulo wgs)
             by_sm.setdefault((t["sm"], t["row"] % wgs), []).append(row)
@@ -95,6 +107,7 @@ def summarise(rows, shape, wgs=2):
             "share": mean / total if k != "tile_total" else 1.0,
             "tensor_clk": ideal.get(k),
         }
+    out["w_chunk_wait_mean_clk"] = {kc: statistics.mean(v) for kc, v in sorted(chunk_waits.items())}
     out["tensor_share"] = (2 * p1 + p2) / total
     out["pairs_per_tile"] = pairs
     out["tile_clk_per_64_pairs"] = total * 64 / pairs
@@ -131,7 +144,7 @@ def main():
         # a persistent block takes about groups / SMs tiles of ten marks
         sms = torch.cuda.get_device_properties(0).multi_processor_count
         one_tile = form == "0" and env.get("FLASHOPM_TC16_RESIDENT") == "0"
-        cap = 16 if one_tile else 12 * (groups // sms + 4) + 16
+        cap = 16 if one_tile else 30 * (groups // sms + 4) + 16  # ten marks and W's chunks a tile
         os.environ["FLASHOPM_TC16_TRACE"] = str(cap)
         flashopm.outer_product_mean(x, m, *(p[k] for k in PARAM_ORDER), algorithm="outer")
         torch.cuda.synchronize()
@@ -155,6 +168,9 @@ def main():
             tc = "" if v["tensor_clk"] is None else f"{v['tensor_clk']:.0f}"
             print(f"  {k:14s} {v['mean_clk']:9.0f} {v['median_clk']:8.0f} {v['p90_clk']:8.0f} {v['mean_us']:8.3f} "
                   f"{v['share']:6.3f} {tc:>7s}")
+        if s["w_chunk_wait_mean_clk"]:
+            print("  phase 2's wait for each W chunk (mean clk, within phase2; chunk 0's is w0_wait): " +
+                  " ".join(f"{kc}:{w:.0f}" for kc, w in s["w_chunk_wait_mean_clk"].items()))
     os.environ.pop("FLASHOPM_TC16_CLUSTER", None)
     if args.out:
         os.makedirs(args.out, exist_ok=True)

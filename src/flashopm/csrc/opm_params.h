@@ -461,6 +461,7 @@ enum Tc16Mark : int {
   kT16MarkP2Done = 7,    // its products retired
   kT16MarkSums = 8,      // the sums in shared memory (after the barrier)
   kT16MarkStored = 9,    // the round's output rows stored
+  kT16MarkWChunk = 10,   // phase 2's W chunk in; payload: the chunk | the cycles waited for it << 8
 };
 // The waves form's trace points (WaveArgs::trace), in the order a part passes them.
 enum WaveMark : int {
@@ -524,6 +525,10 @@ struct OuterArgs {
   // the 16-bit kernel's wgmma forms: 1, O stored by stmatrix (FLASHOPM_TC16_STMATRIX=1; 0, the
   // default: 4-byte stores)
   int tc16_stmatrix;
+  // the wide forms' phase 2: 1, each warpgroup's W fragment loaded into registers once a k step
+  // and used by both column tiles' MMAs (FLASHOPM_TC16_P2_RS=1; 0, the default: read from shared
+  // memory by each MMA)
+  int tc16_p2_rs;
   FusedProjArgs fp;  // the fused projection's inputs (x null: a and b come in the workspace)
   WaveArgs wv;       // the waves form's (wv.ws null: not that form)
 };

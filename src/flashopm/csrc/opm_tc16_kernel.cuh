@@ -807,7 +807,9 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
               const int wq = w_base + kc;
               buf = wq % kW2Stages;
+              const long long t0 = trace_rec != nullptr ? clock64() : 0;
               mbarrier_wait_parity_suspend(w_full + buf, (wq / kW2Stages) & 1);
+              if (trace_rec != nullptr) mark(kT16MarkWChunk, kc | int(min(clock64() - t0, 0x7fffffll) << 8));
 #endif
             } else {
               cp_async_wait<kW2Stages - 3>();
@@ -821,6 +823,34 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
             if (kc == 0) mark(kT16MarkW0, 0);
             const char* st = kWide ? smem + tc16_wide_w_slot(kc, L.w, L.stages, int(kWideChunkSlice))
                                    : w_st + buf * kT16Wg2ChunkBytes;
+            if constexpr (kWide) {
+              if (p.tc16_p2_rs != 0) {
+                // FLASHOPM_TC16_P2_RS=1: this warp's rows of W (d 16wl .. 16wl + 15 of the
+                // warpgroup's 64) loaded into registers a k step at a time and used by both
+                // column tiles' MMAs, so that W crosses shared memory once a k step rather than
+                // twice; a group a k step, one in flight (a chunk's fragments live across its
+                // groups would leave the MMAs too few registers).  Matrix l / 8 of lane l: rows
+                // + 8 (l / 8 % 2), k + 8 (l / 16), swizzled as stored.
+                const int r = lane & 7, row = wl * 16 + ((lane >> 3) & 1) * 8 + r;
+                const char* w_row = st + wg * 64 * 128 + (row >> 3) * 1024 + r * 128;
+#pragma unroll
+                for (int kk = 0; kk < 4; ++kk) {
+                  uint32_t wf[4];
+                  ldmatrix_x4(wf, w_row + (((2 * kk + (lane >> 4)) ^ r) << 4));
+                  wgmma_fence();
+#pragma unroll
+                  for (int h = 0; h < kT16JSub; ++h)
+                    wgmma_m64n48k16_rs<T>(
+                        acc2 + 24 * h, wf,
+                        wgmma_desc(smem + h * (o_sbo * (P1 >> 3)) + kc * kWideChunkSlice + kk * 32, 16, 1024));
+                  wgmma_commit();
+                  wgmma_wait<1>();
+                  // the previous chunk's products retired by this warpgroup
+                  if (kk == 0 && kc > 0) release(w_empty + (w_base + kc - 1) % kW2Stages);
+                }
+                continue;
+              }
+            }
             wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < 4; ++kk) {
