@@ -456,11 +456,15 @@ if [ "$PHASE" = wide18 ]; then
 fi
 
 if [ "$PHASE" = rs19 ]; then
-  # phase 2 of the wide forms with W's fragments from registers (FLASHOPM_TC16_P2_RS=1): its bits,
-  # each W chunk's wait traced beside the default, paired; then the other GPU test files (rest18)
+  # phase 2 of the wide forms with W's fragments from registers (FLASHOPM_TC16_P2_RS=1) and the
+  # rows staged by the third warpgroup (the default; FLASHOPM_TC16_WIDE_ROWS=0: the first): their
+  # bits, each W chunk's wait traced, each paired; then the other GPU test files (rest18)
   T t_wide 120 $py -m pytest -q -p no:cacheprovider tests/test_cuda.py -k "wide_form"
-  T trace16 120 $py scripts/tc16_trace.py --out "$R/trace16" --forms "2,2+FLASHOPM_TC16_P2_RS=1"
+  T trace16 120 $py scripts/tc16_trace.py --out "$R/trace16" \
+    --forms "2,2+FLASHOPM_TC16_P2_RS=1,2+FLASHOPM_TC16_WIDE_ROWS=0,2+FLASHOPM_TC16_WIDE=0"
   T ab_rs 60 $py scripts/ab_env.py FLASHOPM_TC16_P2_RS=1 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6
+  T ab_rows 60 $py scripts/ab_env.py FLASHOPM_TC16_WIDE_ROWS=0 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6
+  T ab_two 60 $py scripts/ab_env.py FLASHOPM_TC16_WIDE=0 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6
   PHASE=rest18
 fi
 

@@ -416,13 +416,17 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
   // first W chunks are on their way: the denominators' or pair counts' loads (from L2 or memory)
   // then pass beside the products instead of before the epilogue (run 334: ~1.3K cycles a tile
   // at phase 2's first barrier when staged at its start).
-  auto stage_round_rows = [&](int r0) {
-    if (tid < kRound) {
-      const int pr = r0 + tid;
+  // (kAsync: the normalisers' arguments by cp.async, finished by finish_pair_row)
+  auto stage_round_rows = [&](int r0, int slot, auto async_c) {
+    if (slot >= 0 && slot < kRound) {
+      const int pr = r0 + slot;
       const int js = pr / P1, rem = pr - js * P1;
       const int il = rem / Tj, jl = js * Tj + rem - il * Tj;
-      stage_pair_row<true>(p, tid, pr < P && i0 + il < p.Na && j0 + jl < N, b, i0, il, j0, jl, N, D, row_den, row_off,
-                     norm_arg);
+      const bool ok = pr < P && i0 + il < p.Na && j0 + jl < N;
+      if constexpr (decltype(async_c)::value)
+        stage_pair_row_async(p, slot, ok, b, i0, il, j0, jl, D, row_den, row_off, norm_arg);
+      else
+        stage_pair_row<true>(p, slot, ok, b, i0, il, j0, jl, N, D, row_den, row_off, norm_arg);
     }
   };
   // ---------------- phase 1 ----------------
@@ -510,7 +514,13 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
       }
       // the first round's rows (the block's tile before has stored its rows by now)
       if constexpr (kWgmmaBoth)
-        if (js == 0) stage_round_rows(0);
+        if (js == 0) {
+          // kWide: by the third warpgroup (no d of its own in phase 2, where it finishes them),
+          // the loads by cp.async, rather than by the first with their latency before its O
+          // stores (FLASHOPM_TC16_WIDE_ROWS=0)
+          if (kWide && p.tc16_rows_p2 != 0) stage_round_rows(0, tid - 2 * 128, std::true_type{});
+          else stage_round_rows(0, tid, std::false_type{});
+        }
       if constexpr (kTma) release(bars + kStages + (js * n_k + n_k - 1) % kStages);
       if (js + 1 == kT16JSub) {
         // (kTma: every stage's bytes from every block have arrived: nothing more is copied here)
@@ -780,7 +790,7 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
           }
         }
         mark(kT16MarkRound, r0);
-        if (dg > 0 || r0 > 0) stage_round_rows(r0);  // (the first round's staged in phase 1)
+        if (dg > 0 || r0 > 0) stage_round_rows(r0, tid, std::false_type{});  // (the first round's staged in phase 1)
         float round_bias[8];
         load_bias(dg, round_bias);
         const char* o_round = smem + (r0 >> 3) * o_sbo;
@@ -800,6 +810,12 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
           float acc2[kAcc2];
 #pragma unroll
           for (int e = 0; e < kAcc2; ++e) acc2[e] = 0.f;
+          if (kWide && !p2_wg && p.tc16_rows_p2 != 0) {
+            // the rows' normalisers this warpgroup copied in phase 1, finished (read by the
+            // stores after the barrier on the sums)
+            cp_async_wait_all();
+            if (tid - 2 * 128 < kRound) finish_pair_row(p, tid - 2 * 128, row_off, norm_arg);
+          }
           if (p2_wg)
           for (int kc = 0; kc < n_kc; ++kc) {
             int buf = kc % kW2Stages;
@@ -831,12 +847,18 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
                 // twice; a group a k step, one in flight (a chunk's fragments live across its
                 // groups would leave the MMAs too few registers).  Matrix l / 8 of lane l: rows
                 // + 8 (l / 8 % 2), k + 8 (l / 16), swizzled as stored.
-                const int r = lane & 7, row = wl * 16 + ((lane >> 3) & 1) * 8 + r;
-                const char* w_row = st + wg * 64 * 128 + (row >> 3) * 1024 + r * 128;
+                // (the lane and warp read again here: offsets formed from the kernel's own held
+                // registers across phase 1's loop, spilled there)
+                unsigned ln, tx;
+                asm volatile("mov.u32 %0, %%laneid;" : "=r"(ln));
+                asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tx));
+                const int r = int(ln & 7), row = int((tx >> 5) & 3) * 16 + int((ln >> 3) & 1) * 8 + r;
+                const char* w_row = st + int(tx >> 7) * 64 * 128 + (row >> 3) * 1024 + r * 128;
+                const int w_half = int(ln >> 4);
 #pragma unroll
                 for (int kk = 0; kk < 4; ++kk) {
                   uint32_t wf[4];
-                  ldmatrix_x4(wf, w_row + (((2 * kk + (lane >> 4)) ^ r) << 4));
+                  ldmatrix_x4(wf, w_row + (((2 * kk + w_half) ^ r) << 4));
                   wgmma_fence();
 #pragma unroll
                   for (int h = 0; h < kT16JSub; ++h)
@@ -974,7 +996,7 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
         issue_w(st, dg);
         cp_async_commit();
       }
-      stage_round_rows(r0);
+      stage_round_rows(r0, tid, std::false_type{});
       for (int kc = 0; kc < n_kc; ++kc) {
         cp_async_wait<kT16WStages - 2>();
         __syncthreads();
