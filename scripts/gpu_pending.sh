@@ -64,14 +64,14 @@
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR wide18  # NOTES 0zd: every GPU test file on
 #                                                       # the wide default, traced, paired, a row
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR rest18  # the other GPU test files, one step each
-#          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR rs19  # the wide phase 2's W from registers,
-#                                                       # traced chunk by chunk, paired; then rest18
+#          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR rate20  # the MMAs' rate by width; the forward
+#                                                       # files, traces with W's waits, a pair, a row
 # (DEST: a folder that r.tgz is also copied to after every step)
 # Each phase fits one call of under ten minutes, the build (~2 min) included.
 # steps.txt lists each step's exit status; a failing test step stops the call.
 OUT=$1
 PHASE=${2:-default}
-case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows | bf16 | clusters | bf16_clusters | ncu_clusters | land | producer | regs | pairs | proj16 | stack | stack_rows | trace16 | defer | ksplit | final16 | final17 | rest17 | stm17 | wtrace17 | wide18 | rest18 | rs19) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all, own_rows, bf16, clusters, bf16_clusters, ncu_clusters, land, producer, regs, pairs, proj16, stack, stack_rows, trace16, defer, ksplit, final16, final17, rest17, stm17, wtrace17, wide18, rest18 or rs19, got '$PHASE'" >&2; exit 2 ;; esac
+case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows | bf16 | clusters | bf16_clusters | ncu_clusters | land | producer | regs | pairs | proj16 | stack | stack_rows | trace16 | defer | ksplit | final16 | final17 | rest17 | stm17 | wtrace17 | wide18 | rest18 | rate20) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all, own_rows, bf16, clusters, bf16_clusters, ncu_clusters, land, producer, regs, pairs, proj16, stack, stack_rows, trace16, defer, ksplit, final16, final17, rest17, stm17, wtrace17, wide18, rest18 or rate20, got '$PHASE'" >&2; exit 2 ;; esac
 R=$OUT/r
 mkdir -p "$R"
 pack() { tar -C "$OUT" -czf "$OUT/r.tgz" r; [ -n "$DEST" ] && cp "$OUT/r.tgz" "$DEST/"; }
@@ -455,17 +455,20 @@ if [ "$PHASE" = wide18 ]; then
   exit 0
 fi
 
-if [ "$PHASE" = rs19 ]; then
-  # phase 2 of the wide forms with W's fragments from registers (FLASHOPM_TC16_P2_RS=1) and the
-  # rows staged by the third warpgroup (the default; FLASHOPM_TC16_WIDE_ROWS=0: the first): their
-  # bits, each W chunk's wait traced, each paired; then the other GPU test files (rest18)
-  T t_wide 120 $py -m pytest -q -p no:cacheprovider tests/test_cuda.py -k "wide_form"
-  T trace16 120 $py scripts/tc16_trace.py --out "$R/trace16" \
-    --forms "2,2+FLASHOPM_TC16_P2_RS=1,2+FLASHOPM_TC16_WIDE_ROWS=0,2+FLASHOPM_TC16_WIDE=0"
-  T ab_rs 60 $py scripts/ab_env.py FLASHOPM_TC16_P2_RS=1 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6
-  T ab_rows 60 $py scripts/ab_env.py FLASHOPM_TC16_WIDE_ROWS=0 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6
+if [ "$PHASE" = rate20 ]; then
+  # the tensor cores' rate for each MMA width the 16-bit contraction uses, operands resident
+  # (scripts/wgmma_rate.cu); then the forward and autograd files, the traces with each W chunk's
+  # wait, the wide forms paired against two warpgroups, OpenFold's bfloat16 row
+  T wgmma_rate 120 bash -c "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I src/flashopm/csrc \
+    -o /tmp/wgmma_rate scripts/wgmma_rate.cu && /tmp/wgmma_rate"
+  T t_cuda 150 $py -m pytest -q -p no:cacheprovider tests/test_cuda.py
+  T t_conv 150 $py -m pytest -q -p no:cacheprovider tests/test_conventions.py tests/test_modules.py tests/test_projection16.py
+  T t_auto 150 $py -m pytest -q -p no:cacheprovider tests/test_autograd.py
+  T trace16 120 $py scripts/tc16_trace.py --out "$R/trace16" --forms "2,2+FLASHOPM_TC16_WIDE=0"
   T ab_two 60 $py scripts/ab_env.py FLASHOPM_TC16_WIDE=0 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6
-  PHASE=rest18
+  T mod_openfold_bf16 120 $py -m flashopm bench --module openfold --shapes "1,512,1536,256,32,128" \
+    --dtype bfloat16 --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/mod_openfold_bf16"
+  exit 0
 fi
 
 if [ "$PHASE" = rest18 ]; then

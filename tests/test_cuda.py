@@ -874,8 +874,7 @@ def test_tc16_wide_form_gives_the_default_bits(shape, dtype, normalization, clus
     m64n256k16, phase 2 as an m64n48k16 a column tile rather than one m64n64k16, each sum over k
     in the same order, O laid out chunk by chunk of k and W's chunks in its retired slices),
     every element written (poisoned output), two calls equal; resident clusters taking many tiles
-    in turn, one cluster a group of tiles, phase 2's W from registers (FLASHOPM_TC16_P2_RS=1), and
-    the rows staged by the first warpgroup (FLASHOPM_TC16_WIDE_ROWS=0)."""
+    in turn, and one cluster a group of tiles."""
     x16, m16, p16 = _half_problem(shape, dtype, "wide")
     monkeypatch.setenv("FLASHOPM_TC16_CLUSTER", "0")
     monkeypatch.delenv("FLASHOPM_TC16_MMA_SYNC", raising=False)
@@ -891,9 +890,7 @@ def test_tc16_wide_form_gives_the_default_bits(shape, dtype, normalization, clus
     assert not wide.isnan().any(), "NaN in the output: an element was not written"
     assert torch.equal(wide, default), "the wide form gives other bits than the default form"
     assert torch.equal(wide, _run(x16, m16, p16, "outer", normalization=normalization)), "two calls differ: a race"
-    for env in ({"FLASHOPM_TC16_MAX_CLUSTERS": "3"}, {"FLASHOPM_TC16_PERSISTENT": "0"},
-                {"FLASHOPM_TC16_P2_RS": "1"}, {"FLASHOPM_TC16_P2_RS": "1", "FLASHOPM_TC16_MAX_CLUSTERS": "3"},
-                {"FLASHOPM_TC16_WIDE_ROWS": "0"}):
+    for env in ({"FLASHOPM_TC16_MAX_CLUSTERS": "3"}, {"FLASHOPM_TC16_PERSISTENT": "0"}):
         with monkeypatch.context() as mp:
             for k, v in env.items():
                 mp.setenv(k, v)

@@ -914,8 +914,6 @@ void run_outer(OuterArgs oa, int64_t i_offset, int64_t rows, int64_t out_rows, i
     };
     oa.tc16_wide = !env_is("FLASHOPM_TC16_WIDE_STORES", "0");
     oa.tc16_stmatrix = env_is("FLASHOPM_TC16_STMATRIX", "1");
-    oa.tc16_p2_rs = env_is("FLASHOPM_TC16_P2_RS", "1");
-    oa.tc16_rows_p2 = !env_is("FLASHOPM_TC16_WIDE_ROWS", "0");
     if (form == kT16WgmmaBoth && oa.Ti * oa.H == kTcMT && oa.Tj * oa.H == kTcNT) {
       const char* c = env_choice("FLASHOPM_TC16_CLUSTER", {"0", "1", "2", "4"});
       if (const int cluster = c != nullptr ? c[0] - '0' : 2; cluster != 0) {

@@ -451,28 +451,6 @@ __device__ __forceinline__ void stage_pair_row(const OuterArgs& p, int slot, boo
   }
 }
 
-// stage_pair_row<true> in two steps, for a form whose rows are staged long before they are
-// stored: the output row as there, and the normaliser's argument copied as it is into
-// norm_arg[slot] by cp.async (zero where !ok), so that the load's latency passes beside later
-// work; finish_pair_row, once this thread's copies have landed (cp_async_wait_all), turns it
-// into the reciprocal that stage_pair_row<true> leaves.
-__device__ __forceinline__ void stage_pair_row_async(const OuterArgs& p, int slot, bool ok, int b, int i0, int il,
-                                                     int j0, int jl, int D, const float* row_den, int64_t* row_off,
-                                                     float* norm_arg) {
-  row_off[slot] = ok ? ((int64_t(b) * p.out_rows + p.out_row0 + i0 + il) * p.out_N + j0 + jl) * D : -1;
-  const float* src = !ok                        ? nullptr
-                     : p.norm.kind == kNormRow ? row_den + il
-                                               : p.pair + (int64_t(b) * p.norm_rows + i0 + il) * p.out_N + j0 + jl;
-  cp_async_n<4>(norm_arg + slot, ok ? static_cast<const void*>(src) : p.out, ok);
-}
-__device__ __forceinline__ void finish_pair_row(const OuterArgs& p, int slot, const int64_t* row_off, float* norm_arg) {
-  if (row_off[slot] < 0) return;  // (zero, as stage_pair_row leaves it)
-  const float na = norm_arg[slot];
-  norm_arg[slot] = p.norm.kind == kNormOpenFold ? 1.f / (p.norm.eps + na)
-                   : p.norm.kind == kNormBoltz  ? 1.f / fmaxf(na, 1.f)
-                                                : 1.f / na;
-}
-
 // Phase 2's two halves of K meet in red ([kMT·16 pairs][red_ld] floats): the warps of half 0 store
 // their sums, then those of half 1 add theirs (a block-wide barrier after each).  acc is a warp's
 // kMT x 4 m16n8 tiles at columns col0 + 8·nt.

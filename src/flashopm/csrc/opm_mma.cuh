@@ -510,29 +510,6 @@ FLASHOPM_DEFINE_WGMMA16(wgmma_m64n64k16_kmajor, float (&d)[32], "m64n64k16", FLA
 FLASHOPM_DEFINE_WGMMA16(wgmma_m64n48k16_kmajor, float* d, "m64n48k16", FLASHOPM_ACC_NAMES24, FLASHOPM_ACC24,
                         "%24, %25", "0, 0")
 
-// As wgmma_m64n48k16_kmajor with A from registers: warp w of the warpgroup holds rows 16w .. 16w + 15,
-// a[0..3] = (row 16w + g, k 2t, 2t + 1), (row + 8, the same k), (row, k 2t + 8, 2t + 9), (row + 8,
-// those k), the lower k in the low half (the layout of mma.sync m16n8k16's A, as ldmatrix_x4 gives
-// it).  Where one A serves several MMAs, it crosses shared memory once rather than once each.
-template <typename T>
-__device__ __forceinline__ void wgmma_m64n48k16_rs(float* d, const uint32_t (&a)[4], uint64_t desc_b) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define FLASHOPM_WGMMA16_RS_ASM(TYPE)                                                                 \
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"                                            \
-               "wgmma.mma_async.sync.aligned.m64n48k16.f32." TYPE "." TYPE " {" FLASHOPM_ACC_NAMES24 \
-               "}, {%24, %25, %26, %27}, %28, p, 1, 1, 0;\n}\n"                                      \
-               : FLASHOPM_ACC24(d)                                                                 \
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b))
-  if constexpr (std::is_same_v<T, __nv_bfloat16>)
-    FLASHOPM_WGMMA16_RS_ASM("bf16");
-  else
-    FLASHOPM_WGMMA16_RS_ASM("f16");
-#undef FLASHOPM_WGMMA16_RS_ASM
-#else
-  (void)d, (void)a, (void)desc_b;
-#endif
-}
-
 
 // The float16 split form's MMAs: d = A·B + (accumulate ? d : 0) with float16 operands, both
 // K-major in shared memory (rows of m or n, 128 bytes of k each, 8 rows to a 1 KB swizzle atom;

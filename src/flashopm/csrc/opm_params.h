@@ -525,14 +525,6 @@ struct OuterArgs {
   // the 16-bit kernel's wgmma forms: 1, O stored by stmatrix (FLASHOPM_TC16_STMATRIX=1; 0, the
   // default: 4-byte stores)
   int tc16_stmatrix;
-  // the wide forms' phase 2: 1, each warpgroup's W fragment loaded into registers once a k step
-  // and used by both column tiles' MMAs (FLASHOPM_TC16_P2_RS=1; 0, the default: read from shared
-  // memory by each MMA)
-  int tc16_p2_rs;
-  // the wide forms: 1, the round's output rows staged by the third warpgroup, their normalisers
-  // by cp.async at column tile 0's end and finished in phase 2 (FLASHOPM_TC16_WIDE_ROWS=0: by
-  // the first warpgroup at column tile 0's end, waiting for the loads)
-  int tc16_rows_p2;
   FusedProjArgs fp;  // the fused projection's inputs (x null: a and b come in the workspace)
   WaveArgs wv;       // the waves form's (wv.ws null: not that form)
 };

@@ -416,17 +416,13 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
   // first W chunks are on their way: the denominators' or pair counts' loads (from L2 or memory)
   // then pass beside the products instead of before the epilogue (run 334: ~1.3K cycles a tile
   // at phase 2's first barrier when staged at its start).
-  // (kAsync: the normalisers' arguments by cp.async, finished by finish_pair_row)
-  auto stage_round_rows = [&](int r0, int slot, auto async_c) {
-    if (slot >= 0 && slot < kRound) {
-      const int pr = r0 + slot;
+  auto stage_round_rows = [&](int r0) {
+    if (tid < kRound) {
+      const int pr = r0 + tid;
       const int js = pr / P1, rem = pr - js * P1;
       const int il = rem / Tj, jl = js * Tj + rem - il * Tj;
-      const bool ok = pr < P && i0 + il < p.Na && j0 + jl < N;
-      if constexpr (decltype(async_c)::value)
-        stage_pair_row_async(p, slot, ok, b, i0, il, j0, jl, D, row_den, row_off, norm_arg);
-      else
-        stage_pair_row<true>(p, slot, ok, b, i0, il, j0, jl, N, D, row_den, row_off, norm_arg);
+      stage_pair_row<true>(p, tid, pr < P && i0 + il < p.Na && j0 + jl < N, b, i0, il, j0, jl, N, D, row_den, row_off,
+                     norm_arg);
     }
   };
   // ---------------- phase 1 ----------------
@@ -514,13 +510,7 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
       }
       // the first round's rows (the block's tile before has stored its rows by now)
       if constexpr (kWgmmaBoth)
-        if (js == 0) {
-          // kWide: by the third warpgroup (no d of its own in phase 2, where it finishes them),
-          // the loads by cp.async, rather than by the first with their latency before its O
-          // stores (FLASHOPM_TC16_WIDE_ROWS=0)
-          if (kWide && p.tc16_rows_p2 != 0) stage_round_rows(0, tid - 2 * 128, std::true_type{});
-          else stage_round_rows(0, tid, std::false_type{});
-        }
+        if (js == 0) stage_round_rows(0);
       if constexpr (kTma) release(bars + kStages + (js * n_k + n_k - 1) % kStages);
       if (js + 1 == kT16JSub) {
         // (kTma: every stage's bytes from every block have arrived: nothing more is copied here)
@@ -790,7 +780,7 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
           }
         }
         mark(kT16MarkRound, r0);
-        if (dg > 0 || r0 > 0) stage_round_rows(r0, tid, std::false_type{});  // (the first round's staged in phase 1)
+        if (dg > 0 || r0 > 0) stage_round_rows(r0);  // (the first round's staged in phase 1)
         float round_bias[8];
         load_bias(dg, round_bias);
         const char* o_round = smem + (r0 >> 3) * o_sbo;
@@ -810,12 +800,6 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
           float acc2[kAcc2];
 #pragma unroll
           for (int e = 0; e < kAcc2; ++e) acc2[e] = 0.f;
-          if (kWide && !p2_wg && p.tc16_rows_p2 != 0) {
-            // the rows' normalisers this warpgroup copied in phase 1, finished (read by the
-            // stores after the barrier on the sums)
-            cp_async_wait_all();
-            if (tid - 2 * 128 < kRound) finish_pair_row(p, tid - 2 * 128, row_off, norm_arg);
-          }
           if (p2_wg)
           for (int kc = 0; kc < n_kc; ++kc) {
             int buf = kc % kW2Stages;
@@ -839,40 +823,6 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
             if (kc == 0) mark(kT16MarkW0, 0);
             const char* st = kWide ? smem + tc16_wide_w_slot(kc, L.w, L.stages, int(kWideChunkSlice))
                                    : w_st + buf * kT16Wg2ChunkBytes;
-            if constexpr (kWide) {
-              if (p.tc16_p2_rs != 0) {
-                // FLASHOPM_TC16_P2_RS=1: this warp's rows of W (d 16wl .. 16wl + 15 of the
-                // warpgroup's 64) loaded into registers a k step at a time and used by both
-                // column tiles' MMAs, so that W crosses shared memory once a k step rather than
-                // twice; a group a k step, one in flight (a chunk's fragments live across its
-                // groups would leave the MMAs too few registers).  Matrix l / 8 of lane l: rows
-                // + 8 (l / 8 % 2), k + 8 (l / 16), swizzled as stored.
-                // (the lane and warp read again here: offsets formed from the kernel's own held
-                // registers across phase 1's loop, spilled there)
-                unsigned ln, tx;
-                asm volatile("mov.u32 %0, %%laneid;" : "=r"(ln));
-                asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tx));
-                const int r = int(ln & 7), row = int((tx >> 5) & 3) * 16 + int((ln >> 3) & 1) * 8 + r;
-                const char* w_row = st + int(tx >> 7) * 64 * 128 + (row >> 3) * 1024 + r * 128;
-                const int w_half = int(ln >> 4);
-#pragma unroll
-                for (int kk = 0; kk < 4; ++kk) {
-                  uint32_t wf[4];
-                  ldmatrix_x4(wf, w_row + (((2 * kk + w_half) ^ r) << 4));
-                  wgmma_fence();
-#pragma unroll
-                  for (int h = 0; h < kT16JSub; ++h)
-                    wgmma_m64n48k16_rs<T>(
-                        acc2 + 24 * h, wf,
-                        wgmma_desc(smem + h * (o_sbo * (P1 >> 3)) + kc * kWideChunkSlice + kk * 32, 16, 1024));
-                  wgmma_commit();
-                  wgmma_wait<1>();
-                  // the previous chunk's products retired by this warpgroup
-                  if (kk == 0 && kc > 0) release(w_empty + (w_base + kc - 1) % kW2Stages);
-                }
-                continue;
-              }
-            }
             wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < 4; ++kk) {
@@ -996,7 +946,7 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
         issue_w(st, dg);
         cp_async_commit();
       }
-      stage_round_rows(r0, tid, std::false_type{});
+      stage_round_rows(r0);
       for (int kc = 0; kc < n_kc; ++kc) {
         cp_async_wait<kT16WStages - 2>();
         __syncthreads();
