@@ -440,34 +440,36 @@ if [ "$PHASE" = wtrace17 ]; then
   exit 0
 fi
 
-if [ "$PHASE" = wide18 ]; then
-  # NOTES 0zd: the forward and autograd test files on the wide forms as the default (run 344 ran
-  # the forward files with FLASHOPM_TC16_WIDE=1 set; the default was switched after it); then the
-  # wide forms traced and paired against two warpgroups (FLASHOPM_TC16_WIDE=0) and OpenFold's
-  # bfloat16 row (~7 min with the build); rest18 runs the other files
+# The forward and autograd test files; the wide forms traced (each W chunk's wait too) and paired
+# against two warpgroups (FLASHOPM_TC16_WIDE=0), and OpenFold's bfloat16 row.
+forward_files() {
   T t_cuda 150 $py -m pytest -q -p no:cacheprovider tests/test_cuda.py
   T t_conv 150 $py -m pytest -q -p no:cacheprovider tests/test_conventions.py tests/test_modules.py tests/test_projection16.py
   T t_auto 150 $py -m pytest -q -p no:cacheprovider tests/test_autograd.py
+}
+wide_against_two() {
   T trace16 120 $py scripts/tc16_trace.py --out "$R/trace16" --forms "2,2+FLASHOPM_TC16_WIDE=0"
   T ab_two 60 $py scripts/ab_env.py FLASHOPM_TC16_WIDE=0 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6
   T mod_openfold_bf16 120 $py -m flashopm bench --module openfold --shapes "1,512,1536,256,32,128" \
     --dtype bfloat16 --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/mod_openfold_bf16"
+}
+
+if [ "$PHASE" = wide18 ]; then
+  # NOTES 0zd: the forward and autograd test files on the wide forms as the default (run 344 ran
+  # the forward files with FLASHOPM_TC16_WIDE=1 set; the default was switched after it), then
+  # the wide forms against two warpgroups (~7 min with the build); rest18 runs the other files
+  forward_files
+  wide_against_two
   exit 0
 fi
 
 if [ "$PHASE" = rate20 ]; then
   # the tensor cores' rate for each MMA width the 16-bit contraction uses, operands resident
-  # (scripts/wgmma_rate.cu); then the forward and autograd files, the traces with each W chunk's
-  # wait, the wide forms paired against two warpgroups, OpenFold's bfloat16 row
+  # (scripts/wgmma_rate.cu); then as wide18
   T wgmma_rate 120 bash -c "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I src/flashopm/csrc \
     -o /tmp/wgmma_rate scripts/wgmma_rate.cu && /tmp/wgmma_rate"
-  T t_cuda 150 $py -m pytest -q -p no:cacheprovider tests/test_cuda.py
-  T t_conv 150 $py -m pytest -q -p no:cacheprovider tests/test_conventions.py tests/test_modules.py tests/test_projection16.py
-  T t_auto 150 $py -m pytest -q -p no:cacheprovider tests/test_autograd.py
-  T trace16 120 $py scripts/tc16_trace.py --out "$R/trace16" --forms "2,2+FLASHOPM_TC16_WIDE=0"
-  T ab_two 60 $py scripts/ab_env.py FLASHOPM_TC16_WIDE=0 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6
-  T mod_openfold_bf16 120 $py -m flashopm bench --module openfold --shapes "1,512,1536,256,32,128" \
-    --dtype bfloat16 --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/mod_openfold_bf16"
+  forward_files
+  wide_against_two
   exit 0
 fi
 
