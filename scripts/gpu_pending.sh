@@ -66,12 +66,14 @@
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR rest18  # the other GPU test files, one step each
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR rate20  # the MMAs' rate by width; the forward
 #                                                       # files, traces with W's waits, a pair, a row
+#          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR n96  # the wide phase 2 as one m64n96k16: tests,
+#                                                       # traces, a pair, three rows, forward files
 # (DEST: a folder that r.tgz is also copied to after every step)
 # Each phase fits one call of under ten minutes, the build (~2 min) included.
 # steps.txt lists each step's exit status; a failing test step stops the call.
 OUT=$1
 PHASE=${2:-default}
-case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows | bf16 | clusters | bf16_clusters | ncu_clusters | land | producer | regs | pairs | proj16 | stack | stack_rows | trace16 | defer | ksplit | final16 | final17 | rest17 | stm17 | wtrace17 | wide18 | rest18 | rate20) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all, own_rows, bf16, clusters, bf16_clusters, ncu_clusters, land, producer, regs, pairs, proj16, stack, stack_rows, trace16, defer, ksplit, final16, final17, rest17, stm17, wtrace17, wide18, rest18 or rate20, got '$PHASE'" >&2; exit 2 ;; esac
+case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows | bf16 | clusters | bf16_clusters | ncu_clusters | land | producer | regs | pairs | proj16 | stack | stack_rows | trace16 | defer | ksplit | final16 | final17 | rest17 | stm17 | wtrace17 | wide18 | rest18 | rate20 | n96) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all, own_rows, bf16, clusters, bf16_clusters, ncu_clusters, land, producer, regs, pairs, proj16, stack, stack_rows, trace16, defer, ksplit, final16, final17, rest17, stm17, wtrace17, wide18, rest18, rate20 or n96, got '$PHASE'" >&2; exit 2 ;; esac
 R=$OUT/r
 mkdir -p "$R"
 pack() { tar -C "$OUT" -czf "$OUT/r.tgz" r; [ -n "$DEST" ] && cp "$OUT/r.tgz" "$DEST/"; }
@@ -470,6 +472,24 @@ if [ "$PHASE" = rate20 ]; then
     -o /tmp/wgmma_rate scripts/wgmma_rate.cu && /tmp/wgmma_rate"
   forward_files
   wide_against_two
+  exit 0
+fi
+
+if [ "$PHASE" = n96 ]; then
+  # the wide forms' phase 2 as one m64n96k16 a k step (O pair group by pair group, W's halves in
+  # O's holes): their tests, traced and paired against two warpgroups, the three bfloat16 rows,
+  # then the forward and autograd files
+  T t_wide 120 $py -m pytest -q -p no:cacheprovider tests/test_cuda.py -k "wide_form or cluster_form or default_form"
+  T trace16 120 $py scripts/tc16_trace.py --out "$R/trace16" --forms "2,2+FLASHOPM_TC16_WIDE=0"
+  T ab_two 60 $py scripts/ab_env.py FLASHOPM_TC16_WIDE=0 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6
+  T mod_openfold_bf16 120 $py -m flashopm bench --module openfold --shapes "1,512,1536,256,32,128" \
+    --dtype bfloat16 --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/mod_openfold_bf16"
+  T mod_boltz_bf16 120 $py -m flashopm bench --module boltz --shapes "1,512,1536,256,32,128" \
+    --dtype bfloat16 --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/mod_boltz_bf16"
+  bench_bf16
+  T t_cuda 150 $py -m pytest -q -p no:cacheprovider tests/test_cuda.py
+  T t_conv 150 $py -m pytest -q -p no:cacheprovider tests/test_conventions.py tests/test_modules.py tests/test_projection16.py
+  T t_auto 150 $py -m pytest -q -p no:cacheprovider tests/test_autograd.py
   exit 0
 fi
 

@@ -502,14 +502,13 @@ __device__ __forceinline__ uint32_t kmajor_tf32_offset(int row, int k, uint32_t 
 FLASHOPM_DEFINE_WGMMA16(wgmma_m64n64k16_kmajor, float (&d)[32], "m64n64k16", FLASHOPM_ACC_NAMES32,
                         FLASHOPM_ACC32, "%32, %33", "0, 0")
 
-// The same with B 16 x 48 (each column tile's 48 pairs in the wide forms' phase 2), into d[0..23]:
-// the layout of wgmma_m64n256k16's first 6 column tiles.
-#define FLASHOPM_ACC24(d) FLASHOPM_ACC16(d, 0), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), \
-                          "+f"(d[21]), "+f"(d[22]), "+f"(d[23])
-#define FLASHOPM_ACC_NAMES24 FLASHOPM_ACC_NAMES16 ", %16, %17, %18, %19, %20, %21, %22, %23"
-FLASHOPM_DEFINE_WGMMA16(wgmma_m64n48k16_kmajor, float* d, "m64n48k16", FLASHOPM_ACC_NAMES24, FLASHOPM_ACC24,
-                        "%24, %25", "0, 0")
-
+// The same with B 16 x 96 (the wide forms' phase 2: both column tiles' 96 pairs), into d[0..47]:
+// the layout of wgmma_m64n256k16's first 12 column tiles.
+#define FLASHOPM_ACC48(d) FLASHOPM_ACC32(d), FLASHOPM_ACC16(d, 32)
+#define FLASHOPM_ACC_NAMES48 \
+  FLASHOPM_ACC_NAMES32 ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47"
+FLASHOPM_DEFINE_WGMMA16(wgmma_m64n96k16_kmajor, float* d, "m64n96k16", FLASHOPM_ACC_NAMES48, FLASHOPM_ACC48,
+                        "%48, %49", "0, 0")
 
 // The float16 split form's MMAs: d = A·B + (accumulate ? d : 0) with float16 operands, both
 // K-major in shared memory (rows of m or n, 128 bytes of k each, 8 rows to a 1 KB swizzle atom;

@@ -773,11 +773,17 @@ constexpr int kT16RoundRows = 64;  // pairs per round of phase 2
 // Their O (192 KB) leaves room for four stages and two W chunks, and for one round of phase 2 (all
 // 96 pairs, D <= kTcDG), whose sums go over O once phase 2 is done and are stored at once (clear
 // of the stages, which the next tile's first copies fill meanwhile).  Phase 2 runs on the first two
-// warpgroups (64 d each, m64n48k16 on each column tile's O); the third waits at its barriers.
+// warpgroups (64 d each, one m64n96k16 a k step); the third waits at its barriers.
 // Two W buffers alone (32 KB in flight) left phase 2 at 37% of the tensor rate (run 342: 16.4K
-// cycles a tile against 6.1K), so O is laid out chunk by chunk of k within each column tile
-// (each chunk's slice of 48 pairs 6 KB, contiguous), and the chunks after the fourth go into the
-// slices the chunks before have retired: up to six chunks in flight (tc16_wide_w_slot).
+// cycles a tile against 6.1K), so W's chunks also go where O's chunks already used lie: up to
+// six chunks in flight (tc16_wide_w_slot).  O is laid out pair group by pair group (8 pairs,
+// H²·16 bytes each, column tile 1's after column tile 0's), its chunks of 64 k 1 KB apart, so
+// that phase 2 takes both column tiles' 96 pairs in one m64n96k16 (B's groups H²·16 bytes apart):
+// with its operands resident m64n48k16 runs at 86% of the tensor rate and m64n96k16 at 100% (run
+// 347, scripts/wgmma_rate.cu; A, 2 KB from shared memory an MMA, then serves 96 pairs rather than
+// 48).  A used chunk of O frees 1 KB in each of the 12 pair groups, so each half of a W chunk (64
+// d, one warpgroup's A) goes into eight of those holes (the first eight groups', 8 rows of d
+// each, H²·16 bytes apart), by eight tensor copies of 8 rows.
 template <bool kWide>
 struct Tc16Shape {
   static constexpr int kWgs = kWide ? 3 : 2;     // consumer warpgroups
@@ -816,21 +822,33 @@ FLASHOPM_HD constexpr Tc16ShapeSizes tc16_shape_sizes(bool wide) {
 struct Tc16Layout {
   int ldo, stages, w, rows, total;  // bytes, except ldo (elements)
 };
-// The wide forms' W chunk n of a tile (n < 16, hidden 32): the byte offset of its buffer, and the
-// chunk of the same tile whose release it waits for (-1: none beyond the stages beneath it, and
-// the tile before's chunks, all released before this tile's stages were issued).  Buffers: the
-// two of their own at L.w (A, B), and 16 KB within O's slices of chunks 0-2 (C: column tile 0's;
-// D: column tile 1's, from o_col) and of chunks 3-5 (E, F), free once that chunk is released.
+// The wide forms' W chunk n of a tile (n < 16, hidden 32): where each half h (rows of d 64h ..
+// 64h + 63) goes, and the chunk of the same tile whose release it waits for (-1: none beyond the
+// stages beneath it, and the tile before's chunks, all released before this tile's stages were
+// issued).  Slots: the two buffers of their own at L.w (A, B: a half's 8 KB contiguous, its
+// groups of 8 rows 1 KB apart), or the holes that O's chunks 2m and 2m + 1 leave once released
+// (H01, H23, H45, H67: half h in chunk 2m + h's hole of each of the first 8 pair groups, the
+// groups H²·16 bytes apart).  Every slot's last chunk is released before the chunk it waits for,
+// since the warpgroups release their chunks in order.
 // (The tables as nibbles of one constant each: an array indexed at run time went to local memory.)
-FLASHOPM_HD inline int tc16_wide_w_slot(int n, int w, int o_col, int o_slice) {
-  // slots of chunks 0-15, n-th nibble: A B A B C D A B E F C D A B E F
-  const int slot = int((0x5410325410321010ull >> (4 * (n & 15))) & 15u);
-  const int base = (slot == 0 || slot == 1) ? w : (slot == 3 || slot == 5) ? o_col : 0;
-  return base + (slot == 1 ? kT16Wg2ChunkBytes : slot >= 4 ? 3 * o_slice : 0);
+FLASHOPM_HD inline int tc16_wide_w_slot(int n) {
+  // slots of chunks 0-15 (0 A, 1 B, 2 + m H(2m)(2m+1)), n-th nibble: B A B A H01 B A H23 H01 B H45 A
+  // H23 H67 H01 B
+  return int((0x1253041230120101ull >> (4 * (n & 15))) & 15u);
 }
 FLASHOPM_HD inline int tc16_wide_w_after(int n) {
-  // 1 + the chunk waited for, n-th nibble: -1 -1 0 1 2 2 2 3 5 5 4 5 6 7 8 9
-  return int((0xA987656643332100ull >> (4 * (n & 15))) & 15u) - 1;
+  // 1 + the chunk waited for, n-th nibble: -1 -1 0 1 1 2 3 3 4 5 5 6 7 7 8 9
+  return int((0xA988766544322100ull >> (4 * (n & 15))) & 15u) - 1;
+}
+// Half h of a chunk in slot `slot`: its first group's byte offset in shared memory and the bytes
+// between its groups of 8 rows (w: Tc16Layout::w; group_bytes: a pair group's, H²·16).
+FLASHOPM_HD inline int tc16_wide_w_half(int slot, int h, int w, int group_bytes, int& stride) {
+  if (slot < 2) {
+    stride = 1024;
+    return w + slot * kT16Wg2ChunkBytes + h * (kT16Wg2ChunkBytes / 2);
+  }
+  stride = group_bytes;
+  return (2 * (slot - 2) + h) * 1024;
 }
 FLASHOPM_HD inline int round_up1k(int x) { return (x + 1023) & ~1023; }
 FLASHOPM_HD inline Tc16Layout tc16_layout(int H, int Ti, int Tj, int form) {

@@ -67,8 +67,8 @@ __device__ __forceinline__ void tc16_produce(const OuterArgs& p, const Tc16Maps&
   const int phase2_hi = L.w + Sh::kWBuffers * kT16Wg2ChunkBytes;
   const uint32_t stages_addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem + L.stages));
   const uint32_t smem_addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  // kWide: a chunk's slice of one column tile's O (tc16_wide_w_slot)
-  [[maybe_unused]] const int o_slice = (P / kT16JSub / 8) * 1024;
+  // kWide: a pair group's bytes in O (H²·16), the stride of a W half's groups in O's holes
+  [[maybe_unused]] const int o_group = H * H * 16;
   // a tile's last round's sums over its O (see outer_tc16_body; kWide: always)
   const bool defer = kWide || p.tc16_defer != 0;
   const int red_hi = L.w + Sh::kRound * (kTcDG + 4) * 4;  // phase 2's other sums from L.w
@@ -115,8 +115,11 @@ __device__ __forceinline__ void tc16_produce(const OuterArgs& p, const Tc16Maps&
         stored_rounds += last_stored;
         for (int kc = 0; kc < n_kc; ++kc, ++wq) {
           const int buf = wq % kW2Stages, use = wq / kW2Stages;
-          // the chunk's buffer (bytes from the shared memory's start)
-          const int lo = kWide ? tc16_wide_w_slot(kc, L.w, L.stages, o_slice) : L.w + buf * kT16Wg2ChunkBytes;
+          // the chunk's buffer (bytes from the shared memory's start; kWide: its slot's first
+          // half, contiguous in A and B, the only slots the chunks without a release wait use)
+          [[maybe_unused]] const int slot = kWide ? tc16_wide_w_slot(kc) : 0;
+          [[maybe_unused]] int half_stride = 0;
+          const int lo = kWide ? tc16_wide_w_half(slot, 0, L.w, o_group, half_stride) : L.w + buf * kT16Wg2ChunkBytes;
           bool first_use = wq - tile_wq < kW2Stages;
           if constexpr (kWide) {
             // (a chunk a pair of mbarriers: this tile's chunk `after` released, every block's O
@@ -137,9 +140,24 @@ __device__ __forceinline__ void tc16_produce(const OuterArgs& p, const Tc16Maps&
                 mbarrier_wait_parity_suspend(empty + sb, ((it + 1) * uses(sb) - 1) & 1);
           }
           mbarrier_arrive_expect_tx(w_full + buf, kT16Wg2ChunkBytes);
-          const uint32_t dst = smem_addr + uint32_t(lo + int(rank) * kWRowsShare * 128);
-          if constexpr (kCluster == 1) tma_load_2d(dst, maps.w, kc * 64, dg, w_full + buf);
-          else tma_load_2d_mc(dst, maps.w, kc * 64, dg + int(rank) * kWRowsShare, w_full + buf, kMask);
+          if constexpr (kWide) {
+            // this block's halves (each block of a cluster of two one, to both): 8 rows of d a
+            // copy (the map's box), each into its group's place
+#pragma unroll 1
+            for (int h = kCluster == 1 ? 0 : int(rank); h < 2; h += kCluster) {
+              const uint32_t dst = smem_addr + uint32_t(tc16_wide_w_half(slot, h, L.w, o_group, half_stride));
+#pragma unroll 1
+              for (int r = 0; r < 8; ++r) {
+                const uint32_t d_r = dst + uint32_t(r * half_stride);
+                if constexpr (kCluster == 1) tma_load_2d(d_r, maps.w, kc * 64, dg + 64 * h + 8 * r, w_full + buf);
+                else tma_load_2d_mc(d_r, maps.w, kc * 64, dg + 64 * h + 8 * r, w_full + buf, kMask);
+              }
+            }
+          } else {
+            const uint32_t dst = smem_addr + uint32_t(lo + int(rank) * kWRowsShare * 128);
+            if constexpr (kCluster == 1) tma_load_2d(dst, maps.w, kc * 64, dg, w_full + buf);
+            else tma_load_2d_mc(dst, maps.w, kc * 64, dg + int(rank) * kWRowsShare, w_full + buf, kMask);
+          }
         }
       }
     }
@@ -172,8 +190,6 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
   using Sh = Tc16Shape<kWide>;
   constexpr int kStages = Sh::kStages, kW2Stages = Sh::kW2Stages, kRound = Sh::kRound, kMT = Sh::kMT;
   constexpr int kABytes = Sh::kABytes, kStageBytes = Sh::kStageBytes, kThreadsC = Sh::kThreads;
-  // kWide (hidden 32: Ti 6, Tj 8): a chunk of 64 k's slice of one column tile's O, 48 pairs
-  [[maybe_unused]] constexpr uint32_t kWideChunkSlice = (Sh::kRound / kT16JSub / 8) * 1024u;
   static_assert(kWgmma || !kWgmmaBoth, "phase 2 on wgmma needs phase 1 on wgmma");
   static_assert(kWgmmaBoth || !kTma, "the tensor-copy forms have both phases on wgmma");
   static_assert(kCluster == 0 || kCluster == 1 || kCluster == 2 || kCluster == 4, "clusters of 1, 2 or 4 blocks");
@@ -530,24 +546,21 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
         // one base per row half (the general form's division and offset arithmetic per store took
         // as many instructions as phase 1's loop): a tile's pair rows start at multiples of 8, so
         // a pair's row within its group of 8 is jl % 8.
-        // kWide: each column tile's O chunk by chunk of k (o_chunk_stride, then its pair groups 1
-        // KB apart: see Tc16Shape), else pair group by pair group (kSbo apart, then the chunks 1 KB
-        // apart); the same 128-byte rows either way.
+        // Pair group by pair group (kSbo apart), then the chunks of 64 k 1 KB apart (the wide
+        // forms' phase 2 takes both column tiles' pair groups in one MMA: see Tc16Shape).
         auto store_o_folded = [&](auto hb_const) {
           constexpr int kHB = decltype(hb_const)::value, kH = 8 * kHB, kTj = 32 / kHB;
           constexpr uint32_t kSbo = 16u * kH * kH;
-          constexpr uint32_t kGs = kWide ? 1024u : kSbo, kKs = kWide ? kWideChunkSlice : 1024u;
 #pragma unroll
           for (int half = 0; half < 2; ++half) {
             const int m = wg * 64 + wl * 16 + g + 8 * half;
             const int il = m / kH, h1 = m % kH;
             if (il < Ti) {
-              const uint32_t base = uint32_t((js * P1) >> 3) * kSbo + uint32_t((il * kTj) >> 3) * kGs +
-                                    uint32_t(h1 >> 3) * (kHB * kKs) + 4u * t;
+              const uint32_t base = uint32_t((js * P1 + il * kTj) >> 3) * kSbo + uint32_t(h1 >> 3) * (kHB * 1024u) + 4u * t;
 #pragma unroll
               for (int j = 0; j < 32; ++j) {
                 const int jl = j / kHB, q = j % kHB;  // column tile jl, h2 = 8q + 2t (+1)
-                const uint32_t off = base + uint32_t(q) * kKs + uint32_t(jl >> 3) * kGs + uint32_t(jl & 7) * 128u +
+                const uint32_t off = base + uint32_t(q) * 1024u + uint32_t(jl >> 3) * kSbo + uint32_t(jl & 7) * 128u +
                                      (uint32_t((h1 & 7) ^ (jl & 7)) << 4);
                 *reinterpret_cast<uint32_t*>(smem + off) = pack_16bit<T>(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
               }
@@ -562,7 +575,6 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
         auto store_o_stmatrix = [&](auto hb_const) {
           constexpr int kHB = decltype(hb_const)::value, kH = 8 * kHB, kTj = 32 / kHB;
           constexpr uint32_t kSbo = 16u * kH * kH;
-          constexpr uint32_t kGs = kWide ? 1024u : kSbo, kKs = kWide ? kWideChunkSlice : 1024u;
           const uint32_t smem_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
           const int r = lane & 7, mi = lane >> 3;
 #pragma unroll
@@ -570,12 +582,12 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
             const int m0 = wg * 64 + wl * 16 + 8 * half;  // the matrices' first row: 8 rows of one il
             const int il = m0 / kH, h1 = m0 % kH + r;
             if (il < Ti) {
-              const uint32_t base = smem_base + uint32_t((js * P1) >> 3) * kSbo + uint32_t((il * kTj) >> 3) * kGs +
-                                    uint32_t(h1 >> 3) * (kHB * kKs);
+              const uint32_t base =
+                  smem_base + uint32_t((js * P1 + il * kTj) >> 3) * kSbo + uint32_t(h1 >> 3) * (kHB * 1024u);
 #pragma unroll
               for (int c = 0; c < 8; ++c) {
                 const int j = 4 * c + mi, jl = j / kHB, q = j % kHB;  // this lane's matrix
-                const uint32_t addr = base + uint32_t(q) * kKs + uint32_t(jl >> 3) * kGs + uint32_t(jl & 7) * 128u +
+                const uint32_t addr = base + uint32_t(q) * 1024u + uint32_t(jl >> 3) * kSbo + uint32_t(jl & 7) * 128u +
                                       (uint32_t(r ^ (jl & 7)) << 4);
                 stmatrix_x4(addr, pack_16bit<T>(acc[16 * c + 2 * half], acc[16 * c + 2 * half + 1]),
                             pack_16bit<T>(acc[16 * c + 4 + 2 * half], acc[16 * c + 5 + 2 * half]),
@@ -794,7 +806,7 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
         float* red = reinterpret_cast<float*>(last_round || next_ahead ? smem : w_st);  // [64 pairs][kTcDG + 4]
         // The round's products and sums into red.
         {
-          // rows d, columns the round's pairs (kWide: 96, two m64n48k16; the third warpgroup has no d)
+          // rows d, columns the round's pairs (kWide: 96, one m64n96k16; the third warpgroup has no d)
           constexpr int kAcc2 = kRound / 2;
           const bool p2_wg = wg < 2;
           float acc2[kAcc2];
@@ -821,18 +833,23 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
               cp_async_commit();
             }
             if (kc == 0) mark(kT16MarkW0, 0);
-            const char* st = kWide ? smem + tc16_wide_w_slot(kc, L.w, L.stages, int(kWideChunkSlice))
-                                   : w_st + buf * kT16Wg2ChunkBytes;
+            const char* st = w_st + buf * kT16Wg2ChunkBytes;
+            // kWide: this warpgroup's half of W's chunk (its 64 d), its groups of 8 rows 1 KB
+            // apart in A or B, O's pair groups apart in O's holes (tc16_wide_w_half)
+            [[maybe_unused]] uint64_t w_desc = 0;
+            if constexpr (kWide) {
+              int stride = 0;
+              const int off = tc16_wide_w_half(tc16_wide_w_slot(kc), wg, L.w, int(o_sbo), stride);
+              w_desc = wgmma_desc(smem + off, 16, uint32_t(stride));
+            }
             wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < 4; ++kk) {
               if constexpr (kWide) {
-                // each column tile's 48 pairs: their chunk kc's slice, pair groups 1 KB apart
-#pragma unroll
-                for (int h = 0; h < kT16JSub; ++h)
-                  wgmma_m64n48k16_kmajor<T>(acc2 + 24 * h, wgmma_desc(st + wg * 64 * 128 + kk * 32, 16, 1024),
-                                            wgmma_desc(smem + h * (o_sbo * (P1 >> 3)) + kc * kWideChunkSlice + kk * 32,
-                                                       16, 1024));
+                // both column tiles' 96 pairs at once: chunk kc of each pair group, the groups
+                // o_sbo apart (column tile 1's after column tile 0's)
+                wgmma_m64n96k16_kmajor<T>(acc2, w_desc + uint64_t(kk * (32 >> 4)),
+                                          wgmma_desc(o_round + kc * 1024 + kk * 32, 16, o_sbo));
               } else
                 wgmma_m64n64k16_kmajor<T>(acc2, wgmma_desc(st + wg * 64 * 128 + kk * 32, 16, 1024),
                                           wgmma_desc(o_round + kc * 1024 + kk * 32, 16, o_sbo));
