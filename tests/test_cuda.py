@@ -872,7 +872,8 @@ def test_tc16_wide_form_gives_the_default_bits(shape, dtype, normalization, clus
     """The three-warpgroup tensor-copy form runs (profiler) and gives the bits of the form without
     tensor copies (the same products in the same order: phase 1 as two m64n128k16 rather than one
     m64n256k16, phase 2 as one m64n96k16 over both column tiles rather than m64n64k16 over 64
-    pairs, each sum over k in the same order, W's chunks in the holes O's retired chunks leave),
+    pairs, each sum over k in the same order, O and the stages in slices, W's chunks in O's used
+    slices),
     every element written (poisoned output), two calls equal; resident clusters taking many tiles
     in turn, and one cluster a group of tiles."""
     x16, m16, p16 = _half_problem(shape, dtype, "wide")

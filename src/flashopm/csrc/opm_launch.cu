@@ -745,12 +745,12 @@ void encode_map16(unsigned char (&out)[128], int operand_kind, const void* base,
 template <typename T, int kCluster, bool kWide>
 void launch_tc16_clusters(const OuterArgs& args, int operand_kind, int clusters, int smem, cudaStream_t stream) {
   // a (B, S, Na·H) and b (B, S, N·H) in boxes of kT16WgBK s x 64 columns; W in o_k_order as
-  // (D, H²) in boxes of kTcDG / kCluster rows of d x 64 k (kWide: 8 rows, each into its own place
-  // among O's pair groups: tc16_wide_w_half)
+  // (D, H²) in boxes of kTcDG / kCluster rows of d x 64 k (kWide: half a chunk, 64 rows, each
+  // into its own place: tc16_wide_w_half)
   Tc16Maps maps{};
   const cuuint64_t NaH = cuuint64_t(args.Na) * args.H, NH = cuuint64_t(args.N) * args.H, S = cuuint64_t(args.S);
   const cuuint64_t K2 = cuuint64_t(args.H) * args.H;
-  const cuuint32_t box_ab[3] = {64, cuuint32_t(kT16WgBK), 1}, box_w[2] = {64, cuuint32_t(kWide ? 8 : kTcDG / kCluster)};
+  const cuuint32_t box_ab[3] = {64, cuuint32_t(kT16WgBK), 1}, box_w[2] = {64, cuuint32_t(kWide ? kTcDG / 2 : kTcDG / kCluster)};
   const cuuint64_t dims_a[3] = {NaH, S, cuuint64_t(args.B)}, strides_a[2] = {NaH * 2, S * NaH * 2};
   const cuuint64_t dims_b[3] = {NH, S, cuuint64_t(args.B)}, strides_b[2] = {NH * 2, S * NH * 2};
   const cuuint64_t dims_w[2] = {K2, cuuint64_t(args.D)}, strides_w[1] = {K2 * 2};

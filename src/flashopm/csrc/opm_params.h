@@ -775,15 +775,13 @@ constexpr int kT16RoundRows = 64;  // pairs per round of phase 2
 // of the stages, which the next tile's first copies fill meanwhile).  Phase 2 runs on the first two
 // warpgroups (64 d each, one m64n96k16 a k step); the third waits at its barriers.
 // Two W buffers alone (32 KB in flight) left phase 2 at 37% of the tensor rate (run 342: 16.4K
-// cycles a tile against 6.1K), so W's chunks also go where O's chunks already used lie: up to
-// six chunks in flight (tc16_wide_w_slot).  O is laid out pair group by pair group (8 pairs,
-// H²·16 bytes each, column tile 1's after column tile 0's), its chunks of 64 k 1 KB apart, so
-// that phase 2 takes both column tiles' 96 pairs in one m64n96k16 (B's groups H²·16 bytes apart):
-// with its operands resident m64n48k16 runs at 86% of the tensor rate and m64n96k16 at 100% (run
-// 347, scripts/wgmma_rate.cu; A, 2 KB from shared memory an MMA, then serves 96 pairs rather than
-// 48).  A used chunk of O frees 1 KB in each of the 12 pair groups, so each half of a W chunk (64
-// d, one warpgroup's A) goes into eight of those holes (the first eight groups', 8 rows of d
-// each, H²·16 bytes apart), by eight tensor copies of 8 rows.
+// cycles a tile against 6.1K), so W's chunks also go where O's chunks already used lie.  O is
+// laid out in slices of two chunks (tc16_wide_o), so that phase 2 takes both column tiles' 96
+// pairs in one m64n96k16 (its B's groups 2 KB apart; with its operands resident m64n48k16 runs
+// at 86% of the tensor rate, m64n96k16 at 100%: run 347, scripts/wgmma_rate.cu) and a used slice
+// frees 24 KB at once, room for a chunk and a half of W in whole halves of 64 rows (run 348's
+// eight copies of 8 rows a half into 1 KB holes could not keep pace); phase 1's stages lie in
+// the slices' halves that column tile 1's O fills last (tc16_wide_stage_a, _b).
 template <bool kWide>
 struct Tc16Shape {
   static constexpr int kWgs = kWide ? 3 : 2;     // consumer warpgroups
@@ -822,33 +820,58 @@ FLASHOPM_HD constexpr Tc16ShapeSizes tc16_shape_sizes(bool wide) {
 struct Tc16Layout {
   int ldo, stages, w, rows, total;  // bytes, except ldo (elements)
 };
-// The wide forms' W chunk n of a tile (n < 16, hidden 32): where each half h (rows of d 64h ..
-// 64h + 63) goes, and the chunk of the same tile whose release it waits for (-1: none beyond the
-// stages beneath it, and the tile before's chunks, all released before this tile's stages were
-// issued).  Slots: the two buffers of their own at L.w (A, B: a half's 8 KB contiguous, its
-// groups of 8 rows 1 KB apart), or the holes that O's chunks 2m and 2m + 1 leave once released
-// (H01, H23, H45, H67: half h in chunk 2m + h's hole of each of the first 8 pair groups, the
-// groups H²·16 bytes apart).  Every slot's last chunk is released before the chunk it waits for,
-// since the warpgroups release their chunks in order.
+// The wide forms' shared memory (hidden 32; 12 pair groups of 8 pairs, 16 chunks of 64 k): O in 8
+// slices of 24 KB, slice s holding chunks 2s and 2s + 1 of every pair group (group G at 2 KB·G,
+// the chunk's parity at 1 KB), column tile 0's groups in each slice's first 12 KB and column tile
+// 1's in its last 12.  Phase 2's B for chunk kc then has its 12 groups 2 KB apart (one
+// m64n96k16), and a slice whose two chunks are done frees 24 KB at once for W.  Phase 1's stage
+// buffers lie in the slices' last 12 KB (free until column tile 1's O) and from Tc16Layout::w:
+// buffer sb takes the last 12 KB of slices 2p and 2p + 1 (p = 3 - sb: buffer 3 alone lies over
+// the sums, O's first 51 KB, so the tile's first three stages need not wait for them to be stored)
+// for b's four 64-column groups (two a slice, 4 KB apart, as the MMAs' B expects) and the first
+// two warpgroups' a, and 4 KB from w for the third warpgroup's a.
+constexpr int kT16WideSlice = 24 * 1024;
+FLASHOPM_HD inline int tc16_wide_piece(int sb, int j) {
+  return ((3 - sb) * 2 + j) * kT16WideSlice + kT16WideSlice / 2;
+}
+// stage buffer sb's a for warpgroup wg (64 rows (i, h1)), and its b group g (64 columns (j, h2))
+FLASHOPM_HD inline int tc16_wide_stage_a(int sb, int wg, int w) {
+  return wg < 2 ? tc16_wide_piece(sb, wg) + 2 * kT16WgGroupBytes : w + sb * kT16WgGroupBytes;
+}
+FLASHOPM_HD inline int tc16_wide_stage_b(int sb, int g) {
+  return tc16_wide_piece(sb, g >> 1) + (g & 1) * kT16WgGroupBytes;
+}
+// whether stage buffer sb lies over any of the bytes [lo, hi)
+FLASHOPM_HD inline bool tc16_wide_stage_over(int sb, int w, int lo, int hi) {
+  auto over = [&](int a, int bytes) { return a < hi && a + bytes > lo; };
+  return over(tc16_wide_piece(sb, 0), kT16WideSlice / 2) || over(tc16_wide_piece(sb, 1), kT16WideSlice / 2) ||
+         over(tc16_wide_stage_a(sb, 2, w), kT16WgGroupBytes);
+}
+// O's chunk kc (64 k) of pair group `group`: its byte offset
+FLASHOPM_HD inline int tc16_wide_o(int group, int kc) { return (kc >> 1) * kT16WideSlice + group * 2048 + (kc & 1) * 1024; }
+// The wide forms' W chunk n of a tile (n < 16): where each half h (rows of d 64h .. 64h + 63, one
+// warpgroup's A: 8 KB, its groups of 8 rows 1 KB apart) goes, and the chunk of the same tile whose
+// release it waits for (-1: none beyond the stages beneath it, and the tile before's chunks, all
+// released before this tile's stages were issued).  Slots: A and B (their own 16 KB at w, A over
+// the third warpgroup's stage a), S0-S3 (the first 16 KB of slice s, once its chunks 2s and 2s + 1
+// are done), and the last 8 KB of two such slices (H01: slices 0 and 1, half h in slice h; H23:
+// slices 2 and 3).  Every slot's chunk before is released before the chunk it waits for, since
+// the warpgroups release their chunks in order; up to eight chunks ahead.
 // (The tables as nibbles of one constant each: an array indexed at run time went to local memory.)
 FLASHOPM_HD inline int tc16_wide_w_slot(int n) {
-  // slots of chunks 0-15 (0 A, 1 B, 2 + m H(2m)(2m+1)), n-th nibble: B A B A H01 B A H23 H01 B H45 A
-  // H23 H67 H01 B
-  return int((0x1253041230120101ull >> (4 * (n & 15))) & 15u);
+  // slots of chunks 0-15 (0 A, 1 B, 2 + s Ss, 6 H01, 7 H23), n-th nibble:
+  // B A B A S0 B A S1 H01 S0 B S2 A S1 S3 H23
+  return int((0x7530412630120101ull >> (4 * (n & 15))) & 15u);
 }
 FLASHOPM_HD inline int tc16_wide_w_after(int n) {
-  // 1 + the chunk waited for, n-th nibble: -1 -1 0 1 1 2 3 3 4 5 5 6 7 7 8 9
-  return int((0xA988766544322100ull >> (4 * (n & 15))) & 15u) - 1;
+  // 1 + the chunk waited for, n-th nibble: -1 -1 0 1 1 2 3 3 3 4 5 5 6 7 7 7
+  return int((0x8887665444322100ull >> (4 * (n & 15))) & 15u) - 1;
 }
-// Half h of a chunk in slot `slot`: its first group's byte offset in shared memory and the bytes
-// between its groups of 8 rows (w: Tc16Layout::w; group_bytes: a pair group's, H²·16).
-FLASHOPM_HD inline int tc16_wide_w_half(int slot, int h, int w, int group_bytes, int& stride) {
-  if (slot < 2) {
-    stride = 1024;
-    return w + slot * kT16Wg2ChunkBytes + h * (kT16Wg2ChunkBytes / 2);
-  }
-  stride = group_bytes;
-  return (2 * (slot - 2) + h) * 1024;
+// half h of a chunk in slot `slot`: its byte offset (w: Tc16Layout::w)
+FLASHOPM_HD inline int tc16_wide_w_half(int slot, int h, int w) {
+  if (slot < 2) return w + slot * kT16Wg2ChunkBytes + h * (kT16Wg2ChunkBytes / 2);
+  if (slot < 6) return (slot - 2) * kT16WideSlice + h * (kT16Wg2ChunkBytes / 2);
+  return (2 * (slot - 6) + h) * kT16WideSlice + kT16Wg2ChunkBytes;
 }
 FLASHOPM_HD inline int round_up1k(int x) { return (x + 1023) & ~1023; }
 FLASHOPM_HD inline Tc16Layout tc16_layout(int H, int Ti, int Tj, int form) {

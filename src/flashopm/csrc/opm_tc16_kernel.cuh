@@ -60,18 +60,20 @@ __device__ __forceinline__ void tc16_produce(const OuterArgs& p, const Tc16Maps&
   auto uses = [&](int sb) { return tc16_stage_uses(n_q, sb, kStages); };
   // whether stage buffer sb lies over any of the bytes [lo, hi)
   auto stage_over = [&](int sb, int lo, int hi) {
+    if constexpr (kWide) return tc16_wide_stage_over(sb, L.w, lo, hi);
     const int s_lo = L.stages + sb * kStageBytes;
     return s_lo < hi && s_lo + kStageBytes > lo;
   };
-  // what phase 2 reads: the last column tile's O (from L.stages) and W's buffers
-  const int phase2_hi = L.w + Sh::kWBuffers * kT16Wg2ChunkBytes;
+  // what phase 2 reads: the last column tile's O (from L.stages; kWide: O whole, from 0) and W's
+  // buffers
+  const int phase2_lo = kWide ? 0 : L.stages, phase2_hi = L.w + Sh::kWBuffers * kT16Wg2ChunkBytes;
   const uint32_t stages_addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem + L.stages));
   const uint32_t smem_addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  // kWide: a pair group's bytes in O (H²·16), the stride of a W half's groups in O's holes
-  [[maybe_unused]] const int o_group = H * H * 16;
-  // a tile's last round's sums over its O (see outer_tc16_body; kWide: always)
-  const bool defer = kWide || p.tc16_defer != 0;
-  const int red_hi = L.w + Sh::kRound * (kTcDG + 4) * 4;  // phase 2's other sums from L.w
+  // a tile's last round's sums over its O (see outer_tc16_body), stored beside the next tile's
+  // MMAs; kWide: stored at once, over O's first 51 KB (under stage buffer 3 and W's first slots)
+  const bool defer = !kWide && p.tc16_defer != 0;
+  const int red_lo = kWide ? 0 : L.w;  // phase 2's other sums from L.w
+  const int red_hi = red_lo + Sh::kRound * (kTcDG + 4) * 4;
   int wq = 0;            // W chunks issued so far, over every tile
   int stored_rounds = 0;  // rounds that arrive on "stored" once stored, so far
   bool last_stored = false;  // whether the round issued last arrives there
@@ -87,9 +89,9 @@ __device__ __forceinline__ void tc16_produce(const OuterArgs& p, const Tc16Maps&
         // chunk released by every block), and where the buffer lies over the sums, those stored
         // (deferred, the last round's sums lie over O of column tile 0, clear of the stages, and
         // those of the rounds before were stored before the last round's chunks were issued)
-        if (stage_over(buf, L.stages, phase2_hi))
+        if (stage_over(buf, phase2_lo, phase2_hi))
           mbarrier_wait_parity_suspend(w_empty + (wq - 1) % kW2Stages, ((wq - 1) / kW2Stages) & 1);
-        if (last_stored && stage_over(buf, L.w, red_hi))
+        if (last_stored && stage_over(buf, red_lo, red_hi))
           mbarrier_wait_parity_suspend(stored, (stored_rounds - 1) & 1);
       }
       mbarrier_arrive_expect_tx(full + buf, kStageBytes);
@@ -97,11 +99,13 @@ __device__ __forceinline__ void tc16_produce(const OuterArgs& p, const Tc16Maps&
       const uint32_t st = stages_addr + uint32_t(buf * kStageBytes);
 #pragma unroll
       for (int grp = 0; grp < Sh::kMT / 64; ++grp)
-        tma_load_3d(st + grp * kT16WgGroupBytes, maps.a, i0 * H + grp * 64, s0, b, full + buf);
+        tma_load_3d(kWide ? smem_addr + uint32_t(tc16_wide_stage_a(buf, grp, L.w)) : st + grp * kT16WgGroupBytes, maps.a,
+                    i0 * H + grp * 64, s0, b, full + buf);
 #pragma unroll
       for (int share = 0; share < kBGroupsShare; ++share) {
         const int grp = int(rank) * kBGroupsShare + share;
-        const uint32_t dst = st + Sh::kABytes + grp * kT16WgGroupBytes;
+        const uint32_t dst = kWide ? smem_addr + uint32_t(tc16_wide_stage_b(buf, grp))
+                                   : st + Sh::kABytes + grp * kT16WgGroupBytes;
         if constexpr (kCluster == 1) tma_load_3d(dst, maps.b, jt0 * H + grp * 64, s0, b, full + buf);
         else tma_load_3d_mc(dst, maps.b, jt0 * H + grp * 64, s0, b, full + buf, kMask);
       }
@@ -116,15 +120,15 @@ __device__ __forceinline__ void tc16_produce(const OuterArgs& p, const Tc16Maps&
         for (int kc = 0; kc < n_kc; ++kc, ++wq) {
           const int buf = wq % kW2Stages, use = wq / kW2Stages;
           // the chunk's buffer (bytes from the shared memory's start; kWide: its slot's first
-          // half, contiguous in A and B, the only slots the chunks without a release wait use)
+          // half, A's or B's, the only slots the chunks without a release wait use, contiguous)
           [[maybe_unused]] const int slot = kWide ? tc16_wide_w_slot(kc) : 0;
-          [[maybe_unused]] int half_stride = 0;
-          const int lo = kWide ? tc16_wide_w_half(slot, 0, L.w, o_group, half_stride) : L.w + buf * kT16Wg2ChunkBytes;
+          const int lo = kWide ? tc16_wide_w_half(slot, 0, L.w) : L.w + buf * kT16Wg2ChunkBytes;
           bool first_use = wq - tile_wq < kW2Stages;
           if constexpr (kWide) {
             // (a chunk a pair of mbarriers: this tile's chunk `after` released, every block's O
             // slices beneath it with it; that release also means every stage of the tile was
-            // retired, so only the chunks without one look at the stages)
+            // retired, so only the chunks without one look at the stages; the tile before's sums,
+            // over the first slots, were stored before this round began)
             const int after = tc16_wide_w_after(kc);
             if (after >= 0) mbarrier_wait_parity_suspend(w_empty + after, it & 1);
             first_use = after < 0;
@@ -141,17 +145,13 @@ __device__ __forceinline__ void tc16_produce(const OuterArgs& p, const Tc16Maps&
           }
           mbarrier_arrive_expect_tx(w_full + buf, kT16Wg2ChunkBytes);
           if constexpr (kWide) {
-            // this block's halves (each block of a cluster of two one, to both): 8 rows of d a
-            // copy (the map's box), each into its group's place
-#pragma unroll 1
+            // this block's halves (each block of a cluster of two one, to both), 64 rows of d a
+            // copy (the map's box), each into its slot's place
+#pragma unroll
             for (int h = kCluster == 1 ? 0 : int(rank); h < 2; h += kCluster) {
-              const uint32_t dst = smem_addr + uint32_t(tc16_wide_w_half(slot, h, L.w, o_group, half_stride));
-#pragma unroll 1
-              for (int r = 0; r < 8; ++r) {
-                const uint32_t d_r = dst + uint32_t(r * half_stride);
-                if constexpr (kCluster == 1) tma_load_2d(d_r, maps.w, kc * 64, dg + 64 * h + 8 * r, w_full + buf);
-                else tma_load_2d_mc(d_r, maps.w, kc * 64, dg + 64 * h + 8 * r, w_full + buf, kMask);
-              }
+              const uint32_t dst = smem_addr + uint32_t(tc16_wide_w_half(slot, h, L.w));
+              if constexpr (kCluster == 1) tma_load_2d(dst, maps.w, kc * 64, dg + 64 * h, w_full + buf);
+              else tma_load_2d_mc(dst, maps.w, kc * 64, dg + 64 * h, w_full + buf, kMask);
             }
           } else {
             const uint32_t dst = smem_addr + uint32_t(lo + int(rank) * kWRowsShare * 128);
@@ -469,8 +469,11 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
     }
     // Stage 0's descriptors; another stage's or k step's differ in the start address alone, whose
     // field (address / 16, 14 bits) holds every shared address without carrying into the next.
-    const uint64_t desc_a0 = wgmma_desc(wg_stages + wg * kT16WgGroupBytes, kT16WgGroupBytes, 1024);
-    const uint64_t desc_b0 = wgmma_desc(wg_stages + kABytes, kT16WgGroupBytes, 1024);
+    // (kWide: each stage's boxes where tc16_wide_stage_a / _b put them, from the shared memory's
+    // start)
+    const uint64_t desc_a0 =
+        wgmma_desc(kWide ? smem : wg_stages + wg * kT16WgGroupBytes, kT16WgGroupBytes, 1024);
+    const uint64_t desc_b0 = wgmma_desc(kWide ? smem : wg_stages + kABytes, kT16WgGroupBytes, 1024);
     for (int js = 0; js < kT16JSub; ++js) {
       float acc[128];
 #pragma unroll
@@ -491,7 +494,11 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
           issue_stage();
           cp_async_commit();
         }
-        const uint64_t stage_off = uint64_t(read_buf * (kStageBytes >> 4));
+        uint64_t stage_off = uint64_t(read_buf * (kStageBytes >> 4)), b_stage_off = stage_off;
+        if constexpr (kWide) {
+          stage_off = uint64_t(tc16_wide_stage_a(read_buf, wg, L.w) >> 4);
+          b_stage_off = uint64_t(tc16_wide_stage_b(read_buf, 0) >> 4);
+        }
         [[maybe_unused]] const int prev_buf = read_buf == 0 ? kStages - 1 : read_buf - 1;
         read_buf = read_buf + 1 == kStages ? 0 : read_buf + 1;
         wgmma_fence();
@@ -501,7 +508,7 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
 #pragma unroll
             for (int h = 0; h < 2; ++h)
               wgmma_m64n128k16<T>(acc + 64 * h, desc_a0 + stage_off + kk * (2048 >> 4),
-                                  desc_b0 + stage_off + kk * (2048 >> 4) + h * (2 * kT16WgGroupBytes >> 4));
+                                  desc_b0 + b_stage_off + kk * (2048 >> 4) + h * (kT16WideSlice >> 4));
           } else {
             wgmma_m64n256k16<T>(acc, desc_a0 + stage_off + kk * (2048 >> 4), desc_b0 + stage_off + kk * (2048 >> 4));
           }
@@ -546,8 +553,8 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
         // one base per row half (the general form's division and offset arithmetic per store took
         // as many instructions as phase 1's loop): a tile's pair rows start at multiples of 8, so
         // a pair's row within its group of 8 is jl % 8.
-        // Pair group by pair group (kSbo apart), then the chunks of 64 k 1 KB apart (the wide
-        // forms' phase 2 takes both column tiles' pair groups in one MMA: see Tc16Shape).
+        // Pair group by pair group (kSbo apart), then the chunks of 64 k 1 KB apart; the wide
+        // forms' in slices of two chunks (tc16_wide_o, see Tc16Shape).
         auto store_o_folded = [&](auto hb_const) {
           constexpr int kHB = decltype(hb_const)::value, kH = 8 * kHB, kTj = 32 / kHB;
           constexpr uint32_t kSbo = 16u * kH * kH;
@@ -587,8 +594,12 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
 #pragma unroll
               for (int c = 0; c < 8; ++c) {
                 const int j = 4 * c + mi, jl = j / kHB, q = j % kHB;  // this lane's matrix
-                const uint32_t addr = base + uint32_t(q) * 1024u + uint32_t(jl >> 3) * kSbo + uint32_t(jl & 7) * 128u +
-                                      (uint32_t(r ^ (jl & 7)) << 4);
+                uint32_t addr = base + uint32_t(q) * 1024u + uint32_t(jl >> 3) * kSbo + uint32_t(jl & 7) * 128u +
+                                (uint32_t(r ^ (jl & 7)) << 4);
+                if constexpr (kWide)  // (O in slices: tc16_wide_o)
+                  addr = smem_base +
+                         uint32_t(tc16_wide_o(((js * P1 + il * kTj) >> 3) + (jl >> 3), (h1 >> 3) * kHB + q)) +
+                         uint32_t(jl & 7) * 128u + (uint32_t(r ^ (jl & 7)) << 4);
                 stmatrix_x4(addr, pack_16bit<T>(acc[16 * c + 2 * half], acc[16 * c + 2 * half + 1]),
                             pack_16bit<T>(acc[16 * c + 4 + 2 * half], acc[16 * c + 5 + 2 * half]),
                             pack_16bit<T>(acc[16 * c + 8 + 2 * half], acc[16 * c + 9 + 2 * half]),
@@ -834,22 +845,18 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
             }
             if (kc == 0) mark(kT16MarkW0, 0);
             const char* st = w_st + buf * kT16Wg2ChunkBytes;
-            // kWide: this warpgroup's half of W's chunk (its 64 d), its groups of 8 rows 1 KB
-            // apart in A or B, O's pair groups apart in O's holes (tc16_wide_w_half)
+            // kWide: this warpgroup's half of W's chunk (its 64 d, 8 KB, groups of 8 rows 1 KB
+            // apart) where its slot is (tc16_wide_w_half)
             [[maybe_unused]] uint64_t w_desc = 0;
-            if constexpr (kWide) {
-              int stride = 0;
-              const int off = tc16_wide_w_half(tc16_wide_w_slot(kc), wg, L.w, int(o_sbo), stride);
-              w_desc = wgmma_desc(smem + off, 16, uint32_t(stride));
-            }
+            if constexpr (kWide) w_desc = wgmma_desc(smem + tc16_wide_w_half(tc16_wide_w_slot(kc), wg, L.w), 16, 1024);
             wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < 4; ++kk) {
               if constexpr (kWide) {
-                // both column tiles' 96 pairs at once: chunk kc of each pair group, the groups
-                // o_sbo apart (column tile 1's after column tile 0's)
+                // both column tiles' 96 pairs at once: chunk kc of each pair group, the groups 2
+                // KB apart in its slice (tc16_wide_o)
                 wgmma_m64n96k16_kmajor<T>(acc2, w_desc + uint64_t(kk * (32 >> 4)),
-                                          wgmma_desc(o_round + kc * 1024 + kk * 32, 16, o_sbo));
+                                          wgmma_desc(smem + tc16_wide_o(0, kc) + kk * 32, 16, 2048));
               } else
                 wgmma_m64n64k16_kmajor<T>(acc2, wgmma_desc(st + wg * 64 * 128 + kk * 32, 16, 1024),
                                           wgmma_desc(o_round + kc * 1024 + kk * 32, 16, o_sbo));
@@ -892,11 +899,16 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
         if (last_round) {
           if constexpr (kWide) {
             // stored now, beside the next tile's first stages loading (its sums lie clear of the
-            // stages; deferred into the next tile's MMAs, their bias and addresses held registers
-            // that the 128 accumulators leave none of); every thread done with the sums and rows
-            // before the next tile's rows and O overlay them
+            // first three stage buffers; deferred into the next tile's MMAs, their bias and
+            // addresses held registers that the 128 accumulators leave none of); every thread
+            // done with the sums and rows before the next tile's rows and O overlay them, and
+            // every block's producer told (stage buffer 3 and W's first slots lie over the sums)
             store_rows(std::integral_constant<int, kRound>{}, red, row_off, norm_arg, dg, round_bias);
+            fence_proxy_async_smem();
             consumers_sync();
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+            if (tid < kShare) mbarrier_arrive_in(bars + 2 * kStages + 2 * kW2Stages, unsigned(tid), rank);
+#endif
           } else {
             stores_pending = true;
             pending_dg = dg;
