@@ -831,24 +831,24 @@ struct Tc16Layout {
 // for b's four 64-column groups (two a slice, 4 KB apart, as the MMAs' B expects) and the first
 // two warpgroups' a, and 4 KB from w for the third warpgroup's a.
 constexpr int kT16WideSlice = 24 * 1024;
-FLASHOPM_HD inline int tc16_wide_piece(int sb, int j) {
+FLASHOPM_HD constexpr int tc16_wide_piece(int sb, int j) {
   return ((3 - sb) * 2 + j) * kT16WideSlice + kT16WideSlice / 2;
 }
 // stage buffer sb's a for warpgroup wg (64 rows (i, h1)), and its b group g (64 columns (j, h2))
-FLASHOPM_HD inline int tc16_wide_stage_a(int sb, int wg, int w) {
+FLASHOPM_HD constexpr int tc16_wide_stage_a(int sb, int wg, int w) {
   return wg < 2 ? tc16_wide_piece(sb, wg) + 2 * kT16WgGroupBytes : w + sb * kT16WgGroupBytes;
 }
-FLASHOPM_HD inline int tc16_wide_stage_b(int sb, int g) {
+FLASHOPM_HD constexpr int tc16_wide_stage_b(int sb, int g) {
   return tc16_wide_piece(sb, g >> 1) + (g & 1) * kT16WgGroupBytes;
 }
 // whether stage buffer sb lies over any of the bytes [lo, hi)
-FLASHOPM_HD inline bool tc16_wide_stage_over(int sb, int w, int lo, int hi) {
+FLASHOPM_HD constexpr bool tc16_wide_stage_over(int sb, int w, int lo, int hi) {
   auto over = [&](int a, int bytes) { return a < hi && a + bytes > lo; };
   return over(tc16_wide_piece(sb, 0), kT16WideSlice / 2) || over(tc16_wide_piece(sb, 1), kT16WideSlice / 2) ||
          over(tc16_wide_stage_a(sb, 2, w), kT16WgGroupBytes);
 }
 // O's chunk kc (64 k) of pair group `group`: its byte offset
-FLASHOPM_HD inline int tc16_wide_o(int group, int kc) { return (kc >> 1) * kT16WideSlice + group * 2048 + (kc & 1) * 1024; }
+FLASHOPM_HD constexpr int tc16_wide_o(int group, int kc) { return (kc >> 1) * kT16WideSlice + group * 2048 + (kc & 1) * 1024; }
 // The wide forms' W chunk n of a tile (n < 16): where each half h (rows of d 64h .. 64h + 63, one
 // warpgroup's A: 8 KB, its groups of 8 rows 1 KB apart) goes, and the chunk of the same tile whose
 // release it waits for (-1: none beyond the stages beneath it, and the tile before's chunks, all
@@ -858,21 +858,60 @@ FLASHOPM_HD inline int tc16_wide_o(int group, int kc) { return (kc >> 1) * kT16W
 // slices 2 and 3).  Every slot's chunk before is released before the chunk it waits for, since
 // the warpgroups release their chunks in order; up to eight chunks ahead.
 // (The tables as nibbles of one constant each: an array indexed at run time went to local memory.)
-FLASHOPM_HD inline int tc16_wide_w_slot(int n) {
+FLASHOPM_HD constexpr int tc16_wide_w_slot(int n) {
   // slots of chunks 0-15 (0 A, 1 B, 2 + s Ss, 6 H01, 7 H23), n-th nibble:
   // B A B A S0 B A S1 H01 S0 B S2 A S1 S3 H23
   return int((0x7530412630120101ull >> (4 * (n & 15))) & 15u);
 }
-FLASHOPM_HD inline int tc16_wide_w_after(int n) {
+FLASHOPM_HD constexpr int tc16_wide_w_after(int n) {
   // 1 + the chunk waited for, n-th nibble: -1 -1 0 1 1 2 3 3 3 4 5 5 6 7 7 7
   return int((0x8887665444322100ull >> (4 * (n & 15))) & 15u) - 1;
 }
 // half h of a chunk in slot `slot`: its byte offset (w: Tc16Layout::w)
-FLASHOPM_HD inline int tc16_wide_w_half(int slot, int h, int w) {
+FLASHOPM_HD constexpr int tc16_wide_w_half(int slot, int h, int w) {
   if (slot < 2) return w + slot * kT16Wg2ChunkBytes + h * (kT16Wg2ChunkBytes / 2);
   if (slot < 6) return (slot - 2) * kT16WideSlice + h * (kT16Wg2ChunkBytes / 2);
   return (2 * (slot - 6) + h) * kT16WideSlice + kT16Wg2ChunkBytes;
 }
+// The tables' rules, checked as the code compiles (hidden 32, W's buffers from 192 KB): each
+// chunk waits for one at least two back (a warpgroup releases a chunk once its next chunk's MMAs
+// are issued, with one group in flight); its halves lie clear of every chunk issued since that
+// one, and of O's slices not yet used (those holding chunks after it); the chunks without one use
+// A or B alone; the stage buffers lie clear of one another and of column tile 0's O, all of them
+// below W's B, buffer 3 alone over the sums (96 pairs of kTcDG + 4 floats).
+FLASHOPM_HD constexpr bool tc16_wide_tables_ok() {
+  constexpr int w = 192 * 1024, half = kT16Wg2ChunkBytes / 2, red = 96 * (kTcDG + 4) * 4;
+  auto overlap = [](int a, int la, int b, int lb) { return a < b + lb && b < a + la; };
+  for (int n = 0; n < 16; ++n) {
+    const int after = tc16_wide_w_after(n), slot = tc16_wide_w_slot(n);
+    if ((after >= 0 && after > n - 2) || (after < 0 && slot > 1)) return false;
+    for (int h = 0; h < 2; ++h) {
+      const int at = tc16_wide_w_half(slot, h, w);
+      if (at < w && 2 * (at / kT16WideSlice) + 1 > after) return false;  // over O still to be read
+      for (int m = after + 1; m < n; ++m)
+        for (int g = 0; g < 2; ++g)
+          if (overlap(at, half, tc16_wide_w_half(tc16_wide_w_slot(m), g, w), half)) return false;
+    }
+  }
+  for (int sb = 0; sb < 4; ++sb) {
+    int box[7] = {};
+    for (int k = 0; k < 3; ++k) box[k] = tc16_wide_stage_a(sb, k, w);
+    for (int g = 0; g < 4; ++g) box[3 + g] = tc16_wide_stage_b(sb, g);
+    for (int k = 0; k < 7; ++k) {
+      if (box[k] + kT16WgGroupBytes > w + kT16Wg2ChunkBytes) return false;  // below B
+      for (int s = 0; s < 8; ++s)  // column tile 0's O: each slice's first half
+        if (overlap(box[k], kT16WgGroupBytes, s * kT16WideSlice, kT16WideSlice / 2)) return false;
+      for (int sb2 = sb; sb2 < 4; ++sb2)
+        for (int k2 = 0; k2 < 7; ++k2) {
+          const int other = k2 < 3 ? tc16_wide_stage_a(sb2, k2, w) : tc16_wide_stage_b(sb2, k2 - 3);
+          if ((sb2 != sb || k2 != k) && overlap(box[k], kT16WgGroupBytes, other, kT16WgGroupBytes)) return false;
+        }
+    }
+    if (tc16_wide_stage_over(sb, w, 0, red) != (sb == 3)) return false;
+  }
+  return true;
+}
+static_assert(tc16_wide_tables_ok(), "the wide forms' W slots and stage buffers break their rules");
 FLASHOPM_HD inline int round_up1k(int x) { return (x + 1023) & ~1023; }
 FLASHOPM_HD inline Tc16Layout tc16_layout(int H, int Ti, int Tj, int form) {
   const int bk = tc16_form_bk(form), nt = tc16_form_nt(form);  // the mma.sync forms' stage
