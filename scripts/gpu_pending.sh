@@ -476,20 +476,15 @@ if [ "$PHASE" = rate20 ]; then
 fi
 
 if [ "$PHASE" = n96 ]; then
-  # the wide forms' phase 2 as one m64n96k16 a k step (O pair group by pair group, W's halves in
-  # O's holes): their tests, traced and paired against two warpgroups, the three bfloat16 rows,
-  # then the forward and autograd files
+  # the wide forms' phase 2 as one m64n96k16 a k step (O and phase 1's stages in slices of two
+  # chunks, W's whole halves in A, B and used slices): the 16-bit forms' bits (stop at the first
+  # failure), then against two warpgroups, the specification's and Boltz's rows, the forward files
   T t_wide 120 $py -m pytest -q -x -p no:cacheprovider tests/test_cuda.py -k "wide_form or cluster_form or default_form" || exit 0
-  T trace16 120 $py scripts/tc16_trace.py --out "$R/trace16" --forms "2,2+FLASHOPM_TC16_WIDE=0"
-  T ab_two 60 $py scripts/ab_env.py FLASHOPM_TC16_WIDE=0 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6
-  T mod_openfold_bf16 120 $py -m flashopm bench --module openfold --shapes "1,512,1536,256,32,128" \
-    --dtype bfloat16 --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/mod_openfold_bf16"
+  wide_against_two
   T mod_boltz_bf16 120 $py -m flashopm bench --module boltz --shapes "1,512,1536,256,32,128" \
     --dtype bfloat16 --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/mod_boltz_bf16"
   bench_bf16
-  T t_cuda 150 $py -m pytest -q -p no:cacheprovider tests/test_cuda.py
-  T t_conv 150 $py -m pytest -q -p no:cacheprovider tests/test_conventions.py tests/test_modules.py tests/test_projection16.py
-  T t_auto 150 $py -m pytest -q -p no:cacheprovider tests/test_autograd.py
+  forward_files
   exit 0
 fi
 
