@@ -29,6 +29,9 @@ STEPS = ["phase1_tile0", "o_store0", "phase1_tile1", "o_store1", "o_barrier", "w
 # phase 2's W chunks (FLASHOPM_TC16_TRACE in the tensor-copy forms): the chunk and the cycles its
 # warpgroup waited for it
 W_CHUNK_MARK = 10
+# the last column tile's products retired in every warpgroup, before its O store: splits o_store1
+# into the wait for the other warpgroups (o1_wait) and the store itself (o1_store)
+O1_SYNC_MARK = 11
 TENSOR_FLOP_PER_CLK = 4096  # dense 16-bit, per SM (four tensor cores)
 
 
@@ -48,6 +51,8 @@ def tiles_of(trace):
                 cur[MARK_NAMES[m]] = (ns, clk)
             elif cur is not None and m == W_CHUNK_MARK:
                 cur.setdefault("w_waits", {})[pay & 0xFF] = pay >> 8
+            elif cur is not None and m == O1_SYNC_MARK:
+                cur["o1_sync"] = (ns, clk)
         rows.append(tiles)
     return rows
 
@@ -59,7 +64,7 @@ def summarise(rows, shape, wgs=2):
     p1 = 2 * 64 * wgs * 256 * S / TENSOR_FLOP_PER_CLK
     p2 = 2 * pairs * H * H * D / TENSOR_FLOP_PER_CLK
     ideal = {"phase1_tile0": p1, "phase1_tile1": p1, "phase2": p2}
-    steps = {k: [] for k in STEPS + ["w_wait_total", "gap", "tile_total"]}
+    steps = {k: [] for k in STEPS + ["o1_wait", "o1_store", "w_wait_total", "gap", "tile_total"]}
     chunk_waits = {}  # W chunk -> the cycles each warpgroup waited for it in phase 2
     ghz = []
     recs = []
@@ -77,6 +82,10 @@ def summarise(rows, shape, wgs=2):
             dns = t["stored"][0] - t["tile"][0]
             if dns > 0:
                 ghz.append((t["stored"][1] - t["tile"][1]) / dns)
+            if "o1_sync" in t:
+                for step, a, b in (("o1_wait", "p1_done1", "o1_sync"), ("o1_store", "o1_sync", "o1")):
+                    row[step] = t[b][1] - t[a][1]
+                    steps[step].append(row[step])
             waits = t.get("w_waits", {})
             for kc, w in waits.items():
                 chunk_waits.setdefault(kc, []).append(w)
@@ -144,7 +153,7 @@ def main():
         # a persistent block takes about groups / SMs tiles of ten marks
         sms = torch.cuda.get_device_properties(0).multi_processor_count
         one_tile = form == "0" and env.get("FLASHOPM_TC16_RESIDENT") == "0"
-        cap = 16 if one_tile else 30 * (groups // sms + 4) + 16  # ten marks and W's chunks a tile
+        cap = 16 if one_tile else 30 * (groups // sms + 4) + 16  # eleven marks and 16 W chunks a tile
         os.environ["FLASHOPM_TC16_TRACE"] = str(cap)
         flashopm.outer_product_mean(x, m, *(p[k] for k in PARAM_ORDER), algorithm="outer")
         torch.cuda.synchronize()

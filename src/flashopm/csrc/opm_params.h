@@ -462,6 +462,7 @@ enum Tc16Mark : int {
   kT16MarkSums = 8,      // the sums in shared memory (after the barrier)
   kT16MarkStored = 9,    // the round's output rows stored
   kT16MarkWChunk = 10,   // phase 2's W chunk in; payload: the chunk | the cycles waited for it << 8
+  kT16MarkO1Sync = 11,   // the last column tile's products retired in every warpgroup (its O next)
 };
 // The waves form's trace points (WaveArgs::trace), in the order a part passes them.
 enum WaveMark : int {

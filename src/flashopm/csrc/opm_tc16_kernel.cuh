@@ -539,6 +539,7 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
         // (kTma: every stage's bytes from every block have arrived: nothing more is copied here)
         if constexpr (!kTma) cp_async_wait_all();
         consumers_sync();  // every warp done with the stages: the last tile's O overlays them
+        mark(kT16MarkO1Sync, 0);
       }
 
       // O as [pair][h1·H + h2], pair = js·P1 + il·Tj + jl, rounded to T.  Column 8j + 2(lane%4)
