@@ -9,7 +9,6 @@ self time and each kernel's duration and the gaps before and between them.
 """
 import argparse
 import statistics
-import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -17,6 +16,7 @@ from torch.profiler import ProfilerActivity, profile
 from flashopm.__main__ import DTYPES, _models
 from flashopm.bench import L2Flusher, time_wall, warm_gpu
 from flashopm.testing import Shape, capture_graph, make_problem
+from step_host import call_host_us
 
 
 def replay_times(g, flusher, n):
@@ -32,20 +32,6 @@ def replay_times(g, flusher, n):
         end.record()
         end.synchronize()
         out.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(out)
-
-
-def host_times(fn, flusher, n):
-    """Host time of lone calls (after a flush and a synchronize, as the wall is timed): from the
-    call to its return, no synchronisation inside; median in us."""
-    out = []
-    for _ in range(n):
-        flusher()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        out.append((time.perf_counter() - t0) * 1e6)
-        torch.cuda.synchronize()
     return statistics.median(out)
 
 
@@ -100,7 +86,7 @@ def main():
             del g
             print(f"{name:9s} wall {wall:9.1f} us | one-call graph after a flush {cold:9.1f} | back to back "
                   f"{warm:9.1f} | host and launch {wall - cold:7.1f}, cold start {cold - warm:7.1f}")
-            print(f"  host time of a lone call (to its return): {host_times(fn, flusher, a.calls):.1f} us")
+            print(f"  host time of a lone call (to its return): {call_host_us(fn, a.calls, before=flusher):.1f} us")
             table, calls = profiled(fn, flusher)
             print(table)
             for k, call in enumerate(calls):

@@ -17,11 +17,14 @@ from flashopm.ops import FOLLOW_PYTORCH, outer_product_mean_backward_op
 from flashopm.testing import Shape, make_problem
 
 
-def call_host_us(fn, calls=200):
+def call_host_us(fn, calls=200, before=None):
     """Median time until a call returns, the GPU idle before each call (calls back to back would
-    fill the launch queue and measure the GPU instead)."""
+    fill the launch queue and measure the GPU instead); before(), if given, runs ahead of each
+    call's synchronize (an L2 flush, as the wall is timed)."""
     per = []
     for _ in range(calls):
+        if before is not None:
+            before()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         fn()
