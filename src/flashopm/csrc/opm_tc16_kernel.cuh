@@ -609,7 +609,9 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
             }
           }
         };
-        // (the tensor-copy forms alone: in the form without, at 255 registers, it spilled)
+        // (the tensor-copy forms alone: in the form without, at 255 registers, it spilled.  The
+        // wide forms, hidden 32 alone (hb 4, Tj 8), always take it: only store_o_stmatrix lays O
+        // out in their slices; the other stores below are the two-warpgroup layouts.)
         const bool stm = kWide || (kTma && p.tc16_stmatrix != 0);
         if (hb == 4 && Tj == 8) {
           if (stm) store_o_stmatrix(std::integral_constant<int, 4>{});
