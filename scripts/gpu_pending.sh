@@ -505,22 +505,23 @@ if [ "$PHASE" = sw21 ]; then
   # the wide forms' outputs stored by the producer warpgroup's other warps beside the next tile's
   # phase 1 (FLASHOPM_TC16_STORE_WARPS, on by default): the 16-bit forms' bits with and without
   # (stop at the first failure), both traced and paired, the bfloat16 rows; where they are slower,
-  # the rest with them off; then the test files (~9 min with the build)
+  # the rest with them off; then the test files (~9 min with the build; the first five steps ~2 min)
   T t_wide 120 $py -m pytest -q -x -p no:cacheprovider tests/test_cuda.py -k "wide_form or cluster_form or default_form" || exit 0
   T ab_store_warps 60 $py scripts/ab_env.py FLASHOPM_TC16_STORE_WARPS=0 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6
   r=$(grep -o "paired (without / with) [0-9.]*" "$R/ab_store_warps.log" | awk '{print $NF}' | head -1)
   if [ -z "$r" ] || awk "BEGIN { exit !($r >= 1.0) }"; then export FLASHOPM_TC16_STORE_WARPS=0; fi
   echo "from here FLASHOPM_TC16_STORE_WARPS=${FLASHOPM_TC16_STORE_WARPS:-1} (paired $r)" >>"$R/steps.txt"
-  T trace16 120 $py scripts/tc16_trace.py --out "$R/trace16" --forms "2,2+FLASHOPM_TC16_STORE_WARPS=0"
   T mod_openfold_bf16 120 $py -m flashopm bench --module openfold --shapes "1,512,1536,256,32,128" \
     --dtype bfloat16 --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/mod_openfold_bf16"
+  T t_cuda 150 $py -m pytest -q -p no:cacheprovider tests/test_cuda.py
+  T t_conv 150 $py -m pytest -q -p no:cacheprovider tests/test_conventions.py tests/test_modules.py tests/test_projection16.py
+  T trace16 120 $py scripts/tc16_trace.py --out "$R/trace16" --forms "2,2+FLASHOPM_TC16_STORE_WARPS=0"
   T mod_boltz_bf16 120 $py -m flashopm bench --module boltz --shapes "1,512,1536,256,32,128" \
     --dtype bfloat16 --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/mod_boltz_bf16"
   bench_bf16
-  for f in waves peak_plan; do
+  for f in waves peak_plan autograd; do
     T t_$f 120 $py -m pytest -q -p no:cacheprovider tests/test_$f.py
   done
-  forward_files
   rest_files
   exit 0
 fi
