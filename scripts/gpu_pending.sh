@@ -68,12 +68,14 @@
 #                                                       # files, traces with W's waits, a pair, a row
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR n96  # the wide phase 2 as one m64n96k16: tests,
 #                                                       # traces, a pair, three rows, forward files
+#          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR sw21  # the wide forms' stores by the producer
+#                                                       # warpgroup: tests, a pair, traces, rows, files
 # (DEST: a folder that r.tgz is also copied to after every step)
 # Each phase fits one call of under ten minutes, the build (~2 min) included.
 # steps.txt lists each step's exit status; a failing test step stops the call.
 OUT=$1
 PHASE=${2:-default}
-case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows | bf16 | clusters | bf16_clusters | ncu_clusters | land | producer | regs | pairs | proj16 | stack | stack_rows | trace16 | defer | ksplit | final16 | final17 | rest17 | stm17 | wtrace17 | wide18 | rest18 | rate20 | n96) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all, own_rows, bf16, clusters, bf16_clusters, ncu_clusters, land, producer, regs, pairs, proj16, stack, stack_rows, trace16, defer, ksplit, final16, final17, rest17, stm17, wtrace17, wide18, rest18, rate20 or n96, got '$PHASE'" >&2; exit 2 ;; esac
+case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows | bf16 | clusters | bf16_clusters | ncu_clusters | land | producer | regs | pairs | proj16 | stack | stack_rows | trace16 | defer | ksplit | final16 | final17 | rest17 | stm17 | wtrace17 | wide18 | rest18 | rate20 | n96 | sw21) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all, own_rows, bf16, clusters, bf16_clusters, ncu_clusters, land, producer, regs, pairs, proj16, stack, stack_rows, trace16, defer, ksplit, final16, final17, rest17, stm17, wtrace17, wide18, rest18, rate20, n96 or sw21, got '$PHASE'" >&2; exit 2 ;; esac
 R=$OUT/r
 mkdir -p "$R"
 pack() { tar -C "$OUT" -czf "$OUT/r.tgz" r; [ -n "$DEST" ] && cp "$OUT/r.tgz" "$DEST/"; }
@@ -496,6 +498,31 @@ if [ "$PHASE" = n96 ]; then
   # warpgroups 0.973-0.975, default over FLASHOPM_TC16_WIDE=0)
   r=$(grep -o "paired (without / with) [0-9.]*" "$R/ab_two.log" | awk '{print $NF}' | head -1)
   if [ -n "$r" ] && awk "BEGIN { exit !($r < 0.970) }"; then rest_files; fi
+  exit 0
+fi
+
+if [ "$PHASE" = sw21 ]; then
+  # the wide forms' outputs stored by the producer warpgroup's other warps beside the next tile's
+  # phase 1 (FLASHOPM_TC16_STORE_WARPS, on by default): the 16-bit forms' bits with and without
+  # (stop at the first failure), both traced and paired, the bfloat16 rows; where they are slower,
+  # the rest with them off; then the test files (~9 min with the build; the first five steps ~2 min)
+  T t_wide 120 $py -m pytest -q -x -p no:cacheprovider tests/test_cuda.py -k "wide_form or cluster_form or default_form" || exit 0
+  T ab_store_warps 60 $py scripts/ab_env.py FLASHOPM_TC16_STORE_WARPS=0 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6
+  r=$(grep -o "paired (without / with) [0-9.]*" "$R/ab_store_warps.log" | awk '{print $NF}' | head -1)
+  if [ -z "$r" ] || awk "BEGIN { exit !($r >= 1.0) }"; then export FLASHOPM_TC16_STORE_WARPS=0; fi
+  echo "from here FLASHOPM_TC16_STORE_WARPS=${FLASHOPM_TC16_STORE_WARPS:-1} (paired $r)" >>"$R/steps.txt"
+  T mod_openfold_bf16 120 $py -m flashopm bench --module openfold --shapes "1,512,1536,256,32,128" \
+    --dtype bfloat16 --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/mod_openfold_bf16"
+  T t_cuda 150 $py -m pytest -q -p no:cacheprovider tests/test_cuda.py
+  T t_conv 150 $py -m pytest -q -p no:cacheprovider tests/test_conventions.py tests/test_modules.py tests/test_projection16.py
+  T trace16 120 $py scripts/tc16_trace.py --out "$R/trace16" --forms "2,2+FLASHOPM_TC16_STORE_WARPS=0"
+  T mod_boltz_bf16 120 $py -m flashopm bench --module boltz --shapes "1,512,1536,256,32,128" \
+    --dtype bfloat16 --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/mod_boltz_bf16"
+  bench_bf16
+  for f in waves peak_plan autograd; do
+    T t_$f 120 $py -m pytest -q -p no:cacheprovider tests/test_$f.py
+  done
+  rest_files
   exit 0
 fi
 

@@ -875,7 +875,8 @@ def test_tc16_wide_form_gives_the_default_bits(shape, dtype, normalization, clus
     pairs, each sum over k in the same order, O and the stages in slices, W's chunks in O's used
     slices),
     every element written (poisoned output), two calls equal; resident clusters taking many tiles
-    in turn, and one cluster a group of tiles."""
+    in turn, and one cluster a group of tiles; each tile's outputs stored by the consumers at once
+    (FLASHOPM_TC16_STORE_WARPS=0) rather than by the producer warpgroup's other warps."""
     x16, m16, p16 = _half_problem(shape, dtype, "wide")
     monkeypatch.setenv("FLASHOPM_TC16_CLUSTER", "0")
     monkeypatch.delenv("FLASHOPM_TC16_MMA_SYNC", raising=False)
@@ -891,7 +892,8 @@ def test_tc16_wide_form_gives_the_default_bits(shape, dtype, normalization, clus
     assert not wide.isnan().any(), "NaN in the output: an element was not written"
     assert torch.equal(wide, default), "the wide form gives other bits than the default form"
     assert torch.equal(wide, _run(x16, m16, p16, "outer", normalization=normalization)), "two calls differ: a race"
-    for env in ({"FLASHOPM_TC16_MAX_CLUSTERS": "3"}, {"FLASHOPM_TC16_PERSISTENT": "0"}):
+    for env in ({"FLASHOPM_TC16_MAX_CLUSTERS": "3"}, {"FLASHOPM_TC16_PERSISTENT": "0"},
+                {"FLASHOPM_TC16_MAX_CLUSTERS": "3", "FLASHOPM_TC16_STORE_WARPS": "0"}):
         with monkeypatch.context() as mp:
             for k, v in env.items():
                 mp.setenv(k, v)

@@ -494,7 +494,14 @@ __device__ __forceinline__ void load_round_bias(const OuterArgs& p, int dg, int 
 // the same four d in every step (nthreads is a multiple of kTcDG / 4), so the bias (load_round_bias)
 // is read once.  The loop stays rolled (straight-line code this long runs from a cold instruction
 // cache once per block).
-template <int kRows, bool kReciprocal>
+// Row pl of a round's sums in red: red_ld floats apart, or (kPieceStride > 0) in pieces of
+// kPieceRows rows, kPieceStride floats apart (the 16-bit wide forms: tc16_wide_red_row).
+template <int kPieceRows, int kPieceStride>
+__device__ __forceinline__ int red_row(int pl, int red_ld) {
+  if constexpr (kPieceStride == 0) return pl * red_ld;
+  else return (pl / kPieceRows) * kPieceStride + (pl % kPieceRows) * red_ld;
+}
+template <int kRows, bool kReciprocal, int kPieceRows = kRows, int kPieceStride = 0>
 __device__ __forceinline__ void store_round(const OuterArgs& p, const float* red, int red_ld, const int64_t* row_off,
                                             const float* norm_arg, int dg, int tid, int nthreads,
                                             const float (&bias)[4]) {
@@ -505,7 +512,7 @@ __device__ __forceinline__ void store_round(const OuterArgs& p, const float* red
     const int64_t row = row_off[pl];
     if (row < 0) continue;
     const float na = norm_arg[pl];
-    const float4 v4 = *reinterpret_cast<const float4*>(&red[pl * red_ld + dl]);
+    const float4 v4 = *reinterpret_cast<const float4*>(&red[red_row<kPieceRows, kPieceStride>(pl, red_ld) + dl]);
     const float v[4] = {v4.x, v4.y, v4.z, v4.w};
     float o[4];
 #pragma unroll
@@ -545,7 +552,7 @@ __device__ __forceinline__ void load_round_bias8(const OuterArgs& p, int dg, int
 #pragma unroll
   for (int e = 0; e < 8; ++e) bias[e] = p.bias && d + e < p.D ? p.bias[d + e] : 0.f;
 }
-template <int kRows>
+template <int kRows, int kPieceRows = kRows, int kPieceStride = 0>
 __device__ __forceinline__ void store_round16(const OuterArgs& p, const float* red, int red_ld, const int64_t* row_off,
                                               const float* norm_arg, int dg, int tid, int nthreads,
                                               const float (&bias)[8]) {
@@ -557,8 +564,9 @@ __device__ __forceinline__ void store_round16(const OuterArgs& p, const float* r
     const int64_t row = row_off[pl];
     if (row < 0) continue;
     const float na = norm_arg[pl];
-    const float4 v0 = *reinterpret_cast<const float4*>(&red[pl * red_ld + dl]);
-    const float4 v1 = *reinterpret_cast<const float4*>(&red[pl * red_ld + dl + 4]);
+    const float* const r = red + red_row<kPieceRows, kPieceStride>(pl, red_ld) + dl;
+    const float4 v0 = *reinterpret_cast<const float4*>(r);
+    const float4 v1 = *reinterpret_cast<const float4*>(r + 4);
     const float v[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
     float o[8];
 #pragma unroll
@@ -576,6 +584,41 @@ __device__ __forceinline__ void store_round16(const OuterArgs& p, const float* r
       }
     }
     *reinterpret_cast<uint4*>(static_cast<uint16_t*>(p.out) + row + d) = packed;
+  }
+}
+// The same stores as store_round16 (the same values and rounding), four consecutive d of one pair
+// a step (8-byte stores): for warps with few registers (the 16-bit wide forms' producer
+// warpgroup, 32 a thread), dg 0 (D <= kTcDG), bias from load_round_bias's four d.
+template <int kRows, int kPieceRows = kRows, int kPieceStride = 0>
+__device__ __forceinline__ void store_round16_narrow(const OuterArgs& p, const float* red, int red_ld,
+                                                     const int64_t* row_off, const float* norm_arg, int tid,
+                                                     int nthreads, const float (&bias)[4]) {
+  const int d = (tid % (kTcDG / 4)) * 4;
+  if (d >= p.D) return;
+  const bool openfold = p.norm.kind == kNormOpenFold, half = p.out_kind == kMaskHalf;
+#pragma unroll 1
+  for (int pl = tid / (kTcDG / 4); pl < kRows; pl += nthreads / (kTcDG / 4)) {
+    const int64_t row = row_off[pl];
+    if (row < 0) continue;
+    const float na = norm_arg[pl];
+    const float4 v4 = *reinterpret_cast<const float4*>(&red[red_row<kPieceRows, kPieceStride>(pl, red_ld) + d]);
+    const float v[4] = {v4.x, v4.y, v4.z, v4.w};
+    float o[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[e] = openfold ? (v[e] + bias[e]) * na : fmaf(v[e], na, bias[e]);
+    uint2 packed;
+    uint32_t* w = reinterpret_cast<uint32_t*>(&packed);
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      if (half) {
+        const __half2 h = __floats2half2_rn(o[2 * e], o[2 * e + 1]);
+        w[e] = *reinterpret_cast<const uint32_t*>(&h);
+      } else {
+        const __nv_bfloat162 h = __floats2bfloat162_rn(o[2 * e], o[2 * e + 1]);
+        w[e] = *reinterpret_cast<const uint32_t*>(&h);
+      }
+    }
+    *reinterpret_cast<uint2*>(static_cast<uint16_t*>(p.out) + row + d) = packed;
   }
 }
 template <int kRows, bool kReciprocal>

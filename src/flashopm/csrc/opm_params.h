@@ -520,6 +520,10 @@ struct OuterArgs {
   // the 16-bit tensor-copy forms: 1, each tile's last round stored beside the next tile's first MMAs
   // (FLASHOPM_TC16_DEFER=0: stored at once, as the form without tensor copies does)
   int tc16_defer;
+  // the wide tensor-copy forms: 1, each tile's outputs stored by the producer warpgroup's other
+  // three warps beside the next tile's phase 1, where the output takes 16-bit stores
+  // (FLASHOPM_TC16_STORE_WARPS=0: by the consumers at once)
+  int tc16_store_warps;
   // the 16-bit kernel's wgmma forms: 1, 16-byte output stores where the output allows them
   // (FLASHOPM_TC16_WIDE_STORES=0: 4-byte stores)
   int tc16_wide;
@@ -797,9 +801,9 @@ struct Tc16Shape {
   static constexpr int kRound = kWide ? 96 : kT16RoundRows;  // pairs a round of phase 2
   static constexpr int kABytes = (kMT / 64) * kT16WgGroupBytes;
   static constexpr int kStageBytes = kABytes + (kTcNT / 64) * kT16WgGroupBytes;
-  // mbarriers: phase 1's full and empty a stage, W's a chunk stage, and one for phase 2's rounds
-  // stored
-  static constexpr int kBarriers = 2 * kStages + 2 * kW2Stages + 1;
+  // mbarriers: phase 1's full and empty a stage, W's a chunk stage, one for phase 2's rounds
+  // stored, and (kWide) one for a tile's sums in shared memory, for the warps that store them
+  static constexpr int kBarriers = 2 * kStages + 2 * kW2Stages + 1 + (kWide ? 1 : 0);
   static constexpr int kTmaThreads = kThreads + 128;  // and the producer warpgroup
   static constexpr int kProducerRegs = kWide ? 32 : kT16ProducerRegs;
   static constexpr int kConsumerRegs = kWide ? 160 : kT16ConsumerRegs;
@@ -827,11 +831,21 @@ struct Tc16Layout {
 // 1's in its last 12.  Phase 2's B for chunk kc then has its 12 groups 2 KB apart (one
 // m64n96k16), and a slice whose two chunks are done frees 24 KB at once for W.  Phase 1's stage
 // buffers lie in the slices' last 12 KB (free until column tile 1's O) and from Tc16Layout::w:
-// buffer sb takes the last 12 KB of slices 2p and 2p + 1 (p = 3 - sb: buffer 3 alone lies over
-// the sums, O's first 51 KB, so the tile's first three stages need not wait for them to be stored)
-// for b's four 64-column groups (two a slice, 4 KB apart, as the MMAs' B expects) and the first
-// two warpgroups' a, and 4 KB from w for the third warpgroup's a.
+// buffer sb takes the last 12 KB of slices 2p and 2p + 1 (p = 3 - sb) for b's four 64-column
+// groups (two a slice, 4 KB apart, as the MMAs' B expects) and the first two warpgroups' a, and 4
+// KB from w for the third warpgroup's a.  A tile's sums (96 pairs of kTcDG + 4 floats) lie in the
+// first 12 KB of slices 0-5, 16 pairs a slice (tc16_wide_red_row; a multiple of 8, so that the
+// offsets of a thread's pairs 8j + 2t differ by constants): clear of every stage buffer, so that
+// the next tile's stages never wait for them to be stored, and free until that tile's O of column
+// tile 0.
 constexpr int kT16WideSlice = 24 * 1024;
+constexpr int kT16WideRedRows = 16;  // pairs' sums a slice
+// pair pr's sums in the wide forms: their offset in floats from the shared memory's start
+FLASHOPM_HD constexpr int tc16_wide_red_row(int pr) {
+  return (pr / kT16WideRedRows) * (kT16WideSlice / 4) + (pr % kT16WideRedRows) * (kTcDG + 4);
+}
+static_assert(kT16WideRedRows * (kTcDG + 4) * 4 <= kT16WideSlice / 2 && (96 + kT16WideRedRows - 1) / kT16WideRedRows <= 8,
+              "the wide forms' sums fit column tile 0's halves of the slices");
 FLASHOPM_HD constexpr int tc16_wide_piece(int sb, int j) {
   return ((3 - sb) * 2 + j) * kT16WideSlice + kT16WideSlice / 2;
 }
@@ -879,9 +893,9 @@ FLASHOPM_HD constexpr int tc16_wide_w_half(int slot, int h, int w) {
 // are issued, with one group in flight); its halves lie clear of every chunk issued since that
 // one, and of O's slices not yet used (those holding chunks after it); the chunks without one use
 // A or B alone; the stage buffers lie clear of one another and of column tile 0's O, all of them
-// below W's B, buffer 3 alone over the sums (96 pairs of kTcDG + 4 floats).
+// below W's B (the sums lie in column tile 0's halves, clear of them all).
 FLASHOPM_HD constexpr bool tc16_wide_tables_ok() {
-  constexpr int w = 192 * 1024, half = kT16Wg2ChunkBytes / 2, red = 96 * (kTcDG + 4) * 4;
+  constexpr int w = 192 * 1024, half = kT16Wg2ChunkBytes / 2;
   auto overlap = [](int a, int la, int b, int lb) { return a < b + lb && b < a + la; };
   for (int n = 0; n < 16; ++n) {
     const int after = tc16_wide_w_after(n), slot = tc16_wide_w_slot(n);
@@ -908,7 +922,6 @@ FLASHOPM_HD constexpr bool tc16_wide_tables_ok() {
           if ((sb2 != sb || k2 != k) && overlap(box[k], kT16WgGroupBytes, other, kT16WgGroupBytes)) return false;
         }
     }
-    if (tc16_wide_stage_over(sb, w, 0, red) != (sb == 3)) return false;
   }
   return true;
 }
@@ -929,8 +942,9 @@ FLASHOPM_HD inline Tc16Layout tc16_layout(int H, int Ti, int Tj, int form) {
     L.w = round_up1k(kT16JSub * o_tile);
     end = L.stages + sh.stages * sh.stage_bytes;
     const int w_end = L.w + sh.w_buffers * kT16Wg2ChunkBytes;
-    // (the wide forms' sums lie over O, from the start)
-    const int red_end = (wide ? 0 : L.w) + round_rows * (kTcDG + 4) * 4;
+    // (the wide forms' sums lie over O: tc16_wide_red_row)
+    const int red_end = wide ? tc16_wide_red_row(round_rows - 1) * 4 + (kTcDG + 4) * 4
+                             : L.w + round_rows * (kTcDG + 4) * 4;
     if (end < w_end) end = w_end;
     if (end < red_end) end = red_end;
   } else {

@@ -70,9 +70,12 @@ __device__ __forceinline__ void tc16_produce(const OuterArgs& p, const Tc16Maps&
   const uint32_t stages_addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem + L.stages));
   const uint32_t smem_addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
   // a tile's last round's sums over its O (see outer_tc16_body), stored beside the next tile's
-  // MMAs; kWide: stored at once, over O's first 51 KB (under stage buffer 3 and W's first slots)
+  // MMAs; kWide: its one round's sums in column tile 0's halves of the slices (tc16_wide_red_row),
+  // clear of every stage buffer but under W's first slots, and every round arrives on "stored"
+  // (stored by the consumers at once, or by the producer warpgroup's other warps beside the next
+  // tile's phase 1)
   const bool defer = !kWide && p.tc16_defer != 0;
-  const int red_lo = kWide ? 0 : L.w;  // phase 2's other sums from L.w
+  const int red_lo = L.w;  // phase 2's other sums from L.w
   const int red_hi = red_lo + Sh::kRound * (kTcDG + 4) * 4;
   int wq = 0;            // W chunks issued so far, over every tile
   int stored_rounds = 0;  // rounds that arrive on "stored" once stored, so far
@@ -91,7 +94,7 @@ __device__ __forceinline__ void tc16_produce(const OuterArgs& p, const Tc16Maps&
         // those of the rounds before were stored before the last round's chunks were issued)
         if (stage_over(buf, phase2_lo, phase2_hi))
           mbarrier_wait_parity_suspend(w_empty + (wq - 1) % kW2Stages, ((wq - 1) / kW2Stages) & 1);
-        if (last_stored && stage_over(buf, red_lo, red_hi))
+        if (!kWide && last_stored && stage_over(buf, red_lo, red_hi))
           mbarrier_wait_parity_suspend(stored, (stored_rounds - 1) & 1);
       }
       mbarrier_arrive_expect_tx(full + buf, kStageBytes);
@@ -165,6 +168,34 @@ __device__ __forceinline__ void tc16_produce(const OuterArgs& p, const Tc16Maps&
 #endif
 }
 
+// The wide forms' stores of each tile's sums by the producer warpgroup's other three warps (96
+// threads, `ts` this thread's index among them; OuterArgs::tc16_store_warps), beside the consumers' next
+// tile: tile k's sums and rows in shared memory complete sums_full's phase k (the consumers'
+// arrival), and once they are stored every block's "stored" hears of it (this block's consumers
+// wait for it before their next O of column tile 0 and rows overlay them, every block's producer
+// before W's chunks land in the slots over them).
+template <int kCluster>
+__device__ __forceinline__ void tc16_store_tiles(const OuterArgs& p, const char* smem, const Tc16Layout& L,
+                                                 uint64_t* sums_full, uint64_t* stored, unsigned rank, int n_groups,
+                                                 int ts) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr int kRound = Tc16Shape<true>::kRound, kStoreThreads = 96;
+  const int64_t* row_off = reinterpret_cast<const int64_t*>(smem + L.rows);
+  const float* norm_arg = reinterpret_cast<const float*>(row_off + kRound);
+  float bias[4];
+  load_round_bias(p, 0, ts, bias);
+  int k = 0;
+  for (int lin = blockIdx.x / kCluster; lin < n_groups; lin += gridDim.x / kCluster, ++k) {
+    mbarrier_wait_parity_suspend(sums_full, unsigned(k & 1));
+    store_round16_narrow<kRound, kT16WideRedRows, kT16WideSlice / 4>(p, reinterpret_cast<const float*>(smem), kTcDG + 4,
+                                                                     row_off, norm_arg, ts, kStoreThreads, bias);
+    fence_proxy_async_smem();  // the sums read before tensor copies land over them
+    named_barrier(2, kStoreThreads);
+    if (ts < kCluster) mbarrier_arrive_in(stored, unsigned(ts), rank);
+  }
+#endif
+}
+
 // kBK, kNT: s per stage and phase 1's columns (j, h2) in the mma.sync form (kT16BK and kTcNT;
 // kT16BKSmall and kT16NTNarrow on GPUs with less shared memory; kNT >= Tj·H).
 // kCluster > 0 (with kWgmmaBoth; full tiles: Ti·H = Tc16Shape<kWide>::kMT, Tj·H = kTcNT): the
@@ -227,7 +258,15 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
   // cluster's kCluster row tiles, a batch element), which each cluster takes in turn
   [[maybe_unused]] unsigned rank = 0;
   [[maybe_unused]] int n_col_blocks = 0, n_row_groups = 0, n_groups = 0;
-  // kTma: full[kStages], empty[..], W's full[kW2Stages], empty[..], round stored
+  // The output's stores: 16 bytes a thread (store_round16) where the output is 16-bit, D a
+  // multiple of 8 and out 16-byte aligned, unless FLASHOPM_TC16_WIDE_STORES=0 (OuterArgs::tc16_wide).
+  const bool wide_stores = p.tc16_wide && p.out_kind != kMaskFloat && (D & 7) == 0 && !p.accumulate &&
+                           (reinterpret_cast<uintptr_t>(p.out) & 15) == 0;
+  // kWide: each tile's sums stored by the producer warpgroup's other warps (tc16_store_tiles)
+  // where the output takes store_round16's stores (FLASHOPM_TC16_STORE_WARPS=0: by the consumers,
+  // at once)
+  [[maybe_unused]] const bool store_warps = kWide && p.tc16_store_warps != 0 && wide_stores && D <= kTcDG;
+  // kTma: full[kStages], empty[..], W's full[kW2Stages], empty[..], round stored, (kWide) sums in
   [[maybe_unused]] uint64_t* bars = nullptr;
   if constexpr (kTma) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -246,12 +285,19 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
         mbarrier_init(bars + 2 * kStages + kW2Stages + i, 2 * kShare);  // phase 2's two warpgroups'
       }
       mbarrier_init(bars + 2 * kStages + 2 * kW2Stages, kShare);  // each block's round stored
+      if constexpr (kWide) mbarrier_init(bars + 2 * kStages + 2 * kW2Stages + 1, 1);  // the consumers' sums in
     }
     cluster_barrier();  // every block's mbarriers set up before any copies to another
     if (warp >= kThreadsC / 32) {
       warpgroup_regs_dec<Sh::kProducerRegs>();
-      if (warp == kThreadsC / 32 && lane == 0)
-        tc16_produce<kCluster, kWide>(p, *maps, smem, L, bars, rank, n_col_blocks, n_row_groups, n_groups, P);
+      if (warp == kThreadsC / 32) {
+        if (lane == 0)
+          tc16_produce<kCluster, kWide>(p, *maps, smem, L, bars, rank, n_col_blocks, n_row_groups, n_groups, P);
+      } else if constexpr (kWide) {
+        if (store_warps)
+          tc16_store_tiles<kCluster>(p, smem, L, bars + 2 * kStages + 2 * kW2Stages + 1,
+                                     bars + 2 * kStages + 2 * kW2Stages, rank, n_groups, tid - kThreadsC - 32);
+      }
       __syncwarp();
       cluster_barrier();  // (the consumers' last)
       return;
@@ -301,10 +347,6 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
   constexpr int kRedLd = kTcDG + 4;
   [[maybe_unused]] bool stores_pending = false;
   [[maybe_unused]] int pending_dg = 0;
-  // The output's stores: 16 bytes a thread (store_round16) where the output is 16-bit, D a
-  // multiple of 8 and out 16-byte aligned, unless FLASHOPM_TC16_WIDE_STORES=0 (OuterArgs::tc16_wide).
-  const bool wide_stores = p.tc16_wide && p.out_kind != kMaskFloat && (D & 7) == 0 && !p.accumulate &&
-                           (reinterpret_cast<uintptr_t>(p.out) & 15) == 0;
   // a round's bias for this thread's d (load_round_bias8, or load_round_bias in the first four)
   auto load_bias = [&](int dg, float (&bias)[8]) {
     if (wide_stores) load_round_bias8(p, dg, tid, bias);
@@ -313,9 +355,13 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
   auto store_rows = [&](auto rows_c, const float* red, const int64_t* rows, const float* args, int dg,
                         const float (&bias)[8]) {
     constexpr int kRows = decltype(rows_c)::value;
-    if (wide_stores) store_round16<kRows>(p, red, kRedLd, rows, args, dg, tid, kThreadsC, bias);
-    else store_round<kRows, true>(p, red, kRedLd, rows, args, dg, tid, kThreadsC,
-                                  reinterpret_cast<const float(&)[4]>(bias));
+    // (kWide: the sums in pieces, tc16_wide_red_row)
+    constexpr int kPieceRows = kWide ? kT16WideRedRows : kRows, kPieceStride = kWide ? kT16WideSlice / 4 : 0;
+    if (wide_stores)
+      store_round16<kRows, kPieceRows, kPieceStride>(p, red, kRedLd, rows, args, dg, tid, kThreadsC, bias);
+    else
+      store_round<kRows, true, kPieceRows, kPieceStride>(p, red, kRedLd, rows, args, dg, tid, kThreadsC,
+                                                         reinterpret_cast<const float(&)[4]>(bias));
   };
   [[maybe_unused]] float pending_bias[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
   [[maybe_unused]] auto store_pending_half = [&](int half) {
@@ -531,6 +577,11 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
           consumers_sync();  // the last tile's sums read by every thread: O of column tile 0 overlays them
         }
       }
+      // kWide, the sums stored by the producer warpgroup's other warps: the tile before's, which
+      // lie under O of column tile 0 and read the rows, stored by every block
+      if constexpr (kWide)
+        if (store_warps && js == 0 && tile_it > 0)
+          mbarrier_wait_parity_suspend(bars + 2 * kStages + 2 * kW2Stages, unsigned((tile_it - 1) & 1));
       // the first round's rows (the block's tile before has stored its rows by now)
       if constexpr (kWgmmaBoth)
         if (js == 0) stage_round_rows(0);
@@ -893,24 +944,30 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
               const int d = wg * 64 + wl * 16 + g + 8 * half, pr = 8 * j + 2 * t;
-              red[pr * kRedLd + d] = acc2[4 * j + 2 * half];
-              red[(pr + 1) * kRedLd + d] = acc2[4 * j + 2 * half + 1];
+              red[(kWide ? tc16_wide_red_row(pr) : pr * kRedLd) + d] = acc2[4 * j + 2 * half];
+              red[(kWide ? tc16_wide_red_row(pr + 1) : (pr + 1) * kRedLd) + d] = acc2[4 * j + 2 * half + 1];
             }
         }
         consumers_sync();
         mark(kT16MarkSums, 0);
         if (last_round) {
           if constexpr (kWide) {
-            // stored now, beside the next tile's first stages loading (its sums lie clear of the
-            // first three stage buffers; deferred into the next tile's MMAs, their bias and
-            // addresses held registers that the 128 accumulators leave none of); every thread
-            // done with the sums and rows before the next tile's rows and O overlay them, and
-            // every block's producer told (stage buffer 3 and W's first slots lie over the sums)
-            store_rows(std::integral_constant<int, kRound>{}, red, row_off, norm_arg, dg, round_bias);
-            fence_proxy_async_smem();
-            consumers_sync();
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-            if (tid < kShare) mbarrier_arrive_in(bars + 2 * kStages + 2 * kW2Stages, unsigned(tid), rank);
+            if (store_warps) {
+              // stored by the producer warpgroup's other warps beside the next tile's phase 1
+              // (the 128 accumulators leave the consumers no registers to hold the round's bias
+              // and addresses into it)
+              if (tid == 0) mbarrier_arrive_local(bars + 2 * kStages + 2 * kW2Stages + 1);
+            } else {
+              // stored now, beside the next tile's first stages loading (its sums lie clear of
+              // the stages); every thread done with the sums and rows before the next tile's
+              // rows and O overlay them, and every block's producer told (W's first slots lie
+              // over the sums)
+              store_rows(std::integral_constant<int, kRound>{}, red, row_off, norm_arg, dg, round_bias);
+              fence_proxy_async_smem();
+              consumers_sync();
+              if (tid < kShare) mbarrier_arrive_in(bars + 2 * kStages + 2 * kW2Stages, unsigned(tid), rank);
+            }
 #endif
           } else {
             stores_pending = true;
