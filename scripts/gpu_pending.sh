@@ -68,6 +68,8 @@
 #                                                       # files, traces with W's waits, a pair, a row
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR n96  # the wide phase 2 as one m64n96k16: tests,
 #                                                       # traces, a pair, three rows, forward files
+#          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR ls22  # the tile loop's counters in shared
+#                                                       # memory: tests, traces, rows, files
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR sw21  # the wide forms' stores by the producer
 #                                                       # warpgroup: tests, a pair, traces, rows, files
 # (DEST: a folder that r.tgz is also copied to after every step)
@@ -75,7 +77,7 @@
 # steps.txt lists each step's exit status; a failing test step stops the call.
 OUT=$1
 PHASE=${2:-default}
-case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows | bf16 | clusters | bf16_clusters | ncu_clusters | land | producer | regs | pairs | proj16 | stack | stack_rows | trace16 | defer | ksplit | final16 | final17 | rest17 | stm17 | wtrace17 | wide18 | rest18 | rate20 | n96 | sw21) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all, own_rows, bf16, clusters, bf16_clusters, ncu_clusters, land, producer, regs, pairs, proj16, stack, stack_rows, trace16, defer, ksplit, final16, final17, rest17, stm17, wtrace17, wide18, rest18, rate20, n96 or sw21, got '$PHASE'" >&2; exit 2 ;; esac
+case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows | bf16 | clusters | bf16_clusters | ncu_clusters | land | producer | regs | pairs | proj16 | stack | stack_rows | trace16 | defer | ksplit | final16 | final17 | rest17 | stm17 | wtrace17 | wide18 | rest18 | rate20 | n96 | sw21 | ls22) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all, own_rows, bf16, clusters, bf16_clusters, ncu_clusters, land, producer, regs, pairs, proj16, stack, stack_rows, trace16, defer, ksplit, final16, final17, rest17, stm17, wtrace17, wide18, rest18, rate20, n96, sw21 or ls22, got '$PHASE'" >&2; exit 2 ;; esac
 R=$OUT/r
 mkdir -p "$R"
 pack() { tar -C "$OUT" -czf "$OUT/r.tgz" r; [ -n "$DEST" ] && cp "$OUT/r.tgz" "$DEST/"; }
@@ -110,6 +112,25 @@ bench_f32() {
 bench_bf16() {
   T bench_bf16 90 $py -m flashopm bench --shapes "1,512,1536,256,32,128" --dtype bfloat16 \
     --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/bench_bf16"
+}
+# The bfloat16 module rows of issue 6 (OpenFold's, then Boltz's), each beside its peers.
+mod_row() {
+  T mod_$1_bf16 120 $py -m flashopm bench --module $1 --shapes "1,512,1536,256,32,128" \
+    --dtype bfloat16 --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/mod_$1_bf16"
+}
+# The forward test files first, then Boltz's and the spec's rows and every other test file (after
+# OpenFold's row and the traces of the phases below).
+forward_files() {
+  T t_cuda 150 $py -m pytest -q -p no:cacheprovider tests/test_cuda.py
+  T t_conv 150 $py -m pytest -q -p no:cacheprovider tests/test_conventions.py tests/test_modules.py tests/test_projection16.py
+}
+rows_and_files() {
+  mod_row boltz
+  bench_bf16
+  for f in waves peak_plan autograd; do
+    T t_$f 120 $py -m pytest -q -p no:cacheprovider tests/test_$f.py
+  done
+  rest_files
 }
 # The tensor-copy forms given (FLASHOPM_TC16_CLUSTER sizes), each paired against the default form at
 # (1,512,1536,256,32,128) in bfloat16; CL: the fastest (0 where none is faster; CLUSTER overrides).
@@ -501,6 +522,25 @@ if [ "$PHASE" = n96 ]; then
   exit 0
 fi
 
+if [ "$PHASE" = ls22 ]; then
+  # the tensor-copy forms' tile loop with its counters in shared memory and phase 1's loop bound
+  # from the parameters (no local loads between tiles), and the wide tile's first stages beside
+  # the tile before's last chunks (FLASHOPM_TC16_EARLY_STAGES=1, off by default): the 16-bit
+  # forms' bits with and without (stop at the first failure), the traces (cycles a tile, against
+  # run 350's 55031), the pair, the rows (early stages on where the pair is below 1), then the
+  # test files
+  T t_wide 120 $py -m pytest -q -x -p no:cacheprovider tests/test_cuda.py -k "wide_form or cluster_form or default_form" || exit 0
+  T trace16 120 $py scripts/tc16_trace.py --out "$R/trace16" --forms "2,2+FLASHOPM_TC16_EARLY_STAGES=1,2+FLASHOPM_TC16_WIDE=0"
+  T ab_early 60 $py scripts/ab_env.py FLASHOPM_TC16_EARLY_STAGES=1 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6
+  r=$(grep -o "paired (without / with) [0-9.]*" "$R/ab_early.log" | awk '{print $NF}' | head -1)
+  if [ -n "$r" ] && awk "BEGIN { exit !($r > 1.0) }"; then export FLASHOPM_TC16_EARLY_STAGES=1; fi
+  echo "from here FLASHOPM_TC16_EARLY_STAGES=${FLASHOPM_TC16_EARLY_STAGES:-0} (paired $r)" >>"$R/steps.txt"
+  mod_row openfold
+  forward_files
+  rows_and_files
+  exit 0
+fi
+
 if [ "$PHASE" = sw21 ]; then
   # the wide forms' outputs stored by the producer warpgroup's other warps beside the next tile's
   # phase 1 (FLASHOPM_TC16_STORE_WARPS, on by default): the 16-bit forms' bits with and without
@@ -511,18 +551,10 @@ if [ "$PHASE" = sw21 ]; then
   r=$(grep -o "paired (without / with) [0-9.]*" "$R/ab_store_warps.log" | awk '{print $NF}' | head -1)
   if [ -z "$r" ] || awk "BEGIN { exit !($r >= 1.0) }"; then export FLASHOPM_TC16_STORE_WARPS=0; fi
   echo "from here FLASHOPM_TC16_STORE_WARPS=${FLASHOPM_TC16_STORE_WARPS:-1} (paired $r)" >>"$R/steps.txt"
-  T mod_openfold_bf16 120 $py -m flashopm bench --module openfold --shapes "1,512,1536,256,32,128" \
-    --dtype bfloat16 --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/mod_openfold_bf16"
-  T t_cuda 150 $py -m pytest -q -p no:cacheprovider tests/test_cuda.py
-  T t_conv 150 $py -m pytest -q -p no:cacheprovider tests/test_conventions.py tests/test_modules.py tests/test_projection16.py
+  mod_row openfold
+  forward_files
   T trace16 120 $py scripts/tc16_trace.py --out "$R/trace16" --forms "2,2+FLASHOPM_TC16_STORE_WARPS=0"
-  T mod_boltz_bf16 120 $py -m flashopm bench --module boltz --shapes "1,512,1536,256,32,128" \
-    --dtype bfloat16 --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/mod_boltz_bf16"
-  bench_bf16
-  for f in waves peak_plan autograd; do
-    T t_$f 120 $py -m pytest -q -p no:cacheprovider tests/test_$f.py
-  done
-  rest_files
+  rows_and_files
   exit 0
 fi
 

@@ -552,29 +552,39 @@ __device__ __forceinline__ void load_round_bias8(const OuterArgs& p, int dg, int
 #pragma unroll
   for (int e = 0; e < 8; ++e) bias[e] = p.bias && d + e < p.D ? p.bias[d + e] : 0.f;
 }
-template <int kRows, int kPieceRows = kRows, int kPieceStride = 0>
-__device__ __forceinline__ void store_round16(const OuterArgs& p, const float* red, int red_ld, const int64_t* row_off,
-                                              const float* norm_arg, int dg, int tid, int nthreads,
-                                              const float (&bias)[8]) {
-  const int dl = (tid % (kTcDG / 8)) * 8, d = dg + dl;
+// kVec consecutive d of one pair a step: 8 (one 16-byte store) or 4 (one 8-byte store, for warps
+// with few registers: the 16-bit wide forms' producer warpgroup, 32 a thread).
+template <int kVec, int kRows, int kPieceRows = kRows, int kPieceStride = 0>
+__device__ __forceinline__ void store_round16_vec(const OuterArgs& p, const float* red, int red_ld,
+                                                  const int64_t* row_off, const float* norm_arg, int dg, int tid,
+                                                  int nthreads, const float (&bias)[kVec]) {
+  static_assert(kVec == 4 || kVec == 8, "four or eight d a step");
+  using Packed = std::conditional_t<kVec == 8, uint4, uint2>;
+  const int dl = (tid % (kTcDG / kVec)) * kVec, d = dg + dl;
   if (d >= p.D) return;
   const bool openfold = p.norm.kind == kNormOpenFold, half = p.out_kind == kMaskHalf;
 #pragma unroll 1
-  for (int pl = tid / (kTcDG / 8); pl < kRows; pl += nthreads / (kTcDG / 8)) {
+  for (int pl = tid / (kTcDG / kVec); pl < kRows; pl += nthreads / (kTcDG / kVec)) {
     const int64_t row = row_off[pl];
     if (row < 0) continue;
     const float na = norm_arg[pl];
     const float* const r = red + red_row<kPieceRows, kPieceStride>(pl, red_ld) + dl;
-    const float4 v0 = *reinterpret_cast<const float4*>(r);
-    const float4 v1 = *reinterpret_cast<const float4*>(r + 4);
-    const float v[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
-    float o[8];
+    float v[kVec];
 #pragma unroll
-    for (int e = 0; e < 8; ++e) o[e] = openfold ? (v[e] + bias[e]) * na : fmaf(v[e], na, bias[e]);
-    uint4 packed;
+    for (int q = 0; q < kVec / 4; ++q) {
+      const float4 v4 = *reinterpret_cast<const float4*>(r + 4 * q);
+      v[4 * q] = v4.x;
+      v[4 * q + 1] = v4.y;
+      v[4 * q + 2] = v4.z;
+      v[4 * q + 3] = v4.w;
+    }
+    float o[kVec];
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) o[e] = openfold ? (v[e] + bias[e]) * na : fmaf(v[e], na, bias[e]);
+    Packed packed;
     uint32_t* w = reinterpret_cast<uint32_t*>(&packed);
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
+    for (int e = 0; e < kVec / 2; ++e) {
       if (half) {
         const __half2 h = __floats2half2_rn(o[2 * e], o[2 * e + 1]);
         w[e] = *reinterpret_cast<const uint32_t*>(&h);
@@ -583,43 +593,22 @@ __device__ __forceinline__ void store_round16(const OuterArgs& p, const float* r
         w[e] = *reinterpret_cast<const uint32_t*>(&h);
       }
     }
-    *reinterpret_cast<uint4*>(static_cast<uint16_t*>(p.out) + row + d) = packed;
+    *reinterpret_cast<Packed*>(static_cast<uint16_t*>(p.out) + row + d) = packed;
   }
 }
-// The same stores as store_round16 (the same values and rounding), four consecutive d of one pair
-// a step (8-byte stores): for warps with few registers (the 16-bit wide forms' producer
-// warpgroup, 32 a thread), dg 0 (D <= kTcDG), bias from load_round_bias's four d.
+template <int kRows, int kPieceRows = kRows, int kPieceStride = 0>
+__device__ __forceinline__ void store_round16(const OuterArgs& p, const float* red, int red_ld, const int64_t* row_off,
+                                              const float* norm_arg, int dg, int tid, int nthreads,
+                                              const float (&bias)[8]) {
+  store_round16_vec<8, kRows, kPieceRows, kPieceStride>(p, red, red_ld, row_off, norm_arg, dg, tid, nthreads, bias);
+}
+// The same stores as store_round16 (the same values and rounding), four d a step, dg 0 (D <=
+// kTcDG), bias from load_round_bias's four d.
 template <int kRows, int kPieceRows = kRows, int kPieceStride = 0>
 __device__ __forceinline__ void store_round16_narrow(const OuterArgs& p, const float* red, int red_ld,
                                                      const int64_t* row_off, const float* norm_arg, int tid,
                                                      int nthreads, const float (&bias)[4]) {
-  const int d = (tid % (kTcDG / 4)) * 4;
-  if (d >= p.D) return;
-  const bool openfold = p.norm.kind == kNormOpenFold, half = p.out_kind == kMaskHalf;
-#pragma unroll 1
-  for (int pl = tid / (kTcDG / 4); pl < kRows; pl += nthreads / (kTcDG / 4)) {
-    const int64_t row = row_off[pl];
-    if (row < 0) continue;
-    const float na = norm_arg[pl];
-    const float4 v4 = *reinterpret_cast<const float4*>(&red[red_row<kPieceRows, kPieceStride>(pl, red_ld) + d]);
-    const float v[4] = {v4.x, v4.y, v4.z, v4.w};
-    float o[4];
-#pragma unroll
-    for (int e = 0; e < 4; ++e) o[e] = openfold ? (v[e] + bias[e]) * na : fmaf(v[e], na, bias[e]);
-    uint2 packed;
-    uint32_t* w = reinterpret_cast<uint32_t*>(&packed);
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      if (half) {
-        const __half2 h = __floats2half2_rn(o[2 * e], o[2 * e + 1]);
-        w[e] = *reinterpret_cast<const uint32_t*>(&h);
-      } else {
-        const __nv_bfloat162 h = __floats2bfloat162_rn(o[2 * e], o[2 * e + 1]);
-        w[e] = *reinterpret_cast<const uint32_t*>(&h);
-      }
-    }
-    *reinterpret_cast<uint2*>(static_cast<uint16_t*>(p.out) + row + d) = packed;
-  }
+  store_round16_vec<4, kRows, kPieceRows, kPieceStride>(p, red, red_ld, row_off, norm_arg, 0, tid, nthreads, bias);
 }
 template <int kRows, bool kReciprocal>
 __device__ __forceinline__ void store_round(const OuterArgs& p, const float* red, int red_ld, const int64_t* row_off,
