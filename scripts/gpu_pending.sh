@@ -113,6 +113,15 @@ bench_bf16() {
   T bench_bf16 90 $py -m flashopm bench --shapes "1,512,1536,256,32,128" --dtype bfloat16 \
     --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/bench_bf16"
 }
+# VAR=1 paired against the default at the bfloat16 row (step ab_NAME), and kept on for the steps
+# after where it is faster.
+pair_and_keep() {
+  local var=$1 name=$2 r
+  T ab_$name 60 $py scripts/ab_env.py $var=1 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6
+  r=$(grep -o "paired (without / with) [0-9.]*" "$R/ab_$name.log" | awk '{print $NF}' | head -1)
+  if [ -n "$r" ] && awk "BEGIN { exit !($r > 1.0) }"; then export "$var=1"; fi
+  echo "from here $var=${!var:-0} (paired $r)" >>"$R/steps.txt"
+}
 # The bfloat16 module rows of issue 6 (OpenFold's, then Boltz's), each beside its peers.
 mod_row() {
   T mod_$1_bf16 120 $py -m flashopm bench --module $1 --shapes "1,512,1536,256,32,128" \
@@ -439,10 +448,7 @@ if [ "$PHASE" = stm17 ]; then
   # faster the bfloat16 rows with it (~6 min with the build)
   T t_tc16 200 $py -m pytest -x -q -p no:cacheprovider tests/test_cuda.py -k "cluster_form or tc16_conventions or default_form_variants" || exit 1
   T trace16 120 $py scripts/tc16_trace.py --out "$R/trace16" --forms "2,2+FLASHOPM_TC16_STMATRIX=1"
-  T ab_stmatrix 60 $py scripts/ab_env.py FLASHOPM_TC16_STMATRIX=1 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6
-  r=$(grep -o "paired (without / with) [0-9.]*" "$R/ab_stmatrix.log" | awk '{print $NF}' | head -1)
-  if [ -n "$r" ] && awk "BEGIN { exit !($r > 1.0) }"; then export FLASHOPM_TC16_STMATRIX=1; fi
-  echo "rows with FLASHOPM_TC16_STMATRIX=${FLASHOPM_TC16_STMATRIX:-0} (paired $r)" >>"$R/steps.txt"
+  pair_and_keep FLASHOPM_TC16_STMATRIX stmatrix
   T mod_openfold_bf16 120 $py -m flashopm bench --module openfold --shapes "1,512,1536,256,32,128" \
     --dtype bfloat16 --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/mod_openfold_bf16"
   T conv_stm 90 $py scripts/convention_times.py 1536 row openfold boltz bfloat16 kernels
@@ -531,10 +537,7 @@ if [ "$PHASE" = ls22 ]; then
   # test files
   T t_wide 120 $py -m pytest -q -x -p no:cacheprovider tests/test_cuda.py -k "wide_form or cluster_form or default_form" || exit 0
   T trace16 120 $py scripts/tc16_trace.py --out "$R/trace16" --forms "2,2+FLASHOPM_TC16_EARLY_STAGES=1,2+FLASHOPM_TC16_WIDE=0"
-  T ab_early 60 $py scripts/ab_env.py FLASHOPM_TC16_EARLY_STAGES=1 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6
-  r=$(grep -o "paired (without / with) [0-9.]*" "$R/ab_early.log" | awk '{print $NF}' | head -1)
-  if [ -n "$r" ] && awk "BEGIN { exit !($r > 1.0) }"; then export FLASHOPM_TC16_EARLY_STAGES=1; fi
-  echo "from here FLASHOPM_TC16_EARLY_STAGES=${FLASHOPM_TC16_EARLY_STAGES:-0} (paired $r)" >>"$R/steps.txt"
+  pair_and_keep FLASHOPM_TC16_EARLY_STAGES early
   mod_row openfold
   forward_files
   rows_and_files
