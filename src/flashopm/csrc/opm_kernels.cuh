@@ -552,8 +552,9 @@ __device__ __forceinline__ void load_round_bias8(const OuterArgs& p, int dg, int
 #pragma unroll
   for (int e = 0; e < 8; ++e) bias[e] = p.bias && d + e < p.D ? p.bias[d + e] : 0.f;
 }
-// kVec consecutive d of one pair a step: 8 (one 16-byte store) or 4 (one 8-byte store, for warps
-// with few registers: the 16-bit wide forms' producer warpgroup, 32 a thread).
+// kVec consecutive d of one pair a step: 8 (one 16-byte store, bias from load_round_bias8) or 4
+// (one 8-byte store, bias from load_round_bias: for warps with few registers, the 16-bit wide
+// forms' producer warpgroup, 32 a thread); the same values and rounding either way.
 template <int kVec, int kRows, int kPieceRows = kRows, int kPieceStride = 0>
 __device__ __forceinline__ void store_round16_vec(const OuterArgs& p, const float* red, int red_ld,
                                                   const int64_t* row_off, const float* norm_arg, int dg, int tid,
@@ -595,20 +596,6 @@ __device__ __forceinline__ void store_round16_vec(const OuterArgs& p, const floa
     }
     *reinterpret_cast<Packed*>(static_cast<uint16_t*>(p.out) + row + d) = packed;
   }
-}
-template <int kRows, int kPieceRows = kRows, int kPieceStride = 0>
-__device__ __forceinline__ void store_round16(const OuterArgs& p, const float* red, int red_ld, const int64_t* row_off,
-                                              const float* norm_arg, int dg, int tid, int nthreads,
-                                              const float (&bias)[8]) {
-  store_round16_vec<8, kRows, kPieceRows, kPieceStride>(p, red, red_ld, row_off, norm_arg, dg, tid, nthreads, bias);
-}
-// The same stores as store_round16 (the same values and rounding), four d a step, dg 0 (D <=
-// kTcDG), bias from load_round_bias's four d.
-template <int kRows, int kPieceRows = kRows, int kPieceStride = 0>
-__device__ __forceinline__ void store_round16_narrow(const OuterArgs& p, const float* red, int red_ld,
-                                                     const int64_t* row_off, const float* norm_arg, int tid,
-                                                     int nthreads, const float (&bias)[4]) {
-  store_round16_vec<4, kRows, kPieceRows, kPieceStride>(p, red, red_ld, row_off, norm_arg, 0, tid, nthreads, bias);
 }
 template <int kRows, bool kReciprocal>
 __device__ __forceinline__ void store_round(const OuterArgs& p, const float* red, int red_ld, const int64_t* row_off,

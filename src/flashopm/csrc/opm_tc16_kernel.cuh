@@ -187,8 +187,8 @@ __device__ __forceinline__ void tc16_store_tiles(const OuterArgs& p, const char*
   int k = 0;
   for (int lin = blockIdx.x / kCluster; lin < n_groups; lin += gridDim.x / kCluster, ++k) {
     mbarrier_wait_parity_suspend(sums_full, unsigned(k & 1));
-    store_round16_narrow<kRound, kT16WideRedRows, kT16WideSlice / 4>(p, reinterpret_cast<const float*>(smem), kTcDG + 4,
-                                                                     row_off, norm_arg, ts, kStoreThreads, bias);
+    store_round16_vec<4, kRound, kT16WideRedRows, kT16WideSlice / 4>(p, reinterpret_cast<const float*>(smem), kTcDG + 4,
+                                                                      row_off, norm_arg, 0, ts, kStoreThreads, bias);
     fence_proxy_async_smem();  // the sums read before tensor copies land over them
     named_barrier(2, kStoreThreads);
     if (ts < kCluster) mbarrier_arrive_in(stored, unsigned(ts), rank);
@@ -258,12 +258,12 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
   // cluster's kCluster row tiles, a batch element), which each cluster takes in turn
   [[maybe_unused]] unsigned rank = 0;
   [[maybe_unused]] int n_col_blocks = 0, n_row_groups = 0, n_groups = 0;
-  // The output's stores: 16 bytes a thread (store_round16) where the output is 16-bit, D a
+  // The output's stores: 16 bytes a thread (store_round16_vec) where the output is 16-bit, D a
   // multiple of 8 and out 16-byte aligned, unless FLASHOPM_TC16_WIDE_STORES=0 (OuterArgs::tc16_wide).
   const bool wide_stores = p.tc16_wide && p.out_kind != kMaskFloat && (D & 7) == 0 && !p.accumulate &&
                            (reinterpret_cast<uintptr_t>(p.out) & 15) == 0;
   // kWide: each tile's sums stored by the producer warpgroup's other warps (tc16_store_tiles)
-  // where the output takes store_round16's stores (FLASHOPM_TC16_STORE_WARPS=0: by the consumers,
+  // where the output takes store_round16_vec's stores (FLASHOPM_TC16_STORE_WARPS=0: by the consumers,
   // at once)
   [[maybe_unused]] const bool store_warps = kWide && p.tc16_store_warps != 0 && wide_stores && D <= kTcDG;
   // kTma: full[kStages], empty[..], W's full[kW2Stages], empty[..], round stored, (kWide) sums in
@@ -358,7 +358,7 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
     // (kWide: the sums in pieces, tc16_wide_red_row)
     constexpr int kPieceRows = kWide ? kT16WideRedRows : kRows, kPieceStride = kWide ? kT16WideSlice / 4 : 0;
     if (wide_stores)
-      store_round16<kRows, kPieceRows, kPieceStride>(p, red, kRedLd, rows, args, dg, tid, kThreadsC, bias);
+      store_round16_vec<8, kRows, kPieceRows, kPieceStride>(p, red, kRedLd, rows, args, dg, tid, kThreadsC, bias);
     else
       store_round<kRows, true, kPieceRows, kPieceStride>(p, red, kRedLd, rows, args, dg, tid, kThreadsC,
                                                          reinterpret_cast<const float(&)[4]>(bias));
