@@ -72,12 +72,14 @@
 #                                                       # memory: tests, traces, rows, files
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR sw21  # the wide forms' stores by the producer
 #                                                       # warpgroup: tests, a pair, traces, rows, files
+#          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR nc23  # the wide form under Nsight Compute with
+#                                                       # its SASS lines' stalls; a lone call's timeline
 # (DEST: a folder that r.tgz is also copied to after every step)
 # Each phase fits one call of under ten minutes, the build (~2 min) included.
 # steps.txt lists each step's exit status; a failing test step stops the call.
 OUT=$1
 PHASE=${2:-default}
-case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows | bf16 | clusters | bf16_clusters | ncu_clusters | land | producer | regs | pairs | proj16 | stack | stack_rows | trace16 | defer | ksplit | final16 | final17 | rest17 | stm17 | wtrace17 | wide18 | rest18 | rate20 | n96 | sw21 | ls22) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all, own_rows, bf16, clusters, bf16_clusters, ncu_clusters, land, producer, regs, pairs, proj16, stack, stack_rows, trace16, defer, ksplit, final16, final17, rest17, stm17, wtrace17, wide18, rest18, rate20, n96, sw21 or ls22, got '$PHASE'" >&2; exit 2 ;; esac
+case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows | bf16 | clusters | bf16_clusters | ncu_clusters | land | producer | regs | pairs | proj16 | stack | stack_rows | trace16 | defer | ksplit | final16 | final17 | rest17 | stm17 | wtrace17 | wide18 | rest18 | rate20 | n96 | sw21 | ls22 | nc23) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all, own_rows, bf16, clusters, bf16_clusters, ncu_clusters, land, producer, regs, pairs, proj16, stack, stack_rows, trace16, defer, ksplit, final16, final17, rest17, stm17, wtrace17, wide18, rest18, rate20, n96, sw21, ls22 or nc23, got '$PHASE'" >&2; exit 2 ;; esac
 R=$OUT/r
 mkdir -p "$R"
 pack() { tar -C "$OUT" -czf "$OUT/r.tgz" r; [ -n "$DEST" ] && cp "$OUT/r.tgz" "$DEST/"; }
@@ -525,6 +527,25 @@ if [ "$PHASE" = n96 ]; then
   # warpgroups 0.973-0.975, default over FLASHOPM_TC16_WIDE=0)
   r=$(grep -o "paired (without / with) [0-9.]*" "$R/ab_two.log" | awk '{print $NF}' | head -1)
   if [ -n "$r" ] && awk "BEGIN { exit !($r < 0.970) }"; then rest_files; fi
+  exit 0
+fi
+
+if [ "$PHASE" = nc23 ]; then
+  # the default (wide) form of the 16-bit contraction under Nsight Compute: every section, and
+  # the stall samples and shared-memory traffic of each SASS line (source.csv.gz); then where a
+  # lone call's host time goes against its kernels (OpenFold's and the spec's conventions)
+  tc16_one
+  T ncu_wide 240 ncu --clock-control none -k regex:opm_outer_tc16 --launch-skip 1 --launch-count 1 \
+    --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+    --section MemoryWorkloadAnalysis_Tables --section SchedulerStats --section WarpStateStats \
+    --section InstructionStats --section SourceCounters --section LaunchStats --section Occupancy \
+    --import-source no -o "$R/wide" -f $py "$R/tc16_one.py"
+  T ncu_source 120 bash -c "set -o pipefail; ncu -i '$R/wide.ncu-rep' --page source --csv --print-source sass | gzip -9 > '$R/source.csv.gz' ||
+    ncu -i '$R/wide.ncu-rep' --page details --print-details all | gzip -9 > '$R/details.txt.gz'"
+  rm -f "$R/wide.ncu-rep"
+  pack
+  T timeline_openfold 90 $py scripts/lone_call_timeline.py --module openfold
+  T timeline_spec 90 $py scripts/lone_call_timeline.py --module spec
   exit 0
 fi
 
