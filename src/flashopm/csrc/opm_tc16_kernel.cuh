@@ -84,7 +84,11 @@ __device__ __forceinline__ void tc16_produce(const OuterArgs& p, const Tc16Maps&
     int col_tile, row_group, b;
     tc16_group_tile(lin, n_col_blocks, n_row_groups, col_tile, row_group, b);
     const int i0 = (kCluster * row_group + int(rank)) * p.Ti, j0 = col_tile * p.Tj * kT16JSub;
-    for (int q = 0; q < n_q; ++q) {
+    // stage q = js·n_k + kt: column tile js, s from kt·kT16WgBK (counted, not divided: this one
+    // lane's issue is phase 1's critical path)
+    const int a_row0 = i0 * H;
+    int b_col0 = j0 * H + int(rank) * kBGroupsShare * 64;  // this block's share of the column tile's b
+    for (int q = 0, kt = 0; q < n_q; ++q) {
       const int buf = q % kStages, use = it * uses(buf) + q / kStages;
       if (use > 0) mbarrier_wait_parity_suspend(empty + buf, (use - 1) & 1);
       if (it > 0 && q < kStages) {
@@ -98,20 +102,21 @@ __device__ __forceinline__ void tc16_produce(const OuterArgs& p, const Tc16Maps&
           mbarrier_wait_parity_suspend(stored, (stored_rounds - 1) & 1);
       }
       mbarrier_arrive_expect_tx(full + buf, kStageBytes);
-      const int js = q / n_k, s0 = (q - js * n_k) * kT16WgBK, jt0 = j0 + js * p.Tj;
+      const int s0 = kt * kT16WgBK;
       const uint32_t st = stages_addr + uint32_t(buf * kStageBytes);
 #pragma unroll
       for (int grp = 0; grp < Sh::kMT / 64; ++grp)
         tma_load_3d(kWide ? smem_addr + uint32_t(tc16_wide_stage_a(buf, grp, L.w)) : st + grp * kT16WgGroupBytes, maps.a,
-                    i0 * H + grp * 64, s0, b, full + buf);
+                    a_row0 + grp * 64, s0, b, full + buf);
 #pragma unroll
       for (int share = 0; share < kBGroupsShare; ++share) {
         const int grp = int(rank) * kBGroupsShare + share;
         const uint32_t dst = kWide ? smem_addr + uint32_t(tc16_wide_stage_b(buf, grp))
                                    : st + Sh::kABytes + grp * kT16WgGroupBytes;
-        if constexpr (kCluster == 1) tma_load_3d(dst, maps.b, jt0 * H + grp * 64, s0, b, full + buf);
-        else tma_load_3d_mc(dst, maps.b, jt0 * H + grp * 64, s0, b, full + buf, kMask);
+        if constexpr (kCluster == 1) tma_load_3d(dst, maps.b, b_col0 + share * 64, s0, b, full + buf);
+        else tma_load_3d_mc(dst, maps.b, b_col0 + share * 64, s0, b, full + buf, kMask);
       }
+      if (++kt == n_k) kt = 0, b_col0 += p.Tj * H;
     }
     const int tile_wq = wq;
     for (int dg = 0; dg < p.D; dg += kTcDG) {
@@ -150,11 +155,15 @@ __device__ __forceinline__ void tc16_produce(const OuterArgs& p, const Tc16Maps&
           if constexpr (kWide) {
             // this block's halves (each block of a cluster of two one, to both), 64 rows of d a
             // copy (the map's box), each into its slot's place
+            if constexpr (kCluster == 1) {
 #pragma unroll
-            for (int h = kCluster == 1 ? 0 : int(rank); h < 2; h += kCluster) {
-              const uint32_t dst = smem_addr + uint32_t(tc16_wide_w_half(slot, h, L.w));
-              if constexpr (kCluster == 1) tma_load_2d(dst, maps.w, kc * 64, dg + 64 * h, w_full + buf);
-              else tma_load_2d_mc(dst, maps.w, kc * 64, dg + 64 * h, w_full + buf, kMask);
+              for (int h = 0; h < 2; ++h)
+                tma_load_2d(smem_addr + uint32_t(tc16_wide_w_half(slot, h, L.w)), maps.w, kc * 64, dg + 64 * h,
+                            w_full + buf);
+            } else if (kCluster == 2 || rank < 2) {
+              const int h = int(rank);
+              tma_load_2d_mc(smem_addr + uint32_t(tc16_wide_w_half(slot, h, L.w)), maps.w, kc * 64, dg + 64 * h,
+                             w_full + buf, kMask);
             }
           } else {
             const uint32_t dst = smem_addr + uint32_t(lo + int(rank) * kWRowsShare * 128);
