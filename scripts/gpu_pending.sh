@@ -534,13 +534,24 @@ fi
 
 if [ "$PHASE" = pw24 ]; then
   # the tensor-copy forms' producer without a division, a rank or a loop over halves per copy
-  # (run 352's Nsight: its one lane's issue bounds phase 1): the 16-bit forms' bits (stop at the
-  # first failure), the traces (cycles a tile, against runs 350-351's 55031 and 55599), the
-  # rows, then every test file
-  T t_wide 120 $py -m pytest -q -x -p no:cacheprovider tests/test_cuda.py -k "wide_form or cluster_form or default_form" || exit 0
-  T trace16 120 $py scripts/tc16_trace.py --out "$R/trace16" --forms "2,2+FLASHOPM_TC16_WIDE=0,1"
+  # (run 352's Nsight: its one lane's issue bounds phase 1), and each consumer warpgroup copying
+  # its own rows of a (FLASHOPM_TC16_CONSUMER_A=1, off by default): the 16-bit forms' bits (stop
+  # at the first failure), the traces (cycles a tile, against runs 350-351's 55031 and 55599),
+  # OpenFold's row; then the consumers' copies: their bits, trace, pair, and OpenFold's row with
+  # them where the pair is below 1; then the rows and every test file
+  T t_wide 120 $py -m pytest -q -x -p no:cacheprovider tests/test_cuda.py -k "(wide_form or cluster_form or default_form) and not consumer_a" || exit 0
+  T trace16 90 $py scripts/tc16_trace.py --out "$R/trace16" --forms "2,2+FLASHOPM_TC16_WIDE=0"
   mod_row openfold
-  forward_files
+  if T t_consumer_a 120 $py -m pytest -q -x -p no:cacheprovider tests/test_cuda.py -k consumer_a; then
+    T trace16_ca 60 $py scripts/tc16_trace.py --out "$R/trace16_ca" --forms "2+FLASHOPM_TC16_CONSUMER_A=1"
+    pair_and_keep FLASHOPM_TC16_CONSUMER_A consumer_a
+    if [ "${FLASHOPM_TC16_CONSUMER_A:-0}" = 1 ]; then
+      T mod_openfold_ca 120 $py -m flashopm bench --module openfold --shapes "1,512,1536,256,32,128" \
+        --dtype bfloat16 --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/mod_openfold_ca"
+    fi
+  fi
+  T t_cuda 150 $py -m pytest -q -p no:cacheprovider tests/test_cuda.py -k "not consumer_a"
+  T t_conv 150 $py -m pytest -q -p no:cacheprovider tests/test_conventions.py tests/test_modules.py tests/test_projection16.py
   rows_and_files
   exit 0
 fi
