@@ -40,7 +40,8 @@ __device__ __forceinline__ void tc16_group_tile(int lin, int n_col_blocks, int n
 // last use.  A stage buffer's first stage of a later tile also waits for the tile before to be
 // done with what lies over it (its O and W chunks read by every block's products, its sums by
 // every block's stores), so that the next tile's first stages load beside the last one's phase 2.
-// bars as the body lays them.
+// bars as the body lays them.  This one lane's issue paces phase 1 (the consumers wait for its
+// copies, not for their MMAs: run 352), so a stage costs no division and no cluster-id read.
 template <int kCluster, bool kWide>
 __device__ __forceinline__ void tc16_produce(const OuterArgs& p, const Tc16Maps& maps, char* smem,
                                              const Tc16Layout& L, uint64_t* bars, unsigned rank, int n_col_blocks,
