@@ -864,6 +864,26 @@ WIDE_SHAPES = [s for s in CLUSTER_SHAPES if s.H == 32 and s.D <= 128] + [
     Shape(3, 70, 13, 24, 32, 128), Shape(1, 40, 11, 16, 32, 16), Shape(2, 37, 45, 32, 32, 100)]
 
 
+def _wide_against_default(shape, dtype, normalization, cluster, monkeypatch, **env):
+    """The problem of `shape` in `dtype`, the form without tensor copies' output for it, and the
+    environment then set for the wide tensor-copy form in clusters of `cluster` (with `env`),
+    whose run there the profiler confirms; skips where the wgmma forms do not run (sm_90a only)."""
+    x16, m16, p16 = _half_problem(shape, dtype, "wide")
+    monkeypatch.setenv("FLASHOPM_TC16_CLUSTER", "0")
+    monkeypatch.delenv("FLASHOPM_TC16_MMA_SYNC", raising=False)
+    default = _run(x16, m16, p16, "outer", normalization=normalization)
+    kernels = flashopm_kernels(lambda: _run(x16, m16, p16, "outer", poison=False, normalization=normalization))
+    if not any("opm_outer_tc16_kernel" in k and "true, true" in k for k in kernels):
+        pytest.skip("the 16-bit kernel's form with both phases on warpgroup MMAs does not run here (sm_90a only)")
+    monkeypatch.setenv("FLASHOPM_TC16_CLUSTER", str(cluster))
+    monkeypatch.setenv("FLASHOPM_TC16_WIDE", "1")
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    kernels = flashopm_kernels(lambda: _run(x16, m16, p16, "outer", poison=False, normalization=normalization))
+    assert any(_is_cluster_kernel(k, cluster, wide=True) for k in kernels), kernels
+    return x16, m16, p16, default
+
+
 @pytest.mark.parametrize("cluster", [1, 2])
 @pytest.mark.parametrize("normalization", ["row", "openfold"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
@@ -877,17 +897,7 @@ def test_tc16_wide_form_gives_the_default_bits(shape, dtype, normalization, clus
     every element written (poisoned output), two calls equal; resident clusters taking many tiles
     in turn, and one cluster a group of tiles; each tile's outputs stored by the consumers at once
     (FLASHOPM_TC16_STORE_WARPS=0) rather than by the producer warpgroup's other warps."""
-    x16, m16, p16 = _half_problem(shape, dtype, "wide")
-    monkeypatch.setenv("FLASHOPM_TC16_CLUSTER", "0")
-    monkeypatch.delenv("FLASHOPM_TC16_MMA_SYNC", raising=False)
-    default = _run(x16, m16, p16, "outer", normalization=normalization)
-    kernels = flashopm_kernels(lambda: _run(x16, m16, p16, "outer", poison=False, normalization=normalization))
-    if not any("opm_outer_tc16_kernel" in k and "true, true" in k for k in kernels):
-        pytest.skip("the 16-bit kernel's form with both phases on warpgroup MMAs does not run here (sm_90a only)")
-    monkeypatch.setenv("FLASHOPM_TC16_CLUSTER", str(cluster))
-    monkeypatch.setenv("FLASHOPM_TC16_WIDE", "1")
-    kernels = flashopm_kernels(lambda: _run(x16, m16, p16, "outer", poison=False, normalization=normalization))
-    assert any(_is_cluster_kernel(k, cluster, wide=True) for k in kernels), kernels
+    x16, m16, p16, default = _wide_against_default(shape, dtype, normalization, cluster, monkeypatch)
     wide = _run(x16, m16, p16, "outer", normalization=normalization)
     assert not wide.isnan().any(), "NaN in the output: an element was not written"
     assert torch.equal(wide, default), "the wide form gives other bits than the default form"
@@ -909,18 +919,8 @@ def test_tc16_wide_consumer_a_gives_the_default_bits(shape, dtype, normalization
     """The wide tensor-copy form with each consumer warpgroup copying its own rows of a into the
     stages past a tile's first (FLASHOPM_TC16_CONSUMER_A=1) gives the default form's bits, every
     element written, two calls equal, with resident clusters taking many tiles in turn."""
-    x16, m16, p16 = _half_problem(shape, dtype, "wide")
-    monkeypatch.setenv("FLASHOPM_TC16_CLUSTER", "0")
-    monkeypatch.delenv("FLASHOPM_TC16_MMA_SYNC", raising=False)
-    default = _run(x16, m16, p16, "outer", normalization=normalization)
-    kernels = flashopm_kernels(lambda: _run(x16, m16, p16, "outer", poison=False, normalization=normalization))
-    if not any("opm_outer_tc16_kernel" in k and "true, true" in k for k in kernels):
-        pytest.skip("the 16-bit kernel's form with both phases on warpgroup MMAs does not run here (sm_90a only)")
-    monkeypatch.setenv("FLASHOPM_TC16_CLUSTER", str(cluster))
-    monkeypatch.setenv("FLASHOPM_TC16_WIDE", "1")
-    monkeypatch.setenv("FLASHOPM_TC16_CONSUMER_A", "1")
-    kernels = flashopm_kernels(lambda: _run(x16, m16, p16, "outer", poison=False, normalization=normalization))
-    assert any(_is_cluster_kernel(k, cluster, wide=True) for k in kernels), kernels
+    x16, m16, p16, default = _wide_against_default(shape, dtype, normalization, cluster, monkeypatch,
+                                                   FLASHOPM_TC16_CONSUMER_A="1")
     for env in ({}, {"FLASHOPM_TC16_MAX_CLUSTERS": "3"}):
         with monkeypatch.context() as mp:
             for k, v in env.items():
