@@ -911,27 +911,6 @@ def test_tc16_wide_form_gives_the_default_bits(shape, dtype, normalization, clus
         assert torch.equal(other, default), f"the wide form with {env}: other bits than the default form"
 
 
-@pytest.mark.parametrize("cluster", [1, 2])
-@pytest.mark.parametrize("normalization", ["row", "openfold"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("shape", WIDE_SHAPES, ids=str)
-def test_tc16_wide_consumer_a_gives_the_default_bits(shape, dtype, normalization, cluster, monkeypatch):
-    """The wide tensor-copy form with each consumer warpgroup copying its own rows of a into the
-    stages past a tile's first (FLASHOPM_TC16_CONSUMER_A=1) gives the default form's bits, every
-    element written, two calls equal, with resident clusters taking many tiles in turn."""
-    x16, m16, p16, default = _wide_against_default(shape, dtype, normalization, cluster, monkeypatch,
-                                                   FLASHOPM_TC16_CONSUMER_A="1")
-    for env in ({}, {"FLASHOPM_TC16_MAX_CLUSTERS": "3"}):
-        with monkeypatch.context() as mp:
-            for k, v in env.items():
-                mp.setenv(k, v)
-            out = _run(x16, m16, p16, "outer", normalization=normalization)
-            again = _run(x16, m16, p16, "outer", normalization=normalization)
-        assert not out.isnan().any(), f"{env}: NaN in the output: an element was not written"
-        assert torch.equal(out, default), f"{env}: other bits than the default form"
-        assert torch.equal(out, again), f"{env}: two calls differ: a race"
-
-
 # The form without tensor copies as resident blocks taking tiles in turn (FLASHOPM_TC16_RESIDENT=0:
 # a block a tile), and its 16-byte output stores (FLASHOPM_TC16_WIDE_STORES=0: 4-byte).  D = 130
 # and 200 take a second group of d and the 4-byte stores.

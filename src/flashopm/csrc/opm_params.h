@@ -524,11 +524,6 @@ struct OuterArgs {
   // three warps beside the next tile's phase 1, where the output takes 16-bit stores
   // (FLASHOPM_TC16_STORE_WARPS=0: by the consumers at once)
   int tc16_store_warps;
-  // the wide tensor-copy forms: 1, each consumer warpgroup copies its own rows of a into a stage
-  // buffer once it has retired that buffer's stage, for every stage of a tile past its first
-  // kStages (the producer then copies b alone there: FLASHOPM_TC16_CONSUMER_A=1); 0, the producer
-  // copies every stage whole
-  int tc16_consumer_a;
   // the 16-bit kernel's wgmma forms: 1, 16-byte output stores where the output allows them
   // (FLASHOPM_TC16_WIDE_STORES=0: 4-byte stores)
   int tc16_wide;

@@ -105,14 +105,10 @@ __device__ __forceinline__ void tc16_produce(const OuterArgs& p, const Tc16Maps&
       mbarrier_arrive_expect_tx(full + buf, kStageBytes);
       const int s0 = kt * kT16WgBK;
       const uint32_t st = stages_addr + uint32_t(buf * kStageBytes);
-      // (FLASHOPM_TC16_CONSUMER_A=1: past the tile's first stages, each consumer warpgroup copies
-      // its own rows of a; the stage's bytes are still all counted here)
-      if (!kWide || q < kStages || !p.tc16_consumer_a) {
 #pragma unroll
-        for (int grp = 0; grp < Sh::kMT / 64; ++grp)
-          tma_load_3d(kWide ? smem_addr + uint32_t(tc16_wide_stage_a(buf, grp, L.w)) : st + grp * kT16WgGroupBytes,
-                      maps.a, a_row0 + grp * 64, s0, b, full + buf);
-      }
+      for (int grp = 0; grp < Sh::kMT / 64; ++grp)
+        tma_load_3d(kWide ? smem_addr + uint32_t(tc16_wide_stage_a(buf, grp, L.w)) : st + grp * kT16WgGroupBytes, maps.a,
+                    a_row0 + grp * 64, s0, b, full + buf);
 #pragma unroll
       for (int share = 0; share < kBGroupsShare; ++share) {
         const int grp = int(rank) * kBGroupsShare + share;
@@ -534,25 +530,6 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
     const uint64_t desc_a0 =
         wgmma_desc(kWide ? smem : wg_stages + wg * kT16WgGroupBytes, kT16WgGroupBytes, 1024);
     const uint64_t desc_b0 = wgmma_desc(kWide ? smem : wg_stages + kABytes, kT16WgGroupBytes, 1024);
-    // FLASHOPM_TC16_CONSUMER_A=1 (kWide): stage t = js·n_k + kt of the tile, past the first
-    // kStages, gets this warpgroup's rows of a from this warpgroup, once it has retired stage
-    // t - kStages in the same buffer (no other warpgroup reads those rows, so the copy need not
-    // wait for any other release); its bytes complete the stage's "full" mbarrier, whose count the
-    // producer set for the whole stage.
-    [[maybe_unused]] auto copy_own_a = [&](int t, int buf) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-      if constexpr (kWide) {
-        static_assert(kT16JSub == 2, "a stage's s from its index by one subtraction");
-        // (the launch's setting first: without it this costs the loop no register)
-        if (p.tc16_consumer_a)
-          if (t < kT16JSub * n_k && (threadIdx.x & 127) == 0) {
-            const int kt_t = t >= n_k ? t - n_k : t;
-            tma_load_3d(static_cast<uint32_t>(__cvta_generic_to_shared(smem + tc16_wide_stage_a(buf, wg, L.w))),
-                        maps->a, i0 * H + wg * 64, kt_t * kT16WgBK, b, bars + buf);
-          }
-      }
-#endif
-    };
     for (int js = 0; js < kT16JSub; ++js) {
       float acc[128];
 #pragma unroll
@@ -599,10 +576,7 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
         // kTma: the previous stage's products retired by this warpgroup (this tile's; the last
         // tile's last stage is released below)
         if constexpr (kTma)
-          if (kt > 0) {
-            release(bars + kStages + prev_buf);
-            copy_own_a(js * n_k + kt - 1 + kStages, prev_buf);
-          }
+          if (kt > 0) release(bars + kStages + prev_buf);
       }
       wgmma_wait<0>();
       mark(js == 0 ? kT16MarkP1Done0 : kT16MarkP1Done1, 0);
@@ -621,11 +595,7 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
       // the first round's rows (the block's tile before has stored its rows by now)
       if constexpr (kWgmmaBoth)
         if (js == 0) stage_round_rows(0);
-      if constexpr (kTma) {
-        const int last = js * n_k + n_k - 1;
-        release(bars + kStages + last % kStages);
-        copy_own_a(last + kStages, last % kStages);
-      }
+      if constexpr (kTma) release(bars + kStages + (js * n_k + n_k - 1) % kStages);
       if (js + 1 == kT16JSub) {
         // (kTma: every stage's bytes from every block have arrived: nothing more is copied here)
         if constexpr (!kTma) cp_async_wait_all();
