@@ -732,7 +732,7 @@ void encode_map16(unsigned char (&out)[128], int operand_kind, const void* base,
   TORCH_CHECK(encode != nullptr,
               "flashopm: the driver's cuTensorMapEncodeTiled was not found (the tensor-copy forms need it)");
   CUtensorMap map;
-  const cuuint32_t elem_strides[3] = {1, 1, 1};
+  const cuuint32_t elem_strides[5] = {1, 1, 1, 1, 1};
   const CUresult r = encode(&map, operand_kind == kMaskHalf ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
                             cuuint32_t(rank), const_cast<void*>(base), dims, strides, box, elem_strides,
                             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
@@ -757,6 +757,14 @@ void launch_tc16_clusters(const OuterArgs& args, int operand_kind, int clusters,
   encode_map16(maps.a, operand_kind, args.a, 3, dims_a, strides_a, box_ab);
   encode_map16(maps.b, operand_kind, args.b, 3, dims_b, strides_b, box_ab);
   encode_map16(maps.w, operand_kind, args.w_blocked, 2, dims_w, strides_w, box_w);
+  if (kWide && args.tc16_b_pairs) {
+    // b as (64 columns, s, groups of 64 columns, batch): one box takes a block's two groups of a
+    // stage, each kT16WgBK rows of 128 bytes, group after group as the stage lays them
+    TORCH_CHECK(NH % 64 == 0, "flashopm: internal error: b in pairs of 64-column groups needs N·hidden a multiple of 64, got ", NH);
+    const cuuint32_t box_b2[4] = {64, cuuint32_t(kT16WgBK), 2, 1};
+    const cuuint64_t dims_b2[4] = {64, S, NH / 64, cuuint64_t(args.B)}, strides_b2[3] = {NH * 2, 128, S * NH * 2};
+    encode_map16(maps.b2, operand_kind, args.b, 4, dims_b2, strides_b2, box_b2);
+  }
   cudaLaunchAttribute attr[1];
   const cudaLaunchConfig_t cfg =
       tc16_cluster_config<kCluster, kWide>(dim3(unsigned(clusters * kCluster)), smem, stream, attr);

@@ -524,6 +524,10 @@ struct OuterArgs {
   // three warps beside the next tile's phase 1, where the output takes 16-bit stores
   // (FLASHOPM_TC16_STORE_WARPS=0: by the consumers at once)
   int tc16_store_warps;
+  // the wide tensor-copy forms: 1, a block's two b groups of a stage (8 KB together in one slice)
+  // come by one copy of Tc16Maps::b2, where N·H is a multiple of 64 (FLASHOPM_TC16_B_PAIRS=0: one
+  // copy a group)
+  int tc16_b_pairs;
   // the 16-bit kernel's wgmma forms: 1, 16-byte output stores where the output allows them
   // (FLASHOPM_TC16_WIDE_STORES=0: 4-byte stores)
   int tc16_wide;
@@ -970,6 +974,9 @@ struct Tc16Maps {
   alignas(64) unsigned char a[128];
   alignas(64) unsigned char b[128];
   alignas(64) unsigned char w[128];
+  // b as (B, N·H / 64, S, 64): a box is two consecutive 64-column groups of kT16WgBK s, group by
+  // group (OuterArgs::tc16_b_pairs; zeros otherwise)
+  alignas(64) unsigned char b2[128];
 };
 // The form of the 16-bit kernel for a tile when `requested` is asked for.
 FLASHOPM_HD inline int tc16_form(int Ti, int Tj, int requested) {

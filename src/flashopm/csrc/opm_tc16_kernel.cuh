@@ -78,6 +78,10 @@ __device__ __forceinline__ void tc16_produce(const OuterArgs& p, const Tc16Maps&
   const bool defer = !kWide && p.tc16_defer != 0;
   const int red_lo = L.w;  // phase 2's other sums from L.w
   const int red_hi = red_lo + Sh::kRound * (kTcDG + 4) * 4;
+  // bit sb: the parity of stage buffer sb's fills a tile (uses), so that the k-th fill's wait for
+  // the (k-1)-th release takes its parity without a product a stage
+  uint32_t uses_odd = 0;
+  for (int sb = 0; sb < kStages; ++sb) uses_odd |= uint32_t(uses(sb) & 1) << sb;
   int wq = 0;            // W chunks issued so far, over every tile
   int stored_rounds = 0;  // rounds that arrive on "stored" once stored, so far
   bool last_stored = false;  // whether the round issued last arrives there
@@ -90,8 +94,11 @@ __device__ __forceinline__ void tc16_produce(const OuterArgs& p, const Tc16Maps&
     const int a_row0 = i0 * H;
     int b_col0 = j0 * H + int(rank) * kBGroupsShare * 64;  // this block's share of the column tile's b
     for (int q = 0, kt = 0; q < n_q; ++q) {
-      const int buf = q % kStages, use = it * uses(buf) + q / kStages;
-      if (use > 0) mbarrier_wait_parity_suspend(empty + buf, (use - 1) & 1);
+      // this fill is the buffer's use it·uses(buf) + q / kStages (from 0); it waits for the one
+      // before's release (every buffer below n_q is filled each tile)
+      const int buf = q % kStages;
+      if (it > 0 || q >= kStages)
+        mbarrier_wait_parity_suspend(empty + buf, ((unsigned(it) & (uses_odd >> buf)) ^ unsigned(q / kStages) ^ 1u) & 1u);
       if (it > 0 && q < kStages) {
         // the buffer's first stage of this tile: the last tile's O and W chunks read (its last
         // chunk released by every block), and where the buffer lies over the sums, those stored
@@ -109,13 +116,28 @@ __device__ __forceinline__ void tc16_produce(const OuterArgs& p, const Tc16Maps&
       for (int grp = 0; grp < Sh::kMT / 64; ++grp)
         tma_load_3d(kWide ? smem_addr + uint32_t(tc16_wide_stage_a(buf, grp, L.w)) : st + grp * kT16WgGroupBytes, maps.a,
                     a_row0 + grp * 64, s0, b, full + buf);
+      bool b_done = false;
+      if constexpr (kWide && kBGroupsShare % 2 == 0) {
+        // two groups a copy, 8 KB together in one slice (tc16_wide_stage_b)
+        if (p.tc16_b_pairs) {
 #pragma unroll
-      for (int share = 0; share < kBGroupsShare; ++share) {
-        const int grp = int(rank) * kBGroupsShare + share;
-        const uint32_t dst = kWide ? smem_addr + uint32_t(tc16_wide_stage_b(buf, grp))
-                                   : st + Sh::kABytes + grp * kT16WgGroupBytes;
-        if constexpr (kCluster == 1) tma_load_3d(dst, maps.b, b_col0 + share * 64, s0, b, full + buf);
-        else tma_load_3d_mc(dst, maps.b, b_col0 + share * 64, s0, b, full + buf, kMask);
+          for (int share = 0; share < kBGroupsShare; share += 2) {
+            const uint32_t dst = smem_addr + uint32_t(tc16_wide_stage_b(buf, int(rank) * kBGroupsShare + share));
+            if constexpr (kCluster == 1) tma_load_4d(dst, maps.b2, 0, s0, (b_col0 >> 6) + share, b, full + buf);
+            else tma_load_4d_mc(dst, maps.b2, 0, s0, (b_col0 >> 6) + share, b, full + buf, kMask);
+          }
+          b_done = true;
+        }
+      }
+      if (!b_done) {
+#pragma unroll
+        for (int share = 0; share < kBGroupsShare; ++share) {
+          const int grp = int(rank) * kBGroupsShare + share;
+          const uint32_t dst = kWide ? smem_addr + uint32_t(tc16_wide_stage_b(buf, grp))
+                                     : st + Sh::kABytes + grp * kT16WgGroupBytes;
+          if constexpr (kCluster == 1) tma_load_3d(dst, maps.b, b_col0 + share * 64, s0, b, full + buf);
+          else tma_load_3d_mc(dst, maps.b, b_col0 + share * 64, s0, b, full + buf, kMask);
+        }
       }
       if (++kt == n_k) kt = 0, b_col0 += p.Tj * H;
     }
