@@ -726,7 +726,7 @@ namespace {
 // A 128-byte-swizzled tensor map of 16-bit elements (dims and boxes innermost first; strides in
 // bytes of every dimension past the first).
 // Whether the driver took it (required: the caller checks).
-bool try_encode_map16(unsigned char (&out)[128], int operand_kind, const void* base, int rank, const cuuint64_t* dims,
+bool encode_map16_if_taken(unsigned char (&out)[128], int operand_kind, const void* base, int rank, const cuuint64_t* dims,
                       const cuuint64_t* strides, const cuuint32_t* box, CUresult* result = nullptr) {
   static_assert(sizeof(CUtensorMap) == 128, "CUtensorMap is 128 bytes");
   const PFN_cuTensorMapEncodeTiled_v12000 encode = driver_launch_api().encode_tiled;
@@ -746,7 +746,7 @@ bool try_encode_map16(unsigned char (&out)[128], int operand_kind, const void* b
 void encode_map16(unsigned char (&out)[128], int operand_kind, const void* base, int rank, const cuuint64_t* dims,
                   const cuuint64_t* strides, const cuuint32_t* box) {
   CUresult r = CUDA_SUCCESS;
-  TORCH_CHECK(try_encode_map16(out, operand_kind, base, rank, dims, strides, box, &r), "flashopm: cuTensorMapEncodeTiled failed (",
+  TORCH_CHECK(encode_map16_if_taken(out, operand_kind, base, rank, dims, strides, box, &r), "flashopm: cuTensorMapEncodeTiled failed (",
               int(r), ") for a tensor of rank ", rank, " with inner dimension ", dims[0]);
 }
 
@@ -774,7 +774,7 @@ void launch_tc16_clusters(const OuterArgs& args, int operand_kind, int clusters,
     const cuuint32_t box_b2[4] = {64, cuuint32_t(kT16WgBK), 2, 1};
     const cuuint64_t dims_b2[4] = {64, S, NH / 64, cuuint64_t(args.B)}, strides_b2[3] = {NH * 2, 128, S * NH * 2};
     CUresult r = CUDA_SUCCESS;
-    kargs.tc16_b_pairs = try_encode_map16(maps.b2, operand_kind, args.b, 4, dims_b2, strides_b2, box_b2, &r);
+    kargs.tc16_b_pairs = encode_map16_if_taken(maps.b2, operand_kind, args.b, 4, dims_b2, strides_b2, box_b2, &r);
     if (!kargs.tc16_b_pairs)
       TORCH_WARN_ONCE("flashopm: the driver refused b's map in pairs of 64-column groups (", int(r),
                       "); the tensor-copy forms copy b a group at a time");
