@@ -897,7 +897,9 @@ def test_tc16_wide_form_gives_the_default_bits(shape, dtype, normalization, clus
     every element written (poisoned output), two calls equal; resident clusters taking many tiles
     in turn, and one cluster a group of tiles; each tile's outputs stored by the consumers at once
     (FLASHOPM_TC16_STORE_WARPS=0) rather than by the producer warpgroup's other warps; a block's b
-    groups a copy each (FLASHOPM_TC16_B_PAIRS=0) rather than two a copy where N·hidden allows."""
+    groups a copy each (FLASHOPM_TC16_B_PAIRS=0) rather than two a copy where N·hidden allows; W's
+    chunks 2-3 copied by the producer (FLASHOPM_TC16_W_THIRD=0) rather than stored by the third
+    warpgroup."""
     x16, m16, p16, default = _wide_against_default(shape, dtype, normalization, cluster, monkeypatch)
     wide = _run(x16, m16, p16, "outer", normalization=normalization)
     assert not wide.isnan().any(), "NaN in the output: an element was not written"
@@ -905,7 +907,8 @@ def test_tc16_wide_form_gives_the_default_bits(shape, dtype, normalization, clus
     assert torch.equal(wide, _run(x16, m16, p16, "outer", normalization=normalization)), "two calls differ: a race"
     for env in ({"FLASHOPM_TC16_MAX_CLUSTERS": "3"}, {"FLASHOPM_TC16_PERSISTENT": "0"},
                 {"FLASHOPM_TC16_MAX_CLUSTERS": "3", "FLASHOPM_TC16_STORE_WARPS": "0"},
-                {"FLASHOPM_TC16_B_PAIRS": "0"}, {"FLASHOPM_TC16_MAX_CLUSTERS": "3", "FLASHOPM_TC16_B_PAIRS": "0"}):
+                {"FLASHOPM_TC16_B_PAIRS": "0"}, {"FLASHOPM_TC16_MAX_CLUSTERS": "3", "FLASHOPM_TC16_B_PAIRS": "0"},
+                {"FLASHOPM_TC16_W_THIRD": "0"}, {"FLASHOPM_TC16_MAX_CLUSTERS": "3", "FLASHOPM_TC16_W_THIRD": "0"}):
         with monkeypatch.context() as mp:
             for k, v in env.items():
                 mp.setenv(k, v)

@@ -528,6 +528,11 @@ struct OuterArgs {
   // come by one copy of Tc16Maps::b2, where N·H is a multiple of 64 (FLASHOPM_TC16_B_PAIRS=0: one
   // copy a group)
   int tc16_b_pairs;
+  // the wide tensor-copy forms: 1, W's chunks 2 and 3 of each tile loaded from L2 by the third
+  // consumer warpgroup (idle in phase 2) into its registers as phase 2 begins, and stored into
+  // their slots as soon as this block's phase 2 has retired chunks 0 and 1, rather than copied once
+  // every block of the cluster has (FLASHOPM_TC16_W_THIRD=0: copied by the producer)
+  int tc16_w_third;
   // the 16-bit kernel's wgmma forms: 1, 16-byte output stores where the output allows them
   // (FLASHOPM_TC16_WIDE_STORES=0: 4-byte stores)
   int tc16_wide;
@@ -892,6 +897,17 @@ FLASHOPM_HD constexpr int tc16_wide_w_half(int slot, int h, int w) {
   if (slot < 6) return (slot - 2) * kT16WideSlice + h * (kT16Wg2ChunkBytes / 2);
   return (2 * (slot - 6) + h) * kT16WideSlice + kT16Wg2ChunkBytes;
 }
+// The wide forms' W chunks that the third consumer warpgroup stores from its registers
+// (OuterArgs::tc16_w_third): chunks 2 and 3, the first that wait for a release (of chunks 0 and 1)
+// and then for L2, while phase 2 has nothing else in flight (run 353: 860 and 743 cycles a tile
+// against ~120 for the others).  Their slots' chunks before are 0 and 1 (tc16_wide_w_after).
+constexpr int kT16WideThirdChunk0 = 2, kT16WideThirdChunks = 2;
+FLASHOPM_HD constexpr bool tc16_wide_w_by_third(int n) {
+  return n >= kT16WideThirdChunk0 && n < kT16WideThirdChunk0 + kT16WideThirdChunks;
+}
+static_assert(tc16_wide_w_after(kT16WideThirdChunk0) == kT16WideThirdChunk0 - 2 &&
+                  tc16_wide_w_after(kT16WideThirdChunk0 + 1) == kT16WideThirdChunk0 - 1,
+              "the third warpgroup's chunks wait for the chunks two before them");
 // The tables' rules, checked as the code compiles (hidden 32, W's buffers from 192 KB): each
 // chunk waits for one at least two back (a warpgroup releases a chunk once its next chunk's MMAs
 // are issued, with one group in flight); its halves lie clear of every chunk issued since that

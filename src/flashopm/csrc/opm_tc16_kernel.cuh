@@ -149,6 +149,7 @@ __device__ __forceinline__ void tc16_produce(const OuterArgs& p, const Tc16Maps&
         last_stored = !defer || dg + kTcDG < p.D || r0 + Sh::kRound < P;
         stored_rounds += last_stored;
         for (int kc = 0; kc < n_kc; ++kc, ++wq) {
+          if (kWide && p.tc16_w_third && tc16_wide_w_by_third(kc)) continue;  // (the consumers' third warpgroup's)
           const int buf = wq % kW2Stages, use = wq / kW2Stages;
           // the chunk's buffer (bytes from the shared memory's start; kWide: its slot's first
           // half, A's or B's, the only slots the chunks without a release wait use, contiguous)
@@ -860,6 +861,40 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
     const uint32_t w_dst = kmajor_sw128_offset(wr, wc * 8, 1024);  // rows wr + 32u: + 4 KB each
     [[maybe_unused]] uint64_t* w_full = bars + 2 * kStages;
     [[maybe_unused]] uint64_t* w_empty = w_full + kW2Stages;
+    // kWide (OuterArgs::tc16_w_third): the third warpgroup's part in phase 2, W's chunks
+    // kT16WideThirdChunk0 .. of round dg, loaded from L2 at once into registers, each stored into
+    // its slot (in the map's 128-byte swizzle) as soon as this block's first two warpgroups have
+    // retired the chunk two before it, which held that slot (barrier 3 + c), and announced on its
+    // full mbarrier: the producer's copy would wait for every block's release and then for L2.
+    [[maybe_unused]] auto third_wg_w_chunks = [&](int dg) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+      const int q = tid & 127, piece = q & 7, row0 = q >> 3;  // 16-byte piece `piece` of rows row0 + 16u
+      uint4 v[kT16WideThirdChunks][8];
+      const T* src = w_blk + int64_t(min(dg + row0, D - 1)) * K2 + kT16WideThirdChunk0 * 64 + piece * 8;
+      const int valid_rows = D - dg - row0;  // row row0 + 16u lies below D where 16u < valid_rows
+#pragma unroll
+      for (int c = 0; c < kT16WideThirdChunks; ++c)
+#pragma unroll
+        for (int u = 0; u < 8; ++u)
+          v[c][u] = ld_global_cg16z(src + (16 * u < valid_rows ? 16 * u * K2 : 0) + c * 64,
+                                    16 * u < valid_rows);  // (zeros past D, as the map's copy fills them)
+#pragma unroll
+      for (int c = 0; c < kT16WideThirdChunks; ++c) {
+        const int kc = kT16WideThirdChunk0 + c, slot = tc16_wide_w_slot(kc);
+        named_barrier(3 + c, kThreadsC);  // this block's chunk kc - 2 retired (its tensor cores' reads done)
+        fence_proxy_async_smem();
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+          const int row = row0 + 16 * u;  // of the chunk's 128 rows of d: half row / 64
+          *reinterpret_cast<uint4*>(smem + tc16_wide_w_half(slot, row >> 6, L.w) +
+                                    kmajor_sw128_offset(row & 63, piece * 8, 1024)) = v[c][u];
+        }
+        fence_proxy_async_smem();  // visible to the tensor cores
+        named_barrier(5, 128);     // every piece stored before the chunk is announced
+        if (q == 0) mbarrier_arrive_local(w_full + (w_base + kc) % kW2Stages);
+      }
+#endif
+    };
     for (int dg = 0; dg < D; dg += kTcDG) {
       bool d_ok[kTcDG / 32];
 #pragma unroll
@@ -906,6 +941,7 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
           // rows d, columns the round's pairs (kWide: 96, one m64n96k16; the third warpgroup has no d)
           constexpr int kAcc2 = kRound / 2;
           const bool p2_wg = wg < 2;
+          if (kWide && !p2_wg && p.tc16_w_third) third_wg_w_chunks(dg);  // (before the accumulators, which it does not hold)
           float acc2[kAcc2];
 #pragma unroll
           for (int e = 0; e < kAcc2; ++e) acc2[e] = 0.f;
@@ -951,6 +987,13 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
             wgmma_wait<1>();
             if constexpr (kTma)  // the previous chunk's products retired by this warpgroup
               if (kc > 0) release(w_empty + (w_base + kc - 1) % kW2Stages);
+            // (and in this block, to the third warpgroup, which stores the chunk two after it)
+            if constexpr (kWide)
+              if (p.tc16_w_third) {
+                static_assert(kT16WideThirdChunks == 2, "a barrier for each of the third warpgroup's chunks");
+                if (kc == kT16WideThirdChunk0 - 1) named_barrier_arrive(3, kThreadsC);
+                if (kc == kT16WideThirdChunk0) named_barrier_arrive(4, kThreadsC);
+              }
           }
           wgmma_wait<0>();
           mark(kT16MarkP2Done, 0);
