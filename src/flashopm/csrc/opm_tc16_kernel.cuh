@@ -543,7 +543,8 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
       if constexpr (kWide) {
         static_assert(kT16JSub == 2, "a stage's s from its index by one subtraction");
-        // (the launch's setting first: without it this costs the loop no register)
+        // (slower than the producer's copies, paired 0.952 in run 353; its test costs the phase-1
+        // loop one reload of a spilled value a stage even when off)
         if (p.tc16_consumer_a)
           if (t < kT16JSub * n_k && (threadIdx.x & 127) == 0) {
             const int kt_t = t >= n_k ? t - n_k : t;
