@@ -76,12 +76,18 @@
 #                                                       # its SASS lines' stalls; a lone call's timeline
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR pw24  # the tensor-copy forms' leaner producer:
 #                                                       # tests, traces, rows, files
+#          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR pc25  # the producer's b in one copy a stage and
+#                                                       # its parity without a product: tests,
+#                                                       # traces, a pair, rows, files
+#          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR wt26  # W's chunks 2-3 by the third consumer
+#                                                       # warpgroup, over pc25's producer: tests,
+#                                                       # traces, pairs, rows, files
 # (DEST: a folder that r.tgz is also copied to after every step)
 # Each phase fits one call of under ten minutes, the build (~2 min) included.
 # steps.txt lists each step's exit status; a failing test step stops the call.
 OUT=$1
 PHASE=${2:-default}
-case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows | bf16 | clusters | bf16_clusters | ncu_clusters | land | producer | regs | pairs | proj16 | stack | stack_rows | trace16 | defer | ksplit | final16 | final17 | rest17 | stm17 | wtrace17 | wide18 | rest18 | rate20 | n96 | sw21 | ls22 | nc23 | pw24) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all, own_rows, bf16, clusters, bf16_clusters, ncu_clusters, land, producer, regs, pairs, proj16, stack, stack_rows, trace16, defer, ksplit, final16, final17, rest17, stm17, wtrace17, wide18, rest18, rate20, n96, sw21, ls22, nc23 or pw24, got '$PHASE'" >&2; exit 2 ;; esac
+case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows | bf16 | clusters | bf16_clusters | ncu_clusters | land | producer | regs | pairs | proj16 | stack | stack_rows | trace16 | defer | ksplit | final16 | final17 | rest17 | stm17 | wtrace17 | wide18 | rest18 | rate20 | n96 | sw21 | ls22 | nc23 | pw24 | pc25 | wt26) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all, own_rows, bf16, clusters, bf16_clusters, ncu_clusters, land, producer, regs, pairs, proj16, stack, stack_rows, trace16, defer, ksplit, final16, final17, rest17, stm17, wtrace17, wide18, rest18, rate20, n96, sw21, ls22, nc23, pw24, pc25 or wt26, got '$PHASE'" >&2; exit 2 ;; esac
 R=$OUT/r
 mkdir -p "$R"
 pack() { tar -C "$OUT" -czf "$OUT/r.tgz" r; [ -n "$DEST" ] && cp "$OUT/r.tgz" "$DEST/"; }
@@ -529,6 +535,47 @@ if [ "$PHASE" = n96 ]; then
   # warpgroups 0.973-0.975, default over FLASHOPM_TC16_WIDE=0)
   r=$(grep -o "paired (without / with) [0-9.]*" "$R/ab_two.log" | awk '{print $NF}' | head -1)
   if [ -n "$r" ] && awk "BEGIN { exit !($r < 0.970) }"; then rest_files; fi
+  exit 0
+fi
+
+if [ "$PHASE" = wt26 ]; then
+  # W's chunks 2-3 of each tile stored by the wide forms' third consumer warpgroup from its
+  # registers (FLASHOPM_TC16_W_THIRD, on by default; run 353: they waited 860 and 743 cycles a
+  # tile) over pc25's producer (b's two groups a copy, the parity without a product): the 16-bit
+  # forms' bits (with W_THIRD=0 where the default fails), the traces (cycles a tile, against run
+  # 353's 52522), the pairs, OpenFold's row, the forward files, the other rows, every test file
+  if ! T t_wide 150 $py -m pytest -q -x -p no:cacheprovider tests/test_cuda.py -k "wide_form or cluster_form or default_form"; then
+    export FLASHOPM_TC16_W_THIRD=0
+    echo "from here FLASHOPM_TC16_W_THIRD=0 (t_wide failed)" >>"$R/steps.txt"
+    T t_wide_w0 150 $py -m pytest -q -x -p no:cacheprovider tests/test_cuda.py -k "wide_form or cluster_form or default_form" || exit 0
+  fi
+  T trace16 90 $py scripts/tc16_trace.py --out "$R/trace16" \
+    --forms "2,2+FLASHOPM_TC16_W_THIRD=0,2+FLASHOPM_TC16_B_PAIRS=0,2+FLASHOPM_TC16_WIDE=0"
+  T ab_w_third 60 $py scripts/ab_env.py FLASHOPM_TC16_W_THIRD=0 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6
+  T ab_b_pairs 60 $py scripts/ab_env.py FLASHOPM_TC16_B_PAIRS=0 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6
+  mod_row openfold
+  T t_cuda 150 $py -m pytest -q -p no:cacheprovider tests/test_cuda.py
+  T t_conv 150 $py -m pytest -q -p no:cacheprovider tests/test_conventions.py tests/test_modules.py tests/test_projection16.py
+  mod_row boltz
+  bench_bf16
+  for f in autograd waves peak_plan backward smaller_gpus rows replace python_entry fused_projection launch ln_backward distributed; do
+    T t_$f 120 $py -m pytest -q -p no:cacheprovider tests/test_$f.py
+  done
+  exit 0
+fi
+
+if [ "$PHASE" = pc25 ]; then
+  # the wide producer's b in one copy of two groups a stage (FLASHOPM_TC16_B_PAIRS, on by default
+  # where N·hidden is a multiple of 64) and each stage's wait parity without a product: the 16-bit
+  # forms' bits with and without (stop at the first failure), the traces (cycles a tile, against
+  # run 353's 52522), the pair against one copy a group, OpenFold's row, then the forward files,
+  # the other rows and every test file
+  T t_wide 120 $py -m pytest -q -x -p no:cacheprovider tests/test_cuda.py -k "wide_form or cluster_form or default_form" || exit 0
+  T trace16 90 $py scripts/tc16_trace.py --out "$R/trace16" --forms "2,2+FLASHOPM_TC16_B_PAIRS=0,2+FLASHOPM_TC16_WIDE=0"
+  T ab_b_pairs 60 $py scripts/ab_env.py FLASHOPM_TC16_B_PAIRS=0 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6
+  mod_row openfold
+  forward_files
+  rows_and_files
   exit 0
 fi
 

@@ -896,40 +896,24 @@ def test_tc16_wide_form_gives_the_default_bits(shape, dtype, normalization, clus
     slices),
     every element written (poisoned output), two calls equal; resident clusters taking many tiles
     in turn, and one cluster a group of tiles; each tile's outputs stored by the consumers at once
-    (FLASHOPM_TC16_STORE_WARPS=0) rather than by the producer warpgroup's other warps."""
+    (FLASHOPM_TC16_STORE_WARPS=0) rather than by the producer warpgroup's other warps; a block's b
+    groups a copy each (FLASHOPM_TC16_B_PAIRS=0) rather than two a copy where N·hidden allows; W's
+    chunks 2-3 copied by the producer (FLASHOPM_TC16_W_THIRD=0) rather than stored by the third
+    warpgroup."""
     x16, m16, p16, default = _wide_against_default(shape, dtype, normalization, cluster, monkeypatch)
     wide = _run(x16, m16, p16, "outer", normalization=normalization)
     assert not wide.isnan().any(), "NaN in the output: an element was not written"
     assert torch.equal(wide, default), "the wide form gives other bits than the default form"
     assert torch.equal(wide, _run(x16, m16, p16, "outer", normalization=normalization)), "two calls differ: a race"
     for env in ({"FLASHOPM_TC16_MAX_CLUSTERS": "3"}, {"FLASHOPM_TC16_PERSISTENT": "0"},
-                {"FLASHOPM_TC16_MAX_CLUSTERS": "3", "FLASHOPM_TC16_STORE_WARPS": "0"}):
+                {"FLASHOPM_TC16_MAX_CLUSTERS": "3", "FLASHOPM_TC16_STORE_WARPS": "0"},
+                {"FLASHOPM_TC16_B_PAIRS": "0"}, {"FLASHOPM_TC16_MAX_CLUSTERS": "3", "FLASHOPM_TC16_B_PAIRS": "0"},
+                {"FLASHOPM_TC16_W_THIRD": "0"}, {"FLASHOPM_TC16_MAX_CLUSTERS": "3", "FLASHOPM_TC16_W_THIRD": "0"}):
         with monkeypatch.context() as mp:
             for k, v in env.items():
                 mp.setenv(k, v)
             other = _run(x16, m16, p16, "outer", normalization=normalization)
         assert torch.equal(other, default), f"the wide form with {env}: other bits than the default form"
-
-
-@pytest.mark.parametrize("cluster", [1, 2])
-@pytest.mark.parametrize("normalization", ["row", "openfold"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("shape", WIDE_SHAPES, ids=str)
-def test_tc16_wide_consumer_a_gives_the_default_bits(shape, dtype, normalization, cluster, monkeypatch):
-    """The wide tensor-copy form with each consumer warpgroup copying its own rows of a into the
-    stages past a tile's first (FLASHOPM_TC16_CONSUMER_A=1) gives the default form's bits, every
-    element written, two calls equal, with resident clusters taking many tiles in turn."""
-    x16, m16, p16, default = _wide_against_default(shape, dtype, normalization, cluster, monkeypatch,
-                                                   FLASHOPM_TC16_CONSUMER_A="1")
-    for env in ({}, {"FLASHOPM_TC16_MAX_CLUSTERS": "3"}):
-        with monkeypatch.context() as mp:
-            for k, v in env.items():
-                mp.setenv(k, v)
-            out = _run(x16, m16, p16, "outer", normalization=normalization)
-            again = _run(x16, m16, p16, "outer", normalization=normalization)
-        assert not out.isnan().any(), f"{env}: NaN in the output: an element was not written"
-        assert torch.equal(out, default), f"{env}: other bits than the default form"
-        assert torch.equal(out, again), f"{env}: two calls differ: a race"
 
 
 # The form without tensor copies as resident blocks taking tiles in turn (FLASHOPM_TC16_RESIDENT=0:

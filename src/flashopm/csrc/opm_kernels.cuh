@@ -207,6 +207,15 @@ __device__ __forceinline__ void cp_async4(float* dst, const float* src, bool val
 __device__ __forceinline__ void cp_async16z_shared(uint32_t dst_addr, const void* src, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst_addr), "l"(src), "r"(valid ? 16 : 0));
 }
+// 16 bytes from global memory through L2 alone (src 16-byte aligned), zeros where !valid; volatile,
+// so that it stays ahead of the barriers after it (a plain load may sink past them).
+__device__ __forceinline__ uint4 ld_global_cg16z(const void* src, bool valid) {
+  uint4 v;
+  asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %5, 0;\n mov.b32 %0, 0;\n mov.b32 %1, 0;\n mov.b32 %2, 0;\n"
+               " mov.b32 %3, 0;\n @p ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];\n}\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(src), "r"(int(valid)));
+  return v;
+}
 // The same with the destination as a generic pointer.
 __device__ __forceinline__ void cp_async16z(void* dst, const void* src, bool valid) {
   cp_async16z_shared(static_cast<uint32_t>(__cvta_generic_to_shared(dst)), src, valid);
@@ -232,6 +241,11 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_gr
 // Barrier `id` (1-15) among `threads` threads of the block (a multiple of 32), those that call it.
 __device__ __forceinline__ void named_barrier(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+// This thread's arrival at barrier `id` without waiting for it (its writes and the reads it has
+// retired ordered before the barrier's completion, for the threads that wait at it by named_barrier).
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -338,6 +352,20 @@ __device__ __forceinline__ void tma_load_3d_mc(uint32_t dst, const void* map, in
   asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
                " [%0], [%1, {%2, %3, %4}], [%5], %6;\n"
                ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2),
+               "r"(static_cast<unsigned>(__cvta_generic_to_shared(bar))), "h"(cta_mask) : "memory");
+}
+__device__ __forceinline__ void tma_load_4d(uint32_t dst, const void* map, int c0, int c1, int c2, int c3,
+                                            uint64_t* bar) {
+  asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes"
+               " [%0], [%1, {%2, %3, %4, %5}], [%6];\n"
+               ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3),
+               "r"(static_cast<unsigned>(__cvta_generic_to_shared(bar))) : "memory");
+}
+__device__ __forceinline__ void tma_load_4d_mc(uint32_t dst, const void* map, int c0, int c1, int c2, int c3,
+                                               uint64_t* bar, uint16_t cta_mask) {
+  asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+               " [%0], [%1, {%2, %3, %4, %5}], [%6], %7;\n"
+               ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3),
                "r"(static_cast<unsigned>(__cvta_generic_to_shared(bar))), "h"(cta_mask) : "memory");
 }
 __device__ __forceinline__ void tma_load_2d(uint32_t dst, const void* map, int c0, int c1, uint64_t* bar) {

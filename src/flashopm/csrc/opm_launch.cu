@@ -725,21 +725,29 @@ int outer_tc16_resident_blocks(int dev, int operand_kind, int smem) {
 namespace {
 // A 128-byte-swizzled tensor map of 16-bit elements (dims and boxes innermost first; strides in
 // bytes of every dimension past the first).
-void encode_map16(unsigned char (&out)[128], int operand_kind, const void* base, int rank, const cuuint64_t* dims,
-                  const cuuint64_t* strides, const cuuint32_t* box) {
+// Whether the driver took it (required: the caller checks).
+bool encode_map16_if_taken(unsigned char (&out)[128], int operand_kind, const void* base, int rank, const cuuint64_t* dims,
+                      const cuuint64_t* strides, const cuuint32_t* box, CUresult* result = nullptr) {
   static_assert(sizeof(CUtensorMap) == 128, "CUtensorMap is 128 bytes");
   const PFN_cuTensorMapEncodeTiled_v12000 encode = driver_launch_api().encode_tiled;
   TORCH_CHECK(encode != nullptr,
               "flashopm: the driver's cuTensorMapEncodeTiled was not found (the tensor-copy forms need it)");
   CUtensorMap map;
-  const cuuint32_t elem_strides[3] = {1, 1, 1};
+  const cuuint32_t elem_strides[5] = {1, 1, 1, 1, 1};
   const CUresult r = encode(&map, operand_kind == kMaskHalf ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
                             cuuint32_t(rank), const_cast<void*>(base), dims, strides, box, elem_strides,
                             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  TORCH_CHECK(r == CUDA_SUCCESS, "flashopm: cuTensorMapEncodeTiled failed (", int(r), ") for a tensor of rank ", rank,
-              " with inner dimension ", dims[0]);
+  if (result != nullptr) *result = r;
+  if (r != CUDA_SUCCESS) return false;
   std::memcpy(out, &map, sizeof(map));
+  return true;
+}
+void encode_map16(unsigned char (&out)[128], int operand_kind, const void* base, int rank, const cuuint64_t* dims,
+                  const cuuint64_t* strides, const cuuint32_t* box) {
+  CUresult r = CUDA_SUCCESS;
+  TORCH_CHECK(encode_map16_if_taken(out, operand_kind, base, rank, dims, strides, box, &r), "flashopm: cuTensorMapEncodeTiled failed (",
+              int(r), ") for a tensor of rank ", rank, " with inner dimension ", dims[0]);
 }
 
 template <typename T, int kCluster, bool kWide>
@@ -757,10 +765,24 @@ void launch_tc16_clusters(const OuterArgs& args, int operand_kind, int clusters,
   encode_map16(maps.a, operand_kind, args.a, 3, dims_a, strides_a, box_ab);
   encode_map16(maps.b, operand_kind, args.b, 3, dims_b, strides_b, box_ab);
   encode_map16(maps.w, operand_kind, args.w_blocked, 2, dims_w, strides_w, box_w);
+  OuterArgs kargs = args;
+  if (kWide && args.tc16_b_pairs) {
+    // b as (64 columns, s, groups of 64 columns, batch): one box takes a block's two groups of a
+    // stage, each kT16WgBK rows of 128 bytes, group after group as the stage lays them.  Its
+    // strides do not grow with the dimension; where a driver refuses that, a copy a group.
+    TORCH_CHECK(NH % 64 == 0, "flashopm: internal error: b in pairs of 64-column groups needs N·hidden a multiple of 64, got ", NH);
+    const cuuint32_t box_b2[4] = {64, cuuint32_t(kT16WgBK), 2, 1};
+    const cuuint64_t dims_b2[4] = {64, S, NH / 64, cuuint64_t(args.B)}, strides_b2[3] = {NH * 2, 128, S * NH * 2};
+    CUresult r = CUDA_SUCCESS;
+    kargs.tc16_b_pairs = encode_map16_if_taken(maps.b2, operand_kind, args.b, 4, dims_b2, strides_b2, box_b2, &r);
+    if (!kargs.tc16_b_pairs)
+      TORCH_WARN_ONCE("flashopm: the driver refused b's map in pairs of 64-column groups (", int(r),
+                      "); the tensor-copy forms copy b a group at a time");
+  }
   cudaLaunchAttribute attr[1];
   const cudaLaunchConfig_t cfg =
       tc16_cluster_config<kCluster, kWide>(dim3(unsigned(clusters * kCluster)), smem, stream, attr);
-  launch_kernel<opm_outer_tc16_cluster_kernel<T, kCluster, kWide>, SmemSetup::kOptIn>(cfg, args, maps);
+  launch_kernel<opm_outer_tc16_cluster_kernel<T, kCluster, kWide>, SmemSetup::kOptIn>(cfg, kargs, maps);
 }
 template <typename T>
 void launch_tc16_clusters_of(const OuterArgs& args, int operand_kind, int cluster, bool wide, int clusters, int smem,

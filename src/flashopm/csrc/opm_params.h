@@ -524,11 +524,15 @@ struct OuterArgs {
   // three warps beside the next tile's phase 1, where the output takes 16-bit stores
   // (FLASHOPM_TC16_STORE_WARPS=0: by the consumers at once)
   int tc16_store_warps;
-  // the wide tensor-copy forms: 1, each consumer warpgroup copies its own rows of a into a stage
-  // buffer once it has retired that buffer's stage, for every stage of a tile past its first
-  // kStages (the producer then copies b alone there: FLASHOPM_TC16_CONSUMER_A=1); 0, the producer
-  // copies every stage whole
-  int tc16_consumer_a;
+  // the wide tensor-copy forms: 1, a block's two b groups of a stage (8 KB together in one slice)
+  // come by one copy of Tc16Maps::b2, where N·H is a multiple of 64 (FLASHOPM_TC16_B_PAIRS=0: one
+  // copy a group)
+  int tc16_b_pairs;
+  // the wide tensor-copy forms: 1, W's chunks 2 and 3 of each tile loaded from L2 by the third
+  // consumer warpgroup (idle in phase 2) into its registers as phase 2 begins, and stored into
+  // their slots as soon as this block's phase 2 has retired chunks 0 and 1, rather than copied once
+  // every block of the cluster has (FLASHOPM_TC16_W_THIRD=0: copied by the producer)
+  int tc16_w_third;
   // the 16-bit kernel's wgmma forms: 1, 16-byte output stores where the output allows them
   // (FLASHOPM_TC16_WIDE_STORES=0: 4-byte stores)
   int tc16_wide;
@@ -893,6 +897,17 @@ FLASHOPM_HD constexpr int tc16_wide_w_half(int slot, int h, int w) {
   if (slot < 6) return (slot - 2) * kT16WideSlice + h * (kT16Wg2ChunkBytes / 2);
   return (2 * (slot - 6) + h) * kT16WideSlice + kT16Wg2ChunkBytes;
 }
+// The wide forms' W chunks that the third consumer warpgroup stores from its registers
+// (OuterArgs::tc16_w_third): chunks 2 and 3, the first that wait for a release (of chunks 0 and 1)
+// and then for L2, while phase 2 has nothing else in flight (run 353: 860 and 743 cycles a tile
+// against ~120 for the others).  Their slots' chunks before are 0 and 1 (tc16_wide_w_after).
+constexpr int kT16WideThirdChunk0 = 2, kT16WideThirdChunks = 2;
+FLASHOPM_HD constexpr bool tc16_wide_w_by_third(int n) {
+  return n >= kT16WideThirdChunk0 && n < kT16WideThirdChunk0 + kT16WideThirdChunks;
+}
+static_assert(tc16_wide_w_after(kT16WideThirdChunk0) == kT16WideThirdChunk0 - 2 &&
+                  tc16_wide_w_after(kT16WideThirdChunk0 + 1) == kT16WideThirdChunk0 - 1,
+              "the third warpgroup's chunks wait for the chunks two before them");
 // The tables' rules, checked as the code compiles (hidden 32, W's buffers from 192 KB): each
 // chunk waits for one at least two back (a warpgroup releases a chunk once its next chunk's MMAs
 // are issued, with one group in flight); its halves lie clear of every chunk issued since that
@@ -975,6 +990,9 @@ struct Tc16Maps {
   alignas(64) unsigned char a[128];
   alignas(64) unsigned char b[128];
   alignas(64) unsigned char w[128];
+  // b as (B, N·H / 64, S, 64): a box is two consecutive 64-column groups of kT16WgBK s, group by
+  // group (OuterArgs::tc16_b_pairs; zeros otherwise)
+  alignas(64) unsigned char b2[128];
 };
 // The form of the 16-bit kernel for a tile when `requested` is asked for.
 FLASHOPM_HD inline int tc16_form(int Ti, int Tj, int requested) {

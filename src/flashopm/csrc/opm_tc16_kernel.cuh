@@ -78,6 +78,10 @@ __device__ __forceinline__ void tc16_produce(const OuterArgs& p, const Tc16Maps&
   const bool defer = !kWide && p.tc16_defer != 0;
   const int red_lo = L.w;  // phase 2's other sums from L.w
   const int red_hi = red_lo + Sh::kRound * (kTcDG + 4) * 4;
+  // bit sb: the parity of stage buffer sb's fills a tile (uses), so that the k-th fill's wait for
+  // the (k-1)-th release takes its parity without a product a stage
+  uint32_t uses_odd = 0;
+  for (int sb = 0; sb < kStages; ++sb) uses_odd |= uint32_t(uses(sb) & 1) << sb;
   int wq = 0;            // W chunks issued so far, over every tile
   int stored_rounds = 0;  // rounds that arrive on "stored" once stored, so far
   bool last_stored = false;  // whether the round issued last arrives there
@@ -90,8 +94,11 @@ __device__ __forceinline__ void tc16_produce(const OuterArgs& p, const Tc16Maps&
     const int a_row0 = i0 * H;
     int b_col0 = j0 * H + int(rank) * kBGroupsShare * 64;  // this block's share of the column tile's b
     for (int q = 0, kt = 0; q < n_q; ++q) {
-      const int buf = q % kStages, use = it * uses(buf) + q / kStages;
-      if (use > 0) mbarrier_wait_parity_suspend(empty + buf, (use - 1) & 1);
+      // this fill is the buffer's use it·uses(buf) + q / kStages (from 0); it waits for the one
+      // before's release (every buffer below n_q is filled each tile)
+      const int buf = q % kStages;
+      if (it > 0 || q >= kStages)
+        mbarrier_wait_parity_suspend(empty + buf, ((unsigned(it) & (uses_odd >> buf)) ^ unsigned(q / kStages) ^ 1u) & 1u);
       if (it > 0 && q < kStages) {
         // the buffer's first stage of this tile: the last tile's O and W chunks read (its last
         // chunk released by every block), and where the buffer lies over the sums, those stored
@@ -105,21 +112,32 @@ __device__ __forceinline__ void tc16_produce(const OuterArgs& p, const Tc16Maps&
       mbarrier_arrive_expect_tx(full + buf, kStageBytes);
       const int s0 = kt * kT16WgBK;
       const uint32_t st = stages_addr + uint32_t(buf * kStageBytes);
-      // (FLASHOPM_TC16_CONSUMER_A=1: past the tile's first stages, each consumer warpgroup copies
-      // its own rows of a; the stage's bytes are still all counted here)
-      if (!kWide || q < kStages || !p.tc16_consumer_a) {
 #pragma unroll
-        for (int grp = 0; grp < Sh::kMT / 64; ++grp)
-          tma_load_3d(kWide ? smem_addr + uint32_t(tc16_wide_stage_a(buf, grp, L.w)) : st + grp * kT16WgGroupBytes,
-                      maps.a, a_row0 + grp * 64, s0, b, full + buf);
+      for (int grp = 0; grp < Sh::kMT / 64; ++grp)
+        tma_load_3d(kWide ? smem_addr + uint32_t(tc16_wide_stage_a(buf, grp, L.w)) : st + grp * kT16WgGroupBytes, maps.a,
+                    a_row0 + grp * 64, s0, b, full + buf);
+      bool b_done = false;
+      if constexpr (kWide && kBGroupsShare % 2 == 0) {
+        // two groups a copy, 8 KB together in one slice (tc16_wide_stage_b)
+        if (p.tc16_b_pairs) {
+#pragma unroll
+          for (int share = 0; share < kBGroupsShare; share += 2) {
+            const uint32_t dst = smem_addr + uint32_t(tc16_wide_stage_b(buf, int(rank) * kBGroupsShare + share));
+            if constexpr (kCluster == 1) tma_load_4d(dst, maps.b2, 0, s0, (b_col0 >> 6) + share, b, full + buf);
+            else tma_load_4d_mc(dst, maps.b2, 0, s0, (b_col0 >> 6) + share, b, full + buf, kMask);
+          }
+          b_done = true;
+        }
       }
+      if (!b_done) {
 #pragma unroll
-      for (int share = 0; share < kBGroupsShare; ++share) {
-        const int grp = int(rank) * kBGroupsShare + share;
-        const uint32_t dst = kWide ? smem_addr + uint32_t(tc16_wide_stage_b(buf, grp))
-                                   : st + Sh::kABytes + grp * kT16WgGroupBytes;
-        if constexpr (kCluster == 1) tma_load_3d(dst, maps.b, b_col0 + share * 64, s0, b, full + buf);
-        else tma_load_3d_mc(dst, maps.b, b_col0 + share * 64, s0, b, full + buf, kMask);
+        for (int share = 0; share < kBGroupsShare; ++share) {
+          const int grp = int(rank) * kBGroupsShare + share;
+          const uint32_t dst = kWide ? smem_addr + uint32_t(tc16_wide_stage_b(buf, grp))
+                                     : st + Sh::kABytes + grp * kT16WgGroupBytes;
+          if constexpr (kCluster == 1) tma_load_3d(dst, maps.b, b_col0 + share * 64, s0, b, full + buf);
+          else tma_load_3d_mc(dst, maps.b, b_col0 + share * 64, s0, b, full + buf, kMask);
+        }
       }
       if (++kt == n_k) kt = 0, b_col0 += p.Tj * H;
     }
@@ -131,6 +149,7 @@ __device__ __forceinline__ void tc16_produce(const OuterArgs& p, const Tc16Maps&
         last_stored = !defer || dg + kTcDG < p.D || r0 + Sh::kRound < P;
         stored_rounds += last_stored;
         for (int kc = 0; kc < n_kc; ++kc, ++wq) {
+          if (kWide && p.tc16_w_third && tc16_wide_w_by_third(kc)) continue;  // (the consumers' third warpgroup's)
           const int buf = wq % kW2Stages, use = wq / kW2Stages;
           // the chunk's buffer (bytes from the shared memory's start; kWide: its slot's first
           // half, A's or B's, the only slots the chunks without a release wait use, contiguous)
@@ -534,26 +553,6 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
     const uint64_t desc_a0 =
         wgmma_desc(kWide ? smem : wg_stages + wg * kT16WgGroupBytes, kT16WgGroupBytes, 1024);
     const uint64_t desc_b0 = wgmma_desc(kWide ? smem : wg_stages + kABytes, kT16WgGroupBytes, 1024);
-    // FLASHOPM_TC16_CONSUMER_A=1 (kWide): stage t = js·n_k + kt of the tile, past the first
-    // kStages, gets this warpgroup's rows of a from this warpgroup, once it has retired stage
-    // t - kStages in the same buffer (no other warpgroup reads those rows, so the copy need not
-    // wait for any other release); its bytes complete the stage's "full" mbarrier, whose count the
-    // producer set for the whole stage.
-    [[maybe_unused]] auto copy_own_a = [&](int t, int buf) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-      if constexpr (kWide) {
-        static_assert(kT16JSub == 2, "a stage's s from its index by one subtraction");
-        // (slower than the producer's copies, paired 0.952 in run 353; its test costs the phase-1
-        // loop one reload of a spilled value a stage even when off)
-        if (p.tc16_consumer_a)
-          if (t < kT16JSub * n_k && (threadIdx.x & 127) == 0) {
-            const int kt_t = t >= n_k ? t - n_k : t;
-            tma_load_3d(static_cast<uint32_t>(__cvta_generic_to_shared(smem + tc16_wide_stage_a(buf, wg, L.w))),
-                        maps->a, i0 * H + wg * 64, kt_t * kT16WgBK, b, bars + buf);
-          }
-      }
-#endif
-    };
     for (int js = 0; js < kT16JSub; ++js) {
       float acc[128];
 #pragma unroll
@@ -600,10 +599,7 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
         // kTma: the previous stage's products retired by this warpgroup (this tile's; the last
         // tile's last stage is released below)
         if constexpr (kTma)
-          if (kt > 0) {
-            release(bars + kStages + prev_buf);
-            copy_own_a(js * n_k + kt - 1 + kStages, prev_buf);
-          }
+          if (kt > 0) release(bars + kStages + prev_buf);
       }
       wgmma_wait<0>();
       mark(js == 0 ? kT16MarkP1Done0 : kT16MarkP1Done1, 0);
@@ -622,11 +618,7 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
       // the first round's rows (the block's tile before has stored its rows by now)
       if constexpr (kWgmmaBoth)
         if (js == 0) stage_round_rows(0);
-      if constexpr (kTma) {
-        const int last = js * n_k + n_k - 1;
-        release(bars + kStages + last % kStages);
-        copy_own_a(last + kStages, last % kStages);
-      }
+      if constexpr (kTma) release(bars + kStages + (js * n_k + n_k - 1) % kStages);
       if (js + 1 == kT16JSub) {
         // (kTma: every stage's bytes from every block have arrived: nothing more is copied here)
         if constexpr (!kTma) cp_async_wait_all();
@@ -869,6 +861,40 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
     const uint32_t w_dst = kmajor_sw128_offset(wr, wc * 8, 1024);  // rows wr + 32u: + 4 KB each
     [[maybe_unused]] uint64_t* w_full = bars + 2 * kStages;
     [[maybe_unused]] uint64_t* w_empty = w_full + kW2Stages;
+    // kWide (OuterArgs::tc16_w_third): the third warpgroup's part in phase 2, W's chunks
+    // kT16WideThirdChunk0 .. of round dg, loaded from L2 at once into registers, each stored into
+    // its slot (in the map's 128-byte swizzle) as soon as this block's first two warpgroups have
+    // retired the chunk two before it, which held that slot (barrier 3 + c), and announced on its
+    // full mbarrier: the producer's copy would wait for every block's release and then for L2.
+    [[maybe_unused]] auto third_wg_w_chunks = [&](int dg) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+      const int q = tid & 127, piece = q & 7, row0 = q >> 3;  // 16-byte piece `piece` of rows row0 + 16u
+      uint4 v[kT16WideThirdChunks][8];
+      const T* src = w_blk + int64_t(min(dg + row0, D - 1)) * K2 + kT16WideThirdChunk0 * 64 + piece * 8;
+      const int valid_rows = D - dg - row0;  // row row0 + 16u lies below D where 16u < valid_rows
+#pragma unroll
+      for (int c = 0; c < kT16WideThirdChunks; ++c)
+#pragma unroll
+        for (int u = 0; u < 8; ++u)
+          v[c][u] = ld_global_cg16z(src + (16 * u < valid_rows ? 16 * u * K2 : 0) + c * 64,
+                                    16 * u < valid_rows);  // (zeros past D, as the map's copy fills them)
+#pragma unroll
+      for (int c = 0; c < kT16WideThirdChunks; ++c) {
+        const int kc = kT16WideThirdChunk0 + c, slot = tc16_wide_w_slot(kc);
+        named_barrier(3 + c, kThreadsC);  // this block's chunk kc - 2 retired (its tensor cores' reads done)
+        fence_proxy_async_smem();
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+          const int row = row0 + 16 * u;  // of the chunk's 128 rows of d: half row / 64
+          *reinterpret_cast<uint4*>(smem + tc16_wide_w_half(slot, row >> 6, L.w) +
+                                    kmajor_sw128_offset(row & 63, piece * 8, 1024)) = v[c][u];
+        }
+        fence_proxy_async_smem();  // visible to the tensor cores
+        named_barrier(5, 128);     // every piece stored before the chunk is announced
+        if (q == 0) mbarrier_arrive_local(w_full + (w_base + kc) % kW2Stages);
+      }
+#endif
+    };
     for (int dg = 0; dg < D; dg += kTcDG) {
       bool d_ok[kTcDG / 32];
 #pragma unroll
@@ -915,6 +941,7 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
           // rows d, columns the round's pairs (kWide: 96, one m64n96k16; the third warpgroup has no d)
           constexpr int kAcc2 = kRound / 2;
           const bool p2_wg = wg < 2;
+          if (kWide && !p2_wg && p.tc16_w_third) third_wg_w_chunks(dg);  // (before the accumulators, which it does not hold)
           float acc2[kAcc2];
 #pragma unroll
           for (int e = 0; e < kAcc2; ++e) acc2[e] = 0.f;
@@ -960,6 +987,13 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
             wgmma_wait<1>();
             if constexpr (kTma)  // the previous chunk's products retired by this warpgroup
               if (kc > 0) release(w_empty + (w_base + kc - 1) % kW2Stages);
+            // (and in this block, to the third warpgroup, which stores the chunk two after it)
+            if constexpr (kWide)
+              if (p.tc16_w_third) {
+                static_assert(kT16WideThirdChunks == 2, "a barrier for each of the third warpgroup's chunks");
+                if (kc == kT16WideThirdChunk0 - 1) named_barrier_arrive(3, kThreadsC);
+                if (kc == kT16WideThirdChunk0) named_barrier_arrive(4, kThreadsC);
+              }
           }
           wgmma_wait<0>();
           mark(kT16MarkP2Done, 0);
