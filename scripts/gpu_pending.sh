@@ -82,12 +82,14 @@
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR wt26  # W's chunks 2-3 by the third consumer
 #                                                       # warpgroup, over pc25's producer: tests,
 #                                                       # traces, pairs, rows, files
+#          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR nd27  # test_distributed, then Nsight of the
+#                                                       # default form
 # (DEST: a folder that r.tgz is also copied to after every step)
 # Each phase fits one call of under ten minutes, the build (~2 min) included.
 # steps.txt lists each step's exit status; a failing test step stops the call.
 OUT=$1
 PHASE=${2:-default}
-case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows | bf16 | clusters | bf16_clusters | ncu_clusters | land | producer | regs | pairs | proj16 | stack | stack_rows | trace16 | defer | ksplit | final16 | final17 | rest17 | stm17 | wtrace17 | wide18 | rest18 | rate20 | n96 | sw21 | ls22 | nc23 | pw24 | pc25 | wt26) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all, own_rows, bf16, clusters, bf16_clusters, ncu_clusters, land, producer, regs, pairs, proj16, stack, stack_rows, trace16, defer, ksplit, final16, final17, rest17, stm17, wtrace17, wide18, rest18, rate20, n96, sw21, ls22, nc23, pw24, pc25 or wt26, got '$PHASE'" >&2; exit 2 ;; esac
+case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows | bf16 | clusters | bf16_clusters | ncu_clusters | land | producer | regs | pairs | proj16 | stack | stack_rows | trace16 | defer | ksplit | final16 | final17 | rest17 | stm17 | wtrace17 | wide18 | rest18 | rate20 | n96 | sw21 | ls22 | nc23 | pw24 | pc25 | wt26 | nd27) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all, own_rows, bf16, clusters, bf16_clusters, ncu_clusters, land, producer, regs, pairs, proj16, stack, stack_rows, trace16, defer, ksplit, final16, final17, rest17, stm17, wtrace17, wide18, rest18, rate20, n96, sw21, ls22, nc23, pw24, pc25, wt26 or nd27, got '$PHASE'" >&2; exit 2 ;; esac
 R=$OUT/r
 mkdir -p "$R"
 pack() { tar -C "$OUT" -czf "$OUT/r.tgz" r; [ -n "$DEST" ] && cp "$OUT/r.tgz" "$DEST/"; }
@@ -600,6 +602,23 @@ if [ "$PHASE" = pw24 ]; then
   T t_cuda 150 $py -m pytest -q -p no:cacheprovider tests/test_cuda.py -k "not consumer_a"
   T t_conv 150 $py -m pytest -q -p no:cacheprovider tests/test_conventions.py tests/test_modules.py tests/test_projection16.py
   rows_and_files
+  exit 0
+fi
+
+if [ "$PHASE" = nd27 ]; then
+  # the test file run 354 did not reach, then the default (wide) form with W's chunks 2-3 by the
+  # third warpgroup under Nsight Compute, as nc23 (without the timelines)
+  T t_distributed 120 $py -m pytest -q -p no:cacheprovider tests/test_distributed.py
+  tc16_one
+  T ncu_wide 240 ncu --clock-control none -k regex:opm_outer_tc16 --launch-skip 1 --launch-count 1 \
+    --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+    --section MemoryWorkloadAnalysis_Tables --section SchedulerStats --section WarpStateStats \
+    --section InstructionStats --section SourceCounters --section LaunchStats --section Occupancy \
+    --import-source no -o "$R/wide" -f $py "$R/tc16_one.py"
+  T ncu_source 120 bash -c "set -o pipefail; ncu -i '$R/wide.ncu-rep' --page source --csv --print-source sass | gzip -9 > '$R/source.csv.gz' ||
+    ncu -i '$R/wide.ncu-rep' --page details --print-details all | gzip -9 > '$R/details.txt.gz'"
+  rm -f "$R/wide.ncu-rep"
+  pack
   exit 0
 fi
 
