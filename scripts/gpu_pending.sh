@@ -605,10 +605,9 @@ if [ "$PHASE" = pw24 ]; then
   exit 0
 fi
 
-if [ "$PHASE" = nd27 ]; then
-  # the test file run 354 did not reach, then the default (wide) form with W's chunks 2-3 by the
-  # third warpgroup under Nsight Compute, as nc23 (without the timelines)
-  T t_distributed 120 $py -m pytest -q -p no:cacheprovider tests/test_distributed.py
+# The default (wide) form of the 16-bit contraction under Nsight Compute: every section, and the
+# stall samples and shared-memory traffic of each SASS line (source.csv.gz).
+ncu_default_form() {
   tc16_one
   T ncu_wide 240 ncu --clock-control none -k regex:opm_outer_tc16 --launch-skip 1 --launch-count 1 \
     --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
@@ -619,6 +618,13 @@ if [ "$PHASE" = nd27 ]; then
     ncu -i '$R/wide.ncu-rep' --page details --print-details all | gzip -9 > '$R/details.txt.gz'"
   rm -f "$R/wide.ncu-rep"
   pack
+}
+
+if [ "$PHASE" = nd27 ]; then
+  # the test file run 354 did not reach, then the default (wide) form with W's chunks 2-3 by the
+  # third warpgroup under Nsight Compute, as nc23 (without the timelines)
+  T t_distributed 120 $py -m pytest -q -p no:cacheprovider tests/test_distributed.py
+  ncu_default_form
   exit 0
 fi
 
@@ -626,16 +632,7 @@ if [ "$PHASE" = nc23 ]; then
   # the default (wide) form of the 16-bit contraction under Nsight Compute: every section, and
   # the stall samples and shared-memory traffic of each SASS line (source.csv.gz); then where a
   # lone call's host time goes against its kernels (OpenFold's and the spec's conventions)
-  tc16_one
-  T ncu_wide 240 ncu --clock-control none -k regex:opm_outer_tc16 --launch-skip 1 --launch-count 1 \
-    --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
-    --section MemoryWorkloadAnalysis_Tables --section SchedulerStats --section WarpStateStats \
-    --section InstructionStats --section SourceCounters --section LaunchStats --section Occupancy \
-    --import-source no -o "$R/wide" -f $py "$R/tc16_one.py"
-  T ncu_source 120 bash -c "set -o pipefail; ncu -i '$R/wide.ncu-rep' --page source --csv --print-source sass | gzip -9 > '$R/source.csv.gz' ||
-    ncu -i '$R/wide.ncu-rep' --page details --print-details all | gzip -9 > '$R/details.txt.gz'"
-  rm -f "$R/wide.ncu-rep"
-  pack
+  ncu_default_form
   T timeline_openfold 90 $py scripts/lone_call_timeline.py --module openfold
   T timeline_spec 90 $py scripts/lone_call_timeline.py --module spec
   exit 0
