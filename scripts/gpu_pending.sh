@@ -84,12 +84,14 @@
 #                                                       # traces, pairs, rows, files
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR nd27  # test_distributed, then Nsight of the
 #                                                       # default form
+#          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR os28  # the wide O stores alone compiled:
+#                                                       # tests, trace, OpenFold's row
 # (DEST: a folder that r.tgz is also copied to after every step)
 # Each phase fits one call of under ten minutes, the build (~2 min) included.
 # steps.txt lists each step's exit status; a failing test step stops the call.
 OUT=$1
 PHASE=${2:-default}
-case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows | bf16 | clusters | bf16_clusters | ncu_clusters | land | producer | regs | pairs | proj16 | stack | stack_rows | trace16 | defer | ksplit | final16 | final17 | rest17 | stm17 | wtrace17 | wide18 | rest18 | rate20 | n96 | sw21 | ls22 | nc23 | pw24 | pc25 | wt26 | nd27) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all, own_rows, bf16, clusters, bf16_clusters, ncu_clusters, land, producer, regs, pairs, proj16, stack, stack_rows, trace16, defer, ksplit, final16, final17, rest17, stm17, wtrace17, wide18, rest18, rate20, n96, sw21, ls22, nc23, pw24, pc25, wt26 or nd27, got '$PHASE'" >&2; exit 2 ;; esac
+case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows | bf16 | clusters | bf16_clusters | ncu_clusters | land | producer | regs | pairs | proj16 | stack | stack_rows | trace16 | defer | ksplit | final16 | final17 | rest17 | stm17 | wtrace17 | wide18 | rest18 | rate20 | n96 | sw21 | ls22 | nc23 | pw24 | pc25 | wt26 | nd27 | os28) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all, own_rows, bf16, clusters, bf16_clusters, ncu_clusters, land, producer, regs, pairs, proj16, stack, stack_rows, trace16, defer, ksplit, final16, final17, rest17, stm17, wtrace17, wide18, rest18, rate20, n96, sw21, ls22, nc23, pw24, pc25, wt26, nd27 or os28, got '$PHASE'" >&2; exit 2 ;; esac
 R=$OUT/r
 mkdir -p "$R"
 pack() { tar -C "$OUT" -czf "$OUT/r.tgz" r; [ -n "$DEST" ] && cp "$OUT/r.tgz" "$DEST/"; }
@@ -537,6 +539,16 @@ if [ "$PHASE" = n96 ]; then
   # warpgroups 0.973-0.975, default over FLASHOPM_TC16_WIDE=0)
   r=$(grep -o "paired (without / with) [0-9.]*" "$R/ab_two.log" | awk '{print $NF}' | head -1)
   if [ -n "$r" ] && awk "BEGIN { exit !($r < 0.970) }"; then rest_files; fi
+  exit 0
+fi
+
+if [ "$PHASE" = os28 ]; then
+  # the wide forms' O stores compiled alone in their kernels (fewer spills): the 16-bit forms'
+  # bits (stop at the first failure), the trace (cycles a tile, against run 354's 51218), OpenFold's
+  # row (~2 min with the build)
+  T t_wide 150 $py -m pytest -q -x -p no:cacheprovider tests/test_cuda.py -k "wide_form or cluster_form or default_form" || exit 0
+  T trace16 60 $py scripts/tc16_trace.py --out "$R/trace16" --forms "2"
+  mod_row openfold
   exit 0
 fi
 
