@@ -127,11 +127,20 @@ bench_bf16() {
   T bench_bf16 90 $py -m flashopm bench --shapes "1,512,1536,256,32,128" --dtype bfloat16 \
     --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/bench_bf16"
 }
+# The 16-bit forms' bits (test_cuda.py's wide, cluster and default forms), stopping at the first
+# failure; step NAME (t_wide by default).
+wide_bits() {
+  T "${1:-t_wide}" 150 $py -m pytest -q -x -p no:cacheprovider tests/test_cuda.py -k "wide_form or cluster_form or default_form"
+}
+# VAR=VALUE paired against the default at the bfloat16 row of (1,512,1536,256,32,128) (step ab_NAME).
+ab_pair() {
+  T "ab_$1" 60 $py scripts/ab_env.py "$2" 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6
+}
 # VAR=1 paired against the default at the bfloat16 row (step ab_NAME), and kept on for the steps
 # after where it is faster.
 pair_and_keep() {
   local var=$1 name=$2 r
-  T ab_$name 60 $py scripts/ab_env.py $var=1 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6
+  ab_pair "$name" "$var=1"
   r=$(grep -o "paired (without / with) [0-9.]*" "$R/ab_$name.log" | awk '{print $NF}' | head -1)
   if [ -n "$r" ] && awk "BEGIN { exit !($r > 1.0) }"; then export "$var=1"; fi
   echo "from here $var=${!var:-0} (paired $r)" >>"$R/steps.txt"
@@ -160,7 +169,7 @@ rows_and_files() {
 pair_clusters() {
   local best=0 best_r=1.0 cl r
   for cl in "$@"; do
-    T "ab_cluster$cl" 60 $py scripts/ab_env.py FLASHOPM_TC16_CLUSTER=$cl 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6
+    ab_pair "cluster$cl" "FLASHOPM_TC16_CLUSTER=$cl"
     r=$(grep -o "paired (without / with) [0-9.]*" "$R/ab_cluster$cl.log" | awk '{print $NF}' | head -1)
     [ -n "$r" ] && awk "BEGIN { exit !($r > $best_r) }" && best=$cl best_r=$r
   done
@@ -434,7 +443,7 @@ if [ "$PHASE" = bf16_clusters ]; then
   # paired ratio (without / with) of an ab_env log: above 1 where the switch is faster
   paired() { grep -o "paired (without / with) [0-9.]*" "$R/$1.log" | awk '{print $NF}' | head -1; }
   faster() { local r; r=$(paired "$1"); [ -n "$r" ] && awk "BEGIN { exit !($r > 1.0) }"; }
-  ab_c() { T "ab_cluster$1" 60 $py scripts/ab_env.py FLASHOPM_TC16_CLUSTER=$1 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6; }
+  ab_c() { ab_pair "cluster$1" "FLASHOPM_TC16_CLUSTER=$1"; }
   if [ "$CL" != 1 ]; then
     ab_c 4
     if [ -z "$CLUSTER" ] && ! faster ab_cluster4; then
@@ -451,7 +460,7 @@ if [ "$PHASE" = bf16_clusters ]; then
   done
   T conv_bounded 90 env FLASHOPM_TC16_CLUSTER=$CL FLASHOPM_PLAN_LOG=1 $py scripts/convention_times.py 1536 row openfold bfloat16 kernels bounded
   T conv_clusters 90 env FLASHOPM_TC16_CLUSTER=$CL $py scripts/convention_times.py 1536 row openfold boltz bfloat16 kernels
-  T ab_stream 60 $py scripts/ab_env.py FLASHOPM_PROJECT_STREAM=1 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6
+  ab_pair stream FLASHOPM_PROJECT_STREAM=1
   [ "$CL" != 1 ] && [ ! -f "$R/ab_cluster2.log" ] && ab_c 2
   exit 0
 fi
@@ -494,7 +503,7 @@ forward_files() {
 }
 wide_against_two() {
   T trace16 120 $py scripts/tc16_trace.py --out "$R/trace16" --forms "2,2+FLASHOPM_TC16_WIDE=0"
-  T ab_two 60 $py scripts/ab_env.py FLASHOPM_TC16_WIDE=0 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6
+  ab_pair two FLASHOPM_TC16_WIDE=0
   T mod_openfold_bf16 120 $py -m flashopm bench --module openfold --shapes "1,512,1536,256,32,128" \
     --dtype bfloat16 --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/mod_openfold_bf16"
 }
@@ -529,7 +538,7 @@ if [ "$PHASE" = n96 ]; then
   # the wide forms' phase 2 as one m64n96k16 a k step (O and phase 1's stages in slices of two
   # chunks, W's whole halves in A, B and used slices): the 16-bit forms' bits (stop at the first
   # failure), then against two warpgroups, the specification's and Boltz's rows, the forward files
-  T t_wide 120 $py -m pytest -q -x -p no:cacheprovider tests/test_cuda.py -k "wide_form or cluster_form or default_form" || exit 0
+  wide_bits || exit 0
   wide_against_two
   T mod_boltz_bf16 120 $py -m flashopm bench --module boltz --shapes "1,512,1536,256,32,128" \
     --dtype bfloat16 --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/mod_boltz_bf16"
@@ -546,7 +555,7 @@ if [ "$PHASE" = os28 ]; then
   # the wide forms' O stores compiled alone in their kernels (fewer spills): the 16-bit forms'
   # bits (stop at the first failure), the trace (cycles a tile, against run 354's 51218), OpenFold's
   # row (~2 min with the build)
-  T t_wide 150 $py -m pytest -q -x -p no:cacheprovider tests/test_cuda.py -k "wide_form or cluster_form or default_form" || exit 0
+  wide_bits || exit 0
   T trace16 60 $py scripts/tc16_trace.py --out "$R/trace16" --forms "2"
   mod_row openfold
   exit 0
@@ -558,15 +567,15 @@ if [ "$PHASE" = wt26 ]; then
   # tile) over pc25's producer (b's two groups a copy, the parity without a product): the 16-bit
   # forms' bits (with W_THIRD=0 where the default fails), the traces (cycles a tile, against run
   # 353's 52522), the pairs, OpenFold's row, the forward files, the other rows, every test file
-  if ! T t_wide 150 $py -m pytest -q -x -p no:cacheprovider tests/test_cuda.py -k "wide_form or cluster_form or default_form"; then
+  if ! wide_bits; then
     export FLASHOPM_TC16_W_THIRD=0
     echo "from here FLASHOPM_TC16_W_THIRD=0 (t_wide failed)" >>"$R/steps.txt"
-    T t_wide_w0 150 $py -m pytest -q -x -p no:cacheprovider tests/test_cuda.py -k "wide_form or cluster_form or default_form" || exit 0
+    wide_bits t_wide_w0 || exit 0
   fi
   T trace16 90 $py scripts/tc16_trace.py --out "$R/trace16" \
     --forms "2,2+FLASHOPM_TC16_W_THIRD=0,2+FLASHOPM_TC16_B_PAIRS=0,2+FLASHOPM_TC16_WIDE=0"
-  T ab_w_third 60 $py scripts/ab_env.py FLASHOPM_TC16_W_THIRD=0 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6
-  T ab_b_pairs 60 $py scripts/ab_env.py FLASHOPM_TC16_B_PAIRS=0 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6
+  ab_pair w_third FLASHOPM_TC16_W_THIRD=0
+  ab_pair b_pairs FLASHOPM_TC16_B_PAIRS=0
   mod_row openfold
   T t_cuda 150 $py -m pytest -q -p no:cacheprovider tests/test_cuda.py
   T t_conv 150 $py -m pytest -q -p no:cacheprovider tests/test_conventions.py tests/test_modules.py tests/test_projection16.py
@@ -584,9 +593,9 @@ if [ "$PHASE" = pc25 ]; then
   # forms' bits with and without (stop at the first failure), the traces (cycles a tile, against
   # run 353's 52522), the pair against one copy a group, OpenFold's row, then the forward files,
   # the other rows and every test file
-  T t_wide 120 $py -m pytest -q -x -p no:cacheprovider tests/test_cuda.py -k "wide_form or cluster_form or default_form" || exit 0
+  wide_bits || exit 0
   T trace16 90 $py scripts/tc16_trace.py --out "$R/trace16" --forms "2,2+FLASHOPM_TC16_B_PAIRS=0,2+FLASHOPM_TC16_WIDE=0"
-  T ab_b_pairs 60 $py scripts/ab_env.py FLASHOPM_TC16_B_PAIRS=0 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6
+  ab_pair b_pairs FLASHOPM_TC16_B_PAIRS=0
   mod_row openfold
   forward_files
   rows_and_files
@@ -657,7 +666,7 @@ if [ "$PHASE" = ls22 ]; then
   # forms' bits with and without (stop at the first failure), the traces (cycles a tile, against
   # run 350's 55031), the pair, the rows (early stages on where the pair is below 1), then the
   # test files
-  T t_wide 120 $py -m pytest -q -x -p no:cacheprovider tests/test_cuda.py -k "wide_form or cluster_form or default_form" || exit 0
+  wide_bits || exit 0
   T trace16 120 $py scripts/tc16_trace.py --out "$R/trace16" --forms "2,2+FLASHOPM_TC16_EARLY_STAGES=1,2+FLASHOPM_TC16_WIDE=0"
   pair_and_keep FLASHOPM_TC16_EARLY_STAGES early
   mod_row openfold
@@ -671,8 +680,8 @@ if [ "$PHASE" = sw21 ]; then
   # phase 1 (FLASHOPM_TC16_STORE_WARPS, on by default): the 16-bit forms' bits with and without
   # (stop at the first failure), both traced and paired, the bfloat16 rows; where they are slower,
   # the rest with them off; then the test files (~9 min with the build; the first five steps ~2 min)
-  T t_wide 120 $py -m pytest -q -x -p no:cacheprovider tests/test_cuda.py -k "wide_form or cluster_form or default_form" || exit 0
-  T ab_store_warps 60 $py scripts/ab_env.py FLASHOPM_TC16_STORE_WARPS=0 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6
+  wide_bits || exit 0
+  ab_pair store_warps FLASHOPM_TC16_STORE_WARPS=0
   r=$(grep -o "paired (without / with) [0-9.]*" "$R/ab_store_warps.log" | awk '{print $NF}' | head -1)
   if [ -z "$r" ] || awk "BEGIN { exit !($r >= 1.0) }"; then export FLASHOPM_TC16_STORE_WARPS=0; fi
   echo "from here FLASHOPM_TC16_STORE_WARPS=${FLASHOPM_TC16_STORE_WARPS:-1} (paired $r)" >>"$R/steps.txt"
@@ -702,7 +711,7 @@ if [ "$PHASE" = final17 ]; then
   # four paired against two and both traced; the test files not run on this code yet; Nsight
   # Compute's memory tables for clusters of two (L2's throughput against the SMs') (~7 min)
   T t_auto 150 $py -m pytest -q -p no:cacheprovider tests/test_autograd.py
-  T ab_cluster4 60 $py scripts/ab_env.py FLASHOPM_TC16_CLUSTER=4 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6
+  ab_pair cluster4 FLASHOPM_TC16_CLUSTER=4
   T trace16 120 $py scripts/tc16_trace.py --out "$R/trace16" --forms "2,4"
   T t_rest 240 $py -m pytest -q -p no:cacheprovider tests --ignore=tests/test_cuda.py --ignore=tests/test_conventions.py \
     --ignore=tests/test_modules.py --ignore=tests/test_projection16.py --ignore=tests/test_autograd.py
@@ -722,10 +731,10 @@ if [ "$PHASE" = final16 ]; then
   # forward test files whole and the autograd tests (~9.5 min with the build: the limit cuts the last)
   T t_tc16 150 $py -m pytest -x -q -p no:cacheprovider tests/test_cuda.py -k "cluster_form or tc16_conventions or default_form_variants" || exit 1
   T trace16 150 $py scripts/tc16_trace.py --out "$R/trace16" --forms "2,0,0+FLASHOPM_TC16_RESIDENT=0,2+FLASHOPM_TC16_WIDE_STORES=0"
-  T ab_resident 60 $py scripts/ab_env.py FLASHOPM_TC16_CLUSTER=0 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6
+  ab_pair resident FLASHOPM_TC16_CLUSTER=0
   T ab_old 60 $py scripts/ab_env.py FLASHOPM_TC16_CLUSTER=0,FLASHOPM_TC16_RESIDENT=0 1,512,1536,256,32,128 \
     --dtype bfloat16 --mode forward --calls 6
-  T ab_wide 60 $py scripts/ab_env.py FLASHOPM_TC16_WIDE_STORES=0 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6
+  ab_pair wide FLASHOPM_TC16_WIDE_STORES=0
   T mod_openfold_bf16 120 $py -m flashopm bench --module openfold --shapes "1,512,1536,256,32,128" \
     --dtype bfloat16 --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/mod_openfold_bf16"
   T mod_boltz_bf16 120 $py -m flashopm bench --module boltz --shapes "1,512,1536,256,32,128" \
@@ -829,7 +838,7 @@ if [ "$PHASE" = proj16 ]; then
   # outer-first path (~9 min with the build: the call's limit cuts what comes last)
   T t_proj16 240 $py -m pytest -x -q -p no:cacheprovider tests/test_projection16.py || exit 1
   T proj16_times 120 $py scripts/projection16_times.py 1,512,1536,256,32,128 1,512,768,256,32,128 --dtype bfloat16
-  T ab_regs 60 $py scripts/ab_env.py FLASHOPM_PROJECT_REGS=0 1,512,1536,256,32,128 --dtype bfloat16 --mode forward --calls 6
+  ab_pair regs FLASHOPM_PROJECT_REGS=0
   tc16_one
   for regs in 1 0; do
     T "ncu_proj_regs$regs" 90 env FLASHOPM_PROJECT_REGS=$regs \
