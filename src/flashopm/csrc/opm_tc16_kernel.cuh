@@ -669,13 +669,18 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
           constexpr uint32_t kSbo = 16u * kH * kH;
           const uint32_t smem_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
           const int r = lane & 7, mi = lane >> 3;
+          // (the wide forms' tiles are whole, hidden 32: Ti·H = kMT and Tj = kTj, checked at launch,
+          // so that their row test and pair offsets fold to constants rather than live through
+          // phase 1)
+          static_assert(!kWide || kHB == 4, "the wide forms at hidden 32 alone");
+          const int ti = kWide ? kMT / kH : Ti, p1 = kWide ? (kMT / kH) * kTj : P1;
 #pragma unroll
           for (int half = 0; half < 2; ++half) {
             const int m0 = wg * 64 + wl * 16 + 8 * half;  // the matrices' first row: 8 rows of one il
             const int il = m0 / kH, h1 = m0 % kH + r;
-            if (il < Ti) {
+            if (il < ti) {
               const uint32_t base =
-                  smem_base + uint32_t((js * P1 + il * kTj) >> 3) * kSbo + uint32_t(h1 >> 3) * (kHB * 1024u);
+                  smem_base + uint32_t((js * p1 + il * kTj) >> 3) * kSbo + uint32_t(h1 >> 3) * (kHB * 1024u);
 #pragma unroll
               for (int c = 0; c < 8; ++c) {
                 const int j = 4 * c + mi, jl = j / kHB, q = j % kHB;  // this lane's matrix
@@ -683,7 +688,7 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
                                 (uint32_t(r ^ (jl & 7)) << 4);
                 if constexpr (kWide)  // (O in slices: tc16_wide_o)
                   addr = smem_base +
-                         uint32_t(tc16_wide_o(((js * P1 + il * kTj) >> 3) + (jl >> 3), (h1 >> 3) * kHB + q)) +
+                         uint32_t(tc16_wide_o(((js * p1 + il * kTj) >> 3) + (jl >> 3), (h1 >> 3) * kHB + q)) +
                          uint32_t(jl & 7) * 128u + (uint32_t(r ^ (jl & 7)) << 4);
                 stmatrix_x4(addr, pack_16bit<T>(acc[16 * c + 2 * half], acc[16 * c + 2 * half + 1]),
                             pack_16bit<T>(acc[16 * c + 4 + 2 * half], acc[16 * c + 5 + 2 * half]),
@@ -697,7 +702,9 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
         // wide forms, hidden 32 alone (hb 4, Tj 8), always take it: only store_o_stmatrix lays O
         // out in their slices; the other stores below are the two-warpgroup layouts.)
         const bool stm = kWide || (kTma && p.tc16_stmatrix != 0);
-        if (hb == 4 && Tj == 8) {
+        if constexpr (kWide) {
+          store_o_stmatrix(std::integral_constant<int, 4>{});  // (hidden 32 and Tj 8, checked at launch)
+        } else if (hb == 4 && Tj == 8) {
           if (stm) store_o_stmatrix(std::integral_constant<int, 4>{});
           else store_o_folded(std::integral_constant<int, 4>{});
         } else if (hb == 2 && Tj == 16) {
