@@ -142,8 +142,9 @@ __device__ __forceinline__ void tc16_produce(const OuterArgs& p, const Tc16Maps&
       if (++kt == n_k) kt = 0, b_col0 += p.Tj * H;
     }
     const int tile_wq = wq;
-    for (int dg = 0; dg < p.D; dg += kTcDG) {
-      for (int r0 = 0; r0 < P; r0 += Sh::kRound) {
+    // (kWide: one group of d and one round a tile, D <= kTcDG and P = kRound checked at launch)
+    for (int dg = 0; dg < (kWide ? 1 : p.D); dg += kTcDG) {
+      for (int r0 = 0; r0 < (kWide ? Sh::kRound : P); r0 += Sh::kRound) {
         // the round before's sums (over W's buffers), where it arrives, read by every block
         if (last_stored) mbarrier_wait_parity_suspend(stored, (stored_rounds - 1) & 1);
         last_stored = !defer || dg + kTcDG < p.D || r0 + Sh::kRound < P;
@@ -902,11 +903,12 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
       }
 #endif
     };
-    for (int dg = 0; dg < D; dg += kTcDG) {
+    // (kWide: one group of d and one round a tile, D <= kTcDG and P = kRound checked at launch)
+    for (int dg = 0; dg < (kWide ? 1 : D); dg += kTcDG) {
       bool d_ok[kTcDG / 32];
 #pragma unroll
       for (int u = 0; u < kTcDG / 32; ++u) d_ok[u] = dg + wr + 32 * u < D;
-      for (int r0 = 0; r0 < P; r0 += kRound) {
+      for (int r0 = 0; r0 < (kWide ? kRound : P); r0 += kRound) {
         // running source: row dg + wr of W (k in O's order) at the next chunk to issue
         const T* w_src = w_blk + int64_t(dg + wr) * K2 + wc * 8;
         // Chunk kc of W, nothing past the last (the caller still commits a group, empty).
