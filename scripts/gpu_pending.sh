@@ -85,7 +85,7 @@
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR nd27  # test_distributed, then Nsight of the
 #                                                       # default form
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR os28  # the wide O stores alone compiled:
-#                                                       # tests, trace, OpenFold's row
+#                                                       # tests, trace, OpenFold's row, files
 # (DEST: a folder that r.tgz is also copied to after every step)
 # Each phase fits one call of under ten minutes, the build (~2 min) included.
 # steps.txt lists each step's exit status; a failing test step stops the call.
