@@ -85,7 +85,7 @@
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR nd27  # test_distributed, then Nsight of the
 #                                                       # default form
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR os28  # the wide O stores alone compiled:
-#                                                       # tests, trace, OpenFold's row
+#                                                       # tests, trace, OpenFold's row, files
 # (DEST: a folder that r.tgz is also copied to after every step)
 # Each phase fits one call of under ten minutes, the build (~2 min) included.
 # steps.txt lists each step's exit status; a failing test step stops the call.
@@ -554,10 +554,17 @@ fi
 if [ "$PHASE" = os28 ]; then
   # the wide forms' O stores compiled alone in their kernels (fewer spills): the 16-bit forms'
   # bits (stop at the first failure), the trace (cycles a tile, against run 354's 51218), OpenFold's
-  # row (~2 min with the build)
+  # row (~2 min with the build), then every other test file
   wide_bits || exit 0
   T trace16 60 $py scripts/tc16_trace.py --out "$R/trace16" --forms "2"
   mod_row openfold
+  # then the forward files, the other rows and the other test files, as far as the call goes
+  forward_files
+  mod_row boltz
+  bench_bf16
+  for f in autograd waves peak_plan backward smaller_gpus rows replace python_entry fused_projection launch ln_backward; do
+    T t_$f 120 $py -m pytest -q -p no:cacheprovider tests/test_$f.py
+  done
   exit 0
 fi
 

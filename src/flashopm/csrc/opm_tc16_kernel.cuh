@@ -142,8 +142,9 @@ __device__ __forceinline__ void tc16_produce(const OuterArgs& p, const Tc16Maps&
       if (++kt == n_k) kt = 0, b_col0 += p.Tj * H;
     }
     const int tile_wq = wq;
-    for (int dg = 0; dg < p.D; dg += kTcDG) {
-      for (int r0 = 0; r0 < P; r0 += Sh::kRound) {
+    // (kWide: one group of d and one round a tile, D <= kTcDG and P = kRound checked at launch)
+    for (int dg = 0; dg < (kWide ? 1 : p.D); dg += kTcDG) {
+      for (int r0 = 0; r0 < (kWide ? Sh::kRound : P); r0 += Sh::kRound) {
         // the round before's sums (over W's buffers), where it arrives, read by every block
         if (last_stored) mbarrier_wait_parity_suspend(stored, (stored_rounds - 1) & 1);
         last_stored = !defer || dg + kTcDG < p.D || r0 + Sh::kRound < P;
@@ -669,13 +670,18 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
           constexpr uint32_t kSbo = 16u * kH * kH;
           const uint32_t smem_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
           const int r = lane & 7, mi = lane >> 3;
+          // (the wide forms' tiles are whole, hidden 32: Ti·H = kMT and Tj = kTj, checked at launch,
+          // so that their row test and pair offsets fold to constants rather than live through
+          // phase 1)
+          static_assert(!kWide || kHB == 4, "the wide forms at hidden 32 alone");
+          const int ti = kWide ? kMT / kH : Ti, p1 = kWide ? (kMT / kH) * kTj : P1;
 #pragma unroll
           for (int half = 0; half < 2; ++half) {
             const int m0 = wg * 64 + wl * 16 + 8 * half;  // the matrices' first row: 8 rows of one il
             const int il = m0 / kH, h1 = m0 % kH + r;
-            if (il < Ti) {
+            if (il < ti) {
               const uint32_t base =
-                  smem_base + uint32_t((js * P1 + il * kTj) >> 3) * kSbo + uint32_t(h1 >> 3) * (kHB * 1024u);
+                  smem_base + uint32_t((js * p1 + il * kTj) >> 3) * kSbo + uint32_t(h1 >> 3) * (kHB * 1024u);
 #pragma unroll
               for (int c = 0; c < 8; ++c) {
                 const int j = 4 * c + mi, jl = j / kHB, q = j % kHB;  // this lane's matrix
@@ -683,7 +689,7 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
                                 (uint32_t(r ^ (jl & 7)) << 4);
                 if constexpr (kWide)  // (O in slices: tc16_wide_o)
                   addr = smem_base +
-                         uint32_t(tc16_wide_o(((js * P1 + il * kTj) >> 3) + (jl >> 3), (h1 >> 3) * kHB + q)) +
+                         uint32_t(tc16_wide_o(((js * p1 + il * kTj) >> 3) + (jl >> 3), (h1 >> 3) * kHB + q)) +
                          uint32_t(jl & 7) * 128u + (uint32_t(r ^ (jl & 7)) << 4);
                 stmatrix_x4(addr, pack_16bit<T>(acc[16 * c + 2 * half], acc[16 * c + 2 * half + 1]),
                             pack_16bit<T>(acc[16 * c + 4 + 2 * half], acc[16 * c + 5 + 2 * half]),
@@ -697,7 +703,9 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
         // wide forms, hidden 32 alone (hb 4, Tj 8), always take it: only store_o_stmatrix lays O
         // out in their slices; the other stores below are the two-warpgroup layouts.)
         const bool stm = kWide || (kTma && p.tc16_stmatrix != 0);
-        if (hb == 4 && Tj == 8) {
+        if constexpr (kWide) {
+          store_o_stmatrix(std::integral_constant<int, 4>{});  // (hidden 32 and Tj 8, checked at launch)
+        } else if (hb == 4 && Tj == 8) {
           if (stm) store_o_stmatrix(std::integral_constant<int, 4>{});
           else store_o_folded(std::integral_constant<int, 4>{});
         } else if (hb == 2 && Tj == 16) {
@@ -895,11 +903,12 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
       }
 #endif
     };
-    for (int dg = 0; dg < D; dg += kTcDG) {
+    // (kWide: one group of d and one round a tile, D <= kTcDG and P = kRound checked at launch)
+    for (int dg = 0; dg < (kWide ? 1 : D); dg += kTcDG) {
       bool d_ok[kTcDG / 32];
 #pragma unroll
       for (int u = 0; u < kTcDG / 32; ++u) d_ok[u] = dg + wr + 32 * u < D;
-      for (int r0 = 0; r0 < P; r0 += kRound) {
+      for (int r0 = 0; r0 < (kWide ? kRound : P); r0 += kRound) {
         // running source: row dg + wr of W (k in O's order) at the next chunk to issue
         const T* w_src = w_blk + int64_t(dg + wr) * K2 + wc * 8;
         // Chunk kc of W, nothing past the last (the caller still commits a group, empty).
