@@ -496,11 +496,10 @@ if [ "$PHASE" = wtrace17 ]; then
   exit 0
 fi
 
-# The forward and autograd test files; the wide forms traced (each W chunk's wait too) and paired
+# The forward test files and the autograd tests; the wide forms traced (each W chunk's wait too) and paired
 # against two warpgroups (FLASHOPM_TC16_WIDE=0), and OpenFold's bfloat16 row.
-forward_files() {
-  T t_cuda 150 $py -m pytest -q -p no:cacheprovider tests/test_cuda.py
-  T t_conv 150 $py -m pytest -q -p no:cacheprovider tests/test_conventions.py tests/test_modules.py tests/test_projection16.py
+forward_and_autograd_files() {
+  forward_files
   T t_auto 150 $py -m pytest -q -p no:cacheprovider tests/test_autograd.py
 }
 wide_against_two() {
@@ -514,7 +513,7 @@ if [ "$PHASE" = wide18 ]; then
   # NOTES 0zd: the forward and autograd test files on the wide forms as the default (run 344 ran
   # the forward files with FLASHOPM_TC16_WIDE=1 set; the default was switched after it), then
   # the wide forms against two warpgroups (~7 min with the build); rest18 runs the other files
-  forward_files
+  forward_and_autograd_files
   wide_against_two
   exit 0
 fi
@@ -524,7 +523,7 @@ if [ "$PHASE" = rate20 ]; then
   # (scripts/wgmma_rate.cu); then as wide18
   T wgmma_rate 120 bash -c "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I src/flashopm/csrc \
     -o /tmp/wgmma_rate scripts/wgmma_rate.cu && /tmp/wgmma_rate"
-  forward_files
+  forward_and_autograd_files
   wide_against_two
   exit 0
 fi
@@ -545,7 +544,7 @@ if [ "$PHASE" = n96 ]; then
   T mod_boltz_bf16 120 $py -m flashopm bench --module boltz --shapes "1,512,1536,256,32,128" \
     --dtype bfloat16 --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/mod_boltz_bf16"
   bench_bf16
-  forward_files
+  forward_and_autograd_files
   # the other test files only where this form is ahead of main's wide form (paired against two
   # warpgroups 0.973-0.975, default over FLASHOPM_TC16_WIDE=0)
   r=$(grep -o "paired (without / with) [0-9.]*" "$R/ab_two.log" | awk '{print $NF}' | head -1)
