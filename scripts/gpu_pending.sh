@@ -88,12 +88,14 @@
 #                                                       # tests, trace, OpenFold's row, files
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR nd29  # test_distributed, the trace, OpenFold's
 #                                                       # row, Nsight of the default form
+#          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR bl30  # the wide round's bias loaded late:
+#                                                       # tests, trace, OpenFold's row, files
 # (DEST: a folder that r.tgz is also copied to after every step)
 # Each phase fits one call of under ten minutes, the build (~2 min) included.
 # steps.txt lists each step's exit status; a failing test step stops the call.
 OUT=$1
 PHASE=${2:-default}
-case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows | bf16 | clusters | bf16_clusters | ncu_clusters | land | producer | regs | pairs | proj16 | stack | stack_rows | trace16 | defer | ksplit | final16 | final17 | rest17 | stm17 | wtrace17 | wide18 | rest18 | rate20 | n96 | sw21 | ls22 | nc23 | pw24 | pc25 | wt26 | nd27 | os28 | nd29) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all, own_rows, bf16, clusters, bf16_clusters, ncu_clusters, land, producer, regs, pairs, proj16, stack, stack_rows, trace16, defer, ksplit, final16, final17, rest17, stm17, wtrace17, wide18, rest18, rate20, n96, sw21, ls22, nc23, pw24, pc25, wt26, nd27, os28 or nd29, got '$PHASE'" >&2; exit 2 ;; esac
+case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows | bf16 | clusters | bf16_clusters | ncu_clusters | land | producer | regs | pairs | proj16 | stack | stack_rows | trace16 | defer | ksplit | final16 | final17 | rest17 | stm17 | wtrace17 | wide18 | rest18 | rate20 | n96 | sw21 | ls22 | nc23 | pw24 | pc25 | wt26 | nd27 | os28 | nd29 | bl30) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all, own_rows, bf16, clusters, bf16_clusters, ncu_clusters, land, producer, regs, pairs, proj16, stack, stack_rows, trace16, defer, ksplit, final16, final17, rest17, stm17, wtrace17, wide18, rest18, rate20, n96, sw21, ls22, nc23, pw24, pc25, wt26, nd27, os28, nd29 or bl30, got '$PHASE'" >&2; exit 2 ;; esac
 R=$OUT/r
 mkdir -p "$R"
 pack() { tar -C "$OUT" -czf "$OUT/r.tgz" r; [ -n "$DEST" ] && cp "$OUT/r.tgz" "$DEST/"; }
@@ -648,6 +650,21 @@ ncu_default_form() {
   rm -f "$R/wide.ncu-rep"
   pack
 }
+
+if [ "$PHASE" = bl30 ]; then
+  # the wide forms' round bias loaded only where the consumers store the rows (run 356: w0_wait
+  # 1548 cycles a tile, a spilled bias value's store waiting for its load): the 16-bit forms'
+  # bits (stop at the first failure), the trace (against run 356's 48806), OpenFold's row, then
+  # every test file and the other rows as far as the call goes
+  wide_bits || exit 0
+  T trace16 60 $py scripts/tc16_trace.py --out "$R/trace16" --forms "2,2+FLASHOPM_TC16_STORE_WARPS=0"
+  mod_row openfold
+  forward_and_autograd_files
+  mod_row boltz
+  bench_bf16
+  rest_files
+  exit 0
+fi
 
 if [ "$PHASE" = nd29 ]; then
   # os28's build merged: the test file os28 did not reach, the trace and OpenFold's row on this

@@ -934,13 +934,16 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
         }
         mark(kT16MarkRound, r0);
         if (dg > 0 || r0 > 0) stage_round_rows(r0);  // (the first round's staged in phase 1)
+        // (kWide: loaded where its stores are, after phase 2: a value loaded here and kept
+        // through phase 2 goes to local memory, and the spill's store waits for the load)
         float round_bias[8];
-        load_bias(dg, round_bias);
+        if constexpr (!kWide) load_bias(dg, round_bias);
         const char* o_round = smem + (r0 >> 3) * o_sbo;
         // The tile's last round's sums over O of column tile 0, clear of the stages: kTma, stored
         // beside the next tile's first MMAs (see stores_pending); resident without tensor copies,
         // stored while the next tile's first stages load (see stages_ahead).
-        const bool tile_last_round = dg + kTcDG >= D && r0 + kRound >= P;
+        // (kWide: the one round of the tile, D <= kTcDG and P = kRound checked at launch)
+        const bool tile_last_round = kWide || (dg + kTcDG >= D && r0 + kRound >= P);
         // (kWide: always, its one round's sums fit nowhere but over O)
         const bool last_round = kTma && (kWide || p.tc16_defer) && tile_last_round;
         const bool next_ahead = !kTma && tile_last_round && next_b >= 0 && L.stages >= kRound * kRedLd * 4;
@@ -1047,6 +1050,7 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
               // the stages); every thread done with the sums and rows before the next tile's
               // rows and O overlay them, and every block's producer told (W's first slots lie
               // over the sums)
+              load_bias(dg, round_bias);
               store_rows(std::integral_constant<int, kRound>{}, red, row_off, norm_arg, dg, round_bias);
               fence_proxy_async_smem();
               consumers_sync();
