@@ -537,6 +537,18 @@ rest_files() {
   done
 }
 
+# A change to the wide forms: their bits (stop at the first failure), the trace of the forms in $1
+# (cycles a tile), OpenFold's row, then every test file and the other rows, as far as the call goes.
+wide_change() {
+  wide_bits || return 1
+  T trace16 60 $py scripts/tc16_trace.py --out "$R/trace16" --forms "$1"
+  mod_row openfold
+  forward_and_autograd_files
+  mod_row boltz
+  bench_bf16
+  rest_files
+}
+
 if [ "$PHASE" = n96 ]; then
   # the wide forms' phase 2 as one m64n96k16 a k step (O and phase 1's stages in slices of two
   # chunks, W's whole halves in A, B and used slices): the 16-bit forms' bits (stop at the first
@@ -558,16 +570,7 @@ if [ "$PHASE" = os28 ]; then
   # the wide forms' O stores compiled alone in their kernels (fewer spills): the 16-bit forms'
   # bits (stop at the first failure), the trace (cycles a tile, against run 354's 51218), OpenFold's
   # row (~2 min with the build), then every other test file
-  wide_bits || exit 0
-  T trace16 60 $py scripts/tc16_trace.py --out "$R/trace16" --forms "2"
-  mod_row openfold
-  # then the forward files, the other rows and the other test files, as far as the call goes
-  forward_files
-  mod_row boltz
-  bench_bf16
-  for f in autograd waves peak_plan backward smaller_gpus rows replace python_entry fused_projection launch ln_backward; do
-    T t_$f 120 $py -m pytest -q -p no:cacheprovider tests/test_$f.py
-  done
+  wide_change "2"
   exit 0
 fi
 
@@ -656,13 +659,7 @@ if [ "$PHASE" = bl30 ]; then
   # 1548 cycles a tile, a spilled bias value's store waiting for its load): the 16-bit forms'
   # bits (stop at the first failure), the trace (against run 356's 48806), OpenFold's row, then
   # every test file and the other rows as far as the call goes
-  wide_bits || exit 0
-  T trace16 60 $py scripts/tc16_trace.py --out "$R/trace16" --forms "2,2+FLASHOPM_TC16_STORE_WARPS=0"
-  mod_row openfold
-  forward_and_autograd_files
-  mod_row boltz
-  bench_bf16
-  rest_files
+  wide_change "2,2+FLASHOPM_TC16_STORE_WARPS=0"
   exit 0
 fi
 
