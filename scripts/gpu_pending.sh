@@ -90,12 +90,14 @@
 #                                                       # row, Nsight of the default form
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR bl30  # the wide round's bias loaded late:
 #                                                       # tests, trace, OpenFold's row, files
+#          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR sc31  # the MMAs' rate under bulk copies
+#                                                       # (before the build), then as nd29
 # (DEST: a folder that r.tgz is also copied to after every step)
 # Each phase fits one call of under ten minutes, the build (~2 min) included.
 # steps.txt lists each step's exit status; a failing test step stops the call.
 OUT=$1
 PHASE=${2:-default}
-case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows | bf16 | clusters | bf16_clusters | ncu_clusters | land | producer | regs | pairs | proj16 | stack | stack_rows | trace16 | defer | ksplit | final16 | final17 | rest17 | stm17 | wtrace17 | wide18 | rest18 | rate20 | n96 | sw21 | ls22 | nc23 | pw24 | pc25 | wt26 | nd27 | os28 | nd29 | bl30) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all, own_rows, bf16, clusters, bf16_clusters, ncu_clusters, land, producer, regs, pairs, proj16, stack, stack_rows, trace16, defer, ksplit, final16, final17, rest17, stm17, wtrace17, wide18, rest18, rate20, n96, sw21, ls22, nc23, pw24, pc25, wt26, nd27, os28, nd29 or bl30, got '$PHASE'" >&2; exit 2 ;; esac
+case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows | bf16 | clusters | bf16_clusters | ncu_clusters | land | producer | regs | pairs | proj16 | stack | stack_rows | trace16 | defer | ksplit | final16 | final17 | rest17 | stm17 | wtrace17 | wide18 | rest18 | rate20 | n96 | sw21 | ls22 | nc23 | pw24 | pc25 | wt26 | nd27 | os28 | nd29 | bl30 | sc31) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all, own_rows, bf16, clusters, bf16_clusters, ncu_clusters, land, producer, regs, pairs, proj16, stack, stack_rows, trace16, defer, ksplit, final16, final17, rest17, stm17, wtrace17, wide18, rest18, rate20, n96, sw21, ls22, nc23, pw24, pc25, wt26, nd27, os28, nd29, bl30 or sc31, got '$PHASE'" >&2; exit 2 ;; esac
 R=$OUT/r
 mkdir -p "$R"
 pack() { tar -C "$OUT" -czf "$OUT/r.tgz" r; [ -n "$DEST" ] && cp "$OUT/r.tgz" "$DEST/"; }
@@ -103,6 +105,16 @@ export FLASHOPM_SPLIT_COMPILE=1
 if [ "$PHASE" = sm80 ]; then
   # the driver compiles the PTX at first use; its cache must hold every kernel between processes
   export FLASHOPM_CUDA_ARCH_LIST="8.0+PTX" CUDA_CACHE_MAXSIZE=4294967296
+fi
+if [ "$PHASE" = sc31 ]; then
+  # before the build (a program of its own, ~30 s): the MMAs' rate under bulk copies into shared
+  # memory at several rates (scripts/smem_contention.cu)
+  cd "$(dirname "${BASH_SOURCE[0]}")/.."
+  (time bash -c "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a \
+    -I src/flashopm/csrc -o /tmp/smem_contention scripts/smem_contention.cu && /tmp/smem_contention") \
+    >"$R/smem_contention.log" 2>&1
+  echo "smem_contention rc=$?" >>"$R/steps.txt"
+  pack
 fi
 . "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh" "$R" || { pack; exit 1; }
 export PYTHONPATH="$PYTHONPATH:$PWD/scripts"
@@ -663,9 +675,9 @@ if [ "$PHASE" = bl30 ]; then
   exit 0
 fi
 
-if [ "$PHASE" = nd29 ]; then
+if [ "$PHASE" = nd29 ] || [ "$PHASE" = sc31 ]; then
   # os28's build merged: the test file os28 did not reach, the trace and OpenFold's row on this
-  # machine, then the default (wide) form under Nsight Compute
+  # machine, then the default (wide) form under Nsight Compute (sc31: after the copies' program)
   T t_distributed 120 $py -m pytest -q -p no:cacheprovider tests/test_distributed.py
   T trace16 60 $py scripts/tc16_trace.py --out "$R/trace16" --forms "2"
   mod_row openfold

@@ -16,10 +16,12 @@
 
 namespace fo = flashopm;
 
-#define ACC_NAMES48 FLASHOPM_ACC_NAMES32 ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47"
-#define ACC48(d) FLASHOPM_ACC32(d), FLASHOPM_ACC16(d, 32)
+// m64n48k16's 24 accumulators (the kernels no longer take that width); 48 from opm_mma.cuh
+#define ACC_NAMES24 FLASHOPM_ACC_NAMES16 ", %16, %17, %18, %19, %20, %21, %22, %23"
+#define ACC24(d) \
+  FLASHOPM_ACC16(d, 0), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23])
 #define ACC_NAMES96 \
-  ACC_NAMES48 ", %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95"
+  FLASHOPM_ACC_NAMES48 ", %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95"
 #define ACC96(d) FLASHOPM_ACC64(d), FLASHOPM_ACC16(d, 64), FLASHOPM_ACC16(d, 80)
 
 #define SS(SHAPE, NAMES, ACC, NA, NB) \
@@ -29,17 +31,17 @@ namespace fo = flashopm;
 
 template <int N>
 __device__ __forceinline__ void mma_ss(float* d, uint64_t da, uint64_t db) {
-  if constexpr (N == 48) SS("m64n48k16", FLASHOPM_ACC_NAMES24, FLASHOPM_ACC24, 24, 25);
+  if constexpr (N == 48) SS("m64n48k16", ACC_NAMES24, ACC24, 24, 25);
   else if constexpr (N == 64) SS("m64n64k16", FLASHOPM_ACC_NAMES32, FLASHOPM_ACC32, 32, 33);
-  else if constexpr (N == 96) SS("m64n96k16", ACC_NAMES48, ACC48, 48, 49);
+  else if constexpr (N == 96) SS("m64n96k16", FLASHOPM_ACC_NAMES48, FLASHOPM_ACC48, 48, 49);
   else if constexpr (N == 128) SS("m64n128k16", FLASHOPM_ACC_NAMES64, FLASHOPM_ACC64, 64, 65);
   else SS("m64n192k16", ACC_NAMES96, ACC96, 96, 97);
 }
 template <int N>
 __device__ __forceinline__ void mma_rs(float* d, const uint32_t (&a)[4], uint64_t db) {
-  if constexpr (N == 48) RS("m64n48k16", FLASHOPM_ACC_NAMES24, FLASHOPM_ACC24, 24, 25, 26, 27, 28);
+  if constexpr (N == 48) RS("m64n48k16", ACC_NAMES24, ACC24, 24, 25, 26, 27, 28);
   else if constexpr (N == 64) RS("m64n64k16", FLASHOPM_ACC_NAMES32, FLASHOPM_ACC32, 32, 33, 34, 35, 36);
-  else if constexpr (N == 96) RS("m64n96k16", ACC_NAMES48, ACC48, 48, 49, 50, 51, 52);
+  else if constexpr (N == 96) RS("m64n96k16", FLASHOPM_ACC_NAMES48, FLASHOPM_ACC48, 48, 49, 50, 51, 52);
   else if constexpr (N == 128) RS("m64n128k16", FLASHOPM_ACC_NAMES64, FLASHOPM_ACC64, 64, 65, 66, 67, 68);
   else RS("m64n192k16", ACC_NAMES96, ACC96, 96, 97, 98, 99, 100);
 }
