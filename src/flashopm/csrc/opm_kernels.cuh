@@ -505,9 +505,10 @@ __device__ __forceinline__ void sum_k_halves(float* red, int red_ld, const float
 }
 
 // This thread's bias for store_round's four columns dg + (tid % (kTcDG / 4))·4 (zero past D or
-// without a bias).  Loaded at a round's start by the 16-bit kernel, so that the load's latency
-// (from L2, under the contraction's own traffic: ~2.8K cycles an epilogue when loaded there, run
-// 333) passes beside the round's products.
+// without a bias).  Loaded at a round's start by the 16-bit kernel's two-warpgroup forms, so that
+// the load's latency (from L2, under the contraction's own traffic: ~2.8K cycles an epilogue when
+// loaded there, run 333) passes beside the round's products; the wide forms' store warps load it
+// once, and their consumers where they store (a value held through phase 2 spilled, run 357).
 __device__ __forceinline__ void load_round_bias(const OuterArgs& p, int dg, int tid, float (&bias)[4]) {
   const int d = dg + (tid % (kTcDG / 4)) * 4;
 #pragma unroll
