@@ -92,12 +92,15 @@
 #                                                       # tests, trace, OpenFold's row, files
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR sc31  # the MMAs' rate under bulk copies
 #                                                       # (before the build), then as nd29
+#          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR sr32  # the copies' program, then the rows
+#                                                       # staged by the store warps: tests, trace,
+#                                                       # OpenFold's row, files
 # (DEST: a folder that r.tgz is also copied to after every step)
 # Each phase fits one call of under ten minutes, the build (~2 min) included.
 # steps.txt lists each step's exit status; a failing test step stops the call.
 OUT=$1
 PHASE=${2:-default}
-case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows | bf16 | clusters | bf16_clusters | ncu_clusters | land | producer | regs | pairs | proj16 | stack | stack_rows | trace16 | defer | ksplit | final16 | final17 | rest17 | stm17 | wtrace17 | wide18 | rest18 | rate20 | n96 | sw21 | ls22 | nc23 | pw24 | pc25 | wt26 | nd27 | os28 | nd29 | bl30 | sc31) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all, own_rows, bf16, clusters, bf16_clusters, ncu_clusters, land, producer, regs, pairs, proj16, stack, stack_rows, trace16, defer, ksplit, final16, final17, rest17, stm17, wtrace17, wide18, rest18, rate20, n96, sw21, ls22, nc23, pw24, pc25, wt26, nd27, os28, nd29, bl30 or sc31, got '$PHASE'" >&2; exit 2 ;; esac
+case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows | bf16 | clusters | bf16_clusters | ncu_clusters | land | producer | regs | pairs | proj16 | stack | stack_rows | trace16 | defer | ksplit | final16 | final17 | rest17 | stm17 | wtrace17 | wide18 | rest18 | rate20 | n96 | sw21 | ls22 | nc23 | pw24 | pc25 | wt26 | nd27 | os28 | nd29 | bl30 | sc31 | sr32) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all, own_rows, bf16, clusters, bf16_clusters, ncu_clusters, land, producer, regs, pairs, proj16, stack, stack_rows, trace16, defer, ksplit, final16, final17, rest17, stm17, wtrace17, wide18, rest18, rate20, n96, sw21, ls22, nc23, pw24, pc25, wt26, nd27, os28, nd29, bl30, sc31 or sr32, got '$PHASE'" >&2; exit 2 ;; esac
 R=$OUT/r
 mkdir -p "$R"
 pack() { tar -C "$OUT" -czf "$OUT/r.tgz" r; [ -n "$DEST" ] && cp "$OUT/r.tgz" "$DEST/"; }
@@ -106,7 +109,7 @@ if [ "$PHASE" = sm80 ]; then
   # the driver compiles the PTX at first use; its cache must hold every kernel between processes
   export FLASHOPM_CUDA_ARCH_LIST="8.0+PTX" CUDA_CACHE_MAXSIZE=4294967296
 fi
-if [ "$PHASE" = sc31 ]; then
+if [ "$PHASE" = sc31 ] || [ "$PHASE" = sr32 ]; then
   # before the build (a program of its own, ~30 s): the MMAs' rate under bulk copies into shared
   # memory at several rates (scripts/smem_contention.cu)
   cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -665,6 +668,14 @@ ncu_default_form() {
   rm -f "$R/wide.ncu-rep"
   pack
 }
+
+if [ "$PHASE" = sr32 ]; then
+  # (after the copies' program) the wide forms' rows staged by the store warps (branch
+  # store-warps-rows): the bits (with and without the store warps), the trace (against run 357's
+  # 47756 cycles a tile, o_store0 2207), OpenFold's row, every file
+  wide_change "2,2+FLASHOPM_TC16_STORE_WARPS=0"
+  exit 0
+fi
 
 if [ "$PHASE" = bl30 ]; then
   # the wide forms' round bias loaded only where the consumers store the rows (run 356: w0_wait
