@@ -10,27 +10,12 @@
 //
 // Prints, per variant and period, the MMAs' MACs a clock an SM against 2048 (dense bfloat16 on
 // sm_90) and the copies' bytes a clock an SM.
-#include <cuda_bf16.h>
-#include <cstdio>
-#include <cstdint>
 #include <vector>
 
 #include "opm_kernels.cuh"
-
-namespace fo = flashopm;
+#include "wgmma_bench.cuh"
 
 constexpr int kCopyBytes = 16384;
-
-#define ACC_NAMES48 FLASHOPM_ACC_NAMES32 ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47"
-#define ACC48(d) FLASHOPM_ACC32(d), FLASHOPM_ACC16(d, 32)
-#define SS(SHAPE, NAMES, ACC, NA, NB) \
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.mma_async.sync.aligned." SHAPE ".f32.bf16.bf16 {" NAMES "}, %" #NA ", %" #NB ", p, 1, 1, 0, 0;\n}\n" : ACC(d) : "l"(da), "l"(db))
-
-template <int N>
-__device__ __forceinline__ void mma_ss(float* d, uint64_t da, uint64_t db) {
-  if constexpr (N == 96) SS("m64n96k16", ACC_NAMES48, ACC48, 48, 49);
-  else SS("m64n128k16", FLASHOPM_ACC_NAMES64, FLASHOPM_ACC64, 64, 65);
-}
 
 // kB: the B operands a group cycles over (each with accumulators of its own)
 template <int N, int kWgs, int kPerGroup, int kB>
@@ -43,14 +28,12 @@ __global__ void __launch_bounds__(128 * kWgs + 32, 1)
   unsigned char* copy_buf = smem + a_bytes + b_bytes;                              // two of kCopyBytes
   uint64_t* bars = reinterpret_cast<uint64_t*>(copy_buf + 2 * kCopyBytes);         // one a buffer
   volatile int* done = reinterpret_cast<volatile int*>(bars + 2);                  // warpgroups finished
-  for (int i = threadIdx.x; i < (a_bytes + b_bytes) / 2; i += blockDim.x)
-    reinterpret_cast<__nv_bfloat16*>(smem)[i] = __float2bfloat16(0.001f * float((i * 7) % 13));
+  fill_operands(smem, a_bytes + b_bytes);
   if (threadIdx.x == 0) {
     fo::mbarrier_init(bars, 1);
     fo::mbarrier_init(bars + 1, 1);
     *done = 0;
   }
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
   __syncthreads();
   const int wg = threadIdx.x / 128;
   if (wg == kWgs) {
@@ -76,30 +59,10 @@ __global__ void __launch_bounds__(128 * kWgs + 32, 1)
     out[gridDim.x * 4 + blockIdx.x * 2 + 1] = t_last - t0;
     return;
   }
-  float acc[kB * N / 2];
-#pragma unroll
-  for (int e = 0; e < kB * N / 2; ++e) acc[e] = 0.f;
-  const uint64_t da = fo::wgmma_desc(smem + wg * 8192, 16, 1024);
-  const uint64_t db0 = fo::wgmma_desc(smem + a_bytes, 16, 1024);
-  const long long t0 = clock64();
-  for (int it = 0; it < iters; ++it) {
-    fo::wgmma_fence();
-#pragma unroll
-    for (int g = 0; g < kPerGroup; ++g) {
-      const uint64_t kk = uint64_t((g / kB) % 4) * 2;  // 32 bytes a k step, >> 4
-      mma_ss<N>(acc + (g % kB) * (N / 2), da + kk, db0 + kk + uint64_t(g % kB) * (N * 128 >> 4));
-    }
-    fo::wgmma_commit();
-    fo::wgmma_wait<1>();
-  }
-  fo::wgmma_wait<0>();
-  const long long t1 = clock64();
-  float s = 0.f;
-#pragma unroll
-  for (int e = 0; e < kB * N / 2; ++e) s += acc[e];
-  if (s == 1234.5f) sink[threadIdx.x] = s;
+  const uint32_t a_regs[4] = {};
+  const long long took = timed_groups<N, kPerGroup, false, kB>(smem, a_bytes, wg, iters, a_regs, sink);
   if ((threadIdx.x & 127) == 0) {
-    out[blockIdx.x * 4 + wg] = t1 - t0;
+    out[blockIdx.x * 4 + wg] = took;
     atomicAdd(const_cast<int*>(done), 1);
   }
 #endif
@@ -115,13 +78,8 @@ void run(const char* what, int sms, const unsigned char* src, int period) {
   cudaMalloc(&out, sms * 6 * sizeof(long long));
   cudaMalloc(&sink, 512 * sizeof(float));
   const int iters = 4000;
-  k<<<sms, 128 * kWgs + 32, smem>>>(out, sink, src, 100, period);  // warm
-  k<<<sms, 128 * kWgs + 32, smem>>>(out, sink, src, iters, period);
-  cudaError_t e = cudaDeviceSynchronize();
-  if (e != cudaSuccess) {
-    printf("%-40s error %s\n", what, cudaGetErrorString(e));
+  if (!warm_then_timed(what, [&](int n) { k<<<sms, 128 * kWgs + 32, smem>>>(out, sink, src, n, period); }, iters))
     return;
-  }
   std::vector<long long> h(sms * 6);
   cudaMemcpy(h.data(), out, h.size() * sizeof(long long), cudaMemcpyDeviceToHost);
   double mean = 0, copy_rate = 0;
@@ -138,11 +96,7 @@ void run(const char* what, int sms, const unsigned char* src, int period) {
 }
 
 int main() {
-  int sms = 0;
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
-  cudaDeviceProp prop;
-  cudaGetDeviceProperties(&prop, 0);
-  printf("%s, %d SMs\n", prop.name, sms);
+  const int sms = print_device();
   unsigned char* src;
   cudaMalloc(&src, kCopyBytes);
   cudaMemset(src, 0, kCopyBytes);
