@@ -204,28 +204,47 @@ __device__ __forceinline__ void tc16_produce(const OuterArgs& p, const Tc16Maps&
 
 // The wide forms' stores of each tile's sums by the producer warpgroup's other three warps (96
 // threads, `ts` this thread's index among them; OuterArgs::tc16_store_warps), beside the consumers' next
-// tile: tile k's sums and rows in shared memory complete sums_full's phase k (the consumers'
-// arrival), and once they are stored every block's "stored" hears of it (this block's consumers
-// wait for it before their next O of column tile 0 and rows overlay them, every block's producer
-// before W's chunks land in the slots over them).
+// tile: tile k's sums in shared memory complete sums_full's phase k (the consumers' arrival), and
+// once they are stored every block's "stored" hears of it (this block's consumers wait for it
+// before their next O of column tile 0 overlays the sums, every block's producer before W's
+// chunks land in the slots over them).  These warps also stage each tile's rows (its pairs' output
+// offsets and normalisers, one a thread), the next tile's as soon as this one's are stored: the
+// consumers' first warpgroup staged them between its two column tiles, where the pair counts'
+// loads from L2 held three of its warps while the other warpgroups went on (runs 356-357).
 template <int kCluster>
-__device__ __forceinline__ void tc16_store_tiles(const OuterArgs& p, const char* smem, const Tc16Layout& L,
-                                                 uint64_t* sums_full, uint64_t* stored, unsigned rank, int n_groups,
-                                                 int ts) {
+__device__ __forceinline__ void tc16_store_tiles(const OuterArgs& p, char* smem, const Tc16Layout& L,
+                                                 uint64_t* sums_full, uint64_t* stored, unsigned rank,
+                                                 int n_col_blocks, int n_row_groups, int n_groups, int ts) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int kRound = Tc16Shape<true>::kRound, kStoreThreads = 96;
-  const int64_t* row_off = reinterpret_cast<const int64_t*>(smem + L.rows);
-  const float* norm_arg = reinterpret_cast<const float*>(row_off + kRound);
+  static_assert(kStoreThreads == kRound, "a pair's row a store thread");
+  int64_t* row_off = reinterpret_cast<int64_t*>(smem + L.rows);
+  float* norm_arg = reinterpret_cast<float*>(row_off + kRound);
+  // pair ts of group lin's tile in this block (pair js·P1 + il·Tj + jl, as the consumers order them)
+  auto stage_rows = [&](int lin) {
+    int col_tile, row_group, b;
+    tc16_group_tile(lin, n_col_blocks, n_row_groups, col_tile, row_group, b);
+    const int i0 = (kCluster * row_group + int(rank)) * p.Ti, j0 = col_tile * p.Tj * kT16JSub;
+    const int P1 = p.Ti * p.Tj, js = ts / P1, rem = ts - js * P1, il = rem / p.Tj, jl = js * p.Tj + rem - il * p.Tj;
+    const float* row_den = p.row_den ? p.row_den + int64_t(b) * p.norm_rows + i0 : nullptr;
+    stage_pair_row<true>(p, ts, ts < P1 * kT16JSub && i0 + il < p.Na && j0 + jl < p.N, b, i0, il, j0, jl, p.N, p.D,
+                         row_den, row_off, norm_arg);
+  };
   float bias[4];
   load_round_bias(p, 0, ts, bias);
+  const int stride = gridDim.x / kCluster;
+  if (int(blockIdx.x) / kCluster < n_groups) stage_rows(int(blockIdx.x) / kCluster);
+  named_barrier(2, kStoreThreads);  // the first tile's rows staged
   int k = 0;
-  for (int lin = blockIdx.x / kCluster; lin < n_groups; lin += gridDim.x / kCluster, ++k) {
+  for (int lin = blockIdx.x / kCluster; lin < n_groups; lin += stride, ++k) {
     mbarrier_wait_parity_suspend(sums_full, unsigned(k & 1));
     store_round16_vec<4, kRound, kT16WideRedRows, kT16WideSlice / 4>(p, reinterpret_cast<const float*>(smem), kTcDG + 4,
                                                                       row_off, norm_arg, 0, ts, kStoreThreads, bias);
     fence_proxy_async_smem();  // the sums read before tensor copies land over them
-    named_barrier(2, kStoreThreads);
+    named_barrier(2, kStoreThreads);  // (and the rows, before the next tile's overwrite them)
     if (ts < kCluster) mbarrier_arrive_in(stored, unsigned(ts), rank);
+    if (lin + stride < n_groups) stage_rows(lin + stride);
+    named_barrier(2, kStoreThreads);  // the next tile's rows staged before any thread reads them
   }
 #endif
 }
@@ -330,7 +349,8 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
       } else if constexpr (kWide) {
         if (store_warps)
           tc16_store_tiles<kCluster>(p, smem, L, bars + 2 * kStages + 2 * kW2Stages + 1,
-                                     bars + 2 * kStages + 2 * kW2Stages, rank, n_groups, tid - kThreadsC - 32);
+                                     bars + 2 * kStages + 2 * kW2Stages, rank, n_col_blocks, n_row_groups, n_groups,
+                                     tid - kThreadsC - 32);
       }
       __syncwarp();
       cluster_barrier();  // (the consumers' last)
@@ -616,9 +636,10 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
       if constexpr (kWide)
         if (store_warps && js == 0 && tile_it > 0)
           mbarrier_wait_parity_suspend(bars + 2 * kStages + 2 * kW2Stages, unsigned((tile_it - 1) & 1));
-      // the first round's rows (the block's tile before has stored its rows by now)
+      // the first round's rows (the block's tile before has stored its rows by now; kWide with
+      // the store warps: staged by them)
       if constexpr (kWgmmaBoth)
-        if (js == 0) stage_round_rows(0);
+        if (js == 0 && !(kWide && store_warps)) stage_round_rows(0);
       if constexpr (kTma) release(bars + kStages + (js * n_k + n_k - 1) % kStages);
       if (js + 1 == kT16JSub) {
         // (kTma: every stage's bytes from every block have arrived: nothing more is copied here)
