@@ -924,6 +924,51 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
       }
 #endif
     };
+    // kWide: this warpgroup's products of the tile's 16 chunks of W (H = 32) into acc2, the chunk
+    // loop unrolled.  Each chunk's slot, its MMAs' descriptors and the third warpgroup's barriers
+    // are then constants from a few bases, and its buffer and parity those of the tile (w_base is
+    // a multiple of the 16 chunks); the rolled loop spent ~110 instructions a chunk on them, most
+    // waiting on the one before, against the chunk's 384 MMA cycles (run 355's samples).
+    [[maybe_unused]] auto wide_w_chunks = [&](float* acc2) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+      if constexpr (kWide) {
+        constexpr int kChunks = kW2Stages, kHalf = kT16Wg2ChunkBytes / 2;
+        const unsigned parity = unsigned(w_base / kChunks) & 1u;
+        // this warpgroup's half of slots A-B (from L.w), S0-S3 (from 0) and H01-H23 (a slice each)
+        const uint64_t w_desc_ab = wgmma_desc(smem + L.w + wg * kHalf, 16, 1024);
+        const uint64_t w_desc_s = wgmma_desc(smem + wg * kHalf, 16, 1024);
+        const uint64_t w_desc_h = wgmma_desc(smem + wg * kT16WideSlice + kT16Wg2ChunkBytes, 16, 1024);
+        const uint64_t o_desc = wgmma_desc(smem, 16, 2048);
+#pragma unroll
+        for (int kc = 0; kc < kChunks; ++kc) {
+          const long long t0 = trace_rec != nullptr ? clock64() : 0;
+          mbarrier_wait_parity_suspend(w_full + kc, parity);
+          if (trace_rec != nullptr) mark(kT16MarkWChunk, kc | int(min(clock64() - t0, 0x7fffffll) << 8));
+          if (kc == 0) mark(kT16MarkW0, 0);
+          const int slot = tc16_wide_w_slot(kc);
+          const uint64_t w_desc = slot < 2   ? w_desc_ab + uint64_t((slot * kT16Wg2ChunkBytes) >> 4)
+                                  : slot < 6 ? w_desc_s + uint64_t(((slot - 2) * kT16WideSlice) >> 4)
+                                             : w_desc_h + uint64_t((2 * (slot - 6) * kT16WideSlice) >> 4);
+          wgmma_fence();
+#pragma unroll
+          for (int kk = 0; kk < 4; ++kk)
+            wgmma_m64n96k16_kmajor<T>(acc2, w_desc + uint64_t(kk * (32 >> 4)),
+                                      o_desc + uint64_t((tc16_wide_o(0, kc) + kk * 32) >> 4));
+          wgmma_commit();
+          wgmma_wait<1>();
+          if (kc > 0) release(w_empty + kc - 1);  // retired by this warpgroup
+          if (p.tc16_w_third) {
+            static_assert(kT16WideThirdChunks == 2, "a barrier for each of the third warpgroup's chunks");
+            if (kc == kT16WideThirdChunk0 - 1) named_barrier_arrive(3, kThreadsC);
+            if (kc == kT16WideThirdChunk0) named_barrier_arrive(4, kThreadsC);
+          }
+        }
+        // (retired here, inside the branch of the warpgroups that issue them: ptxas serialises
+        // every MMA where products still in flight meet the other warpgroup's path)
+        wgmma_wait<0>();
+      }
+#endif
+    };
     // (kWide: one group of d and one round a tile, D <= kTcDG and P = kRound checked at launch)
     for (int dg = 0; dg < (kWide ? 1 : D); dg += kTcDG) {
       bool d_ok[kTcDG / 32];
@@ -978,7 +1023,9 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
           float acc2[kAcc2];
 #pragma unroll
           for (int e = 0; e < kAcc2; ++e) acc2[e] = 0.f;
-          if (p2_wg)
+          if constexpr (kWide) {
+            if (p2_wg) wide_w_chunks(acc2);
+          } else if (p2_wg)
           for (int kc = 0; kc < n_kc; ++kc) {
             int buf = kc % kW2Stages;
             if constexpr (kTma) {
