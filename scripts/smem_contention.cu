@@ -73,15 +73,12 @@ void run(const char* what, int sms, const unsigned char* src, int period) {
   auto k = contention_kernel<N, kWgs, kPerGroup, kB>;
   const int smem = kWgs * 8192 + kB * N * 128 + 2 * kCopyBytes + 64 + 1024;
   cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  long long* out;
-  float* sink;
-  cudaMalloc(&out, sms * 6 * sizeof(long long));
-  cudaMalloc(&sink, 512 * sizeof(float));
-  const int iters = 4000;
-  if (!warm_then_timed(what, [&](int n) { k<<<sms, 128 * kWgs + 32, smem>>>(out, sink, src, n, period); }, iters))
+  RunBuffers buf(sms * 6);
+  const int iters = kTimedIters;
+  if (!warm_then_timed(what, [&](int n) { k<<<sms, 128 * kWgs + 32, smem>>>(buf.out, buf.sink, src, n, period); },
+                       iters))
     return;
-  std::vector<long long> h(sms * 6);
-  cudaMemcpy(h.data(), out, h.size() * sizeof(long long), cudaMemcpyDeviceToHost);
+  const std::vector<long long> h = buf.read();
   double mean = 0, copy_rate = 0;
   for (int b = 0; b < sms; ++b) {
     for (int w = 0; w < kWgs; ++w) mean += double(h[b * 4 + w]) / (sms * kWgs);
@@ -91,8 +88,6 @@ void run(const char* what, int sms, const unsigned char* src, int period) {
   const double macs = double(iters) * kPerGroup * 64.0 * N * 16.0 * kWgs;  // per SM
   printf("%-40s period %5d  %6.1f%% of 2048 MACs/clk  copies %5.1f B/clk  (%.0f clk a group a warpgroup)\n", what,
          period, 100.0 * macs / mean / 2048.0, copy_rate, mean / iters);
-  cudaFree(out);
-  cudaFree(sink);
 }
 
 int main() {

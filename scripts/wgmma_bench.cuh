@@ -5,6 +5,7 @@
 #include <cuda_bf16.h>
 #include <cstdio>
 #include <cstdint>
+#include <vector>
 
 #include "opm_mma.cuh"
 
@@ -107,3 +108,28 @@ bool warm_then_timed(const char* what, Launch launch, int iters) {
   if (e != cudaSuccess) printf("%-44s error %s\n", what, cudaGetErrorString(e));
   return e == cudaSuccess;
 }
+
+constexpr int kTimedIters = 4000;  // a timed launch's iterations
+
+// A run's device buffers, freed with it: `n` counters its kernel writes, read back by read(), and
+// the sink its MMAs' sums go to.
+struct RunBuffers {
+  long long* out = nullptr;
+  float* sink = nullptr;
+  int n = 0;
+  explicit RunBuffers(int n_out) : n(n_out) {
+    cudaMalloc(&out, n * sizeof(long long));
+    cudaMalloc(&sink, 512 * sizeof(float));
+  }
+  RunBuffers(const RunBuffers&) = delete;
+  RunBuffers& operator=(const RunBuffers&) = delete;
+  ~RunBuffers() {
+    cudaFree(out);
+    cudaFree(sink);
+  }
+  std::vector<long long> read() const {
+    std::vector<long long> h(n);
+    cudaMemcpy(h.data(), out, h.size() * sizeof(long long), cudaMemcpyDeviceToHost);
+    return h;
+  }
+};

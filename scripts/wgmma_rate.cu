@@ -32,14 +32,10 @@ void run(const char* what, int sms) {
   auto k = rate_kernel<N, kWgs, kPerGroup, kRS, kB>;
   const int smem = kWgs * 8192 + kB * N * 128 + 1024;
   cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  long long* cyc;
-  float* sink;
-  cudaMalloc(&cyc, sms * 3 * sizeof(long long));
-  cudaMalloc(&sink, 512 * sizeof(float));
-  const int iters = 4000;
-  if (!warm_then_timed(what, [&](int n) { k<<<sms, 128 * kWgs, smem>>>(cyc, sink, n); }, iters)) return;
-  std::vector<long long> h(sms * 3);
-  cudaMemcpy(h.data(), cyc, h.size() * sizeof(long long), cudaMemcpyDeviceToHost);
+  RunBuffers buf(sms * 3);
+  const int iters = kTimedIters;
+  if (!warm_then_timed(what, [&](int n) { k<<<sms, 128 * kWgs, smem>>>(buf.out, buf.sink, n); }, iters)) return;
+  const std::vector<long long> h = buf.read();
   long long mx = 0;
   double mean = 0;
   for (int b = 0; b < sms; ++b)
@@ -50,8 +46,6 @@ void run(const char* what, int sms) {
   const double macs = double(iters) * kPerGroup * 64.0 * N * 16.0 * kWgs;  // per SM
   printf("%-44s N %3d wgs %d mmas/group %2d %s  %7.0f MACs/clk/SM  %5.1f%% of 2048  (%.0f clk a group a warpgroup)\n", what, N,
          kWgs, kPerGroup, kRS ? "RS" : "SS", macs / mean, 100.0 * macs / mean / 2048.0, mean / iters);
-  cudaFree(cyc);
-  cudaFree(sink);
 }
 
 int main() {

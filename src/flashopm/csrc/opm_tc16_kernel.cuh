@@ -1047,33 +1047,15 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
             }
             if (kc == 0) mark(kT16MarkW0, 0);
             const char* st = w_st + buf * kT16Wg2ChunkBytes;
-            // kWide: this warpgroup's half of W's chunk (its 64 d, 8 KB, groups of 8 rows 1 KB
-            // apart) where its slot is (tc16_wide_w_half)
-            [[maybe_unused]] uint64_t w_desc = 0;
-            if constexpr (kWide) w_desc = wgmma_desc(smem + tc16_wide_w_half(tc16_wide_w_slot(kc), wg, L.w), 16, 1024);
             wgmma_fence();
 #pragma unroll
-            for (int kk = 0; kk < 4; ++kk) {
-              if constexpr (kWide) {
-                // both column tiles' 96 pairs at once: chunk kc of each pair group, the groups 2
-                // KB apart in its slice (tc16_wide_o)
-                wgmma_m64n96k16_kmajor<T>(acc2, w_desc + uint64_t(kk * (32 >> 4)),
-                                          wgmma_desc(smem + tc16_wide_o(0, kc) + kk * 32, 16, 2048));
-              } else
-                wgmma_m64n64k16_kmajor<T>(acc2, wgmma_desc(st + wg * 64 * 128 + kk * 32, 16, 1024),
-                                          wgmma_desc(o_round + kc * 1024 + kk * 32, 16, o_sbo));
-            }
+            for (int kk = 0; kk < 4; ++kk)
+              wgmma_m64n64k16_kmajor<T>(acc2, wgmma_desc(st + wg * 64 * 128 + kk * 32, 16, 1024),
+                                        wgmma_desc(o_round + kc * 1024 + kk * 32, 16, o_sbo));
             wgmma_commit();
             wgmma_wait<1>();
             if constexpr (kTma)  // the previous chunk's products retired by this warpgroup
               if (kc > 0) release(w_empty + (w_base + kc - 1) % kW2Stages);
-            // (and in this block, to the third warpgroup, which stores the chunk two after it)
-            if constexpr (kWide)
-              if (p.tc16_w_third) {
-                static_assert(kT16WideThirdChunks == 2, "a barrier for each of the third warpgroup's chunks");
-                if (kc == kT16WideThirdChunk0 - 1) named_barrier_arrive(3, kThreadsC);
-                if (kc == kT16WideThirdChunk0) named_barrier_arrive(4, kThreadsC);
-              }
           }
           wgmma_wait<0>();
           mark(kT16MarkP2Done, 0);
