@@ -372,7 +372,8 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
     else __syncthreads();
   };
   // kTma: W's chunks in one sequence over every tile, group of d and round (wq), buffer wq %
-  // kW2Stages, issued by the producer warp
+  // kW2Stages, issued by the producer warp (kWide: 16 a tile, one pair of mbarriers each, so
+  // chunk kc's and the tile's parity; w_base unused)
   [[maybe_unused]] int w_base = 0;
   // FLASHOPM_TC16_TRACE (timing aid): the first thread of each consumer warpgroup records its
   // Tc16Mark points; the count stays in a register, so a mark costs two clock reads and stores.
@@ -920,20 +921,22 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
         }
         fence_proxy_async_smem();  // visible to the tensor cores
         named_barrier(5, 128);     // every piece stored before the chunk is announced
-        if (q == 0) mbarrier_arrive_local(w_full + (w_base + kc) % kW2Stages);
+        if (q == 0) mbarrier_arrive_local(w_full + kc);  // (kWide: chunk kc's own pair)
       }
 #endif
     };
     // kWide: this warpgroup's products of the tile's 16 chunks of W (H = 32) into acc2, the chunk
     // loop unrolled.  Each chunk's slot, its MMAs' descriptors and the third warpgroup's barriers
-    // are then constants from a few bases, and its buffer and parity those of the tile (w_base is
-    // a multiple of the 16 chunks); the rolled loop spent ~110 instructions a chunk on them, most
-    // waiting on the one before, against the chunk's 384 MMA cycles (run 355's samples).
+    // are then constants from a few bases, its buffer chunk kc's own and its parity the tile's
+    // (every tile takes the 16 chunks); the rolled loop spent ~110 instructions a chunk on them,
+    // most waiting on the one before, against the chunk's 384 MMA cycles (run 355's samples).
+    // (The parity from tile_it: a running count of chunks, spilled, was reloaded from L2 before
+    // chunk 0, ~580 cycles a tile in run 359's w0_wait.)
     [[maybe_unused]] auto wide_w_chunks = [&](float* acc2) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
       if constexpr (kWide) {
         constexpr int kChunks = kW2Stages, kHalf = kT16Wg2ChunkBytes / 2;
-        const unsigned parity = unsigned(w_base / kChunks) & 1u;
+        const unsigned parity = unsigned(tile_it) & 1u;
         // this warpgroup's half of slots A-B (from L.w), S0-S3 (from 0) and H01-H23 (a slice each)
         const uint64_t w_desc_ab = wgmma_desc(smem + L.w + wg * kHalf, 16, 1024);
         const uint64_t w_desc_s = wgmma_desc(smem + wg * kHalf, 16, 1024);
@@ -1060,8 +1063,12 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
           wgmma_wait<0>();
           mark(kT16MarkP2Done, 0);
           if constexpr (kTma) {
-            if (p2_wg) release(w_empty + (w_base + n_kc - 1) % kW2Stages);
-            w_base += n_kc;
+            if constexpr (kWide) {
+              if (p2_wg) release(w_empty + kW2Stages - 1);
+            } else {
+              if (p2_wg) release(w_empty + (w_base + n_kc - 1) % kW2Stages);
+              w_base += n_kc;
+            }
             // every W read done: the stage area takes the sums (the next round's chunks wait for
             // every block's round to be stored)
             consumers_sync();
