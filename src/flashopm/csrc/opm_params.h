@@ -482,6 +482,28 @@ enum WaveMark : int {
   kMarkOwnRows = 14,      // the wave's part buffers lie in its own band's unwritten rows
 };
 // a, b and w_out hold float32, or the 16-bit operand type of opm_outer_tc16_kernel.
+// Division by a divisor fixed for a launch, as a multiply and a shift (Granlund and Montgomery):
+// q = (umulhi(n, mul) + n) >> shift for 0 <= n < 2^31 and 1 <= d < 2^31.  The host makes it once;
+// the kernel reads it from its parameters, where the division's own instruction chain (~40
+// dependent instructions, a float reciprocal among them) would sit on the path between tiles.
+struct FastDivisor {
+  uint32_t d, mul, shift;
+};
+inline FastDivisor make_fast_divisor(uint32_t d) {
+  uint32_t shift = 0;
+  while (shift < 31 && (uint32_t(1) << shift) < d) ++shift;  // ceil(log2 d)
+  const uint64_t mul = ((uint64_t(1) << 32) * ((uint64_t(1) << shift) - d)) / d + 1;
+  return {d, uint32_t(mul), shift};
+}
+FLASHOPM_HD inline uint32_t fast_div(uint32_t n, const FastDivisor& f) {
+#if defined(__CUDA_ARCH__)
+  const uint32_t hi = __umulhi(n, f.mul);
+#else
+  const uint32_t hi = uint32_t((uint64_t(n) * f.mul) >> 32);
+#endif
+  return (hi + n) >> f.shift;
+}
+
 struct OuterArgs {
   const void* a;  // (B, S, Na, H) contiguous: residues i_offset .. i_offset + Na (rows i)
   const void* b;  // (B, S, N, H) contiguous: all residues (columns j)
@@ -539,6 +561,10 @@ struct OuterArgs {
   // the 16-bit kernel's wgmma forms: 1, O stored by stmatrix (FLASHOPM_TC16_STMATRIX=1; 0, the
   // default: 4-byte stores)
   int tc16_stmatrix;
+  // the tensor-copy forms' groups of tiles (tc16_group_tile): the groups of a batch element
+  // (column blocks x row groups) and of kTileGroupRows row groups (x column blocks), as divisors;
+  // set where the cluster kernel is launched
+  FastDivisor tc16_groups_per_b, tc16_group_span;
   FusedProjArgs fp;  // the fused projection's inputs (x null: a and b come in the workspace)
   WaveArgs wv;       // the waves form's (wv.ws null: not that form)
 };

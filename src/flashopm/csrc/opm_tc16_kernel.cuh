@@ -33,6 +33,27 @@ __device__ __forceinline__ void tc16_group_tile(int lin, int n_col_blocks, int n
   const int rem = lin - b * per_b;
   grouped_tile_of(rem % n_col_blocks, rem / n_col_blocks, n_col_blocks, n_row_groups, col_tile, row_group);
 }
+// The same for the cluster kernel, by the launch's divisors (OuterArgs::tc16_groups_per_b,
+// tc16_group_span): the three divisions above lay ~120 dependent instructions between a tile's
+// last mark and the next tile's first (~0.9K cycles of run 359's gap); a whole group of
+// kTileGroupRows row groups takes a mask and a shift, the last, shorter group of a batch element
+// a division.
+__device__ __forceinline__ void tc16_group_tile(const OuterArgs& p, int lin, int n_col_blocks, int n_row_groups,
+                                                int& col_tile, int& row_group, int& b) {
+  b = int(fast_div(uint32_t(lin), p.tc16_groups_per_b));
+  const int rem = lin - b * int(p.tc16_groups_per_b.d);
+  const int first = int(fast_div(uint32_t(rem), p.tc16_group_span)) * kTileGroupRows;
+  const int within = rem - first * n_col_blocks;
+  if (n_row_groups - first >= kTileGroupRows) {
+    static_assert(kTileGroupRows == 16, "a whole group's row by a mask and a shift");
+    row_group = first + (within & 15);
+    col_tile = within >> 4;
+  } else {
+    const int rows = n_row_groups - first;
+    col_tile = within / rows;
+    row_group = first + within - col_tile * rows;
+  }
+}
 
 // The tensor-copy forms' producer, lane 0 of the third warpgroup (see outer_tc16_body): for each group
 // of tiles the cluster takes, phase 1's stages of every column tile, then W's chunks of every group
@@ -87,7 +108,7 @@ __device__ __forceinline__ void tc16_produce(const OuterArgs& p, const Tc16Maps&
   bool last_stored = false;  // whether the round issued last arrives there
   for (int lin = blockIdx.x / kCluster, it = 0; lin < n_groups; lin += gridDim.x / kCluster, ++it) {
     int col_tile, row_group, b;
-    tc16_group_tile(lin, n_col_blocks, n_row_groups, col_tile, row_group, b);
+    tc16_group_tile(p, lin, n_col_blocks, n_row_groups, col_tile, row_group, b);
     const int i0 = (kCluster * row_group + int(rank)) * p.Ti, j0 = col_tile * p.Tj * kT16JSub;
     // stage q = js·n_k + kt: column tile js, s from kt·kT16WgBK (counted, not divided: this one
     // lane's issue is phase 1's critical path)
@@ -223,7 +244,7 @@ __device__ __forceinline__ void tc16_store_tiles(const OuterArgs& p, char* smem,
   // pair ts of group lin's tile in this block (pair js·P1 + il·Tj + jl, as the consumers order them)
   auto stage_rows = [&](int lin) {
     int col_tile, row_group, b;
-    tc16_group_tile(lin, n_col_blocks, n_row_groups, col_tile, row_group, b);
+    tc16_group_tile(p, lin, n_col_blocks, n_row_groups, col_tile, row_group, b);
     const int i0 = (kCluster * row_group + int(rank)) * p.Ti, j0 = col_tile * p.Tj * kT16JSub;
     const int P1 = p.Ti * p.Tj, js = ts / P1, rem = ts - js * P1, il = rem / p.Tj, jl = js * p.Tj + rem - il * p.Tj;
     const float* row_den = p.row_den ? p.row_den + int64_t(b) * p.norm_rows + i0 : nullptr;
@@ -1213,7 +1234,7 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     for (int lin = blockIdx.x / kShare, it = 0; lin < n_groups; lin += gridDim.x / kShare, ++it) {
       int col_tile, row_group, b;
-      tc16_group_tile(lin, n_col_blocks, n_row_groups, col_tile, row_group, b);
+      tc16_group_tile(p, lin, n_col_blocks, n_row_groups, col_tile, row_group, b);
       tile(col_tile, kShare * row_group + int(rank), b, it);
     }
     if constexpr (!kWide) {
