@@ -681,8 +681,11 @@ if [ "$PHASE" = td35 ]; then
   # coordinates by the launch's divisors, no division chain between tiles): the bits, the trace
   # against run 359's 42936 cycles a tile (w0_wait 719, gap 938), the three bfloat16 rows, then
   # every test file
+  # (branch third-wg-more adds W's chunks 5-6 by the third warpgroup, FLASHOPM_TC16_W_THIRD=2:
+  # its bits and its trace beside the default's)
   wide_bits || exit 0
-  T trace16 60 $py scripts/tc16_trace.py --out "$R/trace16" --forms "2"
+  T t_third2 150 $py -m pytest -q -x -p no:cacheprovider tests/test_cuda.py -k "w_third_two"
+  T trace16 90 $py scripts/tc16_trace.py --out "$R/trace16" --forms "2,2+FLASHOPM_TC16_W_THIRD=2"
   mod_row openfold
   mod_row boltz
   bench_bf16

@@ -171,7 +171,7 @@ __device__ __forceinline__ void tc16_produce(const OuterArgs& p, const Tc16Maps&
         last_stored = !defer || dg + kTcDG < p.D || r0 + Sh::kRound < P;
         stored_rounds += last_stored;
         for (int kc = 0; kc < n_kc; ++kc, ++wq) {
-          if (kWide && p.tc16_w_third && tc16_wide_w_by_third(kc)) continue;  // (the consumers' third warpgroup's)
+          if (kWide && tc16_wide_w_by_third(kc, p.tc16_w_third)) continue;  // (the consumers' third warpgroup's)
           const int buf = wq % kW2Stages, use = wq / kW2Stages;
           // the chunk's buffer (bytes from the shared memory's start; kWide: its slot's first
           // half, A's or B's, the only slots the chunks without a release wait use, contiguous)
@@ -912,37 +912,48 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
     const uint32_t w_dst = kmajor_sw128_offset(wr, wc * 8, 1024);  // rows wr + 32u: + 4 KB each
     [[maybe_unused]] uint64_t* w_full = bars + 2 * kStages;
     [[maybe_unused]] uint64_t* w_empty = w_full + kW2Stages;
-    // kWide (OuterArgs::tc16_w_third): the third warpgroup's part in phase 2, W's chunks
-    // kT16WideThirdChunk0 .. of round dg, loaded from L2 at once into registers, each stored into
-    // its slot (in the map's 128-byte swizzle) as soon as this block's first two warpgroups have
-    // retired the chunk two before it, which held that slot (barrier 3 + c), and announced on its
-    // full mbarrier: the producer's copy would wait for every block's release and then for L2.
+    // kWide (OuterArgs::tc16_w_third): the third warpgroup's part in phase 2, W's chunks 2 and 3
+    // (mode 2: and 5 and 6) of round dg, loaded from L2 into registers (2 and 3 at once, 5 and 6
+    // each once the chunk before it in those registers is stored), each stored into its slot (in
+    // the map's 128-byte swizzle) as soon as this block's first two warpgroups have retired the
+    // chunk that held that slot (tc16_wide_third_barrier), and announced on its full mbarrier:
+    // the producer's copy would wait for every block's release and then for L2.
     [[maybe_unused]] auto third_wg_w_chunks = [&](int dg) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
       const int q = tid & 127, piece = q & 7, row0 = q >> 3;  // 16-byte piece `piece` of rows row0 + 16u
-      uint4 v[kT16WideThirdChunks][8];
-      const T* src = w_blk + int64_t(min(dg + row0, D - 1)) * K2 + kT16WideThirdChunk0 * 64 + piece * 8;
+      uint4 v[2][8];
+      const T* src = w_blk + int64_t(min(dg + row0, D - 1)) * K2 + piece * 8;
       const int valid_rows = D - dg - row0;  // row row0 + 16u lies below D where 16u < valid_rows
-#pragma unroll
-      for (int c = 0; c < kT16WideThirdChunks; ++c)
+      auto load = [&](uint4 (&dst)[8], int kc) {
 #pragma unroll
         for (int u = 0; u < 8; ++u)
-          v[c][u] = ld_global_cg16z(src + (16 * u < valid_rows ? 16 * u * K2 : 0) + c * 64,
-                                    16 * u < valid_rows);  // (zeros past D, as the map's copy fills them)
-#pragma unroll
-      for (int c = 0; c < kT16WideThirdChunks; ++c) {
-        const int kc = kT16WideThirdChunk0 + c, slot = tc16_wide_w_slot(kc);
-        named_barrier(3 + c, kThreadsC);  // this block's chunk kc - 2 retired (its tensor cores' reads done)
+          dst[u] = ld_global_cg16z(src + (16 * u < valid_rows ? 16 * u * K2 : 0) + kc * 64,
+                                   16 * u < valid_rows);  // (zeros past D, as the map's copy fills them)
+      };
+      auto store = [&](const uint4 (&val)[8], int kc) {
+        const int slot = tc16_wide_w_slot(kc);
+        named_barrier(tc16_wide_third_barrier(kc), kThreadsC);  // the slot's chunk before retired here
         fence_proxy_async_smem();
 #pragma unroll
         for (int u = 0; u < 8; ++u) {
           const int row = row0 + 16 * u;  // of the chunk's 128 rows of d: half row / 64
           *reinterpret_cast<uint4*>(smem + tc16_wide_w_half(slot, row >> 6, L.w) +
-                                    kmajor_sw128_offset(row & 63, piece * 8, 1024)) = v[c][u];
+                                    kmajor_sw128_offset(row & 63, piece * 8, 1024)) = val[u];
         }
         fence_proxy_async_smem();  // visible to the tensor cores
         named_barrier(5, 128);     // every piece stored before the chunk is announced
         if (q == 0) mbarrier_arrive_local(w_full + kc);  // (kWide: chunk kc's own pair)
+      };
+      load(v[0], 2);
+      load(v[1], 3);
+      store(v[0], 2);
+      const bool more = p.tc16_w_third > 1;
+      if (more) load(v[0], 5);
+      store(v[1], 3);
+      if (more) {
+        load(v[1], 6);
+        store(v[0], 5);
+        store(v[1], 6);
       }
 #endif
     };
@@ -981,11 +992,12 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
           wgmma_commit();
           wgmma_wait<1>();
           if (kc > 0) release(w_empty + kc - 1);  // retired by this warpgroup
-          if (p.tc16_w_third) {
-            static_assert(kT16WideThirdChunks == 2, "a barrier for each of the third warpgroup's chunks");
-            if (kc == kT16WideThirdChunk0 - 1) named_barrier_arrive(3, kThreadsC);
-            if (kc == kT16WideThirdChunk0) named_barrier_arrive(4, kThreadsC);
-          }
+          // (this block's chunk kc - 1 retired: to the third warpgroup where it stores the
+          // chunk that follows it in its slot)
+          if (p.tc16_w_third > 0 && (kc == 1 || kc == 2))
+            named_barrier_arrive(tc16_wide_third_barrier(kc + 1), kThreadsC);
+          if (p.tc16_w_third > 1 && (kc == 3 || kc == 4))
+            named_barrier_arrive(tc16_wide_third_barrier(kc + 2), kThreadsC);
         }
         // (retired here, inside the branch of the warpgroups that issue them: ptxas serialises
         // every MMA where products still in flight meet the other warpgroup's path)
