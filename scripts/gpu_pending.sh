@@ -107,7 +107,7 @@
 # steps.txt lists each step's exit status; a failing test step stops the call.
 OUT=$1
 PHASE=${2:-default}
-case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows | bf16 | clusters | bf16_clusters | ncu_clusters | land | producer | regs | pairs | proj16 | stack | stack_rows | trace16 | defer | ksplit | final16 | final17 | rest17 | stm17 | wtrace17 | wide18 | rest18 | rate20 | n96 | sw21 | ls22 | nc23 | pw24 | pc25 | wt26 | nd27 | os28 | nd29 | bl30 | sc31 | sr32 | pu33 | h34 | td35) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all, own_rows, bf16, clusters, bf16_clusters, ncu_clusters, land, producer, regs, pairs, proj16, stack, stack_rows, trace16, defer, ksplit, final16, final17, rest17, stm17, wtrace17, wide18, rest18, rate20, n96, sw21, ls22, nc23, pw24, pc25, wt26, nd27, os28, nd29, bl30, sc31, sr32, pu33, h34 or td35, got '$PHASE'" >&2; exit 2 ;; esac
+case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows | bf16 | clusters | bf16_clusters | ncu_clusters | land | producer | regs | pairs | proj16 | stack | stack_rows | trace16 | defer | ksplit | final16 | final17 | rest17 | stm17 | wtrace17 | wide18 | rest18 | rate20 | n96 | sw21 | ls22 | nc23 | pw24 | pc25 | wt26 | nd27 | os28 | nd29 | bl30 | sc31 | sr32 | pu33 | h34 | td35 | q36) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all, own_rows, bf16, clusters, bf16_clusters, ncu_clusters, land, producer, regs, pairs, proj16, stack, stack_rows, trace16, defer, ksplit, final16, final17, rest17, stm17, wtrace17, wide18, rest18, rate20, n96, sw21, ls22, nc23, pw24, pc25, wt26, nd27, os28, nd29, bl30, sc31, sr32, pu33, h34, td35 or q36, got '$PHASE'" >&2; exit 2 ;; esac
 R=$OUT/r
 mkdir -p "$R"
 pack() { tar -C "$OUT" -czf "$OUT/r.tgz" r; [ -n "$DEST" ] && cp "$OUT/r.tgz" "$DEST/"; }
@@ -675,6 +675,16 @@ ncu_default_form() {
   rm -f "$R/wide.ncu-rep"
   pack
 }
+
+if [ "$PHASE" = q36 ]; then
+  # td35's measurements first, for a short call: the trace of both forms, OpenFold's row, then the
+  # bits of each
+  T trace16 90 $py scripts/tc16_trace.py --out "$R/trace16" --forms "2,2+FLASHOPM_TC16_W_THIRD=2"
+  mod_row openfold
+  wide_bits
+  T t_third2 150 $py -m pytest -q -x -p no:cacheprovider tests/test_cuda.py -k "w_third_two"
+  exit 0
+fi
 
 if [ "$PHASE" = td35 ]; then
   # branch tile-divs (W's parity from the tile's count, no reload before chunk 0; the tile's
