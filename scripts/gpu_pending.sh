@@ -99,12 +99,17 @@
 #                                                       # trace, OpenFold's row, files
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR h34   # main's bfloat16 rows, the trace,
 #                                                       # the files pu33's call left out
+#          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR h37   # td35, rows first, main's kernels
+#                                                       # (alt/src) for the rows if the bits fail
+#          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR td35  # W's parity and the tile's
+#                                                       # coordinates without reloads or divisions:
+#                                                       # tests, trace, rows, every file
 # (DEST: a folder that r.tgz is also copied to after every step)
 # Each phase fits one call of under ten minutes, the build (~2 min) included.
 # steps.txt lists each step's exit status; a failing test step stops the call.
 OUT=$1
 PHASE=${2:-default}
-case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows | bf16 | clusters | bf16_clusters | ncu_clusters | land | producer | regs | pairs | proj16 | stack | stack_rows | trace16 | defer | ksplit | final16 | final17 | rest17 | stm17 | wtrace17 | wide18 | rest18 | rate20 | n96 | sw21 | ls22 | nc23 | pw24 | pc25 | wt26 | nd27 | os28 | nd29 | bl30 | sc31 | sr32 | pu33 | h34) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all, own_rows, bf16, clusters, bf16_clusters, ncu_clusters, land, producer, regs, pairs, proj16, stack, stack_rows, trace16, defer, ksplit, final16, final17, rest17, stm17, wtrace17, wide18, rest18, rate20, n96, sw21, ls22, nc23, pw24, pc25, wt26, nd27, os28, nd29, bl30, sc31, sr32, pu33 or h34, got '$PHASE'" >&2; exit 2 ;; esac
+case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows | bf16 | clusters | bf16_clusters | ncu_clusters | land | producer | regs | pairs | proj16 | stack | stack_rows | trace16 | defer | ksplit | final16 | final17 | rest17 | stm17 | wtrace17 | wide18 | rest18 | rate20 | n96 | sw21 | ls22 | nc23 | pw24 | pc25 | wt26 | nd27 | os28 | nd29 | bl30 | sc31 | sr32 | pu33 | h34 | td35 | q36 | h37) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all, own_rows, bf16, clusters, bf16_clusters, ncu_clusters, land, producer, regs, pairs, proj16, stack, stack_rows, trace16, defer, ksplit, final16, final17, rest17, stm17, wtrace17, wide18, rest18, rate20, n96, sw21, ls22, nc23, pw24, pc25, wt26, nd27, os28, nd29, bl30, sc31, sr32, pu33, h34, td35, q36 or h37, got '$PHASE'" >&2; exit 2 ;; esac
 R=$OUT/r
 mkdir -p "$R"
 pack() { tar -C "$OUT" -czf "$OUT/r.tgz" r; [ -n "$DEST" ] && cp "$OUT/r.tgz" "$DEST/"; }
@@ -672,6 +677,57 @@ ncu_default_form() {
   rm -f "$R/wide.ncu-rep"
   pack
 }
+
+if [ "$PHASE" = h37 ]; then
+  # td35's order with the rows first and a fallback: if this branch's bits fail, main's kernels
+  # (a copy of main's src/ in alt/, its own cache) give the rows instead, so that the call still
+  # measures issue 6's figures on the GPU it got
+  if wide_bits; then
+    mod_row openfold
+    T trace16 90 $py scripts/tc16_trace.py --out "$R/trace16" --forms "2,2+FLASHOPM_TC16_W_THIRD=2"
+    T t_third2 150 $py -m pytest -q -x -p no:cacheprovider tests/test_cuda.py -k "w_third_two"
+    mod_row boltz
+    bench_bf16
+    forward_and_autograd_files
+    rest_files
+  elif [ -d alt/src ]; then
+    export PYTHONPATH="$PWD/alt/src:$PWD/scripts" FLASHOPM_CACHE_DIR="$PWD/.cache/alt"
+    T build_alt 300 $py -c "import flashopm._build as b; print(b.load())"
+    mod_row openfold
+    T trace16 60 $py scripts/tc16_trace.py --out "$R/trace16" --forms "2"
+    mod_row boltz
+    bench_bf16
+  fi
+  exit 0
+fi
+
+if [ "$PHASE" = q36 ]; then
+  # td35's measurements first, for a short call: the trace of both forms, OpenFold's row, then the
+  # bits of each
+  T trace16 90 $py scripts/tc16_trace.py --out "$R/trace16" --forms "2,2+FLASHOPM_TC16_W_THIRD=2"
+  mod_row openfold
+  wide_bits
+  T t_third2 150 $py -m pytest -q -x -p no:cacheprovider tests/test_cuda.py -k "w_third_two"
+  exit 0
+fi
+
+if [ "$PHASE" = td35 ]; then
+  # branch tile-divs (W's parity from the tile's count, no reload before chunk 0; the tile's
+  # coordinates by the launch's divisors, no division chain between tiles): the bits, the trace
+  # against run 359's 42936 cycles a tile (w0_wait 719, gap 938), the three bfloat16 rows, then
+  # every test file
+  # (branch third-wg-more adds W's chunks 5-6 by the third warpgroup, FLASHOPM_TC16_W_THIRD=2:
+  # its bits and its trace beside the default's)
+  wide_bits || exit 0
+  T t_third2 150 $py -m pytest -q -x -p no:cacheprovider tests/test_cuda.py -k "w_third_two"
+  T trace16 90 $py scripts/tc16_trace.py --out "$R/trace16" --forms "2,2+FLASHOPM_TC16_W_THIRD=2"
+  mod_row openfold
+  mod_row boltz
+  bench_bf16
+  forward_and_autograd_files
+  rest_files
+  exit 0
+fi
 
 if [ "$PHASE" = h34 ]; then
   # main's kernels (run 359's): the bfloat16 rows at N = 1536 first (issue 6's figures), the

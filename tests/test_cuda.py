@@ -916,6 +916,27 @@ def test_tc16_wide_form_gives_the_default_bits(shape, dtype, normalization, clus
         assert torch.equal(other, default), f"the wide form with {env}: other bits than the default form"
 
 
+@pytest.mark.parametrize("cluster", [1, 2])
+@pytest.mark.parametrize("normalization", ["row", "openfold"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", WIDE_SHAPES, ids=str)
+def test_tc16_wide_w_third_two_gives_the_default_bits(shape, dtype, normalization, cluster, monkeypatch):
+    """W's chunks 5 and 6 of each tile also stored by the wide form's third consumer warpgroup
+    from its registers (FLASHOPM_TC16_W_THIRD=2; each after its chunk two before is stored, into
+    the slot of chunk 2 or 3 once this block has retired that chunk): the default form's bits,
+    every element written (poisoned output), two calls equal, also with resident clusters taking
+    many tiles in turn."""
+    x16, m16, p16, default = _wide_against_default(shape, dtype, normalization, cluster, monkeypatch,
+                                                   FLASHOPM_TC16_W_THIRD="2")
+    out = _run(x16, m16, p16, "outer", normalization=normalization)
+    assert not out.isnan().any(), "NaN in the output: an element was not written"
+    assert torch.equal(out, default), "W_THIRD=2 gives other bits than the default form"
+    assert torch.equal(out, _run(x16, m16, p16, "outer", normalization=normalization)), "two calls differ: a race"
+    monkeypatch.setenv("FLASHOPM_TC16_MAX_CLUSTERS", "3")
+    assert torch.equal(_run(x16, m16, p16, "outer", normalization=normalization), default), \
+        "W_THIRD=2 with three resident clusters: other bits than the default form"
+
+
 # The form without tensor copies as resident blocks taking tiles in turn (FLASHOPM_TC16_RESIDENT=0:
 # a block a tile), and its 16-byte output stores (FLASHOPM_TC16_WIDE_STORES=0: 4-byte).  D = 130
 # and 200 take a second group of d and the 4-byte stores.

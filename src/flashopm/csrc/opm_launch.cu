@@ -766,6 +766,11 @@ void launch_tc16_clusters(const OuterArgs& args, int operand_kind, int clusters,
   encode_map16(maps.b, operand_kind, args.b, 3, dims_b, strides_b, box_ab);
   encode_map16(maps.w, operand_kind, args.w_blocked, 2, dims_w, strides_w, box_w);
   OuterArgs kargs = args;
+  // the kernel's groups of tiles (as it counts them: tc16_group_tile)
+  const int n_col_blocks = (args.N + args.Tj * kT16JSub - 1) / (args.Tj * kT16JSub);
+  const int n_row_groups = ((args.Na + args.Ti - 1) / args.Ti + kCluster - 1) / kCluster;
+  kargs.tc16_groups_per_b = make_fast_divisor(uint32_t(n_col_blocks) * uint32_t(n_row_groups));
+  kargs.tc16_group_span = make_fast_divisor(uint32_t(kTileGroupRows) * uint32_t(n_col_blocks));
   if (kWide && args.tc16_b_pairs) {
     // b as (64 columns, s, groups of 64 columns, batch): one box takes a block's two groups of a
     // stage, each kT16WgBK rows of 128 bytes, group after group as the stage lays them.  Its

@@ -482,6 +482,28 @@ enum WaveMark : int {
   kMarkOwnRows = 14,      // the wave's part buffers lie in its own band's unwritten rows
 };
 // a, b and w_out hold float32, or the 16-bit operand type of opm_outer_tc16_kernel.
+// Division by a divisor fixed for a launch, as a multiply and a shift (Granlund and Montgomery):
+// q = (umulhi(n, mul) + n) >> shift for 0 <= n < 2^31 and 1 <= d < 2^31.  The host makes it once;
+// the kernel reads it from its parameters, where the division's own instruction chain (~40
+// dependent instructions, a float reciprocal among them) would sit on the path between tiles.
+struct FastDivisor {
+  uint32_t d, mul, shift;
+};
+inline FastDivisor make_fast_divisor(uint32_t d) {
+  uint32_t shift = 0;
+  while (shift < 31 && (uint32_t(1) << shift) < d) ++shift;  // ceil(log2 d)
+  const uint64_t mul = ((uint64_t(1) << 32) * ((uint64_t(1) << shift) - d)) / d + 1;
+  return {d, uint32_t(mul), shift};
+}
+FLASHOPM_HD inline uint32_t fast_div(uint32_t n, const FastDivisor& f) {
+#if defined(__CUDA_ARCH__)
+  const uint32_t hi = __umulhi(n, f.mul);
+#else
+  const uint32_t hi = uint32_t((uint64_t(n) * f.mul) >> 32);
+#endif
+  return (hi + n) >> f.shift;
+}
+
 struct OuterArgs {
   const void* a;  // (B, S, Na, H) contiguous: residues i_offset .. i_offset + Na (rows i)
   const void* b;  // (B, S, N, H) contiguous: all residues (columns j)
@@ -531,7 +553,9 @@ struct OuterArgs {
   // the wide tensor-copy forms: 1, W's chunks 2 and 3 of each tile loaded from L2 by the third
   // consumer warpgroup (idle in phase 2) into its registers as phase 2 begins, and stored into
   // their slots as soon as this block's phase 2 has retired chunks 0 and 1, rather than copied once
-  // every block of the cluster has (FLASHOPM_TC16_W_THIRD=0: copied by the producer)
+  // every block of the cluster has (FLASHOPM_TC16_W_THIRD=0: copied by the producer); 2
+  // (FLASHOPM_TC16_W_THIRD=2), chunks 5 and 6 too, each loaded once the chunk two before it is
+  // stored and stored once chunk 2 or 3 is retired (tc16_wide_w_by_third)
   int tc16_w_third;
   // the 16-bit kernel's wgmma forms: 1, 16-byte output stores where the output allows them
   // (FLASHOPM_TC16_WIDE_STORES=0: 4-byte stores)
@@ -539,6 +563,10 @@ struct OuterArgs {
   // the 16-bit kernel's wgmma forms: 1, O stored by stmatrix (FLASHOPM_TC16_STMATRIX=1; 0, the
   // default: 4-byte stores)
   int tc16_stmatrix;
+  // the tensor-copy forms' groups of tiles (tc16_group_tile): the groups of a batch element
+  // (column blocks x row groups) and of kTileGroupRows row groups (x column blocks), as divisors;
+  // set where the cluster kernel is launched
+  FastDivisor tc16_groups_per_b, tc16_group_span;
   FusedProjArgs fp;  // the fused projection's inputs (x null: a and b come in the workspace)
   WaveArgs wv;       // the waves form's (wv.ws null: not that form)
 };
@@ -900,14 +928,18 @@ FLASHOPM_HD constexpr int tc16_wide_w_half(int slot, int h, int w) {
 // The wide forms' W chunks that the third consumer warpgroup stores from its registers
 // (OuterArgs::tc16_w_third): chunks 2 and 3, the first that wait for a release (of chunks 0 and 1)
 // and then for L2, while phase 2 has nothing else in flight (run 353: 860 and 743 cycles a tile
-// against ~120 for the others).  Their slots' chunks before are 0 and 1 (tc16_wide_w_after).
-constexpr int kT16WideThirdChunk0 = 2, kT16WideThirdChunks = 2;
-FLASHOPM_HD constexpr bool tc16_wide_w_by_third(int n) {
-  return n >= kT16WideThirdChunk0 && n < kT16WideThirdChunk0 + kT16WideThirdChunks;
+// against ~120 for the others); in mode 2 also chunks 5 and 6, which wait for chunks 2 and 3 (run
+// 359, phase 2 unrolled: chunk 5 still waited ~240 cycles beyond the others, its copy issued once
+// both blocks had released chunk 2, and then from L2).  Chunk kc's slot held chunk
+// tc16_wide_w_after(kc) before; the third warpgroup stores into it once this block's first two
+// warpgroups have retired that chunk (named barrier tc16_wide_third_barrier(kc)).
+FLASHOPM_HD constexpr bool tc16_wide_w_by_third(int n, int mode) {
+  return mode > 0 && (n == 2 || n == 3 || (mode > 1 && (n == 5 || n == 6)));
 }
-static_assert(tc16_wide_w_after(kT16WideThirdChunk0) == kT16WideThirdChunk0 - 2 &&
-                  tc16_wide_w_after(kT16WideThirdChunk0 + 1) == kT16WideThirdChunk0 - 1,
-              "the third warpgroup's chunks wait for the chunks two before them");
+FLASHOPM_HD constexpr int tc16_wide_third_barrier(int n) { return n == 2 ? 3 : n == 3 ? 4 : n == 5 ? 6 : 7; }
+static_assert(tc16_wide_w_after(2) == 0 && tc16_wide_w_after(3) == 1 && tc16_wide_w_after(5) == 2 &&
+                  tc16_wide_w_after(6) == 3,
+              "the third warpgroup's chunks wait for chunks 0, 1, 2 and 3 (its barriers 3, 4, 6 and 7)");
 // The tables' rules, checked as the code compiles (hidden 32, W's buffers from 192 KB): each
 // chunk waits for one at least two back (a warpgroup releases a chunk once its next chunk's MMAs
 // are issued, with one group in flight); its halves lie clear of every chunk issued since that

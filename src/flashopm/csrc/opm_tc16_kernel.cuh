@@ -33,6 +33,27 @@ __device__ __forceinline__ void tc16_group_tile(int lin, int n_col_blocks, int n
   const int rem = lin - b * per_b;
   grouped_tile_of(rem % n_col_blocks, rem / n_col_blocks, n_col_blocks, n_row_groups, col_tile, row_group);
 }
+// The same for the cluster kernel, by the launch's divisors (OuterArgs::tc16_groups_per_b,
+// tc16_group_span): the three divisions above lay ~120 dependent instructions between a tile's
+// last mark and the next tile's first (~0.9K cycles of run 359's gap); a whole group of
+// kTileGroupRows row groups takes a mask and a shift, the last, shorter group of a batch element
+// a division.
+__device__ __forceinline__ void tc16_group_tile(const OuterArgs& p, int lin, int n_col_blocks, int n_row_groups,
+                                                int& col_tile, int& row_group, int& b) {
+  b = int(fast_div(uint32_t(lin), p.tc16_groups_per_b));
+  const int rem = lin - b * int(p.tc16_groups_per_b.d);
+  const int first = int(fast_div(uint32_t(rem), p.tc16_group_span)) * kTileGroupRows;
+  const int within = rem - first * n_col_blocks;
+  if (n_row_groups - first >= kTileGroupRows) {
+    static_assert(kTileGroupRows == 16, "a whole group's row by a mask and a shift");
+    row_group = first + (within & 15);
+    col_tile = within >> 4;
+  } else {
+    const int rows = n_row_groups - first;
+    col_tile = within / rows;
+    row_group = first + within - col_tile * rows;
+  }
+}
 
 // The tensor-copy forms' producer, lane 0 of the third warpgroup (see outer_tc16_body): for each group
 // of tiles the cluster takes, phase 1's stages of every column tile, then W's chunks of every group
@@ -87,7 +108,7 @@ __device__ __forceinline__ void tc16_produce(const OuterArgs& p, const Tc16Maps&
   bool last_stored = false;  // whether the round issued last arrives there
   for (int lin = blockIdx.x / kCluster, it = 0; lin < n_groups; lin += gridDim.x / kCluster, ++it) {
     int col_tile, row_group, b;
-    tc16_group_tile(lin, n_col_blocks, n_row_groups, col_tile, row_group, b);
+    tc16_group_tile(p, lin, n_col_blocks, n_row_groups, col_tile, row_group, b);
     const int i0 = (kCluster * row_group + int(rank)) * p.Ti, j0 = col_tile * p.Tj * kT16JSub;
     // stage q = js·n_k + kt: column tile js, s from kt·kT16WgBK (counted, not divided: this one
     // lane's issue is phase 1's critical path)
@@ -150,7 +171,7 @@ __device__ __forceinline__ void tc16_produce(const OuterArgs& p, const Tc16Maps&
         last_stored = !defer || dg + kTcDG < p.D || r0 + Sh::kRound < P;
         stored_rounds += last_stored;
         for (int kc = 0; kc < n_kc; ++kc, ++wq) {
-          if (kWide && p.tc16_w_third && tc16_wide_w_by_third(kc)) continue;  // (the consumers' third warpgroup's)
+          if (kWide && tc16_wide_w_by_third(kc, p.tc16_w_third)) continue;  // (the consumers' third warpgroup's)
           const int buf = wq % kW2Stages, use = wq / kW2Stages;
           // the chunk's buffer (bytes from the shared memory's start; kWide: its slot's first
           // half, A's or B's, the only slots the chunks without a release wait use, contiguous)
@@ -223,7 +244,7 @@ __device__ __forceinline__ void tc16_store_tiles(const OuterArgs& p, char* smem,
   // pair ts of group lin's tile in this block (pair js·P1 + il·Tj + jl, as the consumers order them)
   auto stage_rows = [&](int lin) {
     int col_tile, row_group, b;
-    tc16_group_tile(lin, n_col_blocks, n_row_groups, col_tile, row_group, b);
+    tc16_group_tile(p, lin, n_col_blocks, n_row_groups, col_tile, row_group, b);
     const int i0 = (kCluster * row_group + int(rank)) * p.Ti, j0 = col_tile * p.Tj * kT16JSub;
     const int P1 = p.Ti * p.Tj, js = ts / P1, rem = ts - js * P1, il = rem / p.Tj, jl = js * p.Tj + rem - il * p.Tj;
     const float* row_den = p.row_den ? p.row_den + int64_t(b) * p.norm_rows + i0 : nullptr;
@@ -372,7 +393,8 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
     else __syncthreads();
   };
   // kTma: W's chunks in one sequence over every tile, group of d and round (wq), buffer wq %
-  // kW2Stages, issued by the producer warp
+  // kW2Stages, issued by the producer warp (kWide: 16 a tile, one pair of mbarriers each, so
+  // chunk kc's and the tile's parity; w_base unused)
   [[maybe_unused]] int w_base = 0;
   // FLASHOPM_TC16_TRACE (timing aid): the first thread of each consumer warpgroup records its
   // Tc16Mark points; the count stays in a register, so a mark costs two clock reads and stores.
@@ -890,50 +912,63 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
     const uint32_t w_dst = kmajor_sw128_offset(wr, wc * 8, 1024);  // rows wr + 32u: + 4 KB each
     [[maybe_unused]] uint64_t* w_full = bars + 2 * kStages;
     [[maybe_unused]] uint64_t* w_empty = w_full + kW2Stages;
-    // kWide (OuterArgs::tc16_w_third): the third warpgroup's part in phase 2, W's chunks
-    // kT16WideThirdChunk0 .. of round dg, loaded from L2 at once into registers, each stored into
-    // its slot (in the map's 128-byte swizzle) as soon as this block's first two warpgroups have
-    // retired the chunk two before it, which held that slot (barrier 3 + c), and announced on its
-    // full mbarrier: the producer's copy would wait for every block's release and then for L2.
+    // kWide (OuterArgs::tc16_w_third): the third warpgroup's part in phase 2, W's chunks 2 and 3
+    // (mode 2: and 5 and 6) of round dg, loaded from L2 into registers (2 and 3 at once, 5 and 6
+    // each once the chunk before it in those registers is stored), each stored into its slot (in
+    // the map's 128-byte swizzle) as soon as this block's first two warpgroups have retired the
+    // chunk that held that slot (tc16_wide_third_barrier), and announced on its full mbarrier:
+    // the producer's copy would wait for every block's release and then for L2.
     [[maybe_unused]] auto third_wg_w_chunks = [&](int dg) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
       const int q = tid & 127, piece = q & 7, row0 = q >> 3;  // 16-byte piece `piece` of rows row0 + 16u
-      uint4 v[kT16WideThirdChunks][8];
-      const T* src = w_blk + int64_t(min(dg + row0, D - 1)) * K2 + kT16WideThirdChunk0 * 64 + piece * 8;
+      uint4 v[2][8];
+      const T* src = w_blk + int64_t(min(dg + row0, D - 1)) * K2 + piece * 8;
       const int valid_rows = D - dg - row0;  // row row0 + 16u lies below D where 16u < valid_rows
-#pragma unroll
-      for (int c = 0; c < kT16WideThirdChunks; ++c)
+      auto load = [&](uint4 (&dst)[8], int kc) {
 #pragma unroll
         for (int u = 0; u < 8; ++u)
-          v[c][u] = ld_global_cg16z(src + (16 * u < valid_rows ? 16 * u * K2 : 0) + c * 64,
-                                    16 * u < valid_rows);  // (zeros past D, as the map's copy fills them)
-#pragma unroll
-      for (int c = 0; c < kT16WideThirdChunks; ++c) {
-        const int kc = kT16WideThirdChunk0 + c, slot = tc16_wide_w_slot(kc);
-        named_barrier(3 + c, kThreadsC);  // this block's chunk kc - 2 retired (its tensor cores' reads done)
+          dst[u] = ld_global_cg16z(src + (16 * u < valid_rows ? 16 * u * K2 : 0) + kc * 64,
+                                   16 * u < valid_rows);  // (zeros past D, as the map's copy fills them)
+      };
+      auto store = [&](const uint4 (&val)[8], int kc) {
+        const int slot = tc16_wide_w_slot(kc);
+        named_barrier(tc16_wide_third_barrier(kc), kThreadsC);  // the slot's chunk before retired here
         fence_proxy_async_smem();
 #pragma unroll
         for (int u = 0; u < 8; ++u) {
           const int row = row0 + 16 * u;  // of the chunk's 128 rows of d: half row / 64
           *reinterpret_cast<uint4*>(smem + tc16_wide_w_half(slot, row >> 6, L.w) +
-                                    kmajor_sw128_offset(row & 63, piece * 8, 1024)) = v[c][u];
+                                    kmajor_sw128_offset(row & 63, piece * 8, 1024)) = val[u];
         }
         fence_proxy_async_smem();  // visible to the tensor cores
         named_barrier(5, 128);     // every piece stored before the chunk is announced
-        if (q == 0) mbarrier_arrive_local(w_full + (w_base + kc) % kW2Stages);
+        if (q == 0) mbarrier_arrive_local(w_full + kc);  // (kWide: chunk kc's own pair)
+      };
+      load(v[0], 2);
+      load(v[1], 3);
+      store(v[0], 2);
+      const bool more = p.tc16_w_third > 1;
+      if (more) load(v[0], 5);
+      store(v[1], 3);
+      if (more) {
+        load(v[1], 6);
+        store(v[0], 5);
+        store(v[1], 6);
       }
 #endif
     };
     // kWide: this warpgroup's products of the tile's 16 chunks of W (H = 32) into acc2, the chunk
     // loop unrolled.  Each chunk's slot, its MMAs' descriptors and the third warpgroup's barriers
-    // are then constants from a few bases, and its buffer and parity those of the tile (w_base is
-    // a multiple of the 16 chunks); the rolled loop spent ~110 instructions a chunk on them, most
-    // waiting on the one before, against the chunk's 384 MMA cycles (run 355's samples).
+    // are then constants from a few bases, its buffer chunk kc's own and its parity the tile's
+    // (every tile takes the 16 chunks); the rolled loop spent ~110 instructions a chunk on them,
+    // most waiting on the one before, against the chunk's 384 MMA cycles (run 355's samples).
+    // (The parity from tile_it: a running count of chunks, spilled, was reloaded from L2 before
+    // chunk 0, ~580 cycles a tile in run 359's w0_wait.)
     [[maybe_unused]] auto wide_w_chunks = [&](float* acc2) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
       if constexpr (kWide) {
         constexpr int kChunks = kW2Stages, kHalf = kT16Wg2ChunkBytes / 2;
-        const unsigned parity = unsigned(w_base / kChunks) & 1u;
+        const unsigned parity = unsigned(tile_it) & 1u;
         // this warpgroup's half of slots A-B (from L.w), S0-S3 (from 0) and H01-H23 (a slice each)
         const uint64_t w_desc_ab = wgmma_desc(smem + L.w + wg * kHalf, 16, 1024);
         const uint64_t w_desc_s = wgmma_desc(smem + wg * kHalf, 16, 1024);
@@ -957,11 +992,12 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
           wgmma_commit();
           wgmma_wait<1>();
           if (kc > 0) release(w_empty + kc - 1);  // retired by this warpgroup
-          if (p.tc16_w_third) {
-            static_assert(kT16WideThirdChunks == 2, "a barrier for each of the third warpgroup's chunks");
-            if (kc == kT16WideThirdChunk0 - 1) named_barrier_arrive(3, kThreadsC);
-            if (kc == kT16WideThirdChunk0) named_barrier_arrive(4, kThreadsC);
-          }
+          // (this block's chunk kc - 1 retired: to the third warpgroup where it stores the
+          // chunk that follows it in its slot)
+          if (p.tc16_w_third > 0 && (kc == 1 || kc == 2))
+            named_barrier_arrive(tc16_wide_third_barrier(kc + 1), kThreadsC);
+          if (p.tc16_w_third > 1 && (kc == 3 || kc == 4))
+            named_barrier_arrive(tc16_wide_third_barrier(kc + 2), kThreadsC);
         }
         // (retired here, inside the branch of the warpgroups that issue them: ptxas serialises
         // every MMA where products still in flight meet the other warpgroup's path)
@@ -1060,8 +1096,12 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
           wgmma_wait<0>();
           mark(kT16MarkP2Done, 0);
           if constexpr (kTma) {
-            if (p2_wg) release(w_empty + (w_base + n_kc - 1) % kW2Stages);
-            w_base += n_kc;
+            if constexpr (kWide) {
+              if (p2_wg) release(w_empty + kW2Stages - 1);
+            } else {
+              if (p2_wg) release(w_empty + (w_base + n_kc - 1) % kW2Stages);
+              w_base += n_kc;
+            }
             // every W read done: the stage area takes the sums (the next round's chunks wait for
             // every block's round to be stored)
             consumers_sync();
@@ -1206,7 +1246,7 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     for (int lin = blockIdx.x / kShare, it = 0; lin < n_groups; lin += gridDim.x / kShare, ++it) {
       int col_tile, row_group, b;
-      tc16_group_tile(lin, n_col_blocks, n_row_groups, col_tile, row_group, b);
+      tc16_group_tile(p, lin, n_col_blocks, n_row_groups, col_tile, row_group, b);
       tile(col_tile, kShare * row_group + int(rank), b, it);
     }
     if constexpr (!kWide) {
