@@ -57,6 +57,38 @@ def tiles_of(trace):
     return rows
 
 
+def cluster_pair_waits(rows, wgs):
+    """Clusters of two (blocks 2k and 2k + 1 take the same tiles, W multicast to both): per W
+    chunk, the mean over tiles and the phase-2 warpgroups of the two blocks' waits for it, as the
+    smaller (the wait that the block behind sees as well) and the larger (the block ahead's), and
+    the mean skew of the two blocks' tile starts in ns. A W copy goes out once both blocks have
+    released the chunk before it in its slot, so where the larger wait is much the greater, the
+    block behind paces the one ahead."""
+    by_row = {tiles[0]["row"]: {t["it"]: t for t in tiles} for tiles in rows if tiles}
+    acc, starts = {}, []
+    for r, tiles in by_row.items():
+        blk, wg = divmod(r, wgs)
+        if blk % 2:
+            continue
+        other = by_row.get((blk + 1) * wgs + wg)
+        if other is None:
+            continue
+        for it, t in tiles.items():
+            u = other.get(it)
+            if u is None:
+                continue
+            if wg == 0 and "tile" in t and "tile" in u:
+                starts.append(abs(t["tile"][0] - u["tile"][0]))
+            wa, wb = t.get("w_waits", {}), u.get("w_waits", {})
+            for kc in wa.keys() & wb.keys():
+                a = acc.setdefault(kc, ([], []))
+                a[0].append(min(wa[kc], wb[kc]))
+                a[1].append(max(wa[kc], wb[kc]))
+    out = {kc: {"min": statistics.mean(a[0]), "max": statistics.mean(a[1]), "n": len(a[0])}
+           for kc, a in sorted(acc.items())}
+    return out, (statistics.mean(starts) if starts else float("nan"))
+
+
 def summarise(rows, shape, wgs=2):
     """wgs: the form's consumer warpgroups (3 with FLASHOPM_TC16_WIDE=1: tiles of 192 rows, 96 pairs)."""
     B, S, N, C, H, D = shape
@@ -165,6 +197,8 @@ def main():
         # with D <= 128, unless FLASHOPM_TC16_WIDE=0
         wide = env.get("FLASHOPM_TC16_WIDE", "1") != "0" and form in ("1", "2") and H == 32 and D <= 128
         s, recs = summarise(rows, shape, 3 if wide else 2)
+        pair_waits, start_skew = cluster_pair_waits(rows, 3 if wide else 2) if form == "2" else ({}, float("nan"))
+        s["w_chunk_wait_pairs_clk"], s["tile_start_skew_ns"] = pair_waits, start_skew
         summary["forms"][item] = s
         for r in recs:
             r["form"] = item
@@ -180,6 +214,12 @@ def main():
         if s["w_chunk_wait_mean_clk"]:
             print("  phase 2's wait for each W chunk (mean clk, within phase2; chunk 0's is w0_wait): " +
                   " ".join(f"{kc}:{w:.0f}" for kc, w in s["w_chunk_wait_mean_clk"].items()))
+        if pair_waits:
+            print(f"  the cluster's two blocks (tile starts {start_skew:.0f} ns apart on average), each W chunk's "
+                  "wait in the block behind / the block ahead (mean clk): " +
+                  " ".join(f"{kc}:{v['min']:.0f}/{v['max']:.0f}" for kc, v in pair_waits.items()))
+            print(f"  W's waits a tile in the block behind {sum(v['min'] for v in pair_waits.values()):.0f}, "
+                  f"in the block ahead {sum(v['max'] for v in pair_waits.values()):.0f}")
     os.environ.pop("FLASHOPM_TC16_CLUSTER", None)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
