@@ -105,7 +105,8 @@
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR td35  # W's parity and the tile's
 #                                                       # coordinates without reloads or divisions:
 #                                                       # tests, trace, rows, every file
-# (DEST: a folder that r.tgz is also copied to after every step)
+# (DEST: a folder that r.tgz is also copied to after every step; REQUIRE_GPU=H200: nothing runs on
+# another card)
 # Each phase fits one call of under ten minutes, the build (~2 min) included.
 # steps.txt lists each step's exit status; a failing test step stops the call.
 OUT=$1
@@ -113,6 +114,12 @@ PHASE=${2:-default}
 case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows | bf16 | clusters | bf16_clusters | ncu_clusters | land | producer | regs | pairs | proj16 | stack | stack_rows | trace16 | defer | ksplit | final16 | final17 | rest17 | stm17 | wtrace17 | wide18 | rest18 | rate20 | n96 | sw21 | ls22 | nc23 | pw24 | pc25 | wt26 | nd27 | os28 | nd29 | bl30 | sc31 | sr32 | pu33 | h34 | td35 | q36 | h37 | r38) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all, own_rows, bf16, clusters, bf16_clusters, ncu_clusters, land, producer, regs, pairs, proj16, stack, stack_rows, trace16, defer, ksplit, final16, final17, rest17, stm17, wtrace17, wide18, rest18, rate20, n96, sw21, ls22, nc23, pw24, pc25, wt26, nd27, os28, nd29, bl30, sc31, sr32, pu33, h34, td35, q36, h37 or r38, got '$PHASE'" >&2; exit 2 ;; esac
 R=$OUT/r
 mkdir -p "$R"
+# REQUIRE_GPU=NAME: run nothing unless the GPU's name holds NAME (figures that must come from one
+# kind of card, e.g. H200)
+if [ -n "$REQUIRE_GPU" ] && ! nvidia-smi --query-gpu=name --format=csv,noheader | grep -q "$REQUIRE_GPU"; then
+  echo "not a $REQUIRE_GPU ($(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)): nothing run" | tee "$R/steps.txt"
+  exit 0
+fi
 pack() { tar -C "$OUT" -czf "$OUT/r.tgz" r; [ -n "$DEST" ] && cp "$OUT/r.tgz" "$DEST/"; }
 export FLASHOPM_SPLIT_COMPILE=1
 if [ "$PHASE" = sm80 ]; then
