@@ -767,10 +767,9 @@ void launch_tc16_clusters(const OuterArgs& args, int operand_kind, int clusters,
   encode_map16(maps.w, operand_kind, args.w_blocked, 2, dims_w, strides_w, box_w);
   OuterArgs kargs = args;
   // the kernel's groups of tiles (as it counts them: tc16_group_tile)
-  const int n_col_blocks = (args.N + args.Tj * kT16JSub - 1) / (args.Tj * kT16JSub);
-  const int n_row_groups = ((args.Na + args.Ti - 1) / args.Ti + kCluster - 1) / kCluster;
-  kargs.tc16_groups_per_b = make_fast_divisor(uint32_t(n_col_blocks) * uint32_t(n_row_groups));
-  kargs.tc16_group_span = make_fast_divisor(uint32_t(kTileGroupRows) * uint32_t(n_col_blocks));
+  const Tc16GroupCounts counts = tc16_group_counts(args.N, args.Na, args.Ti, args.Tj, kCluster);
+  kargs.tc16_groups_per_b = make_fast_divisor(uint32_t(counts.col_blocks) * uint32_t(counts.row_groups));
+  kargs.tc16_group_span = make_fast_divisor(uint32_t(kTileGroupRows) * uint32_t(counts.col_blocks));
   if (kWide && args.tc16_b_pairs) {
     // b as (64 columns, s, groups of 64 columns, batch): one box takes a block's two groups of a
     // stage, each kT16WgBK rows of 128 bytes, group after group as the stage lays them.  Its
@@ -820,7 +819,8 @@ void launch_outer_tc16(const OuterArgs& args, int operand_kind, int form, int ma
     // and W for their peers), a batch element; each cluster takes them in turn, so that max_clusters
     // (> 0) keeps every cluster resident and its next tile's first stages load beside its last
     // tile's phase 2
-    const int64_t groups = int64_t(grid.x) * ((grid.y + cluster - 1) / cluster) * grid.z;
+    const Tc16GroupCounts counts = tc16_group_counts(args.N, args.Na, args.Ti, args.Tj, cluster);
+    const int64_t groups = int64_t(counts.col_blocks) * counts.row_groups * args.B;
     const int64_t clusters = max_clusters > 0 ? std::min<int64_t>(groups, max_clusters) : groups;
     TORCH_CHECK(groups < (int64_t(1) << 31) && clusters * cluster < (int64_t(1) << 31),
                 "flashopm: too many tiles for one launch of the tensor-copy form (", groups, " groups)");

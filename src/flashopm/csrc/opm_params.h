@@ -704,6 +704,15 @@ FLASHOPM_HD inline TcLayout tc_layout(int H, int Ti, int Tj, bool wgmma, bool wg
 // phase 2 contracts twice the pairs per pass over W (half the W traffic from L2); sizes in
 // elements of the 16-bit type.
 constexpr int kT16JSub = 2;
+// The tensor-copy forms' groups of tiles, which each cluster takes in turn: column blocks of
+// Tj·kT16JSub columns, and row groups of `cluster` row tiles of Ti rows (one for the launch, the
+// kernel and its divisors alike).
+struct Tc16GroupCounts {
+  int col_blocks, row_groups;
+};
+FLASHOPM_HD inline Tc16GroupCounts tc16_group_counts(int N, int Na, int Ti, int Tj, int cluster) {
+  return {(N + Tj * kT16JSub - 1) / (Tj * kT16JSub), ((Na + Ti - 1) / Ti + cluster - 1) / cluster};
+}
 constexpr int kT16BK = 64;
 constexpr int kT16Stages = 3;
 constexpr int kT16LdA = kTcMT + 8;  // row strides of 16 bytes (mod 128): conflict-free ldmatrix

@@ -345,8 +345,9 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
   if constexpr (kTma) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     rank = cluster_rank();
-    n_col_blocks = (N + Tj * kT16JSub - 1) / (Tj * kT16JSub);
-    n_row_groups = ((p.Na + Ti - 1) / Ti + kShare - 1) / kShare;
+    const Tc16GroupCounts counts = tc16_group_counts(N, p.Na, Ti, Tj, kShare);
+    n_col_blocks = counts.col_blocks;
+    n_row_groups = counts.row_groups;
     n_groups = n_col_blocks * n_row_groups * p.B;
     bars = reinterpret_cast<uint64_t*>(smem + L.rows + kRound * 12);
     if (tid == 0) {
