@@ -100,6 +100,9 @@
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR h34   # main's bfloat16 rows, the trace,
 #                                                       # the files pu33's call left out
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR r38   # main's rows first, trace, every file
+#          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR wl40  # OpenFold's row first, W's copies
+#                                                       # per block (W_LOCAL): bits, trace, pair,
+#                                                       # the other rows, every file
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR h37   # td35, rows first, main's kernels
 #                                                       # (alt/src) for the rows if the bits fail
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR td35  # W's parity and the tile's
@@ -111,7 +114,7 @@
 # steps.txt lists each step's exit status; a failing test step stops the call.
 OUT=$1
 PHASE=${2:-default}
-case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows | bf16 | clusters | bf16_clusters | ncu_clusters | land | producer | regs | pairs | proj16 | stack | stack_rows | trace16 | defer | ksplit | final16 | final17 | rest17 | stm17 | wtrace17 | wide18 | rest18 | rate20 | n96 | sw21 | ls22 | nc23 | pw24 | pc25 | wt26 | nd27 | os28 | nd29 | bl30 | sc31 | sr32 | pu33 | h34 | td35 | q36 | h37 | r38) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all, own_rows, bf16, clusters, bf16_clusters, ncu_clusters, land, producer, regs, pairs, proj16, stack, stack_rows, trace16, defer, ksplit, final16, final17, rest17, stm17, wtrace17, wide18, rest18, rate20, n96, sw21, ls22, nc23, pw24, pc25, wt26, nd27, os28, nd29, bl30, sc31, sr32, pu33, h34, td35, q36, h37 or r38, got '$PHASE'" >&2; exit 2 ;; esac
+case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows | bf16 | clusters | bf16_clusters | ncu_clusters | land | producer | regs | pairs | proj16 | stack | stack_rows | trace16 | defer | ksplit | final16 | final17 | rest17 | stm17 | wtrace17 | wide18 | rest18 | rate20 | n96 | sw21 | ls22 | nc23 | pw24 | pc25 | wt26 | nd27 | os28 | nd29 | bl30 | sc31 | sr32 | pu33 | h34 | td35 | q36 | h37 | r38 | wl40) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all, own_rows, bf16, clusters, bf16_clusters, ncu_clusters, land, producer, regs, pairs, proj16, stack, stack_rows, trace16, defer, ksplit, final16, final17, rest17, stm17, wtrace17, wide18, rest18, rate20, n96, sw21, ls22, nc23, pw24, pc25, wt26, nd27, os28, nd29, bl30, sc31, sr32, pu33, h34, td35, q36, h37, r38 or wl40, got '$PHASE'" >&2; exit 2 ;; esac
 R=$OUT/r
 mkdir -p "$R"
 # REQUIRE_GPU=NAME: run nothing unless the GPU's name holds NAME (figures that must come from one
@@ -685,6 +688,23 @@ ncu_default_form() {
   rm -f "$R/wide.ncu-rep"
   pack
 }
+
+if [ "$PHASE" = wl40 ]; then
+  # OpenFold's bfloat16 row first (issue 6's figure, on the default form), then W's chunks copied
+  # by each block of a cluster into its own shared memory (FLASHOPM_TC16_W_LOCAL=1): the 16-bit
+  # bits and its own, the trace of both forms (each W chunk's wait in the block behind and the
+  # block ahead), the pair at the bfloat16 row, then the other rows and every test file
+  mod_row openfold
+  wide_bits || exit 0
+  T t_wlocal 150 $py -m pytest -q -x -p no:cacheprovider tests/test_cuda.py -k "w_local"
+  T trace16 90 $py scripts/tc16_trace.py --out "$R/trace16" --forms "2,2+FLASHOPM_TC16_W_LOCAL=1"
+  ab_pair wlocal FLASHOPM_TC16_W_LOCAL=1
+  mod_row boltz
+  bench_bf16
+  forward_and_autograd_files
+  rest_files
+  exit 0
+fi
 
 if [ "$PHASE" = r38 ]; then
   # main's kernels on the GPU the call got: the three bfloat16 rows first (issue 6's figures),

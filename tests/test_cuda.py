@@ -937,6 +937,31 @@ def test_tc16_wide_w_third_two_gives_the_default_bits(shape, dtype, normalizatio
         "W_THIRD=2 with three resident clusters: other bits than the default form"
 
 
+@pytest.mark.parametrize("normalization", ["row", "openfold"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", WIDE_SHAPES, ids=str)
+def test_tc16_wide_w_local_gives_the_default_bits(shape, dtype, normalization, monkeypatch):
+    """Each block of a cluster of two copying both halves of W's chunks into its own shared memory
+    once its own phase-2 warpgroups have released the chunk before in that slot
+    (FLASHOPM_TC16_W_LOCAL=1), rather than its half to both blocks once both have: the default
+    form's bits, every element written (poisoned output), two calls equal, with the third
+    warpgroup storing none, two or four of W's chunks, and with resident clusters taking many
+    tiles in turn."""
+    x16, m16, p16, default = _wide_against_default(shape, dtype, normalization, 2, monkeypatch,
+                                                   FLASHOPM_TC16_W_LOCAL="1")
+    out = _run(x16, m16, p16, "outer", normalization=normalization)
+    assert not out.isnan().any(), "NaN in the output: an element was not written"
+    assert torch.equal(out, default), "W_LOCAL=1 gives other bits than the default form"
+    assert torch.equal(out, _run(x16, m16, p16, "outer", normalization=normalization)), "two calls differ: a race"
+    for env in ({"FLASHOPM_TC16_MAX_CLUSTERS": "3"}, {"FLASHOPM_TC16_W_THIRD": "0"}, {"FLASHOPM_TC16_W_THIRD": "2"},
+                {"FLASHOPM_TC16_MAX_CLUSTERS": "3", "FLASHOPM_TC16_W_THIRD": "2"}):
+        with monkeypatch.context() as mp:
+            for k, v in env.items():
+                mp.setenv(k, v)
+            other = _run(x16, m16, p16, "outer", normalization=normalization)
+        assert torch.equal(other, default), f"W_LOCAL=1 with {env}: other bits than the default form"
+
+
 # The form without tensor copies as resident blocks taking tiles in turn (FLASHOPM_TC16_RESIDENT=0:
 # a block a tile), and its 16-byte output stores (FLASHOPM_TC16_WIDE_STORES=0: 4-byte).  D = 130
 # and 200 take a second group of d and the 4-byte stores.

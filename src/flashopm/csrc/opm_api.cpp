@@ -938,6 +938,8 @@ void run_outer(OuterArgs oa, int64_t i_offset, int64_t rows, int64_t out_rows, i
             oa.tc16_b_pairs = w && (int64_t(oa.N) * oa.H) % 64 == 0 && !env_is("FLASHOPM_TC16_B_PAIRS", "0");
             const char* w_third = env_choice("FLASHOPM_TC16_W_THIRD", {"0", "1", "2"});
             oa.tc16_w_third = !w ? 0 : w_third == nullptr ? 1 : w_third[0] - '0';
+            const char* w_local = env_choice("FLASHOPM_TC16_W_LOCAL", {"0", "1"});
+            oa.tc16_w_local = w && cluster == 2 && w_local != nullptr && w_local[0] == '1';
             const char* persistent = env_choice("FLASHOPM_TC16_PERSISTENT", {"0", "1"});
             max_clusters = persistent != nullptr && persistent[0] == '0' ? 0 : capped_by_setting(resident);
             break;

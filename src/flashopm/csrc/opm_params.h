@@ -557,6 +557,12 @@ struct OuterArgs {
   // (FLASHOPM_TC16_W_THIRD=2), chunks 5 and 6 too, each loaded once the chunk two before it is
   // stored and stored once chunk 2 or 3 is retired (tc16_wide_w_by_third)
   int tc16_w_third;
+  // the wide tensor-copy forms in clusters of two: 0, each block copies its half of W's chunks to
+  // every block of the cluster once every block has released the chunk before in that slot; 1
+  // (FLASHOPM_TC16_W_LOCAL=1), each block copies both halves into its own shared memory once its
+  // own two phase-2 warpgroups have released it ("W's local empties"), so that neither block's
+  // chunks wait for the other's phase 2
+  int tc16_w_local;
   // the 16-bit kernel's wgmma forms: 1, 16-byte output stores where the output allows them
   // (FLASHOPM_TC16_WIDE_STORES=0: 4-byte stores)
   int tc16_wide;
@@ -848,8 +854,9 @@ struct Tc16Shape {
   static constexpr int kABytes = (kMT / 64) * kT16WgGroupBytes;
   static constexpr int kStageBytes = kABytes + (kTcNT / 64) * kT16WgGroupBytes;
   // mbarriers: phase 1's full and empty a stage, W's a chunk stage, one for phase 2's rounds
-  // stored, and (kWide) one for a tile's sums in shared memory, for the warps that store them
-  static constexpr int kBarriers = 2 * kStages + 2 * kW2Stages + 1 + (kWide ? 1 : 0);
+  // stored, and (kWide) one for a tile's sums in shared memory, for the warps that store them, and
+  // W's local empties a chunk (OuterArgs::tc16_w_local)
+  static constexpr int kBarriers = 2 * kStages + 2 * kW2Stages + 1 + (kWide ? 1 + kW2Stages : 0);
   static constexpr int kTmaThreads = kThreads + 128;  // and the producer warpgroup
   static constexpr int kProducerRegs = kWide ? 32 : kT16ProducerRegs;
   static constexpr int kConsumerRegs = kWide ? 160 : kT16ConsumerRegs;
@@ -949,6 +956,12 @@ FLASHOPM_HD constexpr int tc16_wide_third_barrier(int n) { return n == 2 ? 3 : n
 static_assert(tc16_wide_w_after(2) == 0 && tc16_wide_w_after(3) == 1 && tc16_wide_w_after(5) == 2 &&
                   tc16_wide_w_after(6) == 3,
               "the third warpgroup's chunks wait for chunks 0, 1, 2 and 3 (its barriers 3, 4, 6 and 7)");
+FLASHOPM_HD constexpr bool tc16_wide_w_after_below_8() {
+  for (int n = 0; n < 16; ++n)
+    if (tc16_wide_w_after(n) >= 8) return false;
+  return true;
+}
+static_assert(tc16_wide_w_after_below_8(), "the consumers release W's local empties of chunks 0-7 alone");
 // The tables' rules, checked as the code compiles (hidden 32, W's buffers from 192 KB): each
 // chunk waits for one at least two back (a warpgroup releases a chunk once its next chunk's MMAs
 // are issued, with one group in flight); its halves lie clear of every chunk issued since that

@@ -77,6 +77,11 @@ __device__ __forceinline__ void tc16_produce(const OuterArgs& p, const Tc16Maps&
   uint64_t* w_full = bars + 2 * kStages;
   uint64_t* w_empty = w_full + kW2Stages;
   uint64_t* stored = w_empty + kW2Stages;
+  // (kWide: after "stored" and the sums' mbarrier, W's local empties, released by this block's
+  // phase-2 warpgroups alone; clusters of two with OuterArgs::tc16_w_local, whose chunks this
+  // block copies whole into its own shared memory)
+  [[maybe_unused]] uint64_t* w_local_empty = stored + 2;
+  [[maybe_unused]] const bool w_local = kWide && kCluster == 2 && p.tc16_w_local != 0;
   const int H = p.H;
   const int n_k = (p.S + kT16WgBK - 1) / kT16WgBK, n_q = kT16JSub * n_k, n_kc = H * H / 64;
   auto uses = [&](int sb) { return tc16_stage_uses(n_q, sb, kStages); };
@@ -183,8 +188,10 @@ __device__ __forceinline__ void tc16_produce(const OuterArgs& p, const Tc16Maps&
             // slices beneath it with it; that release also means every stage of the tile was
             // retired, so only the chunks without one look at the stages; the tile before's sums,
             // over the first slots, were stored before this round began)
+            // (w_local: this block's release alone; the other block's next-tile stages, which land
+            // over these slots, still wait for the cluster-wide releases)
             const int after = tc16_wide_w_after(kc);
-            if (after >= 0) mbarrier_wait_parity_suspend(w_empty + after, it & 1);
+            if (after >= 0) mbarrier_wait_parity_suspend((w_local ? w_local_empty : w_empty) + after, it & 1);
             first_use = after < 0;
           } else {
             if (use > 0) mbarrier_wait_parity_suspend(w_empty + buf, (use - 1) & 1);
@@ -201,7 +208,7 @@ __device__ __forceinline__ void tc16_produce(const OuterArgs& p, const Tc16Maps&
           if constexpr (kWide) {
             // this block's halves (each block of a cluster of two one, to both), 64 rows of d a
             // copy (the map's box), each into its slot's place
-            if constexpr (kCluster == 1) {
+            if (kCluster == 1 || w_local) {
 #pragma unroll
               for (int h = 0; h < 2; ++h)
                 tma_load_2d(smem_addr + uint32_t(tc16_wide_w_half(slot, h, L.w)), maps.w, kc * 64, dg + 64 * h,
@@ -360,7 +367,11 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
         mbarrier_init(bars + 2 * kStages + kW2Stages + i, 2 * kShare);  // phase 2's two warpgroups'
       }
       mbarrier_init(bars + 2 * kStages + 2 * kW2Stages, kShare);  // each block's round stored
-      if constexpr (kWide) mbarrier_init(bars + 2 * kStages + 2 * kW2Stages + 1, 1);  // the consumers' sums in
+      if constexpr (kWide) {
+        mbarrier_init(bars + 2 * kStages + 2 * kW2Stages + 1, 1);  // the consumers' sums in
+        for (int i = 0; i < kW2Stages; ++i)  // W's local empties: this block's phase-2 warpgroups'
+          mbarrier_init(bars + 2 * kStages + 2 * kW2Stages + 2 + i, 2);
+      }
     }
     cluster_barrier();  // every block's mbarriers set up before any copies to another
     if (warp >= kThreadsC / 32) {
@@ -993,6 +1004,9 @@ __device__ __forceinline__ void outer_tc16_body(const OuterArgs& p, const Tc16Ma
           wgmma_commit();
           wgmma_wait<1>();
           if (kc > 0) release(w_empty + kc - 1);  // retired by this warpgroup
+          // (the chunks that a later chunk's copy waits for: tc16_wide_w_after's 0-7)
+          if (kCluster == 2 && p.tc16_w_local != 0 && kc > 0 && kc - 1 < 8 && (warp & 3) == 0 && lane == 0)
+            mbarrier_arrive_local(w_full + 2 * kW2Stages + 2 + kc - 1);
           // (this block's chunk kc - 1 retired: to the third warpgroup where it stores the
           // chunk that follows it in its slot)
           if (p.tc16_w_third > 0 && (kc == 1 || kc == 2))
