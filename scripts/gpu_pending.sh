@@ -100,9 +100,9 @@
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR h34   # main's bfloat16 rows, the trace,
 #                                                       # the files pu33's call left out
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR r38   # main's rows first, trace, every file
-#          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR wl40  # OpenFold's row first, W's copies
+#          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR wl40  # the rows first, then W's copies
 #                                                       # per block (W_LOCAL): bits, trace, pair,
-#                                                       # the other rows, every file
+#                                                       # every file
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR h37   # td35, rows first, main's kernels
 #                                                       # (alt/src) for the rows if the bits fail
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR td35  # W's parity and the tile's
@@ -690,17 +690,17 @@ ncu_default_form() {
 }
 
 if [ "$PHASE" = wl40 ]; then
-  # OpenFold's bfloat16 row first (issue 6's figure, on the default form), then W's chunks copied
+  # The three bfloat16 rows first (issue 6's figures, on the default form), then W's chunks copied
   # by each block of a cluster into its own shared memory (FLASHOPM_TC16_W_LOCAL=1): the 16-bit
   # bits and its own, the trace of both forms (each W chunk's wait in the block behind and the
-  # block ahead), the pair at the bfloat16 row, then the other rows and every test file
+  # block ahead), the pair at the bfloat16 row, then every test file
   mod_row openfold
+  mod_row boltz
+  bench_bf16
   wide_bits || exit 0
   T t_wlocal 150 $py -m pytest -q -x -p no:cacheprovider tests/test_cuda.py -k "w_local"
   T trace16 90 $py scripts/tc16_trace.py --out "$R/trace16" --forms "2,2+FLASHOPM_TC16_W_LOCAL=1"
   ab_pair wlocal FLASHOPM_TC16_W_LOCAL=1
-  mod_row boltz
-  bench_bf16
   forward_and_autograd_files
   rest_files
   exit 0
