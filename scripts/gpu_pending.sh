@@ -103,6 +103,9 @@
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR wl40  # the rows first, then W's copies
 #                                                       # per block (W_LOCAL): bits, trace, pair,
 #                                                       # every file
+#          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR wl41  # wl40 for a card other than
+#                                                       # issue 6's: W_LOCAL's bits, trace and pair
+#                                                       # first, then OpenFold's row and the files
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR h37   # td35, rows first, main's kernels
 #                                                       # (alt/src) for the rows if the bits fail
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR td35  # W's parity and the tile's
@@ -114,7 +117,7 @@
 # steps.txt lists each step's exit status; a failing test step stops the call.
 OUT=$1
 PHASE=${2:-default}
-case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows | bf16 | clusters | bf16_clusters | ncu_clusters | land | producer | regs | pairs | proj16 | stack | stack_rows | trace16 | defer | ksplit | final16 | final17 | rest17 | stm17 | wtrace17 | wide18 | rest18 | rate20 | n96 | sw21 | ls22 | nc23 | pw24 | pc25 | wt26 | nd27 | os28 | nd29 | bl30 | sc31 | sr32 | pu33 | h34 | td35 | q36 | h37 | r38 | wl40) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all, own_rows, bf16, clusters, bf16_clusters, ncu_clusters, land, producer, regs, pairs, proj16, stack, stack_rows, trace16, defer, ksplit, final16, final17, rest17, stm17, wtrace17, wide18, rest18, rate20, n96, sw21, ls22, nc23, pw24, pc25, wt26, nd27, os28, nd29, bl30, sc31, sr32, pu33, h34, td35, q36, h37, r38 or wl40, got '$PHASE'" >&2; exit 2 ;; esac
+case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows | bf16 | clusters | bf16_clusters | ncu_clusters | land | producer | regs | pairs | proj16 | stack | stack_rows | trace16 | defer | ksplit | final16 | final17 | rest17 | stm17 | wtrace17 | wide18 | rest18 | rate20 | n96 | sw21 | ls22 | nc23 | pw24 | pc25 | wt26 | nd27 | os28 | nd29 | bl30 | sc31 | sr32 | pu33 | h34 | td35 | q36 | h37 | r38 | wl40 | wl41) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all, own_rows, bf16, clusters, bf16_clusters, ncu_clusters, land, producer, regs, pairs, proj16, stack, stack_rows, trace16, defer, ksplit, final16, final17, rest17, stm17, wtrace17, wide18, rest18, rate20, n96, sw21, ls22, nc23, pw24, pc25, wt26, nd27, os28, nd29, bl30, sc31, sr32, pu33, h34, td35, q36, h37, r38, wl40 or wl41, got '$PHASE'" >&2; exit 2 ;; esac
 R=$OUT/r
 mkdir -p "$R"
 # REQUIRE_GPU=NAME: run nothing unless the GPU's name holds NAME (figures that must come from one
@@ -688,6 +691,18 @@ ncu_default_form() {
   rm -f "$R/wide.ncu-rep"
   pack
 }
+
+if [ "$PHASE" = wl41 ]; then
+  # wl40's steps with FLASHOPM_TC16_W_LOCAL's first, for a card whose rows are not issue 6's
+  T t_wlocal 150 $py -m pytest -q -x -p no:cacheprovider tests/test_cuda.py -k "w_local" || exit 0
+  T trace16 90 $py scripts/tc16_trace.py --out "$R/trace16" --forms "2,2+FLASHOPM_TC16_W_LOCAL=1"
+  ab_pair wlocal FLASHOPM_TC16_W_LOCAL=1
+  wide_bits || exit 0
+  mod_row openfold
+  forward_and_autograd_files
+  rest_files
+  exit 0
+fi
 
 if [ "$PHASE" = wl40 ]; then
   # The three bfloat16 rows first (issue 6's figures, on the default form), then W's chunks copied
