@@ -695,7 +695,7 @@ ncu_default_form() {
 if [ "$PHASE" = wl41 ]; then
   # wl40's steps with FLASHOPM_TC16_W_LOCAL's first, for a card whose rows are not issue 6's
   T t_wlocal 150 $py -m pytest -q -x -p no:cacheprovider tests/test_cuda.py -k "w_local" || exit 0
-  T trace16 90 $py scripts/tc16_trace.py --out "$R/trace16" --forms "2,2+FLASHOPM_TC16_W_LOCAL=1"
+  T trace16 90 $py scripts/tc16_trace.py --out "$R/trace16" --forms "2,2+FLASHOPM_TC16_W_LOCAL=1,2+FLASHOPM_TC16_W_LOCAL=1+FLASHOPM_TC16_W_THIRD=2"
   ab_pair wlocal FLASHOPM_TC16_W_LOCAL=1
   wide_bits || exit 0
   mod_row openfold
@@ -714,7 +714,7 @@ if [ "$PHASE" = wl40 ]; then
   bench_bf16
   wide_bits || exit 0
   T t_wlocal 150 $py -m pytest -q -x -p no:cacheprovider tests/test_cuda.py -k "w_local"
-  T trace16 90 $py scripts/tc16_trace.py --out "$R/trace16" --forms "2,2+FLASHOPM_TC16_W_LOCAL=1"
+  T trace16 90 $py scripts/tc16_trace.py --out "$R/trace16" --forms "2,2+FLASHOPM_TC16_W_LOCAL=1,2+FLASHOPM_TC16_W_LOCAL=1+FLASHOPM_TC16_W_THIRD=2"
   ab_pair wlocal FLASHOPM_TC16_W_LOCAL=1
   forward_and_autograd_files
   rest_files
