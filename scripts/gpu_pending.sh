@@ -192,6 +192,17 @@ mod_row() {
   T mod_$1_bf16 120 $py -m flashopm bench --module $1 --shapes "1,512,1536,256,32,128" \
     --dtype bfloat16 --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/mod_$1_bf16"
 }
+# The three bfloat16 rows with W's chunks copied by each block (FLASHOPM_TC16_W_LOCAL=1), steps
+# mod_*_bf16_wlocal and bench_bf16_wlocal, after its bits passed
+rows_wlocal() {
+  for m in openfold boltz; do
+    T mod_${m}_bf16_wlocal 120 env FLASHOPM_TC16_W_LOCAL=1 $py -m flashopm bench --module $m \
+      --shapes "1,512,1536,256,32,128" --dtype bfloat16 --impls eager,flashopm,compile,flashopm-bounded \
+      --calls 5 --out "$R/mod_${m}_bf16_wlocal"
+  done
+  T bench_bf16_wlocal 90 env FLASHOPM_TC16_W_LOCAL=1 $py -m flashopm bench --shapes "1,512,1536,256,32,128" \
+    --dtype bfloat16 --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/bench_bf16_wlocal"
+}
 # The forward test files first, then Boltz's and the spec's rows and every other test file (after
 # OpenFold's row and the traces of the phases below).
 forward_files() {
@@ -713,7 +724,7 @@ if [ "$PHASE" = wl40 ]; then
   mod_row boltz
   bench_bf16
   wide_bits || exit 0
-  T t_wlocal 150 $py -m pytest -q -x -p no:cacheprovider tests/test_cuda.py -k "w_local"
+  T t_wlocal 150 $py -m pytest -q -x -p no:cacheprovider tests/test_cuda.py -k "w_local" && rows_wlocal
   T trace16 90 $py scripts/tc16_trace.py --out "$R/trace16" --forms "2,2+FLASHOPM_TC16_W_LOCAL=1,2+FLASHOPM_TC16_W_LOCAL=1+FLASHOPM_TC16_W_THIRD=2"
   ab_pair wlocal FLASHOPM_TC16_W_LOCAL=1
   forward_and_autograd_files
