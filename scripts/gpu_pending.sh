@@ -718,17 +718,17 @@ fi
 if [ "$PHASE" = wl40 ]; then
   # The three bfloat16 rows first (issue 6's figures, on the default form), then W's chunks copied
   # by each block of a cluster into its own shared memory (FLASHOPM_TC16_W_LOCAL=1): the 16-bit
-  # bits and its own, the trace of both forms (each W chunk's wait in the block behind and the
-  # block ahead), the pair at the bfloat16 row, then every test file
+  # bits and its own, its rows, every test file, then the trace of both forms (each W chunk's wait
+  # in the block behind and the block ahead) and the pair at the bfloat16 row
   mod_row openfold
   mod_row boltz
   bench_bf16
   wide_bits || exit 0
   T t_wlocal 150 $py -m pytest -q -x -p no:cacheprovider tests/test_cuda.py -k "w_local" && rows_wlocal
-  T trace16 90 $py scripts/tc16_trace.py --out "$R/trace16" --forms "2,2+FLASHOPM_TC16_W_LOCAL=1,2+FLASHOPM_TC16_W_LOCAL=1+FLASHOPM_TC16_W_THIRD=2"
-  ab_pair wlocal FLASHOPM_TC16_W_LOCAL=1
   forward_and_autograd_files
   rest_files
+  T trace16 90 $py scripts/tc16_trace.py --out "$R/trace16" --forms "2,2+FLASHOPM_TC16_W_LOCAL=1,2+FLASHOPM_TC16_W_LOCAL=1+FLASHOPM_TC16_W_THIRD=2"
+  ab_pair wlocal FLASHOPM_TC16_W_LOCAL=1
   exit 0
 fi
 
