@@ -165,10 +165,9 @@ bench_f32() {
   T bench_f32 200 $py -m flashopm bench --shapes "1,128,256,256,32,128;1,512,768,256,32,128;1,512,1536,256,32,128" \
     --impls eager,flashopm,compile,flashopm-bounded,flashopm-tf32,flashopm-tf32-bounded --calls 5 --out "$R/bench_f32"
 }
-# bench_bf16 [SUFFIX VAR=VALUE]: the row under a setting, step bench_bf16SUFFIX
 bench_bf16() {
-  T bench_bf16$1 90 env $2 $py -m flashopm bench --shapes "1,512,1536,256,32,128" --dtype bfloat16 \
-    --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/bench_bf16$1"
+  T bench_bf16 90 $py -m flashopm bench --shapes "1,512,1536,256,32,128" --dtype bfloat16 \
+    --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/bench_bf16"
 }
 # The 16-bit forms' bits (test_cuda.py's wide, cluster and default forms), stopping at the first
 # failure; step NAME (t_wide by default).
@@ -189,16 +188,9 @@ pair_and_keep() {
   echo "from here $var=${!var:-0} (paired $r)" >>"$R/steps.txt"
 }
 # The bfloat16 module rows of issue 6 (OpenFold's, then Boltz's), each beside its peers.
-# mod_row MODULE [SUFFIX VAR=VALUE]: the module's row under a setting, step mod_MODULE_bf16SUFFIX
 mod_row() {
-  T mod_$1_bf16$2 120 env $3 $py -m flashopm bench --module $1 --shapes "1,512,1536,256,32,128" \
-    --dtype bfloat16 --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/mod_$1_bf16$2"
-}
-# The three bfloat16 rows with W's chunks copied by each block (FLASHOPM_TC16_W_LOCAL=1)
-rows_wlocal() {
-  mod_row openfold _wlocal FLASHOPM_TC16_W_LOCAL=1
-  mod_row boltz _wlocal FLASHOPM_TC16_W_LOCAL=1
-  bench_bf16 _wlocal FLASHOPM_TC16_W_LOCAL=1
+  T mod_$1_bf16 120 $py -m flashopm bench --module $1 --shapes "1,512,1536,256,32,128" \
+    --dtype bfloat16 --impls eager,flashopm,compile,flashopm-bounded --calls 5 --out "$R/mod_$1_bf16"
 }
 # The forward test files first, then Boltz's and the spec's rows and every other test file (after
 # OpenFold's row and the traces of the phases below).
@@ -715,13 +707,13 @@ fi
 if [ "$PHASE" = wl40 ]; then
   # The three bfloat16 rows first (issue 6's figures, on the default form), then W's chunks copied
   # by each block of a cluster into its own shared memory (FLASHOPM_TC16_W_LOCAL=1): the 16-bit
-  # bits and its own, its rows, every test file, then the trace of both forms (each W chunk's wait
+  # bits and its own, every test file, then the trace of both forms (each W chunk's wait
   # in the block behind and the block ahead) and the pair at the bfloat16 row
   mod_row openfold
   mod_row boltz
   bench_bf16
   wide_bits || exit 0
-  T t_wlocal 150 $py -m pytest -q -x -p no:cacheprovider tests/test_cuda.py -k "w_local" && rows_wlocal
+  T t_wlocal 150 $py -m pytest -q -x -p no:cacheprovider tests/test_cuda.py -k "w_local"
   forward_and_autograd_files
   rest_files
   T trace16 90 $py scripts/tc16_trace.py --out "$R/trace16" --forms "2,2+FLASHOPM_TC16_W_LOCAL=1,2+FLASHOPM_TC16_W_LOCAL=1+FLASHOPM_TC16_W_THIRD=2"
