@@ -100,6 +100,8 @@
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR h34   # main's bfloat16 rows, the trace,
 #                                                       # the files pu33's call left out
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR r38   # main's rows first, trace, every file
+#          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR i6    # issue 6's figures (modules_all and the
+#                                                       # spec's bfloat16 row), then the test files
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR wl40  # the rows first, then W's copies
 #                                                       # per block (W_LOCAL): bits, trace, pair,
 #                                                       # every file
@@ -117,7 +119,7 @@
 # steps.txt lists each step's exit status; a failing test step stops the call.
 OUT=$1
 PHASE=${2:-default}
-case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows | bf16 | clusters | bf16_clusters | ncu_clusters | land | producer | regs | pairs | proj16 | stack | stack_rows | trace16 | defer | ksplit | final16 | final17 | rest17 | stm17 | wtrace17 | wide18 | rest18 | rate20 | n96 | sw21 | ls22 | nc23 | pw24 | pc25 | wt26 | nd27 | os28 | nd29 | bl30 | sc31 | sr32 | pu33 | h34 | td35 | q36 | h37 | r38 | wl40 | wl41) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all, own_rows, bf16, clusters, bf16_clusters, ncu_clusters, land, producer, regs, pairs, proj16, stack, stack_rows, trace16, defer, ksplit, final16, final17, rest17, stm17, wtrace17, wide18, rest18, rate20, n96, sw21, ls22, nc23, pw24, pc25, wt26, nd27, os28, nd29, bl30, sc31, sr32, pu33, h34, td35, q36, h37, r38, wl40 or wl41, got '$PHASE'" >&2; exit 2 ;; esac
+case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows | bf16 | clusters | bf16_clusters | ncu_clusters | land | producer | regs | pairs | proj16 | stack | stack_rows | trace16 | defer | ksplit | final16 | final17 | rest17 | stm17 | wtrace17 | wide18 | rest18 | rate20 | n96 | sw21 | ls22 | nc23 | pw24 | pc25 | wt26 | nd27 | os28 | nd29 | bl30 | sc31 | sr32 | pu33 | h34 | td35 | q36 | h37 | r38 | i6 | wl40 | wl41) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all, own_rows, bf16, clusters, bf16_clusters, ncu_clusters, land, producer, regs, pairs, proj16, stack, stack_rows, trace16, defer, ksplit, final16, final17, rest17, stm17, wtrace17, wide18, rest18, rate20, n96, sw21, ls22, nc23, pw24, pc25, wt26, nd27, os28, nd29, bl30, sc31, sr32, pu33, h34, td35, q36, h37, r38, i6, wl40 or wl41, got '$PHASE'" >&2; exit 2 ;; esac
 R=$OUT/r
 mkdir -p "$R"
 # REQUIRE_GPU=NAME: run nothing unless the GPU's name holds NAME (figures that must come from one
@@ -412,11 +414,11 @@ if [ "$PHASE" = own_rows ]; then
   exit 0
 fi
 
-if [ "$PHASE" = modules_all ]; then
-  # every figure of issue 6 for each convention beside its peers (eager, torch.compile of the
-  # convention's einsum module): float32 at the crop, N = 768 and 1536 ("highest", bounded, TF32
-  # bounded), the deep MSA over 20 calls, bfloat16 at N = 1536, N = 8192 under the bound; the
-  # spec's module at N = 1536 for the epilogue's cost (~6 min with the build)
+# Every figure of issue 6 for each convention beside its peers (eager, torch.compile of the
+# convention's einsum module): float32 at the crop, N = 768 and 1536 ("highest", bounded, TF32
+# bounded), the deep MSA over 20 calls, bfloat16 at N = 1536, N = 8192 under the bound; the spec's
+# module at N = 1536 for the epilogue's cost (~5 min)
+modules_all_rows() {
   for mod in openfold boltz; do
     T "mod_${mod}_f32" 150 $py -m flashopm bench --module $mod \
       --shapes "1,128,256,256,32,128;1,512,768,256,32,128;1,512,1536,256,32,128" \
@@ -430,6 +432,9 @@ if [ "$PHASE" = modules_all ]; then
   done
   T spec_1536 90 $py -m flashopm bench --shapes "1,512,1536,256,32,128" --impls eager,flashopm,flashopm-bounded \
     --calls 5 --out "$R/spec_1536"
+}
+if [ "$PHASE" = modules_all ]; then
+  modules_all_rows  # (~6 min with the build)
   exit 0
 fi
 
@@ -730,6 +735,20 @@ if [ "$PHASE" = r38 ]; then
   T trace16 60 $py scripts/tc16_trace.py --out "$R/trace16" --forms "2"
   wide_bits
   forward_and_autograd_files
+  rest_files
+  exit 0
+fi
+
+if [ "$PHASE" = i6 ]; then
+  # issue 6's figures all in one call on main's kernels: every convention's rows (modules_all_rows),
+  # the spec's bfloat16 row, then the conventions' and the 16-bit forms' tests and the other test
+  # files as far as the call goes (~8 min with the build)
+  modules_all_rows
+  bench_bf16
+  T t_conv 150 $py -m pytest -q -p no:cacheprovider tests/test_conventions.py tests/test_modules.py tests/test_projection16.py
+  wide_bits
+  T t_cuda 150 $py -m pytest -q -p no:cacheprovider tests/test_cuda.py
+  T t_auto 150 $py -m pytest -q -p no:cacheprovider tests/test_autograd.py
   rest_files
   exit 0
 fi
