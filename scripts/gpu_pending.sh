@@ -119,7 +119,7 @@
 # steps.txt lists each step's exit status; a failing test step stops the call.
 OUT=$1
 PHASE=${2:-default}
-case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows | bf16 | clusters | bf16_clusters | ncu_clusters | land | producer | regs | pairs | proj16 | stack | stack_rows | trace16 | defer | ksplit | final16 | final17 | rest17 | stm17 | wtrace17 | wide18 | rest18 | rate20 | n96 | sw21 | ls22 | nc23 | pw24 | pc25 | wt26 | nd27 | os28 | nd29 | bl30 | sc31 | sr32 | pu33 | h34 | td35 | q36 | h37 | r38 | i6 | wl40 | wl41) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all, own_rows, bf16, clusters, bf16_clusters, ncu_clusters, land, producer, regs, pairs, proj16, stack, stack_rows, trace16, defer, ksplit, final16, final17, rest17, stm17, wtrace17, wide18, rest18, rate20, n96, sw21, ls22, nc23, pw24, pc25, wt26, nd27, os28, nd29, bl30, sc31, sr32, pu33, h34, td35, q36, h37, r38, i6, wl40 or wl41, got '$PHASE'" >&2; exit 2 ;; esac
+case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows | bf16 | clusters | bf16_clusters | ncu_clusters | land | producer | regs | pairs | proj16 | stack | stack_rows | trace16 | defer | ksplit | final16 | final17 | rest17 | stm17 | wtrace17 | wide18 | rest18 | rate20 | n96 | sw21 | ls22 | nc23 | pw24 | pc25 | wt26 | nd27 | os28 | nd29 | bl30 | sc31 | sr32 | pu33 | h34 | td35 | q36 | h37 | r38 | i6 | crop20 | wl40 | wl41) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all, own_rows, bf16, clusters, bf16_clusters, ncu_clusters, land, producer, regs, pairs, proj16, stack, stack_rows, trace16, defer, ksplit, final16, final17, rest17, stm17, wtrace17, wide18, rest18, rate20, n96, sw21, ls22, nc23, pw24, pc25, wt26, nd27, os28, nd29, bl30, sc31, sr32, pu33, h34, td35, q36, h37, r38, i6, crop20, wl40 or wl41, got '$PHASE'" >&2; exit 2 ;; esac
 R=$OUT/r
 mkdir -p "$R"
 # REQUIRE_GPU=NAME: run nothing unless the GPU's name holds NAME (figures that must come from one
@@ -739,6 +739,15 @@ if [ "$PHASE" = r38 ]; then
   exit 0
 fi
 
+if [ "$PHASE" = crop20 ]; then
+  # each convention's module at the crop over 20 calls, beside eager in one process: the bounded
+  # row's spread (run 363: OpenFold 1.95x eager by medians, 2.31x paired, over 5 calls)
+  for mod in openfold boltz; do
+    T "mod_${mod}_crop" 120 $py -m flashopm bench --module $mod --shapes "1,128,256,256,32,128" \
+      --impls eager,flashopm,flashopm-bounded --calls 20 --out "$R/mod_${mod}_crop"
+  done
+  exit 0
+fi
 if [ "$PHASE" = i6 ]; then
   # issue 6's figures all in one call on main's kernels: every convention's rows (modules_all_rows),
   # the spec's bfloat16 row, then the conventions' and the 16-bit forms' tests and the other test
