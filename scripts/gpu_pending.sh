@@ -119,7 +119,8 @@
 # steps.txt lists each step's exit status; a failing test step stops the call.
 OUT=$1
 PHASE=${2:-default}
-case "$PHASE" in default | ab | sm80 | all | rest | fused | fused_peers | waves | waves_rest | waves_short | waves_tc | waves_min | bars | checks | trace | final | waves_final | proj | modules_all | own_rows | bf16 | clusters | bf16_clusters | ncu_clusters | land | producer | regs | pairs | proj16 | stack | stack_rows | trace16 | defer | ksplit | final16 | final17 | rest17 | stm17 | wtrace17 | wide18 | rest18 | rate20 | n96 | sw21 | ls22 | nc23 | pw24 | pc25 | wt26 | nd27 | os28 | nd29 | bl30 | sc31 | sr32 | pu33 | h34 | td35 | q36 | h37 | r38 | i6 | crop20 | wl40 | wl41) ;; *) echo "phase must be default, ab, sm80, all, rest, fused, fused_peers, waves, waves_rest, waves_short, waves_tc, waves_min, bars, checks, trace, final, waves_final, proj, modules_all, own_rows, bf16, clusters, bf16_clusters, ncu_clusters, land, producer, regs, pairs, proj16, stack, stack_rows, trace16, defer, ksplit, final16, final17, rest17, stm17, wtrace17, wide18, rest18, rate20, n96, sw21, ls22, nc23, pw24, pc25, wt26, nd27, os28, nd29, bl30, sc31, sr32, pu33, h34, td35, q36, h37, r38, i6, crop20, wl40 or wl41, got '$PHASE'" >&2; exit 2 ;; esac
+PHASES="default ab sm80 all rest fused fused_peers waves waves_rest waves_short waves_tc waves_min bars checks trace final waves_final proj modules_all own_rows bf16 clusters bf16_clusters ncu_clusters land producer regs pairs proj16 stack stack_rows trace16 defer ksplit final16 final17 rest17 stm17 wtrace17 wide18 rest18 rate20 n96 sw21 ls22 nc23 pw24 pc25 wt26 nd27 os28 nd29 bl30 sc31 sr32 pu33 h34 td35 q36 h37 r38 i6 crop20 wl40 wl41"
+case " $PHASES " in *" $PHASE "*) ;; *) echo "phase must be one of: $PHASES; got '$PHASE'" >&2; exit 2 ;; esac
 R=$OUT/r
 mkdir -p "$R"
 # REQUIRE_GPU=NAME: run nothing unless the GPU's name holds NAME (figures that must come from one
@@ -750,14 +751,11 @@ if [ "$PHASE" = crop20 ]; then
 fi
 if [ "$PHASE" = i6 ]; then
   # issue 6's figures all in one call on main's kernels: every convention's rows (modules_all_rows),
-  # the spec's bfloat16 row, then the conventions' and the 16-bit forms' tests and the other test
-  # files as far as the call goes (~8 min with the build)
+  # the spec's bfloat16 row, then the 16-bit forms' bits and every test file as far as the call goes (~8 min with the build)
   modules_all_rows
   bench_bf16
-  T t_conv 150 $py -m pytest -q -p no:cacheprovider tests/test_conventions.py tests/test_modules.py tests/test_projection16.py
   wide_bits
-  T t_cuda 150 $py -m pytest -q -p no:cacheprovider tests/test_cuda.py
-  T t_auto 150 $py -m pytest -q -p no:cacheprovider tests/test_autograd.py
+  forward_and_autograd_files
   rest_files
   exit 0
 fi
