@@ -751,7 +751,8 @@ if [ "$PHASE" = crop20 ]; then
 fi
 if [ "$PHASE" = i6 ]; then
   # issue 6's figures all in one call on main's kernels: every convention's rows (modules_all_rows),
-  # the spec's bfloat16 row, then the 16-bit forms' bits and every test file as far as the call goes (~8 min with the build)
+  # the spec's bfloat16 row, then the 16-bit forms' bits and every test file as far as the call
+  # goes (~8 min with the build)
   modules_all_rows
   bench_bf16
   wide_bits
