@@ -102,6 +102,10 @@
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR r38   # main's rows first, trace, every file
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR i6    # issue 6's figures (modules_all and the
 #                                                       # spec's bfloat16 row), then the test files
+#          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR i5    # issue 5's figures (training steps beside
+#                                                       # eager and torch.compile, the forward's host
+#                                                       # time, the spec's wall), then the autograd
+#                                                       # test files and the others
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR wl40  # the rows first, then W's copies
 #                                                       # per block (W_LOCAL): bits, trace, pair,
 #                                                       # every file
@@ -119,7 +123,7 @@
 # steps.txt lists each step's exit status; a failing test step stops the call.
 OUT=$1
 PHASE=${2:-default}
-PHASES="default ab sm80 all rest fused fused_peers waves waves_rest waves_short waves_tc waves_min bars checks trace final waves_final proj modules_all own_rows bf16 clusters bf16_clusters ncu_clusters land producer regs pairs proj16 stack stack_rows trace16 defer ksplit final16 final17 rest17 stm17 wtrace17 wide18 rest18 rate20 n96 sw21 ls22 nc23 pw24 pc25 wt26 nd27 os28 nd29 bl30 sc31 sr32 pu33 h34 td35 q36 h37 r38 i6 crop20 wl40 wl41"
+PHASES="default ab sm80 all rest fused fused_peers waves waves_rest waves_short waves_tc waves_min bars checks trace final waves_final proj modules_all own_rows bf16 clusters bf16_clusters ncu_clusters land producer regs pairs proj16 stack stack_rows trace16 defer ksplit final16 final17 rest17 stm17 wtrace17 wide18 rest18 rate20 n96 sw21 ls22 nc23 pw24 pc25 wt26 nd27 os28 nd29 bl30 sc31 sr32 pu33 h34 td35 q36 h37 r38 i6 crop20 wl40 wl41 i5"
 case " $PHASES " in *" $PHASE "*) ;; *) echo "phase must be one of: $PHASES; got '$PHASE'" >&2; exit 2 ;; esac
 R=$OUT/r
 mkdir -p "$R"
@@ -746,6 +750,25 @@ if [ "$PHASE" = crop20 ]; then
   for mod in openfold boltz; do
     T "mod_${mod}_crop" 120 $py -m flashopm bench --module $mod --shapes "1,128,256,256,32,128" \
       --impls eager,flashopm,flashopm-bounded --calls 20 --out "$R/mod_${mod}_crop"
+  done
+  exit 0
+fi
+if [ "$PHASE" = i5 ]; then
+  # issue 5's figures in one call on main's kernels: training steps (forward and every gradient) at
+  # the spec shape and the training crop beside eager and torch.compile, with peak memory; the
+  # forward's host time against an empty extension call; the spec's forward wall timed as issue 2
+  # asks; then the autograd test files first and every other file, as far as the call goes
+  T train 240 $py -m flashopm bench --mode training --shapes "2,8,32,64,32,64;1,128,256,256,32,128" \
+    --impls eager,flashopm,compile --calls 30 --out "$R/train"
+  T host_paired 90 $py scripts/host_paired.py
+  T spec_wall 60 $py -m flashopm bench --no-l2-flush --shapes "2,8,32,64,32,64" --impls eager,flashopm \
+    --calls 200 --out "$R/spec_wall"
+  for f in autograd backward ln_backward python_entry; do
+    T t_$f 120 $py -m pytest -q -p no:cacheprovider tests/test_$f.py
+  done
+  forward_files
+  for f in smaller_gpus rows replace fused_projection launch distributed waves peak_plan; do
+    T t_$f 120 $py -m pytest -q -p no:cacheprovider tests/test_$f.py
   done
   exit 0
 fi
