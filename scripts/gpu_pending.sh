@@ -106,6 +106,8 @@
 #                                                       # eager and torch.compile, the forward's host
 #                                                       # time, the spec's wall), then the autograd
 #                                                       # test files and the others
+#          REQUIRE_GPU=H200 DEST=$OUT bash scripts/gpu_pending.sh OUTDIR h5  # issue 6's bfloat16
+#                                                       # rows and i5's figures, then the files
 #          DEST=$OUT bash scripts/gpu_pending.sh OUTDIR wl40  # the rows first, then W's copies
 #                                                       # per block (W_LOCAL): bits, trace, pair,
 #                                                       # every file
@@ -123,7 +125,7 @@
 # steps.txt lists each step's exit status; a failing test step stops the call.
 OUT=$1
 PHASE=${2:-default}
-PHASES="default ab sm80 all rest fused fused_peers waves waves_rest waves_short waves_tc waves_min bars checks trace final waves_final proj modules_all own_rows bf16 clusters bf16_clusters ncu_clusters land producer regs pairs proj16 stack stack_rows trace16 defer ksplit final16 final17 rest17 stm17 wtrace17 wide18 rest18 rate20 n96 sw21 ls22 nc23 pw24 pc25 wt26 nd27 os28 nd29 bl30 sc31 sr32 pu33 h34 td35 q36 h37 r38 i6 crop20 wl40 wl41 i5"
+PHASES="default ab sm80 all rest fused fused_peers waves waves_rest waves_short waves_tc waves_min bars checks trace final waves_final proj modules_all own_rows bf16 clusters bf16_clusters ncu_clusters land producer regs pairs proj16 stack stack_rows trace16 defer ksplit final16 final17 rest17 stm17 wtrace17 wide18 rest18 rate20 n96 sw21 ls22 nc23 pw24 pc25 wt26 nd27 os28 nd29 bl30 sc31 sr32 pu33 h34 td35 q36 h37 r38 i6 crop20 wl40 wl41 i5 h5"
 case " $PHASES " in *" $PHASE "*) ;; *) echo "phase must be one of: $PHASES; got '$PHASE'" >&2; exit 2 ;; esac
 R=$OUT/r
 mkdir -p "$R"
@@ -753,16 +755,31 @@ if [ "$PHASE" = crop20 ]; then
   done
   exit 0
 fi
-if [ "$PHASE" = i5 ]; then
-  # issue 5's figures in one call on main's kernels: training steps (forward and every gradient) at
-  # the spec shape and the training crop beside eager and torch.compile, with peak memory; the
-  # forward's host time against an empty extension call; the spec's forward wall timed as issue 2
-  # asks; then the autograd test files first and every other file, as far as the call goes
+# Issue 5's figures: training steps (forward and every gradient) at the spec shape and the training
+# crop beside eager and torch.compile, with peak memory; the forward's host time against an empty
+# extension call; the spec's forward wall timed as issue 2 asks.
+issue5_rows() {
   T train 240 $py -m flashopm bench --mode training --shapes "2,8,32,64,32,64;1,128,256,256,32,128" \
     --impls eager,flashopm,compile --calls 30 --out "$R/train"
   T host_paired 90 $py scripts/host_paired.py
   T spec_wall 60 $py -m flashopm bench --no-l2-flush --shapes "2,8,32,64,32,64" --impls eager,flashopm \
     --calls 200 --out "$R/spec_wall"
+}
+if [ "$PHASE" = h5 ]; then
+  # for the card issues 5 and 6 name (REQUIRE_GPU=H200): issue 6's three bfloat16 rows, issue 5's
+  # figures, then the test files as far as the call goes
+  mod_row openfold
+  mod_row boltz
+  bench_bf16
+  issue5_rows
+  forward_and_autograd_files
+  rest_files
+  exit 0
+fi
+if [ "$PHASE" = i5 ]; then
+  # issue 5's figures in one call on main's kernels, then the autograd test files first and every
+  # other file, as far as the call goes
+  issue5_rows
   for f in autograd backward ln_backward python_entry; do
     T t_$f 120 $py -m pytest -q -p no:cacheprovider tests/test_$f.py
   done
