@@ -252,14 +252,17 @@ ncu_tc16() {
       --section LaunchStats --section Occupancy $py "$R/tc16_one.py"
   done
 }
+# A module's rows beside eager and under the memory bound, in one step (results under its name):
+#   module_rows MODULE STEP SHAPES CALLS [TIMEOUT_S]
+module_rows() {
+  T "$2" "${5:-60}" $py -m flashopm bench --module "$1" --shapes "$3" \
+    --impls eager,flashopm,flashopm-bounded --calls "$4" --out "$R/$2"
+}
 # the modules' deep MSA over 20 calls too (its bounded wall is the closest to its bar)
 bench_modules() {
   for mod in openfold boltz; do
-    T "bench_$mod" 60 $py -m flashopm bench --module $mod \
-      --shapes "1,128,256,256,32,128;1,512,1536,256,32,128" \
-      --impls eager,flashopm,flashopm-bounded --calls 5 --out "$R/bench_$mod"
-    T "bench_${mod}_deep" 60 $py -m flashopm bench --module $mod --shapes "1,1024,256,64,32,128" \
-      --impls eager,flashopm,flashopm-bounded --calls 20 --out "$R/bench_${mod}_deep"
+    module_rows $mod "bench_$mod" "1,128,256,256,32,128;1,512,1536,256,32,128" 5
+    module_rows $mod "bench_${mod}_deep" "1,1024,256,64,32,128" 20
   done
 }
 # The forward-side test files past test_waves.py that the waves form, the bound's kernels and the
@@ -415,8 +418,7 @@ if [ "$PHASE" = own_rows ]; then
   T trace_ws 40 $py scripts/waves_trace.py 1,1024,256,64,32,128 --env FLASHOPM_WAVES_OWN=0 --out "$R/trace_ws"
   bench_deep
   for mod in openfold boltz; do
-    T "bench_${mod}_deep" 60 $py -m flashopm bench --module $mod --shapes "1,1024,256,64,32,128" \
-      --impls eager,flashopm,flashopm-bounded --calls 20 --out "$R/bench_${mod}_deep"
+    module_rows $mod "bench_${mod}_deep" "1,1024,256,64,32,128" 20
   done
   exit 0
 fi
@@ -750,8 +752,7 @@ if [ "$PHASE" = crop20 ]; then
   # each convention's module at the crop over 20 calls, beside eager in one process: the bounded
   # row's spread (run 363: OpenFold 1.95x eager by medians, 2.31x paired, over 5 calls)
   for mod in openfold boltz; do
-    T "mod_${mod}_crop" 120 $py -m flashopm bench --module $mod --shapes "1,128,256,256,32,128" \
-      --impls eager,flashopm,flashopm-bounded --calls 20 --out "$R/mod_${mod}_crop"
+    module_rows $mod "mod_${mod}_crop" "1,128,256,256,32,128" 20 120
   done
   exit 0
 fi
